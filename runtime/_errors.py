@@ -1,0 +1,118 @@
+"""One small error tree, each error carrying a stable reason code.
+
+Reason codes are part of the public contract: they appear in results, logs, the
+wire protocol and command exit messages. A code is never renamed or reused; new
+codes are only added.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "DiskFailedError",
+    "JournalError",
+    "PiRuntimeError",
+    "ReasonCode",
+    "SessionError",
+    "StateDirError",
+    "StateDirLockedError",
+]
+
+
+class ReasonCode(enum.StrEnum):
+    """Stable machine-readable reasons. Never rename, never reuse."""
+
+    # journal damage and refusal (fail closed)
+    JOURNAL_CORRUPT = "journal_corrupt"
+    JOURNAL_VERSION_UNSUPPORTED = "journal_version_unsupported"
+    JOURNAL_UNKNOWN_RECORD = "journal_unknown_record"
+    JOURNAL_SEQUENCE_GAP = "journal_sequence_gap"
+    JOURNAL_HEADER_MISSING = "journal_header_missing"
+    JOURNAL_POISONED = "journal_poisoned"
+    JOURNAL_CLOSED = "journal_closed"
+    # the disk itself failed: the host stops admitting
+    DISK_FAILED = "disk_failed"
+    DISK_FULL = "disk_full"
+    # state directory
+    STATE_DIR_INSECURE = "state_dir_insecure"
+    STATE_DIR_LOCKED = "state_dir_locked"
+    STATE_DIR_INVALID = "state_dir_invalid"
+    # Pi session files
+    SESSION_MALFORMED = "session_malformed"
+    SESSION_HEADER_INVALID = "session_header_invalid"
+    SESSION_ENTRY_UNKNOWN = "session_entry_unknown"
+    SESSION_MISSING = "session_missing"
+    SESSION_TORN_TAIL = "session_torn_tail"
+    SESSION_EXISTS = "session_exists"
+    SESSION_ENTRY_INVALID = "session_entry_invalid"
+    SESSION_CHANGED = "session_changed"
+    SESSION_ATTESTATION_MISMATCH = "session_attestation_mismatch"
+
+
+class PiRuntimeError(Exception):
+    """Base of every error the runtime raises on purpose.
+
+    ``code`` is the stable reason; ``str(error)`` says what happened and, where
+    there is something to do, what to do.
+    """
+
+    code: ReasonCode
+
+    def __init__(self, code: ReasonCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class JournalError(PiRuntimeError):
+    """A journal file is damaged, from the future, poisoned or closed.
+
+    ``path`` is relative to the state directory where known; ``offset`` is the
+    byte offset of the first record that could not be accepted.
+    """
+
+    def __init__(
+        self,
+        code: ReasonCode,
+        message: str,
+        *,
+        path: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        where = ""
+        if path is not None:
+            where = f" ({path}" + (f" at offset {offset}" if offset is not None else "") + ")"
+        super().__init__(code, message + where)
+        self.path = path
+        self.offset = offset
+
+
+class DiskFailedError(JournalError):
+    """The disk refused a write or a sync (EIO, ENOSPC, ...): stop admitting."""
+
+
+class StateDirError(PiRuntimeError):
+    """The state directory is missing, unsafe or unusable."""
+
+
+class StateDirLockedError(StateDirError):
+    """Another live process owns the state directory."""
+
+    def __init__(self, message: str, *, owner_pid: int) -> None:
+        super().__init__(ReasonCode.STATE_DIR_LOCKED, message)
+        self.owner_pid = owner_pid
+
+
+class SessionError(PiRuntimeError):
+    """A Pi session file cannot be read or extended as asked."""
+
+    def __init__(
+        self, code: ReasonCode, message: str, *, path: str | None = None, line: int | None = None
+    ) -> None:
+        where = ""
+        if path is not None:
+            where = f" ({path}" + (f" line {line}" if line is not None else "") + ")"
+        super().__init__(code, message + where)
+        self.path = path
+        self.line = line

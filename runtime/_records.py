@@ -1,0 +1,314 @@
+"""Journal records: the durable facts the runtime acts on.
+
+Every record is a frozen, keyword-only :class:`msgspec.Struct` in one tagged
+union; the tag (``"type"`` in the encoded form) is an explicit, stable string
+that is never renamed or reused. Evolution rules (see ``docs/design/journal.md``):
+
+* fields are only *added*, always with a default, never retyped or removed;
+* unknown fields in a persisted record are ignored (an older reader may read a
+  newer record of the *same* schema version);
+* a new record type or a meaning change bumps :data:`SCHEMA_VERSION`; a reader
+  refuses a log whose header names a version newer than its own
+  (``journal_version_unsupported``) and any record whose tag it does not know
+  (``journal_unknown_record``).
+
+Persisted records never forbid unknown fields; inbound commands and
+configuration do (they live elsewhere).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Final
+
+import msgspec
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AbsorbedInput",
+    "Admission",
+    "ContinuationSent",
+    "EpochFenced",
+    "EpochStarted",
+    "Fingerprints",
+    "Header",
+    "LifecycleKind",
+    "LifecycleReceipt",
+    "LogKind",
+    "ModelRequestIntent",
+    "ModelResponse",
+    "OutboxAction",
+    "Outcome",
+    "Poison",
+    "Record",
+    "ReplayClass",
+    "Result",
+    "ResultAcked",
+    "ResultPublished",
+    "StepAbandoned",
+    "ToolIntent",
+    "ToolOutcome",
+    "record_tag",
+]
+
+SCHEMA_VERSION: Final = 1
+"""The journal schema this code writes and the newest it reads."""
+
+
+class LogKind(enum.StrEnum):
+    """What a log file holds; written into its header."""
+
+    DELIVERY = "delivery"
+    LANE = "lane"
+    ADMISSIONS = "admissions"
+    RESULTS = "results"
+
+
+class ReplayClass(enum.StrEnum):
+    """How a tool may be treated after a crash (brief §4.4). Stricter wins."""
+
+    SAFE = "safe"
+    RECEIPT = "receipt"
+    NEVER = "never"
+
+    @property
+    def strictness(self) -> int:
+        return _STRICTNESS[self]
+
+    @classmethod
+    def stricter(cls, a: ReplayClass, b: ReplayClass) -> ReplayClass:
+        """The stricter of a recorded and a declared class."""
+        return a if a.strictness >= b.strictness else b
+
+
+_STRICTNESS: Final = {ReplayClass.SAFE: 0, ReplayClass.RECEIPT: 1, ReplayClass.NEVER: 2}
+
+
+class Outcome(enum.StrEnum):
+    """How a delivery ended (brief §5)."""
+
+    REPLY = "reply"
+    ABSORBED = "absorbed"
+    SILENT = "silent"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class LifecycleKind(enum.StrEnum):
+    DONE = "done"
+    FAIL = "fail"
+    WAIT = "wait"
+
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every journal record (not itself a record)."""
+
+
+class Header(_Record, tag="header", frozen=True, kw_only=True):
+    """First record of every log file."""
+
+    schema_version: int
+    kind: LogKind
+    subject: str
+    """The delivery id, lane key or log name this file belongs to."""
+    created_ms: int
+
+
+class Fingerprints(msgspec.Struct, frozen=True, kw_only=True):
+    """The three fingerprints an admission pins (brief §4.2)."""
+
+    request: str
+    """Over the canonical request, excluding channel history and display names."""
+    authority: str
+    """Over the grants that decided what the delivery may do."""
+    settings: str
+    """Over model route and parameters, tool names, schemas and replay classes,
+    worker kind/version/install path and a digest of the persona text."""
+
+
+class Admission(_Record, tag="admission", frozen=True, kw_only=True):
+    """An admitted request, durable before it is ``accepted``."""
+
+    delivery_id: str
+    lane: str
+    request: dict[str, Any]
+    """The admitted request as received (canonical form)."""
+    fingerprints: Fingerprints
+    rendered_prompt: str
+    """The prompt exactly as it will be sent to the worker."""
+    session_path: str | None = None
+    """Relative to the state directory."""
+    session_leaf: str | None = None
+    admitted_ms: int
+
+
+class ModelRequestIntent(_Record, tag="model_request", frozen=True, kw_only=True):
+    """A model request is about to be answered (upstream or from the journal)."""
+
+    step: int
+    request_digest: str
+    """sha256 of the canonical request body."""
+    epoch: int
+
+
+class ModelResponse(_Record, tag="model_response", frozen=True, kw_only=True):
+    """A complete model response, durable before its terminal chunk is released."""
+
+    step: int
+    request_digest: str
+    chunks: list[str]
+    """The SSE ``data:`` payloads in order, exactly as relayed."""
+    epoch: int
+
+
+class ToolIntent(_Record, tag="tool_intent", frozen=True, kw_only=True):
+    """A tool call is about to run; durable before it starts."""
+
+    intent_id: str
+    """Runtime-minted: ``<delivery hash>:<journal seq>``. Never the provider's id."""
+    step: int
+    tool_call_id: str
+    name: str
+    args: str
+    """Canonical JSON of the arguments."""
+    replay_class: ReplayClass
+    epoch: int
+
+
+class ToolOutcome(_Record, tag="tool_outcome", frozen=True, kw_only=True):
+    """A tool's result exactly as handed to the model."""
+
+    intent_id: str
+    tool_call_id: str
+    content: list[dict[str, Any]]
+    is_error: bool = False
+
+
+class AbsorbedInput(_Record, tag="absorbed_input", frozen=True, kw_only=True):
+    """A message steered into this delivery's run."""
+
+    delivery_id: str
+    """The absorbed delivery (not the owner)."""
+    text: str
+    first_step: int | None = None
+    """The step whose model request first carried it; ``None`` until seen."""
+
+
+class StepAbandoned(_Record, tag="step_abandoned", frozen=True, kw_only=True):
+    step: int
+    reason: str
+    epoch: int
+
+
+class Result(_Record, tag="result", frozen=True, kw_only=True):
+    """How the delivery ended; written once, last."""
+
+    outcome: Outcome
+    text: str | None = None
+    code: str | None = None
+    absorbed_into: str | None = None
+    session_leaf: str | None = None
+    finished_ms: int
+
+
+class Poison(_Record, tag="poison", frozen=True, kw_only=True):
+    """The poison document of a log whose write or sync failed."""
+
+    log_path: str
+    """Relative to the state directory."""
+    good_length: int
+    """The log was truncated back to this many bytes (its last good record)."""
+    reason: str
+    errno: int | None = None
+    poisoned_ms: int
+
+
+class EpochStarted(_Record, tag="epoch_started", frozen=True, kw_only=True):
+    epoch: int
+    pid: int
+    start_time: int
+    """Process start time in clock ticks since boot (``/proc/<pid>/stat`` field 22)."""
+    boot_id: str
+    nonce: str
+    cgroup: str | None = None
+    started_ms: int
+
+
+class EpochFenced(_Record, tag="epoch_fenced", frozen=True, kw_only=True):
+    epoch: int
+    reason: str
+    fenced_ms: int
+
+
+class ContinuationSent(_Record, tag="continuation_sent", frozen=True, kw_only=True):
+    epoch: int
+    action_id: str
+    marker: str
+    prompt_version: int
+
+
+class OutboxAction(_Record, tag="outbox_action", frozen=True, kw_only=True):
+    action_id: str
+    kind: str
+    state: str
+    """``reserved`` before the effect, ``done`` after it."""
+    detail: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class LifecycleReceipt(_Record, tag="lifecycle_receipt", frozen=True, kw_only=True):
+    task_id: str
+    generation: int
+    attempt: int
+    fence: int
+    epoch: int
+    intent_id: str
+    kind: LifecycleKind
+    detail: str = ""
+
+
+class ResultPublished(_Record, tag="result_published", frozen=True, kw_only=True):
+    """A result in the server's outbox, numbered by ``seq``."""
+
+    seq: int
+    delivery_id: str
+    room: str
+    outcome: Outcome
+    text: str | None = None
+    code: str | None = None
+    absorbed_into: str | None = None
+
+
+class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):
+    """Every result up to ``seq`` was acknowledged (cumulative)."""
+
+    seq: int
+
+
+Record = (
+    Header
+    | Admission
+    | ModelRequestIntent
+    | ModelResponse
+    | ToolIntent
+    | ToolOutcome
+    | AbsorbedInput
+    | StepAbandoned
+    | Result
+    | Poison
+    | EpochStarted
+    | EpochFenced
+    | ContinuationSent
+    | OutboxAction
+    | LifecycleReceipt
+    | ResultPublished
+    | ResultAcked
+)
+"""Every journal record type."""
+
+RECORD_TYPES: Final[tuple[type[_Record], ...]] = Record.__args__
+KNOWN_TAGS: Final = frozenset(str(t.__struct_config__.tag) for t in RECORD_TYPES)
+
+
+def record_tag(record: Record) -> str:
+    """The stable tag of a record."""
+    return str(type(record).__struct_config__.tag)
