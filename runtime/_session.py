@@ -1,16 +1,16 @@
-"""Pi session files (JSONL v3): read, create and append exactly as Pi 1.6.0 does.
+"""Pi session files (JSONL v3): read, create and append them exactly as Pi 1.6.0 does.
 
-The invariants S1..S11 are stated in ``docs/design/sessions.md``; the tests cite them.
-Format facts come from ``shared/pi-real/REPORT.md`` §5 and §8.
+Invariants S1..S11 are stated in ``docs/design/sessions.md`` and cited by the tests; the
+format facts come from the Pi research report (``shared/pi-real/REPORT.md`` §5, §8).
 
-Layout: a pure core (:func:`encode_entry`, :func:`parse_session`, :class:`Session`,
-:func:`attest`) that never touches the file system, blocking shells (:func:`read_session`,
-:func:`create_session`, :class:`SessionWriter`, :func:`truncate_torn_tail`) and Trio
-wrappers (``a*`` and :func:`open_session_writer`) that run the shells in a worker thread.
+A pure core (:func:`encode_entry`, :func:`parse_session`, :class:`Session`, :func:`attest`)
+never touches the file system; blocking shells (:func:`read_session`, :func:`create_session`,
+:class:`SessionWriter`, :func:`truncate_torn_tail`) do the I/O; the ``a*`` wrappers and
+:func:`open_session_writer` run the shells in a Trio worker thread (S10).
 
-Co-ownership: Pi appends to the same file without locks or fsync. The runtime writes a
-session file only while the lane's worker is proven dead; :class:`SessionWriter` also
-refuses to append if the file's size changed behind it (S8).
+Co-ownership: Pi appends to the same file with no lock and no fsync. The runtime writes a
+session file only while the lane's worker is proven dead, and a :class:`SessionWriter`
+refuses to append when the file changed size behind it (S8).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, ParamSpec, TypeVar
 
 import msgspec
 import trio
@@ -47,9 +47,7 @@ __all__ = [
     "aappend_entry",
     "acreate_session",
     "afsync",
-    "append_custom",
     "append_entry",
-    "append_message",
     "aread_session",
     "atruncate_torn_tail",
     "attest",
@@ -67,8 +65,9 @@ __all__ = [
 StrPath = str | os.PathLike[str]
 SESSION_VERSION: Final = 3
 _FRONT_KEYS: Final = ("type", "id", "parentId", "timestamp")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_MAX_SAFE_INT: Final = 2**53 - 1
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 class _Leaf(enum.Enum):
@@ -78,23 +77,22 @@ class _Leaf(enum.Enum):
 LEAF: Final = _Leaf.LEAF
 """Default ``parent_id``: the entry's own ``parentId`` if it has one, else the leaf."""
 
-# ---------------------------------------------------------------- encoding (S2)
+# --------------------------------------------------------------------------- encoding (S2)
 
-_encoder = msgspec.json.Encoder()
+_encoder: Final = msgspec.json.Encoder()
 
 
 def _js_number(value: float) -> str:
-    """ECMAScript Number::toString of a finite double (shortest round-trip digits)."""
+    """ECMAScript ``Number::toString`` of a double (Python's repr has the same digits)."""
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError("NaN and infinities are not JSON (JSON.stringify would write null)")
+        raise ValueError("NaN and infinities are not JSON (JSON.stringify writes null)")
     if value == 0:
         return "0"
     sign = "-" if value < 0 else ""
     dec = decimal.Decimal(repr(abs(value))).as_tuple()
-    raw = "".join(map(str, dec.digits))
     assert isinstance(dec.exponent, int)
-    n = len(raw) + dec.exponent  # value = 0.<digits> * 10**n
-    s = raw.rstrip("0")
+    n = len(dec.digits) + dec.exponent  # value = 0.<digits> * 10**n
+    s = "".join(map(str, dec.digits)).rstrip("0")
     k = len(s)
     if k <= n <= 21:
         return sign + s + "0" * (n - k)
@@ -102,33 +100,32 @@ def _js_number(value: float) -> str:
         return sign + s[:n] + "." + s[n:]
     if -6 < n <= 0:
         return sign + "0." + "0" * -n + s
-    exp = n - 1
     mantissa = s if k == 1 else s[0] + "." + s[1:]
-    return f"{sign}{mantissa}e{'+' if exp >= 0 else '-'}{abs(exp)}"
+    return f"{sign}{mantissa}e{'+' if n >= 1 else '-'}{abs(n - 1)}"
 
 
 def _js_string(value: str) -> msgspec.Raw:
-    """A string holding surrogates: JS joins valid pairs and escapes lone halves."""
+    """A string holding surrogates: JavaScript joins valid pairs, escapes lone halves."""
     joined = value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
-    text = json.dumps(joined, ensure_ascii=False)
-    text = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    text = _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", json.dumps(joined, ensure_ascii=False))
     return msgspec.Raw(text.encode("utf-8"))
 
 
-def _is_array_index(key: str) -> bool:
+def _is_index(key: str) -> bool:
+    """An array-index key, which JavaScript objects enumerate first, ascending."""
     return (
         key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") and int(key) < 2**32 - 1
     )
 
 
 def _js_ready(value: Any) -> Any:
-    """Rewrite ``value`` so msgspec emits what ``JSON.stringify`` would."""
-    if value is None or isinstance(value, bool | str) and not isinstance(value, str):
+    """Rewrite ``value`` so that msgspec emits what ``JSON.stringify`` would."""
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
         return _js_string(value) if _SURROGATE.search(value) else value
     if isinstance(value, int):
-        if abs(value) > _MAX_SAFE_INT:
+        if abs(value) > 2**53 - 1:
             raise ValueError(f"integer {value} is beyond JavaScript's safe range")
         return value
     if isinstance(value, float):
@@ -136,8 +133,7 @@ def _js_ready(value: Any) -> Any:
     if isinstance(value, Mapping):
         if not all(isinstance(k, str) for k in value):
             raise TypeError("JSON object keys must be strings")
-        index_keys = sorted((k for k in value if _is_array_index(k)), key=int)
-        keys = index_keys + [k for k in value if not _is_array_index(k)]
+        keys = sorted(filter(_is_index, value), key=int) + [k for k in value if not _is_index(k)]
         return {k: _js_ready(value[k]) for k in keys}
     if isinstance(value, list | tuple):
         return [_js_ready(item) for item in value]
@@ -145,37 +141,37 @@ def _js_ready(value: Any) -> Any:
 
 
 def encode_entry(entry: Mapping[str, Any]) -> bytes:
-    """Encode one line (without LF) byte-identical to Pi's ``JSON.stringify(entry)``.
+    """One line (no LF), byte-identical to Pi's ``JSON.stringify(entry)`` (S2).
 
-    Compact separators, insertion order (array-index keys first, as JavaScript orders
-    them), non-ASCII unescaped, JavaScript number formatting. Raises ``ValueError`` for
-    NaN, infinities and integers beyond 2**53 - 1, which Pi could not have written.
+    Compact, keys in insertion order (array-index keys first, as in JavaScript), non-ASCII
+    unescaped, JavaScript number format, lone surrogates escaped. Raises ``ValueError`` for
+    NaN, infinities and integers beyond 2**53 - 1, which Pi cannot write.
     """
     return _encoder.encode(_js_ready(entry))
 
 
 def _decode(line: bytes) -> Any:
-    """Decode one JSON line; falls back to the stdlib for lone-surrogate escapes."""
+    """Decode one JSON line; the stdlib decodes the lone-surrogate escapes msgspec rejects."""
     try:
         return msgspec.json.decode(line)
     except msgspec.DecodeError:
         try:
-            return json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
+            return json.loads(line.decode("utf-8"), parse_constant=_no_constant)
         except ValueError:
             raise msgspec.DecodeError("invalid JSON") from None
 
 
-def _reject_constant(name: str) -> Any:
+def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-# ---------------------------------------------------------------- model (pure)
+# ------------------------------------------------------------------------------ model (pure)
 
 
 @dataclass(frozen=True, slots=True)
 class SessionEntry:
-    """One entry line. ``raw`` is the decoded object in file key order (do not mutate);
-    ``raw_line`` its exact bytes without the LF; ``line`` the 1-based line number."""
+    """One entry line: ``raw`` is the decoded object in file key order (do not mutate),
+    ``raw_line`` its exact bytes without the LF, ``line`` its 1-based line number."""
 
     type: str
     id: str
@@ -187,7 +183,7 @@ class SessionEntry:
 
     @property
     def role(self) -> str | None:
-        """``message.role`` for ``message`` entries, else ``None``."""
+        """``message.role`` of a ``message`` entry, else ``None``."""
         message = self.raw.get("message")
         role = message.get("role") if isinstance(message, dict) else None
         return role if isinstance(role, str) else None
@@ -206,7 +202,7 @@ class SessionIssueKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SessionIssue:
-    """A line that is not a clean entry (S3). ``offset`` is its byte offset."""
+    """A line that is not a clean entry (S3); ``offset`` is its byte offset in the file."""
 
     kind: SessionIssueKind
     line: int
@@ -216,10 +212,9 @@ class SessionIssue:
 
 
 class Session:
-    """An immutable view: the header plus the entries in file order (S4, S5).
+    """An immutable view: the header and the entries in file order (S4, S5).
 
-    Built by :func:`parse_session`; grown with :meth:`with_entry`. ``line_count`` is
-    the number of the last line seen (malformed lines included).
+    ``line_count`` is the number of the last line read or built (malformed lines count).
     """
 
     __slots__ = ("_by_id", "_children", "entries", "header", "header_line", "line_count")
@@ -230,7 +225,7 @@ class Session:
         header_line: bytes,
         entries: Iterable[SessionEntry] = (),
         *,
-        line_count: int | None = None,
+        line_count: int = 1,
     ) -> None:
         self.header = header
         self.header_line = header_line
@@ -239,8 +234,7 @@ class Session:
         self._children: dict[str | None, list[SessionEntry]] = {}
         for e in self.entries:
             self._children.setdefault(e.parent_id, []).append(e)
-        last = self.entries[-1].line if self.entries else 1
-        self.line_count = max(last, line_count or 1)
+        self.line_count = max(line_count, self.entries[-1].line if self.entries else 1)
 
     @property
     def id(self) -> str:
@@ -249,7 +243,7 @@ class Session:
 
     @property
     def leaf(self) -> SessionEntry | None:
-        """The last entry in file order: Pi's leaf on (re)open (REPORT §8)."""
+        """The last entry in file order: Pi's leaf when it (re)opens the file (S5)."""
         return self.entries[-1] if self.entries else None
 
     @property
@@ -257,21 +251,22 @@ class Session:
         return self._by_id
 
     def get(self, entry_id: str) -> SessionEntry:
-        """The entry with ``entry_id``; raises ``SessionError(SESSION_ENTRY_UNKNOWN)``."""
-        try:
-            return self._by_id[entry_id]
-        except KeyError:
-            raise SessionError(
-                ReasonCode.SESSION_ENTRY_UNKNOWN, f"no entry {entry_id!r} in session {self.id}"
-            ) from None
+        """The entry ``entry_id``, or ``SessionError(SESSION_ENTRY_UNKNOWN)``."""
+        if (entry := self._by_id.get(entry_id)) is None:
+            message = f"no entry {entry_id!r} in session {self.id}"
+            raise SessionError(ReasonCode.SESSION_ENTRY_UNKNOWN, message)
+        return entry
 
     def children(self, entry_id: str | None) -> tuple[SessionEntry, ...]:
-        """Entries whose ``parentId`` is ``entry_id`` (``None``: the roots), file order."""
+        """Entries whose ``parentId`` is ``entry_id`` (``None``: the roots), in file order."""
         return tuple(self._children.get(entry_id, ()))
 
     def path_to_root(self, entry_id: str | None = None) -> tuple[SessionEntry, ...]:
-        """Root first, ending at ``entry_id`` (default: the leaf). Terminates: parents
-        are on earlier lines (S4). A parent that is unknown ends the path."""
+        """Root first, ending at ``entry_id`` (default: the leaf; ``()`` if no entries).
+
+        Terminates, since a parent always lies on an earlier line (S4); an unknown parent
+        ends the path.
+        """
         if entry_id is None:
             if self.leaf is None:
                 return ()
@@ -279,36 +274,33 @@ class Session:
         path = [self.get(entry_id)]
         while (parent := path[-1].parent_id) is not None and parent in self._by_id:
             path.append(self._by_id[parent])
-        path.reverse()
-        return tuple(path)
+        return tuple(reversed(path))
 
     def new_entry(
-        self,
-        entry: Mapping[str, Any],
-        *,
-        time_ms: int,
-        parent_id: str | None | _Leaf = LEAF,
+        self, entry: Mapping[str, Any], *, time_ms: int, parent_id: str | _Leaf | None = LEAF
     ) -> SessionEntry:
-        """Build (do not write) the next entry line (S2, S7).
+        """Build, without writing, the next entry line (S2, S7).
 
-        ``entry`` holds ``type`` and the type's fields; missing ``id`` (fresh 8 hex,
-        unique here), ``parentId`` (the leaf) and ``timestamp`` (``time_ms``) are filled.
-        Keys come out as ``type, id, parentId, timestamp``, then ``entry``'s order.
-        Raises ``SessionError`` (SESSION_ENTRY_INVALID / SESSION_ENTRY_UNKNOWN).
+        ``entry`` holds ``type`` and that type's fields. A missing ``id`` becomes 8 fresh
+        hex chars unique in this session; ``parentId`` defaults to ``parent_id``, else the
+        leaf; ``timestamp`` to ``time_ms``. Keys come out as ``type, id, parentId,
+        timestamp`` and then ``entry``'s own order. Raises ``SessionError``:
+        SESSION_ENTRY_INVALID for a bad entry, SESSION_ENTRY_UNKNOWN for an unknown parent.
         """
-        kind = entry.get("type")
+        invalid = ReasonCode.SESSION_ENTRY_INVALID
+        kind, entry_id = entry.get("type"), entry.get("id")
         if not isinstance(kind, str) or kind == "session":
-            raise SessionError(ReasonCode.SESSION_ENTRY_INVALID, f"bad entry type {kind!r}")
-        entry_id = entry.get("id")
+            raise SessionError(invalid, f"bad entry type {kind!r}")
         if entry_id is None:
-            entry_id = _fresh_entry_id(self._by_id)
-        elif not isinstance(entry_id, str) or entry_id in self._by_id:
-            raise SessionError(ReasonCode.SESSION_ENTRY_INVALID, f"id {entry_id!r} not new")
+            entry_id = _fresh_id(self._by_id)
+        if not isinstance(entry_id, str) or entry_id in self._by_id:
+            raise SessionError(invalid, f"entry id {entry_id!r} is not new")
         if parent_id is LEAF:
-            leaf = self.leaf
-            parent_id = entry["parentId"] if "parentId" in entry else leaf and leaf.id
-        elif "parentId" in entry and entry["parentId"] != parent_id:
-            raise SessionError(ReasonCode.SESSION_ENTRY_INVALID, "two different parentIds")
+            parent_id = entry.get("parentId", self.leaf.id if self.leaf else None)
+        elif entry.get("parentId", parent_id) != parent_id:
+            raise SessionError(invalid, "entry names a different parentId")
+        if parent_id is not None and not isinstance(parent_id, str):
+            raise SessionError(invalid, "parentId must be a string or null")
         if parent_id is not None:
             self.get(parent_id)
         raw = {"type": kind, "id": entry_id, "parentId": parent_id}
@@ -317,7 +309,7 @@ class Session:
         try:
             line = encode_entry(raw)
         except (TypeError, ValueError) as exc:
-            raise SessionError(ReasonCode.SESSION_ENTRY_INVALID, str(exc)) from exc
+            raise SessionError(invalid, str(exc)) from exc
         return SessionEntry(
             type=kind,
             id=entry_id,
@@ -325,27 +317,28 @@ class Session:
             timestamp=raw["timestamp"],
             line=self.line_count + 1,
             raw_line=line,
-            raw=msgspec.json.decode(line) if _SURROGATE.search(str(raw)) else raw,
+            raw=_decode(line),
         )
 
     def branch_at(self, entry_id: str, entry: Mapping[str, Any], *, time_ms: int) -> SessionEntry:
-        """The entry that branches at ``entry_id``: written, it becomes the leaf (S5)."""
+        """The entry that branches at the earlier ``entry_id``; once written it is the
+        leaf, and Pi's context becomes the path root…``entry_id`` (S5, REPORT §8 (a))."""
         return self.new_entry(entry, time_ms=time_ms, parent_id=entry_id)
 
     def with_entry(self, entry: SessionEntry) -> Session:
-        """A new view with ``entry`` appended (as built by :meth:`new_entry`)."""
+        """A new view with ``entry`` (built by :meth:`new_entry`) appended."""
         if entry.line <= self.line_count or entry.id in self._by_id:
             raise SessionError(ReasonCode.SESSION_ENTRY_INVALID, "entry is not the next line")
         return Session(self.header, self.header_line, (*self.entries, entry))
 
     def to_bytes(self) -> bytes:
-        """Header and entries, each LF-terminated, exactly as read (S1)."""
-        return b"".join(
-            line + b"\n" for line in (self.header_line, *(e.raw_line for e in self.entries))
-        )
+        """Header and entries, LF-terminated, each line exactly as read (S1)."""
+        lines = (self.header_line, *(e.raw_line for e in self.entries))
+        return b"".join(line + b"\n" for line in lines)
 
 
-def _fresh_entry_id(taken: Mapping[str, object]) -> str:
+def _fresh_id(taken: Mapping[str, object]) -> str:
+    """8 random hex chars (as Pi's entry ids) not in ``taken``."""
     while (candidate := secrets.token_hex(4)) in taken:
         pass
     return candidate
@@ -353,9 +346,9 @@ def _fresh_entry_id(taken: Mapping[str, object]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SessionReadResult:
-    """What :func:`parse_session` found. ``issues`` lists every line that is not a
-    clean entry, in file order (S3). ``unterminated`` is true when the last line is a
-    complete entry without its LF (S6); ``torn_tail`` is the torn final line, if any."""
+    """What :func:`parse_session` found. ``issues`` holds every line that is not a clean
+    entry, in file order (S3). ``unterminated``: the last line is complete JSON without
+    its LF (S6). ``torn_tail``: the torn last line's issue, if any. ``size``: file bytes."""
 
     path: str | None
     session: Session
@@ -365,105 +358,381 @@ class SessionReadResult:
     torn_tail: SessionIssue | None
 
     def require_clean(self) -> Session:
-        """The session, or ``SessionError`` naming the first issue's line:
-        SESSION_TORN_TAIL for a torn tail, SESSION_MALFORMED otherwise."""
-        if self.issues:
-            first = self.issues[0]
-            code = ReasonCode.SESSION_MALFORMED
-            if first.kind is SessionIssueKind.TORN_TAIL:
-                code = ReasonCode.SESSION_TORN_TAIL
-            raise SessionError(code, first.message, path=self.path, line=first.line)
-        return self.session
+        """The session; or ``SessionError`` at the first issue's line: SESSION_TORN_TAIL
+        for a torn tail, SESSION_MALFORMED for anything else."""
+        if not self.issues:
+            return self.session
+        first = self.issues[0]
+        code = ReasonCode.SESSION_MALFORMED
+        if first.kind is SessionIssueKind.TORN_TAIL:
+            code = ReasonCode.SESSION_TORN_TAIL
+        raise SessionError(code, first.message, path=self.path, line=first.line)
 
 
-def _header_error(message: str, path: str | None) -> SessionError:
-    return SessionError(ReasonCode.SESSION_HEADER_INVALID, message, path=path, line=1)
+def _check_line(
+    raw_line: bytes, seen: Mapping[str, SessionEntry], *, tail: bool
+) -> tuple[SessionIssueKind | None, str, dict[str, Any] | None]:
+    """Classify one line after the header: (issue or None, message, entry object or None)."""
+    kind = SessionIssueKind
+    try:
+        obj = _decode(raw_line)
+    except msgspec.DecodeError:
+        if tail:
+            return kind.TORN_TAIL, "torn last line (no LF, incomplete JSON)", None
+        if not raw_line.strip():
+            return kind.BLANK_LINE, "blank line", None
+        return kind.BAD_JSON, "line is not valid JSON", None
+    if not isinstance(obj, dict):
+        return kind.NOT_AN_OBJECT, "line is not a JSON object", None
+    if obj.get("type") == "session":
+        return kind.REPEATED_HEADER, "a second session header", None
+    if not isinstance(obj.get("type"), str) or not isinstance(obj.get("id"), str):
+        return kind.MISSING_FIELD, "entry lacks a string 'type' or 'id'", None
+    if not isinstance(obj.get("parentId", 0), str | None):
+        return kind.MISSING_FIELD, "entry lacks 'parentId' (a string or null)", None
+    if (twin := seen.get(obj["id"])) is not None:
+        return kind.DUPLICATE_ID, f"id {obj['id']!r} repeats line {twin.line}", None
+    if (parent := obj["parentId"]) is not None and parent not in seen:
+        return kind.UNKNOWN_PARENT, f"parentId {parent!r} names no earlier entry", obj
+    return None, "", obj
 
 
 def parse_session(data: bytes, *, path: str | None = None) -> SessionReadResult:
-    """Parse a whole session file (pure). Raises ``SessionError(SESSION_HEADER_INVALID)``
-    when line 1 is not a version-3 header; every other problem is an issue (S3, S11)."""
+    """Parse a whole session file (pure).
+
+    Raises ``SessionError(SESSION_HEADER_INVALID)`` when line 1 is not a version-3 session
+    header (S11); every other problem becomes an issue with its line number (S3). An
+    entry with an unknown parent is kept and reported; other bad lines are only reported.
+    """
     lines = data.split(b"\n")
     unterminated = lines[-1] != b""
     if not unterminated:
         lines.pop()
-    if not lines:
-        raise _header_error("empty session file", path)
     try:
-        header = _decode(lines[0])
+        header = _decode(lines[0]) if lines else None
     except msgspec.DecodeError:
-        raise _header_error("line 1 is not JSON (torn header?)", path) from None
+        header = None
     if not isinstance(header, dict) or header.get("type") != "session":
-        raise _header_error("line 1 is not a session header", path)
+        raise SessionError(
+            ReasonCode.SESSION_HEADER_INVALID, "line 1 is no session header", path=path, line=1
+        )
     if header.get("version") != SESSION_VERSION or not isinstance(header.get("id"), str):
-        raise _header_error(f"unsupported header version {header.get('version')!r}", path)
+        message = f"header version {header.get('version')!r} is not 3 (or has no id)"
+        raise SessionError(ReasonCode.SESSION_HEADER_INVALID, message, path=path, line=1)
     issues: list[SessionIssue] = []
-    entries: list[SessionEntry] = []
     seen: dict[str, SessionEntry] = {}
-    torn: SessionIssue | None = None
     offset = len(lines[0]) + 1
     for number, raw_line in enumerate(lines[1:], start=2):
-
-        def issue(
-            kind: SessionIssueKind, message: str, at: int = offset, ln: bytes = raw_line
-        ) -> None:
-            issues.append(
-                SessionIssue(kind=kind, line=number, offset=at, message=message, raw_line=ln)
-            )
-
-        last = number == len(lines)
-        try:
-            obj = _decode(raw_line) if raw_line.strip() else None
-        except msgspec.DecodeError:
-            if last and unterminated:
-                issue(SessionIssueKind.TORN_TAIL, "torn final line (no LF, incomplete JSON)")
-                torn = issues[-1]
-                unterminated = False
-            else:
-                issue(SessionIssueKind.BAD_JSON, "line is not valid JSON")
-            obj = ...
-        if obj is None:
-            issue(SessionIssueKind.BLANK_LINE, "blank line")
-        elif obj is ...:
-            pass
-        elif not isinstance(obj, dict):
-            issue(SessionIssueKind.NOT_AN_OBJECT, "line is not a JSON object")
-        elif obj.get("type") == "session":
-            issue(SessionIssueKind.REPEATED_HEADER, "a second session header")
-        elif not isinstance(obj.get("type"), str) or not isinstance(obj.get("id"), str):
-            issue(SessionIssueKind.MISSING_FIELD, "entry lacks a string 'type' or 'id'")
-        elif not isinstance(obj.get("parentId", 0), str | None):
-            issue(SessionIssueKind.MISSING_FIELD, "entry lacks 'parentId' (string or null)")
-        elif obj["id"] in seen:
-            issue(
-                SessionIssueKind.DUPLICATE_ID,
-                f"id {obj['id']!r} repeats line {seen[obj['id']].line}",
-            )
-        else:
-            parent = obj["parentId"]
-            if parent is not None and parent not in seen:
-                issue(
-                    SessionIssueKind.UNKNOWN_PARENT, f"parentId {parent!r} names no earlier entry"
-                )
+        tail = unterminated and number == len(lines)
+        kind, message, obj = _check_line(raw_line, seen, tail=tail)
+        if kind is not None:
+            issues.append(SessionIssue(kind, number, offset, message, raw_line))
+        if obj is not None:
             ts = obj.get("timestamp")
-            entry = SessionEntry(
+            seen[obj["id"]] = SessionEntry(
                 type=obj["type"],
                 id=obj["id"],
-                parent_id=parent,
+                parent_id=obj["parentId"],
                 timestamp=ts if isinstance(ts, str) else None,
                 line=number,
                 raw_line=raw_line,
                 raw=obj,
             )
-            seen[entry.id] = entry
-            entries.append(entry)
         offset += len(raw_line) + 1
-    session = Session(header, lines[0], entries, line_count=len(lines))
+    torn = issues[-1] if issues and issues[-1].kind is SessionIssueKind.TORN_TAIL else None
     return SessionReadResult(
         path=path,
-        session=session,
+        session=Session(header, lines[0], seen.values(), line_count=len(lines)),
         issues=tuple(issues),
         size=len(data),
-        unterminated=unterminated,
+        unterminated=unterminated and torn is None,
         torn_tail=torn,
     )
+
+
+# -------------------------------------------------------------------- blocking I/O shells
+
+
+def read_session(path: StrPath) -> SessionReadResult:
+    """Read and parse ``path``; ``SessionError(SESSION_MISSING)`` if it does not exist."""
+    try:
+        with open(path, "rb") as f:
+            return parse_session(f.read(), path=os.fspath(path))
+    except FileNotFoundError:
+        message = "no session file"
+        raise SessionError(ReasonCode.SESSION_MISSING, message, path=os.fspath(path)) from None
+
+
+def truncate_torn_tail(path: StrPath) -> int:
+    """Cut a torn last line back to the last LF, fsync, and return the bytes cut (S6).
+
+    Returns 0 and changes nothing when the file ends with LF or its unterminated last
+    line is complete JSON. Call it only while no Pi process can write the file.
+    """
+    with open(path, "r+b") as f:
+        data = f.read()
+        cut = data.rfind(b"\n") + 1
+        if cut == len(data):
+            return 0
+        try:
+            _decode(data[cut:])
+        except msgspec.DecodeError:
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+            return len(data) - cut
+        return 0
+
+
+def uuid7(time_ms: int) -> str:
+    """An RFC 9562 UUIDv7: 48-bit ``time_ms``, version 7, variant 0b10, 74 random bits."""
+    value = (time_ms & (2**48 - 1)) << 80 | 0x7 << 76 | secrets.randbits(12) << 64
+    h = f"{value | 0b10 << 62 | secrets.randbits(62):032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def create_session(
+    path: StrPath,
+    *,
+    cwd: str,
+    provider: str,
+    model_id: str,
+    thinking_level: str = "off",
+    clock: WallClock,
+    session_id: str | None = None,
+    parent_session: str | None = None,
+) -> Session:
+    """Create a Pi-shaped session file and return its view (S7).
+
+    Writes header, ``model_change`` (the root) and ``thinking_level_change`` with one
+    ``os.write`` into a file created with ``O_EXCL`` (mode 0600), then fsyncs the file and
+    its directory. On failure the partial file is removed. ``SessionError(SESSION_EXISTS)``
+    if ``path`` exists. ``session_id`` defaults to a fresh UUIDv7.
+    """
+    now = clock.time_ms()
+    header: dict[str, Any] = {"type": "session", "version": SESSION_VERSION}
+    header.update(id=session_id or uuid7(now), timestamp=iso_timestamp(now), cwd=cwd)
+    if parent_session is not None:
+        header["parentSession"] = parent_session
+    session = Session(header, encode_entry(header))
+    model = {"type": "model_change", "provider": provider, "modelId": model_id}
+    session = session.with_entry(session.new_entry(model, time_ms=now, parent_id=None))
+    level = {"type": "thinking_level_change", "thinkingLevel": thinking_level}
+    session = session.with_entry(session.new_entry(level, time_ms=now))
+    data = session.to_bytes()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        exists = ReasonCode.SESSION_EXISTS
+        raise SessionError(exists, "session file exists", path=os.fspath(path)) from None
+    try:
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError("short write while creating a session file")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return session
+
+
+class SessionWriter:
+    """Appends entries to one session file (S8). Blocking; thread-safe; not re-entrant.
+
+    Each append builds the line with :meth:`Session.new_entry`, checks that the file
+    still has the size this writer last saw (``SESSION_CHANGED`` otherwise: someone else
+    wrote to it) and writes the whole line with one ``os.write`` on an ``O_APPEND``
+    descriptor. Nothing is durable until :meth:`fsync`. A failed or short write poisons
+    the writer, since the tail may now be torn: re-read and truncate before going on.
+    """
+
+    def __init__(self, path: str, fd: int, clock: WallClock, read: SessionReadResult) -> None:
+        self.path = path
+        self.clock = clock
+        self._fd = fd
+        self._session = read.session
+        self._size = read.size
+        self._needs_lf = read.unterminated
+        self._poisoned = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: StrPath, *, clock: WallClock) -> SessionWriter:
+        """Read ``path`` and open it for appending; ``SESSION_TORN_TAIL`` if its tail is
+        torn (call :func:`truncate_torn_tail` first)."""
+        read = read_session(path)
+        if read.torn_tail is not None:
+            message = "torn last line; truncate it before appending"
+            line = read.torn_tail.line
+            raise SessionError(ReasonCode.SESSION_TORN_TAIL, message, path=read.path, line=line)
+        return cls(
+            os.fspath(path), os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC), clock, read
+        )
+
+    @property
+    def session(self) -> Session:
+        """The session including every entry this writer appended."""
+        return self._session
+
+    def append(
+        self, entry: Mapping[str, Any], *, parent_id: str | _Leaf | None = LEAF
+    ) -> SessionEntry:
+        """Append ``entry`` (see :meth:`Session.new_entry`); it becomes the leaf. After a
+        complete last line that lacked its LF, the LF is written first (as Pi does)."""
+        with self._lock:
+            if self._fd < 0 or self._poisoned:
+                message = "the writer is closed or a write failed"
+                raise SessionError(ReasonCode.SESSION_CHANGED, message, path=self.path)
+            new = self._session.new_entry(entry, time_ms=self.clock.time_ms(), parent_id=parent_id)
+            data = b"\n" * self._needs_lf + new.raw_line + b"\n"
+            if os.fstat(self._fd).st_size != self._size:
+                message = "the file changed behind the writer; is the worker really dead?"
+                raise SessionError(ReasonCode.SESSION_CHANGED, message, path=self.path)
+            self._poisoned = True
+            if os.write(self._fd, data) != len(data):
+                message = "short write"
+                raise SessionError(ReasonCode.SESSION_TORN_TAIL, message, path=self.path)
+            self._poisoned, self._needs_lf = False, False
+            self._size += len(data)
+            self._session = self._session.with_entry(new)
+            return new
+
+    def append_custom(
+        self, custom_type: str, data: Any, *, parent_id: str | _Leaf | None = LEAF
+    ) -> SessionEntry:
+        """Append a ``custom`` entry (Pi keeps it and never sends it to the LLM)."""
+        entry = {"type": "custom", "customType": custom_type, "data": data}
+        return self.append(entry, parent_id=parent_id)
+
+    def append_message(
+        self, message: Mapping[str, Any], *, parent_id: str | _Leaf | None = LEAF
+    ) -> SessionEntry:
+        """Append a ``message`` entry; a missing ``message.timestamp`` (epoch ms) is
+        added last from the clock, as Pi shapes messages."""
+        body = {**message, "timestamp": message.get("timestamp", self.clock.time_ms())}
+        return self.append({"type": "message", "message": body}, parent_id=parent_id)
+
+    def fsync(self) -> None:
+        """Make every append so far durable."""
+        with self._lock:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Close the descriptor; idempotent; does not fsync."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> SessionWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def append_entry(
+    target: SessionWriter | StrPath,
+    entry: Mapping[str, Any],
+    *,
+    parent_id: str | _Leaf | None = LEAF,
+    clock: WallClock | None = None,
+) -> SessionEntry:
+    """Append through a writer; or open the path ``target`` (``clock`` required), append,
+    fsync and close."""
+    if isinstance(target, SessionWriter):
+        return target.append(entry, parent_id=parent_id)
+    if clock is None:
+        raise TypeError("append_entry on a path needs a clock")
+    with SessionWriter.open(target, clock=clock) as writer:
+        new = writer.append(entry, parent_id=parent_id)
+        writer.fsync()
+        return new
+
+
+# ------------------------------------------------------------------------ attestation (S9)
+
+
+class Attestation(msgspec.Struct, frozen=True, kw_only=True):
+    """Names one path of one session: ``path_digest`` is the hex SHA-256 over
+    ``raw_line + b"\\n"`` of each entry from the root to ``leaf_id``; ``count`` entries."""
+
+    session_id: str
+    leaf_id: str
+    path_digest: str
+    count: int
+
+
+def _attest_path(session: Session, path: tuple[SessionEntry, ...]) -> Attestation:
+    digest = hashlib.sha256()
+    for entry in path:
+        digest.update(entry.raw_line + b"\n")
+    return Attestation(
+        session_id=session.id, leaf_id=path[-1].id, path_digest=digest.hexdigest(), count=len(path)
+    )
+
+
+def attest(session: Session, leaf_id: str | None = None) -> Attestation:
+    """Attest the path to ``leaf_id`` (default: the leaf); ``SESSION_ENTRY_UNKNOWN`` if
+    there is no such entry or no entry at all."""
+    if leaf_id is None and session.leaf is None:
+        raise SessionError(ReasonCode.SESSION_ENTRY_UNKNOWN, "the session has no entries")
+    return _attest_path(session, session.path_to_root(leaf_id))
+
+
+def verify_attestation(session: Session, attestation: Attestation) -> None:
+    """``SessionError(SESSION_ATTESTATION_MISMATCH)`` unless ``session`` has the same id,
+    the same leaf and the same bytes on the path root→leaf."""
+    if (found := attest(session)) != attestation:
+        message = f"expected {attestation}, found {found}"
+        raise SessionError(ReasonCode.SESSION_ATTESTATION_MISMATCH, message)
+
+
+def contains_path(session: Session, attestation: Attestation) -> bool:
+    """Whether the current path root→leaf begins, byte for byte, with the attested path:
+    the session only grew below the attested leaf."""
+    path = session.path_to_root()
+    ids = [entry.id for entry in path]
+    if session.id != attestation.session_id or attestation.leaf_id not in ids:
+        return False
+    prefix = path[: ids.index(attestation.leaf_id) + 1]
+    return _attest_path(session, prefix) == attestation
+
+
+# ----------------------------------------------------------------------- Trio wrappers (S10)
+
+
+def _in_thread(fn: Callable[_P, _T]) -> Callable[_P, Awaitable[_T]]:
+    """The async twin of ``fn``: same contract, run in a Trio worker thread. On
+    cancellation the thread is not abandoned, so a write is never left half-known."""
+
+    @functools.wraps(fn)
+    async def twin(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+    return twin
+
+
+aread_session = _in_thread(read_session)
+atruncate_torn_tail = _in_thread(truncate_torn_tail)
+acreate_session = _in_thread(create_session)
+aappend_entry = _in_thread(append_entry)
+afsync = _in_thread(SessionWriter.fsync)
+
+
+@asynccontextmanager
+async def open_session_writer(path: StrPath, *, clock: WallClock) -> AsyncIterator[SessionWriter]:
+    """A :class:`SessionWriter` opened in a worker thread, closed on exit (no fsync)."""
+    writer = await trio.to_thread.run_sync(functools.partial(SessionWriter.open, path, clock=clock))
+    try:
+        yield writer
+    finally:
+        writer.close()

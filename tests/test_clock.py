@@ -1,0 +1,53 @@
+"""Injected clocks (runtime._clock) and their MockClock-driven doubles."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from runtime import Clocks, MockSilenceClock, MockWallClock, SystemSilenceClock
+from runtime._clock import SystemWallClock, iso_timestamp
+
+
+def test_iso_timestamp_matches_pi() -> None:
+    """Pi writes entry timestamps as ISO 8601 UTC with milliseconds and a Z."""
+    assert iso_timestamp(1795978324855) == "2026-11-29T18:52:04.855Z"
+    assert iso_timestamp(1795978324005) == "2026-11-29T18:52:04.005Z"
+
+
+def test_system_clocks_read_the_kernel() -> None:
+    reading = SystemSilenceClock().read()
+    assert reading.boottime >= reading.monotonic - 0.01  # boot time counts suspend too
+    assert SystemWallClock().time_ms() > 1_700_000_000_000
+    assert isinstance(Clocks.system().silence, SystemSilenceClock)
+
+
+async def test_mock_silence_clock_follows_trio_time(autojump_clock: trio.testing.MockClock) -> None:
+    """A 20-minute sleep takes no real time and moves both readings."""
+    clock = MockSilenceClock()
+    before = clock.read()
+    await trio.sleep(1200)
+    after = clock.read()
+    assert after.boottime - before.boottime == 1200
+    assert after.monotonic - before.monotonic == 1200
+    assert after.suspended_total == before.suspended_total
+
+
+async def test_simulated_suspend_moves_only_boottime(mock_clock: trio.testing.MockClock) -> None:
+    """A suspend is visible as boottime - monotonic growing (brief §6.3)."""
+    clock = MockSilenceClock()
+    before = clock.read()
+    clock.suspend(1200)
+    after = clock.read()
+    assert after.monotonic == before.monotonic
+    assert after.boottime - before.boottime == 1200
+    assert after.suspended_total - before.suspended_total == 1200
+
+
+async def test_mock_wall_clock(autojump_clock: trio.testing.MockClock) -> None:
+    wall = MockWallClock(start_ms=1_000_000)
+    assert wall.time_ms() == 1_000_000
+    await trio.sleep(2.5)
+    assert wall.time_ms() == 1_002_500
+    wall.advance(10)
+    assert wall.time_ms() == 1_012_500

@@ -1,0 +1,131 @@
+"""The state directory layout and the store's API (runtime._store)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from runtime import JournalError, ReasonCode, open_store
+from runtime._records import LogKind, ReplayClass, StepAbandoned, ToolIntent
+from runtime._store import delivery_key, lane_key
+
+
+def _step(n: int) -> StepAbandoned:
+    return StepAbandoned(step=n, reason="test", epoch=1)
+
+
+async def test_layout_and_private_modes(tmp_path: Path) -> None:
+    """J10: the state directory is created 0700 with the documented layout."""
+    root = tmp_path / "state"
+    with trio.fail_after(10):
+        async with open_store(root) as store:
+            assert store.admissions.rel == "admissions/admissions.log"
+            assert store.results.rel == "results.log"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["LOCK", "admissions", "deliveries", "lanes", "owner.json", "results.log"]
+    assert stat.S_IMODE((root / "results.log").stat().st_mode) == 0o600
+
+
+async def test_file_names_are_hashes_of_client_ids(tmp_path: Path) -> None:
+    """J10: a client-chosen id never appears raw in a path."""
+    nasty = "../../etc/passwd\0:room"
+    with trio.fail_after(10):
+        async with open_store(tmp_path / "s") as store:
+            log = await store.create_delivery_log(nasty)
+            lane = await store.open_lane_log("guild:1:2")
+            assert log.rel == f"deliveries/{delivery_key(nasty)}.log"
+            assert lane.rel == f"lanes/{lane_key('guild:1:2')}/lane.log"
+            assert not os.path.isabs(log.rel)
+    assert all("passwd" not in p.name for p in (tmp_path / "s").rglob("*"))
+
+
+async def test_append_and_reopen(tmp_path: Path) -> None:
+    """J2: appended records come back, in order, after the store is reopened."""
+    intent = ToolIntent(
+        intent_id="k:1",
+        step=0,
+        tool_call_id="call_1",
+        name="bash",
+        args="{}",
+        replay_class=ReplayClass.NEVER,
+        epoch=1,
+    )
+    with trio.fail_after(10):
+        async with open_store(tmp_path / "s") as store:
+            log = await store.create_delivery_log("d1")
+            assert await log.append(intent) == 1
+            assert await log.append(_step(1)) == 2
+            lane = await store.open_lane_log("dm:7")
+            await lane.append(_step(9))
+            assert await store.admissions.append(_step(3)) == 1
+        async with open_store(tmp_path / "s") as store:
+            contents = await store.read_delivery_log("d1")
+            assert contents.records[1:] == (intent, _step(1))
+            assert contents.header.kind is LogKind.DELIVERY
+            assert contents.header.subject == "d1"
+            reopened = await store.open_delivery_log("d1")
+            assert await reopened.append(_step(2)) == 3
+            lane = await store.open_lane_log("dm:7")
+            assert lane.contents.records[1:] == (_step(9),)
+            assert store.admissions.contents.records[1:] == (_step(3),)
+            assert store.admissions.next_seq == 2
+
+
+async def test_create_existing_delivery_log_is_refused(tmp_path: Path) -> None:
+    with trio.fail_after(10):
+        async with open_store(tmp_path / "s") as store:
+            await store.create_delivery_log("d1")
+            with pytest.raises(JournalError):
+                await store.create_delivery_log("d1")
+        async with open_store(tmp_path / "s") as store:
+            with pytest.raises(FileExistsError):
+                await store.create_delivery_log("d1")
+
+
+async def test_open_missing_delivery_log(tmp_path: Path) -> None:
+    with trio.fail_after(10):
+        async with open_store(tmp_path / "s") as store:
+            with pytest.raises(FileNotFoundError):
+                await store.open_delivery_log("nope")
+
+
+async def test_documents_replace_atomically(tmp_path: Path) -> None:
+    """J7: a document is replaced whole; no temporary file is left behind."""
+    with trio.fail_after(10):
+        async with open_store(tmp_path / "s") as store:
+            assert await store.read_document("lanes/state.json") is None
+            await store.write_document("lanes/state.json", b"one")
+            await store.write_document("lanes/state.json", b"two")
+            assert await store.read_document("lanes/state.json") == b"two"
+    assert sorted(p.name for p in (tmp_path / "s" / "lanes").iterdir()) == ["state.json"]
+
+
+async def test_appends_after_close_are_refused(tmp_path: Path) -> None:
+    with trio.fail_after(10):
+        async with open_store(tmp_path / "s") as store:
+            log = await store.create_delivery_log("d1")
+        with pytest.raises(JournalError) as info:
+            await log.append(_step(1))
+    assert info.value.code is ReasonCode.JOURNAL_CLOSED
+
+
+async def test_concurrent_admissions_get_distinct_consecutive_seqs(tmp_path: Path) -> None:
+    """J8: concurrent producers each get their own seq; all are durable on reopen."""
+    seqs: list[int] = []
+
+    async def produce(n: int) -> None:
+        for i in range(n):
+            seqs.append(await store.admissions.append(_step(i)))
+
+    with trio.fail_after(20):
+        async with open_store(tmp_path / "s") as store, trio.open_nursery() as nursery:
+            for _ in range(20):
+                nursery.start_soon(produce, 25)
+        assert sorted(seqs) == list(range(1, 501))
+        async with open_store(tmp_path / "s") as store:
+            assert store.admissions.next_seq == 501
