@@ -140,7 +140,7 @@ def test_records_are_frozen() -> None:
     with pytest.raises(AttributeError):
         record.text = "changed"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        Result(Outcome.REPLY, None)  # type: ignore[misc, call-arg]  # keyword-only
+        Result(Outcome.REPLY, None)  # type: ignore[call-arg]  # keyword-only
     assert msgspec.json.decode(encode_record(record), type=Result) == record
 
 
