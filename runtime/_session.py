@@ -125,9 +125,12 @@ def _js_ready(value: Any) -> Any:
     if isinstance(value, str):
         return _js_string(value) if _SURROGATE.search(value) else value
     if isinstance(value, int):
-        if abs(value) > 2**53 - 1:
-            raise ValueError(f"integer {value} is beyond JavaScript's safe range")
-        return value
+        if abs(value) <= 2**53 - 1:
+            return value
+        text = _js_number(float(value)) if abs(value) < 1e21 else ""
+        if text != str(value):  # JavaScript cannot hold it: refuse, do not round
+            raise ValueError(f"integer {value} is not exact as a JavaScript number")
+        return msgspec.Raw(text.encode("ascii"))
     if isinstance(value, float):
         return msgspec.Raw(_js_number(value).encode("ascii"))
     if isinstance(value, Mapping):
@@ -145,7 +148,7 @@ def encode_entry(entry: Mapping[str, Any]) -> bytes:
 
     Compact, keys in insertion order (array-index keys first, as in JavaScript), non-ASCII
     unescaped, JavaScript number format, lone surrogates escaped. Raises ``ValueError`` for
-    NaN, infinities and integers beyond 2**53 - 1, which Pi cannot write.
+    NaN, infinities and integers no JavaScript number holds exactly: Pi cannot write them.
     """
     return _encoder.encode(_js_ready(entry))
 
