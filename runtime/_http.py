@@ -1,0 +1,303 @@
+"""A small HTTP/1.1 server and client on Trio and h11, enough for model traffic.
+
+Both the scripted model server (``fake_pi.model_server``) and the runtime's model
+gateway speak OpenAI-compatible ``chat/completions`` with server-sent events
+over loopback. That needs very little of HTTP — one request, a streamed
+response, keep-alive — but it needs full control over the stream: deliver each
+chunk as it is produced, hold one back, go silent, or cut the connection in the
+middle. A sans-I/O protocol core (h11) with a thin Trio shell gives exactly that.
+
+Server: :func:`serve_http` runs ``handler(request, response)`` per request.
+Client: :func:`open_request` returns a streamed response.
+SSE: :func:`iter_sse` turns a byte stream into events (data payloads and comments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+__all__ = [
+    "HttpClientError",
+    "HttpServer",
+    "Request",
+    "Response",
+    "ResponseWriter",
+    "SseEvent",
+    "iter_sse",
+    "open_request",
+    "serve_http",
+]
+
+_MAX_REQUEST: Final = 64 * 1024 * 1024
+_READ: Final = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str
+    target: str
+    headers: dict[str, str]
+    """Lower-cased names; the last value of a repeated header wins."""
+    body: bytes
+
+
+class ResponseWriter:
+    """Writes one response. Without ``content-length`` the body is chunked."""
+
+    def __init__(self, stream: trio.abc.Stream, conn: h11.Connection) -> None:
+        self._stream = stream
+        self._conn = conn
+        self.started = False
+        self.ended = False
+
+    async def _send(self, event: h11.Event) -> None:
+        data = self._conn.send(event)
+        if data:
+            await self._stream.send_all(data)
+
+    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        self.started = True
+        await self._send(h11.Response(status_code=status, headers=headers))
+
+    async def send(self, data: bytes) -> None:
+        if data:
+            await self._send(h11.Data(data=data))
+
+    async def end(self) -> None:
+        self.ended = True
+        await self._send(h11.EndOfMessage())
+
+    async def respond(
+        self, status: int, body: bytes, content_type: str = "application/json"
+    ) -> None:
+        """A whole, non-streamed response."""
+        await self.start(
+            status, [("content-type", content_type), ("content-length", str(len(body)))]
+        )
+        await self.send(body)
+        await self.end()
+
+
+Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpServer:
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> Request | None:
+    head: h11.Request | None = None
+    body = bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some(_READ)))
+            continue
+        if isinstance(event, h11.Request):
+            head = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > _MAX_REQUEST:
+                raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
+        elif isinstance(event, h11.EndOfMessage):
+            assert head is not None
+            headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
+            return Request(head.method.decode(), head.target.decode(), headers, bytes(body))
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+        else:  # pragma: no cover - h11 yields nothing else for a server
+            return None
+
+
+async def _serve_connection(stream: trio.abc.Stream, handler: Handler) -> None:
+    conn = h11.Connection(h11.SERVER)
+    try:
+        while True:
+            try:
+                request = await _read_request(stream, conn)
+            except h11.RemoteProtocolError as exc:
+                with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
+                    writer = ResponseWriter(stream, conn)
+                    await writer.respond(exc.error_status_hint, b'{"error":"bad request"}')
+                return
+            if request is None:
+                return
+            writer = ResponseWriter(stream, conn)
+            await handler(request, writer)
+            if not writer.ended or conn.our_state is not h11.DONE:
+                return  # the handler cut the response: drop the connection
+            if conn.their_state is not h11.DONE:
+                return
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return
+    finally:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.aclose()
+
+
+async def serve_http(
+    handler: Handler,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``handler`` until cancelled; ``task_status.started`` once listening.
+
+    A handler that returns without ending its response has the connection
+    closed under it — the way to simulate a stream cut mid-way.
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()
+    async with trio.open_nursery() as nursery:
+        task_status.started(HttpServer(host=bound[0], port=bound[1]))
+
+        async def serve(stream: trio.SocketStream) -> None:
+            await _serve_connection(stream, handler)
+
+        await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
+
+
+# -- client ---------------------------------------------------------------------------
+
+
+class HttpClientError(Exception):
+    """The connection failed or the response ended early (a cut stream)."""
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    _stream: trio.abc.Stream
+    _conn: h11.Connection
+
+    async def iter_bytes(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; :class:`HttpClientError` if it is cut short."""
+        while True:
+            try:
+                event = self._conn.next_event()
+                if event is h11.NEED_DATA:
+                    self._conn.receive_data(bytes(await self._stream.receive_some(_READ)))
+                    continue
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise HttpClientError(f"connection lost: {exc}") from exc
+            except h11.RemoteProtocolError as exc:
+                raise HttpClientError(f"response cut short: {exc}") from exc
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            else:
+                raise HttpClientError(f"unexpected {type(event).__name__} in the response body")
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.iter_bytes()])
+
+
+@contextlib.asynccontextmanager
+async def open_request(
+    method: str,
+    url: str,
+    *,
+    headers: list[tuple[str, str]] | None = None,
+    body: bytes = b"",
+    ssl_context: ssl.SSLContext | None = None,
+) -> AsyncIterator[Response]:
+    """Send one request on a fresh connection and stream its response.
+
+    Raises :class:`HttpClientError` if the server cannot be reached or the
+    response head never arrives.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"unsupported URL {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        tcp = await trio.open_tcp_stream(parts.hostname, port)
+    except OSError as exc:
+        raise HttpClientError(f"cannot connect to {parts.hostname}:{port}: {exc}") from exc
+    stream: trio.abc.Stream = tcp
+    if parts.scheme == "https":
+        stream = trio.SSLStream(
+            tcp, ssl_context or ssl.create_default_context(), server_hostname=parts.hostname
+        )
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+        all_headers = [("host", host), ("content-length", str(len(body))), *(headers or [])]
+        try:
+            await stream.send_all(
+                conn.send(h11.Request(method=method, target=target, headers=all_headers))
+                + conn.send(h11.Data(data=body))
+                + conn.send(h11.EndOfMessage())
+            )
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(bytes(await stream.receive_some(_READ)))
+                    continue
+                if isinstance(event, h11.Response):
+                    break
+                if isinstance(event, h11.InformationalResponse):
+                    continue
+                raise HttpClientError(f"no response head (got {type(event).__name__})")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+            raise HttpClientError(f"request to {url} failed: {exc}") from exc
+        response_headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
+        yield Response(event.status_code, response_headers, stream, conn)
+
+
+# -- server-sent events ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """One SSE event: ``data`` (joined data lines) or a ``comment`` (keepalive)."""
+
+    data: str | None = None
+    comment: str | None = None
+
+
+async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
+    """Parse an SSE byte stream into events (data and comments), as they complete."""
+    buffer = b""
+    data_lines: list[str] = []
+    async for chunk in chunks:
+        buffer += chunk
+        while True:
+            newline = buffer.find(b"\n")
+            if newline < 0:
+                break
+            line = buffer[:newline].rstrip(b"\r").decode()
+            buffer = buffer[newline + 1 :]
+            if not line:
+                if data_lines:
+                    yield SseEvent(data="\n".join(data_lines))
+                    data_lines = []
+            elif line.startswith(":"):
+                yield SseEvent(comment=line[1:].strip())
+            elif line.startswith("data:"):
+                data_lines.append(line[5:].removeprefix(" "))
+            # other fields (event:, id:, retry:) are not used by chat completions
+    if data_lines:
+        yield SseEvent(data="\n".join(data_lines))
