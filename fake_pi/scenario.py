@@ -1,0 +1,180 @@
+"""Typed scenarios for the scripted model.
+
+A :class:`Scenario` is a list of steps; each model request takes the next step.
+When the steps run out the model answers plainly and calls no tools. A scenario
+is an object or a JSON/TOML file (``Scenario.load``). Only when a test enables
+them (``directives=True``) are directives in the user text honoured, e.g.
+``#sleep=30`` — see :func:`parse_directives`.
+
+Every step type is a frozen msgspec Struct tagged by ``kind``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "STAY_SILENT",
+    "Call",
+    "Cut",
+    "Empty",
+    "Hang",
+    "HttpError",
+    "Scenario",
+    "StaySilent",
+    "Step",
+    "Text",
+    "Thinking",
+    "ToolCalls",
+    "UsageLimit",
+    "parse_directives",
+]
+
+STAY_SILENT = "[[stay-silent]]"
+
+
+class _Step(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", forbid_unknown_fields=True
+):
+    first_token_delay: float = 0.0
+    """Seconds before the response starts (slow time to first token)."""
+
+
+class Text(_Step, tag="text", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Stream ``text``, one token (word and its trailing space) per chunk."""
+
+    text: str
+    delay: float = 0.0
+    """Seconds between chunks."""
+
+
+class Thinking(_Step, tag="thinking", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Stream reasoning (``reasoning_content``), then ``text``."""
+
+    thinking: str
+    text: str = ""
+    delay: float = 0.0
+
+
+class Call(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    arguments: dict[str, Any] = msgspec.field(default_factory=dict)
+    id: str | None = None
+    """``None``: the server numbers it ``call_<n>``."""
+
+
+class ToolCalls(_Step, tag="tool_calls", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One assistant message with one or several tool calls (and optional text)."""
+
+    calls: list[Call]
+    text: str = ""
+    delay: float = 0.0
+    omit_ids: bool = False
+    """Send the calls without ids (some upstreams do; the gateway assigns them)."""
+
+
+class Hang(_Step, tag="hang", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Start the response, then total silence for ``seconds``, then drop the connection."""
+
+    seconds: float
+
+
+class Cut(_Step, tag="cut", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Stream ``text`` but drop the connection after ``after_chunks`` chunks."""
+
+    text: str = "this answer is cut off in the middle"
+    after_chunks: int = 2
+    delay: float = 0.0
+
+
+class HttpError(_Step, tag="http_error", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Answer with an HTTP error (default 500, which Pi retries)."""
+
+    status: int = 500
+    message: str = "internal server error"
+
+
+class UsageLimit(_Step, tag="usage_limit", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Answer 429 with OpenAI's ``insufficient_quota`` code (Pi does not retry it)."""
+
+    message: str = "You exceeded your current quota, please check your plan and billing details."
+
+
+class Empty(_Step, tag="empty", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A well-formed response with no content at all (``finish_reason: stop``)."""
+
+
+class StaySilent(_Step, tag="stay_silent", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Answer exactly ``[[stay-silent]]``."""
+
+
+Step = Text | Thinking | ToolCalls | Hang | Cut | HttpError | UsageLimit | Empty | StaySilent
+
+
+class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    steps: list[Step] = msgspec.field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scenario:
+        """Read a scenario from a ``.json`` or ``.toml`` file."""
+        path = Path(path)
+        data = path.read_bytes()
+        if path.suffix == ".toml":
+            return msgspec.toml.decode(data, type=cls)
+        return msgspec.json.decode(data, type=cls)
+
+    def dump_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+_DIRECTIVE = re.compile(r"#([a-z_0-9]+)(?:=([^\s]+))?")
+
+
+def parse_directives(text: str) -> Step | None:
+    """The step a test directive in ``text`` asks for, or ``None``.
+
+    ``#text`` / ``#text=WORDS`` (underscores become spaces), ``#slowtext=N``
+    (N chunks 0.5 s apart), ``#sleep=N`` (a ``bash sleep N`` tool call),
+    ``#bash=CMD`` (underscores become spaces), ``#read=PATH``,
+    ``#effect=KEY``, ``#hang=N``, ``#ttft=N`` (slow first token), ``#cut``,
+    ``#fail500``, ``#usage_limit``, ``#empty``, ``#think``, ``#silent``.
+    Only honoured when the model was started with directives enabled.
+    """
+    for name, value in _DIRECTIVE.findall(text):
+        match name:
+            case "text":
+                return Text(text=value.replace("_", " ") if value else "ok")
+            case "slowtext":
+                count = int(value or 3)
+                return Text(text=" ".join(f"chunk{i}" for i in range(count)), delay=0.5)
+            case "sleep":
+                return ToolCalls(calls=[Call(name="bash", arguments={"command": f"sleep {value}"})])
+            case "bash":
+                return ToolCalls(
+                    calls=[Call(name="bash", arguments={"command": value.replace("_", " ")})]
+                )
+            case "read":
+                return ToolCalls(calls=[Call(name="read", arguments={"path": value})])
+            case "effect":
+                return ToolCalls(calls=[Call(name="effect", arguments={"key": value})])
+            case "hang":
+                return Hang(seconds=float(value or 3600))
+            case "ttft":
+                return Text(text="slow to start", first_token_delay=float(value or 5))
+            case "cut":
+                return Cut()
+            case "fail500":
+                return HttpError()
+            case "usage_limit":
+                return UsageLimit()
+            case "empty":
+                return Empty()
+            case "think":
+                return Thinking(thinking="let me think", text="thought it through")
+            case "silent":
+                return StaySilent()
+    return None
