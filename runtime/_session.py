@@ -586,15 +586,21 @@ class SessionWriter:
         return self._session
 
     def append(
-        self, entry: Mapping[str, Any], *, parent_id: str | _Leaf | None = LEAF
+        self,
+        entry: Mapping[str, Any],
+        *,
+        parent_id: str | _Leaf | None = LEAF,
+        time_ms: int | None = None,
     ) -> SessionEntry:
         """Append ``entry`` (see :meth:`Session.new_entry`); it becomes the leaf. After a
-        complete last line that lacked its LF, the LF is written first (as Pi does)."""
+        complete last line that lacked its LF, the LF is written first (as Pi does).
+        ``time_ms`` defaults to a reading of the writer's clock."""
+        now = self.clock.time_ms() if time_ms is None else time_ms
         with self._lock:
             if self._fd < 0 or self._poisoned:
                 message = "the writer is closed or a write failed"
                 raise SessionError(ReasonCode.SESSION_CHANGED, message, path=self.path)
-            new = self._session.new_entry(entry, time_ms=self.clock.time_ms(), parent_id=parent_id)
+            new = self._session.new_entry(entry, time_ms=now, parent_id=parent_id)
             data = b"\n" * self._needs_lf + new.raw_line + b"\n"
             if os.fstat(self._fd).st_size != self._size:
                 message = "the file changed behind the writer; is the worker really dead?"
@@ -619,9 +625,10 @@ class SessionWriter:
         self, message: Mapping[str, Any], *, parent_id: str | _Leaf | None = LEAF
     ) -> SessionEntry:
         """Append a ``message`` entry; a missing ``message.timestamp`` (epoch ms) is
-        added last from the clock, as Pi shapes messages."""
-        body = {**message, "timestamp": message.get("timestamp", self.clock.time_ms())}
-        return self.append({"type": "message", "message": body}, parent_id=parent_id)
+        added last, as Pi shapes messages, from the same clock reading as the entry's."""
+        now = self.clock.time_ms()
+        body = {**message, "timestamp": message.get("timestamp", now)}
+        return self.append({"type": "message", "message": body}, parent_id=parent_id, time_ms=now)
 
     def fsync(self) -> None:
         """Make every append so far durable."""
@@ -648,15 +655,16 @@ def append_entry(
     *,
     parent_id: str | _Leaf | None = LEAF,
     clock: WallClock | None = None,
+    time_ms: int | None = None,
 ) -> SessionEntry:
     """Append through a writer; or open the path ``target`` (``clock`` required), append,
-    fsync and close."""
+    fsync and close. ``time_ms`` defaults to a reading of the writer's clock."""
     if isinstance(target, SessionWriter):
-        return target.append(entry, parent_id=parent_id)
+        return target.append(entry, parent_id=parent_id, time_ms=time_ms)
     if clock is None:
         raise TypeError("append_entry on a path needs a clock")
     with SessionWriter.open(target, clock=clock) as writer:
-        new = writer.append(entry, parent_id=parent_id)
+        new = writer.append(entry, parent_id=parent_id, time_ms=time_ms)
         writer.fsync()
         return new
 
@@ -711,11 +719,23 @@ def contains_path(session: Session, attestation: Attestation) -> bool:
 
 
 # ----------------------------------------------------------------------- Trio wrappers (S10)
+# The blocking core runs in a Trio worker thread. On cancellation the thread is not
+# abandoned, so a write is never left half-known. The wall clock is read here, on the
+# Trio thread (a MockWallClock needs the Trio run), and its reading passed along.
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """A wall clock stopped at one reading."""
+
+    ms: int
+
+    def time_ms(self) -> int:
+        return self.ms
 
 
 def _in_thread(fn: Callable[_P, _T]) -> Callable[_P, Awaitable[_T]]:
-    """The async twin of ``fn``: same contract, run in a Trio worker thread. On
-    cancellation the thread is not abandoned, so a write is never left half-known."""
+    """The async twin of a clock-free blocking ``fn``: same contract, in a worker thread."""
 
     @functools.wraps(fn)
     async def twin(*args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -726,14 +746,57 @@ def _in_thread(fn: Callable[_P, _T]) -> Callable[_P, Awaitable[_T]]:
 
 aread_session = _in_thread(read_session)
 atruncate_torn_tail = _in_thread(truncate_torn_tail)
-acreate_session = _in_thread(create_session)
-aappend_entry = _in_thread(append_entry)
 afsync = _in_thread(SessionWriter.fsync)
+
+
+async def acreate_session(
+    path: StrPath,
+    *,
+    cwd: str,
+    provider: str,
+    model_id: str,
+    thinking_level: str = "off",
+    clock: WallClock,
+    session_id: str | None = None,
+    parent_session: str | None = None,
+) -> Session:
+    """:func:`create_session` in a worker thread."""
+    call = functools.partial(
+        create_session,
+        path,
+        cwd=cwd,
+        provider=provider,
+        model_id=model_id,
+        thinking_level=thinking_level,
+        clock=_Reading(clock.time_ms()),
+        session_id=session_id,
+        parent_session=parent_session,
+    )
+    return await trio.to_thread.run_sync(call)
+
+
+async def aappend_entry(
+    target: SessionWriter | StrPath,
+    entry: Mapping[str, Any],
+    *,
+    parent_id: str | _Leaf | None = LEAF,
+    clock: WallClock | None = None,
+) -> SessionEntry:
+    """:func:`append_entry` in a worker thread (``clock`` defaults to the writer's)."""
+    wall = target.clock if clock is None and isinstance(target, SessionWriter) else clock
+    if wall is None:
+        raise TypeError("aappend_entry on a path needs a clock")
+    now = wall.time_ms()
+    call = functools.partial(
+        append_entry, target, entry, parent_id=parent_id, clock=_Reading(now), time_ms=now
+    )
+    return await trio.to_thread.run_sync(call)
 
 
 @asynccontextmanager
 async def open_session_writer(path: StrPath, *, clock: WallClock) -> AsyncIterator[SessionWriter]:
-    """A :class:`SessionWriter` opened in a worker thread, closed on exit (no fsync)."""
+    """A :class:`SessionWriter` opened in a worker thread, closed on exit (no fsync).
+    Its own clock is read by sync appends: use :func:`aappend_entry` from Trio code."""
     writer = await trio.to_thread.run_sync(functools.partial(SessionWriter.open, path, clock=clock))
     try:
         yield writer
