@@ -4,7 +4,8 @@ Invariants S1..S11 are stated in ``docs/design/sessions.md`` and cited by the te
 format facts come from the Pi research report (``shared/pi-real/REPORT.md`` §5, §8).
 
 A pure core (:func:`encode_entry`, :func:`parse_session`, :class:`Session`, :func:`attest`)
-never touches the file system; blocking shells (:func:`read_session`, :func:`create_session`,
+never touches the file system; the JavaScript-exact JSON it writes and reads comes from
+``runtime._pijson``; blocking shells (:func:`read_session`, :func:`create_session`,
 :class:`SessionWriter`, :func:`truncate_torn_tail`) do the I/O; the ``a*`` wrappers and
 :func:`open_session_writer` run the shells in a Trio worker thread (S10).
 
@@ -15,13 +16,10 @@ refuses to append when the file changed size behind it (S8).
 
 from __future__ import annotations
 
-import decimal
 import enum
 import functools
 import hashlib
-import json
 import os
-import re
 import secrets
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -34,6 +32,7 @@ import trio
 
 from ._clock import WallClock, iso_timestamp
 from ._errors import ReasonCode, SessionError
+from ._pijson import loads, stringify
 
 __all__ = [
     "LEAF",
@@ -65,7 +64,6 @@ __all__ = [
 StrPath = str | os.PathLike[str]
 SESSION_VERSION: Final = 3
 _FRONT_KEYS: Final = ("type", "id", "parentId", "timestamp")
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -77,95 +75,14 @@ class _Leaf(enum.Enum):
 LEAF: Final = _Leaf.LEAF
 """Default ``parent_id``: the entry's own ``parentId`` if it has one, else the leaf."""
 
-# --------------------------------------------------------------------------- encoding (S2)
-
-_encoder: Final = msgspec.json.Encoder()
-
-
-def _js_number(value: float) -> str:
-    """ECMAScript ``Number::toString`` of a double (Python's repr has the same digits)."""
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError("NaN and infinities are not JSON (JSON.stringify writes null)")
-    if value == 0:
-        return "0"
-    sign = "-" if value < 0 else ""
-    dec = decimal.Decimal(repr(abs(value))).as_tuple()
-    assert isinstance(dec.exponent, int)
-    n = len(dec.digits) + dec.exponent  # value = 0.<digits> * 10**n
-    s = "".join(map(str, dec.digits)).rstrip("0")
-    k = len(s)
-    if k <= n <= 21:
-        return sign + s + "0" * (n - k)
-    if 0 < n <= 21:
-        return sign + s[:n] + "." + s[n:]
-    if -6 < n <= 0:
-        return sign + "0." + "0" * -n + s
-    mantissa = s if k == 1 else s[0] + "." + s[1:]
-    return f"{sign}{mantissa}e{'+' if n >= 1 else '-'}{abs(n - 1)}"
-
-
-def _js_string(value: str) -> msgspec.Raw:
-    """A string holding surrogates: JavaScript joins valid pairs, escapes lone halves."""
-    joined = value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
-    text = _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", json.dumps(joined, ensure_ascii=False))
-    return msgspec.Raw(text.encode("utf-8"))
-
-
-def _is_index(key: str) -> bool:
-    """An array-index key, which JavaScript objects enumerate first, ascending."""
-    return (
-        key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") and int(key) < 2**32 - 1
-    )
-
-
-def _js_ready(value: Any) -> Any:
-    """Rewrite ``value`` so that msgspec emits what ``JSON.stringify`` would."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        return _js_string(value) if _SURROGATE.search(value) else value
-    if isinstance(value, int):
-        if abs(value) <= 2**53 - 1:
-            return value
-        text = _js_number(float(value)) if abs(value) < 1e21 else ""
-        if text != str(value):  # JavaScript cannot hold it: refuse, do not round
-            raise ValueError(f"integer {value} is not exact as a JavaScript number")
-        return msgspec.Raw(text.encode("ascii"))
-    if isinstance(value, float):
-        return msgspec.Raw(_js_number(value).encode("ascii"))
-    if isinstance(value, Mapping):
-        if not all(isinstance(k, str) for k in value):
-            raise TypeError("JSON object keys must be strings")
-        keys = sorted(filter(_is_index, value), key=int) + [k for k in value if not _is_index(k)]
-        return {k: _js_ready(value[k]) for k in keys}
-    if isinstance(value, list | tuple):
-        return [_js_ready(item) for item in value]
-    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
-
 
 def encode_entry(entry: Mapping[str, Any]) -> bytes:
     """One line (no LF), byte-identical to Pi's ``JSON.stringify(entry)`` (S2).
 
-    Compact, keys in insertion order (array-index keys first, as in JavaScript), non-ASCII
-    unescaped, JavaScript number format, lone surrogates escaped. Raises ``ValueError`` for
-    NaN, infinities and integers no JavaScript number holds exactly: Pi cannot write them.
+    Raises ``ValueError`` or ``TypeError`` for what Pi cannot write: see
+    :func:`runtime._pijson.stringify`, which holds the JavaScript rules.
     """
-    return _encoder.encode(_js_ready(entry))
-
-
-def _decode(line: bytes) -> Any:
-    """Decode one JSON line; the stdlib decodes the lone-surrogate escapes msgspec rejects."""
-    try:
-        return msgspec.json.decode(line)
-    except msgspec.DecodeError:
-        try:
-            return json.loads(line.decode("utf-8"), parse_constant=_no_constant)
-        except ValueError:
-            raise msgspec.DecodeError("invalid JSON") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+    return stringify(entry)
 
 
 # ------------------------------------------------------------------------------ model (pure)
@@ -302,12 +219,12 @@ class Session:
             parent_id = entry.get("parentId", self.leaf.id if self.leaf else None)
         elif entry.get("parentId", parent_id) != parent_id:
             raise SessionError(invalid, "entry names a different parentId")
-        if parent_id is not None and not isinstance(parent_id, str):
+        if not isinstance(parent_id, str | None):
             raise SessionError(invalid, "parentId must be a string or null")
         if parent_id is not None:
             self.get(parent_id)
-        raw = {"type": kind, "id": entry_id, "parentId": parent_id}
-        raw["timestamp"] = entry.get("timestamp", iso_timestamp(time_ms))
+        timestamp = entry.get("timestamp", iso_timestamp(time_ms))
+        raw = {"type": kind, "id": entry_id, "parentId": parent_id, "timestamp": timestamp}
         raw.update((k, v) for k, v in entry.items() if k not in _FRONT_KEYS)
         try:
             line = encode_entry(raw)
@@ -317,10 +234,10 @@ class Session:
             type=kind,
             id=entry_id,
             parent_id=parent_id,
-            timestamp=raw["timestamp"],
+            timestamp=timestamp,
             line=self.line_count + 1,
             raw_line=line,
-            raw=_decode(line),
+            raw=loads(line),
         )
 
     def branch_at(self, entry_id: str, entry: Mapping[str, Any], *, time_ms: int) -> SessionEntry:
@@ -378,7 +295,7 @@ def _check_line(
     """Classify one line after the header: (issue or None, message, entry object or None)."""
     kind = SessionIssueKind
     try:
-        obj = _decode(raw_line)
+        obj = loads(raw_line)
     except msgspec.DecodeError:
         if tail:
             return kind.TORN_TAIL, "torn last line (no LF, incomplete JSON)", None
@@ -412,7 +329,7 @@ def parse_session(data: bytes, *, path: str | None = None) -> SessionReadResult:
     if not unterminated:
         lines.pop()
     try:
-        header = _decode(lines[0]) if lines else None
+        header = loads(lines[0]) if lines else None
     except msgspec.DecodeError:
         header = None
     if not isinstance(header, dict) or header.get("type") != "session":
@@ -478,7 +395,7 @@ def truncate_torn_tail(path: StrPath) -> int:
         if cut == len(data):
             return 0
         try:
-            _decode(data[cut:])
+            loads(data[cut:])
         except msgspec.DecodeError:
             f.truncate(cut)
             f.flush()
@@ -513,8 +430,13 @@ def create_session(
     if ``path`` exists. ``session_id`` defaults to a fresh UUIDv7.
     """
     now = clock.time_ms()
-    header: dict[str, Any] = {"type": "session", "version": SESSION_VERSION}
-    header.update(id=session_id or uuid7(now), timestamp=iso_timestamp(now), cwd=cwd)
+    header: dict[str, Any] = {
+        "type": "session",
+        "version": SESSION_VERSION,
+        "id": session_id or uuid7(now),
+        "timestamp": iso_timestamp(now),
+        "cwd": cwd,
+    }
     if parent_session is not None:
         header["parentSession"] = parent_session
     session = Session(header, encode_entry(header))
