@@ -116,10 +116,9 @@ def decode_log(
     for frame in scanned.frames:
         records.extend(_decode_frame(frame, rel))
     if not records:
-        if scanned.torn_bytes or poison is not None:
-            # a log whose header itself never became durable: nothing was acknowledged
-            return LogContents(rel, (), 0, scanned.torn_bytes, poison)
-        raise JournalError(ReasonCode.JOURNAL_HEADER_MISSING, "empty log", path=rel, offset=0)
+        # empty, or only a torn header: the header is the first record and is
+        # synced before anything is acknowledged, so nothing was acknowledged
+        return LogContents(rel, (), 0, scanned.torn_bytes, poison)
     header = records[0]
     if not isinstance(header, Header):
         raise JournalError(

@@ -28,9 +28,9 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 import trio
@@ -47,7 +47,7 @@ from ._fs import FileSystem, OsFileSystem
 from ._journal import Journal, LogContents, encode_record, read_log
 from ._proc import ProcessIdentity, current_identity, is_alive
 from ._records import SCHEMA_VERSION, Header, LogKind, Poison
-from ._writer import LogTarget, WriterPool, atomic_write
+from ._writer import TMP_MARK, LogTarget, WriterPool, atomic_write, disk_error
 
 __all__ = [
     "OwnerRecord",
@@ -57,6 +57,8 @@ __all__ = [
     "open_store",
     "runtime_dir",
 ]
+
+_T = TypeVar("_T")
 
 ADMISSIONS: Final = "admissions/admissions.log"
 RESULTS: Final = "results.log"
@@ -157,6 +159,17 @@ class Store:
         if self._disk_failure is None:
             self._disk_failure = error
 
+    async def _blocking(self, rel: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking file work off the loop; a failing disk stops admissions (J6)."""
+        try:
+            return await trio.to_thread.run_sync(fn, *args)
+        except OSError as exc:
+            error = disk_error(exc, rel)
+            if error is None:
+                raise
+            self._on_disk_failure(error)
+            raise error from exc
+
     # -- paths ---------------------------------------------------------------------
 
     def path(self, rel: str) -> str:
@@ -187,21 +200,34 @@ class Store:
     async def open_lane_log(self, lane: str) -> Journal:
         """Open a lane's log, creating it (and its directory) if missing."""
         rel = self.lane_rel(lane)
+        return await self._open_or_create(rel, LogKind.LANE, lane)
+
+    async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> Journal:
         if await trio.to_thread.run_sync(self.fs.exists, self.path(rel)):
-            return await self._open_existing(rel, LogKind.LANE)
-        await trio.to_thread.run_sync(self._makedirs_durable, os.path.dirname(rel))
-        return await self._create(rel, LogKind.LANE, lane)
+            with contextlib.suppress(FileNotFoundError):
+                return await self._open_existing(rel, kind)
+        await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
+        return await self._create(rel, kind, subject)
 
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
         root = str(self.root)
         return await trio.to_thread.run_sync(lambda: read_log(self.fs, root, rel, kind=kind))
 
     async def _create(self, rel: str, kind: LogKind, subject: str) -> Journal:
+        """Create a log whose header is durable before this returns.
+
+        A file already there that holds no acknowledged record (empty, or only a
+        torn header: a crash between creating the file and syncing its header)
+        is removed first; one that holds records raises ``FileExistsError``.
+        """
         if rel in self._open:
             raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
         path = self.path(rel)
         if await trio.to_thread.run_sync(self.fs.exists, path):
-            raise FileExistsError(f"{rel} already exists")
+            existing = await self.read(rel, kind)
+            if existing.next_seq > 0 or existing.poison is not None:
+                raise FileExistsError(f"{rel} already exists")
+            await self._blocking(rel, self._unlink_durably, rel)
         header = Header(
             schema_version=SCHEMA_VERSION,
             kind=kind,
@@ -218,12 +244,17 @@ class Store:
         except BaseException:
             del self._open[rel]
             raise
+        journal.contents = LogContents(rel, (header,), target.good_length, 0)
         return journal
 
     async def _open_existing(self, rel: str, kind: LogKind) -> Journal:
+        """Open a log for appending; ``FileNotFoundError`` if it holds no record."""
         if rel in self._open:
             return self._open[rel]
         contents = await self.read(rel, kind)
+        if contents.next_seq == 0 and contents.poison is None:
+            # empty or a torn header: its creation was never acknowledged
+            raise FileNotFoundError(f"{rel} holds no acknowledged record")
         if contents.poison is not None:
             raise JournalError(
                 ReasonCode.JOURNAL_POISONED,
@@ -231,7 +262,7 @@ class Store:
                 path=rel,
             )
         if contents.torn_bytes:
-            await trio.to_thread.run_sync(self._truncate_durably, rel, contents.good_length)
+            await self._blocking(rel, self._truncate_durably, rel, contents.good_length)
         path = self.path(rel)
         target = LogTarget(
             path=path,
@@ -245,6 +276,23 @@ class Store:
         self._open[rel] = journal
         return journal
 
+    async def _release(self) -> None:
+        """Close every log, stop the writers, remove the owner record."""
+        first: BaseException | None = None
+        for journal in list(self._open.values()):
+            try:
+                await journal.aclose()
+            except Exception as exc:
+                first = first or exc
+        self._open.clear()
+        await self._pool.aclose()
+        # best effort: if the disk is failing, the record stays and a later owner
+        # proves this process dead by its identity instead (J9)
+        with contextlib.suppress(OSError):
+            await trio.to_thread.run_sync(self._unlink_durably, OWNER)
+        if first is not None:
+            raise first
+
     async def close_log(self, journal: Journal) -> None:
         self._open.pop(journal.rel, None)
         await journal.aclose()
@@ -256,6 +304,11 @@ class Store:
             self.fs.fdatasync(handle)
         finally:
             self.fs.close(handle)
+
+    def _unlink_durably(self, rel: str) -> None:
+        path = self.path(rel)
+        self.fs.unlink(path)
+        self.fs.fsync_dir(os.path.dirname(path))
 
     def _makedirs_durable(self, rel_dir: str) -> None:
         """Create a directory below the root and make its entry durable."""
@@ -269,7 +322,7 @@ class Store:
 
     async def write_document(self, rel: str, data: bytes) -> None:
         """Replace a small document atomically and durably."""
-        await trio.to_thread.run_sync(atomic_write, self.fs, self.path(rel), data)
+        await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
 
     async def read_document(self, rel: str) -> bytes | None:
         def read() -> bytes | None:
@@ -331,6 +384,22 @@ def _read_owner(root: Path) -> OwnerRecord | None:
         ) from exc
 
 
+def _sweep_temporaries(fs: FileSystem, root: Path) -> None:
+    """Remove temp files that crashed :func:`atomic_write` calls left behind."""
+    lanes = str(root / "lanes")
+    directories = [str(root), str(root / "admissions"), str(root / "deliveries"), lanes]
+    directories += [os.path.join(lanes, name) for name in fs.listdir(lanes)]
+    for directory in directories:
+        try:
+            names = fs.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            if TMP_MARK in name:
+                with contextlib.suppress(FileNotFoundError):
+                    fs.unlink(os.path.join(directory, name))
+
+
 def _take_over(
     root: Path | str, fs: FileSystem, clocks: Clocks
 ) -> tuple[Path, int, OwnerRecord, OwnerRecord | None]:
@@ -360,21 +429,11 @@ def _take_over(
             if not fs.exists(path):
                 fs.makedirs(path)
                 fs.fsync_dir(str(root))
+        _sweep_temporaries(fs, root)
     except BaseException:
         os.close(fd)
         raise
     return root, fd, owner, previous
-
-
-async def _open_shared(store: Store, rel: str, kind: LogKind, subject: str) -> Journal:
-    if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
-        journal = await store._open_existing(rel, kind)
-        if journal.contents.next_seq == 0:  # only a torn header was ever written
-            await store.close_log(journal)
-            await trio.to_thread.run_sync(store.fs.unlink, store.path(rel))
-        else:
-            return journal
-    return await store._create(rel, kind, subject)
 
 
 @contextlib.asynccontextmanager
@@ -393,40 +452,40 @@ async def open_store(
     of one raises :class:`JournalError` (``journal_corrupt``) naming the file
     and offset, and nothing starts.
 
-    Resource handling: the writer threads, open log files and the lock are
-    released on exit, however the block ends.
+    Resource handling: on exit, however the block ends, every open log is
+    closed, the writer threads stop, the owner record is removed (a clean
+    release) and the lock is let go. The first error of that cleanup is
+    raised after all of it ran.
     """
     clocks = clocks or Clocks.system()
     fs = fs or OsFileSystem()
     path, lock_fd, owner, previous = await trio.to_thread.run_sync(_take_over, root, fs, clocks)
+    store: Store | None = None
+
+    def poison_document(target: LogTarget, reason: str, errno: int | None) -> bytes:
+        assert store is not None
+        return store._poison_document(target, reason, errno)
+
+    def on_disk_failure(error: DiskFailedError) -> None:
+        assert store is not None
+        store._on_disk_failure(error)
+
     try:
-        store: Store | None = None
-
-        def poison_document(target: LogTarget, reason: str, errno: int | None) -> bytes:
-            assert store is not None
-            return store._poison_document(target, reason, errno)
-
-        def on_disk_failure(error: DiskFailedError) -> None:
-            assert store is not None
-            store._on_disk_failure(error)
-
         pool = WriterPool(
             fs,
             shards=writer_shards,
             poison_document=poison_document,
             on_disk_failure=on_disk_failure,
         )
+        store = Store(path, fs, clocks, pool, owner, previous)
         try:
-            store = Store(path, fs, clocks, pool, owner, previous)
-            store.admissions = await _open_shared(
-                store, ADMISSIONS, LogKind.ADMISSIONS, "admissions"
+            store.admissions = await store._open_or_create(
+                ADMISSIONS, LogKind.ADMISSIONS, "admissions"
             )
-            store.results = await _open_shared(store, RESULTS, LogKind.RESULTS, "results")
+            store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
             yield store
         finally:
             with trio.CancelScope(shield=True):
-                for journal in list(store._open.values()) if store else []:
-                    await journal.aclose()
-                await pool.aclose()
+                await store._release()
     finally:
         os.close(lock_fd)

@@ -27,6 +27,7 @@ import contextlib
 import errno
 import os
 import queue
+import secrets
 import threading
 import zlib
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from ._errors import DiskFailedError, JournalError, ReasonCode
 from ._frame import encode_frame
 from ._fs import FileSystem
 
-__all__ = ["LogTarget", "WriterPool", "atomic_write"]
+__all__ = ["TMP_MARK", "LogTarget", "WriterPool", "atomic_write", "disk_error"]
 
 _MAX_BATCH: Final = 4096
 _DISK_ERRNOS: Final = {
@@ -284,13 +285,8 @@ class WriterPool:
     def _poison(self, target: LogTarget, exc: OSError) -> JournalError:
         """Truncate back to the last good frame, record the poison, refuse more."""
         reason = f"{exc.strerror or exc}"
-        code = _DISK_ERRNOS.get(exc.errno or 0)
-        error: JournalError
-        if code is not None:
-            error = DiskFailedError(
-                code, f"the disk failed while appending: {reason}", path=target.rel
-            )
-        else:
+        error: JournalError | None = disk_error(exc, target.rel)
+        if error is None:
             error = JournalError(
                 ReasonCode.JOURNAL_POISONED, f"an append failed: {reason}", path=target.rel
             )
@@ -323,11 +319,20 @@ class WriterPool:
             target._handle = None
 
 
+TMP_MARK: Final = ".tmp-"
+"""Temporary files of :func:`atomic_write` carry this in their name (swept at takeover)."""
+
+
 def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
-    """Exclusive temp file, write, fsync, rename over ``path``, directory fsync."""
+    """Exclusive temp file, write, fsync, rename over ``path``, directory fsync.
+
+    The temp name is unique (random), so a file left by a crash never blocks a
+    later replace; on any failure before the rename the temp file is removed.
+    """
     directory = os.path.dirname(path)
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    tmp = f"{path}{TMP_MARK}{secrets.token_hex(8)}"
     handle = fs.open_exclusive(tmp)
+    renamed = False
     try:
         view = memoryview(data)
         while view:
@@ -336,11 +341,23 @@ def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
                 raise OSError(errno.EIO, "write made no progress")
             view = view[n:]
         fs.fsync(handle)
-    except BaseException:
         fs.close(handle)
-        with contextlib.suppress(OSError):
-            fs.unlink(tmp)
-        raise
-    fs.close(handle)
-    fs.rename(tmp, path)
-    fs.fsync_dir(directory)
+        handle = -1
+        fs.rename(tmp, path)
+        renamed = True
+        fs.fsync_dir(directory)
+    finally:
+        if handle != -1:
+            with contextlib.suppress(OSError):
+                fs.close(handle)
+        if not renamed:
+            with contextlib.suppress(OSError):
+                fs.unlink(tmp)
+
+
+def disk_error(exc: OSError, rel: str) -> DiskFailedError | None:
+    """The :class:`DiskFailedError` an ``OSError`` amounts to, if the disk failed."""
+    code = _DISK_ERRNOS.get(exc.errno or 0)
+    if code is None:
+        return None
+    return DiskFailedError(code, f"the disk failed: {exc.strerror or exc}", path=rel)

@@ -82,9 +82,15 @@ def test_missing_header_is_refused() -> None:
     with pytest.raises(JournalError) as info:
         decode_log(encode_frame(0, [_intent(0)]), rel="x.log")
     assert info.value.code is ReasonCode.JOURNAL_HEADER_MISSING
-    with pytest.raises(JournalError) as info:
-        decode_log(b"", rel="x.log")
-    assert info.value.code is ReasonCode.JOURNAL_HEADER_MISSING
+
+
+def test_empty_or_torn_header_log_holds_nothing() -> None:
+    """J3: a log whose header never became durable acknowledged nothing."""
+    assert decode_log(b"", rel="x.log").next_seq == 0
+    torn = encode_frame(0, [_header()])[:7]
+    contents = decode_log(torn, rel="x.log")
+    assert contents.next_seq == 0
+    assert contents.torn_bytes == 7
 
 
 def test_wrong_log_kind_is_refused() -> None:

@@ -1,0 +1,619 @@
+"""File systems that misbehave on purpose, for the journal store's tests.
+
+Both classes implement :class:`runtime._fs.FileSystem`, so the store runs on
+them unchanged (``open_store(root, fs=...)``):
+
+* :class:`FaultyFileSystem` wraps another file system and makes the *N*-th
+  operation of one kind (``write``, ``sync``, ``rename``, ``truncate``,
+  ``close``) fail with an errno — before it happens, after it happened, or
+  (for writes) after writing only part of the data.
+* :class:`PowerLossFileSystem` is an in-memory file system that keeps the page
+  cache apart from the disk. :meth:`PowerLossFileSystem.crash` turns it into
+  what a machine finds after losing power: synced bytes and directory entries
+  survive, everything else survives partly, torn or not at all.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from runtime._fs import FileSystem
+
+__all__ = [
+    "Fault",
+    "FaultHit",
+    "FaultyFileSystem",
+    "OpKind",
+    "PowerCut",
+    "PowerLossFileSystem",
+    "When",
+]
+
+OpKind = Literal["write", "sync", "rename", "truncate", "close"]
+"""``sync`` counts ``fdatasync``, ``fsync`` and ``fsync_dir`` alike."""
+
+When = Literal["before", "after", "short"]
+"""``before``: nothing is done. ``after``: the operation is done, then it raises.
+``short``: a write writes only part of the data and returns the short count
+(no exception); for every other kind ``short`` behaves like ``after``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Fail the ``nth`` (1-based) operation of ``kind`` counted since arming."""
+
+    kind: OpKind
+    nth: int = 1
+    when: When = "before"
+    errno: int = errno.EIO
+    sticky: bool = False
+    """Also fail every later operation of the kind."""
+    path_contains: str | None = None
+    """Count only operations on paths containing this string."""
+
+    def __post_init__(self) -> None:
+        if self.nth < 1:
+            raise ValueError("operations are counted from 1")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultHit:
+    """One operation a :class:`Fault` made fail."""
+
+    fault: Fault
+    op: str
+    path: str
+    count: int
+
+
+class FaultyFileSystem:
+    """Wrap ``inner`` and fail the operations ``plan`` names.
+
+    Each fault counts the operations it matches from the moment the file system
+    is armed (at construction unless ``armed=False``; :meth:`arm` restarts the
+    count). When several faults match one operation, the first that fires wins.
+    Thread-safe: the store calls it from several writer threads at once.
+    """
+
+    def __init__(
+        self, inner: FileSystem, plan: Fault | Sequence[Fault] = (), *, armed: bool = True
+    ) -> None:
+        self.inner = inner
+        self.plan: tuple[Fault, ...] = (plan,) if isinstance(plan, Fault) else tuple(plan)
+        self.hits: list[FaultHit] = []
+        """Every operation that was made to fail, in order."""
+        self.counts: dict[OpKind, int] = {}
+        """Operations seen per kind since arming (all paths)."""
+        self._lock = threading.Lock()
+        self._armed = armed
+        self._matched = [0] * len(self.plan)
+        self._paths: dict[int, str] = {}
+
+    def arm(self, plan: Fault | Sequence[Fault] | None = None) -> None:
+        """Start (or restart) counting, optionally with a new plan."""
+        with self._lock:
+            if plan is not None:
+                self.plan = (plan,) if isinstance(plan, Fault) else tuple(plan)
+            self._matched = [0] * len(self.plan)
+            self.counts = {}
+            self._armed = True
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = False
+
+    @property
+    def fired(self) -> bool:
+        return bool(self.hits)
+
+    def _decide(self, kind: OpKind, op: str, path: str) -> Fault | None:
+        with self._lock:
+            if not self._armed:
+                return None
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            chosen: Fault | None = None
+            for i, fault in enumerate(self.plan):
+                if fault.kind != kind:
+                    continue
+                if fault.path_contains is not None and fault.path_contains not in path:
+                    continue
+                self._matched[i] += 1
+                n = self._matched[i]
+                if chosen is None and (n == fault.nth or (fault.sticky and n > fault.nth)):
+                    chosen = fault
+                    self.hits.append(FaultHit(fault, op, path, n))
+            return chosen
+
+    @staticmethod
+    def _error(fault: Fault, op: str, path: str) -> OSError:
+        return OSError(fault.errno, f"{os.strerror(fault.errno)} (injected into {op})", path)
+
+    def path_of(self, handle: int) -> str:
+        """The path a handle was opened with (for messages and filters)."""
+        with self._lock:
+            return self._paths.get(handle, f"<handle {handle}>")
+
+    # -- FileSystem ------------------------------------------------------------------
+
+    def open_append(self, path: str) -> int:
+        handle = self.inner.open_append(path)
+        with self._lock:
+            self._paths[handle] = path
+        return handle
+
+    def open_exclusive(self, path: str) -> int:
+        handle = self.inner.open_exclusive(path)
+        with self._lock:
+            self._paths[handle] = path
+        return handle
+
+    def write(self, handle: int, data: bytes) -> int:
+        path = self.path_of(handle)
+        fault = self._decide("write", "write", path)
+        if fault is None:
+            return self.inner.write(handle, data)
+        if fault.when == "before":
+            raise self._error(fault, "write", path)
+        if fault.when == "after":
+            self.inner.write(handle, data)
+            raise self._error(fault, "write", path)
+        return self.inner.write(handle, data[: len(data) // 2]) if len(data) > 1 else 0
+
+    def _simple(self, kind: OpKind, op: str, path: str, call: Callable[[], object]) -> None:
+        """An operation without a result: ``short`` behaves like ``after``."""
+        fault = self._decide(kind, op, path)
+        if fault is not None and fault.when == "before":
+            raise self._error(fault, op, path)
+        call()
+        if fault is not None:
+            raise self._error(fault, op, path)
+
+    def fdatasync(self, handle: int) -> None:
+        self._simple(
+            "sync", "fdatasync", self.path_of(handle), lambda: self.inner.fdatasync(handle)
+        )
+
+    def fsync(self, handle: int) -> None:
+        self._simple("sync", "fsync", self.path_of(handle), lambda: self.inner.fsync(handle))
+
+    def fsync_dir(self, path: str) -> None:
+        self._simple("sync", "fsync_dir", path, lambda: self.inner.fsync_dir(path))
+
+    def truncate(self, handle: int, length: int) -> None:
+        path = self.path_of(handle)
+        self._simple("truncate", "truncate", path, lambda: self.inner.truncate(handle, length))
+
+    def rename(self, src: str, dst: str) -> None:
+        self._simple("rename", "rename", f"{src} -> {dst}", lambda: self.inner.rename(src, dst))
+
+    def close(self, handle: int) -> None:
+        path = self.path_of(handle)
+        with self._lock:
+            self._paths.pop(handle, None)
+        self._simple("close", "close", path, lambda: self.inner.close(handle))
+
+    def size(self, handle: int) -> int:
+        return self.inner.size(handle)
+
+    def read(self, path: str) -> bytes:
+        return self.inner.read(path)
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def unlink(self, path: str) -> None:
+        self.inner.unlink(path)
+
+
+# -- power loss ------------------------------------------------------------------------
+
+
+class PowerCut(OSError):
+    """What every operation raises once the power is gone.
+
+    An :class:`OSError` with ``EIO`` on purpose. A real power loss stops the
+    process: nothing it does afterwards reaches the disk, and nothing it
+    believes afterwards matters. Raising ``EIO`` gives the same disk — every
+    later operation fails, so nothing after the cut becomes durable — while
+    the process takes its ordinary disk-failure path (the writer poisons the
+    log, the waiting producers get an error) and the test can wind down and
+    inspect what was acknowledged. A dedicated non-``OSError`` exception would
+    instead kill the writer thread and leave its producers waiting forever (an
+    append's wait refuses cancellation), which no real machine does either.
+    """
+
+    def __init__(self, op: str) -> None:
+        super().__init__(errno.EIO, f"power cut (refused {op})")
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Truncate:
+    length: int
+
+
+def _apply(content: bytearray, op: _Write | _Truncate) -> None:
+    if isinstance(op, _Truncate):
+        if op.length < len(content):
+            del content[op.length :]
+        else:
+            content.extend(bytes(op.length - len(content)))
+        return
+    if op.offset > len(content):
+        content.extend(bytes(op.offset - len(content)))
+    content[op.offset : op.offset + len(op.data)] = op.data
+
+
+@dataclass(eq=False, slots=True)
+class _File:
+    """An inode: what the page cache holds and what the disk holds."""
+
+    data: bytearray = field(default_factory=bytearray)
+    durable: bytes = b""
+    pending: list[_Write | _Truncate] = field(default_factory=list)
+    """Changes since the last sync, in order (``durable`` + all of them = ``data``)."""
+
+    def sync(self) -> None:
+        self.durable = bytes(self.data)
+        self.pending.clear()
+
+
+@dataclass(eq=False, slots=True)
+class _Dir:
+    """A directory: its current entries and the entries the disk holds."""
+
+    entries: dict[str, _File | _Dir] = field(default_factory=dict)
+    durable: dict[str, _File | _Dir] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Handle:
+    file: _File
+    path: str
+    append: bool
+    position: int = 0
+
+
+_NO_CUT: Final = -1
+
+
+class PowerLossFileSystem:
+    """An in-memory file system that loses what was not synced.
+
+    Model (per POSIX and Linux ext4/xfs behaviour, erring towards loss):
+
+    * each file has its current content (the page cache) and its durable
+      content; ``fdatasync``/``fsync`` make the current content durable;
+    * each directory has its current entries and its durable entries; a new
+      entry (file creation, ``makedirs``, ``rename``, ``unlink``) becomes
+      durable only when that directory is ``fsync_dir``-ed, which makes all of
+      its current entries durable;
+    * every operation acts on the current view, with POSIX meaning.
+
+    :meth:`cut_after` arms a power cut; :meth:`crash` produces the image the
+    disk holds afterwards and makes the file system usable again. ``roots``
+    (and their parents) exist, durably, from the start. Thread-safe.
+    """
+
+    def __init__(self, *roots: str | os.PathLike[str]) -> None:
+        self._root = _Dir()
+        self._lock = threading.RLock()
+        self._handles: dict[int, _Handle] = {}
+        self._next_handle = 3
+        self._cut = _NO_CUT
+        self.ops = 0
+        """Operations performed so far (``close`` is not counted)."""
+        self.refused = 0
+        """Operations refused because the power was cut."""
+        for root in roots:
+            self._makedirs(os.fspath(root), durable=True)
+
+    # -- power ---------------------------------------------------------------------
+
+    def cut_after(self, n_ops: int) -> None:
+        """Cut the power after ``n_ops`` more operations: all later ones raise."""
+        if n_ops < 0:
+            raise ValueError("n_ops must be >= 0")
+        with self._lock:
+            self._cut = self.ops + n_ops
+
+    @property
+    def power_cut(self) -> bool:
+        """Whether the cut point was reached (some operation was refused)."""
+        return self.refused > 0
+
+    def _tick(self, op: str) -> None:
+        if self._cut != _NO_CUT and self.ops >= self._cut:
+            self.refused += 1
+            raise PowerCut(op)
+        self.ops += 1
+
+    def crash(self, rng: random.Random) -> None:
+        """Replace the state by what the disk holds after the power loss.
+
+        For every directory, each entry whose current and durable states differ
+        is decided at random between the two (a new entry that was never made
+        durable may or may not exist; an unlink or rename that was never made
+        durable may or may not have happened; a renamed-over name shows the old
+        or the new file, never nothing). Each surviving file holds its durable
+        content, then a random prefix of its unsynced changes in order (so an
+        unsynced truncation is applied or not), the first change left out
+        possibly applied in part and followed by zeros or garbage (a torn
+        tail). Afterwards every handle is gone, every byte is durable and the
+        power is back.
+        """
+        with self._lock:
+            contents: dict[int, bytes] = {}
+            seen: set[int] = set()
+
+            def rebuild(directory: _Dir) -> None:
+                if id(directory) in seen:
+                    return
+                seen.add(id(directory))
+                survivors: dict[str, _File | _Dir] = {}
+                for name in sorted(set(directory.entries) | set(directory.durable)):
+                    current = directory.entries.get(name)
+                    durable = directory.durable.get(name)
+                    chosen = current if current is durable or rng.random() < 0.5 else durable
+                    if chosen is not None:
+                        survivors[name] = chosen
+                directory.entries = survivors
+                directory.durable = dict(survivors)
+                for node in survivors.values():
+                    if isinstance(node, _Dir):
+                        rebuild(node)
+                    elif id(node) not in contents:
+                        contents[id(node)] = _crash_content(node, rng)
+                        node.data = bytearray(contents[id(node)])
+                        node.sync()
+
+            rebuild(self._root)
+            self._handles.clear()
+            self._cut = _NO_CUT
+
+    # -- views for assertions --------------------------------------------------------
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Every file in the current view (what a reader sees now), by path."""
+        with self._lock:
+            return {path: bytes(f.data) for path, f in self._walk(self._root, "/", durable=False)}
+
+    def durable_snapshot(self) -> dict[str, bytes]:
+        """What survives any power loss: durable entries, durable content."""
+        with self._lock:
+            return {path: f.durable for path, f in self._walk(self._root, "/", durable=True)}
+
+    def durable_read(self, path: str) -> bytes | None:
+        """The content ``path`` is guaranteed to have after a crash, if any."""
+        with self._lock:
+            node: _File | _Dir = self._root
+            for part in _parts(path):
+                if not isinstance(node, _Dir) or part not in node.durable:
+                    return None
+                node = node.durable[part]
+            return node.durable if isinstance(node, _File) else None
+
+    def unsynced(self) -> list[str]:
+        """Paths of files in the current view holding changes not yet durable."""
+        with self._lock:
+            return [p for p, f in self._walk(self._root, "/", durable=False) if f.pending]
+
+    def _walk(self, directory: _Dir, prefix: str, *, durable: bool) -> Iterator[tuple[str, _File]]:
+        entries = directory.durable if durable else directory.entries
+        for name, node in sorted(entries.items()):
+            path = os.path.join(prefix, name)
+            if isinstance(node, _Dir):
+                yield from self._walk(node, path, durable=durable)
+            else:
+                yield path, node
+
+    # -- path resolution ---------------------------------------------------------------
+
+    def _lookup(self, path: str) -> _File | _Dir:
+        node: _File | _Dir = self._root
+        for part in _parts(path):
+            if not isinstance(node, _Dir):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            if part not in node.entries:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+            node = node.entries[part]
+        return node
+
+    def _parent(self, path: str) -> tuple[_Dir, str]:
+        parts = _parts(path)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        parent = self._lookup("/" + "/".join(parts[:-1]))
+        if not isinstance(parent, _Dir):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        return parent, parts[-1]
+
+    def _file(self, path: str) -> _File:
+        node = self._lookup(path)
+        if isinstance(node, _Dir):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        return node
+
+    def _handle(self, handle: int) -> _Handle:
+        try:
+            return self._handles[handle]
+        except KeyError:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF)) from None
+
+    def _open(self, path: str, *, exclusive: bool) -> int:
+        parent, name = self._parent(path)
+        node = parent.entries.get(name)
+        if node is not None and exclusive:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        if isinstance(node, _Dir):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if node is None:
+            node = parent.entries[name] = _File()
+        handle = self._next_handle
+        self._next_handle += 1
+        self._handles[handle] = _Handle(node, path, append=not exclusive)
+        return handle
+
+    def _makedirs(self, path: str, *, durable: bool) -> None:
+        directory = self._root
+        for part in _parts(path):
+            child = directory.entries.get(part)
+            if child is None:
+                child = directory.entries[part] = _Dir()
+                if durable:
+                    directory.durable[part] = child
+            if not isinstance(child, _Dir):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+            directory = child
+
+    # -- FileSystem ----------------------------------------------------------------------
+
+    def open_append(self, path: str) -> int:
+        with self._lock:
+            self._tick("open_append")
+            return self._open(path, exclusive=False)
+
+    def open_exclusive(self, path: str) -> int:
+        with self._lock:
+            self._tick("open_exclusive")
+            return self._open(path, exclusive=True)
+
+    def write(self, handle: int, data: bytes) -> int:
+        with self._lock:
+            self._tick("write")
+            h = self._handle(handle)
+            offset = len(h.file.data) if h.append else h.position
+            op = _Write(offset, bytes(data))
+            _apply(h.file.data, op)
+            h.file.pending.append(op)
+            h.position = offset + len(data)
+            return len(data)
+
+    def fdatasync(self, handle: int) -> None:
+        with self._lock:
+            self._tick("fdatasync")
+            self._handle(handle).file.sync()
+
+    def fsync(self, handle: int) -> None:
+        with self._lock:
+            self._tick("fsync")
+            self._handle(handle).file.sync()
+
+    def truncate(self, handle: int, length: int) -> None:
+        with self._lock:
+            self._tick("truncate")
+            h = self._handle(handle)
+            if length < 0:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), h.path)
+            op = _Truncate(length)
+            _apply(h.file.data, op)
+            h.file.pending.append(op)
+
+    def size(self, handle: int) -> int:
+        with self._lock:
+            self._tick("size")
+            return len(self._handle(handle).file.data)
+
+    def close(self, handle: int) -> None:
+        """Not counted and never refused: closing touches no disk."""
+        with self._lock:
+            self._handle(handle)
+            del self._handles[handle]
+
+    def read(self, path: str) -> bytes:
+        with self._lock:
+            self._tick("read")
+            return bytes(self._file(path).data)
+
+    def rename(self, src: str, dst: str) -> None:
+        with self._lock:
+            self._tick("rename")
+            src_parent, src_name = self._parent(src)
+            node = src_parent.entries.get(src_name)
+            if node is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), src)
+            dst_parent, dst_name = self._parent(dst)
+            if isinstance(dst_parent.entries.get(dst_name), _Dir):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), dst)
+            del src_parent.entries[src_name]
+            dst_parent.entries[dst_name] = node
+
+    def fsync_dir(self, path: str) -> None:
+        with self._lock:
+            self._tick("fsync_dir")
+            node = self._lookup(path)
+            if not isinstance(node, _Dir):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            node.durable = dict(node.entries)
+
+    def makedirs(self, path: str) -> None:
+        with self._lock:
+            self._tick("makedirs")
+            self._makedirs(path, durable=False)
+
+    def exists(self, path: str) -> bool:
+        with self._lock:
+            self._tick("exists")
+            try:
+                self._lookup(path)
+            except OSError:
+                return False
+            return True
+
+    def listdir(self, path: str) -> list[str]:
+        with self._lock:
+            self._tick("listdir")
+            node = self._lookup(path)
+            if not isinstance(node, _Dir):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            return sorted(node.entries)
+
+    def unlink(self, path: str) -> None:
+        with self._lock:
+            self._tick("unlink")
+            parent, name = self._parent(path)
+            node = parent.entries.get(name)
+            if node is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+            if isinstance(node, _Dir):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            del parent.entries[name]
+
+
+def _parts(path: str) -> list[str]:
+    if not os.path.isabs(path):
+        raise ValueError(f"PowerLossFileSystem takes absolute paths, not {path!r}")
+    return [p for p in os.path.normpath(path).split("/") if p]
+
+
+def _crash_content(file: _File, rng: random.Random) -> bytes:
+    """Durable content, a random prefix of the unsynced changes, maybe a torn tail."""
+    content = bytearray(file.durable)
+    kept = rng.randint(0, len(file.pending))
+    for op in file.pending[:kept]:
+        _apply(content, op)
+    if kept < len(file.pending) and rng.random() < 0.5:
+        torn = file.pending[kept]
+        if isinstance(torn, _Write):
+            prefix = rng.randint(0, len(torn.data))
+            fill = rng.randint(0, len(torn.data) - prefix)
+            filler = bytes(fill) if rng.random() < 0.5 else rng.randbytes(fill)
+            _apply(content, _Write(torn.offset, torn.data[:prefix] + filler))
+    return bytes(content)
