@@ -1,0 +1,528 @@
+"""The Fake-Pi agent loop: turns, model calls, tools, steering, abort and retry.
+
+One *run* goes from ``agent_start`` to ``agent_settled``; it may hold several
+``agent_start … agent_end`` pairs (auto-retries) and several turns (tool
+rounds, steering, follow-ups), exactly as Pi 1.6.0 sequences them (see
+``../shared/pi-real/REPORT.md`` §4, §7 and the RPC transcripts). Events go out
+through the ``emit`` callback; messages are persisted at ``message_end``.
+
+Abort cancels the one operation in flight (a model stream, a tool, a retry
+wait) through its own cancel scope, then emits what Pi emits after an abort;
+a shutdown abort (stdin closed, SIGTERM) persists the same but prints nothing
+more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from runtime._clock import WallClock
+
+from ._behaviours import Barriers, Recorder
+from ._gate import AllowAllGate, ToolCall, ToolGate, ToolResult
+from ._messages import (
+    assistant_message,
+    request_messages,
+    system_message,
+    tool_result_message,
+    user_message,
+)
+from ._model import Assembler, ModelClient, ModelError
+from ._retry import RetrySettings, is_retryable
+from ._tools import Tool, ToolContext, run_tool_call
+
+__all__ = ["Agent", "AgentOptions", "CommandError", "ModelInfo"]
+
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+ABORTED_TEXT = "This operation was aborted"
+SNIPPETS = {
+    "read": "Read file contents",
+    "bash": "Execute bash commands (ls, grep, find, etc.)",
+    "edit": "Make precise file edits with exact text replacement",
+    "write": "Create or overwrite files",
+}
+PREAMBLE = (
+    "You are Fake-Pi, a credential-free stand-in for the Pi coding agent. "
+    "Help users inspect files, run commands, and modify code."
+)
+
+
+class CommandError(Exception):
+    """An RPC command is refused; the message is Pi's error text."""
+
+
+class _Aborted(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    provider: str = "fake"
+    id: str = "fake-model"
+    name: str = "Fake Model"
+    base_url: str = ""
+    context_window: int = 128000
+    max_tokens: int = 4096
+
+    def as_pi(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "api": "openai-completions",
+            "provider": self.provider,
+            "baseUrl": self.base_url,
+            "reasoning": False,
+            "input": ["text"],
+            "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+            "contextWindow": self.context_window,
+            "maxTokens": self.max_tokens,
+        }
+
+
+@dataclass
+class AgentOptions:
+    cwd: Path
+    client: ModelClient
+    tools: dict[str, Tool]
+    clock: WallClock
+    conversation: Any
+    """A :class:`~fake_pi._conversation.Conversation`."""
+    barriers: Barriers
+    model: ModelInfo = field(default_factory=ModelInfo)
+    gate: ToolGate = field(default_factory=AllowAllGate)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    append_system_prompt: list[str] = field(default_factory=list)
+    tool_env: dict[str, str] = field(default_factory=dict)
+    ledger_path: Path | None = None
+    recorder: Recorder = field(default_factory=lambda: Recorder(None))
+
+
+class Agent:
+    """Pi's agent session, in Trio. Use through :func:`fake_pi._rpc.serve_rpc`."""
+
+    def __init__(self, options: AgentOptions, emit: Emit) -> None:
+        self.options = options
+        self.conversation = options.conversation
+        self._emit_raw = emit
+        self.running = False
+        self.steering: list[str] = []
+        self.follow_up: list[str] = []
+        self._op_scope: trio.CancelScope | None = None
+        self._abort_requested = False
+        self._quiet = False
+        self._settled = trio.Event()
+        self._settled.set()
+        self._nursery: trio.Nursery | None = None
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    async def emit(self, event: dict[str, Any]) -> None:
+        if not self._quiet:
+            await self._emit_raw(event)
+
+    def _now(self) -> int:
+        return self.options.clock.time_ms()
+
+    async def _queue_update(self) -> None:
+        await self.emit(
+            {
+                "type": "queue_update",
+                "steering": list(self.steering),
+                "followUp": list(self.follow_up),
+            }
+        )
+
+    # -- commands -------------------------------------------------------------------
+
+    def start_prompt(self, text: str) -> None:
+        """Start a run with ``text`` (the caller already answered ``started``)."""
+        assert self._nursery is not None
+        self.running = True
+        self._abort_requested = False
+        self._settled = trio.Event()
+        self._nursery.start_soon(self._run, text)
+
+    async def queue(self, text: str, behaviour: str) -> None:
+        (self.steering if behaviour == "steer" else self.follow_up).append(text)
+        await self._queue_update()
+
+    async def clear_queue(self) -> dict[str, Any]:
+        removed = {"steering": self.steering, "followUp": self.follow_up}
+        self.steering, self.follow_up = [], []
+        await self._queue_update()
+        return removed
+
+    async def abort(self) -> None:
+        """Abort the run in flight and wait until it settled."""
+        if not self.running:
+            return
+        self._abort_requested = True
+        if self._op_scope is not None:
+            self._op_scope.cancel()
+        await self._settled.wait()
+
+    async def shutdown(self) -> None:
+        """Aborting shutdown (stdin closed, SIGTERM): persist, print nothing more."""
+        self._quiet = True
+        await self.abort()
+
+    # -- views ----------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """``get_state``'s data, in Pi's key order."""
+        state: dict[str, Any] = {
+            "model": self.options.model.as_pi(),
+            "thinkingLevel": "off",
+            "isStreaming": self.running,
+            "isCompacting": False,
+            "steeringMode": "one-at-a-time",
+            "followUpMode": "one-at-a-time",
+        }
+        if self.conversation.path is not None:
+            state["sessionFile"] = str(self.conversation.path)
+        state["sessionId"] = self.conversation.session_id
+        state["autoCompactionEnabled"] = True
+        state["messageCount"] = len(self.conversation.context())
+        state["pendingMessageCount"] = len(self.steering) + len(self.follow_up)
+        return state
+
+    def session_stats(self) -> dict[str, Any]:
+        messages = [e["message"] for e in self.conversation.entries() if e.get("type") == "message"]
+        roles = [m.get("role") for m in messages]
+        assistants = [m for m in messages if m.get("role") == "assistant"]
+        tokens = {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}
+        for m in assistants:
+            for key in tokens:
+                tokens[key] += int(m.get("usage", {}).get(key, 0))
+        last = next((m for m in reversed(assistants) if m.get("stopReason") != "aborted"), None)
+        context_tokens = int(last["usage"].get("totalTokens", 0)) if last else 0
+        window = self.options.model.context_window
+        stats: dict[str, Any] = {}
+        if self.conversation.path is not None:
+            stats["sessionFile"] = str(self.conversation.path)
+        stats.update(
+            sessionId=self.conversation.session_id,
+            userMessages=roles.count("user"),
+            assistantMessages=roles.count("assistant"),
+            toolCalls=sum(
+                1 for m in assistants for b in m["content"] if b.get("type") == "toolCall"
+            ),
+            toolResults=roles.count("toolResult"),
+            totalMessages=len([r for r in roles if r != "system"]),
+            tokens={**tokens, "total": sum(tokens.values())},
+            cost=0,
+            contextUsage={
+                "tokens": context_tokens,
+                "contextWindow": window,
+                "percent": context_tokens / window * 100 if window else 0,
+            },
+        )
+        return stats
+
+    # -- the run --------------------------------------------------------------------
+
+    async def _run(self, text: str) -> None:
+        aborted = False
+        try:
+            await self._loop([user_message(text, time_ms=self._now())])
+        except _Aborted:
+            aborted = True
+        finally:
+            self.running = False
+            self._op_scope = None
+        await self.emit({"type": "agent_settled", "aborted": aborted})
+        self._settled.set()
+
+    def _system_message(self) -> dict[str, Any]:
+        tools = self.options.tools.values()
+        listing = (
+            "\n".join(
+                f"- {t.name}: {SNIPPETS.get(t.name, t.description.split('. ')[0])}" for t in tools
+            )
+            or "(none)"
+        )
+        sections = {
+            "preamble": PREAMBLE,
+            "tools": f"<tools>\n{listing}\n\nAdditional tools may be available.\n</tools>",
+            "rules": "<rules>\n- Be concise in your responses\n"
+            "- Show file paths clearly when working with files\n</rules>",
+            "docs": "<docs>\nFake-Pi has no documentation of its own; see pi-runtime's.\n</docs>",
+        }
+        if self.options.append_system_prompt:
+            addendum = "\n\n".join(self.options.append_system_prompt)
+            sections["addendum"] = f"<addendum>\n{addendum}\n</addendum>"
+        sections["cwd"] = f"<cwd>\n{self.options.cwd}\n</cwd>"
+        schemas = [
+            {"name": t.name, "description": t.description, "parameters": t.parameters}
+            for t in tools
+        ]
+        return system_message(sections, schemas, time_ms=self._now())
+
+    async def _record(self, message: dict[str, Any], produced: list[dict[str, Any]]) -> None:
+        await self.emit({"type": "message_start", "message": message})
+        await self.emit({"type": "message_end", "message": message})
+        self.conversation.append_message(message)
+        produced.append(message)
+
+    async def _loop(self, inputs: list[dict[str, Any]]) -> None:
+        retry_attempt = 0
+        produced: list[dict[str, Any]] = []
+        await self.emit({"type": "agent_start"})
+        while True:
+            await self.emit({"type": "turn_start"})
+            if self.conversation.is_new:
+                await self._record(self._system_message(), produced)
+            for message in inputs:
+                await self._record(message, produced)
+            inputs = []
+            assistant = await self._call_model(produced)
+            stop = assistant["stopReason"]
+            if stop == "error":
+                await self.emit({"type": "turn_end", "message": assistant, "toolResults": []})
+                retry = self.options.retry
+                message = assistant.get("errorMessage", "")
+                if retry.enabled and is_retryable(message) and retry_attempt < retry.max_retries:
+                    retry_attempt += 1
+                    await self.emit({"type": "agent_end", "messages": produced, "willRetry": True})
+                    produced = []
+                    await self._retry_wait(retry_attempt, message, assistant)
+                    await self.emit({"type": "agent_start"})
+                    continue
+                await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
+                if retry_attempt:
+                    await self.emit(
+                        {
+                            "type": "auto_retry_end",
+                            "success": False,
+                            "attempt": retry_attempt,
+                            "finalError": message,
+                        }
+                    )
+                return
+            if retry_attempt:
+                await self.emit(
+                    {"type": "auto_retry_end", "success": True, "attempt": retry_attempt}
+                )
+                retry_attempt = 0
+            if stop == "aborted":
+                await self.emit({"type": "turn_end", "message": assistant, "toolResults": []})
+                await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
+                raise _Aborted
+            calls = [b for b in assistant["content"] if b.get("type") == "toolCall"]
+            results: list[dict[str, Any]] = []
+            for call in calls:
+                result = await self._run_tool(call, produced)
+                results.append(result)
+                if self._abort_requested:
+                    break
+            await self.emit({"type": "turn_end", "message": assistant, "toolResults": results})
+            if self._abort_requested:
+                await self.emit({"type": "turn_start"})
+                aborted = self._aborted_message()
+                await self._record(aborted, produced)
+                await self.emit({"type": "turn_end", "message": aborted, "toolResults": []})
+                await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
+                raise _Aborted
+            if self.steering:
+                inputs = [user_message(self.steering.pop(0), time_ms=self._now())]
+                await self._queue_update()
+            elif not calls and self.follow_up:
+                inputs = [user_message(self.follow_up.pop(0), time_ms=self._now())]
+                await self._queue_update()
+            elif not calls:
+                break
+        await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
+
+    async def _retry_wait(self, attempt: int, message: str, failed: dict[str, Any]) -> None:
+        delay_ms = self.options.retry.delay_ms(attempt)
+        await self.emit(
+            {
+                "type": "auto_retry_start",
+                "attempt": attempt,
+                "maxAttempts": self.options.retry.max_retries,
+                "delayMs": delay_ms,
+                "errorMessage": message,
+            }
+        )
+        target = self.conversation.leaf_id
+        entry = self.conversation.append(
+            {"type": "context_edit", "targetId": target, "replacement": None}
+        )
+        await self.emit({"type": "entry_appended", "entry": entry})
+        with trio.CancelScope() as scope:
+            self._op_scope = scope
+            if self._abort_requested:
+                scope.cancel()
+            await trio.sleep(delay_ms / 1000)
+        self._op_scope = None
+        if scope.cancelled_caught:
+            await self.emit(
+                {
+                    "type": "auto_retry_end",
+                    "success": False,
+                    "attempt": attempt,
+                    "finalError": "Retry cancelled",
+                }
+            )
+            raise _Aborted
+
+    def _aborted_message(self) -> dict[str, Any]:
+        model = self.options.model
+        message = assistant_message(provider=model.provider, model=model.id, time_ms=self._now())
+        timestamp = message.pop("timestamp")
+        message["stopReason"] = "aborted"
+        message["errorMessage"] = ABORTED_TEXT
+        message["timestamp"] = timestamp
+        message["durationMs"] = 0
+        message["thinkingLevel"] = "off"
+        return message
+
+    def request_body(self) -> dict[str, Any]:
+        model = self.options.model
+        return {
+            "model": model.id,
+            "messages": request_messages(self.conversation.context()),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "store": False,
+            "max_completion_tokens": model.max_tokens,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters,
+                    },
+                }
+                for t in self.options.tools.values()
+            ],
+        }
+
+    async def _call_model(self, produced: list[dict[str, Any]]) -> dict[str, Any]:
+        """One model request; returns the finished (or failed/aborted) assistant message."""
+        if self._abort_requested:
+            message = self._aborted_message()
+            await self._record(message, produced)
+            return message
+        barriers = self.options.barriers
+        await barriers.reach("before_model")
+        model = self.options.model
+        message = assistant_message(provider=model.provider, model=model.id, time_ms=self._now())
+        await self.emit({"type": "message_start", "message": dict(message)})
+        assembler = Assembler(message)
+        started = trio.current_time()
+        body = self.request_body()
+
+        def elapsed() -> int:
+            return int((trio.current_time() - started) * 1000)
+
+        with trio.CancelScope() as scope:
+            self._op_scope = scope
+            try:
+                first = True
+                async with contextlib.aclosing(self.options.client.stream(body)) as chunks:
+                    async for chunk in chunks:
+                        for event in assembler.feed(chunk):
+                            await self._update(message, event)
+                        if first:
+                            first = False
+                            await barriers.reach("mid_stream")
+                for event in assembler.finish(duration_ms=elapsed()):
+                    await self._update(message, event)
+            except ModelError as exc:
+                for event in assembler.fail(
+                    reason="error", error_message=exc.message, duration_ms=elapsed()
+                ):
+                    await self._update(message, event)
+        self._op_scope = None
+        if scope.cancelled_caught:
+            assembler.fail(reason="aborted", error_message=ABORTED_TEXT, duration_ms=elapsed())
+        await self.emit({"type": "message_end", "message": message})
+        self.conversation.append_message(message)
+        produced.append(message)
+        await barriers.reach("after_model")
+        return message
+
+    async def _update(self, message: dict[str, Any], event: dict[str, Any]) -> None:
+        await self.emit(
+            {"type": "message_update", "usage": message["usage"], "assistantMessageEvent": event}
+        )
+
+    async def _run_tool(
+        self, block: dict[str, Any], produced: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        options = self.options
+        await options.barriers.reach("before_tool")
+        call = ToolCall(id=block["id"], name=block["name"], arguments=block["arguments"])
+        base = {"toolCallId": call.id, "toolName": call.name}
+        await self.emit({"type": "tool_execution_start", **base, "args": call.arguments})
+        options.recorder.record("tool", id=call.id, name=call.name, args=call.arguments)
+        started = trio.current_time()
+
+        async def on_update(partial: ToolResult) -> None:
+            await self.emit(
+                {
+                    "type": "tool_execution_update",
+                    **base,
+                    "args": call.arguments,
+                    "partialResult": _result_payload(partial),
+                }
+            )
+
+        context = ToolContext(
+            cwd=options.cwd, env=options.tool_env, ledger_path=options.ledger_path
+        )
+        result: ToolResult | None = None
+        with trio.CancelScope() as scope:
+            self._op_scope = scope
+            if self._abort_requested:
+                scope.cancel()
+            result = await run_tool_call(
+                options.tools.get(call.name), call, context, options.gate, on_update
+            )
+        self._op_scope = None
+        if scope.cancelled_caught or result is None:
+            result = ToolResult(
+                content=[{"type": "text", "text": "Command aborted"}], is_error=True, details={}
+            )
+        duration = int((trio.current_time() - started) * 1000)
+        await self.emit(
+            {
+                "type": "tool_execution_end",
+                **base,
+                "result": _result_payload(result),
+                "isError": result.is_error,
+                "durationMs": duration,
+            }
+        )
+        message = tool_result_message(
+            tool_call_id=call.id,
+            tool_name=call.name,
+            content=result.content,
+            is_error=result.is_error,
+            time_ms=self._now(),
+            duration_ms=duration,
+            details=result.details if result.details else None,
+        )
+        await self._record(message, produced)
+        await options.barriers.reach("after_tool")
+        return message
+
+
+def _result_payload(result: ToolResult) -> dict[str, Any]:
+    payload: dict[str, Any] = {"content": result.content}
+    if result.details is not None:
+        payload["details"] = result.details
+    if result.structured is not None:
+        payload["structuredContent"] = result.structured
+    return payload

@@ -1,0 +1,351 @@
+"""Putting Fake-Pi together: the subprocess entry point and the in-process one.
+
+Both transports run the same :class:`~fake_pi._agent.Agent` and RPC code; only
+the byte streams differ (stdin/stdout of a process, or Trio memory streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+import trio.lowlevel
+import trio.testing
+
+from runtime._clock import SystemWallClock, WallClock
+from runtime._session import uuid7
+
+from ._agent import Agent, AgentOptions, ModelInfo
+from ._behaviours import BarrierExit, BarrierKill, Barriers, Behaviours, FakeConfig, Recorder
+from ._conversation import Conversation
+from ._gate import AllowAllGate, ToolGate
+from ._model import HttpModelClient, InProcessModelClient, ModelClient
+from ._retry import RetrySettings
+from ._rpc import read_lines, serve_rpc
+from ._tools import builtin_tools
+from .model_server import ScriptedModel
+
+__all__ = ["FakePi", "main", "open_fake_pi", "parse_args"]
+
+_encode = msgspec.json.Encoder()
+
+
+def _ignored(flag: str) -> None:
+    print(f"fake-pi: {flag} is accepted and ignored", file=sys.stderr)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Pi's own command line (the flags the runtime uses), plus ``--fake-config``."""
+    parser = argparse.ArgumentParser(prog="fake-pi", description="A credential-free Pi.")
+    parser.add_argument("--mode", default="rpc", choices=["rpc", "json", "text"])
+    parser.add_argument("--provider")
+    parser.add_argument("--model")
+    parser.add_argument("--session")
+    parser.add_argument("--session-dir")
+    parser.add_argument("--no-session", action="store_true")
+    parser.add_argument("-c", "--continue", dest="continue_", action="store_true")
+    parser.add_argument("-nc", "--no-context-files", action="store_true")
+    parser.add_argument("-ns", "--no-skills", action="store_true")
+    parser.add_argument("-np", "--no-prompt-templates", action="store_true")
+    parser.add_argument("-ne", "--no-extensions", action="store_true")
+    parser.add_argument("--no-mcp", action="store_true")
+    parser.add_argument("-e", "--extension", action="append", default=[])
+    parser.add_argument("--append-system-prompt", action="append", default=[])
+    parser.add_argument("--thinking")
+    parser.add_argument("--offline", action="store_true")
+    parser.add_argument("--version", action="store_true")
+    parser.add_argument("--fake-config", help="Fake-Pi test configuration (JSON or TOML)")
+    args = parser.parse_args(list(argv))
+    for flag, used in (
+        ("--continue", args.continue_),
+        ("--thinking", args.thinking),
+    ):
+        if used:
+            _ignored(flag)
+    for path in args.extension:
+        _ignored(f"--extension {path} (Fake-Pi gates its tools natively)")
+    return args
+
+
+def agent_dir() -> Path:
+    configured = os.environ.get("PI_CODING_AGENT_DIR")
+    return Path(configured) if configured else Path.home() / ".pi" / "agent"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = msgspec.json.decode(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def session_file_name(session_id: str, time_ms: int) -> str:
+    """Pi's file name: ISO time with ``:`` and ``.`` as ``-``, then the session id."""
+    moment = datetime.datetime.fromtimestamp(time_ms / 1000, tz=datetime.UTC)
+    stamp = moment.strftime("%Y-%m-%dT%H-%M-%S-") + f"{time_ms % 1000:03d}Z"
+    return f"{stamp}_{session_id}.jsonl"
+
+
+@dataclass
+class _Setup:
+    options: AgentOptions
+    config: FakeConfig
+    recorder: Recorder
+
+
+def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
+    config_path = args.fake_config or os.environ.get("FAKE_PI_CONFIG")
+    config = FakeConfig.load(config_path) if config_path else FakeConfig()
+    recorder = Recorder(config.record)
+    cwd = Path.cwd()
+    directory = agent_dir()
+    models = _read_json(directory / "models.json").get("providers", {})
+    settings = _read_json(directory / "settings.json")
+    provider_name = args.provider or "fake"
+    provider = models.get(provider_name) or {}
+    model_id = args.model or "fake-model"
+    model_entry: dict[str, Any] = next((m for m in provider.get("models", []) if m.get("id") == model_id), {})
+    client: ModelClient
+    if provider.get("baseUrl"):
+        client = HttpModelClient(provider["baseUrl"], provider.get("apiKey"))
+    else:
+        scripted = ScriptedModel(directives=config.directives, model_id=model_id)
+        if config.scenario is not None:
+            scripted.scenario = config.scenario
+        client = InProcessModelClient(scripted)
+    model = ModelInfo(
+        provider=provider_name,
+        id=model_id,
+        name=model_entry.get("name", "Fake Model"),
+        base_url=provider.get("baseUrl", ""),
+        context_window=int(model_entry.get("contextWindow", 128000)),
+        max_tokens=int(model_entry.get("maxTokens", 4096)),
+    )
+    now = clock.time_ms()
+    session_id = uuid7(now)
+    path: Path | None
+    if args.no_session:
+        path = None
+    elif args.session:
+        path = Path(args.session).absolute()
+    else:
+        base = (
+            Path(args.session_dir)
+            if args.session_dir
+            else directory / "sessions" / ("--" + str(cwd).strip("/").replace("/", "-") + "--")
+        )
+        path = base.absolute() / session_file_name(session_id, now)
+    conversation = Conversation(
+        path=path,
+        cwd=cwd,
+        provider=provider_name,
+        model_id=model_id,
+        clock=clock,
+        session_id=session_id,
+    )
+    options = AgentOptions(
+        cwd=cwd,
+        client=client,
+        tools=builtin_tools(),
+        clock=clock,
+        conversation=conversation,
+        barriers=Barriers(config.behaviours, in_process=False),
+        model=model,
+        retry=RetrySettings.from_settings(settings),
+        append_system_prompt=list(args.append_system_prompt),
+        tool_env=dict(os.environ),
+        ledger_path=Path(config.ledger) if config.ledger else cwd / ".fake-pi-effects.jsonl",
+        recorder=recorder,
+    )
+    return _Setup(options, config, recorder)
+
+
+async def _run_process(args: argparse.Namespace) -> int:
+    setup = _setup(args, clock=SystemWallClock())
+    recorder = setup.recorder
+    recorder.record("launch", argv=sys.argv, env_keys=sorted(os.environ))
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    stdout = trio.lowlevel.FdStream(os.dup(1))
+    out_send, out_receive = trio.open_memory_channel[dict[str, Any]](256)
+    exit_code = 0
+
+    async def writer() -> None:
+        async for item in out_receive:
+            await stdout.send_all(_encode.encode(item) + b"\n")
+
+    async def signals(agent: Agent, cancel: trio.CancelScope) -> None:
+        nonlocal exit_code
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+            async for signum in received:
+                if signum == signal.SIGTERM and setup.config.behaviours.ignore_sigterm:
+                    await trio.sleep(setup.config.behaviours.ignore_sigterm)
+                exit_code = 128 + signum
+                await agent.shutdown()
+                cancel.cancel()
+                return
+
+    agent = Agent(setup.options, out_send.send)
+    await setup.options.barriers.reach("startup")
+    async with trio.open_nursery() as outer:
+        outer.start_soon(writer)
+        outer.start_soon(signals, agent, outer.cancel_scope)
+        await serve_rpc(
+            agent,
+            read_lines(stdin),
+            out_send.send,
+            on_line=lambda line: recorder.record("stdin", line=line.decode(errors="replace")),
+        )
+        await out_send.aclose()
+        await trio.lowlevel.checkpoint()
+        outer.cancel_scope.cancel()
+    setup.options.conversation.close()
+    recorder.close()
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.version:
+        print("1.6.0 (fake-pi)")
+        return 0
+    if args.mode != "rpc":
+        print(f"fake-pi: --mode {args.mode} is not supported; use --mode rpc", file=sys.stderr)
+        return 2
+    try:
+        return trio.run(_run_process, args)
+    except BarrierExit as exc:  # pragma: no cover - subprocess exits via os._exit
+        return exc.code
+
+
+# -- in-process ----------------------------------------------------------------------
+
+
+class FakePi:
+    """An in-process Fake-Pi: write commands to ``stdin``, read ``stdout``.
+
+    The streams carry exactly the bytes a subprocess would, so the runtime's RPC
+    client drives both the same way; :meth:`send` and :meth:`receive` are
+    conveniences for tests. :meth:`kill` stops it dead, as SIGKILL would.
+    """
+
+    def __init__(
+        self,
+        stdin: trio.abc.SendStream,
+        stdout: trio.abc.ReceiveStream,
+        agent: Agent,
+        scope: trio.CancelScope,
+    ) -> None:
+        self.stdin = stdin
+        self.stdout = stdout
+        self.agent = agent
+        self._scope = scope
+        self._lines = read_lines(stdout)
+        self.killed = False
+
+    async def send(self, command: dict[str, Any]) -> None:
+        await self.stdin.send_all(_encode.encode(command) + b"\n")
+
+    async def receive(self) -> dict[str, Any]:
+        line = await anext(self._lines)
+        decoded: dict[str, Any] = msgspec.json.decode(line)
+        return decoded
+
+    async def receive_until(self, event_type: str) -> list[dict[str, Any]]:
+        """Every object up to and including the first of ``event_type``."""
+        seen = []
+        while True:
+            item = await self.receive()
+            seen.append(item)
+            if item.get("type") == event_type:
+                return seen
+
+    def kill(self) -> None:
+        self.killed = True
+        self._scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def open_fake_pi(
+    *,
+    cwd: Path,
+    model: ScriptedModel | None = None,
+    session: Path | None = None,
+    gate: ToolGate | None = None,
+    clock: WallClock | None = None,
+    behaviours: Behaviours | None = None,
+    retry: RetrySettings | None = None,
+    append_system_prompt: Sequence[str] = (),
+    tool_env: dict[str, str] | None = None,
+    ledger_path: Path | None = None,
+) -> AsyncIterator[FakePi]:
+    """Run a Fake-Pi in this Trio run, for virtual-time tests.
+
+    ``model`` defaults to a plain :class:`ScriptedModel`; its delays are Trio
+    sleeps, so a MockClock drives them. ``session`` is the session file
+    (created on the first message, resumed if it exists); ``None`` keeps the
+    session in memory. On exit Fake-Pi sees its stdin closed (an aborting
+    shutdown if a run is in flight).
+    """
+    clock = clock or SystemWallClock()
+    model = model or ScriptedModel()
+    in_send, in_receive = trio.testing.memory_stream_one_way_pair()
+    out_send, out_receive = trio.testing.memory_stream_one_way_pair()
+    conversation = Conversation(
+        path=session,
+        cwd=cwd,
+        provider="fake",
+        model_id=model.model_id,
+        clock=clock,
+        session_id=uuid7(clock.time_ms()),
+    )
+    options = AgentOptions(
+        cwd=cwd,
+        client=InProcessModelClient(model),
+        tools=builtin_tools(),
+        clock=clock,
+        conversation=conversation,
+        barriers=Barriers(behaviours or Behaviours(), in_process=True),
+        model=ModelInfo(id=model.model_id),
+        gate=gate or AllowAllGate(),
+        retry=retry or RetrySettings(),
+        append_system_prompt=list(append_system_prompt),
+        tool_env=tool_env if tool_env is not None else dict(os.environ),
+        ledger_path=ledger_path or cwd / ".fake-pi-effects.jsonl",
+    )
+    write_lock = trio.Lock()
+
+    async def send(item: dict[str, Any]) -> None:
+        async with write_lock:
+            await out_send.send_all(_encode.encode(item) + b"\n")
+
+    agent = Agent(options, send)
+
+    async def serve(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            # BarrierKill/BarrierExit: stopped dead at a barrier, as a killed process would
+            with contextlib.suppress(BarrierKill, BarrierExit):
+                await serve_rpc(agent, read_lines(in_receive), send)
+        with contextlib.suppress(trio.ClosedResourceError):
+            await out_send.aclose()
+
+    async with trio.open_nursery() as nursery:
+        scope = await nursery.start(serve)
+        fake = FakePi(in_send, out_receive, agent, scope)
+        try:
+            yield fake
+        finally:
+            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                await in_send.aclose()
+            conversation.close()

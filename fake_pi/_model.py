@@ -1,0 +1,230 @@
+"""Calling the model: clients for the two transports, and the stream assembler.
+
+Fake-Pi calls its model the way Pi does: an OpenAI-compatible streaming
+``chat/completions`` endpoint over HTTP (:class:`HttpModelClient`, used by the
+subprocess, so the runtime's model gateway can sit in front of it exactly as in
+front of the real Pi), or a direct call in-process (:class:`InProcessModelClient`,
+so a MockClock drives the model's delays). Both yield the same chunk dicts.
+
+:class:`Assembler` turns chunks into Pi's assistant message and its
+``assistantMessageEvent`` stream (``text_*``, ``thinking_*``, ``toolcall_*``),
+mirroring Pi's ``openai-completions`` provider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+import msgspec
+
+from runtime._http import HttpClientError, iter_sse, open_request
+
+from ._messages import usage
+from .model_server import ModelHttpError, ScriptedModel, StreamCut
+
+__all__ = ["Assembler", "HttpModelClient", "InProcessModelClient", "ModelClient", "ModelError"]
+
+_json = msgspec.json.Encoder()
+CUT_MESSAGE = "Connection error: the stream was interrupted (connection lost)"
+
+
+class ModelError(Exception):
+    """The model call failed; ``message`` is what Pi puts in ``errorMessage``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _http_error_message(status: int, body: bytes) -> str:
+    """Pi's rendering: ``"<status>: <JSON of the error object>"``."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return f"{status} status code ({body[:200].decode(errors='replace')})"
+    error = decoded.get("error", decoded) if isinstance(decoded, dict) else decoded
+    return f"{status}: {_json.encode(error).decode()}"
+
+
+class ModelClient(Protocol):
+    def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Chunk dicts of one streamed response; :class:`ModelError` on failure."""
+        ...
+
+
+class InProcessModelClient:
+    """Calls a :class:`ScriptedModel` directly (virtual time friendly)."""
+
+    def __init__(self, model: ScriptedModel) -> None:
+        self.model = model
+
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        chunks = self.model.stream(body)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ModelHttpError as exc:
+            raise ModelError(_http_error_message(exc.status, _json.encode(exc.body))) from exc
+        except StreamCut as exc:
+            raise ModelError(CUT_MESSAGE) from exc
+        finally:
+            await chunks.aclose()
+
+
+class HttpModelClient:
+    """POSTs to ``{base_url}/chat/completions`` and parses the SSE stream."""
+
+    def __init__(self, base_url: str, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        headers = [("content-type", "application/json"), ("accept", "application/json")]
+        if self.api_key:
+            headers.append(("authorization", f"Bearer {self.api_key}"))
+        try:
+            async with open_request(
+                "POST",
+                f"{self.base_url}/chat/completions",
+                headers=headers,
+                body=_json.encode(body),
+            ) as response:
+                if response.status != 200:
+                    raise ModelError(_http_error_message(response.status, await response.read()))
+                async for event in iter_sse(response.iter_bytes()):
+                    if event.data is None:
+                        continue  # keepalive comment
+                    if event.data == "[DONE]":
+                        return
+                    yield msgspec.json.decode(event.data)
+        except HttpClientError as exc:
+            raise ModelError(CUT_MESSAGE) from exc
+
+
+_STOP_REASONS = {"stop": "stop", "tool_calls": "toolUse", "length": "length"}
+
+
+class Assembler:
+    """Builds the assistant message from chunks; returns the events to emit."""
+
+    def __init__(self, message: dict[str, Any]) -> None:
+        self.message = message
+        self._open: tuple[str, int] | None = None  # (block type, contentIndex)
+        self._call_by_index: dict[int, int] = {}  # provider tool index -> contentIndex
+        self._raw_args: dict[int, str] = {}
+        self.finish_reason: str | None = None
+        self.response_id: str | None = None
+
+    @property
+    def content(self) -> list[dict[str, Any]]:
+        content: list[dict[str, Any]] = self.message["content"]
+        return content
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        kind, index = self._open
+        self._open = None
+        block = self.content[index]
+        if kind == "text":
+            return [{"type": "text_end", "contentIndex": index, "content": block["text"]}]
+        if kind == "thinking":
+            return [{"type": "thinking_end", "contentIndex": index, "content": block["thinking"]}]
+        try:
+            block["arguments"] = msgspec.json.decode(self._raw_args.get(index, "") or "{}")
+        except msgspec.DecodeError:
+            block["arguments"] = {}
+        return [{"type": "toolcall_end", "contentIndex": index, "toolCall": dict(block)}]
+
+    def _delta(self, kind: str, field: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open[0] != kind:
+            events += self._close()
+            self.content.append({"type": kind, field: ""})
+            index = len(self.content) - 1
+            self._open = (kind, index)
+            events.append({"type": f"{kind}_start", "contentIndex": index})
+        index = self._open[1]
+        self.content[index][field] += text
+        events.append({"type": f"{kind}_delta", "contentIndex": index, "delta": text})
+        return events
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        self.response_id = chunk.get("id", self.response_id)
+        if chunk.get("usage"):
+            u = chunk["usage"]
+            self.message["usage"] = usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            for field in ("reasoning_content", "reasoning", "reasoning_text"):
+                if delta.get(field):
+                    events += self._delta("thinking", "thinking", delta[field])
+                    break
+            if delta.get("content"):
+                events += self._delta("text", "text", delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._tool_call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _tool_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        provider_index = call.get("index", 0)
+        function = call.get("function") or {}
+        index = self._call_by_index.get(provider_index)
+        if index is None:
+            events += self._close()
+            block = {
+                "type": "toolCall",
+                "id": call.get("id") or f"call_{len(self.content)}",
+                "name": function.get("name", ""),
+                "arguments": {},
+            }
+            self.content.append(block)
+            index = len(self.content) - 1
+            self._call_by_index[provider_index] = index
+            self._open = ("toolcall", index)
+            events.append(
+                {
+                    "type": "toolcall_start",
+                    "contentIndex": index,
+                    "id": block["id"],
+                    "toolName": block["name"],
+                }
+            )
+        piece = function.get("arguments", "")
+        self._raw_args[index] = self._raw_args.get(index, "") + piece
+        events.append({"type": "toolcall_delta", "contentIndex": index, "delta": piece})
+        return events
+
+    def finish(self, *, duration_ms: int) -> list[dict[str, Any]]:
+        """Close the open block and complete the message; ModelError if unfinished."""
+        events = self._close()
+        if self.finish_reason is None:
+            raise ModelError("Stream ended without finish_reason")
+        message = self.message
+        message["stopReason"] = _STOP_REASONS.get(self.finish_reason, "stop")
+        if self.response_id is not None:
+            message["responseId"] = self.response_id
+        message["rawStopReason"] = self.finish_reason
+        message["durationMs"] = duration_ms
+        message["thinkingLevel"] = "off"
+        return events
+
+    def fail(self, *, reason: str, error_message: str, duration_ms: int) -> list[dict[str, Any]]:
+        """End the message as ``error`` or ``aborted`` (partial content kept)."""
+        events = self._close()
+        message = self.message
+        message["stopReason"] = reason
+        if reason == "aborted":
+            timestamp = message.pop("timestamp", 0)  # Pi orders errorMessage first here
+            message["errorMessage"] = error_message
+            message["timestamp"] = timestamp
+        else:
+            message["errorMessage"] = error_message
+        message["durationMs"] = duration_ms
+        message["thinkingLevel"] = "off"
+        return events

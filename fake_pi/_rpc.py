@@ -1,0 +1,244 @@
+"""Pi's RPC protocol over any pair of byte streams (stdin/stdout, or in memory).
+
+Commands are JSON objects, one per LF-terminated line (split on ``\\n`` only,
+never on U+2028/2029); responses echo ``id`` in Pi's ``{type: "response",
+command, success, data | error}`` shape; events are interleaved on the same
+stream. A bad line gets Pi's parse error, an unknown command Pi's
+``Unknown command: …``. When the input ends while a run is in flight, the run
+is aborted the way Pi aborts it on stdin EOF (persisted, not printed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from ._agent import Agent
+
+__all__ = ["read_lines", "serve_rpc"]
+
+_MAX_LINE: Final = 64 * 1024 * 1024
+BUSY: Final = (
+    "Agent is already processing. Specify streamingBehavior ('steer' or 'followUp') "
+    "to queue the message."
+)
+_encode = msgspec.json.Encoder()
+
+
+async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[bytes]:
+    """LF-terminated lines from a byte stream (a final unterminated line too)."""
+    buffer = bytearray()
+    while True:
+        data = await stream.receive_some(65536)
+        if not data:
+            if buffer:
+                yield bytes(buffer)
+            return
+        buffer += data
+        while (end := buffer.find(b"\n")) >= 0:
+            line = bytes(buffer[:end])
+            del buffer[: end + 1]
+            yield line
+        if len(buffer) > _MAX_LINE:
+            raise ValueError("an input line exceeds 64 MiB")
+
+
+def _response(
+    command: str, cmd_id: Any, *, data: Any = None, error: str | None = None
+) -> dict[str, Any]:
+    response: dict[str, Any] = {}
+    if cmd_id is not None:
+        response["id"] = cmd_id
+    response.update(type="response", command=command, success=error is None)
+    if error is not None:
+        response["error"] = error
+    elif data is not None:
+        response["data"] = data
+    return response
+
+
+async def serve_rpc(
+    agent: Agent,
+    lines: AsyncIterator[bytes],
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    *,
+    on_line: Callable[[bytes], None] | None = None,
+) -> None:
+    """Answer commands from ``lines`` until they end; ``send`` writes one object."""
+    async with trio.open_nursery() as nursery:
+        agent.attach(nursery)
+        async for line in lines:
+            if on_line is not None:
+                on_line(line)
+            if not line.strip():
+                continue
+            await _dispatch(agent, line, send, nursery)
+        await agent.shutdown()
+        nursery.cancel_scope.cancel()
+
+
+async def _dispatch(
+    agent: Agent,
+    line: bytes,
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    try:
+        command = msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:
+        await send(_response("parse", None, error=f"Failed to parse command: {exc}"))
+        return
+    if not isinstance(command, dict):
+        await send(_response("parse", None, error="Failed to parse command: not an object"))
+        return
+    kind = command.get("type")
+    cmd_id = command.get("id")
+    handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
+    if handler is None:
+        await send(_response(str(kind), cmd_id, error=f"Unknown command: {kind}"))
+        return
+
+    async def run() -> None:
+        try:
+            data = await handler(agent, command)
+        except _Refused as exc:
+            await send(_response(str(kind), cmd_id, error=str(exc)))
+        else:
+            await send(_response(str(kind), cmd_id, data=data))
+
+    if kind in _BACKGROUND:
+        nursery.start_soon(run)
+    else:
+        await run()
+
+
+class _Refused(Exception):
+    pass
+
+
+async def _prompt(agent: Agent, command: dict[str, Any]) -> Any:
+    text = command.get("message")
+    if not isinstance(text, str):
+        raise _Refused("prompt needs a message")
+    behaviour = command.get("streamingBehavior")
+    if agent.running:
+        if behaviour not in ("steer", "followUp"):
+            raise _Refused(BUSY)
+        await agent.queue(text, behaviour)
+        return {"disposition": "queued"}
+    agent.start_prompt(text)
+    return {"disposition": "started"}
+
+
+async def _steer(agent: Agent, command: dict[str, Any]) -> Any:
+    await agent.queue(str(command.get("message", "")), "steer")
+    return {"disposition": "queued"}
+
+
+async def _follow_up(agent: Agent, command: dict[str, Any]) -> Any:
+    await agent.queue(str(command.get("message", "")), "followUp")
+    return {"disposition": "queued"}
+
+
+async def _abort(agent: Agent, command: dict[str, Any]) -> Any:
+    await agent.abort()
+    return None
+
+
+async def _clear_queue(agent: Agent, command: dict[str, Any]) -> Any:
+    return await agent.clear_queue()
+
+
+async def _get_state(agent: Agent, command: dict[str, Any]) -> Any:
+    return agent.state()
+
+
+async def _get_messages(agent: Agent, command: dict[str, Any]) -> Any:
+    return {"messages": agent.conversation.context()}
+
+
+async def _get_entries(agent: Agent, command: dict[str, Any]) -> Any:
+    entries = agent.conversation.entries()
+    since = command.get("since")
+    if since is not None:
+        ids = [e.get("id") for e in entries]
+        if since not in ids:
+            raise _Refused(f"Entry not found: {since}")
+        entries = entries[ids.index(since) + 1 :]
+    return {"entries": entries, "leafId": agent.conversation.leaf_id}
+
+
+async def _get_tree(agent: Agent, command: dict[str, Any]) -> Any:
+    entries = agent.conversation.entries()
+    nodes = {e["id"]: {"entry": e, "children": []} for e in entries}
+    roots: list[dict[str, Any]] = []
+    for entry in entries:
+        parent = nodes.get(entry.get("parentId"))
+        (parent["children"] if parent else roots).append(nodes[entry["id"]])
+    return {"tree": roots, "leafId": agent.conversation.leaf_id}
+
+
+async def _get_session_stats(agent: Agent, command: dict[str, Any]) -> Any:
+    return agent.session_stats()
+
+
+async def _get_last_assistant_text(agent: Agent, command: dict[str, Any]) -> Any:
+    for message in reversed(agent.conversation.context()):
+        if message.get("role") == "assistant" and message.get("stopReason") != "aborted":
+            text = "".join(b.get("text", "") for b in message["content"] if b["type"] == "text")
+            return {"text": text}
+    return {"text": None}
+
+
+async def _get_fork_messages(agent: Agent, command: dict[str, Any]) -> Any:
+    messages = []
+    for entry in agent.conversation.path_entries():
+        message = entry.get("message") or {}
+        if entry.get("type") == "message" and message.get("role") == "user":
+            text = "".join(p.get("text", "") for p in message["content"] if p["type"] == "text")
+            messages.append({"entryId": entry["id"], "text": text})
+    return {"messages": messages}
+
+
+async def _get_available_models(agent: Agent, command: dict[str, Any]) -> Any:
+    return {"models": [agent.options.model.as_pi()]}
+
+
+async def _get_available_thinking_levels(agent: Agent, command: dict[str, Any]) -> Any:
+    return {"levels": ["off"]}
+
+
+async def _get_commands(agent: Agent, command: dict[str, Any]) -> Any:
+    return {"commands": []}
+
+
+async def _set_session_name(agent: Agent, command: dict[str, Any]) -> Any:
+    name = str(command.get("name", ""))
+    agent.conversation.append({"type": "session_info", "name": name})
+    await agent.emit({"type": "session_info_changed", "name": name})
+    return None
+
+
+Handler = Callable[[Agent, dict[str, Any]], Awaitable[Any]]
+_HANDLERS: Final[dict[str, Handler]] = {
+    "prompt": _prompt,
+    "steer": _steer,
+    "follow_up": _follow_up,
+    "abort": _abort,
+    "clear_queue": _clear_queue,
+    "get_state": _get_state,
+    "get_messages": _get_messages,
+    "get_entries": _get_entries,
+    "get_tree": _get_tree,
+    "get_session_stats": _get_session_stats,
+    "get_last_assistant_text": _get_last_assistant_text,
+    "get_fork_messages": _get_fork_messages,
+    "get_available_models": _get_available_models,
+    "get_available_thinking_levels": _get_available_thinking_levels,
+    "get_commands": _get_commands,
+    "set_session_name": _set_session_name,
+}
+_BACKGROUND: Final = frozenset({"abort"})
