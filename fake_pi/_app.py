@@ -334,9 +334,10 @@ async def open_fake_pi(
     async def serve(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         with trio.CancelScope() as scope:
             task_status.started(scope)
-            # BarrierKill/BarrierExit: stopped dead at a barrier, as a killed process would
-            with contextlib.suppress(BarrierKill, BarrierExit):
+            try:
                 await serve_rpc(agent, read_lines(in_receive), send)
+            except* (BarrierKill, BarrierExit):
+                pass  # stopped dead at a barrier, as a killed process would
         with contextlib.suppress(trio.ClosedResourceError):
             await out_send.aclose()
 
