@@ -115,7 +115,8 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
     provider_name = args.provider or "fake"
     provider = models.get(provider_name) or {}
     model_id = args.model or "fake-model"
-    model_entry: dict[str, Any] = next((m for m in provider.get("models", []) if m.get("id") == model_id), {})
+    listed = [m for m in provider.get("models", []) if m.get("id") == model_id]
+    model_entry: dict[str, Any] = listed[0] if listed else {}
     client: ModelClient
     if provider.get("baseUrl"):
         client = HttpModelClient(provider["baseUrl"], provider.get("apiKey"))
