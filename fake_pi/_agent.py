@@ -22,12 +22,24 @@ from typing import Any
 
 import trio
 
-from runtime._clock import WallClock
+from runtime._clock import WallClock, iso_timestamp
 
 from ._behaviours import Barriers, Recorder
+from ._compaction import (
+    CompactionError,
+    CompactionSettings,
+    compact,
+    compaction_entry,
+    estimate_projected_context_tokens,
+    estimate_tokens,
+    prepare_compaction,
+    should_compact,
+    tokens_after_reply,
+)
 from ._gate import AllowAllGate, ToolCall, ToolGate, ToolResult
 from ._messages import (
     assistant_message,
+    project_path,
     request_messages,
     system_message,
     tool_result_message,
@@ -97,6 +109,7 @@ class AgentOptions:
     model: ModelInfo = field(default_factory=ModelInfo)
     gate: ToolGate = field(default_factory=AllowAllGate)
     retry: RetrySettings = field(default_factory=RetrySettings)
+    compaction: CompactionSettings = field(default_factory=CompactionSettings)
     append_system_prompt: list[str] = field(default_factory=list)
     tool_env: dict[str, str] = field(default_factory=dict)
     ledger_path: Path | None = None
@@ -119,6 +132,7 @@ class Agent:
         self._settled = trio.Event()
         self._settled.set()
         self._nursery: trio.Nursery | None = None
+        self.compacting = False
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -183,14 +197,14 @@ class Agent:
             "model": self.options.model.as_pi(),
             "thinkingLevel": "off",
             "isStreaming": self.running,
-            "isCompacting": False,
+            "isCompacting": self.compacting,
             "steeringMode": "one-at-a-time",
             "followUpMode": "one-at-a-time",
         }
         if self.conversation.path is not None:
             state["sessionFile"] = str(self.conversation.path)
         state["sessionId"] = self.conversation.session_id
-        state["autoCompactionEnabled"] = True
+        state["autoCompactionEnabled"] = self.options.compaction.enabled
         state["messageCount"] = len(self.conversation.context())
         state["pendingMessageCount"] = len(self.steering) + len(self.follow_up)
         return state
@@ -276,8 +290,12 @@ class Agent:
     async def _loop(self, inputs: list[dict[str, Any]]) -> None:
         retry_attempt = 0
         produced: list[dict[str, Any]] = []
+        continuing = False  # a later turn of this loop (not a retry): Pi may compact first
         await self.emit({"type": "agent_start"})
         while True:
+            if continuing:
+                await self._compact_before_turn()
+            continuing = False
             await self.emit({"type": "turn_start"})
             if self.conversation.is_new:
                 await self._record(self._system_message(), produced)
@@ -307,6 +325,7 @@ class Agent:
                             "finalError": message,
                         }
                     )
+                await self._compact_after_run(assistant)
                 return
             if retry_attempt:
                 await self.emit(
@@ -340,7 +359,86 @@ class Agent:
                 await self._queue_update()
             elif not calls:
                 break
+            continuing = True
         await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
+        await self._compact_after_run(assistant)
+
+    # -- compaction (Pi's _checkCompaction / _runAutoCompaction) ---------------------
+
+    async def _compact_before_turn(self) -> None:
+        """Pi's ``_compactBeforeNextAssistantResponse``: between turns of a run, compact
+        when the projected context (last usage + later messages) passes the threshold.
+        An abort meanwhile ends the next request as aborted, as in Pi."""
+        window = self.options.model.context_window
+        branch = self.conversation.path_entries()
+        tokens = estimate_projected_context_tokens(project_path(branch), branch)
+        if window > 0 and should_compact(tokens, window, self.options.compaction):
+            await self._compact("threshold")
+
+    async def _compact_after_run(self, assistant: dict[str, Any]) -> None:
+        """Pi's threshold check after a run (between ``agent_end`` and ``agent_settled``)."""
+        settings = self.options.compaction
+        if not settings.enabled or assistant.get("stopReason") == "aborted":
+            return
+        tokens = tokens_after_reply(assistant, self.conversation.path_entries())
+        window = self.options.model.context_window
+        due = tokens is not None and should_compact(tokens, window, settings)
+        if due and await self._compact("threshold"):
+            raise _Aborted
+
+    async def _compact(self, reason: str) -> bool:
+        """Summarize through the model, append the ``compaction`` entry and emit
+        ``compaction_start/end``; returns whether it was aborted."""
+        preparation = prepare_compaction(self.conversation.path_entries(), self.options.compaction)
+        if preparation is None:
+            return False
+        model = self.options.model
+        self.compacting = True
+        await self.emit({"type": "compaction_start", "reason": reason})
+        error: str | None = None
+        try:
+            with trio.CancelScope() as scope:
+                self._op_scope = scope
+                if self._abort_requested:
+                    scope.cancel()
+                try:
+                    result = await compact(
+                        preparation,
+                        self.options.client,
+                        model_id=model.id,
+                        max_tokens=model.max_tokens,
+                    )
+                except CompactionError as exc:
+                    error = str(exc)
+            self._op_scope = None
+            if scope.cancelled_caught or error is not None:
+                end: dict[str, Any] = {"type": "compaction_end", "reason": reason}
+                end.update(aborted=scope.cancelled_caught, willRetry=False)
+                if not scope.cancelled_caught:
+                    end["errorMessage"] = f"Auto-compaction failed: {error}"
+                await self.emit(end)
+                return scope.cancelled_caught
+            now = self._now()
+            entry = compaction_entry(
+                result,
+                timestamp=iso_timestamp(now),
+                time_ms=now,
+                context=self.conversation.context(),
+            )
+            self.conversation.append(entry)
+            after = sum(estimate_tokens(m) for m in self.conversation.context())
+            await self.emit(
+                {
+                    "type": "compaction_end",
+                    "reason": reason,
+                    "result": result.as_pi(estimated_tokens_after=after),
+                    "aborted": False,
+                    "willRetry": False,
+                }
+            )
+            return False
+        finally:
+            self.compacting = False
 
     async def _retry_wait(self, attempt: int, message: str, failed: dict[str, Any]) -> None:
         delay_ms = self.options.retry.delay_ms(attempt)

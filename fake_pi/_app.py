@@ -27,6 +27,7 @@ from runtime._session import uuid7
 
 from ._agent import Agent, AgentOptions, ModelInfo
 from ._behaviours import BarrierExit, BarrierKill, Barriers, Behaviours, FakeConfig, Recorder
+from ._compaction import CompactionSettings
 from ._conversation import Conversation
 from ._gate import AllowAllGate, ToolGate
 from ._model import HttpModelClient, InProcessModelClient, ModelClient
@@ -164,6 +165,7 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
         barriers=Barriers(config.behaviours, in_process=False),
         model=model,
         retry=RetrySettings.from_settings(settings),
+        compaction=CompactionSettings.from_settings(settings, f"{provider_name}/{model_id}"),
         append_system_prompt=list(args.append_system_prompt),
         tool_env=dict(os.environ),
         ledger_path=Path(config.ledger) if config.ledger else cwd / ".fake-pi-effects.jsonl",
@@ -286,6 +288,8 @@ async def open_fake_pi(
     clock: WallClock | None = None,
     behaviours: Behaviours | None = None,
     retry: RetrySettings | None = None,
+    compaction: CompactionSettings | None = None,
+    context_window: int | None = None,
     append_system_prompt: Sequence[str] = (),
     tool_env: dict[str, str] | None = None,
     ledger_path: Path | None = None,
@@ -296,7 +300,8 @@ async def open_fake_pi(
     sleeps, so a MockClock drives them. ``session`` is the session file
     (created on the first message, resumed if it exists); ``None`` keeps the
     session in memory. On exit Fake-Pi sees its stdin closed (an aborting
-    shutdown if a run is in flight).
+    shutdown if a run is in flight). ``compaction`` (Pi's defaults) and
+    ``context_window`` (128000) set when Fake-Pi auto-compacts.
     """
     clock = clock or SystemWallClock()
     model = model or ScriptedModel()
@@ -317,9 +322,10 @@ async def open_fake_pi(
         clock=clock,
         conversation=conversation,
         barriers=Barriers(behaviours or Behaviours(), in_process=True),
-        model=ModelInfo(id=model.model_id),
+        model=ModelInfo(id=model.model_id, context_window=context_window or 128000),
         gate=gate or AllowAllGate(),
         retry=retry or RetrySettings(),
+        compaction=compaction or CompactionSettings(),
         append_system_prompt=list(append_system_prompt),
         tool_env=tool_env if tool_env is not None else dict(os.environ),
         ledger_path=ledger_path or cwd / ".fake-pi-effects.jsonl",

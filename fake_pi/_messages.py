@@ -12,13 +12,16 @@ with a synthetic ``"No result provided"`` (in the request only).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Final
 
 import msgspec
 
 __all__ = [
     "assistant_message",
+    "compaction_summary_message",
     "context_from_path",
+    "project_path",
     "request_messages",
     "system_message",
     "tool_result_message",
@@ -126,15 +129,82 @@ def context_from_path(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     ``context_edit`` entries with ``replacement: null`` hide their target (Pi's
     way of dropping a failed reply before a retry). ``custom`` entries are
-    never sent.
+    never sent. After a ``compaction`` entry the context is its summary (and
+    system message) plus the kept entries and what followed (:func:`project_path`).
     """
+    return [message for _, messages in project_path(entries) for message in messages]
+
+
+# -- compaction (Pi's session-manager ``buildSessionProjection``) ---------------------
+
+COMPACTION_SUMMARY_PREFIX: Final = (
+    "The conversation history before this point was compacted into the following summary:"
+    "\n\n<summary>\n"
+)
+COMPACTION_SUMMARY_SUFFIX: Final = "\n</summary>"
+
+
+def _iso_ms(timestamp: str) -> int:
+    moment = datetime.datetime.fromisoformat(timestamp)
+    return int(moment.timestamp() * 1000 + 0.5)
+
+
+def compaction_summary_message(entry: dict[str, Any]) -> dict[str, Any]:
+    """The ``compactionSummary`` message a ``compaction`` entry stands for."""
+    return {
+        "role": "compactionSummary",
+        "summary": entry.get("summary", ""),
+        "tokensBefore": entry.get("tokensBefore", 0),
+        "timestamp": _iso_ms(entry["timestamp"]),
+    }
+
+
+def _entry_messages(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    kind = entry.get("type")
+    if kind == "message":
+        return [entry["message"]]
+    if kind == "compaction":
+        summary = compaction_summary_message(entry)
+        system = entry.get("systemMessage")
+        return [system, summary] if system else [summary]
+    return []
+
+
+Projected = list[tuple[dict[str, Any], list[dict[str, Any]]]]
+
+
+def project_path(entries: list[dict[str, Any]]) -> Projected:
+    """Each context entry of a path with the messages it contributes, as Pi projects it.
+
+    Without compaction that is the whole path. With one, the newest ``compaction``
+    entry comes first (its system message and summary), then the entries from its
+    ``firstKeptEntryId`` up to it (system messages left out), then those after it.
+    """
+    latest = max((i for i, e in enumerate(entries) if e.get("type") == "compaction"), default=-1)
+    selected = entries
+    if latest >= 0:
+        compaction = entries[latest]
+        kept: list[dict[str, Any]] = []
+        found = False
+        for entry in entries[:latest]:
+            found = found or entry.get("id") == compaction.get("firstKeptEntryId")
+            is_system = entry.get("type") == "message" and entry["message"].get("role") == "system"
+            if found and not is_system:
+                kept.append(entry)
+        selected = [compaction, *kept, *entries[latest + 1 :]]
     hidden = {
         e.get("targetId")
-        for e in entries
+        for e in selected
         if e.get("type") == "context_edit" and e.get("replacement") is None
     }
     return [
-        e["message"] for e in entries if e.get("type") == "message" and e.get("id") not in hidden
+        (
+            entry,
+            []
+            if entry.get("id") in hidden or (index > 0 and entry.get("type") == "compaction")
+            else _entry_messages(entry),
+        )
+        for index, entry in enumerate(selected)
     ]
 
 
@@ -171,6 +241,11 @@ def request_messages(context: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": message["content"]})
             elif parts:
                 out.append({"role": "user", "content": parts})
+        elif role == "compactionSummary":
+            settle_dangling()
+            summary = message.get("summary", "")
+            text = f"{COMPACTION_SUMMARY_PREFIX}{summary}{COMPACTION_SUMMARY_SUFFIX}"
+            out.append({"role": "user", "content": [{"type": "text", "text": text}]})
         elif role == "bashExecution":
             settle_dangling()
             text = f"Ran `{message.get('command', '')}`\n```\n{message.get('output', '')}```\n"
