@@ -159,7 +159,7 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
     options = AgentOptions(
         cwd=cwd,
         client=client,
-        tools=builtin_tools(),
+        tools=builtin_tools(config.tools),
         clock=clock,
         conversation=conversation,
         barriers=Barriers(config.behaviours, in_process=False),
@@ -293,6 +293,7 @@ async def open_fake_pi(
     append_system_prompt: Sequence[str] = (),
     tool_env: dict[str, str] | None = None,
     ledger_path: Path | None = None,
+    tools: Sequence[str] | None = None,
 ) -> AsyncIterator[FakePi]:
     """Run a Fake-Pi in this Trio run, for virtual-time tests.
 
@@ -302,6 +303,7 @@ async def open_fake_pi(
     session in memory. On exit Fake-Pi sees its stdin closed (an aborting
     shutdown if a run is in flight). ``compaction`` (Pi's defaults) and
     ``context_window`` (128000) set when Fake-Pi auto-compacts.
+    ``tools`` names the tools to expose (default: Pi's read, bash, edit, write).
     """
     clock = clock or SystemWallClock()
     model = model or ScriptedModel()
@@ -318,7 +320,7 @@ async def open_fake_pi(
     options = AgentOptions(
         cwd=cwd,
         client=InProcessModelClient(model),
-        tools=builtin_tools(),
+        tools=builtin_tools(tools),
         clock=clock,
         conversation=conversation,
         barriers=Barriers(behaviours or Behaviours(), in_process=True),

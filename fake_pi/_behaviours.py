@@ -92,6 +92,8 @@ class FakeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     behaviours: Behaviours = msgspec.field(default_factory=Behaviours)
     record: str | None = None
     """Path of the recording file (JSON lines)."""
+    tools: list[str] | None = None
+    """The tools to expose (default: Pi's read, bash, edit, write); e.g. add ``effect``."""
     ledger: str | None = None
     """Path of the ``effect`` tool's ledger (default: ``.fake-pi-effects.jsonl`` in the cwd)."""
 

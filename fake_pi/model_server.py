@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ScriptedModel(scenario=scenario, directives=args.directives, model_id=args.model_id)
 
     async def run() -> None:
-        with trio.move_on_after(args.max_seconds if args.max_seconds else float("inf")):
+        with trio.move_on_after(args.max_seconds if args.max_seconds is not None else float("inf")):
             async with trio.open_nursery() as nursery:
                 server: HttpServer = await nursery.start(
                     lambda task_status: serve_model(
