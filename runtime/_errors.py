@@ -17,6 +17,7 @@ __all__ = [
     "SessionError",
     "StateDirError",
     "StateDirLockedError",
+    "WorkerError",
 ]
 
 
@@ -48,6 +49,18 @@ class ReasonCode(enum.StrEnum):
     SESSION_ENTRY_INVALID = "session_entry_invalid"
     SESSION_CHANGED = "session_changed"
     SESSION_ATTESTATION_MISMATCH = "session_attestation_mismatch"
+    # the RPC channel to a worker (docs/design/rpc.md)
+    RPC_COMMAND_FAILED = "rpc_command_failed"
+    RPC_CLOSED = "rpc_closed"
+    RPC_LINE_TOO_LONG = "rpc_line_too_long"
+    WORKER_EXITED = "worker_exited"
+    WORKER_LAUNCH_FAILED = "worker_launch_failed"
+    # worker process epochs and their process trees (docs/design/workers.md)
+    WORKER_NOT_FOUND = "worker_not_found"
+    WORKER_CONFIG_INVALID = "worker_config_invalid"
+    WORKER_IDENTITY_MISMATCH = "worker_identity_mismatch"
+    WORKER_TREE_SURVIVED = "worker_tree_survived"
+    WORKER_RECORD_INVALID = "worker_record_invalid"
 
 
 class PiRuntimeError(Exception):
@@ -116,3 +129,15 @@ class SessionError(PiRuntimeError):
         super().__init__(code, message + where)
         self.path = path
         self.line = line
+
+
+class WorkerError(PiRuntimeError):
+    """A worker process epoch could not be launched, proven or stopped whole.
+
+    ``code`` is one of the ``worker_*`` reasons; ``stderr`` holds the tail of the
+    worker's standard error when it exited during the launch.
+    """
+
+    def __init__(self, code: ReasonCode, message: str, *, stderr: bytes = b"") -> None:
+        super().__init__(code, message)
+        self.stderr = stderr
