@@ -60,6 +60,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("-np", "--no-prompt-templates", action="store_true")
     parser.add_argument("-ne", "--no-extensions", action="store_true")
     parser.add_argument("--no-mcp", action="store_true")
+    parser.add_argument("-na", "--no-approve", action="store_true")
     parser.add_argument("-e", "--extension", action="append", default=[])
     parser.add_argument("--append-system-prompt", action="append", default=[])
     parser.add_argument("--thinking")

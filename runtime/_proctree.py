@@ -1,0 +1,499 @@
+"""Owning a worker's whole process tree: cgroup v2, child subreaper, nonce scan.
+
+Nothing here knows about Pi. A *tree* is everything one process epoch started,
+and membership is only ever decided by proof (``docs/design/workers.md``):
+
+* **cgroup** — the process is in the epoch's own cgroup v2 (entered before the
+  worker's first instruction, so no fork escapes it);
+* **nonce** — the process's ``/proc/<pid>/environ`` (its environment at exec)
+  carries ``PI_RUNTIME_EPOCH=<nonce>``; every descendant inherits it;
+* **root** — the process is a root the caller proved (pid, start time and boot
+  id all match), or a descendant by parent pid of a proven member.
+
+Signals go through a pidfd opened *after* the proof and re-checked against the
+start time the proof was read with, so a reused pid is never signalled. Reaping
+is only ever ``waitpid(pid, WNOHANG)`` of a proven member that is this process's
+child and not registered as waited for by someone else (Trio): never
+``waitpid(-1)``, which would steal exit statuses Trio waits for.
+
+Error handling: reading ``/proc`` races with processes exiting; a process that
+vanished is simply not a member any more. :func:`kill_tree` never raises for a
+process it could not kill; it reports it as a survivor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import re
+import secrets
+import signal
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import trio
+import trio.lowlevel
+
+from ._proc import ProcessIdentity, boot_id, process_start_time
+
+__all__ = [
+    "CGROUP_PARENT_NAME",
+    "EPOCH_ENV",
+    "CgroupSupport",
+    "KillReport",
+    "ProcInfo",
+    "TreeProof",
+    "carries_nonce",
+    "cgroup2_mount",
+    "cgroup_member",
+    "cgroup_pids",
+    "create_cgroup",
+    "find_members",
+    "has_nonce",
+    "is_alive_pid",
+    "is_child_subreaper",
+    "kill_tree",
+    "new_nonce",
+    "probe_cgroups",
+    "proc_table",
+    "read_environ",
+    "reap_proven",
+    "remove_cgroup",
+    "set_child_subreaper",
+    "subreaper_supported",
+    "trio_managed",
+    "valid_nonce",
+]
+
+EPOCH_ENV: Final = "PI_RUNTIME_EPOCH"
+"""The environment variable that carries an epoch's nonce to every descendant."""
+CGROUP_PARENT_NAME: Final = "pi-runtime"
+"""Epoch cgroups are ``<cgroup2 mount>/pi-runtime/<nonce>``."""
+_NONCE: Final = re.compile(r"[0-9a-f]{32}")
+_PR_SET_CHILD_SUBREAPER: Final = 36
+_PR_GET_CHILD_SUBREAPER: Final = 37
+_GONE: Final = (b"Z", b"X")
+
+
+def new_nonce() -> str:
+    """A fresh epoch nonce: 128 random bits as 32 lowercase hex digits."""
+    return secrets.token_hex(16)
+
+
+def valid_nonce(nonce: str) -> bool:
+    """Whether ``nonce`` has the shape :func:`new_nonce` gives (never a short or empty one)."""
+    return _NONCE.fullmatch(nonce) is not None
+
+
+# ---------------------------------------------------------------------------------- /proc
+
+
+@dataclass(frozen=True, slots=True)
+class ProcInfo:
+    """One line of the process table (from ``/proc/<pid>/stat``)."""
+
+    pid: int
+    ppid: int
+    start_time: int
+    state: bytes
+
+    @property
+    def alive(self) -> bool:
+        """Not a zombie (a zombie holds only its pid and exit status)."""
+        return self.state not in _GONE
+
+
+def _read_stat(pid: int) -> ProcInfo | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # gone, or never there
+        return None
+    rest = stat[stat.rindex(b")") + 2 :].split()
+    return ProcInfo(pid=pid, ppid=int(rest[1]), start_time=int(rest[19]), state=rest[0])
+
+
+def is_alive_pid(pid: int) -> bool:
+    """Whether some process (not a zombie) has this pid now."""
+    info = _read_stat(pid)
+    return info is not None and info.alive
+
+
+def proc_table() -> dict[int, ProcInfo]:
+    """Every process visible in ``/proc`` now."""
+    table: dict[int, ProcInfo] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = _read_stat(int(name))
+            if info is not None:
+                table[info.pid] = info
+    return table
+
+
+def read_environ(pid: int) -> bytes | None:
+    """The process's environment at exec (``/proc/<pid>/environ``); ``None`` if unreadable.
+
+    Empty for a zombie, and for a moment right after an exec, before the kernel
+    has published the new image's environment.
+    """
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:  # gone, or not ours to read
+        return None
+
+
+def has_nonce(environ: bytes | None, nonce: str) -> bool:
+    return environ is not None and f"{EPOCH_ENV}={nonce}".encode() in environ.split(b"\0")
+
+
+def carries_nonce(pid: int, nonce: str) -> bool:
+    """Whether the process's environment at exec holds ``PI_RUNTIME_EPOCH=<nonce>``."""
+    return has_nonce(read_environ(pid), nonce)
+
+
+def _ancestors(table: dict[int, ProcInfo]) -> set[int]:
+    """This process and every ancestor of it: never signalled, whatever a record says."""
+    mine = {0, 1}
+    pid = os.getpid()
+    while pid > 1 and pid not in mine:
+        mine.add(pid)
+        info = table.get(pid) or _read_stat(pid)
+        pid = info.ppid if info is not None else 0
+    return mine
+
+
+# --------------------------------------------------------------------------------- cgroup
+
+
+def cgroup2_mount(mounts: str | None = None) -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted, if anywhere.
+
+    ``/sys/fs/cgroup`` on a unified host, ``/sys/fs/cgroup/unified`` on a hybrid
+    one; any other cgroup2 mount as a last resort.
+    """
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return None
+    found = [line.split()[1] for line in mounts.splitlines() if line.split()[2:3] == ["cgroup2"]]
+    for preferred in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        if preferred in found:
+            return Path(preferred)
+    return Path(found[0]) if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupSupport:
+    """Whether epochs can get their own cgroup here, and why not."""
+
+    mount: Path | None
+    parent: Path | None
+    """``<mount>/pi-runtime`` when a child cgroup could be created in it."""
+    kill: bool
+    """The kernel has ``cgroup.kill`` (5.14+); without it members are killed one by one."""
+    reason: str = ""
+    """Why epochs cannot get a cgroup (empty when they can)."""
+
+    @property
+    def usable(self) -> bool:
+        return self.parent is not None
+
+
+@functools.cache
+def probe_cgroups(mount: Path | None = None) -> CgroupSupport:
+    """Try to create (and remove) a cgroup under ``<mount>/pi-runtime``; cached per mount."""
+    mount = mount or cgroup2_mount()
+    if mount is None:
+        return CgroupSupport(mount=None, parent=None, kill=False, reason="no cgroup2 mount")
+    parent = mount / CGROUP_PARENT_NAME
+    probe = parent / f"probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        parent.mkdir(exist_ok=True)
+        probe.mkdir()
+    except OSError as error:
+        reason = f"cannot create cgroups under {parent}: {error.strerror or error}"
+        return CgroupSupport(mount=mount, parent=None, kill=False, reason=reason)
+    try:
+        kill = (probe / "cgroup.kill").exists()
+        procs = (probe / "cgroup.procs").exists()
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+    if not procs:
+        return CgroupSupport(mount=mount, parent=None, kill=False, reason="no cgroup.procs")
+    return CgroupSupport(mount=mount, parent=parent, kill=kill)
+
+
+def create_cgroup(parent: Path, nonce: str) -> Path:
+    """Create the epoch's cgroup ``<parent>/<nonce>`` (it must not exist yet)."""
+    path = parent / nonce
+    path.mkdir()
+    return path
+
+
+def cgroup_pids(path: Path) -> list[int]:
+    """The live members of a cgroup (zombies are not listed); none if it is gone."""
+    try:
+        text = (path / "cgroup.procs").read_text()
+    except OSError:
+        return []
+    return [int(word) for word in text.split()]
+
+
+def _cgroup_kill(path: Path) -> bool:
+    try:
+        (path / "cgroup.kill").write_text("1")
+    except OSError:
+        return False
+    return True
+
+
+def cgroup_member(pid: int, path: Path) -> bool:
+    """Whether ``pid`` is in the cgroup at ``path`` (its ``0::`` line names it)."""
+    mount = cgroup2_mount()
+    if mount is None:
+        return False
+    try:
+        relative = "/" + str(path.relative_to(mount))
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except (OSError, ValueError):
+        return False
+    return f"0::{relative}" in lines
+
+
+def remove_cgroup(path: Path) -> bool:
+    """Remove an (empty) epoch cgroup; ``True`` when it is gone."""
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ subreaper
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def set_child_subreaper(enabled: bool = True) -> bool:
+    """Make this process the child subreaper for its descendants (or stop being one)."""
+    return int(_libc().prctl(_PR_SET_CHILD_SUBREAPER, int(enabled), 0, 0, 0)) == 0
+
+
+def subreaper_supported() -> bool:
+    """Whether the kernel knows child subreapers (``PR_GET_CHILD_SUBREAPER`` works; 3.4+)."""
+    value = ctypes.c_int(0)
+    return int(_libc().prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0)) == 0
+
+
+def is_child_subreaper() -> bool:
+    """Whether this process is a child subreaper (``PR_GET_CHILD_SUBREAPER``)."""
+    value = ctypes.c_int(0)
+    if int(_libc().prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0)) != 0:
+        return False
+    return value.value != 0
+
+
+_MANAGED: set[int] = set()
+
+
+@contextlib.contextmanager
+def trio_managed(pid: int) -> Iterator[None]:
+    """Mark ``pid`` as a child whose exit status someone else waits for: never reaped here."""
+    _MANAGED.add(pid)
+    try:
+        yield
+    finally:
+        _MANAGED.discard(pid)
+
+
+def reap_proven(proven: dict[int, int]) -> list[int]:
+    """Reap the proven members (pid → start time) that are our own unwaited zombies.
+
+    Only ``waitpid(pid, WNOHANG)``, only for a child of this process, only when
+    its start time is the one it was proven with, never for a Trio-managed pid.
+    """
+    me = os.getpid()
+    reaped = []
+    for pid, start_time in list(proven.items()):
+        info = _read_stat(pid)
+        if info is None or info.start_time != start_time:
+            proven.pop(pid, None)
+            continue
+        if info.ppid != me or pid in _MANAGED or info.alive:
+            continue
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done == pid:
+            reaped.append(pid)
+            proven.pop(pid, None)
+    return reaped
+
+
+# ---------------------------------------------------------------------------- membership
+
+
+@dataclass(frozen=True, slots=True)
+class TreeProof:
+    """What proves membership in one epoch's tree."""
+
+    nonce: str
+    roots: tuple[ProcessIdentity, ...] = ()
+    """Identities the caller proved (e.g. the worker it launched)."""
+    cgroup: Path | None = None
+
+
+def find_members(proof: TreeProof, table: dict[int, ProcInfo]) -> dict[int, ProcInfo]:
+    """Every process in ``table`` proven to belong to the tree (zombies included)."""
+    members: dict[int, ProcInfo] = {}
+    if proof.cgroup is not None:
+        for pid in cgroup_pids(proof.cgroup):
+            if pid in table:
+                members[pid] = table[pid]
+    this_boot = boot_id()
+    for root in proof.roots:
+        info = table.get(root.pid)
+        if info is not None and root.boot_id == this_boot and info.start_time == root.start_time:
+            members[root.pid] = info
+    for pid, info in table.items():
+        if pid not in members and carries_nonce(pid, proof.nonce):
+            members[pid] = info
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    todo = list(members)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in members:
+                members[child] = table[child]
+                todo.append(child)
+    for pid in _ancestors(table):
+        members.pop(pid, None)
+    return members
+
+
+# ---------------------------------------------------------------------------------- kill
+
+
+@dataclass(frozen=True, slots=True)
+class KillReport:
+    """What a :func:`kill_tree` did."""
+
+    killed: tuple[int, ...] = ()
+    """Pids sent SIGKILL."""
+    reaped: tuple[int, ...] = ()
+    """Adopted pids this process reaped."""
+    survivors: tuple[int, ...] = ()
+    """Members still alive when the bound ran out (or that refused the signal)."""
+    cgroup_killed: bool = False
+    cgroup_removed: bool = True
+    """The tree's cgroup (if any) is gone."""
+
+    @property
+    def clean(self) -> bool:
+        """Nothing of the tree is alive and its cgroup is gone."""
+        return not self.survivors and self.cgroup_removed
+
+
+def _open_verified(pid: int, start_time: int) -> int | None:
+    """A pidfd for ``pid`` if it is still the process that started at ``start_time``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if process_start_time(pid) != start_time:
+        os.close(fd)
+        return None
+    return fd
+
+
+async def _wait_exited(fds: Iterable[int]) -> None:
+    """Wait until every pidfd's process has exited (a pidfd polls readable then)."""
+    for fd in fds:
+        await trio.lowlevel.wait_readable(fd)
+
+
+@dataclass
+class _Kill:
+    proof: TreeProof
+    proven: dict[int, int] = field(default_factory=dict)
+    killed: set[int] = field(default_factory=set)
+    reaped: list[int] = field(default_factory=list)
+    refused: set[int] = field(default_factory=set)
+
+    def live_members(self) -> dict[int, ProcInfo]:
+        members = find_members(self.proof, proc_table())
+        for pid, info in members.items():
+            self.proven[pid] = info.start_time
+        return {pid: info for pid, info in members.items() if info.alive}
+
+    async def round(self, live: dict[int, ProcInfo]) -> bool:
+        """Kill one scan's members and wait for them; ``False`` when all refused the signal."""
+        fds = []
+        try:
+            for pid, info in live.items():
+                if pid in self.refused:
+                    continue
+                fd = _open_verified(pid, info.start_time)
+                if fd is None:
+                    continue
+                fds.append(fd)
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                except PermissionError:
+                    self.refused.add(pid)
+                    continue
+                self.killed.add(pid)
+            await _wait_exited(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        await trio.lowlevel.checkpoint()
+        self.reaped += reap_proven(self.proven)
+        return any(pid not in self.refused for pid in live)
+
+
+async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
+    """SIGKILL every member of the tree until none is alive, reap what is ours, remove the cgroup.
+
+    With a cgroup, ``cgroup.kill`` goes first (it cannot miss a fork); then scan
+    rounds kill every proven member (cgroup, nonce, roots and their descendants)
+    and wait for each one's exit on its pidfd, until a scan finds none alive or
+    ``give_up_after`` seconds (Trio's clock) pass. It returns a report either
+    way: a process it could not kill is a survivor, never an exception (an
+    enclosing cancel scope still cancels it like any other call).
+    """
+    state = _Kill(proof)
+    cgroup_killed = proof.cgroup is not None and _cgroup_kill(proof.cgroup)
+    live: dict[int, ProcInfo] = {}
+    with trio.move_on_after(give_up_after):
+        while live := state.live_members():
+            if not await state.round(live):
+                break
+    live = state.live_members()
+    state.reaped += reap_proven(state.proven)
+    removed = True
+    if proof.cgroup is not None and not live:
+        removed = remove_cgroup(proof.cgroup)
+    return KillReport(
+        killed=tuple(sorted(state.killed)),
+        reaped=tuple(sorted(state.reaped)),
+        survivors=tuple(sorted(live)),
+        cgroup_killed=cgroup_killed,
+        cgroup_removed=removed,
+    )
