@@ -28,7 +28,6 @@ from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime import MockWallClock, ReasonCode
 from runtime._http import HttpServer
-from runtime._pi_install import install_pi
 from runtime._rpc import (
     COMMAND_GUARD,
     MALFORMED_LINE,
@@ -51,6 +50,8 @@ from runtime._rpc import (
     ui_response,
 )
 from runtime.testing import GateDecision, Run, ToolCall, ToolResult, open_fake_pi
+
+from ._pi import real_pi
 
 REPO: Final = Path(__file__).resolve().parents[1]
 BUSY: Final = (
@@ -926,7 +927,7 @@ class Sandbox:
             *extra,
         ]
         if kind == "pi":
-            return install_pi(REPO / ".cache" / "pi").argv(*args)
+            return real_pi().argv(*args)
         return [sys.executable, "-m", "fake_pi", *args]
 
 
