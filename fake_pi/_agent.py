@@ -53,6 +53,9 @@ __all__ = ["Agent", "AgentOptions", "CommandError", "ModelInfo"]
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 ABORTED_TEXT = "This operation was aborted"
+"""Pi's errorMessage for the empty reply that ends a run aborted between requests."""
+REQUEST_ABORTED = "Request was aborted"
+"""Pi's errorMessage for a reply aborted while its request was streaming."""
 SNIPPETS = {
     "read": "Read file contents",
     "bash": "Execute bash commands (ls, grep, find, etc.)",
@@ -114,6 +117,9 @@ class AgentOptions:
     tool_env: dict[str, str] = field(default_factory=dict)
     ledger_path: Path | None = None
     recorder: Recorder = field(default_factory=lambda: Recorder(None))
+    sequential_tools: bool = False
+    """Run a round's calls one after the other (what the runtime's gate extension asks
+    of Pi with ``executionMode: "sequential"``); Pi's default is parallel."""
 
 
 class Agent:
@@ -337,12 +343,7 @@ class Agent:
                 await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
                 raise _Aborted
             calls = [b for b in assistant["content"] if b.get("type") == "toolCall"]
-            results: list[dict[str, Any]] = []
-            for call in calls:
-                result = await self._run_tool(call, produced)
-                results.append(result)
-                if self._abort_requested:
-                    break
+            results = await self._run_tools(calls, produced) if calls else []
             await self.emit({"type": "turn_end", "message": assistant, "toolResults": results})
             if self._abort_requested:
                 await self.emit({"type": "turn_start"})
@@ -516,10 +517,12 @@ class Agent:
         await barriers.reach("before_model")
         model = self.options.model
         message = assistant_message(provider=model.provider, model=model.id, time_ms=self._now())
-        await self.emit({"type": "message_start", "message": dict(message)})
         assembler = Assembler(message)
         started = trio.current_time()
         body = self.request_body()
+        # Like Pi, the reply's message_start goes out once the response has started;
+        # a request that fails or is aborted before that starts with the final message.
+        announced = False
 
         def elapsed() -> int:
             return int((trio.current_time() - started) * 1000)
@@ -527,24 +530,28 @@ class Agent:
         with trio.CancelScope() as scope:
             self._op_scope = scope
             try:
-                first = True
                 async with contextlib.aclosing(self.options.client.stream(body)) as chunks:
                     async for chunk in chunks:
+                        if not announced:
+                            announced = True
+                            await self.emit({"type": "message_start", "message": message})
+                            await barriers.reach("mid_stream")
                         for event in assembler.feed(chunk):
                             await self._update(message, event)
-                        if first:
-                            first = False
-                            await barriers.reach("mid_stream")
                 for event in assembler.finish(duration_ms=elapsed()):
                     await self._update(message, event)
             except ModelError as exc:
-                for event in assembler.fail(
-                    reason="error", error_message=exc.message, duration_ms=elapsed()
-                ):
-                    await self._update(message, event)
+                assembler.fail(reason="error", error_message=exc.message, duration_ms=elapsed())
         self._op_scope = None
         if scope.cancelled_caught:
-            assembler.fail(reason="aborted", error_message=ABORTED_TEXT, duration_ms=elapsed())
+            ended = assembler.fail(
+                reason="aborted", error_message=REQUEST_ABORTED, duration_ms=elapsed()
+            )
+            if announced:
+                for event in ended:
+                    await self._update(message, event)
+        if not announced:
+            await self.emit({"type": "message_start", "message": message})
         await self.emit({"type": "message_end", "message": message})
         self.conversation.append_message(message)
         produced.append(message)
@@ -556,22 +563,75 @@ class Agent:
             {"type": "message_update", "usage": message["usage"], "assistantMessageEvent": event}
         )
 
-    async def _run_tool(
-        self, block: dict[str, Any], produced: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        options = self.options
-        await options.barriers.reach("before_tool")
+    async def _run_tools(
+        self, blocks: list[dict[str, Any]], produced: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Run a round's tool calls the way Pi does (SPIKE §4).
+
+        Parallel by default: every ``tool_execution_start`` in order, the calls
+        run concurrently, each ``tool_execution_end`` as it finishes, then the
+        toolResult messages in the assistant's order. With ``sequential_tools``
+        each call starts, ends and records its result before the next starts.
+        """
+        if self.options.sequential_tools:
+            messages: list[dict[str, Any]] = []
+            for block in blocks:
+                call, started = await self._start_tool(block)
+                with trio.CancelScope() as scope:
+                    self._op_scope = scope
+                    if self._abort_requested:
+                        scope.cancel()
+                    result = await self._execute(call)
+                self._op_scope = None
+                messages.append(await self._end_tool(call, started, result))
+                await self._record(messages[-1], produced)
+                await self.options.barriers.reach("after_tool")
+                if self._abort_requested:
+                    break
+            return messages
+        starts = [await self._start_tool(block) for block in blocks]
+        ended: list[dict[str, Any] | None] = [None] * len(starts)
+
+        async def run(index: int) -> None:
+            call, started = starts[index]
+            result = await self._execute(call)
+            ended[index] = await self._end_tool(call, started, result)
+
+        with trio.CancelScope() as scope:
+            self._op_scope = scope
+            if self._abort_requested:
+                scope.cancel()
+            async with trio.open_nursery() as nursery:
+                for index in range(len(starts)):
+                    nursery.start_soon(run, index)
+        self._op_scope = None
+        messages = []
+        for index, message in enumerate(ended):
+            if message is None:  # cancelled before it could report
+                call, started = starts[index]
+                message = await self._end_tool(call, started, None)
+            await self._record(message, produced)
+            await self.options.barriers.reach("after_tool")
+            messages.append(message)
+        return messages
+
+    async def _start_tool(self, block: dict[str, Any]) -> tuple[ToolCall, float]:
+        await self.options.barriers.reach("before_tool")
         call = ToolCall(id=block["id"], name=block["name"], arguments=block["arguments"])
-        base = {"toolCallId": call.id, "toolName": call.name}
-        await self.emit({"type": "tool_execution_start", **base, "args": call.arguments})
-        options.recorder.record("tool", id=call.id, name=call.name, args=call.arguments)
-        started = trio.current_time()
+        start = {"type": "tool_execution_start", "toolCallId": call.id, "toolName": call.name}
+        await self.emit({**start, "args": call.arguments})
+        self.options.recorder.record("tool", id=call.id, name=call.name, args=call.arguments)
+        return call, trio.current_time()
+
+    async def _execute(self, call: ToolCall) -> ToolResult:
+        options = self.options
 
         async def on_update(partial: ToolResult) -> None:
+            update = {"type": "tool_execution_update", "toolCallId": call.id}
             await self.emit(
                 {
-                    "type": "tool_execution_update",
-                    **base,
+                    **update,
+                    "toolName": call.name,
                     "args": call.arguments,
                     "partialResult": _result_payload(partial),
                 }
@@ -580,16 +640,17 @@ class Agent:
         context = ToolContext(
             cwd=options.cwd, env=options.tool_env, ledger_path=options.ledger_path
         )
-        result: ToolResult | None = None
-        with trio.CancelScope() as scope:
-            self._op_scope = scope
-            if self._abort_requested:
-                scope.cancel()
-            result = await run_tool_call(
-                options.tools.get(call.name), call, context, options.gate, on_update
-            )
-        self._op_scope = None
-        if scope.cancelled_caught or result is None:
+        return await run_tool_call(
+            options.tools.get(call.name), call, context, options.gate, on_update
+        )
+
+    async def _end_tool(
+        self, call: ToolCall, started: float, result: ToolResult | None
+    ) -> dict[str, Any]:
+        """Emit ``tool_execution_end``; return the toolResult message (not yet recorded).
+
+        ``None`` is a call cancelled before its tool could answer (an abort)."""
+        if result is None:
             result = ToolResult(
                 content=[{"type": "text", "text": "Command aborted"}], is_error=True, details={}
             )
@@ -597,24 +658,22 @@ class Agent:
         await self.emit(
             {
                 "type": "tool_execution_end",
-                **base,
+                "toolCallId": call.id,
+                "toolName": call.name,
                 "result": _result_payload(result),
                 "isError": result.is_error,
                 "durationMs": duration,
             }
         )
-        message = tool_result_message(
+        return tool_result_message(
             tool_call_id=call.id,
             tool_name=call.name,
             content=result.content,
             is_error=result.is_error,
             time_ms=self._now(),
             duration_ms=duration,
-            details=result.details if result.details else None,
+            details=result.details,
         )
-        await self._record(message, produced)
-        await options.barriers.reach("after_tool")
-        return message
 
 
 def _result_payload(result: ToolResult) -> dict[str, Any]:

@@ -181,12 +181,17 @@ async def _run_process(args: argparse.Namespace) -> int:
     recorder.record("launch", argv=sys.argv, env_keys=sorted(os.environ))
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(os.dup(1))
-    out_send, out_receive = trio.open_memory_channel[dict[str, Any]](256)
+    # lines are encoded when emitted: the agent keeps changing the dicts it emits
+    out_send, out_receive = trio.open_memory_channel[bytes](256)
+
+    async def emit(item: dict[str, Any]) -> None:
+        await out_send.send(_encode.encode(item) + b"\n")
+
     exit_code = 0
 
     async def writer() -> None:
-        async for item in out_receive:
-            await stdout.send_all(_encode.encode(item) + b"\n")
+        async for line in out_receive:
+            await stdout.send_all(line)
 
     async def signals(agent: Agent, cancel: trio.CancelScope) -> None:
         nonlocal exit_code
@@ -199,7 +204,7 @@ async def _run_process(args: argparse.Namespace) -> int:
                 cancel.cancel()
                 return
 
-    agent = Agent(setup.options, out_send.send)
+    agent = Agent(setup.options, emit)
     await setup.options.barriers.reach("startup")
     async with trio.open_nursery() as outer:
         outer.start_soon(writer)
@@ -207,7 +212,7 @@ async def _run_process(args: argparse.Namespace) -> int:
         await serve_rpc(
             agent,
             read_lines(stdin),
-            out_send.send,
+            emit,
             on_line=lambda line: recorder.record("stdin", line=line.decode(errors="replace")),
         )
         await out_send.aclose()
@@ -336,8 +341,9 @@ async def open_fake_pi(
     write_lock = trio.Lock()
 
     async def send(item: dict[str, Any]) -> None:
+        line = _encode.encode(item) + b"\n"  # now: the agent keeps changing what it emits
         async with write_lock:
-            await out_send.send_all(_encode.encode(item) + b"\n")
+            await out_send.send_all(line)
 
     agent = Agent(options, send)
 

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from runtime._clock import WallClock, iso_timestamp
+from runtime._pijson import stringify
 from runtime._session import (
     Session,
     SessionWriter,
-    create_session,
     read_session,
     truncate_torn_tail,
+    uuid7,
 )
 
 from ._messages import context_from_path
@@ -60,6 +61,22 @@ class Conversation:
             truncate_torn_tail(path)
             self._writer = SessionWriter.open(path, clock=clock)
             self.resumed = True
+            if not any(e.type == "message" for e in self._writer.session.entries):
+                # Pi re-states its model and thinking level below the leaf of a session
+                # that holds no message yet, and writes them at once
+                for entry in self._settings_entries():
+                    self._writer.append(entry)
+        else:
+            # a new session: the entries exist from the start (get_entries shows them);
+            # the file is written with the first user or assistant message
+            for entry in self._settings_entries():
+                self.append(entry)
+
+    def _settings_entries(self) -> list[dict[str, Any]]:
+        return [
+            {"type": "model_change", "provider": self._provider, "modelId": self._model_id},
+            {"type": "thinking_level_change", "thinkingLevel": "off"},
+        ]
 
     @property
     def session(self) -> Session | None:
@@ -97,21 +114,26 @@ class Conversation:
         return not any(e.get("type") == "message" for e in self.entries())
 
     def _ensure_file(self) -> None:
+        """Write the header and every entry so far, as Pi does at the first message."""
         if self._writer is not None or self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        create_session(
-            self.path,
-            cwd=str(self._cwd),
-            provider=self._provider,
-            model_id=self._model_id,
-            clock=self._clock,
-            session_id=self._session_id,
-        )
+        now = self._clock.time_ms()
+        header = {
+            "type": "session",
+            "version": 3,
+            "id": self._session_id or uuid7(now),
+            "timestamp": iso_timestamp(now),
+            "cwd": str(self._cwd),
+        }
+        data = b"".join(stringify(item) + b"\n" for item in [header, *self._pending])
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        self._pending = []
         self._writer = SessionWriter.open(self.path, clock=self._clock)
-        pending, self._pending = self._pending, []
-        for entry in pending:
-            self._writer.append({k: v for k, v in entry.items() if k not in ("id", "parentId")})
 
     def append(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Record one entry below the leaf; return it as written."""

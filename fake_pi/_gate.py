@@ -41,8 +41,9 @@ class ToolResult:
     """Content parts, e.g. ``[{"type": "text", "text": "…"}]``."""
     is_error: bool = False
     details: dict[str, Any] | None = None
-    structured: dict[str, Any] | None = None
-    """Pi's ``structuredContent`` (bash: output, truncated, exit_code, wall_time_seconds)."""
+    structured: Any = None
+    """Pi's ``structuredContent``: bash's ``{output, truncated, exit_code,
+    wall_time_seconds}``, read's returned text; ``None`` when the tool has none."""
 
     @classmethod
     def text(cls, text: str, *, is_error: bool = False) -> ToolResult:

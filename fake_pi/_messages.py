@@ -71,7 +71,7 @@ def system_message(
                 "name": t["name"],
                 "description": t["description"],
                 "parameters": t["parameters"],
-                "constrainedSampling": False,
+                "constrainedSampling": {"type": "json_schema", "strict": "prefer"},
             }
             for t in tools
         ],

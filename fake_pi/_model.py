@@ -26,7 +26,8 @@ from .model_server import ModelHttpError, ScriptedModel, StreamCut
 __all__ = ["Assembler", "HttpModelClient", "InProcessModelClient", "ModelClient", "ModelError"]
 
 _json = msgspec.json.Encoder()
-CUT_MESSAGE = "Connection error: the stream was interrupted (connection lost)"
+CUT_MESSAGE = "terminated: other side closed (UND_ERR_SOCKET)"
+"""What Pi (Node's fetch) reports for a stream whose connection dropped mid-way."""
 
 
 class ModelError(Exception):
@@ -106,11 +107,18 @@ _STOP_REASONS = {"stop": "stop", "tool_calls": "toolUse", "length": "length"}
 
 
 class Assembler:
-    """Builds the assistant message from chunks; returns the events to emit."""
+    """Builds the assistant message from chunks; returns the events to emit.
+
+    Mirrors Pi's ``openai-completions`` provider: one text block and one
+    thinking block at most (later deltas append to them), a block per tool
+    call; no block ends while the stream runs — all end, in content order,
+    when the stream finishes or is aborted. A stream that fails ends none.
+    """
 
     def __init__(self, message: dict[str, Any]) -> None:
         self.message = message
-        self._open: tuple[str, int] | None = None  # (block type, contentIndex)
+        self._text: int | None = None
+        self._thinking: int | None = None
         self._call_by_index: dict[int, int] = {}  # provider tool index -> contentIndex
         self._raw_args: dict[int, str] = {}
         self.finish_reason: str | None = None
@@ -121,33 +129,41 @@ class Assembler:
         content: list[dict[str, Any]] = self.message["content"]
         return content
 
-    def _close(self) -> list[dict[str, Any]]:
-        if self._open is None:
-            return []
-        kind, index = self._open
-        self._open = None
-        block = self.content[index]
-        if kind == "text":
-            return [{"type": "text_end", "contentIndex": index, "content": block["text"]}]
-        if kind == "thinking":
-            return [{"type": "thinking_end", "contentIndex": index, "content": block["thinking"]}]
-        try:
-            block["arguments"] = msgspec.json.decode(self._raw_args.get(index, "") or "{}")
-        except msgspec.DecodeError:
-            block["arguments"] = {}
-        return [{"type": "toolcall_end", "contentIndex": index, "toolCall": dict(block)}]
-
-    def _delta(self, kind: str, field: str, text: str) -> list[dict[str, Any]]:
+    def _end_all(self) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if self._open is None or self._open[0] != kind:
-            events += self._close()
-            self.content.append({"type": kind, field: ""})
-            index = len(self.content) - 1
-            self._open = (kind, index)
-            events.append({"type": f"{kind}_start", "contentIndex": index})
-        index = self._open[1]
-        self.content[index][field] += text
-        events.append({"type": f"{kind}_delta", "contentIndex": index, "delta": text})
+        for index, block in enumerate(self.content):
+            if block["type"] == "text":
+                events.append({"type": "text_end", "contentIndex": index, "content": block["text"]})
+            elif block["type"] == "thinking":
+                end = {"type": "thinking_end", "contentIndex": index}
+                events.append({**end, "content": block["thinking"]})
+            else:
+                try:
+                    block["arguments"] = msgspec.json.decode(self._raw_args.get(index) or "{}")
+                except msgspec.DecodeError:
+                    block["arguments"] = {}
+                events.append({"type": "toolcall_end", "contentIndex": index, "toolCall": block})
+        return events
+
+    def _text_delta(self, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._text is None:
+            self.content.append({"type": "text", "text": ""})
+            self._text = len(self.content) - 1
+            events.append({"type": "text_start", "contentIndex": self._text})
+        self.content[self._text]["text"] += text
+        events.append({"type": "text_delta", "contentIndex": self._text, "delta": text})
+        return events
+
+    def _thinking_delta(self, field: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._thinking is None:
+            block = {"type": "thinking", "thinking": "", "thinkingSignature": field}
+            self.content.append(block)
+            self._thinking = len(self.content) - 1
+            events.append({"type": "thinking_start", "contentIndex": self._thinking})
+        self.content[self._thinking]["thinking"] += text
+        events.append({"type": "thinking_delta", "contentIndex": self._thinking, "delta": text})
         return events
 
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -160,10 +176,10 @@ class Assembler:
             delta = choice.get("delta") or {}
             for field in ("reasoning_content", "reasoning", "reasoning_text"):
                 if delta.get(field):
-                    events += self._delta("thinking", "thinking", delta[field])
+                    events += self._thinking_delta(field, delta[field])
                     break
             if delta.get("content"):
-                events += self._delta("text", "text", delta["content"])
+                events += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
                 events += self._tool_call(call)
             if choice.get("finish_reason"):
@@ -176,7 +192,6 @@ class Assembler:
         function = call.get("function") or {}
         index = self._call_by_index.get(provider_index)
         if index is None:
-            events += self._close()
             block = {
                 "type": "toolCall",
                 "id": call.get("id") or f"call_{len(self.content)}",
@@ -186,23 +201,16 @@ class Assembler:
             self.content.append(block)
             index = len(self.content) - 1
             self._call_by_index[provider_index] = index
-            self._open = ("toolcall", index)
-            events.append(
-                {
-                    "type": "toolcall_start",
-                    "contentIndex": index,
-                    "id": block["id"],
-                    "toolName": block["name"],
-                }
-            )
+            start = {"type": "toolcall_start", "contentIndex": index, "id": block["id"]}
+            events.append({**start, "toolName": block["name"]})
         piece = function.get("arguments", "")
         self._raw_args[index] = self._raw_args.get(index, "") + piece
         events.append({"type": "toolcall_delta", "contentIndex": index, "delta": piece})
         return events
 
     def finish(self, *, duration_ms: int) -> list[dict[str, Any]]:
-        """Close the open block and complete the message; ModelError if unfinished."""
-        events = self._close()
+        """End every block and complete the message; ModelError if unfinished."""
+        events = self._end_all()
         if self.finish_reason is None:
             raise ModelError("Stream ended without finish_reason")
         message = self.message
@@ -215,16 +223,14 @@ class Assembler:
         return events
 
     def fail(self, *, reason: str, error_message: str, duration_ms: int) -> list[dict[str, Any]]:
-        """End the message as ``error`` or ``aborted`` (partial content kept)."""
-        events = self._close()
+        """End the message as ``error`` (no block ends) or ``aborted`` (every block ends);
+        partial content is kept."""
+        events = self._end_all() if reason == "aborted" else []
         message = self.message
         message["stopReason"] = reason
-        if reason == "aborted":
-            timestamp = message.pop("timestamp", 0)  # Pi orders errorMessage first here
-            message["errorMessage"] = error_message
-            message["timestamp"] = timestamp
-        else:
-            message["errorMessage"] = error_message
+        if self.response_id is not None:
+            message["responseId"] = self.response_id
+        message["errorMessage"] = error_message
         message["durationMs"] = duration_ms
         message["thinkingLevel"] = "off"
         return events

@@ -190,7 +190,7 @@ async def _get_last_assistant_text(agent: Agent, command: dict[str, Any]) -> Any
         if message.get("role") == "assistant" and message.get("stopReason") != "aborted":
             text = "".join(b.get("text", "") for b in message["content"] if b["type"] == "text")
             return {"text": text}
-    return {"text": None}
+    return {}
 
 
 async def _get_fork_messages(agent: Agent, command: dict[str, Any]) -> Any:

@@ -206,7 +206,8 @@ def _read_sync(args: dict[str, Any], ctx: ToolContext) -> ToolResult:
         text += f"Use offset={end + 1} to continue.]"
     else:
         text = t["content"]
-    return ToolResult(content=[{"type": "text", "text": text}], details=details)
+    # Pi's read adds structuredContent = the text it returned (toReadOutput in read.js)
+    return ToolResult(content=[{"type": "text", "text": text}], details=details, structured=text)
 
 
 def _write_sync(args: dict[str, Any], ctx: ToolContext) -> ToolResult:
