@@ -237,7 +237,7 @@ class Agent:
                 1 for m in assistants for b in m["content"] if b.get("type") == "toolCall"
             ),
             toolResults=roles.count("toolResult"),
-            totalMessages=len([r for r in roles if r != "system"]),
+            totalMessages=len(roles),
             tokens={**tokens, "total": sum(tokens.values())},
             cost=0,
             contextUsage={
@@ -590,12 +590,13 @@ class Agent:
                     break
             return messages
         starts = [await self._start_tool(block) for block in blocks]
+        results: list[ToolResult | None] = [None] * len(starts)
         ended: list[dict[str, Any] | None] = [None] * len(starts)
 
         async def run(index: int) -> None:
             call, started = starts[index]
-            result = await self._execute(call)
-            ended[index] = await self._end_tool(call, started, result)
+            results[index] = await self._execute(call)  # an abort returns its own result
+            ended[index] = await self._end_tool(call, started, results[index])
 
         with trio.CancelScope() as scope:
             self._op_scope = scope
@@ -607,9 +608,9 @@ class Agent:
         self._op_scope = None
         messages = []
         for index, message in enumerate(ended):
-            if message is None:  # cancelled before it could report
+            if message is None:  # the abort came before it could report
                 call, started = starts[index]
-                message = await self._end_tool(call, started, None)
+                message = await self._end_tool(call, started, results[index])
             await self._record(message, produced)
             await self.options.barriers.reach("after_tool")
             messages.append(message)

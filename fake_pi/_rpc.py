@@ -46,6 +46,43 @@ async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[bytes]:
             raise ValueError("an input line exceeds 64 MiB")
 
 
+_LITERALS: Final = {"t": "true", "f": "false", "n": "null"}
+_CONTEXT: Final = 10  # V8's kMaxContextCharacters
+
+
+def js_parse_error(text: str) -> str:
+    """What Node's ``JSON.parse`` says about ``text`` (its common cases), as Pi reports it.
+
+    V8 names the first character that cannot continue a JSON value; a source of
+    21 characters or more is shown as a window of 10 characters either side.
+    Other errors (bad strings or numbers inside a value) get a generic text.
+    """
+    pos = len(text) - len(text.lstrip())
+    if pos == len(text):
+        return "Unexpected end of JSON input"
+    literal = _LITERALS.get(text[pos])
+    if literal is not None:
+        matched = 0
+        while (
+            matched < len(literal) and text[pos + matched : pos + matched + 1] == literal[matched]
+        ):
+            matched += 1
+        if matched == len(literal):
+            return f"Unexpected non-whitespace character after JSON at position {pos + matched}"
+        pos += matched
+        if pos >= len(text):
+            return "Unexpected end of JSON input"
+    elif text[pos] in '{["-0123456789':
+        return f"Unexpected token in JSON at position {pos}"
+    token = text[pos]
+    if len(text) < 2 * _CONTEXT + 1:
+        return f"Unexpected token '{token}', \"{text}\" is not valid JSON"
+    start, end = max(0, pos - _CONTEXT), min(len(text), pos + _CONTEXT)
+    before = "..." if start > 0 else ""
+    after = "..." if end < len(text) else ""
+    return f"Unexpected token '{token}', {before}\"{text[start:end]}\"{after} is not valid JSON"
+
+
 def _response(
     command: str, cmd_id: Any, *, data: Any = None, error: str | None = None
 ) -> dict[str, Any]:
@@ -88,8 +125,9 @@ async def _dispatch(
 ) -> None:
     try:
         command = msgspec.json.decode(line)
-    except msgspec.DecodeError as exc:
-        await send(_response("parse", None, error=f"Failed to parse command: {exc}"))
+    except msgspec.DecodeError:
+        error = f"Failed to parse command: {js_parse_error(line.decode(errors='replace'))}"
+        await send(_response("parse", None, error=error))
         return
     if not isinstance(command, dict):
         await send(_response("parse", None, error="Failed to parse command: not an object"))
