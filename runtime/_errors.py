@@ -61,6 +61,12 @@ class ReasonCode(enum.StrEnum):
     WORKER_IDENTITY_MISMATCH = "worker_identity_mismatch"
     WORKER_TREE_SURVIVED = "worker_tree_survived"
     WORKER_RECORD_INVALID = "worker_record_invalid"
+    # the model gateway (docs/design/gateway.md)
+    GATEWAY_UNAUTHORIZED = "gateway_unauthorized"
+    GATEWAY_BAD_REQUEST = "gateway_bad_request"
+    GATEWAY_UPSTREAM_KEY_MISSING = "gateway_upstream_key_missing"
+    GATEWAY_UPSTREAM_INACTIVE = "gateway_upstream_inactive"
+    GATEWAY_UPSTREAM_FAILED = "gateway_upstream_failed"
 
 
 class PiRuntimeError(Exception):
