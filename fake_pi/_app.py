@@ -92,6 +92,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _resolve_config_value(value: str | None) -> str | None:
+    """Pi's ``$NAME`` / ``${NAME}`` config values name an environment variable
+    (resolve-config-value.js); anything else is literal. (Pi's ``!command`` form is
+    not supported.) The value is read once, at launch."""
+    if value is None or not value.startswith("$"):
+        return value
+    name = value[2:-1] if value.startswith("${") and value.endswith("}") else value[1:]
+    return os.environ.get(name)
+
+
 def session_file_name(session_id: str, time_ms: int) -> str:
     """Pi's file name: ISO time with ``:`` and ``.`` as ``-``, then the session id."""
     moment = datetime.datetime.fromtimestamp(time_ms / 1000, tz=datetime.UTC)
@@ -121,7 +131,7 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
     model_entry: dict[str, Any] = listed[0] if listed else {}
     client: ModelClient
     if provider.get("baseUrl"):
-        client = HttpModelClient(provider["baseUrl"], provider.get("apiKey"))
+        client = HttpModelClient(provider["baseUrl"], _resolve_config_value(provider.get("apiKey")))
     else:
         scripted = ScriptedModel(directives=config.directives, model_id=model_id)
         if config.scenario is not None:
