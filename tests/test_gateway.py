@@ -540,13 +540,10 @@ def _files_containing(roots: Sequence[Path], needle: str) -> list[Path]:
 def _launch(
     kind: str, root: Path, session: Path, gateway: Gateway, server: HttpServer
 ) -> WorkerLaunch:
-    if kind == "pi":  # the secret travels in the environment, not on disk
-        program = WorkerProgram.pi(real_pi())
-        api_key = "$PI_RUNTIME_GATEWAY_SECRET"
-        extra_env = {"PI_RUNTIME_GATEWAY_SECRET": gateway.secret}
-    else:  # Fake-Pi does not resolve "$NAME" yet: the secret is in models.json
-        program = WorkerProgram.fake_pi()
-        api_key, extra_env = gateway.secret, {}
+    # the secret travels in the environment, not on disk: both workers resolve "$NAME"
+    program = WorkerProgram.pi(real_pi()) if kind == "pi" else WorkerProgram.fake_pi()
+    api_key = "$PI_RUNTIME_GATEWAY_SECRET"
+    extra_env = {"PI_RUNTIME_GATEWAY_SECRET": gateway.secret}
     for sub in ("work", "home", "tmp"):
         (root / sub).mkdir(exist_ok=True)
     return WorkerLaunch(
@@ -631,8 +628,7 @@ async def test_e2e_turn_through_the_gateway_then_replay_after_restart(
                 )
                 server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
                 texts.append(await _one_turn(_launch(kind, tmp_path, session, gateway, server)))
-                if kind == "pi":
-                    assert _files_containing([tmp_path], gateway.secret) == []
+                assert _files_containing([tmp_path], gateway.secret) == []
             nursery.cancel_scope.cancel()
         assert texts == ["hello from upstream", "hello from upstream"]
         assert model.request_count == 1  # the restarted worker was answered from the journal
