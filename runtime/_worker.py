@@ -52,7 +52,6 @@ from ._proctree import (
     create_cgroup,
     find_members,
     has_nonce,
-    is_alive_pid,
     is_child_subreaper,
     kill_tree,
     new_nonce,
@@ -569,19 +568,21 @@ async def _launch(
     )
 
 
-async def _environ_after_exec(pid: int) -> bytes | None:
-    """The environment of a process that has just exec'd.
+async def _environ_after_exec(process: trio.Process, nonce: str) -> bytes | None:
+    """The environment of a process that has just exec'd, once it shows the nonce.
 
     The parent learns of a successful exec before the kernel has published the
-    new image's environment, so an empty read is retried for a moment (a few
-    microseconds in practice; bounded at one second) while the process lives.
+    new image's environment, and the cgroup shim execs once more: a read can
+    come back empty or partial while an exec is under way. Reads are retried
+    (bounded at one second) until one shows the nonce or the process exited;
+    that read is returned (re-reading could land inside the next exec).
     """
+    environ = read_environ(process.pid)
     with trio.move_on_after(1.0):
-        while read_environ(pid) == b"":
-            if not is_alive_pid(pid):
-                break
+        while not has_nonce(environ, nonce) and process.poll() is None:
             await trio.sleep(0.001)
-    return read_environ(pid)
+            environ = read_environ(process.pid)
+    return environ
 
 
 async def _prove(epoch: Epoch) -> None:
@@ -596,7 +597,7 @@ async def _prove(epoch: Epoch) -> None:
                     ReasonCode.WORKER_LAUNCH_FAILED,
                     f"cannot put the worker into {epoch.cgroup}: {error}",
                 ) from error
-    environ = await _environ_after_exec(process.pid)
+    environ = await _environ_after_exec(process, epoch.nonce)
     if epoch.identity.start_time and has_nonce(environ, epoch.nonce):
         return
     if process.poll() is not None or process_start_time(process.pid) is None:
