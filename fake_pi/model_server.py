@@ -18,7 +18,6 @@ and point a Pi ``models.json`` provider (``api: openai-completions``) at
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 import msgspec
 import trio
 
+from runtime._gateway import request_digest
 from runtime._http import HttpServer, Request, ResponseWriter, serve_http
 
 from .scenario import (
@@ -79,8 +79,8 @@ class ReceivedRequest:
     step: Step
 
 
-def body_digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()
+body_digest = request_digest
+"""The runtime gateway's step digest: a test can ask how often a journaled step was paid."""
 
 
 def _tokens(text: str) -> list[str]:
