@@ -30,6 +30,7 @@ from ._behaviours import BarrierExit, BarrierKill, Barriers, Behaviours, FakeCon
 from ._compaction import CompactionSettings
 from ._conversation import Conversation
 from ._gate import AllowAllGate, ToolGate
+from ._gate_client import gate_from_environ
 from ._model import HttpModelClient, InProcessModelClient, ModelClient
 from ._retry import RetrySettings
 from ._rpc import read_lines, serve_rpc
@@ -167,10 +168,19 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
         clock=clock,
         session_id=session_id,
     )
+    # -- the runtime's tool gate (runtime/_gate.py; docs/design/gate.md) ---------------
+    # When the runtime names a gate socket, every tool asks it first, a round's calls run
+    # one after the other (as the Pi extension's executionMode "sequential"), and the gate
+    # secret is removed from this process's environment before any tool can inherit it.
+    runtime_gate = gate_from_environ(os.environ)
+    gate: ToolGate = runtime_gate if runtime_gate is not None else AllowAllGate()
+    # -- end of the tool-gate block --------------------------------------------------------
     options = AgentOptions(
         cwd=cwd,
         client=client,
         tools=builtin_tools(config.tools),
+        gate=gate,
+        sequential_tools=runtime_gate is not None,
         clock=clock,
         conversation=conversation,
         barriers=Barriers(config.behaviours, in_process=False),

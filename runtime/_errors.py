@@ -67,6 +67,12 @@ class ReasonCode(enum.StrEnum):
     GATEWAY_UPSTREAM_KEY_MISSING = "gateway_upstream_key_missing"
     GATEWAY_UPSTREAM_INACTIVE = "gateway_upstream_inactive"
     GATEWAY_UPSTREAM_FAILED = "gateway_upstream_failed"
+    # the tool gate (docs/design/gate.md)
+    GATE_UNAUTHORIZED = "gate_unauthorized"
+    GATE_BAD_REQUEST = "gate_bad_request"
+    GATE_TOOL_REFUSED = "gate_tool_refused"
+    GATE_JOURNAL_FAILED = "gate_journal_failed"
+    GATE_UNREACHABLE = "gate_unreachable"
 
 
 class PiRuntimeError(Exception):
