@@ -1,0 +1,157 @@
+"""Fake-Pi's client of the runtime's tool gate (``runtime/_gate.py``): a ToolGate over its socket.
+
+The same protocol as the real Pi's extension (``runtime/pi_extension/gate.ts``): JSON over
+HTTP/1.1 on a Unix socket, ``POST /before`` and ``POST /after`` with
+``authorization: Bearer <secret>``. Configured from the environment the runtime sets
+(:data:`GATE_SOCKET_ENV`, :data:`GATE_SECRET_ENV`); :func:`gate_from_environ` removes the
+secret from the environment it is given, so the tools Fake-Pi runs never see it.
+
+Error handling: a gate that cannot be reached or answers an error fails closed — ``before``
+returns :class:`~fake_pi._gate.Refused` with the reason, so the tool does not run. A failed
+``after`` is written to stderr (Pi throws there; Fake-Pi's loop cannot change a result after
+the tool ran).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import h11
+import msgspec
+import trio
+
+from ._gate import GateDecision, Refused, Run, SavedResult, ToolCall, ToolResult
+
+__all__ = [
+    "GATE_SECRET_ENV",
+    "GATE_SOCKET_ENV",
+    "GateClientError",
+    "RuntimeGate",
+    "gate_from_environ",
+    "post_json",
+]
+
+GATE_SOCKET_ENV: Final = "PI_RUNTIME_GATE_SOCKET"
+GATE_SECRET_ENV: Final = "PI_RUNTIME_GATE_SECRET"
+_READ: Final = 65536
+
+
+class GateClientError(Exception):
+    """The gate could not be reached or did not answer 200."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def post_json(
+    socket_path: str, target: str, body: Any, *, secret: str | None
+) -> tuple[int, Any]:
+    """One ``POST`` on a fresh connection to a Unix socket; ``(status, decoded JSON body)``."""
+    try:
+        stream = await trio.open_unix_socket(socket_path)
+    except OSError as error:
+        raise GateClientError(f"cannot connect to {socket_path}: {error}") from error
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        data = msgspec.json.encode(body)
+        headers = [
+            ("host", "gate"),
+            ("content-type", "application/json"),
+            ("content-length", str(len(data))),
+        ]
+        if secret is not None:
+            headers.append(("authorization", f"Bearer {secret}"))
+        try:
+            await stream.send_all(
+                conn.send(h11.Request(method="POST", target=target, headers=headers))
+                + conn.send(h11.Data(data=data))
+                + conn.send(h11.EndOfMessage())
+            )
+            status = 0
+            payload = bytearray()
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(bytes(await stream.receive_some(_READ)))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    payload += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise GateClientError("the gate closed the connection")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as error:
+            raise GateClientError(f"request to the gate failed: {error}") from error
+    try:
+        decoded = msgspec.json.decode(bytes(payload)) if payload else None
+    except msgspec.DecodeError as error:
+        raise GateClientError(f"the gate answered non-JSON: {error}", status) from error
+    return status, decoded
+
+
+def _result(value: Any) -> ToolResult:
+    if not isinstance(value, dict) or not isinstance(value.get("content"), list):
+        raise GateClientError(f"a malformed result from the gate: {value!r}")
+    details = value.get("details")
+    return ToolResult(
+        content=value["content"],
+        is_error=value.get("isError") is True,
+        details=details if isinstance(details, dict) else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeGate:
+    """A :class:`~fake_pi._gate.ToolGate` that asks the runtime's gate."""
+
+    socket_path: str
+    secret: str = ""
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"RuntimeGate(socket_path={self.socket_path!r})"
+
+    async def _post(self, target: str, body: dict[str, Any]) -> Any:
+        status, answer = await post_json(self.socket_path, target, body, secret=self.secret)
+        if status != 200:
+            raise GateClientError(f"tool gate {target}: HTTP {status}: {answer}", status)
+        return answer
+
+    async def before(self, call: ToolCall) -> GateDecision:
+        body = {"tool_call_id": call.id, "name": call.name, "args": call.arguments}
+        try:
+            answer = await self._post("/before", body)
+            decision = answer.get("decision") if isinstance(answer, dict) else None
+            if decision == "run":
+                return Run()
+            if decision == "saved":
+                return SavedResult(_result(answer["result"]))
+            if decision == "refused":
+                refused = _result(answer["result"])
+                return Refused(ToolResult(content=refused.content, is_error=True))
+            raise GateClientError(f"tool gate: unknown decision {answer!r}")
+        except GateClientError as error:  # fail closed: the tool does not run
+            return Refused(ToolResult.text(str(error), is_error=True))
+
+    async def after(self, call: ToolCall, result: ToolResult) -> None:
+        reported: dict[str, Any] = {"content": result.content, "isError": result.is_error}
+        if result.details is not None:
+            reported["details"] = result.details
+        body = {"tool_call_id": call.id, "name": call.name, "result": reported}
+        try:
+            await self._post("/after", body)
+        except GateClientError as error:
+            print(f"fake-pi: the tool gate did not record {call.id}: {error}", file=sys.stderr)
+
+
+def gate_from_environ(environ: MutableMapping[str, str]) -> RuntimeGate | None:
+    """The runtime's gate if ``environ`` names one; removes the secret from ``environ``."""
+    secret = environ.pop(GATE_SECRET_ENV, None)
+    path = environ.get(GATE_SOCKET_ENV)
+    if not path:
+        return None
+    return RuntimeGate(socket_path=path, secret=secret or "")

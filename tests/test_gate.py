@@ -1,0 +1,537 @@
+"""The tool gate (``runtime/_gate.py``, ``runtime/pi_extension/gate.ts``, Fake-Pi's
+``fake_pi/_gate_client.py``); test names cite ``docs/design/gate.md`` (T1…).
+
+The server's decisions run against the real Unix socket with an in-memory log (and once on a
+real store); the end-to-end tests launch the real Pi (with the extension) and Fake-Pi as
+subprocesses, driven over RPC by a scripted model. Every wait is bounded by ``trio.fail_after``
+and driven by events, never by sleeping; every process is stopped by ``open_worker``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import trio
+
+from fake_pi._gate_client import post_json
+from fake_pi.model_server import ScriptedModel
+from fake_pi.model_server import serve_model as serve_model_http
+from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from runtime._clock import Clocks
+from runtime._errors import JournalError, ReasonCode
+from runtime._gate import (
+    EXTENSION_PATH,
+    GATE_SECRET_ENV,
+    GATE_SOCKET_ENV,
+    Gate,
+    GateCall,
+    GateResult,
+    GateServer,
+    MemoryLog,
+    RecordingGateJournal,
+    RunTool,
+    Saved,
+    canonical_args,
+    gate_environment,
+    interrupted_text,
+    replay_class_of,
+    serve_gate,
+)
+from runtime._http import HttpServer
+from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
+from runtime._rpc import Event, WorkerLaunchError, open_rpc_channel
+from runtime._session import create_session
+from runtime._store import delivery_key, open_store
+from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
+
+from ._pi import real_pi
+
+LIMIT: Final = 10.0
+PROCESS_LIMIT: Final = 90.0
+KEY: Final = "k"
+SAVED_TEXT: Final = "saved-output-123\nline2\n"
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short private directory for sockets (a socket path is limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="gate-", dir="/tmp"))
+    path.chmod(0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Rig:
+    gate: Gate
+    server: GateServer
+    log: MemoryLog
+    journal: RecordingGateJournal
+
+    async def post(self, target: str, body: Any, secret: str | None = "") -> tuple[int, Any]:
+        given = self.gate.secret if secret == "" else secret
+        return await post_json(str(self.server.path), target, body, secret=given)
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    sock_dir: Path,
+    *,
+    existing: Sequence[Record] = (),
+    granted: Sequence[str] = ("read", "bash", "edit", "write"),
+    log: MemoryLog | None = None,
+) -> AsyncIterator[Rig]:
+    log = log if log is not None else MemoryLog(records=list(existing))
+    journal = RecordingGateJournal(
+        log, key=KEY, epoch=1, granted=granted, existing=list(log.records)
+    )
+    gate = Gate(journal)
+    async with trio.open_nursery() as nursery:
+        server: GateServer = await nursery.start(serve_gate, gate, sock_dir / "gate.sock")
+        yield Rig(gate, server, log, journal)
+        nursery.cancel_scope.cancel()
+
+
+def _intent(call_id: str, name: str = "bash", *, seq: int = 1, **kw: Any) -> ToolIntent:
+    return ToolIntent(
+        intent_id=f"{KEY}:{seq}",
+        step=kw.get("step", 0),
+        tool_call_id=call_id,
+        name=name,
+        args=canonical_args(kw.get("args", {})),
+        replay_class=replay_class_of(name),
+        epoch=0,
+    )
+
+
+def _saved_records(call_id: str = "call_saved") -> list[Record]:
+    return [
+        _intent(call_id, args={"command": "touch saved-ran"}),
+        ToolOutcome(
+            intent_id=f"{KEY}:1",
+            tool_call_id=call_id,
+            content=[{"type": "text", "text": SAVED_TEXT}],
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------- the server, unit
+
+
+async def test_t1_only_the_current_secret_is_served(sock_dir: Path) -> None:
+    """T1: no secret, a wrong one, or the previous epoch's: 401, and nothing is recorded."""
+    body = {"tool_call_id": "c1", "name": "bash", "args": {"command": "true"}}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            old = r.gate.secret
+            for secret in (None, "wrong", old + "x"):
+                status, answer = await r.post("/before", body, secret=secret)
+                assert status == 401
+                assert answer["error"]["code"] == ReasonCode.GATE_UNAUTHORIZED
+            r.gate.rotate_secret()
+            assert (await r.post("/before", body, secret=old))[0] == 401
+            assert r.log.records == []
+            assert r.gate.refused_unauthorized == 4
+            status, answer = await r.post("/before", body)
+            assert (status, answer["decision"]) == (200, "run")
+
+
+async def test_t1_socket_is_private_and_removed(sock_dir: Path) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            mode = r.server.path.stat().st_mode
+            assert stat.S_ISSOCK(mode)
+            assert stat.S_IMODE(mode) == 0o600
+    assert not (sock_dir / "gate.sock").exists()
+
+
+async def test_t2_t3_t4_decisions_over_the_socket(sock_dir: Path) -> None:
+    """run (intent durable first, id ``<key>:<seq>``), after → outcome; the same call id in
+    the same round → saved, verbatim; a tool not granted → refused, nothing recorded."""
+    call = {"tool_call_id": "c1", "name": "bash", "args": {"command": "echo hi", "timeout": 3}}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, granted=("read", "bash")) as r:
+            status, answer = await r.post("/before", call)
+            assert (status, answer) == (200, {"decision": "run", "intent_id": "k:1"})
+            assert r.log.records == [
+                ToolIntent(
+                    intent_id="k:1",
+                    step=0,
+                    tool_call_id="c1",
+                    name="bash",
+                    args='{"command":"echo hi","timeout":3}',
+                    replay_class=ReplayClass.NEVER,
+                    epoch=1,
+                )
+            ]
+            content: list[dict[str, Any]] = [{"type": "text", "text": "hi\n"}]
+            result = {"content": content, "details": {"x": 1}}
+            after = {"tool_call_id": "c1", "name": "bash", "result": result}
+            assert await r.post("/after", after) == (200, {"ok": True})
+            assert r.log.records[1] == ToolOutcome(
+                intent_id="k:1", tool_call_id="c1", content=content, is_error=False
+            )
+            # the same call again within the round: the recorded result, no new intent
+            status, answer = await r.post("/before", call)
+            assert (status, answer) == (
+                200,
+                {"decision": "saved", "result": {"content": content, "isError": False}},
+            )
+            assert len(r.log.records) == 2
+            # not granted
+            write = {"tool_call_id": "c2", "name": "write", "args": {"path": "x", "content": ""}}
+            status, answer = await r.post("/before", write)
+            assert status == 200
+            assert answer["decision"] == "refused"
+            assert answer["result"]["isError"] is True
+            assert "not granted" in answer["result"]["content"][0]["text"]
+            assert len(r.log.records) == 2
+            # malformed, unknown target, an outcome nobody let run
+            assert (await r.post("/before", {"name": "bash"}))[0] == 400
+            assert (await r.post("/before", [1, 2]))[0] == 400
+            assert (await r.post("/nope", call))[0] == 404
+            assert (await r.post("/after", {**after, "tool_call_id": "zz"}))[0] == 409
+            assert (await r.post("/after", {**after, "result": {"content": "x"}}))[0] == 400
+
+
+def test_t5_replay_classes() -> None:
+    assert replay_class_of("read") is ReplayClass.SAFE
+    for name in ("bash", "write", "edit", "mcp_whatever"):
+        assert replay_class_of(name) is ReplayClass.NEVER
+    assert replay_class_of("read", recorded=ReplayClass.NEVER) is ReplayClass.NEVER
+    assert replay_class_of("x", {"x": ReplayClass.SAFE}, ReplayClass.SAFE) is ReplayClass.SAFE
+    assert replay_class_of("x", {"x": ReplayClass.RECEIPT}) is ReplayClass.NEVER
+
+
+async def test_t5_intent_without_outcome(sock_dir: Path) -> None:
+    """A ``never`` tool whose intent has no outcome is not run again: the model gets the
+    "possibly ran" result (recorded, so the next replay says the same); a ``safe`` one
+    runs again under a new intent."""
+    existing: list[Record] = [_intent("c_bash"), _intent("c_read", "read", seq=2)]
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, existing=existing) as r:
+            status, answer = await r.post(
+                "/before", {"tool_call_id": "c_bash", "name": "bash", "args": {}}
+            )
+            assert status == 200
+            assert answer == {
+                "decision": "saved",
+                "result": {
+                    "content": [{"type": "text", "text": interrupted_text("bash")}],
+                    "isError": True,
+                },
+            }
+            assert r.log.records[2:] == [
+                ToolOutcome(
+                    intent_id="k:1",
+                    tool_call_id="c_bash",
+                    content=answer["result"]["content"],
+                    is_error=True,
+                )
+            ]
+            status, answer = await r.post(
+                "/before", {"tool_call_id": "c_read", "name": "read", "args": {"path": "a"}}
+            )
+            assert answer == {"decision": "run", "intent_id": "k:4"}
+
+
+async def test_t2_journal_failure_answers_503_and_stops_the_gate(sock_dir: Path) -> None:
+    async def fail(record: Record) -> None:
+        raise JournalError(ReasonCode.JOURNAL_POISONED, "disk said no")
+
+    log = MemoryLog(on_append=fail)
+    journal = RecordingGateJournal(log, key=KEY, epoch=1, granted=["bash"])
+    gate = Gate(journal)
+    body = {"tool_call_id": "c1", "name": "bash", "args": {}}
+    raised: list[JournalError] = []
+
+    async def run(task_status: trio.TaskStatus[GateServer]) -> None:
+        try:
+            await serve_gate(gate, sock_dir / "g.sock", task_status=task_status)
+        except JournalError as error:
+            raised.append(error)
+
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            server: GateServer = await nursery.start(run)
+            status, answer = await post_json(str(server.path), "/before", body, secret=gate.secret)
+            assert status == 503
+            assert answer["error"]["code"] == ReasonCode.JOURNAL_POISONED
+    assert [e.code for e in raised] == [ReasonCode.JOURNAL_POISONED]
+    assert not (sock_dir / "g.sock").exists()
+
+
+async def test_t2_t3_on_a_delivery_log(tmp_path: Path) -> None:
+    """On a real store: intent ids are ``<delivery key>:<seq>`` of the intent itself; after a
+    reopen, the recorded outcome is answered for the same call id."""
+    key = delivery_key("d1")
+    call = GateCall("call_1", "bash", {"command": "ls"})
+    async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+        log = await store.create_delivery_log("d1")
+        journal = RecordingGateJournal(log, key=key, epoch=1, granted=["bash"])
+        decision = await journal.decide(call)
+        assert isinstance(decision, RunTool)
+        await journal.record_outcome(call, GateResult.text("a\nb\n"))
+        await store.close_log(log)
+    async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+        log = await store.open_delivery_log("d1")
+        records = log.contents.records
+        seq = int(decision.intent_id.rsplit(":", 1)[1])
+        assert decision.intent_id == f"{key}:{seq}"
+        intent = records[seq]
+        assert isinstance(intent, ToolIntent)
+        assert intent.intent_id == decision.intent_id
+        reopened = RecordingGateJournal(log, key=key, epoch=2, granted=["bash"], existing=records)
+        assert await reopened.decide(call) == Saved(GateResult.text("a\nb\n"))
+        await store.close_log(log)
+
+
+# ------------------------------------------------------------------------- end to end
+
+
+def _launch(
+    kind: str,
+    root: Path,
+    model_server: HttpServer,
+    *,
+    gate_env: dict[str, str] | None,
+    extension: bool = True,
+) -> WorkerLaunch:
+    program = WorkerProgram.pi(real_pi()) if kind == "pi" else WorkerProgram.fake_pi()
+    for sub in ("work", "home", "tmp"):
+        (root / sub).mkdir(exist_ok=True)
+    session = root / "lane.jsonl"
+    if not session.exists():
+        create_session(
+            session,
+            cwd=str(root / "work"),
+            provider="fake",
+            model_id="fake-model",
+            clock=Clocks.system().wall,
+        )
+    return WorkerLaunch(
+        program=program,
+        cwd=root / "work",
+        home=root / "home",
+        agent_dir=root / "home" / "agent",
+        tmp_dir=root / "tmp",
+        session=session,
+        route=ModelRoute(provider="fake", model="fake-model", base_url=f"{model_server.url}/v1"),
+        retry=RetrySettings(max_retries=0),
+        extensions=(EXTENSION_PATH,) if extension and kind == "pi" else (),
+        extra_env=gate_env or {},
+    )
+
+
+async def _turn(launch: WorkerLaunch) -> list[Event]:
+    """Prompt once and wait for ``agent_settled``; the events up to it."""
+    async with (
+        open_worker(launch) as worker,
+        open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+    ):
+        prompted = await rpc.prompt("go")
+        settled = await rpc.wait_settled(prompted.settled_before)
+        assert settled.record["aborted"] is False
+        events = []
+        async for event in rpc:
+            events.append(event)
+            if event.type == "agent_settled":
+                break
+        return events
+
+
+def _tool_messages(body: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for message in body["messages"]:
+        if message.get("role") == "tool":
+            content = message["content"]
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content)
+            out[message["tool_call_id"]] = content
+    return out
+
+
+def _files_containing(roots: Sequence[Path], needle: str) -> list[Path]:
+    found = []
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                with contextlib.suppress(OSError):
+                    if needle.encode() in path.read_bytes():
+                        found.append(path)
+    return found
+
+
+def _text(content: list[dict[str, Any]]) -> str:
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+@contextlib.asynccontextmanager
+async def model_and_gate(
+    steps: Sequence[Step], sock_dir: Path, log: MemoryLog, granted: Sequence[str]
+) -> AsyncIterator[tuple[ScriptedModel, HttpServer, Rig]]:
+    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    async with trio.open_nursery() as nursery:
+        up: HttpServer = await nursery.start(serve_model_http, model)
+        async with rig(sock_dir, log=log, granted=granted) as r:
+            yield model, up, r
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_saved_refused_run_and_no_secret_for_tools(
+    kind: str, tmp_path: Path, sock_dir: Path
+) -> None:
+    """T3: a saved result reaches the model exactly and the tool did not run. T4: a refused
+    tool's text reaches the model, the tool did not run. T2: a run tool's intent and outcome
+    are recorded, the outcome being what the model got. T6: the agent's ``env`` shows the
+    socket but not the secret, and no file written holds it. T8: calls run one at a time."""
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[
+                Call(name="bash", arguments={"command": "env"}, id="call_env"),
+                Call(name="bash", arguments={"command": "touch saved-ran"}, id="call_saved"),
+                Call(
+                    name="write",
+                    arguments={"path": "refused.txt", "content": "x"},
+                    id="call_refused",
+                ),
+            ]
+        ),
+        Text(text="done"),
+    ]
+    log = MemoryLog(records=_saved_records())
+    with trio.fail_after(PROCESS_LIMIT):
+        async with model_and_gate(steps, sock_dir, log, ("read", "bash")) as (model, up, r):
+            env = gate_environment(r.server, r.gate)
+            events = await _turn(_launch(kind, tmp_path, up, gate_env=env))
+            secret = r.gate.secret
+    work = tmp_path / "work"
+    assert model.request_count == 2
+    tools = _tool_messages(model.requests[1].body)
+    assert tools["call_saved"] == SAVED_TEXT
+    assert not (work / "saved-ran").exists()
+    assert "not granted" in tools["call_refused"]
+    assert not (work / "refused.txt").exists()
+    seen_env = tools["call_env"]
+    assert f"{GATE_SOCKET_ENV}={r.server.path}" in seen_env
+    assert GATE_SECRET_ENV not in seen_env
+    assert secret not in seen_env
+    assert _files_containing([tmp_path, sock_dir], secret) == []
+    # the recorded outcome is what the model got; nothing recorded for saved or refused
+    new = log.records[2:]
+    assert [type(x) for x in new] == [ToolIntent, ToolOutcome]
+    intent, outcome = new
+    assert isinstance(intent, ToolIntent)
+    assert isinstance(outcome, ToolOutcome)
+    assert (intent.tool_call_id, intent.name, intent.intent_id) == ("call_env", "bash", "k:3")
+    assert intent.args == '{"command":"env"}'
+    assert outcome.intent_id == "k:3"
+    assert _text(outcome.content) == seen_env
+    # T8: sequential — each call ends before the next starts
+    order = [
+        (e.type, e.record.get("toolCallId"))
+        for e in events
+        if e.type in ("tool_execution_start", "tool_execution_end")
+    ]
+    assert order == [
+        (t, c)
+        for c in ("call_env", "call_saved", "call_refused")
+        for t in ("tool_execution_start", "tool_execution_end")
+    ]
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_t2_intent_durable_before_the_tool_starts(
+    kind: str, tmp_path: Path, sock_dir: Path
+) -> None:
+    """T2: while the intent's append is held, the tool's effect has not happened; it happens
+    only after the append returned."""
+    entered = trio.Event()
+    release = trio.Event()
+    effect = tmp_path / "work" / "effect"
+    seen_at_return: list[bool] = []
+
+    async def hold(record: Record) -> None:
+        if isinstance(record, ToolIntent):
+            entered.set()
+            await release.wait()
+            seen_at_return.append(effect.exists())
+
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": "touch effect"}, id="c1")]),
+        Text(text="done"),
+    ]
+    log = MemoryLog(on_append=hold)
+    with trio.fail_after(PROCESS_LIMIT):
+        async with model_and_gate(steps, sock_dir, log, ("bash",)) as (_model, up, r):
+            launch = _launch(kind, tmp_path, up, gate_env=gate_environment(r.server, r.gate))
+            async with (
+                open_worker(launch) as worker,
+                open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+            ):
+                prompted = await rpc.prompt("go")
+                await entered.wait()
+                assert not effect.exists()
+                release.set()
+                settled = await rpc.wait_settled(prompted.settled_before)
+                assert settled.record["aborted"] is False
+    assert seen_at_return == [False]
+    assert effect.exists()
+    assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome]
+
+
+async def test_e2e_t7_pi_schemas_and_prompt_unchanged_by_the_extension(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """T7: the tools array and the system prompt Pi sends are byte-identical with the
+    extension loaded (and the gate configured) and without it."""
+    bodies = []
+    with trio.fail_after(PROCESS_LIMIT):
+        for extension in (False, True):
+            async with model_and_gate([Text(text="ok")], sock_dir, MemoryLog(), ["bash"]) as (
+                model,
+                up,
+                r,
+            ):
+                env = gate_environment(r.server, r.gate) if extension else None
+                await _turn(_launch("pi", tmp_path, up, gate_env=env, extension=extension))
+                bodies.append(model.requests[0].body)
+    plain, gated = bodies
+    assert [t["function"]["name"] for t in plain["tools"]] == ["read", "bash", "edit", "write"]
+    assert gated["tools"] == plain["tools"]
+    assert gated["messages"][0] == plain["messages"][0]
+
+
+async def test_e2e_pi_extension_without_gate_config_refuses_to_start(tmp_path: Path) -> None:
+    """T9: loaded without the socket and secret, the extension fails Pi's start (exit 1)
+    rather than running tools ungated."""
+    with trio.fail_after(PROCESS_LIMIT):
+        async with trio.open_nursery() as nursery:
+            up: HttpServer = await nursery.start(serve_model_http, ScriptedModel())
+            launch = _launch("pi", tmp_path, up, gate_env=None)
+            with pytest.raises(WorkerLaunchError) as raised:
+                await _turn(launch)
+            nursery.cancel_scope.cancel()
+    assert raised.value.code is ReasonCode.WORKER_LAUNCH_FAILED
+    assert f"{GATE_SOCKET_ENV} and {GATE_SECRET_ENV} must be set" in str(raised.value)
+
+
+def test_extension_ships_with_the_package() -> None:
+    assert EXTENSION_PATH.is_file()
+    text = EXTENSION_PATH.read_text()
+    specifiers = re.findall(r'from "([^"]+)"', text)
+    assert specifiers  # only Pi's own package and node built-ins resolve in an extension
+    assert all(s == "@earendil-works/pi-coding-agent" or s.startswith("node:") for s in specifiers)
+    assert "registerCommand(" not in text
