@@ -54,6 +54,7 @@ from runtime._store import delivery_key, open_store
 from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 
 from ._pi import real_pi
+from ._secrets import files_containing
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -362,17 +363,6 @@ def _tool_messages(body: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _files_containing(roots: Sequence[Path], needle: str) -> list[Path]:
-    found = []
-    for root in roots:
-        for path in root.rglob("*"):
-            if path.is_file() and not path.is_symlink():
-                with contextlib.suppress(OSError):
-                    if needle.encode() in path.read_bytes():
-                        found.append(path)
-    return found
-
-
 def _text(content: list[dict[str, Any]]) -> str:
     return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
@@ -428,7 +418,7 @@ async def test_e2e_saved_refused_run_and_no_secret_for_tools(
     assert f"{GATE_SOCKET_ENV}={r.server.path}" in seen_env
     assert GATE_SECRET_ENV not in seen_env
     assert secret not in seen_env
-    assert _files_containing([tmp_path, sock_dir], secret) == []
+    assert files_containing([tmp_path, sock_dir], secret) == []
     # the recorded outcome is what the model got; nothing recorded for saved or refused
     new = log.records[2:]
     assert [type(x) for x in new] == [ToolIntent, ToolOutcome]

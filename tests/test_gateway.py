@@ -57,6 +57,7 @@ from runtime._store import open_store
 from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 
 from ._pi import real_pi
+from ._secrets import files_containing
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -526,17 +527,6 @@ async def test_delivery_step_journal_on_a_real_log(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- end to end
 
 
-def _files_containing(roots: Sequence[Path], needle: str) -> list[Path]:
-    found = []
-    for root in roots:
-        for path in root.rglob("*"):
-            if path.is_file() and not path.is_symlink():
-                with contextlib.suppress(OSError):
-                    if needle.encode() in path.read_bytes():
-                        found.append(path)
-    return found
-
-
 def _launch(
     kind: str, root: Path, session: Path, gateway: Gateway, server: HttpServer
 ) -> WorkerLaunch:
@@ -628,12 +618,12 @@ async def test_e2e_turn_through_the_gateway_then_replay_after_restart(
                 )
                 server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
                 texts.append(await _one_turn(_launch(kind, tmp_path, session, gateway, server)))
-                assert _files_containing([tmp_path], gateway.secret) == []
+                assert files_containing([tmp_path], gateway.secret) == []
             nursery.cancel_scope.cancel()
         assert texts == ["hello from upstream", "hello from upstream"]
         assert model.request_count == 1  # the restarted worker was answered from the journal
         assert upstream_auth == [f"Bearer {UPSTREAM_KEY}"]
-        assert _files_containing([tmp_path], UPSTREAM_KEY) == []
+        assert files_containing([tmp_path], UPSTREAM_KEY) == []
 
 
 @pytest.mark.parametrize("kind", ["fake", "pi"])
