@@ -23,6 +23,7 @@ import trio.lowlevel
 import trio.testing
 
 from runtime._clock import SystemWallClock, WallClock
+from runtime._gateway import GATEWAY_SECRET_ENV
 from runtime._session import uuid7
 
 from ._agent import Agent, AgentOptions, ModelInfo
@@ -34,7 +35,7 @@ from ._gate_client import gate_from_environ
 from ._model import HttpModelClient, InProcessModelClient, ModelClient
 from ._retry import RetrySettings
 from ._rpc import read_lines, serve_rpc
-from ._tools import builtin_tools
+from ._tools import builtin_tools, runtime_tools_from_environ
 from .model_server import ScriptedModel
 
 __all__ = ["FakePi", "main", "open_fake_pi", "parse_args"]
@@ -172,13 +173,17 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
     # When the runtime names a gate socket, every tool asks it first, a round's calls run
     # one after the other (as the Pi extension's executionMode "sequential"), and the gate
     # secret is removed from this process's environment before any tool can inherit it.
+    # The runtime's own tools it declares are added as given (they run in the runtime).
     runtime_gate = gate_from_environ(os.environ)
     gate: ToolGate = runtime_gate if runtime_gate is not None else AllowAllGate()
+    tools = builtin_tools(config.tools)
+    if runtime_gate is not None:
+        tools |= runtime_tools_from_environ(os.environ)
     # -- end of the tool-gate block --------------------------------------------------------
     options = AgentOptions(
         cwd=cwd,
         client=client,
-        tools=builtin_tools(config.tools),
+        tools=tools,
         gate=gate,
         sequential_tools=runtime_gate is not None,
         clock=clock,
@@ -188,7 +193,7 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
         retry=RetrySettings.from_settings(settings),
         compaction=CompactionSettings.from_settings(settings, f"{provider_name}/{model_id}"),
         append_system_prompt=list(args.append_system_prompt),
-        tool_env=dict(os.environ),
+        tool_env={k: v for k, v in os.environ.items() if k != GATEWAY_SECRET_ENV},
         ledger_path=Path(config.ledger) if config.ledger else cwd / ".fake-pi-effects.jsonl",
         recorder=recorder,
     )

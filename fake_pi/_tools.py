@@ -35,6 +35,8 @@ from urllib.parse import unquote, urlparse
 
 import trio
 
+from runtime._tools import RUNTIME_TOOLS, TOOLS_ENV
+
 from ._bash import MAX_BYTES, OnUpdate, format_size, run_bash, truncate
 from ._bash import MAX_LINES as MAX_LINES  # importable from here, as before the split
 from ._gate import Refused, SavedResult, ToolCall, ToolGate, ToolResult
@@ -50,6 +52,7 @@ __all__ = [
     "ToolError",
     "builtin_tools",
     "run_tool_call",
+    "runtime_tools_from_environ",
 ]
 
 ReplayClass = Literal["safe", "receipt", "never"]
@@ -358,6 +361,14 @@ async def _effect(call: ToolCall, ctx: ToolContext, on_update: OnUpdate | None) 
     return await trio.to_thread.run_sync(_effect_sync, call.arguments, ctx, call.id)
 
 
+_STANDALONE_ACKS = {
+    "send_text_update": "sent",
+    "task_done": "Task marked done.",
+    "task_fail": "Task marked failed.",
+    "task_wait": "Waiting for the answer.",
+}
+
+
 def _runtime_owned(ack: str) -> RunFn:
     async def run(call: ToolCall, ctx: ToolContext, on_update: OnUpdate | None) -> ToolResult:
         return await ctx.runtime_tool(call) if ctx.runtime_tool else ToolResult.text(ack)
@@ -448,36 +459,46 @@ _TOOLS = {
             "does. Automatically creates parent directories.",
             path=_PATH.format("write"), content="Content to write to the file",
         ),
-        _tool(
-            "effect", "never", _effect,
-            "Apply the side effect named by key, once per call (a test tool: it appends one "
-            "line to the effect ledger).",
-            key="Name of the side effect to apply",
-        ),
-        _tool(
-            "send_text_update", "never", _runtime_owned("sent"),
-            "Send a short progress update to the conversation. It does not end the turn.",
-            text=_opt("string", "The update (at most 600 characters)", required=True,
-                      maxLength=600),
-        ),
-        _tool(
-            "task_done", "never", _runtime_owned("Task marked done."),
-            "Report that the task is complete. Call it once, when the work is finished.",
-            summary="What was done",
-        ),
-        _tool(
-            "task_fail", "never", _runtime_owned("Task marked failed."),
-            "Report that the task cannot be completed.",
-            reason="Why the task cannot be completed",
-        ),
-        _tool(
-            "task_wait", "never", _runtime_owned("Waiting for the answer."),
-            "Ask the user a question and wait for the answer before going on.",
-            question="The question to ask",
-        ),
-    ]
+]
+} | {
+    spec.name: Tool(
+        name=spec.name,
+        description=spec.description,
+        parameters=spec.parameters,
+        replay_class=spec.replay_class.value,
+        run=_effect if spec.name == "effect" else _runtime_owned(_STANDALONE_ACKS[spec.name]),
+    )
+    for spec in RUNTIME_TOOLS.values()
 }  # fmt: skip
-"""Every built-in tool by name."""
+"""Every built-in tool by name: Pi's four, then the runtime's own (declared in
+``runtime/_tools.py``; standalone, Fake-Pi acknowledges them itself and ``effect`` writes
+Fake-Pi's ledger)."""
+
+
+def runtime_tools_from_environ(environ: Mapping[str, str]) -> dict[str, Tool]:
+    """The runtime tools the runtime declares in ``$PI_RUNTIME_TOOLS`` (as the Pi extension
+    registers them): exactly the given declarations, run only by the runtime's gate, which
+    answers each call with its result; reaching :attr:`Tool.run` is an error result."""
+    text = environ.get(TOOLS_ENV)
+    if not text:
+        return {}
+    declared = json.loads(text)
+    return {
+        d["name"]: Tool(
+            name=d["name"],
+            description=d["description"],
+            parameters=d["parameters"],
+            replay_class="never",
+            run=_only_in_runtime,
+        )
+        for d in declared
+    }
+
+
+async def _only_in_runtime(
+    call: ToolCall, ctx: ToolContext, on_update: OnUpdate | None
+) -> ToolResult:
+    raise ToolError(f"{call.name} is a runtime tool; the runtime's gate runs it")
 
 
 def builtin_tools(names: Iterable[str] | None = None) -> dict[str, Tool]:

@@ -42,6 +42,7 @@ import trio
 from ._errors import PiRuntimeError, ReasonCode
 from ._http import Request, ResponseWriter, _serve_connection
 from ._records import Record, ReplayClass, ToolIntent, ToolOutcome
+from ._tools import RUNTIME_TOOLS, RuntimeTool
 
 __all__ = [
     "EXTENSION_PATH",
@@ -233,9 +234,11 @@ class RecordingGateJournal:
     ``existing`` the records it held when opened (``journal.contents.records``), from which
     recorded outcomes are answered. ``key`` is the delivery key, so intent ids are
     ``<key>:<seq>`` with ``seq`` the intent's own sequence number in the log. ``granted``
-    names the tools this lane may run; ``classes`` their declared replay classes. ``step``
-    returns the current round (the model step whose response carried the calls); the lane
-    wires it to the gateway's step, tests may leave it at 0. Set :attr:`epoch` per epoch.
+    names the tools this lane may run; ``classes`` their declared replay classes (the runtime
+    tools' own classes are added). ``runtime_tools`` are the handlers of the granted runtime
+    tools (``runtime/_tools.py``): the gate runs them itself and answers *saved* (T10).
+    ``step`` returns the current round (the model step whose response carried the calls); the
+    lane wires it to the gateway's step, tests may leave it at 0. Set :attr:`epoch` per epoch.
     """
 
     def __init__(
@@ -248,17 +251,23 @@ class RecordingGateJournal:
         classes: Mapping[str, ReplayClass] = PI_TOOL_CLASSES,
         existing: Iterable[Record] = (),
         step: Callable[[], int] = lambda: 0,
+        runtime_tools: Mapping[str, RuntimeTool] | None = None,
     ) -> None:
         self._log = log
         self.key = key
         self.epoch = epoch
         self.granted = frozenset(granted)
-        self.classes = dict(classes)
+        self.runtime_tools = dict(runtime_tools or {})
+        if missing := sorted((self.granted & RUNTIME_TOOLS.keys()) - self.runtime_tools.keys()):
+            raise ValueError(f"runtime tools granted without a handler: {', '.join(missing)}")
+        self.classes = {n: s.replay_class for n, s in RUNTIME_TOOLS.items()} | dict(classes)
         self._step = step
         self._intents: dict[tuple[int, str], ToolIntent] = {}
         self._outcomes: dict[str, ToolOutcome] = {}
         self._running: dict[str, ToolIntent] = {}
         """Intents answered *run* in this process, by tool-call id, awaiting their outcome."""
+        self._settled: dict[str, trio.Event] = {}
+        """Per running tool-call id: set once its outcome is durable (the gateway waits, T11)."""
         self._lock = trio.Lock()
         for record in existing:
             self._learn(record)
@@ -280,6 +289,25 @@ class RecordingGateJournal:
         return seq
 
     async def decide(self, call: GateCall) -> Decision:
+        decision = await self._decide(call)
+        handler = self.runtime_tools.get(call.name)
+        if handler is None or not isinstance(decision, RunTool):
+            return decision
+        result = await self._run_runtime_tool(handler, call, decision.intent_id)  # T10
+        await self.record_outcome(call, result)
+        return Saved(result)
+
+    async def _run_runtime_tool(
+        self, handler: RuntimeTool, call: GateCall, intent_id: str
+    ) -> GateResult:
+        try:
+            return await handler(call, intent_id)
+        except PiRuntimeError:
+            raise
+        except Exception as error:  # the tool failed: the model is told, the call settles
+            return GateResult.text(f"tool {call.name} failed: {error}", is_error=True)
+
+    async def _decide(self, call: GateCall) -> Decision:
         async with self._lock:  # one decision at a time: seq and intent id stay paired
             step = self._step()
             if call.name not in self.granted:  # T4: nothing recorded, nothing runs
@@ -325,6 +353,7 @@ class RecordingGateJournal:
                     f"intent {intent_id} landed at seq {seq}: another task appended meanwhile",
                 )
             self._running[call.tool_call_id] = intent
+            self._settled[call.tool_call_id] = trio.Event()
             return RunTool(intent_id)
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None:
@@ -343,6 +372,16 @@ class RecordingGateJournal:
                     is_error=result.is_error,
                 )
             )
+            self._settled.pop(call.tool_call_id).set()
+
+    async def wait_outcomes(self, tool_call_ids: Iterable[str]) -> None:
+        """Return once no call among ``tool_call_ids`` that was let run is still without a
+        durable outcome (T11: the gateway holds a model request carrying such a result)."""
+        for call_id in tool_call_ids:
+            event = self._settled.get(call_id)
+            if event is not None:
+                await event.wait()
+        await trio.lowlevel.checkpoint()
 
     def outcomes(self) -> list[ToolOutcome]:
         """Every outcome known (recorded before or by this object)."""

@@ -60,6 +60,7 @@ from ._records import ModelRequestIntent, ModelResponse
 
 __all__ = [
     "DONE",
+    "GATEWAY_SECRET_ENV",
     "KEEPALIVE",
     "ROOM_UPSTREAM_INACTIVITY",
     "DeliveryStepJournal",
@@ -76,6 +77,11 @@ __all__ = [
     "sse_data",
 ]
 
+GATEWAY_SECRET_ENV: Final = "PI_RUNTIME_GATEWAY_SECRET"
+"""The worker's environment variable holding the epoch's gateway secret; the worker's model
+route names it as its API key (``"$PI_RUNTIME_GATEWAY_SECRET"``), which Pi and Fake-Pi resolve
+from the environment at request time, so it is never written to the agent directory. Tools
+never see it: the extension's bash ``spawnHook`` and Fake-Pi drop it from their environment."""
 DONE: Final = "[DONE]"
 KEEPALIVE: Final = b": keepalive\n\n"
 ROOM_UPSTREAM_INACTIVITY: Final = 270.0
@@ -248,6 +254,9 @@ class DeliveryStepJournal:
         self._steps: dict[str, int] = {}
         self._responses: dict[str, list[str]] = {}
         self._next_step = 0
+        self.current_step = 0
+        """The step of the request answered last (recorded or replayed): the round whose
+        response carries the tool calls the gate is asked about next (shared numbering)."""
         for record in journal.contents.records:
             if isinstance(record, ModelRequestIntent):
                 self._steps.setdefault(record.request_digest, record.step)
@@ -261,7 +270,10 @@ class DeliveryStepJournal:
     async def lookup(self, digest: str) -> list[str] | None:
         await trio.lowlevel.checkpoint()
         found = self._responses.get(digest)
-        return list(found) if found is not None else None
+        if found is None:
+            return None
+        self.current_step = self._steps[digest]
+        return list(found)
 
     async def record_request(self, digest: str) -> None:
         step = self._steps.get(digest)
@@ -269,6 +281,7 @@ class DeliveryStepJournal:
             step = self._next_step
             self._next_step += 1
             self._steps[digest] = step
+        self.current_step = step
         await self._journal.append(
             ModelRequestIntent(step=step, request_digest=digest, epoch=self.epoch)
         )

@@ -63,6 +63,7 @@ from runtime._worker import (
 )
 
 from ._pi import real_pi
+from ._procs import alive_with_nonce
 
 REPO: Final = Path(__file__).resolve().parents[1]
 HELPERS: Final = Path(__file__).with_name("worker_helpers")
@@ -116,16 +117,6 @@ class Lines:
         line = bytes(self.buffer[:end])
         del self.buffer[: end + 1]
         return line
-
-
-def alive_with_nonce(nonce: str) -> list[int]:
-    """Every live process whose environment carries the nonce (what a survivor check asks)."""
-    marker = f"{EPOCH_ENV}={nonce}".encode()
-    return [
-        pid
-        for pid, info in proc_table().items()
-        if info.alive and marker in (read_environ(pid) or b"").split(b"\0")
-    ]
 
 
 def exists(path: str | Path) -> bool:

@@ -9,13 +9,21 @@
  * A saved result is returned verbatim and a refusal as an error result; neither runs the tool.
  * After a run, the outcome is reported: POST /after {tool_call_id, name, result}.
  *
+ * The runtime's own tools (send_text_update, the lifecycle tools, the test tool `effect`) are
+ * declared by the runtime in PI_RUNTIME_TOOLS (a JSON list of {name, description, parameters},
+ * runtime/_tools.py) and registered here as given; they execute in the runtime: the gate answers
+ * `saved` with their result (T10), and this process only carries the call.
+ *
  * Environment (set by the runtime): PI_RUNTIME_GATE_SOCKET (socket path) and
  * PI_RUNTIME_GATE_SECRET (this epoch's secret). The secret is removed from process.env when the
  * extension loads, before any tool can run, so tools (bash's environment) never see it (T6).
- * Without both, loading fails and Pi exits 1 before answering any command: fail closed.
+ * The gateway secret (PI_RUNTIME_GATEWAY_SECRET) must stay in process.env, since Pi resolves the
+ * model key "$PI_RUNTIME_GATEWAY_SECRET" from it at request time; bash's spawnHook removes it
+ * from every command's environment instead.
+ * Without both gate variables, loading fails and Pi exits 1 before answering any command.
  *
  * Only node:* built-ins are imported (Pi does not expose undici or openai to extensions).
- * Registers no commands. The runtime's own tools (send_text_update, lifecycle) are not here yet.
+ * Registers no commands.
  */
 import type { ExtensionAPI } from "@earendil-works/pi-coding-agent";
 import {
@@ -30,6 +38,8 @@ import { join } from "node:path";
 
 const SOCKET_ENV = "PI_RUNTIME_GATE_SOCKET";
 const SECRET_ENV = "PI_RUNTIME_GATE_SECRET";
+const TOOLS_ENV = "PI_RUNTIME_TOOLS";
+const HIDDEN_FROM_TOOLS = ["PI_RUNTIME_GATEWAY_SECRET", SECRET_ENV];
 
 const SOCKET = process.env[SOCKET_ENV] ?? "";
 const SECRET = process.env[SECRET_ENV] ?? "";
@@ -56,8 +66,28 @@ function toolOptions(): Record<string, any> {
 	}
 	return {
 		read: { autoResizeImages: settings?.images?.autoResize ?? true },
-		bash: { commandPrefix: settings?.shellCommandPrefix, shellPath: settings?.shellPath },
+		bash: {
+			commandPrefix: settings?.shellCommandPrefix,
+			shellPath: settings?.shellPath,
+			spawnHook: hideSecrets,
+		},
 	};
+}
+
+/** bash's spawnHook: no command's environment carries a runtime secret (T6). */
+function hideSecrets(context: { command: string; cwd: string; env: NodeJS.ProcessEnv }) {
+	const env = { ...context.env };
+	for (const name of HIDDEN_FROM_TOOLS) delete env[name];
+	return { ...context, env };
+}
+
+/** The runtime tools to register, from PI_RUNTIME_TOOLS (absent: none). */
+function runtimeTools(): Array<{ name: string; description: string; parameters: any }> {
+	const text = process.env[TOOLS_ENV];
+	if (!text) return [];
+	const tools = JSON.parse(text);
+	if (!Array.isArray(tools)) throw new Error(`pi-runtime gate: ${TOOLS_ENV} must be a JSON list`);
+	return tools;
 }
 
 function post(path: string, body: unknown, signal?: AbortSignal): Promise<any> {
@@ -138,6 +168,22 @@ export default function (pi: ExtensionAPI) {
 					result: { content: result?.content ?? [], details: result?.details, isError: result?.isError === true },
 				});
 				return result;
+			},
+		});
+	}
+	for (const tool of runtimeTools()) {
+		pi.registerTool({
+			name: tool.name,
+			label: tool.name,
+			description: tool.description,
+			parameters: tool.parameters,
+			executionMode: "sequential" as const,
+			async execute(toolCallId: string, params: any, signal: AbortSignal | undefined) {
+				// T10: the runtime runs it behind the gate; this process only carries the call
+				const decision = await post("/before", { tool_call_id: toolCallId, name: tool.name, args: params }, signal);
+				if (decision?.decision === "saved") return asResult(decision.result);
+				if (decision?.decision === "refused") return { ...asResult(decision.result), isError: true };
+				throw new Error(`tool gate: ${tool.name} is a runtime tool; unexpected decision ${JSON.stringify(decision)}`);
 			},
 		});
 	}
