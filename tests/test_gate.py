@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import pytest
 import trio
+import trio.testing
 
 from fake_pi._gate_client import post_json
 from fake_pi.model_server import ScriptedModel
@@ -245,6 +246,77 @@ async def test_t5_intent_without_outcome(sock_dir: Path) -> None:
                 "/before", {"tool_call_id": "c_read", "name": "read", "args": {"path": "a"}}
             )
             assert answer == {"decision": "run", "intent_id": "k:4"}
+
+
+async def test_t10_a_runtime_tool_runs_in_the_runtime_once() -> None:
+    """T10: a granted runtime tool is run by the gate itself between its durable intent and
+    its durable outcome, and answered *saved*; asked again in the round, the recorded result
+    comes back and the handler is not called; a handler that fails settles the call as an
+    error result; an intent left without outcome (a crash inside the handler) is answered
+    "possibly ran", never run again."""
+    calls: list[tuple[str, str]] = []
+
+    async def update(call: GateCall, intent_id: str) -> GateResult:
+        await trio.lowlevel.checkpoint()
+        calls.append((call.tool_call_id, intent_id))
+        if call.args.get("text") == "boom":
+            raise RuntimeError("chat is down")
+        return GateResult.text("sent")
+
+    crashed = _intent("c_crash", "send_text_update")
+    log = MemoryLog(records=[crashed])
+    journal = RecordingGateJournal(
+        log,
+        key=KEY,
+        epoch=1,
+        granted=["send_text_update"],
+        existing=[crashed],
+        runtime_tools={"send_text_update": update},
+    )
+    ok = GateCall("c1", "send_text_update", {"text": "hi"})
+    with trio.fail_after(LIMIT):
+        assert await journal.decide(ok) == Saved(GateResult.text("sent"))
+        assert await journal.decide(ok) == Saved(GateResult.text("sent"))
+        failed = await journal.decide(GateCall("c2", "send_text_update", {"text": "boom"}))
+        assert failed == Saved(
+            GateResult.text("tool send_text_update failed: chat is down", is_error=True)
+        )
+        interrupted = await journal.decide(GateCall("c_crash", "send_text_update", {}))
+    assert interrupted == Saved(
+        GateResult.text(interrupted_text("send_text_update"), is_error=True)
+    )
+    assert calls == [("c1", "k:2"), ("c2", "k:4")]
+    assert [type(r) for r in log.records] == [
+        ToolIntent,
+        ToolIntent,
+        ToolOutcome,
+        ToolIntent,
+        ToolOutcome,
+        ToolOutcome,
+    ]
+
+
+async def test_t11_wait_outcomes_returns_once_the_outcome_is_durable() -> None:
+    """T11: ``wait_outcomes`` holds while a call let run has no durable outcome; calls never
+    let run (or already settled) do not hold."""
+    journal = RecordingGateJournal(MemoryLog(), key=KEY, epoch=1, granted=["bash"])
+    call = GateCall("c1", "bash", {"command": "true"})
+    with trio.fail_after(LIMIT):
+        assert isinstance(await journal.decide(call), RunTool)
+        await journal.wait_outcomes(["other"])
+        released: list[bool] = []
+        async with trio.open_nursery() as nursery:
+
+            async def waiter() -> None:
+                await journal.wait_outcomes(["c1", "other"])
+                released.append(True)
+
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert released == []
+            await journal.record_outcome(call, GateResult.text("ok"))
+        assert released == [True]
+        await journal.wait_outcomes(["c1"])
 
 
 async def test_t2_journal_failure_answers_503_and_stops_the_gate(sock_dir: Path) -> None:
