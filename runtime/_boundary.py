@@ -12,6 +12,8 @@ last two as one thing, :class:`Boundaries`:
 * the lane's grants decide which tools run, and which of the runtime's own tools are declared
   to the worker and executed here (B3);
 * a model request carrying a tool result is held until that result's outcome is durable (B4);
+* :meth:`Boundaries.settle_session` readies a dead epoch's session for the next one: torn tail
+  cut, each dangling tool call answered from the gate's journal, fsynced (B6);
 * :meth:`Boundaries.launch` points a :class:`~runtime._launch.WorkerLaunch` at both: the
   gateway as its model endpoint with the secret as a ``$NAME`` key, the gate's socket and
   secret and the runtime tools in its environment, and the extension for the real Pi (B5).
@@ -35,10 +37,12 @@ from typing import Any, Final
 
 import trio
 
+from ._clock import WallClock
 from ._gate import (
     EXTENSION_PATH,
     PI_TOOL_CLASSES,
     Gate,
+    GateCall,
     GateServer,
     RecordingGateJournal,
     gate_environment,
@@ -55,6 +59,14 @@ from ._http import HttpServer
 from ._journal import Journal
 from ._launch import ModelRoute, WorkerKind, WorkerLaunch
 from ._records import ReplayClass
+from ._session import (
+    RelaunchReport,
+    SettledResult,
+    aprepare_for_relaunch,
+    aread_session,
+    atruncate_torn_tail,
+    dangling_tool_calls,
+)
 from ._tools import RUNTIME_TOOLS, RuntimeTool, tools_environment
 
 __all__ = [
@@ -138,6 +150,19 @@ class Boundaries:
         self.tools.epoch = epoch
         self.gateway.rotate_secret()
         self.gate.rotate_secret()
+
+    async def settle_session(self, path: Path, *, clock: WallClock) -> RelaunchReport:
+        """Make the session of a worker proven dead fit to relaunch on (B6): cut a torn tail,
+        answer each dangling tool call from the gate's journal (the recorded outcome; an
+        intent without outcome "possibly ran", recorded; a call never let run "did not
+        run"), and fsync the file. Call it only after the epoch's tree is gone."""
+        await atruncate_torn_tail(path)
+        calls = dangling_tool_calls((await aread_session(path)).session)
+        results = {}
+        for call in calls:
+            result = await self.tools.settle(GateCall(call.tool_call_id, call.name, call.arguments))
+            results[call.tool_call_id] = SettledResult(result.content, result.is_error)
+        return await aprepare_for_relaunch(path, results, clock=clock)
 
     def worker_env(self) -> dict[str, str]:
         """The environment the worker needs for this epoch: the gateway secret (its model key,

@@ -64,6 +64,7 @@ __all__ = [
     "canonical_args",
     "gate_environment",
     "interrupted_text",
+    "not_started_text",
     "replay_class_of",
     "serve_gate",
 ]
@@ -179,6 +180,11 @@ def replay_class_of(
 def interrupted_text(name: str) -> str:
     """What the model gets for a never-replay tool whose intent has no outcome (brief §4.4)."""
     return f"tool {name} was interrupted and possibly ran; inspect before repeating"
+
+
+def not_started_text(name: str) -> str:
+    """What the model gets for a call the worker died holding before the gate let it run."""
+    return f"tool {name} was interrupted before it started; it did not run"
 
 
 # ---------------------------------------------------------------------------- the journal
@@ -325,16 +331,7 @@ class RecordingGateJournal:
                     return Saved(GateResult(content=outcome.content, is_error=outcome.is_error))
                 cls = replay_class_of(call.name, self.classes, previous.replay_class)
                 if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
-                    result = GateResult.text(interrupted_text(call.name), is_error=True)
-                    await self._append(
-                        ToolOutcome(
-                            intent_id=previous.intent_id,
-                            tool_call_id=call.tool_call_id,
-                            content=result.content,
-                            is_error=True,
-                        )
-                    )
-                    return Saved(result)
+                    return Saved(await self._record_interrupted(previous, call))
                 declared = cls
             intent_id = f"{self.key}:{self._log.next_seq}"
             intent = ToolIntent(
@@ -373,6 +370,35 @@ class RecordingGateJournal:
                 )
             )
             self._settled.pop(call.tool_call_id).set()
+
+    async def settle(self, call: GateCall) -> GateResult:
+        """The result for a call the dead worker's session left without one (T12): the
+        recorded outcome; for an intent without outcome "possibly ran", recorded so every
+        later answer is the same; for a call the gate never let run, "did not run"."""
+        async with self._lock:
+            intent = self._intents.get((self._step(), call.tool_call_id))
+            if intent is None:
+                return GateResult.text(not_started_text(call.name), is_error=True)
+            outcome = self._outcomes.get(intent.intent_id)
+            if outcome is not None:
+                return GateResult(content=outcome.content, is_error=outcome.is_error)
+            return await self._record_interrupted(intent, call)
+
+    async def _record_interrupted(self, intent: ToolIntent, call: GateCall) -> GateResult:
+        """Record and return "possibly ran" as the outcome of ``intent`` (lock held)."""
+        result = GateResult.text(interrupted_text(call.name), is_error=True)
+        await self._append(
+            ToolOutcome(
+                intent_id=intent.intent_id,
+                tool_call_id=call.tool_call_id,
+                content=result.content,
+                is_error=True,
+            )
+        )
+        if self._running.get(call.tool_call_id) is intent:
+            del self._running[call.tool_call_id]
+            self._settled.pop(call.tool_call_id).set()
+        return result
 
     async def wait_outcomes(self, tool_call_ids: Iterable[str]) -> None:
         """Return once no call among ``tool_call_ids`` that was let run is still without a

@@ -261,6 +261,7 @@ class DeliveryStepJournal:
             if isinstance(record, ModelRequestIntent):
                 self._steps.setdefault(record.request_digest, record.step)
                 self._next_step = max(self._next_step, record.step + 1)
+                self.current_step = record.step
             elif isinstance(record, ModelResponse):
                 self._responses[record.request_digest] = list(record.chunks)
 

@@ -10,7 +10,9 @@ bounded by ``trio.fail_after`` and driven by events; every process is stopped by
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +29,18 @@ from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime._boundary import Boundaries, BoundaryConfig, carried_tool_results, open_boundaries
 from runtime._clock import Clocks
-from runtime._gate import GATE_SECRET_ENV, GateCall, GateResult, MemoryLog, RecordingGateJournal
+from runtime._gate import (
+    GATE_SECRET_ENV,
+    GateCall,
+    GateResult,
+    MemoryLog,
+    RecordingGateJournal,
+    interrupted_text,
+)
 from runtime._gateway import GATEWAY_SECRET_ENV, GatewayConfig
 from runtime._http import HttpServer, open_request
 from runtime._journal import Journal
+from runtime._proc import is_alive
 from runtime._records import (
     ModelRequestIntent,
     ModelResponse,
@@ -39,13 +49,14 @@ from runtime._records import (
     ToolIntent,
     ToolOutcome,
 )
-from runtime._rpc import Event, open_rpc_channel
+from runtime._rpc import Event, WorkerExitedError, open_rpc_channel
 from runtime._session import create_session
 from runtime._store import Store, delivery_key, open_store, runtime_dir
 from runtime._tools import RUNTIME_TOOLS, TOOLS_ENV, EffectLedger
 from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 
 from ._pi import real_pi
+from ._procs import alive_with_nonce
 from ._secrets import files_containing
 
 LIMIT: Final = 10.0
@@ -370,3 +381,59 @@ def test_b3_a_granted_runtime_tool_needs_a_handler() -> None:
     """B3: granting a runtime tool without a handler is refused when the journals are built."""
     with pytest.raises(ValueError, match="task_done"):
         RecordingGateJournal(MemoryLog(), key="k", epoch=1, granted=["task_done"])
+
+
+def _partial_text(event: Event) -> str:
+    partial = event.record.get("partialResult") or {}
+    return "".join(p.get("text", "") for p in partial.get("content", []) if isinstance(p, dict))
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_b6_sigkill_mid_tool_leaves_no_descendant_and_the_model_hears_possibly_ran(
+    kind: str, tmp_path: Path
+) -> None:
+    """B6 with W6: the worker is SIGKILLed while its bash tool runs (with a daemonised
+    grandchild); the epoch's end leaves no process of the tree alive. The session is
+    settled from the journal — the call's intent has no outcome, so "possibly ran" — and
+    the next epoch, on the same session, sends the model exactly that as the call's result;
+    the tool never runs again."""
+    command = "(sleep 300 &) ; echo x >> bash-runs; echo started; sleep 300"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c_kill")]),
+        Text(text="after the crash"),
+    ]
+    clock = Clocks.system().wall
+    with trio.fail_after(PROCESS_LIMIT):
+        async with lane(tmp_path, steps) as ln:
+            config = ln.config(("bash",))
+            launch = base_launch(kind, tmp_path)
+            assert launch.session is not None
+            async with open_boundaries(config, ln.log, key=delivery_key(DELIVERY), epoch=1) as b:
+                async with (
+                    open_worker(b.launch(launch)) as worker,
+                    open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+                ):
+                    await rpc.prompt("go")
+                    async for event in rpc:
+                        if "started" in _partial_text(event):
+                            break
+                    tree = worker.members()
+                    assert len(tree) >= 3  # the worker, its bash, the daemonised sleep
+                    os.kill(worker.pid, signal.SIGKILL)
+                    await worker.wait()
+                    with contextlib.suppress(WorkerExitedError):
+                        await rpc.request({"type": "get_state"})
+                assert not any(is_alive(member) for member in tree)
+                assert alive_with_nonce(worker.nonce) == []
+                report = await b.settle_session(launch.session, clock=clock)
+                b.begin_epoch(2)
+                await turn(b.launch(launch), "continue")
+            records = await read_back(ln.store)
+    assert [c.tool_call_id for c in report.settled] == ["c_kill"]
+    assert ln.model.request_count == 2
+    assert tool_messages(ln.model.requests[1].body)["c_kill"] == interrupted_text("bash")
+    assert (tmp_path / "work" / "bash-runs").read_text() == "x\n"  # it ran once, not again
+    outcomes = [r for r in records if isinstance(r, ToolOutcome)]
+    assert len(outcomes) == 1
+    assert outcomes[0].is_error
+    assert outcomes[0].content == [{"type": "text", "text": interrupted_text("bash")}]
