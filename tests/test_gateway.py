@@ -655,3 +655,29 @@ async def test_e2e_g10_silent_upstream_is_retried_in_the_same_process(
     assert digests[0] == digests[1]  # the same bytes, retried in the same process
     assert gateway.statistics().inactivity_aborts == 1
     assert list(journal.responses) == [digests[0]]
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_a_stream_cut_upstream_is_retried_and_the_turn_completes(
+    kind: str, tmp_path: Path
+) -> None:
+    """An upstream that drops the connection mid-stream: the gateway cuts the worker's
+    stream too (nothing journaled for the cut attempt), the worker retries the identical
+    request in the same process, and the turn completes with the retry's answer."""
+    model = ScriptedModel(scenario=Scenario(steps=[Cut(after_chunks=2), Text(text="whole")]))
+    with trio.fail_after(PROCESS_LIMIT):
+        async with trio.open_nursery() as nursery:
+            up: HttpServer = await nursery.start(serve_model_http, model)
+            journal = MemoryStepJournal()
+            gateway = Gateway(GatewayConfig(upstream_url=f"{up.url}/v1"), journal)
+            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+            events: list[str] = []
+            launch = _launch(kind, tmp_path, tmp_path / "lane.jsonl", gateway, server)
+            assert await _one_turn(launch, events) == "whole"
+            nursery.cancel_scope.cancel()
+    assert "auto_retry_start" in events
+    digests = [r.digest for r in model.requests]
+    assert len(digests) == 2
+    assert digests[0] == digests[1]
+    assert journal.requests == digests  # both attempts recorded as intents
+    assert list(journal.responses) == [digests[0]]  # only the whole answer journaled
