@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "ConfigError",
+    "DeliveryError",
     "DiskFailedError",
     "JournalError",
     "PiRuntimeError",
@@ -73,6 +75,22 @@ class ReasonCode(enum.StrEnum):
     GATE_TOOL_REFUSED = "gate_tool_refused"
     GATE_JOURNAL_FAILED = "gate_journal_failed"
     GATE_UNREACHABLE = "gate_unreachable"
+    # configuration (docs/design/config.md)
+    CONFIG_INVALID = "config_invalid"
+    # deliveries and room lanes (docs/design/lanes.md); results carry the turn codes
+    ROOM_INVALID = "room_invalid"
+    ROOM_REFUSED = "room_refused"
+    DELIVERY_INVALID = "delivery_invalid"
+    DELIVERY_CONFLICT = "delivery_conflict"
+    DELIVERY_UNKNOWN = "delivery_unknown"
+    QUEUE_FULL = "queue_full"
+    NOT_ADMITTING = "not_admitting"
+    TURN_STALLED = "turn_stalled"
+    USAGE_LIMIT_REACHED = "usage_limit_reached"
+    MODEL_FAILED = "model_failed"
+    RESPONSE_MISSING = "response_missing"
+    RECOVERY_REFUSED = "recovery_refused"
+    RECOVERY_EXHAUSTED = "recovery_exhausted"
 
 
 class PiRuntimeError(Exception):
@@ -153,3 +171,18 @@ class WorkerError(PiRuntimeError):
     def __init__(self, code: ReasonCode, message: str, *, stderr: bytes = b"") -> None:
         super().__init__(code, message)
         self.stderr = stderr
+
+
+class ConfigError(PiRuntimeError):
+    """The configuration is invalid (``config_invalid``); ``setting`` names the offending
+    setting as a dotted path (``thresholds.stall_seconds``, ``rooms."dm:1".grants``)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(ReasonCode.CONFIG_INVALID, f"{setting}: {message}")
+        self.setting = setting
+
+
+class DeliveryError(PiRuntimeError):
+    """A delivery (or a command about one) was refused; nothing was admitted. ``code`` is
+    ``room_invalid``, ``room_refused``, ``delivery_invalid``, ``delivery_conflict``,
+    ``delivery_unknown``, ``queue_full`` or ``not_admitting``."""
