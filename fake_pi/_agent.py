@@ -303,7 +303,7 @@ class Agent:
                 await self._compact_before_turn()
             continuing = False
             await self.emit({"type": "turn_start"})
-            if self.conversation.is_new:
+            if self.conversation.needs_system_message:
                 await self._record(self._system_message(), produced)
             for message in inputs:
                 await self._record(message, produced)

@@ -113,6 +113,13 @@ class Conversation:
         """No message has been recorded yet (a new session's first request)."""
         return not any(e.get("type") == "message" for e in self.entries())
 
+    @property
+    def needs_system_message(self) -> bool:
+        """The active branch carries no system message: Pi then records one before the
+        request (it diffs the path's system sections against its prompt; a session reopened
+        on a branch without one, e.g. after a replay branch, gets a new one)."""
+        return not any(m.get("role") == "system" for m in self.context())
+
     def _ensure_file(self) -> None:
         """Write the header and every entry so far, as Pi does at the first message."""
         if self._writer is not None or self.path is None:

@@ -228,8 +228,8 @@ def request_messages(context: list[dict[str, Any]]) -> list[dict[str, Any]]:
         role = message.get("role")
         if role == "system":
             text = system_text(message)
-            if text and not any(m["role"] == "system" for m in out):
-                out.append({"role": "system", "content": text})
+            if text and not any(m["role"] == "system" for m in out):  # the prompt leads
+                out.insert(0, {"role": "system", "content": text})
         elif role == "user":
             settle_dangling()
             parts = [
