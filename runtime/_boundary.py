@@ -94,6 +94,8 @@ class BoundaryConfig:
     """Declared replay classes of the worker's tools (the runtime tools bring their own)."""
     socket_dir: Path
     """A private directory (``Store.runtime_dir``) for the gate's socket."""
+    socket_name: str = GATE_SOCKET_NAME
+    """The socket's file name: unique among the lanes sharing ``socket_dir``."""
 
     @property
     def declared_runtime_tools(self) -> tuple[str, ...]:
@@ -231,7 +233,7 @@ async def open_boundaries(
     async with trio.open_nursery() as nursery:
         boundaries.gateway_server = await nursery.start(serve_gateway, gateway)
         boundaries.gate_server = await nursery.start(
-            serve_gate, boundaries.gate, config.socket_dir / GATE_SOCKET_NAME
+            serve_gate, boundaries.gate, config.socket_dir / config.socket_name
         )
         yield boundaries
         nursery.cancel_scope.cancel()

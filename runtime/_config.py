@@ -1,0 +1,507 @@
+"""The room worker's typed configuration (brief §3, §5, §8, §9; ``docs/design/config.md``).
+
+One frozen :class:`RoomWorkerConfig` holds everything an operator decides: where state and the
+lanes' working directories live, which worker runs with which model route, the persona, which
+rooms are served with which grants, replay-class overrides, thresholds and caps. The server
+reads it from a TOML file with :func:`load_config`; an embedder builds the object and hands it
+to :func:`validate_config` (``open_room_worker`` does). Either way an invalid configuration is
+refused before anything starts, with a :class:`~runtime._errors.ConfigError` (``config_invalid``)
+whose ``setting`` names the offending setting as a dotted path (``thresholds.stall_seconds``,
+``rooms."dm:42".grants``). The rules are the invariants C1… of ``docs/design/config.md``.
+
+Relative paths resolve against the TOML file's directory (:func:`load_config`) or against the
+``base`` given to :func:`validate_config` (default: the process's working directory); a
+validated configuration holds absolute paths only. No secret is ever part of a configuration:
+the upstream key is named by the environment variable that holds it (``model.api_key_env``),
+read by the gateway at call time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from ._errors import ConfigError, DeliveryError, ReasonCode
+from ._gate import PI_TOOL_CLASSES
+from ._records import ReplayClass
+from ._rooms import room_problem
+from ._tools import RUNTIME_TOOLS
+
+__all__ = [
+    "DEFAULT_GRANTS",
+    "KNOWN_TOOLS",
+    "MAX_ACTOR_ID",
+    "PERSONA_MAX_BYTES",
+    "Caps",
+    "ModelConfig",
+    "RoomConfig",
+    "RoomWorkerConfig",
+    "Thresholds",
+    "config_from_dict",
+    "declared_class",
+    "load_config",
+    "validate_config",
+]
+
+DEFAULT_GRANTS: Final = frozenset({"send_text_update"})
+"""A room's grant when the configuration says nothing: no read, no shell, no write (brief §5)."""
+KNOWN_TOOLS: Final = frozenset(PI_TOOL_CLASSES) | frozenset(RUNTIME_TOOLS)
+"""Every tool a grant may name: Pi's gated tools and the runtime's own tools."""
+PERSONA_MAX_BYTES: Final = 64 * 1024
+"""The persona travels as one command-line argument (``--append-system-prompt``); Linux caps
+one argument at 128 KiB."""
+MAX_ACTOR_ID: Final = 200
+"""Longest actor id, the same bound a delivery's author id has."""
+
+_ENV_NAME: Final = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The upstream model route the gateway calls on the worker's behalf (brief §3)."""
+
+    provider: str = "fake"
+    """The provider name the worker sees (its ``models.json`` key)."""
+    model: str = "fake-model"
+    base_url: str | None = None
+    """The upstream's OpenAI-compatible base URL (``…/v1``). ``None``: the runtime serves
+    Fake-Pi's plain scripted model itself, with either agent (no upstream, no credentials)."""
+    api_key_env: str | None = None
+    """The *name* of the environment variable holding the upstream key, never the key."""
+    context_window: int = 128_000
+    max_tokens: int = 4096
+
+
+class RoomConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One served room: its standing grants and extra grants per actor (brief §5)."""
+
+    grants: frozenset[str] | None = None
+    """The tools every delivery in this room may use; ``None``: the configuration's
+    ``default_grants``."""
+    actors: dict[str, frozenset[str]] = {}
+    """Extra tools per actor id; a delivery by such an actor beyond the standing grants is
+    privileged (it runs in a one-shot session)."""
+
+
+class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Timing, in seconds (brief §3, §5)."""
+
+    stall_seconds: float = 300.0
+    """A turn with no worker event (and no tool lease) this long is aborted ``turn_stalled``."""
+    tick_seconds: float = 5.0
+    """How often the suspend-aware clock is re-read; a host that slept overshoots by one tick."""
+    typing_refresh_seconds: float = 8.0
+    upstream_inactivity_seconds: float = 270.0
+    """A silent upstream stream is aborted (and retried by the worker) after this long."""
+    keepalive_seconds: float = 15.0
+    """SSE keepalive comments to the worker while the gateway holds or the upstream is silent."""
+    idle_stop_seconds: float = 600.0
+    """A lane's worker idle this long is stopped (its session stays)."""
+    drain_timeout_seconds: float = 30.0
+    """On shutdown, how long running turns may finish before they are cancelled."""
+
+
+class Caps(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Bounds (brief §5, §8)."""
+
+    max_live_workers: int = 4
+    """Live worker processes; the least recently used lane stops beyond it."""
+    queue_limit: int = 32
+    """Queued deliveries per room; one more is refused ``queue_full``."""
+    recovery_attempts: int = 3
+    """Recoveries of one delivery before it fails ``recovery_exhausted``."""
+    text_update_chars: int = 600
+    """Longest ``send_text_update`` text."""
+    max_text_chars: int = 16_000
+    """Longest delivery text (and history item text)."""
+    max_history_items: int = 50
+    """Most backlog items a delivery may carry."""
+
+
+class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the room worker is configured with. Build it, then :func:`validate_config`
+    it (or :func:`load_config` a TOML file, which does both)."""
+
+    state_dir: str = "state"
+    work_root: str = "work"
+    """Each room lane works in a stable directory below it; outside ``state_dir`` (brief §3)."""
+    agent: Literal["fake", "pi"] = "fake"
+    pi_home: str | None = None
+    """Where the pinned Pi is installed (``agent = "pi"``); ``None``: the default location."""
+    model: ModelConfig = ModelConfig()
+    persona: str | None = None
+    """Appended to the worker's system prompt; may say when to answer ``[[stay-silent]]``."""
+    default_grants: frozenset[str] = DEFAULT_GRANTS
+    rooms: dict[str, RoomConfig] | None = None
+    """``None``: every valid room is served with ``default_grants``; a table: only those rooms
+    are served, every other room is refused ``room_refused`` (brief §5)."""
+    tool_classes: dict[str, ReplayClass] = {}
+    """Replay-class overrides; each only as strict as or stricter than the declared class."""
+    thresholds: Thresholds = Thresholds()
+    caps: Caps = Caps()
+
+    def check_served(self, room: str) -> str:
+        """``room`` when it is served; else :class:`DeliveryError` with ``room_invalid`` (not
+        a room id) or ``room_refused`` (a room the ``rooms`` table does not list)."""
+        problem = room_problem(room)
+        if problem is not None:
+            raise DeliveryError(ReasonCode.ROOM_INVALID, problem)
+        if self.rooms is not None and room not in self.rooms:
+            raise DeliveryError(
+                ReasonCode.ROOM_REFUSED, f"room {room!r} is not served by this configuration"
+            )
+        return room
+
+    def standing_grants(self, room: str) -> frozenset[str]:
+        """The room's own grants: the tools of its durable session. Raises like
+        :meth:`check_served` for a room that is not served."""
+        self.check_served(room)
+        listed = None if self.rooms is None else self.rooms[room].grants
+        return self.default_grants if listed is None else listed
+
+    def grants_for(self, room: str, actor_id: str) -> frozenset[str] | None:
+        """The tools a delivery by ``actor_id`` in ``room`` may use; ``None`` when the room is
+        not served (an invalid id or a room the ``rooms`` table does not list)."""
+        try:
+            standing = self.standing_grants(room)
+        except DeliveryError:
+            return None
+        if self.rooms is None:
+            return standing
+        return standing | self.rooms[room].actors.get(actor_id, frozenset())
+
+    def is_privileged(self, room: str, actor_id: str) -> bool:
+        """Whether the actor's grants go beyond the room's standing grants (brief §5): such a
+        delivery runs in a one-shot session and is never steered into (or from) a room run.
+        ``False`` for a room that is not served (it runs nothing)."""
+        granted = self.grants_for(room, actor_id)
+        return granted is not None and not granted <= self.standing_grants(room)
+
+    def replay_classes(self) -> dict[str, ReplayClass]:
+        """Every known tool's replay class: the declared class, or its (stricter) override.
+        Hand it to the gate as the declared classes."""
+        return {name: self.tool_classes.get(name, declared_class(name)) for name in KNOWN_TOOLS}
+
+
+def declared_class(tool: str) -> ReplayClass:
+    """The replay class the runtime declares for ``tool``; ``never`` for an unknown tool."""
+    if tool in PI_TOOL_CLASSES:
+        return PI_TOOL_CLASSES[tool]
+    spec = RUNTIME_TOOLS.get(tool)
+    return ReplayClass.NEVER if spec is None else spec.replay_class
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike[str]) -> RoomWorkerConfig:
+    """Read, type-check and validate a TOML configuration file. Relative paths in it resolve
+    against the file's directory. Raises :class:`ConfigError` naming the setting; for a file
+    that cannot be read or is not TOML, ``setting`` is the file's path."""
+    file = Path(path)
+    try:
+        with file.open("rb") as stream:
+            data = tomllib.load(stream)
+    except OSError as exc:
+        raise ConfigError(str(file), f"cannot read the configuration file: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(file), f"not valid TOML: {exc}") from None
+    return config_from_dict(data, base=file.absolute().parent)
+
+
+def config_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> RoomWorkerConfig:
+    """Type-check and validate a configuration given as plain data (a TOML document's shape).
+    Relative paths resolve against ``base`` (default: the working directory)."""
+    return validate_config(_convert(data), base=base)
+
+
+def validate_config(config: RoomWorkerConfig, *, base: Path | None = None) -> RoomWorkerConfig:
+    """The configuration checked against C1…C11 (``docs/design/config.md``), with every field's
+    type checked too (a Struct does not check types when built in Python) and every path made
+    absolute against ``base`` (default: the working directory). Returns the normalised
+    configuration to run with; raises :class:`ConfigError` naming the first invalid setting."""
+    checked = _convert(msgspec.to_builtins(config, enc_hook=_enc_hook))
+    checked = _resolve_paths(checked, Path.cwd() if base is None else base.absolute())
+    for check in _CHECKS:
+        check(checked)
+    return checked
+
+
+def _enc_hook(value: object) -> object:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    # fails every setting's type, so conversion names the setting it was given for
+    return {"unsupported": type(value).__name__}
+
+
+def _convert(data: object) -> RoomWorkerConfig:
+    try:
+        return msgspec.convert(data, RoomWorkerConfig)
+    except msgspec.ValidationError as exc:
+        setting, message = _locate(str(exc), data)
+        raise ConfigError(setting, message) from None
+
+
+# msgspec names a dict entry ``[...]``; these are the value types to find which entry failed
+_DICT_VALUES: Final[Mapping[str, Any]] = {
+    ".rooms": RoomConfig,
+    ".rooms[...].actors": frozenset[str],
+    ".tool_classes": ReplayClass,
+}
+_ERROR: Final = re.compile(r"(?P<what>.*?)(?: - at `(?:key` in `)?(?P<path>\$[^`]*)`)?", re.S)
+_SEGMENT: Final = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+|\.\.\.)\]")
+_UNKNOWN: Final = re.compile(r"Object contains unknown field `(?P<name>[^`]*)`")
+_MISSING: Final = re.compile(r"Object missing required field `(?P<name>[^`]*)`")
+
+
+def _locate(error: str, data: object) -> tuple[str, str]:
+    """``(setting, message)`` for a msgspec validation error about ``data``: its ``$.a[...].b``
+    path turned into a dotted setting name, dict entries named by their keys."""
+    match = _ERROR.fullmatch(error)
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], match["path"] or "$"
+    parts: list[str] = []
+    shape = ""
+    node: object = data
+    for segment in _SEGMENT.finditer(path):
+        field, index = segment.groups()
+        if field is not None:
+            parts.append(field)
+            shape += f".{field}"
+            node = node.get(field) if isinstance(node, Mapping) else None
+        elif index == "...":
+            key = _failing_key(node, _DICT_VALUES.get(shape))
+            parts.append("[...]" if key is None else _key(key))
+            shape += "[...]"
+            node = node.get(key) if isinstance(node, Mapping) and key is not None else None
+        else:
+            what = f"item {index}: {what}"
+            node = None
+    named = _UNKNOWN.fullmatch(what) or _MISSING.fullmatch(what)
+    if named is not None:
+        parts.append(_key(named["name"]))
+        what = "unknown setting" if named.re is _UNKNOWN else "required setting missing"
+    if error.endswith(f"` in `{path}`"):
+        what = f"a key: {what}"
+    return (".".join(parts) or "(top level)"), what
+
+
+def _failing_key(node: object, value_type: Any) -> str | None:
+    """The first key of ``node`` whose value does not convert to ``value_type`` (msgspec stops
+    at the first failing entry, in order)."""
+    if not isinstance(node, Mapping) or value_type is None:
+        return None
+    for key, value in node.items():
+        try:
+            msgspec.convert(value, value_type)
+        except msgspec.ValidationError:
+            return str(key)
+    return None
+
+
+def _key(name: str) -> str:
+    """One dotted-path component, quoted like a TOML key when it is not bare."""
+    if _BARE_KEY.fullmatch(name):
+        return name
+    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _resolve_paths(config: RoomWorkerConfig, base: Path) -> RoomWorkerConfig:
+    def absolute(setting: str, value: str) -> str:
+        if not value or "\0" in value:
+            raise ConfigError(setting, "a path must be non-empty and contain no NUL character")
+        try:
+            expanded = Path(value).expanduser()
+        except RuntimeError as exc:  # ~user unknown, or no home directory
+            raise ConfigError(setting, f"cannot expand ~: {exc}") from None
+        return os.path.normpath(base / expanded)
+
+    return msgspec.structs.replace(
+        config,
+        state_dir=absolute("state_dir", config.state_dir),
+        work_root=absolute("work_root", config.work_root),
+        pi_home=None if config.pi_home is None else absolute("pi_home", config.pi_home),
+    )
+
+
+# ---------------------------------------------------------------------------- the checks
+# One function per invariant of docs/design/config.md, run in this order; the first invalid
+# setting is named. C1 (types, unknown settings) is _convert's.
+
+
+def _check_directories(config: RoomWorkerConfig) -> None:
+    """C2: the lanes' working directories and the state directory do not contain one another."""
+    state, work = Path(config.state_dir).resolve(), Path(config.work_root).resolve()
+    if work.is_relative_to(state) or state.is_relative_to(work):
+        raise ConfigError(
+            "work_root",
+            f"{config.work_root} and the state directory {config.state_dir} must not contain "
+            "one another: a worker's tools run below work_root and must not see the state "
+            "directory; choose a directory beside it",
+        )
+
+
+def _check_model(config: RoomWorkerConfig) -> None:
+    """C3: a usable model route."""
+    model = config.model
+    for name in ("provider", "model"):
+        value = getattr(model, name)
+        if not value or not value.isprintable() or any(c.isspace() for c in value):
+            raise ConfigError(f"model.{name}", "must be non-empty, printable, without spaces")
+    if model.base_url is not None:
+        try:
+            url = urlsplit(model.base_url)
+            host = url.hostname
+        except ValueError:
+            url, host = urlsplit(""), None
+        if url.scheme not in ("http", "https") or not host:
+            raise ConfigError("model.base_url", "must be an http:// or https:// URL with a host")
+    for name in ("context_window", "max_tokens"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"model.{name}", "must be at least 1")
+    if model.max_tokens > model.context_window:
+        raise ConfigError("model.max_tokens", "must not exceed model.context_window")
+
+
+def _check_no_secret(config: RoomWorkerConfig) -> None:
+    """C4: no secret in the configuration: the key is named by its variable; the URL carries
+    no credentials. The value is never echoed: it may be the key itself."""
+    model = config.model
+    if model.api_key_env is not None and not _ENV_NAME.fullmatch(model.api_key_env):
+        raise ConfigError(
+            "model.api_key_env",
+            "must be the NAME of an environment variable (upper-case letters, digits and _, "
+            "such as OPENAI_API_KEY), never the key itself",
+        )
+    if model.base_url is not None:
+        url = urlsplit(model.base_url)  # C3 parsed it
+        if url.username is not None or url.password is not None:
+            raise ConfigError(
+                "model.base_url",
+                "must not carry credentials; put the key in an environment variable and name "
+                "it in model.api_key_env",
+            )
+
+
+def _check_persona(config: RoomWorkerConfig) -> None:
+    """C5: a persona is non-empty text that fits one command-line argument."""
+    persona = config.persona
+    if persona is None:
+        return
+    if not persona.strip():
+        raise ConfigError("persona", "is empty; omit it for no persona")
+    if "\0" in persona:
+        raise ConfigError("persona", "must not contain a NUL character")
+    if len(persona.encode("utf-8", "surrogatepass")) > PERSONA_MAX_BYTES:
+        raise ConfigError("persona", f"is longer than {PERSONA_MAX_BYTES} bytes (UTF-8)")
+
+
+def _check_tools(setting: str, tools: frozenset[str]) -> None:
+    unknown = sorted(tools - KNOWN_TOOLS)
+    if unknown:
+        raise ConfigError(
+            setting,
+            f"unknown tool {', '.join(map(repr, unknown))}; known tools: "
+            f"{', '.join(sorted(KNOWN_TOOLS))}",
+        )
+
+
+def _check_rooms(config: RoomWorkerConfig) -> None:
+    """C6: a rooms table lists at least one room, each a valid room id; actor ids are valid
+    author ids."""
+    if config.rooms is None:
+        return
+    if not config.rooms:
+        raise ConfigError("rooms", "lists no room; omit it to serve every valid room")
+    for room, settings in config.rooms.items():
+        problem = room_problem(room)
+        if problem is not None:
+            raise ConfigError(f"rooms.{_key(room)}", problem)
+        for actor in settings.actors:
+            if not 0 < len(actor) <= MAX_ACTOR_ID or not actor.isprintable():
+                raise ConfigError(
+                    f"rooms.{_key(room)}.actors.{_key(actor)}",
+                    f"an actor id is 1 to {MAX_ACTOR_ID} printable characters",
+                )
+
+
+def _check_grants(config: RoomWorkerConfig) -> None:
+    """C7: every grant names a known tool."""
+    _check_tools("default_grants", config.default_grants)
+    for room, settings in (config.rooms or {}).items():
+        if settings.grants is not None:
+            _check_tools(f"rooms.{_key(room)}.grants", settings.grants)
+        for actor, tools in settings.actors.items():
+            _check_tools(f"rooms.{_key(room)}.actors.{_key(actor)}", tools)
+
+
+def _check_tool_classes(config: RoomWorkerConfig) -> None:
+    """C8: a replay-class override names a known tool and is at least as strict as declared."""
+    for tool, cls in config.tool_classes.items():
+        setting = f"tool_classes.{_key(tool)}"
+        _check_tools(setting, frozenset({tool}))
+        declared = declared_class(tool)
+        if cls.strictness < declared.strictness:
+            raise ConfigError(
+                setting,
+                f"{tool} is declared {declared}; an override may only make it stricter "
+                "(safe < receipt < never): a looser class could let a crash re-run a tool "
+                "that has effects",
+            )
+
+
+def _check_threshold_values(config: RoomWorkerConfig) -> None:
+    """C9: every threshold is finite and more than 0 (the drain timeout: 0 or more)."""
+    for field in msgspec.structs.fields(Thresholds):
+        value = getattr(config.thresholds, field.name)
+        zero_ok = field.name == "drain_timeout_seconds"
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            bound = "0 or more" if zero_ok else "more than 0"
+            raise ConfigError(f"thresholds.{field.name}", f"must be a finite number, {bound}")
+
+
+def _check_threshold_order(config: RoomWorkerConfig) -> None:
+    """C10: the timers fit inside the stall backstop: tick <= stall; typing refresh < stall;
+    upstream inactivity < stall; keepalive < upstream inactivity."""
+    t = config.thresholds
+    rules = (
+        ("tick_seconds", t.tick_seconds <= t.stall_seconds, "at most", "stall_seconds"),
+        ("typing_refresh_seconds", t.typing_refresh_seconds < t.stall_seconds, "less than",
+         "stall_seconds"),
+        ("upstream_inactivity_seconds", t.upstream_inactivity_seconds < t.stall_seconds,
+         "less than", "stall_seconds"),
+        ("keepalive_seconds", t.keepalive_seconds < t.upstream_inactivity_seconds, "less than",
+         "upstream_inactivity_seconds"),
+    )  # fmt: skip
+    for name, holds, relation, other in rules:
+        if not holds:
+            raise ConfigError(f"thresholds.{name}", f"must be {relation} thresholds.{other}")
+
+
+def _check_caps(config: RoomWorkerConfig) -> None:
+    """C11: every cap is at least 1."""
+    for field in msgspec.structs.fields(Caps):
+        if getattr(config.caps, field.name) < 1:
+            raise ConfigError(f"caps.{field.name}", "must be at least 1")
+
+
+_CHECKS: Final = (
+    _check_directories,
+    _check_model,
+    _check_no_secret,
+    _check_persona,
+    _check_rooms,
+    _check_grants,
+    _check_tool_classes,
+    _check_threshold_values,
+    _check_threshold_order,
+    _check_caps,
+)

@@ -1,0 +1,651 @@
+"""Room lanes: one long-lived session per room, its deliveries run one at a time.
+
+A :class:`Lane` owns one room's queue, session file, working directory and — while it is
+warm — one worker epoch behind its own gateway and gate (``runtime/_boundary.py``). The lane
+runs in its own nursery and each epoch in a nested one, so stopping a lane or fencing an epoch
+is a cancellation (brief §3). The invariants (L1…) are in ``docs/design/lanes.md``.
+
+One delivery's turn: the delivery's log is created (or reopened when it is replayed) and its
+admission written there with the session leaf it starts from; the rendered prompt is sent; the
+worker's events are watched (typing, tool activity, the stall backstop) until
+``agent_settled``; the last assistant message decides the outcome (``runtime/_outcome.py``);
+the session is fsynced, the result appended to the delivery's log and then published in the
+outbox. A worker that dies mid-turn is fenced, the step is recorded as abandoned, the session
+branched back to the admission leaf and the turn replayed on a new epoch — the gateway and the
+gate answer what was already done from the delivery's log — until the recovery attempts run
+out (``recovery_exhausted``).
+
+Privileged deliveries (grants beyond the room's standing set) run in a one-shot session with
+an epoch of their own, stopped afterwards, so the room session's tools never change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import msgspec
+import trio
+
+from ._boundary import Boundaries, BoundaryConfig, open_boundaries
+from ._clock import Clocks
+from ._errors import ReasonCode, WorkerError
+from ._events import RoomEvent, TextUpdate, ToolActivity, Typing
+from ._gate import GateCall, GateResult
+from ._gateway import GatewayConfig
+from ._journal import Journal
+from ._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
+from ._outbox import ResultOutbox
+from ._outcome import TurnEnd, classify_turn, could_still_be_silent
+from ._records import Admission, EpochFenced, EpochStarted, Outcome, Result, StepAbandoned
+from ._rpc import Event, RpcChannel, RpcError, open_rpc_channel
+from ._session import (
+    aread_session,
+    atruncate_torn_tail,
+    create_session,
+    open_session_writer,
+)
+from ._stall import StallWatch, watch_turn
+from ._store import Store, delivery_key, lane_key
+from ._tools import EffectLedger, RuntimeTool
+from ._worker import Epoch, open_worker
+
+if TYPE_CHECKING:
+    from ._admission import Delivery
+
+__all__ = ["Lane", "LaneHost", "Pending"]
+
+REPLAY_MARKER: Final = "pi-runtime/replay"
+"""``customType`` of the session entry that branches a replay back to the admission leaf."""
+EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
+SHELL_LEASE: Final = 600.0
+"""The lease of a shell tool that names no timeout of its own (brief §5)."""
+
+
+@dataclass(eq=False)
+class Pending:
+    """An admitted delivery the host has not finished."""
+
+    delivery: Delivery
+    admission: Admission
+    grants: frozenset[str]
+    privileged: bool
+    recovering: bool = False
+    cancelled: bool = False
+    running: bool = False
+    done: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def delivery_id(self) -> str:
+        return self.delivery.delivery_id
+
+
+@dataclass
+class LaneHost:
+    """What every lane needs from its worker host (``runtime/_room_worker.py``)."""
+
+    store: Store
+    clocks: Clocks
+    program: WorkerProgram
+    route: ModelRoute
+    upstream: GatewayConfig
+    outbox: ResultOutbox
+    work_root: Path
+    socket_root: Path
+    persona: str | None
+    stall: float
+    tick: float
+    typing_refresh: float
+    idle_stop: float
+    recovery_attempts: int
+    text_update_chars: int
+    emit: Callable[[RoomEvent], None]
+    finished: Callable[[Pending], None]
+    reserve_worker: Callable[[Lane], Any]
+    release_worker: Callable[[Lane], None]
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    ledger: Path | None = None
+    """Where the test tool ``effect`` writes (only when granted)."""
+
+
+class _Live:
+    """One running worker epoch, with the channel to it."""
+
+    def __init__(
+        self, number: int, worker: Epoch, rpc: RpcChannel, scope: trio.CancelScope
+    ) -> None:
+        self.number = number
+        self.worker = worker
+        self.rpc = rpc
+        self.scope = scope
+        self.stop = trio.Event()
+        self.ended = trio.Event()
+
+
+class _WorkerDied(Exception):
+    """The epoch ended mid-turn (exit, launch failure or a broken channel)."""
+
+
+class _Slot:
+    """A worker of one authority for one session: its boundaries (opened with the first
+    delivery it serves, kept while the lane lives) and at most one live epoch.
+
+    The room's own slot lives as long as the lane; a privileged delivery's one-shot slot
+    only as long as that delivery (L6).
+    """
+
+    def __init__(self, lane: Lane, config: BoundaryConfig, session: Path) -> None:
+        self.lane = lane
+        self.config = config
+        self.session = session
+        self.boundaries: Boundaries | None = None
+        self.live: _Live | None = None
+        self._scope = trio.CancelScope()
+
+    async def serve(self, nursery: trio.Nursery, log: Journal, key: str) -> Boundaries:
+        """The boundaries, serving ``log`` (opened on first use)."""
+        if self.boundaries is None:
+            self.boundaries = await nursery.start(self._serve, log, key)
+        else:
+            self.boundaries.attach(log, key=key)
+        return self.boundaries
+
+    async def _serve(
+        self, log: Journal, key: str, task_status: trio.TaskStatus[Boundaries]
+    ) -> None:
+        with self._scope:
+            async with open_boundaries(self.config, log, key=key, epoch=0) as boundaries:
+                task_status.started(boundaries)
+                await trio.sleep_forever()
+
+    async def ensure_live(self, nursery: trio.Nursery) -> _Live:
+        if self.live is not None and not self.live.ended.is_set():
+            return self.live
+        assert self.boundaries is not None
+        lane = self.lane
+        await lane.host.reserve_worker(lane)
+        lane.epochs += 1
+        number = lane.epochs
+        self.boundaries.begin_epoch(number)
+        launch = self.boundaries.launch(lane.launch(self.session))
+        try:
+            self.live = await nursery.start(self._run_epoch, launch, number)
+        except BaseException:
+            lane.host.release_worker(lane)
+            raise
+        return self.live
+
+    async def _run_epoch(
+        self, launch: WorkerLaunch, number: int, task_status: trio.TaskStatus[_Live]
+    ) -> None:
+        lane = self.lane
+        assert lane.log is not None
+        live: _Live | None = None
+        try:
+            with trio.CancelScope() as scope:
+                async with open_worker(launch) as worker:
+                    await lane.log.append(
+                        worker.record(number, started_ms=lane.host.clocks.wall.time_ms())
+                    )
+                    async with open_rpc_channel(
+                        worker.stdin, worker.stdout, stderr=worker.stderr_tail
+                    ) as rpc:
+                        live = _Live(number, worker, rpc, scope)
+                        task_status.started(live)
+                        await live.stop.wait()
+                        if rpc.running:
+                            with contextlib.suppress(RpcError):
+                                await rpc.abort()
+            reason = "fenced" if scope.cancelled_caught else "stopped"
+            with trio.CancelScope(shield=True):
+                await lane.log.append(
+                    EpochFenced(
+                        epoch=number, reason=reason, fenced_ms=lane.host.clocks.wall.time_ms()
+                    )
+                )
+        finally:
+            if live is not None:
+                live.ended.set()
+            if self.live is live:
+                self.live = None
+            lane.host.release_worker(lane)
+
+    def request_stop(self) -> None:
+        if self.live is not None:
+            self.live.stop.set()
+
+    async def stop(self) -> None:
+        """Stop the live epoch once idle (stdin closed after ``agent_settled``)."""
+        live = self.live
+        if live is not None:
+            live.stop.set()
+            await live.ended.wait()
+
+    async def fence(self) -> None:
+        """Cancel the live epoch's scope: its whole tree is stopped before this returns."""
+        live = self.live
+        if live is not None:
+            live.scope.cancel()
+            await live.ended.wait()
+
+    async def close(self) -> None:
+        """Stop the epoch, then the boundaries (a one-shot slot's end)."""
+        await self.stop()
+        self._scope.cancel()
+
+
+class Lane:
+    """One room's lane; the host starts :meth:`run` in the lane's own nursery."""
+
+    def __init__(self, host: LaneHost, room: str) -> None:
+        self.host = host
+        self.room = room
+        self.key = lane_key(room)
+        self.queue: deque[Pending] = deque()
+        self.current: Pending | None = None
+        self._wake = trio.Event()
+        self.last_used = 0.0
+        self.dir = host.store.root / "lanes" / self.key
+        self.session = self.dir / "session.jsonl"
+        self.cwd = host.work_root / "rooms" / self.key
+        self.home = host.work_root / "homes" / self.key
+        self.tmp = host.work_root / "tmp" / self.key
+        self.log: Journal | None = None
+        self.epochs = 0
+        """Epochs this lane ever started (numbers them; from the lane log at start)."""
+        self._room: _Slot | None = None
+        self._oneshot: _Slot | None = None
+
+    # -- the host's view ---------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def submit(self, pending: Pending, *, front: bool = False) -> None:
+        (self.queue.appendleft if front else self.queue.append)(pending)
+        self._wake.set()
+
+    def stop_worker(self) -> None:
+        """Ask the room's live epoch (if any) to stop once idle; the lane and its session
+        stay (the live-worker cap and the idle stop use this)."""
+        if self._room is not None:
+            self._room.request_stop()
+
+    async def cancel(self, delivery_id: str) -> bool:
+        """Cancel a queued or running delivery of this lane; False if it is not here."""
+        for pending in self.queue:
+            if pending.delivery_id == delivery_id:
+                self.queue.remove(pending)
+                pending.cancelled = True
+                await self._finish_without_turn(pending, Outcome.CANCELLED)
+                return True
+        current = self.current
+        if current is not None and current.delivery_id == delivery_id:
+            current.cancelled = True
+            slot = self._oneshot if current.privileged else self._room
+            if slot is not None and slot.live is not None:
+                with contextlib.suppress(RpcError):
+                    await slot.live.rpc.abort()
+            return True
+        return False
+
+    # -- the lane's task ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the queue until cancelled (the host's shutdown)."""
+        await trio.to_thread.run_sync(self._prepare)
+        self.log = await self.host.store.open_lane_log(self.room)
+        self.epochs = sum(isinstance(r, EpochStarted) for r in self.log.contents.records)
+        async with trio.open_nursery() as nursery:
+            while True:
+                if not self.queue:
+                    await self._idle()
+                    continue
+                pending = self.queue.popleft()
+                self.current = pending
+                pending.running = True
+                try:
+                    await self._deliver(nursery, pending)
+                finally:
+                    self.current = None
+                    self.last_used = trio.current_time()
+
+    async def _idle(self) -> None:
+        self._wake = trio.Event()
+        live = self._room is not None and self._room.live is not None
+        with trio.move_on_after(self.host.idle_stop if live else math.inf):
+            await self._wake.wait()
+            return
+        self.stop_worker()  # warm long enough: stop it, keep the session
+
+    def _prepare(self) -> None:
+        for path in (self.dir, self.cwd, self.home, self.tmp):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._create_session(self.session)
+
+    def _create_session(self, path: Path) -> None:
+        """Create a Pi-shaped session at ``path`` if it is missing (blocking)."""
+        if path.exists():
+            return
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        create_session(
+            path,
+            cwd=str(self.cwd),
+            provider=self.host.route.provider,
+            model_id=self.host.route.model,
+            clock=self.host.clocks.wall,
+        )
+
+    # -- one delivery ------------------------------------------------------------------
+
+    async def _deliver(self, nursery: trio.Nursery, pending: Pending) -> None:
+        store = self.host.store
+        rel = store.delivery_rel(pending.delivery_id)
+        if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
+            log = await store.open_delivery_log(pending.delivery_id)
+        else:
+            log = await store.create_delivery_log(pending.delivery_id)
+        try:
+            existing = log.contents.records
+            recorded = next((r for r in existing if isinstance(r, Result)), None)
+            if recorded is None:
+                recorded = await self._run(nursery, pending, log)
+                await log.append(recorded)
+        finally:
+            await store.close_log(log)
+        await self._publish(pending, recorded)
+
+    async def _run(self, nursery: trio.Nursery, pending: Pending, log: Journal) -> Result:
+        """The delivery's turn, replayed after a worker death, within the recovery attempts
+        (brief §4.3): the attempts so far are the abandoned steps in its log."""
+        existing = log.contents.records
+        attempts = sum(isinstance(r, StepAbandoned) for r in existing)
+        started = next((r for r in existing if isinstance(r, Admission)), None)
+        slot = self._slot_for(pending)
+        if started is None:
+            leaf = await self._leaf(slot.session)
+            started = msgspec.structs.replace(
+                pending.admission, session_path=self._rel(slot.session), session_leaf=leaf
+            )
+            await log.append(started)
+        elif pending.recovering:  # the host died during this delivery's turn
+            attempts += 1
+            await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
+        boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
+        try:
+            while True:
+                if attempts > 0:
+                    if attempts >= self.host.recovery_attempts:
+                        return self._result(
+                            TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
+                        )
+                    await self._branch(slot.session, started)
+                try:
+                    end = await self._turn(nursery, slot, pending)
+                except _WorkerDied:
+                    await slot.fence()
+                    attempts += 1
+                    await log.append(
+                        StepAbandoned(
+                            step=boundaries.steps.current_step,
+                            reason="worker_exited",
+                            epoch=boundaries.epoch,
+                        )
+                    )
+                    continue
+                await self._fsync(slot.session)
+                return self._result(end, leaf=await self._leaf(slot.session))
+        finally:
+            if slot is self._oneshot:
+                self._oneshot = None
+                await slot.close()
+
+    async def _turn(self, nursery: trio.Nursery, slot: _Slot, pending: Pending) -> TurnEnd:
+        try:
+            live = await slot.ensure_live(nursery)
+            return await _Turn(self, pending, live).run()
+        except (WorkerError, RpcError) as error:  # exited, failed to launch, channel broke
+            raise _WorkerDied(str(error)) from error
+
+    def _result(self, end: TurnEnd, *, leaf: str | None = None) -> Result:
+        return Result(
+            outcome=end.outcome,
+            text=end.text,
+            code=str(end.code) if end.code is not None else None,
+            session_leaf=leaf,
+            finished_ms=self.host.clocks.wall.time_ms(),
+        )
+
+    async def _publish(self, pending: Pending, result: Result) -> None:
+        await self.host.outbox.publish(
+            delivery_id=pending.delivery_id,
+            room=self.room,
+            outcome=result.outcome,
+            text=result.text,
+            code=result.code,
+            absorbed_into=result.absorbed_into,
+        )
+        self.host.finished(pending)
+
+    async def _finish_without_turn(self, pending: Pending, outcome: Outcome) -> None:
+        """A delivery that ends before its turn starts (cancelled while queued)."""
+        store = self.host.store
+        rel = store.delivery_rel(pending.delivery_id)
+        if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
+            log = await store.open_delivery_log(pending.delivery_id)
+        else:
+            log = await store.create_delivery_log(pending.delivery_id)
+        result = Result(outcome=outcome, finished_ms=self.host.clocks.wall.time_ms())
+        try:
+            await log.append(result)
+        finally:
+            await store.close_log(log)
+        await self._publish(pending, result)
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _slot_for(self, pending: Pending) -> _Slot:
+        if pending.privileged:
+            session = self.dir / "oneshot" / f"{delivery_key(pending.delivery_id)}.jsonl"
+            self._oneshot = _Slot(self, self._boundary_config(pending.grants, "o"), session)
+            return self._oneshot
+        if self._room is None or self._room.config.granted != pending.grants:
+            self._room = _Slot(self, self._boundary_config(pending.grants, "r"), self.session)
+        return self._room
+
+    def _rel(self, path: Path) -> str:
+        return str(path.relative_to(self.host.store.root))
+
+    async def _leaf(self, session: Path) -> str | None:
+        await trio.to_thread.run_sync(self._create_session, session)
+        await self._fsync(session)
+        read = await aread_session(session)
+        return read.session.leaf.id if read.session.leaf is not None else None
+
+    async def _fsync(self, session: Path) -> None:
+        """Make Pi's unsynced appends durable before the journal depends on them."""
+
+        def sync() -> None:
+            fd = os.open(session, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        await trio.to_thread.run_sync(sync)
+
+    async def _branch(self, session: Path, started: Admission) -> None:
+        """Point the session back at the admission leaf (the worker is proven dead): a
+        ``custom`` entry under that leaf, which Pi keeps and never sends to the model, so the
+        replayed requests are byte-identical to the first ones."""
+        await atruncate_torn_tail(session)
+        read = await aread_session(session)
+        leaf = read.session.leaf
+        if started.session_leaf is None or (leaf is not None and leaf.id == started.session_leaf):
+            return
+        entry = {"type": "custom", "customType": REPLAY_MARKER, "data": {"replay": True}}
+        async with open_session_writer(session, clock=self.host.clocks.wall) as writer:
+            append = functools.partial(writer.append, entry, parent_id=started.session_leaf)
+            await trio.to_thread.run_sync(append)
+            await trio.to_thread.run_sync(writer.fsync)
+
+    # -- what a worker gets ------------------------------------------------------------
+
+    def _boundary_config(self, grants: frozenset[str], kind: str) -> BoundaryConfig:
+        tools: dict[str, RuntimeTool] = {"send_text_update": self._send_text_update}
+        if self.host.ledger is not None:
+            tools["effect"] = EffectLedger(self.host.ledger)
+        return BoundaryConfig(
+            upstream=self.host.upstream,
+            granted=grants,
+            runtime_tools={n: t for n, t in tools.items() if n in grants},
+            socket_dir=self.host.socket_root,
+            socket_name=f"{self.key[:20]}-{kind}.sock",
+        )
+
+    async def _send_text_update(self, call: GateCall, intent_id: str) -> GateResult:
+        """``send_text_update``: a short message threaded on the one being answered; it does
+        not settle the turn (brief §5)."""
+        await trio.lowlevel.checkpoint()
+        pending = self.current
+        text = call.args.get("text")
+        limit = self.host.text_update_chars
+        if pending is None:
+            return GateResult.text("no delivery is being answered", is_error=True)
+        if not isinstance(text, str) or not text.strip():
+            return GateResult.text("send_text_update needs a non-empty text", is_error=True)
+        if len(text) > limit:
+            return GateResult.text(
+                f"the update has {len(text)} characters; at most {limit} are sent", is_error=True
+            )
+        self.host.emit(
+            TextUpdate(
+                room=self.room,
+                delivery_id=pending.delivery_id,
+                reply_to=pending.delivery.message_id,
+                text=text,
+            )
+        )
+        return GateResult.text("sent")
+
+    def launch(self, session: Path) -> WorkerLaunch:
+        return WorkerLaunch(
+            program=self.host.program,
+            cwd=self.cwd,
+            home=self.home,
+            agent_dir=self.home / "agent",
+            tmp_dir=self.tmp,
+            session=session,
+            route=self.host.route,
+            persona=self.host.persona,
+            retry=self.host.retry,
+            state_dir=self.host.store.root,
+        )
+
+
+class _Turn:
+    """The events of one turn: typing, tool activity, the stall backstop, the outcome."""
+
+    def __init__(self, lane: Lane, pending: Pending, live: _Live) -> None:
+        self.lane = lane
+        self.pending = pending
+        self.live = live
+        self.host = lane.host
+        self.watch = StallWatch(limit=self.host.stall)
+        self.messages: list[dict[str, Any]] = []
+        self.partial = ""
+        self.typing = trio.Event()
+        self.stalled = False
+
+    def _now(self) -> float:
+        return self.host.clocks.silence.read().boottime
+
+    async def run(self) -> TurnEnd:
+        rpc = self.live.rpc
+        self.watch.event(self._now())
+        await rpc.prompt(self.pending.admission.rendered_prompt)
+        died: RpcError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._backstop)
+            nursery.start_soon(self._keep_typing)
+            try:
+                async for event in rpc:
+                    self.watch.event(self._now())
+                    if self._see(event):
+                        break
+            except RpcError as error:  # raised here, not from the nursery: no group to unwrap
+                died = error
+            nursery.cancel_scope.cancel()
+        if died is not None:
+            raise died
+        end = classify_turn(self.messages)
+        if end.outcome is Outcome.CANCELLED and not self.pending.cancelled:
+            code = ReasonCode.TURN_STALLED if self.stalled else ReasonCode.RESPONSE_MISSING
+            return TurnEnd(outcome=Outcome.FAILED, code=code)
+        if self.pending.cancelled and end.outcome is not Outcome.REPLY:
+            return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
+        return end
+
+    def _see(self, event: Event) -> bool:
+        """Handle one event; True at ``agent_settled``."""
+        record = event.record
+        kind = event.type
+        if kind == "agent_settled":
+            return True
+        if kind == "message_end":
+            message = record.get("message")
+            if isinstance(message, dict) and message.get("role") in ("assistant", "toolResult"):
+                self.messages.append(message)
+            self.partial = ""
+        elif kind == "message_update":
+            delta = record.get("assistantMessageEvent") or {}
+            if delta.get("type") == "text_delta":
+                self.partial += str(delta.get("delta", ""))
+                if not self.typing.is_set() and not could_still_be_silent(self.partial):
+                    self.typing.set()
+        elif kind in ("tool_execution_start", "tool_execution_end"):
+            call_id = str(record.get("toolCallId", ""))
+            tool = str(record.get("toolName", ""))
+            phase: Literal["start", "end"] = "start" if kind == "tool_execution_start" else "end"
+            if phase == "start":
+                self.watch.lease(call_id, self._now() + _lease_seconds(tool, record))
+            else:
+                self.watch.release(call_id, self._now())
+            self.host.emit(
+                ToolActivity(
+                    room=self.lane.room,
+                    delivery_id=self.pending.delivery_id,
+                    tool=tool,
+                    phase=phase,
+                )
+            )
+        return False
+
+    async def _backstop(self) -> None:
+        await watch_turn(self.watch, self.host.clocks.silence, tick=self.host.tick)
+        self.stalled = True
+        with contextlib.suppress(RpcError):
+            await self.live.rpc.abort()
+
+    async def _keep_typing(self) -> None:
+        await self.typing.wait()
+        while True:
+            self.host.emit(Typing(room=self.lane.room, delivery_id=self.pending.delivery_id))
+            await trio.sleep(self.host.typing_refresh)
+
+
+def _lease_seconds(tool: str, record: dict[str, Any]) -> float:
+    """A gated tool's lease: its own timeout when it names one; shell tools get a default."""
+    args = record.get("args") or {}
+    timeout = args.get("timeout") if isinstance(args, dict) else None
+    if isinstance(timeout, int | float) and timeout > 0:
+        return float(timeout)
+    return SHELL_LEASE if tool == "bash" else 0.0

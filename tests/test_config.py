@@ -1,0 +1,553 @@
+"""The room worker's configuration (``runtime/_config.py``); test names cite
+``docs/design/config.md`` (C1…). Pure and fast: no process, no clock; files only under
+``tmp_path``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import pytest
+
+from runtime._config import (
+    DEFAULT_GRANTS,
+    KNOWN_TOOLS,
+    PERSONA_MAX_BYTES,
+    Caps,
+    ModelConfig,
+    RoomConfig,
+    RoomWorkerConfig,
+    Thresholds,
+    config_from_dict,
+    declared_class,
+    load_config,
+    validate_config,
+)
+from runtime._errors import ConfigError, DeliveryError, ReasonCode
+from runtime._gate import PI_TOOL_CLASSES
+from runtime._records import ReplayClass
+from runtime._tools import RUNTIME_TOOLS
+
+BASE: Final = Path("/srv/pi-runtime")
+
+COMPLETE: Final = """\
+state_dir = "var/state"
+work_root = "var/work"
+agent = "pi"
+pi_home = "/opt/pi"
+persona = "You are Clank. Answer [[stay-silent]] when nobody asked you anything."
+default_grants = ["send_text_update"]
+
+[model]
+provider = "upstream"
+model = "gpt-x"
+base_url = "https://models.example.com/v1"
+api_key_env = "UPSTREAM_API_KEY"
+context_window = 200000
+max_tokens = 8192
+
+[rooms."guild:1:2"]
+grants = ["send_text_update", "read"]
+actors = { "42" = ["bash", "edit"] }
+
+[rooms."dm:7"]
+
+[tool_classes]
+read = "never"
+
+[thresholds]
+stall_seconds = 600
+tick_seconds = 2.5
+typing_refresh_seconds = 8
+upstream_inactivity_seconds = 540
+keepalive_seconds = 10
+idle_stop_seconds = 1200
+drain_timeout_seconds = 0
+
+[caps]
+max_live_workers = 8
+queue_limit = 64
+recovery_attempts = 2
+text_update_chars = 500
+max_text_chars = 8000
+max_history_items = 20
+"""
+
+
+def refused(data: dict[str, Any]) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(data, base=BASE)
+    assert caught.value.code is ReasonCode.CONFIG_INVALID
+    assert str(caught.value).startswith(f"config_invalid: {caught.value.setting}: ")
+    return caught.value
+
+
+# ------------------------------------------------------------------------ valid configurations
+
+
+def test_defaults_are_valid_and_resolve_paths_against_the_base() -> None:
+    config = validate_config(RoomWorkerConfig(), base=BASE)
+    assert config.state_dir == str(BASE / "state")
+    assert config.work_root == str(BASE / "work")
+    assert config.agent == "fake"
+    assert config.model == ModelConfig()
+    assert config.default_grants == DEFAULT_GRANTS == frozenset({"send_text_update"})
+    assert config.rooms is None
+    assert config.thresholds == Thresholds()
+    assert config.caps == Caps()
+    assert config_from_dict({}, base=BASE) == config
+    assert validate_config(config, base=Path("/elsewhere")) == config  # absolute stays put
+
+
+def test_defaults_without_a_base_resolve_against_the_working_directory() -> None:
+    config = validate_config(RoomWorkerConfig())
+    assert config.state_dir == os.path.join(os.getcwd(), "state")
+
+
+def test_complete_toml_file_round_trip(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    file = tmp_path / "etc" / "pi-runtime.toml"
+    file.write_text(COMPLETE)
+    config = load_config(file)
+    assert config.state_dir == str(tmp_path / "etc" / "var" / "state")
+    assert config.work_root == str(tmp_path / "etc" / "var" / "work")
+    assert config.pi_home == "/opt/pi"
+    assert config.agent == "pi"
+    assert config.persona is not None
+    assert "[[stay-silent]]" in config.persona
+    assert config.model == ModelConfig(
+        provider="upstream",
+        model="gpt-x",
+        base_url="https://models.example.com/v1",
+        api_key_env="UPSTREAM_API_KEY",
+        context_window=200_000,
+        max_tokens=8192,
+    )
+    assert config.rooms == {
+        "guild:1:2": RoomConfig(
+            grants=frozenset({"send_text_update", "read"}),
+            actors={"42": frozenset({"bash", "edit"})},
+        ),
+        "dm:7": RoomConfig(),
+    }
+    assert config.tool_classes == {"read": ReplayClass.NEVER}
+    assert config.thresholds == Thresholds(
+        stall_seconds=600.0,
+        tick_seconds=2.5,
+        typing_refresh_seconds=8.0,
+        upstream_inactivity_seconds=540.0,
+        keepalive_seconds=10.0,
+        idle_stop_seconds=1200.0,
+        drain_timeout_seconds=0.0,
+    )
+    assert config.caps == Caps(
+        max_live_workers=8,
+        queue_limit=64,
+        recovery_attempts=2,
+        text_update_chars=500,
+        max_text_chars=8000,
+        max_history_items=20,
+    )
+    # the loaded object is a fixed point: as builtins and back it is the same configuration
+    again = config_from_dict(msgspec.to_builtins(config), base=Path("/elsewhere"))
+    assert again == config
+
+
+def test_the_example_in_the_design_page_loads(tmp_path: Path) -> None:
+    page = Path(__file__).parent.parent / "docs" / "design" / "config.md"
+    text = page.read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    file = tmp_path / "pi-runtime.toml"
+    file.write_text(example)
+    assert load_config(file).rooms is not None
+
+
+def test_embedder_objects_are_type_checked_and_normalised() -> None:
+    built = RoomWorkerConfig(
+        state_dir=Path("/var/lib/pi/state"),  # type: ignore[arg-type]
+        work_root="~/pi-work",
+        rooms={"dm:1": RoomConfig(grants=["read"])},  # type: ignore[arg-type]
+    )
+    config = validate_config(built, base=BASE)
+    assert config.state_dir == "/var/lib/pi/state"
+    assert config.work_root == str(Path("~/pi-work").expanduser())
+    assert config.rooms == {"dm:1": RoomConfig(grants=frozenset({"read"}))}
+    with pytest.raises(ConfigError) as caught:
+        validate_config(RoomWorkerConfig(caps=Caps(queue_limit="32")), base=BASE)  # type: ignore[arg-type]
+    assert caught.value.setting == "caps.queue_limit"
+    with pytest.raises(ConfigError) as caught:
+        validate_config(RoomWorkerConfig(persona=object()), base=BASE)  # type: ignore[arg-type]
+    assert caught.value.setting == "persona"
+
+
+# ----------------------------------------------------------------------- the file itself
+
+
+def test_an_unreadable_or_malformed_file_is_named_by_its_path(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(missing)
+    assert caught.value.setting == str(missing)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[thresholds\nstall_seconds = 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(broken)
+    assert caught.value.setting == str(broken)
+    assert "not valid TOML" in caught.value.message
+
+
+def test_an_error_in_a_file_names_the_setting(tmp_path: Path) -> None:
+    file = tmp_path / "pi-runtime.toml"
+    file.write_text('[rooms."dm:1"]\ngrants = ["read", "shell"]\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(file)
+    assert caught.value.setting == 'rooms."dm:1".grants'
+    assert "'shell'" in caught.value.message
+
+
+# ---------------------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        pytest.param({"stall_seconds": 1}, "stall_seconds", id="unknown-top-level"),
+        pytest.param({"thresholds": {"stall": 1}}, "thresholds.stall", id="unknown-nested"),
+        pytest.param({"model": {"key": "x"}}, "model.key", id="unknown-in-model"),
+        pytest.param(
+            {"rooms": {"dm:1": {"grant": ["read"]}}}, 'rooms."dm:1".grant', id="unknown-in-room"
+        ),
+        pytest.param(
+            {"rooms": {"dm:1": {}, "dm:2": {"nope": 1}}}, 'rooms."dm:2".nope', id="second-room"
+        ),
+        pytest.param(
+            {"thresholds": {"stall_seconds": "300"}},
+            "thresholds.stall_seconds",
+            id="string-for-float",
+        ),
+        pytest.param(
+            {"thresholds": {"tick_seconds": True}}, "thresholds.tick_seconds", id="bool-for-float"
+        ),
+        pytest.param({"caps": {"queue_limit": 3.5}}, "caps.queue_limit", id="float-for-int"),
+        pytest.param({"agent": "claude"}, "agent", id="unknown-agent"),
+        pytest.param({"default_grants": "read"}, "default_grants", id="string-for-list"),
+        pytest.param({"rooms": {"dm:1": 3}}, 'rooms."dm:1"', id="room-not-a-table"),
+        pytest.param(
+            {"rooms": {"dm:1": {"actors": {"7": ["read"], "8": [1]}}}},
+            'rooms."dm:1".actors.8',
+            id="actor-grant-type",
+        ),
+        pytest.param({"tool_classes": {"read": "maybe"}}, "tool_classes.read", id="bad-class"),
+        pytest.param({"state_dir": 5}, "state_dir", id="int-for-path"),
+        pytest.param({"state_dir": ""}, "state_dir", id="empty-path"),
+        pytest.param({"pi_home": "~no-such-user-here/pi"}, "pi_home", id="unknown-home-directory"),
+    ],
+)
+def test_c1_unknown_or_mistyped_setting_is_named(data: dict[str, Any], setting: str) -> None:
+    assert refused(data).setting == setting
+
+
+def test_c1_unknown_setting_message() -> None:
+    assert refused({"thresholds": {"stall": 1}}).message == "thresholds.stall: unknown setting"
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "work_root"),
+    [
+        pytest.param("state", "state/work", id="work-inside-state"),
+        pytest.param("state", "state", id="same"),
+        pytest.param("state", "./state/../state/lanes", id="after-normalising"),
+        pytest.param("data/state", "data", id="state-inside-work"),
+        pytest.param("/srv/state", "/srv/state/rooms", id="absolute"),
+    ],
+)
+def test_c2_work_root_must_not_overlap_the_state_dir(state_dir: str, work_root: str) -> None:
+    assert refused({"state_dir": state_dir, "work_root": work_root}).setting == "work_root"
+
+
+def test_c2_work_root_through_a_symlink_into_the_state_dir(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "work").symlink_to(tmp_path / "state")
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({}, base=tmp_path)
+    assert caught.value.setting == "work_root"
+
+
+def test_c2_sibling_directories_are_fine() -> None:
+    config = config_from_dict({"state_dir": "state", "work_root": "state-work"}, base=BASE)
+    assert config.work_root == str(BASE / "state-work")
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        pytest.param({"model": {"base_url": "ftp://x/v1"}}, "model.base_url", id="scheme"),
+        pytest.param({"model": {"base_url": "https:///v1"}}, "model.base_url", id="no-host"),
+        pytest.param({"model": {"provider": ""}}, "model.provider", id="empty-provider"),
+        pytest.param({"model": {"model": "gpt x"}}, "model.model", id="space-in-model"),
+        pytest.param({"model": {"context_window": 0}}, "model.context_window", id="window"),
+        pytest.param(
+            {"model": {"context_window": 1000, "max_tokens": 1001}},
+            "model.max_tokens",
+            id="tokens-over-window",
+        ),
+    ],
+)
+def test_c3_model_route_is_usable(data: dict[str, Any], setting: str) -> None:
+    assert refused(data).setting == setting
+
+
+def test_c3_no_upstream_means_the_scripted_model_for_either_agent() -> None:
+    assert config_from_dict({}, base=BASE).model.base_url is None
+    assert config_from_dict({"agent": "pi"}, base=BASE).model.base_url is None
+    route = {"base_url": "http://127.0.0.1:8080/v1", "api_key_env": "OPENAI_API_KEY"}
+    assert config_from_dict({"agent": "pi", "model": route}, base=BASE).agent == "pi"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("sk-proj-abcdEFGH1234", id="openai-shaped"),
+        pytest.param("abcdef0123456789abcdef0123456789", id="hex"),
+        pytest.param("$OPENAI_API_KEY", id="shell-reference"),
+        pytest.param("openai_api_key", id="lower-case"),
+        pytest.param("", id="empty"),
+    ],
+)
+def test_c4_api_key_env_is_a_variable_name_never_a_key(value: str) -> None:
+    error = refused({"model": {"api_key_env": value}})
+    assert error.setting == "model.api_key_env"
+    if value:
+        assert value not in str(error)
+
+
+def test_c4_base_url_carries_no_credentials() -> None:
+    error = refused({"model": {"base_url": "https://user:s3cret@models.example.com/v1"}})
+    assert error.setting == "model.base_url"
+    assert "s3cret" not in str(error)
+
+
+@pytest.mark.parametrize(
+    "persona",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("  \n", id="blank"),
+        pytest.param("be brief\0", id="nul"),
+        pytest.param("x" * (PERSONA_MAX_BYTES + 1), id="too-long"),
+        pytest.param("é" * (PERSONA_MAX_BYTES // 2 + 1), id="too-long-in-bytes"),
+    ],
+)
+def test_c5_persona_fits_one_argument(persona: str) -> None:
+    assert refused({"persona": persona}).setting == "persona"
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        pytest.param({"rooms": {"dm 1": {}}}, 'rooms."dm 1"', id="space"),
+        pytest.param({"rooms": {"channel:1": {}}}, 'rooms."channel:1"', id="unknown-shape"),
+        pytest.param({"rooms": {"guild:1": {}}}, 'rooms."guild:1"', id="guild-without-channel"),
+        pytest.param({"rooms": {"room:": {}}}, 'rooms."room:"', id="empty-opaque"),
+        pytest.param({"rooms": {}}, "rooms", id="empty-table"),
+        pytest.param(
+            {"rooms": {"dm:1": {"actors": {"": ["read"]}}}}, 'rooms."dm:1".actors.""', id="actor"
+        ),
+        pytest.param(
+            {"rooms": {"dm:1": {"actors": {"a" * 201: []}}}},
+            f'rooms."dm:1".actors.{"a" * 201}',
+            id="long-actor",
+        ),
+    ],
+)
+def test_c6_rooms_and_actors_are_valid_ids(data: dict[str, Any], setting: str) -> None:
+    assert refused(data).setting == setting
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        pytest.param({"default_grants": ["read", "shell"]}, "default_grants", id="default"),
+        pytest.param(
+            {"rooms": {"dm:1": {"grants": ["send_text_update", "Bash"]}}},
+            'rooms."dm:1".grants',
+            id="room",
+        ),
+        pytest.param(
+            {"rooms": {"room:!abc:matrix.org": {"grants": ["rm"]}}},
+            'rooms."room:!abc:matrix.org".grants',
+            id="opaque-room",
+        ),
+        pytest.param(
+            {"rooms": {"dm:1": {"actors": {"42": ["read"], "43": ["sudo"]}}}},
+            'rooms."dm:1".actors.43',
+            id="actor",
+        ),
+    ],
+)
+def test_c7_every_grant_names_a_known_tool(data: dict[str, Any], setting: str) -> None:
+    error = refused(data)
+    assert error.setting == setting
+    assert "known tools: bash, " in error.message
+
+
+def test_c7_known_tools_are_pis_and_the_runtimes() -> None:
+    assert {"read", "bash", "edit", "write"} <= KNOWN_TOOLS
+    assert frozenset(PI_TOOL_CLASSES) | frozenset(RUNTIME_TOOLS) == KNOWN_TOOLS
+    everything = sorted(KNOWN_TOOLS)
+    config = config_from_dict({"default_grants": everything}, base=BASE)
+    assert config.default_grants == KNOWN_TOOLS
+
+
+@pytest.mark.parametrize(
+    ("classes", "setting"),
+    [
+        pytest.param({"bash": "safe"}, "tool_classes.bash", id="bash-safe"),
+        pytest.param({"write": "receipt"}, "tool_classes.write", id="write-receipt"),
+        pytest.param({"send_text_update": "safe"}, "tool_classes.send_text_update", id="send"),
+        pytest.param({"mcp_search": "safe"}, "tool_classes.mcp_search", id="unknown-tool"),
+    ],
+)
+def test_c8_tool_class_overrides_only_tighten(classes: dict[str, str], setting: str) -> None:
+    assert refused({"tool_classes": classes}).setting == setting
+
+
+def test_c8_a_stricter_override_is_what_the_gate_gets() -> None:
+    config = config_from_dict({"tool_classes": {"read": "never", "bash": "never"}}, base=BASE)
+    classes = config.replay_classes()
+    assert classes["read"] is ReplayClass.NEVER
+    assert set(classes) == KNOWN_TOOLS
+    default = RoomWorkerConfig().replay_classes()
+    assert default == {name: declared_class(name) for name in KNOWN_TOOLS}
+    assert default["read"] is ReplayClass.SAFE
+    assert declared_class("unknown") is ReplayClass.NEVER
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "setting"),
+    [
+        pytest.param({"stall_seconds": -1}, "thresholds.stall_seconds", id="negative-stall"),
+        pytest.param({"tick_seconds": 0}, "thresholds.tick_seconds", id="zero-tick"),
+        pytest.param({"keepalive_seconds": float("nan")}, "thresholds.keepalive_seconds", id="nan"),
+        pytest.param({"idle_stop_seconds": float("inf")}, "thresholds.idle_stop_seconds", id="inf"),
+        pytest.param(
+            {"drain_timeout_seconds": -0.5}, "thresholds.drain_timeout_seconds", id="drain"
+        ),
+    ],
+)
+def test_c9_thresholds_are_finite_and_positive(thresholds: dict[str, Any], setting: str) -> None:
+    assert refused({"thresholds": thresholds}).setting == setting
+
+
+def test_c9_a_zero_drain_timeout_means_cancel_at_once() -> None:
+    config = config_from_dict({"thresholds": {"drain_timeout_seconds": 0}}, base=BASE)
+    assert config.thresholds.drain_timeout_seconds == 0.0
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "setting"),
+    [
+        pytest.param({"tick_seconds": 301}, "thresholds.tick_seconds", id="tick-over-stall"),
+        pytest.param(
+            {"upstream_inactivity_seconds": 300},
+            "thresholds.upstream_inactivity_seconds",
+            id="inactivity-equals-stall",
+        ),
+        pytest.param(
+            {"stall_seconds": 200}, "thresholds.upstream_inactivity_seconds", id="stall-lowered"
+        ),
+        pytest.param(
+            {"typing_refresh_seconds": 300}, "thresholds.typing_refresh_seconds", id="typing"
+        ),
+        pytest.param(
+            {"keepalive_seconds": 270}, "thresholds.keepalive_seconds", id="keepalive-too-slow"
+        ),
+    ],
+)
+def test_c10_timers_fit_inside_the_stall_backstop(thresholds: dict[str, Any], setting: str) -> None:
+    assert refused({"thresholds": thresholds}).setting == setting
+
+
+def test_c10_tick_may_equal_stall() -> None:
+    config = config_from_dict(
+        {
+            "thresholds": {
+                "stall_seconds": 10,
+                "tick_seconds": 10,
+                "typing_refresh_seconds": 8,
+                "upstream_inactivity_seconds": 9,
+                "keepalive_seconds": 1,
+            }
+        },
+        base=BASE,
+    )
+    assert config.thresholds.tick_seconds == config.thresholds.stall_seconds
+
+
+@pytest.mark.parametrize("cap", [field.name for field in msgspec.structs.fields(Caps)])
+def test_c11_every_cap_is_at_least_one(cap: str) -> None:
+    assert refused({"caps": {cap: 0}}).setting == f"caps.{cap}"
+
+
+# ----------------------------------------------------------------------- authority (C12)
+
+
+def test_c12_without_rooms_every_valid_room_gets_the_default_grants() -> None:
+    config = config_from_dict({}, base=BASE)
+    for room in ("dm:1", "guild:a:b", "room:!x:matrix.org"):
+        assert config.check_served(room) == room
+        assert config.grants_for(room, "42") == DEFAULT_GRANTS
+        assert config.standing_grants(room) == DEFAULT_GRANTS
+        assert not config.is_privileged(room, "42")
+
+
+def test_c12_an_invalid_room_is_refused_as_invalid() -> None:
+    config = config_from_dict({}, base=BASE)
+    assert config.grants_for("../etc", "42") is None
+    with pytest.raises(DeliveryError) as caught:
+        config.check_served("../etc")
+    assert caught.value.code is ReasonCode.ROOM_INVALID
+    with pytest.raises(DeliveryError):
+        config.standing_grants("dm:")
+    assert not config.is_privileged("dm 1", "42")
+
+
+def test_c12_a_rooms_table_refuses_every_unlisted_room() -> None:
+    config = config_from_dict({"rooms": {"dm:1": {}}}, base=BASE)
+    assert config.grants_for("dm:1", "42") == DEFAULT_GRANTS  # listed without grants
+    assert config.grants_for("dm:2", "42") is None
+    with pytest.raises(DeliveryError) as caught:
+        config.check_served("dm:2")
+    assert caught.value.code is ReasonCode.ROOM_REFUSED
+    assert not config.is_privileged("dm:2", "42")
+    with pytest.raises(DeliveryError) as caught:
+        config.standing_grants("dm:2")
+    assert caught.value.code is ReasonCode.ROOM_REFUSED
+
+
+def test_c12_actor_extras_make_a_delivery_privileged() -> None:
+    config = config_from_dict(
+        {
+            "default_grants": [],
+            "rooms": {
+                "guild:1:2": {
+                    "grants": ["send_text_update", "read"],
+                    "actors": {"42": ["bash"], "43": ["read"]},
+                },
+                "dm:9": {},
+            },
+        },
+        base=BASE,
+    )
+    room = "guild:1:2"
+    assert config.standing_grants(room) == {"send_text_update", "read"}
+    assert config.grants_for(room, "42") == frozenset({"send_text_update", "read", "bash"})
+    assert config.is_privileged(room, "42")
+    # extras inside the standing set add nothing: not privileged
+    assert config.grants_for(room, "43") == frozenset({"send_text_update", "read"})
+    assert not config.is_privileged(room, "43")
+    # a room's own grants, however wide, are its standing set: not privileged
+    assert not config.is_privileged(room, "someone")
+    # an empty default grant is a room with no tools at all
+    assert config.grants_for("dm:9", "42") == frozenset()
