@@ -117,6 +117,9 @@ class AgentOptions:
     tool_env: dict[str, str] = field(default_factory=dict)
     ledger_path: Path | None = None
     recorder: Recorder = field(default_factory=lambda: Recorder(None))
+    steering_mode: str = "one-at-a-time"
+    """Pi's ``steeringMode`` setting: ``one-at-a-time`` (one queued steer per turn) or
+    ``all`` (every queued steer goes into the next request)."""
     sequential_tools: bool = False
     """Run a round's calls one after the other (what the runtime's gate extension asks
     of Pi with ``executionMode: "sequential"``); Pi's default is parallel."""
@@ -204,7 +207,7 @@ class Agent:
             "thinkingLevel": "off",
             "isStreaming": self.running,
             "isCompacting": self.compacting,
-            "steeringMode": "one-at-a-time",
+            "steeringMode": self.options.steering_mode,
             "followUpMode": "one-at-a-time",
         }
         if self.conversation.path is not None:
@@ -353,7 +356,9 @@ class Agent:
                 await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
                 raise _Aborted
             if self.steering:
-                inputs = [user_message(self.steering.pop(0), time_ms=self._now())]
+                taken = len(self.steering) if self.options.steering_mode == "all" else 1
+                texts, self.steering = self.steering[:taken], self.steering[taken:]
+                inputs = [user_message(text, time_ms=self._now()) for text in texts]
                 await self._queue_update()
             elif not calls and self.follow_up:
                 inputs = [user_message(self.follow_up.pop(0), time_ms=self._now())]

@@ -191,6 +191,7 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
         barriers=Barriers(config.behaviours, in_process=False),
         model=model,
         retry=RetrySettings.from_settings(settings),
+        steering_mode="all" if settings.get("steeringMode") == "all" else "one-at-a-time",
         compaction=CompactionSettings.from_settings(settings, f"{provider_name}/{model_id}"),
         append_system_prompt=list(args.append_system_prompt),
         tool_env={k: v for k, v in os.environ.items() if k != GATEWAY_SECRET_ENV},

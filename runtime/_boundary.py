@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -77,6 +77,7 @@ __all__ = [
 ]
 
 GATE_SOCKET_NAME: Final = "gate.sock"
+RequestHook = Callable[[dict[str, Any], int, bool], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +137,15 @@ class Boundaries:
         self.epoch = steps.epoch
         self.gateway_server: HttpServer | None = None
         self.gate_server: GateServer | None = None
+        self.on_request: RequestHook | None = None
+        """Awaited with ``(body, step, replayed)`` for every model request of the attached
+        delivery, before it is answered (the lane finds its steers there)."""
+        gateway.on_answer = self._answered
+
+    async def _answered(self, body: dict[str, Any], digest: str, replayed: bool) -> None:
+        hook = self.on_request
+        if hook is not None:
+            await hook(body, self.steps.current_step, replayed)
 
     def attach(self, log: Journal, *, key: str) -> None:
         """Serve the delivery whose log is ``log`` (key ``key``) from now on (B1): its model

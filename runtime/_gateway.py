@@ -299,6 +299,8 @@ class DeliveryStepJournal:
 
 
 GateBarrier = Callable[[dict[str, Any]], Awaitable[None]]
+AnswerHook = Callable[[dict[str, Any], str, bool], Awaitable[None]]
+"""``(body, digest, replayed)``: awaited once a request's step is known, before its answer."""
 
 
 async def _no_barrier(body: dict[str, Any]) -> None:
@@ -396,10 +398,14 @@ class Gateway:
         gate_barrier: GateBarrier | None = None,
         environ: Mapping[str, str] | None = None,
         secret: str | None = None,
+        on_answer: AnswerHook | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
         self._barrier = gate_barrier or _no_barrier
+        self.on_answer = on_answer
+        """Awaited with ``(body, digest, replayed)`` once the request's step is recorded or
+        found, before anything of the answer is sent (the lane watches for its steers)."""
         self._environ = os.environ if environ is None else environ
         self._secret = secret or secrets.token_urlsafe(32)
         self._locks: dict[str, trio.Lock] = {}
@@ -476,6 +482,8 @@ class Gateway:
         recorded = await self.journal.lookup(digest)
         if recorded is not None:  # G6: replay, upstream untouched
             self._stats["replayed"] += 1
+            if self.on_answer is not None:
+                await self.on_answer(body, digest, True)
             for payload in recorded[:-1]:
                 await downstream.send(sse_data(payload))
             await downstream.finish(sse_data(recorded[-1]) if recorded else b"")
@@ -498,6 +506,8 @@ class Gateway:
         except PiRuntimeError as exc:
             self._fail(exc)
             return
+        if self.on_answer is not None:
+            await self.on_answer(body, digest, False)
         self._stats["upstream_calls"] += 1
         await self._relay(body, digest, key, downstream)
 

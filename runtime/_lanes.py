@@ -44,7 +44,15 @@ from ._journal import Journal
 from ._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd, classify_turn, could_still_be_silent
-from ._records import Admission, EpochFenced, EpochStarted, Outcome, Result, StepAbandoned
+from ._records import (
+    AbsorbedInput,
+    Admission,
+    EpochFenced,
+    EpochStarted,
+    Outcome,
+    Result,
+    StepAbandoned,
+)
 from ._rpc import Event, RpcChannel, RpcError, open_rpc_channel
 from ._session import (
     aread_session,
@@ -81,10 +89,26 @@ class Pending:
     cancelled: bool = False
     running: bool = False
     done: trio.Event = field(default_factory=trio.Event)
+    absorbed: list[Absorbed] = field(default_factory=list)
+    """Deliveries steered into this one's run (it is their owner)."""
+    absorbed_into: str | None = None
+    """The owner this delivery was steered into, while it is."""
 
     @property
     def delivery_id(self) -> str:
         return self.delivery.delivery_id
+
+
+@dataclass(eq=False)
+class Absorbed:
+    """A delivery steered into an owner's run (brief §5): its text, and the step whose model
+    request first carried it (``None`` until seen)."""
+
+    pending: Pending
+    text: str
+    first_step: int | None = None
+    sent: bool = False
+    """Steered into the current attempt's worker."""
 
 
 @dataclass
@@ -262,6 +286,7 @@ class Lane:
         """Epochs this lane ever started (numbers them; from the lane log at start)."""
         self._room: _Slot | None = None
         self._oneshot: _Slot | None = None
+        self._running: _Turn | None = None
 
     # -- the host's view ---------------------------------------------------------------
 
@@ -278,6 +303,25 @@ class Lane:
         stay (the live-worker cap and the idle stop use this)."""
         if self._room is not None:
             self._room.request_stop()
+
+    async def steer(self, pending: Pending) -> bool:
+        """Steer ``pending`` into the running turn (brief §5) when that turn has the same
+        authority and is still running: its absorbed input is journaled in the owner's log
+        first, then sent as a ``steer``. False (queue it instead) otherwise."""
+        owner, turn = self.current, self._running
+        if owner is None or turn is None or owner.privileged or pending.privileged:
+            return False
+        if owner.cancelled or owner.grants != pending.grants:
+            return False
+        async with turn.steer_lock:
+            if not turn.steerable:
+                return False
+            item = Absorbed(pending, pending.admission.rendered_prompt)
+            await turn.log.append(AbsorbedInput(delivery_id=pending.delivery_id, text=item.text))
+            owner.absorbed.append(item)
+            pending.absorbed_into = owner.delivery_id
+            await turn.send_steer(item)
+            return True
 
     async def cancel(self, delivery_id: str) -> bool:
         """Cancel a queued or running delivery of this lane; False if it is not here."""
@@ -362,6 +406,28 @@ class Lane:
         finally:
             await store.close_log(log)
         await self._publish(pending, recorded)
+        await self._settle_absorbed(pending, recorded)
+
+    async def _settle_absorbed(self, owner: Pending, result: Result) -> None:
+        """Once the owner's result is durable: a steered delivery whose text a model request
+        carried ends ``absorbed`` into it, when the owner answered (reply or silent); any
+        other runs as its own turn next, in arrival order (brief §5, L10)."""
+        answered = result.outcome in (Outcome.REPLY, Outcome.SILENT)
+        retry: list[Pending] = []
+        for item in owner.absorbed:
+            if answered and item.first_step is not None:
+                absorbed = Result(
+                    outcome=Outcome.ABSORBED,
+                    absorbed_into=owner.delivery_id,
+                    finished_ms=self.host.clocks.wall.time_ms(),
+                )
+                await self._write_result(item.pending, absorbed)
+            else:
+                item.pending.absorbed_into = None
+                retry.append(item.pending)
+        owner.absorbed.clear()
+        for pending in reversed(retry):
+            self.submit(pending, front=True)
 
     async def _run(self, nursery: trio.Nursery, pending: Pending, log: Journal) -> Result:
         """The delivery's turn, replayed after a worker death, within the recovery attempts
@@ -389,7 +455,7 @@ class Lane:
                         )
                     await self._branch(slot.session, started)
                 try:
-                    end = await self._turn(nursery, slot, pending)
+                    end = await self._turn(nursery, slot, pending, log)
                 except _WorkerDied:
                     await slot.fence()
                     attempts += 1
@@ -408,10 +474,20 @@ class Lane:
                 self._oneshot = None
                 await slot.close()
 
-    async def _turn(self, nursery: trio.Nursery, slot: _Slot, pending: Pending) -> TurnEnd:
+    async def _turn(
+        self, nursery: trio.Nursery, slot: _Slot, pending: Pending, log: Journal
+    ) -> TurnEnd:
         try:
             live = await slot.ensure_live(nursery)
-            return await _Turn(self, pending, live).run()
+            assert slot.boundaries is not None
+            turn = _Turn(self, pending, live, log)
+            self._running = turn
+            slot.boundaries.on_request = turn.on_request
+            try:
+                return await turn.run()
+            finally:
+                slot.boundaries.on_request = None
+                self._running = None
         except (WorkerError, RpcError) as error:  # exited, failed to launch, channel broke
             raise _WorkerDied(str(error)) from error
 
@@ -437,13 +513,19 @@ class Lane:
 
     async def _finish_without_turn(self, pending: Pending, outcome: Outcome) -> None:
         """A delivery that ends before its turn starts (cancelled while queued)."""
+        result = Result(outcome=outcome, finished_ms=self.host.clocks.wall.time_ms())
+        await self._write_result(pending, result)
+
+    async def _write_result(self, pending: Pending, result: Result) -> None:
+        """Record ``result`` in the delivery's own log (created with its admission if the
+        delivery never ran), then publish it."""
         store = self.host.store
         rel = store.delivery_rel(pending.delivery_id)
         if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
             log = await store.open_delivery_log(pending.delivery_id)
         else:
             log = await store.create_delivery_log(pending.delivery_id)
-        result = Result(outcome=outcome, finished_ms=self.host.clocks.wall.time_ms())
+            await log.append(pending.admission)
         try:
             await log.append(result)
         finally:
@@ -547,6 +629,7 @@ class Lane:
             route=self.host.route,
             persona=self.host.persona,
             retry=self.host.retry,
+            settings={"steeringMode": "all"},  # a burst's steers reach one request (L10)
             state_dir=self.host.store.root,
         )
 
@@ -554,10 +637,14 @@ class Lane:
 class _Turn:
     """The events of one turn: typing, tool activity, the stall backstop, the outcome."""
 
-    def __init__(self, lane: Lane, pending: Pending, live: _Live) -> None:
+    def __init__(self, lane: Lane, pending: Pending, live: _Live, log: Journal) -> None:
         self.lane = lane
         self.pending = pending
         self.live = live
+        self.log = log
+        self.steer_lock = trio.Lock()
+        self.steerable = False
+        """Steers are taken from the prompt's acceptance until ``agent_settled``."""
         self.host = lane.host
         self.watch = StallWatch(limit=self.host.stall)
         self.messages: list[dict[str, Any]] = []
@@ -571,7 +658,14 @@ class _Turn:
     async def run(self) -> TurnEnd:
         rpc = self.live.rpc
         self.watch.event(self._now())
+        for item in self.pending.absorbed:
+            item.sent = False
         await rpc.prompt(self.pending.admission.rendered_prompt)
+        async with self.steer_lock:
+            self.steerable = True
+            for item in self.pending.absorbed:
+                if item.first_step is None:  # a replay: steered before, never seen
+                    await self.send_steer(item)
         died: RpcError | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._backstop)
@@ -594,11 +688,34 @@ class _Turn:
             return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
         return end
 
+    async def send_steer(self, item: Absorbed) -> None:
+        """Steer ``item`` into this run; a dead worker is noticed by the turn itself."""
+        item.sent = True
+        with contextlib.suppress(RpcError):
+            await self.live.rpc.steer(item.text)
+
+    async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
+        """Before each model request is answered: a steer first carried here is recorded as
+        seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
+        now, so the next request is the same as the first time (brief §4.3)."""
+        carried = _user_text(body)
+        for item in self.pending.absorbed:
+            if item.first_step is None and item.text in carried:
+                item.first_step = step
+                await self.log.append(
+                    AbsorbedInput(
+                        delivery_id=item.pending.delivery_id, text=item.text, first_step=step
+                    )
+                )
+            elif replayed and item.first_step == step + 1 and not item.sent:
+                await self.send_steer(item)
+
     def _see(self, event: Event) -> bool:
         """Handle one event; True at ``agent_settled``."""
         record = event.record
         kind = event.type
         if kind == "agent_settled":
+            self.steerable = False
             return True
         if kind == "message_end":
             message = record.get("message")
@@ -640,6 +757,20 @@ class _Turn:
         while True:
             self.host.emit(Typing(room=self.lane.room, delivery_id=self.pending.delivery_id))
             await trio.sleep(self.host.typing_refresh)
+
+
+def _user_text(body: dict[str, Any]) -> str:
+    """Every user message's text in an OpenAI chat request, joined."""
+    parts: list[str] = []
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "\n".join(parts)
 
 
 def _lease_seconds(tool: str, record: dict[str, Any]) -> float:

@@ -36,11 +36,19 @@ from ._errors import DeliveryError, ReasonCode
 from ._events import RoomEvent
 from ._gate import PI_TOOL_CLASSES
 from ._gateway import GatewayConfig
-from ._lanes import Lane, LaneHost, Pending
+from ._lanes import Absorbed, Lane, LaneHost, Pending
 from ._launch import ModelRoute, WorkerProgram
 from ._outbox import DeliveryResult, ResultOutbox
 from ._pi_install import find_pi
-from ._records import Admission, EpochFenced, EpochStarted, Fingerprints, Outcome, Result
+from ._records import (
+    AbsorbedInput,
+    Admission,
+    EpochFenced,
+    EpochStarted,
+    Fingerprints,
+    Outcome,
+    Result,
+)
 from ._store import Store, open_store, runtime_dir
 from ._tools import RUNTIME_TOOLS
 from ._worker import kill_epoch_leftovers
@@ -148,11 +156,15 @@ class RoomWorker:
         if not privileged:
             self._warm.add(delivery.room)
         started = not lane.busy and not lane.queue
-        self._enqueue(lane, Pending(delivery, admission, grants, privileged))
+        pending = Pending(delivery, admission, grants, privileged)
+        self._pending[delivery.delivery_id] = pending
+        if await lane.steer(pending):  # L10: into the live run of the same authority
+            disposition: Literal["started", "steered", "queued"] = "steered"
+        else:
+            self._enqueue(lane, pending)
+            disposition = "started" if started else "queued"
         return Accepted(
-            delivery_id=delivery.delivery_id,
-            room=delivery.room,
-            disposition="started" if started else "queued",
+            delivery_id=delivery.delivery_id, room=delivery.room, disposition=disposition
         )
 
     async def cancel(self, delivery_id: str) -> None:
@@ -272,9 +284,11 @@ class RoomWorker:
         admitted delivery without a published result, in admission order (brief §4.3)."""
         await self._kill_leftover_epochs()
         published = self._host.outbox
-        for record in self.store.admissions.contents.records:
-            if not isinstance(record, Admission):
-                continue
+        admissions = [r for r in self.store.admissions.contents.records if isinstance(r, Admission)]
+        steered = await self._steered(
+            [a.delivery_id for a in admissions if published.result_of(a.delivery_id) is None]
+        )
+        for record in admissions:
             delivery = msgspec.convert(record.request, Delivery)
             self._known[record.delivery_id] = _Known(record.fingerprints, delivery.room)
             if published.result_of(record.delivery_id) is not None:
@@ -291,7 +305,27 @@ class RoomWorker:
                 continue
             if not privileged:
                 self._warm.add(delivery.room)
+            owner_id = steered.get(record.delivery_id)
+            owner = self._pending.get(owner_id[0]) if owner_id is not None else None
+            if owner is not None and owner_id is not None:  # it rides its owner's replay
+                self._pending[record.delivery_id] = pending
+                pending.absorbed_into = owner.delivery_id
+                owner.absorbed.append(Absorbed(pending, owner_id[1], owner_id[2]))
+                continue
             self._enqueue(lane, pending)
+
+    async def _steered(self, unfinished: list[str]) -> dict[str, tuple[str, str, int | None]]:
+        """For each delivery steered into an unfinished owner: (owner, text, first step),
+        from the owners' logs (only deliveries whose turn started have one)."""
+        found: dict[str, tuple[str, str, int | None]] = {}
+        for owner in unfinished:
+            rel = self.store.delivery_rel(owner)
+            if not await trio.to_thread.run_sync(self.store.fs.exists, self.store.path(rel)):
+                continue
+            for record in (await self.store.read_delivery_log(owner)).records:
+                if isinstance(record, AbsorbedInput):
+                    found[record.delivery_id] = (owner, record.text, record.first_step)
+        return found
 
     def _refusal(
         self, record: Admission, delivery: Delivery, grants: frozenset[str] | None

@@ -273,3 +273,47 @@ async def test_l8_live_workers_are_capped_least_recently_used_stops(tmp_path: Pa
                 first_lane = await _lane_epochs(worker)
     assert [r.text for r in results] == ["b"]
     assert [type(r).__name__ for r in first_lane] == ["EpochStarted", "EpochFenced"]
+
+
+# ------------------------------------------------------------------------------ steering
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_l10_a_burst_gets_one_answer_and_two_absorbed(kind: str, tmp_path: Path) -> None:
+    """L10: two messages arriving while the first one's tool runs are journaled and steered
+    into the run (``steered``); the next model request carries both; once the owner's reply
+    is durable they end ``absorbed`` into it. One burst, one answer, one model call more."""
+    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
+    os.mkfifo(started)
+    os.mkfifo(release)
+    command = f"echo go > {started}; cat {release}"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
+        Text(text="one answer for all"),
+    ]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with upstream(steps) as (model, url):
+            async with open_room_worker(
+                config(kind, url, rooms=rooms), base_dir=tmp_path
+            ) as worker:
+                first = await worker.deliver(message("d1", "first"))
+                await trio.to_thread.run_sync(started.read_bytes)  # the tool runs
+                second = await worker.deliver(message("d2", "second"))
+                third = await worker.deliver(message("d3", "third"))
+                await trio.to_thread.run_sync(release.write_bytes, b"done\n")
+                results = await next_results(worker, 3)
+    assert [first.disposition, second.disposition, third.disposition] == [
+        "started",
+        "steered",
+        "steered",
+    ]
+    by_id = {r.delivery_id: r for r in results}
+    assert (by_id["d1"].outcome, by_id["d1"].text) == (Outcome.REPLY, "one answer for all")
+    for absorbed in ("d2", "d3"):
+        assert (by_id[absorbed].outcome, by_id[absorbed].absorbed_into) == (Outcome.ABSORBED, "d1")
+    assert by_id["d1"].seq < by_id["d2"].seq < by_id["d3"].seq  # the owner's result first
+    assert model.request_count == 2
+    carried = str(model.requests[1].body["messages"])
+    assert "second" in carried
+    assert "third" in carried
