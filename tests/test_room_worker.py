@@ -293,16 +293,16 @@ async def test_l10_a_burst_gets_one_answer_and_two_absorbed(kind: str, tmp_path:
     ]
     rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
     with trio.fail_after(LIMIT):
-        async with upstream(steps) as (model, url):
-            async with open_room_worker(
-                config(kind, url, rooms=rooms), base_dir=tmp_path
-            ) as worker:
-                first = await worker.deliver(message("d1", "first"))
-                await trio.to_thread.run_sync(started.read_bytes)  # the tool runs
-                second = await worker.deliver(message("d2", "second"))
-                third = await worker.deliver(message("d3", "third"))
-                await trio.to_thread.run_sync(release.write_bytes, b"done\n")
-                results = await next_results(worker, 3)
+        async with (
+            upstream(steps) as (model, url),
+            open_room_worker(config(kind, url, rooms=rooms), base_dir=tmp_path) as worker,
+        ):
+            first = await worker.deliver(message("d1", "first"))
+            await trio.to_thread.run_sync(started.read_bytes)  # the tool runs
+            second = await worker.deliver(message("d2", "second"))
+            third = await worker.deliver(message("d3", "third"))
+            await trio.to_thread.run_sync(release.write_bytes, b"done\n")
+            results = await next_results(worker, 3)
     assert [first.disposition, second.disposition, third.disposition] == [
         "started",
         "steered",
