@@ -11,26 +11,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from runtime._outcome import PROVIDER_LIMIT_PATTERNS
+
 __all__ = ["RetrySettings", "is_retryable"]
 
-_NON_RETRYABLE: Final = re.compile(
-    "|".join(
-        [
-            "GoUsageLimitError",
-            "FreeUsageLimitError",
-            "Monthly usage limit reached",
-            "available balance",
-            "insufficient_quota",
-            "out of budget",
-            "quota exceeded",
-            "billing",
-            "subscription_sharing_usage_limit_exceeded",
-            "subscription_sharing_workplace_individual_usage_limit_exceeded",
-            r'"code"\s*:\s*"?1308(?![0-9])',
-        ]
-    ),
-    re.IGNORECASE,
-)
+_NON_RETRYABLE: Final = re.compile("|".join(PROVIDER_LIMIT_PATTERNS), re.IGNORECASE)
 _RETRYABLE: Final = re.compile(
     "|".join(
         [

@@ -50,14 +50,13 @@ from runtime._records import (
     ToolOutcome,
 )
 from runtime._rpc import Event, WorkerExitedError, open_rpc_channel
-from runtime._session import create_session
 from runtime._store import Store, delivery_key, open_store, runtime_dir
 from runtime._tools import RUNTIME_TOOLS, TOOLS_ENV, EffectLedger
-from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
+from runtime._worker import WorkerLaunch, open_worker
 
-from ._pi import real_pi
 from ._procs import alive_with_nonce
 from ._secrets import files_containing
+from ._workers import one_turn, sandbox_launch
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -118,46 +117,8 @@ async def read_back(store: Store) -> list[Record]:
 
 
 def base_launch(kind: str, root: Path) -> WorkerLaunch:
-    program = WorkerProgram.pi(real_pi()) if kind == "pi" else WorkerProgram.fake_pi()
-    for sub in ("work", "home", "tmp"):
-        (root / sub).mkdir(exist_ok=True)
-    session = root / "lane.jsonl"
-    if not session.exists():
-        create_session(
-            session,
-            cwd=str(root / "work"),
-            provider="fake",
-            model_id="fake-model",
-            clock=Clocks.system().wall,
-        )
-    return WorkerLaunch(
-        program=program,
-        cwd=root / "work",
-        home=root / "home",
-        agent_dir=root / "home" / "agent",
-        tmp_dir=root / "tmp",
-        session=session,
-        route=ModelRoute(provider="fake", model="fake-model"),
-        retry=RetrySettings(max_retries=0),
-        state_dir=root / "state",
-    )
-
-
-async def turn(launch: WorkerLaunch, text: str = "go") -> list[Event]:
-    """Prompt once and wait for ``agent_settled``; the events up to it."""
-    async with (
-        open_worker(launch) as worker,
-        open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
-    ):
-        prompted = await rpc.prompt(text)
-        settled = await rpc.wait_settled(prompted.settled_before)
-        assert settled.record["aborted"] is False
-        events = []
-        async for event in rpc:
-            events.append(event)
-            if event.type == "agent_settled":
-                break
-        return events
+    """The gateway's endpoint replaces the route's when the boundaries launch it."""
+    return sandbox_launch(kind, root, state_dir=root / "state")
 
 
 def tool_messages(body: dict[str, Any]) -> dict[str, str]:
@@ -201,7 +162,7 @@ async def test_b1_b3_b5_a_turn_through_both_boundaries_then_replay(
             admission_leaf = launch.session.read_bytes() if launch.session else None
             config = ln.config(granted)
             async with open_boundaries(config, ln.log, key=delivery_key(DELIVERY), epoch=1) as b:
-                await turn(b.launch(launch))
+                await one_turn(b.launch(launch))
                 first_secrets = (b.gateway.secret, b.gate.secret)
                 after_first = await read_back(ln.store)
                 # epoch 2 on the session rewound to the admission leaf: all from the journal
@@ -209,7 +170,7 @@ async def test_b1_b3_b5_a_turn_through_both_boundaries_then_replay(
                 assert admission_leaf is not None
                 launch.session.write_bytes(admission_leaf)
                 b.begin_epoch(2)
-                await turn(b.launch(launch))
+                await one_turn(b.launch(launch))
                 second_secrets = (b.gateway.secret, b.gate.secret)
             after_second = await read_back(ln.store)
 
@@ -267,7 +228,7 @@ async def test_b3_runtime_tools_not_granted_are_not_declared(kind: str, tmp_path
         async with lane(tmp_path, steps) as ln:
             config = ln.config(("send_text_update",))
             async with open_boundaries(config, ln.log, key=delivery_key(DELIVERY), epoch=1) as b:
-                await turn(b.launch(base_launch(kind, tmp_path)))
+                await one_turn(b.launch(base_launch(kind, tmp_path)))
     names = [t["function"]["name"] for t in ln.model.requests[0].body["tools"]]
     assert names == ["read", "bash", "edit", "write", "send_text_update"]
     assert "not granted" in tool_messages(ln.model.requests[1].body)["c1"]
@@ -427,7 +388,7 @@ async def test_b6_sigkill_mid_tool_leaves_no_descendant_and_the_model_hears_poss
                 assert alive_with_nonce(worker.nonce) == []
                 report = await b.settle_session(launch.session, clock=clock)
                 b.begin_epoch(2)
-                await turn(b.launch(launch), "continue")
+                await one_turn(b.launch(launch), "continue")
             records = await read_back(ln.store)
     assert [c.tool_call_id for c in report.settled] == ["c_kill"]
     assert ln.model.request_count == 2

@@ -49,13 +49,12 @@ from runtime._gate import (
 )
 from runtime._http import HttpServer
 from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
-from runtime._rpc import Event, WorkerLaunchError, open_rpc_channel
-from runtime._session import create_session
+from runtime._rpc import WorkerLaunchError, open_rpc_channel
 from runtime._store import delivery_key, open_store
-from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
+from runtime._worker import WorkerLaunch, open_worker
 
-from ._pi import real_pi
 from ._secrets import files_containing
+from ._workers import one_turn, sandbox_launch
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -381,47 +380,13 @@ def _launch(
     gate_env: dict[str, str] | None,
     extension: bool = True,
 ) -> WorkerLaunch:
-    program = WorkerProgram.pi(real_pi()) if kind == "pi" else WorkerProgram.fake_pi()
-    for sub in ("work", "home", "tmp"):
-        (root / sub).mkdir(exist_ok=True)
-    session = root / "lane.jsonl"
-    if not session.exists():
-        create_session(
-            session,
-            cwd=str(root / "work"),
-            provider="fake",
-            model_id="fake-model",
-            clock=Clocks.system().wall,
-        )
-    return WorkerLaunch(
-        program=program,
-        cwd=root / "work",
-        home=root / "home",
-        agent_dir=root / "home" / "agent",
-        tmp_dir=root / "tmp",
-        session=session,
-        route=ModelRoute(provider="fake", model="fake-model", base_url=f"{model_server.url}/v1"),
-        retry=RetrySettings(max_retries=0),
+    return sandbox_launch(
+        kind,
+        root,
+        base_url=f"{model_server.url}/v1",
         extensions=(EXTENSION_PATH,) if extension and kind == "pi" else (),
         extra_env=gate_env or {},
     )
-
-
-async def _turn(launch: WorkerLaunch) -> list[Event]:
-    """Prompt once and wait for ``agent_settled``; the events up to it."""
-    async with (
-        open_worker(launch) as worker,
-        open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
-    ):
-        prompted = await rpc.prompt("go")
-        settled = await rpc.wait_settled(prompted.settled_before)
-        assert settled.record["aborted"] is False
-        events = []
-        async for event in rpc:
-            events.append(event)
-            if event.type == "agent_settled":
-                break
-        return events
 
 
 def _tool_messages(body: dict[str, Any]) -> dict[str, str]:
@@ -477,7 +442,7 @@ async def test_e2e_saved_refused_run_and_no_secret_for_tools(
     with trio.fail_after(PROCESS_LIMIT):
         async with model_and_gate(steps, sock_dir, log, ("read", "bash")) as (model, up, r):
             env = gate_environment(r.server, r.gate)
-            events = await _turn(_launch(kind, tmp_path, up, gate_env=env))
+            events = await one_turn(_launch(kind, tmp_path, up, gate_env=env))
             secret = r.gate.secret
     work = tmp_path / "work"
     assert model.request_count == 2
@@ -568,7 +533,7 @@ async def test_e2e_t7_pi_schemas_and_prompt_unchanged_by_the_extension(
                 r,
             ):
                 env = gate_environment(r.server, r.gate) if extension else None
-                await _turn(_launch("pi", tmp_path, up, gate_env=env, extension=extension))
+                await one_turn(_launch("pi", tmp_path, up, gate_env=env, extension=extension))
                 bodies.append(model.requests[0].body)
     plain, gated = bodies
     assert [t["function"]["name"] for t in plain["tools"]] == ["read", "bash", "edit", "write"]
@@ -584,7 +549,7 @@ async def test_e2e_pi_extension_without_gate_config_refuses_to_start(tmp_path: P
             up: HttpServer = await nursery.start(serve_model_http, ScriptedModel())
             launch = _launch("pi", tmp_path, up, gate_env=None)
             with pytest.raises(WorkerLaunchError) as raised:
-                await _turn(launch)
+                await one_turn(launch)
             nursery.cancel_scope.cancel()
     assert raised.value.code is ReasonCode.WORKER_LAUNCH_FAILED
     assert f"{GATE_SOCKET_ENV} and {GATE_SECRET_ENV} must be set" in str(raised.value)
