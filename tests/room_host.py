@@ -1,0 +1,73 @@
+"""A room-worker host for the crash tests: ``python tests/room_host.py SPEC.json``.
+
+It opens the room worker on the spec's configuration (relative paths resolve against the
+spec's ``base``), delivers the spec's messages in order, then follows the results until it
+has seen ``expect`` of them (acknowledging each when ``ack`` is true) and exits 0. Every
+fact is one JSON line on stdout, written and flushed as it happens, so a test can SIGKILL
+the host right after a named point::
+
+    {"accepted": {...}}   the admission is durable (L1)
+    {"refused": CODE}     the delivery was refused
+    {"event": {...}}      typing / text_update / tool_activity
+    {"result": {...}}     a published result (durable, L5)
+    {"acked": SEQ}        the acknowledgement is durable
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from runtime._config import config_from_dict
+from runtime._errors import DeliveryError
+from runtime._outbox import DeliveryResult
+from runtime._room_worker import RoomWorker, open_room_worker
+
+
+def emit(fact: dict[str, Any]) -> None:
+    sys.stdout.write(msgspec.json.encode(fact).decode() + "\n")
+    sys.stdout.flush()
+
+
+async def follow_events(worker: RoomWorker) -> None:
+    async for event in worker.events():
+        emit({"event": msgspec.to_builtins(event)})
+
+
+async def _nothing() -> AsyncIterator[DeliveryResult]:
+    results: tuple[DeliveryResult, ...] = ()
+    for result in results:
+        yield result
+
+
+async def main(spec: dict[str, Any]) -> None:
+    base = Path(spec["base"])
+    config = config_from_dict(spec["config"], base=base)
+    async with open_room_worker(config, base_dir=base) as worker, trio.open_nursery() as nursery:
+        nursery.start_soon(follow_events, worker)
+        for message in spec.get("deliver", []):
+            try:
+                emit({"accepted": msgspec.to_builtins(await worker.deliver(message))})
+            except DeliveryError as error:
+                emit({"refused": str(error.code)})
+        seen = 0
+        expect = spec.get("expect", 0)
+        async for result in worker.results() if expect > 0 else _nothing():
+            emit({"result": msgspec.to_builtins(result)})
+            if spec.get("ack"):
+                await worker.ack(result.seq)
+                emit({"acked": result.seq})
+            seen += 1
+            if seen >= expect:
+                break
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    trio.run(main, json.loads(Path(sys.argv[1]).read_text()))

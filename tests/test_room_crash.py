@@ -1,0 +1,211 @@
+"""Crashes of the room-worker host, by SIGKILL at named points (``docs/design/lanes.md``,
+brief §4.3); each cell with the real Pi and with Fake-Pi.
+
+The host is a real process (``tests/room_host.py``) that reports each fact on stdout; the test
+kills it right after the fact it waits for, starts a new host on the same state directory and
+checks what happened exactly once: one result per delivery, no completed model response paid
+for again (the scripted model counts requests), an interrupted ``never`` tool reported
+"possibly ran" and never run twice, an unacknowledged result delivered again with its seq.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import trio
+
+from fake_pi.model_server import ScriptedModel, serve_model
+from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from runtime._gate import interrupted_text
+
+from ._pi import pi_home
+
+HOST: Final = Path(__file__).with_name("room_host.py")
+REPO: Final = Path(__file__).resolve().parents[1]
+LIMIT: Final = 120.0
+ROOM: Final = "dm:7"
+Fact = dict[str, Any]
+
+
+def message(delivery_id: str, text: str = "hi") -> dict[str, Any]:
+    return {
+        "delivery_id": delivery_id,
+        "room": ROOM,
+        "author": {"id": "u1", "name": "Ann"},
+        "message_id": f"m-{delivery_id}",
+        "text": text,
+    }
+
+
+class Host:
+    """One run of the host process; its facts read line by line."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+        self.facts: list[Fact] = []
+
+    async def next_fact(self) -> Fact | None:
+        assert self.process.stdout is not None
+        while b"\n" not in self._buffer:
+            data = await self.process.stdout.receive_some(65536)
+            if not data:
+                return None
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        fact: Fact = json.loads(line)
+        self.facts.append(fact)
+        return fact
+
+    async def until(self, wanted: Callable[[Fact], bool]) -> Fact:
+        while (fact := await self.next_fact()) is not None:
+            if wanted(fact):
+                return fact
+        raise AssertionError(f"the host ended without the fact; saw {self.facts}")
+
+    async def finish(self) -> list[Fact]:
+        while await self.next_fact() is not None:
+            pass
+        assert await self.process.wait() == 0, self.facts
+        return self.facts
+
+    async def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def host(root: Path, spec: dict[str, Any], name: str) -> AsyncIterator[Host]:
+    spec_path = root / f"{name}.json"
+    spec_path.write_text(json.dumps({"base": str(root), **spec}))
+    with (root / f"{name}.stderr").open("wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(HOST), str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=str(REPO),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            yield Host(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def upstream(steps: Sequence[Step]) -> AsyncIterator[tuple[ScriptedModel, str]]:
+    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve_model, model)
+        yield model, f"{server.url}/v1"
+        nursery.cancel_scope.cancel()
+
+
+def config(kind: str, url: str, grants: Sequence[str] = ("send_text_update",)) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "agent": "pi" if kind == "pi" else "fake",
+        "model": {"base_url": url},
+        "rooms": {ROOM: {"grants": list(grants)}},
+    }
+    if kind == "pi":
+        settings["pi_home"] = str(pi_home())
+    return settings
+
+
+def results(facts: list[Fact]) -> list[Fact]:
+    return [f["result"] for f in facts if "result" in f]
+
+
+KINDS: Final = ("fake", "pi")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_after_admission_then_exactly_one_result(kind: str, tmp_path: Path) -> None:
+    """Killed right after ``accepted``: the next host answers the delivery once; a repeat
+    of it after yet another restart is a duplicate with the identical result, and a changed
+    text under the same id is refused ``delivery_conflict``."""
+    with trio.fail_after(LIMIT):
+        async with upstream([Text(text="the answer")]) as (model, url):
+            spec = {"config": config(kind, url)}
+            async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
+                await h.until(lambda f: "accepted" in f)
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (first,) = results(await h.finish())
+            repeat = {**spec, "deliver": [message("d1"), message("d1", "changed")]}
+            async with host(tmp_path, repeat, "c") as h:
+                facts = await h.finish()
+    assert (first["delivery_id"], first["outcome"], first["text"]) == ("d1", "reply", "the answer")
+    assert facts[0] == {
+        "accepted": {
+            "type": "accepted",
+            "delivery_id": "d1",
+            "room": ROOM,
+            "disposition": "duplicate",
+        }
+    }
+    assert facts[1] == {"refused": "delivery_conflict"}
+    assert model.request_count == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_during_a_never_tool_reports_possibly_ran(kind: str, tmp_path: Path) -> None:
+    """Killed while a bash tool runs (its intent durable): the next host kills the old
+    worker's tree, replays the turn — the tool-call response from the journal, the tool as
+    "possibly ran" — and the delivery gets one reply; the tool ran once; the completed
+    model response was not requested again."""
+    started, runs = tmp_path / "started.fifo", tmp_path / "runs"
+    os.mkfifo(started)
+    command = f"echo x >> {runs}; echo go > {started}; sleep 300"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
+        Text(text="after the crash"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("bash", "send_text_update"))}
+            async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
+                await h.until(lambda f: "accepted" in f)
+                await trio.to_thread.run_sync(started.read_bytes)
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "after the crash")
+    assert runs.read_text() == "x\n"
+    assert model.request_count == 2
+    tools = [m for m in model.requests[1].body["messages"] if m.get("role") == "tool"]
+    assert [t["content"] for t in tools] == [interrupted_text("bash")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_after_the_result_before_the_ack_redelivers_it(
+    kind: str, tmp_path: Path
+) -> None:
+    """Killed after the result was published, before the client acknowledged it: the next
+    host delivers the same result again, with the same seq, and runs nothing."""
+    with trio.fail_after(LIMIT):
+        async with upstream([Text(text="once")]) as (model, url):
+            spec = {"config": config(kind, url)}
+            async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
+                first = (await h.until(lambda f: "result" in f))["result"]
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (again,) = results(await h.finish())
+            async with host(tmp_path, {**spec, "deliver": [message("d2")], "expect": 1}, "c") as h:
+                (second,) = results(await h.finish())
+    assert again == first
+    assert first["seq"] == 1
+    assert second["seq"] == 2  # the acknowledged one is not delivered again
+    assert model.request_count == 2
