@@ -31,10 +31,12 @@ __all__ = [
     "Author",
     "Delivery",
     "HistoryItem",
+    "changed_settings",
     "digest",
     "fingerprints",
     "parse_delivery",
     "render_prompt",
+    "settings_fingerprint",
 ]
 
 MAX_ID: Final = 200
@@ -121,8 +123,25 @@ def fingerprints(
     return Fingerprints(
         request=digest(_canonical_request(delivery)),
         authority=digest(sorted(set(grants))),
-        settings=digest(settings),
+        settings=settings_fingerprint(settings),
     )
+
+
+def settings_fingerprint(settings: Mapping[str, Any]) -> str:
+    """``name=<digest>`` per part, sorted, ``;``-joined: comparing two of them names the
+    part that changed (``recovery_refused:<part>``)."""
+    return ";".join(f"{name}={digest(settings[name])}" for name in sorted(settings))
+
+
+def changed_settings(recorded: str, current: str) -> list[str]:
+    """The parts whose digests differ between two settings fingerprints (a part present in
+    only one of them counts as changed), sorted."""
+
+    def parts(fingerprint: str) -> dict[str, str]:
+        return dict(p.split("=", 1) for p in fingerprint.split(";") if "=" in p)
+
+    old, new = parts(recorded), parts(current)
+    return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
 
 
 def _speaker(author: Author) -> str:

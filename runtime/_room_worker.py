@@ -29,7 +29,14 @@ from typing import Any, Literal
 import msgspec
 import trio
 
-from ._admission import Delivery, digest, fingerprints, parse_delivery, render_prompt
+from ._admission import (
+    Delivery,
+    changed_settings,
+    digest,
+    fingerprints,
+    parse_delivery,
+    render_prompt,
+)
 from ._clock import Clocks
 from ._config import RoomWorkerConfig, validate_config
 from ._errors import DeliveryError, ReasonCode
@@ -336,8 +343,9 @@ class RoomWorker:
         now = fingerprints(delivery, grants=grants, settings=self._settings(grants))
         if now.authority != record.fingerprints.authority:
             return f"{ReasonCode.RECOVERY_REFUSED}:grants"
-        if now.settings != record.fingerprints.settings:
-            return f"{ReasonCode.RECOVERY_REFUSED}:settings"
+        changed = changed_settings(record.fingerprints.settings, now.settings)
+        if changed:  # tools, route, worker or persona (brief §4.3)
+            return f"{ReasonCode.RECOVERY_REFUSED}:{changed[0]}"
         return None
 
     async def _refuse(self, lane: Lane, pending: Pending, code: str) -> None:

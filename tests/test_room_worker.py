@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
 from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import Call, Hang, Scenario, Step, Text, ToolCalls
+from runtime._admission import changed_settings, settings_fingerprint
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._events import RoomEvent, TextUpdate, ToolActivity, Typing
@@ -317,3 +319,44 @@ async def test_l10_a_burst_gets_one_answer_and_two_absorbed(kind: str, tmp_path:
     carried = str(model.requests[1].body["messages"])
     assert "second" in carried
     assert "third" in carried
+
+
+# ------------------------------------------------------------------------------ recovery
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"persona": "You are someone else now."}, "recovery_refused:persona"),
+        ({"rooms": {ROOM: RoomConfig(grants=frozenset({"read"}))}}, "recovery_refused:grants"),
+        ({"model": "other-model"}, "recovery_refused:route"),
+    ],
+)
+async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
+    change: dict[str, Any], code: str, tmp_path: Path
+) -> None:
+    """L11: a delivery left unfinished (the worker stopped mid-turn) is not replayed under a
+    changed persona, grants or model route: it ends ``failed`` with
+    ``recovery_refused:<what>``, naming what changed; nothing reaches the model again."""
+    with trio.fail_after(LIMIT):
+        async with upstream([Hang(seconds=60)]) as (model, url):
+            before = config("fake", url)
+            async with open_room_worker(before, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))  # admitted; the turn hangs; leave
+
+            fields: dict[str, Any] = dict(change)
+            if "model" in fields:
+                fields["model"] = ModelConfig(base_url=f"{url}/v1", model=fields["model"])
+            after = msgspec.structs.replace(before, **fields)
+            async with open_room_worker(after, base_dir=tmp_path) as worker:
+                (result,) = await next_results(worker, 1)
+                asked = model.request_count
+    assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.FAILED, code)
+    assert asked == model.request_count
+
+
+def test_l11_changed_settings_names_the_part() -> None:
+    old = settings_fingerprint({"route": 1, "tools": [1], "persona": "a"})
+    new = settings_fingerprint({"route": 1, "tools": [2], "persona": "b", "worker": 3})
+    assert changed_settings(old, new) == ["persona", "tools", "worker"]
+    assert changed_settings(old, old) == []
