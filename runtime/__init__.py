@@ -3,6 +3,9 @@
 The public surface is re-exported here; every other module is private.
 """
 
+from ._admission import Author as Author
+from ._admission import Delivery as Delivery
+from ._admission import HistoryItem as HistoryItem
 from ._clock import Clocks as Clocks
 from ._clock import MockSilenceClock as MockSilenceClock
 from ._clock import MockWallClock as MockWallClock
@@ -11,6 +14,14 @@ from ._clock import SilenceReading as SilenceReading
 from ._clock import SystemSilenceClock as SystemSilenceClock
 from ._clock import SystemWallClock as SystemWallClock
 from ._clock import WallClock as WallClock
+from ._config import Caps as Caps
+from ._config import ModelConfig as ModelConfig
+from ._config import RoomConfig as RoomConfig
+from ._config import RoomWorkerConfig as RoomWorkerConfig
+from ._config import Thresholds as Thresholds
+from ._config import load_config as load_config
+from ._errors import ConfigError as ConfigError
+from ._errors import DeliveryError as DeliveryError
 from ._errors import DiskFailedError as DiskFailedError
 from ._errors import JournalError as JournalError
 from ._errors import PiRuntimeError as PiRuntimeError
@@ -18,8 +29,17 @@ from ._errors import ReasonCode as ReasonCode
 from ._errors import SessionError as SessionError
 from ._errors import StateDirError as StateDirError
 from ._errors import StateDirLockedError as StateDirLockedError
+from ._events import RoomEvent as RoomEvent
+from ._events import TextUpdate as TextUpdate
+from ._events import ToolActivity as ToolActivity
+from ._events import Typing as Typing
 from ._journal import Journal as Journal
 from ._journal import LogContents as LogContents
+from ._outbox import DeliveryResult as DeliveryResult
+from ._records import Outcome as Outcome
+from ._room_worker import Accepted as Accepted
+from ._room_worker import RoomWorker as RoomWorker
+from ._room_worker import open_room_worker as open_room_worker
 from ._store import Store as Store
 from ._store import open_store as open_store
 from ._version import __version__ as __version__

@@ -33,3 +33,22 @@ def test_readme_example_test_passes(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
+
+
+def test_readme_embedding_example_runs(tmp_path: Path) -> None:
+    """L1/L5 as a newcomer sees them: the embedding example admits a message and prints its
+    durable, acknowledged result."""
+    example = tmp_path / "embed.py"
+    example.write_text(_examples()["embed.py"])
+    result = subprocess.run(
+        [sys.executable, str(example)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "started"
+    assert lines[1].startswith("1 reply ")
