@@ -177,8 +177,9 @@ class ScriptedModel:
 
         match step:
             case HttpError(status=status, message=message):
+                kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
                 raise ModelHttpError(
-                    status, {"error": {"message": message, "type": "server_error", "code": None}}
+                    status, {"error": {"message": message, "type": kind, "code": None}}
                 )
             case UsageLimit(message=message):
                 raise ModelHttpError(

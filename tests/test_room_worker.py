@@ -21,7 +21,17 @@ import trio
 import trio.testing
 
 from fake_pi.model_server import ScriptedModel, serve_model
-from fake_pi.scenario import Call, Hang, Scenario, Step, Text, ToolCalls
+from fake_pi.scenario import (
+    Call,
+    Empty,
+    Hang,
+    HttpError,
+    Scenario,
+    Step,
+    Text,
+    ToolCalls,
+    UsageLimit,
+)
 from runtime._admission import changed_settings, settings_fingerprint
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
@@ -360,3 +370,32 @@ def test_l11_changed_settings_names_the_part() -> None:
     new = settings_fingerprint({"route": 1, "tools": [2], "persona": "b", "worker": 3})
     assert changed_settings(old, new) == ["persona", "tools", "worker"]
     assert changed_settings(old, old) == []
+
+
+@pytest.mark.parametrize(
+    ("step", "code"),
+    [
+        (UsageLimit(), "usage_limit_reached"),
+        (HttpError(status=400, message="bad request from the provider"), "model_failed"),
+        (Empty(), "response_missing"),
+    ],
+)
+async def test_l7_provider_failures_carry_only_the_code(
+    step: Step, code: str, tmp_path: Path
+) -> None:
+    """L7: a provider failure ends ``failed`` with its code; the provider's own text stays in
+    the session and appears in no result and no journal record."""
+    with trio.fail_after(LIMIT):
+        async with (
+            upstream([step]) as (_model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+    assert (result.outcome, result.code, result.text) == (Outcome.FAILED, code, None)
+    provider_text = getattr(step, "message", None)
+    if provider_text is not None:
+        session = (tmp_path / "state" / "lanes" / lane_key(ROOM) / "session.jsonl").read_text()
+        assert provider_text in session
+        for log in (tmp_path / "state").rglob("*.log"):
+            assert provider_text.encode() not in log.read_bytes(), log
