@@ -11,21 +11,23 @@ for again (the scripted model counts requests), an interrupted ``never`` tool re
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import pytest
 import trio
 
-from fake_pi.model_server import ScriptedModel, serve_model
+from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime._gate import interrupted_text
+from runtime._http import Request, ResponseWriter, serve_http
 
 from ._pi import pi_home
 
@@ -105,10 +107,23 @@ async def host(root: Path, spec: dict[str, Any], name: str) -> AsyncIterator[Hos
 
 
 @contextlib.asynccontextmanager
-async def upstream(steps: Sequence[Step]) -> AsyncIterator[tuple[ScriptedModel, str]]:
+async def upstream(
+    steps: Sequence[Step], *, on_request: Callable[[int], Awaitable[None]] | None = None
+) -> AsyncIterator[tuple[ScriptedModel, str]]:
+    """The scripted model on loopback; ``on_request(n)`` is awaited when its ``n``-th model
+    request (1-based) arrives, before it is answered (a test kills the host there)."""
     model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    arrived = 0
+
+    async def handle(request: Request, response: ResponseWriter) -> None:
+        nonlocal arrived
+        if on_request is not None and request.target.rstrip("/").endswith("/chat/completions"):
+            arrived += 1
+            await on_request(arrived)
+        await model.handle(request, response)
+
     async with trio.open_nursery() as nursery:
-        server = await nursery.start(serve_model, model)
+        server = await nursery.start(functools.partial(serve_http, handle))
         yield model, f"{server.url}/v1"
         nursery.cancel_scope.cancel()
 
@@ -209,3 +224,71 @@ async def test_crash_after_the_result_before_the_ack_redelivers_it(
     assert first["seq"] == 1
     assert second["seq"] == 2  # the acknowledged one is not delivered again
     assert model.request_count == 2
+
+
+class Killer:
+    """Kills the running host when the model's ``at``-th request arrives (once)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.host: Host | None = None
+        self.killed = trio.Event()
+
+    async def __call__(self, n: int) -> None:
+        if n == self.at and self.host is not None and not self.killed.is_set():
+            await self.host.kill()
+            self.killed.set()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_mid_request_repeats_only_the_unfinished_step(
+    kind: str, tmp_path: Path
+) -> None:
+    """Killed while the model is being asked (the request's intent durable, no response yet):
+    the next host asks again — that step was never answered, so it is paid once more — and the
+    delivery gets one reply."""
+    killer = Killer(at=1)
+    with trio.fail_after(LIMIT):
+        async with upstream(
+            [Text(text="never seen"), Text(text="the reply")], on_request=killer
+        ) as (
+            model,
+            url,
+        ):
+            spec = {"config": config(kind, url)}
+            async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
+                killer.host = h
+                await killer.killed.wait()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "the reply")
+    assert model.request_count == 2
+    assert model.requests[0].digest == model.requests[1].digest  # the same step, asked again
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_after_a_tool_outcome_keeps_the_tool_done_once(
+    kind: str, tmp_path: Path
+) -> None:
+    """Killed when the request after a tool round arrives (so the tool's outcome is durable,
+    B4): the next host answers the first step from the journal and the tool from its outcome
+    (the runtime's ``effect`` applied once), asks the unfinished step again, one reply."""
+    killer = Killer(at=2)
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="effect", arguments={"key": "k1"}, id="c1")]),
+        Text(text="never seen"),
+        Text(text="done once"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with upstream(steps, on_request=killer) as (model, url):
+            spec = {"config": config(kind, url, ("effect", "send_text_update"))}
+            async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
+                killer.host = h
+                await killer.killed.wait()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "done once")
+    ledger = (tmp_path / "work" / "effects.jsonl").read_text().splitlines()
+    assert len(ledger) == 1
+    assert model.request_count == 3  # step 0 once; step 1 twice (never answered the first time)
+    assert model.requests[1].digest == model.requests[2].digest
