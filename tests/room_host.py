@@ -1,10 +1,11 @@
 """A room-worker host for the crash tests: ``python tests/room_host.py SPEC.json``.
 
 It opens the room worker on the spec's configuration (relative paths resolve against the
-spec's ``base``), delivers the spec's messages in order, then follows the results until it
-has seen ``expect`` of them (acknowledging each when ``ack`` is true) and exits 0. Every
-fact is one JSON line on stdout, written and flushed as it happens, so a test can SIGKILL
-the host right after a named point::
+spec's ``base``), delivers the spec's messages in order (an item ``{"wait_fifo": PATH}``
+waits until something writes that FIFO, e.g. a tool that has started), then follows the
+results until it has seen ``expect`` of them (acknowledging each when ``ack`` is true)
+and exits 0. Every fact is one JSON line on stdout, written and flushed as it happens, so a
+test can SIGKILL the host right after a named point::
 
     {"accepted": {...}}   the admission is durable (L1)
     {"refused": CODE}     the delivery was refused
@@ -52,6 +53,9 @@ async def main(spec: dict[str, Any]) -> None:
     async with open_room_worker(config, base_dir=base) as worker, trio.open_nursery() as nursery:
         nursery.start_soon(follow_events, worker)
         for message in spec.get("deliver", []):
+            if "wait_fifo" in message:  # a step of the script: wait until a tool writes it
+                await trio.to_thread.run_sync(Path(message["wait_fifo"]).read_bytes)
+                continue
             try:
                 emit({"accepted": msgspec.to_builtins(await worker.deliver(message))})
             except DeliveryError as error:

@@ -292,3 +292,36 @@ async def test_crash_after_a_tool_outcome_keeps_the_tool_done_once(
     assert len(ledger) == 1
     assert model.request_count == 3  # step 0 once; step 1 twice (never answered the first time)
     assert model.requests[1].digest == model.requests[2].digest
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_during_a_steer_absorbs_it_exactly_once(kind: str, tmp_path: Path) -> None:
+    """Killed right after a second message was steered into a running turn (its absorbed
+    input durable, the steer sent): the next host replays the owner with the steer re-sent;
+    the owner gets one reply and the steered message ends ``absorbed`` into it — never lost,
+    never answered twice."""
+    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
+    os.mkfifo(started)
+    os.mkfifo(release)
+    command = f"echo go > {started}; cat {release}"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
+        Text(text="one answer for both"),
+    ]
+    deliver = [message("d1", "first"), {"wait_fifo": str(started)}, message("d2", "second")]
+    with trio.fail_after(LIMIT):
+        async with upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("bash", "send_text_update"))}
+            async with host(tmp_path, {**spec, "deliver": deliver, "expect": 2}, "a") as h:
+                steered = await h.until(lambda f: f.get("accepted", {}).get("delivery_id") == "d2")
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 2, "ack": True}, "b") as h:
+                found = results(await h.finish())
+    assert steered["accepted"]["disposition"] == "steered"
+    by_id = {r["delivery_id"]: r for r in found}
+    assert (by_id["d1"]["outcome"], by_id["d1"]["text"]) == ("reply", "one answer for both")
+    assert (by_id["d2"]["outcome"], by_id["d2"]["absorbed_into"]) == ("absorbed", "d1")
+    assert model.request_count == 2
+    last = str(model.requests[1].body["messages"])
+    assert "second" in last
+    assert interrupted_text("bash") in last
