@@ -36,7 +36,7 @@ import trio
 
 from ._boundary import Boundaries, BoundaryConfig, open_boundaries
 from ._clock import Clocks
-from ._errors import ReasonCode, WorkerError
+from ._errors import JournalError, ReasonCode, WorkerError
 from ._events import RoomEvent, TextUpdate, ToolActivity, Typing
 from ._gate import GateCall, GateResult
 from ._gateway import GatewayConfig
@@ -358,9 +358,24 @@ class Lane:
                 pending.running = True
                 try:
                     await self._deliver(nursery, pending)
+                except JournalError as error:  # this delivery's log failed: it ends here
+                    await self._journal_failed(pending, error)
                 finally:
                     self.current = None
                     self.last_used = trio.current_time()
+
+    async def _journal_failed(self, pending: Pending, error: JournalError) -> None:
+        """A delivery whose log was poisoned ends ``failed`` with the journal's code; one whose
+        log is found damaged when it is recovered ends ``recovery_refused:journal`` (published
+        from the shared outbox, which is another file). If even
+        that fails the disk is gone: the delivery stays pending and the host stops admitting
+        (``Store.disk_failure``)."""
+        code = f"{ReasonCode.RECOVERY_REFUSED}:journal" if pending.recovering else str(error.code)
+        with contextlib.suppress(JournalError):
+            await self.host.outbox.publish(
+                delivery_id=pending.delivery_id, room=self.room, outcome=Outcome.FAILED, code=code
+            )
+            self.host.finished(pending)
 
     async def _idle(self) -> None:
         self._wake = trio.Event()

@@ -39,7 +39,7 @@ from ._admission import (
 )
 from ._clock import Clocks
 from ._config import RoomWorkerConfig, validate_config
-from ._errors import DeliveryError, ReasonCode
+from ._errors import DeliveryError, JournalError, ReasonCode
 from ._events import RoomEvent
 from ._gate import PI_TOOL_CLASSES
 from ._gateway import GatewayConfig
@@ -329,7 +329,11 @@ class RoomWorker:
             rel = self.store.delivery_rel(owner)
             if not await trio.to_thread.run_sync(self.store.fs.exists, self.store.path(rel)):
                 continue
-            for record in (await self.store.read_delivery_log(owner)).records:
+            try:
+                records = (await self.store.read_delivery_log(owner)).records
+            except JournalError:
+                continue  # damaged: its lane refuses it (recovery_refused:journal)
+            for record in records:
                 if isinstance(record, AbsorbedInput):
                     found[record.delivery_id] = (owner, record.text, record.first_step)
         return found

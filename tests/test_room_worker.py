@@ -399,3 +399,37 @@ async def test_l7_provider_failures_carry_only_the_code(
         assert provider_text in session
         for log in (tmp_path / "state").rglob("*.log"):
             assert provider_text.encode() not in log.read_bytes(), log
+
+
+async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> None:
+    """L11: an unfinished delivery whose log is damaged (a bad checksum before its end) is
+    not replayed: it ends ``failed`` with ``recovery_refused:journal``, and the lane goes on
+    serving the room."""
+    started = tmp_path / "started.fifo"
+    os.mkfifo(started)
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[Call(name="bash", arguments={"command": f"echo go > {started}; sleep 60"})]
+        ),
+        Text(text="next one"),
+    ]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with upstream(steps) as (_model, url):
+            cfg = config("fake", url, rooms=rooms)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await trio.to_thread.run_sync(started.read_bytes)  # its turn (and log) exist
+                log = tmp_path / "state" / worker.store.delivery_rel("d1")
+            data = bytearray(await trio.to_thread.run_sync(log.read_bytes))
+            data[30] ^= 0xFF  # inside the first frame: damage, not a torn tail
+            await trio.to_thread.run_sync(log.write_bytes, bytes(data))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d2"))
+                first, second = await next_results(worker, 2)
+    assert (first.delivery_id, first.outcome, first.code) == (
+        "d1",
+        Outcome.FAILED,
+        "recovery_refused:journal",
+    )
+    assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)
