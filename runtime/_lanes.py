@@ -87,8 +87,6 @@ class Pending:
     privileged: bool
     recovering: bool = False
     cancelled: bool = False
-    running: bool = False
-    done: trio.Event = field(default_factory=trio.Event)
     absorbed: list[Absorbed] = field(default_factory=list)
     """Deliveries steered into this one's run (it is their owner)."""
     absorbed_into: str | None = None
@@ -355,7 +353,6 @@ class Lane:
                     continue
                 pending = self.queue.popleft()
                 self.current = pending
-                pending.running = True
                 try:
                     await self._deliver(nursery, pending)
                 except JournalError as error:  # this delivery's log failed: it ends here

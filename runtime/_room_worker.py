@@ -236,7 +236,6 @@ class RoomWorker:
 
     def _finished(self, pending: Pending) -> None:
         self._pending.pop(pending.delivery_id, None)
-        pending.done.set()
         self._idle.set()
 
     def _emit(self, event: RoomEvent) -> None:
