@@ -116,14 +116,13 @@ def _canonical_request(delivery: Delivery) -> dict[str, Any]:
     }
 
 
-def fingerprints(
-    delivery: Delivery, *, grants: Iterable[str], settings: Mapping[str, Any]
-) -> Fingerprints:
-    """The three fingerprints an admission pins (brief §4.2)."""
+def fingerprints(delivery: Delivery, *, grants: Iterable[str], settings: str) -> Fingerprints:
+    """The three fingerprints an admission pins (brief §4.2); ``settings`` is the host's
+    :func:`settings_fingerprint` (the same for every delivery with these grants)."""
     return Fingerprints(
         request=digest(_canonical_request(delivery)),
         authority=digest(sorted(set(grants))),
-        settings=settings_fingerprint(settings),
+        settings=settings,
     )
 
 

@@ -36,6 +36,7 @@ from ._admission import (
     fingerprints,
     parse_delivery,
     render_prompt,
+    settings_fingerprint,
 )
 from ._clock import Clocks
 from ._config import RoomWorkerConfig, validate_config
@@ -107,6 +108,7 @@ class RoomWorker:
         self._idle = trio.Event()
         self._idle.set()
         self._warm: set[str] = set()
+        self._settings_prints: dict[frozenset[str], str] = {}
 
     # -- the API -----------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class RoomWorker:
         grants = self.config.grants_for(delivery.room, delivery.author.id)
         if grants is None:
             raise DeliveryError(ReasonCode.ROOM_REFUSED, f"room {delivery.room} is not served here")
-        prints = fingerprints(delivery, grants=grants, settings=self._settings(grants))
+        prints = fingerprints(delivery, grants=grants, settings=self._settings_print(grants))
         known = self._known.get(delivery.delivery_id)
         if known is not None:
             if known.fingerprints.request != prints.request:
@@ -260,6 +262,13 @@ class RoomWorker:
         self._live_changed.set()
         self._live_changed = trio.Event()
 
+    def _settings_print(self, grants: frozenset[str]) -> str:
+        """The settings fingerprint for deliveries with ``grants`` (computed once per set)."""
+        found = self._settings_prints.get(grants)
+        if found is None:
+            found = self._settings_prints[grants] = settings_fingerprint(self._settings(grants))
+        return found
+
     def _settings(self, grants: frozenset[str]) -> dict[str, Any]:
         """What the settings fingerprint covers (brief §3, §4.2), as named parts."""
         program = self._host.program
@@ -343,7 +352,7 @@ class RoomWorker:
         """``recovery_refused:<what>`` when what the admission pinned has changed."""
         if grants is None:
             return f"{ReasonCode.RECOVERY_REFUSED}:grants"
-        now = fingerprints(delivery, grants=grants, settings=self._settings(grants))
+        now = fingerprints(delivery, grants=grants, settings=self._settings_print(grants))
         if now.authority != record.fingerprints.authority:
             return f"{ReasonCode.RECOVERY_REFUSED}:grants"
         changed = changed_settings(record.fingerprints.settings, now.settings)
