@@ -404,11 +404,7 @@ class Lane:
 
     async def _deliver(self, nursery: trio.Nursery, pending: Pending) -> None:
         store = self.host.store
-        rel = store.delivery_rel(pending.delivery_id)
-        if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
-            log = await store.open_delivery_log(pending.delivery_id)
-        else:
-            log = await store.create_delivery_log(pending.delivery_id)
+        log = await store.open_or_create_delivery_log(pending.delivery_id)
         try:
             existing = log.contents.records
             recorded = next((r for r in existing if isinstance(r, Result)), None)
@@ -433,7 +429,7 @@ class Lane:
                     absorbed_into=owner.delivery_id,
                     finished_ms=self.host.clocks.wall.time_ms(),
                 )
-                await self._write_result(item.pending, absorbed)
+                await self.write_result(item.pending, absorbed)
             else:
                 item.pending.absorbed_into = None
                 retry.append(item.pending)
@@ -526,19 +522,16 @@ class Lane:
     async def _finish_without_turn(self, pending: Pending, outcome: Outcome) -> None:
         """A delivery that ends before its turn starts (cancelled while queued)."""
         result = Result(outcome=outcome, finished_ms=self.host.clocks.wall.time_ms())
-        await self._write_result(pending, result)
+        await self.write_result(pending, result)
 
-    async def _write_result(self, pending: Pending, result: Result) -> None:
+    async def write_result(self, pending: Pending, result: Result) -> None:
         """Record ``result`` in the delivery's own log (created with its admission if the
         delivery never ran), then publish it."""
         store = self.host.store
-        rel = store.delivery_rel(pending.delivery_id)
-        if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
-            log = await store.open_delivery_log(pending.delivery_id)
-        else:
-            log = await store.create_delivery_log(pending.delivery_id)
-            await log.append(pending.admission)
+        log = await store.open_or_create_delivery_log(pending.delivery_id)
         try:
+            if not any(isinstance(r, Admission) for r in log.contents.records):
+                await log.append(pending.admission)
             await log.append(result)
         finally:
             await store.close_log(log)

@@ -361,24 +361,10 @@ class RoomWorker:
         return None
 
     async def _refuse(self, lane: Lane, pending: Pending, code: str) -> None:
-        store = self.store
-        rel = store.delivery_rel(pending.delivery_id)
-        if await trio.to_thread.run_sync(store.fs.exists, store.path(rel)):
-            log = await store.open_delivery_log(pending.delivery_id)
-        else:
-            log = await store.create_delivery_log(pending.delivery_id)
-            await log.append(pending.admission)
-        try:
-            result = Result(
-                outcome=Outcome.FAILED, code=code, finished_ms=self._host.clocks.wall.time_ms()
-            )
-            await log.append(result)
-        finally:
-            await store.close_log(log)
-        await self._host.outbox.publish(
-            delivery_id=pending.delivery_id, room=lane.room, outcome=Outcome.FAILED, code=code
+        result = Result(
+            outcome=Outcome.FAILED, code=code, finished_ms=self._host.clocks.wall.time_ms()
         )
-        self._finished(pending)
+        await lane.write_result(pending, result)
 
     async def _kill_leftover_epochs(self) -> None:
         lanes = self.store.root / "lanes"

@@ -189,6 +189,13 @@ class Store:
         """Create a delivery's log (its header durable). Fails if it exists."""
         return await self._create(self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id)
 
+    async def open_or_create_delivery_log(self, delivery_id: str) -> Journal:
+        """Open a delivery's log, creating it if missing (a delivery whose turn starts, or
+        that ends without one)."""
+        return await self._open_or_create(
+            self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id
+        )
+
     async def open_delivery_log(self, delivery_id: str) -> Journal:
         """Open an existing delivery's log for appending (torn tail cut off)."""
         return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY)

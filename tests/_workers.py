@@ -1,11 +1,20 @@
-"""A worker in a test sandbox: its directories, its session, one prompted turn."""
+"""A worker in a test sandbox: its directories, its session, one prompted turn, and the
+scripted model it talks to."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import trio
+
+from fake_pi.model_server import ScriptedModel
+from fake_pi.scenario import Scenario, Step
 from runtime._clock import Clocks
+from runtime._http import Request, ResponseWriter, serve_http
 from runtime._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from runtime._rpc import Event, open_rpc_channel
 from runtime._session import create_session
@@ -60,3 +69,38 @@ async def one_turn(launch: WorkerLaunch, text: str = "go") -> list[Event]:
             if event.type == "agent_settled":
                 break
         return events
+
+
+@contextlib.asynccontextmanager
+async def scripted_upstream(
+    steps: Sequence[Step], *, on_request: Callable[[int], Awaitable[None]] | None = None
+) -> AsyncIterator[tuple[ScriptedModel, str]]:
+    """The scripted model on loopback: ``(model, base_url)`` with ``base_url`` ending in
+    ``/v1``. ``on_request(n)`` is awaited when the ``n``-th model request (1-based) arrives,
+    before it is answered (a crash test kills its host there)."""
+    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    arrived = 0
+
+    async def handle(request: Request, response: ResponseWriter) -> None:
+        nonlocal arrived
+        if on_request is not None and request.target.rstrip("/").endswith("/chat/completions"):
+            arrived += 1
+            await on_request(arrived)
+        await model.handle(request, response)
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve_http, handle))
+        yield model, f"{server.url}/v1"
+        nursery.cancel_scope.cancel()
+
+
+def tool_messages(body: dict[str, Any]) -> dict[str, str]:
+    """The text of each ``role: tool`` message of a chat request, by tool-call id."""
+    out = {}
+    for message in body["messages"]:
+        if message.get("role") == "tool":
+            content = message["content"]
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content)
+            out[message["tool_call_id"]] = content
+    return out

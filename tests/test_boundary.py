@@ -56,7 +56,7 @@ from runtime._worker import WorkerLaunch, open_worker
 
 from ._procs import alive_with_nonce
 from ._secrets import files_containing
-from ._workers import one_turn, sandbox_launch
+from ._workers import one_turn, sandbox_launch, tool_messages
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -119,17 +119,6 @@ async def read_back(store: Store) -> list[Record]:
 def base_launch(kind: str, root: Path) -> WorkerLaunch:
     """The gateway's endpoint replaces the route's when the boundaries launch it."""
     return sandbox_launch(kind, root, state_dir=root / "state")
-
-
-def tool_messages(body: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for message in body["messages"]:
-        if message.get("role") == "tool":
-            content = message["content"]
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content)
-            out[message["tool_call_id"]] = content
-    return out
 
 
 # ------------------------------------------------------------------------- end to end

@@ -54,7 +54,7 @@ from runtime._store import delivery_key, open_store
 from runtime._worker import WorkerLaunch, open_worker
 
 from ._secrets import files_containing
-from ._workers import one_turn, sandbox_launch
+from ._workers import one_turn, sandbox_launch, tool_messages
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -389,17 +389,6 @@ def _launch(
     )
 
 
-def _tool_messages(body: dict[str, Any]) -> dict[str, str]:
-    out = {}
-    for message in body["messages"]:
-        if message.get("role") == "tool":
-            content = message["content"]
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content)
-            out[message["tool_call_id"]] = content
-    return out
-
-
 def _text(content: list[dict[str, Any]]) -> str:
     return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
@@ -446,7 +435,7 @@ async def test_e2e_saved_refused_run_and_no_secret_for_tools(
             secret = r.gate.secret
     work = tmp_path / "work"
     assert model.request_count == 2
-    tools = _tool_messages(model.requests[1].body)
+    tools = tool_messages(model.requests[1].body)
     assert tools["call_saved"] == SAVED_TEXT
     assert not (work / "saved-ran").exists()
     assert "not granted" in tools["call_refused"]

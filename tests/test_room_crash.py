@@ -11,25 +11,23 @@ for again (the scripted model counts requests), an interrupted ``never`` tool re
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import pytest
 import trio
 
-from fake_pi.model_server import ScriptedModel
-from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._gate import interrupted_text
-from runtime._http import Request, ResponseWriter, serve_http
 
 from ._pi import pi_home
+from ._workers import scripted_upstream
 
 HOST: Final = Path(__file__).with_name("room_host.py")
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -106,28 +104,6 @@ async def host(root: Path, spec: dict[str, Any], name: str) -> AsyncIterator[Hos
                     await process.wait()
 
 
-@contextlib.asynccontextmanager
-async def upstream(
-    steps: Sequence[Step], *, on_request: Callable[[int], Awaitable[None]] | None = None
-) -> AsyncIterator[tuple[ScriptedModel, str]]:
-    """The scripted model on loopback; ``on_request(n)`` is awaited when its ``n``-th model
-    request (1-based) arrives, before it is answered (a test kills the host there)."""
-    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
-    arrived = 0
-
-    async def handle(request: Request, response: ResponseWriter) -> None:
-        nonlocal arrived
-        if on_request is not None and request.target.rstrip("/").endswith("/chat/completions"):
-            arrived += 1
-            await on_request(arrived)
-        await model.handle(request, response)
-
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(functools.partial(serve_http, handle))
-        yield model, f"{server.url}/v1"
-        nursery.cancel_scope.cancel()
-
-
 def config(kind: str, url: str, grants: Sequence[str] = ("send_text_update",)) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "agent": "pi" if kind == "pi" else "fake",
@@ -152,7 +128,7 @@ async def test_crash_after_admission_then_exactly_one_result(kind: str, tmp_path
     of it after yet another restart is a duplicate with the identical result, and a changed
     text under the same id is refused ``delivery_conflict``."""
     with trio.fail_after(LIMIT):
-        async with upstream([Text(text="the answer")]) as (model, url):
+        async with scripted_upstream([Text(text="the answer")]) as (model, url):
             spec = {"config": config(kind, url)}
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 await h.until(lambda f: "accepted" in f)
@@ -189,7 +165,7 @@ async def test_crash_during_a_never_tool_reports_possibly_ran(kind: str, tmp_pat
         Text(text="after the crash"),
     ]
     with trio.fail_after(LIMIT):
-        async with upstream(steps) as (model, url):
+        async with scripted_upstream(steps) as (model, url):
             spec = {"config": config(kind, url, ("bash", "send_text_update"))}
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 await h.until(lambda f: "accepted" in f)
@@ -211,7 +187,7 @@ async def test_crash_after_the_result_before_the_ack_redelivers_it(
     """Killed after the result was published, before the client acknowledged it: the next
     host delivers the same result again, with the same seq, and runs nothing."""
     with trio.fail_after(LIMIT):
-        async with upstream([Text(text="once")]) as (model, url):
+        async with scripted_upstream([Text(text="once")]) as (model, url):
             spec = {"config": config(kind, url)}
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 first = (await h.until(lambda f: "result" in f))["result"]
@@ -249,7 +225,7 @@ async def test_crash_mid_request_repeats_only_the_unfinished_step(
     delivery gets one reply."""
     killer = Killer(at=1)
     with trio.fail_after(LIMIT):
-        async with upstream(
+        async with scripted_upstream(
             [Text(text="never seen"), Text(text="the reply")], on_request=killer
         ) as (
             model,
@@ -280,7 +256,7 @@ async def test_crash_after_a_tool_outcome_keeps_the_tool_done_once(
         Text(text="done once"),
     ]
     with trio.fail_after(LIMIT):
-        async with upstream(steps, on_request=killer) as (model, url):
+        async with scripted_upstream(steps, on_request=killer) as (model, url):
             spec = {"config": config(kind, url, ("effect", "send_text_update"))}
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 killer.host = h
@@ -310,7 +286,7 @@ async def test_crash_during_a_steer_absorbs_it_exactly_once(kind: str, tmp_path:
     ]
     deliver = [message("d1", "first"), {"wait_fifo": str(started)}, message("d2", "second")]
     with trio.fail_after(LIMIT):
-        async with upstream(steps) as (model, url):
+        async with scripted_upstream(steps) as (model, url):
             spec = {"config": config(kind, url, ("bash", "send_text_update"))}
             async with host(tmp_path, {**spec, "deliver": deliver, "expect": 2}, "a") as h:
                 steered = await h.until(lambda f: f.get("accepted", {}).get("delivery_id") == "d2")

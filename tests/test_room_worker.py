@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -20,13 +20,11 @@ import pytest
 import trio
 import trio.testing
 
-from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import (
     Call,
     Empty,
     Hang,
     HttpError,
-    Scenario,
     Step,
     Text,
     ToolCalls,
@@ -43,6 +41,7 @@ from runtime._room_worker import RoomWorker, open_room_worker
 from runtime._store import lane_key
 
 from ._pi import pi_home
+from ._workers import scripted_upstream
 
 LIMIT: Final = 90.0
 ROOM: Final = "dm:100"
@@ -65,18 +64,9 @@ def config(kind: str, url: str, **overrides: Any) -> RoomWorkerConfig:
     return RoomWorkerConfig(
         agent="pi" if kind == "pi" else "fake",
         pi_home=str(pi_home()) if kind == "pi" else None,
-        model=ModelConfig(base_url=f"{url}/v1"),
+        model=ModelConfig(base_url=url),
         **overrides,
     )
-
-
-@contextlib.asynccontextmanager
-async def upstream(steps: Sequence[Step]) -> AsyncIterator[tuple[ScriptedModel, str]]:
-    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(serve_model, model)
-        yield model, server.url
-        nursery.cancel_scope.cancel()
 
 
 async def next_results(
@@ -113,7 +103,7 @@ async def test_l1_l2_l5_reply_published_redelivered_until_acked(kind: str, tmp_p
     after a restart until acknowledged, never after. L2: the same id and request is a
     duplicate with the same result; the same id with another text is a conflict."""
     with trio.fail_after(LIMIT):
-        async with upstream([Text(text="hello there")]) as (model, url):
+        async with scripted_upstream([Text(text="hello there")]) as (model, url):
             cfg = config(kind, url)
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 accepted = await worker.deliver(message("d1"))
@@ -150,7 +140,7 @@ async def test_l3_a_rooms_deliveries_run_in_order_and_the_warm_lane_gets_no_back
     history = [{"author": {"id": "u9", "name": "Bob"}, "text": "BACKLOG-LINE"}]
     with trio.fail_after(LIMIT):
         async with (
-            upstream([Text(text="first", delay=0.3), Text(text="second")]) as (model, url),
+            scripted_upstream([Text(text="first", delay=0.3), Text(text="second")]) as (model, url),
             open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
         ):
             a = await worker.deliver(message("d1", "one", history=history))
@@ -170,7 +160,7 @@ async def test_l4_l6_refusals_admit_nothing(tmp_path: Path) -> None:
     table is refused, an invalid room id or delivery is invalid; none is admitted."""
     rooms = {ROOM: RoomConfig(grants=frozenset({"send_text_update"}))}
     with trio.fail_after(LIMIT):
-        async with upstream([Hang(seconds=60)]) as (_model, url):
+        async with scripted_upstream([Hang(seconds=60)]) as (_model, url):
             cfg = config("fake", url, rooms=rooms, caps=Caps(queue_limit=1))
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d1"))
@@ -205,7 +195,7 @@ async def test_l7_l12_silent_turn_never_types_and_updates_do_not_settle(tmp_path
     ]
     with trio.fail_after(LIMIT):
         async with (
-            upstream(steps) as (_model, url),
+            scripted_upstream(steps) as (_model, url),
             open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
             collecting(worker) as events,
         ):
@@ -251,7 +241,7 @@ async def test_l9_a_worker_killed_mid_tool_is_replayed_on_a_new_epoch(
     ]
     rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
     with trio.fail_after(LIMIT):
-        async with upstream(steps) as (model, url):
+        async with scripted_upstream(steps) as (model, url):
             cfg = config(kind, url, rooms=rooms)
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d1"))
@@ -275,7 +265,7 @@ async def test_l8_live_workers_are_capped_least_recently_used_stops(tmp_path: Pa
     """L8: with one live worker allowed, a second room's turn waits until the first room's
     idle worker is stopped; both are answered and the first lane's epoch ended."""
     with trio.fail_after(LIMIT):
-        async with upstream([Text(text="a"), Text(text="b")]) as (_model, url):
+        async with scripted_upstream([Text(text="a"), Text(text="b")]) as (_model, url):
             cfg = config("fake", url, caps=Caps(max_live_workers=1))
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d1"))
@@ -306,7 +296,7 @@ async def test_l10_a_burst_gets_one_answer_and_two_absorbed(kind: str, tmp_path:
     rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
     with trio.fail_after(LIMIT):
         async with (
-            upstream(steps) as (model, url),
+            scripted_upstream(steps) as (model, url),
             open_room_worker(config(kind, url, rooms=rooms), base_dir=tmp_path) as worker,
         ):
             first = await worker.deliver(message("d1", "first"))
@@ -349,14 +339,14 @@ async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
     changed persona, grants or model route: it ends ``failed`` with
     ``recovery_refused:<what>``, naming what changed; nothing reaches the model again."""
     with trio.fail_after(LIMIT):
-        async with upstream([Hang(seconds=60)]) as (model, url):
+        async with scripted_upstream([Hang(seconds=60)]) as (model, url):
             before = config("fake", url)
             async with open_room_worker(before, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d1"))  # admitted; the turn hangs; leave
 
             fields: dict[str, Any] = dict(change)
             if "model" in fields:
-                fields["model"] = ModelConfig(base_url=f"{url}/v1", model=fields["model"])
+                fields["model"] = ModelConfig(base_url=url, model=fields["model"])
             after = msgspec.structs.replace(before, **fields)
             async with open_room_worker(after, base_dir=tmp_path) as worker:
                 (result,) = await next_results(worker, 1)
@@ -387,7 +377,7 @@ async def test_l7_provider_failures_carry_only_the_code(
     the session and appears in no result and no journal record."""
     with trio.fail_after(LIMIT):
         async with (
-            upstream([step]) as (_model, url),
+            scripted_upstream([step]) as (_model, url),
             open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
         ):
             await worker.deliver(message("d1"))
@@ -415,7 +405,7 @@ async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> No
     ]
     rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
     with trio.fail_after(LIMIT):
-        async with upstream(steps) as (_model, url):
+        async with scripted_upstream(steps) as (_model, url):
             cfg = config("fake", url, rooms=rooms)
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d1"))
