@@ -97,6 +97,10 @@ class BoundaryConfig:
     """A private directory (``Store.runtime_dir``) for the gate's socket."""
     socket_name: str = GATE_SOCKET_NAME
     """The socket's file name: unique among the lanes sharing ``socket_dir``."""
+    replay: bool = False
+    """Every epoch replays the attached delivery from its first step (room lanes, brief
+    §4.3): a request that leaves an answered step behind is refused (G13). False when an
+    epoch resumes where the last one stopped (task lanes, a settled session)."""
 
     @property
     def declared_runtime_tools(self) -> tuple[str, ...]:
@@ -158,7 +162,7 @@ class Boundaries:
         """A new worker epoch (B2): fresh secrets for both servers (the previous epoch's stop
         working at once), and both journals record ``epoch`` from now on."""
         self.epoch = epoch
-        self.steps.epoch = epoch
+        self.steps.begin_epoch(epoch)
         self.tools.epoch = epoch
         self.gateway.rotate_secret()
         self.gate.rotate_secret()
@@ -213,7 +217,7 @@ class Boundaries:
 def _journals(
     config: BoundaryConfig, log: Journal, *, key: str, epoch: int
 ) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
-    steps = DeliveryStepJournal(log, epoch=epoch)
+    steps = DeliveryStepJournal(log, epoch=epoch, replay=config.replay)
     tools = RecordingGateJournal(
         log,
         key=key,

@@ -248,15 +248,23 @@ class DeliveryStepJournal:
     :attr:`epoch` when a new epoch starts.
     """
 
-    def __init__(self, journal: Journal, *, epoch: int) -> None:
+    def __init__(self, journal: Journal, *, epoch: int, replay: bool = False) -> None:
         self._journal = journal
         self.epoch = epoch
+        self.replay = replay
+        """Each epoch asks the steps again from the first; diverging is refused (G13)."""
         self._steps: dict[str, int] = {}
         self._responses: dict[str, list[str]] = {}
         self._next_step = 0
+        self._last_answered = -1
+        self._replayed_upto = -1
+        """The highest answered step this epoch's worker has asked again (G13)."""
         self.current_step = 0
         """The step of the request answered last (recorded or replayed): the round whose
         response carries the tool calls the gate is asked about next (shared numbering)."""
+        self.mismatch: ReplayMismatch | None = None
+        """Set when this epoch's replay diverged from the journal (G13); the lane ends the
+        delivery ``recovery_refused:replay``."""
         for record in journal.contents.records:
             if isinstance(record, ModelRequestIntent):
                 self._steps.setdefault(record.request_digest, record.step)
@@ -264,6 +272,12 @@ class DeliveryStepJournal:
                 self.current_step = record.step
             elif isinstance(record, ModelResponse):
                 self._responses[record.request_digest] = list(record.chunks)
+                self._last_answered = max(self._last_answered, record.step)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """A new worker epoch records ``epoch`` and replays the delivery from its first step."""
+        self.epoch = epoch
+        self._replayed_upto = -1
 
     def step_of(self, digest: str) -> int | None:
         return self._steps.get(digest)
@@ -274,12 +288,23 @@ class DeliveryStepJournal:
         if found is None:
             return None
         self.current_step = self._steps[digest]
+        self._replayed_upto = max(self._replayed_upto, self.current_step)
         return list(found)
 
     async def record_request(self, digest: str) -> None:
         step = self._steps.get(digest)
         if step is None:
             step = self._next_step
+        behind = self._replayed_upto < self._last_answered and step > self._replayed_upto + 1
+        if self.replay and behind:
+            # G13: an answered step lies between what this epoch replayed and this request
+            self.mismatch = ReplayMismatch(
+                ReasonCode.RECOVERY_REFUSED,
+                f"the replayed request at step {self._replayed_upto + 1} is not the one the "
+                "journal answered there; the turn is not asked upstream",
+            )
+            raise self.mismatch
+        if step == self._next_step:
             self._next_step += 1
             self._steps[digest] = step
         self.current_step = step
@@ -293,6 +318,13 @@ class DeliveryStepJournal:
             ModelResponse(step=step, request_digest=digest, chunks=list(chunks), epoch=self.epoch)
         )
         self._responses[digest] = list(chunks)
+        self._last_answered = max(self._last_answered, step)
+        self._replayed_upto = max(self._replayed_upto, step)
+
+
+class ReplayMismatch(PiRuntimeError):
+    """A replayed turn asked for a model request the journal did not answer at that step
+    (G13, brief §4.3 "a mismatch fails closed"): refused, never sent upstream."""
 
 
 # ------------------------------------------------------------------------------ the shell
@@ -503,6 +535,10 @@ class Gateway:
                 return
         try:
             await self.journal.record_request(digest)  # G2
+        except ReplayMismatch as exc:  # G13: refused, not retried by the worker
+            self._stats["refused"] += 1
+            await downstream.respond(409, _error_body(exc.code, exc.message))
+            return
         except PiRuntimeError as exc:
             self._fail(exc)
             return

@@ -461,7 +461,8 @@ class Lane:
                         return self._result(
                             TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
                         )
-                    await self._branch(slot.session, started)
+                    if not await self._branch(slot.session, started):
+                        return self._refused("session")
                 try:
                     end = await self._turn(nursery, slot, pending, log)
                 except _WorkerDied:
@@ -476,6 +477,8 @@ class Lane:
                     )
                     continue
                 await self._fsync(slot.session)
+                if boundaries.steps.mismatch is not None:  # G13: the replay diverged
+                    return self._refused("replay")
                 return self._result(end, leaf=await self._leaf(slot.session))
         finally:
             if slot is self._oneshot:
@@ -498,6 +501,13 @@ class Lane:
                 self._running = None
         except (WorkerError, RpcError) as error:  # exited, failed to launch, channel broke
             raise _WorkerDied(str(error)) from error
+
+    def _refused(self, what: str) -> Result:
+        """A replay that cannot be trusted fails closed (brief §4.3): ``recovery_refused:what``."""
+        code = f"{ReasonCode.RECOVERY_REFUSED}:{what}"
+        return Result(
+            outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
+        )
 
     def _result(self, end: TurnEnd, *, leaf: str | None = None) -> Result:
         return Result(
@@ -569,20 +579,24 @@ class Lane:
 
         await trio.to_thread.run_sync(sync)
 
-    async def _branch(self, session: Path, started: Admission) -> None:
+    async def _branch(self, session: Path, started: Admission) -> bool:
         """Point the session back at the admission leaf (the worker is proven dead): a
         ``custom`` entry under that leaf, which Pi keeps and never sends to the model, so the
-        replayed requests are byte-identical to the first ones."""
+        replayed requests are byte-identical to the first ones. False when the session no
+        longer holds that leaf (its history is missing: ``recovery_refused:session``)."""
         await atruncate_torn_tail(session)
         read = await aread_session(session)
         leaf = read.session.leaf
         if started.session_leaf is None or (leaf is not None and leaf.id == started.session_leaf):
-            return
+            return True
+        if started.session_leaf not in read.session.by_id:
+            return False
         entry = {"type": "custom", "customType": REPLAY_MARKER, "data": {"replay": True}}
         async with open_session_writer(session, clock=self.host.clocks.wall) as writer:
             append = functools.partial(writer.append, entry, parent_id=started.session_leaf)
             await trio.to_thread.run_sync(append)
             await trio.to_thread.run_sync(writer.fsync)
+        return True
 
     # -- what a worker gets ------------------------------------------------------------
 
@@ -596,6 +610,7 @@ class Lane:
             runtime_tools={n: t for n, t in tools.items() if n in grants},
             socket_dir=self.host.socket_root,
             socket_name=f"{self.key[:20]}-{kind}.sock",
+            replay=True,
         )
 
     async def _send_text_update(self, call: GateCall, intent_id: str) -> GateResult:

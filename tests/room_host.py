@@ -12,6 +12,11 @@ test can SIGKILL the host right after a named point::
     {"event": {...}}      typing / text_update / tool_activity
     {"result": {...}}     a published result (durable, L5)
     {"acked": SEQ}        the acknowledgement is durable
+    {"paused": POINT}     the spec's ``pause`` barrier was passed; the host waits to be killed
+
+``pause`` names a barrier inside the runtime and how many times to pass it first:
+``{"point": "model_response" | "tool_intent", "nth": N}`` — right after the N-th model
+response (or tool intent) is durable in a delivery's log, before the worker hears of it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import msgspec
 import trio
 
 from runtime._config import config_from_dict
+from runtime._gate import RecordingGateJournal
+from runtime._gateway import DeliveryStepJournal
+from runtime._records import Record, ToolIntent
 from runtime._errors import DeliveryError
 from runtime._outbox import DeliveryResult
 from runtime._room_worker import RoomWorker, open_room_worker
@@ -41,6 +49,39 @@ async def follow_events(worker: RoomWorker) -> None:
         emit({"event": msgspec.to_builtins(event)})
 
 
+def install_pause(point: str, nth: int) -> None:
+    """Stop right after the ``nth`` pass of a barrier: report it and wait to be killed."""
+    passed = 0
+
+    async def barrier() -> None:
+        nonlocal passed
+        passed += 1
+        if passed == nth:
+            emit({"paused": point})
+            await trio.sleep_forever()
+
+    if point == "model_response":
+        record_response = DeliveryStepJournal.record_response
+
+        async def after_response(self: DeliveryStepJournal, digest: str, chunks: list[str]) -> None:
+            await record_response(self, digest, chunks)
+            await barrier()
+
+        DeliveryStepJournal.record_response = after_response  # type: ignore[method-assign]
+    elif point == "tool_intent":
+        append = RecordingGateJournal._append
+
+        async def after_intent(self: RecordingGateJournal, record: Record) -> int:
+            seq = await append(self, record)
+            if isinstance(record, ToolIntent):
+                await barrier()
+            return seq
+
+        RecordingGateJournal._append = after_intent  # type: ignore[method-assign]
+    else:
+        raise ValueError(f"unknown pause point {point!r}")
+
+
 async def _nothing() -> AsyncIterator[DeliveryResult]:
     results: tuple[DeliveryResult, ...] = ()
     for result in results:
@@ -49,6 +90,8 @@ async def _nothing() -> AsyncIterator[DeliveryResult]:
 
 async def main(spec: dict[str, Any]) -> None:
     base = Path(spec["base"])
+    if "pause" in spec:
+        install_pause(spec["pause"]["point"], spec["pause"].get("nth", 1))
     config = config_from_dict(spec["config"], base=base)
     async with open_room_worker(config, base_dir=base) as worker, trio.open_nursery() as nursery:
         nursery.start_soon(follow_events, worker)

@@ -33,6 +33,7 @@ from runtime._gateway import (
     Gateway,
     GatewayConfig,
     MemoryStepJournal,
+    ReplayMismatch,
     ToolCallIds,
     inactivity_message,
     is_terminal,
@@ -524,6 +525,55 @@ async def test_delivery_step_journal_on_a_real_log(tmp_path: Path) -> None:
             assert reopened.step_of("c" * 64) == 2
 
 
+async def test_g13_a_replay_that_leaves_an_answered_step_behind_is_refused(
+    tmp_path: Path,
+) -> None:
+    """With ``replay``, each epoch asks the steps again from the first: a request the journal
+    did not answer while answered steps remain is a mismatch — refused, nothing recorded. A
+    request past every answered step, or the unanswered step asked again, is fine; without
+    ``replay`` (a resumed session) nothing is checked."""
+    a, b, c, x = "a" * 64, "b" * 64, "c" * 64, "x" * 64
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            first = DeliveryStepJournal(log, epoch=1, replay=True)
+            for digest in (a, b):
+                await first.record_request(digest)
+                await first.record_response(digest, [DONE])
+            await first.record_request(c)  # asked, never answered
+            await store.close_log(log)
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.open_delivery_log("d1")
+            count = len(log.contents.records)
+            replaying = DeliveryStepJournal(log, epoch=1, replay=True)
+            replaying.begin_epoch(2)
+            assert await replaying.lookup(a) == [DONE]
+            with pytest.raises(ReplayMismatch) as refused:
+                await replaying.record_request(x)  # step 1 was b, not x
+            assert refused.value.code is ReasonCode.RECOVERY_REFUSED
+            assert replaying.mismatch is refused.value
+            assert replaying.step_of(x) is None
+            await store.close_log(log)
+
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.open_delivery_log("d1")
+            assert len(log.contents.records) == count  # the refusal recorded nothing
+            again = DeliveryStepJournal(log, epoch=3, replay=True)
+            again.begin_epoch(3)
+            assert await again.lookup(a) == [DONE]
+            assert await again.lookup(b) == [DONE]
+            await again.record_request(c)  # the unanswered step, asked again
+            assert again.step_of(c) == 2
+            await again.record_request(x)  # past every answered step: a new one
+            assert (again.step_of(x), again.mismatch) == (3, None)
+
+            resumed = DeliveryStepJournal(log, epoch=4)  # a resumed session: not checked
+            resumed.begin_epoch(4)
+            await resumed.record_request("y" * 64)
+            assert resumed.mismatch is None
+            await store.close_log(log)
+
+
 # ------------------------------------------------------------------------- end to end
 
 
@@ -611,7 +661,7 @@ async def test_e2e_turn_through_the_gateway_then_replay_after_restart(
             texts: list[str] = []
             for epoch in (1, 2):
                 session.write_bytes(admission_leaf)  # what replay does: back to the leaf
-                steps.epoch = epoch
+                steps.begin_epoch(epoch)
                 gateway = Gateway(
                     GatewayConfig(upstream_url=f"{up.url}/v1", upstream_key_env=UPSTREAM_KEY_ENV),
                     steps,

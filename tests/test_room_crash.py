@@ -27,7 +27,7 @@ from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._gate import interrupted_text
 
 from ._pi import pi_home
-from ._workers import scripted_upstream
+from ._workers import scripted_upstream, tool_messages
 
 HOST: Final = Path(__file__).with_name("room_host.py")
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -301,3 +301,170 @@ async def test_crash_during_a_steer_absorbs_it_exactly_once(kind: str, tmp_path:
     last = str(model.requests[1].body["messages"])
     assert "second" in last
     assert interrupted_text("bash") in last
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_mid_stream_asks_the_unanswered_step_again(kind: str, tmp_path: Path) -> None:
+    """Killed while the reply streams (the worker already showed ``typing``): the response
+    was never complete, so nothing was journaled for it; the next host asks that step again
+    and the delivery gets one reply."""
+    steps: list[Step] = [
+        Text(text="one two three four five six", delay=0.2),
+        Text(text="the whole reply"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url)}
+            async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
+                await h.until(lambda f: f.get("event", {}).get("type") == "typing")
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "the whole reply")
+    assert model.request_count == 2
+    assert model.requests[0].digest == model.requests[1].digest
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_after_a_model_response_is_journaled_never_pays_it_again(
+    kind: str, tmp_path: Path
+) -> None:
+    """Killed right after the complete response is durable, before the worker heard its
+    end: the next host answers that step from the journal — the model is asked once."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="paid once")]) as (model, url):
+            spec = {"config": config(kind, url)}
+            first = {
+                **spec,
+                "deliver": [message("d1")],
+                "expect": 1,
+                "pause": {"point": "model_response"},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "paid once")
+    assert model.request_count == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_after_a_never_tool_intent_before_the_tool(kind: str, tmp_path: Path) -> None:
+    """Killed when a bash call's intent is durable, before the worker was told to run it:
+    the runtime cannot know, so the model hears "possibly ran" — and the tool never ran."""
+    runs = tmp_path / "runs"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": f"echo x >> {runs}"}, id="c1")]),
+        Text(text="told the truth"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("bash", "send_text_update"))}
+            first = {
+                **spec,
+                "deliver": [message("d1")],
+                "expect": 1,
+                "pause": {"point": "tool_intent"},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "told the truth")
+    assert not runs.exists()
+    assert model.request_count == 2
+    assert list(tool_messages(model.requests[1].body).values()) == [interrupted_text("bash")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_after_a_safe_tool_intent_runs_it_again(kind: str, tmp_path: Path) -> None:
+    """Killed when a ``read`` (a ``safe`` tool) has its intent durable but no outcome: the
+    replay runs it again, and the model gets what it read — not "possibly ran"."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the safe content 42\n")
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="read", arguments={"path": str(notes)}, id="c1")]),
+        Text(text="read it"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("read", "send_text_update"))}
+            first = {
+                **spec,
+                "deliver": [message("d1")],
+                "expect": 1,
+                "pause": {"point": "tool_intent"},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "read it")
+    assert model.request_count == 2
+    (content,) = tool_messages(model.requests[1].body).values()
+    assert "the safe content 42" in content
+
+
+def session_of(root: Path) -> Path:
+    (path,) = (root / "state" / "lanes").glob("*/session.jsonl")
+    return path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_recovery_refuses_a_session_without_the_admission_leaf(
+    kind: str, tmp_path: Path
+) -> None:
+    """The session file lost its history while the host was down: the replay cannot branch
+    at the admission leaf, so the delivery fails ``recovery_refused:session`` — nothing is
+    asked upstream again."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="never delivered")]) as (model, url):
+            spec = {"config": config(kind, url)}
+            first = {
+                **spec,
+                "deliver": [message("d1")],
+                "expect": 1,
+                "pause": {"point": "model_response"},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            session_of(tmp_path).unlink()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["code"]) == ("failed", "recovery_refused:session")
+    assert model.request_count == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_replay_that_diverges_from_the_journal_fails_closed(
+    kind: str, tmp_path: Path
+) -> None:
+    """The history before the admission leaf was edited while the host was down, so the
+    replayed first request is not the one the journal answered: the gateway refuses it
+    (G13) and the delivery fails ``recovery_refused:replay`` — the model is not asked."""
+    steps: list[Step] = [Text(text="zero"), Text(text="one")]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url)}
+            first = {
+                **spec,
+                "deliver": [message("d0"), message("d1")],
+                "expect": 2,
+                "pause": {"point": "model_response", "nth": 2},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            session = session_of(tmp_path)
+            edited = session.read_text().replace('"text":"zero"', '"text":"zero, edited"')
+            assert edited != session.read_text()
+            session.write_text(edited)
+            async with host(tmp_path, {**spec, "expect": 2, "ack": True}, "b") as h:
+                found = {r["delivery_id"]: r for r in results(await h.finish())}
+    assert (found["d0"]["outcome"], found["d0"]["text"]) == ("reply", "zero")
+    assert (found["d1"]["outcome"], found["d1"]["code"]) == ("failed", "recovery_refused:replay")
+    assert model.request_count == 2
