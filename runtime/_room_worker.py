@@ -42,6 +42,7 @@ from ._clock import Clocks
 from ._config import RoomWorkerConfig, validate_config
 from ._errors import DeliveryError, JournalError, ReasonCode
 from ._events import RoomEvent
+from ._fs import FileSystem
 from ._gate import PI_TOOL_CLASSES
 from ._gateway import GatewayConfig
 from ._lanes import Absorbed, Lane, LaneHost, Pending
@@ -401,18 +402,23 @@ async def open_room_worker(
     *,
     clocks: Clocks | None = None,
     base_dir: Path | None = None,
+    fs: FileSystem | None = None,
 ) -> AsyncIterator[RoomWorker]:
     """Run a room worker on ``config`` until the block ends (see the module docstring).
 
     Relative ``state_dir`` and ``work_root`` resolve against ``base_dir`` (default: the
-    current directory).
+    current directory). ``fs`` is the journal store's file system (tests pass one that
+    fails or loses power on purpose); sessions and work directories are always on disk.
     """
     config = validate_config(config, base=base_dir)
     state_dir = Path(config.state_dir)
     work_root = Path(config.work_root)
     program = _program(config)
     clocks = clocks or Clocks.system()
-    async with open_store(state_dir, clocks=clocks) as store, trio.open_nursery() as nursery:
+    async with (
+        open_store(state_dir, clocks=clocks, fs=fs) as store,
+        trio.open_nursery() as nursery,
+    ):
         model = config.model
         base_url = model.base_url
         if base_url is None:
