@@ -10,11 +10,13 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AdminError",
     "ConfigError",
     "DeliveryError",
     "DiskFailedError",
     "JournalError",
     "PiRuntimeError",
+    "ProtocolError",
     "ReasonCode",
     "SessionError",
     "StateDirError",
@@ -91,6 +93,28 @@ class ReasonCode(enum.StrEnum):
     RESPONSE_MISSING = "response_missing"
     RECOVERY_REFUSED = "recovery_refused"
     RECOVERY_EXHAUSTED = "recovery_exhausted"
+    # the access token and the admin socket (docs/design/operations.md)
+    TOKEN_INSECURE = "token_insecure"
+    TOKEN_INVALID = "token_invalid"
+    ADMIN_ALREADY_SERVING = "admin_already_serving"
+    ADMIN_BAD_REQUEST = "admin_bad_request"
+    ADMIN_UNKNOWN_COMMAND = "admin_unknown_command"
+    ADMIN_REQUEST_TOO_LARGE = "admin_request_too_large"
+    ADMIN_UNAUTHORIZED = "admin_unauthorized"
+    ADMIN_TIMEOUT = "admin_timeout"
+    ADMIN_FAILED = "admin_failed"
+    ADMIN_BAD_RESPONSE = "admin_bad_response"
+    SERVER_NOT_RUNNING = "server_not_running"
+    # the websocket wire protocol (docs/design/protocol.md): one code per bad frame
+    NOT_JSON = "not_json"
+    NOT_AN_OBJECT = "not_an_object"
+    UNKNOWN_TYPE = "unknown_type"
+    MISSING_FIELD = "missing_field"
+    UNKNOWN_FIELD = "unknown_field"
+    WRONG_TYPE = "wrong_type"
+    FRAME_TOO_LARGE = "frame_too_large"
+    BINARY_FRAME = "binary_frame"
+    UNSUPPORTED_PROTOCOL = "unsupported_protocol"
 
 
 class PiRuntimeError(Exception):
@@ -182,7 +206,23 @@ class ConfigError(PiRuntimeError):
         self.setting = setting
 
 
+class AdminError(PiRuntimeError):
+    """A request through the admin socket failed on the client's side: ``admin_timeout``,
+    ``admin_bad_response`` or ``server_not_running``; refusals *by* the server come back as
+    its ``{"ok": false, "code": …}`` response instead."""
+
+
 class DeliveryError(PiRuntimeError):
     """A delivery (or a command about one) was refused; nothing was admitted. ``code`` is
     ``room_invalid``, ``room_refused``, ``delivery_invalid``, ``delivery_conflict``,
     ``delivery_unknown``, ``queue_full`` or ``not_admitting``."""
+
+
+class ProtocolError(PiRuntimeError):
+    """A client sent a frame the wire protocol refuses; nothing was admitted. ``code`` is
+    one of the protocol codes (``not_json`` ... ``unsupported_protocol``); ``ref`` is the
+    ``delivery_id`` or the frame type the refusal answers, when it can be known."""
+
+    def __init__(self, code: ReasonCode, message: str, ref: str | None = None) -> None:
+        super().__init__(code, message)
+        self.ref = ref
