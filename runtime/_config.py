@@ -24,7 +24,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -44,6 +44,7 @@ __all__ = [
     "ModelConfig",
     "RoomConfig",
     "RoomWorkerConfig",
+    "ServerConfig",
     "Thresholds",
     "config_from_dict",
     "declared_class",
@@ -126,6 +127,20 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """Most backlog items a delivery may carry."""
 
 
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The websocket server of ``pi-runtime serve`` (brief §8, §9; ``docs/design/serve.md``)."""
+
+    allowed_origins: frozenset[str] = frozenset()
+    """Browser ``Origin`` values allowed to connect. A handshake carrying any other ``Origin``
+    is refused (``origin_refused``); a client that sends none (a bot, a script) is allowed."""
+    max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 256 * 1024
+    """Largest client frame answered normally; a larger one gets ``frame_too_large`` (and
+    one over four times this closes the connection)."""
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Deliveries one connection may have admitted and unfinished; one more is refused
+    ``too_many_in_flight`` (backpressure, never a silent drop)."""
+
+
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the room worker is configured with. Build it, then :func:`validate_config`
     it (or :func:`load_config` a TOML file, which does both)."""
@@ -147,6 +162,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """Replay-class overrides; each only as strict as or stricter than the declared class."""
     thresholds: Thresholds = Thresholds()
     caps: Caps = Caps()
+    server: ServerConfig = ServerConfig()
 
     def check_served(self, room: str) -> str:
         """``room`` when it is served; else :class:`DeliveryError` with ``room_invalid`` (not

@@ -115,6 +115,10 @@ class ReasonCode(enum.StrEnum):
     FRAME_TOO_LARGE = "frame_too_large"
     BINARY_FRAME = "binary_frame"
     UNSUPPORTED_PROTOCOL = "unsupported_protocol"
+    # the websocket server (docs/design/serve.md)
+    HELLO_REQUIRED = "hello_required"
+    ORIGIN_REFUSED = "origin_refused"
+    TOO_MANY_IN_FLIGHT = "too_many_in_flight"
 
 
 class PiRuntimeError(Exception):

@@ -289,6 +289,13 @@ class Lane:
     # -- the host's view ---------------------------------------------------------------
 
     @property
+    def live_worker(self) -> bool:
+        """Whether a worker process of this lane is running (either authority)."""
+        return any(
+            slot is not None and slot.live is not None for slot in (self._room, self._oneshot)
+        )
+
+    @property
     def busy(self) -> bool:
         return self.current is not None
 

@@ -58,6 +58,8 @@ class ResultOutbox:
         self._log = log
         self._by_delivery: dict[str, DeliveryResult] = {}
         self._ordered: list[DeliveryResult] = []
+        self.last_seq_of_room: dict[str, int] = {}
+        """Each room's latest published seq."""
         self.acked = 0
         """Every seq up to this one was acknowledged."""
         self._lock = trio.Lock()
@@ -71,6 +73,7 @@ class ResultOutbox:
     def _learn(self, result: DeliveryResult) -> None:
         self._by_delivery.setdefault(result.delivery_id, result)
         self._ordered.append(result)
+        self.last_seq_of_room[result.room] = result.seq
 
     @property
     def last_seq(self) -> int:

@@ -27,7 +27,7 @@ from ._admission import MAX_ID, Author, HistoryItem
 from ._errors import PiRuntimeError, ProtocolError, ReasonCode
 from ._events import TextUpdate, ToolActivity, Typing
 from ._outbox import DeliveryResult
-from ._room_worker import Accepted
+from ._room_worker import Accepted, RoomStatus
 
 __all__ = [
     "CLIENT_FRAME_TYPES",
@@ -146,18 +146,6 @@ class Welcome(_ServerFrame, tag="welcome", frozen=True, kw_only=True):
 
     protocol: int
     worker_id: str
-
-
-class RoomStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """One room lane as ``status`` reports it."""
-
-    room: str
-    state: Literal["idle", "running"]
-    queued: int
-    """Deliveries admitted and waiting behind the running one."""
-    live_worker: bool
-    last_result_seq: int
-    """The seq of the room's latest published result; 0 when there is none."""
 
 
 class StatusReport(_ServerFrame, tag="status", frozen=True, kw_only=True):

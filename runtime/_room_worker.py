@@ -62,7 +62,7 @@ from ._store import Store, open_store, runtime_dir
 from ._tools import RUNTIME_TOOLS
 from ._worker import kill_epoch_leftovers
 
-__all__ = ["Accepted", "RoomWorker", "open_room_worker"]
+__all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker"]
 
 EVENT_BUFFER = 1024
 """Signals kept for a slow events reader; older ones are dropped (they are not durable)."""
@@ -74,6 +74,18 @@ class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
     delivery_id: str
     room: str
     disposition: Literal["started", "steered", "queued", "duplicate"]
+
+
+class RoomStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One room lane as ``status`` reports it (the wire's ``status.rooms`` items)."""
+
+    room: str
+    state: Literal["idle", "running"]
+    queued: int
+    """Deliveries admitted and waiting behind the running one."""
+    live_worker: bool
+    last_result_seq: int
+    """The seq of the room's latest published result; 0 when there is none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +217,21 @@ class RoomWorker:
     def pending(self) -> list[str]:
         """The delivery ids admitted and not finished, in no particular order."""
         return list(self._pending)
+
+    def status(self, room: str | None = None) -> list[RoomStatus]:
+        """Each room lane this host has (or only ``room``), sorted by room."""
+        outbox = self._host.outbox
+        return [
+            RoomStatus(
+                room=name,
+                state="running" if lane.current is not None else "idle",
+                queued=len(lane.queue),
+                live_worker=lane.live_worker,
+                last_result_seq=outbox.last_seq_of_room.get(name, 0),
+            )
+            for name, lane in sorted(self._lanes.items())
+            if room is None or name == room
+        ]
 
     def result_of(self, delivery_id: str) -> DeliveryResult | None:
         return self._host.outbox.result_of(delivery_id)
