@@ -33,7 +33,7 @@ import os
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -207,12 +207,22 @@ class RoomServer:
         self.connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_results, connection)
-                nursery.start_soon(self._send_events, connection)
-                await self._read(connection)
-                nursery.cancel_scope.cancel()
+                for part in (self._send_results, self._send_events, self._read):
+                    nursery.start_soon(self._until_closed, part, connection, nursery.cancel_scope)
         finally:
             self.connections.discard(connection)
+
+    @staticmethod
+    async def _until_closed(
+        part: Callable[[_Connection], Awaitable[None]],
+        connection: _Connection,
+        scope: trio.CancelScope,
+    ) -> None:
+        """Run one part of a connection; when the websocket closes, end every part."""
+        try:
+            await part(connection)
+        except ConnectionClosed:
+            scope.cancel()
 
     async def _handshake(self, connection: _Connection) -> Hello | None:
         """Frames until a valid ``hello``: ``welcome`` and the hello, or ``None`` once the
