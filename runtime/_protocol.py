@@ -19,7 +19,7 @@ import json
 import re
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from typing import Annotated, Any, Final, Literal, NoReturn, get_args
+from typing import Annotated, Any, Final, NoReturn, get_args
 
 import msgspec
 

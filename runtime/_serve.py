@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import ssl
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,6 +463,5 @@ def run_serve(args: argparse.Namespace) -> int:
         trio.run(serve_until_signalled, config, options)
     except PiRuntimeError as error:
         logger.error("%s", error.message, extra={"code": error.code})
-        print(f"pi-runtime serve: {error}", file=sys.stderr)
         return 2
     return 0

@@ -31,11 +31,11 @@ import msgspec
 import trio
 
 from runtime._config import config_from_dict
+from runtime._errors import DeliveryError
 from runtime._gate import RecordingGateJournal
 from runtime._gateway import DeliveryStepJournal
-from runtime._records import Record, ToolIntent
-from runtime._errors import DeliveryError
 from runtime._outbox import DeliveryResult
+from runtime._records import Record, ToolIntent
 from runtime._room_worker import RoomWorker, open_room_worker
 
 
