@@ -132,6 +132,8 @@ class LaneHost:
     finished: Callable[[Pending], None]
     reserve_worker: Callable[[Lane], Any]
     release_worker: Callable[[Lane], None]
+    lane_idle: Callable[[Lane], None]
+    """Called when a lane's delivery ends: its live worker may now be stopped for another (L8)."""
     retry: RetrySettings = field(default_factory=RetrySettings)
     ledger: Path | None = None
     """Where the test tool ``effect`` writes (only when granted)."""
@@ -367,6 +369,7 @@ class Lane:
                 finally:
                     self.current = None
                     self.last_used = trio.current_time()
+                    self.host.lane_idle(self)
 
     async def _journal_failed(self, pending: Pending, error: JournalError) -> None:
         """A delivery whose log was poisoned ends ``failed`` with the journal's code; one whose

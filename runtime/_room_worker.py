@@ -200,10 +200,14 @@ class RoomWorker:
         lane = self._lanes[pending.delivery.room]
         await lane.cancel(delivery_id)
 
+    def stop_admitting(self) -> None:
+        """Refuse every delivery from now on (``not_admitting``); what is admitted goes on."""
+        self._admitting = False
+
     async def drain(self, seconds: float | None = None) -> None:
         """Stop admitting and let running turns finish, for up to ``seconds`` (default: the
         configured drain timeout). What has not finished stays pending (brief §4.3)."""
-        self._admitting = False
+        self.stop_admitting()
         limit = self.config.thresholds.drain_timeout_seconds if seconds is None else seconds
         with trio.move_on_after(limit):
             while any(lane.busy for lane in self._lanes.values()):
@@ -232,6 +236,11 @@ class RoomWorker:
             for name, lane in sorted(self._lanes.items())
             if room is None or name == room
         ]
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the latest published result (0 before the first)."""
+        return self._host.outbox.last_seq
 
     def result_of(self, delivery_id: str) -> DeliveryResult | None:
         return self._host.outbox.result_of(delivery_id)
@@ -287,6 +296,14 @@ class RoomWorker:
 
     def _release_worker(self, lane: Lane) -> None:
         self._live.discard(lane)
+        self._wake_reservations()
+
+    def _lane_idle(self, lane: Lane) -> None:
+        """A lane finished a delivery: a reservation waiting for a slot may stop its worker."""
+        if lane in self._live:
+            self._wake_reservations()
+
+    def _wake_reservations(self) -> None:
         self._live_changed.set()
         self._live_changed = trio.Event()
 
@@ -484,6 +501,10 @@ async def open_room_worker(
             assert worker is not None
             worker._release_worker(lane)
 
+        def lane_idle(lane: Lane) -> None:
+            assert worker is not None
+            worker._lane_idle(lane)
+
         host = LaneHost(
             store=store,
             clocks=clocks,
@@ -504,6 +525,7 @@ async def open_room_worker(
             finished=finished,
             reserve_worker=reserve,
             release_worker=release,
+            lane_idle=lane_idle,
             ledger=work_root / "effects.jsonl",
         )
         worker = RoomWorker(config, store, host, nursery)

@@ -76,6 +76,8 @@ logger = logging.getLogger("runtime.serve")
 EVENT_QUEUE: Final = 256
 """Signals (typing, text updates, tool activity) buffered per connection; a connection that
 falls further behind loses the oldest kind of thing there is to lose: signals, never results."""
+FLUSH_SECONDS: Final = 5.0
+"""After a drain, how long connected clients get to receive the results published so far."""
 POLICY_VIOLATION: Final = 1008
 """The websocket close code after a refused token or an unsupported protocol."""
 
@@ -123,10 +125,18 @@ class _Connection:
         default_factory=lambda: trio.open_memory_channel[RoomEvent](EVENT_QUEUE)
     )
     dropped_events: int = 0
+    sent_seq: int = 0
+    """The seq of the last result sent on this connection."""
+    sent_more: trio.Event = field(default_factory=trio.Event)
 
     async def send(self, frame: ServerFrame) -> None:
         async with self.send_lock:
             await self.ws.send_message(encode_server_frame(frame))
+
+    async def sent_up_to(self, seq: int) -> None:
+        """Return once every result up to ``seq`` was sent here."""
+        while self.sent_seq < seq:
+            await self.sent_more.wait()
 
 
 class RoomServer:
@@ -325,6 +335,17 @@ class RoomServer:
         async for result in self.worker.results():
             connection.in_flight.discard(result.delivery_id)
             await connection.send(result)
+            connection.sent_seq = result.seq
+            connection.sent_more.set()
+            connection.sent_more = trio.Event()
+
+    async def flush(self, seconds: float) -> None:
+        """Let every connection receive the results published so far, for up to ``seconds``
+        (a drained turn's result goes out before the server stops; S5)."""
+        last = self.worker.last_seq
+        with trio.move_on_after(seconds):
+            for connection in list(self.connections):
+                await connection.sent_up_to(last)
 
     async def _send_events(self, connection: _Connection) -> None:
         async for event in connection.events[1]:
@@ -443,13 +464,16 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
                 flush=True,
             )
             async for signum in signals:
-                logger.info(
-                    "%s: no longer admitting; draining for up to %s s",
-                    signal.Signals(signum).name,
-                    config.thresholds.drain_timeout_seconds,
-                )
+                name = signal.Signals(signum).name
                 break
+            server.worker.stop_admitting()
+            print(
+                f"pi-runtime serve: {name}: not admitting; draining for up to "
+                f"{config.thresholds.drain_timeout_seconds:g} s",
+                flush=True,
+            )
             await server.worker.drain()
+            await server.flush(FLUSH_SECONDS)
             left = server.worker.pending()
             logger.info("stopping; %d deliveries stay pending for the next start", len(left))
 

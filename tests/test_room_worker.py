@@ -277,6 +277,22 @@ async def test_l8_live_workers_are_capped_least_recently_used_stops(tmp_path: Pa
     assert [type(r).__name__ for r in first_lane] == ["EpochStarted", "EpochFenced"]
 
 
+async def test_l8_rooms_waiting_for_a_slot_get_it_when_a_turn_ends(tmp_path: Path) -> None:
+    """L8: three rooms admitted at once with one live worker allowed: the second and third
+    wait while the first turn runs, and each gets the slot when the turn before it ends
+    (the ended lane's idle worker is stopped for it) — no room waits for the idle stop."""
+    steps = [Text(text=t) for t in "abc"]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            cfg = config("fake", url, caps=Caps(max_live_workers=1))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                for n in range(3):
+                    await worker.deliver(message(f"d{n}", room=f"dm:{n}"))
+                results = await next_results(worker, 3)
+    assert sorted(r.delivery_id for r in results) == ["d0", "d1", "d2"]
+    assert {r.outcome for r in results} == {Outcome.REPLY}
+
+
 # ------------------------------------------------------------------------------ steering
 
 

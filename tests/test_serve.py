@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -16,7 +16,6 @@ import trio
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
-    WebSocketConnection,
     open_websocket_url,
 )
 
@@ -25,49 +24,10 @@ from runtime._config import config_from_dict
 from runtime._serve import RoomServer, ServeOptions, check_bind, open_server
 from runtime._token import rotate_token
 
+from ._wire import Client, Frame, message
 from ._workers import scripted_upstream
 
 LIMIT: Final = 60.0
-Frame = dict[str, Any]
-
-
-def message(delivery_id: str, text: str = "hi", room: str = "dm:1") -> Frame:
-    return {
-        "type": "deliver",
-        "delivery_id": delivery_id,
-        "room": room,
-        "author": {"id": "u1", "name": "Ann"},
-        "message_id": f"m-{delivery_id}",
-        "text": text,
-    }
-
-
-class Client:
-    """One websocket client speaking the protocol as JSON text."""
-
-    def __init__(self, ws: WebSocketConnection) -> None:
-        self.ws = ws
-
-    async def send(self, frame: Frame | str | bytes) -> None:
-        await self.ws.send_message(frame if isinstance(frame, str | bytes) else json.dumps(frame))
-
-    async def receive(self) -> Frame:
-        frame: Frame = json.loads(await self.ws.get_message())
-        return frame
-
-    async def until(self, wanted: Callable[[Frame], bool]) -> Frame:
-        """The next frame ``wanted`` accepts; signals (typing, tool activity) are skipped."""
-        while True:
-            frame = await self.receive()
-            if wanted(frame):
-                return frame
-
-    async def result(self, delivery_id: str) -> Frame:
-        return await self.until(lambda f: f["type"] == "result" and f["delivery_id"] == delivery_id)
-
-    async def hello(self, token: str, **extra: Any) -> Frame:
-        await self.send({"type": "hello", "protocol": 1, "token": token, "client": "t", **extra})
-        return await self.receive()
 
 
 class Rig:
