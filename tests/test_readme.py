@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import trio
+
+from runtime import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-_EXAMPLE = re.compile(r"<!-- readme-example: (\S+) -->\n```python\n(.*?)```", re.S)
+_EXAMPLE = re.compile(r"<!-- readme-example: (\S+) -->\n```[a-z]+\n(.*?)```", re.S)
 
 
 def _examples() -> dict[str, str]:
@@ -52,3 +60,45 @@ def test_readme_embedding_example_runs(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == "started"
     assert lines[1].startswith("1 reply ")
+
+
+async def test_readme_quick_start_client_gets_a_reply(tmp_path: Path) -> None:
+    """Issue #6 "done when": ``pi-runtime serve`` on its defaults (Fake-Pi, ./state), then the
+    README's client, pasted as is, says hello and prints the reply."""
+    (tmp_path / "client.py").write_text(_examples()["client.py"])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            serve = [sys.executable, "-m", "runtime._cli", "serve", "--port", "0"]
+            run = functools.partial(
+                trio.run_process, serve, cwd=tmp_path, env=env, stdout=subprocess.PIPE
+            )
+            process: trio.Process = await nursery.start(run)
+            assert process.stdout is not None
+            printed = b""
+            while (found := re.search(rb"listening on (ws://\S+)", printed)) is None:
+                data = await process.stdout.receive_some(4096)
+                assert data, printed
+                printed += data
+            assert b"a new access token" in printed  # printed once, at the first start
+            client = await trio.run_process(
+                [sys.executable, "client.py"],
+                cwd=tmp_path,
+                env={**env, "PI_RUNTIME_URL": found.group(1).decode() + "/"},
+                capture_stdout=True,
+            )
+            process.terminate()
+    lines = client.stdout.decode().splitlines()
+    assert lines[0] == "welcome"
+    assert lines[1].startswith("reply ")
+    assert "hello" in client.stdout.decode()  # the default model echoes the message
+
+
+def test_readme_configuration_example_loads(tmp_path: Path) -> None:
+    """The README's TOML configuration is a valid configuration."""
+    path = tmp_path / "pi-runtime.toml"
+    path.write_text(_examples()["pi-runtime.toml"])
+    config = load_config(path)
+    assert (config.agent, config.model.api_key_env) == ("pi", "OPENAI_API_KEY")
+    assert config.rooms is not None
+    assert config.rooms["dm:42"].grants == frozenset({"send_text_update", "read"})
