@@ -1,9 +1,10 @@
 """The ``pi-runtime`` command line (``docs/design/operations.md``).
 
 Commands: ``version``; ``serve`` (the websocket room worker, ``runtime/_serve.py``); ``status``
-and ``cancel`` (through the running server's admin socket; ``status`` reads the state
-directory itself when no server runs); ``token rotate``; ``journal verify`` and ``journal
-show``; ``pi install`` and ``doctor``. Every command and subcommand has ``--help``.
+and ``cancel`` (through the running server's admin socket; without one, ``status`` reads the
+state directory and ``cancel`` records the request there for the next start); ``token
+rotate``; ``journal verify`` and ``journal show``; ``pi install`` and ``doctor``. Every
+command and subcommand has ``--help``.
 
 Exit status: 0 done; 1 refused or failed (the message names a stable code); 2 usage;
 3 ``server_not_running`` (a command that needs the server found none).
@@ -35,6 +36,7 @@ from ._errors import AdminError, PiRuntimeError, ReasonCode
 from ._inspect import delivery_records, offline_status, verify_journal
 from ._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
 from ._proctree import probe_cgroups, subreaper_supported
+from ._room_worker import request_cancel
 from ._token import rotate_token
 from ._version import __version__
 
@@ -218,8 +220,9 @@ def _parser() -> argparse.ArgumentParser:
         "cancel",
         "cancel a queued or running delivery",
         "Cancel a delivery through the running server's admin socket: a queued one is "
-        "removed, a running one aborted; either ends `cancelled`. Exit status 3 when no "
-        "server runs (start it, then cancel).",
+        "removed, a running one aborted; either ends `cancelled`. With no server running, "
+        "the cancel is recorded in the state directory and the next start ends the "
+        "delivery `cancelled` before anything runs.",
     )
     cancel.add_argument("delivery_id", metavar="DELIVERY_ID", help="the client's delivery id")
     _state_dir(cancel)
@@ -412,12 +415,14 @@ def _snippet(text: object, width: int = 60) -> str:
 
 def _cancel(state_dir: Path, delivery_id: str, as_json: bool) -> int:
     response = trio.run(admin_request, state_dir, {"command": "cancel", "delivery_id": delivery_id})
-    if response is None:
-        raise AdminError(
-            ReasonCode.SERVER_NOT_RUNNING,
-            f"no server answers on {state_dir}; a cancel goes through the running server "
-            "(start it with `pi-runtime serve`, then cancel)",
-        )
+    if response is None:  # no server: recorded in the state directory for the next start
+        recorded = trio.run(request_cancel, state_dir, delivery_id)
+        response = {"ok": True, "delivery_id": delivery_id, "state": recorded}
+        response["source"] = "state_dir"
+        if not as_json:
+            done = "already finished" if recorded == "finished" else "cancelled at the next start"
+            print(f"{delivery_id}: no server runs; {done}")
+            return EXIT_OK
     if as_json:
         print(_JSON.encode(response).decode())
     if not response.get("ok"):

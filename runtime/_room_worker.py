@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 import trio
@@ -62,7 +62,7 @@ from ._store import Store, open_store, runtime_dir
 from ._tools import RUNTIME_TOOLS
 from ._worker import kill_epoch_leftovers
 
-__all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker"]
+__all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 
 EVENT_BUFFER = 1024
 """Signals kept for a slow events reader; older ones are dropped (they are not durable)."""
@@ -348,6 +348,11 @@ class RoomWorker:
         steered = await self._steered(
             [a.delivery_id for a in admissions if published.result_of(a.delivery_id) is None]
         )
+        cancels = await _read_cancel_requests(self.store)
+        if any(published.result_of(d) is not None for d in cancels):  # applied: forget them
+            unfinished = [d for d in cancels if published.result_of(d) is None]
+            await self.store.write_document(CANCEL_REQUESTS, _encode_ids(unfinished))
+        replaying: set[str] = set()
         for record in admissions:
             delivery = msgspec.convert(record.request, Delivery)
             self._known[record.delivery_id] = _Known(record.fingerprints, delivery.room)
@@ -359,7 +364,9 @@ class RoomWorker:
             lane = self._lane(delivery.room)
             pending = Pending(delivery, record, grants or frozenset(), privileged, recovering=True)
             refused = self._refusal(record, delivery, grants)
-            if refused is not None:
+            if record.delivery_id in cancels:  # `pi-runtime cancel` while no server ran
+                refused = None
+            if refused is not None or record.delivery_id in cancels:
                 self._pending[record.delivery_id] = pending
                 self._nursery.start_soon(self._refuse, lane, pending, refused)
                 continue
@@ -367,11 +374,12 @@ class RoomWorker:
                 self._warm.add(delivery.room)
             owner_id = steered.get(record.delivery_id)
             owner = self._pending.get(owner_id[0]) if owner_id is not None else None
-            if owner is not None and owner_id is not None:  # it rides its owner's replay
-                self._pending[record.delivery_id] = pending
+            if owner is not None and owner_id is not None and owner_id[0] in replaying:
+                self._pending[record.delivery_id] = pending  # it rides its owner's replay
                 pending.absorbed_into = owner.delivery_id
                 owner.absorbed.append(Absorbed(pending, owner_id[1], owner_id[2]))
                 continue
+            replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)
 
     async def _steered(self, unfinished: list[str]) -> dict[str, tuple[str, str, int | None]]:
@@ -405,10 +413,11 @@ class RoomWorker:
             return f"{ReasonCode.RECOVERY_REFUSED}:{changed[0]}"
         return None
 
-    async def _refuse(self, lane: Lane, pending: Pending, code: str) -> None:
-        result = Result(
-            outcome=Outcome.FAILED, code=code, finished_ms=self._host.clocks.wall.time_ms()
-        )
+    async def _refuse(self, lane: Lane, pending: Pending, code: str | None) -> None:
+        """End a recovered delivery without a turn: ``failed`` with ``code``, or
+        ``cancelled`` (``code`` None) when a cancel was requested while no server ran."""
+        outcome = Outcome.CANCELLED if code is None else Outcome.FAILED
+        result = Result(outcome=outcome, code=code, finished_ms=self._host.clocks.wall.time_ms())
         await lane.write_result(pending, result)
 
     async def _kill_leftover_epochs(self) -> None:
@@ -438,6 +447,38 @@ def _program(config: RoomWorkerConfig) -> WorkerProgram:
             "pi_home", "the real Pi is not installed there; run `pi-runtime pi install`"
         )
     return WorkerProgram.pi(install)
+
+
+CANCEL_REQUESTS: Final = "cancel-requests.json"
+"""A document in the state directory: deliveries whose cancel was requested while no server
+ran; the next start ends each ``cancelled`` before anything runs (brief §8, ``cancel``)."""
+
+
+async def _read_cancel_requests(store: Store) -> list[str]:
+    data = await store.read_document(CANCEL_REQUESTS)
+    return [] if data is None else msgspec.json.decode(data, type=list[str])
+
+
+def _encode_ids(ids: list[str]) -> bytes:
+    return msgspec.json.encode(sorted(set(ids)))
+
+
+async def request_cancel(
+    state_dir: Path | str, delivery_id: str, *, clocks: Clocks | None = None
+) -> Literal["requested", "finished"]:
+    """Cancel ``delivery_id`` in a state directory no server runs on: the request is made
+    durable and the next start ends the delivery ``cancelled`` before anything runs.
+    ``finished`` when it already has a result. Raises ``state_dir_locked`` when a server owns
+    the directory (cancel through it), ``delivery_unknown`` when it was never admitted."""
+    async with open_store(Path(state_dir), clocks=clocks or Clocks.system()) as store:
+        records = store.admissions.contents.records
+        if not any(isinstance(r, Admission) and r.delivery_id == delivery_id for r in records):
+            raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
+        if ResultOutbox(store.results).result_of(delivery_id) is not None:
+            return "finished"
+        requested = await _read_cancel_requests(store)
+        await store.write_document(CANCEL_REQUESTS, _encode_ids([*requested, delivery_id]))
+    return "requested"
 
 
 @contextlib.asynccontextmanager

@@ -26,12 +26,12 @@ import trio
 
 from fake_pi.scenario import Hang, Text
 from runtime._admin import serve_admin
-from runtime._cli import EXIT_FAILED, EXIT_NO_SERVER, EXIT_OK, EXIT_USAGE, main
+from runtime._cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from runtime._config import ModelConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._outbox import ResultOutbox
 from runtime._records import Admission, Fingerprints, Outcome, Result
-from runtime._room_worker import open_room_worker
+from runtime._room_worker import open_room_worker, request_cancel
 from runtime._store import delivery_key, lane_key, open_store
 from runtime._token import read_token
 from runtime._version import __version__
@@ -185,8 +185,8 @@ def test_o11_version_in_process_and_as_a_real_process(
         timeout=LIMIT,
         check=False,
     )
-    assert done.returncode == EXIT_NO_SERVER
-    assert json.loads(done.stderr.strip().splitlines()[-1])["code"] == "server_not_running"
+    assert done.returncode == EXIT_OK
+    assert done.stdout == "d3: no server runs; cancelled at the next start\n"
 
 
 def test_o11_serve_parses_its_options_and_runs_the_server_module(
@@ -383,24 +383,25 @@ async def test_o9_o12_status_and_cancel_go_through_a_running_server(
     assert handler.cancelled == ["d3", "d3"]
 
 
-def test_o12_cancel_without_a_server_says_so(
+def test_o12_cancel_without_a_server_records_it_for_the_next_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = populated(tmp_path)
-    before = snapshot(state)
-    code, out, err = run(["cancel", "d3", "--state-dir", str(state)], capsys)
-    assert (code, out) == (EXIT_NO_SERVER, "")
-    assert err.startswith("pi-runtime: server_not_running: no server answers on ")
-    assert "pi-runtime serve" in err
-    assert snapshot(state) == before
-    code, _, err = run(["--log-json", "cancel", "d3", "--state-dir", str(state)], capsys)
-    assert code == EXIT_NO_SERVER
-    entry = json.loads(err)
-    assert (entry["level"], entry["code"], entry["logger"]) == (
-        "error",
-        "server_not_running",
-        "runtime.cli",
-    )
+    code, out, _ = run(["cancel", "d3", "--state-dir", str(state)], capsys)
+    assert (code, out) == (EXIT_OK, "d3: no server runs; cancelled at the next start\n")
+    assert json.loads((state / "cancel-requests.json").read_text()) == ["d3"]
+    code, out, _ = run(["cancel", "d2", "--state-dir", str(state), "--json"], capsys)
+    assert code == EXIT_OK
+    assert json.loads(out) == {
+        "ok": True,
+        "delivery_id": "d2",
+        "state": "finished",
+        "source": "state_dir",
+    }
+    code, out, err = run(["cancel", "nobody", "--state-dir", str(state)], capsys)
+    assert (code, out) == (EXIT_FAILED, "")
+    assert err.startswith("pi-runtime: delivery_unknown: ")
+    assert json.loads((state / "cancel-requests.json").read_text()) == ["d3"]
 
 
 # ------------------------------------------------------------------------------ journal
@@ -528,3 +529,26 @@ async def test_o9_o10_the_state_directory_a_room_worker_left(
         assert types_[:2] == ["header", "admission"]
         assert "model_request" in types_
         assert "result" not in types_
+
+
+async def test_o12_a_cancel_without_a_server_ends_the_delivery_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """No server: the cancel is made durable in the state directory; the next start ends the
+    delivery ``cancelled`` before anything runs, and a second cancel finds it finished."""
+    state = tmp_path / "state"
+    await _populate(state)
+    with trio.fail_after(LIMIT):
+        assert await request_cancel(state, "d3") == "requested"
+        with pytest.raises(DeliveryError, match="delivery_unknown"):
+            await request_cancel(state, "nobody")
+        config = RoomWorkerConfig(state_dir=str(state), work_root=str(tmp_path / "work"))
+        async with open_room_worker(config, base_dir=tmp_path) as worker:
+            found = {}
+            async for result in worker.results():
+                found[result.delivery_id] = result
+                if {"d3", "d4"} <= found.keys():
+                    break
+        assert await request_cancel(state, "d3") == "finished"
+    assert (found["d3"].outcome, found["d3"].code) == (Outcome.CANCELLED, None)
+    assert found["d4"].code == "recovery_refused:grants"  # its fingerprints are made up

@@ -25,6 +25,7 @@ import trio
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._gate import interrupted_text
+from runtime._room_worker import request_cancel
 
 from ._pi import pi_home
 from ._workers import scripted_upstream, tool_messages
@@ -468,3 +469,35 @@ async def test_a_replay_that_diverges_from_the_journal_fails_closed(
     assert (found["d0"]["outcome"], found["d0"]["text"]) == ("reply", "zero")
     assert (found["d1"]["outcome"], found["d1"]["code"]) == ("failed", "recovery_refused:replay")
     assert model.request_count == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_steered_message_whose_owner_is_cancelled_while_down_runs_on_its_own(
+    kind: str, tmp_path: Path
+) -> None:
+    """Killed right after a second message was steered into the running turn; while no host
+    runs, the owner is cancelled (``pi-runtime cancel``). The next host ends the owner
+    ``cancelled`` without running it, and the steered message — never absorbed into a
+    durable owner result — is answered as its own turn: never lost."""
+    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
+    os.mkfifo(started)
+    os.mkfifo(release)
+    command = f"echo go > {started}; cat {release}"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
+        Text(text="the second, on its own"),
+    ]
+    deliver = [message("d1", "first"), {"wait_fifo": str(started)}, message("d2", "second")]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("bash", "send_text_update"))}
+            async with host(tmp_path, {**spec, "deliver": deliver, "expect": 2}, "a") as h:
+                await h.until(lambda f: f.get("accepted", {}).get("delivery_id") == "d2")
+                await h.kill()
+            assert await request_cancel(tmp_path / "state", "d1") == "requested"
+            async with host(tmp_path, {**spec, "expect": 2, "ack": True}, "b") as h:
+                found = {r["delivery_id"]: r for r in results(await h.finish())}
+    assert found["d1"]["outcome"] == "cancelled"
+    assert (found["d2"]["outcome"], found["d2"]["text"]) == ("reply", "the second, on its own")
+    assert model.request_count == 2
+    assert "second" in str(model.requests[1].body["messages"])
