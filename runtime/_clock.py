@@ -92,19 +92,28 @@ class SystemWallClock:
         return time.time_ns() // 1_000_000
 
 
+def _trio_now() -> float:
+    """Trio's clock, also from a thread Trio started (``trio.to_thread``): the runtime reads
+    the wall clock in worker threads (the store's owner record, session writers)."""
+    try:
+        return trio.current_time()
+    except RuntimeError:  # not in the Trio thread: ask it
+        return trio.from_thread.run_sync(trio.current_time)
+
+
 @dataclass
 class MockSilenceClock:
     """A silence clock driven by Trio's (mock) clock, with simulated suspends.
 
-    Must be read inside a Trio run. ``suspend(seconds)`` makes boot time jump
-    forward without moving Trio's clock, which is what a real suspend looks
-    like from inside the process.
+    Must be read inside a Trio run (or a thread it started). ``suspend(seconds)``
+    makes boot time jump forward without moving Trio's clock, which is what a
+    real suspend looks like from inside the process.
     """
 
     _suspended: float = 0.0
 
     def read(self) -> SilenceReading:
-        now = trio.current_time()
+        now = _trio_now()
         return SilenceReading(boottime=now + self._suspended, monotonic=now)
 
     def suspend(self, seconds: float) -> None:
@@ -125,7 +134,7 @@ class MockWallClock:
     _offset_ms: int = 0
 
     def time_ms(self) -> int:
-        return self.start_ms + self._offset_ms + int(trio.current_time() * 1000)
+        return self.start_ms + self._offset_ms + int(_trio_now() * 1000)
 
     def advance(self, seconds: float) -> None:
         self._offset_ms += int(seconds * 1000)
