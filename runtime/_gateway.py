@@ -358,6 +358,8 @@ class GatewayStatistics:
     upstream_calls: int
     journaled: int
     inactivity_aborts: int
+    detached: int
+    """Upstream responses that finished after their delivery was detached (G14)."""
 
 
 class _Downstream:
@@ -406,8 +408,10 @@ class _Downstream:
                 await self._response.respond(status, body)
 
     async def keepalive(self, interval: float) -> None:
-        """Send a keepalive comment whenever nothing was sent for ``interval`` (G5)."""
-        while True:
+        """Send a keepalive comment whenever nothing was sent for ``interval`` (G5), until
+        the worker is gone (a send to a gone worker does not move ``last_sent``: looping on
+        would spin)."""
+        while not self.gone:
             await trio.sleep_until(self.last_sent + interval)
             if trio.current_time() >= self.last_sent + interval:
                 await self.send(KEEPALIVE)
@@ -444,7 +448,15 @@ class Gateway:
         self._failure: PiRuntimeError | None = None
         self._failed = trio.Event()
         self._stats = dict.fromkeys(
-            ("requests", "refused", "replayed", "upstream_calls", "journaled", "inactivity_aborts"),
+            (
+                "requests",
+                "refused",
+                "replayed",
+                "upstream_calls",
+                "journaled",
+                "inactivity_aborts",
+                "detached",
+            ),
             0,
         )
 
@@ -511,7 +523,8 @@ class Gateway:
                 nursery.cancel_scope.cancel()
 
     async def _answer(self, body: dict[str, Any], digest: str, downstream: _Downstream) -> None:
-        recorded = await self.journal.lookup(digest)
+        journal = self.journal  # G14: this request's delivery, even if another is attached later
+        recorded = await journal.lookup(digest)
         if recorded is not None:  # G6: replay, upstream untouched
             self._stats["replayed"] += 1
             if self.on_answer is not None:
@@ -534,7 +547,7 @@ class Gateway:
                 )
                 return
         try:
-            await self.journal.record_request(digest)  # G2
+            await journal.record_request(digest)  # G2
         except ReplayMismatch as exc:  # G13: refused, not retried by the worker
             self._stats["refused"] += 1
             await downstream.respond(409, _error_body(exc.code, exc.message))
@@ -545,10 +558,15 @@ class Gateway:
         if self.on_answer is not None:
             await self.on_answer(body, digest, False)
         self._stats["upstream_calls"] += 1
-        await self._relay(body, digest, key, downstream)
+        await self._relay(body, digest, key, downstream, journal)
 
     async def _relay(
-        self, body: dict[str, Any], digest: str, key: str | None, downstream: _Downstream
+        self,
+        body: dict[str, Any],
+        digest: str,
+        key: str | None,
+        downstream: _Downstream,
+        journal: StepJournal,
     ) -> None:
         ids = ToolCallIds(digest)
         chunks: list[str] = []
@@ -594,8 +612,11 @@ class Gateway:
         if held[-1].strip() != DONE:
             chunks.append(DONE)
             held.append(DONE)
+        if journal is not self.journal:  # G14: its delivery ended meanwhile (stalled, cancelled)
+            self._stats["detached"] += 1
+            return  # nobody replays it: not journaled, and the stream is cut without its end
         try:
-            await self.journal.record_response(digest, chunks)  # keepalives flow meanwhile
+            await journal.record_response(digest, chunks)  # keepalives flow meanwhile
         except PiRuntimeError as exc:
             self._fail(exc)
             return

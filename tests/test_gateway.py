@@ -35,6 +35,7 @@ from runtime._gateway import (
     MemoryStepJournal,
     ReplayMismatch,
     ToolCallIds,
+    _Downstream,
     inactivity_message,
     is_terminal,
     request_digest,
@@ -731,3 +732,33 @@ async def test_e2e_a_stream_cut_upstream_is_retried_and_the_turn_completes(
     assert digests[0] == digests[1]
     assert journal.requests == digests  # both attempts recorded as intents
     assert list(journal.responses) == [digests[0]]  # only the whole answer journaled
+
+
+class _GoneWorker:
+    """A worker connection that is gone: every send fails; counts the attempts."""
+
+    started = True
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        raise trio.BrokenResourceError
+
+    async def send(self, data: bytes) -> None:
+        self.sends += 1
+        if self.sends > 100:
+            raise AssertionError("the keepalive loop spins on a gone worker")
+        raise trio.BrokenResourceError
+
+
+async def test_g5_keepalives_stop_once_the_worker_is_gone() -> None:
+    """G5: a worker that went away mid-stream (the step goes on, G12's note) gets no more
+    keepalives: the loop ends instead of spinning (a send to a gone worker is a no-op, so
+    the loop would never sleep again — it did, at 100 % CPU, until the upstream ended)."""
+    worker = _GoneWorker()
+    downstream = _Downstream(worker)  # type: ignore[arg-type]
+    with trio.fail_after(5):  # a spinning loop still checkpoints: cancelled, then failed
+        await downstream.keepalive(0.001)
+    assert downstream.gone
+    assert worker.sends == 1

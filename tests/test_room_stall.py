@@ -207,6 +207,8 @@ class Alive:
 
     seconds: float = 3600.0
     every: float = 60.0
+    then: str | None = None
+    """Answer this after ``seconds`` (a model that was only very slow) instead of dropping."""
 
 
 @dataclass
@@ -243,6 +245,7 @@ class Upstream:
         self.model = CountingModel(scenario=Scenario(steps=steps), probe=probe)
         self.bodies: list[dict[str, Any]] = []
         self.alive_started = 0
+        self.alive_answered = 0
         self.url = ""
 
     @property
@@ -287,6 +290,14 @@ class Upstream:
             for _ in range(int(step.seconds // step.every)):
                 await trio.sleep(step.every)
                 await response.send(b": still thinking\n\n")
+            if step.then is not None:
+                answer = {"index": 0, "delta": {"content": step.then}, "finish_reason": "stop"}
+                last = {**first, "choices": [answer]}
+                await response.send(b"data: " + _json.encode(last) + b"\n\n")
+                await response.send(b"data: [DONE]\n\n")
+                await response.end()
+                self.alive_answered += 1
+                self.probe.notify()
         # returning without ending the response drops the connection
 
     def streamed_reached_lane(self) -> bool:
@@ -470,6 +481,50 @@ async def test_a_silent_model_stalls_the_turn_at_300_to_305_s_and_the_lane_goes_
         assert sum(isinstance(r, EpochStarted) for r in lane_log.records) == 1
     assert upstream.arrived == 2
     assert "hello again" in str(upstream.bodies[1]["messages"][-1])
+
+
+async def test_g14_a_stalled_turns_late_answer_does_not_reach_the_next_delivery(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    clocks: Clocks,
+    tmp_path: Path,
+) -> None:
+    """The stalled turn's model answers after all, 8 minutes in, once the room's next
+    delivery has its log attached: the late answer is not journaled into that delivery (it
+    asked nothing with that digest) and the room worker goes on serving — before G14 the
+    error stopped it."""
+    plan: list[Step | Alive] = [
+        Alive(seconds=8 * MINUTE, then="too late"),
+        Text(text="second"),
+        Text(text="third"),
+    ]
+    async with (
+        serving(plan, probe) as upstream,
+        room_worker(upstream, tmp_path, clocks, probe) as (worker, results),
+    ):
+        await worker.deliver(message("d1", "hi"))
+        await driver.wait_for(
+            lambda: upstream.started == 1 and upstream.streamed_reached_lane(), "d1 to start"
+        )
+        await driver.advance(
+            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
+        )
+        await driver.wait_for(lambda: len(results) == 1, "d1's result")
+        await worker.deliver(message("d2", "again"))  # the gateway now serves d2's log
+        await driver.wait_for(lambda: len(results) == 2, "d2's result")
+        await driver.advance(  # only d1's silent stream is left, on virtual timers
+            5 * MINUTE, quiet=lambda: True, stop=lambda: upstream.alive_answered == 1
+        )
+        assert upstream.alive_answered == 1  # d1's model answered, 8 minutes in
+        await worker.deliver(message("d3", "third?"))
+        await driver.wait_for(lambda: len(results) == 3, "d3's result")
+    assert [(r.delivery_id, r.outcome) for r in results] == [
+        ("d1", Outcome.FAILED),
+        ("d2", Outcome.REPLY),
+        ("d3", Outcome.REPLY),
+    ]
+    assert (results[1].text, results[2].text) == ("second", "third")
 
 
 async def test_a_hung_upstream_is_the_gateways_to_abort_not_the_backstops(
