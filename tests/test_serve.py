@@ -5,14 +5,17 @@ a real Fake-Pi worker; each bad-input case of the wire protocol once, end to end
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
 import pytest
 import trio
+import trustme
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
@@ -21,7 +24,7 @@ from trio_websocket import (
 
 from fake_pi.scenario import Step, Text
 from runtime._config import config_from_dict
-from runtime._serve import RoomServer, ServeOptions, check_bind, open_server
+from runtime._serve import RoomServer, ServeOptions, _options, check_bind, open_server
 from runtime._token import rotate_token
 
 from ._wire import Client, Frame, message
@@ -99,6 +102,16 @@ async def test_s1_hello_with_the_token_is_welcomed_and_a_wrong_one_closes(tmp_pa
                     await client.receive()
                 assert closed.value.reason is not None
                 assert closed.value.reason.code == 1008
+
+
+async def test_s1_a_hello_without_a_token_is_refused_and_may_be_sent_again(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect(hello=False) as client:
+            await client.send({"type": "hello", "protocol": 1, "client": "t"})
+            assert error(await client.receive()) == ("missing_field", "hello")
+            assert (await client.hello(r.token))["type"] == "welcome"
 
 
 async def test_s1_a_rotated_token_acts_at_the_next_hello(tmp_path: Path) -> None:
@@ -306,3 +319,35 @@ def test_s6_a_non_loopback_bind_needs_tls_or_the_insecure_flag(host: str) -> Non
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.8.9.10"])
 def test_s6_loopback_binds_need_nothing(host: str) -> None:
     check_bind(ServeOptions(host=host))
+
+
+async def test_s6_with_tls_a_client_that_trusts_the_certificate_is_served(
+    tmp_path: Path,
+) -> None:
+    """The certificate and key files of ``--tls-cert`` / ``--tls-key``, served over wss."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    args = argparse.Namespace(
+        host="0.0.0.0", port=0, tls_cert=cert, tls_key=key, insecure_bind=False
+    )
+    options = _options(args)
+    check_bind(options)  # TLS: a non-loopback address is allowed
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+    config = config_from_dict({}, base=tmp_path)
+    served = ServeOptions(host="127.0.0.1", port=0, ssl_context=options.ssl_context)
+    with trio.fail_after(LIMIT):
+        async with open_server(config, served, base_dir=tmp_path) as server:
+            token = (tmp_path / "state" / "token").read_text()
+            url = f"wss://127.0.0.1:{server.port}/"
+            async with open_websocket_url(url, ssl_context=trusting) as ws:
+                assert (await Client(ws).hello(token))["type"] == "welcome"
+
+
+def test_s6_tls_needs_both_files(tmp_path: Path) -> None:
+    args = argparse.Namespace(host="127.0.0.1", port=0, tls_cert=tmp_path / "c.pem", tls_key=None)
+    with pytest.raises(Exception, match="config_invalid: tls"):
+        _options(args)
