@@ -274,6 +274,11 @@ class DeliveryStepJournal:
                 self._responses[record.request_digest] = list(record.chunks)
                 self._last_answered = max(self._last_answered, record.step)
 
+    @property
+    def last_answered(self) -> int:
+        """The highest step with a recorded response (-1: none): what a replay asks again."""
+        return self._last_answered
+
     def begin_epoch(self, epoch: int) -> None:
         """A new worker epoch records ``epoch`` and replays the delivery from its first step."""
         self.epoch = epoch

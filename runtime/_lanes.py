@@ -502,6 +502,7 @@ class Lane:
             live = await slot.ensure_live(nursery)
             assert slot.boundaries is not None
             turn = _Turn(self, pending, live, log)
+            turn.replay_upto = slot.boundaries.steps.last_answered
             self._running = turn
             slot.boundaries.on_request = turn.on_request
             try:
@@ -681,6 +682,9 @@ class _Turn:
         self.partial = ""
         self.typing = trio.Event()
         self.stalled = False
+        self.replay_upto = -1
+        """The last step the journal answers (a replay asks them again first): a steer never
+        seen before the crash is sent again only once that step is answered (L10)."""
 
     def _now(self) -> float:
         return self.host.clocks.silence.read().boottime
@@ -694,7 +698,7 @@ class _Turn:
         async with self.steer_lock:
             self.steerable = True
             for item in self.pending.absorbed:
-                if item.first_step is None:  # a replay: steered before, never seen
+                if item.first_step is None and self.replay_upto < 0:  # steered, never seen
                     await self.send_steer(item)
         died: RpcError | None = None
         async with trio.open_nursery() as nursery:
@@ -710,6 +714,13 @@ class _Turn:
             nursery.cancel_scope.cancel()
         if died is not None:
             raise died
+        async with self.steer_lock:  # a steer being sent finishes first
+            self.steerable = False
+            if any(item.first_step is None and item.sent for item in self.pending.absorbed):
+                # steered too late for any model request: the worker still queues it, and
+                # it runs as its own turn (L10) — take it back so it is not carried twice
+                with contextlib.suppress(RpcError):
+                    await rpc.clear_queue()
         end = classify_turn(self.messages)
         if end.outcome is Outcome.CANCELLED and not self.pending.cancelled:
             code = ReasonCode.TURN_STALLED if self.stalled else ReasonCode.RESPONSE_MISSING
@@ -739,6 +750,10 @@ class _Turn:
                 )
             elif replayed and item.first_step == step + 1 and not item.sent:
                 await self.send_steer(item)
+            elif (
+                replayed and item.first_step is None and not item.sent and step >= self.replay_upto
+            ):
+                await self.send_steer(item)  # never seen: after the last answered step
 
     def _see(self, event: Event) -> bool:
         """Handle one event; True at ``agent_settled``."""

@@ -58,8 +58,8 @@ class ResultOutbox:
         self._log = log
         self._by_delivery: dict[str, DeliveryResult] = {}
         self._ordered: list[DeliveryResult] = []
-        self.last_seq_of_room: dict[str, int] = {}
-        """Each room's latest published seq."""
+        self.last_of_room: dict[str, DeliveryResult] = {}
+        """Each room's latest published result."""
         self.acked = 0
         """Every seq up to this one was acknowledged."""
         self._lock = trio.Lock()
@@ -73,7 +73,7 @@ class ResultOutbox:
     def _learn(self, result: DeliveryResult) -> None:
         self._by_delivery.setdefault(result.delivery_id, result)
         self._ordered.append(result)
-        self.last_seq_of_room[result.room] = result.seq
+        self.last_of_room[result.room] = result
 
     @property
     def last_seq(self) -> int:

@@ -231,7 +231,7 @@ class RoomWorker:
                 state="running" if lane.current is not None else "idle",
                 queued=len(lane.queue),
                 live_worker=lane.live_worker,
-                last_result_seq=outbox.last_seq_of_room.get(name, 0),
+                last_result_seq=last.seq if (last := outbox.last_of_room.get(name)) else 0,
             )
             for name, lane in sorted(self._lanes.items())
             if room is None or name == room
@@ -345,8 +345,9 @@ class RoomWorker:
         await self._kill_leftover_epochs()
         published = self._host.outbox
         admissions = [r for r in self.store.admissions.contents.records if isinstance(r, Admission)]
+        running = [a for a in admissions if published.result_of(a.delivery_id) is None]
         steered = await self._steered(
-            [a.delivery_id for a in admissions if published.result_of(a.delivery_id) is None]
+            [a.delivery_id for a in running] + self._finished_owners(running)
         )
         cancels = await _read_cancel_requests(self.store)
         if any(published.result_of(d) is not None for d in cancels):  # applied: forget them
@@ -373,6 +374,8 @@ class RoomWorker:
             if not privileged:
                 self._warm.add(delivery.room)
             owner_id = steered.get(record.delivery_id)
+            if owner_id is not None and self._absorbed_at_recovery(lane, pending, owner_id):
+                continue
             owner = self._pending.get(owner_id[0]) if owner_id is not None else None
             if owner is not None and owner_id is not None and owner_id[0] in replaying:
                 self._pending[record.delivery_id] = pending  # it rides its owner's replay
@@ -382,11 +385,43 @@ class RoomWorker:
             replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)
 
-    async def _steered(self, unfinished: list[str]) -> dict[str, tuple[str, str, int | None]]:
-        """For each delivery steered into an unfinished owner: (owner, text, first step),
-        from the owners' logs (only deliveries whose turn started have one)."""
+    def _finished_owners(self, unfinished: list[Admission]) -> list[str]:
+        """Owners that finished while deliveries steered into them did not: the host died
+        between the owner's result and theirs (``_settle_absorbed``). Only the latest owner
+        of a room can be one — the room's latest result, or the owner that one was absorbed
+        into — so one log per room with unfinished deliveries is read, not every log."""
+        owners = []
+        for room in {a.request.get("room") for a in unfinished}:
+            last = self._host.outbox.last_of_room.get(str(room))
+            if last is not None:
+                owners.append(last.absorbed_into or last.delivery_id)
+        return owners
+
+    def _absorbed_at_recovery(
+        self, lane: Lane, pending: Pending, owner: tuple[str, str, int | None]
+    ) -> bool:
+        """A steered delivery whose owner's result is already durable ends as it would have
+        (L10): ``absorbed`` when a model request carried it and the owner answered; else it
+        runs as its own turn (False)."""
+        result = self._host.outbox.result_of(owner[0])
+        if result is None:
+            return False
+        if owner[2] is None or result.outcome not in (Outcome.REPLY, Outcome.SILENT):
+            return False
+        self._pending[pending.delivery_id] = pending
+        absorbed = Result(
+            outcome=Outcome.ABSORBED,
+            absorbed_into=owner[0],
+            finished_ms=self._host.clocks.wall.time_ms(),
+        )
+        self._nursery.start_soon(lane.write_result, pending, absorbed)
+        return True
+
+    async def _steered(self, owners: list[str]) -> dict[str, tuple[str, str, int | None]]:
+        """For each delivery steered into one of ``owners``: (owner, text, first step), from
+        the owners' logs (only deliveries whose turn started have one)."""
         found: dict[str, tuple[str, str, int | None]] = {}
-        for owner in unfinished:
+        for owner in owners:
             rel = self.store.delivery_rel(owner)
             if not await trio.to_thread.run_sync(self.store.fs.exists, self.store.path(rel)):
                 continue
@@ -421,8 +456,12 @@ class RoomWorker:
         await lane.write_result(pending, result)
 
     async def _kill_leftover_epochs(self) -> None:
-        lanes = self.store.root / "lanes"
-        names = await trio.to_thread.run_sync(lambda: sorted(p.name for p in lanes.iterdir()))
+        fs, lanes = self.store.fs, self.store.path("lanes")
+
+        def lane_names() -> list[str]:
+            return sorted(fs.listdir(lanes)) if fs.exists(lanes) else []
+
+        names = await trio.to_thread.run_sync(lane_names)
         for name in names:
             rel = f"lanes/{name}/lane.log"
             if not await trio.to_thread.run_sync(self.store.fs.exists, self.store.path(rel)):

@@ -451,6 +451,12 @@ class RpcChannel:
         """Queue chat ``text`` for when the run would stop (R9); returns Pi's disposition."""
         return _disposition(await self.request({"type": "follow_up", "message": chat_text(text)}))
 
+    async def clear_queue(self) -> dict[str, Any]:
+        """Take back every queued steer and follow-up (Pi's ``clear_queue``): the removed
+        texts, ``{"steering": [...], "followUp": [...]}``."""
+        response = await self.request({"type": "clear_queue"})
+        return response.data if isinstance(response.data, dict) else {}
+
     async def abort(self) -> None:
         """Abort the run in flight and wait for the response, which Pi sends after the run's
         ``agent_settled{aborted: true}`` (R7); harmless when idle."""

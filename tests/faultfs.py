@@ -322,6 +322,10 @@ class PowerLossFileSystem:
         """Operations performed so far (``close`` is not counted)."""
         self.refused = 0
         """Operations refused because the power was cut."""
+        self.on_cut: Callable[[], object] | None = None
+        """Called once per :meth:`cut_after`, with the lock held, on the thread of the first
+        refused operation: the moment the power goes (a test stops its process there)."""
+        self._cut_reported = False
         for root in roots:
             self._makedirs(os.fspath(root), durable=True)
 
@@ -333,6 +337,7 @@ class PowerLossFileSystem:
             raise ValueError("n_ops must be >= 0")
         with self._lock:
             self._cut = self.ops + n_ops
+            self._cut_reported = False
 
     @property
     def power_cut(self) -> bool:
@@ -342,6 +347,10 @@ class PowerLossFileSystem:
     def _tick(self, op: str) -> None:
         if self._cut != _NO_CUT and self.ops >= self._cut:
             self.refused += 1
+            if not self._cut_reported:
+                self._cut_reported = True
+                if self.on_cut is not None:
+                    self.on_cut()
             raise PowerCut(op)
         self.ops += 1
 
