@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import trio
 
 from fake_pi.model_server import ScriptedModel
-from fake_pi.scenario import Scenario, Step
+from fake_pi.scenario import Call, Scenario, Step, ToolCalls
 from runtime._clock import Clocks
 from runtime._http import Request, ResponseWriter, serve_http
 from runtime._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -104,3 +105,15 @@ def tool_messages(body: dict[str, Any]) -> dict[str, str]:
                 content = "".join(p.get("text", "") for p in content)
             out[message["tool_call_id"]] = content
     return out
+
+
+def waiting_bash(root: Path) -> tuple[Path, Path, Step]:
+    """A ``bash`` tool call that reports it started and then waits to be released:
+    ``(started, release, step)``; read ``started`` (a FIFO) to know it runs, write
+    ``release`` to let it end. The turn it belongs to can be steered meanwhile."""
+    started, release = root / "started.fifo", root / "release.fifo"
+    os.mkfifo(started)
+    os.mkfifo(release)
+    command = f"echo go > {started}; cat {release}"
+    step = ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")])
+    return started, release, step

@@ -28,7 +28,7 @@ from runtime._gate import interrupted_text
 from runtime._room_worker import request_cancel
 
 from ._pi import pi_home
-from ._workers import scripted_upstream, tool_messages
+from ._workers import scripted_upstream, tool_messages, waiting_bash
 
 HOST: Final = Path(__file__).with_name("room_host.py")
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -277,14 +277,8 @@ async def test_crash_during_a_steer_absorbs_it_exactly_once(kind: str, tmp_path:
     input durable, the steer sent): the next host replays the owner with the steer re-sent;
     the owner gets one reply and the steered message ends ``absorbed`` into it — never lost,
     never answered twice."""
-    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
-    os.mkfifo(started)
-    os.mkfifo(release)
-    command = f"echo go > {started}; cat {release}"
-    steps: list[Step] = [
-        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
-        Text(text="one answer for both"),
-    ]
+    started, _, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="one answer for both")]
     deliver = [message("d1", "first"), {"wait_fifo": str(started)}, message("d2", "second")]
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
@@ -479,14 +473,8 @@ async def test_a_steered_message_whose_owner_is_cancelled_while_down_runs_on_its
     runs, the owner is cancelled (``pi-runtime cancel``). The next host ends the owner
     ``cancelled`` without running it, and the steered message — never absorbed into a
     durable owner result — is answered as its own turn: never lost."""
-    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
-    os.mkfifo(started)
-    os.mkfifo(release)
-    command = f"echo go > {started}; cat {release}"
-    steps: list[Step] = [
-        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
-        Text(text="the second, on its own"),
-    ]
+    started, _, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="the second, on its own")]
     deliver = [message("d1", "first"), {"wait_fifo": str(started)}, message("d2", "second")]
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):

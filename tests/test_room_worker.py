@@ -41,7 +41,7 @@ from runtime._room_worker import RoomWorker, open_room_worker
 from runtime._store import lane_key
 
 from ._pi import pi_home
-from ._workers import scripted_upstream
+from ._workers import scripted_upstream, waiting_bash
 
 LIMIT: Final = 90.0
 ROOM: Final = "dm:100"
@@ -301,14 +301,8 @@ async def test_l10_a_burst_gets_one_answer_and_two_absorbed(kind: str, tmp_path:
     """L10: two messages arriving while the first one's tool runs are journaled and steered
     into the run (``steered``); the next model request carries both; once the owner's reply
     is durable they end ``absorbed`` into it. One burst, one answer, one model call more."""
-    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
-    os.mkfifo(started)
-    os.mkfifo(release)
-    command = f"echo go > {started}; cat {release}"
-    steps: list[Step] = [
-        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
-        Text(text="one answer for all"),
-    ]
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="one answer for all")]
     rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
     with trio.fail_after(LIMIT):
         async with (

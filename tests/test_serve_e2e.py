@@ -22,10 +22,10 @@ from typing import Any, Final
 import trio
 from trio_websocket import open_websocket_url
 
-from fake_pi.scenario import Call, Step, Text, ToolCalls
+from fake_pi.scenario import Step, Text
 
 from ._wire import Client, Frame, message
-from ._workers import scripted_upstream
+from ._workers import scripted_upstream, waiting_bash
 
 REPO: Final = Path(__file__).resolve().parents[1]
 LIMIT: Final = 120.0
@@ -111,14 +111,8 @@ def results(frames: list[Frame]) -> list[Frame]:
 async def test_a_burst_of_three_gets_one_reply_and_two_absorbed(tmp_path: Path) -> None:
     """The first message starts a turn (a tool that waits); the next two arrive mid-turn,
     are steered into it and end ``absorbed`` into its one reply."""
-    started, release = tmp_path / "started.fifo", tmp_path / "release.fifo"
-    os.mkfifo(started)
-    os.mkfifo(release)
-    command = f"echo go > {started}; cat {release}"
-    steps: list[Step] = [
-        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
-        Text(text="one answer for all three"),
-    ]
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="one answer for all three")]
     grants = '\n[rooms."dm:1"]\ngrants = ["bash", "send_text_update"]\n'
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
