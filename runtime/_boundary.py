@@ -158,6 +158,12 @@ class Boundaries:
         self.gateway.journal = self.steps
         self.gate.journal = self.tools
 
+    def release(self) -> None:
+        """The attached delivery ended: both journals forget it and refuse whatever its
+        worker still asks (G14) until the next :meth:`attach`."""
+        self.steps.release()
+        self.tools.release()
+
     def begin_epoch(self, epoch: int) -> None:
         """A new worker epoch (B2): fresh secrets for both servers (the previous epoch's stop
         working at once), and both journals record ``epoch`` from now on."""

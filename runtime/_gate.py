@@ -400,6 +400,14 @@ class RecordingGateJournal:
             self._settled.pop(call.tool_call_id).set()
         return result
 
+    def release(self) -> None:
+        """The delivery ended: forget its intents and outcomes and refuse every tool from
+        now on (an idle lane keeps no turn in memory)."""
+        self._log = MemoryLog()
+        self.granted = frozenset()
+        self._intents.clear()
+        self._outcomes.clear()
+
     async def wait_outcomes(self, tool_call_ids: Iterable[str]) -> None:
         """Return once no call among ``tool_call_ids`` that was let run is still without a
         durable outcome (T11: the gateway holds a model request carrying such a result)."""

@@ -249,7 +249,7 @@ class DeliveryStepJournal:
     """
 
     def __init__(self, journal: Journal, *, epoch: int, replay: bool = False) -> None:
-        self._journal = journal
+        self._journal: Journal | None = journal
         self.epoch = epoch
         self.replay = replay
         """Each epoch asks the steps again from the first; diverging is refused (G13)."""
@@ -274,6 +274,20 @@ class DeliveryStepJournal:
                 self._responses[record.request_digest] = list(record.chunks)
                 self._last_answered = max(self._last_answered, record.step)
 
+    def release(self) -> None:
+        """The delivery ended: forget its steps and log (an idle lane keeps no turn in
+        memory); every later request is refused (G14)."""
+        self._journal = None
+        self._steps.clear()
+        self._responses.clear()
+
+    def _log(self) -> Journal:
+        if self._journal is None:
+            raise StepRefused(
+                ReasonCode.GATEWAY_BAD_REQUEST, "no delivery is being answered on this gateway"
+            )
+        return self._journal
+
     @property
     def last_answered(self) -> int:
         """The highest step with a recorded response (-1: none): what a replay asks again."""
@@ -297,6 +311,7 @@ class DeliveryStepJournal:
         return list(found)
 
     async def record_request(self, digest: str) -> None:
+        log = self._log()
         step = self._steps.get(digest)
         if step is None:
             step = self._next_step
@@ -313,13 +328,12 @@ class DeliveryStepJournal:
             self._next_step += 1
             self._steps[digest] = step
         self.current_step = step
-        await self._journal.append(
-            ModelRequestIntent(step=step, request_digest=digest, epoch=self.epoch)
-        )
+        await log.append(ModelRequestIntent(step=step, request_digest=digest, epoch=self.epoch))
 
     async def record_response(self, digest: str, chunks: list[str]) -> None:
+        log = self._log()
         step = self._steps[digest]
-        await self._journal.append(
+        await log.append(
             ModelResponse(step=step, request_digest=digest, chunks=list(chunks), epoch=self.epoch)
         )
         self._responses[digest] = list(chunks)
@@ -327,7 +341,12 @@ class DeliveryStepJournal:
         self._replayed_upto = max(self._replayed_upto, step)
 
 
-class ReplayMismatch(PiRuntimeError):
+class StepRefused(PiRuntimeError):
+    """A request the gateway refuses and goes on serving (409, which the worker does not
+    retry): unlike a journal failure (G12) it says nothing about the journal's health."""
+
+
+class ReplayMismatch(StepRefused):
     """A replayed turn asked for a model request the journal did not answer at that step
     (G13, brief §4.3 "a mismatch fails closed"): refused, never sent upstream."""
 
@@ -522,8 +541,12 @@ class Gateway:
             try:
                 await self._barrier(body)
                 lock = self._locks.setdefault(digest, trio.Lock())
-                async with lock:  # an identical request in flight: wait, then replay
-                    await self._answer(body, digest, downstream)
+                try:
+                    async with lock:  # an identical request in flight: wait, then replay
+                        await self._answer(body, digest, downstream)
+                finally:
+                    if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                        self._locks.pop(digest, None)  # only requests in flight keep one
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -553,7 +576,7 @@ class Gateway:
                 return
         try:
             await journal.record_request(digest)  # G2
-        except ReplayMismatch as exc:  # G13: refused, not retried by the worker
+        except StepRefused as exc:  # G13, G14: refused, not retried by the worker
             self._stats["refused"] += 1
             await downstream.respond(409, _error_body(exc.code, exc.message))
             return
@@ -622,6 +645,9 @@ class Gateway:
             return  # nobody replays it: not journaled, and the stream is cut without its end
         try:
             await journal.record_response(digest, chunks)  # keepalives flow meanwhile
+        except StepRefused:  # G14: released while the response streamed
+            self._stats["detached"] += 1
+            return
         except PiRuntimeError as exc:
             self._fail(exc)
             return

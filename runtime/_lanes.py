@@ -491,6 +491,7 @@ class Lane:
                     return self._refused("replay")
                 return self._result(end, leaf=await self._leaf(slot.session))
         finally:
+            boundaries.release()  # the log closes next: nothing of this turn stays in memory
             if slot is self._oneshot:
                 self._oneshot = None
                 await slot.close()

@@ -34,6 +34,7 @@ from runtime._gateway import (
     GatewayConfig,
     MemoryStepJournal,
     ReplayMismatch,
+    StepRefused,
     ToolCallIds,
     _Downstream,
     inactivity_message,
@@ -300,6 +301,42 @@ async def test_g2_g6_replay_from_the_journal_pays_upstream_once() -> None:
             assert (status, data(replayed)) == (200, data(first))
             assert again.model.count(digest) == 0
             assert again.model.request_count == 0
+
+
+async def test_only_requests_in_flight_hold_a_lock() -> None:
+    """The per-digest locks (identical requests in flight wait for each other) do not
+    accumulate: a gateway that answered many distinct requests holds none afterwards."""
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text=f"answer {n}") for n in range(5)]) as r:
+            for n in range(5):
+                status, _ = await exchange(
+                    r, {**BODY, "messages": [{"role": "user", "content": str(n)}]}
+                )
+                assert status == 200
+            assert r.gateway._locks == {}
+
+
+async def test_g14_a_released_delivery_refuses_without_stopping_the_gateway(
+    tmp_path: Path,
+) -> None:
+    """After the lane releases the delivery (its turn ended), its journal forgets it and a
+    late request of its worker is refused (409), while the gateway goes on serving."""
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            steps = DeliveryStepJournal(log, epoch=1)
+            await steps.record_request("a" * 64)
+            await steps.record_response("a" * 64, [DONE])
+            steps.release()
+            assert await steps.lookup("a" * 64) is None
+            with pytest.raises(StepRefused):
+                await steps.record_request("b" * 64)
+            async with rig(journal=steps) as r:  # type: ignore[arg-type]
+                status, _ = await exchange(r)
+                assert status == 409
+                status, _ = await exchange(r)
+                assert status == 409  # still serving
+            await store.close_log(log)
 
 
 async def test_g7_omitted_tool_ids_assigned_and_stable_across_replay() -> None:
