@@ -69,10 +69,12 @@ from runtime._room_worker import RoomWorker, open_room_worker
 from runtime._rpc import Event as RpcEvent
 from runtime._rpc import RpcChannel
 
+from ._pi import pi_home
 from ._workers import scripted_upstream
 from .faultfs import PowerLossFileSystem
 
 SEEDS: Final = 6
+KINDS: Final = ("fake", "pi")
 LIMIT: Final = 45.0
 ROOMS: Final = ("dm:301", "dm:302")
 
@@ -119,26 +121,20 @@ SECOND_WAVE_AFTER: Final = 2
 """The second wave is delivered once this many results were published (rooms are busy)."""
 
 
-def _config(base: Path, url: str) -> RoomWorkerConfig:
+def _config(base: Path, url: str, kind: str = "fake") -> RoomWorkerConfig:
     grants = ["effect", "send_text_update"]
-    return config_from_dict(
-        {
-            "agent": "fake",
-            "model": {"base_url": url},
-            "rooms": {room: {"grants": grants} for room in ROOMS},
-        },
-        base=base,
-    )
+    settings: dict[str, Any] = {
+        "agent": kind,
+        "model": {"base_url": url},
+        "rooms": {room: {"grants": grants} for room in ROOMS},
+    }
+    if kind == "pi":
+        settings["pi_home"] = str(pi_home())
+    return config_from_dict(settings, base=base)
 
 
 def _state_dir(base: Path) -> Path:
-    """The state directory, with its real-disk ``lanes/`` made up front.
-
-    ``RoomWorker._kill_leftover_epochs`` lists ``<state>/lanes`` on the real disk
-    (``runtime/_room_worker.py`` ``lanes.iterdir()``), not through the store's ``fs``, so a
-    fresh state directory opened with ``fs=`` fails with ``FileNotFoundError`` (the store made
-    ``lanes`` only in ``fs``). Sessions live in that real directory anyway.
-    """
+    """The state directory (sessions live in its real-disk ``lanes/``)."""
     state = base / "state"
     (state / "lanes").mkdir(mode=0o700, parents=True, exist_ok=True)
     state.chmod(0o700)
@@ -460,7 +456,9 @@ async def test_power_loss_under_a_room_worker(tmp_path: Path, seed: int) -> None
             assert model.request_count == asked, f"seed {seed}: the model was asked again"
 
 
+@pytest.mark.parametrize("kind", KINDS)
 async def test_power_loss_between_the_owners_result_and_the_steers_absorbed_result(
+    kind: str,
     tmp_path: Path,
 ) -> None:
     """L10 under power loss, the minimal case: a second message is steered into a running
@@ -510,8 +508,9 @@ async def test_power_loss_between_the_owners_result_and_the_steers_absorbed_resu
     assert model.request_count == asked
 
 
+@pytest.mark.parametrize("kind", KINDS)
 async def test_power_loss_after_an_answered_step_that_did_not_carry_a_steer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Recovery of a steer never seen, the minimal case: the owner's tool round is done, its
     reply streams (step 1, asked before the steer arrived) and a second message is steered in
@@ -574,8 +573,9 @@ async def test_power_loss_after_an_answered_step_that_did_not_carry_a_steer(
     assert [e["key"] for e in _ledger(base / "work" / "effects.jsonl")] == ["fx-once"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 async def test_power_loss_in_the_own_turn_of_a_steer_the_worker_still_holds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A steer that arrives after the worker's last steering check, the minimal case: the
     owner's run has ended (``agent_end``) but not settled, so the second message is
