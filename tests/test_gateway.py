@@ -313,6 +313,7 @@ async def test_only_requests_in_flight_hold_a_lock() -> None:
                     r, {**BODY, "messages": [{"role": "user", "content": str(n)}]}
                 )
                 assert status == 200
+            await trio.testing.wait_all_tasks_blocked()  # the last handler has returned
             assert r.gateway._locks == {}
 
 
