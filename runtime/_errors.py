@@ -115,6 +115,11 @@ class ReasonCode(enum.StrEnum):
     FRAME_TOO_LARGE = "frame_too_large"
     BINARY_FRAME = "binary_frame"
     UNSUPPORTED_PROTOCOL = "unsupported_protocol"
+    # transactional receipts and the document store (docs/design/receipts.md)
+    DOCUMENT_INVALID = "document_invalid"
+    DOCUMENT_STALE_BASE = "document_stale_base"
+    DOCUMENT_UNKNOWN = "document_unknown"
+    RECEIPT_KEY_CONFLICT = "receipt_key_conflict"
     # the websocket server (docs/design/serve.md)
     HELLO_REQUIRED = "hello_required"
     ORIGIN_REFUSED = "origin_refused"
