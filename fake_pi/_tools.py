@@ -366,6 +366,8 @@ _STANDALONE_ACKS = {
     "task_done": "Task marked done.",
     "task_fail": "Task marked failed.",
     "task_wait": "Waiting for the answer.",
+    "write_document": "No document store: documents are kept by pi-runtime.",
+    "read_document": "No document store: documents are kept by pi-runtime.",
 }
 
 

@@ -120,6 +120,7 @@ class ReasonCode(enum.StrEnum):
     DOCUMENT_STALE_BASE = "document_stale_base"
     DOCUMENT_UNKNOWN = "document_unknown"
     RECEIPT_KEY_CONFLICT = "receipt_key_conflict"
+    RECEIPT_STORE_FAILED = "receipt_store_failed"
     # the websocket server (docs/design/serve.md)
     HELLO_REQUIRED = "hello_required"
     ORIGIN_REFUSED = "origin_refused"

@@ -41,6 +41,7 @@ import trio
 
 from ._errors import PiRuntimeError, ReasonCode
 from ._http import Request, ResponseWriter, _serve_connection
+from ._receipts import RECEIPT_OPERATIONS
 from ._records import Record, ReplayClass, ToolIntent, ToolOutcome
 from ._tools import RUNTIME_TOOLS, RuntimeTool
 
@@ -172,8 +173,8 @@ def replay_class_of(
     """A tool's replay class: its declared class (unknown → ``never``); the stricter of that
     and ``recorded`` when an intent already recorded one (T5)."""
     cls = declared.get(name, ReplayClass.NEVER)
-    if cls is ReplayClass.RECEIPT:
-        cls = ReplayClass.NEVER  # until receipts exist (brief §4.4)
+    if cls is ReplayClass.RECEIPT and name not in RECEIPT_OPERATIONS:
+        cls = ReplayClass.NEVER  # only the registry's operations have a receipt (R7)
     return cls if recorded is None else ReplayClass.stricter(cls, recorded)
 
 
@@ -330,6 +331,11 @@ class RecordingGateJournal:
                 if outcome is not None:  # T3: the recorded result, verbatim
                     return Saved(GateResult(content=outcome.content, is_error=outcome.is_error))
                 cls = replay_class_of(call.name, self.classes, previous.replay_class)
+                if cls is ReplayClass.RECEIPT and call.name in self.runtime_tools:
+                    # T13: the same receipt-guarded write proves or applies it (R2)
+                    self._running[call.tool_call_id] = previous
+                    self._settled[call.tool_call_id] = trio.Event()
+                    return RunTool(previous.intent_id)
                 if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
                     return Saved(await self._record_interrupted(previous, call))
                 declared = cls
@@ -382,17 +388,28 @@ class RecordingGateJournal:
             outcome = self._outcomes.get(intent.intent_id)
             if outcome is not None:
                 return GateResult(content=outcome.content, is_error=outcome.is_error)
+            cls = replay_class_of(call.name, self.classes, intent.replay_class)
+            handler = self.runtime_tools.get(call.name)
+            if cls is ReplayClass.RECEIPT and handler is not None:  # T13
+                result = await self._run_runtime_tool(handler, call, intent.intent_id)
+                return await self._record_settled(intent, call, result)
             return await self._record_interrupted(intent, call)
 
     async def _record_interrupted(self, intent: ToolIntent, call: GateCall) -> GateResult:
         """Record and return "possibly ran" as the outcome of ``intent`` (lock held)."""
         result = GateResult.text(interrupted_text(call.name), is_error=True)
+        return await self._record_settled(intent, call, result)
+
+    async def _record_settled(
+        self, intent: ToolIntent, call: GateCall, result: GateResult
+    ) -> GateResult:
+        """Record ``result`` as the outcome of ``intent``, settling it (lock held)."""
         await self._append(
             ToolOutcome(
                 intent_id=intent.intent_id,
                 tool_call_id=call.tool_call_id,
                 content=result.content,
-                is_error=True,
+                is_error=result.is_error,
             )
         )
         if self._running.get(call.tool_call_id) is intent:

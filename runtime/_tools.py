@@ -32,10 +32,12 @@ from ._records import ReplayClass
 
 if TYPE_CHECKING:
     from ._gate import GateCall, GateResult
+    from ._receipts import ReceiptStore
 
 __all__ = [
     "RUNTIME_TOOLS",
     "TOOLS_ENV",
+    "DocumentTools",
     "EffectLedger",
     "RuntimeTool",
     "ToolSpec",
@@ -100,6 +102,25 @@ RUNTIME_TOOLS: Final[Mapping[str, ToolSpec]] = {
             parameters=_object("question", question=_string("The question to ask")),
         ),
         ToolSpec(
+            name="write_document",
+            description="Write a new revision of a document. Name the revision you read "
+            "(base_revision_id; omit it for a new document): if the document changed since, "
+            "the write is refused and you should read it again.",
+            parameters=_object(
+                "document_id", "content",
+                document_id=_string("Which document"),
+                content=_string("The document's full new content"),
+                base_revision_id=_string("The revision this content was made from"),
+            ),
+            replay_class=ReplayClass.RECEIPT,
+        ),
+        ToolSpec(
+            name="read_document",
+            description="Read the current revision of a document.",
+            parameters=_object("document_id", document_id=_string("Which document")),
+            replay_class=ReplayClass.SAFE,
+        ),
+        ToolSpec(
             name="effect",
             description="Apply the side effect named by key, once per call (a test tool: it "
             "appends one line to the effect ledger).",
@@ -117,6 +138,41 @@ def tools_environment(names: Iterable[str]) -> dict[str, str]:
     if not chosen:
         return {}
     return {TOOLS_ENV: json.dumps(chosen, separators=(",", ":"), ensure_ascii=False)}
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentTools:
+    """``write_document`` and ``read_document`` on the receipt store (``runtime/_receipts.py``):
+    a definite refusal is the tool's error result, with its code (R5); any other failure of
+    the store raises, so the call stays unsettled and the gate stops (the next epoch runs the
+    same guarded write)."""
+
+    store: ReceiptStore
+
+    async def write(self, call: GateCall, intent_id: str) -> GateResult:
+        return await self._answer(self.store.write_document(intent_id, call.args))
+
+    async def read(self, call: GateCall, intent_id: str) -> GateResult:
+        return await self._answer(self.store.read_document(call.args))
+
+    @staticmethod
+    async def _answer(work: Awaitable[dict[str, Any]]) -> GateResult:
+        from ._errors import PiRuntimeError, ReasonCode
+        from ._gate import GateError, GateResult
+        from ._receipts import ReceiptRefusal
+
+        try:
+            result = await work
+        except ReceiptRefusal as refusal:
+            return GateResult.text(f"{refusal.code}: {refusal.message}", is_error=True)
+        except PiRuntimeError:
+            raise
+        except Exception as error:  # the store failed: not settled (R5)
+            raise GateError(ReasonCode.RECEIPT_STORE_FAILED, f"receipt store: {error}") from error
+        return GateResult.text(json.dumps(result, ensure_ascii=False, sort_keys=True))
+
+    def handlers(self) -> dict[str, RuntimeTool]:
+        return {"write_document": self.write, "read_document": self.read}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ and driven by events, never by sleeping; every process is stopped by ``open_work
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import stat
@@ -22,6 +23,7 @@ from typing import Any, Final
 import pytest
 import trio
 import trio.testing
+from msgspec.structs import replace
 
 from fake_pi._gate_client import post_json
 from fake_pi.model_server import ScriptedModel
@@ -48,9 +50,11 @@ from runtime._gate import (
     serve_gate,
 )
 from runtime._http import HttpServer
+from runtime._receipts import open_receipt_store
 from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
 from runtime._rpc import WorkerLaunchError, open_rpc_channel
 from runtime._store import delivery_key, open_store
+from runtime._tools import DocumentTools
 from runtime._worker import WorkerLaunch, open_worker
 
 from ._secrets import files_containing
@@ -551,3 +555,52 @@ def test_extension_ships_with_the_package() -> None:
     assert specifiers  # only Pi's own package and node built-ins resolve in an extension
     assert all(s == "@earendil-works/pi-coding-agent" or s.startswith("node:") for s in specifiers)
     assert "registerCommand(" not in text
+
+
+async def test_t13_a_receipt_intent_without_outcome_runs_the_same_guarded_write(
+    tmp_path: Path,
+) -> None:
+    """T13 (receipts R2): a ``write_document`` intent left without outcome is not "possibly
+    ran": the gate runs the same receipt-guarded write under the *original* intent id. The
+    call whose write committed before the crash gets its saved result and writes nothing;
+    the one that never applied is applied exactly once; both outcomes are recorded."""
+    store = await open_receipt_store(tmp_path)
+    applied_args = {"document_id": "notes", "content": "before the crash"}
+    orphan_args = {"document_id": "other", "content": "never applied"}
+    receipt = {"replay_class": ReplayClass.RECEIPT}  # as the gate records its declared class
+    applied = replace(_intent("c_applied", "write_document", seq=1, args=applied_args), **receipt)
+    orphan = replace(_intent("c_orphan", "write_document", seq=2, args=orphan_args), **receipt)
+    log = MemoryLog(records=[applied, orphan])
+    journal = RecordingGateJournal(
+        log,
+        key=KEY,
+        epoch=1,
+        granted=["write_document"],
+        existing=[applied, orphan],
+        runtime_tools=DocumentTools(store).handlers(),
+    )
+    with trio.fail_after(LIMIT):
+        committed = await store.write_document("k:1", applied_args)  # the crash came after
+        first = await journal.decide(GateCall("c_applied", "write_document", applied_args))
+        second = await journal.decide(GateCall("c_orphan", "write_document", orphan_args))
+        again = await journal.decide(GateCall("c_orphan", "write_document", orphan_args))
+        notes, other = await store.revisions("notes"), await store.revisions("other")
+        await store.aclose()
+    assert isinstance(first, Saved)
+    assert json.loads(first.result.content[0]["text"]) == committed
+    assert notes == [committed["revision_id"]]  # nothing written again
+    assert isinstance(second, Saved)
+    assert json.loads(second.result.content[0]["text"])["revision_id"] == other[0]
+    assert len(other) == 1  # applied exactly once
+    assert again == second  # now the recorded outcome
+    outcomes = [r for r in log.records if isinstance(r, ToolOutcome)]
+    assert [(o.intent_id, o.is_error) for o in outcomes] == [("k:1", False), ("k:2", False)]
+
+
+def test_t13_only_the_registry_keeps_the_receipt_class() -> None:
+    assert replay_class_of("write_document", {"write_document": ReplayClass.RECEIPT}) is (
+        ReplayClass.RECEIPT
+    )
+    assert replay_class_of("read_document", {"read_document": ReplayClass.SAFE}) is (
+        ReplayClass.SAFE
+    )
