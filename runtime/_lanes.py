@@ -44,6 +44,7 @@ from ._journal import Journal
 from ._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd, classify_turn, could_still_be_silent
+from ._receipts import ReceiptStore
 from ._records import (
     AbsorbedInput,
     Admission,
@@ -62,7 +63,7 @@ from ._session import (
 )
 from ._stall import StallWatch, watch_turn
 from ._store import Store, delivery_key, lane_key
-from ._tools import EffectLedger, RuntimeTool
+from ._tools import DocumentTools, EffectLedger, RuntimeTool
 from ._worker import Epoch, open_worker
 
 if TYPE_CHECKING:
@@ -135,6 +136,8 @@ class LaneHost:
     lane_idle: Callable[[Lane], None]
     """Called when a lane's delivery ends: its live worker may now be stopped for another (L8)."""
     retry: RetrySettings = field(default_factory=RetrySettings)
+    receipts: ReceiptStore | None = None
+    """The receipt and document store behind ``write_document`` / ``read_document``."""
     ledger: Path | None = None
     """Where the test tool ``effect`` writes (only when granted)."""
 
@@ -616,6 +619,8 @@ class Lane:
         tools: dict[str, RuntimeTool] = {"send_text_update": self._send_text_update}
         if self.host.ledger is not None:
             tools["effect"] = EffectLedger(self.host.ledger)
+        if self.host.receipts is not None:
+            tools.update(DocumentTools(self.host.receipts).handlers())
         return BoundaryConfig(
             upstream=self.host.upstream,
             granted=grants,

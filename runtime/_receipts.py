@@ -21,9 +21,10 @@ ordinary call: the receipt's saved result, or the write applied exactly once. Th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sqlite3
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -39,6 +40,7 @@ __all__ = [
     "ReceiptRefusal",
     "ReceiptStore",
     "open_receipt_store",
+    "receipt_store",
 ]
 
 RECEIPT_DB: Final = "receipts.sqlite"
@@ -237,3 +239,16 @@ async def open_receipt_store(
     path = Path(state_dir) / RECEIPT_DB
     db = await trio.to_thread.run_sync(_connect, path)
     return ReceiptStore(db, now_ms=now_ms or Clocks.system().wall.time_ms)
+
+
+@contextlib.asynccontextmanager
+async def receipt_store(
+    state_dir: Path | str, *, now_ms: Callable[[], int] | None = None
+) -> AsyncIterator[ReceiptStore]:
+    """:func:`open_receipt_store` for the block; closed on the way out, even if cancelled."""
+    store = await open_receipt_store(state_dir, now_ms=now_ms)
+    try:
+        yield store
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()

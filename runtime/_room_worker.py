@@ -49,6 +49,7 @@ from ._lanes import Absorbed, Lane, LaneHost, Pending
 from ._launch import ModelRoute, WorkerProgram
 from ._outbox import DeliveryResult, ResultOutbox
 from ._pi_install import find_pi
+from ._receipts import receipt_store
 from ._records import (
     AbsorbedInput,
     Admission,
@@ -541,6 +542,7 @@ async def open_room_worker(
     clocks = clocks or Clocks.system()
     async with (
         open_store(state_dir, clocks=clocks, fs=fs) as store,
+        receipt_store(state_dir, now_ms=clocks.wall.time_ms) as receipts,
         trio.open_nursery() as nursery,
     ):
         model = config.model
@@ -607,6 +609,7 @@ async def open_room_worker(
             release_worker=release,
             lane_idle=lane_idle,
             ledger=work_root / "effects.jsonl",
+            receipts=receipts,
         )
         worker = RoomWorker(config, store, host, nursery)
         await worker._recover()

@@ -15,15 +15,16 @@ test can SIGKILL the host right after a named point::
     {"paused": POINT}     the spec's ``pause`` barrier was passed; the host waits to be killed
 
 ``pause`` names a barrier inside the runtime and how many times to pass it first:
-``{"point": "model_response" | "tool_intent", "nth": N}`` — right after the N-th model
-response (or tool intent) is durable in a delivery's log, before the worker hears of it.
+``{"point": "model_response" | "tool_intent" | "receipt_commit", "nth": N}`` — right after
+the N-th model response (or tool intent, or receipt transaction) is durable, before the worker
+hears of it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from runtime._errors import DeliveryError
 from runtime._gate import RecordingGateJournal
 from runtime._gateway import DeliveryStepJournal
 from runtime._outbox import DeliveryResult
+from runtime._receipts import ReceiptStore
 from runtime._records import Record, ToolIntent
 from runtime._room_worker import RoomWorker, open_room_worker
 
@@ -78,6 +80,17 @@ def install_pause(point: str, nth: int) -> None:
             return seq
 
         RecordingGateJournal._append = after_intent  # type: ignore[method-assign]
+    elif point == "receipt_commit":
+        write = ReceiptStore.write_document
+
+        async def after_commit(
+            self: ReceiptStore, intent_id: str, args: Mapping[str, Any]
+        ) -> dict[str, Any]:
+            result = await write(self, intent_id, args)  # the revision and its receipt
+            await barrier()  # before the gate records the outcome
+            return result
+
+        ReceiptStore.write_document = after_commit  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown pause point {point!r}")
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -489,3 +490,42 @@ async def test_a_steered_message_whose_owner_is_cancelled_while_down_runs_on_its
     assert (found["d2"]["outcome"], found["d2"]["text"]) == ("reply", "the second, on its own")
     assert model.request_count == 2
     assert "second" in str(model.requests[1].body["messages"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_crash_between_a_receipt_commit_and_its_outcome_replays_the_receipt(
+    kind: str, tmp_path: Path
+) -> None:
+    """Issue #7: killed after ``write_document``'s transaction committed (the revision and its
+    receipt) and before the gate recorded the outcome. The next host runs the same guarded
+    write for the orphaned call: the receipt's saved result, nothing written again — the
+    document has exactly one revision, and the model got that revision's result."""
+    args = {"document_id": "notes", "content": "written once"}
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="write_document", arguments=args, id="c1")]),
+        Text(text="saved"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("write_document", "send_text_update"))}
+            first = {
+                **spec,
+                "deliver": [message("d1")],
+                "expect": 1,
+                "pause": {"point": "receipt_commit"},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                (result,) = results(await h.finish())
+    assert (result["outcome"], result["text"]) == ("reply", "saved")
+    with sqlite3.connect(tmp_path / "state" / "receipts.sqlite") as db:
+        revisions = db.execute("SELECT revision_id, content FROM revisions").fetchall()
+        receipts = db.execute("SELECT intent_id FROM receipts").fetchall()
+    assert len(revisions) == 1
+    assert revisions[0][1] == "written once"
+    assert len(receipts) == 1
+    assert model.request_count == 2
+    (saved,) = tool_messages(model.requests[1].body).values()
+    assert json.loads(saved)["revision_id"] == revisions[0][0]
