@@ -604,3 +604,28 @@ def test_t13_only_the_registry_keeps_the_receipt_class() -> None:
     assert replay_class_of("read_document", {"read_document": ReplayClass.SAFE}) is (
         ReplayClass.SAFE
     )
+
+
+async def test_t13_a_definite_refusal_settles_as_a_tool_error_with_its_code(
+    tmp_path: Path,
+) -> None:
+    """Receipts R5 through the gate: a stale base or a reused key is the tool's error result
+    (its code first), recorded as the call's outcome; the document is unchanged."""
+    store = await open_receipt_store(tmp_path)
+    journal = RecordingGateJournal(
+        MemoryLog(),
+        key=KEY,
+        epoch=1,
+        granted=["write_document"],
+        runtime_tools=DocumentTools(store).handlers(),
+    )
+    with trio.fail_after(LIMIT):
+        await store.write_document("other:1", {"document_id": "notes", "content": "first"})
+        stale = {"document_id": "notes", "content": "mine", "base_revision_id": "rev-old"}
+        answer = await journal.decide(GateCall("c1", "write_document", stale))
+        revisions = await store.revisions("notes")
+        await store.aclose()
+    assert isinstance(answer, Saved)
+    assert answer.result.is_error
+    assert answer.result.content[0]["text"].startswith("document_stale_base: ")
+    assert len(revisions) == 1
