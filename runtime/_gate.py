@@ -361,21 +361,13 @@ class RecordingGateJournal:
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None:
         async with self._lock:
-            intent = self._running.pop(call.tool_call_id, None)
+            intent = self._running.get(call.tool_call_id)
             if intent is None:
                 raise GateError(
                     ReasonCode.GATE_BAD_REQUEST,
                     f"an outcome for {call.tool_call_id!r}, which the gate did not let run",
                 )
-            await self._append(
-                ToolOutcome(
-                    intent_id=intent.intent_id,
-                    tool_call_id=call.tool_call_id,
-                    content=result.content,
-                    is_error=result.is_error,
-                )
-            )
-            self._settled.pop(call.tool_call_id).set()
+            await self._record_settled(intent, call, result)
 
     async def settle(self, call: GateCall) -> GateResult:
         """The result for a call the dead worker's session left without one (T12): the

@@ -121,6 +121,29 @@ def results(facts: list[Fact]) -> list[Fact]:
     return [f["result"] for f in facts if "result" in f]
 
 
+async def kill_when_paused(
+    root: Path,
+    spec: dict[str, Any],
+    point: str,
+    *,
+    deliver: Sequence[dict[str, Any]] = (),
+    nth: int = 1,
+) -> None:
+    """Run host ``a`` on ``deliver`` (default: one message ``d1``) until it passes the
+    ``nth`` ``point`` barrier inside the runtime (``room_host.py`` ``pause``), then SIGKILL it."""
+    messages = list(deliver) or [message("d1")]
+    paused = {**spec, "deliver": messages, "expect": len(messages)}
+    async with host(root, {**paused, "pause": {"point": point, "nth": nth}}, "a") as h:
+        await h.until(lambda f: "paused" in f)
+        await h.kill()
+
+
+async def recover(root: Path, spec: dict[str, Any], expect: int = 1) -> list[Fact]:
+    """Run host ``b`` on the same state until ``expect`` results, acknowledging each."""
+    async with host(root, {**spec, "expect": expect, "ack": True}, "b") as h:
+        return results(await h.finish())
+
+
 KINDS: Final = ("fake", "pi")
 
 
@@ -173,8 +196,7 @@ async def test_crash_during_a_never_tool_reports_possibly_ran(kind: str, tmp_pat
                 await h.until(lambda f: "accepted" in f)
                 await trio.to_thread.run_sync(started.read_bytes)
                 await h.kill()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "after the crash")
     assert runs.read_text() == "x\n"
     assert model.request_count == 2
@@ -237,8 +259,7 @@ async def test_crash_mid_request_repeats_only_the_unfinished_step(
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 killer.host = h
                 await killer.killed.wait()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "the reply")
     assert model.request_count == 2
     assert model.requests[0].digest == model.requests[1].digest  # the same step, asked again
@@ -263,8 +284,7 @@ async def test_crash_after_a_tool_outcome_keeps_the_tool_done_once(
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 killer.host = h
                 await killer.killed.wait()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "done once")
     ledger = (tmp_path / "work" / "effects.jsonl").read_text().splitlines()
     assert len(ledger) == 1
@@ -314,8 +334,7 @@ async def test_crash_mid_stream_asks_the_unanswered_step_again(kind: str, tmp_pa
             async with host(tmp_path, {**spec, "deliver": [message("d1")], "expect": 1}, "a") as h:
                 await h.until(lambda f: f.get("event", {}).get("type") == "typing")
                 await h.kill()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "the whole reply")
     assert model.request_count == 2
     assert model.requests[0].digest == model.requests[1].digest
@@ -330,17 +349,8 @@ async def test_crash_after_a_model_response_is_journaled_never_pays_it_again(
     with trio.fail_after(LIMIT):
         async with scripted_upstream([Text(text="paid once")]) as (model, url):
             spec = {"config": config(kind, url)}
-            first = {
-                **spec,
-                "deliver": [message("d1")],
-                "expect": 1,
-                "pause": {"point": "model_response"},
-            }
-            async with host(tmp_path, first, "a") as h:
-                await h.until(lambda f: "paused" in f)
-                await h.kill()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            await kill_when_paused(tmp_path, spec, "model_response")
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "paid once")
     assert model.request_count == 1
 
@@ -357,17 +367,8 @@ async def test_crash_after_a_never_tool_intent_before_the_tool(kind: str, tmp_pa
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
             spec = {"config": config(kind, url, ("bash", "send_text_update"))}
-            first = {
-                **spec,
-                "deliver": [message("d1")],
-                "expect": 1,
-                "pause": {"point": "tool_intent"},
-            }
-            async with host(tmp_path, first, "a") as h:
-                await h.until(lambda f: "paused" in f)
-                await h.kill()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            await kill_when_paused(tmp_path, spec, "tool_intent")
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "told the truth")
     assert not runs.exists()
     assert model.request_count == 2
@@ -387,17 +388,8 @@ async def test_crash_after_a_safe_tool_intent_runs_it_again(kind: str, tmp_path:
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
             spec = {"config": config(kind, url, ("read", "send_text_update"))}
-            first = {
-                **spec,
-                "deliver": [message("d1")],
-                "expect": 1,
-                "pause": {"point": "tool_intent"},
-            }
-            async with host(tmp_path, first, "a") as h:
-                await h.until(lambda f: "paused" in f)
-                await h.kill()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            await kill_when_paused(tmp_path, spec, "tool_intent")
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "read it")
     assert model.request_count == 2
     (content,) = tool_messages(model.requests[1].body).values()
@@ -419,18 +411,9 @@ async def test_recovery_refuses_a_session_without_the_admission_leaf(
     with trio.fail_after(LIMIT):
         async with scripted_upstream([Text(text="never delivered")]) as (model, url):
             spec = {"config": config(kind, url)}
-            first = {
-                **spec,
-                "deliver": [message("d1")],
-                "expect": 1,
-                "pause": {"point": "model_response"},
-            }
-            async with host(tmp_path, first, "a") as h:
-                await h.until(lambda f: "paused" in f)
-                await h.kill()
+            await kill_when_paused(tmp_path, spec, "model_response")
             session_of(tmp_path).unlink()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["code"]) == ("failed", "recovery_refused:session")
     assert model.request_count == 1
 
@@ -446,15 +429,9 @@ async def test_a_replay_that_diverges_from_the_journal_fails_closed(
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
             spec = {"config": config(kind, url)}
-            first = {
-                **spec,
-                "deliver": [message("d0"), message("d1")],
-                "expect": 2,
-                "pause": {"point": "model_response", "nth": 2},
-            }
-            async with host(tmp_path, first, "a") as h:
-                await h.until(lambda f: "paused" in f)
-                await h.kill()
+            await kill_when_paused(
+                tmp_path, spec, "model_response", deliver=[message("d0"), message("d1")], nth=2
+            )
             session = session_of(tmp_path)
             edited = session.read_text().replace('"text":"zero"', '"text":"zero, edited"')
             assert edited != session.read_text()
@@ -508,17 +485,8 @@ async def test_crash_between_a_receipt_commit_and_its_outcome_replays_the_receip
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
             spec = {"config": config(kind, url, ("write_document", "send_text_update"))}
-            first = {
-                **spec,
-                "deliver": [message("d1")],
-                "expect": 1,
-                "pause": {"point": "receipt_commit"},
-            }
-            async with host(tmp_path, first, "a") as h:
-                await h.until(lambda f: "paused" in f)
-                await h.kill()
-            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
-                (result,) = results(await h.finish())
+            await kill_when_paused(tmp_path, spec, "receipt_commit")
+            (result,) = await recover(tmp_path, spec)
     assert (result["outcome"], result["text"]) == ("reply", "saved")
     with sqlite3.connect(tmp_path / "state" / "receipts.sqlite") as db:
         revisions = db.execute("SELECT revision_id, content FROM revisions").fetchall()
