@@ -98,6 +98,10 @@ class LifecycleKind(enum.StrEnum):
     DONE = "done"
     FAIL = "fail"
     WAIT = "wait"
+    ABORT = "abort"
+    """An operator's ``task abort``."""
+    OPERATOR_FAIL = "operator_fail"
+    """An operator's ``task fail``."""
 
 
 class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -264,6 +268,10 @@ class LifecycleReceipt(_Record, tag="lifecycle_receipt", frozen=True, kw_only=Tr
     intent_id: str
     kind: LifecycleKind
     detail: str = ""
+    accepted: bool = True
+    """False: recorded as late evidence, never a disposition."""
+    verdict: str = ""
+    """The kernel's verdict (``accepted``, ``late_epoch``, ``late_terminal``)."""
 
 
 class ResultPublished(_Record, tag="result_published", frozen=True, kw_only=True):

@@ -1,0 +1,87 @@
+"""Fencing guards and recovery budgets of a task lane (brief §6.2). Pure: no trio, no I/O.
+
+A fence stops a live process, so it needs *proof*, not a timer. :class:`GuardEvidence` holds
+what the shell found, one field per guard; a guard is ``True`` only when checked and holding,
+``False`` when checked and failing, ``None`` when it could not be checked. :func:`failed_guards`
+names every guard that is not ``True``: any failed **or unknown** guard holds (WD10).
+
+:class:`Budget` bounds recovery exposure, not a task's runtime: 3 replacement epochs and
+1800 s of recovery time (fence to the resumed worker's first progress) per attempt, charged
+before launch, never refunded, rebuilt from the lane log after a restart (WD11).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["Budget", "GuardEvidence", "failed_guards"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuardEvidence:
+    """Every fencing guard of brief §6.2, as checked by the shell."""
+
+    progress_unchanged: bool | None = None
+    """Compare-and-set: the progress sequence is the one the hard clock crossed on."""
+    session_unchanged: bool | None = None
+    """The session file's size is what it was at eligibility."""
+    process_identity: bool | None = None
+    """The live process is exactly the recorded (pid, start time, boot id) and carries the nonce."""
+    fresh_probe_quiet: bool | None = None
+    """A fresh read-only probe brought no new evidence."""
+    effects_safe: bool | None = None
+    """No ``never`` tool is in flight without an outcome."""
+    no_terminal: bool | None = None
+    """The lifecycle kernel holds no terminal reservation."""
+    budget_left: bool | None = None
+    attested: bool | None = None
+    """Same session, route and worktree as recorded for the attempt."""
+
+
+def failed_guards(evidence: GuardEvidence) -> tuple[str, ...]:
+    """The guards that do not hold (failed or unknown), in declaration order."""
+    return tuple(f.name for f in fields(evidence) if getattr(evidence, f.name) is not True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Budget:
+    """The recovery budget of one attempt (immutable; every change returns a new one)."""
+
+    max_epochs: int = 3
+    max_seconds: float = 1800.0
+    used_epochs: int = 0
+    used_seconds: float = 0.0
+    granted_epochs: int = 0
+    granted_seconds: float = 0.0
+
+    @property
+    def epochs_left(self) -> int:
+        return self.max_epochs + self.granted_epochs - self.used_epochs
+
+    @property
+    def seconds_left(self) -> float:
+        return self.max_seconds + self.granted_seconds - self.used_seconds
+
+    @property
+    def exhausted(self) -> bool:
+        return self.epochs_left <= 0 or self.seconds_left <= 0
+
+    def charge_epoch(self) -> Budget:
+        """One replacement epoch, charged before its launch (never refunded)."""
+        if self.epochs_left <= 0:
+            raise ValueError("no replacement epoch is left in the budget")
+        return replace(self, used_epochs=self.used_epochs + 1)
+
+    def charge_seconds(self, seconds: float) -> Budget:
+        """Recovery time spent (never negative, never refunded)."""
+        return replace(self, used_seconds=self.used_seconds + max(0.0, seconds))
+
+    def grant(self, *, epochs: int = 0, seconds: float = 0.0) -> Budget:
+        """An operator's audited manual grant (finite, positive)."""
+        if epochs < 0 or seconds < 0 or (epochs == 0 and seconds == 0):
+            raise ValueError("a grant adds a positive number of epochs or seconds")
+        return replace(
+            self,
+            granted_epochs=self.granted_epochs + epochs,
+            granted_seconds=self.granted_seconds + seconds,
+        )
