@@ -12,7 +12,7 @@ import datetime
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -326,6 +326,7 @@ async def open_fake_pi(
     tool_env: dict[str, str] | None = None,
     ledger_path: Path | None = None,
     tools: Sequence[str] | None = None,
+    runtime_tools: Mapping[str, str] | None = None,
 ) -> AsyncIterator[FakePi]:
     """Run a Fake-Pi in this Trio run, for virtual-time tests.
 
@@ -336,6 +337,9 @@ async def open_fake_pi(
     shutdown if a run is in flight). ``compaction`` (Pi's defaults) and
     ``context_window`` (128000) set when Fake-Pi auto-compacts.
     ``tools`` names the tools to expose (default: Pi's read, bash, edit, write).
+    ``runtime_tools`` is the environment in which the runtime declares its own tools
+    (``PI_RUNTIME_TOOLS``, see ``runtime/_tools.py``): they are added, and a round's calls
+    then run one after the other, as with the runtime's gate in a subprocess.
     """
     clock = clock or SystemWallClock()
     model = model or ScriptedModel()
@@ -352,7 +356,8 @@ async def open_fake_pi(
     options = AgentOptions(
         cwd=cwd,
         client=InProcessModelClient(model),
-        tools=builtin_tools(tools),
+        tools=builtin_tools(tools) | runtime_tools_from_environ(runtime_tools or {}),
+        sequential_tools=runtime_tools is not None,
         clock=clock,
         conversation=conversation,
         barriers=Barriers(behaviours or Behaviours(), in_process=True),

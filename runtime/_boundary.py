@@ -73,7 +73,9 @@ __all__ = [
     "Boundaries",
     "BoundaryConfig",
     "carried_tool_results",
+    "make_journals",
     "open_boundaries",
+    "settle_session",
 ]
 
 GATE_SOCKET_NAME: Final = "gate.sock"
@@ -178,13 +180,7 @@ class Boundaries:
         answer each dangling tool call from the gate's journal (the recorded outcome; an
         intent without outcome "possibly ran", recorded; a call never let run "did not
         run"), and fsync the file. Call it only after the epoch's tree is gone."""
-        await atruncate_torn_tail(path)
-        calls = dangling_tool_calls((await aread_session(path)).session)
-        results = {}
-        for call in calls:
-            result = await self.tools.settle(GateCall(call.tool_call_id, call.name, call.arguments))
-            results[call.tool_call_id] = SettledResult(result.content, result.is_error)
-        return await aprepare_for_relaunch(path, results, clock=clock)
+        return await settle_session(path, self.tools, clock=clock)
 
     def worker_env(self) -> dict[str, str]:
         """The environment the worker needs for this epoch: the gateway secret (its model key,
@@ -220,6 +216,29 @@ class Boundaries:
         )
 
 
+async def settle_session(
+    path: Path, tools: RecordingGateJournal, *, clock: WallClock
+) -> RelaunchReport:
+    """Ready the session of a worker proven dead for the next epoch (B6): cut a torn tail,
+    answer each dangling tool call from ``tools`` (the recorded outcome; an intent without
+    outcome "possibly ran" — or, for a receipt tool, the guarded write's result — recorded;
+    a call never let run "did not run"), and fsync the file."""
+    await atruncate_torn_tail(path)
+    calls = dangling_tool_calls((await aread_session(path)).session)
+    results = {}
+    for call in calls:
+        result = await tools.settle(GateCall(call.tool_call_id, call.name, call.arguments))
+        results[call.tool_call_id] = SettledResult(result.content, result.is_error)
+    return await aprepare_for_relaunch(path, results, clock=clock)
+
+
+def make_journals(
+    config: BoundaryConfig, log: Journal, *, key: str, epoch: int
+) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
+    """A lane's step and tool journals on ``log`` (shared step numbering, B1)."""
+    return _journals(config, log, key=key, epoch=epoch)
+
+
 def _journals(
     config: BoundaryConfig, log: Journal, *, key: str, epoch: int
 ) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
@@ -239,11 +258,18 @@ def _journals(
 
 @contextlib.asynccontextmanager
 async def open_boundaries(
-    config: BoundaryConfig, log: Journal, *, key: str, epoch: int
+    config: BoundaryConfig,
+    log: Journal,
+    *,
+    key: str,
+    epoch: int,
+    journals: tuple[DeliveryStepJournal, RecordingGateJournal] | None = None,
 ) -> AsyncIterator[Boundaries]:
     """Serve a lane's gateway (loopback TCP) and gate (Unix socket in ``socket_dir``) with
-    the delivery ``log`` (``key``) attached and ``epoch`` begun; both stop on exit."""
-    steps, tools = _journals(config, log, key=key, epoch=epoch)
+    the delivery ``log`` (``key``) attached and ``epoch`` begun; both stop on exit.
+    ``journals`` (from :func:`make_journals`) are used instead of new ones when a lane keeps
+    its journals across epochs whose servers it opens one by one (task lanes)."""
+    steps, tools = journals or _journals(config, log, key=key, epoch=epoch)
 
     async def hold_until_outcomes_durable(body: dict[str, Any]) -> None:  # B4
         await boundaries.tools.wait_outcomes(carried_tool_results(body))

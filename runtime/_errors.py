@@ -22,6 +22,7 @@ __all__ = [
     "StateDirError",
     "StateDirLockedError",
     "WorkerError",
+    "WorktreeError",
 ]
 
 
@@ -125,6 +126,21 @@ class ReasonCode(enum.StrEnum):
     HELLO_REQUIRED = "hello_required"
     ORIGIN_REFUSED = "origin_refused"
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
+    # a task lane's worktree evidence: manifest and candidate checkpoint (brief §6.2)
+    WORKTREE_MISSING = "worktree_missing"
+    WORKTREE_CHANGED = "worktree_changed"
+    WORKTREE_UNREADABLE = "worktree_unreadable"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    # task lanes: submission, controls, the watchdog (docs/design/watchdog.md)
+    TASK_INVALID = "task_invalid"
+    TASK_UNKNOWN = "task_unknown"
+    TASK_CONFLICT = "task_conflict"
+    TASK_NOT_DONE = "task_not_done"
+    TASK_NOT_WAITING = "task_not_waiting"
+    TASK_NOT_HELD = "task_not_held"
+    TASK_ENDED = "task_ended"
+    TASK_LATE = "task_late"
+    WATCHDOG_CONFIG_INVALID = "watchdog_config_invalid"
 
 
 class PiRuntimeError(Exception):
@@ -205,6 +221,13 @@ class WorkerError(PiRuntimeError):
     def __init__(self, code: ReasonCode, message: str, *, stderr: bytes = b"") -> None:
         super().__init__(code, message)
         self.stderr = stderr
+
+
+class WorktreeError(PiRuntimeError):
+    """A task's worktree evidence could not be taken: ``worktree_missing`` (no such
+    directory), ``worktree_unreadable`` (a file or git could not read it),
+    ``worktree_changed`` (it changed while a candidate was taken) or
+    ``checkpoint_failed`` (the candidate commit or archive could not be written)."""
 
 
 class ConfigError(PiRuntimeError):

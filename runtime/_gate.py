@@ -426,6 +426,14 @@ class RecordingGateJournal:
                 await event.wait()
         await trio.lowlevel.checkpoint()
 
+    def in_flight(self) -> list[ToolIntent]:
+        """Intents let run in this process whose outcome is not recorded yet."""
+        return list(self._running.values())
+
+    def unsettled(self) -> list[ToolIntent]:
+        """Every known intent (recorded before or by this object) without an outcome."""
+        return [i for i in self._intents.values() if i.intent_id not in self._outcomes]
+
     def outcomes(self) -> list[ToolOutcome]:
         """Every outcome known (recorded before or by this object)."""
         return list(self._outcomes.values())

@@ -12,6 +12,7 @@ before launch, never refunded, rebuilt from the lane log after a restart (WD11).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 __all__ = ["Budget", "GuardEvidence", "failed_guards"]
@@ -78,8 +79,8 @@ class Budget:
 
     def grant(self, *, epochs: int = 0, seconds: float = 0.0) -> Budget:
         """An operator's audited manual grant (finite, positive)."""
-        if epochs < 0 or seconds < 0 or (epochs == 0 and seconds == 0):
-            raise ValueError("a grant adds a positive number of epochs or seconds")
+        if not (epochs >= 0 and 0 <= seconds < math.inf) or (epochs == 0 and seconds == 0):
+            raise ValueError("a grant adds a finite, positive number of epochs or seconds")
         return replace(
             self,
             granted_epochs=self.granted_epochs + epochs,

@@ -130,10 +130,10 @@ class LifecycleKernel:
 
     def begin_epoch(self, epoch: int, *, fenced: bool) -> bool:
         """The epoch compare-and-set (LK6): a new process epoch may own the task only while
-        no terminal was accepted. ``fenced``: the old epoch was fenced (the fence counter
-        moves, so its late reports are old-fence evidence)."""
-        if self.state.terminal:
-            return False
+        no terminal (nor a wait: seed 002, "park") was accepted. ``fenced``: the old epoch was
+        fenced (the fence counter moves, so its late reports are old-fence evidence)."""
+        if self.state.terminal or self.state is TaskState.WAITING:
+            return False  # a parked task is woken by its reply (LK5), not by a continuation
         if epoch <= self.epoch:
             raise ValueError(f"epoch {epoch} is not after the current epoch {self.epoch}")
         self.epoch = epoch
@@ -170,7 +170,13 @@ class LifecycleKernel:
 
     def _judge(self, report: Report) -> Verdict:
         operator = report.key.epoch == OPERATOR_EPOCH
-        if not operator and report.key != self.current:
+        if operator:  # never late by epoch or fence, but only for this very attempt
+            key, current = report.key, self.current
+            if (key.task_id, key.generation, key.attempt) != (
+                current.task_id, current.generation, current.attempt
+            ):  # fmt: skip
+                return Verdict.LATE_EPOCH
+        elif report.key != self.current:
             return Verdict.LATE_EPOCH
         if self.state.terminal:
             return Verdict.LATE_TERMINAL
@@ -217,6 +223,7 @@ class LifecycleKernel:
             kernel._consumed[receipt.intent_id] = Verdict(receipt.verdict or "accepted")
             if receipt.accepted:
                 kernel.state = _OUTCOME[receipt.kind]
+                kernel.wait_correlation = None  # as report() leaves it
                 if receipt.kind == LifecycleKind.WAIT:
                     kernel.wait_correlation = receipt.intent_id
                     if receipt.intent_id in answered:
@@ -249,7 +256,7 @@ def done_missing(kernel: LifecycleKernel, evidence: DoneEvidence) -> list[str]:
         terminal is None
         or terminal.kind != LifecycleKind.DONE
         or not terminal.accepted
-        or terminal is not kernel.terminal
+        or terminal != kernel.terminal
     ):
         missing.append("terminal_receipt")
     if terminal is None or evidence.quiescent_epoch != terminal.epoch:

@@ -46,12 +46,15 @@ __all__ = [
     "ResultAcked",
     "ResultPublished",
     "StepAbandoned",
+    "TaskEnded",
+    "TaskReply",
+    "TaskSubmitted",
     "ToolIntent",
     "ToolOutcome",
     "record_tag",
 ]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 """The journal schema this code writes and the newest it reads."""
 
 
@@ -292,6 +295,44 @@ class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):
     seq: int
 
 
+class TaskSubmitted(_Record, tag="task_submitted", frozen=True, kw_only=True):
+    """A task lane's admission (brief §6): the task, its worktree and its frozen route."""
+
+    task_id: str
+    prompt: str
+    worktree: str
+    """Absolute path of the worktree the worker works in (its stable cwd)."""
+    grants: list[str]
+    session_path: str
+    """Relative to the state directory."""
+    route: dict[str, Any]
+    """The frozen route snapshot (provider, model, endpoint; never a key)."""
+    generation: int = 1
+    attempt: int = 1
+    validation: list[str] = msgspec.field(default_factory=list)
+    """A command whose passing receipt Done needs (empty: none)."""
+    submitted_ms: int = 0
+
+
+class TaskReply(_Record, tag="task_reply", frozen=True, kw_only=True):
+    """The correlated reply that wakes an accepted ``task_wait``."""
+
+    correlation: str
+    text: str
+
+
+class TaskEnded(_Record, tag="task_ended", frozen=True, kw_only=True):
+    """A task's final state: done (with its evidence), failed or aborted."""
+
+    state: str
+    code: str | None = None
+    detail: str = ""
+    manifest_digest: str | None = None
+    candidate: dict[str, Any] | None = None
+    validation: dict[str, Any] | None = None
+    ended_ms: int = 0
+
+
 Record = (
     Header
     | Admission
@@ -310,6 +351,9 @@ Record = (
     | LifecycleReceipt
     | ResultPublished
     | ResultAcked
+    | TaskSubmitted
+    | TaskReply
+    | TaskEnded
 )
 """Every journal record type."""
 

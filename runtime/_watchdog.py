@@ -149,12 +149,14 @@ class WatchdogPolicy:
                 out.append((name, f"must be a positive number of seconds, not {value!r}"))
         if self.max_replacements < 1:
             out.append(("max_replacements", "must be at least 1"))
-        if self.timescale < 1.0:
-            out.append(("timescale", "must be at least 1"))
+        if not (math.isfinite(self.timescale) and self.timescale >= 1.0):
+            out.append(("timescale", "must be a finite number, at least 1"))
         for phase, seconds in self.hard_seconds.items():
             setting = f"hard_seconds.{phase}"
             if phase not in (Phase.PROVIDER, Phase.GENERATION):
                 out.append((setting, f"phase {phase} has no automatic hard threshold (WD4)"))
+            elif not (math.isfinite(seconds) and seconds > 0):
+                out.append((setting, f"must be a positive number of seconds, not {seconds!r}"))
             elif not unsafe and seconds < HARD_FLOOR_SECONDS:
                 out.append((setting, f"must be at least {HARD_FLOOR_SECONDS:g} s, not {seconds:g}"))
             elif not seconds > self.soft_seconds:
@@ -380,8 +382,12 @@ class Watchdog:
         self.progress_seq += 1
         self.last_progress = max(self.last_progress, now)
         self.last_progress_awake = max(self.last_progress_awake, awake)
-        if self.classification in (Classification.SUSPECT, Classification.HARD_RESUME_ELIGIBLE):
-            self.false_suspects += 1
+        if self.classification in (
+            Classification.SUSPECT,
+            Classification.HARD_RESUME_ELIGIBLE,
+            Classification.STALLED_OPERATOR_REQUIRED,
+        ):
+            self.false_suspects += 1  # it was not stalled after all (telemetry only)
         if self.classification in _CLEARED_BY_PROGRESS:
             self.classification = Classification.ACTIVE
             self.hold_reason = None
@@ -470,11 +476,15 @@ class Watchdog:
         if last is not None and gap - last > SUSPEND_EVIDENCE_SECONDS:
             self.wake_awake = event.awake  # WD6: hard clocks restart in awake time
             self.grace_started_awake = None
+            self.probes.pop("fence", None)  # so does eligibility: a new fresh probe is due
+            if self.classification is Classification.HARD_RESUME_ELIGIBLE:
+                self.classification = Classification.SUSPECT
         self.suspended_total = gap
 
     def _on_probe(self, event: ProbeAnswered) -> list[Action]:
         if event.evidence:  # something new happened: not silent after all
-            self.false_suspects += 1
+            if self.classification in (Classification.SUSPECT, Classification.HARD_RESUME_ELIGIBLE):
+                self.false_suspects += 1  # once per episode: progress may have counted it
             if self.classification in _CLEARED_BY_PROGRESS:
                 self.classification = Classification.ACTIVE
             self.probes.clear()

@@ -39,7 +39,24 @@ from ._errors import DiskFailedError, JournalError, ReasonCode
 from ._frame import encode_frame
 from ._fs import FileSystem
 
-__all__ = ["TMP_MARK", "LogTarget", "WriterPool", "atomic_write", "disk_error"]
+__all__ = [
+    "TMP_MARK",
+    "LogTarget",
+    "WriterPool",
+    "atomic_write",
+    "disk_error",
+    "handoffs_in_flight",
+]
+
+_in_flight = 0
+"""Records and closes handed to writer threads and not yet settled, in this process."""
+
+
+def handoffs_in_flight() -> int:
+    """How many hand-offs to writer threads are waiting to settle (for an I/O-aware test
+    clock, ``runtime.testing.IoAwareMockClock``: virtual time must not jump meanwhile)."""
+    return _in_flight
+
 
 _MAX_BATCH: Final = 4096
 _DISK_ERRNOS: Final = {
@@ -174,17 +191,23 @@ class WriterPool:
             raise target.poisoned
         item = _Append(target, target.next_seq, payload)
         target.next_seq += 1
-        self._queue_for(target).put(item)
-        await item.settled()
+        await self._handoff(item)
         return item.seq
+
+    async def _handoff(self, item: _Append | _Close) -> None:
+        global _in_flight
+        _in_flight += 1
+        try:
+            self._queue_for(item.target).put(item)
+            await item.settled()
+        finally:
+            _in_flight -= 1
 
     async def close_target(self, target: LogTarget) -> None:
         """Close the file after every append handed over before this call."""
         if self._closed:
             return
-        item = _Close(target)
-        self._queue_for(target).put(item)
-        await item.settled()
+        await self._handoff(_Close(target))
 
     async def aclose(self) -> None:
         """Stop every thread after the work already queued. Idempotent."""

@@ -135,6 +135,9 @@ def test_tags_are_stable() -> None:
         "result_acked",
         "result_published",
         "step_abandoned",
+        "task_ended",
+        "task_reply",
+        "task_submitted",
         "tool_intent",
         "tool_outcome",
     ]

@@ -12,6 +12,10 @@ is installed) offers these fixtures, for Trio tests run by pytest-trio:
 ``fake_pi``
     An in-process Fake-Pi (:class:`FakePi`) on ``scripted_model`` in
     ``tmp_path``, with its session file at ``tmp_path / "session.jsonl"``.
+``io_autojump_clock``
+    A MockClock (:func:`io_aware_autojump_clock`): autojump that waits for the runtime's
+    own I/O threads
+    (journal appends, session reads) before it jumps, for in-process runtime tests.
 ``model_server``
     ``scripted_model`` served over HTTP on 127.0.0.1 (an :class:`HttpServer`
     with ``.url``), for a Pi or Fake-Pi subprocess.
@@ -47,3 +51,4 @@ from .._clock import Clocks as Clocks
 from .._clock import MockSilenceClock as MockSilenceClock
 from .._clock import MockWallClock as MockWallClock
 from .._http import HttpServer as HttpServer
+from ._clock import io_aware_autojump_clock as io_aware_autojump_clock

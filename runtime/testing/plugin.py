@@ -20,9 +20,16 @@ from . import (
     MockSilenceClock,
     MockWallClock,
     ScriptedModel,
+    io_aware_autojump_clock,
     open_fake_pi,
     serve_model,
 )
+
+
+@pytest.fixture
+def io_autojump_clock() -> trio.testing.MockClock:
+    """Autojump virtual time that holds still while the runtime's I/O threads work."""
+    return io_aware_autojump_clock()
 
 
 @pytest.fixture

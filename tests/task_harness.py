@@ -1,0 +1,150 @@
+"""Shared set-up for task-lane tests: a store, a worktree, an in-process runner on virtual time.
+
+In-process tests run Fake-Pi as a task of the test's Trio run (``InProcessWorkers``) with the
+scripted model called directly, on ``autojump_clock``: a 20-minute stall takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from fake_pi._behaviours import Behaviours
+from fake_pi.model_server import ScriptedModel
+from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from runtime._clock import Clocks
+from runtime._launch import ModelRoute
+from runtime._records import Record
+from runtime._store import Store, open_store
+from runtime._task_runner import TaskEvent, TaskRunner, open_task_runner
+from runtime._task_workers import InProcessWorkers
+from runtime._tasks import TaskSpec
+from runtime._watchdog import WatchdogPolicy
+
+ROUTE = ModelRoute(provider="fake", model="fake-model")
+TASK = "task-1"
+
+
+def done(summary: str = "did it") -> ToolCalls:
+    return ToolCalls(calls=[Call(name="task_done", arguments={"summary": summary})])
+
+
+def fail(reason: str = "cannot") -> ToolCalls:
+    return ToolCalls(calls=[Call(name="task_fail", arguments={"reason": reason})])
+
+
+def wait(question: str = "which one?") -> ToolCalls:
+    return ToolCalls(calls=[Call(name="task_wait", arguments={"question": question})])
+
+
+def effect(key: str) -> ToolCalls:
+    return ToolCalls(calls=[Call(name="effect", arguments={"key": key})])
+
+
+def say(text: str = "ok") -> Text:
+    return Text(text=text)
+
+
+def make_worktree(root: Path) -> Path:
+    worktree = root / "worktree"
+    worktree.mkdir(parents=True, exist_ok=True)
+    (worktree / "README.md").write_text("a task's worktree\n")
+    return worktree
+
+
+@dataclass
+class Rig:
+    """An in-process task runner and what the test needs to look at."""
+
+    runner: TaskRunner
+    store: Store
+    workers: InProcessWorkers
+    model: ScriptedModel
+    worktree: Path
+    ledger: Path
+    events: list[TaskEvent] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        """Wait (on the lanes' change events, never on time) until ``predicate()`` holds."""
+        while not predicate():
+            await self.changed.wait()
+
+    def saw(self, event: TaskEvent) -> None:
+        self.events.append(event)
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def spec(self, prompt: str = "do the task", **kwargs: object) -> TaskSpec:
+        grants = kwargs.pop("grants", frozenset({"read", "effect"}))
+        return TaskSpec(
+            task_id=str(kwargs.pop("task_id", TASK)),
+            prompt=prompt,
+            worktree=str(self.worktree),
+            grants=grants,  # type: ignore[arg-type]
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def classifications(self, task_id: str = TASK) -> list[str]:
+        seen: list[str] = []
+        for event in self.events:
+            if event.task_id == task_id and (not seen or seen[-1] != event.classification):
+                seen.append(event.classification)
+        return seen
+
+    async def records(self, task_id: str = TASK) -> list[Record]:
+        lane = self.runner.lane(task_id)
+        contents = await self.store.read(lane.log.rel)
+        return list(contents.records)
+
+    def effects(self) -> list[str]:
+        if not self.ledger.exists():
+            return []
+        return [line for line in self.ledger.read_text().splitlines() if line]
+
+
+@contextlib.asynccontextmanager
+async def open_rig(
+    tmp_path: Path,
+    clocks: Clocks,
+    steps: Sequence[Step],
+    *,
+    policy: WatchdogPolicy | None = None,
+    behaviours: Mapping[int, Behaviours] | None = None,
+    identity: Mapping[int, bool | None] | None = None,
+    state: str = "state",
+) -> AsyncIterator[Rig]:
+    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    workers = InProcessWorkers(
+        model=model, behaviours=dict(behaviours or {}), identity=dict(identity or {})
+    )
+    worktree = make_worktree(tmp_path)
+    ledger = tmp_path / "effects.jsonl"
+    async with (
+        open_store(tmp_path / state, clocks=clocks) as store,
+        open_task_runner(
+            store,
+            workers=workers,
+            route=ROUTE,
+            policy=policy,
+            clocks=clocks,
+            ledger=ledger,
+            work_root=tmp_path / "work",
+        ) as runner,
+    ):
+        rig = Rig(runner, store, workers, model, worktree, ledger)
+        runner.host.log = rig.lines.append
+        async with runner.events(buffer=10_000) as events, trio.open_nursery() as nursery:
+
+            async def collect() -> None:
+                async for event in events:
+                    rig.saw(event)
+
+            nursery.start_soon(collect)
+            yield rig
+            nursery.cancel_scope.cancel()
