@@ -69,6 +69,19 @@ class Rig:
     events: list[TaskEvent] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     changed: trio.Event = field(default_factory=trio.Event)
+    times: list[tuple[float, TaskEvent]] = field(default_factory=list)
+    """Trio time at which each event was seen (virtual time in these tests)."""
+
+    def first(self, classification: str, task_id: str = TASK) -> float | None:
+        """When ``classification`` was first seen."""
+        return next(
+            (
+                t
+                for t, e in self.times
+                if e.task_id == task_id and e.classification == classification
+            ),
+            None,
+        )
 
     async def until(self, predicate: Callable[[], bool]) -> None:
         """Wait (on the lanes' change events, never on time) until ``predicate()`` holds."""
@@ -77,6 +90,7 @@ class Rig:
 
     def saw(self, event: TaskEvent) -> None:
         self.events.append(event)
+        self.times.append((trio.current_time(), event))
         self.changed.set()
         self.changed = trio.Event()
 

@@ -7,14 +7,16 @@ sleeps on the real clock. The numbered invariants (WD…, LK…, TL…) are in
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 from fake_pi._behaviours import Behaviours
-from fake_pi.scenario import Hang, Step, Text
-from runtime._clock import Clocks
+from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
+from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode
 from runtime._records import ContinuationSent, EpochStarted, LifecycleReceipt, OutboxAction
 from runtime._tasks import TaskError
@@ -148,3 +150,232 @@ async def test_wd2_a_slow_first_token_is_suspect_then_recovers_without_a_fence(
         records = await rig.records()
         assert not any(isinstance(r, OutboxAction) and r.kind == "fence" for r in records)
         assert sum(isinstance(r, EpochStarted) for r in records) == 0  # in-process: no pid
+
+
+# ------------------------------------------------------------------ the clocks, end to end
+
+
+async def test_wd2_wd3_exact_times_suspect_at_300_eligible_only_after_900_plus_grace(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    steps: list[Step] = [Hang(seconds=10_000), done(), say()]
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        start = trio.current_time()
+        await rig.runner.submit(rig.spec())
+        await rig.runner.wait(TASK)
+        suspect = rig.first("Suspect")
+        eligible = rig.first("HardResumeEligible")
+        fencing = rig.first("Fencing")
+        assert suspect is not None
+        assert eligible is not None
+        assert fencing is not None
+        assert suspect - start == pytest.approx(300, abs=5)  # one tick of overshoot at most
+        assert eligible - start == pytest.approx(1020, abs=5)
+        assert fencing >= eligible
+
+
+async def test_wd1_a_20_minute_run_with_a_token_every_4_minutes_is_never_suspect(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    slow = Text(text="one two three four five six", delay=240)  # 20 minutes of tokens
+    async with open_rig(tmp_path, clocks, [slow, done(), say()]) as rig:
+        start = trio.current_time()
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert trio.current_time() - start >= 20 * 60
+        assert "Suspect" not in rig.classifications()
+        assert rig.runner.show(TASK).telemetry["max_inter_token_gap_seconds"] == pytest.approx(240)
+
+
+async def test_wd6_a_suspend_makes_it_suspect_at_once_but_hard_time_counts_awake_after_wake(
+    tmp_path: Path,
+    clocks: Clocks,
+    silence_clock: MockSilenceClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    steps: list[Step] = [Hang(seconds=10_000), done(), say()]
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).phase == "generation")
+        await trio.sleep(10)
+        silence_clock.suspend(1500)  # the host sleeps 25 minutes
+        wake = trio.current_time()
+        await rig.until(lambda: rig.first("Suspect") is not None)
+        suspect = rig.first("Suspect")
+        assert suspect is not None
+        assert suspect - wake <= 5
+        await rig.runner.wait(TASK)
+        eligible = rig.first("HardResumeEligible")
+        assert eligible is not None
+        assert eligible - wake >= 1020
+
+
+# ---------------------------------------------------------------- provider lifecycle, exits
+
+
+async def test_wd8_a_provider_retry_is_not_settled_and_gets_no_completion_prompt(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path, clocks, [HttpError(), done(), say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert not [r for r in await rig.records() if isinstance(r, ContinuationSent)]
+        assert "NeedsFinalization" not in rig.classifications()
+
+
+@pytest.mark.parametrize("action", ["exit:0", "exit:3", "kill"])
+async def test_wd8_an_exit_without_a_terminal_resumes_the_same_session_at_once(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock, action: str
+) -> None:
+    """The exit code decides nothing: 0, 3 and a kill all enter NeedsFinalization and get one
+    completion prompt in a replacement epoch, without waiting for the soft threshold."""
+    behaviours = {1: Behaviours(at={"after_model:1": action})}
+    steps: list[Step] = [say("working on it"), done(), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        start = trio.current_time()
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert trio.current_time() - start < 300
+        assert rig.workers.launched == [1, 2]
+        assert "NeedsFinalization" in rig.classifications()
+        records = await rig.records()
+        assert len([r for r in records if isinstance(r, ContinuationSent)]) == 1
+        view = rig.runner.show(TASK)
+        assert (view.attempt, view.generation) == (1, 1)  # domain isolation: same attempt
+        assert view.budget["epochs_used"] == 1
+
+
+# ------------------------------------------------------------------------ budget, operator
+
+
+async def test_wd11_budget_exhaustion_holds_and_a_grant_charges_once(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    wedged = Behaviours(at={"before_model:1": "hang"})
+    behaviours = dict.fromkeys(range(1, 5), wedged)  # epochs 1-4 wedge before asking
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(
+            lambda: (
+                (rig.runner.show(TASK).hold_reason or "").startswith("budget_exhausted")
+                or "budget" in (rig.runner.show(TASK).hold_reason or "")
+            )
+        )
+        view = rig.runner.show(TASK)
+        assert view.classification == "StalledOperatorRequired"
+        assert view.budget["epochs_used"] == 3
+        assert view.budget["epochs_left"] == 0
+        assert rig.workers.launched == [1, 2, 3, 4]
+        await rig.runner.grant(TASK, epochs=1, reason="one more try")
+        rig.workers.behaviours = {}
+        rig.runner.resume(TASK)
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        records = await rig.records()
+        grants = [r for r in records if isinstance(r, OutboxAction) and r.kind == "grant"]
+        assert len(grants) == 1
+        assert rig.runner.show(TASK).budget["epochs_used"] == 4
+
+
+async def test_wd4_an_operator_resume_of_a_held_task_fences_and_resumes_once(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    behaviours = {1: Behaviours(at={"before_tool:1": "hang"})}
+    async with open_rig(
+        tmp_path, clocks, [effect("k"), done(), say()], behaviours=behaviours
+    ) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == "StalledOperatorRequired")
+        rig.runner.resume(TASK)
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert rig.workers.launched == [1, 2]
+        records = await rig.records()
+        assert len([r for r in records if isinstance(r, ContinuationSent)]) == 1
+        with pytest.raises(TaskError) as refused:
+            rig.runner.resume(TASK)
+        assert refused.value.code == ReasonCode.TASK_ENDED
+
+
+# ------------------------------------------------------------------- outcomes and evidence
+
+
+async def test_lk3_lk1_a_second_lifecycle_call_is_late_evidence(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    both = ToolCalls(
+        calls=[
+            Call(name="task_done", arguments={"summary": "first"}),
+            Call(name="task_fail", arguments={"reason": "second"}),
+        ]
+    )
+    async with open_rig(tmp_path, clocks, [both, say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
+        assert [(r.kind, r.accepted, r.verdict) for r in receipts] == [
+            ("done", True, "accepted"),
+            ("fail", False, "late_terminal"),
+        ]
+
+
+async def test_lk4_a_failing_validation_keeps_the_task_from_done(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    check = (sys.executable, "-c", "import sys; sys.exit(4)")
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=check))
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "held"
+        assert ended.code == ReasonCode.TASK_NOT_DONE
+        assert "validation" in ended.detail
+        assert ended.validation is not None
+        assert ended.validation["exit_status"] == 4
+        assert ended.candidate is not None  # the candidate survives for the operator
+
+
+async def test_lk4_a_passing_validation_is_part_of_done(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    check = (sys.executable, "-c", "import pathlib; assert pathlib.Path('README.md').exists()")
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=check))
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert ended.validation is not None
+        assert ended.validation["manifest_digest"] == ended.manifest_digest
+
+
+async def test_tl1_submission_is_idempotent_and_refuses_bad_input(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_rig(tmp_path, clocks, [wait(), say()]) as rig:
+        first = await rig.runner.submit(rig.spec())
+        again = await rig.runner.submit(rig.spec())
+        assert first.task_id == again.task_id
+        assert len([r for r in await rig.records() if type(r).__name__ == "TaskSubmitted"]) == 1
+        with pytest.raises(TaskError) as conflict:
+            await rig.runner.submit(rig.spec(prompt="another task"))
+        assert conflict.value.code == ReasonCode.TASK_CONFLICT
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"task_id": "../x", "prompt": "p", "worktree": str(rig.worktree)}, "task_invalid"),
+            ({"task_id": "t2", "prompt": " ", "worktree": str(rig.worktree)}, "task_invalid"),
+            ({"task_id": "t3", "prompt": "p", "worktree": "relative"}, "task_invalid"),
+            ({"task_id": "t4", "prompt": "p", "worktree": str(tmp_path / "nope")},
+             "worktree_missing"),
+            ({"task_id": "t5", "prompt": "p", "worktree": str(rig.worktree), "x": 1},
+             "task_invalid"),
+            ({"task_id": "t6", "prompt": "p", "worktree": str(rig.worktree),
+              "grants": ["rm_rf"]}, "task_invalid"),
+        ]  # fmt: skip
+        for spec, code in bad:
+            with pytest.raises(TaskError) as refused:
+                await rig.runner.submit(spec)
+            assert refused.value.code == code, spec
+        with pytest.raises(TaskError) as unknown:
+            rig.runner.show("nobody")
+        assert unknown.value.code == ReasonCode.TASK_UNKNOWN
