@@ -618,6 +618,7 @@ class TaskLane:
         outcome.append(_End.TERMINAL if self.kernel.state is not TaskState.OPEN else _End.EXITED)
         if self.kernel.state is TaskState.OPEN:
             self._execute(self.watchdog.feed(Exited()), worker, nursery, outcome)
+            self._changed()
         nursery.cancel_scope.cancel()
 
     async def _see(self, worker: TaskWorker, event: Event) -> _End | None:
