@@ -9,7 +9,9 @@ one request object per connection, one response object back, then the server clo
     ← {"ok": false, "code": "delivery_unknown", "message": "no delivery d1"}
 
 :func:`serve_admin` runs the server side until cancelled, answering through an
-:class:`AdminHandler` (the ``serve`` command passes one over its room worker);
+:class:`AdminHandler` (the ``serve`` command passes one over its room worker) and, for the
+``task_*`` and ``tasks`` commands, a :class:`TaskAdminHandler` (its task service; a server
+without one refuses them ``admin_unknown_command``);
 :func:`admin_request` is the client side (``pi-runtime status``, ``pi-runtime cancel``). The
 invariants (O5…) are in ``docs/design/operations.md``.
 
@@ -38,7 +40,7 @@ import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Annotated, Any, Final, Literal, Protocol, get_args
 
 import msgspec
 import trio
@@ -51,6 +53,7 @@ __all__ = [
     "ADMIN_SOCKET",
     "MAX_REQUEST",
     "AdminHandler",
+    "TaskAdminHandler",
     "admin_request",
     "admin_socket_path",
     "serve_admin",
@@ -84,6 +87,35 @@ class AdminHandler(Protocol):
     async def cancel(self, delivery_id: str) -> dict[str, Any]: ...
 
 
+class TaskAdminHandler(Protocol):
+    """What the task commands ask of the server (``runtime/_task_service.py``'s
+    ``TaskService``); the same conventions as :class:`AdminHandler`."""
+
+    async def task_submit(self, request: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def task_list(self) -> dict[str, Any]: ...
+
+    async def task_show(self, task_id: str) -> dict[str, Any]: ...
+
+    async def task_reply(
+        self, task_id: str, text: str, correlation: str | None = None
+    ) -> dict[str, Any]: ...
+
+    async def task_control(
+        self,
+        task_id: str,
+        action: Literal["resume", "abort", "fail", "grant"],
+        *,
+        reason: str | None = None,
+        epochs: int = 0,
+        seconds: float = 0.0,
+    ) -> dict[str, Any]: ...
+
+    async def task_wait(
+        self, task_id: str, after: int = 0, seconds: float = 10.0
+    ) -> dict[str, Any]: ...
+
+
 # -- requests ----------------------------------------------------------------------------
 
 
@@ -101,8 +133,78 @@ class CancelRequest(_Request, tag="cancel", frozen=True, kw_only=True):
     delivery_id: str
 
 
-_COMMANDS: Final = frozenset({"status", "cancel"})
-_REQUEST: Final = msgspec.json.Decoder(StatusRequest | CancelRequest)
+class TaskSubmitRequest(_Request, tag="task_submit", frozen=True, kw_only=True):
+    task_id: str
+    prompt: str
+    worktree: str
+    grants: list[str] | None = None
+    validation: list[str] | None = None
+
+
+class TaskRunRequest(TaskSubmitRequest, tag="task_run", frozen=True, kw_only=True):
+    """``task_run`` is ``task_submit`` (the name ``pi-runtime task run`` sends)."""
+
+
+class TasksRequest(_Request, tag="tasks", frozen=True, kw_only=True):
+    pass
+
+
+class TaskShowRequest(_Request, tag="task_show", frozen=True, kw_only=True):
+    task_id: str
+
+
+class TaskReplyRequest(_Request, tag="task_reply", frozen=True, kw_only=True):
+    task_id: str
+    text: str
+    correlation: str | None = None
+
+
+class TaskResumeRequest(_Request, tag="task_resume", frozen=True, kw_only=True):
+    task_id: str
+    reason: str | None = None
+
+
+class TaskAbortRequest(TaskResumeRequest, tag="task_abort", frozen=True, kw_only=True):
+    pass
+
+
+class TaskFailRequest(TaskResumeRequest, tag="task_fail", frozen=True, kw_only=True):
+    pass
+
+
+class TaskGrantRequest(_Request, tag="task_grant", frozen=True, kw_only=True):
+    task_id: str
+    epochs: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    reason: str
+
+
+class TaskWaitRequest(_Request, tag="task_wait", frozen=True, kw_only=True):
+    """Block until the task has an event numbered above ``after`` or has ended (at most
+    ``seconds``, at most 25): how ``pi-runtime task run --wait`` follows a task."""
+
+    task_id: str
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seconds: Annotated[float, msgspec.Meta(ge=0, le=25)] = 10.0
+
+
+_TaskRequest = (
+    TaskSubmitRequest
+    | TaskRunRequest
+    | TasksRequest
+    | TaskShowRequest
+    | TaskReplyRequest
+    | TaskResumeRequest
+    | TaskAbortRequest
+    | TaskFailRequest
+    | TaskGrantRequest
+    | TaskWaitRequest
+)
+_AnyRequest = StatusRequest | CancelRequest | _TaskRequest
+_TASK_TYPES: Final[tuple[type[_Request], ...]] = get_args(_TaskRequest)
+_TASK_COMMANDS: Final = frozenset(str(t.__struct_config__.tag) for t in _TASK_TYPES)
+_COMMANDS: Final = frozenset({"status", "cancel"}) | _TASK_COMMANDS
+_REQUEST: Final = msgspec.json.Decoder(_AnyRequest)
 _LOOSE: Final = msgspec.json.Decoder(Any)
 _ENCODER: Final = msgspec.json.Encoder()
 
@@ -111,7 +213,7 @@ def _refusal(code: ReasonCode | str, message: str) -> dict[str, Any]:
     return {"ok": False, "code": str(code), "message": message}
 
 
-def _parse(line: bytes) -> StatusRequest | CancelRequest | dict[str, Any]:
+def _parse(line: bytes) -> _AnyRequest | dict[str, Any]:
     """The request, or the refusal to answer with (O7)."""
     try:
         loose = _LOOSE.decode(line)
@@ -135,6 +237,12 @@ def _parse(line: bytes) -> StatusRequest | CancelRequest | dict[str, Any]:
         return _refusal(
             ReasonCode.ADMIN_BAD_REQUEST,
             "cancel: delivery_id must be 1 to 200 printable characters",
+        )
+    task_id = getattr(request, "task_id", None)
+    if task_id is not None and not (0 < len(task_id) <= 200 and task_id.isprintable()):
+        return _refusal(
+            ReasonCode.ADMIN_BAD_REQUEST,
+            f"{command}: task_id must be 1 to 200 printable characters",
         )
     return request
 
@@ -245,9 +353,11 @@ async def serve_admin(
     state_dir: Path | str,
     handler: AdminHandler,
     *,
+    tasks: TaskAdminHandler | None = None,
     task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Answer admin requests on ``<state>/admin.sock`` until cancelled.
+    """Answer admin requests on ``<state>/admin.sock`` until cancelled; the task commands
+    through ``tasks`` (without it they are ``admin_unknown_command``).
 
     ``task_status.started(path)`` once the socket listens. Raises
     :class:`~runtime._errors.StateDirError` ``admin_already_serving`` when a live server
@@ -264,7 +374,7 @@ async def serve_admin(
         async with trio.open_nursery() as nursery:
             task_status.started(path)
             await trio.serve_listeners(
-                functools.partial(_serve_connection, handler),
+                functools.partial(_serve_connection, handler, tasks),
                 [listener],
                 handler_nursery=nursery,
             )
@@ -274,10 +384,12 @@ async def serve_admin(
             await trio.to_thread.run_sync(_unbind, path, bound)
 
 
-async def _serve_connection(handler: AdminHandler, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    handler: AdminHandler, tasks: TaskAdminHandler | None, stream: trio.SocketStream
+) -> None:
     try:
         async with stream:
-            response = await _answer(handler, stream)
+            response = await _answer(handler, tasks, stream)
             if response is None:
                 return
             with trio.move_on_after(_SEND_TIMEOUT):
@@ -288,7 +400,9 @@ async def _serve_connection(handler: AdminHandler, stream: trio.SocketStream) ->
         logger.exception("admin connection failed")
 
 
-async def _answer(handler: AdminHandler, stream: trio.SocketStream) -> dict[str, Any] | None:
+async def _answer(
+    handler: AdminHandler, tasks: TaskAdminHandler | None, stream: trio.SocketStream
+) -> dict[str, Any] | None:
     """The response to one connection's request (``None``: it sent nothing)."""
     if _peer_uid(stream) != os.geteuid():
         return _refusal(ReasonCode.ADMIN_UNAUTHORIZED, "only the server's own user may ask")
@@ -306,19 +420,57 @@ async def _answer(handler: AdminHandler, stream: trio.SocketStream) -> dict[str,
     request = _parse(line)
     if isinstance(request, dict):
         return request
-    return await _dispatch(handler, request)
+    if isinstance(request, _TASK_TYPES) and tasks is None:
+        return _refusal(
+            ReasonCode.ADMIN_UNKNOWN_COMMAND,
+            f"{request.__struct_config__.tag}: this server runs no task lanes",
+        )
+    return await _dispatch(handler, tasks, request)
+
+
+async def _call(
+    handler: AdminHandler, tasks: TaskAdminHandler | None, request: _AnyRequest
+) -> dict[str, Any]:
+    if isinstance(request, CancelRequest):
+        return await handler.cancel(request.delivery_id)
+    if isinstance(request, StatusRequest):
+        return await handler.status()
+    assert tasks is not None
+    if isinstance(request, TaskSubmitRequest):
+        return await tasks.task_submit(msgspec.to_builtins(request))
+    if isinstance(request, TasksRequest):
+        return await tasks.task_list()
+    if isinstance(request, TaskShowRequest):
+        return await tasks.task_show(request.task_id)
+    if isinstance(request, TaskReplyRequest):
+        return await tasks.task_reply(request.task_id, request.text, request.correlation)
+    if isinstance(request, TaskGrantRequest):
+        return await tasks.task_control(
+            request.task_id,
+            "grant",
+            reason=request.reason,
+            epochs=request.epochs,
+            seconds=request.seconds,
+        )
+    if isinstance(request, TaskWaitRequest):
+        return await tasks.task_wait(request.task_id, request.after, request.seconds)
+    action: Literal["resume", "abort", "fail"] = (
+        "abort"
+        if isinstance(request, TaskAbortRequest)
+        else "fail"
+        if isinstance(request, TaskFailRequest)
+        else "resume"
+    )
+    return await tasks.task_control(request.task_id, action, reason=request.reason)
 
 
 async def _dispatch(
-    handler: AdminHandler, request: StatusRequest | CancelRequest
+    handler: AdminHandler, tasks: TaskAdminHandler | None, request: _AnyRequest
 ) -> dict[str, Any]:
     result: dict[str, Any] | None = None
     try:
         with trio.move_on_after(HANDLER_TIMEOUT):
-            if isinstance(request, CancelRequest):
-                result = await handler.cancel(request.delivery_id)
-            else:
-                result = await handler.status()
+            result = await _call(handler, tasks, request)
     except PiRuntimeError as error:
         return _refusal(error.code, error.message)
     except Exception:

@@ -3,11 +3,14 @@
 Commands: ``version``; ``serve`` (the websocket room worker, ``runtime/_serve.py``); ``status``
 and ``cancel`` (through the running server's admin socket; without one, ``status`` reads the
 state directory and ``cancel`` records the request there for the next start); ``token
-rotate``; ``journal verify`` and ``journal show``; ``pi install`` and ``doctor``. Every
-command and subcommand has ``--help``.
+rotate``; ``journal verify`` and ``journal show``; ``pi install`` and ``doctor``; task lanes:
+``task run`` (through the server, or standalone), ``tasks`` and ``task show`` (through the
+server, or read from the lane logs), ``task reply|resume|abort|fail|grant`` (through the
+server). Every command and subcommand has ``--help``.
 
 Exit status: 0 done; 1 refused or failed (the message names a stable code); 2 usage;
-3 ``server_not_running`` (a command that needs the server found none).
+3 ``server_not_running`` (a command that needs the server found none); 130 a standalone
+``task run`` interrupted (the task stays unfinished in its log).
 
 Logging goes to standard error, plain text, or JSON lines with ``--log-json``. Nothing here
 logs or prints a secret; ``token rotate`` prints the new token once, on standard output.
@@ -17,22 +20,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
+import json
 import logging
+import os
 import re
+import secrets
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 import trio
 
 from ._admin import admin_request
-from ._errors import AdminError, PiRuntimeError, ReasonCode
+from ._config import RoomWorkerConfig, load_config, validate_config
+from ._errors import AdminError, DeliveryError, PiRuntimeError, ReasonCode
 from ._inspect import delivery_records, offline_status, verify_journal
 from ._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
 from ._proctree import probe_cgroups, subreaper_supported
@@ -40,8 +50,12 @@ from ._room_worker import request_cancel
 from ._token import rotate_token
 from ._version import __version__
 
+if TYPE_CHECKING:
+    from ._task_service import TaskService
+
 __all__ = [
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_NO_SERVER",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -56,6 +70,7 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 EXIT_NO_SERVER: Final = 3
+EXIT_INTERRUPTED: Final = 130
 
 logger = logging.getLogger("runtime.cli")
 _JSON: Final = msgspec.json.Encoder()
@@ -177,6 +192,24 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow binding a non-loopback address without TLS",
     )
+    _timescale(serve)
+
+
+def _timescale(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--unsafe-test-timescale",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="TESTS ONLY: divide every task-lane watchdog threshold by FACTOR and lift the "
+        "900 s floor; every log line and status say so",
+    )
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, help="the TOML configuration file (its [watchdog] table)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -285,7 +318,118 @@ def _parser() -> argparse.ArgumentParser:
         "child-subreaper support. Exit status 1 when Pi cannot run.",
     )
     doctor.add_argument("--pi-home", type=Path, help="where Pi is installed (as for pi install)")
+    _task_commands(commands, command)
     return parser
+
+
+def _task_commands(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    command: Callable[..., argparse.ArgumentParser],
+) -> None:
+    """``tasks`` and the ``task`` group (task lanes, ``docs/design/watchdog.md``)."""
+    tasks = command(
+        commands,
+        "tasks",
+        "list task lanes",
+        "List every task lane with its state, watchdog classification, phase, epoch, "
+        "silence and next safe operator action: from the running server, or read from the "
+        "lane logs when no server runs. Changes nothing.",
+    )
+    _state_dir(tasks)
+    _config_option(tasks)
+    tasks.add_argument("--json", action="store_true", help="print one JSON object")
+    task = command(
+        commands, "task", "run and control task lanes", "Run, inspect and control task lanes."
+    )
+    task.set_defaults(help_for=task)
+    group = task.add_subparsers(dest="task_command", metavar="TASK_COMMAND")
+    run = command(
+        group,
+        "run",
+        "run a coding task in a worktree",
+        "Submit a task (a prompt in a worktree) to the server that owns the state directory; "
+        "with --wait, follow its events until it ends. With no server running, run it here "
+        "(standalone: open the state directory, run the task to its end or until Ctrl-C, "
+        "printing its events). Exit status 0 when the task is done, 1 otherwise (its code).",
+    )
+    run.add_argument("--worktree", type=Path, required=True, help="the directory to work in")
+    run.add_argument("--prompt", required=True, help="what the task is")
+    run.add_argument("--task-id", help="the task's id (default: a new random one)")
+    run.add_argument(
+        "--grant",
+        action="append",
+        metavar="TOOL",
+        help="a tool the worker may use (repeat; default: read, bash, edit, write)",
+    )
+    run.add_argument(
+        "--validate",
+        metavar="CMD",
+        help="a command (shell words) that must pass on the final worktree for done",
+    )
+    run.add_argument(
+        "--agent",
+        choices=("fake", "pi"),
+        default=None,
+        help="standalone: the worker, fake (Fake-Pi) or pi (default: the configuration's)",
+    )
+    _state_dir(run)
+    _config_option(run)
+    _timescale(run)
+    run.add_argument(
+        "--wait",
+        action="store_true",
+        help="through a server: follow the task until it ends (standalone always does)",
+    )
+    show = command(
+        group,
+        "show",
+        "show everything about one task",
+        "Print every diagnostic of a task: ids and epochs, session and route, the exact "
+        "process identity, classification and phase, progress and silence, the soft "
+        "threshold and the probe's result, the hard threshold and the grace, receipts, the "
+        "prompt marker, the budget, the pending outbox action, the next safe operator "
+        "action, and the production thresholds. Read from the lane log when no server runs.",
+    )
+    show.add_argument("task_id", metavar="ID", help="the task's id")
+    _state_dir(show)
+    _config_option(show)
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    reply = command(
+        group,
+        "reply",
+        "answer a waiting task",
+        "Answer a task that waits for the user (its task_wait), through the running server. "
+        "Only a reply to the current wait wakes it.",
+    )
+    reply.add_argument("task_id", metavar="ID", help="the task's id")
+    reply.add_argument("text", metavar="TEXT", help="the answer")
+    reply.add_argument("--correlation", help="the wait's intent id (default: the current wait)")
+    _state_dir(reply)
+    for name, summary, description in (
+        ("resume", "resume a held task",
+         "Resume a task the watchdog holds (StalledOperatorRequired) through the running "
+         "server: what is left of its worker is fenced and the same session resumed."),
+        ("abort", "abort a task", "Abort a task through the running server (first terminal "
+         "outcome wins; the worker is stopped)."),
+        ("fail", "fail a task", "Mark a task failed through the running server (first "
+         "terminal outcome wins; the worker is stopped)."),
+    ):  # fmt: skip
+        control = command(group, name, summary, description)
+        control.add_argument("task_id", metavar="ID", help="the task's id")
+        control.add_argument("--reason", help="why (recorded)")
+        _state_dir(control)
+    grant = command(
+        group,
+        "grant",
+        "grant a task more recovery budget",
+        "Grant a task more recovery budget (replacement epochs and/or seconds) through the "
+        "running server; audited: the grant and its reason are recorded in the task's log.",
+    )
+    grant.add_argument("task_id", metavar="ID", help="the task's id")
+    grant.add_argument("--epochs", type=int, default=0, help="replacement epochs to add")
+    grant.add_argument("--seconds", type=float, default=0.0, help="recovery seconds to add")
+    grant.add_argument("--reason", required=True, help="why (recorded)")
+    _state_dir(grant)
 
 
 # -- serve -------------------------------------------------------------------------------
@@ -341,6 +485,11 @@ def _status(state_dir: Path, as_json: bool) -> int:
     response = trio.run(_status_via_server, state_dir)
     if response is None:
         status = offline_status(state_dir)
+        from ._task_service import offline_views
+
+        views = offline_views(state_dir)
+        if views:
+            status["tasks"] = [_offline_summary(v) for v in views]
     elif not response.get("ok"):
         return _refused(response)
     else:
@@ -354,6 +503,23 @@ def _status(state_dir: Path, as_json: bool) -> int:
 
 def _status_lines(status: dict[str, Any]) -> list[str]:
     """The status for people; tolerant of fields a server does not send."""
+    lines = _room_status_lines(status)
+    tasks = status.get("tasks")
+    if tasks:
+        lines.append(f"tasks: {len(tasks)}")
+        for task in tasks:
+            end = f" ended {task['ended']}" if task.get("ended") else ""
+            lines.append(
+                f"  {task.get('task_id')}  {task.get('state')}  "
+                f"{_short_class(task.get('classification'))}{end}"
+            )
+    warning = status.get("warning")
+    if warning:
+        lines = [f"!!! {warning} !!!", *lines, f"!!! {warning} !!!"]
+    return lines
+
+
+def _room_status_lines(status: dict[str, Any]) -> list[str]:
     server = status.get("server") or {}
     if status.get("source") == "server":
         who = f" {status['worker_id']}" if status.get("worker_id") else ""
@@ -431,6 +597,443 @@ def _cancel(state_dir: Path, delivery_id: str, as_json: bool) -> int:
         state = response.get("state")
         print(f"{delivery_id}: {state}" if state else f"{delivery_id}: cancel requested")
     return EXIT_OK
+
+
+# -- task lanes --------------------------------------------------------------------------
+
+
+def _offline_summary(view: Any) -> dict[str, Any]:
+    return {
+        "task_id": view.task_id,
+        "state": view.state,
+        "classification": "-",
+        "ended": view.ended.get("state") if view.ended else None,
+    }
+
+
+def _short_class(classification: object) -> str:
+    text = str(classification or "-")
+    return "-" if text.startswith("unknown:") else text
+
+
+def _load_config(path: Path | None) -> RoomWorkerConfig:
+    return load_config(path) if path is not None else RoomWorkerConfig()
+
+
+def _no_server(state_dir: Path) -> AdminError:
+    return AdminError(
+        ReasonCode.SERVER_NOT_RUNNING,
+        f"no server answers on {state_dir}; start `pi-runtime serve --state-dir "
+        f"{state_dir}` (or a `pi-runtime task run`) and try again",
+    )
+
+
+async def _ask(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | None:
+    """A server's answer, or None when none runs (an unanswering socket is logged)."""
+    try:
+        return await admin_request(state_dir, request)
+    except AdminError as error:
+        if request.get("command") not in ("tasks", "task_show"):
+            raise
+        logger.warning(
+            "the server's admin socket did not answer (%s); reading the lane logs",
+            error.message,
+            extra={"code": error.code},
+        )
+        return None
+
+
+def _thresholds(view: dict[str, Any], production: dict[str, Any] | None) -> list[str]:
+    from ._task_service import threshold_lines
+    from ._watchdog import Phase, WatchdogPolicy
+
+    data = production or {}
+    base = WatchdogPolicy(
+        soft_seconds=float(data.get("soft_seconds", 300.0)),
+        hard_seconds={
+            Phase(p): float(s)
+            for p, s in (data.get("hard_seconds") or {"provider": 900, "generation": 900}).items()
+        },
+        grace_seconds=float(data.get("grace_seconds", 120.0)),
+    )
+    scale = float(view.get("timescale") or 1.0)
+    return threshold_lines(base.scaled(scale) if scale != 1.0 else base, base)
+
+
+def _seconds(value: object) -> str:
+    return "-" if value is None else f"{float(value):g} s"  # type: ignore[arg-type]
+
+
+def _task_lines(view: dict[str, Any], production: dict[str, Any] | None) -> list[str]:
+    """``task show`` for people: every field of the view, then the thresholds."""
+    process = view.get("process")
+    budget = view.get("budget") or {}
+    receipts = view.get("receipts") or []
+    route = view.get("route") or {}
+    ended = view.get("ended")
+    rows: list[tuple[str, str]] = [
+        ("state", str(view.get("state"))),
+        ("ids", f"generation {view.get('generation')}, attempt {view.get('attempt')}, "
+                f"fence {view.get('fence')}"),
+        ("epochs", f"process epoch {view.get('process_epoch')}, continuation epoch "
+                   f"{view.get('continuation_epoch')}"),
+        ("session", f"{view.get('session_path')}"
+                    + (f" (id {view['session_id']})" if view.get("session_id") else "")),
+        ("route", f"{route.get('provider', '?')}/{route.get('model', '?')}"),
+        ("worktree", str(view.get("worktree"))),
+        ("process", "none (no live worker)" if not process else
+         f"pid {process.get('pid')}, start time {process.get('start_time')}, "
+         f"boot id {process.get('boot_id')}, nonce {process.get('nonce')}"),
+        ("classification", str(view.get("classification"))),
+        ("phase", str(view.get("phase"))),
+        ("progress", f"seq {view.get('progress_seq')}, silence "
+                     f"{_seconds(view.get('silence_seconds'))}"),
+        ("soft threshold", f"{_seconds(view.get('soft_seconds'))}; probe: "
+                           f"{view.get('probe') or 'none sent'}"),
+        ("hard threshold", (_seconds(view.get("hard_seconds")) + " (this phase)")
+         if view.get("hard_seconds") is not None else "none for this phase"),
+        ("grace", f"{_seconds(view.get('grace_seconds'))} ({view.get('grace')})"),
+        ("receipts", str(len(receipts)) if receipts else "none"),
+    ]  # fmt: skip
+    for receipt in receipts:
+        verdict = "accepted" if receipt.get("accepted") else receipt.get("verdict", "late")
+        detail = _snippet(receipt.get("detail"))
+        rows.append(("", f"{receipt.get('kind')} {verdict} (epoch {receipt.get('epoch')}, "
+                         f"intent {receipt.get('intent_id')}){detail}"))  # fmt: skip
+    rows += [
+        ("prompt marker", str(view.get("prompt_marker") or "none")),
+        ("budget", f"epochs used {budget.get('epochs_used')}, left {budget.get('epochs_left')}"
+                   f" (granted {budget.get('granted_epochs')}); seconds used "
+                   f"{budget.get('seconds_used')}, left {budget.get('seconds_left')} "
+                   f"(granted {budget.get('granted_seconds')})"),
+        ("pending action", str(view.get("pending_action") or "none")),
+        ("hold reason", str(view.get("hold_reason") or "none")),
+        ("next action", str(view.get("next_action"))),
+        ("time scale", f"x{float(view.get('timescale') or 1.0):g}"),
+        ("telemetry", ", ".join(f"{k} {v}" for k, v in (view.get("telemetry") or {}).items())
+         or "none"),
+    ]  # fmt: skip
+    if ended:
+        text = str(ended.get("state"))
+        if ended.get("code"):
+            text += f" ({ended['code']})"
+        if ended.get("detail"):
+            text += f": {ended['detail']}"
+        rows.append(("ended", text))
+        candidate = ended.get("candidate")
+        if candidate:
+            where = f"{candidate.get('kind')} {candidate.get('ref')}"
+            rows.append(("candidate", f"{where} (manifest {candidate.get('manifest_digest')})"))
+        if ended.get("validation"):
+            rows.append(("validation", json.dumps(ended["validation"], sort_keys=True)))
+    else:
+        rows.append(("ended", "no"))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"task {view.get('task_id')}"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in rows]
+    lines += [f"  {line}" for line in _thresholds(view, production)]
+    return lines
+
+
+def _tasks_cmd(state_dir: Path, config: Path | None, as_json: bool) -> int:
+    response = trio.run(_ask, state_dir, {"command": "tasks"})
+    if response is not None and not response.get("ok"):
+        return _refused(response)
+    if response is None:
+        from ._task_service import offline_views, watchdog_policy
+
+        policy = watchdog_policy(_load_config(config))
+        views = [msgspec.to_builtins(v) for v in offline_views(state_dir, policy)]
+        listing: dict[str, Any] = {"source": "state_dir", "tasks": views}
+    else:
+        listing = {"source": "server"} | {k: v for k, v in response.items() if k != "ok"}
+    if as_json:
+        print(_JSON.encode(listing).decode())
+        return EXIT_OK
+    warning = listing.get("warning")
+    if warning:
+        print(f"!!! {warning} !!!")
+    if listing["source"] == "server":
+        print("server: running (answered on its admin socket)")
+    else:
+        print("server: not running; read from the lane logs")
+    rows = [("TASK", "STATE", "CLASSIFICATION", "PHASE", "EPOCH", "SILENCE", "NEXT ACTION")]
+    for view in listing["tasks"]:
+        offline = str(view.get("classification", "")).startswith("unknown:")
+        rows.append(
+            (
+                str(view.get("task_id")),
+                str(view.get("state")),
+                _short_class(view.get("classification")),
+                "-" if offline else str(view.get("phase")),
+                str(view.get("process_epoch")),
+                "-" if offline else _seconds(view.get("silence_seconds")),
+                str(view.get("next_action")),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if len(rows) == 1:
+        print("(no tasks)")
+    return EXIT_OK
+
+
+def _task_show(state_dir: Path, task_id: str, config: Path | None, as_json: bool) -> int:
+    response = trio.run(_ask, state_dir, {"command": "task_show", "task_id": task_id})
+    if response is not None and not response.get("ok"):
+        return _refused(response)
+    if response is None:
+        from ._task_service import offline_view, policy_dict, watchdog_policy
+
+        policy = watchdog_policy(_load_config(config))
+        view: dict[str, Any] = msgspec.to_builtins(offline_view(state_dir, task_id, policy))
+        view["production"] = policy_dict(policy)
+        source = "state_dir"
+    else:
+        view = response["task"]
+        source = "server"
+    if as_json:
+        print(_JSON.encode({"source": source, "task": view}).decode())
+        return EXIT_OK
+    lines = _task_lines(view, view.get("production"))
+    if source == "state_dir":
+        lines.insert(1, "  (no server runs: read from the lane log; the watchdog runs only in "
+                        "the owner)")  # fmt: skip
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _task_control(args: argparse.Namespace) -> int:
+    command = args.task_command
+    request: dict[str, Any] = {"command": f"task_{command}", "task_id": args.task_id}
+    if command == "reply":
+        request |= {"text": args.text, "correlation": args.correlation}
+    elif command == "grant":
+        request |= {"epochs": args.epochs, "seconds": args.seconds, "reason": args.reason}
+    else:
+        request["reason"] = args.reason
+    response = trio.run(admin_request, args.state_dir, request)
+    if response is None:
+        raise _no_server(args.state_dir)
+    if not response.get("ok"):
+        return _refused(response)
+    view = response.get("task") or {}
+    print(
+        f"task {args.task_id}: {command} accepted; state {view.get('state')}, "
+        f"{_short_class(view.get('classification'))}"
+    )
+    return EXIT_OK
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    worktree = args.worktree.expanduser().absolute()
+    spec: dict[str, Any] = {
+        "task_id": args.task_id or f"task-{secrets.token_hex(4)}",
+        "prompt": args.prompt,
+        "worktree": str(worktree),
+    }
+    if args.grant:
+        spec["grants"] = sorted(set(args.grant))
+    if args.validate:
+        spec["validation"] = shlex.split(args.validate)
+    return spec
+
+
+def _event_line(event: dict[str, Any], scale: float) -> str:
+    text = (
+        f"task {event.get('task_id')}: {event.get('classification')} state={event.get('state')} "
+        f"phase={event.get('phase')} epoch={event.get('process_epoch')}"
+    )
+    if event.get("hold_reason"):
+        text += f" hold={event['hold_reason']}"
+    if event.get("ended"):
+        text += f" ended={event['ended']}"
+    if scale != 1.0:
+        text = f"[UNSAFE TEST TIMESCALE x{scale:g}] {text}"
+    return text
+
+
+async def _follow(
+    task_id: str, fetch: Callable[[int], Any], *, quiet: bool = False
+) -> dict[str, Any]:
+    """Print the task's events as lines until it ends; its last view. ``fetch(after)`` is a
+    ``task_wait`` answer (from the server, or the standalone service)."""
+    after = 0
+    while True:
+        answer: dict[str, Any] = await fetch(after)
+        if not answer.get("ok", True):
+            raise PiRuntimeError(
+                ReasonCode(answer.get("code", ReasonCode.ADMIN_FAILED)),
+                str(answer.get("message", "the server refused")),
+            )
+        scale = float(answer.get("unsafe_test_timescale") or 1.0)
+        for event in answer.get("events", []):
+            if not quiet:
+                print(_event_line(event, scale), flush=True)
+        after = int(answer.get("last", after))
+        if answer.get("ended"):
+            view: dict[str, Any] = answer["task"]
+            return view
+
+
+def _ended(view: dict[str, Any]) -> int:
+    """Report how the task ended; the exit status (0 only for done)."""
+    ended = view.get("ended") or {}
+    state = ended.get("state")
+    task_id = view.get("task_id")
+    if state == "done":
+        candidate = ended.get("candidate") or {}
+        print(
+            f"task {task_id} ended done: candidate {candidate.get('kind')} "
+            f"{candidate.get('ref')} (manifest {ended.get('manifest_digest')})",
+            flush=True,
+        )
+        return EXIT_OK
+    code = ended.get("code") or ReasonCode.TASK_NOT_DONE
+    detail = f": {ended['detail']}" if ended.get("detail") else ""
+    logger.error("task %s ended %s%s", task_id, state, detail, extra={"code": code})
+    return EXIT_FAILED
+
+
+def _task_run(args: argparse.Namespace) -> int:
+    spec = _spec(args)
+    state_dir: Path = args.state_dir
+    response = trio.run(admin_request, state_dir, {"command": "task_run", **spec})
+    if response is not None:
+        ignored = [
+            flag
+            for flag, value in (
+                ("--agent", args.agent),
+                ("--config", args.config),
+                ("--unsafe-test-timescale", args.unsafe_test_timescale),
+            )
+            if value is not None
+        ]
+        if ignored:
+            logger.warning(
+                "a server owns %s: its configuration applies, not %s",
+                state_dir,
+                ", ".join(ignored),
+            )
+        return _task_via_server(state_dir, spec["task_id"], response, wait=args.wait)
+    return _task_standalone(args, spec)
+
+
+def _task_via_server(state_dir: Path, task_id: str, response: dict[str, Any], *, wait: bool) -> int:
+    if not response.get("ok"):
+        return _refused(response)
+    view = response.get("task") or {}
+    print(
+        f"task {task_id}: {response.get('disposition', 'started')} on the server "
+        f"(state {view.get('state')})",
+        flush=True,
+    )
+    if not wait:
+        return EXIT_OK
+
+    async def fetch(after: int) -> dict[str, Any]:
+        request = {"command": "task_wait", "task_id": task_id, "after": after, "seconds": 20}
+        answer = await admin_request(state_dir, request)
+        if answer is None:
+            raise _no_server(state_dir)
+        return answer
+
+    return _ended(trio.run(_follow, task_id, fetch))
+
+
+class _StandaloneAdmin:
+    """The admin socket of a standalone ``task run``: ``status`` and the task commands (so
+    ``task reply``, ``abort``, … reach it from another terminal); no deliveries here."""
+
+    def __init__(self, service: TaskService) -> None:
+        self.service = service
+
+    async def status(self) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        report: dict[str, Any] = {
+            "worker_id": f"task run {os.getpid()}",
+            "pending": 0,
+            "rooms": [],
+        }
+        return report | self.service.status()
+
+    async def cancel(self, delivery_id: str) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        raise DeliveryError(
+            ReasonCode.DELIVERY_UNKNOWN,
+            f"no delivery {delivery_id}: this is a standalone task run; start the server",
+        )
+
+
+def _task_standalone(args: argparse.Namespace, spec: dict[str, Any]) -> int:
+    from ._task_service import watchdog_policy
+
+    config = _load_config(args.config)
+    changes: dict[str, Any] = {"state_dir": str(Path(args.state_dir).absolute())}
+    if args.agent is not None:
+        changes["agent"] = args.agent
+    config = validate_config(msgspec.structs.replace(config, **changes))
+    timescale = args.unsafe_test_timescale or 1.0
+    watchdog_policy(config, timescale=timescale)  # refused before anything starts (WD9)
+    return trio.run(_standalone, config, spec, timescale)
+
+
+async def _standalone(config: RoomWorkerConfig, spec: dict[str, Any], timescale: float) -> int:
+    from ._admin import serve_admin
+    from ._clock import Clocks
+    from ._receipts import receipt_store
+    from ._store import open_store
+    from ._task_service import loud_logging, open_task_service, watchdog_policy
+
+    state_dir = Path(config.state_dir)
+    task_id = spec["task_id"]
+    clocks = Clocks.system()
+    policy = watchdog_policy(config, timescale=timescale)
+    interrupted: list[str] = []
+    with (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        loud_logging(policy),
+    ):
+        async with (
+            open_store(state_dir, clocks=clocks) as store,
+            receipt_store(state_dir, now_ms=clocks.wall.time_ms) as receipts,
+            open_task_service(
+                config, store=store, receipts=receipts, timescale=timescale
+            ) as service,
+            trio.open_nursery() as nursery,
+        ):
+            handler = _StandaloneAdmin(service)
+            await nursery.start(functools.partial(serve_admin, tasks=service), state_dir, handler)
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    interrupted.append(signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch_signals)
+            warning = service.warning
+            if warning is not None:
+                print(f"pi-runtime task run: !!! {warning} !!!", flush=True)
+            answer = await service.task_submit(spec)
+            print(
+                f"task {task_id}: {answer['disposition']} here (standalone; state {state_dir})",
+                flush=True,
+            )
+            view = await _follow(task_id, lambda after: service.task_wait(task_id, after, 20.0))
+            nursery.cancel_scope.cancel()
+    if interrupted:
+        logger.error(
+            "task %s interrupted (%s): it stays unfinished in %s; `pi-runtime task run` "
+            "again or `pi-runtime serve` resumes it",
+            task_id,
+            interrupted[0],
+            state_dir,
+            extra={"code": ReasonCode.TASK_NOT_DONE},
+        )
+        return EXIT_INTERRUPTED
+    return _ended(view)
 
 
 # -- journal -----------------------------------------------------------------------------
@@ -554,6 +1157,14 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return _pi_install(args.home.absolute() if args.home else None)
     if command == "doctor":
         return _doctor(args.pi_home.absolute() if args.pi_home else None)
+    if command == "tasks":
+        return _tasks_cmd(args.state_dir, args.config, args.json)
+    if command == "task" and args.task_command == "run":
+        return _task_run(args)
+    if command == "task" and args.task_command == "show":
+        return _task_show(args.state_dir, args.task_id, args.config, args.json)
+    if command == "task" and args.task_command in ("reply", "resume", "abort", "fail", "grant"):
+        return _task_control(args)
     getattr(args, "help_for", parser).print_help(sys.stderr)
     return EXIT_USAGE
 

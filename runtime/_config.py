@@ -46,6 +46,7 @@ __all__ = [
     "RoomWorkerConfig",
     "ServerConfig",
     "Thresholds",
+    "WatchdogConfig",
     "config_from_dict",
     "declared_class",
     "load_config",
@@ -141,6 +142,26 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``too_many_in_flight`` (backpressure, never a silent drop)."""
 
 
+class WatchdogConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The task lanes' watchdog, in seconds (brief §6; ``docs/design/watchdog.md``, WD9).
+
+    Only the types are checked here: the rules (soft is 300 s, hard thresholds at least 900 s
+    and longer than soft, …) depend on ``--unsafe-test-timescale`` and are checked when task
+    lanes start (``runtime/_task_service.py``: ``watchdog_config_invalid`` naming
+    ``watchdog.<setting>``)."""
+
+    soft_seconds: float = 300.0
+    hard_provider_seconds: float = 900.0
+    """Silence before the first token of a model request (time to first token)."""
+    hard_generation_seconds: float = 900.0
+    """Silence between tokens of a streaming answer."""
+    grace_seconds: float = 120.0
+    max_replacements: int = 3
+    """Replacement epochs per attempt (the recovery budget)."""
+    recovery_seconds: float = 1800.0
+    """Recovery time per attempt (the recovery budget)."""
+
+
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the room worker is configured with. Build it, then :func:`validate_config`
     it (or :func:`load_config` a TOML file, which does both)."""
@@ -163,6 +184,8 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     thresholds: Thresholds = Thresholds()
     caps: Caps = Caps()
     server: ServerConfig = ServerConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
+    """Task lanes only (``pi-runtime task``, the wire's task frames)."""
 
     def check_served(self, room: str) -> str:
         """``room`` when it is served; else :class:`DeliveryError` with ``room_invalid`` (not

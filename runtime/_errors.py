@@ -140,6 +140,7 @@ class ReasonCode(enum.StrEnum):
     TASK_NOT_HELD = "task_not_held"
     TASK_ENDED = "task_ended"
     TASK_LATE = "task_late"
+    TASK_LANE_FAILED = "task_lane_failed"
     WATCHDOG_CONFIG_INVALID = "watchdog_config_invalid"
 
 

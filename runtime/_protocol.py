@@ -10,7 +10,10 @@ only ever added, with defaults).
 
 ``python -m runtime._protocol --schema`` prints the JSON Schema of both directions, generated
 from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them equal.
-The page is ``docs/design/protocol.md``; the invariants P1..P10 are stated there.
+The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The task
+frames (``task_*``) drive task lanes (brief §6, issue #8): their server frames are the task
+runner's own objects too (:class:`~runtime._tasks.TaskView`,
+:class:`~runtime._task_runner.TaskEvent`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import re
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from typing import Annotated, Any, Final, NoReturn, get_args
+from typing import Annotated, Any, Final, Literal, NoReturn, get_args
 
 import msgspec
 
@@ -28,6 +31,8 @@ from ._errors import PiRuntimeError, ProtocolError, ReasonCode
 from ._events import TextUpdate, ToolActivity, Typing
 from ._outbox import DeliveryResult
 from ._room_worker import Accepted, RoomStatus
+from ._task_runner import TaskEvent
+from ._tasks import TaskView
 
 __all__ = [
     "CLIENT_FRAME_TYPES",
@@ -44,6 +49,14 @@ __all__ = [
     "ServerFrame",
     "StatusReport",
     "StatusRequest",
+    "TaskAccepted",
+    "TaskControl",
+    "TaskEvent",
+    "TaskList",
+    "TaskReplyFrame",
+    "TaskShow",
+    "TaskSubmit",
+    "TaskViewFrame",
     "Welcome",
     "decode_client_frame",
     "decode_server_frame",
@@ -127,7 +140,50 @@ class StatusRequest(_ClientFrame, tag="status", frozen=True, kw_only=True):
     room: str | None = None
 
 
-ClientFrame = Hello | Deliver | Cancel | Ack | StatusRequest
+class TaskSubmit(_ClientFrame, tag="task_submit", frozen=True, kw_only=True):
+    """Submit a task lane: ``task_id`` is the idempotency key (the same task again is
+    ``task_accepted`` ``duplicate``; another under the same id ``task_conflict``)."""
+
+    task_id: str
+    prompt: str
+    worktree: str
+    """An absolute path to an existing directory (``worktree_missing`` otherwise)."""
+    grants: list[str] | None = None
+    """The tools the worker may use; ``null``: ``read``, ``bash``, ``edit``, ``write``."""
+    validation: list[str] | None = None
+    """A command (argv) whose passing run Done needs; ``null``: none."""
+
+
+class TaskReplyFrame(_ClientFrame, tag="task_reply", frozen=True, kw_only=True):
+    """Answer a waiting task (its ``task_wait``); only the current wait's reply wakes it."""
+
+    task_id: str
+    text: str
+    correlation: str | None = None
+    """The wait's intent id; ``null``: the task's current wait."""
+
+
+class TaskControl(_ClientFrame, tag="task_control", frozen=True, kw_only=True):
+    """An operator control: ``resume`` a held task, ``abort`` or ``fail`` it, ``grant`` it
+    recovery budget (``epochs`` and/or ``seconds``, with a ``reason``: audited)."""
+
+    task_id: str
+    action: Literal["resume", "abort", "fail", "grant"]
+    reason: str | None = None
+    epochs: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class TaskShow(_ClientFrame, tag="task_show", frozen=True, kw_only=True):
+    """Ask for one task's ``task_view``, or (``task_id`` absent) the ``task_list``."""
+
+    task_id: str | None = None
+
+
+ClientFrame = (
+    Hello | Deliver | Cancel | Ack | StatusRequest | TaskSubmit | TaskReplyFrame | TaskControl
+    | TaskShow
+)  # fmt: skip
 CLIENT_FRAME_TYPES: Final[tuple[str, ...]] = tuple(
     str(frame.__struct_config__.tag) for frame in get_args(ClientFrame)
 )
@@ -163,7 +219,30 @@ class ErrorFrame(_ServerFrame, tag="error", frozen=True, kw_only=True):
     code: str
     message: str
     ref: str | None = None
-    """The ``delivery_id`` or the frame type this error answers, when known."""
+    """The ``delivery_id`` (or ``task_id``) or the frame type this error answers, when known."""
+
+
+class TaskAccepted(_ServerFrame, tag="task_accepted", frozen=True, kw_only=True):
+    """A ``task_submit`` was admitted durably (or was already): the task's state now."""
+
+    task_id: str
+    state: str
+    disposition: Literal["started", "duplicate"] = "started"
+
+
+class TaskViewFrame(TaskView, tag="task_view", tag_field="type", frozen=True, kw_only=True):
+    """Everything about one task (``pi-runtime task show``): the answer to ``task_show`` with
+    a ``task_id`` and to an accepted ``task_reply`` or ``task_control``."""
+
+    @classmethod
+    def of(cls, view: TaskView) -> TaskViewFrame:
+        return cls(**msgspec.structs.asdict(view))
+
+
+class TaskList(_ServerFrame, tag="task_list", frozen=True, kw_only=True):
+    """The answer to ``task_show`` without a ``task_id``: every task of this server."""
+
+    tasks: list[TaskView]
 
 
 ServerFrame = (
@@ -175,6 +254,10 @@ ServerFrame = (
     | DeliveryResult
     | StatusReport
     | ErrorFrame
+    | TaskAccepted
+    | TaskViewFrame
+    | TaskList
+    | TaskEvent
 )
 
 _client_decoder: Final = msgspec.json.Decoder(ClientFrame)
@@ -324,6 +407,8 @@ def _refusal(data: str | bytes, message: str) -> ProtocolError:
     ref = kind
     if kind in ("deliver", "cancel"):
         ref = _usable_id(value.get("delivery_id")) or kind
+    elif kind.startswith("task_"):
+        ref = _usable_id(value.get("task_id")) or kind
     code, problem = _classify(message)
     return ProtocolError(code, f"{kind}: {problem}", ref)
 

@@ -49,7 +49,7 @@ from ._lanes import Absorbed, Lane, LaneHost, Pending
 from ._launch import ModelRoute, WorkerProgram
 from ._outbox import DeliveryResult, ResultOutbox
 from ._pi_install import find_pi
-from ._receipts import receipt_store
+from ._receipts import ReceiptStore, receipt_store
 from ._records import (
     AbsorbedInput,
     Admission,
@@ -218,6 +218,11 @@ class RoomWorker:
     @property
     def admitting(self) -> bool:
         return self._admitting
+
+    @property
+    def receipts(self) -> ReceiptStore | None:
+        """The receipt and document store (task lanes on this state directory share it)."""
+        return self._host.receipts
 
     def pending(self) -> list[str]:
         """The delivery ids admitted and not finished, in no particular order."""

@@ -16,17 +16,23 @@ are in ``docs/design/serve.md``; in short:
 * each connection has a bounded number of deliveries in flight; one more is refused
   ``too_many_in_flight`` (S4);
 * SIGINT/SIGTERM stop admitting, let running turns finish for up to the drain timeout, then
-  stop; what is unfinished stays pending for the next start (S5).
+  stop; what is unfinished stays pending for the next start (S5);
+* task lanes (``runtime/_task_service.py``) run beside the room worker on the same store: the
+  ``task_*`` frames submit, answer, control and show them, and every task's ``task_event`` goes
+  to every authenticated connection (P11-P13 of ``docs/design/protocol.md``). Unfinished tasks
+  are resumed at the next start.
 
-Resource handling: :func:`open_server` owns the room worker, the admin socket, the websocket
-listener and a task per connection; leaving it closes them all (worker trees are fenced by
-the room worker). Connections' failures are logged and never end the server.
+Resource handling: :func:`open_server` owns the room worker, the task service, the admin
+socket, the websocket listener and a task per connection; leaving it closes them all (worker
+trees are fenced by the room worker and the task lanes). Connections' failures are logged and
+never end the server.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -59,6 +65,13 @@ from ._protocol import (
     ServerFrame,
     StatusReport,
     StatusRequest,
+    TaskAccepted,
+    TaskControl,
+    TaskList,
+    TaskReplyFrame,
+    TaskShow,
+    TaskSubmit,
+    TaskViewFrame,
     Welcome,
     decode_client_frame,
     encode_server_frame,
@@ -67,6 +80,9 @@ from ._protocol import (
     reject_binary_frame,
 )
 from ._room_worker import RoomWorker, open_room_worker
+from ._task_runner import TaskEvent
+from ._task_service import TaskService, loud_logging, open_task_service, watchdog_policy
+from ._tasks import TaskError
 from ._token import ensure_token, read_token, token_matches
 
 __all__ = ["RoomServer", "ServeOptions", "open_server", "run_serve"]
@@ -91,6 +107,8 @@ class ServeOptions:
     ssl_context: ssl.SSLContext | None = None
     insecure_bind: bool = False
     """Allow a non-loopback address without TLS (brief §9: otherwise refused)."""
+    unsafe_test_timescale: float = 1.0
+    """Tests only: divide every task-lane watchdog threshold by this (WD9); said loudly."""
 
 
 def check_bind(options: ServeOptions) -> None:
@@ -121,9 +139,10 @@ class _Connection:
     peer: str
     in_flight: set[str] = field(default_factory=set)
     send_lock: trio.Lock = field(default_factory=trio.Lock)
-    events: tuple[trio.MemorySendChannel[RoomEvent], trio.MemoryReceiveChannel[RoomEvent]] = field(
-        default_factory=lambda: trio.open_memory_channel[RoomEvent](EVENT_QUEUE)
-    )
+    events: tuple[
+        trio.MemorySendChannel[RoomEvent | TaskEvent],
+        trio.MemoryReceiveChannel[RoomEvent | TaskEvent],
+    ] = field(default_factory=lambda: trio.open_memory_channel[RoomEvent | TaskEvent](EVENT_QUEUE))
     dropped_events: int = 0
     sent_seq: int = 0
     """The seq of the last result sent on this connection."""
@@ -142,8 +161,17 @@ class _Connection:
 class RoomServer:
     """The websocket side of a running room worker; obtain it from :func:`open_server`."""
 
-    def __init__(self, worker: RoomWorker, state_dir: Path, *, worker_id: str) -> None:
+    def __init__(
+        self,
+        worker: RoomWorker,
+        state_dir: Path,
+        *,
+        worker_id: str,
+        tasks: TaskService | None = None,
+    ) -> None:
         self.worker = worker
+        self.tasks = tasks
+        """The task lanes beside the room worker (``None``: this server runs none)."""
         self.state_dir = state_dir
         self.worker_id = worker_id
         self.server = worker.config.server
@@ -158,7 +186,10 @@ class RoomServer:
     async def status(self) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()
         report: dict[str, Any] = msgspec.to_builtins(self._status(None))
-        return report | {"connections": len(self.connections), "admitting": self.worker.admitting}
+        report |= {"connections": len(self.connections), "admitting": self.worker.admitting}
+        if self.tasks is not None:
+            report |= self.tasks.status()
+        return report
 
     async def cancel(self, delivery_id: str) -> dict[str, Any]:
         await self.worker.cancel(delivery_id)
@@ -177,11 +208,27 @@ class RoomServer:
         """Copy the worker's signals to every authenticated connection (S3: results are
         followed per connection; signals are not durable, a full queue drops them)."""
         async for event in self.worker.events():
-            for connection in list(self.connections):
-                try:
-                    connection.events[0].send_nowait(event)
-                except trio.WouldBlock:
-                    connection.dropped_events += 1
+            self._fan_out(event)
+
+    async def fan_out_task_events(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Copy every task's ``task_event`` to every authenticated connection (P12), like the
+        room signals: a task's durable state is always in its ``task_view``."""
+        if self.tasks is None:
+            task_status.started()
+            return
+        async with self.tasks.runner.events(buffer=EVENT_QUEUE * 4) as events:
+            task_status.started()
+            async for event in events:
+                self._fan_out(event)
+
+    def _fan_out(self, event: RoomEvent | TaskEvent) -> None:
+        for connection in list(self.connections):
+            try:
+                connection.events[0].send_nowait(event)
+            except trio.WouldBlock:
+                connection.dropped_events += 1
 
     # -- one connection ----------------------------------------------------------------
 
@@ -292,7 +339,11 @@ class RoomServer:
             try:
                 await self._act(connection, frame)
             except PiRuntimeError as error:
-                ref = getattr(frame, "delivery_id", None) or _frame_type(frame)
+                ref = (
+                    getattr(frame, "delivery_id", None)
+                    or getattr(frame, "task_id", None)
+                    or _frame_type(frame)
+                )
                 await connection.send(error_frame(error, ref=ref))
 
     async def _act(self, connection: _Connection, frame: ClientFrame) -> None:
@@ -304,6 +355,8 @@ class RoomServer:
             await self.worker.ack(frame.seq)
         elif isinstance(frame, StatusRequest):
             await connection.send(self._status(frame.room))
+        elif isinstance(frame, TaskSubmit | TaskReplyFrame | TaskControl | TaskShow):
+            await self._task_frame(connection, frame)
         else:  # a second hello: the connection is already authenticated
             await connection.send(
                 ErrorFrame(
@@ -312,6 +365,42 @@ class RoomServer:
                     ref="hello",
                 )
             )
+
+    async def _task_frame(
+        self, connection: _Connection, frame: TaskSubmit | TaskReplyFrame | TaskControl | TaskShow
+    ) -> None:
+        """One task frame (P11): a refusal is a ``TaskError`` with its code (``_read`` sends
+        it as ``error`` with ``ref`` = the task id)."""
+        tasks = self.tasks
+        if tasks is None:
+            raise TaskError(ReasonCode.TASK_UNKNOWN, "this server runs no task lanes")
+        if isinstance(frame, TaskSubmit):
+            request: dict[str, Any] = msgspec.to_builtins(frame)
+            view, new = await tasks.submit(request)
+            await connection.send(
+                TaskAccepted(
+                    task_id=view.task_id,
+                    state=view.state,
+                    disposition="started" if new else "duplicate",
+                )
+            )
+            return
+        if isinstance(frame, TaskShow):
+            if frame.task_id is None:
+                await connection.send(TaskList(tasks=tasks.tasks()))
+                return
+            view = tasks.show(frame.task_id)
+        elif isinstance(frame, TaskReplyFrame):
+            view = await tasks.reply(frame.task_id, frame.text, frame.correlation)
+        else:
+            view = await tasks.control(
+                frame.task_id,
+                frame.action,
+                reason=frame.reason,
+                epochs=frame.epochs,
+                seconds=frame.seconds,
+            )
+        await connection.send(TaskViewFrame.of(view))
 
     async def _deliver(self, connection: _Connection, frame: Deliver) -> None:
         delivery_id = frame.delivery_id
@@ -374,21 +463,33 @@ async def open_server(
     and the admin socket in its state directory, until the block ends.
 
     The token is created at first start (``created`` is logged, never the token itself: the
-    command line prints it once). Raises :class:`ConfigError` for a refused bind (S6).
+    command line prints it once). Raises :class:`ConfigError` for a refused bind (S6) and
+    ``watchdog_config_invalid`` for a ``[watchdog]`` table that breaks a rule (WD9), both
+    before anything starts. Task lanes run beside the room worker on the same store.
     """
     from ._admin import serve_admin
 
     check_bind(options)
     config = validate_config(config, base=base_dir)
+    watchdog_policy(config, timescale=options.unsafe_test_timescale)
     state_dir = Path(config.state_dir)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     token, created = await trio.to_thread.run_sync(ensure_token, state_dir)
-    async with open_room_worker(config, base_dir=base_dir) as worker:
-        server = RoomServer(worker, state_dir, worker_id=worker_id)
+    async with (
+        open_room_worker(config, base_dir=base_dir) as worker,
+        open_task_service(
+            config,
+            store=worker.store,
+            receipts=worker.receipts,
+            timescale=options.unsafe_test_timescale,
+        ) as tasks,
+    ):
+        server = RoomServer(worker, state_dir, worker_id=worker_id, tasks=tasks)
         server.new_token = token if created else None
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_admin, state_dir, server)
+            await nursery.start(functools.partial(serve_admin, tasks=tasks), state_dir, server)
             nursery.start_soon(server.fan_out_events)
+            await nursery.start(server.fan_out_task_events)
             listener = await nursery.start(
                 lambda task_status: serve_websocket(
                     server.handle,
@@ -426,6 +527,7 @@ def _options(args: argparse.Namespace) -> ServeOptions:
         port=args.port,
         ssl_context=context,
         insecure_bind=bool(getattr(args, "insecure_bind", False)),
+        unsafe_test_timescale=float(getattr(args, "unsafe_test_timescale", None) or 1.0),
     )
 
 
@@ -448,9 +550,16 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
     """Serve until SIGINT or SIGTERM, then drain (S5) and stop."""
     import signal
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    policy = watchdog_policy(config, timescale=options.unsafe_test_timescale)
+    with (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        loud_logging(policy),
+    ):
         async with open_server(config, options) as server:
             scheme = "wss" if options.ssl_context is not None else "ws"
+            warning = server.tasks.warning if server.tasks is not None else None
+            if warning is not None:
+                print(f"pi-runtime serve: !!! {warning} !!!", flush=True)
             if server.new_token is not None:
                 print(
                     f"pi-runtime: a new access token (kept in {config.state_dir}/token): "
@@ -460,7 +569,8 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
                 server.new_token = None
             print(
                 f"pi-runtime serve: listening on {scheme}://{options.host}:{server.port} "
-                f"(state: {config.state_dir}, agent: {config.agent})",
+                f"(state: {config.state_dir}, agent: {config.agent})"
+                + (f" [{warning}]" if warning is not None else ""),
                 flush=True,
             )
             async for signum in signals:
@@ -469,7 +579,8 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
             server.worker.stop_admitting()
             print(
                 f"pi-runtime serve: {name}: not admitting; draining for up to "
-                f"{config.thresholds.drain_timeout_seconds:g} s",
+                f"{config.thresholds.drain_timeout_seconds:g} s"
+                + (f" [{warning}]" if warning is not None else ""),
                 flush=True,
             )
             await server.worker.drain()
@@ -485,7 +596,7 @@ def run_serve(args: argparse.Namespace) -> int:
         options = _options(args)
         check_bind(options)
         trio.run(serve_until_signalled, config, options)
-    except PiRuntimeError as error:
-        logger.error("%s", error.message, extra={"code": error.code})
+    except PiRuntimeError as error:  # O11: `pi-runtime: <code>: <message>`, as every command
+        logging.getLogger("runtime.cli").error("%s", error.message, extra={"code": error.code})
         return 2
     return 0

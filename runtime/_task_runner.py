@@ -87,7 +87,7 @@ class TaskRunner:
             await log.append(record)  # durable before anything runs
             lane = TaskLane(self.host, record, log)
             self.lanes[spec.task_id] = lane
-            self._nursery.start_soon(lane.run)
+            self._nursery.start_soon(self._run_lane, lane)
             return lane.view()
 
     def lane(self, task_id: str) -> TaskLane:
@@ -137,7 +137,11 @@ class TaskRunner:
         """Wait until the task ends; its end record."""
         lane = self.lane(task_id)
         await lane.finished.wait()
-        assert lane.ended is not None
+        if lane.ended is None:
+            raise TaskError(
+                ReasonCode.TASK_LANE_FAILED,
+                f"task {task_id!r} stopped without an end: {lane.failure!r}",
+            )
         return lane.ended
 
     def _open_lane(self, task_id: str) -> TaskLane:
@@ -198,11 +202,21 @@ class TaskRunner:
             lane = TaskLane(self.host, submitted, log)
             self.lanes[submitted.task_id] = lane
             if any(isinstance(r, TaskEnded) for r in contents.records):
-                lane.ended = next(r for r in contents.records if isinstance(r, TaskEnded))
+                await lane._restore()  # its receipts, epochs and end, for the diagnostics
                 lane.finished.set()
                 await self.host.store.close_log(log)
                 continue
-            self._nursery.start_soon(lane.run)
+            self._nursery.start_soon(self._run_lane, lane)
+
+    async def _run_lane(self, lane: TaskLane) -> None:
+        """Run one lane; a lane that fails stops alone, never the runner (TL11)."""
+        try:
+            await lane.run()
+        except Exception as error:  # a bug or a broken disk in this lane: the others go on
+            lane.failure = error
+            code = getattr(error, "code", type(error).__name__)
+            self.host.log(f"task {lane.task_id}: lane failed ({code}): {error}")
+            self._changed(lane)
 
 
 @contextlib.asynccontextmanager

@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from ._boundary import BoundaryConfig, open_boundaries
+from ._errors import ReasonCode, WorkerError
 from ._gate import GateCall, GateResult, RecordingGateJournal, Refuse, RunTool, Saved
 from ._gateway import DeliveryStepJournal, GatewayConfig
 from ._journal import Journal
-from ._launch import ModelRoute, WorkerLaunch, WorkerProgram
+from ._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from ._proc import boot_id, process_start_time
 from ._proctree import carries_nonce
 from ._records import EpochStarted
 from ._rpc import RpcChannel, open_rpc_channel
 from ._tools import tools_environment
-from ._worker import Epoch, StopPolicy, open_worker
+from ._worker import Epoch, StopPolicy, StopReport, open_worker
 
 if TYPE_CHECKING:
     from fake_pi._app import FakePi
@@ -91,6 +92,8 @@ class _ProcessWorker:
     epoch: Epoch
     rpc: RpcChannel
     record: EpochStarted | None
+    stopped: bool = False
+    """``stop()`` was called: its caller has the report (clean or not)."""
 
     def identity_holds(self) -> bool | None:
         record = self.record
@@ -110,6 +113,7 @@ class _ProcessWorker:
 
     async def stop(self) -> bool:
         report = await self.epoch.stop()
+        self.stopped = True
         return report.clean
 
 
@@ -121,10 +125,22 @@ class ProcessWorkers:
     route: ModelRoute
     upstream: GatewayConfig
     socket_dir: Path
-    socket_name: str = "task.sock"
+    """A short private directory (``runtime._store.runtime_dir``) for the gate sockets."""
+    socket_name: str | None = None
+    """The gate socket's file name; ``None`` (the default): named by the lane's key, so the
+    lanes sharing one runner (and ``socket_dir``) never collide."""
     state_dir: Path | None = None
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    """The worker's own retry settings (``settings.json``)."""
+    epoch_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    """Per epoch number: more environment for that epoch's worker (Fake-Pi behaviours:
+    ``FAKE_PI_CONFIG``)."""
     identity_override: Callable[[EpochStarted], EpochStarted] | None = None
     """Test hook: replace the recorded identity (a stale wrapper report, PID reuse)."""
+    launched: list[EpochStarted] = field(default_factory=list)
+    """The true identity of every epoch launched, in order (whatever the override says)."""
+    reports: dict[int, StopReport] = field(default_factory=dict)
+    """How each epoch (by number) was stopped, once it was."""
 
     @contextlib.asynccontextmanager
     async def open(self, request: EpochRequest) -> AsyncIterator[TaskWorker]:
@@ -136,7 +152,7 @@ class ProcessWorkers:
             granted=request.granted,
             runtime_tools=request.runtime_tools,
             socket_dir=self.socket_dir,
-            socket_name=self.socket_name,
+            socket_name=self.socket_name or f"{tools.key[:20]}-task.sock",
         )
         async with open_boundaries(
             config, request.log, key=tools.key, epoch=request.number, journals=(steps, tools)
@@ -151,17 +167,32 @@ class ProcessWorkers:
                     session=request.session,
                     route=self.route,
                     state_dir=self.state_dir,
+                    retry=self.retry,
+                    extra_env=dict(self.epoch_env.get(request.number, {})),
                 )
             )
-            async with open_worker(launch, policy=request.policy) as epoch:
-                record = epoch.record(request.number, started_ms=request.started_ms())
-                if self.identity_override is not None:
-                    record = self.identity_override(record)
-                async with open_rpc_channel(
-                    epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail
-                ) as rpc:
-                    yield _ProcessWorker(epoch, rpc, record)
-                await epoch.stop()
+            worker: _ProcessWorker | None = None
+            try:
+                async with open_worker(launch, policy=request.policy) as epoch:
+                    record = epoch.record(request.number, started_ms=request.started_ms())
+                    self.launched.append(record)
+                    if self.identity_override is not None:
+                        record = self.identity_override(record)
+                    try:
+                        async with open_rpc_channel(
+                            epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail
+                        ) as rpc:
+                            worker = _ProcessWorker(epoch, rpc, record)
+                            yield worker
+                    finally:
+                        self.reports[request.number] = await epoch.stop()
+            except WorkerError as error:
+                # The lane learns of survivors from ``stop()`` and holds; the same news
+                # raised again as the epoch's block ends must not crash the lane's task.
+                if error.code != ReasonCode.WORKER_TREE_SURVIVED or worker is None:
+                    raise
+                if not worker.stopped:
+                    raise
 
 
 # ---------------------------------------------------------------------------- in-process

@@ -19,10 +19,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import math
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -54,7 +53,15 @@ from ._records import (
     TaskSubmitted,
 )
 from ._rpc import Event, RpcError
-from ._session import Attestation, aread_session, attest, contains_path, create_session
+from ._session import (
+    Attestation,
+    SessionWriter,
+    aread_session,
+    atruncate_torn_tail,
+    attest,
+    contains_path,
+    create_session,
+)
 from ._store import Store, lane_key
 from ._task_workers import EpochRequest, TaskWorker, WorkerFactory
 from ._tools import DocumentTools, EffectLedger, RuntimeTool
@@ -245,6 +252,8 @@ class TaskLane:
         self.markers: dict[str, ContinuationSent] = {}
         self.replies: dict[str, TaskReply] = {}
         self.ended: TaskEnded | None = None
+        self.failure: BaseException | None = None
+        """Why the lane's task stopped without an end (a bug, a broken disk), if it did."""
         self.worker: TaskWorker | None = None
         self.record: EpochStarted | None = None
         self.attestation: Attestation | None = None
@@ -480,13 +489,14 @@ class TaskLane:
             fence=fences,
             epoch=self.epochs,
             replies=self.replies,
+            done=self.ended is not None and self.ended.state == "done",
         )
         if self.kernel.state is TaskState.WAITING:
             self.watchdog.feed(TerminalAccepted("wait"))
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
             self._restarted = True
-        if self.record is not None and self.epochs > 0:
-            await self._kill_leftovers(self.record)
+        if self.record is not None and self.epochs > 0 and await self._kill_leftovers(self.record):
+            self.quiescent_epoch = self.record.epoch  # nothing of it lives: quiescent (LK4)
 
     def _apply_action(self, action: OutboxAction) -> None:
         if action.kind == "attest" and action.detail:
@@ -502,13 +512,15 @@ class TaskLane:
                 seconds=float(action.detail.get("seconds", 0.0)),
             )
 
-    async def _kill_leftovers(self, record: EpochStarted) -> None:
+    async def _kill_leftovers(self, record: EpochStarted) -> bool:
         """A host restart: whatever the previous epoch left is killed from its record (the
-        record's identity must match, W5) before the session is touched."""
+        record's identity must match, W5) before the session is touched. True when nothing
+        of that epoch's tree is alive (its quiescence, LK4)."""
         from ._worker import kill_epoch_leftovers
 
         with contextlib.suppress(PiRuntimeError):
-            await kill_epoch_leftovers(record)
+            return (await kill_epoch_leftovers(record)).clean
+        return False
 
     # -- one epoch ---------------------------------------------------------------------------
 
@@ -886,6 +898,7 @@ class TaskLane:
                 return
             await self._reserve()
         number = self.continuations
+        await self._reanswer_orphaned(tools)
         await settle_session(self.session, tools, clock=self.host.clocks.wall)
         read = await aread_session(self.session)
         if self.attestation is not None and not contains_path(read.session, self.attestation):
@@ -908,6 +921,59 @@ class TaskLane:
         action_id = f"{self._prefix()}/c{number}/prompt"
         self._next = ("continuation", continuation_prompt(action_id, observed), action_id)
         self._changed()
+
+    async def _reanswer_orphaned(self, tools: RecordingGateJournal) -> None:
+        """Before the session is settled (TL4, TL7): a call the gate let run whose outcome it
+        never recorded may be answered in the session by what the worker wrote on its own
+        once its host was gone ("request to the gate failed", "Operation aborted") — not what
+        happened. That round is answered again from the gate (the recorded outcome, "possibly
+        ran" or the receipt's result), as a branch at its assistant message: the next epoch's
+        context follows what the runtime knows."""
+        step = self._journals()[0].current_step  # the round the gate settles (its step)
+        unsettled = {i.tool_call_id for i in tools.unsettled() if i.step == step}
+        if not unsettled:
+            return
+        await atruncate_torn_tail(self.session)
+        path = (await aread_session(self.session)).session.path_to_root()
+        messages = [e.raw.get("message") if e.type == "message" else None for e in path]
+        for index in range(len(path) - 1, -1, -1):
+            message = messages[index]
+            content = message.get("content") if isinstance(message, dict) else None
+            calls = [
+                b for b in (content if isinstance(content, list) else ())
+                if isinstance(b, dict) and b.get("type") == "toolCall"
+                and isinstance(b.get("id"), str)
+            ]  # fmt: skip
+            if {b["id"] for b in calls} & unsettled:
+                break
+        else:
+            return
+        answered = {
+            m.get("toolCallId")
+            for m in messages[index + 1 :]
+            if isinstance(m, dict) and m.get("role") == "toolResult"
+        }
+        if not answered & unsettled:
+            return  # dangling, not answered: settle_session answers it
+        results = []
+        for block in calls:
+            args = block.get("arguments")
+            args = args if isinstance(args, dict) else {}
+            call = GateCall(block["id"], str(block.get("name")), args)
+            result = await tools.settle(call)
+            results.append(
+                {"role": "toolResult", "toolCallId": call.tool_call_id, "toolName": call.name,
+                 "content": result.content, "isError": result.is_error}
+            )  # fmt: skip
+
+        def branch() -> None:
+            with SessionWriter.open(self.session, clock=self.host.clocks.wall) as writer:
+                parent = path[index].id
+                for result in results:
+                    parent = writer.append_message(result, parent_id=parent).id
+                writer.fsync()
+
+        await trio.to_thread.run_sync(branch)
 
     async def _relaunch_after_hold(self) -> None:
         """An operator's resume of a held task whose worker is gone (TL8)."""
@@ -1157,6 +1223,3 @@ def submitted_record(spec: TaskSpec, *, route: ModelRoute, now_ms: int) -> TaskS
         validation=list(spec.validation),
         submitted_ms=now_ms,
     )
-
-
-_ = (math, AsyncIterator)

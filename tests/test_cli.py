@@ -116,6 +116,15 @@ COMMANDS: Final = [
     ["pi"],
     ["pi", "install"],
     ["doctor"],
+    ["tasks"],
+    ["task"],
+    ["task", "run"],
+    ["task", "show"],
+    ["task", "reply"],
+    ["task", "resume"],
+    ["task", "abort"],
+    ["task", "fail"],
+    ["task", "grant"],
 ]
 
 
@@ -134,11 +143,12 @@ def test_o11_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for name in ("version", "serve", "status", "cancel", "token", "journal", "pi", "doctor"):
+    for name in ("version", "serve", "status", "cancel", "token", "journal", "pi", "doctor",
+                 "tasks", "task"):  # fmt: skip
         assert f"    {name} " in out
 
 
-@pytest.mark.parametrize("argv", [[], ["token"], ["journal"], ["pi"]])
+@pytest.mark.parametrize("argv", [[], ["token"], ["journal"], ["pi"], ["task"]])
 def test_o11_a_group_without_its_subcommand_prints_help(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -35,6 +35,14 @@ from runtime._protocol import (
     ServerFrame,
     StatusReport,
     StatusRequest,
+    TaskAccepted,
+    TaskControl,
+    TaskEvent,
+    TaskList,
+    TaskReplyFrame,
+    TaskShow,
+    TaskSubmit,
+    TaskViewFrame,
     Welcome,
     decode_client_frame,
     decode_server_frame,
@@ -47,6 +55,8 @@ from runtime._protocol import (
 )
 from runtime._records import Outcome
 from runtime._room_worker import Accepted
+
+from .test_task_wire import TASK_VIEW
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "docs" / "protocol.schema.json"
@@ -69,6 +79,16 @@ CLIENT_FRAMES: list[ClientFrame] = [
     Ack(seq=7),
     StatusRequest(),
     StatusRequest(room="room:!abc:matrix.org"),
+    TaskSubmit(task_id="t1", prompt="fix the build", worktree="/src/app"),
+    TaskSubmit(
+        task_id="t2", prompt="p", worktree="/w", grants=["read"], validation=["make", "test"]
+    ),
+    TaskReplyFrame(task_id="t1", text="the blue one"),
+    TaskReplyFrame(task_id="t1", text="yes", correlation="t1/g1/a1/e1/c3"),
+    TaskControl(task_id="t1", action="abort", reason="not needed"),
+    TaskControl(task_id="t1", action="grant", epochs=1, seconds=600, reason="slow model"),
+    TaskShow(),
+    TaskShow(task_id="t1"),
 ]
 SERVER_FRAMES: list[ServerFrame] = [
     Welcome(protocol=1, worker_id="w1"),
@@ -90,6 +110,12 @@ SERVER_FRAMES: list[ServerFrame] = [
     ),
     ErrorFrame(code="unknown_type", message="...", ref="frob"),
     ErrorFrame(code="not_json", message="..."),
+    TaskAccepted(task_id="t1", state="open"),
+    TaskViewFrame.of(TASK_VIEW),
+    TaskList(tasks=[TASK_VIEW]),
+    TaskEvent(
+        task_id="t1", state="open", classification="Suspect", phase="provider", process_epoch=1
+    ),
 ]
 
 
@@ -117,7 +143,17 @@ def test_p1_every_server_frame_round_trips(frame: ServerFrame) -> None:
 
 def test_p1_the_tags_are_the_briefs() -> None:
     """The tag strings are stable: never renamed, never reused."""
-    assert CLIENT_FRAME_TYPES == ("hello", "deliver", "cancel", "ack", "status")
+    assert CLIENT_FRAME_TYPES == (
+        "hello",
+        "deliver",
+        "cancel",
+        "ack",
+        "status",
+        "task_submit",
+        "task_reply",
+        "task_control",
+        "task_show",
+    )
     assert [_tag(t) for t in get_args(ServerFrame)] == [
         "welcome",
         "accepted",
@@ -127,6 +163,10 @@ def test_p1_the_tags_are_the_briefs() -> None:
         "result",
         "status",
         "error",
+        "task_accepted",
+        "task_view",
+        "task_list",
+        "task_event",
     ]
     assert {type(f) for f in CLIENT_FRAMES} == set(get_args(ClientFrame))
     assert {type(f) for f in SERVER_FRAMES} == set(get_args(ServerFrame))
