@@ -278,6 +278,18 @@ def remove_cgroup(path: Path) -> bool:
     return True
 
 
+async def _remove_when_empty(path: Path, bound: float) -> bool:
+    """Remove a killed tree's cgroup once the kernel has let go of it. A process whose main
+    thread is already a zombie can still have a thread exiting: ``cgroup.procs`` is empty
+    while ``cgroup.threads`` is not, and ``rmdir`` fails with EBUSY until that thread is gone.
+    So retry within ``bound`` seconds (Trio's clock), polling every few milliseconds."""
+    with trio.move_on_after(bound):
+        while not remove_cgroup(path):  # noqa: ASYNC110 - the kernel sends no event we own
+            await trio.sleep(0.005)
+        return True
+    return remove_cgroup(path)
+
+
 # ------------------------------------------------------------------------------ subreaper
 
 
@@ -489,7 +501,7 @@ async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
     state.reaped += reap_proven(state.proven)
     removed = True
     if proof.cgroup is not None and not live:
-        removed = remove_cgroup(proof.cgroup)
+        removed = await _remove_when_empty(proof.cgroup, give_up_after)
     return KillReport(
         killed=tuple(sorted(state.killed)),
         reaped=tuple(sorted(state.reaped)),

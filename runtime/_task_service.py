@@ -42,26 +42,17 @@ from ._config import RoomWorkerConfig, WatchdogConfig
 from ._errors import ConfigError, PiRuntimeError, ReasonCode
 from ._fs import OsFileSystem
 from ._gateway import GatewayConfig
-from ._guards import Budget
 from ._journal import read_log
 from ._launch import ModelRoute, WorkerProgram
-from ._lifecycle import LifecycleKernel
 from ._receipts import ReceiptStore
 from ._records import (
-    ContinuationSent,
-    EpochFenced,
-    EpochStarted,
-    LifecycleReceipt,
     LogKind,
-    OutboxAction,
-    TaskEnded,
-    TaskReply,
     TaskSubmitted,
 )
 from ._store import Store, lane_key, runtime_dir
 from ._task_runner import TaskEvent, TaskRunner, open_task_runner
 from ._task_workers import ProcessWorkers
-from ._tasks import DEFAULT_TASK_GRANTS, TaskError, TaskSpec, TaskView
+from ._tasks import DEFAULT_TASK_GRANTS, TaskError, TaskSpec, TaskView, read_lane
 from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
 
 __all__ = [
@@ -553,44 +544,17 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
     submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
     if submitted is None:
         return None
-    receipts = [r for r in records if isinstance(r, LifecycleReceipt)]
-    replies = [r.correlation for r in records if isinstance(r, TaskReply)]
-    ended = next((r for r in records if isinstance(r, TaskEnded)), None)
-    started = {r.epoch: r for r in records if isinstance(r, EpochStarted)}
-    epochs = max(started, default=0)
-    fenced = [r for r in records if isinstance(r, EpochFenced)]
-    for fence in fenced:
-        started.pop(fence.epoch, None)
-    live = started.get(epochs)
-    kernel = LifecycleKernel.restore(
-        submitted.task_id,
-        receipts,
-        generation=submitted.generation,
-        attempt=submitted.attempt,
-        fence=sum(r.reason == "fence" for r in fenced),
-        epoch=epochs,
-        done=ended is not None and ended.state == "done",
-        replies=replies,
+    state = read_lane(submitted, records, policy)
+    kernel, budget, ended, epochs = state.kernel, state.budget, state.ended, state.epochs
+    receipts = kernel.receipts
+    live = (
+        state.record
+        if state.record is not None and state.record.epoch not in state.fenced
+        else None
     )
-    budget = Budget(max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds)
-    actions: dict[str, OutboxAction] = {}
-    continuations = 0
-    for action in (r for r in records if isinstance(r, OutboxAction)):
-        actions[action.action_id] = action
-        if action.kind == "reserve" and action.state == "done":
-            continuations += 1
-            if budget.epochs_left > 0:
-                budget = budget.charge_epoch()
-        elif action.kind == "recovery_time" and action.state == "done":
-            budget = budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
-        elif action.kind == "grant":
-            with contextlib.suppress(ValueError):
-                budget = budget.grant(
-                    epochs=int(action.detail.get("epochs", 0)),
-                    seconds=float(action.detail.get("seconds", 0.0)),
-                )
-    pending = next((a.action_id for a in reversed(actions.values()) if a.state == "reserved"), None)
-    markers = [r for r in records if isinstance(r, ContinuationSent)]
+    continuations = state.continuations
+    pending = state.pending_action
+    markers = list(state.markers.values())
     if ended is not None:
         next_action = "none: the task has ended"
     elif str(kernel.state) == "waiting":

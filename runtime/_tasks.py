@@ -395,8 +395,10 @@ class TaskLane:
         return granted
 
     def resume(self) -> bool:
-        """Operator resume of a held task: fence (all guards but the clocks still checked)
-        and resume in the same session. False when the task is not held."""
+        """Operator resume of a held task: fence and resume in the same session once the
+        process identity, no terminal, budget and attestation hold (the clocks, the probe and
+        the progress compare-and-set are what the operator's look replaces; TL8). False when
+        the task is not held."""
         if self.watchdog.classification is not Classification.STALLED_OPERATOR_REQUIRED:
             return False
         self._operator = "resume"
@@ -465,52 +467,17 @@ class TaskLane:
 
     async def _restore(self) -> None:
         """Rebuild the lane from its log (LK7, WD11, TL6): receipts, budget, markers, epochs."""
-        records = self.log.contents.records
-        receipts = [r for r in records if isinstance(r, LifecycleReceipt)]
-        for record in records:
-            if isinstance(record, OutboxAction):
-                self.actions[record.action_id] = record
-                self._apply_action(record)
-            elif isinstance(record, ContinuationSent):
-                self.markers[record.action_id] = record
-            elif isinstance(record, TaskReply):
-                self.replies[record.correlation] = record
-            elif isinstance(record, EpochStarted):
-                self.epochs = max(self.epochs, record.epoch)
-                self.record = record
-            elif isinstance(record, TaskEnded):
-                self.ended = record
-        fences = sum(isinstance(r, EpochFenced) and r.reason == "fence" for r in records)
-        self.kernel = LifecycleKernel.restore(
-            self.task_id,
-            receipts,
-            generation=self.task.generation,
-            attempt=self.task.attempt,
-            fence=fences,
-            epoch=self.epochs,
-            replies=self.replies,
-            done=self.ended is not None and self.ended.state == "done",
-        )
+        state = read_lane(self.task, self.log.contents.records, self.host.policy)
+        self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
+        self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
+        self.kernel, self.budget = state.kernel, state.budget
+        self.continuations, self.attestation = state.continuations, state.attestation
         if self.kernel.state is TaskState.WAITING:
             self.watchdog.feed(TerminalAccepted("wait"))
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
             self._restarted = True
         if self.record is not None and self.epochs > 0 and await self._kill_leftovers(self.record):
             self.quiescent_epoch = self.record.epoch  # nothing of it lives: quiescent (LK4)
-
-    def _apply_action(self, action: OutboxAction) -> None:
-        if action.kind == "attest" and action.detail:
-            self.attestation = msgspec.convert(action.detail, Attestation)
-        elif action.kind == "reserve" and action.state == "done":
-            self.budget = self.budget.charge_epoch() if self.budget.epochs_left > 0 else self.budget
-            self.continuations += 1
-        elif action.kind == "recovery_time" and action.state == "done":
-            self.budget = self.budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
-        elif action.kind == "grant":
-            self.budget = self.budget.grant(
-                epochs=int(action.detail.get("epochs", 0)),
-                seconds=float(action.detail.get("seconds", 0.0)),
-            )
 
     async def _kill_leftovers(self, record: EpochStarted) -> bool:
         """A host restart: whatever the previous epoch left is killed from its record (the
@@ -612,7 +579,7 @@ class TaskLane:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_events, worker, nursery, outcome)
             nursery.start_soon(self._tick, worker, nursery, outcome)
-            nursery.start_soon(self._operator_watch, nursery, outcome)
+            nursery.start_soon(self._operator_watch, worker, nursery, outcome)
         return outcome[0] if outcome else _End.EXITED
 
     async def _read_events(
@@ -751,7 +718,9 @@ class TaskLane:
             elif isinstance(action, CheckGuards):
                 nursery.start_soon(self._check_guards, worker, nursery, outcome)
 
-    async def _operator_watch(self, nursery: trio.Nursery, outcome: list[_End]) -> None:
+    async def _operator_watch(
+        self, worker: TaskWorker, nursery: trio.Nursery, outcome: list[_End]
+    ) -> None:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
@@ -762,9 +731,26 @@ class TaskLane:
                 return
             if self._operator == "resume":
                 self._operator = None
+                failed = await self._manual_resume_guards(worker)
+                if failed:  # still held, now for what the operator's resume could not prove
+                    self.watchdog.feed(GuardsFailed(failed))
+                    self._changed()
+                    continue
+                await self._reserve()
                 outcome.append(_End.RESUME)
                 nursery.cancel_scope.cancel()
                 return
+
+    async def _manual_resume_guards(self, worker: TaskWorker) -> tuple[str, ...]:
+        """An operator's resume stands in for the clocks, the probe and the progress
+        compare-and-set (the operator looked); the exact process identity, no terminal,
+        budget and the same-session attestation must still hold (TL8)."""
+        evidence = await self._guard_evidence(worker, fresh_probe_quiet=True)
+        return tuple(
+            name
+            for name in ("process_identity", "no_terminal", "budget_left", "attested")
+            if getattr(evidence, name) is not True
+        )
 
     # -- probe, guards, fence (WD2, WD3, WD10) ------------------------------------------------
 
@@ -1174,6 +1160,88 @@ class TaskLane:
 
     def _changed(self) -> None:
         self.host.on_change(self)
+
+
+@dataclass
+class LaneState:
+    """What a task lane's log says, read without running anything (:func:`read_lane`)."""
+
+    kernel: LifecycleKernel
+    budget: Budget
+    actions: dict[str, OutboxAction] = field(default_factory=dict)
+    markers: dict[str, ContinuationSent] = field(default_factory=dict)
+    replies: dict[str, TaskReply] = field(default_factory=dict)
+    epochs: int = 0
+    record: EpochStarted | None = None
+    """The last epoch started."""
+    fenced: set[int] = field(default_factory=set)
+    """Epochs whose end is recorded."""
+    ended: TaskEnded | None = None
+    continuations: int = 0
+    attestation: Attestation | None = None
+
+    @property
+    def pending_action(self) -> str | None:
+        """The last outbox action reserved and not done."""
+        return next(
+            (a.action_id for a in reversed(self.actions.values()) if a.state == "reserved"), None
+        )
+
+
+def read_lane(
+    submitted: TaskSubmitted, records: Iterable[Record], policy: WatchdogPolicy
+) -> LaneState:
+    """The lane's durable state from its records (LK7, WD11, TL6, TL7): the kernel from its
+    receipts and replies, the budget from its reserves, recovery time and grants, the
+    continuation markers, the epochs and the latest attestation. Pure."""
+    records = list(records)
+    state = LaneState(
+        kernel=LifecycleKernel(submitted.task_id),
+        budget=Budget(max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds),
+    )
+    for record in records:
+        if isinstance(record, OutboxAction):
+            state.actions[record.action_id] = record
+            _apply_action(state, record)
+        elif isinstance(record, ContinuationSent):
+            state.markers[record.action_id] = record
+        elif isinstance(record, TaskReply):
+            state.replies[record.correlation] = record
+        elif isinstance(record, EpochStarted):
+            state.epochs = max(state.epochs, record.epoch)
+            state.record = record
+        elif isinstance(record, EpochFenced):
+            state.fenced.add(record.epoch)
+        elif isinstance(record, TaskEnded):
+            state.ended = record
+    state.kernel = LifecycleKernel.restore(
+        submitted.task_id,
+        [r for r in records if isinstance(r, LifecycleReceipt)],
+        generation=submitted.generation,
+        attempt=submitted.attempt,
+        fence=sum(isinstance(r, EpochFenced) and r.reason == "fence" for r in records),
+        epoch=state.epochs,
+        replies=state.replies,
+        done=state.ended is not None and state.ended.state == "done",
+    )
+    return state
+
+
+def _apply_action(state: LaneState, action: OutboxAction) -> None:
+    if action.kind == "attest" and action.detail:
+        state.attestation = msgspec.convert(action.detail, Attestation)
+    elif action.kind == "reserve" and action.state == "done":
+        if state.budget.epochs_left > 0:
+            state.budget = state.budget.charge_epoch()
+        state.continuations += 1
+    elif action.kind == "recovery_time" and action.state == "done":
+        state.budget = state.budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
+    elif action.kind == "grant":
+        with contextlib.suppress(ValueError):
+            state.budget = state.budget.grant(
+                epochs=int(action.detail.get("epochs", 0)),
+                seconds=float(action.detail.get("seconds", 0.0)),
+            )
 
 
 def replay_is_never(cls: ReplayClass) -> bool:

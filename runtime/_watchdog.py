@@ -422,7 +422,8 @@ class Watchdog:
         self.armed = True
         self.terminal = None
         self.phase = Phase.PROVIDER
-        self.classification = Classification.ACTIVE
+        if self.classification is not Classification.RESUMING:  # until its first progress
+            self.classification = Classification.ACTIVE
         self.hold_reason = None
         self.last_progress = max(self.last_progress, event.now)
         self.last_progress_awake = max(self.last_progress_awake, event.awake)
@@ -514,8 +515,9 @@ class Watchdog:
         return self._needs_finalization("settled")
 
     def _on_exited(self, event: Exited) -> list[Action]:
-        if self.classification in (Classification.FENCING, Classification.RESUMING):
-            return []
+        fenced = self.classification is Classification.FENCING
+        if fenced or (self.classification is Classification.RESUMING and not self.armed):
+            return []  # the fenced epoch's own exit, before the replacement was prompted
         return self._needs_finalization("exited")
 
     def _needs_finalization(self, reason: str) -> list[Action]:
