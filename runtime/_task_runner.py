@@ -181,7 +181,7 @@ class TaskRunner:
             f"task {lane.task_id}: {event.classification} state={event.state} "
             f"epoch={event.process_epoch}"
             + (f" hold={event.hold_reason}" if event.hold_reason else "")
-            + (f" UNSAFE-TEST-TIMESCALE x{self.host.policy.timescale:g}"
+            + (f" [UNSAFE TEST TIMESCALE x{self.host.policy.timescale:g}]"
                if self.host.policy.timescale != 1.0 else "")
         )  # fmt: skip
 

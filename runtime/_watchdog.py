@@ -60,6 +60,9 @@ __all__ = [
 
 HARD_FLOOR_SECONDS: Final = 900.0
 """No hard threshold may be shorter (seed 002: free/low-QoS TTFT and inter-token ≥ 900 s)."""
+PROBE_TIMEOUT_FLOOR: Final = 2.0
+"""The time scale shortens the probe's bound no further: it bounds a live worker's answer on
+a loaded machine, it is not a threshold (too short, and a busy worker reads as wedged)."""
 SUSPEND_EVIDENCE_SECONDS: Final = 1.0
 """A growth of ``boottime - monotonic`` beyond this between two ticks is a suspend."""
 
@@ -175,7 +178,10 @@ class WatchdogPolicy:
             hard_seconds={p: s / factor for p, s in self.hard_seconds.items()},
             grace_seconds=self.grace_seconds / factor,
             tick_seconds=self.tick_seconds / factor,
-            probe_timeout_seconds=self.probe_timeout_seconds / factor,
+            probe_timeout_seconds=min(
+                self.probe_timeout_seconds,
+                max(PROBE_TIMEOUT_FLOOR, self.probe_timeout_seconds / factor),
+            ),
             recovery_seconds=self.recovery_seconds / factor,
             timescale=self.timescale * factor,
         )
@@ -557,6 +563,7 @@ class Watchdog:
 
     def _on_relaunched(self, event: Relaunched) -> list[Action]:
         self.classification = Classification.RESUMING
+        self.hold_reason = None
         self.phase = Phase.UNKNOWN
         self.leases.clear()
         self.probes.clear()

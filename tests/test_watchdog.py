@@ -852,7 +852,7 @@ def test_wd9_scaled_divides_every_threshold_and_lifts_the_floor() -> None:
     assert fast.hard_seconds == {Phase.PROVIDER: 15.0, Phase.GENERATION: 15.0}
     assert fast.grace_seconds == 2.0
     assert fast.tick_seconds == base.tick_seconds / 60
-    assert fast.probe_timeout_seconds == 0.5
+    assert fast.probe_timeout_seconds == 2.0  # a bound for an answer: floored, not a threshold
     assert fast.recovery_seconds == 30.0
     assert fast.max_replacements == base.max_replacements  # a count, not a duration
     assert fast.problems() == []
