@@ -67,6 +67,17 @@ class Budget:
     def exhausted(self) -> bool:
         return self.epochs_left <= 0 or self.seconds_left <= 0
 
+    def as_dict(self) -> dict[str, float | int]:
+        """The budget as ``task show`` prints it."""
+        return {
+            "epochs_used": self.used_epochs,
+            "epochs_left": self.epochs_left,
+            "seconds_used": round(self.used_seconds, 3),
+            "seconds_left": round(self.seconds_left, 3),
+            "granted_epochs": self.granted_epochs,
+            "granted_seconds": self.granted_seconds,
+        }
+
     def charge_epoch(self) -> Budget:
         """One replacement epoch, charged before its launch (never refunded)."""
         if self.epochs_left <= 0:

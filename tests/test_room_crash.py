@@ -13,11 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -28,6 +25,7 @@ from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._gate import interrupted_text
 from runtime._room_worker import request_cancel
 
+from ._host_process import Fact, Host, run_host
 from ._pi import pi_home
 from ._workers import scripted_upstream, tool_messages, waiting_bash
 
@@ -35,7 +33,6 @@ HOST: Final = Path(__file__).with_name("room_host.py")
 REPO: Final = Path(__file__).resolve().parents[1]
 LIMIT: Final = 120.0
 ROOM: Final = "dm:7"
-Fact = dict[str, Any]
 
 
 def message(delivery_id: str, text: str = "hi") -> dict[str, Any]:
@@ -48,62 +45,10 @@ def message(delivery_id: str, text: str = "hi") -> dict[str, Any]:
     }
 
 
-class Host:
-    """One run of the host process; its facts read line by line."""
-
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self._buffer = b""
-        self.facts: list[Fact] = []
-
-    async def next_fact(self) -> Fact | None:
-        assert self.process.stdout is not None
-        while b"\n" not in self._buffer:
-            data = await self.process.stdout.receive_some(65536)
-            if not data:
-                return None
-            self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        fact: Fact = json.loads(line)
-        self.facts.append(fact)
-        return fact
-
-    async def until(self, wanted: Callable[[Fact], bool]) -> Fact:
-        while (fact := await self.next_fact()) is not None:
-            if wanted(fact):
-                return fact
-        raise AssertionError(f"the host ended without the fact; saw {self.facts}")
-
-    async def finish(self) -> list[Fact]:
-        while await self.next_fact() is not None:
-            pass
-        assert await self.process.wait() == 0, self.facts
-        return self.facts
-
-    async def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        await self.process.wait()
-
-
-@contextlib.asynccontextmanager
-async def host(root: Path, spec: dict[str, Any], name: str) -> AsyncIterator[Host]:
-    spec_path = root / f"{name}.json"
-    spec_path.write_text(json.dumps({"base": str(root), **spec}))
-    with (root / f"{name}.stderr").open("wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, str(HOST), str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            cwd=str(REPO),
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        try:
-            yield Host(process)
-        finally:
-            if process.returncode is None:
-                process.kill()
-                with trio.CancelScope(shield=True):
-                    await process.wait()
+def host(
+    root: Path, spec: dict[str, Any], name: str
+) -> contextlib.AbstractAsyncContextManager[Host]:
+    return run_host(HOST, root, spec, name)
 
 
 def config(kind: str, url: str, grants: Sequence[str] = ("send_text_update",)) -> dict[str, Any]:

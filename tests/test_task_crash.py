@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,6 +43,7 @@ from runtime._records import (
 )
 from runtime._store import Store
 
+from ._host_process import Fact, Host, run_host
 from ._workers import scripted_upstream, tool_messages
 
 pytestmark = pytest.mark.slow
@@ -59,7 +56,6 @@ SCALE: Final = 300.0
 TASK: Final = "task-1"
 HANG: Final = {"before_model:1": "hang"}
 """A Fake-Pi epoch wedged before its first model request (provider phase, no output)."""
-Fact = dict[str, Any]
 
 
 def done(summary: str = "did it") -> ToolCalls:
@@ -69,62 +65,10 @@ def done(summary: str = "did it") -> ToolCalls:
 # ------------------------------------------------------------------------------ the host
 
 
-class Host:
-    """One run of the host process; its facts read line by line."""
-
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self._buffer = b""
-        self.facts: list[Fact] = []
-
-    async def next_fact(self) -> Fact | None:
-        assert self.process.stdout is not None
-        while b"\n" not in self._buffer:
-            data = await self.process.stdout.receive_some(65536)
-            if not data:
-                return None
-            self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        fact: Fact = json.loads(line)
-        self.facts.append(fact)
-        return fact
-
-    async def until(self, wanted: Callable[[Fact], bool]) -> Fact:
-        while (fact := await self.next_fact()) is not None:
-            if wanted(fact):
-                return fact
-        raise AssertionError(f"the host ended without the fact; saw {self.facts}")
-
-    async def finish(self) -> list[Fact]:
-        while await self.next_fact() is not None:
-            pass
-        assert await self.process.wait() == 0, self.facts
-        return self.facts
-
-    async def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        await self.process.wait()
-
-
-@contextlib.asynccontextmanager
-async def host(root: Path, spec: Mapping[str, Any], name: str) -> AsyncIterator[Host]:
-    spec_path = root / f"{name}.json"
-    spec_path.write_text(json.dumps({"base": str(root), **spec}))
-    with (root / f"{name}.stderr").open("wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, str(HOST), str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            cwd=str(REPO),
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        try:
-            yield Host(process)
-        finally:
-            if process.returncode is None:
-                process.kill()
-                with trio.CancelScope(shield=True):
-                    await process.wait()
+def host(
+    root: Path, spec: Mapping[str, Any], name: str
+) -> contextlib.AbstractAsyncContextManager[Host]:
+    return run_host(HOST, root, spec, name)
 
 
 def task_spec(

@@ -1,0 +1,81 @@
+"""Driving a crash-test host process (``room_host.py``, ``task_host.py``): start it on a JSON
+spec, read the facts it prints one JSON line at a time, SIGKILL it at the point a test wants."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+REPO: Final = Path(__file__).resolve().parents[1]
+Fact = dict[str, Any]
+
+
+class Host:
+    """One run of the host process; its facts read line by line."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+        self.facts: list[Fact] = []
+
+    async def next_fact(self) -> Fact | None:
+        assert self.process.stdout is not None
+        while b"\n" not in self._buffer:
+            data = await self.process.stdout.receive_some(65536)
+            if not data:
+                return None
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        fact: Fact = json.loads(line)
+        self.facts.append(fact)
+        return fact
+
+    async def until(self, wanted: Callable[[Fact], bool]) -> Fact:
+        while (fact := await self.next_fact()) is not None:
+            if wanted(fact):
+                return fact
+        raise AssertionError(f"the host ended without the fact; saw {self.facts}")
+
+    async def finish(self) -> list[Fact]:
+        while await self.next_fact() is not None:
+            pass
+        assert await self.process.wait() == 0, self.facts
+        return self.facts
+
+    async def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def run_host(
+    script: Path, root: Path, spec: Mapping[str, Any], name: str
+) -> AsyncIterator[Host]:
+    """Run ``script`` on ``spec`` (written to ``root/<name>.json``, with ``base`` = ``root``);
+    its stderr goes to ``root/<name>.stderr``. Killed on exit if still running."""
+    spec_path = root / f"{name}.json"
+    spec_path.write_text(json.dumps({"base": str(root), **spec}))
+    with (root / f"{name}.stderr").open("wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(script), str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=str(REPO),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            yield Host(process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
