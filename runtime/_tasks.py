@@ -267,6 +267,8 @@ class TaskLane:
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
+        self._parked = False
+        """The log is closed and the journals dropped (TL9); reopened on the next append."""
         self._steps: DeliveryStepJournal | None = None
         self._tools: RecordingGateJournal | None = None
         self._finished = trio.Event()
@@ -350,7 +352,7 @@ class TaskLane:
             wait = self.kernel.receipts[-1] if self.kernel.receipts else None
             corr = correlation or (wait.intent_id if wait is not None else "")
             record = TaskReply(correlation=corr, text=text)
-            await self.log.append(record)
+            await self._append(record)
             self.replies[corr] = record
             self.watchdog.feed(Woken())
             self._next = ("reply", text, None)
@@ -368,7 +370,7 @@ class TaskLane:
         verdict = self.kernel.report(
             Report(key=self.kernel.operator_key(), intent_id=intent, kind=kind, detail=reason)
         )
-        await self.log.append(self.kernel.receipts[-1])
+        await self._append(self.kernel.receipts[-1])
         if verdict is Verdict.ACCEPTED:
             self.watchdog.feed(TerminalAccepted(str(kind)))
             self._operator = "terminal"
@@ -407,6 +409,9 @@ class TaskLane:
             while self.ended is None:
                 await self._step()
         finally:
+            if not self._parked:
+                with trio.CancelScope(shield=True):
+                    await self._park()  # an ended (or stopped) lane holds no descriptor
             self._finished.set()
             self._changed()
 
@@ -420,8 +425,10 @@ class TaskLane:
             return
         if state is TaskState.WAITING or self._held():
             self._wake = trio.Event()
+            await self._park()
             self._changed()
             await self._wake.wait()
+            await self._unpark()
             if self._operator == "resume":
                 self._operator = None
                 await self._relaunch_after_hold()
@@ -450,13 +457,39 @@ class TaskLane:
                 )
 
         await trio.to_thread.run_sync(prepare)
+        self._make_journals()
+
+    def _make_journals(self) -> None:
+        """The lane's step and tool journals on its log, from every record it holds."""
         config = BoundaryConfig(
             upstream=self.host.upstream or GatewayConfig(upstream_url="http://127.0.0.1:9/v1"),
             granted=self._granted(),
             runtime_tools=self._runtime_tools(),
             socket_dir=self.host.store.root,
         )
-        self._steps, self._tools = make_journals(config, self.log, key=self.key, epoch=0)
+        self._steps, self._tools = make_journals(config, self.log, key=self.key, epoch=self.epochs)
+
+    async def _append(self, record: Record) -> int:
+        """Append to the lane log, reopening it first if the lane parked (TL9)."""
+        if self._parked:
+            await self._unpark()
+        return await self.log.append(record)
+
+    async def _park(self) -> None:
+        """A parked lane (waiting, or held with no worker) holds no file descriptor and no
+        journal: the log is closed and everything is rebuilt from it on wake (TL9)."""
+        if self._parked:
+            return
+        self._parked = True
+        self._steps = self._tools = None
+        await self.host.store.close_log(self.log)
+
+    async def _unpark(self) -> None:
+        if not self._parked:
+            return
+        self.log = await self.host.store.open_lane_log(f"task:{self.task_id}")
+        self._parked = False
+        self._make_journals()
 
     async def _restore(self) -> None:
         """Rebuild the lane from its log (LK7, WD11, TL6): receipts, budget, markers, epochs."""
@@ -521,7 +554,7 @@ class TaskLane:
             self.worker = worker
             self.record = worker.record
             if worker.record is not None:
-                await self.log.append(worker.record)
+                await self._append(worker.record)
             try:
                 end = await self._drive(worker, kind, text, action_id)
             finally:
@@ -532,7 +565,7 @@ class TaskLane:
                     self.worker = None
         self.quiescent_epoch = number if clean else None
         reason = "fence" if end in (_End.FENCE, _End.RESUME) else str(end)
-        await self.log.append(
+        await self._append(
             EpochFenced(epoch=number, reason=reason, fenced_ms=self.host.clocks.wall.time_ms())
         )
         if end in (_End.FENCE, _End.RESUME):
@@ -674,7 +707,7 @@ class TaskLane:
             record = self._pending_records.pop(0)
             if isinstance(record, OutboxAction):
                 self.actions[record.action_id] = record
-            await self.log.append(record)
+            await self._append(record)
 
     async def _tick(self, worker: TaskWorker, nursery: trio.Nursery, outcome: list[_End]) -> None:
         """Re-read the suspend-aware clock every tick (WD6) and act on what the core says."""
@@ -978,7 +1011,7 @@ class TaskLane:
             marker=f"[pi-runtime continuation v{CONTINUATION_VERSION} {action_id}]",
             prompt_version=CONTINUATION_VERSION,
         )
-        await self.log.append(record)
+        await self._append(record)
         self.markers[action_id] = record
 
     async def _marker_in_session(self, action_id: str) -> bool:
@@ -1067,7 +1100,7 @@ class TaskLane:
             validation=validation,
             ended_ms=self.host.clocks.wall.time_ms(),
         )
-        await self.log.append(self.ended)
+        await self._append(self.ended)
         self.host.log(f"task {self.task_id} ended {state}")
 
     # -- runtime tools (lifecycle through the gate, LK7) ----------------------------------------
@@ -1098,7 +1131,7 @@ class TaskLane:
                 Report(key=key, intent_id=intent_id, kind=kind, detail=detail)
             )
             if verdict is not Verdict.DUPLICATE:
-                await self.log.append(self.kernel.receipts[-1])  # durable before the answer
+                await self._append(self.kernel.receipts[-1])  # durable before the answer
             if verdict is Verdict.ACCEPTED:
                 self.watchdog.feed(TerminalAccepted(str(kind)))
                 self._changed()
@@ -1129,7 +1162,7 @@ class TaskLane:
             return
         record = OutboxAction(action_id=action_id, kind=kind, state=state, detail=detail)
         self.pending_action = action_id if state == "reserved" else None
-        await self.log.append(record)
+        await self._append(record)
         self.actions[action_id] = record
 
     def _prefix(self) -> str:
