@@ -239,21 +239,7 @@ class TaskService:
         return self.show(spec.task_id), new
 
     def show(self, task_id: str) -> TaskView:
-        view = self.runner.show(task_id)
-        lane = self.runner.lane(task_id)
-        if lane.ended is not None and lane.epochs == 0 and not lane.kernel.receipts:
-            # A task that ended before this start: the runner does not rebuild its lane from
-            # the log (only unfinished ones), so its view would say "open", epoch 0, no
-            # receipts. Its log says what happened.
-            restored = offline_view(self.runner.host.store.root, task_id, self.policy)
-            view = msgspec.structs.replace(
-                restored,
-                classification=view.classification,
-                phase=view.phase,
-                next_action=view.next_action,
-                timescale=view.timescale,
-            )
-        return view
+        return self.runner.show(task_id)  # an ended task's lane is rebuilt from its log
 
     def tasks(self) -> list[TaskView]:
         return [self.show(task_id) for task_id in sorted(self.runner.lanes)]

@@ -17,6 +17,7 @@ TL…) are in ``docs/design/watchdog.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import json
 import os
@@ -51,6 +52,7 @@ from ._records import (
     TaskEnded,
     TaskReply,
     TaskSubmitted,
+    ToolIntent,
 )
 from ._rpc import Event, RpcError
 from ._session import (
@@ -267,6 +269,8 @@ class TaskLane:
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
+        self._pending: list[Record] = []
+        """Records to append at the next tick (noted where no await is possible)."""
         self._parked = False
         """The log is closed and the journals dropped (TL9); reopened on the next append."""
         self._steps: DeliveryStepJournal | None = None
@@ -687,7 +691,7 @@ class TaskLane:
             self._recovery_started_ms = None
             self.budget = self.budget.charge_seconds(seconds)
             action_id = self._id("recovery_time")
-            self._pending_records.append(
+            self._pending.append(
                 OutboxAction(
                     action_id=action_id,
                     kind="recovery_time",
@@ -696,15 +700,9 @@ class TaskLane:
                 )
             )
 
-    @property
-    def _pending_records(self) -> list[Record]:
-        if not hasattr(self, "_pending"):
-            self._pending: list[Record] = []
-        return self._pending
-
     async def _flush(self) -> None:
-        while self._pending_records:
-            record = self._pending_records.pop(0)
+        while self._pending:
+            record = self._pending.pop(0)
             if isinstance(record, OutboxAction):
                 self.actions[record.action_id] = record
             await self._append(record)
@@ -836,17 +834,12 @@ class TaskLane:
     ) -> GuardEvidence:
         eligible = self._eligible
         size = await self._session_size()
-        tools = self._journals()[1]
-        never_in_flight = any(
-            i.replay_class is not ReplayClass.SAFE and i.name not in self._runtime_tools()
-            for i in tools.unsettled()
-        )
         return GuardEvidence(
             progress_unchanged=eligible is not None and eligible[0] == self.watchdog.progress_seq,
             session_unchanged=eligible is not None and eligible[1] == size,
             process_identity=worker.identity_holds() if worker is not None else None,
             fresh_probe_quiet=fresh_probe_quiet,
-            effects_safe=not never_in_flight,
+            effects_safe=not self._unsettled_effects(),
             no_terminal=self.kernel.state is TaskState.OPEN,
             budget_left=not self.budget.exhausted,
             attested=await self._attested(),
@@ -890,14 +883,22 @@ class TaskLane:
     def _continuation_sent(self, number: int) -> bool:
         return f"{self._prefix()}/c{number}/prompt" in self.markers
 
+    def _unsettled_effects(self) -> list[ToolIntent]:
+        """Worker tools let run whose outcome is not recorded and that may not simply run
+        again (not ``safe``): a side effect that may have happened (WD10). The runtime's own
+        tools are not among them: the gate settles those itself (a receipt tool by its
+        receipt)."""
+        runtime_tools = self._runtime_tools()
+        return [
+            i for i in self._journals()[1].unsettled()
+            if i.replay_class is not ReplayClass.SAFE and i.name not in runtime_tools
+        ]  # fmt: skip
+
     async def _replacement(self, observed: str) -> None:
         """After a fence, an exit or a restart: settle the session, charge the budget, re-attest
         and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe."""
         tools = self._journals()[1]
-        never = [
-            i for i in tools.unsettled()
-            if replay_is_never(i.replay_class) and i.name not in self._runtime_tools()
-        ]  # fmt: skip
+        never = self._unsettled_effects()
         if never and self._operator != "forced":
             self.watchdog.feed(Hold("effect_possibly_ran:" + ",".join(i.name for i in never)))
             self._changed()
@@ -1123,9 +1124,7 @@ class TaskLane:
             tools = self._journals()[1]
             key = self.kernel.current
             if tools.epoch != key.epoch:  # a call decided in another epoch: late (LK2)
-                from dataclasses import replace
-
-                key = replace(key, epoch=tools.epoch)
+                key = dataclasses.replace(key, epoch=tools.epoch)
             detail = " ".join(str(v) for v in call.args.values())[:2000]
             verdict = self.kernel.report(
                 Report(key=key, intent_id=intent_id, kind=kind, detail=detail)
@@ -1268,10 +1267,6 @@ def _apply_action(state: LaneState, action: OutboxAction) -> None:
                 epochs=int(action.detail.get("epochs", 0)),
                 seconds=float(action.detail.get("seconds", 0.0)),
             )
-
-
-def replay_is_never(cls: ReplayClass) -> bool:
-    return cls is ReplayClass.NEVER
 
 
 def _declared_lease(record: Mapping[str, Any]) -> float | None:

@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import trio
+
+from runtime._receipts import ReceiptStore
 
 REPO: Final = Path(__file__).resolve().parents[1]
 Fact = dict[str, Any]
@@ -79,3 +81,18 @@ async def run_host(
                 process.kill()
                 with trio.CancelScope(shield=True):
                     await process.wait()
+
+
+def pause_after_receipt_commit(barrier: Callable[[], Awaitable[None]]) -> None:
+    """In a host: stop right after a ``write_document`` committed its revision and receipt,
+    before the gate records the outcome (the ``receipt_commit`` pause point of both hosts)."""
+    write = ReceiptStore.write_document
+
+    async def after_commit(
+        self: ReceiptStore, intent_id: str, args: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        result = await write(self, intent_id, args)  # the revision and its receipt
+        await barrier()  # before the gate records the outcome
+        return result
+
+    ReceiptStore.write_document = after_commit  # type: ignore[method-assign]

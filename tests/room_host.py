@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,9 @@ from runtime._errors import DeliveryError
 from runtime._gate import RecordingGateJournal
 from runtime._gateway import DeliveryStepJournal
 from runtime._outbox import DeliveryResult
-from runtime._receipts import ReceiptStore
 from runtime._records import Record, ToolIntent
 from runtime._room_worker import RoomWorker, open_room_worker
+from tests._host_process import pause_after_receipt_commit
 
 
 def emit(fact: dict[str, Any]) -> None:
@@ -81,16 +81,7 @@ def install_pause(point: str, nth: int) -> None:
 
         RecordingGateJournal._append = after_intent  # type: ignore[method-assign]
     elif point == "receipt_commit":
-        write = ReceiptStore.write_document
-
-        async def after_commit(
-            self: ReceiptStore, intent_id: str, args: Mapping[str, Any]
-        ) -> dict[str, Any]:
-            result = await write(self, intent_id, args)  # the revision and its receipt
-            await barrier()  # before the gate records the outcome
-            return result
-
-        ReceiptStore.write_document = after_commit  # type: ignore[method-assign]
+        pause_after_receipt_commit(barrier)
     else:
         raise ValueError(f"unknown pause point {point!r}")
 

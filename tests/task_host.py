@@ -57,7 +57,7 @@ from runtime._gate import GateCall, GateResult
 from runtime._gateway import GatewayConfig
 from runtime._journal import Journal
 from runtime._launch import ModelRoute, WorkerProgram
-from runtime._receipts import ReceiptStore, receipt_store
+from runtime._receipts import receipt_store
 from runtime._records import Record
 from runtime._store import open_store, runtime_dir
 from runtime._task_runner import TaskRunner, open_task_runner
@@ -65,6 +65,7 @@ from runtime._task_workers import EpochRequest, ProcessWorkers, TaskWorker
 from runtime._tasks import TaskLane, TaskSpec
 from runtime._tools import EffectLedger
 from runtime._watchdog import WatchdogPolicy
+from tests._host_process import pause_after_receipt_commit
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")
 HELD = "StalledOperatorRequired"
@@ -139,16 +140,7 @@ def install_pause(point: str, nth: int) -> None:
 
         EffectLedger.__call__ = after_effect  # type: ignore[method-assign]
     elif name == "receipt_commit":
-        write = ReceiptStore.write_document
-
-        async def after_commit(
-            self: ReceiptStore, intent_id: str, args: Mapping[str, Any]
-        ) -> dict[str, Any]:
-            result = await write(self, intent_id, args)  # the revision and its receipt
-            await barrier()  # before the gate records the outcome
-            return result
-
-        ReceiptStore.write_document = after_commit  # type: ignore[method-assign]
+        pause_after_receipt_commit(barrier)
     elif name == "finalize":
         finalize = TaskLane._finalize
 
