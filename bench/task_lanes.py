@@ -85,8 +85,9 @@ from runtime._launch import ModelRoute
 from runtime._lifecycle import TaskState
 from runtime._store import open_store
 from runtime._task_runner import TaskRunner, open_task_runner
+from runtime._task_state import TaskSpec
 from runtime._task_workers import InProcessWorkers
-from runtime._tasks import TaskLane, TaskSpec
+from runtime._tasks import TaskLane
 
 REPO: Final = Path(__file__).resolve().parents[1]
 ROUTE: Final = ModelRoute(provider="fake", model="fake-model")

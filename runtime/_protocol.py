@@ -12,7 +12,7 @@ only ever added, with defaults).
 from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them equal.
 The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The task
 frames (``task_*``) drive task lanes (brief §6, issue #8): their server frames are the task
-runner's own objects too (:class:`~runtime._tasks.TaskView`,
+runner's own objects too (:class:`~runtime._task_state.TaskView`,
 :class:`~runtime._task_runner.TaskEvent`).
 """
 
@@ -32,7 +32,7 @@ from ._events import TextUpdate, ToolActivity, Typing
 from ._outbox import DeliveryResult
 from ._room_worker import Accepted, RoomStatus
 from ._task_runner import TaskEvent
-from ._tasks import TaskView
+from ._task_state import TaskView
 
 __all__ = [
     "CLIENT_FRAME_TYPES",

@@ -82,7 +82,7 @@ from ._protocol import (
 from ._room_worker import RoomWorker, open_room_worker
 from ._task_runner import TaskEvent
 from ._task_service import TaskService, loud_logging, open_task_service, watchdog_policy
-from ._tasks import TaskError
+from ._task_state import TaskError
 from ._token import ensure_token, read_token, token_matches
 
 __all__ = ["RoomServer", "ServeOptions", "open_server", "run_serve"]

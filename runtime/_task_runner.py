@@ -6,7 +6,7 @@ At start it finds every task whose log has no end and resumes it (a host restart
 its worker: TL7). Submitting is idempotent by task id: the same task again returns its view;
 a different task under the same id is ``task_conflict``.
 
-Error handling: every refusal is a :class:`~runtime._tasks.TaskError` with a stable code.
+Error handling: every refusal is a :class:`~runtime._task_state.TaskError` with a stable code.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from ._lifecycle import Verdict
 from ._receipts import ReceiptStore
 from ._records import TaskEnded, TaskSubmitted
 from ._store import Store, lane_key
+from ._task_state import TaskError, TaskSpec, TaskView, check_spec, submitted_record
 from ._task_workers import WorkerFactory
-from ._tasks import TaskError, TaskHost, TaskLane, TaskSpec, TaskView, check_spec, submitted_record
+from ._tasks import TaskHost, TaskLane
 from ._watchdog import WatchdogPolicy
 
 __all__ = ["TaskEvent", "TaskRunner", "open_task_runner"]

@@ -51,8 +51,8 @@ from ._records import (
 )
 from ._store import Store, lane_key, runtime_dir
 from ._task_runner import TaskEvent, TaskRunner, open_task_runner
+from ._task_state import DEFAULT_TASK_GRANTS, TaskError, TaskSpec, TaskView, read_lane
 from ._task_workers import ProcessWorkers
-from ._tasks import DEFAULT_TASK_GRANTS, TaskError, TaskSpec, TaskView, read_lane
 from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
 
 __all__ = [

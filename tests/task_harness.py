@@ -21,8 +21,8 @@ from runtime._launch import ModelRoute
 from runtime._records import Record
 from runtime._store import Store, open_store
 from runtime._task_runner import TaskEvent, TaskRunner, open_task_runner
+from runtime._task_state import TaskSpec
 from runtime._task_workers import InProcessWorkers
-from runtime._tasks import TaskSpec
 from runtime._watchdog import WatchdogPolicy
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")

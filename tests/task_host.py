@@ -26,13 +26,13 @@ real process on a loaded machine, not a threshold of the clocks; a quick answer 
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said):
 
-* ``action:KIND[:STATE][:PURPOSE]`` — :meth:`TaskLane._action` recorded an outbox action of
+* ``action:KIND[:STATE][:PURPOSE]`` — :meth:`TaskLane.record_action` recorded an outbox action of
   that kind (``probe``, ``eligibility``, ``reserve``, ``fence``, ``signal``, ``reap``,
   ``attest``, ``grant``), state (``reserved``/``done``) and probe purpose (``soft``/``fence``);
 * ``record:TAG`` — the lane log appended a record of that type (``epoch_started``,
   ``continuation_sent``, ``lifecycle_receipt``, ``task_ended``), durable before anyone hears;
 * ``continuation_launch`` — a replacement epoch is launched and recorded, before its
-  continuation prompt is sent (the start of :meth:`TaskLane._drive` with a continuation);
+  continuation prompt is sent (the start of :meth:`EpochWatch.run` with a continuation);
 * ``effect`` — the runtime's ``effect`` tool wrote its ledger line, before its outcome;
 * ``receipt_commit`` — ``write_document``'s receipt transaction committed, before its outcome;
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
@@ -60,9 +60,11 @@ from runtime._launch import ModelRoute, WorkerProgram
 from runtime._receipts import receipt_store
 from runtime._records import Record
 from runtime._store import open_store, runtime_dir
+from runtime._task_epoch import EpochEnd, EpochWatch
 from runtime._task_runner import TaskRunner, open_task_runner
+from runtime._task_state import TaskSpec
 from runtime._task_workers import EpochRequest, ProcessWorkers, TaskWorker
-from runtime._tasks import TaskLane, TaskSpec
+from runtime._tasks import TaskLane
 from runtime._tools import EffectLedger
 from runtime._watchdog import WatchdogPolicy
 from tests._host_process import pause_after_receipt_commit
@@ -95,20 +97,24 @@ def install_pause(point: str, nth: int) -> None:
     if name == "action":
         wanted_kind, _, rest = rest.partition(":")
         wanted_state, _, wanted_purpose = rest.partition(":")
-        action = TaskLane._action
+        action = TaskLane.record_action
 
         async def after_action(
-            self: TaskLane, action_id: str, kind: str, state: str, detail: dict[str, Any]
+            self: TaskLane,
+            action_id: str,
+            kind: str,
+            state: str,
+            detail: dict[str, Any] | None = None,
         ) -> None:
             await action(self, action_id, kind, state, detail)
             if (
                 kind == wanted_kind
                 and wanted_state in ("", state)
-                and wanted_purpose in ("", detail.get("purpose", ""))
+                and wanted_purpose in ("", (detail or {}).get("purpose", ""))
             ):
                 await barrier()
 
-        TaskLane._action = after_action  # type: ignore[method-assign]
+        TaskLane.record_action = after_action  # type: ignore[method-assign]
     elif name == "record":
         append = Journal.append
 
@@ -120,16 +126,16 @@ def install_pause(point: str, nth: int) -> None:
 
         Journal.append = after_append  # type: ignore[method-assign]
     elif name == "continuation_launch":
-        drive = TaskLane._drive
+        run = EpochWatch.run
 
-        async def before_drive(
-            self: TaskLane, worker: TaskWorker, kind: str, text: str, action_id: str | None
-        ) -> Any:
+        async def before_run(
+            self: EpochWatch, kind: str, text: str, action_id: str | None
+        ) -> EpochEnd:
             if kind == "continuation":
                 await barrier()
-            return await drive(self, worker, kind, text, action_id)
+            return await run(self, kind, text, action_id)
 
-        TaskLane._drive = before_drive  # type: ignore[method-assign]
+        EpochWatch.run = before_run  # type: ignore[method-assign]
     elif name == "effect":
         apply = EffectLedger.__call__
 

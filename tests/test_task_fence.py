@@ -62,8 +62,9 @@ from runtime._records import (
 from runtime._session import aread_session
 from runtime._store import Store, open_store, runtime_dir
 from runtime._task_runner import TaskEvent, TaskRunner, open_task_runner
+from runtime._task_state import TaskSpec
 from runtime._task_workers import ProcessWorkers
-from runtime._tasks import TaskLane, TaskSpec
+from runtime._tasks import TaskLane
 from runtime._watchdog import WatchdogPolicy
 
 from ._pi import real_pi

@@ -23,7 +23,7 @@ from runtime._config import config_from_dict
 from runtime._protocol import TaskViewFrame, decode_server_frame, encode_server_frame
 from runtime._serve import RoomServer, ServeOptions, open_server
 from runtime._task_runner import TaskEvent
-from runtime._tasks import TaskView
+from runtime._task_state import TaskView
 
 from ._wire import Client, Frame
 from ._workers import scripted_upstream

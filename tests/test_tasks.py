@@ -19,7 +19,7 @@ from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode
 from runtime._records import ContinuationSent, EpochStarted, LifecycleReceipt, OutboxAction
-from runtime._tasks import TaskError
+from runtime._task_state import TaskError
 
 from .task_harness import TASK, done, effect, fail, open_rig, say, wait
 
