@@ -19,6 +19,7 @@ from ._config import ModelConfig as ModelConfig
 from ._config import RoomConfig as RoomConfig
 from ._config import RoomWorkerConfig as RoomWorkerConfig
 from ._config import Thresholds as Thresholds
+from ._config import WatchdogConfig as WatchdogConfig
 from ._config import load_config as load_config
 from ._errors import ConfigError as ConfigError
 from ._errors import DeliveryError as DeliveryError
@@ -37,9 +38,17 @@ from ._journal import Journal as Journal
 from ._journal import LogContents as LogContents
 from ._outbox import DeliveryResult as DeliveryResult
 from ._records import Outcome as Outcome
+from ._records import TaskEnded as TaskEnded
 from ._room_worker import Accepted as Accepted
 from ._room_worker import RoomWorker as RoomWorker
 from ._room_worker import open_room_worker as open_room_worker
 from ._store import Store as Store
 from ._store import open_store as open_store
+from ._task_runner import TaskEvent as TaskEvent
+from ._task_service import TaskService as TaskService
+from ._task_service import WatchdogConfigError as WatchdogConfigError
+from ._task_service import open_task_service as open_task_service
+from ._task_state import TaskError as TaskError
+from ._task_state import TaskSpec as TaskSpec
+from ._task_state import TaskView as TaskView
 from ._version import __version__ as __version__

@@ -15,7 +15,8 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
   never paid twice (G6); missing tool-call ids are minted from digest + index (G7);
 * only requests carrying the current epoch's secret are served (G8); the
   upstream key is read from the environment per request and written nowhere (G9);
-* upstream inactivity ends the stream with an error Pi retries in-process (G10).
+* upstream inactivity ends the stream with an error Pi retries in-process (G10);
+  so does, when configured, an upstream that sends no data event, only comments (G15).
 
 Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
 :class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
@@ -70,6 +71,7 @@ __all__ = [
     "MemoryStepJournal",
     "StepJournal",
     "ToolCallIds",
+    "data_inactivity_message",
     "inactivity_message",
     "is_terminal",
     "request_digest",
@@ -187,6 +189,14 @@ def inactivity_message(seconds: float) -> str:
     return (
         f"{ReasonCode.GATEWAY_UPSTREAM_INACTIVE}: the upstream model stream timed out "
         f"(no data for {seconds:g} s); the request will be retried"
+    )
+
+
+def data_inactivity_message(seconds: float) -> str:
+    """The error text for an upstream that sent no data event, only comments (G15)."""
+    return (
+        f"{ReasonCode.GATEWAY_UPSTREAM_INACTIVE}: the upstream model stream timed out "
+        f"(no data event for {seconds:g} s, only comments); the request will be retried"
     )
 
 
@@ -372,6 +382,9 @@ class GatewayConfig:
     keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL
     upstream_inactivity: float = ROOM_UPSTREAM_INACTIVITY
     """Per lane kind: rooms :data:`ROOM_UPSTREAM_INACTIVITY`; task lanes the phase's threshold."""
+    upstream_data_inactivity: float | None = None
+    """G15: the stream is cut when no SSE data event (comments do not count) arrived for this
+    long after the headers. Rooms: ``None``, no such deadline; task lanes: the same value."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -382,6 +395,8 @@ class GatewayStatistics:
     upstream_calls: int
     journaled: int
     inactivity_aborts: int
+    data_inactivity_aborts: int
+    """Streams cut because only comments arrived for ``upstream_data_inactivity`` (G15)."""
     detached: int
     """Upstream responses that finished after their delivery was detached (G14)."""
 
@@ -479,6 +494,7 @@ class Gateway:
                 "upstream_calls",
                 "journaled",
                 "inactivity_aborts",
+                "data_inactivity_aborts",
                 "detached",
             ),
             0,
@@ -604,7 +620,15 @@ class Gateway:
             headers.append(("authorization", f"Bearer {key}"))
         url = self.config.upstream_url.rstrip("/") + "/chat/completions"
         limit = self.config.upstream_inactivity
-        with trio.CancelScope(deadline=trio.current_time() + limit) as silence:
+        data_limit = self.config.upstream_data_inactivity
+        with (
+            trio.CancelScope(deadline=trio.current_time() + limit) as silence,
+            trio.CancelScope() as no_data,  # G15: only data events move it
+        ):
+
+            def data_arrived() -> None:
+                if data_limit is not None:
+                    no_data.deadline = trio.current_time() + data_limit
 
             async def activity(received: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
                 async for data in received:
@@ -619,9 +643,11 @@ class Gateway:
                     if upstream.status != 200:
                         await self._relay_status(upstream.status, await upstream.read(), downstream)
                         return
+                    data_arrived()  # the data deadline runs from the headers
                     async for event in iter_sse(activity(upstream.iter_bytes())):
                         if event.data is None:
-                            continue  # upstream comments count as activity only
+                            continue  # upstream comments count as activity only (G10, G15)
+                        data_arrived()
                         payload = ids.apply(event.data)  # G7
                         chunks.append(payload)
                         if held or is_terminal(payload):
@@ -634,6 +660,11 @@ class Gateway:
             self._stats["inactivity_aborts"] += 1
             await self._relay_error(504, inactivity_message(limit), downstream)
             return  # a started stream is cut: Pi and Fake-Pi retry
+        if no_data.cancelled_caught:  # G15: comments only, the same retryable end
+            assert data_limit is not None
+            self._stats["data_inactivity_aborts"] += 1
+            await self._relay_error(504, data_inactivity_message(data_limit), downstream)
+            return
         if not held:
             await downstream.finish(b"")  # ended without finish_reason: relayed as is
             return

@@ -159,7 +159,7 @@ class EpochWatch:
             return None
         wd.feed(seen)
         if wd.classification is not before or before is Classification.RESUMING:
-            lane.resumed_progress(before)
+            await lane.resumed_progress(before)
             lane.changed()
         return None
 
@@ -167,7 +167,6 @@ class EpochWatch:
         """Re-read the suspend-aware clock every tick (WD6) and act on what the core says."""
         lane = self.lane
         while True:
-            await lane.flush()
             now, awake = lane.readings()
             before = lane.watchdog.classification
             actions = lane.watchdog.feed(Tick(now, awake))

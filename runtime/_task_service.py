@@ -38,17 +38,14 @@ import msgspec
 import trio
 
 from ._clock import Clocks
-from ._config import RoomWorkerConfig, WatchdogConfig
+from ._config import RoomWorkerConfig, WatchdogConfig, validate_config
 from ._errors import ConfigError, PiRuntimeError, ReasonCode
 from ._fs import OsFileSystem
 from ._gateway import GatewayConfig
 from ._journal import read_log
 from ._launch import ModelRoute, WorkerProgram
 from ._receipts import ReceiptStore
-from ._records import (
-    LogKind,
-    TaskSubmitted,
-)
+from ._records import LogKind, TaskEnded, TaskSubmitted
 from ._store import Store, lane_key, runtime_dir
 from ._task_runner import TaskEvent, TaskRunner, open_task_runner
 from ._task_state import DEFAULT_TASK_GRANTS, TaskError, TaskSpec, TaskView, read_lane
@@ -226,6 +223,7 @@ class TaskService:
 
     @property
     def warning(self) -> str | None:
+        """The loud line of the unsafe test time scale, or ``None`` at production scale."""
         return timescale_warning(self.policy)
 
     # -- typed API ---------------------------------------------------------------------
@@ -239,14 +237,30 @@ class TaskService:
         return self.show(spec.task_id), new
 
     def show(self, task_id: str) -> TaskView:
+        """Every diagnostic of one task (``task_unknown`` if there is none)."""
         return self.runner.show(task_id)  # an ended task's lane is rebuilt from its log
 
     def tasks(self) -> list[TaskView]:
+        """Every task of the state directory, ended ones too, by id."""
         return [self.show(task_id) for task_id in sorted(self.runner.lanes)]
 
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> TaskView:
+        """Answer the task's ``task_wait`` (its correlation, default: the open one); refused
+        ``task_not_waiting`` when it waits for nothing or for another correlation."""
         await self.runner.reply(task_id, text, correlation)
         return self.show(task_id)
+
+    def events(
+        self, buffer: int = 256
+    ) -> contextlib.AbstractAsyncContextManager[trio.MemoryReceiveChannel[TaskEvent]]:
+        """A channel of every task's changes (classification, state, hold, end) while the
+        block runs; events beyond ``buffer`` unread are dropped, never the runtime's work."""
+        return self.runner.events(buffer)
+
+    async def ended(self, task_id: str) -> TaskEnded:
+        """Wait until the task ends; its end record (``state`` ``done``, ``failed``,
+        ``aborted`` or ``held``, with the candidate and validation of a ``done``)."""
+        return await self.runner.wait(task_id)
 
     async def control(
         self,
@@ -424,9 +438,12 @@ async def open_task_service(
     """Run task lanes on ``store`` with ``config``'s worker, model and ``[watchdog]`` policy
     (divided by ``timescale``) until the block ends; unfinished tasks are resumed at once.
 
-    ``config`` must be validated (``validate_config``). Raises :class:`WatchdogConfigError`
+    ``config`` is validated here (``ConfigError`` naming the setting); the state is
+    ``store``'s (``config.state_dir`` is not read), the work directories are below
+    ``config.work_root``. Raises :class:`WatchdogConfigError`
     before anything starts when the policy breaks a rule, :class:`ConfigError` when the real
     Pi is configured but not installed."""
+    config = validate_config(config)
     policy = watchdog_policy(config, timescale=timescale)
     production = watchdog_policy(config) if timescale != 1.0 else policy
     program = _program(config)
@@ -460,6 +477,7 @@ async def open_task_service(
             upstream_key_env=model.api_key_env,
             keepalive_interval=min(config.thresholds.keepalive_seconds, inactivity / 2),
             upstream_inactivity=inactivity,
+            upstream_data_inactivity=inactivity,
         )
         workers = ProcessWorkers(  # one gate socket per lane, named by its key
             program=program,

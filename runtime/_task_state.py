@@ -150,6 +150,10 @@ class LaneState:
     ended: TaskEnded | None = None
     continuations: int = 0
     attestation: Attestation | None = None
+    recoveries: int = 0
+    """Recoveries whose time is charged."""
+    recovery_started_ms: int | None = None
+    """The start (its first reserve's ``at_ms``) of a recovery still running (WD11)."""
 
     @property
     def pending_action(self) -> str | None:
@@ -205,8 +209,13 @@ def _apply_action(state: LaneState, action: OutboxAction) -> None:
         if state.budget.epochs_left > 0:
             state.budget = state.budget.charge_epoch()
         state.continuations += 1
+        at_ms = action.detail.get("at_ms")
+        if state.recovery_started_ms is None and isinstance(at_ms, int):
+            state.recovery_started_ms = at_ms
     elif action.kind == "recovery_time" and action.state == "done":
         state.budget = state.budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
+        state.recoveries += 1
+        state.recovery_started_ms = None
     elif action.kind == "grant":
         with contextlib.suppress(ValueError):
             state.budget = state.budget.grant(

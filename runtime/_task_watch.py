@@ -7,7 +7,6 @@ classifications and clocks themselves are :mod:`runtime._watchdog`'s.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -66,14 +65,21 @@ def declared_lease(record: Mapping[str, Any]) -> float | None:
     return None
 
 
+def keep(samples: list[float], sample: float) -> None:
+    """Append ``sample``, keeping the latest :data:`TELEMETRY_KEPT` (a list: an empty one
+    costs a tenth of an empty ``deque``, and parked lanes are many)."""
+    samples.append(sample)
+    del samples[:-TELEMETRY_KEPT]
+
+
 @dataclass(slots=True)
 class Telemetry:
     """Time to first token, inter-token gaps, probes and resume latency of one lane (issue #8
     item 10): recorded, shown by ``task show``, never read by a decision."""
 
-    ttft: deque[float] = field(default_factory=lambda: deque(maxlen=TELEMETRY_KEPT))
+    ttft: list[float] = field(default_factory=list)
     max_gap: float = 0.0
-    resume_latency: deque[float] = field(default_factory=lambda: deque(maxlen=TELEMETRY_KEPT))
+    resume_latency: list[float] = field(default_factory=list)
     probes: int = 0
     request_started: float | None = None
     last_token: float | None = None
@@ -86,10 +92,14 @@ class Telemetry:
             self.last_token = None
         elif is_model_output(kind, record):
             if self.last_token is None and self.request_started is not None:
-                self.ttft.append(now - self.request_started)
+                keep(self.ttft, now - self.request_started)
             elif self.last_token is not None:
                 self.max_gap = max(self.max_gap, now - self.last_token)
             self.last_token = now
+
+    def resumed(self, seconds: float) -> None:
+        """A recovery ended after ``seconds`` (the resume latency)."""
+        keep(self.resume_latency, seconds)
 
     def as_dict(self, watchdog: Watchdog) -> dict[str, Any]:
         return {

@@ -58,7 +58,7 @@ from ._session import (
 )
 from ._store import Store, lane_key
 from ._task_epoch import EpochEnd, EpochWatch
-from ._task_session import reanswer_orphaned
+from ._task_session import marker_in_session, reanswer_orphaned
 from ._task_state import (
     CONTINUATION_VERSION,
     LIFECYCLE_TOOLS,
@@ -115,6 +115,47 @@ class TaskHost:
 class TaskLane:
     """One task; the runner starts :meth:`run` in its own task."""
 
+    __slots__ = (
+        "_fenced",
+        "_finished",
+        "_next",
+        "_operator",
+        "_parked",
+        "_recovery_started_ms",
+        "_restarted",
+        "_steps",
+        "_tools",
+        "_wake",
+        "actions",
+        "archive_dir",
+        "attestation",
+        "budget",
+        "continuations",
+        "ended",
+        "epochs",
+        "failure",
+        "home",
+        "host",
+        "kernel",
+        "key",
+        "log",
+        "markers",
+        "pending_action",
+        "probe_result",
+        "quiescent_epoch",
+        "record",
+        "recoveries",
+        "replies",
+        "session",
+        "task",
+        "task_id",
+        "telemetry",
+        "tmp",
+        "watchdog",
+        "worker",
+        "worktree",
+    )
+
     def __init__(self, host: TaskHost, submitted: TaskSubmitted, log: Journal) -> None:
         self.host = host
         self.task = submitted
@@ -137,6 +178,8 @@ class TaskLane:
         )
         self.epochs = 0
         self.continuations = 0
+        self.recoveries = 0
+        """Recoveries ended (their time charged)."""
         self.actions: dict[str, OutboxAction] = {}
         self.markers: dict[str, ContinuationSent] = {}
         self.replies: dict[str, TaskReply] = {}
@@ -156,16 +199,12 @@ class TaskLane:
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
-        self._pending: list[Record] = []
-        """Records to append at the next tick (noted where no await is possible)."""
         self._parked = False
         """The log is closed and the journals dropped (TL9); reopened on the next append."""
         self._steps: DeliveryStepJournal | None = None
         self._tools: RecordingGateJournal | None = None
         self._finished = trio.Event()
         self._recovery_started_ms: int | None = None
-        self._probe_seq = 0
-        self._eligible: tuple[int, int] | None = None
 
     # -- the runner's view ---------------------------------------------------------------
 
@@ -314,6 +353,7 @@ class TaskLane:
             return
         if state is TaskState.WAITING or self._held():
             self._wake = trio.Event()
+            await self._end_recovery()  # a hold ends the running recovery; a resume starts one
             await self._park()
             self.changed()
             await self._wake.wait()
@@ -387,6 +427,7 @@ class TaskLane:
         self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
         self.kernel, self.budget = state.kernel, state.budget
         self.continuations, self.attestation = state.continuations, state.attestation
+        self.recoveries, self._recovery_started_ms = state.recoveries, state.recovery_started_ms
         if self.kernel.state is TaskState.WAITING:
             self.watchdog.feed(TerminalAccepted("wait"))
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
@@ -503,31 +544,32 @@ class TaskLane:
         request, self._operator = self._operator, None
         return request
 
-    def resumed_progress(self, before: Classification) -> None:
-        """The first progress after a relaunch ends the recovery: its time is charged, never
-        refunded (WD11), and recorded at the next tick (no await here)."""
-        if before is Classification.RESUMING and self._recovery_started_ms is not None:
-            seconds = (self.host.clocks.wall.time_ms() - self._recovery_started_ms) / 1000
-            self.telemetry.resume_latency.append(seconds)
-            self._recovery_started_ms = None
-            self.budget = self.budget.charge_seconds(seconds)
-            action_id = self.epoch_action_id("recovery_time")
-            self._pending.append(
-                OutboxAction(
-                    action_id=action_id,
-                    kind="recovery_time",
-                    state="done",
-                    detail={"seconds": seconds},
-                )
-            )
+    async def resumed_progress(self, before: Classification) -> None:
+        """The first progress after a relaunch ends the recovery (WD11)."""
+        if before is Classification.RESUMING:
+            seconds = await self._end_recovery()
+            if seconds is not None:
+                self.telemetry.resumed(seconds)
 
-    async def flush(self) -> None:
-        """Append what was noted where no await was possible."""
-        while self._pending:
-            record = self._pending.pop(0)
-            if isinstance(record, OutboxAction):
-                self.actions[record.action_id] = record
-            await self._append(record)
+    async def _end_recovery(self) -> float | None:
+        """Charge the running recovery's time, from its first reserve to now, never refunded
+        (WD11). A recovery runs from the reserve that started it until the resumed worker's
+        first progress or a hold; across host restarts too (its start is the reserve's
+        ``at_ms`` in the log)."""
+        if self._recovery_started_ms is None:
+            return None
+        started, now = self._recovery_started_ms, self.host.clocks.wall.time_ms()
+        seconds = max(0.0, (now - started) / 1000)
+        self._recovery_started_ms = None
+        self.budget = self.budget.charge_seconds(seconds)
+        self.recoveries += 1
+        await self.record_action(
+            f"{self._prefix()}/recovery{self.recoveries}",
+            "recovery_time",
+            "done",
+            {"seconds": seconds, "from_ms": started, "to_ms": now},
+        )
+        return seconds
 
     def check_recovery_budget(self) -> None:
         """A recovery that outlasts the seconds left holds the task (WD11)."""
@@ -546,10 +588,9 @@ class TaskLane:
             return
         self.budget = self.budget.charge_epoch()
         self.continuations += 1
-        self._recovery_started_ms = self.host.clocks.wall.time_ms()
-        await self.record_action(
-            action_id, "reserve", "done", {"epochs": 1, "at_ms": self._recovery_started_ms}
-        )
+        at_ms = self.host.clocks.wall.time_ms()
+        self._recovery_started_ms = self._recovery_started_ms or at_ms  # one recovery runs on
+        await self.record_action(action_id, "reserve", "done", {"epochs": 1, "at_ms": at_ms})
 
     def _next_continuation_id(self, kind: str) -> str:
         """The id of the next continuation's action ``kind``: a reserve already recorded
@@ -583,6 +624,7 @@ class TaskLane:
             self.watchdog.feed(Hold("effect_possibly_ran:" + ",".join(i.name for i in never)))
             self.changed()
             return
+        await self._reconcile_marker()
         reserve_id = self._next_continuation_id("reserve")
         if reserve_id not in self.actions:
             if self.budget.exhausted or self.budget.epochs_left <= 0:
@@ -625,7 +667,19 @@ class TaskLane:
         finally:
             self._operator = None
 
+    async def _reconcile_marker(self) -> None:
+        """A continuation delivered to a worker that died before its record was written is in
+        the session but not in the log: record it now (TL5). It was sent; the worker that got
+        it is gone, so the next replacement gets a continuation of its own rather than waiting
+        on an answer that will never come."""
+        number = self.continuations
+        action_id = f"{self._prefix()}/c{number}/prompt"
+        delivered = number > 0 and action_id not in self.markers
+        if delivered and await marker_in_session(self.session, action_id):
+            await self.record_marker(action_id)
+
     async def record_marker(self, action_id: str) -> None:
+        """The continuation ``action_id`` is in the session (TL5)."""
         record = ContinuationSent(
             epoch=self.epochs,
             action_id=action_id,

@@ -33,6 +33,8 @@ Pause points (each wraps the runtime method named; the host stops *after* it unl
   ``continuation_sent``, ``lifecycle_receipt``, ``task_ended``), durable before anyone hears;
 * ``continuation_launch`` — a replacement epoch is launched and recorded, before its
   continuation prompt is sent (the start of :meth:`EpochWatch.run` with a continuation);
+* ``continuation_prompted`` — a continuation prompt is in the worker's session, before its
+  record (the start of :meth:`TaskLane.record_marker`);
 * ``effect`` — the runtime's ``effect`` tool wrote its ledger line, before its outcome;
 * ``receipt_commit`` — ``write_document``'s receipt transaction committed, before its outcome;
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
@@ -147,6 +149,14 @@ def install_pause(point: str, nth: int) -> None:
         EffectLedger.__call__ = after_effect  # type: ignore[method-assign]
     elif name == "receipt_commit":
         pause_after_receipt_commit(barrier)
+    elif name == "continuation_prompted":
+        record_marker = TaskLane.record_marker
+
+        async def before_record_marker(self: TaskLane, action_id: str) -> None:
+            await barrier()
+            await record_marker(self, action_id)
+
+        TaskLane.record_marker = before_record_marker  # type: ignore[method-assign]
     elif name == "finalize":
         finalize = TaskLane._finalize
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from runtime._gateway import (
     StepRefused,
     ToolCallIds,
     _Downstream,
+    data_inactivity_message,
     inactivity_message,
     is_terminal,
     request_digest,
@@ -435,6 +437,79 @@ async def test_g10_upstream_silence_before_headers_is_a_504() -> None:
             status, body = await exchange(r)
     assert status == 504
     assert is_retryable(f"504: {body[0].data}")
+
+
+def commenting(*script: float | str, then_hang: bool = False) -> Handler:
+    """An upstream stream: SSE comments for each float (seconds, one every 0.05 s), a data
+    event for each str; then it ends, or hangs silent."""
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        for step in script:
+            if isinstance(step, str):
+                await response.send(sse_data(step))
+                continue
+            until = trio.current_time() + step
+            while trio.current_time() < until:
+                await response.send(b": processing\n\n")
+                await trio.sleep(0.05)
+        if then_hang:
+            await trio.sleep_forever()
+        await response.end()
+
+    return upstream
+
+
+def error_message(events: list[SseEvent]) -> str:
+    message = json.loads(data(events)[-1])["error"]["message"]
+    assert isinstance(message, str)
+    return message
+
+
+async def test_g15_an_upstream_sending_only_comments_is_cut_by_the_data_deadline() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(
+            upstream=commenting(math.inf), upstream_data_inactivity=0.3, keepalive_interval=60
+        ) as r:
+            status, body = await exchange(r)
+    message = error_message(body)
+    assert status == 504
+    assert message == data_inactivity_message(0.3)
+    assert "no data event" in message
+    assert is_retryable(f"504: {message}")
+    assert ReasonCode.GATEWAY_UPSTREAM_INACTIVE in message
+    stats = r.gateway.statistics()
+    assert (stats.data_inactivity_aborts, stats.inactivity_aborts) == (1, 0)  # comments are bytes
+    assert r.journal.responses == {}
+
+
+async def test_g15_data_events_reset_the_data_deadline() -> None:
+    payloads = [chunk({"content": "a"}), chunk({"content": "b"}), chunk({}, "stop"), DONE]
+    script = [item for payload in payloads for item in (0.4, payload)]  # 1.6 s, 0.4 s per gap
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=commenting(*script), upstream_data_inactivity=1.0) as r:
+            status, events = await exchange(r)
+    assert (status, data(events)) == (200, payloads)
+    assert r.journal.responses[request_digest(BODY)] == payloads
+    stats = r.gateway.statistics()
+    assert (stats.data_inactivity_aborts, stats.inactivity_aborts, stats.journaled) == (0, 0, 1)
+
+
+async def test_g15_without_a_data_deadline_only_the_byte_rule_cuts_comments() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(
+            upstream=commenting(0.6, then_hang=True),
+            upstream_inactivity=0.3,
+            keepalive_interval=60,
+        ) as r:
+            started = trio.current_time()
+            status, body = await exchange(r)
+            elapsed = trio.current_time() - started
+    assert r.gateway.config.upstream_data_inactivity is None
+    assert elapsed >= 0.6  # comments kept the stream alive past upstream_inactivity (G10)
+    assert (status, error_message(body)) == (504, inactivity_message(0.3))  # then the silence
+    stats = r.gateway.statistics()
+    assert (stats.data_inactivity_aborts, stats.inactivity_aborts) == (0, 1)
 
 
 async def test_upstream_errors_and_cuts_are_relayed_not_journaled() -> None:

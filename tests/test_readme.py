@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+import runtime
 from runtime import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +62,59 @@ def test_readme_embedding_example_runs(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == "started"
     assert lines[1].startswith("1 reply ")
+
+
+def test_readme_task_example_runs(tmp_path: Path) -> None:
+    """Task lanes through the library API, as a newcomer pastes them: the example submits a
+    task on the embedded defaults, sees it held (the scripted model never calls a lifecycle
+    tool), aborts it and prints the durable end; the README says what it prints."""
+    example = tmp_path / "task_example.py"
+    example.write_text(_examples()["task_example.py"])
+    result = subprocess.run(
+        [sys.executable, str(example)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines == [
+        "submitted t-1 new",
+        "held no_terminal_after_completion_prompt:settled",
+        "ended aborted demo over",
+    ], result.stdout + result.stderr
+    readme = " ".join(README.read_text().split())  # the prose wraps lines
+    for line in lines:
+        assert f"`{line}`" in readme, line
+
+
+def _runtime_imports(source: str) -> list[str]:
+    """Every name ``source`` imports from ``runtime`` or a module below it (dotted)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "runtime":
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.split(".")[0] == "runtime"]
+    return names
+
+
+def test_readme_task_example_uses_only_the_public_api() -> None:
+    """The task example imports only what ``runtime`` itself exports, never a private
+    module: what the README shows is the library API."""
+    imported = _runtime_imports(_examples()["task_example.py"])
+    assert imported, "the task example imports nothing from runtime"
+    public = getattr(runtime, "__all__", None)
+    for dotted in imported:
+        module, _, name = dotted.rpartition(".")
+        assert module == "runtime", f"{dotted}: imported from a private module"
+        assert not name.startswith("_"), dotted
+        if public is not None:
+            assert name in public, f"{name} is not in runtime.__all__"
+        else:
+            assert name in vars(runtime), f"runtime does not export {name}"
 
 
 async def test_readme_quick_start_client_gets_a_reply(tmp_path: Path) -> None:

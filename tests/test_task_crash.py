@@ -292,6 +292,14 @@ async def test_crash_at_a_fence_step_resumes_once_and_charges_once(
     assert view["budget"]["epochs_used"] == 1
     assert budgets(facts)[-1] == 1
     assert model.request_count == 2
+    # WD11: one recovery, charged from its reserve (the time the host was down included) to
+    # the resumed worker's first progress, never restarted by the restart
+    (charge,) = actions(found, "recovery_time")
+    resumed = [r for r in found if isinstance(r, EpochStarted)][-1]
+    assert charge.detail["from_ms"] == reserve.detail["at_ms"]
+    assert charge.detail["to_ms"] >= resumed.started_ms
+    assert charge.detail["seconds"] == (charge.detail["to_ms"] - charge.detail["from_ms"]) / 1000
+    assert view["budget"]["seconds_used"] == round(charge.detail["seconds"], 3)
     # every outbox action of the killed host happened at most once
     kinds = [(r.action_id, r.state) for r in found if isinstance(r, OutboxAction)]
     assert len(set(kinds)) == len(kinds), kinds
@@ -319,19 +327,26 @@ async def test_repeated_crashes_after_the_launch_charge_the_replacement_once(
     assert model.request_count == 2
 
 
-async def test_crash_after_the_continuation_marker_never_sends_it_again(tmp_path: Path) -> None:
-    """Killed right after the continuation's marker was recorded (epoch 2 wedged too): that
-    prompt is never sent again; the restart is a new replacement with its own continuation,
-    charged once more; each marker is in the session exactly once."""
+@pytest.mark.parametrize("point", ["continuation_prompted", "record:continuation_sent"])
+async def test_crash_after_the_continuation_prompt_never_sends_it_again(
+    tmp_path: Path, point: str
+) -> None:
+    """Killed right after the continuation prompt reached the worker's session, before or
+    after its marker was recorded (epoch 2 wedged too): that prompt is never sent again (a
+    marker found only in the session is recorded then, TL5); the restart is a new replacement
+    with its own continuation, charged once more, sent at once (no wait on an answer that
+    will never come: no second fence); each marker is in the session exactly once."""
     async with crash_rig(tmp_path, STEPS) as (model, url, workers):
         spec = task_spec(url, behaviours={1: HANG, 2: HANG})
-        facts = await kill_when_paused(tmp_path, spec, "record:continuation_sent")
+        facts = await kill_when_paused(tmp_path, spec, point)
         facts += await recover(tmp_path, spec)
     assert outcome(facts)["ended"]["state"] == "done", facts
     found = check_common(tmp_path, facts, workers)
     sent = [r for r in found if isinstance(r, ContinuationSent)]
     assert [(r.action_id.rsplit("/", 2)[1], r.epoch) for r in sent] == [("c1", 2), ("c2", 3)]
     assert len(actions(found, "reserve")) == 2
+    assert [r.epoch for r in found if isinstance(r, EpochStarted)] == [1, 2, 3]
+    assert len(actions(found, "fence")) == 1
     assert outcome(facts)["view"]["budget"]["epochs_used"] == 2
     assert model.request_count == 2
 

@@ -6,11 +6,12 @@ scripted model served on loopback from a thread of the test process; the task's 
 what it does (``[smoke:MODE]``), so several tasks can share it in any interleaving:
 
 * ``prod`` / ``wait``: ``task_done`` at once / ``task_wait`` first, ``task_done`` after the reply;
-* ``fence`` / ``stop``: the first request reaches a provider that keeps its stream alive with
-  SSE comments and never produces a token (as routers do while they wait on a backend): the
-  gateway sees upstream activity, so its inactivity bound never ends the stream, while the
-  worker sees nothing at all — a wedge only the watchdog can see. After the continuation
-  prompt, ``task_done``;
+* ``fence`` / ``stop``: the first request reaches a provider that starts its answer and then
+  pads the stream with empty deltas forever, never a token (a wedged backend behind a router
+  that keeps its stream busy): the gateway sees data events, so neither of its inactivity
+  bounds (G10 bytes, G15 data) ends the stream, while the worker sees the answer start and
+  then nothing — a wedge only the watchdog can see. (A provider that sends only SSE comments
+  is the gateway's to cut, G15.) After the continuation prompt, ``task_done``;
 * ``hold``: never calls a lifecycle tool (held after its one completion prompt).
 
 First the production thresholds (no time scale: a standalone run, then ``task show``), then one
@@ -79,7 +80,7 @@ REPLY: Final = "REPLY:"
 FENCED_PATH: Final = ["Active", "Suspect", "HardResumeEligible", "Fencing", "Resuming", "Active"]
 HELD_PATH: Final = ["Active", "Suspect", "HardResumeEligible", "StalledOperatorRequired"]
 TRICKLE_SECONDS: Final = 0.5
-"""How often the wedged provider sends an SSE comment (well inside the gateway's bound)."""
+"""How often the wedged provider sends an empty delta (well inside the gateway's bounds)."""
 TRICKLE_LIMIT: Final = 120.0
 """The wedged provider gives up by itself after this long (the test is over by then)."""
 
@@ -164,15 +165,17 @@ class SmokeModel(ScriptedModel):
         await super().handle(request, response)
 
     async def wedged(self, response: ResponseWriter) -> None:
-        """A provider that accepted the request and keeps the connection alive with SSE
-        comments (as some routers do while they wait) but never sends a token."""
+        """A provider that accepted the request, started its answer and keeps its stream busy
+        with empty deltas but never sends a token."""
+        empty = {"id": "chatcmpl-wedged", "object": "chat.completion.chunk", "created": 0,
+                 "model": "fake-model", "choices": [{"index": 0, "delta": {}}]}  # fmt: skip
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await response.start(
                 200, [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
             )
             with trio.move_on_after(TRICKLE_LIMIT):
                 while True:
-                    await response.send(b": still processing\n\n")
+                    await response.send(b"data: " + json.dumps(empty).encode() + b"\n\n")
                     await trio.sleep(TRICKLE_SECONDS)
 
 

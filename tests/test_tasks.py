@@ -19,9 +19,10 @@ from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode
 from runtime._records import ContinuationSent, EpochStarted, LifecycleReceipt, OutboxAction
-from runtime._task_state import TaskError
+from runtime._task_state import TaskError, TaskSpec, read_lane, submitted_record
+from runtime._watchdog import WatchdogPolicy
 
-from .task_harness import TASK, done, effect, fail, open_rig, say, wait
+from .task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
 
@@ -278,6 +279,35 @@ async def test_wd11_budget_exhaustion_holds_and_a_grant_charges_once(
         grants = [r for r in records if isinstance(r, OutboxAction) and r.kind == "grant"]
         assert len(grants) == 1
         assert rig.runner.show(TASK).budget["epochs_used"] == 4
+
+
+async def test_wd11_read_lane_keeps_the_open_recovery_and_its_charges() -> None:
+    """The lane's durable state: a reserve starts a recovery (its ``at_ms``), a later reserve
+    does not restart it, a charge ends it; the budget adds every charge."""
+    submitted = submitted_record(
+        TaskSpec(task_id=TASK, prompt="p", worktree="/"), route=ROUTE, now_ms=0
+    )
+
+    def reserve(n: int, at_ms: int) -> OutboxAction:
+        detail = {"epochs": 1, "at_ms": at_ms}
+        return OutboxAction(
+            action_id=f"t/c{n}/reserve", kind="reserve", state="done", detail=detail
+        )
+
+    def charge(n: int, seconds: float) -> OutboxAction:
+        detail = {"seconds": seconds}
+        return OutboxAction(action_id=f"t/r{n}", kind="recovery_time", state="done", detail=detail)
+
+    policy = WatchdogPolicy()
+    state = read_lane(submitted, [reserve(1, 1_000), reserve(2, 5_000)], policy)
+    assert (state.recovery_started_ms, state.recoveries) == (1_000, 0)
+    state = read_lane(submitted, [reserve(1, 1_000), charge(1, 30.0), reserve(2, 9_000)], policy)
+    assert (state.recovery_started_ms, state.recoveries) == (9_000, 1)
+    assert state.budget.used_seconds == 30.0
+    assert state.budget.used_epochs == 2
+    state = read_lane(submitted, [reserve(1, 1_000), charge(1, 30.0), charge(2, 12.5)], policy)
+    assert (state.recovery_started_ms, state.recoveries) == (None, 2)
+    assert state.budget.used_seconds == 42.5
 
 
 async def test_wd4_an_operator_resume_of_a_held_task_fences_and_resumes_once(
