@@ -367,6 +367,12 @@ def _task_commands(
         help="a command (shell words) that must pass on the final worktree for done",
     )
     run.add_argument(
+        "--validation-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long the --validate command may run before it is killed (default: 600)",
+    )
+    run.add_argument(
         "--agent",
         choices=("fake", "pi"),
         default=None,
@@ -837,6 +843,8 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         spec["grants"] = sorted(set(args.grant))
     if args.validate:
         spec["validation"] = shlex.split(args.validate)
+    if args.validation_timeout is not None:
+        spec["validation_timeout"] = args.validation_timeout
     return spec
 
 

@@ -152,6 +152,8 @@ class TaskSubmit(_ClientFrame, tag="task_submit", frozen=True, kw_only=True):
     """The tools the worker may use; ``null``: ``read``, ``bash``, ``edit``, ``write``."""
     validation: list[str] | None = None
     """A command (argv) whose passing run Done needs; ``null``: none."""
+    validation_timeout: float | None = None
+    """Seconds the validation may run (killed, not passed after); ``null``: 600."""
 
 
 class TaskReplyFrame(_ClientFrame, tag="task_reply", frozen=True, kw_only=True):

@@ -311,6 +311,8 @@ class TaskSubmitted(_Record, tag="task_submitted", frozen=True, kw_only=True):
     attempt: int = 1
     validation: list[str] = msgspec.field(default_factory=list)
     """A command whose passing receipt Done needs (empty: none)."""
+    validation_timeout: float = 600.0
+    """Seconds the validation command may run (killed and not passed after them)."""
     submitted_ms: int = 0
 
 

@@ -69,12 +69,12 @@ class TaskRunner:
             existing = self.lanes.get(spec.task_id)
             if existing is not None:
                 record = submitted_record(spec, route=self.host.route, now_ms=0)
-                same = (record.prompt, record.worktree, record.grants, record.validation) == (
-                    existing.task.prompt,
-                    existing.task.worktree,
-                    existing.task.grants,
-                    existing.task.validation,
-                )
+
+                def key(task: TaskSubmitted) -> tuple[Any, ...]:
+                    return (task.prompt, task.worktree, task.grants, task.validation,
+                            task.validation_timeout)  # fmt: skip
+
+                same = key(record) == key(existing.task)
                 if not same:
                     raise TaskError(
                         ReasonCode.TASK_CONFLICT,

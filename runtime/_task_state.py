@@ -10,6 +10,7 @@ reads a log no server runs on with the same function. The invariants (LKâ€¦, WDâ
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -57,6 +58,8 @@ __all__ = [
 CONTINUATION_VERSION: Final = 1
 """The version of the one neutral continuation prompt (its marker carries it)."""
 LIFECYCLE_TOOLS: Final = ("task_done", "task_fail", "task_wait")
+DEFAULT_VALIDATION_TIMEOUT: Final = 600.0
+MAX_VALIDATION_TIMEOUT: Final = 86_400.0
 DEFAULT_TASK_GRANTS: Final = frozenset({"read", "bash", "edit", "write"})
 _TASK_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
@@ -95,6 +98,8 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     grants: frozenset[str] = DEFAULT_TASK_GRANTS
     validation: tuple[str, ...] = ()
     """A command (argv) whose passing receipt Done needs; empty: none."""
+    validation_timeout: float = DEFAULT_VALIDATION_TIMEOUT
+    """Seconds the validation command may run; past them it is killed and has not passed."""
 
 
 class TaskView(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,6 +245,13 @@ def check_spec(spec: TaskSpec) -> None:
         raise TaskError(ReasonCode.TASK_INVALID, "worktree: must be an absolute path")
     if not path.is_dir():
         raise TaskError(ReasonCode.WORKTREE_MISSING, f"worktree: {path} is not a directory")
+    timeout = spec.validation_timeout
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_VALIDATION_TIMEOUT):
+        raise TaskError(
+            ReasonCode.TASK_INVALID,
+            f"validation_timeout: seconds above 0, at most {MAX_VALIDATION_TIMEOUT:g}, "
+            f"not {timeout!r}",
+        )
     unknown = sorted(spec.grants - {"read", "bash", "edit", "write", "effect", "write_document",
                                     "read_document"})  # fmt: skip
     if unknown:
@@ -256,5 +268,6 @@ def submitted_record(spec: TaskSpec, *, route: ModelRoute, now_ms: int) -> TaskS
         session_path=f"lanes/{key}/session.jsonl",
         route=route_snapshot(route),
         validation=list(spec.validation),
+        validation_timeout=spec.validation_timeout,
         submitted_ms=now_ms,
     )

@@ -715,7 +715,7 @@ class TaskLane:
                 self.worktree,
                 self.task.validation,
                 manifest,
-                timeout=max(60.0, self.host.policy.recovery_seconds),
+                timeout=self.task.validation_timeout,
             )
         evidence = DoneEvidence(
             terminal=terminal,

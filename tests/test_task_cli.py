@@ -220,6 +220,30 @@ async def test_o13_a_task_that_fails_exits_non_zero_with_its_code(tmp_path: Path
     )
 
 
+async def test_o13_a_validation_past_its_timeout_is_killed_and_keeps_the_task_from_done(
+    tmp_path: Path,
+) -> None:
+    """``--validate`` with ``--validation-timeout``: the command is killed at its bound, its
+    receipt says so and has not passed, so the task ends held (LK4), not done."""
+    worktree = make_worktree(tmp_path)
+    slow = f"{sys.executable} -c 'import time; time.sleep(120)'"
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([done(), say()]) as (_model, url):
+            config = str(write_config(tmp_path, url))
+            ran = await cli(
+                tmp_path,
+                *run_task(worktree, "tv", "--config", config),
+                "--validate", slow, "--validation-timeout", "0.5",
+            )  # fmt: skip
+    assert ran.returncode == EXIT_FAILED, err(ran)
+    assert err(ran).splitlines()[-1].startswith("pi-runtime: task_not_done: task tv ended held")
+    shown = json.loads(out(await cli(tmp_path, "task", "show", "tv", "--json")))
+    validation = shown["task"]["ended"]["validation"]
+    assert validation["exit_status"] < 0  # killed: a signal, never a pass
+    assert "timed out after 0.5s" in validation["output_tail"]
+    assert validation["duration_ms"] < 60_000
+
+
 async def test_o13_a_standalone_task_run_answers_replies_on_its_admin_socket(
     tmp_path: Path,
 ) -> None:

@@ -18,7 +18,13 @@ from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode
-from runtime._records import ContinuationSent, EpochStarted, LifecycleReceipt, OutboxAction
+from runtime._records import (
+    ContinuationSent,
+    EpochStarted,
+    LifecycleReceipt,
+    OutboxAction,
+    TaskSubmitted,
+)
 from runtime._task_state import TaskError, TaskSpec, read_lane, submitted_record
 from runtime._watchdog import WatchdogPolicy
 
@@ -380,6 +386,21 @@ async def test_lk4_a_passing_validation_is_part_of_done(
         assert ended.validation["manifest_digest"] == ended.manifest_digest
 
 
+async def test_tl1_the_validation_timeout_is_part_of_the_task(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The validation's bound is the submitter's (default 600 s), recorded with the task; the
+    same id with another bound is another task."""
+    async with open_rig(tmp_path, clocks, [wait(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=("true",), validation_timeout=42.5))
+        (submitted,) = [r for r in await rig.records() if isinstance(r, TaskSubmitted)]
+        assert submitted.validation_timeout == 42.5
+        with pytest.raises(TaskError) as conflict:
+            await rig.runner.submit(rig.spec(validation=("true",), validation_timeout=60))
+        assert conflict.value.code == ReasonCode.TASK_CONFLICT
+        assert rig.spec().validation_timeout == 600.0
+
+
 async def test_tl1_submission_is_idempotent_and_refuses_bad_input(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -401,6 +422,9 @@ async def test_tl1_submission_is_idempotent_and_refuses_bad_input(
              "task_invalid"),
             ({"task_id": "t6", "prompt": "p", "worktree": str(rig.worktree),
               "grants": ["rm_rf"]}, "task_invalid"),
+            *(({"task_id": "t7", "prompt": "p", "worktree": str(rig.worktree),
+                "validation_timeout": seconds}, "task_invalid")
+              for seconds in (0, -1.0, float("inf"), float("nan"), 86_401)),
         ]  # fmt: skip
         for spec, code in bad:
             with pytest.raises(TaskError) as refused:
