@@ -719,6 +719,9 @@ def _task_lines(view: dict[str, Any], production: dict[str, Any] | None) -> list
         ("telemetry", ", ".join(f"{k} {v}" for k, v in (view.get("telemetry") or {}).items())
          or "none"),
     ]  # fmt: skip
+    costs = view.get("costs")
+    if costs:
+        rows.append(("costs", _costs_text(costs)))
     if ended:
         text = str(ended.get("state"))
         if ended.get("code"):
@@ -830,6 +833,19 @@ def _task_control(args: argparse.Namespace) -> int:
         f"{_short_class(view.get('classification'))}"
     )
     return EXIT_OK
+
+
+def _costs_text(costs: dict[str, Any]) -> str:
+    """``task: 2 answers, 310+95 tokens; continuation: …; 0 requests without answer``."""
+    parts = []
+    for bucket in ("task", "continuation"):
+        c = costs.get(bucket) or {}
+        parts.append(
+            f"{bucket}: {c.get('answers', 0)} answers, "
+            f"{c.get('prompt_tokens', 0)}+{c.get('completion_tokens', 0)} tokens"
+        )
+    parts.append(f"{costs.get('requests_without_answer', 0)} requests without answer")
+    return "; ".join(parts)
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:

@@ -333,6 +333,9 @@ class TaskEnded(_Record, tag="task_ended", frozen=True, kw_only=True):
     candidate: dict[str, Any] | None = None
     validation: dict[str, Any] | None = None
     ended_ms: int = 0
+    costs: dict[str, Any] | None = None
+    """The task's model answers and tokens, the original work and its continuations apart
+    (:func:`runtime._task_state.inference_costs`)."""
 
 
 Record = (

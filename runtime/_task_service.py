@@ -48,7 +48,14 @@ from ._receipts import ReceiptStore
 from ._records import LogKind, TaskEnded, TaskSubmitted
 from ._store import Store, lane_key, runtime_dir
 from ._task_runner import TaskEvent, TaskRunner, open_task_runner
-from ._task_state import DEFAULT_TASK_GRANTS, TaskError, TaskSpec, TaskView, read_lane
+from ._task_state import (
+    DEFAULT_TASK_GRANTS,
+    TaskError,
+    TaskSpec,
+    TaskView,
+    inference_costs,
+    read_lane,
+)
 from ._task_workers import ProcessWorkers
 from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
 
@@ -605,4 +612,5 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
         timescale=policy.timescale,
         telemetry={},
         ended=msgspec.to_builtins(ended) if ended is not None else None,
+        costs=inference_costs(records),
     )

@@ -10,6 +10,7 @@ reads a log no server runs on with the same function. The invariants (LKâ€¦, WDâ
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -29,6 +30,8 @@ from ._records import (
     EpochFenced,
     EpochStarted,
     LifecycleReceipt,
+    ModelRequestIntent,
+    ModelResponse,
     OutboxAction,
     Record,
     TaskEnded,
@@ -50,6 +53,7 @@ __all__ = [
     "check_spec",
     "continuation_marker",
     "continuation_prompt",
+    "inference_costs",
     "read_lane",
     "route_snapshot",
     "submitted_record",
@@ -136,6 +140,9 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     timescale: float
     telemetry: dict[str, Any]
     ended: dict[str, Any] | None = None
+    costs: dict[str, Any] | None = None
+    """Model answers and tokens, the task's own and its continuations' apart
+    (:func:`inference_costs`): from the log (``task show`` offline, an ended task)."""
 
 
 @dataclass
@@ -271,3 +278,59 @@ def submitted_record(spec: TaskSpec, *, route: ModelRoute, now_ms: int) -> TaskS
         validation_timeout=spec.validation_timeout,
         submitted_ms=now_ms,
     )
+
+
+def inference_costs(records: Iterable[Record]) -> dict[str, Any]:
+    """What the task's model answers cost, from its log (domain isolation, seed group 11): the
+    original work (the task and the user's replies) and the continuations (every answer after
+    a continuation or completion prompt until the next reply) apart. Each bucket counts the
+    complete upstream answers (``model_response``: journal replays are not asked again, so
+    never counted twice) and their reported tokens. ``requests_without_answer`` counts
+    upstream requests recorded with no complete answer before the same step was asked again
+    or the log ended (cut, failed, or lost in a crash): possibly paid, possibly twice. Pure;
+    attribution follows the log's order."""
+    buckets = {"task": _zero_cost(), "continuation": _zero_cost()}
+    bucket = "task"
+    asked: set[int] = set()
+    without = 0
+    for record in records:
+        if isinstance(record, ContinuationSent):
+            bucket = "continuation"
+        elif isinstance(record, TaskReply):
+            bucket = "task"
+        elif isinstance(record, ModelRequestIntent):
+            if record.step in asked:
+                without += 1  # asked again: the earlier request got no complete answer
+            asked.add(record.step)
+        elif isinstance(record, ModelResponse):
+            asked.discard(record.step)
+            cost = buckets[bucket]
+            cost["answers"] += 1
+            prompt, completion = _reported_tokens(record.chunks)
+            cost["prompt_tokens"] += prompt
+            cost["completion_tokens"] += completion
+    return {**buckets, "requests_without_answer": without + len(asked)}
+
+
+def _zero_cost() -> dict[str, int]:
+    return {"answers": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+
+def _reported_tokens(chunks: Iterable[str]) -> tuple[int, int]:
+    """The tokens an OpenAI-style stream reports (its last ``usage``); (0, 0) if none."""
+    prompt = completion = 0
+    for chunk in chunks:
+        if '"usage"' not in chunk:
+            continue
+        try:
+            usage = json.loads(chunk).get("usage")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(usage, dict):
+            prompt = _count(usage.get("prompt_tokens"))
+            completion = _count(usage.get("completion_tokens"))
+    return prompt, completion
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

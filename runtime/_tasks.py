@@ -65,6 +65,7 @@ from ._task_state import (
     TaskView,
     continuation_marker,
     continuation_prompt,
+    inference_costs,
     read_lane,
     route_snapshot,
 )
@@ -262,6 +263,7 @@ class TaskLane:
             timescale=self.host.policy.timescale,
             telemetry=self.telemetry.as_dict(wd),
             ended=msgspec.to_builtins(self.ended) if self.ended else None,
+            costs=self.ended.costs if self.ended else None,
         )
 
     def _next_action(self) -> str:
@@ -758,7 +760,9 @@ class TaskLane:
         terminal = self.kernel.terminal
         if not detail and terminal is not None:
             detail = terminal.detail
+        log = await self.host.store.read(self.log.rel)  # every record, ours and the gateway's
         self.ended = TaskEnded(
+            costs=inference_costs(log.records),
             state=state,
             code=code,
             detail=detail,

@@ -251,6 +251,12 @@ async def test_a_wedged_worker_is_fenced_and_resumed_without_a_crash(tmp_path: P
     assert [len(actions(found, k)) for k in ("eligibility", "reserve", "fence", "reap")] == [1] * 4
     assert outcome(facts)["view"]["budget"]["epochs_used"] == 1
     assert model.request_count == 2
+    # domain isolation: both answers came after the continuation, counted apart, once each
+    costs = outcome(facts)["ended"]["costs"]
+    assert costs["task"]["answers"] == 0
+    assert costs["continuation"]["answers"] == 2
+    assert costs["continuation"]["completion_tokens"] > 0
+    assert costs["requests_without_answer"] == 0
 
 
 FENCE_STEPS: Final = [

@@ -7,6 +7,7 @@ sleeps on the real clock. The numbered invariants (WD…, LK…, TL…) are in
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,20 @@ from runtime._records import (
     ContinuationSent,
     EpochStarted,
     LifecycleReceipt,
+    ModelRequestIntent,
+    ModelResponse,
     OutboxAction,
+    Record,
+    TaskReply,
     TaskSubmitted,
 )
-from runtime._task_state import TaskError, TaskSpec, read_lane, submitted_record
+from runtime._task_state import (
+    TaskError,
+    TaskSpec,
+    inference_costs,
+    read_lane,
+    submitted_record,
+)
 from runtime._watchdog import WatchdogPolicy
 
 from .task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
@@ -314,6 +325,37 @@ async def test_wd11_read_lane_keeps_the_open_recovery_and_its_charges() -> None:
     state = read_lane(submitted, [reserve(1, 1_000), charge(1, 30.0), charge(2, 12.5)], policy)
     assert (state.recovery_started_ms, state.recoveries) == (None, 2)
     assert state.budget.used_seconds == 42.5
+
+
+async def test_tl10_inference_costs_keep_the_task_and_its_continuations_apart() -> None:
+    """Domain isolation: answers after a continuation prompt are the continuation's until the
+    user's next reply; a step asked again without an answer, or never answered, is counted
+    as a request without answer (possibly paid); replays write no response, never counted."""
+
+    def usage(prompt: int, completion: int) -> str:
+        return json.dumps({"choices": [], "usage": {"prompt_tokens": prompt,
+                                                    "completion_tokens": completion}})  # fmt: skip
+
+    def ask(step: int) -> ModelRequestIntent:
+        return ModelRequestIntent(step=step, request_digest=f"d{step}", epoch=1)
+
+    def answer(step: int, *chunks: str) -> ModelResponse:
+        return ModelResponse(step=step, request_digest=f"d{step}", chunks=list(chunks), epoch=1)
+
+    marker = ContinuationSent(epoch=1, action_id="c1", marker="m", prompt_version=1)
+    records: list[Record] = [
+        ask(0), answer(0, '{"choices": []}', usage(10, 5)),
+        marker,
+        ask(1), ask(1), answer(1, usage(20, 7)),
+        TaskReply(correlation="w", text="yes"),
+        ask(2), answer(2, "not json", '{"choices": []}'),
+        ask(3),
+    ]  # fmt: skip
+    assert inference_costs(records) == {
+        "task": {"answers": 2, "prompt_tokens": 10, "completion_tokens": 5},
+        "continuation": {"answers": 1, "prompt_tokens": 20, "completion_tokens": 7},
+        "requests_without_answer": 2,
+    }
 
 
 async def test_wd4_an_operator_resume_of_a_held_task_fences_and_resumes_once(
