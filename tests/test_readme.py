@@ -45,31 +45,10 @@ def test_readme_example_test_passes(tmp_path: Path) -> None:
     assert "1 passed" in result.stdout
 
 
-def test_readme_embedding_example_runs(tmp_path: Path) -> None:
-    """L1/L5 as a newcomer sees them: the embedding example admits a message and prints its
-    durable, acknowledged result."""
-    example = tmp_path / "embed.py"
-    example.write_text(_examples()["embed.py"])
-    result = subprocess.run(
-        [sys.executable, str(example)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0] == "started"
-    assert lines[1].startswith("1 reply ")
-
-
-def test_readme_task_example_runs(tmp_path: Path) -> None:
-    """Task lanes through the library API, as a newcomer pastes them: the example submits a
-    task on the embedded defaults, sees it held (the scripted model never calls a lifecycle
-    tool), aborts it and prints the durable end; the README says what it prints."""
-    example = tmp_path / "task_example.py"
-    example.write_text(_examples()["task_example.py"])
+def _run_example(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
+    """Run the README's example ``name`` as a script, as written; it must exit 0."""
+    example = tmp_path / name
+    example.write_text(_examples()[name])
     result = subprocess.run(
         [sys.executable, str(example)],
         cwd=tmp_path,
@@ -79,6 +58,23 @@ def test_readme_task_example_runs(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_readme_embedding_example_runs(tmp_path: Path) -> None:
+    """L1/L5 as a newcomer sees them: the embedding example admits a message and prints its
+    durable, acknowledged result."""
+    result = _run_example(tmp_path, "embed.py")
+    lines = result.stdout.splitlines()
+    assert lines[0] == "started"
+    assert lines[1].startswith("1 reply ")
+
+
+def test_readme_task_example_runs(tmp_path: Path) -> None:
+    """Task lanes through the library API, as a newcomer pastes them: the example submits a
+    task on the embedded defaults, sees it held (the scripted model never calls a lifecycle
+    tool), aborts it and prints the durable end; the README says what it prints."""
+    result = _run_example(tmp_path, "task_example.py")
     lines = result.stdout.splitlines()
     assert lines == [
         "submitted t-1 new",
