@@ -39,7 +39,7 @@ from ._admission import (
     settings_fingerprint,
 )
 from ._clock import Clocks
-from ._config import RoomWorkerConfig, validate_config
+from ._config import ModelConfig, RoomWorkerConfig, validate_config
 from ._errors import DeliveryError, JournalError, ReasonCode
 from ._events import RoomEvent
 from ._fs import FileSystem
@@ -481,7 +481,25 @@ class RoomWorker:
                 await kill_epoch_leftovers(record)
 
 
-def _program(config: RoomWorkerConfig) -> WorkerProgram:
+async def start_model(model: ModelConfig, nursery: trio.Nursery) -> tuple[str, ModelRoute]:
+    """The upstream base URL and the frozen route of ``model``; without ``base_url``, Fake-Pi's
+    plain scripted model is served in ``nursery`` (offline, no credentials)."""
+    base_url = model.base_url
+    if base_url is None:
+        from fake_pi.model_server import ScriptedModel, serve_model
+
+        server = await nursery.start(serve_model, ScriptedModel())
+        base_url = f"{server.url}/v1"
+    route = ModelRoute(
+        provider=model.provider,
+        model=model.model,
+        context_window=model.context_window,
+        max_tokens=model.max_tokens,
+    )
+    return base_url, route
+
+
+def worker_program(config: RoomWorkerConfig) -> WorkerProgram:
     if config.agent == "fake":
         return WorkerProgram.fake_pi()
     install = find_pi(Path(config.pi_home) if config.pi_home else None)
@@ -543,7 +561,7 @@ async def open_room_worker(
     config = validate_config(config, base=base_dir)
     state_dir = Path(config.state_dir)
     work_root = Path(config.work_root)
-    program = _program(config)
+    program = worker_program(config)
     clocks = clocks or Clocks.system()
     async with (
         open_store(state_dir, clocks=clocks, fs=fs) as store,
@@ -551,18 +569,7 @@ async def open_room_worker(
         trio.open_nursery() as nursery,
     ):
         model = config.model
-        base_url = model.base_url
-        if base_url is None:
-            from fake_pi.model_server import ScriptedModel, serve_model
-
-            server = await nursery.start(serve_model, ScriptedModel())
-            base_url = f"{server.url}/v1"
-        route = ModelRoute(
-            provider=model.provider,
-            model=model.model,
-            context_window=model.context_window,
-            max_tokens=model.max_tokens,
-        )
+        base_url, route = await start_model(model, nursery)
         thresholds = config.thresholds
         upstream = GatewayConfig(
             upstream_url=base_url,

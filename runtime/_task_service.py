@@ -43,9 +43,9 @@ from ._errors import ConfigError, PiRuntimeError, ReasonCode
 from ._fs import OsFileSystem
 from ._gateway import GatewayConfig
 from ._journal import read_log
-from ._launch import ModelRoute, WorkerProgram
 from ._receipts import ReceiptStore
 from ._records import LogKind, TaskEnded, TaskSubmitted
+from ._room_worker import start_model, worker_program
 from ._store import Store, lane_key, runtime_dir
 from ._task_runner import TaskEvent, TaskRunner, open_task_runner
 from ._task_state import (
@@ -426,12 +426,6 @@ def policy_dict(policy: WatchdogPolicy) -> dict[str, Any]:
     }
 
 
-def _program(config: RoomWorkerConfig) -> WorkerProgram:
-    from ._room_worker import _program as program
-
-    return program(config)
-
-
 @contextlib.asynccontextmanager
 async def open_task_service(
     config: RoomWorkerConfig,
@@ -453,7 +447,7 @@ async def open_task_service(
     config = validate_config(config)
     policy = watchdog_policy(config, timescale=timescale)
     production = watchdog_policy(config) if timescale != 1.0 else policy
-    program = _program(config)
+    program = worker_program(config)
     clocks = clocks or store.clocks
     model = config.model
     work_root = Path(config.work_root) / "tasks"
@@ -466,18 +460,7 @@ async def open_task_service(
         say(text if warning is None or "UNSAFE" in text else f"{_marker(policy)} {text}")
 
     async with trio.open_nursery() as nursery:
-        base_url = model.base_url
-        if base_url is None:
-            from fake_pi.model_server import ScriptedModel, serve_model
-
-            server = await nursery.start(serve_model, ScriptedModel())
-            base_url = f"{server.url}/v1"
-        route = ModelRoute(
-            provider=model.provider,
-            model=model.model,
-            context_window=model.context_window,
-            max_tokens=model.max_tokens,
-        )
+        base_url, route = await start_model(model, nursery)
         inactivity = min(policy.hard_seconds.values())
         upstream = GatewayConfig(
             upstream_url=base_url,
