@@ -157,7 +157,8 @@ class Parker:
                 if parked is None:
                     continue
                 lane = self.runner.lanes.get(event.task_id)
-                if lane is not None and (is_parked(lane) or lane.finished.is_set()):
+                ended = event.task_id in self.runner.ended
+                if ended or (lane is not None and (is_parked(lane) or lane.finished.is_set())):
                     del self.waiting[event.task_id]
                     parked.set()
 
@@ -172,12 +173,12 @@ class Parker:
         )
         await self.runner.submit(spec)
         await parked.wait()
-        lane = self.runner.lane(task_id)
-        if not is_parked(lane):  # it ended or failed instead: the bench is wrong, not slow
-            view = lane.view()
+        lane = self.runner.lanes.get(task_id)
+        if lane is None or not is_parked(lane):  # it ended or failed: the bench is wrong
+            view = self.runner.show(task_id)
             raise SystemExit(
                 f"task {task_id} did not park: state {view.state}, {view.classification}, "
-                f"ended {view.ended}, failure {lane.failure!r}"
+                f"ended {view.ended}, failure {lane.failure if lane else None!r}"
             )
         self.latencies.append(time.perf_counter() - start)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from ._task_workers import WorkerFactory
 from ._tasks import TaskHost, TaskLane
 from ._watchdog import WatchdogPolicy
 
-__all__ = ["TaskEvent", "TaskRunner", "open_task_runner"]
+__all__ = ["EndedTask", "TaskEvent", "TaskRunner", "open_task_runner"]
 
 
 class TaskEvent(msgspec.Struct, frozen=True, kw_only=True, tag="task_event"):
@@ -47,6 +48,17 @@ class TaskEvent(msgspec.Struct, frozen=True, kw_only=True, tag="task_event"):
     ended: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EndedTask:
+    """What the runner keeps of a task that has ended: its submission, its last view and its
+    end record (TL9). The lane itself, its kernel, watchdog and journals are let go, so a
+    long-lived runner's memory follows its live tasks, not its history."""
+
+    task: TaskSubmitted
+    view: TaskView
+    ended: TaskEnded
+
+
 class TaskRunner:
     """Task lanes on one store; obtain it from :func:`open_task_runner`."""
 
@@ -54,6 +66,9 @@ class TaskRunner:
         self.host = host
         self._nursery = nursery
         self.lanes: dict[str, TaskLane] = {}
+        """The live lanes (not ended) by task id."""
+        self.ended: dict[str, EndedTask] = {}
+        """The tasks that have ended, by task id."""
         self._listeners: list[trio.MemorySendChannel[TaskEvent]] = []
         self._lock = trio.Lock()
 
@@ -66,7 +81,7 @@ class TaskRunner:
                 raise TaskError(ReasonCode.TASK_INVALID, str(error)) from error
         check_spec(spec)
         async with self._lock:
-            existing = self.lanes.get(spec.task_id)
+            existing = self.lanes.get(spec.task_id) or self.ended.get(spec.task_id)
             if existing is not None:
                 record = submitted_record(spec, route=self.host.route, now_ms=0)
 
@@ -80,7 +95,7 @@ class TaskRunner:
                         ReasonCode.TASK_CONFLICT,
                         f"task {spec.task_id!r} exists with another prompt, worktree or grants",
                     )
-                return existing.view()
+                return self.show(spec.task_id)
             record = submitted_record(
                 spec, route=self.host.route, now_ms=self.host.clocks.wall.time_ms()
             )
@@ -92,16 +107,39 @@ class TaskRunner:
             return lane.view()
 
     def lane(self, task_id: str) -> TaskLane:
+        """The live lane of ``task_id``: ``task_ended`` once it has ended, else
+        ``task_unknown``."""
         lane = self.lanes.get(task_id)
         if lane is None:
+            if task_id in self.ended:
+                raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
             raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r}")
         return lane
 
+    def known(self, task_id: str) -> bool:
+        return task_id in self.lanes or task_id in self.ended
+
+    def task_ids(self) -> list[str]:
+        """Every task of the store, live or ended, sorted."""
+        return sorted({*self.lanes, *self.ended})
+
+    def has_ended(self, task_id: str) -> bool:
+        """The task's end is recorded and its lane has stopped."""
+        if task_id in self.ended:
+            return True
+        lane = self.lane(task_id)
+        return lane.ended is not None and lane.finished.is_set()
+
+    def log_rel(self, task_id: str) -> str:
+        """The task's lane log, relative to the state directory."""
+        return self.host.store.lane_rel(f"task:{task_id}")
+
     def show(self, task_id: str) -> TaskView:
-        return self.lane(task_id).view()
+        ended = self.ended.get(task_id)
+        return ended.view if ended is not None else self.lane(task_id).view()
 
     def tasks(self) -> list[TaskView]:
-        return [lane.view() for lane in self.lanes.values()]
+        return [self.show(task_id) for task_id in self.task_ids()]
 
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> None:
         lane = self._open_lane(task_id)
@@ -136,6 +174,9 @@ class TaskRunner:
 
     async def wait(self, task_id: str) -> TaskEnded:
         """Wait until the task ends; its end record."""
+        ended = self.ended.get(task_id)
+        if ended is not None:
+            return ended.ended
         lane = self.lane(task_id)
         await lane.finished.wait()
         if lane.ended is None:
@@ -146,7 +187,7 @@ class TaskRunner:
         return lane.ended
 
     def _open_lane(self, task_id: str) -> TaskLane:
-        lane = self.lane(task_id)
+        lane = self.lane(task_id)  # task_ended once retired
         if lane.ended is not None:
             raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
         return lane
@@ -201,18 +242,26 @@ class TaskRunner:
                 continue
             log = await self.host.store.open_lane_log(subject)
             lane = TaskLane(self.host, submitted, log)
-            self.lanes[submitted.task_id] = lane
             if any(isinstance(r, TaskEnded) for r in contents.records):
                 await lane._restore()  # its receipts, epochs and end, for the diagnostics
-                lane.finished.set()
                 await self.host.store.close_log(log)
+                self._retire(lane)
                 continue
+            self.lanes[submitted.task_id] = lane
             self._nursery.start_soon(self._run_lane, lane)
+
+    def _retire(self, lane: TaskLane) -> None:
+        """Keep only what an ended task is asked for (its view and end record)."""
+        assert lane.ended is not None
+        self.ended[lane.task_id] = EndedTask(lane.task, lane.view(), lane.ended)
+        self.lanes.pop(lane.task_id, None)
 
     async def _run_lane(self, lane: TaskLane) -> None:
         """Run one lane; a lane that fails stops alone, never the runner (TL11)."""
         try:
             await lane.run()
+            if lane.ended is not None:
+                self._retire(lane)
         except Exception as error:  # a bug or a broken disk in this lane: the others go on
             lane.failure = error
             code = getattr(error, "code", type(error).__name__)

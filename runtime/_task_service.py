@@ -239,7 +239,7 @@ class TaskService:
         """Submit (idempotent by task id): the view, and whether the task was new."""
         if not isinstance(spec, TaskSpec):
             spec = task_spec(spec)
-        new = spec.task_id not in self.runner.lanes
+        new = not self.runner.known(spec.task_id)
         await self.runner.submit(spec)
         return self.show(spec.task_id), new
 
@@ -249,7 +249,7 @@ class TaskService:
 
     def tasks(self) -> list[TaskView]:
         """Every task of the state directory, ended ones too, by id."""
-        return [self.show(task_id) for task_id in sorted(self.runner.lanes)]
+        return self.runner.tasks()
 
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> TaskView:
         """Answer the task's ``task_wait`` (its correlation, default: the open one); refused
@@ -307,7 +307,8 @@ class TaskService:
     async def wait(self, task_id: str, after: int = 0, seconds: float = WAIT_LIMIT) -> bool:
         """Return once the task has an event numbered above ``after`` or has ended, or after
         ``seconds``; whether it has ended."""
-        self.runner.lane(task_id)  # task_unknown
+        if not self.runner.known(task_id):
+            self.runner.show(task_id)  # task_unknown
         with trio.move_on_after(max(0.0, min(seconds, WAIT_LIMIT))):
             while not self._ended(task_id) and self.events_of(task_id, after)[1] <= after:
                 await self._changed.wait()
@@ -315,8 +316,7 @@ class TaskService:
 
     def _ended(self, task_id: str) -> bool:
         """The task has ended and its last event (if it ran here) is in the history."""
-        lane = self.runner.lane(task_id)
-        if lane.ended is None or not lane.finished.is_set():
+        if not self.runner.has_ended(task_id):
             return False
         history = self._history.get(task_id)
         return not history or history[-1].ended is not None

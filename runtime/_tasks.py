@@ -629,8 +629,9 @@ class TaskLane:
         await self._reconcile_marker()
         reserve_id = self._next_continuation_id("reserve")
         if reserve_id not in self.actions:
-            if self.budget.exhausted or self.budget.epochs_left <= 0:
-                self.watchdog.feed(Hold("budget_exhausted:epochs"))
+            if self.budget.exhausted:  # the hold names what ran out (WD11)
+                spent = "epochs" if self.budget.epochs_left <= 0 else "recovery_seconds"
+                self.watchdog.feed(Hold(f"budget_exhausted:{spent}"))
                 self.changed()
                 return
             await self.reserve()

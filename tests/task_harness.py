@@ -112,8 +112,7 @@ class Rig:
         return seen
 
     async def records(self, task_id: str = TASK) -> list[Record]:
-        lane = self.runner.lane(task_id)
-        contents = await self.store.read(lane.log.rel)
+        contents = await self.store.read(self.runner.log_rel(task_id))
         return list(contents.records)
 
     def effects(self) -> list[str]:

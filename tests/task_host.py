@@ -219,6 +219,10 @@ async def follow(runner: TaskRunner, spec: Mapping[str, Any], changes: Changes) 
     """Until the task ends or is held (after the one ``on_hold`` grant, if any)."""
     task_id = spec["task"]["task_id"]
     grant = spec.get("on_hold")
+    if task_id in runner.ended:  # it had ended before this host started
+        ended = runner.ended[task_id].ended
+        emit({"ended": msgspec.to_builtins(ended), "view": view_of(runner, task_id)})
+        return
     lane = runner.lane(task_id)
     granted = False
     while True:
@@ -294,7 +298,7 @@ async def main(spec: dict[str, Any]) -> None:
                     changes.pulse()
 
             nursery.start_soon(report)
-            if task["task_id"] not in runner.lanes:
+            if not runner.known(task["task_id"]):
                 await runner.submit(
                     TaskSpec(
                         task_id=task["task_id"],

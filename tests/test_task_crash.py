@@ -461,7 +461,10 @@ async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charg
     after its continuation was recorded, every epoch wedged) use the three replacement
     epochs; the fourth host holds the task ``budget_exhausted`` (a restart refunds
     nothing), and so does the fifth; an operator grant of one epoch (audited) and a resume let
-    it continue, charged once, to an explicit done."""
+    it continue, charged once, to an explicit done. The recovery that ran across the four
+    hosts (no progress since the first reserve) is charged when the hold ends it, never
+    reset by a restart; the grant adds seconds too, since under load those hosts may take
+    longer than the scaled 6 s."""
     behaviours = {n: HANG for n in (1, 2, 3, 4)}
     async with crash_rig(tmp_path, STEPS) as (model, url, workers):
         spec = task_spec(url, behaviours=behaviours)
@@ -472,13 +475,18 @@ async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charg
         facts += held
         assert "held" in outcome(held), held
         assert model.request_count == 0
-        facts += await recover(tmp_path, {**spec, "on_hold": {"epochs": 1}}, "f")
+        facts += await recover(tmp_path, {**spec, "on_hold": {"epochs": 1, "seconds": 60}}, "f")
     view = outcome(held)["held"]
     assert view["hold_reason"] == "budget_exhausted:epochs"
     assert (view["budget"]["epochs_used"], view["budget"]["epochs_left"]) == (3, 0)
     (granted,) = [f["granted"] for f in facts if "granted" in f]
     assert granted["budget"]["granted_epochs"] == 1
     assert granted["budget"]["epochs_used"] == 3
+    # the recovery open since the first reserve, ended by the hold: charged across the hosts
+    (first_reserve, *_) = actions(records(tmp_path), "reserve")
+    (across, *_) = actions(records(tmp_path), "recovery_time")
+    assert across.detail["from_ms"] == first_reserve.detail["at_ms"]
+    assert granted["budget"]["seconds_used"] >= across.detail["seconds"] > 0
     assert outcome(facts)["ended"]["state"] == "done", facts
     found = check_common(tmp_path, facts, workers)
     assert [r.epoch for r in found if isinstance(r, EpochStarted)] == [1, 2, 3, 4, 5]

@@ -170,7 +170,12 @@ class FenceRig:
 
     @property
     def lane(self) -> TaskLane:
+        """The task's live lane (``task_ended`` once it has ended)."""
         return self.runner.lane(TASK)
+
+    @property
+    def session(self) -> Path:
+        return self.store.root / self.runner.show(TASK).session_path
 
     def spec(self, prompt: str = "do the task", grants: Sequence[str] = ("read",)) -> TaskSpec:
         return TaskSpec(
@@ -185,7 +190,7 @@ class FenceRig:
         return seen
 
     async def records(self) -> list[Record]:
-        contents = await self.store.read(self.lane.log.rel)
+        contents = await self.store.read(self.runner.log_rel(TASK))
         return list(contents.records)
 
     def epoch(self, number: int) -> EpochStarted:
@@ -274,17 +279,17 @@ async def until_ended(rig: FenceRig) -> TaskEnded:
     held_before = rig.runner.show(TASK).hold_reason
     await rig.until(
         lambda: (
-            rig.lane.ended is not None
+            rig.runner.has_ended(TASK)
             or rig.runner.show(TASK).hold_reason not in (None, held_before)
         )
     )
     view = rig.runner.show(TASK)
-    assert rig.lane.ended is not None, f"held: {view.hold_reason}; {view.classification}"
+    assert rig.runner.has_ended(TASK), f"held: {view.hold_reason}; {view.classification}"
     return await rig.runner.wait(TASK)
 
 
-async def session_id(lane: TaskLane) -> str:
-    return (await aread_session(lane.session)).session.id
+async def session_id(session: Path) -> str:
+    return (await aread_session(session)).session.id
 
 
 async def assert_fenced_and_resumed_once(rig: FenceRig, first_session_id: str) -> None:
@@ -302,12 +307,11 @@ async def assert_fenced_and_resumed_once(rig: FenceRig, first_session_id: str) -
     assert [r.reason for r in records if isinstance(r, EpochFenced)] == ["fence", "terminal"]
     (sent,) = [r for r in records if isinstance(r, ContinuationSent)]
     assert sent.epoch == 2
-    data = await trio.Path(rig.lane.session).read_bytes()
+    data = await trio.Path(rig.session).read_bytes()
     assert data.count(json.dumps(sent.marker)[1:-1].encode()) == 1
     assert sent.marker == marker_of(sent.action_id)
-    assert await session_id(rig.lane) == first_session_id
-    assert rig.lane.attestation is not None
-    assert rig.lane.attestation.session_id == first_session_id
+    assert await session_id(rig.session) == first_session_id
+    assert rig.runner.show(TASK).session_id == first_session_id  # the attested session
     started = [r for r in records if isinstance(r, EpochStarted)]
     assert [r.epoch for r in started] == [1, 2]
     assert started[0].nonce != started[1].nonce
@@ -316,7 +320,7 @@ async def assert_fenced_and_resumed_once(rig: FenceRig, first_session_id: str) -
     for request in rig.model.requests:  # every epoch worked in the same worktree
         assert str(rig.worktree) in json.dumps(request.body["messages"][0])
     view = rig.runner.show(TASK)
-    assert view.session_path == rig.lane.task.session_path
+    assert view.session_path == rig.runner.ended[TASK].task.session_path
     assert view.worktree == str(rig.worktree)
     assert view.budget["epochs_used"] == 1
     assert classifications_prefix(rig) == FENCED_PATH
@@ -355,7 +359,7 @@ async def test_a_wedged_fake_pi_subprocess_is_fenced_and_resumed_in_the_same_ses
             first = rig.epoch(1)
             assert os.readlink(f"/proc/{first.pid}/cwd") == str(rig.worktree)
             assert rig.model.request_count == 0  # wedged before asking
-            first_session = await session_id(rig.lane)
+            first_session = await session_id(rig.session)
             await rig.until_classification("Resuming")
             assert tree_gone(first)  # stopped, killed and reaped before the resume
             assert rig.workers.reports[1].clean
@@ -376,7 +380,7 @@ async def test_a_worker_waiting_on_a_silent_model_is_fenced_and_resumed(
             await rig.until_model_requests(1)
             await rig.until_classification("Suspect")
             first = rig.epoch(1)
-            first_session = await session_id(rig.lane)
+            first_session = await session_id(rig.session)
             await rig.until_classification("Resuming")
             assert tree_gone(first)
             await assert_fenced_and_resumed_once(rig, first_session)
@@ -409,7 +413,7 @@ async def test_a_worker_that_ignores_sigterm_is_killed_after_the_bound_with_its_
             sleep_pid = int(sleeper.read_text())
             assert sleep_pid in alive_with_nonce(first.nonce)  # a live descendant of epoch 1
             assert first.pid in alive_with_nonce(first.nonce)
-            first_session = await session_id(rig.lane)
+            first_session = await session_id(rig.session)
             await rig.until_classification("Resuming")
             report = rig.workers.reports[1]
             assert not report.graceful  # TERM was ignored: the tree was KILLed after the bound
@@ -434,7 +438,7 @@ async def test_a_stopped_worker_is_held_then_the_operators_resume_kills_it(
             await rig.until_model_requests(1)
             first = rig.epoch(1)
             os.kill(first.pid, signal.SIGSTOP)
-            first_session = await session_id(rig.lane)
+            first_session = await session_id(rig.session)
             await rig.until(lambda: rig.runner.show(TASK).hold_reason is not None)
             view = rig.runner.show(TASK)
             assert view.classification == "StalledOperatorRequired"
@@ -460,7 +464,7 @@ async def test_a_stopped_worker_is_held_then_the_operators_resume_kills_it(
                 "terminal",
             ]
             assert len([r for r in records if isinstance(r, ContinuationSent)]) == 1
-            assert await session_id(rig.lane) == first_session
+            assert await session_id(rig.session) == first_session
             assert tree_gone(rig.epoch(2))
 
 
@@ -546,8 +550,7 @@ async def test_two_lanes_on_one_runner_each_have_their_own_gate(tmp_path: Path) 
             for task_id in tasks:
                 ended = await rig.runner.wait(task_id)
                 assert ended.state == "done", (task_id, ended)
-                lane = rig.runner.lane(task_id)
-                records = (await rig.store.read(lane.log.rel)).records
+                records = (await rig.store.read(rig.runner.log_rel(task_id))).records
                 receipts = [r for r in records if isinstance(r, LifecycleReceipt)]
                 assert [(r.kind, r.accepted, r.epoch) for r in receipts] == [("done", True, 1)]
                 assert not any(isinstance(r, ContinuationSent) for r in records)

@@ -7,6 +7,7 @@ sleeps on the real clock. The numbered invariants (WD…, LK…, TL…) are in
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -37,6 +38,7 @@ from runtime._task_state import (
     read_lane,
     submitted_record,
 )
+from runtime._tasks import TaskLane
 from runtime._watchdog import WatchdogPolicy
 
 from .task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
@@ -441,6 +443,31 @@ async def test_tl1_the_validation_timeout_is_part_of_the_task(
             await rig.runner.submit(rig.spec(validation=("true",), validation_timeout=60))
         assert conflict.value.code == ReasonCode.TASK_CONFLICT
         assert rig.spec().validation_timeout == 600.0
+
+
+async def test_tl9_an_ended_task_keeps_only_its_view_and_its_end(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """A long-lived runner lets an ended task's lane go (its kernel, watchdog, journals):
+    show, tasks, wait, a duplicate submit and a refused control are answered from its last
+    view and its end record."""
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        await rig.until(lambda: TASK not in rig.runner.lanes)
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, TaskLane)]
+        assert rig.runner.ended[TASK].ended == ended
+        assert rig.runner.show(TASK).state == "done"
+        assert [view.task_id for view in rig.runner.tasks()] == [TASK]
+        assert await rig.runner.wait(TASK) == ended
+        assert (await rig.runner.submit(rig.spec())).state == "done"
+        with pytest.raises(TaskError) as late:
+            await rig.runner.abort(TASK)
+        assert late.value.code == ReasonCode.TASK_ENDED
+        with pytest.raises(TaskError) as conflict:
+            await rig.runner.submit(rig.spec(prompt="another task"))
+        assert conflict.value.code == ReasonCode.TASK_CONFLICT
 
 
 async def test_tl1_submission_is_idempotent_and_refuses_bad_input(
