@@ -598,13 +598,13 @@ class TaskLane:
         """The id of the next continuation's action ``kind``: a reserve already recorded
         whose continuation was never sent is that continuation's (TL6)."""
         number = self.continuations
-        reserve = f"{self._prefix()}/c{number}/reserve"
-        if number and reserve in self.actions and not self._continuation_sent(number):
-            return f"{self._prefix()}/c{number}/{kind}"
-        return f"{self._prefix()}/c{number + 1}/{kind}"
+        reserved = self._continuation_id(number, "reserve") in self.actions
+        if number and reserved and not self._continuation_sent(number):
+            return self._continuation_id(number, kind)
+        return self._continuation_id(number + 1, kind)
 
     def _continuation_sent(self, number: int) -> bool:
-        return f"{self._prefix()}/c{number}/prompt" in self.markers
+        return self._continuation_id(number, "prompt") in self.markers
 
     def unsettled_effects(self) -> list[ToolIntent]:
         """Worker tools let run whose outcome is not recorded and that may not simply run
@@ -650,14 +650,14 @@ class TaskLane:
             return
         self.attestation = attest(read.session) if read.session.leaf is not None else None
         await self.record_action(
-            f"{self._prefix()}/c{number}/attest",
+            self._continuation_id(number, "attest"),
             "attest",
             "done",
             msgspec.to_builtins(self.attestation) if self.attestation else {},
         )
         self._recovery_started_ms = self._recovery_started_ms or self.host.clocks.wall.time_ms()
         self.watchdog.feed(Relaunched(*self.readings()))
-        action_id = f"{self._prefix()}/c{number}/prompt"
+        action_id = self._continuation_id(number, "prompt")
         self._next = ("continuation", continuation_prompt(action_id, observed), action_id)
         self.changed()
 
@@ -676,9 +676,9 @@ class TaskLane:
         it is gone, so the next replacement gets a continuation of its own rather than waiting
         on an answer that will never come."""
         number = self.continuations
-        action_id = f"{self._prefix()}/c{number}/prompt"
-        delivered = number > 0 and action_id not in self.markers
-        if delivered and await marker_in_session(self.session, action_id):
+        action_id = self._continuation_id(number, "prompt")
+        unrecorded = number > 0 and not self._continuation_sent(number)
+        if unrecorded and await marker_in_session(self.session, action_id):
             await self.record_marker(action_id)
 
     async def record_marker(self, action_id: str) -> None:
@@ -841,7 +841,12 @@ class TaskLane:
         return f"{self.task_id}/g{self.task.generation}/a{self.task.attempt}"
 
     def epoch_action_id(self, kind: str) -> str:
+        """The id of this epoch's action ``kind`` (TL6)."""
         return f"{self._prefix()}/e{self.epochs}/{kind}"
+
+    def _continuation_id(self, number: int, kind: str) -> str:
+        """The id of continuation ``number``'s action ``kind`` (TL6)."""
+        return f"{self._prefix()}/c{number}/{kind}"
 
     def now(self) -> float:
         return self.host.clocks.silence.read().boottime
