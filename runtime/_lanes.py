@@ -36,7 +36,7 @@ import trio
 
 from ._boundary import Boundaries, BoundaryConfig, open_boundaries
 from ._clock import Clocks
-from ._errors import JournalError, ReasonCode, WorkerError
+from ._errors import JournalError, ReasonCode, SessionError, WorkerError
 from ._events import RoomEvent, TextUpdate, ToolActivity, Typing
 from ._gate import GateCall, GateResult
 from ._gateway import GatewayConfig
@@ -598,9 +598,15 @@ class Lane:
         """Point the session back at the admission leaf (the worker is proven dead): a
         ``custom`` entry under that leaf, which Pi keeps and never sends to the model, so the
         replayed requests are byte-identical to the first ones. False when the session no
-        longer holds that leaf (its history is missing: ``recovery_refused:session``)."""
-        await atruncate_torn_tail(session)
-        read = await aread_session(session)
+        longer holds that leaf (its history is missing: ``recovery_refused:session``), and
+        when it can no longer be read as a session at all: a removed file that the crashed
+        host's orphaned worker appended to before it was killed has no header (seen with the
+        real Pi, which re-creates the file with its next append)."""
+        try:
+            await atruncate_torn_tail(session)
+            read = await aread_session(session)
+        except (SessionError, FileNotFoundError):
+            return False
         leaf = read.session.leaf
         if started.session_leaf is None or (leaf is not None and leaf.id == started.session_leaf):
             return True

@@ -17,8 +17,13 @@ child and not registered as waited for by someone else (Trio): never
 ``waitpid(-1)``, which would steal exit statuses Trio waits for.
 
 Error handling: reading ``/proc`` races with processes exiting; a process that
-vanished is simply not a member any more. :func:`kill_tree` never raises for a
-process it could not kill; it reports it as a survivor.
+vanished is simply not a member any more. It also races with ``execve``: between
+the exec's point of no return and the kernel publishing the new image, a live
+process's ``cmdline`` and ``environ`` both read empty (seen in about one read of
+three right after a launch). Such a process is *undecided*, never "not a member":
+:func:`scan_tree` reads again until it is decided or its bound runs out.
+:func:`kill_tree` never raises for a process it could not kill; it reports it as
+a survivor.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ __all__ = [
     "KillReport",
     "ProcInfo",
     "TreeProof",
+    "TreeScan",
     "carries_nonce",
     "cgroup2_mount",
     "cgroup_member",
     "cgroup_pids",
     "create_cgroup",
+    "exec_pending",
     "find_members",
     "has_nonce",
     "is_alive_pid",
@@ -63,7 +70,9 @@ __all__ = [
     "read_environ",
     "reap_proven",
     "remove_cgroup",
+    "scan_tree",
     "set_child_subreaper",
+    "settled_environ",
     "subreaper_supported",
     "trio_managed",
     "valid_nonce",
@@ -77,6 +86,11 @@ _NONCE: Final = re.compile(r"[0-9a-f]{32}")
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PR_GET_CHILD_SUBREAPER: Final = 37
 _GONE: Final = (b"Z", b"X")
+_PF_KTHREAD: Final = 0x00200000
+"""``/proc/<pid>/stat`` flags bit of a kernel thread (no user memory: nothing to read)."""
+_EXEC_SETTLE: Final = 0.001
+"""How long to wait before reading an undecided (mid-exec) process again: an exec takes
+microseconds to a few milliseconds to publish its new image, and the kernel sends no event."""
 
 
 def new_nonce() -> str:
@@ -145,6 +159,52 @@ def read_environ(pid: int) -> bytes | None:
             return f.read()
     except OSError:  # gone, or not ours to read
         return None
+
+
+def exec_pending(pid: int) -> bool:
+    """Whether ``pid`` is a live user process caught inside an ``execve``: its new image's
+    arguments and environment are not published yet, so both read empty. (A kernel thread
+    reads empty too, always; it is never pending.)"""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read(1):
+                return False
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # gone, or not ours to read
+        return False
+    rest = stat[stat.rindex(b")") + 2 :].split()
+    return rest[0] not in _GONE and not int(rest[6]) & _PF_KTHREAD
+
+
+def _decided_environ(pid: int) -> bytes | None:
+    """The environment, ``None`` if unreadable, or ``b""`` only when it is truly empty (or the
+    process is a zombie or kernel thread); raises :class:`_Undecided` while an exec is under
+    way. An empty read followed by a published ``cmdline`` is read again: the exec finished
+    in between, and the kernel publishes both in the same step."""
+    environ = read_environ(pid)
+    if environ != b"":
+        return environ
+    if exec_pending(pid):
+        raise _Undecided(pid)
+    return read_environ(pid)
+
+
+class _Undecided(Exception):
+    """A process inside an exec: its environment cannot be read yet."""
+
+
+async def settled_environ(pid: int, *, bound: float = 1.0) -> bytes | None:
+    """:func:`read_environ`, but never the empty read of a process inside an exec: read again
+    (every millisecond, at most ``bound`` seconds of Trio's clock) until the exec published
+    the new image. After the bound, the empty read is returned."""
+    with trio.move_on_after(bound):
+        while True:
+            try:
+                return _decided_environ(pid)
+            except _Undecided:
+                await trio.sleep(_EXEC_SETTLE)
+    return read_environ(pid)
 
 
 def has_nonce(environ: bytes | None, nonce: str) -> bool:
@@ -368,9 +428,24 @@ class TreeProof:
     cgroup: Path | None = None
 
 
-def find_members(proof: TreeProof, table: dict[int, ProcInfo]) -> dict[int, ProcInfo]:
-    """Every process in ``table`` proven to belong to the tree (zombies included)."""
+@dataclass(frozen=True, slots=True)
+class TreeScan:
+    """One scan of the process table against a :class:`TreeProof`."""
+
+    members: dict[int, ProcInfo]
+    """Every process proven to belong to the tree (zombies included)."""
+    undecided: frozenset[int] = frozenset()
+    """Processes caught inside an exec, whose nonce could not be read: neither proven
+    members nor proven strangers. Never signalled; a later scan decides them."""
+
+    def live(self) -> dict[int, ProcInfo]:
+        return {pid: info for pid, info in self.members.items() if info.alive}
+
+
+def find_members(proof: TreeProof, table: dict[int, ProcInfo]) -> TreeScan:
+    """Scan ``table`` for the members of the tree (see :class:`TreeScan`)."""
     members: dict[int, ProcInfo] = {}
+    undecided: set[int] = set()
     if proof.cgroup is not None:
         for pid in cgroup_pids(proof.cgroup):
             if pid in table:
@@ -381,8 +456,13 @@ def find_members(proof: TreeProof, table: dict[int, ProcInfo]) -> dict[int, Proc
         if info is not None and root.boot_id == this_boot and info.start_time == root.start_time:
             members[root.pid] = info
     for pid, info in table.items():
-        if pid not in members and carries_nonce(pid, proof.nonce):
-            members[pid] = info
+        if pid in members:
+            continue
+        try:
+            if has_nonce(_decided_environ(pid), proof.nonce):
+                members[pid] = info
+        except _Undecided:
+            undecided.add(pid)
     children: dict[int, list[int]] = {}
     for info in table.values():
         children.setdefault(info.ppid, []).append(info.pid)
@@ -392,9 +472,22 @@ def find_members(proof: TreeProof, table: dict[int, ProcInfo]) -> dict[int, Proc
             if child not in members:
                 members[child] = table[child]
                 todo.append(child)
-    for pid in _ancestors(table):
+    mine = _ancestors(table)
+    for pid in mine:
         members.pop(pid, None)
-    return members
+    return TreeScan(members, frozenset(undecided - members.keys() - mine))
+
+
+async def scan_tree(proof: TreeProof, *, bound: float = 1.0) -> TreeScan:
+    """:func:`find_members` over the live process table, scanned again (every millisecond, at
+    most ``bound`` seconds of Trio's clock) while some process is undecided (inside an exec).
+    The last scan is returned; its ``undecided`` is empty unless the bound ran out."""
+    scan = find_members(proof, proc_table())
+    with trio.move_on_after(bound):
+        while scan.undecided:
+            await trio.sleep(_EXEC_SETTLE)
+            scan = find_members(proof, proc_table())
+    return scan
 
 
 # ---------------------------------------------------------------------------------- kill
@@ -410,14 +503,17 @@ class KillReport:
     """Adopted pids this process reaped."""
     survivors: tuple[int, ...] = ()
     """Members still alive when the bound ran out (or that refused the signal)."""
+    undecided: tuple[int, ...] = ()
+    """Processes still inside an exec at the last scan: perhaps members, perhaps not."""
     cgroup_killed: bool = False
     cgroup_removed: bool = True
     """The tree's cgroup (if any) is gone."""
 
     @property
     def clean(self) -> bool:
-        """Nothing of the tree is alive and its cgroup is gone."""
-        return not self.survivors and self.cgroup_removed
+        """Nothing of the tree is alive (proven: no process left undecided) and its cgroup
+        is gone."""
+        return not self.survivors and not self.undecided and self.cgroup_removed
 
 
 def _open_verified(pid: int, start_time: int) -> int | None:
@@ -446,11 +542,11 @@ class _Kill:
     reaped: list[int] = field(default_factory=list)
     refused: set[int] = field(default_factory=set)
 
-    def live_members(self) -> dict[int, ProcInfo]:
-        members = find_members(self.proof, proc_table())
-        for pid, info in members.items():
+    async def scan(self, bound: float) -> TreeScan:
+        scan = await scan_tree(self.proof, bound=bound)
+        for pid, info in scan.members.items():
             self.proven[pid] = info.start_time
-        return {pid: info for pid, info in members.items() if info.alive}
+        return scan
 
     async def round(self, live: dict[int, ProcInfo]) -> bool:
         """Kill one scan's members and wait for them; ``False`` when all refused the signal."""
@@ -480,24 +576,31 @@ class _Kill:
         return any(pid not in self.refused for pid in live)
 
 
+_FINAL_SCAN_BOUND: Final = 1.0
+"""How long the scan that writes the report may wait for a process inside an exec."""
+
+
 async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
     """SIGKILL every member of the tree until none is alive, reap what is ours, remove the cgroup.
 
     With a cgroup, ``cgroup.kill`` goes first (it cannot miss a fork); then scan
     rounds kill every proven member (cgroup, nonce, roots and their descendants)
     and wait for each one's exit on its pidfd, until a scan finds none alive or
-    ``give_up_after`` seconds (Trio's clock) pass. It returns a report either
-    way: a process it could not kill is a survivor, never an exception (an
-    enclosing cancel scope still cancels it like any other call).
+    ``give_up_after`` seconds (Trio's clock) pass. A scan that meets a process
+    inside an exec reads again until it is decided, so "none alive" is proven, not
+    the result of an empty read; the last scan may take up to one more second.
+    It returns a report either way: a process it could not kill is a survivor,
+    never an exception (an enclosing cancel scope still cancels it like any other
+    call).
     """
     state = _Kill(proof)
     cgroup_killed = proof.cgroup is not None and _cgroup_kill(proof.cgroup)
-    live: dict[int, ProcInfo] = {}
     with trio.move_on_after(give_up_after):
-        while live := state.live_members():
+        while live := (await state.scan(give_up_after)).live():
             if not await state.round(live):
                 break
-    live = state.live_members()
+    last = await state.scan(_FINAL_SCAN_BOUND)
+    live = last.live()
     state.reaped += reap_proven(state.proven)
     removed = True
     if proof.cgroup is not None and not live:
@@ -506,6 +609,7 @@ async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
         killed=tuple(sorted(state.killed)),
         reaped=tuple(sorted(state.reaped)),
         survivors=tuple(sorted(live)),
+        undecided=tuple(sorted(last.undecided)),
         cgroup_killed=cgroup_killed,
         cgroup_removed=removed,
     )

@@ -57,7 +57,6 @@ from ._proctree import (
     carries_nonce,
     cgroup2_mount,
     create_cgroup,
-    find_members,
     has_nonce,
     is_child_subreaper,
     kill_tree,
@@ -67,6 +66,7 @@ from ._proctree import (
     read_environ,
     reap_proven,
     remove_cgroup,
+    scan_tree,
     set_child_subreaper,
     trio_managed,
     valid_nonce,
@@ -187,14 +187,14 @@ class Epoch:
         """What proves membership in this epoch's tree (W1, W3)."""
         return TreeProof(nonce=self.nonce, roots=(self.identity,), cgroup=self.cgroup)
 
-    def members(self) -> list[ProcessIdentity]:
-        """The live processes of the tree now, the worker included."""
+    async def members(self) -> list[ProcessIdentity]:
+        """The live processes of the tree now, the worker included (a process caught inside
+        an exec is read again until it is decided, bounded at one second)."""
         here = boot_id()
-        members = find_members(self.proof(), proc_table())
+        scan = await scan_tree(self.proof())
         return [
             ProcessIdentity(pid=pid, start_time=info.start_time, boot_id=here)
-            for pid, info in sorted(members.items())
-            if info.alive
+            for pid, info in sorted(scan.live().items())
         ]
 
     def record(self, epoch: int, *, started_ms: int) -> EpochStarted:

@@ -24,10 +24,25 @@ Fact = dict[str, Any]
 class Host:
     """One run of the host process; its facts read line by line."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: trio.Process, stderr: Path) -> None:
         self.process = process
+        self.stderr = stderr
         self._buffer = b""
         self.facts: list[Fact] = []
+
+    def stderr_tail(self, limit: int = 4000) -> str:
+        """The last ``limit`` characters the host wrote to its stderr file."""
+        try:
+            return self.stderr.read_text(errors="replace")[-limit:]
+        except OSError as error:
+            return f"(no stderr: {error})"
+
+    def explain(self) -> str:
+        """What a failing check saw: the exit status, the facts, the host's stderr tail."""
+        return (
+            f"host {self.stderr.stem}: exit status {self.process.returncode}\n"
+            f"facts: {self.facts}\nstderr tail:\n{self.stderr_tail()}"
+        )
 
     async def next_fact(self) -> Fact | None:
         assert self.process.stdout is not None
@@ -45,12 +60,13 @@ class Host:
         while (fact := await self.next_fact()) is not None:
             if wanted(fact):
                 return fact
-        raise AssertionError(f"the host ended without the fact; saw {self.facts}")
+        await self.process.wait()
+        raise AssertionError(f"the host ended without the fact; {self.explain()}")
 
     async def finish(self) -> list[Fact]:
         while await self.next_fact() is not None:
             pass
-        assert await self.process.wait() == 0, self.facts
+        assert await self.process.wait() == 0, self.explain()
         return self.facts
 
     async def kill(self) -> None:
@@ -66,7 +82,8 @@ async def run_host(
     its stderr goes to ``root/<name>.stderr``. Killed on exit if still running."""
     spec_path = root / f"{name}.json"
     spec_path.write_text(json.dumps({"base": str(root), **spec}))
-    with (root / f"{name}.stderr").open("wb") as stderr:
+    stderr_path = root / f"{name}.stderr"
+    with stderr_path.open("wb") as stderr:
         process = await trio.lowlevel.open_process(
             [sys.executable, str(script), str(spec_path)],
             stdout=subprocess.PIPE,
@@ -75,7 +92,7 @@ async def run_host(
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         try:
-            yield Host(process)
+            yield Host(process, stderr_path)
         finally:
             if process.returncode is None:
                 process.kill()

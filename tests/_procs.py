@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from runtime._proctree import EPOCH_ENV, proc_table, read_environ
+from pathlib import Path
+
+from runtime._proctree import EPOCH_ENV, TreeProof, kill_tree, proc_table, read_environ
 
 
 def alive_with_nonce(nonce: str) -> list[int]:
@@ -13,3 +15,19 @@ def alive_with_nonce(nonce: str) -> list[int]:
         for pid, info in proc_table().items()
         if info.alive and marker in (read_environ(pid) or b"").split(b"\0")
     ]
+
+
+async def kill_orphaned_epochs(root: Path) -> set[str]:
+    """Kill the whole tree of every epoch whose worker runs with its HOME under ``root`` (what
+    a SIGKILLed host left running); return their nonces. For a test that must change a
+    worker's files while no host runs without the orphan changing them too."""
+    prefix, home = f"{EPOCH_ENV}=".encode(), f"HOME={root}".encode()
+    nonces = set()
+    for pid, info in proc_table().items():
+        environ = (read_environ(pid) or b"").split(b"\0") if info.alive else []
+        if any(entry.startswith(home) for entry in environ):
+            nonces |= {e[len(prefix) :].decode() for e in environ if e.startswith(prefix)}
+    for nonce in nonces:
+        report = await kill_tree(TreeProof(nonce=nonce), give_up_after=10.0)
+        assert report.clean, report
+    return nonces

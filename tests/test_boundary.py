@@ -367,7 +367,7 @@ async def test_b6_sigkill_mid_tool_leaves_no_descendant_and_the_model_hears_poss
                     async for event in rpc:
                         if "started" in _partial_text(event):
                             break
-                    tree = worker.members()
+                    tree = await worker.members()
                     assert len(tree) >= 3  # the worker, its bash, the daemonised sleep
                     os.kill(worker.pid, signal.SIGKILL)
                     await worker.wait()

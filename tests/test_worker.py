@@ -38,8 +38,8 @@ from runtime._proctree import (
     new_nonce,
     probe_cgroups,
     proc_table,
-    read_environ,
     set_child_subreaper,
+    settled_environ,
     trio_managed,
 )
 from runtime._records import EpochStarted
@@ -128,8 +128,11 @@ def proc_file(pid: int, name: str) -> bytes:
         return f.read()
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    raw = read_environ(pid) or b""
+async def environ_of(pid: int) -> dict[str, str]:
+    """The process's environment, read once its exec has published it: ``tree.sh`` reports
+    the daemon's and the background job's pids before they finish exec'ing ``sleep``, and a
+    read inside an exec comes back empty."""
+    raw = await settled_environ(pid) or b""
     pairs = (item.decode().partition("=") for item in raw.split(b"\0") if item)
     return {name: value for name, _, value in pairs}
 
@@ -212,7 +215,7 @@ async def test_worker_launch_reads_identity_and_nonce_back(
 
             assert epoch.identity == identity_of(epoch.pid)
             assert epoch.identity.boot_id == boot_id()
-            environ = environ_of(epoch.pid)
+            environ = await environ_of(epoch.pid)
             assert environ[EPOCH_ENV] == epoch.nonce
             assert SECRET_NAME not in environ
             assert SECRET not in "".join(environ.values())
@@ -239,7 +242,7 @@ async def test_worker_launch_reads_identity_and_nonce_back(
                 epoch.nonce,
             )
             assert record.cgroup == (None if epoch.cgroup is None else str(epoch.cgroup))
-            tree = epoch.members()
+            tree = await epoch.members()
         report = await epoch.stop()
     assert report.clean
     assert report.graceful
@@ -310,7 +313,7 @@ async def test_environment_is_allow_listed(tmp_path: Path, monkeypatch: pytest.M
         async with open_epoch(tree_argv(tmp_path), env=env, cwd=tmp_path) as epoch:
             daemon, background = await tree_ready(epoch)
             for pid in (epoch.pid, daemon, background):
-                seen = environ_of(pid)
+                seen = await environ_of(pid)
                 assert SECRET_NAME not in seen, pid
                 assert seen[EPOCH_ENV] == epoch.nonce
                 assert seen["HOME"] == str(tmp_path / "home")
@@ -374,7 +377,7 @@ async def test_stop_leaves_no_descendant(tmp_path: Path, containment: Containmen
         ) as epoch:
             assert epoch.containment is containment
             daemon, background = await tree_ready(epoch)
-            tree = epoch.members()
+            tree = await epoch.members()
             assert {epoch.pid, daemon, background} <= {member.pid for member in tree}
             if containment is Containment.CGROUP:
                 assert epoch.cgroup is not None
@@ -400,7 +403,7 @@ async def test_a_fence_is_a_cancellation(tmp_path: Path, containment: Containmen
             tree_argv(tmp_path), env=tree_env(tmp_path), cwd=tmp_path, containment=containment
         ) as epoch:
             await tree_ready(epoch)
-            tree = epoch.members()
+            tree = await epoch.members()
             fence.cancel()
             await trio.sleep_forever()
     assert fence.cancelled_caught
@@ -416,7 +419,7 @@ async def test_term_ignoring_worker_is_killed_after_the_bound(tmp_path: Path) ->
     with trio.fail_after(LIMIT):
         async with open_epoch(tree_argv(tmp_path), env=env, cwd=tmp_path, policy=policy) as epoch:
             await tree_ready(epoch)
-            tree = epoch.members()
+            tree = await epoch.members()
             started = trio.current_time()
             report = await epoch.stop()
             waited = trio.current_time() - started
