@@ -101,11 +101,3 @@ def install_pi(home: Path | None = None, *, npm: str = "npm") -> PiInstall:
         )
     (home / _STAMP).write_text(PI_VERSION + "\n")
     return PiInstall(home=home, node=node, cli=cli, version=PI_VERSION)
-
-
-if __name__ == "__main__":  # pragma: no cover - used by scripts/test
-    import sys
-
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else None
-    pi = install_pi(target)
-    print(f"pi {pi.version} at {pi.cli} (node {pi.node})")

@@ -1,0 +1,8 @@
+# Sourced by scripts/test and scripts/flake-hunt: the set-up the test suite needs.
+# .venv with the test extras, and the real Pi 1.6.0 and its Node 22 from the committed
+# lockfile, cached outside the clone (later runs reuse it) and installed before pytest so
+# parallel workers never race to install it.
+. scripts/_venv.sh '[test]'
+export PI_RUNTIME_PI_HOME=${PI_RUNTIME_PI_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/pi-runtime/pi}
+echo "== pi (the real Pi for the conformance and worker tests): $PI_RUNTIME_PI_HOME"
+.venv/bin/pi-runtime pi install --home "$PI_RUNTIME_PI_HOME"
