@@ -1,7 +1,7 @@
 """How a finished room turn ends (runtime._outcome): every rule, on Pi's own message shapes.
 
 Message shapes are those of Pi 1.6.0's sessions and ``agent_end.messages``
-(``shared/pi-real/REPORT.md`` §4, §5, §7; ``shared/pi-real/samples/session_*.jsonl``);
+(``docs/design/fake-pi.md`` F2, F4-F6; the real Pi's ``tests/data/pi-1.6.0/session_*.jsonl``);
 the end-to-end cases run the in-process Fake-Pi on scripted model steps.
 """
 
@@ -128,8 +128,8 @@ ZAI_PLAN = '429: {"code":1308,"message":"Usage limit reached for 5 hour."}'
 OPENCODE_GO = '429: {"type":"GoUsageLimitError","message":"Monthly usage limit reached."}'
 
 # Not usage limits:
-# shared/pi-real/samples/session_retry.jsonl (the real Pi, after a 500 from the provider)
-REAL_PI_500 = '500: {"message":"fake transient failure","type":"server_error"}'
+# tests/data/pi-1.6.0/session_retry.jsonl (the real Pi, after a 500 from the scripted model)
+REAL_PI_500 = '500: {"message":"fake transient failure","type":"server_error","code":null}'
 # fake_pi/_model.py CUT_MESSAGE: what Pi (Node's fetch) reports for a dropped stream
 CUT = "terminated: other side closed (UND_ERR_SOCKET)"
 # OpenAI's transient throttle: Pi retries it (rate.?limit, 429) and it may outlive the retries

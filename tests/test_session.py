@@ -1,5 +1,7 @@
 """Pi session files (runtime._session). Test names cite invariants S1..S11 of
-docs/design/sessions.md; the samples are real Pi 1.6.0 output (shared/pi-real)."""
+docs/design/sessions.md; the samples are real Pi 1.6.0 output, recorded into the repository
+(tests/data/pi-1.6.0/, see its README.md). Entry ids and line numbers come from the samples
+themselves or from the recorder's ``facts.json``, never from a particular recording."""
 
 from __future__ import annotations
 
@@ -45,11 +47,9 @@ from runtime._session import (
     verify_attestation,
 )
 
-SAMPLES = Path(__file__).resolve().parents[2] / "shared/pi-real/samples"
-SAMPLE_NAMES = ["basic", "steer", "abort", "retry", "branched", "fork", "killed_midtool"]
-# REPORT §8 "Branching (a)": the research harness injected this line with Python's
-# json.dumps (", " and ": " separators), so it is the one line Pi did not write.
-NOT_WRITTEN_BY_PI = {("branched", 11)}
+from ._samples import FACTS, PI_VERSION, SAMPLES, SESSION_NAMES, facts
+from ._samples import session_sample as sample
+
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 UUID7 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 HEX8 = re.compile(r"^[0-9a-f]{8}$")
@@ -66,10 +66,6 @@ class StepClock:
         return self.now
 
 
-def sample(name: str) -> Path:
-    return SAMPLES / f"session_{name}.jsonl"
-
-
 def new_session(path: Path) -> Session:
     return create_session(
         path, cwd="/work/lane", provider="fake", model_id="fake-model", clock=StepClock()
@@ -82,18 +78,31 @@ def copy_sample(name: str, tmp_path: Path) -> Path:
     return target
 
 
+def sample_lines(name: str) -> list[bytes]:
+    return sample(name).read_bytes().splitlines()
+
+
+def not_written_by_pi() -> set[tuple[str, int]]:
+    """The recorder appended one line to ``branched`` with Python's json.dumps (", " and ": "
+    separators), as another program would: the one line Pi did not write (REPORT §8
+    "Branching (a)"; facts.json names it)."""
+    return {("branched", facts().injected_line.line)}
+
+
 def test_samples_directory_is_present() -> None:
     """The samples are the ground truth; missing samples must fail, not skip."""
     assert SAMPLES.is_dir(), f"missing Pi samples at {SAMPLES}"
     assert {p.name for p in SAMPLES.glob("session_*.jsonl")} == {
-        f"session_{name}.jsonl" for name in SAMPLE_NAMES
+        f"session_{name}.jsonl" for name in SESSION_NAMES
     }
+    assert FACTS.is_file(), f"missing the recorder's facts at {FACTS}"
+    assert facts().pi_version == PI_VERSION
 
 
 # --------------------------------------------------------------------------- S1, S2
 
 
-@pytest.mark.parametrize("name", SAMPLE_NAMES)
+@pytest.mark.parametrize("name", SESSION_NAMES)
 def test_s1_sample_round_trips_byte_identical(name: str) -> None:
     data = sample(name).read_bytes()
     result = read_session(sample(name))
@@ -104,22 +113,23 @@ def test_s1_sample_round_trips_byte_identical(name: str) -> None:
     assert parse_session(result.session.to_bytes()).session.to_bytes() == data
 
 
-@pytest.mark.parametrize("name", SAMPLE_NAMES)
+@pytest.mark.parametrize("name", SESSION_NAMES)
 def test_s2_encoder_reproduces_every_line_pi_wrote(name: str) -> None:
     """encode_entry(decoded line) == the line, for every line Pi wrote itself."""
     session = read_session(sample(name)).session
+    foreign = not_written_by_pi()
     assert encode_entry(session.header) == session.header_line
     for entry in session.entries:
         same = encode_entry(entry.raw) == entry.raw_line
-        assert same is ((name, entry.line) not in NOT_WRITTEN_BY_PI), entry.line
+        assert same is ((name, entry.line) not in foreign), entry.line
 
 
 # ----------------------------------------------------------------------- S4, S5, S8
 
 
-@pytest.mark.parametrize("name", SAMPLE_NAMES)
+@pytest.mark.parametrize("name", SESSION_NAMES)
 def test_s5_leaf_is_the_last_line(name: str) -> None:
-    lines = sample(name).read_bytes().splitlines()
+    lines = sample_lines(name)
     session = read_session(sample(name)).session
     assert session.leaf is not None
     assert session.leaf.line == len(lines)
@@ -128,9 +138,10 @@ def test_s5_leaf_is_the_last_line(name: str) -> None:
 
 
 def test_s4_path_to_root_is_root_first() -> None:
+    """``basic`` is one chain: its path runs over every entry line, in file order."""
     session = read_session(sample("basic")).session
     path = session.path_to_root()
-    assert [e.line for e in path] == list(range(2, 13))
+    assert [e.line for e in path] == list(range(2, len(sample_lines("basic")) + 1))
     assert path[0].type == "model_change"
     assert path[0].parent_id is None
     assert all(child.parent_id == parent.id for parent, child in itertools.pairwise(path))
@@ -142,12 +153,35 @@ def test_s4_path_to_root_is_root_first() -> None:
 
 
 def test_s5_branched_sample_path_skips_the_abandoned_branch() -> None:
-    """REPORT §8 (a): the entry appended under 75e73ece leads the path Pi uses."""
+    """REPORT §8 (a): the line appended under the first answer leads the path Pi uses. Pi
+    reopened the file with that line as its leaf and wrote the branch's prompt and answer
+    below it; the entries between the branch point and that line are left behind."""
+    injected = facts().injected_line
     session = read_session(sample("branched")).session
+    marker = session.by_id[injected.id]
+    assert (marker.line, marker.parent_id, marker.type) == (
+        injected.line,
+        injected.parent_id,
+        "custom",
+    )
+    assert injected.leaf_at_reopen == injected.id  # Pi's own leaf: the appended line
+    point = session.by_id[injected.parent_id]
+    first_answer = next(e for e in session.entries if e.role == "assistant")
+    assert point == first_answer
+    assert point.parent_id is not None
+    assert session.by_id[point.parent_id].role == "user"
+    abandoned = [e.id for e in session.entries if point.line < e.line < marker.line]
+    branch = [e for e in session.entries if e.line > marker.line]
+    assert [e.role for e in branch] == ["user", "assistant"]
     ids = [e.id for e in session.path_to_root()]
-    assert ids[-5:] == ["2a1ac8b1", "75e73ece", "b0b0b0b0", "2fad3b84", "0b8690db"]
-    assert not {"1d4b8049", "5c7b9bfb", "e8a9bd2e", "91c37c7e"} & set(ids)
-    assert [e.id for e in session.children("75e73ece")] == ["1d4b8049", "b0b0b0b0"]
+    assert ids == [
+        *(e.id for e in session.path_to_root(point.id)),
+        marker.id,
+        *(e.id for e in branch),
+    ]
+    assert len(abandoned) == 4  # the killed prompt, its dangling call, the restart's turn
+    assert not set(abandoned) & set(ids)
+    assert [e.id for e in session.children(point.id)] == [abandoned[0], marker.id]
 
 
 def test_s5_branch_at_an_earlier_entry_becomes_the_leaf(tmp_path: Path) -> None:
@@ -187,7 +221,7 @@ def test_s7_created_session_has_pi_shape(tmp_path: Path) -> None:
     path = tmp_path / "s.jsonl"
     session = new_session(path)
     ours = [msgspec.json.decode(line) for line in path.read_bytes().splitlines()]
-    pis = [msgspec.json.decode(line) for line in sample("basic").read_bytes().splitlines()[:3]]
+    pis = [msgspec.json.decode(line) for line in sample_lines("basic")[:3]]
     assert len(ours) == 3
     assert path.read_bytes().endswith(b"\n")
     for mine, theirs in zip(ours, pis, strict=True):
@@ -237,10 +271,11 @@ def test_s7_create_keeps_given_ids_and_parent_session(tmp_path: Path) -> None:
 
 
 def test_s7_uuid7_layout() -> None:
-    """48-bit ms timestamp, version 7, variant 0b10: Pi's basic session id shares the prefix."""
+    """48-bit ms timestamp, version 7, variant 0b10: the layout of Pi's session ids."""
     ids = {uuid7(1_795_978_317_155) for _ in range(100)}
     assert len(ids) == 100
     assert all(UUID7.match(i) and i.startswith("01a228a6-4d63-7") for i in ids)
+    assert all(UUID7.match(read_session(sample(name)).session.id) for name in SESSION_NAMES)
 
 
 def test_s7_fresh_entry_ids_avoid_taken_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,7 +289,10 @@ def test_s7_fresh_entry_ids_avoid_taken_ones(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_s3_unknown_entry_type_is_kept_verbatim(tmp_path: Path) -> None:
     path = copy_sample("basic", tmp_path)
-    odd = b'{"type": "future_kind", "id": "f0f0f0f0", "parentId": "6fe94904", "z": 1.0, "a": []}'
+    leaf = msgspec.json.decode(sample_lines("basic")[-1])["id"].encode()
+    odd = (
+        b'{"type": "future_kind", "id": "f0f0f0f0", "parentId": "' + leaf + b'", "z": 1.0, "a": []}'
+    )
     with path.open("ab") as f:
         f.write(odd + b"\n")
     result = read_session(path)
@@ -269,6 +307,7 @@ def test_s3_unknown_entry_type_is_kept_verbatim(tmp_path: Path) -> None:
 
 K = SessionIssueKind
 C = b'{"type":"custom","id":"deadbeef"'  # the start of an entry line
+LINE4 = b"<the id on line 4>"  # replaced by the id of basic's line 4 (its system message)
 MALFORMED: list[tuple[bytes, SessionIssueKind, bool]] = [  # (line 5, issue, kept as entry)
     (C, K.BAD_JSON, False),
     (b"[1,2,3]", K.NOT_AN_OBJECT, False),
@@ -278,7 +317,7 @@ MALFORMED: list[tuple[bytes, SessionIssueKind, bool]] = [  # (line 5, issue, kep
     (C + b',"parentId":7}', K.MISSING_FIELD, False),
     (C + b',"parentId":"00000000"}', K.UNKNOWN_PARENT, True),
     (C + b',"parentId":"ffffffff"}', K.UNKNOWN_PARENT, True),
-    (b'{"type":"custom","id":"45c07e20","parentId":null}', K.DUPLICATE_ID, False),
+    (b'{"type":"custom","id":"' + LINE4 + b'","parentId":null}', K.DUPLICATE_ID, False),
     (b"", K.BLANK_LINE, False),
     (b"  \t", K.BLANK_LINE, False),
     (b'{"type":"session","version":3,"id":"x"}', K.REPEATED_HEADER, False),
@@ -291,8 +330,10 @@ def test_s3_malformed_line_is_reported_with_its_line_number(
 ) -> None:
     """Line 5 is bad; the good line 6 after it (whose parent is line 4) still counts.
     A forward reference (ffffffff is on line 6) is an unknown parent too."""
-    lines = sample("basic").read_bytes().splitlines()[:4]
-    good = b'{"type":"custom","id":"ffffffff","parentId":"45c07e20"}'
+    lines = sample_lines("basic")[:4]
+    line4 = msgspec.json.decode(lines[3])["id"].encode()
+    bad = bad.replace(LINE4, line4)
+    good = b'{"type":"custom","id":"ffffffff","parentId":"' + line4 + b'"}'
     data = b"\n".join([*lines, bad, good]) + b"\n"
     result = parse_session(data, path="x.jsonl")
     assert [(i.kind, i.line, i.raw_line) for i in result.issues] == [(kind, 5, bad)]
@@ -488,8 +529,9 @@ def test_s9_attestation_is_stable_across_rereads(tmp_path: Path) -> None:
     verify_attestation(again, first)
     assert msgspec.json.decode(msgspec.json.encode(first), type=Attestation) == first
     assert first.session_id == again.id
-    assert first.leaf_id == "71d82c09"
-    assert first.count == 12
+    lines = sample_lines("steer")
+    assert first.leaf_id == msgspec.json.decode(lines[-1])["id"]
+    assert first.count == len(lines) - 1  # one chain: every entry is on the path
 
 
 def test_s9_attestation_changes_when_the_path_changes(tmp_path: Path) -> None:

@@ -2,11 +2,11 @@
 cite invariants S12 and S13 of docs/design/sessions.md.
 
 The unit tests build sessions with ``create_session`` and ``SessionWriter`` appends, in the
-shapes real Pi 1.6.0 writes (shared/pi-real/samples). The end-to-end tests run the real Pi
-and Fake-Pi against a scripted model: a worker is killed mid-tool (or a session is written
-by hand), ``prepare_for_relaunch`` settles it, and a relaunched worker sends the settled text
-to the model. They are bounded by ``trio.fail_after``, never sleep, and every process is
-stopped by ``open_worker``.
+shapes real Pi 1.6.0 writes (its samples in tests/data/pi-1.6.0/). The end-to-end tests run
+the real Pi and Fake-Pi against a scripted model: a worker is killed mid-tool (or a session is
+written by hand), ``prepare_for_relaunch`` settles it, and a relaunched worker sends the
+settled text to the model. They are bounded by ``trio.fail_after``, never sleep, and every
+process is stopped by ``open_worker``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from runtime._session import (
 from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 
 from ._pi import real_pi
+from ._samples import SESSION_NAMES, facts, session_sample
 
-SAMPLES: Final = Path(__file__).resolve().parents[2] / "shared/pi-real/samples"
 PROCESS_LIMIT: Final = 90.0
 LIMIT: Final = 10.0
 T0: Final = 1_795_978_317_155
@@ -157,21 +157,26 @@ def _ids(calls: Sequence[DanglingCall]) -> list[str]:
 
 
 def test_s12_killed_midtool_sample_has_its_call_dangling() -> None:
-    """Real Pi's file after SIGKILL mid-tool: the leaf's bash call is dangling."""
-    session = read_session(SAMPLES / "session_killed_midtool.jsonl").require_clean()
+    """Real Pi's file after SIGKILL mid-tool: the leaf's bash call is dangling. The call is
+    the one the recorder scripted, in the entry Pi named as its leaf while the tool ran
+    (facts.json); that entry is the file's last line."""
+    call = facts().dangling_call
+    session = read_session(session_sample("killed_midtool")).require_clean()
+    assert session.leaf is not None
+    assert session.leaf.id == call.assistant_entry_id
     assert dangling_tool_calls(session) == (
         DanglingCall(
-            tool_call_id="call_fake_29",
-            name="bash",
-            arguments={"command": "sleep 30; echo slept >> out.txt; echo slept"},
-            assistant_entry_id="5c7b9bfb",
+            tool_call_id=call.tool_call_id,
+            name=call.name,
+            arguments=call.arguments,
+            assistant_entry_id=call.assistant_entry_id,
         ),
     )
 
 
-@pytest.mark.parametrize("name", ["basic", "steer", "abort", "retry", "branched", "fork"])
+@pytest.mark.parametrize("name", [n for n in SESSION_NAMES if n != "killed_midtool"])
 def test_s12_real_pi_samples_have_nothing_dangling(name: str) -> None:
-    session = read_session(SAMPLES / f"session_{name}.jsonl").session
+    session = read_session(session_sample(name)).session
     assert dangling_tool_calls(session) == ()
 
 
@@ -328,7 +333,7 @@ def test_s13_settled_lines_have_pi_key_order(tmp_path: Path) -> None:
     executed tool; ``timestamp`` is epoch ms from the same clock reading as the entry's."""
     pi_line = next(
         line
-        for line in (SAMPLES / "session_abort.jsonl").read_bytes().splitlines()
+        for line in session_sample("abort").read_bytes().splitlines()
         if b'"role":"toolResult"' in line
     )
     pi_keys = list(loads(pi_line)["message"])

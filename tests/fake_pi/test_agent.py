@@ -1,6 +1,8 @@
 """Fake-Pi in-process, under virtual time: Pi's event sequences and session shapes.
 
-Each test names the Pi behaviour it mirrors (``../shared/pi-real/REPORT.md``).
+Each test names the Pi behaviour it mirrors: the invariants of ``docs/design/fake-pi.md``, which
+the conformance suite checks against the real Pi ("REPORT §n" cites the section of the Pi
+research report a fact comes from; the real Pi's own files are in ``tests/data/pi-1.6.0/``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Real files under tmp_path and real processes; bash tests use the real clock with fail_after bounds
 and wait on output, never on a sleep. Expected texts are Pi's own (pi-coding-agent/dist/core/tools,
-pi-agent-core/dist/agent-loop.js); the tool schemas are compared with a request real Pi sent."""
+pi-agent-core/dist/agent-loop.js); the tool schemas are compared with a request real Pi sent
+(tests/data/pi-1.6.0/llm_request_first_full.json)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from fake_pi._tools import (
     run_tool_call,
 )
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared/pi-real/samples/llm_request_first_full.json"
+from .._samples import FIRST_REQUEST
+
 ALL = ["read", "bash", "edit", "write", "effect", "send_text_update"]
 ALL += ["task_done", "task_fail", "task_wait"]
 TOOLS = builtin_tools(ALL)
@@ -100,8 +102,8 @@ def pids(text: str) -> dict[str, int]:
 
 
 def test_pi_tool_schemas_equal_the_ones_real_pi_sent() -> None:
-    assert SAMPLE.is_file(), f"missing Pi sample {SAMPLE}: the schema check cannot run"
-    sent = json.loads(SAMPLE.read_text())["body"]["tools"]
+    assert FIRST_REQUEST.is_file(), f"missing Pi sample {FIRST_REQUEST}: the check cannot run"
+    sent = json.loads(FIRST_REQUEST.read_text())["body"]["tools"]
     ours = [tool.declaration() for tool in builtin_tools().values()]
     assert ours == sent
     assert json.dumps(ours) == json.dumps(sent)  # same key order: same request bytes
