@@ -6,3 +6,6 @@
 export PI_RUNTIME_PI_HOME=${PI_RUNTIME_PI_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/pi-runtime/pi}
 echo "== pi (the real Pi for the conformance and worker tests): $PI_RUNTIME_PI_HOME"
 .venv/bin/pi-runtime pi install --home "$PI_RUNTIME_PI_HOME"
+# Two test processes per core, at most 8: most tests wait on real processes, not the CPU.
+test_workers=$(($(nproc) * 2))
+[ "$test_workers" -le 8 ] || test_workers=8

@@ -85,7 +85,7 @@ async def test_w11_kill_tree_kills_a_root_it_met_inside_an_exec() -> None:
 
 def test_w11_kernel_threads_and_zombies_are_never_pending() -> None:
     """Both read empty forever; they must not hold a scan up."""
-    kthreads = [pid for pid in proc_table() if pid == 2 or proc_table()[pid].ppid == 2]
+    kthreads = [pid for pid, info in proc_table().items() if 2 in (pid, info.ppid)]
     assert not any(exec_pending(pid) for pid in kthreads)
     zombie = subprocess.Popen(["true"])
     os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
