@@ -17,11 +17,12 @@ request body, stays between about 5 and 80 KiB instead of growing all run long):
 
 * ``direct``: worker -> scripted model (Pi without the gate extension; Fake-Pi without the
   gate environment): the baseline;
-* ``gateway``: worker -> :class:`~runtime._gateway.Gateway` (``MemoryStepJournal``) -> model;
+* ``gateway``: worker -> :class:`~runtime._boundary._gateway.Gateway`
+  (``MemoryStepJournal``) -> model;
 * ``gate``: as ``gateway``, plus the tool gate (``RecordingGateJournal`` on a ``MemoryLog``,
-  ``read`` granted): Pi loads ``runtime/pi_extension/gate.ts``, Fake-Pi gets the gate
+  ``read`` granted): Pi loads ``runtime/_boundary/pi_extension/gate.ts``, Fake-Pi gets the gate
   environment; the gateway holds each request until the outcomes of the tool results it
-  carries are recorded, as ``runtime/_boundary.py`` wires a lane (B4).
+  carries are recorded, as ``runtime/_boundary/_boundaries.py`` wires a lane (B4).
 
 The journals are in memory, so the durable appends are excluded, as the target says. Every
 turn is the same scenario: ``R`` rounds, each a model response with one ``read`` call of a
@@ -77,8 +78,8 @@ from bench.journal import background_load, pressure_since, pressure_totals
 from fake_pi._gate_client import post_json
 from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
-from runtime._boundary import carried_tool_results
-from runtime._gate import (
+from runtime._boundary._boundaries import carried_tool_results
+from runtime._boundary._gate import (
     EXTENSION_PATH,
     Gate,
     GateServer,
@@ -87,7 +88,7 @@ from runtime._gate import (
     gate_environment,
     serve_gate,
 )
-from runtime._gateway import (
+from runtime._boundary._gateway import (
     GATEWAY_SECRET_ENV,
     Gateway,
     GatewayConfig,
@@ -95,7 +96,7 @@ from runtime._gateway import (
     request_digest,
     serve_gateway,
 )
-from runtime._http import (
+from runtime._boundary._http import (
     Handler,
     HttpServer,
     Request,
@@ -104,9 +105,9 @@ from runtime._http import (
     open_request,
     serve_http,
 )
-from runtime._pi_install import PiInstall, default_pi_home, find_pi
-from runtime._rpc import RpcChannel, open_rpc_channel
-from runtime._worker import (
+from runtime._pi._pi_install import PiInstall, default_pi_home, find_pi
+from runtime._pi._rpc import RpcChannel, open_rpc_channel
+from runtime._pi._worker import (
     Epoch,
     ModelRoute,
     RetrySettings,
@@ -283,7 +284,7 @@ async def open_rig(
                 tools = journal
 
                 async def hold_until_outcomes_durable(body: dict[str, Any]) -> None:
-                    # as runtime/_boundary.py wires a lane (B4)
+                    # as runtime/_boundary/_boundaries.py wires a lane (B4)
                     await tools.wait_outcomes(carried_tool_results(body))
 
                 barrier = hold_until_outcomes_durable
@@ -672,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     pi = find_real_pi(args.pi_home) if "pi" in kinds else None
     if "pi" in kinds and pi is None:
         raise SystemExit(
-            "Pi is not installed; run `.venv/bin/python -m runtime._pi_install` or pass --pi-home"
+            "Pi is not installed; run `.venv/bin/pi-runtime pi install` or pass --pi-home"
         )
 
     def log(message: str) -> None:

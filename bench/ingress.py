@@ -9,7 +9,7 @@ Run it from the repository root::
 
 What is measured, over 50 websocket connections on 127.0.0.1:
 
-* **runtime**: ``deliver`` frames to ``pi-runtime serve`` (``runtime._serve.open_server``),
+* **runtime**: ``deliver`` frames to ``pi-runtime serve`` (``runtime._server._serve.open_server``),
   each timed from just before its ``send`` to the ``accepted`` frame, which the server sends
   only once the admission is durable (group-committed ``fdatasync`` of the admissions log);
 * **echo**: the same 50 clients sending the same frames to a plain trio-websocket echo
@@ -96,7 +96,7 @@ CONNECTIONS: Final = 50
 HOLD_ROOM: Final = "dm:bench-hold"
 TEXT: Final = (
     "can you check why the nightly build failed? the last green run was yesterday at 18:00 "
-    "and since then three commits touched runtime/_serve.py and tests/test_serve.py"
+    "and since then three commits touched runtime/_server/_serve.py and tests/test_serve.py"
 )
 PHASE_LIMIT: Final = 120.0
 """Seconds any one phase may take before the run is abandoned."""
@@ -224,9 +224,9 @@ async def runtime_server(base: Path, rooms: int, capacity: int, profile: str | N
     """``open_server`` on a fresh state directory, its turns held back (module docstring)."""
     from fake_pi.model_server import ScriptedModel, serve_model
     from fake_pi.scenario import Hang, Scenario
-    from runtime._admission import Author, Delivery
     from runtime._config import Caps, ModelConfig, RoomWorkerConfig, ServerConfig, Thresholds
-    from runtime._serve import ServeOptions, open_server
+    from runtime._rooms._admission import Author, Delivery
+    from runtime._server._serve import ServeOptions, open_server
 
     hour = 3600.0
     model = ScriptedModel(scenario=Scenario(steps=[Hang(seconds=hour)]))

@@ -68,11 +68,11 @@ from typing import Any, Final
 
 import trio
 
-from runtime._frame import encode_frame
-from runtime._fs import OsFileSystem
-from runtime._journal import Journal, encode_record
+from runtime._journal._frame import encode_frame
+from runtime._journal._journal import Journal, encode_record
+from runtime._journal._store import delivery_key, open_store
+from runtime._linux._fs import OsFileSystem
 from runtime._records import Admission, Fingerprints, ReplayClass, ToolIntent, ToolOutcome
-from runtime._store import delivery_key, open_store
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULT_MARK: Final = "BENCH-JSON "
@@ -91,7 +91,7 @@ TOOL_ARGS: Final = json.dumps(
     sort_keys=True,
 )
 TOOL_OUTPUT: Final = (
-    " M runtime/_store.py\n M runtime/_writer.py\n?? bench/journal.py\n"
+    " M runtime/_journal/_store.py\n M runtime/_journal/_writer.py\n?? bench/journal.py\n"
     + "total 128\n"
     + "".join(
         f"-rw-r--r-- 1 dev dev {1000 + i * 37:6d} Nov 29 19:5{i % 10} file_{i:02d}.py\n"

@@ -7,7 +7,7 @@ Run it from the repository root::
     .venv/bin/python -m bench.lane_rounds rounds replay    # some of them
     .venv/bin/python -m bench.lane_rounds --quick          # a smoke run, about a minute
 
-Everything runs through :func:`~runtime._room_worker.open_room_worker` with ``agent =
+Everything runs through :func:`~runtime._rooms._worker.open_room_worker` with ``agent =
 "fake"``: every lane's worker is a Fake-Pi subprocess behind the lane's own gateway and gate,
 on a real state directory. The scripted model is a subprocess too (``python -m
 fake_pi.model_server``), so this process's CPU and memory are the runtime's alone.
@@ -78,9 +78,7 @@ import trio
 
 from bench.journal import background_load
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
-from runtime._admission import Author, Delivery
 from runtime._config import Caps, ModelConfig, RoomWorkerConfig, Thresholds
-from runtime._outbox import DeliveryResult
 from runtime._records import (
     ModelRequestIntent,
     ModelResponse,
@@ -88,7 +86,9 @@ from runtime._records import (
     ToolIntent,
     ToolOutcome,
 )
-from runtime._room_worker import RoomWorker, open_room_worker
+from runtime._rooms._admission import Author, Delivery
+from runtime._rooms._outbox import DeliveryResult
+from runtime._rooms._worker import RoomWorker, open_room_worker
 
 REPO: Final = Path(__file__).resolve().parents[1]
 TARGET_ROUND_MS: Final = 1.0

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import trio
 
-from runtime._admission import Author, Delivery
 from runtime._config import Caps, ModelConfig, RoomWorkerConfig
-from runtime._room_worker import open_room_worker
-from runtime._store import open_store
+from runtime._journal._store import open_store
+from runtime._rooms._admission import Author, Delivery
+from runtime._rooms._worker import open_room_worker
 
 ROOM = "dm:bench"
 

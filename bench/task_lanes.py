@@ -13,8 +13,8 @@ timer wheel; parked lanes hold **no file descriptors**); the whole virtual-time 
 **< 60 s** wall.
 
 **A parked lane.** Each lane is a task submitted to the in-process runner
-(:func:`~runtime._task_runner.open_task_runner` with
-:class:`~runtime._task_workers.InProcessWorkers`, set up as in ``tests/task_harness.py``) on a
+(:func:`~runtime._tasks._runner.open_task_runner` with
+:class:`~runtime._tasks._workers.InProcessWorkers`, set up as in ``tests/task_harness.py``) on a
 real state directory in a temporary directory and the real clock (Trio's default clock,
 ``Clocks.system()``). The model's first answer to every task is a ``task_wait`` tool call: the
 gate records it and the lifecycle kernel accepts the wait. Its next answer (after the tool
@@ -81,13 +81,13 @@ from bench.lane_rounds import count_tasks, function_at, open_fds, process_cpu, r
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._clock import Clocks
-from runtime._launch import ModelRoute
-from runtime._lifecycle import TaskState
-from runtime._store import open_store
-from runtime._task_runner import TaskRunner, open_task_runner
-from runtime._task_state import TaskSpec
-from runtime._task_workers import InProcessWorkers
-from runtime._tasks import TaskLane
+from runtime._journal._store import open_store
+from runtime._pi._launch import ModelRoute
+from runtime._tasks._lane import TaskLane
+from runtime._tasks._lifecycle import TaskState
+from runtime._tasks._runner import TaskRunner, open_task_runner
+from runtime._tasks._state import TaskSpec
+from runtime._tasks._workers import InProcessWorkers
 
 REPO: Final = Path(__file__).resolve().parents[1]
 ROUTE: Final = ModelRoute(provider="fake", model="fake-model")

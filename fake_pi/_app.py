@@ -22,9 +22,9 @@ import trio
 import trio.lowlevel
 import trio.testing
 
+from runtime._boundary._gateway import GATEWAY_SECRET_ENV
 from runtime._clock import SystemWallClock, WallClock
-from runtime._gateway import GATEWAY_SECRET_ENV
-from runtime._session import uuid7
+from runtime._pi._session import uuid7
 
 from ._agent import Agent, AgentOptions, ModelInfo
 from ._behaviours import BarrierExit, BarrierKill, Barriers, Behaviours, FakeConfig, Recorder
@@ -169,7 +169,7 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
         clock=clock,
         session_id=session_id,
     )
-    # -- the runtime's tool gate (runtime/_gate.py; docs/design/gate.md) ---------------
+    # -- the runtime's tool gate (runtime/_boundary/_gate.py; docs/design/gate.md) ---------------
     # When the runtime names a gate socket, every tool asks it first, a round's calls run
     # one after the other (as the Pi extension's executionMode "sequential"), and the gate
     # secret is removed from this process's environment before any tool can inherit it.
@@ -338,7 +338,7 @@ async def open_fake_pi(
     ``context_window`` (128000) set when Fake-Pi auto-compacts.
     ``tools`` names the tools to expose (default: Pi's read, bash, edit, write).
     ``runtime_tools`` is the environment in which the runtime declares its own tools
-    (``PI_RUNTIME_TOOLS``, see ``runtime/_tools.py``): they are added, and a round's calls
+    (``PI_RUNTIME_TOOLS``, see ``runtime/_boundary/_tools.py``): they are added, and a round's calls
     then run one after the other, as with the runtime's gate in a subprocess.
     """
     clock = clock or SystemWallClock()

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from runtime._clock import WallClock, iso_timestamp
-from runtime._pijson import stringify
-from runtime._session import (
+from runtime._pi._pijson import stringify
+from runtime._pi._session import (
     Session,
     SessionWriter,
     read_session,

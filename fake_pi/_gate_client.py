@@ -1,6 +1,7 @@
-"""Fake-Pi's client of the runtime's tool gate (``runtime/_gate.py``): a ToolGate over its socket.
+"""Fake-Pi's client of the runtime's tool gate (``runtime/_boundary/_gate.py``): a ToolGate over
+its socket.
 
-The same protocol as the real Pi's extension (``runtime/pi_extension/gate.ts``): JSON over
+The same protocol as the real Pi's extension (``runtime/_boundary/pi_extension/gate.ts``): JSON over
 HTTP/1.1 on a Unix socket, ``POST /before`` and ``POST /after`` with
 ``authorization: Bearer <secret>``. Configured from the environment the runtime sets
 (:data:`GATE_SOCKET_ENV`, :data:`GATE_SECRET_ENV`); :func:`gate_from_environ` removes the

@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlparse
 
 import trio
 
-from runtime._tools import RUNTIME_TOOLS, TOOLS_ENV
+from runtime._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV
 
 from ._bash import MAX_BYTES, OnUpdate, format_size, run_bash, truncate
 from ._bash import MAX_LINES as MAX_LINES  # importable from here, as before the split
@@ -473,7 +473,7 @@ _TOOLS = {
     for spec in RUNTIME_TOOLS.values()
 }  # fmt: skip
 """Every built-in tool by name: Pi's four, then the runtime's own (declared in
-``runtime/_tools.py``; standalone, Fake-Pi acknowledges them itself and ``effect`` writes
+``runtime/_boundary/_tools.py``; standalone, Fake-Pi acknowledges them itself and ``effect`` writes
 Fake-Pi's ledger)."""
 
 

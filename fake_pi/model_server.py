@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import trio
 
-from runtime._gateway import request_digest
-from runtime._http import HttpServer, Request, ResponseWriter, serve_http
+from runtime._boundary._gateway import request_digest
+from runtime._boundary._http import HttpServer, Request, ResponseWriter, serve_http
 
 from .scenario import (
     STAY_SILENT,

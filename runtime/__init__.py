@@ -3,9 +3,6 @@
 The public surface is re-exported here; every other module is private.
 """
 
-from ._admission import Author as Author
-from ._admission import Delivery as Delivery
-from ._admission import HistoryItem as HistoryItem
 from ._clock import Clocks as Clocks
 from ._clock import MockSilenceClock as MockSilenceClock
 from ._clock import MockWallClock as MockWallClock
@@ -34,21 +31,24 @@ from ._events import RoomEvent as RoomEvent
 from ._events import TextUpdate as TextUpdate
 from ._events import ToolActivity as ToolActivity
 from ._events import Typing as Typing
-from ._journal import Journal as Journal
-from ._journal import LogContents as LogContents
-from ._outbox import DeliveryResult as DeliveryResult
+from ._journal._journal import Journal as Journal
+from ._journal._journal import LogContents as LogContents
+from ._journal._store import Store as Store
+from ._journal._store import open_store as open_store
 from ._records import Outcome as Outcome
 from ._records import TaskEnded as TaskEnded
-from ._room_worker import Accepted as Accepted
-from ._room_worker import RoomWorker as RoomWorker
-from ._room_worker import open_room_worker as open_room_worker
-from ._store import Store as Store
-from ._store import open_store as open_store
-from ._task_runner import TaskEvent as TaskEvent
-from ._task_service import TaskService as TaskService
-from ._task_service import WatchdogConfigError as WatchdogConfigError
-from ._task_service import open_task_service as open_task_service
-from ._task_state import TaskError as TaskError
-from ._task_state import TaskSpec as TaskSpec
-from ._task_state import TaskView as TaskView
+from ._rooms._admission import Author as Author
+from ._rooms._admission import Delivery as Delivery
+from ._rooms._admission import HistoryItem as HistoryItem
+from ._rooms._outbox import DeliveryResult as DeliveryResult
+from ._rooms._worker import Accepted as Accepted
+from ._rooms._worker import RoomWorker as RoomWorker
+from ._rooms._worker import open_room_worker as open_room_worker
+from ._tasks._runner import TaskEvent as TaskEvent
+from ._tasks._service import TaskService as TaskService
+from ._tasks._service import WatchdogConfigError as WatchdogConfigError
+from ._tasks._service import open_task_service as open_task_service
+from ._tasks._state import TaskError as TaskError
+from ._tasks._state import TaskSpec as TaskSpec
+from ._tasks._state import TaskView as TaskView
 from ._version import __version__ as __version__

@@ -1,6 +1,7 @@
 """The ``pi-runtime`` command line (``docs/design/operations.md``).
 
-Commands: ``version``; ``serve`` (the websocket room worker, ``runtime/_serve.py``); ``status``
+Commands: ``version``; ``serve`` (the websocket room worker, ``runtime/_server/_serve.py``);
+``status``
 and ``cancel`` (through the running server's admin socket; without one, ``status`` reads the
 state directory and ``cancel`` records the request there for the next start); ``token
 rotate``; ``journal verify`` and ``journal show``; ``pi install`` and ``doctor``; task lanes:
@@ -40,18 +41,18 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgspec
 import trio
 
-from ._admin import admin_request
 from ._config import RoomWorkerConfig, load_config, validate_config
 from ._errors import AdminError, DeliveryError, PiRuntimeError, ReasonCode
-from ._inspect import delivery_records, offline_status, verify_journal
-from ._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
-from ._proctree import probe_cgroups, subreaper_supported
-from ._room_worker import request_cancel
-from ._token import rotate_token
+from ._journal._inspect import delivery_records, offline_status, verify_journal
+from ._linux._proctree import probe_cgroups, subreaper_supported
+from ._pi._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
+from ._rooms._worker import request_cancel
+from ._server._admin import admin_request
+from ._server._token import rotate_token
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from ._task_service import TaskService
+    from ._tasks._service import TaskService
 
 __all__ = [
     "EXIT_FAILED",
@@ -160,7 +161,7 @@ def _state_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    """The ``serve`` command's options (``runtime/_serve.py`` reads them)."""
+    """The ``serve`` command's options (``runtime/_server/_serve.py`` reads them)."""
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8765, help="port to bind (default: 8765)")
     serve.add_argument(
@@ -442,11 +443,11 @@ def _task_commands(
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """``runtime._serve.run_serve(args)``, imported only when serving."""
+    """``runtime._server._serve.run_serve(args)``, imported only when serving."""
     try:
-        module = importlib.import_module("runtime._serve")
+        module = importlib.import_module("runtime._server._serve")
     except ModuleNotFoundError as exc:
-        if exc.name != "runtime._serve":
+        if exc.name != "runtime._server._serve":
             raise
         logger.error("serve is not built yet in this version")
         return EXIT_FAILED
@@ -491,7 +492,7 @@ def _status(state_dir: Path, as_json: bool) -> int:
     response = trio.run(_status_via_server, state_dir)
     if response is None:
         status = offline_status(state_dir)
-        from ._task_service import offline_views
+        from ._tasks._service import offline_views
 
         views = offline_views(state_dir)
         if views:
@@ -650,8 +651,8 @@ async def _ask(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | Non
 
 
 def _thresholds(view: dict[str, Any], production: dict[str, Any] | None) -> list[str]:
-    from ._task_service import threshold_lines
-    from ._watchdog import Phase, WatchdogPolicy
+    from ._tasks._service import threshold_lines
+    from ._tasks._watchdog import Phase, WatchdogPolicy
 
     data = production or {}
     base = WatchdogPolicy(
@@ -749,7 +750,7 @@ def _tasks_cmd(state_dir: Path, config: Path | None, as_json: bool) -> int:
     if response is not None and not response.get("ok"):
         return _refused(response)
     if response is None:
-        from ._task_service import offline_views, watchdog_policy
+        from ._tasks._service import offline_views, watchdog_policy
 
         policy = watchdog_policy(_load_config(config))
         views = [msgspec.to_builtins(v) for v in offline_views(state_dir, policy)]
@@ -793,7 +794,7 @@ def _task_show(state_dir: Path, task_id: str, config: Path | None, as_json: bool
     if response is not None and not response.get("ok"):
         return _refused(response)
     if response is None:
-        from ._task_service import offline_view, policy_dict, watchdog_policy
+        from ._tasks._service import offline_view, policy_dict, watchdog_policy
 
         policy = watchdog_policy(_load_config(config))
         view: dict[str, Any] = msgspec.to_builtins(offline_view(state_dir, task_id, policy))
@@ -991,7 +992,7 @@ class _StandaloneAdmin:
 
 
 def _task_standalone(args: argparse.Namespace, spec: dict[str, Any]) -> int:
-    from ._task_service import watchdog_policy
+    from ._tasks._service import watchdog_policy
 
     config = _load_config(args.config)
     changes: dict[str, Any] = {"state_dir": str(Path(args.state_dir).absolute())}
@@ -1004,11 +1005,11 @@ def _task_standalone(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
 
 async def _standalone(config: RoomWorkerConfig, spec: dict[str, Any], timescale: float) -> int:
-    from ._admin import serve_admin
+    from ._boundary._receipts import receipt_store
     from ._clock import Clocks
-    from ._receipts import receipt_store
-    from ._store import open_store
-    from ._task_service import loud_logging, open_task_service, watchdog_policy
+    from ._journal._store import open_store
+    from ._server._admin import serve_admin
+    from ._tasks._service import loud_logging, open_task_service, watchdog_policy
 
     state_dir = Path(config.state_dir)
     task_id = spec["task_id"]

@@ -29,11 +29,11 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from ._boundary._gate import PI_TOOL_CLASSES
+from ._boundary._tools import RUNTIME_TOOLS
 from ._errors import ConfigError, DeliveryError, ReasonCode
-from ._gate import PI_TOOL_CLASSES
 from ._records import ReplayClass
-from ._rooms import room_problem
-from ._tools import RUNTIME_TOOLS
+from ._room_ids import room_problem
 
 __all__ = [
     "DEFAULT_GRANTS",
@@ -147,7 +147,7 @@ class WatchdogConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     Only the types are checked here: the rules (soft is 300 s, hard thresholds at least 900 s
     and longer than soft, …) depend on ``--unsafe-test-timescale`` and are checked when task
-    lanes start (``runtime/_task_service.py``: ``watchdog_config_invalid`` naming
+    lanes start (``runtime/_tasks/_service.py``: ``watchdog_config_invalid`` naming
     ``watchdog.<setting>``)."""
 
     soft_seconds: float = 300.0

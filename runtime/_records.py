@@ -335,7 +335,7 @@ class TaskEnded(_Record, tag="task_ended", frozen=True, kw_only=True):
     ended_ms: int = 0
     costs: dict[str, Any] | None = None
     """The task's model answers and tokens, the original work and its continuations apart
-    (:func:`runtime._task_state.inference_costs`)."""
+    (:func:`runtime._tasks._state.inference_costs`)."""
 
 
 Record = (

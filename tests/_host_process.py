@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import trio
 
-from runtime._receipts import ReceiptStore
+from runtime._boundary._receipts import ReceiptStore
 
 REPO: Final = Path(__file__).resolve().parents[1]
 Fact = dict[str, Any]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runtime._pi_install import PiInstall, install_pi
+from runtime._pi._pi_install import PiInstall, install_pi
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime._proctree import EPOCH_ENV, TreeProof, kill_tree, proc_table, read_environ
+from runtime._linux._proctree import EPOCH_ENV, TreeProof, kill_tree, proc_table, read_environ
 
 
 def alive_with_nonce(nonce: str) -> list[int]:

@@ -14,12 +14,12 @@ import trio
 
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Scenario, Step, ToolCalls
+from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._clock import Clocks
-from runtime._http import Request, ResponseWriter, serve_http
-from runtime._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
-from runtime._rpc import Event, open_rpc_channel
-from runtime._session import create_session
-from runtime._worker import open_worker
+from runtime._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
+from runtime._pi._rpc import Event, open_rpc_channel
+from runtime._pi._session import create_session
+from runtime._pi._worker import open_worker
 
 from ._pi import real_pi
 

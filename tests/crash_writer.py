@@ -51,7 +51,8 @@ from typing import Final, NoReturn
 import trio
 
 from runtime import Journal, JournalError, Store, open_store
-from runtime._journal import encode_record
+from runtime._journal._journal import encode_record
+from runtime._journal._store import delivery_key
 from runtime._records import (
     Admission,
     EpochStarted,
@@ -66,7 +67,6 @@ from runtime._records import (
     ToolIntent,
     ToolOutcome,
 )
-from runtime._store import delivery_key
 
 LANES: Final = ("lane-0", "lane-1")
 DOCUMENTS: Final = ("doc-0.json", "doc-1.json")

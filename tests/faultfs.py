@@ -1,6 +1,6 @@
 """File systems that misbehave on purpose, for the journal store's tests.
 
-Both classes implement :class:`runtime._fs.FileSystem`, so the store runs on
+Both classes implement :class:`runtime._linux._fs.FileSystem`, so the store runs on
 them unchanged (``open_store(root, fs=...)``):
 
 * :class:`FaultyFileSystem` wraps another file system and makes the *N*-th
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from runtime._fs import FileSystem
+from runtime._linux._fs import FileSystem
 
 __all__ = [
     "Fault",

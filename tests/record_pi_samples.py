@@ -44,9 +44,9 @@ import trio.lowlevel
 
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, HttpError, Scenario, Step, Text, ToolCalls
+from runtime._boundary._http import HttpServer, Request, ResponseWriter, serve_http
 from runtime._clock import SystemWallClock, iso_timestamp
-from runtime._http import HttpServer, Request, ResponseWriter, serve_http
-from runtime._session import read_session
+from runtime._pi._session import read_session
 
 from ._samples import (
     FACTS,

@@ -31,13 +31,13 @@ from typing import Any
 import msgspec
 import trio
 
+from runtime._boundary._gate import RecordingGateJournal
+from runtime._boundary._gateway import DeliveryStepJournal
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
-from runtime._gate import RecordingGateJournal
-from runtime._gateway import DeliveryStepJournal
-from runtime._outbox import DeliveryResult
 from runtime._records import Record, ToolIntent
-from runtime._room_worker import RoomWorker, open_room_worker
+from runtime._rooms._outbox import DeliveryResult
+from runtime._rooms._worker import RoomWorker, open_room_worker
 from tests._host_process import pause_after_receipt_commit
 
 

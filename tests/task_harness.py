@@ -17,13 +17,13 @@ from fake_pi._behaviours import Behaviours
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime._clock import Clocks
-from runtime._launch import ModelRoute
+from runtime._journal._store import Store, open_store
+from runtime._pi._launch import ModelRoute
 from runtime._records import Record
-from runtime._store import Store, open_store
-from runtime._task_runner import TaskEvent, TaskRunner, open_task_runner
-from runtime._task_state import TaskSpec
-from runtime._task_workers import InProcessWorkers
-from runtime._watchdog import WatchdogPolicy
+from runtime._tasks._runner import TaskEvent, TaskRunner, open_task_runner
+from runtime._tasks._state import TaskSpec
+from runtime._tasks._watchdog import WatchdogPolicy
+from runtime._tasks._workers import InProcessWorkers
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")
 TASK = "task-1"

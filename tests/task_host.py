@@ -1,7 +1,7 @@
 """A task-runner host for the crash tests: ``python tests/task_host.py SPEC.json``.
 
 It opens a task runner on ``<base>/state`` with real worker processes (subprocess Fake-Pi
-behind the lane's gateway and gate, :class:`~runtime._task_workers.ProcessWorkers`) talking
+behind the lane's gateway and gate, :class:`~runtime._tasks._workers.ProcessWorkers`) talking
 to the scripted model at the spec's ``upstream``, on the unsafe test time scale
 (``WatchdogPolicy().scaled(scale)``) and the real clock. It submits the spec's ``task`` unless
 the state already holds it (a restart resumes it), then follows the task until it ends or is
@@ -55,20 +55,20 @@ from typing import Any
 import msgspec
 import trio
 
-from runtime._gate import GateCall, GateResult
-from runtime._gateway import GatewayConfig
-from runtime._journal import Journal
-from runtime._launch import ModelRoute, WorkerProgram
-from runtime._receipts import receipt_store
+from runtime._boundary._gate import GateCall, GateResult
+from runtime._boundary._gateway import GatewayConfig
+from runtime._boundary._receipts import receipt_store
+from runtime._boundary._tools import EffectLedger
+from runtime._journal._journal import Journal
+from runtime._journal._store import open_store, runtime_dir
+from runtime._pi._launch import ModelRoute, WorkerProgram
 from runtime._records import Record
-from runtime._store import open_store, runtime_dir
-from runtime._task_epoch import EpochEnd, EpochWatch
-from runtime._task_runner import TaskRunner, open_task_runner
-from runtime._task_state import TaskSpec
-from runtime._task_workers import EpochRequest, ProcessWorkers, TaskWorker
-from runtime._tasks import TaskLane
-from runtime._tools import EffectLedger
-from runtime._watchdog import WatchdogPolicy
+from runtime._tasks._epoch import EpochEnd, EpochWatch
+from runtime._tasks._lane import TaskLane
+from runtime._tasks._runner import TaskRunner, open_task_runner
+from runtime._tasks._state import TaskSpec
+from runtime._tasks._watchdog import WatchdogPolicy
+from runtime._tasks._workers import EpochRequest, ProcessWorkers, TaskWorker
 from tests._host_process import pause_after_receipt_commit
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")

@@ -1,4 +1,4 @@
-"""The admin socket (``runtime/_admin.py``); test names cite ``docs/design/operations.md``
+"""The admin socket (``runtime/_server/_admin.py``); test names cite ``docs/design/operations.md``
 (O5…). Real Unix sockets in ``tmp_path``, the real clock, every wait bounded by
 ``trio.fail_after``; the handler is a fake."""
 
@@ -16,9 +16,9 @@ import msgspec
 import pytest
 import trio
 
-from runtime import _admin
-from runtime._admin import ADMIN_SOCKET, MAX_REQUEST, admin_request, serve_admin
 from runtime._errors import AdminError, DeliveryError, ReasonCode, StateDirError
+from runtime._server import _admin
+from runtime._server._admin import ADMIN_SOCKET, MAX_REQUEST, admin_request, serve_admin
 
 LIMIT: Final = 10.0
 

@@ -1,4 +1,4 @@
-"""A lane's gateway and gate wired together (``runtime/_boundary.py``); test names cite
+"""A lane's gateway and gate wired together (``runtime/_boundary/_boundaries.py``); test names cite
 ``docs/design/boundaries.md`` (B1…).
 
 The end-to-end tests run the real Pi (with the extension) and the Fake-Pi subprocess through
@@ -27,9 +27,13 @@ from fake_pi._gate_client import post_json
 from fake_pi.model_server import ScriptedModel
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
-from runtime._boundary import Boundaries, BoundaryConfig, carried_tool_results, open_boundaries
-from runtime._clock import Clocks
-from runtime._gate import (
+from runtime._boundary._boundaries import (
+    Boundaries,
+    BoundaryConfig,
+    carried_tool_results,
+    open_boundaries,
+)
+from runtime._boundary._gate import (
     GATE_SECRET_ENV,
     GateCall,
     GateResult,
@@ -37,10 +41,15 @@ from runtime._gate import (
     RecordingGateJournal,
     interrupted_text,
 )
-from runtime._gateway import GATEWAY_SECRET_ENV, GatewayConfig
-from runtime._http import HttpServer, open_request
-from runtime._journal import Journal
-from runtime._proc import is_alive
+from runtime._boundary._gateway import GATEWAY_SECRET_ENV, GatewayConfig
+from runtime._boundary._http import HttpServer, open_request
+from runtime._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV, EffectLedger
+from runtime._clock import Clocks
+from runtime._journal._journal import Journal
+from runtime._journal._store import Store, delivery_key, open_store, runtime_dir
+from runtime._linux._proc import is_alive
+from runtime._pi._rpc import Event, WorkerExitedError, open_rpc_channel
+from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import (
     ModelRequestIntent,
     ModelResponse,
@@ -49,10 +58,6 @@ from runtime._records import (
     ToolIntent,
     ToolOutcome,
 )
-from runtime._rpc import Event, WorkerExitedError, open_rpc_channel
-from runtime._store import Store, delivery_key, open_store, runtime_dir
-from runtime._tools import RUNTIME_TOOLS, TOOLS_ENV, EffectLedger
-from runtime._worker import WorkerLaunch, open_worker
 
 from ._procs import alive_with_nonce
 from ._secrets import files_containing
@@ -130,7 +135,8 @@ async def test_b1_b3_b5_a_turn_through_both_boundaries_then_replay(
 ) -> None:
     """B1: a tool round's intents carry the step of the model response that asked for them,
     in the delivery's one log. B3: the granted runtime tools are declared to the worker
-    exactly as ``runtime/_tools.py`` has them and run in the runtime (once); a Pi tool runs
+    exactly as ``runtime/_boundary/_tools.py`` has them and run in the runtime (once); a Pi tool
+    runs
     in the worker. B5: neither secret reaches the tools' environment or any file. Then a new
     epoch on the rewound session is answered entirely from the journal: no model call, no
     tool run, nothing appended."""

@@ -1,4 +1,5 @@
-"""The ``pi-runtime`` command line (``runtime/_cli.py``, ``runtime/_inspect.py``); test names
+"""The ``pi-runtime`` command line (``runtime/_cli.py``, ``runtime/_journal/_inspect.py``); test
+names
 cite ``docs/design/operations.md`` (O1…).
 
 Commands run in-process through ``main(argv)`` (in a thread when the test itself runs Trio,
@@ -25,15 +26,15 @@ import pytest
 import trio
 
 from fake_pi.scenario import Hang, Text
-from runtime._admin import serve_admin
 from runtime._cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from runtime._config import ModelConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
-from runtime._outbox import ResultOutbox
+from runtime._journal._store import delivery_key, lane_key, open_store
 from runtime._records import Admission, Fingerprints, Outcome, Result
-from runtime._room_worker import open_room_worker, request_cancel
-from runtime._store import delivery_key, lane_key, open_store
-from runtime._token import read_token
+from runtime._rooms._outbox import ResultOutbox
+from runtime._rooms._worker import open_room_worker, request_cancel
+from runtime._server._admin import serve_admin
+from runtime._server._token import read_token
 from runtime._version import __version__
 
 from ._workers import scripted_upstream
@@ -208,9 +209,9 @@ def test_o11_serve_parses_its_options_and_runs_the_server_module(
         seen.append(args)
         return 7
 
-    module = types.ModuleType("runtime._serve")
+    module = types.ModuleType("runtime._server._serve")
     module.run_serve = run_serve  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "runtime._serve", module)
+    monkeypatch.setitem(sys.modules, "runtime._server._serve", module)
     assert main(["serve", "--port", "9001", "--agent", "pi", "--log-json"]) == 7
     (args,) = seen
     assert (args.host, args.port, args.agent, args.log_json) == ("127.0.0.1", 9001, "pi", True)

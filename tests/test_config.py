@@ -11,6 +11,8 @@ from typing import Any, Final
 import msgspec
 import pytest
 
+from runtime._boundary._gate import PI_TOOL_CLASSES
+from runtime._boundary._tools import RUNTIME_TOOLS
 from runtime._config import (
     DEFAULT_GRANTS,
     KNOWN_TOOLS,
@@ -26,9 +28,7 @@ from runtime._config import (
     validate_config,
 )
 from runtime._errors import ConfigError, DeliveryError, ReasonCode
-from runtime._gate import PI_TOOL_CLASSES
 from runtime._records import ReplayClass
-from runtime._tools import RUNTIME_TOOLS
 
 BASE: Final = Path("/srv/pi-runtime")
 

@@ -50,11 +50,11 @@ import pytest
 import trio
 
 from runtime import JournalError, ReasonCode, open_store
-from runtime._fs import OsFileSystem
-from runtime._journal import LogContents, encode_record, read_log
-from runtime._proc import ProcessIdentity, identity_of
+from runtime._journal._journal import LogContents, encode_record, read_log
+from runtime._journal._store import ADMISSIONS, LOCK, OWNER, RESULTS, delivery_key, lane_key
+from runtime._linux._fs import OsFileSystem
+from runtime._linux._proc import ProcessIdentity, identity_of
 from runtime._records import Header, LogKind
-from runtime._store import ADMISSIONS, LOCK, OWNER, RESULTS, delivery_key, lane_key
 from tests.crash_writer import DOCUMENTS, record_digest
 
 WRITER: Final = Path(__file__).with_name("crash_writer.py")

@@ -102,4 +102,4 @@ def test_the_check_sees_an_undeclared_import() -> None:
     would be reported — with every place that imports it."""
     missing = undeclared(_product(), declared() - {"h11"})
     assert set(missing) == {"h11"}
-    assert any(place.startswith("runtime/_http.py:") for place in missing["h11"])
+    assert any(place.startswith("runtime/_boundary/_http.py:") for place in missing["h11"])

@@ -1,4 +1,4 @@
-"""The framing layer (runtime._frame): pure bytes in, frames out."""
+"""The framing layer (runtime._journal._frame): pure bytes in, frames out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from runtime._errors import ReasonCode
-from runtime._frame import HEADER_SIZE, FrameDamage, encode_frame, scan
+from runtime._journal._frame import HEADER_SIZE, FrameDamage, encode_frame, scan
 
 
 def _log(*batches: list[bytes]) -> bytes:

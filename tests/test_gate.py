@@ -1,4 +1,5 @@
-"""The tool gate (``runtime/_gate.py``, ``runtime/pi_extension/gate.ts``, Fake-Pi's
+"""The tool gate (``runtime/_boundary/_gate.py``, ``runtime/_boundary/pi_extension/gate.ts``,
+Fake-Pi's
 ``fake_pi/_gate_client.py``); test names cite ``docs/design/gate.md`` (T1…).
 
 The server's decisions run against the real Unix socket with an in-memory log (and once on a
@@ -29,9 +30,7 @@ from fake_pi._gate_client import post_json
 from fake_pi.model_server import ScriptedModel
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
-from runtime._clock import Clocks
-from runtime._errors import JournalError, ReasonCode
-from runtime._gate import (
+from runtime._boundary._gate import (
     EXTENSION_PATH,
     GATE_SECRET_ENV,
     GATE_SOCKET_ENV,
@@ -49,13 +48,15 @@ from runtime._gate import (
     replay_class_of,
     serve_gate,
 )
-from runtime._http import HttpServer
-from runtime._receipts import open_receipt_store
+from runtime._boundary._http import HttpServer
+from runtime._boundary._receipts import open_receipt_store
+from runtime._boundary._tools import DocumentTools
+from runtime._clock import Clocks
+from runtime._errors import JournalError, ReasonCode
+from runtime._journal._store import delivery_key, open_store
+from runtime._pi._rpc import WorkerLaunchError, open_rpc_channel
+from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
-from runtime._rpc import WorkerLaunchError, open_rpc_channel
-from runtime._store import delivery_key, open_store
-from runtime._tools import DocumentTools
-from runtime._worker import WorkerLaunch, open_worker
 
 from ._secrets import files_containing
 from ._workers import one_turn, sandbox_launch, tool_messages

@@ -1,4 +1,5 @@
-"""The model gateway (``runtime/_gateway.py``); test names cite ``docs/design/gateway.md`` (G1…).
+"""The model gateway (``runtime/_boundary/_gateway.py``); test names cite
+``docs/design/gateway.md`` (G1…).
 
 Two speeds: the pure helpers (sync), and the Trio shell on loopback sockets against the
 scripted model (real clock, short intervals, every wait bounded by ``trio.fail_after`` and
@@ -25,9 +26,7 @@ from fake_pi.model_server import ScriptedModel, body_digest
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Cut, Hang, HttpError, Scenario, Step, Text, ToolCalls
 from runtime import ReasonCode
-from runtime._clock import Clocks
-from runtime._errors import JournalError
-from runtime._gateway import (
+from runtime._boundary._gateway import (
     DONE,
     KEEPALIVE,
     DeliveryStepJournal,
@@ -45,7 +44,7 @@ from runtime._gateway import (
     serve_gateway,
     sse_data,
 )
-from runtime._http import (
+from runtime._boundary._http import (
     HttpClientError,
     HttpServer,
     Request,
@@ -55,11 +54,13 @@ from runtime._http import (
     open_request,
     serve_http,
 )
+from runtime._clock import Clocks
+from runtime._errors import JournalError
+from runtime._journal._store import open_store
+from runtime._pi._rpc import open_rpc_channel
+from runtime._pi._session import create_session
+from runtime._pi._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 from runtime._records import ModelRequestIntent, ModelResponse
-from runtime._rpc import open_rpc_channel
-from runtime._session import create_session
-from runtime._store import open_store
-from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 
 from ._pi import real_pi
 from ._secrets import files_containing

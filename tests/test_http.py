@@ -1,4 +1,4 @@
-"""The small HTTP/1.1 layer (runtime._http) over real sockets on 127.0.0.1."""
+"""The small HTTP/1.1 layer (runtime._boundary._http) over real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
-from runtime._http import (
+from runtime._boundary._http import (
     HttpClientError,
     Request,
     ResponseWriter,

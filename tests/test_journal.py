@@ -1,4 +1,4 @@
-"""Typed logs (runtime._journal, runtime._records): decoding fails closed."""
+"""Typed logs (runtime._journal._journal, runtime._records): decoding fails closed."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from runtime._errors import JournalError, ReasonCode
-from runtime._frame import encode_frame
-from runtime._journal import decode_log, encode_record
+from runtime._journal._frame import encode_frame
+from runtime._journal._journal import decode_log, encode_record
 from runtime._records import (
     KNOWN_TAGS,
     SCHEMA_VERSION,

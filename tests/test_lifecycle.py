@@ -1,4 +1,5 @@
-"""The lifecycle kernel of a task lane (runtime._lifecycle): first terminal wins, the Done tuple.
+"""The lifecycle kernel of a task lane (runtime._tasks._lifecycle): first terminal wins, the Done
+tuple.
 
 Pure core, plain synchronous tests named after the invariants of docs/design/watchdog.md
 (``test_lk<N>_…``); seed 002 groups 5 (explicit outcomes, the layered Done), 7 (waits) and 9
@@ -15,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime._lifecycle import (
+from runtime._records import LifecycleKind, LifecycleReceipt
+from runtime._tasks._lifecycle import (
     OPERATOR_EPOCH,
     DoneEvidence,
     EpochKey,
@@ -25,7 +27,6 @@ from runtime._lifecycle import (
     Verdict,
     done_missing,
 )
-from runtime._records import LifecycleKind, LifecycleReceipt
 
 K = LifecycleKind
 TERMINAL_KINDS = (K.DONE, K.FAIL, K.ABORT, K.OPERATOR_FAIL)

@@ -8,7 +8,7 @@ flock gone *and* its identity no longer a live process.
 
 The holders here are real processes (``tests/crash_writer.py --hold``, which
 opens the store and waits); their identities are read from ``/proc`` by this
-test, independently of :mod:`runtime._proc`.
+test, independently of :mod:`runtime._linux._proc`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import pytest
 import trio
 
 from runtime import ReasonCode, StateDirError, StateDirLockedError, open_store
+from runtime._journal._store import OwnerRecord, runtime_dir
 from runtime._records import StepAbandoned
-from runtime._store import OwnerRecord, runtime_dir
 
 WRITER: Final = Path(__file__).with_name("crash_writer.py")
 TIMEOUT: Final = 20.0

@@ -1,4 +1,4 @@
-"""How a finished room turn ends (runtime._outcome): every rule, on Pi's own message shapes.
+"""How a finished room turn ends (runtime._rooms._outcome): every rule, on Pi's own message shapes.
 
 Message shapes are those of Pi 1.6.0's sessions and ``agent_end.messages``
 (``docs/design/fake-pi.md`` F2, F4-F6; the real Pi's ``tests/data/pi-1.6.0/session_*.jsonl``);
@@ -29,14 +29,14 @@ from fake_pi.scenario import (
     UsageLimit,
 )
 from runtime._errors import ReasonCode
-from runtime._outcome import (
+from runtime._records import Outcome
+from runtime._rooms._outcome import (
     STAY_SILENT,
     TurnEnd,
     classify_turn,
     could_still_be_silent,
     is_usage_limit,
 )
-from runtime._records import Outcome
 
 REPLY = Outcome.REPLY
 SILENT = Outcome.SILENT

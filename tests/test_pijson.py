@@ -1,11 +1,11 @@
-"""JSON exactly as JavaScript writes it (runtime._pijson). The encoder is invariant S2 of
+"""JSON exactly as JavaScript writes it (runtime._pi._pijson). The encoder is invariant S2 of
 docs/design/sessions.md, so the test names cite S2; the golden value is node's output."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime._pijson import loads, stringify
+from runtime._pi._pijson import loads, stringify
 
 # JSON.stringify output of node v20 for the object built in test_s2_..._golden.
 GOLDEN = (

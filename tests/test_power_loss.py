@@ -22,10 +22,10 @@ import trio
 
 from runtime import Journal, JournalError, ReasonCode, Store, open_store
 from runtime._errors import DiskFailedError
-from runtime._journal import LogContents, decode_log, encode_record
+from runtime._journal._journal import LogContents, decode_log, encode_record
+from runtime._journal._store import ADMISSIONS
+from runtime._journal._writer import atomic_write
 from runtime._records import Admission, Fingerprints, OutboxAction, Record
-from runtime._store import ADMISSIONS
-from runtime._writer import atomic_write
 
 from .faultfs import PowerLossFileSystem
 

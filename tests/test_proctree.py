@@ -15,8 +15,8 @@ from contextlib import contextmanager
 import pytest
 import trio
 
-from runtime import _proctree
-from runtime._proctree import (
+from runtime._linux import _proctree
+from runtime._linux._proctree import (
     EPOCH_ENV,
     TreeProof,
     exec_pending,

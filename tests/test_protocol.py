@@ -1,4 +1,4 @@
-"""The wire protocol (runtime._protocol): frames, bad input, negotiation, the schema.
+"""The wire protocol (runtime._server._protocol): frames, bad input, negotiation, the schema.
 
 Pure and sync. Test names cite the invariants P1..P10 of docs/design/protocol.md.
 """
@@ -17,11 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime._admission import Author, Delivery, HistoryItem, parse_delivery
 from runtime._errors import DeliveryError, ProtocolError, ReasonCode
 from runtime._events import TextUpdate, ToolActivity, Typing
-from runtime._outbox import DeliveryResult
-from runtime._protocol import (
+from runtime._records import Outcome
+from runtime._rooms._admission import Author, Delivery, HistoryItem, parse_delivery
+from runtime._rooms._outbox import DeliveryResult
+from runtime._rooms._worker import Accepted
+from runtime._server._protocol import (
     CLIENT_FRAME_TYPES,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -53,8 +55,6 @@ from runtime._protocol import (
     reject_binary_frame,
     schema_text,
 )
-from runtime._records import Outcome
-from runtime._room_worker import Accepted
 
 from .test_task_wire import TASK_VIEW
 
@@ -481,14 +481,14 @@ def test_p9_meaning_is_refused_by_the_worker_with_the_delivery_as_ref() -> None:
 
 def test_p10_the_committed_schema_is_generated_from_the_types() -> None:
     assert SCHEMA.read_text() == schema_text(), (
-        "docs/protocol.schema.json is out of date with runtime/_protocol.py; regenerate it:"
-        " .venv/bin/python -m runtime._protocol --schema > docs/protocol.schema.json"
+        "docs/protocol.schema.json is out of date with runtime/_server/_protocol.py; regenerate it:"
+        " .venv/bin/python -m runtime._server._protocol --schema > docs/protocol.schema.json"
     )
 
 
 def test_p10_the_schema_entry_point_prints_it() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runtime._protocol", "--schema"],
+        [sys.executable, "-m", "runtime._server._protocol", "--schema"],
         cwd=ROOT,
         capture_output=True,
         check=True,

@@ -1,4 +1,4 @@
-"""The receipt and document store (runtime._receipts): tests named after the invariants
+"""The receipt and document store (runtime._boundary._receipts): tests named after the invariants
 R1… of ``docs/design/receipts.md``, on a real SQLite file in a temporary state directory."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from typing import Any, Final
 import pytest
 import trio
 
-from runtime._errors import ReasonCode
-from runtime._receipts import (
+from runtime._boundary._receipts import (
     RECEIPT_DB,
     RECEIPT_OPERATIONS,
     ReceiptRefusal,
@@ -19,6 +18,7 @@ from runtime._receipts import (
     input_fingerprint,
     open_receipt_store,
 )
+from runtime._errors import ReasonCode
 
 LIMIT: Final = 30.0
 

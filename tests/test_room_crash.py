@@ -22,8 +22,8 @@ import pytest
 import trio
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
-from runtime._gate import interrupted_text
-from runtime._room_worker import request_cancel
+from runtime._boundary._gate import interrupted_text
+from runtime._rooms._worker import request_cancel
 
 from ._host_process import Fact, Host, run_host
 from ._pi import pi_home

@@ -49,17 +49,18 @@ import trio.testing
 
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Hang, Scenario, Step, Text, ToolCalls
-from runtime import _gateway, _lanes
+from runtime._boundary import _gateway
+from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._config import ModelConfig, RoomConfig, RoomWorkerConfig, Thresholds
 from runtime._errors import ReasonCode
-from runtime._http import Request, ResponseWriter, serve_http
-from runtime._outbox import DeliveryResult
+from runtime._journal._store import lane_key
+from runtime._pi._rpc import Event
 from runtime._records import EpochStarted, Outcome
-from runtime._room_worker import RoomWorker, open_room_worker
-from runtime._rpc import Event
-from runtime._stall import StallWatch
-from runtime._store import lane_key
+from runtime._rooms import _lane as _lanes
+from runtime._rooms._outbox import DeliveryResult
+from runtime._rooms._stall import StallWatch
+from runtime._rooms._worker import RoomWorker, open_room_worker
 
 ROOM: Final = "dm:100"
 MINUTE: Final = 60.0

@@ -1,4 +1,4 @@
-"""The room worker and its lanes (``runtime/_room_worker.py``, ``runtime/_lanes.py``); test
+"""The room worker and its lanes (``runtime/_rooms/_worker.py``, ``runtime/_rooms/_lane.py``); test
 names cite ``docs/design/lanes.md`` (L1…).
 
 Real processes (Fake-Pi as a subprocess, and the real Pi where a test is parametrized over
@@ -30,15 +30,15 @@ from fake_pi.scenario import (
     ToolCalls,
     UsageLimit,
 )
-from runtime._admission import changed_settings, settings_fingerprint
+from runtime._boundary._gate import interrupted_text
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._events import RoomEvent, TextUpdate, ToolActivity, Typing
-from runtime._gate import interrupted_text
-from runtime._outbox import DeliveryResult
+from runtime._journal._store import lane_key
 from runtime._records import EpochFenced, EpochStarted, Outcome
-from runtime._room_worker import RoomWorker, open_room_worker
-from runtime._store import lane_key
+from runtime._rooms._admission import changed_settings, settings_fingerprint
+from runtime._rooms._outbox import DeliveryResult
+from runtime._rooms._worker import RoomWorker, open_room_worker
 
 from ._pi import pi_home
 from ._workers import scripted_upstream, waiting_bash

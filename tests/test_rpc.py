@@ -1,4 +1,4 @@
-"""The RPC channel (``runtime/_rpc.py``); test names cite ``docs/design/rpc.md`` (R1…).
+"""The RPC channel (``runtime/_pi/_rpc.py``); test names cite ``docs/design/rpc.md`` (R1…).
 
 Three speeds: the pure core (sync); the Trio shell in-process, against a scripted wire or an
 in-process Fake-Pi, under ``autojump_clock``; and real processes (Fake-Pi as a subprocess and
@@ -27,8 +27,8 @@ from hypothesis import given
 from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime import MockWallClock, ReasonCode
-from runtime._http import HttpServer
-from runtime._rpc import (
+from runtime._boundary._http import HttpServer
+from runtime._pi._rpc import (
     COMMAND_GUARD,
     MALFORMED_LINE,
     Event,

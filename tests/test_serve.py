@@ -1,4 +1,4 @@
-"""The websocket server (runtime._serve): tests named after the invariants S1… of
+"""The websocket server (runtime._server._serve): tests named after the invariants S1… of
 ``docs/design/serve.md``, against a real server on 127.0.0.1 with real websocket clients and
 a real Fake-Pi worker; each bad-input case of the wire protocol once, end to end.
 """
@@ -24,8 +24,8 @@ from trio_websocket import (
 
 from fake_pi.scenario import Step, Text
 from runtime._config import config_from_dict
-from runtime._serve import RoomServer, ServeOptions, _options, check_bind, open_server
-from runtime._token import rotate_token
+from runtime._server._serve import RoomServer, ServeOptions, _options, check_bind, open_server
+from runtime._server._token import rotate_token
 
 from ._wire import Client, Frame, message
 from ._workers import scripted_upstream

@@ -1,4 +1,4 @@
-"""Pi session files (runtime._session). Test names cite invariants S1..S11 of
+"""Pi session files (runtime._pi._session). Test names cite invariants S1..S11 of
 docs/design/sessions.md; the samples are real Pi 1.6.0 output, recorded into the repository
 (tests/data/pi-1.6.0/, see its README.md). Entry ids and line numbers come from the samples
 themselves or from the recorder's ``facts.json``, never from a particular recording."""
@@ -21,10 +21,10 @@ import pytest
 import trio
 from hypothesis import given, settings
 
-from runtime import _session
 from runtime._clock import MockWallClock
 from runtime._errors import ReasonCode, SessionError
-from runtime._session import (
+from runtime._pi import _session
+from runtime._pi._session import (
     Attestation,
     Session,
     SessionIssueKind,

@@ -1,4 +1,4 @@
-"""Dangling tool calls and settling them before a relaunch (runtime._session). Test names
+"""Dangling tool calls and settling them before a relaunch (runtime._pi._session). Test names
 cite invariants S12 and S13 of docs/design/sessions.md.
 
 The unit tests build sessions with ``create_session`` and ``SessionWriter`` appends, in the
@@ -25,13 +25,13 @@ from fake_pi._messages import usage
 from fake_pi.model_server import ScriptedModel
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from runtime._boundary._gate import interrupted_text
+from runtime._boundary._http import HttpServer
 from runtime._clock import Clocks, MockWallClock, iso_timestamp
 from runtime._errors import ReasonCode, SessionError
-from runtime._gate import interrupted_text
-from runtime._http import HttpServer
-from runtime._pijson import loads
-from runtime._rpc import open_rpc_channel
-from runtime._session import (
+from runtime._pi._pijson import loads
+from runtime._pi._rpc import open_rpc_channel
+from runtime._pi._session import (
     DanglingCall,
     SessionEntry,
     SessionWriter,
@@ -48,7 +48,7 @@ from runtime._session import (
     read_session,
     settle_dangling,
 )
-from runtime._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
+from runtime._pi._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 
 from ._pi import real_pi
 from ._samples import SESSION_NAMES, facts, session_sample

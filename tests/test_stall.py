@@ -1,4 +1,4 @@
-"""The room turn stall backstop (runtime._stall): tests named after its numbered invariants.
+"""The room turn stall backstop (runtime._rooms._stall): tests named after its numbered invariants.
 
 The pure core is tested with plain numbers; the shell under virtual time, with
 :class:`MockSilenceClock` following Trio's MockClock and ``suspend()`` standing in for a host
@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from runtime._clock import MockSilenceClock
-from runtime._stall import DEFAULT_STALL_LIMIT, DEFAULT_STALL_TICK, StallWatch, watch_turn
+from runtime._rooms._stall import DEFAULT_STALL_LIMIT, DEFAULT_STALL_TICK, StallWatch, watch_turn
 
 MINUTE = 60.0
 

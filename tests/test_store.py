@@ -1,4 +1,4 @@
-"""The state directory layout and the store's API (runtime._store)."""
+"""The state directory layout and the store's API (runtime._journal._store)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from runtime import JournalError, ReasonCode, open_store
+from runtime._journal._store import delivery_key, lane_key
 from runtime._records import LogKind, ReplayClass, StepAbandoned, ToolIntent
-from runtime._store import delivery_key, lane_key
 
 
 def _step(n: int) -> StepAbandoned:

@@ -26,9 +26,10 @@ import trio
 import trio.testing
 
 from runtime import DiskFailedError, Journal, JournalError, ReasonCode, Store, open_store
-from runtime._frame import HEADER_SIZE, encode_frame, scan
-from runtime._fs import FileSystem, OsFileSystem
-from runtime._journal import decode_log, encode_record, read_log
+from runtime._journal._frame import HEADER_SIZE, encode_frame, scan
+from runtime._journal._journal import decode_log, encode_record, read_log
+from runtime._journal._store import ADMISSIONS, RESULTS
+from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import (
     SCHEMA_VERSION,
     Admission,
@@ -39,7 +40,6 @@ from runtime._records import (
     Poison,
     Record,
 )
-from runtime._store import ADMISSIONS, RESULTS
 
 from .faultfs import Fault, FaultyFileSystem, OpKind, PowerLossFileSystem, When
 

@@ -26,8 +26,8 @@ import pytest
 import trio
 
 from fake_pi.scenario import Step
-from runtime._admin import admin_request, serve_admin
 from runtime._cli import EXIT_FAILED, EXIT_NO_SERVER, EXIT_OK, main
+from runtime._server._admin import admin_request, serve_admin
 
 from ._workers import scripted_upstream
 from .task_harness import done, fail, make_worktree, say, wait

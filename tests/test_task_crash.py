@@ -28,10 +28,11 @@ import trio
 
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Step, Text, ToolCalls
-from runtime._fs import OsFileSystem
-from runtime._gate import interrupted_text
-from runtime._journal import read_log
-from runtime._proctree import EPOCH_ENV, proc_table, read_environ
+from runtime._boundary._gate import interrupted_text
+from runtime._journal._journal import read_log
+from runtime._journal._store import Store
+from runtime._linux._fs import OsFileSystem
+from runtime._linux._proctree import EPOCH_ENV, proc_table, read_environ
 from runtime._records import (
     ContinuationSent,
     EpochStarted,
@@ -41,7 +42,6 @@ from runtime._records import (
     TaskEnded,
     ToolIntent,
 )
-from runtime._store import Store
 
 from ._host_process import Fact, Host, run_host
 from ._workers import scripted_upstream, tool_messages

@@ -1,12 +1,12 @@
 """Task-lane fencing with real processes on the real clock (issue #8, Tests: "Real processes,
 real clock, short bounds"; ``docs/design/watchdog.md`` WD3, WD10, WD11, LK4, TL4, TL5).
 
-Each test runs a :class:`~runtime._task_workers.ProcessWorkers` lane — the real Pi or Fake-Pi
+Each test runs a :class:`~runtime._tasks._workers.ProcessWorkers` lane — the real Pi or Fake-Pi
 as a subprocess behind the lane's gateway and gate, one pair of servers per epoch — against
 the scripted model on loopback, with the production policy divided by :data:`FACTOR` (``soft``
 1.5 s, ``hard`` 4.5 s, ``grace`` 0.6 s), a short TERM grace and every test bounded by
 ``trio.fail_after``. Nothing sleeps on the real clock to wait for something: a test waits for
-the lane's :class:`~runtime._task_runner.TaskEvent`\\ s (or the model's requests) and then looks.
+the lane's :class:`~runtime._tasks._runner.TaskEvent`\\ s (or the model's requests) and then looks.
 
 How a worker is wedged:
 
@@ -44,12 +44,14 @@ import trio
 from fake_pi._behaviours import Behaviours, FakeConfig
 from fake_pi.model_server import ReceivedRequest, ScriptedModel, body_digest
 from fake_pi.scenario import Call, Hang, Scenario, Step, Text, ToolCalls
+from runtime._boundary._gateway import GatewayConfig
+from runtime._boundary._http import serve_http
 from runtime._clock import Clocks
-from runtime._gateway import GatewayConfig
-from runtime._http import serve_http
-from runtime._launch import ModelRoute, RetrySettings, WorkerProgram
-from runtime._proc import process_start_time
-from runtime._proctree import is_alive_pid, new_nonce
+from runtime._journal._store import Store, open_store, runtime_dir
+from runtime._linux._proc import process_start_time
+from runtime._linux._proctree import is_alive_pid, new_nonce
+from runtime._pi._launch import ModelRoute, RetrySettings, WorkerProgram
+from runtime._pi._session import aread_session
 from runtime._records import (
     ContinuationSent,
     EpochFenced,
@@ -59,13 +61,11 @@ from runtime._records import (
     Record,
     TaskEnded,
 )
-from runtime._session import aread_session
-from runtime._store import Store, open_store, runtime_dir
-from runtime._task_runner import TaskEvent, TaskRunner, open_task_runner
-from runtime._task_state import TaskSpec
-from runtime._task_workers import ProcessWorkers
-from runtime._tasks import TaskLane
-from runtime._watchdog import WatchdogPolicy
+from runtime._tasks._lane import TaskLane
+from runtime._tasks._runner import TaskEvent, TaskRunner, open_task_runner
+from runtime._tasks._state import TaskSpec
+from runtime._tasks._watchdog import WatchdogPolicy
+from runtime._tasks._workers import ProcessWorkers
 
 from ._pi import real_pi
 from ._procs import alive_with_nonce

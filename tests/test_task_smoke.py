@@ -57,9 +57,9 @@ import trio
 
 from fake_pi.model_server import ReceivedRequest, ScriptedModel, body_digest, serve_model
 from fake_pi.scenario import Call, Step, Text, ToolCalls
-from runtime._http import Request, ResponseWriter
-from runtime._proc import process_start_time
-from runtime._proctree import is_alive_pid
+from runtime._boundary._http import Request, ResponseWriter
+from runtime._linux._proc import process_start_time
+from runtime._linux._proctree import is_alive_pid
 
 from ._procs import alive_with_nonce
 

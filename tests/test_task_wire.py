@@ -20,10 +20,10 @@ from trio_websocket import open_websocket_url
 
 from fake_pi.scenario import Step
 from runtime._config import config_from_dict
-from runtime._protocol import TaskViewFrame, decode_server_frame, encode_server_frame
-from runtime._serve import RoomServer, ServeOptions, open_server
-from runtime._task_runner import TaskEvent
-from runtime._task_state import TaskView
+from runtime._server._protocol import TaskViewFrame, decode_server_frame, encode_server_frame
+from runtime._server._serve import RoomServer, ServeOptions, open_server
+from runtime._tasks._runner import TaskEvent
+from runtime._tasks._state import TaskView
 
 from ._wire import Client, Frame
 from ._workers import scripted_upstream

@@ -31,15 +31,15 @@ from runtime._records import (
     TaskReply,
     TaskSubmitted,
 )
-from runtime._task_state import (
+from runtime._tasks._lane import TaskLane
+from runtime._tasks._state import (
     TaskError,
     TaskSpec,
     inference_costs,
     read_lane,
     submitted_record,
 )
-from runtime._tasks import TaskLane
-from runtime._watchdog import WatchdogPolicy
+from runtime._tasks._watchdog import WatchdogPolicy
 
 from .task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
 

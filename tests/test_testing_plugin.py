@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 import runtime.testing
-from runtime._http import iter_sse, open_request
+from runtime._boundary._http import iter_sse, open_request
 from runtime.testing import (
     Clocks,
     HttpServer,

@@ -1,4 +1,4 @@
-"""The access token (``runtime/_token.py``); test names cite ``docs/design/operations.md``
+"""The access token (``runtime/_server/_token.py``); test names cite ``docs/design/operations.md``
 (O1…). Files only under ``tmp_path``; no clock."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime import _token
 from runtime._errors import ReasonCode, StateDirError
-from runtime._token import (
+from runtime._journal._writer import TMP_MARK
+from runtime._server import _token
+from runtime._server._token import (
     TOKEN_FILE,
     ensure_token,
     read_token,
@@ -20,7 +21,6 @@ from runtime._token import (
     token_matches,
     token_path,
 )
-from runtime._writer import TMP_MARK
 
 
 def mode(path: Path) -> int:

@@ -1,4 +1,4 @@
-"""The task-lane watchdog, fencing guards and recovery budget (runtime._watchdog, _guards).
+"""The task-lane watchdog, fencing guards and recovery budget (runtime._tasks._watchdog, _guards).
 
 Pure cores, plain synchronous tests named after the invariants of docs/design/watchdog.md
 (``test_wd<N>_…``). Time is plain numbers: a :class:`Tick` carries the boottime reading
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from runtime._guards import Budget, GuardEvidence, failed_guards
-from runtime._watchdog import (
+from runtime._tasks._guards import Budget, GuardEvidence, failed_guards
+from runtime._tasks._watchdog import (
     ACTION_TABLE,
     HARD_FLOOR_SECONDS,
     Action,

@@ -1,4 +1,5 @@
-"""Process epochs and whole-tree ownership (``runtime/_worker.py``, ``runtime/_proctree.py``).
+"""Process epochs and whole-tree ownership (``runtime/_pi/_worker.py``,
+``runtime/_linux/_proctree.py``).
 
 Invariants W1-W11 are in ``docs/design/workers.md``; each test names the ones it proves.
 
@@ -29,9 +30,8 @@ import trio.lowlevel
 
 from runtime._cli import main as cli_main
 from runtime._errors import ReasonCode, WorkerError
-from runtime._pi_install import PiInstall
-from runtime._proc import ProcessIdentity, boot_id, identity_of, is_alive
-from runtime._proctree import (
+from runtime._linux._proc import ProcessIdentity, boot_id, identity_of, is_alive
+from runtime._linux._proctree import (
     EPOCH_ENV,
     cgroup_member,
     is_child_subreaper,
@@ -42,8 +42,8 @@ from runtime._proctree import (
     settled_environ,
     trio_managed,
 )
-from runtime._records import EpochStarted
-from runtime._worker import (
+from runtime._pi._pi_install import PiInstall
+from runtime._pi._worker import (
     ENV_ALLOWED,
     QUIET_FLAGS,
     Containment,
@@ -61,6 +61,7 @@ from runtime._worker import (
     worker_environment,
     write_agent_files,
 )
+from runtime._records import EpochStarted
 
 from ._pi import real_pi
 from ._procs import alive_with_nonce

@@ -1,4 +1,4 @@
-"""A task's worktree evidence (runtime._worktree): tests named after the invariants W-M1…,
+"""A task's worktree evidence (runtime._tasks._worktree): tests named after the invariants W-M1…,
 W-C1… and W-V1… of its module docstring, on real files, real git repositories and real
 child processes (so the real clock with short bounds)."""
 
@@ -20,8 +20,8 @@ import trio
 import trio.lowlevel
 
 from runtime._errors import ReasonCode, WorktreeError
-from runtime._proctree import is_alive_pid
-from runtime._worktree import (
+from runtime._linux._proctree import is_alive_pid
+from runtime._tasks._worktree import (
     CANDIDATE_REF_PREFIX,
     OUTPUT_TAIL_BYTES,
     VALIDATION_ENV,

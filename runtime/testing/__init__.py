@@ -47,8 +47,8 @@ from fake_pi.scenario import Thinking as Thinking
 from fake_pi.scenario import ToolCalls as ToolCalls
 from fake_pi.scenario import UsageLimit as UsageLimit
 
+from .._boundary._http import HttpServer as HttpServer
 from .._clock import Clocks as Clocks
 from .._clock import MockSilenceClock as MockSilenceClock
 from .._clock import MockWallClock as MockWallClock
-from .._http import HttpServer as HttpServer
 from ._clock import io_aware_autojump_clock as io_aware_autojump_clock

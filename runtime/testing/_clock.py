@@ -7,7 +7,7 @@ import os
 import trio
 import trio.testing
 
-from .._writer import handoffs_in_flight
+from .._journal._writer import handoffs_in_flight
 
 __all__ = ["io_aware_autojump_clock"]
 

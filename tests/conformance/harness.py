@@ -8,7 +8,7 @@ on ``b"\\n"`` only, as Pi's docs require), and stops it on exit: stdin closed,
 a bounded wait, then SIGKILL by PID. Every wait is bounded with
 :func:`trio.fail_after`; nothing here sleeps.
 
-The real Pi is installed (idempotently) by :func:`runtime._pi_install.install_pi`
+The real Pi is installed (idempotently) by :func:`runtime._pi._pi_install.install_pi`
 into ``<repo>/.cache/pi`` (``PI_RUNTIME_PI_HOME`` overrides). If that fails the
 tests fail with the installer's message: they never skip.
 """
@@ -31,8 +31,8 @@ import trio.lowlevel
 
 from fake_pi.model_server import ReceivedRequest, ScriptedModel, serve_model
 from fake_pi.scenario import Scenario, Step
-from runtime._http import HttpServer
-from runtime._pi_install import PiInstall, install_pi
+from runtime._boundary._http import HttpServer
+from runtime._pi._pi_install import PiInstall, install_pi
 
 __all__ = [
     "WORKERS",

@@ -7,7 +7,7 @@ must pass the scenario's behavioural checks, and their normalized outputs
 real Pi run: that cell proves the checks hold for Pi and that the normalizers
 only remove what varies between two runs of Pi itself.
 
-The real Pi is installed on first use (``runtime._pi_install``); if it cannot
+The real Pi is installed on first use (``runtime._pi._pi_install``); if it cannot
 be, the tests fail with the installer's message.
 """
 

@@ -2,7 +2,7 @@
 
 Issue item 4 (model server scenarios): every step type, the plain default answer, directives only
 when enabled, request counting and body digests, scenario files, and the standalone CLI. HTTP
-tests use the runtime's own client (``runtime._http.open_request`` / ``iter_sse``) against
+tests use the runtime's own client (``runtime._boundary._http.open_request`` / ``iter_sse``) against
 ``serve_model`` in the test's Trio run, on the real clock with ``fail_after`` bounds; timing
 tests call ``ScriptedModel.stream`` directly under the ``autojump_clock`` fixture, so delays are
 measured in virtual time.
@@ -46,7 +46,7 @@ from fake_pi.scenario import (
     ToolCalls,
     UsageLimit,
 )
-from runtime._http import HttpClientError, HttpServer, iter_sse, open_request
+from runtime._boundary._http import HttpClientError, HttpServer, iter_sse, open_request
 
 LIMIT = 20.0
 """Bound on every real-clock wait."""

@@ -35,7 +35,7 @@ import trio.lowlevel
 
 from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import Call, HttpError, Scenario, Step, Text, ToolCalls
-from runtime._http import HttpServer
+from runtime._boundary._http import HttpServer
 
 Record = dict[str, Any]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from runtime._worker import Containment, open_epoch, worker_environment
+from runtime._pi._worker import Containment, open_epoch, worker_environment
 
 TREE = Path(__file__).with_name("tree.sh")
 

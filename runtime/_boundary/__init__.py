@@ -1,0 +1,1 @@
+"""_boundary: see docs/design/index.md (Layout)."""

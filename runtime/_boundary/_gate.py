@@ -1,0 +1,608 @@
+"""The tool gate: before a worker's tool starts, the runtime decides; after it, the outcome.
+
+Boundary 3 of brief §3. The worker (the real Pi through ``runtime/_boundary/pi_extension/gate.ts``,
+Fake-Pi through ``fake_pi/_gate_client.py``) asks over a Unix socket (mode 0600, in the
+runtime directory) with small JSON bodies over HTTP/1.1:
+
+* ``POST /before {tool_call_id, name, args}`` →
+  ``{"decision":"run","intent_id":…}`` |
+  ``{"decision":"saved","result":{content,details?,isError}}`` |
+  ``{"decision":"refused","result":{content,isError:true}}``
+* ``POST /after {tool_call_id, name, result:{content,details?,isError}}`` → ``{"ok":true}``
+
+Only requests carrying the current epoch's secret (``authorization: Bearer <secret>``) are
+served; anything else gets 401 and reaches no journal (T1). What to answer is decided by a
+:class:`GateJournal`; :class:`RecordingGateJournal` is the implementation, on a delivery's
+:class:`~runtime._journal._journal.Journal` or (for tests) on a :class:`MemoryLog`. It makes the
+:class:`~runtime._records.ToolIntent` durable before it answers *run* (T2), answers *saved*
+from a recorded :class:`~runtime._records.ToolOutcome` for the same tool-call id within the
+round (T3), *refused* for tools not granted (T4), and classifies tools by replay class (T5).
+The invariants are in ``docs/design/gate.md``.
+
+Resource handling: :func:`serve_gate` owns the listening socket and removes the socket file
+when it ends. Error handling: a journal failure is answered with 503 (the worker's tool fails
+closed, it does not run) and then raised from :func:`serve_gate` as itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import secrets
+import socket as stdlib_socket
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import msgspec
+import trio
+
+from .._errors import PiRuntimeError, ReasonCode
+from .._records import Record, ReplayClass, ToolIntent, ToolOutcome
+from ._http import Request, ResponseWriter, _serve_connection
+from ._receipts import RECEIPT_OPERATIONS
+from ._tools import RUNTIME_TOOLS, RuntimeTool
+
+__all__ = [
+    "EXTENSION_PATH",
+    "GATE_SECRET_ENV",
+    "GATE_SOCKET_ENV",
+    "PI_TOOL_CLASSES",
+    "Decision",
+    "Gate",
+    "GateCall",
+    "GateError",
+    "GateJournal",
+    "GateResult",
+    "GateServer",
+    "MemoryLog",
+    "RecordingGateJournal",
+    "Refuse",
+    "RunTool",
+    "Saved",
+    "canonical_args",
+    "gate_environment",
+    "interrupted_text",
+    "not_started_text",
+    "replay_class_of",
+    "serve_gate",
+]
+
+GATE_SOCKET_ENV: Final = "PI_RUNTIME_GATE_SOCKET"
+"""The worker's environment variable naming the gate's Unix socket."""
+GATE_SECRET_ENV: Final = "PI_RUNTIME_GATE_SECRET"
+"""The worker's environment variable holding the epoch's gate secret. The extension (and
+Fake-Pi) remove it from the process environment at load, so no tool ever sees it (T6)."""
+EXTENSION_PATH: Final = Path(__file__).resolve().parent / "pi_extension" / "gate.ts"
+"""The Pi extension to load with ``-ne -e``."""
+PI_TOOL_CLASSES: Final[Mapping[str, ReplayClass]] = {
+    "read": ReplayClass.SAFE,
+    "bash": ReplayClass.NEVER,
+    "write": ReplayClass.NEVER,
+    "edit": ReplayClass.NEVER,
+}
+"""Declared replay classes of Pi's gated tools; any other tool is ``never`` (brief §4.4)."""
+
+_json = msgspec.json.Encoder()
+
+
+class GateError(PiRuntimeError):
+    """The gate could not record a decision or an outcome (``gate_*`` reason codes)."""
+
+
+# ------------------------------------------------------------------------------- the data
+
+
+@dataclass(frozen=True, slots=True)
+class GateCall:
+    """One tool call as the worker asks about it."""
+
+    tool_call_id: str
+    """The provider's id: unique within a round only."""
+    name: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class GateResult:
+    """A tool result in Pi's shape: what is (or will be) handed to the model."""
+
+    content: list[dict[str, Any]]
+    is_error: bool = False
+    details: Any = None
+
+    @classmethod
+    def text(cls, text: str, *, is_error: bool = False) -> GateResult:
+        return cls(content=[{"type": "text", "text": text}], is_error=is_error)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"content": self.content, "isError": self.is_error}
+        if self.details is not None:
+            out["details"] = self.details
+        return out
+
+    @classmethod
+    def from_json(cls, value: object) -> GateResult:
+        if not isinstance(value, dict):
+            raise ValueError("result must be an object")
+        content = value.get("content")
+        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+            raise ValueError("result.content must be a list of objects")
+        is_error = value.get("isError", False)
+        if not isinstance(is_error, bool):
+            raise ValueError("result.isError must be a boolean")
+        return cls(content=content, is_error=is_error, details=value.get("details"))
+
+
+@dataclass(frozen=True, slots=True)
+class RunTool:
+    """Run the tool; its intent is durable (``intent_id``)."""
+
+    intent_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """Do not run; hand this result to the model verbatim (a replayed call)."""
+
+    result: GateResult
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Do not run; hand this result to the model as an error."""
+
+    result: GateResult
+
+
+Decision = RunTool | Saved | Refuse
+
+
+def canonical_args(args: Mapping[str, Any]) -> str:
+    """The arguments as canonical JSON (sorted keys, compact): what a ToolIntent stores."""
+    return msgspec.json.encode(dict(args), order="sorted").decode()
+
+
+def replay_class_of(
+    name: str,
+    declared: Mapping[str, ReplayClass] = PI_TOOL_CLASSES,
+    recorded: ReplayClass | None = None,
+) -> ReplayClass:
+    """A tool's replay class: its declared class (unknown → ``never``); the stricter of that
+    and ``recorded`` when an intent already recorded one (T5)."""
+    cls = declared.get(name, ReplayClass.NEVER)
+    if cls is ReplayClass.RECEIPT and name not in RECEIPT_OPERATIONS:
+        cls = ReplayClass.NEVER  # only the registry's operations have a receipt (R7)
+    return cls if recorded is None else ReplayClass.stricter(cls, recorded)
+
+
+def interrupted_text(name: str) -> str:
+    """What the model gets for a never-replay tool whose intent has no outcome (brief §4.4)."""
+    return f"tool {name} was interrupted and possibly ran; inspect before repeating"
+
+
+def not_started_text(name: str) -> str:
+    """What the model gets for a call the worker died holding before the gate let it run."""
+    return f"tool {name} was interrupted before it started; it did not run"
+
+
+# ---------------------------------------------------------------------------- the journal
+
+
+class GateJournal(Protocol):
+    """What the gate server asks. Both calls return only once what they record is durable."""
+
+    async def decide(self, call: GateCall) -> Decision: ...
+
+    async def record_outcome(self, call: GateCall, result: GateResult) -> None: ...
+
+
+class AppendLog(Protocol):
+    """The part of :class:`~runtime._journal._journal.Journal` the gate needs."""
+
+    @property
+    def next_seq(self) -> int: ...
+
+    async def append(self, record: Record) -> int: ...
+
+
+@dataclass
+class MemoryLog:
+    """An in-memory :class:`AppendLog` for tests. ``on_append`` runs inside each append,
+    before it returns (a test can hold an append there and look at the world)."""
+
+    records: list[Record] = field(default_factory=list)
+    """Sequence ``i + 1`` is ``records[i]`` (seq 0 is a real log's header)."""
+    on_append: Callable[[Record], Awaitable[None]] | None = None
+
+    def __post_init__(self) -> None:
+        self._next = len(self.records) + 1
+
+    @property
+    def next_seq(self) -> int:
+        return self._next
+
+    async def append(self, record: Record) -> int:
+        seq = self._next
+        self._next += 1
+        if self.on_append is not None:
+            await self.on_append(record)
+        await trio.lowlevel.checkpoint()
+        self.records.append(record)
+        return seq
+
+
+class RecordingGateJournal:
+    """The :class:`GateJournal` of one delivery: ToolIntent / ToolOutcome records in its log.
+
+    ``log`` is the delivery's :class:`~runtime._journal._journal.Journal` (or a :class:`MemoryLog`);
+    ``existing`` the records it held when opened (``journal.contents.records``), from which
+    recorded outcomes are answered. ``key`` is the delivery key, so intent ids are
+    ``<key>:<seq>`` with ``seq`` the intent's own sequence number in the log. ``granted``
+    names the tools this lane may run; ``classes`` their declared replay classes (the runtime
+    tools' own classes are added). ``runtime_tools`` are the handlers of the granted runtime
+    tools (``runtime/_boundary/_tools.py``): the gate runs them itself and answers *saved* (T10).
+    ``step`` returns the current round (the model step whose response carried the calls); the
+    lane wires it to the gateway's step, tests may leave it at 0. Set :attr:`epoch` per epoch.
+    """
+
+    def __init__(
+        self,
+        log: AppendLog,
+        *,
+        key: str,
+        epoch: int,
+        granted: Collection[str],
+        classes: Mapping[str, ReplayClass] = PI_TOOL_CLASSES,
+        existing: Iterable[Record] = (),
+        step: Callable[[], int] = lambda: 0,
+        runtime_tools: Mapping[str, RuntimeTool] | None = None,
+    ) -> None:
+        self._log = log
+        self.key = key
+        self.epoch = epoch
+        self.granted = frozenset(granted)
+        self.runtime_tools = dict(runtime_tools or {})
+        if missing := sorted((self.granted & RUNTIME_TOOLS.keys()) - self.runtime_tools.keys()):
+            raise ValueError(f"runtime tools granted without a handler: {', '.join(missing)}")
+        self.classes = {n: s.replay_class for n, s in RUNTIME_TOOLS.items()} | dict(classes)
+        self._step = step
+        self._intents: dict[tuple[int, str], ToolIntent] = {}
+        self._outcomes: dict[str, ToolOutcome] = {}
+        self._running: dict[str, ToolIntent] = {}
+        """Intents answered *run* in this process, by tool-call id, awaiting their outcome."""
+        self._settled: dict[str, trio.Event] = {}
+        """Per running tool-call id: set once its outcome is durable (the gateway waits, T11)."""
+        self._lock = trio.Lock()
+        for record in existing:
+            self._learn(record)
+
+    def _learn(self, record: Record) -> None:
+        if isinstance(record, ToolIntent):
+            self._intents[(record.step, record.tool_call_id)] = record
+        elif isinstance(record, ToolOutcome):
+            self._outcomes[record.intent_id] = record
+
+    async def _append(self, record: Record) -> int:
+        try:
+            seq = await self._log.append(record)
+        except PiRuntimeError:
+            raise
+        except OSError as error:
+            raise GateError(ReasonCode.GATE_JOURNAL_FAILED, f"cannot append: {error}") from error
+        self._learn(record)
+        return seq
+
+    async def decide(self, call: GateCall) -> Decision:
+        decision = await self._decide(call)
+        handler = self.runtime_tools.get(call.name)
+        if handler is None or not isinstance(decision, RunTool):
+            return decision
+        result = await self._run_runtime_tool(handler, call, decision.intent_id)  # T10
+        await self.record_outcome(call, result)
+        return Saved(result)
+
+    async def _run_runtime_tool(
+        self, handler: RuntimeTool, call: GateCall, intent_id: str
+    ) -> GateResult:
+        try:
+            return await handler(call, intent_id)
+        except PiRuntimeError:
+            raise
+        except Exception as error:  # the tool failed: the model is told, the call settles
+            return GateResult.text(f"tool {call.name} failed: {error}", is_error=True)
+
+    async def _decide(self, call: GateCall) -> Decision:
+        async with self._lock:  # one decision at a time: seq and intent id stay paired
+            step = self._step()
+            if call.name not in self.granted:  # T4: nothing recorded, nothing runs
+                return Refuse(
+                    GateResult.text(
+                        f"tool {call.name} is not granted here ({ReasonCode.GATE_TOOL_REFUSED})",
+                        is_error=True,
+                    )
+                )
+            previous = self._intents.get((step, call.tool_call_id))
+            declared = replay_class_of(call.name, self.classes)
+            if previous is not None:
+                outcome = self._outcomes.get(previous.intent_id)
+                if outcome is not None:  # T3: the recorded result, verbatim
+                    return Saved(GateResult(content=outcome.content, is_error=outcome.is_error))
+                cls = replay_class_of(call.name, self.classes, previous.replay_class)
+                if cls is ReplayClass.RECEIPT and call.name in self.runtime_tools:
+                    # T13: the same receipt-guarded write proves or applies it (R2)
+                    self._running[call.tool_call_id] = previous
+                    self._settled[call.tool_call_id] = trio.Event()
+                    return RunTool(previous.intent_id)
+                if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
+                    return Saved(await self._record_interrupted(previous, call))
+                declared = cls
+            intent_id = f"{self.key}:{self._log.next_seq}"
+            intent = ToolIntent(
+                intent_id=intent_id,
+                step=step,
+                tool_call_id=call.tool_call_id,
+                name=call.name,
+                args=canonical_args(call.args),
+                replay_class=declared,
+                epoch=self.epoch,
+            )
+            seq = await self._append(intent)  # T2: durable before "run" is answered
+            if f"{self.key}:{seq}" != intent_id:  # pragma: no cover - a second appender raced
+                raise GateError(
+                    ReasonCode.GATE_JOURNAL_FAILED,
+                    f"intent {intent_id} landed at seq {seq}: another task appended meanwhile",
+                )
+            self._running[call.tool_call_id] = intent
+            self._settled[call.tool_call_id] = trio.Event()
+            return RunTool(intent_id)
+
+    async def record_outcome(self, call: GateCall, result: GateResult) -> None:
+        async with self._lock:
+            intent = self._running.get(call.tool_call_id)
+            if intent is None:
+                raise GateError(
+                    ReasonCode.GATE_BAD_REQUEST,
+                    f"an outcome for {call.tool_call_id!r}, which the gate did not let run",
+                )
+            await self._record_settled(intent, call, result)
+
+    async def settle(self, call: GateCall) -> GateResult:
+        """The result for a call the dead worker's session left without one (T12): the
+        recorded outcome; for an intent without outcome "possibly ran", recorded so every
+        later answer is the same; for a call the gate never let run, "did not run"."""
+        async with self._lock:
+            intent = self._intents.get((self._step(), call.tool_call_id))
+            if intent is None:
+                return GateResult.text(not_started_text(call.name), is_error=True)
+            outcome = self._outcomes.get(intent.intent_id)
+            if outcome is not None:
+                return GateResult(content=outcome.content, is_error=outcome.is_error)
+            cls = replay_class_of(call.name, self.classes, intent.replay_class)
+            handler = self.runtime_tools.get(call.name)
+            if cls is ReplayClass.RECEIPT and handler is not None:  # T13
+                result = await self._run_runtime_tool(handler, call, intent.intent_id)
+                return await self._record_settled(intent, call, result)
+            return await self._record_interrupted(intent, call)
+
+    async def _record_interrupted(self, intent: ToolIntent, call: GateCall) -> GateResult:
+        """Record and return "possibly ran" as the outcome of ``intent`` (lock held)."""
+        result = GateResult.text(interrupted_text(call.name), is_error=True)
+        return await self._record_settled(intent, call, result)
+
+    async def _record_settled(
+        self, intent: ToolIntent, call: GateCall, result: GateResult
+    ) -> GateResult:
+        """Record ``result`` as the outcome of ``intent``, settling it (lock held)."""
+        await self._append(
+            ToolOutcome(
+                intent_id=intent.intent_id,
+                tool_call_id=call.tool_call_id,
+                content=result.content,
+                is_error=result.is_error,
+            )
+        )
+        if self._running.get(call.tool_call_id) is intent:
+            del self._running[call.tool_call_id]
+            self._settled.pop(call.tool_call_id).set()
+        return result
+
+    def release(self) -> None:
+        """The delivery ended: forget its intents and outcomes and refuse every tool from
+        now on (an idle lane keeps no turn in memory)."""
+        self._log = MemoryLog()
+        self.granted = frozenset()
+        self._intents.clear()
+        self._outcomes.clear()
+
+    async def wait_outcomes(self, tool_call_ids: Iterable[str]) -> None:
+        """Return once no call among ``tool_call_ids`` that was let run is still without a
+        durable outcome (T11: the gateway holds a model request carrying such a result)."""
+        for call_id in tool_call_ids:
+            event = self._settled.get(call_id)
+            if event is not None:
+                await event.wait()
+        await trio.lowlevel.checkpoint()
+
+    def in_flight(self) -> list[ToolIntent]:
+        """Intents let run in this process whose outcome is not recorded yet."""
+        return list(self._running.values())
+
+    def unsettled(self) -> list[ToolIntent]:
+        """Every known intent (recorded before or by this object) without an outcome."""
+        return [i for i in self._intents.values() if i.intent_id not in self._outcomes]
+
+    def outcomes(self) -> list[ToolOutcome]:
+        """Every outcome known (recorded before or by this object)."""
+        return list(self._outcomes.values())
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+def _error_body(code: ReasonCode, message: str) -> bytes:
+    return _json.encode({"error": {"code": str(code), "message": message}})
+
+
+class Gate:
+    """The HTTP handler of the gate for one lane; the secret rotates per epoch."""
+
+    def __init__(self, journal: GateJournal, *, secret: str | None = None) -> None:
+        self.journal = journal
+        self._secret = secret or secrets.token_urlsafe(32)
+        self._failure: PiRuntimeError | None = None
+        self._failed = trio.Event()
+        self.refused_unauthorized = 0
+
+    @property
+    def secret(self) -> str:
+        """The current epoch's secret; give it to the worker (environment), never to disk."""
+        return self._secret
+
+    def rotate_secret(self) -> str:
+        """A fresh secret for a new epoch; the old one stops working at once."""
+        self._secret = secrets.token_urlsafe(32)
+        return self._secret
+
+    def _authorized(self, request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode(), self._secret.encode()
+        )
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        if not self._authorized(request):  # T1
+            self.refused_unauthorized += 1
+            body = _error_body(
+                ReasonCode.GATE_UNAUTHORIZED, "this request does not carry the current secret"
+            )
+            await response.respond(401, body)
+            return
+        target = request.target.split("?", 1)[0]
+        if request.method != "POST" or target not in ("/before", "/after"):
+            await response.respond(
+                404, _error_body(ReasonCode.GATE_BAD_REQUEST, "only POST /before and /after")
+            )
+            return
+        try:
+            call, result = _parse(request.body, with_result=target == "/after")
+        except ValueError as error:
+            await response.respond(400, _error_body(ReasonCode.GATE_BAD_REQUEST, str(error)))
+            return
+        try:
+            if result is None:
+                answer = _decision_json(await self.journal.decide(call))
+            else:
+                await self.journal.record_outcome(call, result)
+                answer = {"ok": True}
+        except GateError as error:
+            if error.code is ReasonCode.GATE_BAD_REQUEST:
+                await response.respond(409, _error_body(error.code, error.message))
+                return
+            await self._fail_and_answer(error, response)
+            return
+        except PiRuntimeError as error:  # journal failures: the tool fails closed
+            await self._fail_and_answer(error, response)
+            return
+        await response.respond(200, _json.encode(answer))
+
+    async def _fail_and_answer(self, error: PiRuntimeError, response: ResponseWriter) -> None:
+        if self._failure is None:
+            self._failure = error
+        try:  # answer first (the tool fails closed), then stop serving
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await response.respond(503, _error_body(error.code, error.message))
+        finally:
+            self._failed.set()
+
+    async def wait_failed(self) -> PiRuntimeError:
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
+
+def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | None]:
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"the body is not JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object")
+    call_id, name = data.get("tool_call_id"), data.get("name")
+    if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+        raise ValueError("tool_call_id and name must be non-empty strings")
+    if with_result:
+        return GateCall(call_id, name, {}), GateResult.from_json(data.get("result"))
+    args = data.get("args", {})
+    if not isinstance(args, dict):
+        raise ValueError("args must be an object")
+    return GateCall(call_id, name, args), None
+
+
+def _decision_json(decision: Decision) -> dict[str, Any]:
+    if isinstance(decision, RunTool):
+        return {"decision": "run", "intent_id": decision.intent_id}
+    if isinstance(decision, Saved):
+        return {"decision": "saved", "result": decision.result.to_json()}
+    refused = decision.result.to_json()
+    refused["isError"] = True
+    return {"decision": "refused", "result": refused}
+
+
+@dataclass(frozen=True, slots=True)
+class GateServer:
+    path: Path
+    """The Unix socket (mode 0600)."""
+
+
+def gate_environment(server: GateServer, gate: Gate) -> dict[str, str]:
+    """The worker's ``extra_env`` for the gate (the secret only ever travels here)."""
+    return {GATE_SOCKET_ENV: str(server.path), GATE_SECRET_ENV: gate.secret}
+
+
+async def serve_gate(
+    gate: Gate,
+    path: Path,
+    *,
+    task_status: trio.TaskStatus[GateServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``gate`` on a Unix socket at ``path`` (mode 0600) until cancelled.
+
+    ``path``'s directory should be private (``runtime._journal._store.runtime_dir``); a path is at
+    most 107 bytes. The socket is chmod-ed before ``listen``, so no connection can arrive
+    while it is wider. The socket file is removed when serving ends. Raises the journal's
+    error if recording failed (after answering the worker 503).
+    """
+    if len(os.fsencode(path)) > 107:
+        raise GateError(ReasonCode.GATE_BAD_REQUEST, f"socket path too long: {path}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    failure: PiRuntimeError | None = None
+    try:
+        await sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(64)
+        listener = trio.SocketListener(sock)
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def serve(stream: trio.SocketStream) -> None:
+                    await _serve_connection(stream, gate.handle)
+
+                nursery.start_soon(
+                    functools.partial(
+                        trio.serve_listeners, serve, [listener], handler_nursery=nursery
+                    )
+                )
+                task_status.started(GateServer(path=path))
+                failure = await gate.wait_failed()
+                scope.cancel()
+    finally:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    if failure is not None:
+        raise failure

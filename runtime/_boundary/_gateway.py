@@ -1,0 +1,741 @@
+"""The model gateway: the worker's model endpoint, journaling every step (brief §3).
+
+A worker (the real Pi or Fake-Pi) is pointed at the gateway instead of the
+model: OpenAI-compatible streaming ``POST …/chat/completions`` on loopback. The
+gateway answers each request either from the journal (replay: upstream is not
+called) or by calling the upstream model and relaying its stream. The
+invariants (G1…) are in ``docs/design/gateway.md``; in short:
+
+* a step is identified by the sha256 of the canonical request body (G1);
+* the intent is durable before upstream is called (G2); chunks pass through as
+  they arrive (G3); the terminal part — the ``finish_reason`` chunk, the usage
+  chunk and ``[DONE]`` — is held until the complete response is durable (G4);
+  SSE keepalive comments flow whenever nothing else did for an interval (G5);
+* a recorded step is answered from the journal, byte-identical framing, and
+  never paid twice (G6); missing tool-call ids are minted from digest + index (G7);
+* only requests carrying the current epoch's secret are served (G8); the
+  upstream key is read from the environment per request and written nowhere (G9);
+* upstream inactivity ends the stream with an error Pi retries in-process (G10);
+  so does, when configured, an upstream that sends no data event, only comments (G15).
+
+Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
+:class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
+:func:`serve_gateway` are the Trio shell.
+
+Resource handling: :func:`serve_gateway` runs until cancelled. Each request's
+upstream connection lives inside the request's handler and is closed when it
+returns, however it returns.
+
+Error handling: protocol problems are answered to the worker (401, 400, an SSE
+``error`` event, or a cut connection — each with a ``gateway_*`` reason code in
+the message). A failed journal append is not: the worker's stream is cut, and
+:func:`serve_gateway` raises the :class:`~runtime._errors.PiRuntimeError` to its
+owner (the lane), which fences the epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import msgspec
+import trio
+
+from .._errors import PiRuntimeError, ReasonCode
+from .._journal._journal import Journal
+from .._records import ModelRequestIntent, ModelResponse
+from ._http import (
+    HttpClientError,
+    HttpServer,
+    Request,
+    ResponseWriter,
+    iter_sse,
+    open_request,
+    serve_http,
+)
+
+__all__ = [
+    "DONE",
+    "GATEWAY_SECRET_ENV",
+    "KEEPALIVE",
+    "ROOM_UPSTREAM_INACTIVITY",
+    "DeliveryStepJournal",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayStatistics",
+    "MemoryStepJournal",
+    "StepJournal",
+    "ToolCallIds",
+    "data_inactivity_message",
+    "inactivity_message",
+    "is_terminal",
+    "request_digest",
+    "serve_gateway",
+    "sse_data",
+]
+
+GATEWAY_SECRET_ENV: Final = "PI_RUNTIME_GATEWAY_SECRET"
+"""The worker's environment variable holding the epoch's gateway secret; the worker's model
+route names it as its API key (``"$PI_RUNTIME_GATEWAY_SECRET"``), which Pi and Fake-Pi resolve
+from the environment at request time, so it is never written to the agent directory. Tools
+never see it: the extension's bash ``spawnHook`` and Fake-Pi drop it from their environment."""
+DONE: Final = "[DONE]"
+KEEPALIVE: Final = b": keepalive\n\n"
+ROOM_UPSTREAM_INACTIVITY: Final = 270.0
+"""Seconds of upstream silence after which a room lane's stream is aborted (below Pi's 300 s)."""
+DEFAULT_KEEPALIVE_INTERVAL: Final = 15.0
+"""Well below Pi's ``httpIdleTimeoutMs`` (300 s) between body chunks."""
+_SSE_HEADERS: Final = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
+_json = msgspec.json.Encoder()
+_sorted_json = msgspec.json.Encoder(order="sorted")
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def request_digest(body: Mapping[str, Any]) -> str:
+    """sha256 of the canonical body: sorted-key compact JSON of the parsed body (G1).
+
+    The same function as the scripted model's ``body_digest``, so tests can ask
+    the upstream how often it saw a digest.
+    """
+    return hashlib.sha256(_sorted_json.encode(body)).hexdigest()
+
+
+def sse_data(payload: str) -> bytes:
+    """One SSE event carrying ``payload`` (a chunk's JSON, or ``[DONE]``)."""
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def _decode(payload: str) -> dict[str, Any] | None:
+    try:
+        value = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def is_terminal(payload: str) -> bool:
+    """Whether this SSE payload belongs to the held terminal part (G4).
+
+    ``[DONE]``, a chunk whose choice carries a ``finish_reason``, or a usage chunk.
+    """
+    if payload.strip() == DONE:
+        return True
+    chunk = _decode(payload)
+    if chunk is None:
+        return False
+    if chunk.get("usage") is not None:
+        return True
+    choices = chunk.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+    return False
+
+
+@dataclass
+class ToolCallIds:
+    """Mints tool-call ids the upstream omitted, deterministically (G7).
+
+    The id is ``call_<digest[:16]>_<index>`` (plus ``_<choice>`` for a choice
+    other than 0), set on the first delta of each tool call that carries no id.
+    Later deltas of the same call are left alone (an id there would start a new
+    call in Pi's parser). Feed every payload of one response in order.
+    """
+
+    digest: str
+    _seen: set[tuple[int, int]] = field(default_factory=set)
+
+    def mint(self, choice: int, index: int) -> str:
+        suffix = f"_{choice}" if choice else ""
+        return f"call_{self.digest[:16]}_{index}{suffix}"
+
+    def apply(self, payload: str) -> str:
+        """``payload`` unchanged, or re-encoded with ids filled in."""
+        if '"tool_calls"' not in payload:
+            return payload
+        chunk = _decode(payload)
+        if chunk is None or not isinstance(chunk.get("choices"), list):
+            return payload
+        changed = False
+        for position, choice in enumerate(chunk["choices"]):
+            if not isinstance(choice, dict):
+                continue
+            choice_index = choice.get("index", position)
+            delta = choice.get("delta")
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            if not isinstance(calls, list):
+                continue
+            for call in calls:
+                if not isinstance(call, dict):
+                    continue
+                key = (int(choice_index), int(call.get("index", 0)))
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+                if not call.get("id"):
+                    call["id"] = self.mint(*key)
+                    changed = True
+        return _json.encode(chunk).decode() if changed else payload
+
+
+def inactivity_message(seconds: float) -> str:
+    """The error text for an aborted silent upstream; matches Pi's retryable ``timed out``."""
+    return (
+        f"{ReasonCode.GATEWAY_UPSTREAM_INACTIVE}: the upstream model stream timed out "
+        f"(no data for {seconds:g} s); the request will be retried"
+    )
+
+
+def data_inactivity_message(seconds: float) -> str:
+    """The error text for an upstream that sent no data event, only comments (G15)."""
+    return (
+        f"{ReasonCode.GATEWAY_UPSTREAM_INACTIVE}: the upstream model stream timed out "
+        f"(no data event for {seconds:g} s, only comments); the request will be retried"
+    )
+
+
+def _error_body(code: ReasonCode, message: str) -> bytes:
+    return _json.encode({"error": {"message": f"{code}: {message}", "type": str(code)}})
+
+
+# ------------------------------------------------------------------------------- journals
+
+
+class StepJournal(Protocol):
+    """What the gateway asks of a delivery's journal. Every method returns once durable."""
+
+    async def lookup(self, digest: str) -> list[str] | None:
+        """The recorded SSE payloads of a complete response to ``digest``, or ``None``."""
+        ...
+
+    async def record_request(self, digest: str) -> None:
+        """Make the intent to call upstream for ``digest`` durable (before the call)."""
+        ...
+
+    async def record_response(self, digest: str, chunks: list[str]) -> None:
+        """Make the complete response durable (before its terminal part is released)."""
+        ...
+
+
+@dataclass
+class MemoryStepJournal:
+    """A :class:`StepJournal` in memory, for tests and in-process runs."""
+
+    responses: dict[str, list[str]] = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+    """Every ``record_request`` digest, in order."""
+
+    async def lookup(self, digest: str) -> list[str] | None:
+        await trio.lowlevel.checkpoint()
+        found = self.responses.get(digest)
+        return list(found) if found is not None else None
+
+    async def record_request(self, digest: str) -> None:
+        await trio.lowlevel.checkpoint()
+        self.requests.append(digest)
+
+    async def record_response(self, digest: str, chunks: list[str]) -> None:
+        await trio.lowlevel.checkpoint()
+        self.responses[digest] = list(chunks)
+
+
+class DeliveryStepJournal:
+    """A :class:`StepJournal` on one delivery's log.
+
+    Records :class:`ModelRequestIntent` / :class:`ModelResponse`; step numbers
+    count distinct model requests in the log. A request whose intent is
+    recorded but unanswered (a retry after a cut) keeps its step; the new
+    intent records the new epoch.
+
+    Keep one per open delivery log across epochs (it tracks what it appended;
+    ``journal.contents`` holds only what the log had when opened) and set
+    :attr:`epoch` when a new epoch starts.
+    """
+
+    def __init__(self, journal: Journal, *, epoch: int, replay: bool = False) -> None:
+        self._journal: Journal | None = journal
+        self.epoch = epoch
+        self.replay = replay
+        """Each epoch asks the steps again from the first; diverging is refused (G13)."""
+        self._steps: dict[str, int] = {}
+        self._responses: dict[str, list[str]] = {}
+        self._next_step = 0
+        self._last_answered = -1
+        self._replayed_upto = -1
+        """The highest answered step this epoch's worker has asked again (G13)."""
+        self.current_step = 0
+        """The step of the request answered last (recorded or replayed): the round whose
+        response carries the tool calls the gate is asked about next (shared numbering)."""
+        self.mismatch: ReplayMismatch | None = None
+        """Set when this epoch's replay diverged from the journal (G13); the lane ends the
+        delivery ``recovery_refused:replay``."""
+        for record in journal.contents.records:
+            if isinstance(record, ModelRequestIntent):
+                self._steps.setdefault(record.request_digest, record.step)
+                self._next_step = max(self._next_step, record.step + 1)
+                self.current_step = record.step
+            elif isinstance(record, ModelResponse):
+                self._responses[record.request_digest] = list(record.chunks)
+                self._last_answered = max(self._last_answered, record.step)
+
+    def release(self) -> None:
+        """The delivery ended: forget its steps and log (an idle lane keeps no turn in
+        memory); every later request is refused (G14)."""
+        self._journal = None
+        self._steps.clear()
+        self._responses.clear()
+
+    def _log(self) -> Journal:
+        if self._journal is None:
+            raise StepRefused(
+                ReasonCode.GATEWAY_BAD_REQUEST, "no delivery is being answered on this gateway"
+            )
+        return self._journal
+
+    @property
+    def last_answered(self) -> int:
+        """The highest step with a recorded response (-1: none): what a replay asks again."""
+        return self._last_answered
+
+    def begin_epoch(self, epoch: int) -> None:
+        """A new worker epoch records ``epoch`` and replays the delivery from its first step."""
+        self.epoch = epoch
+        self._replayed_upto = -1
+
+    def step_of(self, digest: str) -> int | None:
+        return self._steps.get(digest)
+
+    async def lookup(self, digest: str) -> list[str] | None:
+        await trio.lowlevel.checkpoint()
+        found = self._responses.get(digest)
+        if found is None:
+            return None
+        self.current_step = self._steps[digest]
+        self._replayed_upto = max(self._replayed_upto, self.current_step)
+        return list(found)
+
+    async def record_request(self, digest: str) -> None:
+        log = self._log()
+        step = self._steps.get(digest)
+        if step is None:
+            step = self._next_step
+        behind = self._replayed_upto < self._last_answered and step > self._replayed_upto + 1
+        if self.replay and behind:
+            # G13: an answered step lies between what this epoch replayed and this request
+            self.mismatch = ReplayMismatch(
+                ReasonCode.RECOVERY_REFUSED,
+                f"the replayed request at step {self._replayed_upto + 1} is not the one the "
+                "journal answered there; the turn is not asked upstream",
+            )
+            raise self.mismatch
+        if step == self._next_step:
+            self._next_step += 1
+            self._steps[digest] = step
+        self.current_step = step
+        await log.append(ModelRequestIntent(step=step, request_digest=digest, epoch=self.epoch))
+
+    async def record_response(self, digest: str, chunks: list[str]) -> None:
+        log = self._log()
+        step = self._steps[digest]
+        await log.append(
+            ModelResponse(step=step, request_digest=digest, chunks=list(chunks), epoch=self.epoch)
+        )
+        self._responses[digest] = list(chunks)
+        self._last_answered = max(self._last_answered, step)
+        self._replayed_upto = max(self._replayed_upto, step)
+
+
+class StepRefused(PiRuntimeError):
+    """A request the gateway refuses and goes on serving (409, which the worker does not
+    retry): unlike a journal failure (G12) it says nothing about the journal's health."""
+
+
+class ReplayMismatch(StepRefused):
+    """A replayed turn asked for a model request the journal did not answer at that step
+    (G13, brief §4.3 "a mismatch fails closed"): refused, never sent upstream."""
+
+
+# ------------------------------------------------------------------------------ the shell
+
+
+GateBarrier = Callable[[dict[str, Any]], Awaitable[None]]
+AnswerHook = Callable[[dict[str, Any], str, bool], Awaitable[None]]
+"""``(body, digest, replayed)``: awaited once a request's step is known, before its answer."""
+
+
+async def _no_barrier(body: dict[str, Any]) -> None:
+    await trio.lowlevel.checkpoint()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    upstream_url: str
+    """The upstream's base URL (``…/v1``); ``/chat/completions`` is appended."""
+    upstream_key_env: str | None = None
+    """The *name* of the environment variable holding the upstream key, read per request."""
+    keepalive_interval: float = DEFAULT_KEEPALIVE_INTERVAL
+    upstream_inactivity: float = ROOM_UPSTREAM_INACTIVITY
+    """Per lane kind: rooms :data:`ROOM_UPSTREAM_INACTIVITY`; task lanes the phase's threshold."""
+    upstream_data_inactivity: float | None = None
+    """G15: the stream is cut when no SSE data event (comments do not count) arrived for this
+    long after the headers. Rooms: ``None``, no such deadline; task lanes: the same value."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayStatistics:
+    requests: int
+    refused: int
+    replayed: int
+    upstream_calls: int
+    journaled: int
+    inactivity_aborts: int
+    data_inactivity_aborts: int
+    """Streams cut because only comments arrived for ``upstream_data_inactivity`` (G15)."""
+    detached: int
+    """Upstream responses that finished after their delivery was detached (G14)."""
+
+
+class _Downstream:
+    """The worker's side of one response: serialised sends, lazy start, keepalives.
+
+    A worker that goes away does not stop the step: sends become no-ops and the
+    upstream response is still read to the end and journaled.
+    """
+
+    def __init__(self, response: ResponseWriter) -> None:
+        self._response = response
+        self._lock = trio.Lock()
+        self.gone = False
+        self.last_sent = trio.current_time()
+
+    @property
+    def started(self) -> bool:
+        return self._response.started
+
+    async def _write(self, data: bytes, *, end: bool = False) -> None:
+        async with self._lock:
+            if self.gone:
+                return
+            try:
+                if not self._response.started:
+                    await self._response.start(200, _SSE_HEADERS)
+                await self._response.send(data)
+                if end:
+                    await self._response.end()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.gone = True
+            self.last_sent = trio.current_time()
+
+    async def send(self, data: bytes) -> None:
+        await self._write(data)
+
+    async def finish(self, data: bytes) -> None:
+        await self._write(data, end=True)
+
+    async def respond(self, status: int, body: bytes) -> None:
+        """A whole non-stream response, if the stream has not started."""
+        async with self._lock:
+            if self.gone or self._response.started:
+                return
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._response.respond(status, body)
+
+    async def keepalive(self, interval: float) -> None:
+        """Send a keepalive comment whenever nothing was sent for ``interval`` (G5), until
+        the worker is gone (a send to a gone worker does not move ``last_sent``: looping on
+        would spin)."""
+        while not self.gone:
+            await trio.sleep_until(self.last_sent + interval)
+            if trio.current_time() >= self.last_sent + interval:
+                await self.send(KEEPALIVE)
+
+
+class Gateway:
+    """The model endpoint of one worker epoch; serve it with :func:`serve_gateway`.
+
+    ``journal`` is the delivery's :class:`StepJournal`; ``gate_barrier(body)`` is
+    awaited before a request is answered (the tool gate holds requests whose
+    tool results are not yet durable there; default: no wait). ``environ`` is
+    where the upstream key is looked up on each request (default ``os.environ``).
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        journal: StepJournal,
+        *,
+        gate_barrier: GateBarrier | None = None,
+        environ: Mapping[str, str] | None = None,
+        secret: str | None = None,
+        on_answer: AnswerHook | None = None,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self._barrier = gate_barrier or _no_barrier
+        self.on_answer = on_answer
+        """Awaited with ``(body, digest, replayed)`` once the request's step is recorded or
+        found, before anything of the answer is sent (the lane watches for its steers)."""
+        self._environ = os.environ if environ is None else environ
+        self._secret = secret or secrets.token_urlsafe(32)
+        self._locks: dict[str, trio.Lock] = {}
+        self._failure: PiRuntimeError | None = None
+        self._failed = trio.Event()
+        self._stats = dict.fromkeys(
+            (
+                "requests",
+                "refused",
+                "replayed",
+                "upstream_calls",
+                "journaled",
+                "inactivity_aborts",
+                "data_inactivity_aborts",
+                "detached",
+            ),
+            0,
+        )
+
+    @property
+    def secret(self) -> str:
+        """The current epoch's secret; give it to the worker, never to disk or logs."""
+        return self._secret
+
+    def rotate_secret(self) -> str:
+        """A fresh secret for a new epoch; the old one stops working at once."""
+        self._secret = secrets.token_urlsafe(32)
+        return self._secret
+
+    def statistics(self) -> GatewayStatistics:
+        return GatewayStatistics(**self._stats)
+
+    def _authorized(self, request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode(), self._secret.encode()
+        )
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        """The HTTP handler (for :func:`~runtime._boundary._http.serve_http`)."""
+        self._stats["requests"] += 1
+        if not self._authorized(request):  # G8: nothing reaches upstream
+            self._stats["refused"] += 1
+            await response.respond(
+                401,
+                _error_body(
+                    ReasonCode.GATEWAY_UNAUTHORIZED,
+                    "this request does not carry the current epoch's secret",
+                ),
+            )
+            return
+        target = request.target.split("?", 1)[0].rstrip("/")
+        if request.method != "POST" or not target.endswith("/chat/completions"):
+            await response.respond(
+                404,
+                _error_body(ReasonCode.GATEWAY_BAD_REQUEST, "only POST …/chat/completions"),
+            )
+            return
+        try:
+            body = msgspec.json.decode(request.body)
+        except msgspec.DecodeError:
+            body = None
+        if not isinstance(body, dict):
+            await response.respond(
+                400,
+                _error_body(ReasonCode.GATEWAY_BAD_REQUEST, "the body is not a JSON object"),
+            )
+            return
+        digest = request_digest(body)
+        downstream = _Downstream(response)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(downstream.keepalive, self.config.keepalive_interval)
+            try:
+                await self._barrier(body)
+                lock = self._locks.setdefault(digest, trio.Lock())
+                try:
+                    async with lock:  # an identical request in flight: wait, then replay
+                        await self._answer(body, digest, downstream)
+                finally:
+                    if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                        self._locks.pop(digest, None)  # only requests in flight keep one
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _answer(self, body: dict[str, Any], digest: str, downstream: _Downstream) -> None:
+        journal = self.journal  # G14: this request's delivery, even if another is attached later
+        recorded = await journal.lookup(digest)
+        if recorded is not None:  # G6: replay, upstream untouched
+            self._stats["replayed"] += 1
+            if self.on_answer is not None:
+                await self.on_answer(body, digest, True)
+            for payload in recorded[:-1]:
+                await downstream.send(sse_data(payload))
+            await downstream.finish(sse_data(recorded[-1]) if recorded else b"")
+            return
+        key: str | None = None
+        if self.config.upstream_key_env is not None:
+            key = self._environ.get(self.config.upstream_key_env)  # G9: per request, kept local
+            if not key:
+                await downstream.respond(
+                    500,
+                    _error_body(
+                        ReasonCode.GATEWAY_UPSTREAM_KEY_MISSING,
+                        f"the upstream key variable {self.config.upstream_key_env} is not set; "
+                        "set it in the runtime's environment",
+                    ),
+                )
+                return
+        try:
+            await journal.record_request(digest)  # G2
+        except StepRefused as exc:  # G13, G14: refused, not retried by the worker
+            self._stats["refused"] += 1
+            await downstream.respond(409, _error_body(exc.code, exc.message))
+            return
+        except PiRuntimeError as exc:
+            self._fail(exc)
+            return
+        if self.on_answer is not None:
+            await self.on_answer(body, digest, False)
+        self._stats["upstream_calls"] += 1
+        await self._relay(body, digest, key, downstream, journal)
+
+    async def _relay(
+        self,
+        body: dict[str, Any],
+        digest: str,
+        key: str | None,
+        downstream: _Downstream,
+        journal: StepJournal,
+    ) -> None:
+        ids = ToolCallIds(digest)
+        chunks: list[str] = []
+        held: list[str] = []
+        headers = [("content-type", "application/json"), ("accept", "text/event-stream")]
+        if key is not None:
+            headers.append(("authorization", f"Bearer {key}"))
+        url = self.config.upstream_url.rstrip("/") + "/chat/completions"
+        limit = self.config.upstream_inactivity
+        data_limit = self.config.upstream_data_inactivity
+        with (
+            trio.CancelScope(deadline=trio.current_time() + limit) as silence,
+            trio.CancelScope() as no_data,  # G15: only data events move it
+        ):
+
+            def data_arrived() -> None:
+                if data_limit is not None:
+                    no_data.deadline = trio.current_time() + data_limit
+
+            async def activity(received: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                async for data in received:
+                    silence.deadline = trio.current_time() + limit
+                    yield data
+
+            try:
+                async with open_request(
+                    "POST", url, headers=headers, body=_json.encode(body)
+                ) as upstream:
+                    silence.deadline = trio.current_time() + limit
+                    if upstream.status != 200:
+                        await self._relay_status(upstream.status, await upstream.read(), downstream)
+                        return
+                    data_arrived()  # the data deadline runs from the headers
+                    async for event in iter_sse(activity(upstream.iter_bytes())):
+                        if event.data is None:
+                            continue  # upstream comments count as activity only (G10, G15)
+                        data_arrived()
+                        payload = ids.apply(event.data)  # G7
+                        chunks.append(payload)
+                        if held or is_terminal(payload):
+                            held.append(payload)  # G4
+                        else:
+                            await downstream.send(sse_data(payload))  # G3
+            except HttpClientError:
+                return  # upstream cut: cut the worker too ("terminated", retried)
+        if silence.cancelled_caught:  # G10
+            self._stats["inactivity_aborts"] += 1
+            await self._relay_error(504, inactivity_message(limit), downstream)
+            return  # a started stream is cut: Pi and Fake-Pi retry
+        if no_data.cancelled_caught:  # G15: comments only, the same retryable end
+            assert data_limit is not None
+            self._stats["data_inactivity_aborts"] += 1
+            await self._relay_error(504, data_inactivity_message(data_limit), downstream)
+            return
+        if not held:
+            await downstream.finish(b"")  # ended without finish_reason: relayed as is
+            return
+        if held[-1].strip() != DONE:
+            chunks.append(DONE)
+            held.append(DONE)
+        if journal is not self.journal:  # G14: its delivery ended meanwhile (stalled, cancelled)
+            self._stats["detached"] += 1
+            return  # nobody replays it: not journaled, and the stream is cut without its end
+        try:
+            await journal.record_response(digest, chunks)  # keepalives flow meanwhile
+        except StepRefused:  # G14: released while the response streamed
+            self._stats["detached"] += 1
+            return
+        except PiRuntimeError as exc:
+            self._fail(exc)
+            return
+        self._stats["journaled"] += 1
+        for payload in held[:-1]:
+            await downstream.send(sse_data(payload))
+        await downstream.finish(sse_data(held[-1]))
+
+    async def _relay_status(self, status: int, body: bytes, downstream: _Downstream) -> None:
+        """An upstream HTTP error: the same status, or an SSE error once streaming."""
+        if not downstream.started:
+            await downstream.respond(status, body)
+            return
+        await self._relay_error(
+            status, f"{status}: {body[:2000].decode(errors='replace')}", downstream
+        )
+
+    async def _relay_error(self, status: int, message: str, downstream: _Downstream) -> None:
+        if not downstream.started:
+            await downstream.respond(status, _json.encode({"error": {"message": message}}))
+            return
+        # Pi's OpenAI client raises an event carrying ``error`` with this message
+        await downstream.send(sse_data(_json.encode({"error": {"message": message}}).decode()))
+
+    def _fail(self, error: PiRuntimeError) -> None:
+        if self._failure is None:
+            self._failure = error
+        self._failed.set()
+
+    async def wait_failed(self) -> PiRuntimeError:
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
+
+async def serve_gateway(
+    gateway: Gateway,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``gateway`` on loopback until cancelled; ``started`` with the bound server.
+
+    Point the worker at ``f"{server.url}/v1"`` with ``gateway.secret`` as its key.
+    Raises the journal's error (e.g. ``journal_poisoned``) if an append failed.
+    """
+    failure: PiRuntimeError | None = None
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(
+                lambda task_status: serve_http(
+                    gateway.handle, host=host, port=port, task_status=task_status
+                )
+            )
+            task_status.started(server)
+            failure = await gateway.wait_failed()
+            scope.cancel()
+    if failure is not None:
+        raise failure

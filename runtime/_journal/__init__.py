@@ -1,0 +1,1 @@
+"""_journal: see docs/design/index.md (Layout)."""

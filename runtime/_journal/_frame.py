@@ -1,0 +1,140 @@
+"""The on-disk framing of every journal log (pure: bytes in, frames out).
+
+A log file is a sequence of frames. One frame holds one or more consecutive
+records (a group commit writes a whole batch as one frame, so a torn batch is a
+torn *final frame*, never damage in the middle)::
+
+    offset 0   u32  body length (little endian)
+           4   u32  crc32 over bytes 8.. of the header and the body
+           8   u64  sequence number of the first record in the frame
+          16   u32  record count (>= 1)
+          20   body: a JSON array of ``count`` records
+
+Reading (:func:`scan`) accepts exactly the frames that check out, in sequence.
+The only damage it forgives is a **torn tail**: bytes at the end of the file
+after which no valid frame begins (a write that never completed, zeros or
+garbage from a power loss). Such bytes were never acknowledged, because an
+append is acknowledged only after its frame was synced. Anything else — a bad
+frame followed by a good one, a sequence gap — raises :class:`FrameDamage`.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+from .._errors import ReasonCode
+
+__all__ = ["HEADER_SIZE", "MAX_BODY", "Frame", "FrameDamage", "Scan", "encode_frame", "scan"]
+
+_HEADER: Final = struct.Struct("<IIQI")
+HEADER_SIZE: Final = _HEADER.size
+MAX_BODY: Final = 256 * 1024 * 1024
+"""Largest frame body accepted (a model response with megabyte lines fits easily)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    offset: int
+    first_seq: int
+    count: int
+    body: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + HEADER_SIZE + len(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    frames: list[Frame]
+    good_length: int
+    """Bytes up to the end of the last good frame."""
+    torn_bytes: int
+    """Bytes after ``good_length`` that form a torn tail (0 if none)."""
+
+    @property
+    def next_seq(self) -> int:
+        return self.frames[-1].first_seq + self.frames[-1].count if self.frames else 0
+
+
+class FrameDamage(Exception):
+    """Damage that is not a torn tail: the log must fail closed."""
+
+    def __init__(self, code: ReasonCode, offset: int, detail: str) -> None:
+        super().__init__(f"{code} at offset {offset}: {detail}")
+        self.code = code
+        self.offset = offset
+        self.detail = detail
+
+
+def encode_frame(first_seq: int, records: list[bytes]) -> bytes:
+    """Frame already-encoded JSON records as one batch."""
+    if not records:
+        raise ValueError("a frame holds at least one record")
+    body = b"[" + b",".join(records) + b"]"
+    if len(body) > MAX_BODY:
+        raise ValueError(f"frame body of {len(body)} bytes exceeds {MAX_BODY}")
+    tail = struct.pack("<QI", first_seq, len(records))
+    crc = zlib.crc32(body, zlib.crc32(tail))
+    return struct.pack("<II", len(body), crc) + tail + body
+
+
+def _frame_at(data: bytes | memoryview, offset: int) -> Frame | None:
+    """The valid frame starting at ``offset``, or ``None``."""
+    if len(data) - offset < HEADER_SIZE:
+        return None
+    length, crc, first_seq, count = _HEADER.unpack_from(data, offset)
+    end = offset + HEADER_SIZE + length
+    if length > MAX_BODY or end > len(data) or count == 0:
+        return None
+    view = memoryview(data)
+    if (
+        zlib.crc32(view[offset + HEADER_SIZE : end], zlib.crc32(view[offset + 8 : offset + 20]))
+        != crc
+    ):
+        return None
+    return Frame(offset, first_seq, count, bytes(view[offset + HEADER_SIZE : end]))
+
+
+def _valid_frame_after(data: bytes, offset: int) -> int | None:
+    """Offset of the first valid frame that begins after ``offset``, if any."""
+    for candidate in range(offset + 1, len(data) - HEADER_SIZE + 1):
+        if _frame_at(data, candidate) is not None:
+            return candidate
+    return None
+
+
+def scan(data: bytes, *, first_seq: int = 0) -> Scan:
+    """Split a log's bytes into frames, forgiving only a torn tail.
+
+    Raises :class:`FrameDamage` with ``journal_corrupt`` when a bad frame is
+    followed by a valid one, and ``journal_sequence_gap`` when a valid frame
+    does not continue the sequence.
+    """
+    frames: list[Frame] = []
+    offset = 0
+    expected = first_seq
+    while offset < len(data):
+        frame = _frame_at(data, offset)
+        if frame is None:
+            later = _valid_frame_after(data, offset)
+            if later is not None:
+                raise FrameDamage(
+                    ReasonCode.JOURNAL_CORRUPT,
+                    offset,
+                    f"unreadable frame followed by a valid frame at offset {later}",
+                )
+            return Scan(frames, offset, len(data) - offset)
+        if frame.first_seq != expected:
+            raise FrameDamage(
+                ReasonCode.JOURNAL_SEQUENCE_GAP,
+                offset,
+                f"expected record {expected}, found record {frame.first_seq}",
+            )
+        frames.append(frame)
+        expected += frame.count
+        offset = frame.end
+    return Scan(frames, offset, 0)

@@ -1,0 +1,240 @@
+"""Read-only views of a state directory, for the command line (``docs/design/operations.md``).
+
+:func:`offline_status` is ``pi-runtime status`` when no server runs; :func:`verify_journal` is
+``pi-runtime journal verify``; :func:`delivery_records` is ``pi-runtime journal show``.
+
+Nothing here takes the state directory's lock or writes a byte (O9): the logs are read whole
+and decoded by the journal reader, which forgives exactly one thing — a torn final frame, which
+is also what a record being appended right now looks like — so these views are safe while a
+server runs. Blocking; the command line calls them from its main thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from .._errors import JournalError, PiRuntimeError, ReasonCode, StateDirError
+from .._linux._fs import OsFileSystem
+from .._linux._proc import is_alive
+from .._records import Admission, LogKind, Record, ResultAcked, ResultPublished
+from .._rooms._outbox import DeliveryResult
+from ._journal import LogContents, read_log
+from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
+
+__all__ = ["RECENT_RESULTS", "Finding", "delivery_records", "offline_status", "verify_journal"]
+
+RECENT_RESULTS: Final = 10
+
+
+def offline_status(state_dir: Path, *, recent: int = RECENT_RESULTS) -> dict[str, Any]:
+    """What the state directory says, read without the lock and without writing (O9):
+    pending deliveries (admitted, no published result), each room's state and the most
+    recent results. Raises :class:`JournalError` when a shared log is damaged and
+    :class:`StateDirError` when ``state_dir`` is not a state directory."""
+    root = state_dir.absolute()
+    if not (root / ADMISSIONS).exists() and not (root / RESULTS).exists():
+        raise StateDirError(
+            ReasonCode.STATE_DIR_INVALID,
+            f"{root} is not a state directory (no {ADMISSIONS}); check --state-dir",
+        )
+    admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
+    results = _read_shared(root, RESULTS, LogKind.RESULTS)
+    published: dict[str, ResultPublished] = {}
+    acked = 0
+    for record in results:
+        if isinstance(record, ResultPublished):
+            published.setdefault(record.delivery_id, record)
+        elif isinstance(record, ResultAcked):
+            acked = max(acked, record.seq)
+    ordered = sorted(published.values(), key=lambda r: r.seq)
+    rooms: dict[str, dict[str, Any]] = {}
+    pending: list[dict[str, Any]] = []
+    for record in admissions:
+        if not isinstance(record, Admission):
+            continue
+        room = str(record.request.get("room", "?"))
+        entry = rooms.setdefault(
+            room,
+            {
+                "room": room,
+                "state": "idle",
+                "queued": 0,
+                "live_worker": False,
+                "last_result_seq": 0,
+            },
+        )
+        if record.delivery_id not in published:
+            entry["queued"] += 1
+            entry["state"] = "pending"
+            pending.append(
+                {"delivery_id": record.delivery_id, "room": room, "admitted_ms": record.admitted_ms}
+            )
+    for result in ordered:
+        entry = rooms.setdefault(
+            result.room,
+            {"room": result.room, "state": "idle", "queued": 0, "live_worker": False},
+        )
+        entry["last_result_seq"] = result.seq
+    owner = _read_owner(root)
+    running = owner is not None and is_alive(owner.identity)
+    return {
+        "source": "state_dir",
+        "server": {"running": running, "pid": owner.pid if running and owner else None},
+        "pending": len(pending),
+        "pending_deliveries": pending,
+        "rooms": sorted(rooms.values(), key=lambda r: str(r["room"])),
+        "last_seq": ordered[-1].seq if ordered else 0,
+        "acked_seq": acked,
+        "recent_results": [_result(r, acked) for r in ordered[-recent:]] if recent > 0 else [],
+    }
+
+
+def _result(record: ResultPublished, acked: int) -> dict[str, Any]:
+    """A published result as the wire's ``result`` frame carries it, plus ``acked``."""
+    result: dict[str, Any] = msgspec.structs.asdict(DeliveryResult.of(record))
+    return result | {"outcome": str(record.outcome), "acked": record.seq <= acked}
+
+
+def _read_shared(root: Path, rel: str, kind: LogKind) -> tuple[Record, ...]:
+    try:
+        return read_log(OsFileSystem(), str(root), rel, kind=kind).records
+    except FileNotFoundError:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing ``journal verify`` found in a log: a ``problem`` fails the check, a note
+    (torn tail, poisoned, no record yet) does not."""
+
+    rel: str
+    message: str
+    problem: bool
+    code: str | None = None
+
+
+def _logs(root: Path) -> list[tuple[str, LogKind]]:
+    """Every log of the state directory, relative, with the kind its place implies."""
+    found = [(ADMISSIONS, LogKind.ADMISSIONS), (RESULTS, LogKind.RESULTS)]
+    deliveries = root / "deliveries"
+    if deliveries.is_dir():
+        found += [
+            (f"deliveries/{p.name}", LogKind.DELIVERY)
+            for p in sorted(deliveries.iterdir())
+            if p.name.endswith(".log")
+        ]
+    lanes = root / "lanes"
+    if lanes.is_dir():
+        found += [
+            (f"lanes/{p.name}/lane.log", LogKind.LANE)
+            for p in sorted(lanes.iterdir())
+            if (p / "lane.log").exists()
+        ]
+    return found
+
+
+def verify_journal(state_dir: Path) -> tuple[int, list[Finding]]:
+    """Check every log (O10): ``(logs checked, findings)``. Read-only, no lock."""
+    root = state_dir.absolute()
+    if not (root / ADMISSIONS).exists():
+        raise StateDirError(
+            ReasonCode.STATE_DIR_INVALID,
+            f"{root} is not a state directory (no {ADMISSIONS}); check --state-dir",
+        )
+    findings: list[Finding] = []
+    logs = _logs(root)
+    for rel, kind in logs:
+        try:
+            contents = read_log(OsFileSystem(), str(root), rel, kind=kind)
+        except FileNotFoundError:
+            findings.append(Finding(rel, "missing", problem=True))
+            continue
+        except JournalError as error:
+            findings.append(Finding(rel, error.message, problem=True, code=str(error.code)))
+            continue
+        findings += _check_contents(rel, kind, contents)
+    return len(logs), findings
+
+
+def _check_contents(rel: str, kind: LogKind, contents: LogContents) -> list[Finding]:
+    found: list[Finding] = []
+    if contents.torn_bytes:
+        found.append(
+            Finding(
+                rel,
+                f"torn tail of {contents.torn_bytes} bytes after offset {contents.good_length} "
+                "(never acknowledged; cut off when the log is next opened)",
+                problem=False,
+            )
+        )
+    if contents.poison is not None:
+        found.append(
+            Finding(
+                rel,
+                f"poisoned ({contents.poison.reason}); read up to offset "
+                f"{contents.poison.good_length}, never replayed",
+                problem=False,
+                code=str(ReasonCode.JOURNAL_POISONED),
+            )
+        )
+    if not contents.records:
+        found.append(Finding(rel, "holds no acknowledged record yet", problem=False))
+        return found
+    subject = contents.header.subject
+    expected = {
+        LogKind.DELIVERY: f"deliveries/{delivery_key(subject)}.log",
+        LogKind.LANE: f"lanes/{lane_key(subject)}/lane.log",
+    }.get(kind, rel)
+    if expected != rel:
+        found.append(
+            Finding(
+                rel,
+                f"its header names {subject!r}, whose log is {expected}",
+                problem=True,
+                code=str(ReasonCode.JOURNAL_CORRUPT),
+            )
+        )
+    if kind is LogKind.RESULTS:
+        seqs = [r.seq for r in contents.records if isinstance(r, ResultPublished)]
+        if seqs != list(range(1, len(seqs) + 1)):
+            found.append(
+                Finding(
+                    rel,
+                    "result seqs are not 1, 2, 3, …",
+                    problem=True,
+                    code=str(ReasonCode.JOURNAL_SEQUENCE_GAP),
+                )
+            )
+    return found
+
+
+def delivery_records(state_dir: Path, delivery_id: str) -> tuple[list[Record], str | None]:
+    """A delivery's records in order, and a note when they do not come from its own log
+    (its turn never started: its admission and result from the shared logs)."""
+    root = state_dir.absolute()
+    rel = f"deliveries/{delivery_key(delivery_id)}.log"
+    try:
+        contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.DELIVERY)
+    except FileNotFoundError:
+        contents = None
+    if contents is not None and contents.records:
+        note = None
+        if contents.poison is not None:
+            note = f"the log was poisoned ({contents.poison.reason})"
+        return list(contents.records), note
+    admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
+    found: list[Record] = [
+        r for r in admissions if isinstance(r, Admission) and r.delivery_id == delivery_id
+    ]
+    if not found:
+        raise PiRuntimeError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id!r} in {root}")
+    found += [
+        r
+        for r in _read_shared(root, RESULTS, LogKind.RESULTS)
+        if isinstance(r, ResultPublished) and r.delivery_id == delivery_id
+    ]
+    return found, f"no log of its own (its turn never started); from {ADMISSIONS} and {RESULTS}"

@@ -1,0 +1,203 @@
+"""Typed append-only logs: records in, durable sequence numbers out.
+
+A :class:`Journal` is one log file of the state directory (a delivery's log, a
+lane's log, the shared admissions log, the result log). Its first record
+(sequence 0) is a :class:`~runtime._records.Header`. Appends go through the
+:class:`~runtime._journal._writer.WriterPool` and return only once durable.
+
+Reading (:func:`decode_log`) is pure and fails closed: the only thing it
+forgives is a torn final frame (see :mod:`runtime._journal._frame`); damage, a sequence
+gap, an unknown record tag or a header from a newer schema raise
+:class:`~runtime._errors.JournalError` with a stable reason code, the file
+(relative to the state directory) and the byte offset.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from .._errors import JournalError, ReasonCode
+from .._linux._fs import FileSystem
+from .._records import KNOWN_TAGS, SCHEMA_VERSION, Header, LogKind, Poison, Record
+from ._frame import Frame, FrameDamage, scan
+from ._writer import LogTarget, WriterPool
+
+__all__ = ["Journal", "LogContents", "decode_log", "encode_record", "read_log"]
+
+_ENCODER: Final = msgspec.json.Encoder()
+_DECODER: Final = msgspec.json.Decoder(list[Record])
+_LOOSE: Final = msgspec.json.Decoder(list[Any])
+_POISON_DECODER: Final = msgspec.json.Decoder(Poison)
+
+
+def encode_record(record: Record) -> bytes:
+    return _ENCODER.encode(record)
+
+
+@dataclass(frozen=True, slots=True)
+class LogContents:
+    """What a log file holds: every accepted record, by sequence number."""
+
+    rel: str
+    records: tuple[Record, ...]
+    """``records[seq]``; ``records[0]`` is the header."""
+    good_length: int
+    torn_bytes: int
+    poison: Poison | None = None
+
+    @property
+    def header(self) -> Header:
+        header = self.records[0]
+        assert isinstance(header, Header)
+        return header
+
+    @property
+    def next_seq(self) -> int:
+        return len(self.records)
+
+
+def _decode_frame(frame: Frame, rel: str) -> list[Record]:
+    try:
+        records: list[Record] = _DECODER.decode(frame.body)
+    except msgspec.ValidationError as exc:
+        raise _classify_invalid(frame, rel, exc) from exc
+    except msgspec.DecodeError as exc:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT, f"undecodable frame: {exc}", path=rel, offset=frame.offset
+        ) from exc
+    if len(records) != frame.count:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT,
+            f"frame announces {frame.count} records but holds {len(records)}",
+            path=rel,
+            offset=frame.offset,
+        )
+    return records
+
+
+def _classify_invalid(frame: Frame, rel: str, exc: msgspec.ValidationError) -> JournalError:
+    """Tell an unknown record type from a malformed known one."""
+    try:
+        items = _LOOSE.decode(frame.body)
+    except msgspec.DecodeError:  # pragma: no cover - the typed decode got further
+        items = []
+    for item in items:
+        tag = item.get("type") if isinstance(item, dict) else None
+        if tag not in KNOWN_TAGS:
+            return JournalError(
+                ReasonCode.JOURNAL_UNKNOWN_RECORD,
+                f"unknown record type {tag!r}; written by a newer pi-runtime?",
+                path=rel,
+                offset=frame.offset,
+            )
+    return JournalError(
+        ReasonCode.JOURNAL_CORRUPT, f"invalid record: {exc}", path=rel, offset=frame.offset
+    )
+
+
+def decode_log(
+    data: bytes, *, rel: str, kind: LogKind | None = None, poison: Poison | None = None
+) -> LogContents:
+    """Decode a log's bytes. Pure; raises :class:`JournalError` on any damage.
+
+    With a ``poison`` document only the bytes it vouches for are read.
+    """
+    if poison is not None:
+        data = data[: poison.good_length]
+    try:
+        scanned = scan(data)
+    except FrameDamage as exc:
+        raise JournalError(exc.code, exc.detail, path=rel, offset=exc.offset) from exc
+    records: list[Record] = []
+    for frame in scanned.frames:
+        records.extend(_decode_frame(frame, rel))
+    if not records:
+        # empty, or only a torn header: the header is the first record and is
+        # synced before anything is acknowledged, so nothing was acknowledged
+        return LogContents(rel, (), 0, scanned.torn_bytes, poison)
+    header = records[0]
+    if not isinstance(header, Header):
+        raise JournalError(
+            ReasonCode.JOURNAL_HEADER_MISSING,
+            "the first record is not a header",
+            path=rel,
+            offset=0,
+        )
+    if header.schema_version > SCHEMA_VERSION:
+        raise JournalError(
+            ReasonCode.JOURNAL_VERSION_UNSUPPORTED,
+            f"schema version {header.schema_version} is newer than this pi-runtime's "
+            f"{SCHEMA_VERSION}; upgrade pi-runtime to read it",
+            path=rel,
+            offset=0,
+        )
+    if kind is not None and header.kind != kind:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT,
+            f"expected a {kind} log, found a {header.kind} log",
+            path=rel,
+            offset=0,
+        )
+    return LogContents(rel, tuple(records), scanned.good_length, scanned.torn_bytes, poison)
+
+
+def read_poison(fs: FileSystem, path: str) -> Poison | None:
+    try:
+        data = fs.read(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return _POISON_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT, f"unreadable poison document: {exc}", path=path
+        ) from exc
+
+
+def read_log(fs: FileSystem, root: str, rel: str, *, kind: LogKind | None = None) -> LogContents:
+    """Read and decode one log (blocking). ``FileNotFoundError`` if missing."""
+    path = os.path.join(root, rel)
+    poison = read_poison(fs, path + ".poison")
+    return decode_log(fs.read(path), rel=rel, kind=kind, poison=poison)
+
+
+class Journal:
+    """An open log: read what it held at open, append durably.
+
+    Obtain one from the :class:`~runtime._journal._store.Store`; do not construct it.
+    """
+
+    def __init__(self, pool: WriterPool, target: LogTarget, contents: LogContents) -> None:
+        self._pool = pool
+        self._target = target
+        self.contents = contents
+        """The records the log held when it was opened (including the header)."""
+
+    @property
+    def rel(self) -> str:
+        return self._target.rel
+
+    @property
+    def next_seq(self) -> int:
+        return self._target.next_seq
+
+    @property
+    def poisoned(self) -> bool:
+        return self._target.poisoned is not None
+
+    async def append(self, record: Record) -> int:
+        """Append ``record``; return its sequence number once it is durable.
+
+        Raises :class:`JournalError` (``journal_poisoned``) if this or an
+        earlier append failed, and :class:`~runtime._errors.DiskFailedError`
+        when the disk itself failed.
+        """
+        return await self._pool.append(self._target, encode_record(record))
+
+    async def aclose(self) -> None:
+        """Close the file once earlier appends are settled. Idempotent."""
+        await self._pool.close_target(self._target)

@@ -1,0 +1,498 @@
+"""The state directory: its lock, its layout, and the logs and documents in it.
+
+Layout (brief §4.1)::
+
+    state/                     0700, checked at every open
+      LOCK                     flock'd by the single owner for its whole life
+      owner.json               the owner record (pid, start time, boot id, nonce)
+      token                    the websocket token (0600; written by the server)
+      admissions/admissions.log   group-committed admission log (shared)
+      deliveries/<hash>.log    one append-only log per delivery
+      deliveries/<hash>.log.poison   present only if that log was poisoned
+      lanes/<hash>/lane.log    one log per lane (epochs, outbox, receipts)
+      lanes/<hash>/session.jsonl    the lane's Pi session
+      results.log              the numbered result outbox (shared)
+      receipts.sqlite          the receipt store
+
+File names derive from hashes of client-chosen ids, never the raw ids, and
+records store paths relative to the state directory, so a state directory can
+be moved or restored as a whole. Sockets live in a short runtime directory
+(:func:`runtime_dir`) because a socket path is limited to 107 bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import secrets
+import stat
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import msgspec
+import trio
+
+from .._clock import Clocks
+from .._errors import (
+    DiskFailedError,
+    JournalError,
+    ReasonCode,
+    StateDirError,
+    StateDirLockedError,
+)
+from .._linux._fs import FileSystem, OsFileSystem
+from .._linux._proc import ProcessIdentity, current_identity, is_alive
+from .._records import SCHEMA_VERSION, Header, LogKind, Poison
+from ._journal import Journal, LogContents, encode_record, read_log
+from ._writer import TMP_MARK, LogTarget, WriterPool, atomic_write, disk_error
+
+__all__ = [
+    "OwnerRecord",
+    "Store",
+    "delivery_key",
+    "lane_key",
+    "open_store",
+    "runtime_dir",
+]
+
+_T = TypeVar("_T")
+
+ADMISSIONS: Final = "admissions/admissions.log"
+RESULTS: Final = "results.log"
+OWNER: Final = "owner.json"
+LOCK: Final = "LOCK"
+
+
+class OwnerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Who holds the state directory: an exact process plus a random nonce."""
+
+    pid: int
+    start_time: int
+    boot_id: str
+    nonce: str
+    started_ms: int
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(pid=self.pid, start_time=self.start_time, boot_id=self.boot_id)
+
+
+def _key(kind: str, client_id: str) -> str:
+    return hashlib.sha256(f"{kind}\0{client_id}".encode()).hexdigest()[:32]
+
+
+def delivery_key(delivery_id: str) -> str:
+    """The file-name key of a delivery (a hash; never the raw id)."""
+    return _key("delivery", delivery_id)
+
+
+def lane_key(lane: str) -> str:
+    """The directory key of a lane (a hash; never the raw room id)."""
+    return _key("lane", lane)
+
+
+def runtime_dir(state_dir: Path) -> Path:
+    """The short private directory (0700) for this state directory's sockets."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = (
+        Path(xdg) / "pi-runtime"
+        if xdg and os.path.isdir(xdg)
+        else Path(f"/tmp/pi-runtime-{os.geteuid()}")
+    )
+    digest = hashlib.sha256(os.fsencode(state_dir.resolve())).hexdigest()[:8]
+    path = base / digest
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    base.chmod(0o700)
+    _check_private(base)
+    _check_private(path)
+    return path
+
+
+def _check_private(path: Path) -> None:
+    info = path.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise StateDirError(ReasonCode.STATE_DIR_INVALID, f"{path} is not a directory")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise StateDirError(
+            ReasonCode.STATE_DIR_INSECURE,
+            f"{path} must be owned by uid {os.geteuid()} with mode 0700 "
+            f"(it is uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); "
+            f"fix it with: chmod 700 {path}",
+        )
+
+
+class Store:
+    """An open state directory, owned by this process. Use :func:`open_store`."""
+
+    def __init__(
+        self,
+        root: Path,
+        fs: FileSystem,
+        clocks: Clocks,
+        pool: WriterPool,
+        owner: OwnerRecord,
+        previous_owner: OwnerRecord | None,
+    ) -> None:
+        self.root = root
+        self.fs = fs
+        self.clocks = clocks
+        self.owner = owner
+        self.previous_owner = previous_owner
+        """The proven-dead owner this process took over from, if any."""
+        self._pool = pool
+        self._open: dict[str, Journal] = {}
+        self._disk_failure: DiskFailedError | None = None
+        self.admissions: Journal
+        self.results: Journal
+
+    # -- health --------------------------------------------------------------------
+
+    @property
+    def disk_failure(self) -> DiskFailedError | None:
+        """The first disk-level failure; once set the host must stop admitting."""
+        return self._disk_failure
+
+    def _on_disk_failure(self, error: DiskFailedError) -> None:
+        if self._disk_failure is None:
+            self._disk_failure = error
+
+    async def _blocking(self, rel: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run blocking file work off the loop; a failing disk stops admissions (J6)."""
+        try:
+            return await trio.to_thread.run_sync(fn, *args)
+        except OSError as exc:
+            error = disk_error(exc, rel)
+            if error is None:
+                raise
+            self._on_disk_failure(error)
+            raise error from exc
+
+    # -- paths ---------------------------------------------------------------------
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    @staticmethod
+    def delivery_rel(delivery_id: str) -> str:
+        return f"deliveries/{delivery_key(delivery_id)}.log"
+
+    @staticmethod
+    def lane_rel(lane: str) -> str:
+        return f"lanes/{lane_key(lane)}/lane.log"
+
+    # -- logs ----------------------------------------------------------------------
+
+    async def create_delivery_log(self, delivery_id: str) -> Journal:
+        """Create a delivery's log (its header durable). Fails if it exists."""
+        return await self._create(self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id)
+
+    async def open_or_create_delivery_log(self, delivery_id: str) -> Journal:
+        """Open a delivery's log, creating it if missing (a delivery whose turn starts, or
+        that ends without one)."""
+        return await self._open_or_create(
+            self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id
+        )
+
+    async def open_delivery_log(self, delivery_id: str) -> Journal:
+        """Open an existing delivery's log for appending (torn tail cut off)."""
+        return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY)
+
+    async def read_delivery_log(self, delivery_id: str) -> LogContents:
+        """Read a delivery's log without opening it for appends (even if poisoned)."""
+        return await self.read(self.delivery_rel(delivery_id), LogKind.DELIVERY)
+
+    async def open_lane_log(self, lane: str) -> Journal:
+        """Open a lane's log, creating it (and its directory) if missing."""
+        rel = self.lane_rel(lane)
+        return await self._open_or_create(rel, LogKind.LANE, lane)
+
+    async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> Journal:
+        if await trio.to_thread.run_sync(self.fs.exists, self.path(rel)):
+            with contextlib.suppress(FileNotFoundError):
+                return await self._open_existing(rel, kind)
+        await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
+        return await self._create(rel, kind, subject)
+
+    async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
+        root = str(self.root)
+        return await trio.to_thread.run_sync(lambda: read_log(self.fs, root, rel, kind=kind))
+
+    async def _create(self, rel: str, kind: LogKind, subject: str) -> Journal:
+        """Create a log whose header is durable before this returns.
+
+        A file already there that holds no acknowledged record (empty, or only a
+        torn header: a crash between creating the file and syncing its header)
+        is removed first; one that holds records raises ``FileExistsError``.
+        """
+        if rel in self._open:
+            raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
+        path = self.path(rel)
+        if await trio.to_thread.run_sync(self.fs.exists, path):
+            existing = await self.read(rel, kind)
+            if existing.next_seq > 0 or existing.poison is not None:
+                raise FileExistsError(f"{rel} already exists")
+            await self._blocking(rel, self._unlink_durably, rel)
+        header = Header(
+            schema_version=SCHEMA_VERSION,
+            kind=kind,
+            subject=subject,
+            created_ms=self.clocks.wall.time_ms(),
+        )
+        target = LogTarget(
+            path=path, rel=rel, good_length=0, next_seq=0, poison_path=path + ".poison", create=True
+        )
+        journal = Journal(self._pool, target, LogContents(rel, (header,), 0, 0))
+        self._open[rel] = journal
+        try:
+            await self._pool.append(target, encode_record(header))
+        except BaseException:
+            del self._open[rel]
+            raise
+        journal.contents = LogContents(rel, (header,), target.good_length, 0)
+        return journal
+
+    async def _open_existing(self, rel: str, kind: LogKind) -> Journal:
+        """Open a log for appending; ``FileNotFoundError`` if it holds no record."""
+        if rel in self._open:
+            return self._open[rel]
+        contents = await self.read(rel, kind)
+        if contents.next_seq == 0 and contents.poison is None:
+            # empty or a torn header: its creation was never acknowledged
+            raise FileNotFoundError(f"{rel} holds no acknowledged record")
+        if contents.poison is not None:
+            raise JournalError(
+                ReasonCode.JOURNAL_POISONED,
+                f"log was poisoned ({contents.poison.reason}); it is not replayed",
+                path=rel,
+            )
+        if contents.torn_bytes:
+            await self._blocking(rel, self._truncate_durably, rel, contents.good_length)
+        path = self.path(rel)
+        target = LogTarget(
+            path=path,
+            rel=rel,
+            good_length=contents.good_length,
+            next_seq=contents.next_seq,
+            poison_path=path + ".poison",
+            create=contents.next_seq == 0,
+        )
+        journal = Journal(self._pool, target, contents)
+        self._open[rel] = journal
+        return journal
+
+    async def _release(self) -> None:
+        """Close every log, stop the writers, remove the owner record."""
+        first: BaseException | None = None
+        for journal in list(self._open.values()):
+            try:
+                await journal.aclose()
+            except Exception as exc:
+                first = first or exc
+        self._open.clear()
+        await self._pool.aclose()
+        # best effort: if the disk is failing, the record stays and a later owner
+        # proves this process dead by its identity instead (J9)
+        with contextlib.suppress(OSError):
+            await trio.to_thread.run_sync(self._unlink_durably, OWNER)
+        if first is not None:
+            raise first
+
+    async def close_log(self, journal: Journal) -> None:
+        self._open.pop(journal.rel, None)
+        await journal.aclose()
+
+    def _truncate_durably(self, rel: str, length: int) -> None:
+        handle = self.fs.open_append(self.path(rel))
+        try:
+            self.fs.truncate(handle, length)
+            self.fs.fdatasync(handle)
+        finally:
+            self.fs.close(handle)
+
+    def _unlink_durably(self, rel: str) -> None:
+        path = self.path(rel)
+        self.fs.unlink(path)
+        self.fs.fsync_dir(os.path.dirname(path))
+
+    def _makedirs_durable(self, rel_dir: str) -> None:
+        """Create a directory below the root and make its entry durable."""
+        path = self.path(rel_dir)
+        if self.fs.exists(path):
+            return
+        self.fs.makedirs(path)
+        self.fs.fsync_dir(os.path.dirname(path))
+
+    # -- documents -----------------------------------------------------------------
+
+    async def write_document(self, rel: str, data: bytes) -> None:
+        """Replace a small document atomically and durably."""
+        await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
+
+    async def read_document(self, rel: str) -> bytes | None:
+        def read() -> bytes | None:
+            try:
+                return self.fs.read(self.path(rel))
+            except FileNotFoundError:
+                return None
+
+        return await trio.to_thread.run_sync(read)
+
+    def _poison_document(self, target: LogTarget, reason: str, errno: int | None) -> bytes:
+        return encode_record(
+            Poison(
+                log_path=target.rel,
+                good_length=target.good_length,
+                reason=reason,
+                errno=errno,
+                poisoned_ms=self.clocks.wall.time_ms(),
+            )
+        )
+
+
+# -- opening -------------------------------------------------------------------------
+
+
+def _prepare_root(root: Path) -> None:
+    if not root.exists():
+        root.mkdir(mode=0o700, parents=True)
+    _check_private(root)
+
+
+def _acquire_lock(root: Path) -> int:
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        owner = _read_owner(root)
+        pid = owner.pid if owner else -1
+        raise StateDirLockedError(
+            f"state directory {root} is in use by pid {pid}"
+            + (f" (nonce {owner.nonce[:8]}…)" if owner else "")
+            + "; stop that process or choose another state directory",
+            owner_pid=pid,
+        ) from None
+    return fd
+
+
+def _read_owner(root: Path) -> OwnerRecord | None:
+    try:
+        data = (root / OWNER).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return msgspec.json.decode(data, type=OwnerRecord)
+    except msgspec.DecodeError as exc:
+        raise StateDirError(
+            ReasonCode.STATE_DIR_INVALID, f"unreadable owner record {root / OWNER}: {exc}"
+        ) from exc
+
+
+def _sweep_temporaries(fs: FileSystem, root: Path) -> None:
+    """Remove temp files that crashed :func:`atomic_write` calls left behind."""
+    lanes = str(root / "lanes")
+    directories = [str(root), str(root / "admissions"), str(root / "deliveries"), lanes]
+    directories += [os.path.join(lanes, name) for name in fs.listdir(lanes)]
+    for directory in directories:
+        try:
+            names = fs.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            if TMP_MARK in name:
+                with contextlib.suppress(FileNotFoundError):
+                    fs.unlink(os.path.join(directory, name))
+
+
+def _take_over(
+    root: Path | str, fs: FileSystem, clocks: Clocks
+) -> tuple[Path, int, OwnerRecord, OwnerRecord | None]:
+    """Lock the directory, prove the previous owner dead, write our owner record."""
+    root = Path(root).absolute()
+    _prepare_root(root)
+    fd = _acquire_lock(root)
+    try:
+        previous = _read_owner(root)
+        me = current_identity()
+        if previous is not None and previous.pid != me.pid and is_alive(previous.identity):
+            raise StateDirLockedError(
+                f"state directory {root}: its recorded owner pid {previous.pid} is still alive "
+                "although it no longer holds the lock; stop it before taking over",
+                owner_pid=previous.pid,
+            )
+        owner = OwnerRecord(
+            pid=me.pid,
+            start_time=me.start_time,
+            boot_id=me.boot_id,
+            nonce=secrets.token_hex(16),
+            started_ms=clocks.wall.time_ms(),
+        )
+        atomic_write(fs, str(root / OWNER), msgspec.json.encode(owner))
+        for sub in ("admissions", "deliveries", "lanes"):
+            path = str(root / sub)
+            if not fs.exists(path):
+                fs.makedirs(path)
+                fs.fsync_dir(str(root))
+        _sweep_temporaries(fs, root)
+    except BaseException:
+        os.close(fd)
+        raise
+    return root, fd, owner, previous
+
+
+@contextlib.asynccontextmanager
+async def open_store(
+    root: Path | str,
+    *,
+    clocks: Clocks | None = None,
+    fs: FileSystem | None = None,
+    writer_shards: int = 8,
+) -> AsyncIterator[Store]:
+    """Own the state directory at ``root`` for the duration of the block.
+
+    Creates it (0700) if missing and refuses one that others can read. Takes
+    the directory lock; raises :class:`StateDirLockedError` naming the owner
+    when a live process holds it. Reads the shared logs: damage in the middle
+    of one raises :class:`JournalError` (``journal_corrupt``) naming the file
+    and offset, and nothing starts.
+
+    Resource handling: on exit, however the block ends, every open log is
+    closed, the writer threads stop, the owner record is removed (a clean
+    release) and the lock is let go. The first error of that cleanup is
+    raised after all of it ran.
+    """
+    clocks = clocks or Clocks.system()
+    fs = fs or OsFileSystem()
+    path, lock_fd, owner, previous = await trio.to_thread.run_sync(_take_over, root, fs, clocks)
+    store: Store | None = None
+
+    def poison_document(target: LogTarget, reason: str, errno: int | None) -> bytes:
+        assert store is not None
+        return store._poison_document(target, reason, errno)
+
+    def on_disk_failure(error: DiskFailedError) -> None:
+        assert store is not None
+        store._on_disk_failure(error)
+
+    try:
+        pool = WriterPool(
+            fs,
+            shards=writer_shards,
+            poison_document=poison_document,
+            on_disk_failure=on_disk_failure,
+        )
+        store = Store(path, fs, clocks, pool, owner, previous)
+        try:
+            store.admissions = await store._open_or_create(
+                ADMISSIONS, LogKind.ADMISSIONS, "admissions"
+            )
+            store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
+            yield store
+        finally:
+            with trio.CancelScope(shield=True):
+                await store._release()
+    finally:
+        os.close(lock_fd)

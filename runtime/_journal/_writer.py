@@ -1,0 +1,386 @@
+"""Writer threads: where appended records become durable, off the Trio loop.
+
+Each log file belongs to one writer thread (a *shard*, chosen by the file's
+path), so its appends stay in order. A Trio task hands a record over (one
+hand-off per record), and waits; the thread takes everything queued for it,
+writes each file's pending records as **one frame** with a single ``write``,
+``fdatasync``\\ s the file once (plus a directory fsync when it created the
+file) and only then acknowledges every record of the batch back on the Trio
+loop. So:
+
+* an append is acknowledged only once its record is durable;
+* many producers appending to one shared log (admissions) share one
+  ``fdatasync`` per batch — group commit;
+* several lanes' logs on different shards sync concurrently.
+
+A failed write, short write or sync **poisons** the file: it is truncated back
+to its last good frame, a poison document is written beside it, and every
+later append is refused (``journal_poisoned``). ``EIO``/``ENOSPC`` are reported
+as :class:`~runtime._errors.DiskFailedError`, so the host can stop admitting.
+After a failed ``fdatasync`` nothing is retried: the page cache can no longer
+be trusted (the kernel may have dropped the dirty pages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import queue
+import secrets
+import threading
+import zlib
+from collections.abc import Callable
+from typing import Final
+
+import trio
+
+from .._errors import DiskFailedError, JournalError, ReasonCode
+from .._linux._fs import FileSystem
+from ._frame import encode_frame
+
+__all__ = [
+    "TMP_MARK",
+    "LogTarget",
+    "WriterPool",
+    "atomic_write",
+    "disk_error",
+    "handoffs_in_flight",
+]
+
+_in_flight = 0
+"""Records and closes handed to writer threads and not yet settled, in this process."""
+
+
+def handoffs_in_flight() -> int:
+    """How many hand-offs to writer threads are waiting to settle (for an I/O-aware test
+    clock, ``runtime.testing.IoAwareMockClock``: virtual time must not jump meanwhile)."""
+    return _in_flight
+
+
+_MAX_BATCH: Final = 4096
+_DISK_ERRNOS: Final = {
+    errno.EIO: ReasonCode.DISK_FAILED,
+    errno.ENOSPC: ReasonCode.DISK_FULL,
+    errno.EDQUOT: ReasonCode.DISK_FULL,
+    errno.EROFS: ReasonCode.DISK_FAILED,
+}
+
+
+class LogTarget:
+    """The writer-side state of one log file.
+
+    Owned by its shard thread once handed to the pool: only that thread opens,
+    writes, syncs, truncates or closes it.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        rel: str,
+        good_length: int,
+        next_seq: int,
+        poison_path: str,
+        create: bool,
+    ) -> None:
+        self.path = path
+        self.rel = rel
+        self.good_length = good_length
+        self.next_seq = next_seq
+        """Next sequence number to assign (Trio side)."""
+        self.poison_path = poison_path
+        self.poisoned: JournalError | None = None
+        self._create = create
+        self._handle: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<LogTarget {self.rel} length={self.good_length} next_seq={self.next_seq}>"
+
+
+class _Handoff:
+    """One unit of work handed to a writer thread by one waiting Trio task."""
+
+    __slots__ = ("error", "target", "task")
+
+    def __init__(self, target: LogTarget) -> None:
+        self.target = target
+        self.task = trio.lowlevel.current_task()
+        self.error: BaseException | None = None
+
+    async def settled(self) -> None:
+        """Wait until the writer thread settled this item; not cancellable.
+
+        Once a record is handed over its fate must reach the caller, so the
+        wait refuses cancellation (a pending cancel is delivered at the next
+        checkpoint). Cheaper than an Event in a shielded scope: this is on
+        the path of every durable step.
+        """
+        await trio.lowlevel.wait_task_rescheduled(_refuse_abort)
+        if self.error is not None:
+            raise self.error
+
+
+def _refuse_abort(_: object) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.FAILED
+
+
+class _Append(_Handoff):
+    __slots__ = ("payload", "seq")
+
+    def __init__(self, target: LogTarget, seq: int, payload: bytes) -> None:
+        super().__init__(target)
+        self.seq = seq
+        self.payload = payload
+
+
+class _Close(_Handoff):
+    __slots__ = ()
+
+
+_Item = _Append | _Close | None
+
+
+class WriterPool:
+    """A fixed set of writer threads; use inside one Trio run.
+
+    ``poison_document(target, good_length, reason, errno)`` must return the
+    bytes of the poison document; ``on_disk_failure`` is called on the Trio
+    loop with the first disk-level failure.
+    """
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        *,
+        shards: int,
+        poison_document: Callable[[LogTarget, str, int | None], bytes],
+        on_disk_failure: Callable[[DiskFailedError], None],
+    ) -> None:
+        if shards < 1:
+            raise ValueError("a writer pool needs at least one shard")
+        self._fs = fs
+        self._poison_document = poison_document
+        self._on_disk_failure = on_disk_failure
+        self._token = trio.lowlevel.current_trio_token()
+        self._queues: list[queue.SimpleQueue[_Item]] = [queue.SimpleQueue() for _ in range(shards)]
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(q,), name=f"pi-runtime-writer-{i}", daemon=True
+            )
+            for i, q in enumerate(self._queues)
+        ]
+        self._closed = False
+        for thread in self._threads:
+            thread.start()
+
+    # -- Trio side -----------------------------------------------------------------
+
+    def _queue_for(self, target: LogTarget) -> queue.SimpleQueue[_Item]:
+        return self._queues[zlib.crc32(target.path.encode()) % len(self._queues)]
+
+    async def append(self, target: LogTarget, payload: bytes) -> int:
+        """Append one encoded record; return its sequence number once durable.
+
+        The wait is shielded: once handed over, a record's fate is always
+        reported to the caller (a cancellation arrives after it).
+        """
+        if self._closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=target.rel)
+        if target.poisoned is not None:
+            raise target.poisoned
+        item = _Append(target, target.next_seq, payload)
+        target.next_seq += 1
+        await self._handoff(item)
+        return item.seq
+
+    async def _handoff(self, item: _Append | _Close) -> None:
+        global _in_flight
+        _in_flight += 1
+        try:
+            self._queue_for(item.target).put(item)
+            await item.settled()
+        finally:
+            _in_flight -= 1
+
+    async def close_target(self, target: LogTarget) -> None:
+        """Close the file after every append handed over before this call."""
+        if self._closed:
+            return
+        await self._handoff(_Close(target))
+
+    async def aclose(self) -> None:
+        """Stop every thread after the work already queued. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            await trio.to_thread.run_sync(thread.join)
+
+    def _deliver(self, items: list[_Append | _Close], failure: DiskFailedError | None) -> None:
+        for item in items:
+            trio.lowlevel.reschedule(item.task)
+        if failure is not None:
+            self._on_disk_failure(failure)
+
+    # -- writer threads ------------------------------------------------------------
+
+    def _run(self, q: queue.SimpleQueue[_Item]) -> None:
+        stopping = False
+        while not stopping:
+            batch: list[_Append | _Close] = []
+            item = q.get()
+            while True:
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
+                if len(batch) >= _MAX_BATCH:
+                    break
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                failure = self._commit(batch)
+                try:
+                    self._token.run_sync_soon(self._deliver, batch, failure)
+                except trio.RunFinishedError:  # pragma: no cover - the run ended first
+                    return
+        # close whatever is still open on this shard
+        # (targets are closed individually by close_target; nothing else holds fds)
+
+    def _commit(self, batch: list[_Append | _Close]) -> DiskFailedError | None:
+        """Write, sync and settle a batch; return a disk failure to report."""
+        failure: DiskFailedError | None = None
+        pending: dict[int, list[_Append]] = {}
+        order: list[LogTarget] = []
+
+        def flush() -> None:
+            nonlocal failure
+            for target in order:
+                error = self._write_group(target, pending[id(target)])
+                if isinstance(error, DiskFailedError) and failure is None:
+                    failure = error
+            pending.clear()
+            order.clear()
+
+        for item in batch:
+            if isinstance(item, _Close):
+                flush()
+                self._close(item)
+                continue
+            group = pending.get(id(item.target))
+            if group is None:
+                group = pending[id(item.target)] = []
+                order.append(item.target)
+            group.append(item)
+        flush()
+        return failure
+
+    def _write_group(self, target: LogTarget, group: list[_Append]) -> JournalError | None:
+        if target.poisoned is not None:
+            for item in group:
+                item.error = target.poisoned
+            return None
+        fs = self._fs
+        frame = encode_frame(group[0].seq, [item.payload for item in group])
+        try:
+            if target._handle is None:
+                target._handle = fs.open_append(target.path)
+            written = fs.write(target._handle, frame)
+            if written != len(frame):
+                raise OSError(errno.EIO, f"short write: {written} of {len(frame)} bytes")
+            fs.fdatasync(target._handle)
+            if target._create:
+                fs.fsync_dir(os.path.dirname(target.path))
+                target._create = False
+        except OSError as exc:
+            error = self._poison(target, exc)
+            for item in group:
+                item.error = error
+            return error
+        target.good_length += len(frame)
+        return None
+
+    def _poison(self, target: LogTarget, exc: OSError) -> JournalError:
+        """Truncate back to the last good frame, record the poison, refuse more."""
+        reason = f"{exc.strerror or exc}"
+        error: JournalError | None = disk_error(exc, target.rel)
+        if error is None:
+            error = JournalError(
+                ReasonCode.JOURNAL_POISONED, f"an append failed: {reason}", path=target.rel
+            )
+        target.poisoned = JournalError(
+            ReasonCode.JOURNAL_POISONED,
+            f"an earlier append failed ({reason}); the log accepts no more records",
+            path=target.rel,
+        )
+        fs = self._fs
+        try:
+            if target._handle is not None:
+                fs.truncate(target._handle, target.good_length)
+                fs.fdatasync(target._handle)
+        except OSError:
+            pass  # the poison document below still bounds what a reader accepts
+        try:
+            document = self._poison_document(target, reason, exc.errno)
+            atomic_write(fs, target.poison_path, document)
+        except OSError:
+            pass  # nothing more can be made durable; the in-memory poison holds
+        return error
+
+    def _close(self, item: _Close) -> None:
+        target = item.target
+        if target._handle is not None:
+            try:
+                self._fs.close(target._handle)
+            except OSError as exc:  # pragma: no cover - close on a local fs
+                item.error = exc
+            target._handle = None
+
+
+TMP_MARK: Final = ".tmp-"
+"""Temporary files of :func:`atomic_write` carry this in their name (swept at takeover)."""
+
+
+def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
+    """Exclusive temp file, write, fsync, rename over ``path``, directory fsync.
+
+    The temp name is unique (random), so a file left by a crash never blocks a
+    later replace; on any failure before the rename the temp file is removed.
+    """
+    directory = os.path.dirname(path)
+    tmp = f"{path}{TMP_MARK}{secrets.token_hex(8)}"
+    handle = fs.open_exclusive(tmp)
+    renamed = False
+    try:
+        view = memoryview(data)
+        while view:
+            n = fs.write(handle, bytes(view))
+            if n <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            view = view[n:]
+        fs.fsync(handle)
+        fs.close(handle)
+        handle = -1
+        fs.rename(tmp, path)
+        renamed = True
+        fs.fsync_dir(directory)
+    finally:
+        if handle != -1:
+            with contextlib.suppress(OSError):
+                fs.close(handle)
+        if not renamed:
+            with contextlib.suppress(OSError):
+                fs.unlink(tmp)
+
+
+def disk_error(exc: OSError, rel: str) -> DiskFailedError | None:
+    """The :class:`DiskFailedError` an ``OSError`` amounts to, if the disk failed."""
+    code = _DISK_ERRNOS.get(exc.errno or 0)
+    if code is None:
+        return None
+    return DiskFailedError(code, f"the disk failed: {exc.strerror or exc}", path=rel)

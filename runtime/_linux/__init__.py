@@ -1,0 +1,1 @@
+"""_linux: see docs/design/index.md (Layout)."""

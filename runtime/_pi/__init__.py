@@ -1,0 +1,1 @@
+"""_pi: see docs/design/index.md (Layout)."""

@@ -1,0 +1,732 @@
+"""The RPC channel to one worker (Pi 1.6.0 or Fake-Pi) over its stdin and stdout.
+
+Pi's RPC protocol is JSON lines: commands on stdin; responses (``type: "response"``, matched
+by ``id``), events and ``extension_ui_request`` records interleaved on stdout. The invariants
+R1… are stated in ``docs/design/rpc.md`` and cited by ``tests/test_rpc.py``.
+
+Pure core, no I/O and no Trio: :class:`LineSplitter` (bytes → lines, R1, R2),
+:class:`ProtocolState` (ids, response matching, run tracking, R3, R7, R8, R10), :func:`chat_text`
+(R9) and :func:`ui_response` (R8). Trio shell: :func:`open_rpc_channel` yields an
+:class:`RpcChannel` that runs a reader task, an answerer for extension dialogs and, if given, a
+stderr drain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import msgspec
+import trio
+
+from .._errors import PiRuntimeError, ReasonCode
+from ._pijson import loads
+
+__all__ = [
+    "COMMAND_GUARD",
+    "MALFORMED_LINE",
+    "ChannelStatistics",
+    "Event",
+    "LineSplitter",
+    "Prompted",
+    "ProtocolState",
+    "Received",
+    "Response",
+    "RpcChannel",
+    "RpcClosedError",
+    "RpcCommandError",
+    "RpcError",
+    "RpcLineTooLongError",
+    "UiCancel",
+    "UiConfirm",
+    "UiPolicy",
+    "UiReply",
+    "UiRequest",
+    "UiValue",
+    "WorkerExitedError",
+    "WorkerLaunchError",
+    "cancel_dialogs",
+    "chat_text",
+    "open_rpc_channel",
+    "ui_response",
+]
+
+MAX_LINE: Final = 256 * 1024 * 1024
+"""Longest stdout line accepted (``agent_end`` and ``get_entries`` lines run to megabytes)."""
+COMMAND_GUARD: Final = " "
+"""Put before chat text that starts with ``/`` so that Pi never runs it as a command (R9)."""
+MALFORMED_LINE: Final = "rpc_malformed_line"
+"""The ``type`` of the event that stands for a stdout line that is not a JSON object."""
+NOTICE_METHODS: Final = frozenset(
+    {"notify", "setStatus", "setWidget", "setTitle", "set_editor_text"}
+)
+"""Fire-and-forget extension UI methods: Pi waits for no answer (rpc-extension-ui.md)."""
+_CHUNK: Final = 65536
+_STDERR_TAIL: Final = 64 * 1024
+_encoder: Final = msgspec.json.Encoder()
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class RpcError(PiRuntimeError):
+    """Base of the channel's errors."""
+
+
+class RpcCommandError(RpcError):
+    """The worker answered ``success: false``; ``pi_error`` is its error text verbatim."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+        self.command = response.command
+        self.pi_error = response.error or ""
+        super().__init__(
+            ReasonCode.RPC_COMMAND_FAILED, f"{response.command!r} failed: {self.pi_error}"
+        )
+
+
+class RpcClosedError(RpcError):
+    """The channel was closed (``aclose``) and takes no more commands."""
+
+    def __init__(self) -> None:
+        super().__init__(ReasonCode.RPC_CLOSED, "the RPC channel is closed")
+
+
+class RpcLineTooLongError(RpcError):
+    """A stdout line grew past the limit; the channel stops reading (R2)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(ReasonCode.RPC_LINE_TOO_LONG, f"a stdout line exceeds {limit} bytes")
+
+
+class WorkerExitedError(RpcError):
+    """The worker's stdout ended while the channel was open (R5); ``stderr`` is its tail."""
+
+    def __init__(
+        self, message: str, *, stderr: bytes = b"", code: ReasonCode = ReasonCode.WORKER_EXITED
+    ) -> None:
+        text = stderr.decode("utf-8", "replace").strip()
+        super().__init__(code, message + (f"; its stderr ends with:\n{text}" if text else ""))
+        self.stderr = stderr
+
+
+class WorkerLaunchError(WorkerExitedError):
+    """The worker exited before it wrote anything, e.g. Pi with a broken extension (R6)."""
+
+    def __init__(self, *, stderr: bytes) -> None:
+        super().__init__(
+            "the worker exited before it answered anything; check its command line, "
+            "environment and extensions (-e), or start it by hand to see why",
+            stderr=stderr,
+            code=ReasonCode.WORKER_LAUNCH_FAILED,
+        )
+
+
+# -- records ---------------------------------------------------------------------------
+
+
+class Response(msgspec.Struct, frozen=True, kw_only=True):
+    """A ``{"type": "response"}`` record, in Pi's shape."""
+
+    id: str | None
+    command: str
+    success: bool
+    data: Any = None
+    error: str | None = None
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """One stdout record that is not a matched response; ``seq`` is its stdout position."""
+
+    seq: int
+    type: str
+    record: dict[str, Any]
+
+
+class UiRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An ``extension_ui_request`` that Pi waits on (a dialog, or a method not known here)."""
+
+    id: str
+    method: str
+    record: dict[str, Any]
+
+
+class UiValue(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer a ``select``/``input``/``editor`` dialog with ``value``."""
+
+    value: str
+
+
+class UiConfirm(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer a ``confirm`` dialog."""
+
+    confirmed: bool
+
+
+class UiCancel(msgspec.Struct, frozen=True, kw_only=True):
+    """Dismiss any dialog (confirm → false, the others → undefined)."""
+
+
+UiReply = UiValue | UiConfirm | UiCancel
+UiPolicy = Callable[[UiRequest], Awaitable[UiReply]]
+
+
+async def cancel_dialogs(request: UiRequest) -> UiReply:
+    """The default policy: a runtime has nobody to ask, so every dialog is cancelled."""
+    return UiCancel()
+
+
+class Prompted(msgspec.Struct, frozen=True, kw_only=True):
+    """A prompt the worker accepted; pass ``settled_before`` to :meth:`RpcChannel.wait_settled`."""
+
+    disposition: str
+    """``started``, ``queued`` (a run was active) or ``handled`` (no run for this prompt)."""
+    text: str
+    """The text as sent, after :func:`chat_text`."""
+    settled_before: int
+
+
+class ChannelStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    records: int
+    events_buffered: int
+    pending_requests: int
+    running: bool
+    settled: int
+    ui_answered: int
+    malformed_lines: int
+    longest_line: int
+    ended: bool
+
+
+# -- pure core -------------------------------------------------------------------------
+
+
+class LineSplitter:
+    """Split a byte stream into lines at ``b"\\n"`` only (R1).
+
+    Never at U+2028/U+2029 or any other separator; a line may arrive in any number of chunks
+    and each byte is scanned once, so multi-megabyte lines cost linear time. Raises
+    :class:`RpcLineTooLongError` when an unfinished line exceeds ``max_line`` bytes (R2).
+    """
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self.max_line = max_line
+        self.longest = 0
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes | bytearray) -> list[bytes]:
+        """The lines completed by ``data``, without their ``\\n``."""
+        buffer = self._buffer
+        scan = len(buffer)
+        buffer += data
+        lines: list[bytes] = []
+        start = 0
+        while (end := buffer.find(b"\n", scan)) >= 0:
+            lines.append(bytes(buffer[start:end]))
+            self.longest = max(self.longest, end - start)
+            start = scan = end + 1
+        del buffer[:start]
+        if len(buffer) > self.max_line:
+            raise RpcLineTooLongError(self.max_line)
+        return lines
+
+    def finish(self) -> bytes | None:
+        """At end of stream: the unterminated last line, if any."""
+        rest, self._buffer = bytes(self._buffer), bytearray()
+        return rest or None
+
+
+def chat_text(text: str) -> str:
+    """``text`` as it must be sent so that Pi treats it as chat, never as a command (R9).
+
+    Pi 1.6.0's ``prompt`` runs text starting with ``/`` as an extension command when one has
+    that name, and expands ``/skill:…`` and prompt templates; ``steer``/``follow_up`` refuse
+    command names. One leading space (:data:`COMMAND_GUARD`) defeats every one of those
+    ``startsWith("/")`` checks and reaches the model unchanged, with the text intact after it.
+    """
+    return COMMAND_GUARD + text if text.startswith("/") else text
+
+
+def ui_response(request_id: str, reply: UiReply) -> dict[str, Any]:
+    """The ``extension_ui_response`` record for ``reply`` (docs/rpc-extension-ui.md, R8)."""
+    record: dict[str, Any] = {"type": "extension_ui_response", "id": request_id}
+    if isinstance(reply, UiValue):
+        record["value"] = reply.value
+    elif isinstance(reply, UiConfirm):
+        record["confirmed"] = reply.confirmed
+    else:
+        record["cancelled"] = True
+    return record
+
+
+def decode_line(seq: int, line: bytes) -> Event:
+    """One stdout line as an :class:`Event`; anything but a JSON object with a string
+    ``type`` becomes a :data:`MALFORMED_LINE` event (R10)."""
+    try:
+        value = loads(line)
+    except msgspec.DecodeError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("type"), str):
+        return Event(seq=seq, type=value["type"], record=value)
+    text = line[:4096].decode("utf-8", "replace")
+    return Event(
+        seq=seq,
+        type=MALFORMED_LINE,
+        record={"type": MALFORMED_LINE, "line": text, "length": len(line)},
+    )
+
+
+def _response_of(record: dict[str, Any]) -> Response:
+    rid, error = record.get("id"), record.get("error")
+    return Response(
+        id=rid if isinstance(rid, str) else None,
+        command=str(record.get("command", "")),
+        success=record.get("success") is True,
+        data=record.get("data"),
+        error=error if isinstance(error, str) else None,
+    )
+
+
+def _disposition(response: Response) -> str:
+    data = response.data if isinstance(response.data, dict) else {}
+    return str(data.get("disposition", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """What one stdout line means: at most one of a matched response or an event, plus a
+    dialog to answer. ``settled_before`` counts the ``agent_settled`` events read before it."""
+
+    response: Response | None = None
+    event: Event | None = None
+    ui: UiRequest | None = None
+    settled_before: int = 0
+
+
+@dataclass
+class ProtocolState:
+    """The channel's knowledge, advanced only by the commands it sends and the lines it reads.
+
+    Ids are ``rpc-1``, ``rpc-2``, …, never reused (R3). A run is in flight from a ``prompt``
+    response with disposition ``started`` (Pi writes it before the run's ``agent_start``) or
+    an ``agent_start``, until ``agent_settled`` (R7).
+    """
+
+    records: int = 0
+    running: bool = False
+    settled: list[Event] = field(default_factory=list)
+    pending: dict[str, str] = field(default_factory=dict)
+    """id → command type, for requests awaiting their response."""
+    abandoned: dict[str, str] = field(default_factory=dict)
+    """Requests whose caller stopped waiting; their responses are dropped."""
+    malformed: int = 0
+    last_id: int = 0
+
+    def command(self, command: Mapping[str, Any]) -> dict[str, Any]:
+        """``command`` with a fresh ``id``, registered as pending."""
+        kind = command.get("type")
+        if not isinstance(kind, str) or "id" in command:
+            raise ValueError("a command needs a string 'type' and no 'id' (the channel assigns it)")
+        self.last_id += 1
+        rid = f"rpc-{self.last_id}"
+        self.pending[rid] = kind
+        return {"id": rid, **command}
+
+    def abandon(self, rid: str) -> None:
+        if (kind := self.pending.pop(rid, None)) is not None:
+            self.abandoned[rid] = kind
+
+    def receive(self, line: bytes) -> Received:
+        """Advance by one stdout line (blank lines are not records)."""
+        if not line.strip():
+            return Received(settled_before=len(self.settled))
+        event = decode_line(self.records, line)
+        self.records += 1
+        before = len(self.settled)
+        if event.type == MALFORMED_LINE:
+            self.malformed += 1
+        elif event.type == "response":
+            response = _response_of(event.record)
+            rid = response.id or ""
+            live = self.pending.pop(rid, None)
+            kind = live or self.abandoned.pop(rid, None)
+            if kind is not None:  # ours: to its caller, or dropped if abandoned
+                if kind == "prompt" and _disposition(response) == "started":
+                    self.running = True
+                return Received(response=response if live else None, settled_before=before)
+        elif event.type == "agent_start":
+            self.running = True
+        elif event.type == "agent_settled":
+            self.running = False
+            self.settled.append(event)
+        ui = None
+        if event.type == "extension_ui_request":
+            uid, method = event.record.get("id"), event.record.get("method")
+            if isinstance(uid, str) and isinstance(method, str) and method not in NOTICE_METHODS:
+                ui = UiRequest(id=uid, method=method, record=event.record)
+        return Received(event=event, ui=ui, settled_before=before)
+
+
+# -- trio shell ------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    done: trio.Event = field(default_factory=trio.Event)
+    response: Response | None = None
+    settled_before: int = 0
+    error: RpcError | None = None
+
+
+class RpcChannel:
+    """A live channel to one worker; made by :func:`open_rpc_channel`.
+
+    Commands may be sent from many tasks at once; each line is written whole (R3). Events are
+    read with ``async for event in channel`` or :meth:`next_event`, by one consumer, in stdout
+    order; they are buffered without bound, so a consumer must keep reading (R4).
+    """
+
+    def __init__(
+        self,
+        stdin: trio.abc.SendStream,
+        stdout: trio.abc.ReceiveStream,
+        *,
+        stderr: Callable[[], bytes] | None,
+        ui_policy: UiPolicy,
+        ui_timeout: float,
+        max_line: int,
+        exit_grace: float,
+    ) -> None:
+        self._stdin, self._stdout = stdin, stdout
+        self._stderr_capture = stderr
+        self._stderr_tail = bytearray()
+        self._stderr_done = trio.Event()
+        self._ui_policy, self._ui_timeout, self._exit_grace = ui_policy, ui_timeout, exit_grace
+        self._splitter = LineSplitter(max_line)
+        self._state = ProtocolState()
+        self._slots: dict[str, _Slot] = {}
+        self._send_lock = trio.StrictFIFOLock()
+        self._events_in, self._events_out = trio.open_memory_channel[Event](math.inf)
+        self._ui_in, self._ui_out = trio.open_memory_channel[UiRequest](math.inf)
+        self._changed = trio.Event()
+        self._eof = trio.Event()
+        self._exit_error: RpcError | None = None
+        self._closing = self._stdin_closed = False
+        self._ui_answered = 0
+
+    # -- commands --------------------------------------------------------------------
+
+    async def request(self, command: Mapping[str, Any]) -> Response:
+        """Send ``command`` (``type`` set, no ``id``) and return its successful response.
+
+        Raises :class:`RpcCommandError` for ``success: false`` (Pi's text in ``pi_error``),
+        :class:`WorkerExitedError` / :class:`WorkerLaunchError` if the worker's stdout ends
+        first (R5, R6), :class:`RpcClosedError` once :meth:`aclose` began (``abort`` is still
+        accepted then). If the caller is cancelled, the late response is dropped.
+        """
+        return (await self._call(command))[0]
+
+    async def prompt(
+        self, text: str, *, streaming_behavior: Literal["steer", "followUp"] | None = None
+    ) -> Prompted:
+        """Send chat ``text`` as a ``prompt``; a leading ``/`` is never run as a command (R9)."""
+        command: dict[str, Any] = {"type": "prompt", "message": chat_text(text)}
+        if streaming_behavior is not None:
+            command["streamingBehavior"] = streaming_behavior
+        response, settled_before = await self._call(command)
+        return Prompted(
+            disposition=_disposition(response),
+            text=command["message"],
+            settled_before=settled_before,
+        )
+
+    async def steer(self, text: str) -> str:
+        """Queue chat ``text`` into the running turn (R9); returns Pi's disposition."""
+        return _disposition(await self.request({"type": "steer", "message": chat_text(text)}))
+
+    async def follow_up(self, text: str) -> str:
+        """Queue chat ``text`` for when the run would stop (R9); returns Pi's disposition."""
+        return _disposition(await self.request({"type": "follow_up", "message": chat_text(text)}))
+
+    async def clear_queue(self) -> dict[str, Any]:
+        """Take back every queued steer and follow-up (Pi's ``clear_queue``): the removed
+        texts, ``{"steering": [...], "followUp": [...]}``."""
+        response = await self.request({"type": "clear_queue"})
+        return response.data if isinstance(response.data, dict) else {}
+
+    async def abort(self) -> None:
+        """Abort the run in flight and wait for the response, which Pi sends after the run's
+        ``agent_settled{aborted: true}`` (R7); harmless when idle."""
+        await self.request({"type": "abort"})
+
+    # -- events ----------------------------------------------------------------------
+
+    async def next_event(self) -> Event:
+        """The next event. Once the worker's stdout ended and the buffer is empty, raises the
+        reason: :class:`WorkerExitedError` (or a subclass), :class:`RpcLineTooLongError`, or
+        :class:`RpcClosedError` after :meth:`aclose`."""
+        try:
+            return await self._events_out.receive()
+        except trio.EndOfChannel:
+            assert self._exit_error is not None
+            raise self._exit_error from None
+
+    def __aiter__(self) -> RpcChannel:
+        return self
+
+    async def __anext__(self) -> Event:
+        """Like :meth:`next_event`, but iteration ends cleanly after :meth:`aclose`."""
+        try:
+            return await self.next_event()
+        except RpcClosedError:
+            raise StopAsyncIteration from None
+
+    async def wait_settled(self, since: int) -> Event:
+        """The first ``agent_settled`` event after ``since`` of them (``Prompted.settled_before``).
+
+        Does not consume the event stream. Raises like :meth:`next_event` if stdout ends first.
+        """
+        await trio.lowlevel.checkpoint()
+        while len(self._state.settled) <= since:
+            if self._exit_error is not None:
+                raise self._exit_error
+            await self._changed.wait()
+        return self._state.settled[since]
+
+    @property
+    def running(self) -> bool:
+        """A run is in flight (R7)."""
+        return self._state.running and self._exit_error is None
+
+    @property
+    def idle(self) -> bool:
+        """No run in flight and no request pending, or the worker is gone."""
+        return self._exit_error is not None or not (self._state.running or self._slots)
+
+    async def wait_idle(self) -> None:
+        while not self.idle:
+            await self._changed.wait()
+
+    # -- closing ---------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close stdin once idle (R11), then wait up to ``exit_grace`` for stdout to end.
+
+        Closing stdin during a run would abort it, so this first waits for ``agent_settled``
+        and pending responses; new commands are refused meanwhile. Call :meth:`abort` first
+        to stop a run. If cancelled while waiting, stdin stays open: the process owner kills
+        the worker instead. Idempotent.
+        """
+        self._closing = True
+        await self.wait_idle()
+        await self._close_stdin()
+        with trio.move_on_after(self._exit_grace):
+            await self._eof.wait()
+
+    # -- introspection ---------------------------------------------------------------
+
+    @property
+    def stderr_tail(self) -> bytes:
+        """The last 64 KiB the worker wrote to stderr (when the channel drains it)."""
+        return bytes(self._stderr_tail)
+
+    def statistics(self) -> ChannelStatistics:
+        state = self._state
+        return ChannelStatistics(
+            records=state.records,
+            events_buffered=self._events_out.statistics().current_buffer_used,
+            pending_requests=len(self._slots),
+            running=self.running,
+            settled=len(state.settled),
+            ui_answered=self._ui_answered,
+            malformed_lines=state.malformed,
+            longest_line=self._splitter.longest,
+            ended=self._eof.is_set(),
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _call(self, command: Mapping[str, Any]) -> tuple[Response, int]:
+        await trio.lowlevel.checkpoint()  # a checkpoint even when refused at once
+        if self._stdin_closed or (self._closing and command.get("type") != "abort"):
+            raise RpcClosedError
+        if self._exit_error is not None:
+            raise self._exit_error
+        record = self._state.command(command)
+        rid = record["id"]
+        slot = self._slots[rid] = _Slot()
+        try:
+            try:
+                await self._write(record)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                with trio.move_on_after(self._exit_grace):  # let the reader name the reason
+                    await self._eof.wait()
+                raise self._exit_error or WorkerExitedError(
+                    "the worker's stdin is closed"
+                ) from None
+            await slot.done.wait()
+        finally:
+            if not slot.done.is_set():
+                self._slots.pop(rid, None)
+                self._state.abandon(rid)
+                self._notify()
+        if slot.error is not None:
+            raise slot.error
+        assert slot.response is not None
+        if not slot.response.success:
+            raise RpcCommandError(slot.response)
+        return slot.response, slot.settled_before
+
+    async def _write(self, record: Mapping[str, Any]) -> None:
+        """Write one line whole: shielded, so a cancelled caller never leaves half a line."""
+        data = _encoder.encode(record) + b"\n"
+        async with self._send_lock:
+            if self._stdin_closed:
+                raise trio.ClosedResourceError
+            with trio.CancelScope(shield=True):
+                await self._stdin.send_all(data)
+
+    async def _close_stdin(self) -> None:
+        async with self._send_lock:
+            if not self._stdin_closed:
+                self._stdin_closed = True
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self._stdin.aclose()
+
+    async def _read(self) -> None:
+        """The reader (R4): drains stdout, never awaits a consumer, a policy or stdin."""
+        error: RpcError | None = None
+        try:
+            while data := await self._stdout.receive_some(_CHUNK):
+                for line in self._splitter.feed(data):
+                    self._dispatch(line)
+            if (tail := self._splitter.finish()) is not None:
+                self._dispatch(tail)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except RpcLineTooLongError as exc:
+            error = exc
+        if error is None:
+            error = RpcClosedError() if self._stdin_closed else await self._exit_reason()
+        self._exit_error = error
+        for slot in self._slots.values():
+            slot.error = error
+            slot.done.set()
+        self._slots.clear()
+        self._events_in.close()
+        self._ui_in.close()
+        self._eof.set()
+        self._notify()
+
+    def _dispatch(self, line: bytes) -> None:
+        received = self._state.receive(line)
+        if received.response is not None:
+            slot = self._slots.pop(received.response.id or "", None)
+            if slot is not None:
+                slot.response, slot.settled_before = received.response, received.settled_before
+                slot.done.set()
+        if received.ui is not None:
+            self._ui_in.send_nowait(received.ui)
+        if received.event is not None:
+            self._events_in.send_nowait(received.event)
+        self._notify()
+
+    async def _exit_reason(self) -> WorkerExitedError:
+        with trio.move_on_after(self._exit_grace):  # the process is exiting: stderr ends soon
+            await self._stderr_done.wait()
+        stderr = self._stderr_capture() if self._stderr_capture else self.stderr_tail
+        if self._state.records == 0:
+            return WorkerLaunchError(stderr=stderr)
+        return WorkerExitedError(
+            "the worker's stdout ended (it exited or was killed)", stderr=stderr
+        )
+
+    async def _drain_stderr(self, stream: trio.abc.ReceiveStream) -> None:
+        try:
+            while data := await stream.receive_some(_CHUNK):
+                self._stderr_tail += data
+                del self._stderr_tail[:-_STDERR_TAIL]
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self._stderr_done.set()
+
+    async def _answer_dialogs(self, nursery: trio.Nursery) -> None:
+        async for request in self._ui_out:
+            nursery.start_soon(self._answer, request)
+
+    async def _answer(self, request: UiRequest) -> None:
+        """Every dialog gets exactly one answer (R8): the policy's, or a cancel if the policy
+        takes longer than ``ui_timeout`` or raises (the error then propagates)."""
+        reply: UiReply = UiCancel()
+        try:
+            with trio.move_on_after(self._ui_timeout):
+                reply = await self._ui_policy(request)
+        finally:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._write(ui_response(request.id, reply))
+            self._ui_answered += 1
+
+
+@contextlib.asynccontextmanager
+async def open_rpc_channel(
+    stdin: trio.abc.SendStream,
+    stdout: trio.abc.ReceiveStream,
+    *,
+    stderr: trio.abc.ReceiveStream | Callable[[], bytes] | None = None,
+    ui_policy: UiPolicy = cancel_dialogs,
+    ui_timeout: float = 60.0,
+    max_line: int = MAX_LINE,
+    exit_grace: float = 5.0,
+) -> AsyncIterator[RpcChannel]:
+    """Drive a worker over ``stdin``/``stdout`` for the duration of the block.
+
+    ``stderr`` is the worker's stderr stream (drained continuously, its tail kept) or a
+    function returning what the caller captured; either way it is quoted when the worker
+    exits unexpectedly (R5, R6). ``ui_policy`` answers extension dialogs (default: cancel).
+
+    Resource handling: when the block ends normally, :meth:`RpcChannel.aclose` runs (it waits
+    for a running turn to settle, R11); when it ends with an error, stdin is closed only if
+    the worker is idle. The streams' owner stops the process. Error handling: errors leave the
+    block as themselves, never wrapped in an ExceptionGroup.
+    """
+    capture = None if isinstance(stderr, trio.abc.ReceiveStream) else stderr
+    channel = RpcChannel(
+        stdin,
+        stdout,
+        stderr=capture,
+        ui_policy=ui_policy,
+        ui_timeout=ui_timeout,
+        max_line=max_line,
+        exit_grace=exit_grace,
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel._read)
+            nursery.start_soon(channel._answer_dialogs, nursery)
+            if isinstance(stderr, trio.abc.ReceiveStream):
+                nursery.start_soon(channel._drain_stderr, stderr)
+            else:
+                channel._stderr_done.set()
+            try:
+                yield channel
+                await channel.aclose()
+            finally:
+                if channel.idle:
+                    with trio.move_on_after(exit_grace, shield=True):
+                        await channel._close_stdin()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error: BaseException = group
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        if error is group:
+            raise
+        raise error from None

@@ -1,0 +1,520 @@
+"""Process epochs: launching a worker (the real Pi or Fake-Pi) and owning its whole tree.
+
+An *epoch* is one launch of a worker process for a lane. Its identity is
+``(pid, start time, boot id, nonce)``: the nonce is handed over at launch in the
+environment (``PI_RUNTIME_EPOCH``) and read back from ``/proc/<pid>/environ``
+before the launch counts, so a record can never name someone else's process.
+Every descendant inherits the nonce; with a cgroup v2 per epoch the tree is
+also held by the kernel. The invariants (W1…) are in ``docs/design/workers.md``.
+
+Resource handling: :func:`open_epoch` / :func:`open_worker` run the epoch in its
+own nursery; leaving the block (normally, by an exception, or by cancellation —
+a fence) stops it: SIGTERM to the worker, a bounded wait, SIGKILL to the whole
+tree, reap, remove the cgroup. Nothing the worker started outlives the block.
+:func:`kill_epoch_leftovers` does the same from an :class:`EpochStarted` record
+alone, for a host taking over after a crash.
+
+Error handling: launch problems raise :class:`WorkerError` with a ``worker_*``
+reason code; a stop that leaves a live descendant raises ``worker_tree_survived``
+when the block ends (never masking an exception from the block itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, NoReturn
+
+import msgspec
+import trio
+import trio.lowlevel
+
+from .._errors import ReasonCode, WorkerError
+from .._linux._proc import ProcessIdentity, boot_id, process_start_time
+from .._linux._proctree import (
+    CGROUP_PARENT_NAME,
+    EPOCH_ENV,
+    KillReport,
+    TreeProof,
+    carries_nonce,
+    cgroup2_mount,
+    create_cgroup,
+    has_nonce,
+    is_child_subreaper,
+    kill_tree,
+    new_nonce,
+    probe_cgroups,
+    proc_table,
+    read_environ,
+    reap_proven,
+    remove_cgroup,
+    scan_tree,
+    set_child_subreaper,
+    trio_managed,
+    valid_nonce,
+)
+from .._records import EpochStarted
+from ._launch import ENV_ALLOWED as ENV_ALLOWED
+from ._launch import QUIET_FLAGS as QUIET_FLAGS
+from ._launch import ModelRoute as ModelRoute
+from ._launch import RetrySettings as RetrySettings
+from ._launch import WorkerKind as WorkerKind
+from ._launch import WorkerLaunch as WorkerLaunch
+from ._launch import WorkerProgram as WorkerProgram
+from ._launch import check_launch
+from ._launch import worker_argv as worker_argv
+from ._launch import worker_environment as worker_environment
+from ._launch import write_agent_files as write_agent_files
+
+__all__ = [
+    "ENV_ALLOWED",
+    "QUIET_FLAGS",
+    "Containment",
+    "Epoch",
+    "ModelRoute",
+    "RetrySettings",
+    "StopPolicy",
+    "StopReport",
+    "WorkerKind",
+    "WorkerLaunch",
+    "WorkerProgram",
+    "kill_epoch_leftovers",
+    "open_epoch",
+    "open_worker",
+    "worker_argv",
+    "worker_environment",
+    "write_agent_files",
+]
+_SHELL: Final = "/bin/sh"
+_ENTER_CGROUP: Final = 'echo $$ > "$0" || exit 126; exec "$@"'
+"""The launch shim: the worker's pid enters the epoch's cgroup before exec (W2)."""
+_STDERR_TAIL: Final = 64 * 1024
+_encode = msgspec.json.Encoder()
+
+
+# ---------------------------------------------------------------------------------- epochs
+
+
+class Containment(enum.StrEnum):
+    """How an epoch's tree is held (W2, W3)."""
+
+    CGROUP = "cgroup"
+    """A cgroup v2 per epoch, killed with ``cgroup.kill``; plus the nonce scan."""
+    SUBREAPER = "subreaper"
+    """The runtime is child subreaper; the nonce and parent-pid scan finds the tree."""
+    SCAN = "scan"
+    """Neither is available: the nonce and parent-pid scan alone."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopPolicy:
+    """Bounds of a stop, in seconds of Trio's clock."""
+
+    term_grace: float = 5.0
+    """How long the worker has to exit after SIGTERM before the tree is killed."""
+    kill_bound: float = 5.0
+    """How long killing the tree and reaping may take before survivors are reported."""
+    reap_interval: float = 5.0
+    """How often a subreaper epoch reaps the adopted orphans it proved while they lived."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopReport:
+    """How an epoch ended."""
+
+    exit_status: int | None
+    """The worker's status as Trio's ``Process.returncode`` reports it (``-9`` = SIGKILL)."""
+    graceful: bool
+    """The worker exited (by itself or after SIGTERM) before the tree was killed."""
+    kill: KillReport
+
+    @property
+    def clean(self) -> bool:
+        """The worker was reaped, nothing of the tree is alive and its cgroup is gone."""
+        return self.kill.clean and self.exit_status is not None
+
+
+class Epoch:
+    """One running process epoch. Made by :func:`open_epoch` / :func:`open_worker`."""
+
+    def __init__(
+        self,
+        *,
+        process: trio.Process,
+        identity: ProcessIdentity,
+        nonce: str,
+        cgroup: Path | None,
+        containment: Containment,
+        policy: StopPolicy,
+    ) -> None:
+        self.process = process
+        self.identity = identity
+        self.nonce = nonce
+        self.cgroup = cgroup
+        self.containment = containment
+        self.policy = policy
+        self._stderr = bytearray()
+        self._adopted: dict[int, int] = {}
+        self._stop_lock = trio.Lock()
+        self._report: StopReport | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.identity.pid
+
+    @property
+    def stdin(self) -> trio.abc.SendStream:
+        assert self.process.stdin is not None
+        return self.process.stdin
+
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream:
+        assert self.process.stdout is not None
+        return self.process.stdout
+
+    def stderr_tail(self) -> bytes:
+        """The last 64 KiB the worker (or anything it started) wrote to stderr."""
+        return bytes(self._stderr)
+
+    def proof(self) -> TreeProof:
+        """What proves membership in this epoch's tree (W1, W3)."""
+        return TreeProof(nonce=self.nonce, roots=(self.identity,), cgroup=self.cgroup)
+
+    async def members(self) -> list[ProcessIdentity]:
+        """The live processes of the tree now, the worker included (a process caught inside
+        an exec is read again until it is decided, bounded at one second)."""
+        here = boot_id()
+        scan = await scan_tree(self.proof())
+        return [
+            ProcessIdentity(pid=pid, start_time=info.start_time, boot_id=here)
+            for pid, info in sorted(scan.live().items())
+        ]
+
+    def record(self, epoch: int, *, started_ms: int) -> EpochStarted:
+        """The lane-log record a host needs to find and kill this tree after a crash (W7)."""
+        return EpochStarted(
+            epoch=epoch,
+            pid=self.identity.pid,
+            start_time=self.identity.start_time,
+            boot_id=self.identity.boot_id,
+            nonce=self.nonce,
+            cgroup=None if self.cgroup is None else str(self.cgroup),
+            started_ms=started_ms,
+        )
+
+    async def wait(self) -> int:
+        """Wait for the worker process itself to exit; its status (Trio reaps it)."""
+        return await self.process.wait()
+
+    async def stop(self) -> StopReport:
+        """SIGTERM, bounded wait, SIGKILL the whole tree, reap, remove the cgroup (W6).
+
+        Idempotent; shielded from cancellation and bounded by :class:`StopPolicy`.
+        """
+        with trio.CancelScope(shield=True):
+            async with self._stop_lock:
+                if self._report is None:
+                    self._report = await self._stop()
+        assert self._report is not None
+        return self._report
+
+    async def _stop(self) -> StopReport:
+        graceful = self.process.returncode is not None
+        if not graceful:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(self.policy.term_grace):
+                await self.process.wait()
+                graceful = True
+        kill = await kill_tree(self.proof(), give_up_after=self.policy.kill_bound)
+        with trio.move_on_after(self.policy.kill_bound):
+            await self.process.wait()
+        reap_proven(self._adopted)
+        return StopReport(exit_status=self.process.returncode, graceful=graceful, kill=kill)
+
+    async def _drain_stderr(self) -> None:
+        assert self.process.stderr is not None
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            while data := await self.process.stderr.receive_some(65536):
+                self._stderr += data
+                del self._stderr[:-_STDERR_TAIL]
+
+    async def _reap_adopted(self) -> None:
+        """As subreaper: prove adopted orphans while they live, reap them once they die (W4)."""
+        me = os.getpid()
+        while True:
+            await trio.sleep(self.policy.reap_interval)
+            for info in proc_table().values():
+                if info.ppid == me and info.alive and carries_nonce(info.pid, self.nonce):
+                    self._adopted[info.pid] = info.start_time
+            reap_proven(self._adopted)
+
+    async def _close_streams(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                    await stream.aclose()
+
+
+def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, Path | None]:
+    support = probe_cgroups()
+    if containment in (None, Containment.CGROUP) and support.parent is not None:
+        try:
+            return Containment.CGROUP, create_cgroup(support.parent, nonce)
+        except OSError as error:
+            if containment is Containment.CGROUP:
+                raise WorkerError(
+                    ReasonCode.WORKER_LAUNCH_FAILED, f"cannot create the epoch's cgroup: {error}"
+                ) from error
+    elif containment is Containment.CGROUP:
+        raise WorkerError(
+            ReasonCode.WORKER_LAUNCH_FAILED, f"no usable cgroup v2 here: {support.reason}"
+        )
+    if containment is not Containment.SCAN and set_child_subreaper():
+        return Containment.SUBREAPER, None
+    return Containment.SCAN, None
+
+
+def _resolve(argv0: str, env: Mapping[str, str]) -> str:
+    found = shutil.which(argv0, path=env.get("PATH"))
+    if found is None:
+        raise WorkerError(ReasonCode.WORKER_NOT_FOUND, f"{argv0} was not found (PATH or path)")
+    return found
+
+
+async def _launch(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    containment: Containment | None,
+    nonce: str | None,
+    policy: StopPolicy,
+) -> Epoch:
+    nonce = nonce or new_nonce()
+    if not valid_nonce(nonce):
+        raise WorkerError(ReasonCode.WORKER_CONFIG_INVALID, "an epoch nonce is 32 hex digits")
+    if not argv:
+        raise WorkerError(ReasonCode.WORKER_CONFIG_INVALID, "an empty command line")
+    full_env = {**env, EPOCH_ENV: nonce}
+    full_env.setdefault("PWD", str(cwd))
+    command = [_resolve(argv[0], full_env), *argv[1:]]
+    mode, cgroup = _choose(containment, nonce)
+    if cgroup is not None:
+        command = [_SHELL, "-c", _ENTER_CGROUP, str(cgroup / "cgroup.procs"), *command]
+    try:
+        process = await trio.lowlevel.open_process(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=full_env,
+            start_new_session=True,
+        )
+    except OSError as error:
+        if cgroup is not None:
+            remove_cgroup(cgroup)
+        raise WorkerError(
+            ReasonCode.WORKER_LAUNCH_FAILED, f"cannot start {argv[0]} in {cwd}: {error}"
+        ) from error
+    start_time = process_start_time(process.pid)
+    identity = ProcessIdentity(pid=process.pid, start_time=start_time or 0, boot_id=boot_id())
+    return Epoch(
+        process=process,
+        identity=identity,
+        nonce=nonce,
+        cgroup=cgroup,
+        containment=mode,
+        policy=policy,
+    )
+
+
+async def _environ_after_exec(process: trio.Process, nonce: str) -> bytes | None:
+    """The environment of a process that has just exec'd, once it shows the nonce.
+
+    The parent learns of a successful exec before the kernel has published the
+    new image's environment, and the cgroup shim execs once more: a read can
+    come back empty or partial while an exec is under way. Reads are retried
+    (bounded at one second) until one shows the nonce or the process exited;
+    that read is returned (re-reading could land inside the next exec).
+    """
+    environ = read_environ(process.pid)
+    with trio.move_on_after(1.0):
+        while not has_nonce(environ, nonce) and process.poll() is None:
+            await trio.sleep(0.001)
+            environ = read_environ(process.pid)
+    return environ
+
+
+async def _prove(epoch: Epoch) -> None:
+    """Read the identity back: the new process must carry the nonce and be in its cgroup (W1)."""
+    process = epoch.process
+    if epoch.cgroup is not None:
+        try:  # the shim already did this before exec; a second write is a no-op
+            (epoch.cgroup / "cgroup.procs").write_text(str(process.pid))
+        except OSError as error:
+            if process_start_time(process.pid) is not None and process.returncode is None:
+                raise WorkerError(
+                    ReasonCode.WORKER_LAUNCH_FAILED,
+                    f"cannot put the worker into {epoch.cgroup}: {error}",
+                ) from error
+    environ = await _environ_after_exec(process, epoch.nonce)
+    if epoch.identity.start_time and has_nonce(environ, epoch.nonce):
+        return
+    if process.poll() is not None or process_start_time(process.pid) is None:
+        with trio.move_on_after(1.0):
+            await epoch._drain_stderr()
+        tail = epoch.stderr_tail()
+        said = tail[-600:].decode(errors="replace").strip()
+        raise WorkerError(
+            ReasonCode.WORKER_LAUNCH_FAILED,
+            f"the worker exited during launch with status {process.returncode}"
+            + (f"; it said: {said}" if said else ""),
+            stderr=tail,
+        )
+    raise WorkerError(
+        ReasonCode.WORKER_IDENTITY_MISMATCH,
+        f"pid {process.pid} does not carry the epoch nonce in its environment",
+    )
+
+
+def _reraise_single(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Re-raise a group's only exception as itself, with its own context kept (no group leaks)."""
+    if len(group.exceptions) != 1:
+        raise group
+    error = group.exceptions[0]
+    context, cause, suppress = error.__context__, error.__cause__, error.__suppress_context__
+    try:
+        raise error
+    finally:
+        error.__context__, error.__cause__ = context, cause
+        error.__suppress_context__ = suppress
+        del error
+
+
+@contextlib.asynccontextmanager
+async def open_epoch(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    containment: Containment | None = None,
+    nonce: str | None = None,
+    policy: StopPolicy | None = None,
+) -> AsyncIterator[Epoch]:
+    """Launch ``argv`` as one process epoch and own its whole tree until the block ends.
+
+    ``env`` is used as given (build it with :func:`worker_environment`) plus
+    ``PI_RUNTIME_EPOCH``; stdin, stdout and stderr are pipes (stderr is drained
+    into :meth:`Epoch.stderr_tail`). ``containment`` ``None`` picks a cgroup where
+    one can be created, else the subreaper. ``nonce`` may be chosen (and
+    journaled) by the caller before the launch; by default it is fresh.
+    """
+    policy = policy or StopPolicy()
+    epoch = await _launch(
+        argv, env=env, cwd=cwd, containment=containment, nonce=nonce, policy=policy
+    )
+    with trio_managed(epoch.pid):
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    await _prove(epoch)
+                    nursery.start_soon(epoch._drain_stderr)
+                    if epoch.containment is Containment.SUBREAPER or is_child_subreaper():
+                        nursery.start_soon(epoch._reap_adopted)
+                    yield epoch
+                finally:
+                    report = await epoch.stop()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            _reraise_single(group)
+        finally:
+            with trio.CancelScope(shield=True):
+                await epoch.stop()
+                await epoch._close_streams()
+    if not report.clean:
+        raise WorkerError(
+            ReasonCode.WORKER_TREE_SURVIVED,
+            f"epoch {epoch.nonce}: survivors {list(report.kill.survivors)}, worker status "
+            f"{report.exit_status}, cgroup removed: {report.kill.cgroup_removed}",
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_worker(
+    launch: WorkerLaunch,
+    *,
+    containment: Containment | None = None,
+    nonce: str | None = None,
+    policy: StopPolicy | None = None,
+) -> AsyncIterator[Epoch]:
+    """Launch Pi or Fake-Pi (the same way, W9) as one epoch: :func:`open_epoch` for workers."""
+    check_launch(launch)
+    write_agent_files(launch)
+    env = worker_environment(
+        home=launch.home,
+        agent_dir=launch.agent_dir,
+        cwd=launch.cwd,
+        tmp_dir=launch.tmp_dir,
+        extra=launch.extra_env,
+    )
+    async with open_epoch(
+        worker_argv(launch),
+        env=env,
+        cwd=launch.cwd,
+        containment=containment,
+        nonce=nonce,
+        policy=policy,
+    ) as epoch:
+        yield epoch
+
+
+# -------------------------------------------------------------------------------- takeover
+
+
+def _recorded_cgroup(record: EpochStarted) -> Path | None:
+    """The record's cgroup, only if it is an epoch cgroup this runtime made (W5)."""
+    if record.cgroup is None:
+        return None
+    path = Path(record.cgroup)
+    mount = cgroup2_mount()
+    if (
+        mount is None
+        or path.name != record.nonce
+        or path.parent != mount / CGROUP_PARENT_NAME
+        or ".." in path.parts
+    ):
+        raise WorkerError(
+            ReasonCode.WORKER_RECORD_INVALID,
+            f"epoch record names cgroup {record.cgroup}, not {CGROUP_PARENT_NAME}/<nonce> "
+            "under this host's cgroup2 mount",
+        )
+    return path if path.is_dir() else None
+
+
+async def kill_epoch_leftovers(
+    record: EpochStarted, *, policy: StopPolicy | None = None
+) -> KillReport:
+    """Kill whatever is left of a recorded epoch's tree, from the record alone (W7).
+
+    Proof is the record's cgroup, the nonce in a process's environment, or the
+    recorded identity (pid, start time *and* boot id all matching) and the
+    descendants of proven members. A pid whose identity does not match is
+    never signalled unless its own environment carries the nonce (W5). The
+    cgroup is removed once empty. Safe to call for an epoch that is long gone.
+    """
+    policy = policy or StopPolicy()
+    if not valid_nonce(record.nonce):
+        raise WorkerError(ReasonCode.WORKER_RECORD_INVALID, "the epoch record's nonce is invalid")
+    cgroup = _recorded_cgroup(record)
+    root = ProcessIdentity(pid=record.pid, start_time=record.start_time, boot_id=record.boot_id)
+    proof = TreeProof(nonce=record.nonce, roots=(root,), cgroup=cgroup)
+    return await kill_tree(proof, give_up_after=policy.kill_bound)

@@ -1,0 +1,1 @@
+"""_rooms: see docs/design/index.md (Layout)."""

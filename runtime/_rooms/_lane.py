@@ -1,0 +1,840 @@
+"""Room lanes: one long-lived session per room, its deliveries run one at a time.
+
+A :class:`Lane` owns one room's queue, session file, working directory and — while it is
+warm — one worker epoch behind its own gateway and gate (``runtime/_boundary/_boundaries.py``). The
+lane
+runs in its own nursery and each epoch in a nested one, so stopping a lane or fencing an epoch
+is a cancellation (brief §3). The invariants (L1…) are in ``docs/design/lanes.md``.
+
+One delivery's turn: the delivery's log is created (or reopened when it is replayed) and its
+admission written there with the session leaf it starts from; the rendered prompt is sent; the
+worker's events are watched (typing, tool activity, the stall backstop) until
+``agent_settled``; the last assistant message decides the outcome (``runtime/_rooms/_outcome.py``);
+the session is fsynced, the result appended to the delivery's log and then published in the
+outbox. A worker that dies mid-turn is fenced, the step is recorded as abandoned, the session
+branched back to the admission leaf and the turn replayed on a new epoch — the gateway and the
+gate answer what was already done from the delivery's log — until the recovery attempts run
+out (``recovery_exhausted``).
+
+Privileged deliveries (grants beyond the room's standing set) run in a one-shot session with
+an epoch of their own, stopped afterwards, so the room session's tools never change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import msgspec
+import trio
+
+from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
+from .._boundary._gate import GateCall, GateResult
+from .._boundary._gateway import GatewayConfig
+from .._boundary._receipts import ReceiptStore
+from .._boundary._tools import DocumentTools, EffectLedger, RuntimeTool
+from .._clock import Clocks
+from .._errors import JournalError, ReasonCode, SessionError, WorkerError
+from .._events import RoomEvent, TextUpdate, ToolActivity, Typing
+from .._journal._journal import Journal
+from .._journal._store import Store, delivery_key, lane_key
+from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
+from .._pi._rpc import Event, RpcChannel, RpcError, open_rpc_channel
+from .._pi._session import (
+    aread_session,
+    atruncate_torn_tail,
+    create_session,
+    open_session_writer,
+)
+from .._pi._worker import Epoch, open_worker
+from .._records import (
+    AbsorbedInput,
+    Admission,
+    EpochFenced,
+    EpochStarted,
+    Outcome,
+    Result,
+    StepAbandoned,
+)
+from ._outbox import ResultOutbox
+from ._outcome import TurnEnd, classify_turn, could_still_be_silent
+from ._stall import StallWatch, watch_turn
+
+if TYPE_CHECKING:
+    from ._admission import Delivery
+
+__all__ = ["Lane", "LaneHost", "Pending"]
+
+REPLAY_MARKER: Final = "pi-runtime/replay"
+"""``customType`` of the session entry that branches a replay back to the admission leaf."""
+EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
+SHELL_LEASE: Final = 600.0
+"""The lease of a shell tool that names no timeout of its own (brief §5)."""
+
+
+@dataclass(eq=False)
+class Pending:
+    """An admitted delivery the host has not finished."""
+
+    delivery: Delivery
+    admission: Admission
+    grants: frozenset[str]
+    privileged: bool
+    recovering: bool = False
+    cancelled: bool = False
+    absorbed: list[Absorbed] = field(default_factory=list)
+    """Deliveries steered into this one's run (it is their owner)."""
+    absorbed_into: str | None = None
+    """The owner this delivery was steered into, while it is."""
+
+    @property
+    def delivery_id(self) -> str:
+        return self.delivery.delivery_id
+
+
+@dataclass(eq=False)
+class Absorbed:
+    """A delivery steered into an owner's run (brief §5): its text, and the step whose model
+    request first carried it (``None`` until seen)."""
+
+    pending: Pending
+    text: str
+    first_step: int | None = None
+    sent: bool = False
+    """Steered into the current attempt's worker."""
+
+
+@dataclass
+class LaneHost:
+    """What every lane needs from its worker host (``runtime/_rooms/_worker.py``)."""
+
+    store: Store
+    clocks: Clocks
+    program: WorkerProgram
+    route: ModelRoute
+    upstream: GatewayConfig
+    outbox: ResultOutbox
+    work_root: Path
+    socket_root: Path
+    persona: str | None
+    stall: float
+    tick: float
+    typing_refresh: float
+    idle_stop: float
+    recovery_attempts: int
+    text_update_chars: int
+    emit: Callable[[RoomEvent], None]
+    finished: Callable[[Pending], None]
+    reserve_worker: Callable[[Lane], Any]
+    release_worker: Callable[[Lane], None]
+    lane_idle: Callable[[Lane], None]
+    """Called when a lane's delivery ends: its live worker may now be stopped for another (L8)."""
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    receipts: ReceiptStore | None = None
+    """The receipt and document store behind ``write_document`` / ``read_document``."""
+    ledger: Path | None = None
+    """Where the test tool ``effect`` writes (only when granted)."""
+
+
+class _Live:
+    """One running worker epoch, with the channel to it."""
+
+    def __init__(
+        self, number: int, worker: Epoch, rpc: RpcChannel, scope: trio.CancelScope
+    ) -> None:
+        self.number = number
+        self.worker = worker
+        self.rpc = rpc
+        self.scope = scope
+        self.stop = trio.Event()
+        self.ended = trio.Event()
+
+
+class _WorkerDied(Exception):
+    """The epoch ended mid-turn (exit, launch failure or a broken channel)."""
+
+
+class _Slot:
+    """A worker of one authority for one session: its boundaries (opened with the first
+    delivery it serves, kept while the lane lives) and at most one live epoch.
+
+    The room's own slot lives as long as the lane; a privileged delivery's one-shot slot
+    only as long as that delivery (L6).
+    """
+
+    def __init__(self, lane: Lane, config: BoundaryConfig, session: Path) -> None:
+        self.lane = lane
+        self.config = config
+        self.session = session
+        self.boundaries: Boundaries | None = None
+        self.live: _Live | None = None
+        self._scope = trio.CancelScope()
+
+    async def serve(self, nursery: trio.Nursery, log: Journal, key: str) -> Boundaries:
+        """The boundaries, serving ``log`` (opened on first use)."""
+        if self.boundaries is None:
+            self.boundaries = await nursery.start(self._serve, log, key)
+        else:
+            self.boundaries.attach(log, key=key)
+        return self.boundaries
+
+    async def _serve(
+        self, log: Journal, key: str, task_status: trio.TaskStatus[Boundaries]
+    ) -> None:
+        with self._scope:
+            async with open_boundaries(self.config, log, key=key, epoch=0) as boundaries:
+                task_status.started(boundaries)
+                await trio.sleep_forever()
+
+    async def ensure_live(self, nursery: trio.Nursery) -> _Live:
+        if self.live is not None and not self.live.ended.is_set():
+            return self.live
+        assert self.boundaries is not None
+        lane = self.lane
+        await lane.host.reserve_worker(lane)
+        lane.epochs += 1
+        number = lane.epochs
+        self.boundaries.begin_epoch(number)
+        launch = self.boundaries.launch(lane.launch(self.session))
+        try:
+            self.live = await nursery.start(self._run_epoch, launch, number)
+        except BaseException:
+            lane.host.release_worker(lane)
+            raise
+        return self.live
+
+    async def _run_epoch(
+        self, launch: WorkerLaunch, number: int, task_status: trio.TaskStatus[_Live]
+    ) -> None:
+        lane = self.lane
+        assert lane.log is not None
+        live: _Live | None = None
+        try:
+            with trio.CancelScope() as scope:
+                async with open_worker(launch) as worker:
+                    await lane.log.append(
+                        worker.record(number, started_ms=lane.host.clocks.wall.time_ms())
+                    )
+                    async with open_rpc_channel(
+                        worker.stdin, worker.stdout, stderr=worker.stderr_tail
+                    ) as rpc:
+                        live = _Live(number, worker, rpc, scope)
+                        task_status.started(live)
+                        await live.stop.wait()
+                        if rpc.running:
+                            with contextlib.suppress(RpcError):
+                                await rpc.abort()
+            reason = "fenced" if scope.cancelled_caught else "stopped"
+            with trio.CancelScope(shield=True):
+                await lane.log.append(
+                    EpochFenced(
+                        epoch=number, reason=reason, fenced_ms=lane.host.clocks.wall.time_ms()
+                    )
+                )
+        finally:
+            if live is not None:
+                live.ended.set()
+            if self.live is live:
+                self.live = None
+            lane.host.release_worker(lane)
+
+    def request_stop(self) -> None:
+        if self.live is not None:
+            self.live.stop.set()
+
+    async def stop(self) -> None:
+        """Stop the live epoch once idle (stdin closed after ``agent_settled``)."""
+        live = self.live
+        if live is not None:
+            live.stop.set()
+            await live.ended.wait()
+
+    async def fence(self) -> None:
+        """Cancel the live epoch's scope: its whole tree is stopped before this returns."""
+        live = self.live
+        if live is not None:
+            live.scope.cancel()
+            await live.ended.wait()
+
+    async def close(self) -> None:
+        """Stop the epoch, then the boundaries (a one-shot slot's end)."""
+        await self.stop()
+        self._scope.cancel()
+
+
+class Lane:
+    """One room's lane; the host starts :meth:`run` in the lane's own nursery."""
+
+    def __init__(self, host: LaneHost, room: str) -> None:
+        self.host = host
+        self.room = room
+        self.key = lane_key(room)
+        self.queue: deque[Pending] = deque()
+        self.current: Pending | None = None
+        self._wake = trio.Event()
+        self.last_used = 0.0
+        self.dir = host.store.root / "lanes" / self.key
+        self.session = self.dir / "session.jsonl"
+        self.cwd = host.work_root / "rooms" / self.key
+        self.home = host.work_root / "homes" / self.key
+        self.tmp = host.work_root / "tmp" / self.key
+        self.log: Journal | None = None
+        self.epochs = 0
+        """Epochs this lane ever started (numbers them; from the lane log at start)."""
+        self._room: _Slot | None = None
+        self._oneshot: _Slot | None = None
+        self._running: _Turn | None = None
+
+    # -- the host's view ---------------------------------------------------------------
+
+    @property
+    def live_worker(self) -> bool:
+        """Whether a worker process of this lane is running (either authority)."""
+        return any(
+            slot is not None and slot.live is not None for slot in (self._room, self._oneshot)
+        )
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def submit(self, pending: Pending, *, front: bool = False) -> None:
+        (self.queue.appendleft if front else self.queue.append)(pending)
+        self._wake.set()
+
+    def stop_worker(self) -> None:
+        """Ask the room's live epoch (if any) to stop once idle; the lane and its session
+        stay (the live-worker cap and the idle stop use this)."""
+        if self._room is not None:
+            self._room.request_stop()
+
+    async def steer(self, pending: Pending) -> bool:
+        """Steer ``pending`` into the running turn (brief §5) when that turn has the same
+        authority and is still running: its absorbed input is journaled in the owner's log
+        first, then sent as a ``steer``. False (queue it instead) otherwise."""
+        owner, turn = self.current, self._running
+        if owner is None or turn is None or owner.privileged or pending.privileged:
+            return False
+        if owner.cancelled or owner.grants != pending.grants:
+            return False
+        async with turn.steer_lock:
+            if not turn.steerable:
+                return False
+            item = Absorbed(pending, pending.admission.rendered_prompt)
+            await turn.log.append(AbsorbedInput(delivery_id=pending.delivery_id, text=item.text))
+            owner.absorbed.append(item)
+            pending.absorbed_into = owner.delivery_id
+            await turn.send_steer(item)
+            return True
+
+    async def cancel(self, delivery_id: str) -> bool:
+        """Cancel a queued or running delivery of this lane; False if it is not here."""
+        for pending in self.queue:
+            if pending.delivery_id == delivery_id:
+                self.queue.remove(pending)
+                pending.cancelled = True
+                await self._finish_without_turn(pending, Outcome.CANCELLED)
+                return True
+        current = self.current
+        if current is not None and current.delivery_id == delivery_id:
+            current.cancelled = True
+            slot = self._oneshot if current.privileged else self._room
+            if slot is not None and slot.live is not None:
+                with contextlib.suppress(RpcError):
+                    await slot.live.rpc.abort()
+            return True
+        return False
+
+    # -- the lane's task ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the queue until cancelled (the host's shutdown)."""
+        await trio.to_thread.run_sync(self._prepare)
+        self.log = await self.host.store.open_lane_log(self.room)
+        self.epochs = sum(isinstance(r, EpochStarted) for r in self.log.contents.records)
+        async with trio.open_nursery() as nursery:
+            while True:
+                if not self.queue:
+                    await self._idle()
+                    continue
+                pending = self.queue.popleft()
+                self.current = pending
+                try:
+                    await self._deliver(nursery, pending)
+                except JournalError as error:  # this delivery's log failed: it ends here
+                    await self._journal_failed(pending, error)
+                finally:
+                    self.current = None
+                    self.last_used = trio.current_time()
+                    self.host.lane_idle(self)
+
+    async def _journal_failed(self, pending: Pending, error: JournalError) -> None:
+        """A delivery whose log was poisoned ends ``failed`` with the journal's code; one whose
+        log is found damaged when it is recovered ends ``recovery_refused:journal`` (published
+        from the shared outbox, which is another file). If even
+        that fails the disk is gone: the delivery stays pending and the host stops admitting
+        (``Store.disk_failure``)."""
+        code = f"{ReasonCode.RECOVERY_REFUSED}:journal" if pending.recovering else str(error.code)
+        with contextlib.suppress(JournalError):
+            await self.host.outbox.publish(
+                delivery_id=pending.delivery_id, room=self.room, outcome=Outcome.FAILED, code=code
+            )
+            self.host.finished(pending)
+
+    async def _idle(self) -> None:
+        self._wake = trio.Event()
+        live = self._room is not None and self._room.live is not None
+        with trio.move_on_after(self.host.idle_stop if live else math.inf):
+            await self._wake.wait()
+            return
+        self.stop_worker()  # warm long enough: stop it, keep the session
+
+    def _prepare(self) -> None:
+        for path in (self.dir, self.cwd, self.home, self.tmp):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._create_session(self.session)
+
+    def _create_session(self, path: Path) -> None:
+        """Create a Pi-shaped session at ``path`` if it is missing (blocking)."""
+        if path.exists():
+            return
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        create_session(
+            path,
+            cwd=str(self.cwd),
+            provider=self.host.route.provider,
+            model_id=self.host.route.model,
+            clock=self.host.clocks.wall,
+        )
+
+    # -- one delivery ------------------------------------------------------------------
+
+    async def _deliver(self, nursery: trio.Nursery, pending: Pending) -> None:
+        store = self.host.store
+        log = await store.open_or_create_delivery_log(pending.delivery_id)
+        try:
+            existing = log.contents.records
+            recorded = next((r for r in existing if isinstance(r, Result)), None)
+            if recorded is None:
+                recorded = await self._run(nursery, pending, log)
+                await log.append(recorded)
+        finally:
+            await store.close_log(log)
+        await self._publish(pending, recorded)
+        await self._settle_absorbed(pending, recorded)
+
+    async def _settle_absorbed(self, owner: Pending, result: Result) -> None:
+        """Once the owner's result is durable: a steered delivery whose text a model request
+        carried ends ``absorbed`` into it, when the owner answered (reply or silent); any
+        other runs as its own turn next, in arrival order (brief §5, L10)."""
+        answered = result.outcome in (Outcome.REPLY, Outcome.SILENT)
+        retry: list[Pending] = []
+        for item in owner.absorbed:
+            if answered and item.first_step is not None:
+                absorbed = Result(
+                    outcome=Outcome.ABSORBED,
+                    absorbed_into=owner.delivery_id,
+                    finished_ms=self.host.clocks.wall.time_ms(),
+                )
+                await self.write_result(item.pending, absorbed)
+            else:
+                item.pending.absorbed_into = None
+                retry.append(item.pending)
+        owner.absorbed.clear()
+        for pending in reversed(retry):
+            self.submit(pending, front=True)
+
+    async def _run(self, nursery: trio.Nursery, pending: Pending, log: Journal) -> Result:
+        """The delivery's turn, replayed after a worker death, within the recovery attempts
+        (brief §4.3): the attempts so far are the abandoned steps in its log."""
+        existing = log.contents.records
+        attempts = sum(isinstance(r, StepAbandoned) for r in existing)
+        started = next((r for r in existing if isinstance(r, Admission)), None)
+        slot = self._slot_for(pending)
+        if started is None:
+            leaf = await self._leaf(slot.session)
+            started = msgspec.structs.replace(
+                pending.admission, session_path=self._rel(slot.session), session_leaf=leaf
+            )
+            await log.append(started)
+        elif pending.recovering:  # the host died during this delivery's turn
+            attempts += 1
+            await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
+        boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
+        try:
+            while True:
+                if attempts > 0:
+                    if attempts >= self.host.recovery_attempts:
+                        return self._result(
+                            TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
+                        )
+                    if not await self._branch(slot.session, started):
+                        return self._refused("session")
+                try:
+                    end = await self._turn(nursery, slot, pending, log)
+                except _WorkerDied:
+                    await slot.fence()
+                    attempts += 1
+                    await log.append(
+                        StepAbandoned(
+                            step=boundaries.steps.current_step,
+                            reason="worker_exited",
+                            epoch=boundaries.epoch,
+                        )
+                    )
+                    continue
+                await self._fsync(slot.session)
+                if boundaries.steps.mismatch is not None:  # G13: the replay diverged
+                    return self._refused("replay")
+                return self._result(end, leaf=await self._leaf(slot.session))
+        finally:
+            boundaries.release()  # the log closes next: nothing of this turn stays in memory
+            if slot is self._oneshot:
+                self._oneshot = None
+                await slot.close()
+
+    async def _turn(
+        self, nursery: trio.Nursery, slot: _Slot, pending: Pending, log: Journal
+    ) -> TurnEnd:
+        try:
+            live = await slot.ensure_live(nursery)
+            assert slot.boundaries is not None
+            turn = _Turn(self, pending, live, log)
+            turn.replay_upto = slot.boundaries.steps.last_answered
+            self._running = turn
+            slot.boundaries.on_request = turn.on_request
+            try:
+                return await turn.run()
+            finally:
+                slot.boundaries.on_request = None
+                self._running = None
+        except (WorkerError, RpcError) as error:  # exited, failed to launch, channel broke
+            raise _WorkerDied(str(error)) from error
+
+    def _refused(self, what: str) -> Result:
+        """A replay that cannot be trusted fails closed (brief §4.3): ``recovery_refused:what``."""
+        code = f"{ReasonCode.RECOVERY_REFUSED}:{what}"
+        return Result(
+            outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
+        )
+
+    def _result(self, end: TurnEnd, *, leaf: str | None = None) -> Result:
+        return Result(
+            outcome=end.outcome,
+            text=end.text,
+            code=str(end.code) if end.code is not None else None,
+            session_leaf=leaf,
+            finished_ms=self.host.clocks.wall.time_ms(),
+        )
+
+    async def _publish(self, pending: Pending, result: Result) -> None:
+        await self.host.outbox.publish(
+            delivery_id=pending.delivery_id,
+            room=self.room,
+            outcome=result.outcome,
+            text=result.text,
+            code=result.code,
+            absorbed_into=result.absorbed_into,
+        )
+        self.host.finished(pending)
+
+    async def _finish_without_turn(self, pending: Pending, outcome: Outcome) -> None:
+        """A delivery that ends before its turn starts (cancelled while queued)."""
+        result = Result(outcome=outcome, finished_ms=self.host.clocks.wall.time_ms())
+        await self.write_result(pending, result)
+
+    async def write_result(self, pending: Pending, result: Result) -> None:
+        """Record ``result`` in the delivery's own log (created with its admission if the
+        delivery never ran), then publish it."""
+        store = self.host.store
+        log = await store.open_or_create_delivery_log(pending.delivery_id)
+        try:
+            if not any(isinstance(r, Admission) for r in log.contents.records):
+                await log.append(pending.admission)
+            await log.append(result)
+        finally:
+            await store.close_log(log)
+        await self._publish(pending, result)
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _slot_for(self, pending: Pending) -> _Slot:
+        if pending.privileged:
+            session = self.dir / "oneshot" / f"{delivery_key(pending.delivery_id)}.jsonl"
+            self._oneshot = _Slot(self, self._boundary_config(pending.grants, "o"), session)
+            return self._oneshot
+        if self._room is None or self._room.config.granted != pending.grants:
+            self._room = _Slot(self, self._boundary_config(pending.grants, "r"), self.session)
+        return self._room
+
+    def _rel(self, path: Path) -> str:
+        return str(path.relative_to(self.host.store.root))
+
+    async def _leaf(self, session: Path) -> str | None:
+        await trio.to_thread.run_sync(self._create_session, session)
+        await self._fsync(session)
+        read = await aread_session(session)
+        return read.session.leaf.id if read.session.leaf is not None else None
+
+    async def _fsync(self, session: Path) -> None:
+        """Make Pi's unsynced appends durable before the journal depends on them."""
+
+        def sync() -> None:
+            fd = os.open(session, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        await trio.to_thread.run_sync(sync)
+
+    async def _branch(self, session: Path, started: Admission) -> bool:
+        """Point the session back at the admission leaf (the worker is proven dead): a
+        ``custom`` entry under that leaf, which Pi keeps and never sends to the model, so the
+        replayed requests are byte-identical to the first ones. False when the session no
+        longer holds that leaf (its history is missing: ``recovery_refused:session``), and
+        when it can no longer be read as a session at all: a removed file that the crashed
+        host's orphaned worker appended to before it was killed has no header (seen with the
+        real Pi, which re-creates the file with its next append)."""
+        try:
+            await atruncate_torn_tail(session)
+            read = await aread_session(session)
+        except (SessionError, FileNotFoundError):
+            return False
+        leaf = read.session.leaf
+        if started.session_leaf is None or (leaf is not None and leaf.id == started.session_leaf):
+            return True
+        if started.session_leaf not in read.session.by_id:
+            return False
+        entry = {"type": "custom", "customType": REPLAY_MARKER, "data": {"replay": True}}
+        async with open_session_writer(session, clock=self.host.clocks.wall) as writer:
+            append = functools.partial(writer.append, entry, parent_id=started.session_leaf)
+            await trio.to_thread.run_sync(append)
+            await trio.to_thread.run_sync(writer.fsync)
+        return True
+
+    # -- what a worker gets ------------------------------------------------------------
+
+    def _boundary_config(self, grants: frozenset[str], kind: str) -> BoundaryConfig:
+        tools: dict[str, RuntimeTool] = {"send_text_update": self._send_text_update}
+        if self.host.ledger is not None:
+            tools["effect"] = EffectLedger(self.host.ledger)
+        if self.host.receipts is not None:
+            tools.update(DocumentTools(self.host.receipts).handlers())
+        return BoundaryConfig(
+            upstream=self.host.upstream,
+            granted=grants,
+            runtime_tools={n: t for n, t in tools.items() if n in grants},
+            socket_dir=self.host.socket_root,
+            socket_name=f"{self.key[:20]}-{kind}.sock",
+            replay=True,
+        )
+
+    async def _send_text_update(self, call: GateCall, intent_id: str) -> GateResult:
+        """``send_text_update``: a short message threaded on the one being answered; it does
+        not settle the turn (brief §5)."""
+        await trio.lowlevel.checkpoint()
+        pending = self.current
+        text = call.args.get("text")
+        limit = self.host.text_update_chars
+        if pending is None:
+            return GateResult.text("no delivery is being answered", is_error=True)
+        if not isinstance(text, str) or not text.strip():
+            return GateResult.text("send_text_update needs a non-empty text", is_error=True)
+        if len(text) > limit:
+            return GateResult.text(
+                f"the update has {len(text)} characters; at most {limit} are sent", is_error=True
+            )
+        self.host.emit(
+            TextUpdate(
+                room=self.room,
+                delivery_id=pending.delivery_id,
+                reply_to=pending.delivery.message_id,
+                text=text,
+            )
+        )
+        return GateResult.text("sent")
+
+    def launch(self, session: Path) -> WorkerLaunch:
+        return WorkerLaunch(
+            program=self.host.program,
+            cwd=self.cwd,
+            home=self.home,
+            agent_dir=self.home / "agent",
+            tmp_dir=self.tmp,
+            session=session,
+            route=self.host.route,
+            persona=self.host.persona,
+            retry=self.host.retry,
+            settings={"steeringMode": "all"},  # a burst's steers reach one request (L10)
+            state_dir=self.host.store.root,
+        )
+
+
+class _Turn:
+    """The events of one turn: typing, tool activity, the stall backstop, the outcome."""
+
+    def __init__(self, lane: Lane, pending: Pending, live: _Live, log: Journal) -> None:
+        self.lane = lane
+        self.pending = pending
+        self.live = live
+        self.log = log
+        self.steer_lock = trio.Lock()
+        self.steerable = False
+        """Steers are taken from the prompt's acceptance until ``agent_settled``."""
+        self.host = lane.host
+        self.watch = StallWatch(limit=self.host.stall)
+        self.messages: list[dict[str, Any]] = []
+        self.partial = ""
+        self.typing = trio.Event()
+        self.stalled = False
+        self.replay_upto = -1
+        """The last step the journal answers (a replay asks them again first): a steer never
+        seen before the crash is sent again only once that step is answered (L10)."""
+
+    def _now(self) -> float:
+        return self.host.clocks.silence.read().boottime
+
+    async def run(self) -> TurnEnd:
+        rpc = self.live.rpc
+        self.watch.event(self._now())
+        for item in self.pending.absorbed:
+            item.sent = False
+        await rpc.prompt(self.pending.admission.rendered_prompt)
+        async with self.steer_lock:
+            self.steerable = True
+            for item in self.pending.absorbed:
+                if item.first_step is None and self.replay_upto < 0:  # steered, never seen
+                    await self.send_steer(item)
+        died: RpcError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._backstop)
+            nursery.start_soon(self._keep_typing)
+            try:
+                async for event in rpc:
+                    self.watch.event(self._now())
+                    if self._see(event):
+                        break
+            except RpcError as error:  # raised here, not from the nursery: no group to unwrap
+                died = error
+            nursery.cancel_scope.cancel()
+        if died is not None:
+            raise died
+        async with self.steer_lock:  # a steer being sent finishes first
+            self.steerable = False
+            if any(item.first_step is None and item.sent for item in self.pending.absorbed):
+                # steered too late for any model request: the worker still queues it, and
+                # it runs as its own turn (L10) — take it back so it is not carried twice
+                with contextlib.suppress(RpcError):
+                    await rpc.clear_queue()
+        end = classify_turn(self.messages)
+        if end.outcome is Outcome.CANCELLED and not self.pending.cancelled:
+            code = ReasonCode.TURN_STALLED if self.stalled else ReasonCode.RESPONSE_MISSING
+            return TurnEnd(outcome=Outcome.FAILED, code=code)
+        if self.pending.cancelled and end.outcome is not Outcome.REPLY:
+            return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
+        return end
+
+    async def send_steer(self, item: Absorbed) -> None:
+        """Steer ``item`` into this run; a dead worker is noticed by the turn itself."""
+        item.sent = True
+        with contextlib.suppress(RpcError):
+            await self.live.rpc.steer(item.text)
+
+    async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
+        """Before each model request is answered: a steer first carried here is recorded as
+        seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
+        now, so the next request is the same as the first time (brief §4.3)."""
+        carried = _user_text(body)
+        for item in self.pending.absorbed:
+            if item.first_step is None and item.text in carried:
+                item.first_step = step
+                await self.log.append(
+                    AbsorbedInput(
+                        delivery_id=item.pending.delivery_id, text=item.text, first_step=step
+                    )
+                )
+            elif replayed and item.first_step == step + 1 and not item.sent:
+                await self.send_steer(item)
+            elif (
+                replayed and item.first_step is None and not item.sent and step >= self.replay_upto
+            ):
+                await self.send_steer(item)  # never seen: after the last answered step
+
+    def _see(self, event: Event) -> bool:
+        """Handle one event; True at ``agent_settled``."""
+        record = event.record
+        kind = event.type
+        if kind == "agent_settled":
+            self.steerable = False
+            return True
+        if kind == "message_end":
+            message = record.get("message")
+            if isinstance(message, dict) and message.get("role") in ("assistant", "toolResult"):
+                self.messages.append(message)
+            self.partial = ""
+        elif kind == "message_update":
+            delta = record.get("assistantMessageEvent") or {}
+            if delta.get("type") == "text_delta":
+                self.partial += str(delta.get("delta", ""))
+                if not self.typing.is_set() and not could_still_be_silent(self.partial):
+                    self.typing.set()
+        elif kind in ("tool_execution_start", "tool_execution_end"):
+            call_id = str(record.get("toolCallId", ""))
+            tool = str(record.get("toolName", ""))
+            phase: Literal["start", "end"] = "start" if kind == "tool_execution_start" else "end"
+            if phase == "start":
+                self.watch.lease(call_id, self._now() + _lease_seconds(tool, record))
+            else:
+                self.watch.release(call_id, self._now())
+            self.host.emit(
+                ToolActivity(
+                    room=self.lane.room,
+                    delivery_id=self.pending.delivery_id,
+                    tool=tool,
+                    phase=phase,
+                )
+            )
+        return False
+
+    async def _backstop(self) -> None:
+        await watch_turn(self.watch, self.host.clocks.silence, tick=self.host.tick)
+        self.stalled = True
+        with contextlib.suppress(RpcError):
+            await self.live.rpc.abort()
+
+    async def _keep_typing(self) -> None:
+        await self.typing.wait()
+        while True:
+            self.host.emit(Typing(room=self.lane.room, delivery_id=self.pending.delivery_id))
+            await trio.sleep(self.host.typing_refresh)
+
+
+def _user_text(body: dict[str, Any]) -> str:
+    """Every user message's text in an OpenAI chat request, joined."""
+    parts: list[str] = []
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "\n".join(parts)
+
+
+def _lease_seconds(tool: str, record: dict[str, Any]) -> float:
+    """A gated tool's lease: its own timeout when it names one; shell tools get a default."""
+    args = record.get("args") or {}
+    timeout = args.get("timeout") if isinstance(args, dict) else None
+    if isinstance(timeout, int | float) and timeout > 0:
+        return float(timeout)
+    return SHELL_LEASE if tool == "bash" else 0.0

@@ -1,0 +1,1 @@
+"""_server: see docs/design/index.md (Layout)."""

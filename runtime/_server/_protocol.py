@@ -1,0 +1,474 @@
+"""The websocket wire protocol (brief §8): its frames as types, decoded and encoded (pure).
+
+Every frame is one JSON object in one websocket text frame, tagged by ``type``. Client frames
+are inbound commands: strict (``forbid_unknown_fields``), and every way one can be wrong is
+a :class:`~runtime._errors.ProtocolError` with its own stable code. Server frames are the
+runtime's own objects where one exists — :class:`~runtime._rooms._worker.Accepted`,
+:class:`~runtime._rooms._outbox.DeliveryResult` and the room events of :mod:`runtime._events` — so
+the server sends them unchanged; clients must ignore fields they do not know (new fields are
+only ever added, with defaults).
+
+``python -m runtime._server._protocol --schema`` prints the JSON Schema of both directions,
+generated from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them
+equal.
+The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The task
+frames (``task_*``) drive task lanes (brief §6, issue #8): their server frames are the task
+runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
+:class:`~runtime._tasks._runner.TaskEvent`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Collection, Iterable, Sequence
+from typing import Annotated, Any, Final, Literal, NoReturn, get_args
+
+import msgspec
+
+from .._errors import PiRuntimeError, ProtocolError, ReasonCode
+from .._events import TextUpdate, ToolActivity, Typing
+from .._rooms._admission import MAX_ID, Author, HistoryItem
+from .._rooms._outbox import DeliveryResult
+from .._rooms._worker import Accepted, RoomStatus
+from .._tasks._runner import TaskEvent
+from .._tasks._state import TaskView
+
+__all__ = [
+    "CLIENT_FRAME_TYPES",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_PROTOCOLS",
+    "Ack",
+    "Cancel",
+    "ClientFrame",
+    "Deliver",
+    "ErrorFrame",
+    "Hello",
+    "RoomStatus",
+    "ServerFrame",
+    "StatusReport",
+    "StatusRequest",
+    "TaskAccepted",
+    "TaskControl",
+    "TaskEvent",
+    "TaskList",
+    "TaskReplyFrame",
+    "TaskShow",
+    "TaskSubmit",
+    "TaskViewFrame",
+    "Welcome",
+    "decode_client_frame",
+    "decode_server_frame",
+    "encode_client_frame",
+    "encode_server_frame",
+    "error_frame",
+    "main",
+    "negotiate",
+    "reject_binary_frame",
+    "schema",
+    "schema_text",
+]
+
+PROTOCOL_VERSION: Final = 1
+"""The newest protocol version this server speaks."""
+SUPPORTED_PROTOCOLS: Final = frozenset({PROTOCOL_VERSION})
+"""Every protocol version this server speaks; ``hello`` picks the highest one in common."""
+MAX_FRAME_BYTES: Final = 256 * 1024
+"""The default bound on one client frame, in UTF-8 bytes."""
+
+_Seq = Annotated[int, msgspec.Meta(ge=0)]
+
+
+# -- client → server ---------------------------------------------------------------------
+
+
+class _ClientFrame(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"
+):
+    pass
+
+
+class Hello(_ClientFrame, tag="hello", frozen=True, kw_only=True):
+    """The first frame of a connection: which protocol versions the client speaks, its token,
+    and (optionally) the last result seq it holds."""
+
+    protocol: int | list[int]
+    """One version, or every version the client speaks; the server picks the highest."""
+    token: str
+    client: str
+    """The client's name and version, for the server's logs."""
+    ack_seq: _Seq | None = None
+    """Every result up to this seq is acknowledged (as by ``ack``) before the re-send."""
+
+
+class Deliver(_ClientFrame, tag="deliver", frozen=True, kw_only=True):
+    """One room message to answer; ``delivery_id`` is the client's idempotency key."""
+
+    delivery_id: str
+    room: str
+    author: Author
+    message_id: str
+    text: str
+    history: list[HistoryItem] | None = None
+
+    def request(self) -> dict[str, Any]:
+        """The delivery as decoded JSON without its tag, for ``RoomWorker.deliver``, which
+        checks what the shape cannot (room id, id lengths, text, caps: ``room_invalid``,
+        ``delivery_invalid``). A ``Deliver`` is deliberately not a ``Delivery``: the worker
+        trusts ``Delivery`` instances as already checked (P9)."""
+        request: dict[str, Any] = msgspec.to_builtins(self)
+        del request["type"]
+        return request
+
+
+class Cancel(_ClientFrame, tag="cancel", frozen=True, kw_only=True):
+    """Cancel a queued or running delivery; its result is ``cancelled``."""
+
+    delivery_id: str
+
+
+class Ack(_ClientFrame, tag="ack", frozen=True, kw_only=True):
+    """Every result up to ``seq`` is acknowledged (cumulative); it is not sent again."""
+
+    seq: _Seq
+
+
+class StatusRequest(_ClientFrame, tag="status", frozen=True, kw_only=True):
+    """Ask for a ``status`` report: of every room, or of one."""
+
+    room: str | None = None
+
+
+class TaskSubmit(_ClientFrame, tag="task_submit", frozen=True, kw_only=True):
+    """Submit a task lane: ``task_id`` is the idempotency key (the same task again is
+    ``task_accepted`` ``duplicate``; another under the same id ``task_conflict``)."""
+
+    task_id: str
+    prompt: str
+    worktree: str
+    """An absolute path to an existing directory (``worktree_missing`` otherwise)."""
+    grants: list[str] | None = None
+    """The tools the worker may use; ``null``: ``read``, ``bash``, ``edit``, ``write``."""
+    validation: list[str] | None = None
+    """A command (argv) whose passing run Done needs; ``null``: none."""
+    validation_timeout: float | None = None
+    """Seconds the validation may run (killed, not passed after); ``null``: 600."""
+
+
+class TaskReplyFrame(_ClientFrame, tag="task_reply", frozen=True, kw_only=True):
+    """Answer a waiting task (its ``task_wait``); only the current wait's reply wakes it."""
+
+    task_id: str
+    text: str
+    correlation: str | None = None
+    """The wait's intent id; ``null``: the task's current wait."""
+
+
+class TaskControl(_ClientFrame, tag="task_control", frozen=True, kw_only=True):
+    """An operator control: ``resume`` a held task, ``abort`` or ``fail`` it, ``grant`` it
+    recovery budget (``epochs`` and/or ``seconds``, with a ``reason``: audited)."""
+
+    task_id: str
+    action: Literal["resume", "abort", "fail", "grant"]
+    reason: str | None = None
+    epochs: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class TaskShow(_ClientFrame, tag="task_show", frozen=True, kw_only=True):
+    """Ask for one task's ``task_view``, or (``task_id`` absent) the ``task_list``."""
+
+    task_id: str | None = None
+
+
+ClientFrame = (
+    Hello | Deliver | Cancel | Ack | StatusRequest | TaskSubmit | TaskReplyFrame | TaskControl
+    | TaskShow
+)  # fmt: skip
+CLIENT_FRAME_TYPES: Final[tuple[str, ...]] = tuple(
+    str(frame.__struct_config__.tag) for frame in get_args(ClientFrame)
+)
+"""The ``type`` of every client frame, in the order of :data:`ClientFrame`."""
+
+
+# -- server → client ---------------------------------------------------------------------
+
+
+class _ServerFrame(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+class Welcome(_ServerFrame, tag="welcome", frozen=True, kw_only=True):
+    """The answer to an accepted ``hello``: the protocol version chosen."""
+
+    protocol: int
+    worker_id: str
+
+
+class StatusReport(_ServerFrame, tag="status", frozen=True, kw_only=True):
+    """The answer to a ``status`` frame."""
+
+    worker_id: str
+    pending: int
+    """Deliveries admitted and not finished, in every room."""
+    rooms: list[RoomStatus]
+
+
+class ErrorFrame(_ServerFrame, tag="error", frozen=True, kw_only=True):
+    """A frame or a command was refused; ``code`` is stable, ``message`` says what to do."""
+
+    code: str
+    message: str
+    ref: str | None = None
+    """The ``delivery_id`` (or ``task_id``) or the frame type this error answers, when known."""
+
+
+class TaskAccepted(_ServerFrame, tag="task_accepted", frozen=True, kw_only=True):
+    """A ``task_submit`` was admitted durably (or was already): the task's state now."""
+
+    task_id: str
+    state: str
+    disposition: Literal["started", "duplicate"] = "started"
+
+
+class TaskViewFrame(TaskView, tag="task_view", tag_field="type", frozen=True, kw_only=True):
+    """Everything about one task (``pi-runtime task show``): the answer to ``task_show`` with
+    a ``task_id`` and to an accepted ``task_reply`` or ``task_control``."""
+
+    @classmethod
+    def of(cls, view: TaskView) -> TaskViewFrame:
+        return cls(**msgspec.structs.asdict(view))
+
+
+class TaskList(_ServerFrame, tag="task_list", frozen=True, kw_only=True):
+    """The answer to ``task_show`` without a ``task_id``: every task of this server."""
+
+    tasks: list[TaskView]
+
+
+ServerFrame = (
+    Welcome
+    | Accepted
+    | Typing
+    | TextUpdate
+    | ToolActivity
+    | DeliveryResult
+    | StatusReport
+    | ErrorFrame
+    | TaskAccepted
+    | TaskViewFrame
+    | TaskList
+    | TaskEvent
+)
+
+_client_decoder: Final = msgspec.json.Decoder(ClientFrame)
+_server_decoder: Final = msgspec.json.Decoder(ServerFrame)
+_encoder: Final = msgspec.json.Encoder()
+
+
+# -- negotiation -------------------------------------------------------------------------
+
+
+def negotiate(
+    offered: int | Iterable[int], supported: Collection[int] = SUPPORTED_PROTOCOLS
+) -> int:
+    """The highest version both sides speak; ``unsupported_protocol`` when there is none."""
+    offers = [offered] if isinstance(offered, int) else list(offered)
+    common = set(offers).intersection(supported)
+    if not common:
+        shown = ", ".join(map(str, offers[:8])) + (", ..." if len(offers) > 8 else "")
+        raise ProtocolError(
+            ReasonCode.UNSUPPORTED_PROTOCOL,
+            f"this server speaks protocol {', '.join(map(str, sorted(supported)))}; the client"
+            f" offered [{shown}]; upgrade the client or the server",
+            "hello",
+        )
+    return max(common)
+
+
+# -- decoding and encoding ---------------------------------------------------------------
+
+
+def decode_client_frame(data: str | bytes, *, max_size: int = MAX_FRAME_BYTES) -> ClientFrame:
+    """One client frame from the text of a websocket message (``bytes`` are its UTF-8).
+
+    Error handling: any input that is not a valid client frame raises
+    :class:`~runtime._errors.ProtocolError` — never another exception — with one code per
+    case: ``frame_too_large`` (checked before parsing), ``not_json``, ``not_an_object``,
+    ``unknown_type`` (``type`` missing, not a string or not a client frame),
+    ``missing_field``, ``unknown_field``, ``wrong_type`` (the field is named, nested ones as
+    ``author.id`` or ``history[2].text``) and ``unsupported_protocol`` (a ``hello`` with no
+    version in common). Only the shape is checked here; see :meth:`Deliver.request`.
+    """
+    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
+    if size > max_size:
+        raise ProtocolError(
+            ReasonCode.FRAME_TOO_LARGE,
+            f"a frame is at most {max_size} bytes; this one has {size}; send less history",
+        )
+    try:
+        frame = _client_decoder.decode(data)
+    except msgspec.ValidationError as error:
+        raise _refusal(data, str(error)) from error
+    except (msgspec.DecodeError, UnicodeError) as error:
+        raise _not_json(error) from error
+    if isinstance(frame, Hello):
+        negotiate(frame.protocol)
+    return frame
+
+
+def reject_binary_frame(data: bytes) -> NoReturn:
+    """Refuse a binary websocket message (``binary_frame``); the connection stays usable."""
+    raise ProtocolError(
+        ReasonCode.BINARY_FRAME,
+        f"binary frames are not part of the protocol ({len(data)} bytes ignored);"
+        " send each frame as JSON text",
+    )
+
+
+def encode_server_frame(frame: ServerFrame) -> str:
+    """The JSON text of one server frame."""
+    return _encoder.encode(frame).decode()
+
+
+def decode_server_frame(data: str | bytes) -> ServerFrame:
+    """One server frame (for clients and tests); unknown fields are ignored. Raises
+    ``msgspec.DecodeError`` (``msgspec.ValidationError``) on anything else."""
+    return _server_decoder.decode(data)
+
+
+def encode_client_frame(frame: ClientFrame) -> str:
+    """The JSON text of one client frame (for clients and tests)."""
+    return _encoder.encode(frame).decode()
+
+
+def error_frame(error: PiRuntimeError, ref: str | None = None) -> ErrorFrame:
+    """The ``error`` frame that answers ``error``: a :class:`ProtocolError` brings its own
+    ``ref``; for others (a ``DeliveryError`` from the worker) pass the ``delivery_id``."""
+    if ref is None and isinstance(error, ProtocolError):
+        ref = error.ref
+    return ErrorFrame(code=str(error.code), message=error.message, ref=ref)
+
+
+# -- what was wrong with a frame ---------------------------------------------------------
+
+_AT: Final = re.compile(r"(?P<body>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)
+_MISSING: Final = re.compile(r"Object missing required field `(?P<field>.*)`", re.DOTALL)
+_UNKNOWN: Final = re.compile(r"Object contains unknown field `(?P<field>.*)`", re.DOTALL)
+_SHOWN: Final = 80
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+
+
+def _not_json(error: Exception) -> ProtocolError:
+    return ProtocolError(
+        ReasonCode.NOT_JSON,
+        f"a frame is one JSON object in a text frame, UTF-8 ({_shown(str(error))})",
+    )
+
+
+def _kind(value: object) -> str:
+    match value:
+        case list():
+            return "an array"
+        case str():
+            return "a string"
+        case bool() | None:
+            return json.dumps(value)
+        case _:
+            return "a number"
+
+
+def _usable_id(value: object) -> str | None:
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID and value.isprintable():
+        return value
+    return None
+
+
+def _refusal(data: str | bytes, message: str) -> ProtocolError:
+    """The :class:`ProtocolError` for a frame msgspec refused with ``message``."""
+    try:
+        value = msgspec.json.decode(data)
+    except (msgspec.DecodeError, UnicodeError) as error:
+        return _not_json(error)
+    if not isinstance(value, dict):
+        return ProtocolError(
+            ReasonCode.NOT_AN_OBJECT, f"a frame is a JSON object, not {_kind(value)}"
+        )
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in CLIENT_FRAME_TYPES:
+        what = "no `type`" if kind is None else f"unknown `type` {_shown(json.dumps(kind))}"
+        return ProtocolError(
+            ReasonCode.UNKNOWN_TYPE,
+            f"{what}; a client frame's type is one of {', '.join(CLIENT_FRAME_TYPES)}",
+            _usable_id(kind),
+        )
+    ref = kind
+    if kind in ("deliver", "cancel"):
+        ref = _usable_id(value.get("delivery_id")) or kind
+    elif kind.startswith("task_"):
+        ref = _usable_id(value.get("task_id")) or kind
+    code, problem = _classify(message)
+    return ProtocolError(code, f"{kind}: {problem}", ref)
+
+
+def _classify(message: str) -> tuple[ReasonCode, str]:
+    """A stable code and a message for one of msgspec's validation messages."""
+    at = _AT.fullmatch(message)
+    assert at is not None  # the pattern matches any text
+    body, path = at["body"], (at["path"] or "").removeprefix(".")
+    if (missing := _MISSING.fullmatch(body)) is not None:
+        field = _shown(".".join(filter(None, (path, missing["field"]))))
+        return ReasonCode.MISSING_FIELD, f"missing field `{field}`"
+    if (unknown := _UNKNOWN.fullmatch(body)) is not None:
+        field = _shown(".".join(filter(None, (path, unknown["field"]))))
+        return ReasonCode.UNKNOWN_FIELD, f"unknown field `{field}`; remove it"
+    problem = body[:1].lower() + body[1:]
+    return ReasonCode.WRONG_TYPE, f"field `{path or '(frame)'}`: {_shown(problem)}"
+
+
+# -- the schema ----------------------------------------------------------------------------
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema (2020-12) of both directions, generated from the types."""
+    (client, server), components = msgspec.json.schema_components(
+        (ClientFrame, ServerFrame), ref_template="#/$defs/{name}"
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"pi-runtime wire protocol, version {PROTOCOL_VERSION}",
+        "description": (
+            "Websocket JSON text frames tagged by `type`: ClientFrame from client to server,"
+            " ServerFrame from server to client. See docs/design/protocol.md. Generated by"
+            " `python -m runtime._server._protocol --schema`; do not edit."
+        ),
+        "$defs": {**components, "ClientFrame": client, "ServerFrame": server},
+        "anyOf": [{"$ref": "#/$defs/ClientFrame"}, {"$ref": "#/$defs/ServerFrame"}],
+    }
+
+
+def schema_text() -> str:
+    """:func:`schema` as committed in ``docs/protocol.schema.json``: sorted keys, indent 2,
+    a trailing newline."""
+    return json.dumps(schema(), sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m runtime._server._protocol --schema``: print the schema."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["--schema"]:
+        print("usage: python -m runtime._server._protocol --schema", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    sys.stdout.buffer.write(schema_text().encode())
+    sys.stdout.buffer.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

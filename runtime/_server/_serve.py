@@ -1,0 +1,602 @@
+"""``pi-runtime serve``: the room worker behind a websocket (brief §1, §8, §9).
+
+One process owns one state directory. It runs a :class:`~runtime._rooms._worker.RoomWorker`,
+answers the wire protocol of ``docs/design/protocol.md`` on every websocket connection, and
+answers the admin socket (``runtime/_server/_admin.py``) for the command line. The invariants (S1…)
+are in ``docs/design/serve.md``; in short:
+
+* a connection is served only after a ``hello`` carrying the state directory's current token
+  (compared in constant time, re-read per hello so ``token rotate`` acts at once) and a
+  protocol version both sides speak; a handshake with a foreign ``Origin`` is refused (S1);
+* every bad frame is answered with an ``error`` frame with a stable code, and the connection
+  stays usable wherever the protocol allows (S2);
+* ``accepted`` is sent only once the admission is durable (the worker's ``deliver``); results
+  go to every authenticated connection in seq order, and each ``hello`` re-sends everything
+  not acknowledged, with its seq (S3);
+* each connection has a bounded number of deliveries in flight; one more is refused
+  ``too_many_in_flight`` (S4);
+* SIGINT/SIGTERM stop admitting, let running turns finish for up to the drain timeout, then
+  stop; what is unfinished stays pending for the next start (S5);
+* task lanes (``runtime/_tasks/_service.py``) run beside the room worker on the same store: the
+  ``task_*`` frames submit, answer, control and show them, and every task's ``task_event`` goes
+  to every authenticated connection (P11-P13 of ``docs/design/protocol.md``). Unfinished tasks
+  are resumed at the next start.
+
+Resource handling: :func:`open_server` owns the room worker, the task service, the admin
+socket, the websocket listener and a task per connection; leaving it closes them all (worker
+trees are fenced by the room worker and the task lanes). Connections' failures are logged and
+never end the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    serve_websocket,
+)
+
+from .._config import RoomWorkerConfig, load_config, validate_config
+from .._errors import ConfigError, DeliveryError, PiRuntimeError, ProtocolError, ReasonCode
+from .._events import RoomEvent
+from .._rooms._worker import RoomWorker, open_room_worker
+from .._tasks._runner import TaskEvent
+from .._tasks._service import TaskService, loud_logging, open_task_service, watchdog_policy
+from .._tasks._state import TaskError
+from ._protocol import (
+    Ack,
+    Cancel,
+    ClientFrame,
+    Deliver,
+    ErrorFrame,
+    Hello,
+    ServerFrame,
+    StatusReport,
+    StatusRequest,
+    TaskAccepted,
+    TaskControl,
+    TaskList,
+    TaskReplyFrame,
+    TaskShow,
+    TaskSubmit,
+    TaskViewFrame,
+    Welcome,
+    decode_client_frame,
+    encode_server_frame,
+    error_frame,
+    negotiate,
+    reject_binary_frame,
+)
+from ._token import ensure_token, read_token, token_matches
+
+__all__ = ["RoomServer", "ServeOptions", "open_server", "run_serve"]
+
+logger = logging.getLogger("runtime.serve")
+
+EVENT_QUEUE: Final = 256
+"""Signals (typing, text updates, tool activity) buffered per connection; a connection that
+falls further behind loses the oldest kind of thing there is to lose: signals, never results."""
+FLUSH_SECONDS: Final = 5.0
+"""After a drain, how long connected clients get to receive the results published so far."""
+POLICY_VIOLATION: Final = 1008
+"""The websocket close code after a refused token or an unsupported protocol."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeOptions:
+    """Where and how to listen (the command line's options)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    ssl_context: ssl.SSLContext | None = None
+    insecure_bind: bool = False
+    """Allow a non-loopback address without TLS (brief §9: otherwise refused)."""
+    unsafe_test_timescale: float = 1.0
+    """Tests only: divide every task-lane watchdog threshold by this (WD9); said loudly."""
+
+
+def check_bind(options: ServeOptions) -> None:
+    """Refuse a non-loopback bind without TLS unless ``insecure_bind`` (S6)."""
+    if options.ssl_context is not None or options.insecure_bind or _is_loopback(options.host):
+        return
+    raise ConfigError(
+        "host",
+        f"{options.host} is not a loopback address: serve it with TLS (--tls-cert, --tls-key) "
+        "or pass --insecure-bind to accept plain websockets from the network",
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(eq=False)
+class _Connection:
+    """One authenticated websocket: what it may still send, and what it has in flight."""
+
+    ws: WebSocketConnection
+    peer: str
+    in_flight: set[str] = field(default_factory=set)
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    events: tuple[
+        trio.MemorySendChannel[RoomEvent | TaskEvent],
+        trio.MemoryReceiveChannel[RoomEvent | TaskEvent],
+    ] = field(default_factory=lambda: trio.open_memory_channel[RoomEvent | TaskEvent](EVENT_QUEUE))
+    dropped_events: int = 0
+    sent_seq: int = 0
+    """The seq of the last result sent on this connection."""
+    sent_more: trio.Event = field(default_factory=trio.Event)
+
+    async def send(self, frame: ServerFrame) -> None:
+        async with self.send_lock:
+            await self.ws.send_message(encode_server_frame(frame))
+
+    async def sent_up_to(self, seq: int) -> None:
+        """Return once every result up to ``seq`` was sent here."""
+        while self.sent_seq < seq:
+            await self.sent_more.wait()
+
+
+class RoomServer:
+    """The websocket side of a running room worker; obtain it from :func:`open_server`."""
+
+    def __init__(
+        self,
+        worker: RoomWorker,
+        state_dir: Path,
+        *,
+        worker_id: str,
+        tasks: TaskService | None = None,
+    ) -> None:
+        self.worker = worker
+        self.tasks = tasks
+        """The task lanes beside the room worker (``None``: this server runs none)."""
+        self.state_dir = state_dir
+        self.worker_id = worker_id
+        self.server = worker.config.server
+        self.connections: set[_Connection] = set()
+        self.port = 0
+        """The bound port (useful with ``port=0``)."""
+        self.new_token: str | None = None
+        """The token, when this start created it (the command line prints it once, O1)."""
+
+    # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        report: dict[str, Any] = msgspec.to_builtins(self._status(None))
+        report |= {"connections": len(self.connections), "admitting": self.worker.admitting}
+        if self.tasks is not None:
+            report |= self.tasks.status()
+        return report
+
+    async def cancel(self, delivery_id: str) -> dict[str, Any]:
+        await self.worker.cancel(delivery_id)
+        return {"delivery_id": delivery_id, "cancelled": True}
+
+    def _status(self, room: str | None) -> StatusReport:
+        return StatusReport(
+            worker_id=self.worker_id,
+            pending=len(self.worker.pending()),
+            rooms=self.worker.status(room),
+        )
+
+    # -- signals to every connection ---------------------------------------------------
+
+    async def fan_out_events(self) -> None:
+        """Copy the worker's signals to every authenticated connection (S3: results are
+        followed per connection; signals are not durable, a full queue drops them)."""
+        async for event in self.worker.events():
+            self._fan_out(event)
+
+    async def fan_out_task_events(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Copy every task's ``task_event`` to every authenticated connection (P12), like the
+        room signals: a task's durable state is always in its ``task_view``."""
+        if self.tasks is None:
+            task_status.started()
+            return
+        async with self.tasks.runner.events(buffer=EVENT_QUEUE * 4) as events:
+            task_status.started()
+            async for event in events:
+                self._fan_out(event)
+
+    def _fan_out(self, event: RoomEvent | TaskEvent) -> None:
+        for connection in list(self.connections):
+            try:
+                connection.events[0].send_nowait(event)
+            except trio.WouldBlock:
+                connection.dropped_events += 1
+
+    # -- one connection ----------------------------------------------------------------
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        """The websocket handler: the ``Origin`` check, then the connection's life."""
+        origin = _header(request, b"origin")
+        if origin is not None and origin not in self.server.allowed_origins:
+            logger.warning("refused a handshake from origin %r", origin)
+            body = msgspec.json.encode(
+                {"code": ReasonCode.ORIGIN_REFUSED, "message": "this Origin is not allowed"}
+            )
+            await request.reject(
+                403, extra_headers=[(b"content-type", b"application/json")], body=body
+            )
+            return
+        ws = await request.accept()
+        peer = f"{request.remote}"
+        try:
+            await self._serve(ws, peer)
+        except ConnectionClosed:
+            pass  # the client went away: what it admitted goes on (S3)
+        finally:
+            logger.info("connection from %s closed", peer)
+
+    async def _serve(self, ws: WebSocketConnection, peer: str) -> None:
+        connection = _Connection(ws, peer)
+        hello = await self._handshake(connection)
+        if hello is None:
+            return
+        if hello.ack_seq is not None:
+            await self.worker.ack(hello.ack_seq)
+        self.connections.add(connection)
+        try:
+            async with trio.open_nursery() as nursery:
+                for part in (self._send_results, self._send_events, self._read):
+                    nursery.start_soon(self._until_closed, part, connection, nursery.cancel_scope)
+        finally:
+            self.connections.discard(connection)
+
+    @staticmethod
+    async def _until_closed(
+        part: Callable[[_Connection], Awaitable[None]],
+        connection: _Connection,
+        scope: trio.CancelScope,
+    ) -> None:
+        """Run one part of a connection; when the websocket closes, end every part."""
+        try:
+            await part(connection)
+        except ConnectionClosed:
+            scope.cancel()
+
+    async def _handshake(self, connection: _Connection) -> Hello | None:
+        """Frames until a valid ``hello``: ``welcome`` and the hello, or ``None`` once the
+        connection is closed for a refused token or protocol."""
+        while True:
+            hello = await self._next_frame(connection)
+            if hello is None:
+                continue
+            if not isinstance(hello, Hello):
+                await connection.send(
+                    ErrorFrame(
+                        code=ReasonCode.HELLO_REQUIRED,
+                        message="send hello {protocol, token, client} first",
+                        ref=_frame_type(hello),
+                    )
+                )
+                continue
+            expected = await trio.to_thread.run_sync(read_token, self.state_dir)
+            if expected is None or not token_matches(expected, hello.token):
+                await connection.send(
+                    ErrorFrame(
+                        code=ReasonCode.TOKEN_INVALID,
+                        message="the token is missing or wrong (it is in the state "
+                        "directory's token file)",
+                        ref="hello",
+                    )
+                )
+                await connection.ws.aclose(POLICY_VIOLATION, "token refused")
+                return None
+            try:
+                version = negotiate(hello.protocol)
+            except ProtocolError as error:
+                await connection.send(error_frame(error))
+                await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
+                return None
+            await connection.send(Welcome(protocol=version, worker_id=self.worker_id))
+            logger.info("connection from %s: hello from %r", connection.peer, hello.client)
+            return hello
+
+    async def _next_frame(self, connection: _Connection) -> ClientFrame | None:
+        """The next client frame, or ``None`` after answering a bad one with its error (S2)."""
+        message = await connection.ws.get_message()
+        try:
+            if isinstance(message, bytes):
+                reject_binary_frame(message)
+            return decode_client_frame(message, max_size=self.server.max_frame_bytes)
+        except ProtocolError as error:
+            await connection.send(error_frame(error))
+            if error.code is ReasonCode.UNSUPPORTED_PROTOCOL:
+                await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
+            return None
+
+    async def _read(self, connection: _Connection) -> None:
+        while True:
+            frame = await self._next_frame(connection)
+            if frame is None:
+                continue
+            try:
+                await self._act(connection, frame)
+            except PiRuntimeError as error:
+                ref = (
+                    getattr(frame, "delivery_id", None)
+                    or getattr(frame, "task_id", None)
+                    or _frame_type(frame)
+                )
+                await connection.send(error_frame(error, ref=ref))
+
+    async def _act(self, connection: _Connection, frame: ClientFrame) -> None:
+        if isinstance(frame, Deliver):
+            await self._deliver(connection, frame)
+        elif isinstance(frame, Cancel):
+            await self.worker.cancel(frame.delivery_id)
+        elif isinstance(frame, Ack):
+            await self.worker.ack(frame.seq)
+        elif isinstance(frame, StatusRequest):
+            await connection.send(self._status(frame.room))
+        elif isinstance(frame, TaskSubmit | TaskReplyFrame | TaskControl | TaskShow):
+            await self._task_frame(connection, frame)
+        else:  # a second hello: the connection is already authenticated
+            await connection.send(
+                ErrorFrame(
+                    code=ReasonCode.HELLO_REQUIRED,
+                    message="this connection already said hello",
+                    ref="hello",
+                )
+            )
+
+    async def _task_frame(
+        self, connection: _Connection, frame: TaskSubmit | TaskReplyFrame | TaskControl | TaskShow
+    ) -> None:
+        """One task frame (P11): a refusal is a ``TaskError`` with its code (``_read`` sends
+        it as ``error`` with ``ref`` = the task id)."""
+        tasks = self.tasks
+        if tasks is None:
+            raise TaskError(ReasonCode.TASK_UNKNOWN, "this server runs no task lanes")
+        if isinstance(frame, TaskSubmit):
+            request: dict[str, Any] = msgspec.to_builtins(frame)
+            view, new = await tasks.submit(request)
+            await connection.send(
+                TaskAccepted(
+                    task_id=view.task_id,
+                    state=view.state,
+                    disposition="started" if new else "duplicate",
+                )
+            )
+            return
+        if isinstance(frame, TaskShow):
+            if frame.task_id is None:
+                await connection.send(TaskList(tasks=tasks.tasks()))
+                return
+            view = tasks.show(frame.task_id)
+        elif isinstance(frame, TaskReplyFrame):
+            view = await tasks.reply(frame.task_id, frame.text, frame.correlation)
+        else:
+            view = await tasks.control(
+                frame.task_id,
+                frame.action,
+                reason=frame.reason,
+                epochs=frame.epochs,
+                seconds=frame.seconds,
+            )
+        await connection.send(TaskViewFrame.of(view))
+
+    async def _deliver(self, connection: _Connection, frame: Deliver) -> None:
+        delivery_id = frame.delivery_id
+        if delivery_id not in connection.in_flight and (
+            len(connection.in_flight) >= self.server.max_in_flight
+        ):
+            raise DeliveryError(
+                ReasonCode.TOO_MANY_IN_FLIGHT,
+                f"this connection already has {self.server.max_in_flight} deliveries in "
+                "flight; wait for results before sending more",
+            )
+        accepted = await self.worker.deliver(frame.request())
+        stored = self.worker.result_of(delivery_id)
+        if stored is None:
+            connection.in_flight.add(delivery_id)
+        await connection.send(accepted)
+        if accepted.disposition == "duplicate" and stored is not None:
+            await connection.send(stored)  # its stored result again, with its seq (brief §8)
+
+    async def _send_results(self, connection: _Connection) -> None:
+        async for result in self.worker.results():
+            connection.in_flight.discard(result.delivery_id)
+            await connection.send(result)
+            connection.sent_seq = result.seq
+            connection.sent_more.set()
+            connection.sent_more = trio.Event()
+
+    async def flush(self, seconds: float) -> None:
+        """Let every connection receive the results published so far, for up to ``seconds``
+        (a drained turn's result goes out before the server stops; S5)."""
+        last = self.worker.last_seq
+        with trio.move_on_after(seconds):
+            for connection in list(self.connections):
+                await connection.sent_up_to(last)
+
+    async def _send_events(self, connection: _Connection) -> None:
+        async for event in connection.events[1]:
+            await connection.send(event)
+
+
+def _header(request: WebSocketRequest, name: bytes) -> str | None:
+    for key, value in request.headers:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _frame_type(frame: ClientFrame) -> str:
+    return str(type(frame).__struct_config__.tag)
+
+
+@contextlib.asynccontextmanager
+async def open_server(
+    config: RoomWorkerConfig,
+    options: ServeOptions = ServeOptions(),
+    *,
+    base_dir: Path | None = None,
+) -> AsyncIterator[RoomServer]:
+    """Run the room worker on ``config`` behind a websocket on ``options.host``:``port``
+    and the admin socket in its state directory, until the block ends.
+
+    The token is created at first start (``created`` is logged, never the token itself: the
+    command line prints it once). Raises :class:`ConfigError` for a refused bind (S6) and
+    ``watchdog_config_invalid`` for a ``[watchdog]`` table that breaks a rule (WD9), both
+    before anything starts. Task lanes run beside the room worker on the same store.
+    """
+    from ._admin import serve_admin
+
+    check_bind(options)
+    config = validate_config(config, base=base_dir)
+    watchdog_policy(config, timescale=options.unsafe_test_timescale)
+    state_dir = Path(config.state_dir)
+    worker_id = f"{socket.gethostname()}:{os.getpid()}"
+    token, created = await trio.to_thread.run_sync(ensure_token, state_dir)
+    async with (
+        open_room_worker(config, base_dir=base_dir) as worker,
+        open_task_service(
+            config,
+            store=worker.store,
+            receipts=worker.receipts,
+            timescale=options.unsafe_test_timescale,
+        ) as tasks,
+    ):
+        server = RoomServer(worker, state_dir, worker_id=worker_id, tasks=tasks)
+        server.new_token = token if created else None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve_admin, tasks=tasks), state_dir, server)
+            nursery.start_soon(server.fan_out_events)
+            await nursery.start(server.fan_out_task_events)
+            listener = await nursery.start(
+                lambda task_status: serve_websocket(
+                    server.handle,
+                    options.host,
+                    options.port,
+                    options.ssl_context,
+                    handler_nursery=nursery,
+                    max_message_size=4 * config.server.max_frame_bytes,
+                    task_status=task_status,
+                )
+            )
+            server.port = listener.port
+            try:
+                yield server
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def _options(args: argparse.Namespace) -> ServeOptions:
+    context = None
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if (cert is None) != (key is None):
+        raise ConfigError("tls", "give both --tls-cert and --tls-key, or neither")
+    if cert is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as error:
+            raise ConfigError("tls", f"cannot load the certificate and key: {error}") from None
+    return ServeOptions(
+        host=args.host,
+        port=args.port,
+        ssl_context=context,
+        insecure_bind=bool(getattr(args, "insecure_bind", False)),
+        unsafe_test_timescale=float(getattr(args, "unsafe_test_timescale", None) or 1.0),
+    )
+
+
+def _config(args: argparse.Namespace) -> RoomWorkerConfig:
+    config = load_config(args.config) if args.config is not None else RoomWorkerConfig()
+    changes: dict[str, Any] = {}
+    if args.state_dir is not None:
+        changes["state_dir"] = str(Path(args.state_dir).absolute())
+    if args.agent is not None:
+        changes["agent"] = args.agent
+    if args.drain_timeout is not None:
+        thresholds = msgspec.structs.replace(
+            config.thresholds, drain_timeout_seconds=args.drain_timeout
+        )
+        changes["thresholds"] = thresholds
+    return validate_config(msgspec.structs.replace(config, **changes))
+
+
+async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
+    """Serve until SIGINT or SIGTERM, then drain (S5) and stop."""
+    import signal
+
+    policy = watchdog_policy(config, timescale=options.unsafe_test_timescale)
+    with (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        loud_logging(policy),
+    ):
+        async with open_server(config, options) as server:
+            scheme = "wss" if options.ssl_context is not None else "ws"
+            warning = server.tasks.warning if server.tasks is not None else None
+            if warning is not None:
+                print(f"pi-runtime serve: !!! {warning} !!!", flush=True)
+            if server.new_token is not None:
+                print(
+                    f"pi-runtime: a new access token (kept in {config.state_dir}/token): "
+                    f"{server.new_token}",
+                    flush=True,
+                )
+                server.new_token = None
+            print(
+                f"pi-runtime serve: listening on {scheme}://{options.host}:{server.port} "
+                f"(state: {config.state_dir}, agent: {config.agent})"
+                + (f" [{warning}]" if warning is not None else ""),
+                flush=True,
+            )
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                break
+            server.worker.stop_admitting()
+            print(
+                f"pi-runtime serve: {name}: not admitting; draining for up to "
+                f"{config.thresholds.drain_timeout_seconds:g} s"
+                + (f" [{warning}]" if warning is not None else ""),
+                flush=True,
+            )
+            await server.worker.drain()
+            await server.flush(FLUSH_SECONDS)
+            left = server.worker.pending()
+            logger.info("stopping; %d deliveries stay pending for the next start", len(left))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``pi-runtime serve``: exit 0 after a drained stop, 2 for refused settings."""
+    try:
+        config = _config(args)
+        options = _options(args)
+        check_bind(options)
+        trio.run(serve_until_signalled, config, options)
+    except PiRuntimeError as error:  # O11: `pi-runtime: <code>: <message>`, as every command
+        logging.getLogger("runtime.cli").error("%s", error.message, extra={"code": error.code})
+        return 2
+    return 0

@@ -1,0 +1,1 @@
+"""_tasks: see docs/design/index.md (Layout)."""

@@ -1,0 +1,291 @@
+"""One process epoch of a task lane under watch (brief §6.1-6.3; TL2, WD1-WD3, WD6-WD8, WD10).
+
+A :class:`EpochWatch` lives exactly as long as one worker process: the lane opens the worker
+(``async with workers.open(…)``), hands it to :meth:`EpochWatch.run`, and stops the tree when
+``run`` returns. Inside, one nursery runs three tasks — the worker's events, the tick on the
+suspend-aware clock, the operator's requests — and whichever decides the epoch must end
+records why (:class:`EpochEnd`) and cancels the nursery. So cancellation follows the fence:
+nothing of the watch outlives its process.
+
+The decisions are the pure cores' (:class:`~runtime._tasks._watchdog.Watchdog`,
+:func:`~runtime._tasks._guards.failed_guards`); the durable state (receipts, outbox actions, budget)
+is the lane's (:class:`~runtime._tasks._lane.TaskLane`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._errors import PiRuntimeError
+from .._pi._rpc import Event, RpcError
+from .._pi._session import aread_session, contains_path
+from ._guards import GuardEvidence, failed_guards
+from ._lifecycle import TaskState
+from ._session import marker_in_session, session_size
+from ._state import continuation_prompt, route_snapshot
+from ._watch import watch_event
+from ._watchdog import (
+    Action,
+    CheckGuards,
+    Classification,
+    Exited,
+    FenceStarted,
+    GuardsFailed,
+    Probe,
+    ProbeAnswered,
+    Progress,
+    PromptCompletion,
+    Prompted,
+    Settled,
+    Tick,
+)
+from ._workers import TaskWorker
+
+if TYPE_CHECKING:
+    from ._lane import TaskLane
+
+__all__ = ["EpochEnd", "EpochWatch"]
+
+MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
+"""What an operator's resume must still prove (TL8): the look stands in for the rest."""
+
+
+class EpochEnd(enum.StrEnum):
+    """Why an epoch ended."""
+
+    TERMINAL = "terminal"
+    """A terminal receipt (or the operator's abort or fail) is recorded."""
+    EXITED = "exited"
+    """The worker exited or closed its stream."""
+    FENCE = "fence"
+    """Every guard held past the hard threshold and its grace: fence and resume."""
+    RESUME = "operator_resume"
+    """An operator resumed a held task."""
+
+
+class EpochWatch:
+    """The watch over one worker process of ``lane``."""
+
+    def __init__(self, lane: TaskLane, worker: TaskWorker) -> None:
+        self.lane = lane
+        self.worker = worker
+        self.end: EpochEnd | None = None
+        self._nursery: trio.Nursery | None = None
+        self._probes = 0
+        self._eligible: tuple[int, int] | None = None
+        """(progress sequence, session size) when the fence probe found nothing new."""
+
+    async def run(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
+        """Prompt the epoch (``kind``: a task, a reply or a continuation ``action_id``) and
+        watch it until it must end (TL2)."""
+        lane = self.lane
+        if action_id is not None and await marker_in_session(lane.session, action_id):
+            pass  # TL5: this continuation is already in the session; never a second copy
+        else:
+            await self.worker.rpc.prompt(text)
+            if action_id is not None:
+                await lane.record_marker(action_id)
+        lane.prompted()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._read_events)
+            nursery.start_soon(self._tick)
+            nursery.start_soon(self._operator_watch)
+        return self.end or EpochEnd.EXITED
+
+    def _finish(self, end: EpochEnd) -> None:
+        """The epoch ends for ``end`` (the first reason wins): cancel the watch."""
+        if self.end is None:
+            self.end = end
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+
+    def _execute(self, actions: Iterable[Action]) -> None:
+        assert self._nursery is not None
+        for action in actions:
+            if isinstance(action, Probe):
+                self._nursery.start_soon(self._probe, action.purpose)
+            elif isinstance(action, CheckGuards):
+                self._nursery.start_soon(self._check_guards)
+
+    # -- the three tasks -----------------------------------------------------------------------
+
+    async def _read_events(self) -> None:
+        lane = self.lane
+        try:
+            async for event in self.worker.rpc:
+                end = await self._see(event)
+                if end is not None:
+                    self._finish(end)
+                    return
+        except RpcError:
+            pass
+        if lane.kernel.state is not TaskState.OPEN:
+            self._finish(EpochEnd.TERMINAL)
+            return
+        self._finish(EpochEnd.EXITED)
+        self._execute(lane.watchdog.feed(Exited()))
+        lane.changed()
+
+    async def _see(self, event: Event) -> EpochEnd | None:
+        """One worker event into the watchdog (WD1); the end of the epoch, if it is one."""
+        lane = self.lane
+        kind = event.type
+        record = event.record
+        now, awake = lane.readings()
+        wd = lane.watchdog
+        before = wd.classification
+        if kind == "agent_settled":
+            if lane.kernel.state is not TaskState.OPEN:
+                return EpochEnd.TERMINAL
+            actions = wd.feed(Settled())
+            lane.changed()
+            for action in actions:
+                if isinstance(action, PromptCompletion):
+                    await self._send_continuation(
+                        lane.epoch_action_id("completion"),
+                        "the agent settled without calling a lifecycle tool",
+                    )
+            lane.changed()
+            return None
+        lane.telemetry.see(kind, record, now)
+        seen = watch_event(kind, record, now, awake)
+        if seen is None:
+            return None
+        wd.feed(seen)
+        if wd.classification is not before or before is Classification.RESUMING:
+            await lane.resumed_progress(before)
+            lane.changed()
+        return None
+
+    async def _tick(self) -> None:
+        """Re-read the suspend-aware clock every tick (WD6) and act on what the core says."""
+        lane = self.lane
+        while True:
+            now, awake = lane.readings()
+            before = lane.watchdog.classification
+            actions = lane.watchdog.feed(Tick(now, awake))
+            lane.check_recovery_budget()
+            if lane.watchdog.classification is not before:
+                lane.changed()
+            self._execute(actions)
+            await trio.sleep(lane.host.policy.tick_seconds)
+
+    async def _operator_watch(self) -> None:
+        lane = self.lane
+        while True:
+            request = await lane.operator_request()
+            if request == "terminal":
+                self._finish(EpochEnd.TERMINAL)
+                return
+            if request == "resume":
+                failed = await self._manual_resume_guards()
+                if failed:  # still held, now for what the operator's resume could not prove
+                    lane.watchdog.feed(GuardsFailed(failed))
+                    lane.changed()
+                    continue
+                await lane.reserve()
+                self._finish(EpochEnd.RESUME)
+                return
+
+    # -- probe, guards, fence (WD2, WD3, WD10) -------------------------------------------------
+
+    async def _probe(self, purpose: str) -> None:
+        """One read-only probe: ``get_state`` plus the session's size. Evidence is anything
+        new since it was sent; the answer itself is not progress (WD1)."""
+        lane = self.lane
+        wd = lane.watchdog
+        self._probes += 1
+        action_id = lane.epoch_action_id(f"probe{self._probes}")
+        lane.telemetry.probes += 1
+        seq_before = wd.progress_seq
+        size_before = await session_size(lane.session)
+        answered = False
+        with trio.move_on_after(lane.host.policy.probe_timeout_seconds):
+            with contextlib.suppress(RpcError):
+                await self.worker.rpc.request({"type": "get_state"})
+                answered = True
+        size_after = await session_size(lane.session)
+        if size_after != size_before:  # the session grew: a session append is progress (WD1)
+            now, awake = lane.readings()
+            wd.feed(Progress(now, awake, wd.phase, "session_append"))
+        evidence: bool | None = wd.progress_seq != seq_before
+        if not answered and not evidence:
+            evidence = None
+        lane.probe_result = (
+            f"{purpose}: "
+            + {True: "new evidence", False: "no new evidence", None: "no answer"}[evidence]
+        )
+        await lane.record_action(
+            action_id, "probe", "done", {"purpose": purpose, "evidence": evidence}
+        )
+        if purpose == "fence" and evidence is False:
+            self._eligible = (wd.progress_seq, size_after)
+            await lane.record_action(lane.epoch_action_id("eligibility"), "eligibility", "done")
+        self._execute(wd.feed(ProbeAnswered(purpose, evidence)))
+        lane.changed()
+
+    async def _check_guards(self) -> None:
+        lane = self.lane
+        failed = failed_guards(await self._guard_evidence())
+        if failed:
+            lane.watchdog.feed(GuardsFailed(failed))
+            lane.changed()
+            return
+        await lane.reserve()
+        lane.watchdog.feed(FenceStarted())
+        await lane.record_action(lane.epoch_action_id("fence"), "fence", "done")
+        lane.changed()
+        self._finish(EpochEnd.FENCE)
+
+    async def _manual_resume_guards(self) -> tuple[str, ...]:
+        """An operator's resume stands in for the clocks, the probe and the progress
+        compare-and-set (the operator looked); the exact process identity, no terminal,
+        budget and the same-session attestation must still hold (TL8)."""
+        evidence = await self._guard_evidence()
+        return tuple(name for name in MANUAL_RESUME_GUARDS if getattr(evidence, name) is not True)
+
+    async def _guard_evidence(self) -> GuardEvidence:
+        """Every guard of brief §6.2, read now (the probe that asked for them was quiet)."""
+        lane = self.lane
+        eligible = self._eligible
+        size = await session_size(lane.session)
+        return GuardEvidence(
+            progress_unchanged=eligible is not None and eligible[0] == lane.watchdog.progress_seq,
+            session_unchanged=eligible is not None and eligible[1] == size,
+            process_identity=self.worker.identity_holds(),
+            fresh_probe_quiet=True,
+            effects_safe=not lane.unsettled_effects(),
+            no_terminal=lane.kernel.state is TaskState.OPEN,
+            budget_left=not lane.budget.exhausted,
+            attested=await self._attested(),
+        )
+
+    async def _attested(self) -> bool | None:
+        """Same session (path prefix), route and worktree as recorded (WD10)."""
+        lane = self.lane
+        if lane.task.route != route_snapshot(lane.host.route):
+            return False
+        if not lane.worktree.is_dir():
+            return False
+        if lane.attestation is None:
+            return None
+        try:
+            read = await aread_session(lane.session)
+        except (OSError, PiRuntimeError):
+            return None
+        return contains_path(read.session, lane.attestation)
+
+    async def _send_continuation(self, action_id: str, observed: str) -> None:
+        """The completion prompt on the live worker (WD8), idempotent by its marker (TL5)."""
+        lane = self.lane
+        if action_id in lane.markers or await marker_in_session(lane.session, action_id):
+            return
+        await self.worker.rpc.prompt(continuation_prompt(action_id, observed))
+        await lane.record_marker(action_id)
+        lane.watchdog.feed(Prompted(*lane.readings()))

@@ -1,0 +1,859 @@
+"""Task lanes: one coding task run by a supervised worker until an explicit receipt (brief §6).
+
+A :class:`TaskLane` owns one task: its log (``lanes/<hash>/lane.log``: the submission, model
+steps, tool intents and outcomes, epochs, lifecycle receipts, outbox actions, continuations),
+its Pi session, its worktree. Each process epoch runs inside ``async with workers.open(…)``
+in the lane's task, so leaving that block — for a terminal, an exit or a fence — stops the
+whole tree (TERM, bounded KILL, reap) before anything else happens.
+
+The decisions are the pure cores': :class:`~runtime._tasks._watchdog.Watchdog` (classification and
+clocks), :class:`~runtime._tasks._lifecycle.LifecycleKernel` (first terminal wins, the Done tuple),
+:mod:`runtime._tasks._guards` (fencing guards, budget). This shell feeds them the worker's events
+and the suspend-aware clock every tick, and carries out their actions: a read-only probe, a guard
+check, a fence and a same-session resume, a completion prompt. The invariants (WD…, LK…,
+TL…) are in ``docs/design/watchdog.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from .._boundary._boundaries import BoundaryConfig, make_journals, settle_session
+from .._boundary._gate import GateCall, GateResult, RecordingGateJournal
+from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
+from .._boundary._receipts import ReceiptStore
+from .._boundary._tools import DocumentTools, EffectLedger, RuntimeTool
+from .._clock import Clocks
+from .._errors import PiRuntimeError, ReasonCode
+from .._journal._journal import Journal
+from .._journal._store import Store, lane_key
+from .._pi._launch import ModelRoute
+from .._pi._session import (
+    Attestation,
+    aread_session,
+    attest,
+    contains_path,
+    create_session,
+)
+from .._pi._worker import StopPolicy
+from .._records import (
+    ContinuationSent,
+    EpochFenced,
+    EpochStarted,
+    LifecycleKind,
+    OutboxAction,
+    Record,
+    ReplayClass,
+    TaskEnded,
+    TaskReply,
+    TaskSubmitted,
+    ToolIntent,
+)
+from ._epoch import EpochEnd, EpochWatch
+from ._guards import Budget
+from ._lifecycle import DoneEvidence, LifecycleKernel, Report, TaskState, Verdict, done_missing
+from ._session import marker_in_session, reanswer_orphaned
+from ._state import (
+    CONTINUATION_VERSION,
+    LIFECYCLE_TOOLS,
+    TaskView,
+    continuation_marker,
+    continuation_prompt,
+    inference_costs,
+    read_lane,
+    route_snapshot,
+)
+from ._watch import Telemetry
+from ._watchdog import (
+    ACTION_TABLE,
+    Classification,
+    Hold,
+    Prompted,
+    Relaunched,
+    TerminalAccepted,
+    Watchdog,
+    WatchdogPolicy,
+    Woken,
+)
+from ._workers import EpochRequest, TaskWorker, WorkerFactory
+
+__all__ = ["TaskHost", "TaskLane"]
+
+
+_KIND_OF_TOOL: Final = {
+    "task_done": LifecycleKind.DONE,
+    "task_fail": LifecycleKind.FAIL,
+    "task_wait": LifecycleKind.WAIT,
+}
+
+
+@dataclass
+class TaskHost:
+    """What every task lane needs from its runner."""
+
+    store: Store
+    clocks: Clocks
+    policy: WatchdogPolicy
+    workers: WorkerFactory
+    route: ModelRoute
+    upstream: GatewayConfig | None = None
+    receipts: ReceiptStore | None = None
+    ledger: Path | None = None
+    work_root: Path | None = None
+    on_change: Callable[[TaskLane], None] = lambda lane: None
+    """Called whenever a lane's classification or state changes (events, diagnostics)."""
+    log: Callable[[str], None] = lambda line: None
+
+
+class TaskLane:
+    """One task; the runner starts :meth:`run` in its own task."""
+
+    __slots__ = (
+        "_fenced",
+        "_finished",
+        "_next",
+        "_operator",
+        "_parked",
+        "_recovery_started_ms",
+        "_restarted",
+        "_steps",
+        "_tools",
+        "_wake",
+        "actions",
+        "archive_dir",
+        "attestation",
+        "budget",
+        "continuations",
+        "ended",
+        "epochs",
+        "failure",
+        "home",
+        "host",
+        "kernel",
+        "key",
+        "log",
+        "markers",
+        "pending_action",
+        "probe_result",
+        "quiescent_epoch",
+        "record",
+        "recoveries",
+        "replies",
+        "session",
+        "task",
+        "task_id",
+        "telemetry",
+        "tmp",
+        "watchdog",
+        "worker",
+        "worktree",
+    )
+
+    def __init__(self, host: TaskHost, submitted: TaskSubmitted, log: Journal) -> None:
+        self.host = host
+        self.task = submitted
+        self.task_id = submitted.task_id
+        self.key = lane_key(f"task:{submitted.task_id}")
+        self.log = log
+        self.session = host.store.root / submitted.session_path
+        self.worktree = Path(submitted.worktree)
+        base = host.work_root or host.store.root / "work"
+        self.home = base / "homes" / self.key
+        self.tmp = base / "tmp" / self.key
+        self.archive_dir = host.store.root / "candidates"
+        self.kernel = LifecycleKernel(
+            submitted.task_id, generation=submitted.generation, attempt=submitted.attempt
+        )
+        self.watchdog = Watchdog(policy=host.policy)
+        policy = host.policy
+        self.budget = Budget(
+            max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds
+        )
+        self.epochs = 0
+        self.continuations = 0
+        self.recoveries = 0
+        """Recoveries ended (their time charged)."""
+        self.actions: dict[str, OutboxAction] = {}
+        self.markers: dict[str, ContinuationSent] = {}
+        self.replies: dict[str, TaskReply] = {}
+        self.ended: TaskEnded | None = None
+        self.failure: BaseException | None = None
+        """Why the lane's task stopped without an end (a bug, a broken disk), if it did."""
+        self.worker: TaskWorker | None = None
+        self.record: EpochStarted | None = None
+        self.attestation: Attestation | None = None
+        self.quiescent_epoch: int | None = None
+        self.probe_result: str | None = None
+        self.pending_action: str | None = None
+        self.telemetry = Telemetry()
+        self._wake = trio.Event()
+        self._operator: str | None = None
+        self._restarted = False
+        self._fenced = False
+        self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
+        """(kind, text, continuation action id) of the next prompt."""
+        self._parked = False
+        """The log is closed and the journals dropped (TL9); reopened on the next append."""
+        self._steps: DeliveryStepJournal | None = None
+        self._tools: RecordingGateJournal | None = None
+        self._finished = trio.Event()
+        self._recovery_started_ms: int | None = None
+
+    # -- the runner's view ---------------------------------------------------------------
+
+    @property
+    def finished(self) -> trio.Event:
+        return self._finished
+
+    def view(self) -> TaskView:
+        """A frozen snapshot of everything the diagnostics show."""
+        wd = self.watchdog
+        now = self.now()
+        hard = wd.hard_threshold()
+        grace = "not started" if wd.grace_started_awake is None else "running"
+        if wd.classification is Classification.HARD_RESUME_ELIGIBLE:
+            grace = "elapsed"
+        record = self.record
+        process = None
+        if record is not None and self.worker is not None:
+            process = {
+                "pid": record.pid,
+                "start_time": record.start_time,
+                "boot_id": record.boot_id,
+                "nonce": record.nonce,
+            }
+        last_marker = next(reversed(self.markers.values()), None)
+        budget = self.budget
+        return TaskView(
+            task_id=self.task_id,
+            state=str(self.kernel.state),
+            generation=self.kernel.generation,
+            attempt=self.kernel.attempt,
+            fence=self.kernel.fence,
+            process_epoch=self.epochs,
+            continuation_epoch=self.continuations,
+            session_path=self.task.session_path,
+            session_id=self.attestation.session_id if self.attestation else None,
+            route=dict(self.task.route),
+            worktree=self.task.worktree,
+            process=process,
+            classification=str(wd.classification),
+            phase=str(wd.phase),
+            progress_seq=wd.progress_seq,
+            silence_seconds=round(wd.silence(now), 3) if wd.armed else 0.0,
+            soft_seconds=self.host.policy.soft_seconds,
+            probe=self.probe_result,
+            hard_seconds=hard,
+            grace_seconds=self.host.policy.grace_seconds,
+            grace=grace,
+            receipts=[msgspec.to_builtins(r) for r in self.kernel.receipts],
+            prompt_marker=last_marker.marker if last_marker else None,
+            budget=budget.as_dict(),
+            pending_action=self.pending_action,
+            hold_reason=wd.hold_reason,
+            next_action=self._next_action(),
+            timescale=self.host.policy.timescale,
+            telemetry=self.telemetry.as_dict(wd),
+            ended=msgspec.to_builtins(self.ended) if self.ended else None,
+            costs=self.ended.costs if self.ended else None,
+        )
+
+    def _next_action(self) -> str:
+        if self.ended is not None:
+            return "none: the task has ended"
+        if self.kernel.state is TaskState.WAITING:
+            return ACTION_TABLE[Classification.WAITING_USER]
+        return ACTION_TABLE[self.watchdog.classification]
+
+    # -- operator controls (TL8) -----------------------------------------------------------
+
+    async def reply(self, text: str, correlation: str | None = None) -> Verdict:
+        verdict = self.kernel.reply(correlation)
+        if verdict is Verdict.ACCEPTED:
+            assert True
+            wait = self.kernel.receipts[-1] if self.kernel.receipts else None
+            corr = correlation or (wait.intent_id if wait is not None else "")
+            record = TaskReply(correlation=corr, text=text)
+            await self._append(record)
+            self.replies[corr] = record
+            self.watchdog.feed(Woken())
+            self._next = ("reply", text, None)
+            self._wake.set()
+        return verdict
+
+    async def abort(self, reason: str) -> Verdict:
+        return await self._operator_report(LifecycleKind.ABORT, reason)
+
+    async def fail(self, reason: str) -> Verdict:
+        return await self._operator_report(LifecycleKind.OPERATOR_FAIL, reason)
+
+    async def _operator_report(self, kind: LifecycleKind, reason: str) -> Verdict:
+        intent = f"operator:{kind}:{len(self.kernel.receipts)}"
+        verdict = self.kernel.report(
+            Report(key=self.kernel.operator_key(), intent_id=intent, kind=kind, detail=reason)
+        )
+        await self._append(self.kernel.receipts[-1])
+        if verdict is Verdict.ACCEPTED:
+            self.watchdog.feed(TerminalAccepted(str(kind)))
+            self._operator = "terminal"
+            self._wake.set()
+            self.changed()
+        return verdict
+
+    async def grant(self, *, epochs: int, seconds: float, reason: str) -> Budget:
+        """An audited manual grant (WD11): recorded before it counts."""
+        granted = self.budget.grant(epochs=epochs, seconds=seconds)
+        action_id = f"{self._prefix()}/grant{len(self.actions)}"
+        await self.record_action(
+            action_id, "grant", "done", {"epochs": epochs, "seconds": seconds, "reason": reason}
+        )
+        self.budget = granted
+        self._wake.set()
+        return granted
+
+    def resume(self) -> bool:
+        """Operator resume of a held task: fence and resume in the same session once the
+        process identity, no terminal, budget and attestation hold (the clocks, the probe and
+        the progress compare-and-set are what the operator's look replaces; TL8). False when
+        the task is not held."""
+        if self.watchdog.classification is not Classification.STALLED_OPERATOR_REQUIRED:
+            return False
+        self._operator = "resume"
+        self._wake.set()
+        return True
+
+    # -- the lane's task -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._prepare()
+            await self._restore()
+            while self.ended is None:
+                await self._step()
+        finally:
+            if not self._parked:
+                with trio.CancelScope(shield=True):
+                    await self._park()  # an ended (or stopped) lane holds no descriptor
+            self._finished.set()
+            self.changed()
+
+    async def _step(self) -> None:
+        state = self.kernel.state
+        if state is TaskState.SUCCESS_INTENT:
+            await self._finalize()
+            return
+        if state in (TaskState.FAILED, TaskState.ABORTED, TaskState.DONE):
+            await self._end(str(state))
+            return
+        if state is TaskState.WAITING or self._held():
+            self._wake = trio.Event()
+            await self._end_recovery()  # a hold ends the running recovery; a resume starts one
+            await self._park()
+            self.changed()
+            await self._wake.wait()
+            await self._unpark()
+            if self._operator == "resume":
+                self._operator = None
+                await self._relaunch_after_hold()
+            return
+        if self._restarted:  # TL7: a host restart replaced the worker
+            self._restarted = False
+            await self._replacement("the runtime restarted and the previous worker is gone")
+            if self._held():
+                return
+        await self._run_epoch()
+
+    def _held(self) -> bool:
+        return self.watchdog.classification is Classification.STALLED_OPERATOR_REQUIRED
+
+    async def _prepare(self) -> None:
+        def prepare() -> None:
+            for path in (self.home, self.tmp, self.archive_dir, self.session.parent):
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self.session.exists():
+                create_session(
+                    self.session,
+                    cwd=str(self.worktree),
+                    provider=str(self.task.route.get("provider", "")),
+                    model_id=str(self.task.route.get("model", "")),
+                    clock=self.host.clocks.wall,
+                )
+
+        await trio.to_thread.run_sync(prepare)
+        self._make_journals()
+
+    def _make_journals(self) -> None:
+        """The lane's step and tool journals on its log, from every record it holds."""
+        config = BoundaryConfig(
+            upstream=self.host.upstream or GatewayConfig(upstream_url="http://127.0.0.1:9/v1"),
+            granted=self._granted(),
+            runtime_tools=self._runtime_tools(),
+            socket_dir=self.host.store.root,
+        )
+        self._steps, self._tools = make_journals(config, self.log, key=self.key, epoch=self.epochs)
+
+    async def _append(self, record: Record) -> int:
+        """Append to the lane log, reopening it first if the lane parked (TL9)."""
+        if self._parked:
+            await self._unpark()
+        return await self.log.append(record)
+
+    async def _park(self) -> None:
+        """A parked lane (waiting, or held with no worker) holds no file descriptor and no
+        journal: the log is closed and everything is rebuilt from it on wake (TL9)."""
+        if self._parked:
+            return
+        self._parked = True
+        self._steps = self._tools = None
+        await self.host.store.close_log(self.log)
+
+    async def _unpark(self) -> None:
+        if not self._parked:
+            return
+        self.log = await self.host.store.open_lane_log(f"task:{self.task_id}")
+        self._parked = False
+        self._make_journals()
+
+    async def _restore(self) -> None:
+        """Rebuild the lane from its log (LK7, WD11, TL6): receipts, budget, markers, epochs."""
+        state = read_lane(self.task, self.log.contents.records, self.host.policy)
+        self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
+        self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
+        self.kernel, self.budget = state.kernel, state.budget
+        self.continuations, self.attestation = state.continuations, state.attestation
+        self.recoveries, self._recovery_started_ms = state.recoveries, state.recovery_started_ms
+        if self.kernel.state is TaskState.WAITING:
+            self.watchdog.feed(TerminalAccepted("wait"))
+        if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
+            self._restarted = True
+        if self.record is not None and self.epochs > 0 and await self._kill_leftovers(self.record):
+            self.quiescent_epoch = self.record.epoch  # nothing of it lives: quiescent (LK4)
+
+    async def _kill_leftovers(self, record: EpochStarted) -> bool:
+        """A host restart: whatever the previous epoch left is killed from its record (the
+        record's identity must match, W5) before the session is touched. True when nothing
+        of that epoch's tree is alive (its quiescence, LK4)."""
+        from .._pi._worker import kill_epoch_leftovers
+
+        with contextlib.suppress(PiRuntimeError):
+            return (await kill_epoch_leftovers(record)).clean
+        return False
+
+    # -- one epoch ---------------------------------------------------------------------------
+
+    async def _run_epoch(self) -> None:
+        number = self.epochs + 1
+        if not self.kernel.begin_epoch(number, fenced=self._fenced):  # LK6
+            return
+        self._fenced = False
+        self.epochs = number
+        if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
+            read = await aread_session(self.session)
+            if read.session.leaf is not None:
+                self.attestation = attest(read.session)
+                await self.record_action(
+                    self.epoch_action_id("attest"),
+                    "attest",
+                    "done",
+                    msgspec.to_builtins(self.attestation),
+                )
+        kind, text, action_id = self._next
+        steps, tools = self._journals()
+        request = EpochRequest(
+            number=number,
+            session=self.session,
+            worktree=self.worktree,
+            home=self.home,
+            tmp=self.tmp,
+            granted=self._granted(),
+            runtime_tools=self._runtime_tools(),
+            journals=(steps, tools),
+            log=self.log,
+            started_ms=self.host.clocks.wall.time_ms,
+            policy=StopPolicy(
+                term_grace=self.host.policy.term_grace_seconds,
+                kill_bound=self.host.policy.kill_bound_seconds,
+            ),
+        )
+        end = EpochEnd.EXITED
+        clean = False
+        async with self.host.workers.open(request) as worker:
+            self.worker = worker
+            self.record = worker.record
+            if worker.record is not None:
+                await self._append(worker.record)
+            try:
+                end = await EpochWatch(self, worker).run(kind, text, action_id)
+            finally:
+                with trio.CancelScope(shield=True):
+                    if end is EpochEnd.FENCE or end is EpochEnd.RESUME:
+                        await self.record_action(
+                            self.epoch_action_id("signal"), "signal", "reserved", {}
+                        )
+                    clean = await worker.stop()
+                    self.worker = None
+        self.quiescent_epoch = number if clean else None
+        reason = "fence" if end in (EpochEnd.FENCE, EpochEnd.RESUME) else str(end)
+        await self._append(
+            EpochFenced(epoch=number, reason=reason, fenced_ms=self.host.clocks.wall.time_ms())
+        )
+        if end in (EpochEnd.FENCE, EpochEnd.RESUME):
+            await self.record_action(
+                self.epoch_action_id("signal"), "signal", "done", {"clean": clean}
+            )
+            await self.record_action(self.epoch_action_id("reap"), "reap", "done", {"clean": clean})
+            self._fenced = True
+            if not clean:
+                self.watchdog.feed(Hold("fence_left_survivors"))
+                return
+            await self._replacement(
+                "the worker was silent past the hard threshold and its grace"
+                if end is EpochEnd.FENCE
+                else "an operator resumed the task after a hold"
+            )
+        elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
+            self._fenced = True
+            await self._replacement("the worker exited without a terminal receipt")
+
+    def _journals(self) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
+        assert self._steps is not None
+        assert self._tools is not None
+        return self._steps, self._tools
+
+    # -- what an epoch's watch uses (runtime/_tasks/_epoch.py) -------------------------------------
+
+    def prompted(self) -> None:
+        """The epoch's prompt is sent: the next one is decided anew, and silence counts from
+        now (WD1)."""
+        self._next = ("none", "", None)
+        self.watchdog.feed(Prompted(*self.readings()))
+        self.telemetry.request_started = self.now()
+        self.changed()
+
+    async def operator_request(self) -> str | None:
+        """Wait for the next wake-up (a reply, a grant, a control); the operator's request it
+        carries (``"terminal"``, ``"resume"``), taken, or ``None``."""
+        await self._wake.wait()
+        self._wake = trio.Event()
+        request, self._operator = self._operator, None
+        return request
+
+    async def resumed_progress(self, before: Classification) -> None:
+        """The first progress after a relaunch ends the recovery (WD11)."""
+        if before is Classification.RESUMING:
+            seconds = await self._end_recovery()
+            if seconds is not None:
+                self.telemetry.resumed(seconds)
+
+    async def _end_recovery(self) -> float | None:
+        """Charge the running recovery's time, from its first reserve to now, never refunded
+        (WD11). A recovery runs from the reserve that started it until the resumed worker's
+        first progress or a hold; across host restarts too (its start is the reserve's
+        ``at_ms`` in the log)."""
+        if self._recovery_started_ms is None:
+            return None
+        started, now = self._recovery_started_ms, self.host.clocks.wall.time_ms()
+        seconds = max(0.0, (now - started) / 1000)
+        self._recovery_started_ms = None
+        self.budget = self.budget.charge_seconds(seconds)
+        self.recoveries += 1
+        await self.record_action(
+            f"{self._prefix()}/recovery{self.recoveries}",
+            "recovery_time",
+            "done",
+            {"seconds": seconds, "from_ms": started, "to_ms": now},
+        )
+        return seconds
+
+    def check_recovery_budget(self) -> None:
+        """A recovery that outlasts the seconds left holds the task (WD11)."""
+        if self.watchdog.classification is not Classification.RESUMING:
+            return
+        if self._recovery_started_ms is None:
+            return
+        spent = (self.host.clocks.wall.time_ms() - self._recovery_started_ms) / 1000
+        if spent >= self.budget.seconds_left:
+            self.watchdog.feed(Hold("budget_exhausted:recovery_seconds"))
+
+    async def reserve(self) -> None:
+        """Charge one replacement epoch before its launch, once (WD11, TL6)."""
+        action_id = self._next_continuation_id("reserve")
+        if action_id in self.actions:
+            return
+        self.budget = self.budget.charge_epoch()
+        self.continuations += 1
+        at_ms = self.host.clocks.wall.time_ms()
+        self._recovery_started_ms = self._recovery_started_ms or at_ms  # one recovery runs on
+        await self.record_action(action_id, "reserve", "done", {"epochs": 1, "at_ms": at_ms})
+
+    def _next_continuation_id(self, kind: str) -> str:
+        """The id of the next continuation's action ``kind``: a reserve already recorded
+        whose continuation was never sent is that continuation's (TL6)."""
+        number = self.continuations
+        reserved = self._continuation_id(number, "reserve") in self.actions
+        if number and reserved and not self._continuation_sent(number):
+            return self._continuation_id(number, kind)
+        return self._continuation_id(number + 1, kind)
+
+    def _continuation_sent(self, number: int) -> bool:
+        return self._continuation_id(number, "prompt") in self.markers
+
+    def unsettled_effects(self) -> list[ToolIntent]:
+        """Worker tools let run whose outcome is not recorded and that may not simply run
+        again (not ``safe``): a side effect that may have happened (WD10). The runtime's own
+        tools are not among them: the gate settles those itself (a receipt tool by its
+        receipt)."""
+        runtime_tools = self._runtime_tools()
+        return [
+            i for i in self._journals()[1].unsettled()
+            if i.replay_class is not ReplayClass.SAFE and i.name not in runtime_tools
+        ]  # fmt: skip
+
+    async def _replacement(self, observed: str) -> None:
+        """After a fence, an exit or a restart: settle the session, charge the budget, re-attest
+        and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe."""
+        tools = self._journals()[1]
+        never = self.unsettled_effects()
+        if never and self._operator != "forced":
+            self.watchdog.feed(Hold("effect_possibly_ran:" + ",".join(i.name for i in never)))
+            self.changed()
+            return
+        await self._reconcile_marker()
+        reserve_id = self._next_continuation_id("reserve")
+        if reserve_id not in self.actions:
+            if self.budget.exhausted:  # the hold names what ran out (WD11)
+                spent = "epochs" if self.budget.epochs_left <= 0 else "recovery_seconds"
+                self.watchdog.feed(Hold(f"budget_exhausted:{spent}"))
+                self.changed()
+                return
+            await self.reserve()
+        number = self.continuations
+        step = self._journals()[0].current_step  # the round the gate settles (its step)
+        await reanswer_orphaned(self.session, tools, step=step, clock=self.host.clocks.wall)
+        await settle_session(self.session, tools, clock=self.host.clocks.wall)
+        read = await aread_session(self.session)
+        if self.attestation is not None and not contains_path(read.session, self.attestation):
+            self.watchdog.feed(Hold("session_attestation_mismatch"))
+            self.changed()
+            return
+        if self.task.route != route_snapshot(self.host.route):
+            self.watchdog.feed(Hold("route_changed"))
+            self.changed()
+            return
+        self.attestation = attest(read.session) if read.session.leaf is not None else None
+        await self.record_action(
+            self._continuation_id(number, "attest"),
+            "attest",
+            "done",
+            msgspec.to_builtins(self.attestation) if self.attestation else {},
+        )
+        self._recovery_started_ms = self._recovery_started_ms or self.host.clocks.wall.time_ms()
+        self.watchdog.feed(Relaunched(*self.readings()))
+        action_id = self._continuation_id(number, "prompt")
+        self._next = ("continuation", continuation_prompt(action_id, observed), action_id)
+        self.changed()
+
+    async def _relaunch_after_hold(self) -> None:
+        """An operator's resume of a held task whose worker is gone (TL8)."""
+        self._operator = "forced"
+        try:
+            self.watchdog.classification = Classification.RESUMING
+            await self._replacement("an operator resumed the task after a hold")
+        finally:
+            self._operator = None
+
+    async def _reconcile_marker(self) -> None:
+        """A continuation delivered to a worker that died before its record was written is in
+        the session but not in the log: record it now (TL5). It was sent; the worker that got
+        it is gone, so the next replacement gets a continuation of its own rather than waiting
+        on an answer that will never come."""
+        number = self.continuations
+        action_id = self._continuation_id(number, "prompt")
+        unrecorded = number > 0 and not self._continuation_sent(number)
+        if unrecorded and await marker_in_session(self.session, action_id):
+            await self.record_marker(action_id)
+
+    async def record_marker(self, action_id: str) -> None:
+        """The continuation ``action_id`` is in the session (TL5)."""
+        record = ContinuationSent(
+            epoch=self.epochs,
+            action_id=action_id,
+            marker=continuation_marker(action_id),
+            prompt_version=CONTINUATION_VERSION,
+        )
+        await self._append(record)
+        self.markers[action_id] = record
+
+    # -- the end: Done needs the whole tuple (LK4) ----------------------------------------------
+
+    async def _finalize(self) -> None:
+        from ._worktree import run_validation, take_candidate, take_manifest
+
+        terminal = self.kernel.terminal
+        try:
+            manifest = await trio.to_thread.run_sync(take_manifest, self.worktree)
+            candidate = await trio.to_thread.run_sync(
+                lambda: take_candidate(
+                    self.worktree,
+                    manifest,
+                    archive_dir=self.archive_dir,
+                    task_id=self.task_id,
+                    message=f"pi-runtime candidate for task {self.task_id}",
+                )
+            )
+        except PiRuntimeError as error:
+            await self._end("held", code=str(error.code), detail=str(error))
+            return
+        validation = None
+        if self.task.validation:
+            validation = await run_validation(
+                self.worktree,
+                self.task.validation,
+                manifest,
+                timeout=self.task.validation_timeout,
+            )
+        evidence = DoneEvidence(
+            terminal=terminal,
+            quiescent_epoch=self.quiescent_epoch,
+            manifest_digest=manifest.digest,
+            candidate_manifest_digest=candidate.manifest_digest,
+            validation_required=bool(self.task.validation),
+            validation_passed=validation.passed if validation else None,
+            validation_manifest_digest=validation.manifest_digest if validation else None,
+        )
+        missing = done_missing(self.kernel, evidence)
+        if missing:
+            await self._end(
+                "held",
+                code=ReasonCode.TASK_NOT_DONE,
+                detail="missing: " + ", ".join(missing),
+                manifest=manifest.digest,
+                candidate=msgspec.to_builtins(candidate),
+                validation=msgspec.to_builtins(validation) if validation else None,
+            )
+            return
+        self.kernel.finalize()
+        await self._end(
+            "done",
+            manifest=manifest.digest,
+            candidate=msgspec.to_builtins(candidate),
+            validation=msgspec.to_builtins(validation) if validation else None,
+        )
+
+    async def _end(
+        self,
+        state: str,
+        *,
+        code: str | None = None,
+        detail: str = "",
+        manifest: str | None = None,
+        candidate: dict[str, Any] | None = None,
+        validation: dict[str, Any] | None = None,
+    ) -> None:
+        terminal = self.kernel.terminal
+        if not detail and terminal is not None:
+            detail = terminal.detail
+        log = await self.host.store.read(self.log.rel)  # every record, ours and the gateway's
+        self.ended = TaskEnded(
+            costs=inference_costs(log.records),
+            state=state,
+            code=code,
+            detail=detail,
+            manifest_digest=manifest,
+            candidate=candidate,
+            validation=validation,
+            ended_ms=self.host.clocks.wall.time_ms(),
+        )
+        await self._append(self.ended)
+        self.host.log(f"task {self.task_id} ended {state}")
+
+    # -- runtime tools (lifecycle through the gate, LK7) ----------------------------------------
+
+    def _granted(self) -> frozenset[str]:
+        return frozenset(self.task.grants) | frozenset(LIFECYCLE_TOOLS)
+
+    def _runtime_tools(self) -> dict[str, RuntimeTool]:
+        tools: dict[str, RuntimeTool] = {
+            name: self._lifecycle_handler(kind) for name, kind in _KIND_OF_TOOL.items()
+        }
+        if self.host.receipts is not None:
+            tools.update(DocumentTools(self.host.receipts).handlers())
+        if self.host.ledger is not None:
+            tools["effect"] = EffectLedger(self.host.ledger)
+        return {n: t for n, t in tools.items() if n in self._granted()}
+
+    def _lifecycle_handler(self, kind: LifecycleKind) -> RuntimeTool:
+        async def handle(call: GateCall, intent_id: str) -> GateResult:
+            tools = self._journals()[1]
+            key = self.kernel.current
+            if tools.epoch != key.epoch:  # a call decided in another epoch: late (LK2)
+                key = dataclasses.replace(key, epoch=tools.epoch)
+            detail = " ".join(str(v) for v in call.args.values())[:2000]
+            verdict = self.kernel.report(
+                Report(key=key, intent_id=intent_id, kind=kind, detail=detail)
+            )
+            if verdict is not Verdict.DUPLICATE:
+                await self._append(self.kernel.receipts[-1])  # durable before the answer
+            if verdict is Verdict.ACCEPTED:
+                self.watchdog.feed(TerminalAccepted(str(kind)))
+                self.changed()
+                answers = {
+                    LifecycleKind.DONE: "Accepted: the task is marked done pending checks. "
+                    "Stop now.",
+                    LifecycleKind.FAIL: "Accepted: the task is marked failed. Stop now.",
+                    LifecycleKind.WAIT: "Accepted: waiting for the user's reply. Stop now; "
+                    "the reply will arrive as a new message.",
+                }
+                return GateResult.text(answers[kind])
+            if verdict is Verdict.DUPLICATE:
+                return GateResult.text("Already recorded.")
+            return GateResult.text(
+                f"Not accepted ({verdict}): a lifecycle outcome was already recorded for this "
+                "task.",
+                is_error=True,
+            )
+
+        return handle
+
+    # -- small helpers ---------------------------------------------------------------------------
+
+    async def record_action(
+        self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        """One outbox action, durable (TL6); the same id and state twice is written once."""
+        existing = self.actions.get(action_id)
+        if existing is not None and existing.state == state:
+            return
+        record = OutboxAction(action_id=action_id, kind=kind, state=state, detail=detail or {})
+        self.pending_action = action_id if state == "reserved" else None
+        await self._append(record)
+        self.actions[action_id] = record
+
+    def _prefix(self) -> str:
+        return f"{self.task_id}/g{self.task.generation}/a{self.task.attempt}"
+
+    def epoch_action_id(self, kind: str) -> str:
+        """The id of this epoch's action ``kind`` (TL6)."""
+        return f"{self._prefix()}/e{self.epochs}/{kind}"
+
+    def _continuation_id(self, number: int, kind: str) -> str:
+        """The id of continuation ``number``'s action ``kind`` (TL6)."""
+        return f"{self._prefix()}/c{number}/{kind}"
+
+    def now(self) -> float:
+        return self.host.clocks.silence.read().boottime
+
+    def readings(self) -> tuple[float, float]:
+        reading = self.host.clocks.silence.read()
+        return reading.boottime, reading.monotonic
+
+    def changed(self) -> None:
+        self.host.on_change(self)

@@ -1,0 +1,599 @@
+"""Task lanes as a service: the runner built from the room worker's configuration (issue #8).
+
+:func:`open_task_service` is what ``pi-runtime serve`` (beside its room worker, on the same
+store) and a standalone ``pi-runtime task run`` open: a :class:`~runtime._tasks._runner.TaskRunner`
+whose epochs are real worker processes (:class:`~runtime._tasks._workers.ProcessWorkers`, Fake-Pi
+or the real Pi as configured) behind a per-epoch gateway and gate, with
+
+* the configuration's model route; without ``model.base_url`` the plain scripted model of
+  Fake-Pi is served here, as the room worker does;
+* an upstream whose inactivity bound is the hard threshold of the (scaled) policy, so a dead
+  upstream stream is ended by the gateway first (brief §6, layered remedies);
+* the gate sockets in the state directory's short runtime directory (one per lane);
+* the :class:`~runtime._tasks._watchdog.WatchdogPolicy` of the ``[watchdog]`` table, checked at
+  start (WD9): a breach raises :class:`WatchdogConfigError` (``watchdog_config_invalid``) naming
+  ``watchdog.<setting>``. Only ``--unsafe-test-timescale FACTOR`` divides every threshold by
+  FACTOR and lifts the 900 s floor, and then every log line says so (:func:`loud_logging`).
+
+:class:`TaskService` adds what the wire protocol and the admin socket need on top of the
+runner: an event history per task (``task_wait`` follows it), plain-dict answers for the admin
+socket, a status summary. :func:`offline_views` reads the lane logs of a state directory no
+server runs on (``pi-runtime tasks`` / ``task show`` without a server): no lock, no write.
+
+Resource handling: everything runs in the service's own nursery (the embedded model, the event
+collector, the runner's lanes); leaving the block cancels it, which stops every epoch's tree and
+leaves unfinished tasks in their logs for the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import msgspec
+import trio
+
+from .._boundary._gateway import GatewayConfig
+from .._boundary._receipts import ReceiptStore
+from .._clock import Clocks
+from .._config import RoomWorkerConfig, WatchdogConfig, validate_config
+from .._errors import ConfigError, PiRuntimeError, ReasonCode
+from .._journal._journal import read_log
+from .._journal._store import Store, lane_key, runtime_dir
+from .._linux._fs import OsFileSystem
+from .._records import LogKind, TaskEnded, TaskSubmitted
+from .._rooms._worker import start_model, worker_program
+from ._runner import TaskEvent, TaskRunner, open_task_runner
+from ._state import (
+    DEFAULT_TASK_GRANTS,
+    TaskError,
+    TaskSpec,
+    TaskView,
+    inference_costs,
+    read_lane,
+)
+from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
+from ._workers import ProcessWorkers
+
+__all__ = [
+    "HISTORY_LIMIT",
+    "TaskService",
+    "WatchdogConfigError",
+    "loud_logging",
+    "offline_view",
+    "offline_views",
+    "open_task_service",
+    "policy_dict",
+    "task_spec",
+    "threshold_lines",
+    "timescale_warning",
+    "watchdog_policy",
+]
+
+HISTORY_LIMIT: Final = 1000
+"""Task events kept per task for ``task_wait`` (older ones are dropped, counted)."""
+WAIT_LIMIT: Final = 25.0
+"""The longest one ``task_wait`` blocks (the admin socket answers within 30 s)."""
+
+logger = logging.getLogger("runtime.tasks")
+
+_SETTINGS: Final = {
+    "hard_seconds.provider": "hard_provider_seconds",
+    "hard_seconds.generation": "hard_generation_seconds",
+    "timescale": "unsafe_test_timescale",
+}
+
+
+class WatchdogConfigError(ConfigError):
+    """The ``[watchdog]`` table breaks a rule of WD9 (``watchdog_config_invalid``);
+    ``setting`` is ``watchdog.<setting>`` (or ``unsafe_test_timescale``)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        PiRuntimeError.__init__(self, ReasonCode.WATCHDOG_CONFIG_INVALID, f"{setting}: {message}")
+        self.setting = setting
+
+
+# -- the policy ----------------------------------------------------------------------------
+
+
+def watchdog_policy(
+    config: RoomWorkerConfig | WatchdogConfig, *, timescale: float = 1.0
+) -> WatchdogPolicy:
+    """The checked policy of ``config``'s ``[watchdog]`` table, divided by ``timescale`` when
+    it is not 1 (the unsafe test time scale, which also lifts the 900 s floor). Raises
+    :class:`WatchdogConfigError` naming the first setting that breaks a rule (WD9)."""
+    table = config.watchdog if isinstance(config, RoomWorkerConfig) else config
+    policy = WatchdogPolicy(
+        soft_seconds=table.soft_seconds,
+        hard_seconds={
+            Phase.PROVIDER: table.hard_provider_seconds,
+            Phase.GENERATION: table.hard_generation_seconds,
+        },
+        grace_seconds=table.grace_seconds,
+        max_replacements=table.max_replacements,
+        recovery_seconds=table.recovery_seconds,
+    )
+    if not (isinstance(timescale, int | float) and math.isfinite(timescale) and timescale >= 1):
+        raise WatchdogConfigError(
+            "unsafe_test_timescale", f"must be a finite number, at least 1, not {timescale!r}"
+        )
+    if timescale != 1.0:
+        policy = policy.scaled(float(timescale))
+    problems = policy.problems()
+    if problems:
+        setting, why = problems[0]
+        name = _SETTINGS.get(setting, setting)
+        prefix = "" if name == "unsafe_test_timescale" else "watchdog."
+        raise WatchdogConfigError(prefix + name, why)
+    return policy
+
+
+def timescale_warning(policy: WatchdogPolicy) -> str | None:
+    """The loud line every log and ``status`` carry under the unsafe time scale, else None."""
+    if policy.timescale == 1.0:
+        return None
+    factor = f"{policy.timescale:g}"
+    return (
+        f"UNSAFE TEST TIMESCALE x{factor}: thresholds divided by {factor} "
+        f"({_thresholds(policy)}); never use this in production"
+    )
+
+
+def _marker(policy: WatchdogPolicy) -> str:
+    return f"[UNSAFE TEST TIMESCALE x{policy.timescale:g}]"
+
+
+def _thresholds(policy: WatchdogPolicy) -> str:
+    hard = ", ".join(f"{phase} {seconds:g} s" for phase, seconds in policy.hard_seconds.items())
+    return f"soft {policy.soft_seconds:g} s, hard {hard}, grace {policy.grace_seconds:g} s"
+
+
+def threshold_lines(policy: WatchdogPolicy, production: WatchdogPolicy) -> list[str]:
+    """What ``task show`` prints about the clocks: the production thresholds, and under the
+    unsafe time scale the scaled ones with the warning."""
+    lines = [f"production thresholds: {_thresholds(production)}"]
+    warning = timescale_warning(policy)
+    if warning is not None:
+        lines.append(f"in effect: {_thresholds(policy)}")
+        lines.append(f"!!! {warning} !!!")
+    return lines
+
+
+class _Loud(logging.Filter):
+    """Prefixes every record's message with the time-scale warning, once per record."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "UNSAFE" not in str(record.msg) and "UNSAFE" not in record.getMessage():
+            record.msg = f"{self.prefix} {record.msg}"
+        return True
+
+
+@contextlib.contextmanager
+def loud_logging(policy: WatchdogPolicy) -> Iterator[None]:
+    """Under the unsafe time scale, every log line of this process (every handler of the root
+    logger) says so for the block: a line that does not already starts with
+    ``[UNSAFE TEST TIMESCALE xF]``. Nothing happens at scale 1."""
+    if policy.timescale == 1.0:
+        yield
+        return
+    loud = _Loud(_marker(policy))
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(loud)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(loud)
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+
+def task_spec(request: dict[str, Any]) -> TaskSpec:
+    """A :class:`TaskSpec` from plain data (the wire, the admin socket): ``grants`` and
+    ``validation`` may be absent or null. Raises ``task_invalid``."""
+    data = {k: v for k, v in request.items() if v is not None and k not in ("type", "command")}
+    data.setdefault("grants", sorted(DEFAULT_TASK_GRANTS))
+    try:
+        return msgspec.convert(data, TaskSpec)
+    except msgspec.ValidationError as error:
+        raise TaskError(ReasonCode.TASK_INVALID, str(error)) from error
+
+
+# -- the service -------------------------------------------------------------------------------
+
+
+class TaskService:
+    """A task runner plus what the wire and the admin socket need; from
+    :func:`open_task_service`."""
+
+    def __init__(
+        self, runner: TaskRunner, policy: WatchdogPolicy, production: WatchdogPolicy
+    ) -> None:
+        self.runner = runner
+        self.policy = policy
+        """The policy in effect (scaled under the unsafe time scale)."""
+        self.production = production
+        """The same configuration at scale 1 (what ``task show`` prints as production)."""
+        self._history: dict[str, list[TaskEvent]] = {}
+        self._dropped: dict[str, int] = {}
+        self._changed = trio.Event()
+
+    @property
+    def warning(self) -> str | None:
+        """The loud line of the unsafe test time scale, or ``None`` at production scale."""
+        return timescale_warning(self.policy)
+
+    # -- typed API ---------------------------------------------------------------------
+
+    async def submit(self, spec: TaskSpec | dict[str, Any]) -> tuple[TaskView, bool]:
+        """Submit (idempotent by task id): the view, and whether the task was new."""
+        if not isinstance(spec, TaskSpec):
+            spec = task_spec(spec)
+        new = not self.runner.known(spec.task_id)
+        await self.runner.submit(spec)
+        return self.show(spec.task_id), new
+
+    def show(self, task_id: str) -> TaskView:
+        """Every diagnostic of one task (``task_unknown`` if there is none)."""
+        return self.runner.show(task_id)  # an ended task's lane is rebuilt from its log
+
+    def tasks(self) -> list[TaskView]:
+        """Every task of the state directory, ended ones too, by id."""
+        return self.runner.tasks()
+
+    async def reply(self, task_id: str, text: str, correlation: str | None = None) -> TaskView:
+        """Answer the task's ``task_wait`` (its correlation, default: the open one); refused
+        ``task_not_waiting`` when it waits for nothing or for another correlation."""
+        await self.runner.reply(task_id, text, correlation)
+        return self.show(task_id)
+
+    def events(
+        self, buffer: int = 256
+    ) -> contextlib.AbstractAsyncContextManager[trio.MemoryReceiveChannel[TaskEvent]]:
+        """A channel of every task's changes (classification, state, hold, end) while the
+        block runs; events beyond ``buffer`` unread are dropped, never the runtime's work."""
+        return self.runner.events(buffer)
+
+    async def ended(self, task_id: str) -> TaskEnded:
+        """Wait until the task ends; its end record (``state`` ``done``, ``failed``,
+        ``aborted`` or ``held``, with the candidate and validation of a ``done``)."""
+        return await self.runner.wait(task_id)
+
+    async def control(
+        self,
+        task_id: str,
+        action: Literal["resume", "abort", "fail", "grant"],
+        *,
+        reason: str | None = None,
+        epochs: int = 0,
+        seconds: float = 0.0,
+    ) -> TaskView:
+        """An operator control with its stable refusals (``task_unknown``, ``task_ended``,
+        ``task_not_held``, ``task_late``, ``task_invalid``)."""
+        if action == "resume":
+            self.runner.resume(task_id)
+            logger.info("task %s: resumed by the operator (%s)", task_id, reason or "no reason")
+        elif action == "abort":
+            await self.runner.abort(task_id, reason or "aborted by the operator")
+        elif action == "fail":
+            await self.runner.fail(task_id, reason or "failed by the operator")
+        elif action == "grant":
+            if not reason:
+                raise TaskError(ReasonCode.TASK_INVALID, "a grant needs a reason (it is audited)")
+            await self.runner.grant(task_id, epochs=epochs, seconds=seconds, reason=reason)
+        else:
+            raise TaskError(ReasonCode.TASK_INVALID, f"unknown action {action!r}")
+        return self.show(task_id)
+
+    def events_of(self, task_id: str, after: int = 0) -> tuple[list[TaskEvent], int]:
+        """The task's events numbered above ``after`` (1-based, as counted since the service
+        started), and the number of the last one."""
+        history = self._history.get(task_id, [])
+        dropped = self._dropped.get(task_id, 0)
+        last = dropped + len(history)
+        start = max(0, after - dropped)
+        return history[start:], last
+
+    async def wait(self, task_id: str, after: int = 0, seconds: float = WAIT_LIMIT) -> bool:
+        """Return once the task has an event numbered above ``after`` or has ended, or after
+        ``seconds``; whether it has ended."""
+        if not self.runner.known(task_id):
+            self.runner.show(task_id)  # task_unknown
+        with trio.move_on_after(max(0.0, min(seconds, WAIT_LIMIT))):
+            while not self._ended(task_id) and self.events_of(task_id, after)[1] <= after:
+                await self._changed.wait()
+        return self._ended(task_id)
+
+    def _ended(self, task_id: str) -> bool:
+        """The task has ended and its last event (if it ran here) is in the history."""
+        if not self.runner.has_ended(task_id):
+            return False
+        history = self._history.get(task_id)
+        return not history or history[-1].ended is not None
+
+    def status(self) -> dict[str, Any]:
+        """A summary for ``status``: each task's state and classification, the time scale."""
+        report: dict[str, Any] = {
+            "tasks": [_summary(view) for view in self.tasks()],
+            "unsafe_test_timescale": self.policy.timescale,
+        }
+        if self.warning is not None:
+            report["warning"] = self.warning
+        return report
+
+    # -- the admin socket's task commands (runtime/_server/_admin.py) ------------------------------
+
+    async def task_submit(self, request: dict[str, Any]) -> dict[str, Any]:
+        view, new = await self.submit(request)
+        return {"task": self._view(view), "disposition": "started" if new else "duplicate"}
+
+    async def task_list(self) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        return {"tasks": [self._view(v) for v in self.tasks()], **self._scale()}
+
+    async def task_show(self, task_id: str) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
+        return {"task": self._view(self.show(task_id)), **self._scale()}
+
+    async def task_reply(
+        self, task_id: str, text: str, correlation: str | None = None
+    ) -> dict[str, Any]:
+        return {"task": self._view(await self.reply(task_id, text, correlation))}
+
+    async def task_control(
+        self,
+        task_id: str,
+        action: Literal["resume", "abort", "fail", "grant"],
+        *,
+        reason: str | None = None,
+        epochs: int = 0,
+        seconds: float = 0.0,
+    ) -> dict[str, Any]:
+        view = await self.control(task_id, action, reason=reason, epochs=epochs, seconds=seconds)
+        return {"task": self._view(view), "action": action}
+
+    async def task_wait(
+        self, task_id: str, after: int = 0, seconds: float = 10.0
+    ) -> dict[str, Any]:
+        ended = await self.wait(task_id, after, seconds)
+        events, last = self.events_of(task_id, after)
+        return {
+            "events": [msgspec.to_builtins(e) for e in events],
+            "last": last,
+            "ended": ended,
+            "task": self._view(self.show(task_id)),
+            **self._scale(),
+        }
+
+    def _view(self, view: TaskView) -> dict[str, Any]:
+        data: dict[str, Any] = msgspec.to_builtins(view)
+        data["production"] = policy_dict(self.production)
+        return data
+
+    def _scale(self) -> dict[str, Any]:
+        scale: dict[str, Any] = {"unsafe_test_timescale": self.policy.timescale}
+        if self.warning is not None:
+            scale["warning"] = self.warning
+        return scale
+
+    # -- the event history ---------------------------------------------------------------
+
+    async def _collect(self, *, task_status: trio.TaskStatus[None]) -> None:
+        async with self.runner.events(buffer=10_000) as events:
+            task_status.started()
+            async for event in events:
+                history = self._history.setdefault(event.task_id, [])
+                history.append(event)
+                if len(history) > HISTORY_LIMIT:
+                    del history[0]
+                    self._dropped[event.task_id] = self._dropped.get(event.task_id, 0) + 1
+                self._changed.set()
+                self._changed = trio.Event()
+
+
+def _summary(view: TaskView) -> dict[str, Any]:
+    return {
+        "task_id": view.task_id,
+        "state": view.state,
+        "classification": view.classification,
+        "phase": view.phase,
+        "process_epoch": view.process_epoch,
+        "silence_seconds": view.silence_seconds,
+        "hold_reason": view.hold_reason,
+        "ended": view.ended.get("state") if view.ended else None,
+        "next_action": view.next_action,
+    }
+
+
+def policy_dict(policy: WatchdogPolicy) -> dict[str, Any]:
+    """The thresholds and budgets of ``policy`` as plain data (``task show``'s production)."""
+    return {
+        "soft_seconds": policy.soft_seconds,
+        "hard_seconds": {str(p): s for p, s in policy.hard_seconds.items()},
+        "grace_seconds": policy.grace_seconds,
+        "max_replacements": policy.max_replacements,
+        "recovery_seconds": policy.recovery_seconds,
+    }
+
+
+@contextlib.asynccontextmanager
+async def open_task_service(
+    config: RoomWorkerConfig,
+    *,
+    store: Store,
+    receipts: ReceiptStore | None = None,
+    clocks: Clocks | None = None,
+    timescale: float = 1.0,
+    log: Callable[[str], None] | None = None,
+) -> AsyncIterator[TaskService]:
+    """Run task lanes on ``store`` with ``config``'s worker, model and ``[watchdog]`` policy
+    (divided by ``timescale``) until the block ends; unfinished tasks are resumed at once.
+
+    ``config`` is validated here (``ConfigError`` naming the setting); the state is
+    ``store``'s (``config.state_dir`` is not read), the work directories are below
+    ``config.work_root``. Raises :class:`WatchdogConfigError`
+    before anything starts when the policy breaks a rule, :class:`ConfigError` when the real
+    Pi is configured but not installed."""
+    config = validate_config(config)
+    policy = watchdog_policy(config, timescale=timescale)
+    production = watchdog_policy(config) if timescale != 1.0 else policy
+    program = worker_program(config)
+    clocks = clocks or store.clocks
+    model = config.model
+    work_root = Path(config.work_root) / "tasks"
+    state_dir = store.root
+    say = log or logger.info
+    warning = timescale_warning(policy)
+
+    def line(text: str) -> None:
+        """Every line of the task lanes says so under the unsafe time scale (WD9)."""
+        say(text if warning is None or "UNSAFE" in text else f"{_marker(policy)} {text}")
+
+    async with trio.open_nursery() as nursery:
+        base_url, route = await start_model(model, nursery)
+        inactivity = min(policy.hard_seconds.values())
+        upstream = GatewayConfig(
+            upstream_url=base_url,
+            upstream_key_env=model.api_key_env,
+            keepalive_interval=min(config.thresholds.keepalive_seconds, inactivity / 2),
+            upstream_inactivity=inactivity,
+            upstream_data_inactivity=inactivity,
+        )
+        workers = ProcessWorkers(  # one gate socket per lane, named by its key
+            program=program,
+            route=route,
+            upstream=upstream,
+            socket_dir=await trio.to_thread.run_sync(runtime_dir, state_dir),
+            state_dir=state_dir,
+        )
+        if warning is not None:
+            (log or logger.warning)(warning)
+        async with open_task_runner(
+            store,
+            workers=workers,
+            route=route,
+            policy=policy,
+            clocks=clocks,
+            upstream=upstream,
+            receipts=receipts,
+            ledger=work_root / "effects.jsonl",
+            work_root=work_root,
+            log=line,
+        ) as runner:
+            service = TaskService(runner, policy, production)
+            await nursery.start(service._collect)
+            try:
+                yield service
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+# -- reading a state directory no server runs on -------------------------------------------
+
+
+def offline_views(state_dir: Path, policy: WatchdogPolicy | None = None) -> list[TaskView]:
+    """Every task of ``state_dir`` as its lane log says, read without the lock and without
+    writing (like ``status``, O9). The watchdog runs only in an owner, so ``classification``
+    says no server runs; thresholds are ``policy``'s (default: the production ones)."""
+    root = state_dir.absolute()
+    lanes = root / "lanes"
+    views: list[TaskView] = []
+    if not lanes.is_dir():
+        return views
+    for directory in sorted(lanes.iterdir()):
+        view = _offline_lane(root, directory.name, policy or WatchdogPolicy())
+        if view is not None:
+            views.append(view)
+    return sorted(views, key=lambda v: v.task_id)
+
+
+def offline_view(state_dir: Path, task_id: str, policy: WatchdogPolicy | None = None) -> TaskView:
+    """One task as its lane log says (see :func:`offline_views`); ``task_unknown`` if none."""
+    root = state_dir.absolute()
+    view = _offline_lane(root, lane_key(f"task:{task_id}"), policy or WatchdogPolicy())
+    if view is None:
+        raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {root}")
+    return view
+
+
+def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | None:
+    rel = f"lanes/{name}/lane.log"
+    try:
+        contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.LANE)
+    except FileNotFoundError:
+        return None
+    if not contents.records or not contents.header.subject.startswith("task:"):
+        return None
+    records = contents.records
+    submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
+    if submitted is None:
+        return None
+    state = read_lane(submitted, records, policy)
+    kernel, budget, ended, epochs = state.kernel, state.budget, state.ended, state.epochs
+    receipts = kernel.receipts
+    live = (
+        state.record
+        if state.record is not None and state.record.epoch not in state.fenced
+        else None
+    )
+    continuations = state.continuations
+    pending = state.pending_action
+    markers = list(state.markers.values())
+    if ended is not None:
+        next_action = "none: the task has ended"
+    elif str(kernel.state) == "waiting":
+        next_action = ACTION_TABLE[Classification.WAITING_USER] + " (start the server first)"
+    else:
+        next_action = "start pi-runtime serve (or task run again) to resume it"
+    return TaskView(
+        task_id=submitted.task_id,
+        state=ended.state if ended is not None else str(kernel.state),
+        generation=kernel.generation,
+        attempt=kernel.attempt,
+        fence=kernel.fence,
+        process_epoch=epochs,
+        continuation_epoch=continuations,
+        session_path=submitted.session_path,
+        session_id=None,
+        route=dict(submitted.route),
+        worktree=submitted.worktree,
+        process=(
+            {
+                "pid": live.pid,
+                "start_time": live.start_time,
+                "boot_id": live.boot_id,
+                "nonce": live.nonce,
+            }
+            if live is not None and ended is None
+            else None
+        ),
+        classification="unknown: no server runs (the watchdog runs only in the owner)",
+        phase="unknown",
+        progress_seq=0,
+        silence_seconds=0.0,
+        soft_seconds=policy.soft_seconds,
+        probe=None,
+        hard_seconds=min(policy.hard_seconds.values(), default=None),
+        grace_seconds=policy.grace_seconds,
+        grace="not started",
+        receipts=[msgspec.to_builtins(r) for r in receipts],
+        prompt_marker=markers[-1].marker if markers else None,
+        budget=budget.as_dict(),
+        pending_action=pending,
+        hold_reason=None,
+        next_action=next_action,
+        timescale=policy.timescale,
+        telemetry={},
+        ended=msgspec.to_builtins(ended) if ended is not None else None,
+        costs=inference_costs(records),
+    )

@@ -1,0 +1,93 @@
+"""A task lane's session work beside :func:`~runtime._boundary._boundaries.settle_session`: the
+answers a crashed host left wrong (TL7), the continuation marker (TL5), the size a probe compares
+(WD1).
+
+Each takes the session's path and does its file work off the Trio thread or through
+``trio.Path``; none keeps anything open.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import trio
+
+from .._boundary._gate import GateCall, RecordingGateJournal
+from .._clock import WallClock
+from .._pi._session import SessionWriter, aread_session, atruncate_torn_tail
+from ._state import continuation_marker
+
+__all__ = ["marker_in_session", "reanswer_orphaned", "session_size"]
+
+
+async def reanswer_orphaned(
+    session: Path, tools: RecordingGateJournal, *, step: int, clock: WallClock
+) -> None:
+    """Before the session is settled (TL4, TL7): a call the gate let run in round ``step``
+    whose outcome it never recorded may be answered in the session by what the worker wrote
+    on its own once its host was gone ("request to the gate failed", "Operation aborted") —
+    not what happened. That round is answered again from the gate (the recorded outcome,
+    "possibly ran" or the receipt's result), as a branch at its assistant message: the next
+    epoch's context follows what the runtime knows."""
+    unsettled = {i.tool_call_id for i in tools.unsettled() if i.step == step}
+    if not unsettled:
+        return
+    await atruncate_torn_tail(session)
+    path = (await aread_session(session)).session.path_to_root()
+    messages = [e.raw.get("message") if e.type == "message" else None for e in path]
+    for index in range(len(path) - 1, -1, -1):
+        message = messages[index]
+        content = message.get("content") if isinstance(message, dict) else None
+        calls = [
+            b for b in (content if isinstance(content, list) else ())
+            if isinstance(b, dict) and b.get("type") == "toolCall"
+            and isinstance(b.get("id"), str)
+        ]  # fmt: skip
+        if {b["id"] for b in calls} & unsettled:
+            break
+    else:
+        return
+    answered = {
+        m.get("toolCallId")
+        for m in messages[index + 1 :]
+        if isinstance(m, dict) and m.get("role") == "toolResult"
+    }
+    if not answered & unsettled:
+        return  # dangling, not answered: settle_session answers it
+    results = []
+    for block in calls:
+        args = block.get("arguments")
+        args = args if isinstance(args, dict) else {}
+        call = GateCall(block["id"], str(block.get("name")), args)
+        result = await tools.settle(call)
+        results.append(
+            {"role": "toolResult", "toolCallId": call.tool_call_id, "toolName": call.name,
+             "content": result.content, "isError": result.is_error}
+        )  # fmt: skip
+
+    def branch() -> None:
+        with SessionWriter.open(session, clock=clock) as writer:
+            parent = path[index].id
+            for result in results:
+                parent = writer.append_message(result, parent_id=parent).id
+            writer.fsync()
+
+    await trio.to_thread.run_sync(branch)
+
+
+async def marker_in_session(session: Path, action_id: str) -> bool:
+    """Whether continuation ``action_id`` is already in the session (TL5: never twice)."""
+    try:
+        data = await trio.Path(session).read_bytes()
+    except FileNotFoundError:
+        return False
+    return json.dumps(continuation_marker(action_id))[1:-1].encode() in data
+
+
+async def session_size(session: Path) -> int:
+    """The session file's size in bytes, -1 when it does not exist."""
+    try:
+        return (await trio.Path(session).stat()).st_size
+    except FileNotFoundError:
+        return -1

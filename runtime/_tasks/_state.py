@@ -1,0 +1,336 @@
+"""What a task is and what its lane log says: the submission, the diagnostics view, the
+continuation prompt, and the lane's durable state read back from its records (brief §6).
+
+Pure apart from :func:`check_spec`'s look at the worktree: no trio, no clock. The task lane
+(``runtime/_tasks/_lane.py``) restores itself with :func:`read_lane`; the offline ``task show``
+reads a log no server runs on with the same function. The invariants (LK…, WD…, TL…) are in
+``docs/design/watchdog.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from .._errors import PiRuntimeError, ReasonCode
+from .._journal._store import lane_key
+from .._pi._launch import ModelRoute
+from .._pi._session import Attestation
+from .._records import (
+    ContinuationSent,
+    EpochFenced,
+    EpochStarted,
+    LifecycleReceipt,
+    ModelRequestIntent,
+    ModelResponse,
+    OutboxAction,
+    Record,
+    TaskEnded,
+    TaskReply,
+    TaskSubmitted,
+)
+from ._guards import Budget
+from ._lifecycle import LifecycleKernel
+from ._watchdog import WatchdogPolicy
+
+__all__ = [
+    "CONTINUATION_VERSION",
+    "DEFAULT_TASK_GRANTS",
+    "LIFECYCLE_TOOLS",
+    "LaneState",
+    "TaskError",
+    "TaskSpec",
+    "TaskView",
+    "check_spec",
+    "continuation_marker",
+    "continuation_prompt",
+    "inference_costs",
+    "read_lane",
+    "route_snapshot",
+    "submitted_record",
+]
+
+CONTINUATION_VERSION: Final = 1
+"""The version of the one neutral continuation prompt (its marker carries it)."""
+LIFECYCLE_TOOLS: Final = ("task_done", "task_fail", "task_wait")
+DEFAULT_VALIDATION_TIMEOUT: Final = 600.0
+MAX_VALIDATION_TIMEOUT: Final = 86_400.0
+DEFAULT_TASK_GRANTS: Final = frozenset({"read", "bash", "edit", "write"})
+_TASK_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+
+
+class TaskError(PiRuntimeError):
+    """A task request refused, with a stable reason code."""
+
+
+def continuation_marker(action_id: str) -> str:
+    """The first line of continuation ``action_id``: what makes it idempotent in the
+    session (TL5)."""
+    return f"[pi-runtime continuation v{CONTINUATION_VERSION} {action_id}]"
+
+
+def continuation_prompt(action_id: str, observed: str) -> str:
+    """The one versioned, neutral continuation prompt (TL5): a bounded observed fact, the
+    absence of a terminal receipt, what to inspect, what not to repeat, what to call. Its
+    first line is the marker that makes it idempotent; its wording is guidance, never proof."""
+    return (
+        f"{continuation_marker(action_id)}\n"
+        f"Observed: {observed}. No terminal receipt (task_done, task_fail or task_wait) has "
+        "been recorded for this task.\n"
+        "Before acting, inspect this session, the worktree, the task above and every tool "
+        "result. Do not repeat a side effect that may already have happened: a result saying "
+        "a tool possibly ran means check first.\n"
+        "Then finish the task and call exactly one of task_done, task_fail or task_wait."
+    )
+
+
+class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A task as submitted (API, command line, wire)."""
+
+    task_id: str
+    prompt: str
+    worktree: str
+    grants: frozenset[str] = DEFAULT_TASK_GRANTS
+    validation: tuple[str, ...] = ()
+    """A command (argv) whose passing receipt Done needs; empty: none."""
+    validation_timeout: float = DEFAULT_VALIDATION_TIMEOUT
+    """Seconds the validation command may run; past them it is killed and has not passed."""
+
+
+class TaskView(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``pi-runtime task show`` prints (seed 002's diagnostics list)."""
+
+    task_id: str
+    state: str
+    generation: int
+    attempt: int
+    fence: int
+    process_epoch: int
+    continuation_epoch: int
+    session_path: str
+    session_id: str | None
+    route: dict[str, Any]
+    worktree: str
+    process: dict[str, Any] | None
+    """pid, start time, boot id, nonce of the live epoch."""
+    classification: str
+    phase: str
+    progress_seq: int
+    silence_seconds: float
+    soft_seconds: float
+    probe: str | None
+    hard_seconds: float | None
+    grace_seconds: float
+    grace: str
+    receipts: list[dict[str, Any]]
+    prompt_marker: str | None
+    budget: dict[str, Any]
+    pending_action: str | None
+    hold_reason: str | None
+    next_action: str
+    timescale: float
+    telemetry: dict[str, Any]
+    ended: dict[str, Any] | None = None
+    costs: dict[str, Any] | None = None
+    """Model answers and tokens, the task's own and its continuations' apart
+    (:func:`inference_costs`): from the log (``task show`` offline, an ended task)."""
+
+
+@dataclass
+class LaneState:
+    """What a task lane's log says, read without running anything (:func:`read_lane`)."""
+
+    kernel: LifecycleKernel
+    budget: Budget
+    actions: dict[str, OutboxAction] = field(default_factory=dict)
+    markers: dict[str, ContinuationSent] = field(default_factory=dict)
+    replies: dict[str, TaskReply] = field(default_factory=dict)
+    epochs: int = 0
+    record: EpochStarted | None = None
+    """The last epoch started."""
+    fenced: set[int] = field(default_factory=set)
+    """Epochs whose end is recorded."""
+    ended: TaskEnded | None = None
+    continuations: int = 0
+    attestation: Attestation | None = None
+    recoveries: int = 0
+    """Recoveries whose time is charged."""
+    recovery_started_ms: int | None = None
+    """The start (its first reserve's ``at_ms``) of a recovery still running (WD11)."""
+
+    @property
+    def pending_action(self) -> str | None:
+        """The last outbox action reserved and not done."""
+        return next(
+            (a.action_id for a in reversed(self.actions.values()) if a.state == "reserved"), None
+        )
+
+
+def read_lane(
+    submitted: TaskSubmitted, records: Iterable[Record], policy: WatchdogPolicy
+) -> LaneState:
+    """The lane's durable state from its records (LK7, WD11, TL6, TL7): the kernel from its
+    receipts and replies, the budget from its reserves, recovery time and grants, the
+    continuation markers, the epochs and the latest attestation. Pure."""
+    records = list(records)
+    state = LaneState(
+        kernel=LifecycleKernel(submitted.task_id),
+        budget=Budget(max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds),
+    )
+    for record in records:
+        if isinstance(record, OutboxAction):
+            state.actions[record.action_id] = record
+            _apply_action(state, record)
+        elif isinstance(record, ContinuationSent):
+            state.markers[record.action_id] = record
+        elif isinstance(record, TaskReply):
+            state.replies[record.correlation] = record
+        elif isinstance(record, EpochStarted):
+            state.epochs = max(state.epochs, record.epoch)
+            state.record = record
+        elif isinstance(record, EpochFenced):
+            state.fenced.add(record.epoch)
+        elif isinstance(record, TaskEnded):
+            state.ended = record
+    state.kernel = LifecycleKernel.restore(
+        submitted.task_id,
+        [r for r in records if isinstance(r, LifecycleReceipt)],
+        generation=submitted.generation,
+        attempt=submitted.attempt,
+        fence=sum(isinstance(r, EpochFenced) and r.reason == "fence" for r in records),
+        epoch=state.epochs,
+        replies=state.replies,
+        done=state.ended is not None and state.ended.state == "done",
+    )
+    return state
+
+
+def _apply_action(state: LaneState, action: OutboxAction) -> None:
+    if action.kind == "attest" and action.detail:
+        state.attestation = msgspec.convert(action.detail, Attestation)
+    elif action.kind == "reserve" and action.state == "done":
+        if state.budget.epochs_left > 0:
+            state.budget = state.budget.charge_epoch()
+        state.continuations += 1
+        at_ms = action.detail.get("at_ms")
+        if state.recovery_started_ms is None and isinstance(at_ms, int):
+            state.recovery_started_ms = at_ms
+    elif action.kind == "recovery_time" and action.state == "done":
+        state.budget = state.budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
+        state.recoveries += 1
+        state.recovery_started_ms = None
+    elif action.kind == "grant":
+        with contextlib.suppress(ValueError):
+            state.budget = state.budget.grant(
+                epochs=int(action.detail.get("epochs", 0)),
+                seconds=float(action.detail.get("seconds", 0.0)),
+            )
+
+
+def route_snapshot(route: ModelRoute) -> dict[str, Any]:
+    """The frozen route of a task: what names the model, never a key."""
+    return {"provider": route.provider, "model": route.model}
+
+
+def check_spec(spec: TaskSpec) -> None:
+    """Refuse a bad task with a stable code (TL1)."""
+    if not _TASK_ID.fullmatch(spec.task_id):
+        raise TaskError(ReasonCode.TASK_INVALID, "task_id: 1-128 letters, digits, _ . : -")
+    if not spec.prompt.strip():
+        raise TaskError(ReasonCode.TASK_INVALID, "prompt: must not be empty")
+    path = Path(spec.worktree)
+    if not path.is_absolute():
+        raise TaskError(ReasonCode.TASK_INVALID, "worktree: must be an absolute path")
+    if not path.is_dir():
+        raise TaskError(ReasonCode.WORKTREE_MISSING, f"worktree: {path} is not a directory")
+    timeout = spec.validation_timeout
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_VALIDATION_TIMEOUT):
+        raise TaskError(
+            ReasonCode.TASK_INVALID,
+            f"validation_timeout: seconds above 0, at most {MAX_VALIDATION_TIMEOUT:g}, "
+            f"not {timeout!r}",
+        )
+    unknown = sorted(spec.grants - {"read", "bash", "edit", "write", "effect", "write_document",
+                                    "read_document"})  # fmt: skip
+    if unknown:
+        raise TaskError(ReasonCode.TASK_INVALID, f"grants: unknown tools {', '.join(unknown)}")
+
+
+def submitted_record(spec: TaskSpec, *, route: ModelRoute, now_ms: int) -> TaskSubmitted:
+    key = lane_key(f"task:{spec.task_id}")
+    return TaskSubmitted(
+        task_id=spec.task_id,
+        prompt=spec.prompt,
+        worktree=os.path.realpath(spec.worktree),
+        grants=sorted(spec.grants),
+        session_path=f"lanes/{key}/session.jsonl",
+        route=route_snapshot(route),
+        validation=list(spec.validation),
+        validation_timeout=spec.validation_timeout,
+        submitted_ms=now_ms,
+    )
+
+
+def inference_costs(records: Iterable[Record]) -> dict[str, Any]:
+    """What the task's model answers cost, from its log (domain isolation, seed group 11): the
+    original work (the task and the user's replies) and the continuations (every answer after
+    a continuation or completion prompt until the next reply) apart. Each bucket counts the
+    complete upstream answers (``model_response``: journal replays are not asked again, so
+    never counted twice) and their reported tokens. ``requests_without_answer`` counts
+    upstream requests recorded with no complete answer before the same step was asked again
+    or the log ended (cut, failed, or lost in a crash): possibly paid, possibly twice. Pure;
+    attribution follows the log's order."""
+    buckets = {"task": _zero_cost(), "continuation": _zero_cost()}
+    bucket = "task"
+    asked: set[int] = set()
+    without = 0
+    for record in records:
+        if isinstance(record, ContinuationSent):
+            bucket = "continuation"
+        elif isinstance(record, TaskReply):
+            bucket = "task"
+        elif isinstance(record, ModelRequestIntent):
+            if record.step in asked:
+                without += 1  # asked again: the earlier request got no complete answer
+            asked.add(record.step)
+        elif isinstance(record, ModelResponse):
+            asked.discard(record.step)
+            cost = buckets[bucket]
+            cost["answers"] += 1
+            prompt, completion = _reported_tokens(record.chunks)
+            cost["prompt_tokens"] += prompt
+            cost["completion_tokens"] += completion
+    return {**buckets, "requests_without_answer": without + len(asked)}
+
+
+def _zero_cost() -> dict[str, int]:
+    return {"answers": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+
+def _reported_tokens(chunks: Iterable[str]) -> tuple[int, int]:
+    """The tokens an OpenAI-style stream reports (its last ``usage``); (0, 0) if none."""
+    prompt = completion = 0
+    for chunk in chunks:
+        if '"usage"' not in chunk:
+            continue
+        try:
+            usage = json.loads(chunk).get("usage")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(usage, dict):
+            prompt = _count(usage.get("prompt_tokens"))
+            completion = _count(usage.get("completion_tokens"))
+    return prompt, completion
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -1,0 +1,282 @@
+"""How a task lane gets a worker epoch: a real process, or Fake-Pi in this Trio run.
+
+A task lane (``runtime/_tasks/_lane.py``) needs the same few things from either kind of worker:
+an RPC channel, an identity it can check before a fence, and a bounded stop that takes the
+whole tree down. :class:`ProcessWorkers` launches the real Pi or Fake-Pi behind the lane's
+gateway and gate (``runtime/_boundary/_boundaries.py``), one pair of servers per epoch, so a parked
+lane
+holds no file descriptor. :class:`InProcessWorkers` runs Fake-Pi as a task of this Trio run
+with the lane's gate journal called directly and the scripted model called directly (no
+gateway: nothing to replay in a task lane), so whole watchdog scenarios run under
+``autojump_clock`` in milliseconds.
+
+Resource handling: each ``open`` is an async context manager; leaving it stops the epoch
+(TERM, bounded KILL of the tree, reap — :meth:`runtime._pi._worker.Epoch.stop`) and, for a
+process, the epoch's servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from .._boundary._boundaries import BoundaryConfig, open_boundaries
+from .._boundary._gate import GateCall, GateResult, RecordingGateJournal, Refuse, RunTool, Saved
+from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
+from .._boundary._tools import tools_environment
+from .._errors import ReasonCode, WorkerError
+from .._journal._journal import Journal
+from .._linux._proc import boot_id, process_start_time
+from .._linux._proctree import carries_nonce
+from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
+from .._pi._rpc import RpcChannel, open_rpc_channel
+from .._pi._worker import Epoch, StopPolicy, StopReport, open_worker
+from .._records import EpochStarted
+
+if TYPE_CHECKING:
+    from fake_pi._app import FakePi
+    from fake_pi._behaviours import Behaviours
+    from fake_pi._gate import GateDecision, ToolCall, ToolResult
+    from fake_pi.model_server import ScriptedModel
+
+__all__ = ["EpochRequest", "InProcessWorkers", "ProcessWorkers", "TaskWorker", "WorkerFactory"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochRequest:
+    """What the lane asks for: epoch ``number`` on ``session`` in ``worktree``."""
+
+    number: int
+    session: Path
+    worktree: Path
+    home: Path
+    tmp: Path
+    granted: frozenset[str]
+    runtime_tools: Mapping[str, Any]
+    journals: tuple[DeliveryStepJournal, RecordingGateJournal]
+    log: Journal
+    started_ms: Callable[[], int]
+    policy: StopPolicy
+
+
+class TaskWorker(Protocol):
+    """One live epoch as the lane sees it."""
+
+    rpc: RpcChannel
+    record: EpochStarted | None
+    """The lane-log record that identifies the process tree (``None`` in-process)."""
+
+    def identity_holds(self) -> bool | None:
+        """Whether the live process is exactly the recorded one (WD10); ``None``: unknown."""
+        ...
+
+    async def stop(self) -> bool:
+        """TERM, bounded KILL of the whole tree, reap; True when nothing of it survives."""
+        ...
+
+
+class WorkerFactory(Protocol):
+    def open(self, request: EpochRequest) -> contextlib.AbstractAsyncContextManager[TaskWorker]: ...
+
+
+# ------------------------------------------------------------------------------- process
+
+
+@dataclass(eq=False)
+class _ProcessWorker:
+    epoch: Epoch
+    rpc: RpcChannel
+    record: EpochStarted | None
+    stopped: bool = False
+    """``stop()`` was called: its caller has the report (clean or not)."""
+
+    def identity_holds(self) -> bool | None:
+        record = self.record
+        if record is None:
+            return None
+        if self.epoch.process.returncode is not None:
+            return False  # exited: nothing to fence, and its pid may be reused
+        try:
+            same = (
+                record.boot_id == boot_id()
+                and process_start_time(record.pid) == record.start_time
+                and carries_nonce(record.pid, record.nonce)
+            )
+        except OSError:
+            return None
+        return same
+
+    async def stop(self) -> bool:
+        report = await self.epoch.stop()
+        self.stopped = True
+        return report.clean
+
+
+@dataclass
+class ProcessWorkers:
+    """Real worker processes behind a gateway and a gate opened per epoch."""
+
+    program: WorkerProgram
+    route: ModelRoute
+    upstream: GatewayConfig
+    socket_dir: Path
+    """A short private directory (``runtime._journal._store.runtime_dir``) for the gate sockets."""
+    socket_name: str | None = None
+    """The gate socket's file name; ``None`` (the default): named by the lane's key, so the
+    lanes sharing one runner (and ``socket_dir``) never collide."""
+    state_dir: Path | None = None
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    """The worker's own retry settings (``settings.json``)."""
+    epoch_env: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    """Per epoch number: more environment for that epoch's worker (Fake-Pi behaviours:
+    ``FAKE_PI_CONFIG``)."""
+    identity_override: Callable[[EpochStarted], EpochStarted] | None = None
+    """Test hook: replace the recorded identity (a stale wrapper report, PID reuse)."""
+    launched: list[EpochStarted] = field(default_factory=list)
+    """The true identity of every epoch launched, in order (whatever the override says)."""
+    reports: dict[int, StopReport] = field(default_factory=dict)
+    """How each epoch (by number) was stopped, once it was."""
+
+    @contextlib.asynccontextmanager
+    async def open(self, request: EpochRequest) -> AsyncIterator[TaskWorker]:
+        steps, tools = request.journals
+        steps.begin_epoch(request.number)
+        tools.epoch = request.number
+        config = BoundaryConfig(
+            upstream=self.upstream,
+            granted=request.granted,
+            runtime_tools=request.runtime_tools,
+            socket_dir=self.socket_dir,
+            socket_name=self.socket_name or f"{tools.key[:20]}-task.sock",
+        )
+        async with open_boundaries(
+            config, request.log, key=tools.key, epoch=request.number, journals=(steps, tools)
+        ) as boundaries:
+            launch = boundaries.launch(
+                WorkerLaunch(
+                    program=self.program,
+                    cwd=request.worktree,
+                    home=request.home,
+                    agent_dir=request.home / "agent",
+                    tmp_dir=request.tmp,
+                    session=request.session,
+                    route=self.route,
+                    state_dir=self.state_dir,
+                    retry=self.retry,
+                    extra_env=dict(self.epoch_env.get(request.number, {})),
+                )
+            )
+            worker: _ProcessWorker | None = None
+            try:
+                async with open_worker(launch, policy=request.policy) as epoch:
+                    record = epoch.record(request.number, started_ms=request.started_ms())
+                    self.launched.append(record)
+                    if self.identity_override is not None:
+                        record = self.identity_override(record)
+                    try:
+                        async with open_rpc_channel(
+                            epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail
+                        ) as rpc:
+                            worker = _ProcessWorker(epoch, rpc, record)
+                            yield worker
+                    finally:
+                        self.reports[request.number] = await epoch.stop()
+            except WorkerError as error:
+                # The lane learns of survivors from ``stop()`` and holds; the same news
+                # raised again as the epoch's block ends must not crash the lane's task.
+                if error.code != ReasonCode.WORKER_TREE_SURVIVED or worker is None:
+                    raise
+                if not worker.stopped:
+                    raise
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+@dataclass(frozen=True, slots=True)
+class _DirectGate:
+    """Fake-Pi's tool gate answered by the lane's gate journal, without a socket."""
+
+    journal: RecordingGateJournal
+
+    async def before(self, call: ToolCall) -> GateDecision:
+        from fake_pi._gate import Refused, Run, SavedResult
+
+        decision = await self.journal.decide(GateCall(call.id, call.name, call.arguments))
+        if isinstance(decision, RunTool):
+            return Run()
+        if isinstance(decision, Saved):
+            return SavedResult(_tool_result(decision.result))
+        assert isinstance(decision, Refuse)
+        return Refused(_tool_result(decision.result))
+
+    async def after(self, call: ToolCall, result: ToolResult) -> None:
+        await self.journal.record_outcome(
+            GateCall(call.id, call.name, call.arguments),
+            GateResult(content=result.content, is_error=result.is_error, details=result.details),
+        )
+
+
+def _tool_result(result: GateResult) -> ToolResult:
+    from fake_pi._gate import ToolResult
+
+    return ToolResult(content=result.content, is_error=result.is_error, details=result.details)
+
+
+@dataclass(eq=False)
+class _InProcessWorker:
+    rpc: RpcChannel
+    fake: FakePi
+    record: EpochStarted | None = None
+    identity: bool | None = True
+
+    def identity_holds(self) -> bool | None:
+        return self.identity if not self.fake.killed else False
+
+    async def stop(self) -> bool:
+        self.fake.kill()  # stopped dead, as SIGKILL would
+        await trio.lowlevel.checkpoint()
+        return True
+
+
+@dataclass
+class InProcessWorkers:
+    """Fake-Pi in this Trio run, for virtual-time tests (``autojump_clock``)."""
+
+    model: ScriptedModel
+    behaviours: Mapping[int, Behaviours] = field(default_factory=dict)
+    """Per epoch number: what that epoch's Fake-Pi does wrong (hang, exit at a barrier)."""
+    identity: Mapping[int, bool | None] = field(default_factory=dict)
+    """Per epoch number: what an identity check finds (default: it holds)."""
+    launched: list[int] = field(default_factory=list)
+
+    @contextlib.asynccontextmanager
+    async def open(self, request: EpochRequest) -> AsyncIterator[TaskWorker]:
+        from fake_pi._app import open_fake_pi
+
+        _steps, tools = request.journals
+        tools.epoch = request.number
+        self.launched.append(request.number)
+        declared = [n for n in request.runtime_tools if n in request.granted]
+        fake_tools = [n for n in ("read", "bash", "edit", "write") if n in request.granted]
+        async with (
+            open_fake_pi(
+                cwd=request.worktree,
+                model=self.model,
+                session=request.session,
+                gate=_DirectGate(tools),
+                behaviours=self.behaviours.get(request.number),
+                tool_env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                tools=fake_tools,
+                runtime_tools=tools_environment(declared),
+            ) as fake,
+            open_rpc_channel(fake.stdin, fake.stdout) as rpc,
+        ):
+            yield _InProcessWorker(rpc, fake, identity=self.identity.get(request.number, True))
+            fake.kill()
