@@ -87,8 +87,8 @@ from runtime._records import (
     ToolOutcome,
 )
 from runtime._rooms._admission import Author, Delivery
-from runtime._rooms._outbox import DeliveryResult
 from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
 
 REPO: Final = Path(__file__).resolve().parents[1]
 TARGET_ROUND_MS: Final = 1.0

@@ -36,8 +36,8 @@ from runtime._boundary._gateway import DeliveryStepJournal
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
 from runtime._records import Record, ToolIntent
-from runtime._rooms._outbox import DeliveryResult
 from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
 from tests._host_process import pause_after_receipt_commit
 
 

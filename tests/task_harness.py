@@ -20,10 +20,10 @@ from runtime._clock import Clocks
 from runtime._journal._store import Store, open_store
 from runtime._pi._launch import ModelRoute
 from runtime._records import Record
-from runtime._tasks._runner import TaskEvent, TaskRunner, open_task_runner
-from runtime._tasks._state import TaskSpec
+from runtime._tasks._runner import TaskRunner, open_task_runner
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._tasks._workers import InProcessWorkers
+from runtime._wire import TaskEvent, TaskSpec
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")
 TASK = "task-1"

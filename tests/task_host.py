@@ -66,9 +66,9 @@ from runtime._records import Record
 from runtime._tasks._epoch import EpochEnd, EpochWatch
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._runner import TaskRunner, open_task_runner
-from runtime._tasks._state import TaskSpec
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._tasks._workers import EpochRequest, ProcessWorkers, TaskWorker
+from runtime._wire import TaskSpec
 from tests._host_process import pause_after_receipt_commit
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")

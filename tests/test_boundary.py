@@ -39,7 +39,6 @@ from runtime._boundary._gate import (
     GateResult,
     MemoryLog,
     RecordingGateJournal,
-    interrupted_text,
 )
 from runtime._boundary._gateway import GATEWAY_SECRET_ENV, GatewayConfig
 from runtime._boundary._http import HttpServer, open_request
@@ -49,6 +48,7 @@ from runtime._journal._journal import Journal
 from runtime._journal._store import Store, delivery_key, open_store, runtime_dir
 from runtime._linux._proc import is_alive
 from runtime._pi._rpc import Event, WorkerExitedError, open_rpc_channel
+from runtime._pi._session import interrupted_text
 from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import (
     ModelRequestIntent,

@@ -44,7 +44,6 @@ from runtime._boundary._gate import (
     Saved,
     canonical_args,
     gate_environment,
-    interrupted_text,
     replay_class_of,
     serve_gate,
 )
@@ -55,6 +54,7 @@ from runtime._clock import Clocks
 from runtime._errors import JournalError, ReasonCode
 from runtime._journal._store import delivery_key, open_store
 from runtime._pi._rpc import WorkerLaunchError, open_rpc_channel
+from runtime._pi._session import interrupted_text
 from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
 

@@ -18,11 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime._errors import DeliveryError, ProtocolError, ReasonCode
-from runtime._events import TextUpdate, ToolActivity, Typing
 from runtime._records import Outcome
 from runtime._rooms._admission import Author, Delivery, HistoryItem, parse_delivery
-from runtime._rooms._outbox import DeliveryResult
-from runtime._rooms._worker import Accepted
 from runtime._server._protocol import (
     CLIENT_FRAME_TYPES,
     MAX_FRAME_BYTES,
@@ -55,6 +52,7 @@ from runtime._server._protocol import (
     reject_binary_frame,
     schema_text,
 )
+from runtime._wire import Accepted, DeliveryResult, TextUpdate, ToolActivity, Typing
 
 from .test_task_wire import TASK_VIEW
 

@@ -58,9 +58,9 @@ from runtime._journal._store import lane_key
 from runtime._pi._rpc import Event
 from runtime._records import EpochStarted, Outcome
 from runtime._rooms import _lane as _lanes
-from runtime._rooms._outbox import DeliveryResult
 from runtime._rooms._stall import StallWatch
 from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
 
 ROOM: Final = "dm:100"
 MINUTE: Final = 60.0

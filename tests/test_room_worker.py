@@ -30,15 +30,14 @@ from fake_pi.scenario import (
     ToolCalls,
     UsageLimit,
 )
-from runtime._boundary._gate import interrupted_text
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
-from runtime._events import RoomEvent, TextUpdate, ToolActivity, Typing
 from runtime._journal._store import lane_key
+from runtime._pi._session import interrupted_text
 from runtime._records import EpochFenced, EpochStarted, Outcome
 from runtime._rooms._admission import changed_settings, settings_fingerprint
-from runtime._rooms._outbox import DeliveryResult
 from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
 
 from ._pi import pi_home
 from ._workers import scripted_upstream, waiting_bash

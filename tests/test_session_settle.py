@@ -25,7 +25,6 @@ from fake_pi._messages import usage
 from fake_pi.model_server import ScriptedModel
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
-from runtime._boundary._gate import interrupted_text
 from runtime._boundary._http import HttpServer
 from runtime._clock import Clocks, MockWallClock, iso_timestamp
 from runtime._errors import ReasonCode, SessionError
@@ -43,6 +42,7 @@ from runtime._pi._session import (
     create_session,
     dangling_tool_calls,
     encode_entry,
+    interrupted_text,
     possibly_ran_result,
     prepare_for_relaunch,
     read_session,

@@ -62,10 +62,10 @@ from runtime._records import (
     TaskEnded,
 )
 from runtime._tasks._lane import TaskLane
-from runtime._tasks._runner import TaskEvent, TaskRunner, open_task_runner
-from runtime._tasks._state import TaskSpec
+from runtime._tasks._runner import TaskRunner, open_task_runner
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._tasks._workers import ProcessWorkers
+from runtime._wire import TaskEvent, TaskSpec
 
 from ._pi import real_pi
 from ._procs import alive_with_nonce

@@ -22,8 +22,7 @@ from fake_pi.scenario import Step
 from runtime._config import config_from_dict
 from runtime._server._protocol import TaskViewFrame, decode_server_frame, encode_server_frame
 from runtime._server._serve import RoomServer, ServeOptions, open_server
-from runtime._tasks._runner import TaskEvent
-from runtime._tasks._state import TaskView
+from runtime._wire import TaskEvent, TaskView
 
 from ._wire import Client, Frame
 from ._workers import scripted_upstream

@@ -32,14 +32,9 @@ from runtime._records import (
     TaskSubmitted,
 )
 from runtime._tasks._lane import TaskLane
-from runtime._tasks._state import (
-    TaskError,
-    TaskSpec,
-    inference_costs,
-    read_lane,
-    submitted_record,
-)
+from runtime._tasks._state import TaskError, inference_costs, read_lane, submitted_record
 from runtime._tasks._watchdog import WatchdogPolicy
+from runtime._wire import TaskSpec
 
 from .task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
 

@@ -40,6 +40,7 @@ import msgspec
 import trio
 
 from .._errors import PiRuntimeError, ReasonCode
+from .._pi._session import interrupted_text, not_started_text
 from .._records import Record, ReplayClass, ToolIntent, ToolOutcome
 from ._http import Request, ResponseWriter, _serve_connection
 from ._receipts import RECEIPT_OPERATIONS
@@ -64,8 +65,6 @@ __all__ = [
     "Saved",
     "canonical_args",
     "gate_environment",
-    "interrupted_text",
-    "not_started_text",
     "replay_class_of",
     "serve_gate",
 ]
@@ -176,16 +175,6 @@ def replay_class_of(
     if cls is ReplayClass.RECEIPT and name not in RECEIPT_OPERATIONS:
         cls = ReplayClass.NEVER  # only the registry's operations have a receipt (R7)
     return cls if recorded is None else ReplayClass.stricter(cls, recorded)
-
-
-def interrupted_text(name: str) -> str:
-    """What the model gets for a never-replay tool whose intent has no outcome (brief §4.4)."""
-    return f"tool {name} was interrupted and possibly ran; inspect before repeating"
-
-
-def not_started_text(name: str) -> str:
-    """What the model gets for a call the worker died holding before the gate let it run."""
-    return f"tool {name} was interrupted before it started; it did not run"
 
 
 # ---------------------------------------------------------------------------- the journal

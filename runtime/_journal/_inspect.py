@@ -21,7 +21,7 @@ from .._errors import JournalError, PiRuntimeError, ReasonCode, StateDirError
 from .._linux._fs import OsFileSystem
 from .._linux._proc import is_alive
 from .._records import Admission, LogKind, Record, ResultAcked, ResultPublished
-from .._rooms._outbox import DeliveryResult
+from .._wire import DeliveryResult
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
 

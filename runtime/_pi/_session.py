@@ -61,6 +61,8 @@ __all__ = [
     "create_session",
     "dangling_tool_calls",
     "encode_entry",
+    "interrupted_text",
+    "not_started_text",
     "open_session_writer",
     "parse_session",
     "possibly_ran_result",
@@ -706,13 +708,19 @@ class RelaunchReport:
     session: Session = field(compare=False, repr=False)
 
 
-def possibly_ran_result(name: str) -> SettledResult:
-    """The standard answer for a call that may have run: the gate's text for an interrupted
-    tool (:func:`runtime._boundary._gate.interrupted_text`), as an error."""
-    from .._boundary._gate import (
-        interrupted_text,  # _gate sits above this module; Fake-Pi imports _session
-    )
+def interrupted_text(name: str) -> str:
+    """What the model gets for a never-replay tool whose intent has no outcome (gate.md T5)."""
+    return f"tool {name} was interrupted and possibly ran; inspect before repeating"
 
+
+def not_started_text(name: str) -> str:
+    """What the model gets for a call the worker died holding before the gate let it run."""
+    return f"tool {name} was interrupted before it started; it did not run"
+
+
+def possibly_ran_result(name: str) -> SettledResult:
+    """The standard answer for a call that may have run: :func:`interrupted_text`, as an
+    error."""
     return SettledResult([{"type": "text", "text": interrupted_text(name)}], is_error=True)
 
 

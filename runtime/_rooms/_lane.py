@@ -42,7 +42,6 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._tools import DocumentTools, EffectLedger, RuntimeTool
 from .._clock import Clocks
 from .._errors import JournalError, ReasonCode, SessionError, WorkerError
-from .._events import RoomEvent, TextUpdate, ToolActivity, Typing
 from .._journal._journal import Journal
 from .._journal._store import Store, delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -63,6 +62,7 @@ from .._records import (
     Result,
     StepAbandoned,
 )
+from .._wire import RoomEvent, TextUpdate, ToolActivity, Typing
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd, classify_turn, could_still_be_silent
 from ._stall import StallWatch, watch_turn

@@ -15,37 +15,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable
 from typing import Final
 
-import msgspec
 import trio
 
 from .._journal._journal import Journal
 from .._records import Outcome, Record, ResultAcked, ResultPublished
+from .._wire import DeliveryResult
 
 __all__ = ["DeliveryResult", "ResultOutbox"]
-
-
-class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
-    """How one delivery ended, as the receiver sees it (the wire's ``result`` frame)."""
-
-    seq: int
-    delivery_id: str
-    room: str
-    outcome: Outcome
-    text: str | None = None
-    code: str | None = None
-    absorbed_into: str | None = None
-
-    @classmethod
-    def of(cls, record: ResultPublished) -> DeliveryResult:
-        return cls(
-            seq=record.seq,
-            delivery_id=record.delivery_id,
-            room=record.room,
-            outcome=record.outcome,
-            text=record.text,
-            code=record.code,
-            absorbed_into=record.absorbed_into,
-        )
 
 
 _NOT_PUBLISHED: Final = 0

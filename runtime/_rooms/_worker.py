@@ -36,7 +36,6 @@ from .._boundary._tools import RUNTIME_TOOLS
 from .._clock import Clocks
 from .._config import ModelConfig, RoomWorkerConfig, validate_config
 from .._errors import DeliveryError, JournalError, ReasonCode
-from .._events import RoomEvent
 from .._journal._store import Store, open_store, runtime_dir
 from .._linux._fs import FileSystem
 from .._pi._launch import ModelRoute, WorkerProgram
@@ -51,6 +50,7 @@ from .._records import (
     Outcome,
     Result,
 )
+from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
 from ._admission import (
     Delivery,
     changed_settings,
@@ -61,32 +61,12 @@ from ._admission import (
     settings_fingerprint,
 )
 from ._lane import Absorbed, Lane, LaneHost, Pending
-from ._outbox import DeliveryResult, ResultOutbox
+from ._outbox import ResultOutbox
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 
 EVENT_BUFFER = 1024
 """Signals kept for a slow events reader; older ones are dropped (they are not durable)."""
-
-
-class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
-    """A delivery was admitted durably (or was already): the wire's ``accepted`` frame."""
-
-    delivery_id: str
-    room: str
-    disposition: Literal["started", "steered", "queued", "duplicate"]
-
-
-class RoomStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """One room lane as ``status`` reports it (the wire's ``status.rooms`` items)."""
-
-    room: str
-    state: Literal["idle", "running"]
-    queued: int
-    """Deliveries admitted and waiting behind the running one."""
-    live_worker: bool
-    last_result_seq: int
-    """The seq of the room's latest published result; 0 when there is none."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ Every frame is one JSON object in one websocket text frame, tagged by ``type``. 
 are inbound commands: strict (``forbid_unknown_fields``), and every way one can be wrong is
 a :class:`~runtime._errors.ProtocolError` with its own stable code. Server frames are the
 runtime's own objects where one exists — :class:`~runtime._rooms._worker.Accepted`,
-:class:`~runtime._rooms._outbox.DeliveryResult` and the room events of :mod:`runtime._events` — so
+:class:`~runtime._rooms._outbox.DeliveryResult` and the room events of :mod:`runtime._wire` — so
 the server sends them unchanged; clients must ignore fields they do not know (new fields are
 only ever added, with defaults).
 
@@ -28,12 +28,17 @@ from typing import Annotated, Any, Final, Literal, NoReturn, get_args
 import msgspec
 
 from .._errors import PiRuntimeError, ProtocolError, ReasonCode
-from .._events import TextUpdate, ToolActivity, Typing
 from .._rooms._admission import MAX_ID, Author, HistoryItem
-from .._rooms._outbox import DeliveryResult
-from .._rooms._worker import Accepted, RoomStatus
-from .._tasks._runner import TaskEvent
-from .._tasks._state import TaskView
+from .._wire import (
+    Accepted,
+    DeliveryResult,
+    RoomStatus,
+    TaskEvent,
+    TaskView,
+    TextUpdate,
+    ToolActivity,
+    Typing,
+)
 
 __all__ = [
     "CLIENT_FRAME_TYPES",

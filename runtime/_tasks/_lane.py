@@ -57,6 +57,7 @@ from .._records import (
     TaskSubmitted,
     ToolIntent,
 )
+from .._wire import TaskView
 from ._epoch import EpochEnd, EpochWatch
 from ._guards import Budget
 from ._lifecycle import DoneEvidence, LifecycleKernel, Report, TaskState, Verdict, done_missing
@@ -64,7 +65,6 @@ from ._session import marker_in_session, reanswer_orphaned
 from ._state import (
     CONTINUATION_VERSION,
     LIFECYCLE_TOOLS,
-    TaskView,
     continuation_marker,
     continuation_prompt,
     inference_costs,

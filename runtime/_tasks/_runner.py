@@ -27,25 +27,14 @@ from .._errors import ReasonCode
 from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
 from .._records import TaskEnded, TaskSubmitted
+from .._wire import TaskEvent, TaskSpec, TaskView
 from ._lane import TaskHost, TaskLane
 from ._lifecycle import Verdict
-from ._state import TaskError, TaskSpec, TaskView, check_spec, submitted_record
+from ._state import TaskError, check_spec, submitted_record
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
 
 __all__ = ["EndedTask", "TaskEvent", "TaskRunner", "open_task_runner"]
-
-
-class TaskEvent(msgspec.Struct, frozen=True, kw_only=True, tag="task_event"):
-    """A task's classification or state changed (the wire's ``task_event`` frame)."""
-
-    task_id: str
-    state: str
-    classification: str
-    phase: str
-    process_epoch: int
-    hold_reason: str | None = None
-    ended: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

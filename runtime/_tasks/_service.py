@@ -47,15 +47,9 @@ from .._journal._store import Store, lane_key, runtime_dir
 from .._linux._fs import OsFileSystem
 from .._records import LogKind, TaskEnded, TaskSubmitted
 from .._rooms._worker import start_model, worker_program
-from ._runner import TaskEvent, TaskRunner, open_task_runner
-from ._state import (
-    DEFAULT_TASK_GRANTS,
-    TaskError,
-    TaskSpec,
-    TaskView,
-    inference_costs,
-    read_lane,
-)
+from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
+from ._runner import TaskRunner, open_task_runner
+from ._state import TaskError, inference_costs, read_lane
 from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
 from ._workers import ProcessWorkers
 

@@ -38,18 +38,16 @@ from .._records import (
     TaskReply,
     TaskSubmitted,
 )
+from .._wire import TaskSpec
 from ._guards import Budget
 from ._lifecycle import LifecycleKernel
 from ._watchdog import WatchdogPolicy
 
 __all__ = [
     "CONTINUATION_VERSION",
-    "DEFAULT_TASK_GRANTS",
     "LIFECYCLE_TOOLS",
     "LaneState",
     "TaskError",
-    "TaskSpec",
-    "TaskView",
     "check_spec",
     "continuation_marker",
     "continuation_prompt",
@@ -62,9 +60,7 @@ __all__ = [
 CONTINUATION_VERSION: Final = 1
 """The version of the one neutral continuation prompt (its marker carries it)."""
 LIFECYCLE_TOOLS: Final = ("task_done", "task_fail", "task_wait")
-DEFAULT_VALIDATION_TIMEOUT: Final = 600.0
 MAX_VALIDATION_TIMEOUT: Final = 86_400.0
-DEFAULT_TASK_GRANTS: Final = frozenset({"read", "bash", "edit", "write"})
 _TASK_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
@@ -91,58 +87,6 @@ def continuation_prompt(action_id: str, observed: str) -> str:
         "a tool possibly ran means check first.\n"
         "Then finish the task and call exactly one of task_done, task_fail or task_wait."
     )
-
-
-class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A task as submitted (API, command line, wire)."""
-
-    task_id: str
-    prompt: str
-    worktree: str
-    grants: frozenset[str] = DEFAULT_TASK_GRANTS
-    validation: tuple[str, ...] = ()
-    """A command (argv) whose passing receipt Done needs; empty: none."""
-    validation_timeout: float = DEFAULT_VALIDATION_TIMEOUT
-    """Seconds the validation command may run; past them it is killed and has not passed."""
-
-
-class TaskView(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything ``pi-runtime task show`` prints (seed 002's diagnostics list)."""
-
-    task_id: str
-    state: str
-    generation: int
-    attempt: int
-    fence: int
-    process_epoch: int
-    continuation_epoch: int
-    session_path: str
-    session_id: str | None
-    route: dict[str, Any]
-    worktree: str
-    process: dict[str, Any] | None
-    """pid, start time, boot id, nonce of the live epoch."""
-    classification: str
-    phase: str
-    progress_seq: int
-    silence_seconds: float
-    soft_seconds: float
-    probe: str | None
-    hard_seconds: float | None
-    grace_seconds: float
-    grace: str
-    receipts: list[dict[str, Any]]
-    prompt_marker: str | None
-    budget: dict[str, Any]
-    pending_action: str | None
-    hold_reason: str | None
-    next_action: str
-    timescale: float
-    telemetry: dict[str, Any]
-    ended: dict[str, Any] | None = None
-    costs: dict[str, Any] | None = None
-    """Model answers and tokens, the task's own and its continuations' apart
-    (:func:`inference_costs`): from the log (``task show`` offline, an ended task)."""
 
 
 @dataclass

@@ -1,0 +1,173 @@
+"""Every value a client sees: the vocabulary leaf the wire protocol, the room worker and the
+task lanes share (docs/design/protocol.md). Plain msgspec Structs with no I/O, so
+``runtime._server._protocol`` can be pure.
+
+* Room signals (not durable; docs/design/serve.md): ``typing`` once the reply can no longer
+  become silent (and every ``typing_refresh`` seconds after), ``text_update`` when the agent
+  calls ``send_text_update``, ``tool_activity`` when a tool starts and ends. Tagged by
+  ``type``, so the server sends them as wire frames unchanged.
+* Deliveries: :class:`Accepted` (admitted durably), :class:`DeliveryResult` (how one ended),
+  :class:`RoomStatus` (one lane in ``status``).
+* Tasks: :class:`TaskSpec` (as submitted), :class:`TaskView` (what ``task show`` prints),
+  :class:`TaskEvent` (a classification or state changed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+from ._records import Outcome, ResultPublished
+
+__all__ = [
+    "DEFAULT_TASK_GRANTS",
+    "DEFAULT_VALIDATION_TIMEOUT",
+    "Accepted",
+    "DeliveryResult",
+    "RoomEvent",
+    "RoomStatus",
+    "TaskEvent",
+    "TaskSpec",
+    "TaskView",
+    "TextUpdate",
+    "ToolActivity",
+    "Typing",
+]
+
+
+class Typing(msgspec.Struct, frozen=True, kw_only=True, tag="typing"):
+    room: str
+    delivery_id: str
+
+
+class TextUpdate(msgspec.Struct, frozen=True, kw_only=True, tag="text_update"):
+    room: str
+    delivery_id: str
+    reply_to: str
+    """The message id of the message being answered (the update is threaded on it)."""
+    text: str
+
+
+class ToolActivity(msgspec.Struct, frozen=True, kw_only=True, tag="tool_activity"):
+    room: str
+    delivery_id: str
+    tool: str
+    phase: Literal["start", "end"]
+
+
+RoomEvent = Typing | TextUpdate | ToolActivity
+
+
+class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
+    """How one delivery ended, as the receiver sees it (the wire's ``result`` frame)."""
+
+    seq: int
+    delivery_id: str
+    room: str
+    outcome: Outcome
+    text: str | None = None
+    code: str | None = None
+    absorbed_into: str | None = None
+
+    @classmethod
+    def of(cls, record: ResultPublished) -> DeliveryResult:
+        return cls(
+            seq=record.seq,
+            delivery_id=record.delivery_id,
+            room=record.room,
+            outcome=record.outcome,
+            text=record.text,
+            code=record.code,
+            absorbed_into=record.absorbed_into,
+        )
+
+
+class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
+    """A delivery was admitted durably (or was already): the wire's ``accepted`` frame."""
+
+    delivery_id: str
+    room: str
+    disposition: Literal["started", "steered", "queued", "duplicate"]
+
+
+class RoomStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One room lane as ``status`` reports it (the wire's ``status.rooms`` items)."""
+
+    room: str
+    state: Literal["idle", "running"]
+    queued: int
+    """Deliveries admitted and waiting behind the running one."""
+    live_worker: bool
+    last_result_seq: int
+    """The seq of the room's latest published result; 0 when there is none."""
+
+
+class TaskEvent(msgspec.Struct, frozen=True, kw_only=True, tag="task_event"):
+    """A task's classification or state changed (the wire's ``task_event`` frame)."""
+
+    task_id: str
+    state: str
+    classification: str
+    phase: str
+    process_epoch: int
+    hold_reason: str | None = None
+    ended: str | None = None
+
+
+DEFAULT_VALIDATION_TIMEOUT: Final = 600.0
+
+
+DEFAULT_TASK_GRANTS: Final = frozenset({"read", "bash", "edit", "write"})
+
+
+class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A task as submitted (API, command line, wire)."""
+
+    task_id: str
+    prompt: str
+    worktree: str
+    grants: frozenset[str] = DEFAULT_TASK_GRANTS
+    validation: tuple[str, ...] = ()
+    """A command (argv) whose passing receipt Done needs; empty: none."""
+    validation_timeout: float = DEFAULT_VALIDATION_TIMEOUT
+    """Seconds the validation command may run; past them it is killed and has not passed."""
+
+
+class TaskView(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``pi-runtime task show`` prints (seed 002's diagnostics list)."""
+
+    task_id: str
+    state: str
+    generation: int
+    attempt: int
+    fence: int
+    process_epoch: int
+    continuation_epoch: int
+    session_path: str
+    session_id: str | None
+    route: dict[str, Any]
+    worktree: str
+    process: dict[str, Any] | None
+    """pid, start time, boot id, nonce of the live epoch."""
+    classification: str
+    phase: str
+    progress_seq: int
+    silence_seconds: float
+    soft_seconds: float
+    probe: str | None
+    hard_seconds: float | None
+    grace_seconds: float
+    grace: str
+    receipts: list[dict[str, Any]]
+    prompt_marker: str | None
+    budget: dict[str, Any]
+    pending_action: str | None
+    hold_reason: str | None
+    next_action: str
+    timescale: float
+    telemetry: dict[str, Any]
+    ended: dict[str, Any] | None = None
+    costs: dict[str, Any] | None = None
+    """Model answers and tokens, the task's own and its continuations' apart
+    (:func:`inference_costs`): from the log (``task show`` offline, an ended task)."""
