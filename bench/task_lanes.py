@@ -86,8 +86,8 @@ from runtime._pi._launch import ModelRoute
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._lifecycle import TaskState
 from runtime._tasks._runner import TaskRunner, open_task_runner
-from runtime._tasks._workers import InProcessWorkers
 from runtime._wire import TaskSpec
+from runtime.testing._in_process import InProcessWorkers
 
 REPO: Final = Path(__file__).resolve().parents[1]
 ROUTE: Final = ModelRoute(provider="fake", model="fake-model")

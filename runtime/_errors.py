@@ -260,3 +260,7 @@ class ProtocolError(PiRuntimeError):
     def __init__(self, code: ReasonCode, message: str, ref: str | None = None) -> None:
         super().__init__(code, message)
         self.ref = ref
+
+
+class GateError(PiRuntimeError):
+    """The gate could not record a decision or an outcome (``gate_*`` reason codes)."""

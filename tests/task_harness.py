@@ -22,8 +22,8 @@ from runtime._pi._launch import ModelRoute
 from runtime._records import Record
 from runtime._tasks._runner import TaskRunner, open_task_runner
 from runtime._tasks._watchdog import WatchdogPolicy
-from runtime._tasks._workers import InProcessWorkers
 from runtime._wire import TaskEvent, TaskSpec
+from runtime.testing._in_process import InProcessWorkers
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")
 TASK = "task-1"

@@ -55,7 +55,7 @@ from typing import Any
 import msgspec
 import trio
 
-from runtime._boundary._gate import GateCall, GateResult
+from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gateway import GatewayConfig
 from runtime._boundary._receipts import receipt_store
 from runtime._boundary._tools import EffectLedger

@@ -33,13 +33,8 @@ from runtime._boundary._boundaries import (
     carried_tool_results,
     open_boundaries,
 )
-from runtime._boundary._gate import (
-    GATE_SECRET_ENV,
-    GateCall,
-    GateResult,
-    MemoryLog,
-    RecordingGateJournal,
-)
+from runtime._boundary._calls import GateCall, GateResult
+from runtime._boundary._gate import GATE_SECRET_ENV, MemoryLog, RecordingGateJournal
 from runtime._boundary._gateway import GATEWAY_SECRET_ENV, GatewayConfig
 from runtime._boundary._http import HttpServer, open_request
 from runtime._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV, EffectLedger

@@ -30,18 +30,15 @@ from fake_pi._gate_client import post_json
 from fake_pi.model_server import ScriptedModel
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from runtime._boundary._calls import GateCall, GateResult, RunTool, Saved
 from runtime._boundary._gate import (
     EXTENSION_PATH,
     GATE_SECRET_ENV,
     GATE_SOCKET_ENV,
     Gate,
-    GateCall,
-    GateResult,
     GateServer,
     MemoryLog,
     RecordingGateJournal,
-    RunTool,
-    Saved,
     canonical_args,
     gate_environment,
     replay_class_of,

@@ -49,11 +49,11 @@ from .._pi._session import (
     dangling_tool_calls,
 )
 from .._records import ReplayClass
+from ._calls import GateCall, RuntimeTool
 from ._gate import (
     EXTENSION_PATH,
     PI_TOOL_CLASSES,
     Gate,
-    GateCall,
     GateServer,
     RecordingGateJournal,
     gate_environment,
@@ -67,7 +67,7 @@ from ._gateway import (
     serve_gateway,
 )
 from ._http import HttpServer
-from ._tools import RUNTIME_TOOLS, RuntimeTool, tools_environment
+from ._tools import RUNTIME_TOOLS, tools_environment
 
 __all__ = [
     "Boundaries",

@@ -39,30 +39,24 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import GateError, PiRuntimeError, ReasonCode
 from .._pi._session import interrupted_text, not_started_text
 from .._records import Record, ReplayClass, ToolIntent, ToolOutcome
+from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
 from ._http import Request, ResponseWriter, _serve_connection
 from ._receipts import RECEIPT_OPERATIONS
-from ._tools import RUNTIME_TOOLS, RuntimeTool
+from ._tools import RUNTIME_TOOLS
 
 __all__ = [
     "EXTENSION_PATH",
     "GATE_SECRET_ENV",
     "GATE_SOCKET_ENV",
     "PI_TOOL_CLASSES",
-    "Decision",
     "Gate",
-    "GateCall",
-    "GateError",
     "GateJournal",
-    "GateResult",
     "GateServer",
     "MemoryLog",
     "RecordingGateJournal",
-    "Refuse",
-    "RunTool",
-    "Saved",
     "canonical_args",
     "gate_environment",
     "replay_class_of",
@@ -87,76 +81,7 @@ PI_TOOL_CLASSES: Final[Mapping[str, ReplayClass]] = {
 _json = msgspec.json.Encoder()
 
 
-class GateError(PiRuntimeError):
-    """The gate could not record a decision or an outcome (``gate_*`` reason codes)."""
-
-
 # ------------------------------------------------------------------------------- the data
-
-
-@dataclass(frozen=True, slots=True)
-class GateCall:
-    """One tool call as the worker asks about it."""
-
-    tool_call_id: str
-    """The provider's id: unique within a round only."""
-    name: str
-    args: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class GateResult:
-    """A tool result in Pi's shape: what is (or will be) handed to the model."""
-
-    content: list[dict[str, Any]]
-    is_error: bool = False
-    details: Any = None
-
-    @classmethod
-    def text(cls, text: str, *, is_error: bool = False) -> GateResult:
-        return cls(content=[{"type": "text", "text": text}], is_error=is_error)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"content": self.content, "isError": self.is_error}
-        if self.details is not None:
-            out["details"] = self.details
-        return out
-
-    @classmethod
-    def from_json(cls, value: object) -> GateResult:
-        if not isinstance(value, dict):
-            raise ValueError("result must be an object")
-        content = value.get("content")
-        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-            raise ValueError("result.content must be a list of objects")
-        is_error = value.get("isError", False)
-        if not isinstance(is_error, bool):
-            raise ValueError("result.isError must be a boolean")
-        return cls(content=content, is_error=is_error, details=value.get("details"))
-
-
-@dataclass(frozen=True, slots=True)
-class RunTool:
-    """Run the tool; its intent is durable (``intent_id``)."""
-
-    intent_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Saved:
-    """Do not run; hand this result to the model verbatim (a replayed call)."""
-
-    result: GateResult
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Do not run; hand this result to the model as an error."""
-
-    result: GateResult
-
-
-Decision = RunTool | Saved | Refuse
 
 
 def canonical_args(args: Mapping[str, Any]) -> str:

@@ -21,37 +21,30 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import msgspec
 import trio
 
+from .._errors import GateError, PiRuntimeError, ReasonCode
 from .._records import ReplayClass
-
-if TYPE_CHECKING:
-    from ._gate import GateCall, GateResult
-    from ._receipts import ReceiptStore
+from ._calls import GateCall, GateResult, RuntimeTool
+from ._receipts import ReceiptRefusal, ReceiptStore
 
 __all__ = [
     "RUNTIME_TOOLS",
     "TOOLS_ENV",
     "DocumentTools",
     "EffectLedger",
-    "RuntimeTool",
     "ToolSpec",
     "tools_environment",
 ]
 
 TOOLS_ENV: Final = "PI_RUNTIME_TOOLS"
 """The worker's environment variable carrying the runtime tools to declare (a JSON list)."""
-
-RuntimeTool = Callable[["GateCall", str], Awaitable["GateResult"]]
-"""Executes one call of a runtime tool: ``(call, intent_id) -> result``. The intent is durable
-before it is called; the result is recorded before the worker sees it. An exception is
-recorded as an error result with its text (and the call is settled)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,10 +152,6 @@ class DocumentTools:
 
     @staticmethod
     async def _answer(work: Awaitable[dict[str, Any]]) -> GateResult:
-        from .._errors import PiRuntimeError, ReasonCode
-        from ._gate import GateError, GateResult
-        from ._receipts import ReceiptRefusal
-
         try:
             result = await work
         except ReceiptRefusal as refusal:
@@ -186,8 +175,6 @@ class EffectLedger:
     path: Path
 
     async def __call__(self, call: GateCall, intent_id: str) -> GateResult:
-        from ._gate import GateResult
-
         key = call.args.get("key")
         if not isinstance(key, str):
             return GateResult.text("effect needs a string key", is_error=True)

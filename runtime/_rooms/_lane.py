@@ -36,10 +36,10 @@ import msgspec
 import trio
 
 from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
-from .._boundary._gate import GateCall, GateResult
+from .._boundary._calls import GateCall, GateResult, RuntimeTool
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
-from .._boundary._tools import DocumentTools, EffectLedger, RuntimeTool
+from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
 from .._errors import JournalError, ReasonCode, SessionError, WorkerError
 from .._journal._journal import Journal

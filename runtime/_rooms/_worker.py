@@ -34,12 +34,11 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore, receipt_store
 from .._boundary._tools import RUNTIME_TOOLS
 from .._clock import Clocks
-from .._config import ModelConfig, RoomWorkerConfig, validate_config
+from .._config import RoomWorkerConfig, validate_config
 from .._errors import DeliveryError, JournalError, ReasonCode
+from .._hosting import start_model, worker_program
 from .._journal._store import Store, open_store, runtime_dir
 from .._linux._fs import FileSystem
-from .._pi._launch import ModelRoute, WorkerProgram
-from .._pi._pi_install import find_pi
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
     AbsorbedInput,
@@ -459,37 +458,6 @@ class RoomWorker:
                     started.pop(record.epoch, None)
             for record in started.values():
                 await kill_epoch_leftovers(record)
-
-
-async def start_model(model: ModelConfig, nursery: trio.Nursery) -> tuple[str, ModelRoute]:
-    """The upstream base URL and the frozen route of ``model``; without ``base_url``, Fake-Pi's
-    plain scripted model is served in ``nursery`` (offline, no credentials)."""
-    base_url = model.base_url
-    if base_url is None:
-        from fake_pi.model_server import ScriptedModel, serve_model
-
-        server = await nursery.start(serve_model, ScriptedModel())
-        base_url = f"{server.url}/v1"
-    route = ModelRoute(
-        provider=model.provider,
-        model=model.model,
-        context_window=model.context_window,
-        max_tokens=model.max_tokens,
-    )
-    return base_url, route
-
-
-def worker_program(config: RoomWorkerConfig) -> WorkerProgram:
-    if config.agent == "fake":
-        return WorkerProgram.fake_pi()
-    install = find_pi(Path(config.pi_home) if config.pi_home else None)
-    if install is None:
-        from .._errors import ConfigError
-
-        raise ConfigError(
-            "pi_home", "the real Pi is not installed there; run `pi-runtime pi install`"
-        )
-    return WorkerProgram.pi(install)
 
 
 CANCEL_REQUESTS: Final = "cancel-requests.json"

@@ -17,18 +17,21 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import trio
 
 from .._errors import PiRuntimeError
+from .._pi._launch import ModelRoute
 from .._pi._rpc import Event, RpcError
-from .._pi._session import aread_session, contains_path
-from ._guards import GuardEvidence, failed_guards
-from ._lifecycle import TaskState
+from .._pi._session import Attestation, aread_session, contains_path
+from .._records import ContinuationSent, TaskSubmitted, ToolIntent
+from ._guards import Budget, GuardEvidence, failed_guards
+from ._lifecycle import LifecycleKernel, TaskState
 from ._session import marker_in_session, session_size
 from ._state import continuation_prompt, route_snapshot
-from ._watch import watch_event
+from ._watch import Telemetry, watch_event
 from ._watchdog import (
     Action,
     CheckGuards,
@@ -43,13 +46,12 @@ from ._watchdog import (
     Prompted,
     Settled,
     Tick,
+    Watchdog,
+    WatchdogPolicy,
 )
 from ._workers import TaskWorker
 
-if TYPE_CHECKING:
-    from ._lane import TaskLane
-
-__all__ = ["EpochEnd", "EpochWatch"]
+__all__ = ["EpochEnd", "EpochHost", "EpochOwner", "EpochWatch"]
 
 MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
 """What an operator's resume must still prove (TL8): the look stands in for the rest."""
@@ -68,10 +70,63 @@ class EpochEnd(enum.StrEnum):
     """An operator resumed a held task."""
 
 
+class EpochHost(Protocol):
+    """What an epoch's watch reads of the lane's host."""
+
+    @property
+    def policy(self) -> WatchdogPolicy: ...
+    @property
+    def route(self) -> ModelRoute: ...
+
+
+class EpochOwner(Protocol):
+    """Everything :class:`EpochWatch` uses of its task lane, and nothing more: the coupling
+    between one epoch's watch and the lane that owns it, on one page
+    (:class:`~runtime._tasks._lane.TaskLane` is the one implementation)."""
+
+    @property
+    def host(self) -> EpochHost: ...
+    @property
+    def task(self) -> TaskSubmitted: ...
+    @property
+    def session(self) -> Path: ...
+    @property
+    def worktree(self) -> Path: ...
+    @property
+    def watchdog(self) -> Watchdog: ...
+    @property
+    def kernel(self) -> LifecycleKernel: ...
+    @property
+    def budget(self) -> Budget: ...
+    @property
+    def telemetry(self) -> Telemetry: ...
+    @property
+    def markers(self) -> dict[str, ContinuationSent]: ...
+    @property
+    def attestation(self) -> Attestation | None: ...
+
+    probe_result: str | None
+    """What the last read-only probe found (the epoch writes it; ``task show`` reads it)."""
+
+    def changed(self) -> None: ...
+    def readings(self) -> tuple[float, float]: ...
+    def epoch_action_id(self, kind: str) -> str: ...
+    def unsettled_effects(self) -> list[ToolIntent]: ...
+    def prompted(self) -> None: ...
+    def check_recovery_budget(self) -> None: ...
+    async def record_action(
+        self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
+    ) -> None: ...
+    async def reserve(self) -> None: ...
+    async def record_marker(self, action_id: str) -> None: ...
+    async def resumed_progress(self, before: Classification) -> None: ...
+    async def operator_request(self) -> str | None: ...
+
+
 class EpochWatch:
     """The watch over one worker process of ``lane``."""
 
-    def __init__(self, lane: TaskLane, worker: TaskWorker) -> None:
+    def __init__(self, lane: EpochOwner, worker: TaskWorker) -> None:
         self.lane = lane
         self.worker = worker
         self.end: EpochEnd | None = None

@@ -27,10 +27,11 @@ import msgspec
 import trio
 
 from .._boundary._boundaries import BoundaryConfig, make_journals, settle_session
-from .._boundary._gate import GateCall, GateResult, RecordingGateJournal
+from .._boundary._calls import GateCall, GateResult, RuntimeTool
+from .._boundary._gate import RecordingGateJournal
 from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
 from .._boundary._receipts import ReceiptStore
-from .._boundary._tools import DocumentTools, EffectLedger, RuntimeTool
+from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
 from .._errors import PiRuntimeError, ReasonCode
 from .._journal._journal import Journal

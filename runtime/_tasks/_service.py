@@ -42,11 +42,11 @@ from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, WatchdogConfig, validate_config
 from .._errors import ConfigError, PiRuntimeError, ReasonCode
+from .._hosting import start_model, worker_program
 from .._journal._journal import read_log
 from .._journal._store import Store, lane_key, runtime_dir
 from .._linux._fs import OsFileSystem
 from .._records import LogKind, TaskEnded, TaskSubmitted
-from .._rooms._worker import start_model, worker_program
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._runner import TaskRunner, open_task_runner
 from ._state import TaskError, inference_costs, read_lane

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import trio
 
-from .._boundary._gate import GateCall, RecordingGateJournal
+from .._boundary._calls import GateCall
+from .._boundary._gate import RecordingGateJournal
 from .._clock import WallClock
 from .._pi._session import SessionWriter, aread_session, atruncate_torn_tail
 from ._state import continuation_marker

@@ -1,14 +1,12 @@
-"""How a task lane gets a worker epoch: a real process, or Fake-Pi in this Trio run.
+"""How a task lane gets a worker epoch: the :class:`WorkerFactory` protocol and a real process.
 
 A task lane (``runtime/_tasks/_lane.py``) needs the same few things from either kind of worker:
 an RPC channel, an identity it can check before a fence, and a bounded stop that takes the
 whole tree down. :class:`ProcessWorkers` launches the real Pi or Fake-Pi behind the lane's
-gateway and gate (``runtime/_boundary/_boundaries.py``), one pair of servers per epoch, so a parked
-lane
-holds no file descriptor. :class:`InProcessWorkers` runs Fake-Pi as a task of this Trio run
-with the lane's gate journal called directly and the scripted model called directly (no
-gateway: nothing to replay in a task lane), so whole watchdog scenarios run under
-``autojump_clock`` in milliseconds.
+gateway and gate (``runtime/_boundary/_boundaries.py``), one pair of servers per epoch, so a
+parked lane holds no file descriptor. Tests use
+:class:`runtime.testing._in_process.InProcessWorkers` instead: Fake-Pi as a task of their Trio
+run, so whole watchdog scenarios run under ``autojump_clock`` in milliseconds.
 
 Resource handling: each ``open`` is an async context manager; leaving it stops the epoch
 (TERM, bounded KILL of the tree, reap — :meth:`runtime._pi._worker.Epoch.stop`) and, for a
@@ -18,18 +16,14 @@ process, the epoch's servers.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-import trio
+from typing import Any, Protocol
 
 from .._boundary._boundaries import BoundaryConfig, open_boundaries
-from .._boundary._gate import GateCall, GateResult, RecordingGateJournal, Refuse, RunTool, Saved
+from .._boundary._gate import RecordingGateJournal
 from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
-from .._boundary._tools import tools_environment
 from .._errors import ReasonCode, WorkerError
 from .._journal._journal import Journal
 from .._linux._proc import boot_id, process_start_time
@@ -39,13 +33,7 @@ from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._pi._worker import Epoch, StopPolicy, StopReport, open_worker
 from .._records import EpochStarted
 
-if TYPE_CHECKING:
-    from fake_pi._app import FakePi
-    from fake_pi._behaviours import Behaviours
-    from fake_pi._gate import GateDecision, ToolCall, ToolResult
-    from fake_pi.model_server import ScriptedModel
-
-__all__ = ["EpochRequest", "InProcessWorkers", "ProcessWorkers", "TaskWorker", "WorkerFactory"]
+__all__ = ["EpochRequest", "ProcessWorkers", "TaskWorker", "WorkerFactory"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,89 +182,3 @@ class ProcessWorkers:
                     raise
                 if not worker.stopped:
                     raise
-
-
-# ---------------------------------------------------------------------------- in-process
-
-
-@dataclass(frozen=True, slots=True)
-class _DirectGate:
-    """Fake-Pi's tool gate answered by the lane's gate journal, without a socket."""
-
-    journal: RecordingGateJournal
-
-    async def before(self, call: ToolCall) -> GateDecision:
-        from fake_pi._gate import Refused, Run, SavedResult
-
-        decision = await self.journal.decide(GateCall(call.id, call.name, call.arguments))
-        if isinstance(decision, RunTool):
-            return Run()
-        if isinstance(decision, Saved):
-            return SavedResult(_tool_result(decision.result))
-        assert isinstance(decision, Refuse)
-        return Refused(_tool_result(decision.result))
-
-    async def after(self, call: ToolCall, result: ToolResult) -> None:
-        await self.journal.record_outcome(
-            GateCall(call.id, call.name, call.arguments),
-            GateResult(content=result.content, is_error=result.is_error, details=result.details),
-        )
-
-
-def _tool_result(result: GateResult) -> ToolResult:
-    from fake_pi._gate import ToolResult
-
-    return ToolResult(content=result.content, is_error=result.is_error, details=result.details)
-
-
-@dataclass(eq=False)
-class _InProcessWorker:
-    rpc: RpcChannel
-    fake: FakePi
-    record: EpochStarted | None = None
-    identity: bool | None = True
-
-    def identity_holds(self) -> bool | None:
-        return self.identity if not self.fake.killed else False
-
-    async def stop(self) -> bool:
-        self.fake.kill()  # stopped dead, as SIGKILL would
-        await trio.lowlevel.checkpoint()
-        return True
-
-
-@dataclass
-class InProcessWorkers:
-    """Fake-Pi in this Trio run, for virtual-time tests (``autojump_clock``)."""
-
-    model: ScriptedModel
-    behaviours: Mapping[int, Behaviours] = field(default_factory=dict)
-    """Per epoch number: what that epoch's Fake-Pi does wrong (hang, exit at a barrier)."""
-    identity: Mapping[int, bool | None] = field(default_factory=dict)
-    """Per epoch number: what an identity check finds (default: it holds)."""
-    launched: list[int] = field(default_factory=list)
-
-    @contextlib.asynccontextmanager
-    async def open(self, request: EpochRequest) -> AsyncIterator[TaskWorker]:
-        from fake_pi._app import open_fake_pi
-
-        _steps, tools = request.journals
-        tools.epoch = request.number
-        self.launched.append(request.number)
-        declared = [n for n in request.runtime_tools if n in request.granted]
-        fake_tools = [n for n in ("read", "bash", "edit", "write") if n in request.granted]
-        async with (
-            open_fake_pi(
-                cwd=request.worktree,
-                model=self.model,
-                session=request.session,
-                gate=_DirectGate(tools),
-                behaviours=self.behaviours.get(request.number),
-                tool_env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                tools=fake_tools,
-                runtime_tools=tools_environment(declared),
-            ) as fake,
-            open_rpc_channel(fake.stdin, fake.stdout) as rpc,
-        ):
-            yield _InProcessWorker(rpc, fake, identity=self.identity.get(request.number, True))
-            fake.kill()

@@ -1,0 +1,108 @@
+"""Fake-Pi as a task of the test's own Trio run: task-lane workers for virtual-time tests.
+
+:class:`InProcessWorkers` is a :class:`~runtime._tasks._workers.WorkerFactory` whose epochs
+are Fake-Pi instances in this process, answering their tool gate from the lane's gate journal
+without a socket; with ``autojump_clock`` (or :func:`runtime.testing.io_aware_autojump_clock`)
+a 20-minute silence takes no real time. Here, not in ``runtime._tasks``: the runtime never
+imports its test double (docs/design/index.md, Layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import trio
+
+from fake_pi._app import FakePi, open_fake_pi
+from fake_pi._behaviours import Behaviours
+from fake_pi._gate import GateDecision, Refused, Run, SavedResult, ToolCall, ToolResult
+from fake_pi.model_server import ScriptedModel
+
+from .._boundary._calls import GateCall, GateResult, Refuse, RunTool, Saved
+from .._boundary._gate import RecordingGateJournal
+from .._boundary._tools import tools_environment
+from .._pi._rpc import RpcChannel, open_rpc_channel
+from .._records import EpochStarted
+from .._tasks._workers import EpochRequest, TaskWorker
+
+__all__ = ["InProcessWorkers"]
+
+
+@dataclass(frozen=True, slots=True)
+class _DirectGate:
+    """Fake-Pi's tool gate answered by the lane's gate journal, without a socket."""
+
+    journal: RecordingGateJournal
+
+    async def before(self, call: ToolCall) -> GateDecision:
+        decision = await self.journal.decide(GateCall(call.id, call.name, call.arguments))
+        if isinstance(decision, RunTool):
+            return Run()
+        if isinstance(decision, Saved):
+            return SavedResult(_tool_result(decision.result))
+        assert isinstance(decision, Refuse)
+        return Refused(_tool_result(decision.result))
+
+    async def after(self, call: ToolCall, result: ToolResult) -> None:
+        await self.journal.record_outcome(
+            GateCall(call.id, call.name, call.arguments),
+            GateResult(content=result.content, is_error=result.is_error, details=result.details),
+        )
+
+
+def _tool_result(result: GateResult) -> ToolResult:
+    return ToolResult(content=result.content, is_error=result.is_error, details=result.details)
+
+
+@dataclass(eq=False)
+class _InProcessWorker:
+    rpc: RpcChannel
+    fake: FakePi
+    record: EpochStarted | None = None
+    identity: bool | None = True
+
+    def identity_holds(self) -> bool | None:
+        return self.identity if not self.fake.killed else False
+
+    async def stop(self) -> bool:
+        self.fake.kill()  # stopped dead, as SIGKILL would
+        await trio.lowlevel.checkpoint()
+        return True
+
+
+@dataclass
+class InProcessWorkers:
+    """Fake-Pi in this Trio run, for virtual-time tests (``autojump_clock``)."""
+
+    model: ScriptedModel
+    behaviours: Mapping[int, Behaviours] = field(default_factory=dict)
+    """Per epoch number: what that epoch's Fake-Pi does wrong (hang, exit at a barrier)."""
+    identity: Mapping[int, bool | None] = field(default_factory=dict)
+    """Per epoch number: what an identity check finds (default: it holds)."""
+    launched: list[int] = field(default_factory=list)
+
+    @contextlib.asynccontextmanager
+    async def open(self, request: EpochRequest) -> AsyncIterator[TaskWorker]:
+        _steps, tools = request.journals
+        tools.epoch = request.number
+        self.launched.append(request.number)
+        declared = [n for n in request.runtime_tools if n in request.granted]
+        fake_tools = [n for n in ("read", "bash", "edit", "write") if n in request.granted]
+        async with (
+            open_fake_pi(
+                cwd=request.worktree,
+                model=self.model,
+                session=request.session,
+                gate=_DirectGate(tools),
+                behaviours=self.behaviours.get(request.number),
+                tool_env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                tools=fake_tools,
+                runtime_tools=tools_environment(declared),
+            ) as fake,
+            open_rpc_channel(fake.stdin, fake.stdout) as rpc,
+        ):
+            yield _InProcessWorker(rpc, fake, identity=self.identity.get(request.number, True))
+            fake.kill()
