@@ -300,6 +300,7 @@ class Agent:
         retry_attempt = 0
         produced: list[dict[str, Any]] = []
         continuing = False  # a later turn of this loop (not a retry): Pi may compact first
+        await self.options.barriers.reach("agent_start")
         await self.emit({"type": "agent_start"})
         while True:
             if continuing:

@@ -4,8 +4,10 @@ For watchdog and crash tests a Fake-Pi can be told to misbehave at a named
 *barrier*: ``startup``, ``before_tool:N`` / ``after_tool:N`` (the N-th tool call,
 counted from 1 over the process's life), ``before_model:N`` / ``after_model:N``
 (the N-th model response), ``mid_stream:N`` (after the first chunk of the N-th
-model response), ``settled:N`` (the N-th ``agent_settled``). Actions: ``kill``
-(SIGKILL itself), ``exit:CODE``, ``hang`` (stop doing anything, forever).
+model response), ``settled:N`` (the N-th ``agent_settled``), ``agent_start:N`` (before the
+N-th run emits anything: a worker slow to start on a loaded machine). Actions: ``kill``
+(SIGKILL itself), ``exit:CODE``, ``hang`` (stop doing anything, forever), ``delay:SECONDS``
+(do nothing for that long, then go on).
 ``ignore_sigterm`` makes SIGTERM wait that many seconds before it takes
 effect. The recorder writes launch argv, environment *keys* (never values),
 stdin lines and tool executions as JSON lines.
@@ -33,7 +35,7 @@ __all__ = ["BarrierExit", "BarrierKill", "Barriers", "Behaviours", "FakeConfig",
 
 class Behaviours(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     at: dict[str, str] = msgspec.field(default_factory=dict)
-    """Barrier name -> action (``kill``, ``exit:CODE``, ``hang``)."""
+    """Barrier name -> action (``kill``, ``exit:CODE``, ``hang``, ``delay:SECONDS``)."""
     ignore_sigterm: float = 0.0
 
 
@@ -70,6 +72,8 @@ class Barriers:
             os._exit(int(action[5:]))
         elif action == "hang":
             await trio.sleep_forever()
+        elif action.startswith("delay:"):
+            await trio.sleep(float(action[6:]))
         else:
             raise ValueError(f"unknown behaviour action {action!r} at {kind}")
 

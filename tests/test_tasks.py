@@ -31,7 +31,9 @@ from runtime._records import (
     TaskReply,
     TaskSubmitted,
 )
+from runtime._tasks import _epoch
 from runtime._tasks._lane import TaskLane
+from runtime._tasks._session import session_size
 from runtime._tasks._state import TaskError, inference_costs, read_lane, submitted_record
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._wire import TaskSpec
@@ -293,6 +295,42 @@ async def test_wd11_budget_exhaustion_holds_and_a_grant_charges_once(
         grants = [r for r in records if isinstance(r, OutboxAction) and r.kind == "grant"]
         assert len(grants) == 1
         assert rig.runner.show(TASK).budget["epochs_used"] == 4
+
+
+async def test_wd11_a_session_append_seen_by_a_probe_ends_the_recovery(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WD11: the recovery ends at the resumed worker's first progress, whichever way the
+    progress is seen. Here the resumed worker says nothing for 400 s after its prompt, and
+    its session grows while the soft probe runs: that append is its first progress (WD1),
+    and the recovery is charged once. (Found by scripts/flake-hunt: a crash test's resumed
+    worker, slow under load, was first seen alive by a probe; the recovery was never
+    charged and never ended.)"""
+    slow_start = Behaviours(at={"agent_start:1": "delay:400"})
+    steps: list[Step] = [Hang(seconds=10_000), done(), say("finished")]
+    grown = 0
+
+    async def size(path: Path) -> int:
+        nonlocal grown
+        if rig.workers.launched[-1] == 2:  # the resumed epoch: its session grows meanwhile
+            grown += 1
+        return await session_size(path) + grown
+
+    monkeypatch.setattr(_epoch, "session_size", size)
+    async with open_rig(tmp_path, clocks, steps, behaviours={2: slow_start}) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        records = await rig.records()
+        relaunch = next(i for i, r in enumerate(records) if isinstance(r, ContinuationSent))
+        probes = [r for r in records[relaunch:] if isinstance(r, OutboxAction)]
+        assert any(r.kind == "probe" and r.detail["evidence"] for r in probes)
+        charges = [r for r in records if isinstance(r, OutboxAction) and r.kind == "recovery_time"]
+        assert len(charges) == 1, charges
+        assert rig.runner.show(TASK).telemetry["resume_latency_seconds"], "it never ended"
 
 
 async def test_wd11_read_lane_keeps_the_open_recovery_and_its_charges() -> None:

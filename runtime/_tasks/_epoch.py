@@ -268,7 +268,9 @@ class EpochWatch:
         size_after = await session_size(lane.session)
         if size_after != size_before:  # the session grew: a session append is progress (WD1)
             now, awake = lane.readings()
+            before = wd.classification
             wd.feed(Progress(now, awake, wd.phase, "session_append"))
+            await lane.resumed_progress(before)  # WD11: a resumed worker's first progress too
         evidence: bool | None = wd.progress_seq != seq_before
         if not answered and not evidence:
             evidence = None
