@@ -18,7 +18,7 @@ import contextlib
 import enum
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import trio
 
@@ -161,12 +161,22 @@ class EpochWatch:
         self._nursery.cancel_scope.cancel()
 
     def _execute(self, actions: Iterable[Action]) -> None:
+        """Carry out what the core asked for; an action this place cannot carry out is a bug,
+        raised, never dropped."""
         assert self._nursery is not None
         for action in actions:
-            if isinstance(action, Probe):
-                self._nursery.start_soon(self._probe, action.purpose)
-            elif isinstance(action, CheckGuards):
-                self._nursery.start_soon(self._check_guards)
+            match action:
+                case Probe(purpose=purpose):
+                    self._nursery.start_soon(self._probe, purpose)
+                case CheckGuards():
+                    self._nursery.start_soon(self._check_guards)
+                case PromptCompletion():
+                    # Only the worker's exit asks for it here (a settle's is sent by _see):
+                    # the epoch is over, and the lane's replacement carries the prompt.
+                    if self.end is not EpochEnd.EXITED:
+                        raise AssertionError(f"{action} outside an exit of epoch {self.end}")
+                case _:
+                    assert_never(action)
 
     # -- the three tasks -----------------------------------------------------------------------
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Final, assert_never
 
 __all__ = [
     "ACTION_TABLE",
@@ -363,8 +363,39 @@ class Watchdog:
     terminal: str | None = None
 
     def feed(self, event: Event) -> list[Action]:
-        handler = _HANDLERS[type(event)]
-        return handler(self, event)
+        """One event into the state machine; the actions it asks for (each handled by the
+        shell, see :class:`~runtime._tasks._epoch.EpochWatch`)."""
+        match event:
+            case Progress():
+                return self._on_progress(event)
+            case Lease():
+                return self._on_lease(event)
+            case LeaseEnded():
+                return self._on_lease_ended(event)
+            case Tick():
+                return self._on_tick(event)
+            case ProbeAnswered():
+                return self._on_probe(event)
+            case Settled():
+                return self._on_settled(event)
+            case Exited():
+                return self._on_exited(event)
+            case TerminalAccepted():
+                return self._on_terminal(event)
+            case Woken():
+                return self._on_woken(event)
+            case Prompted():
+                return self._on_prompted(event)
+            case GuardsFailed():
+                return self._on_guards_failed(event)
+            case Hold():
+                return self._on_hold(event)
+            case FenceStarted():
+                return self._on_fence(event)
+            case Relaunched():
+                return self._on_relaunched(event)
+            case _:
+                assert_never(event)
 
     # -- views --------------------------------------------------------------------------
 
@@ -594,21 +625,3 @@ _CLEARED_BY_PROGRESS: Final = frozenset(
         Classification.ACTIVE,
     }
 )
-
-_HANDLERS: Final[dict[type, Callable[[Watchdog, Event], list[Action]]]] = {
-    Progress: Watchdog._on_progress,  # type: ignore[dict-item]
-    Lease: Watchdog._on_lease,  # type: ignore[dict-item]
-    LeaseEnded: Watchdog._on_lease_ended,  # type: ignore[dict-item]
-    Tick: Watchdog._on_tick,  # type: ignore[dict-item]
-    ProbeAnswered: Watchdog._on_probe,  # type: ignore[dict-item]
-    Settled: Watchdog._on_settled,  # type: ignore[dict-item]
-    Exited: Watchdog._on_exited,  # type: ignore[dict-item]
-    TerminalAccepted: Watchdog._on_terminal,  # type: ignore[dict-item]
-    Woken: Watchdog._on_woken,  # type: ignore[dict-item]
-    Prompted: Watchdog._on_prompted,  # type: ignore[dict-item]
-    GuardsFailed: Watchdog._on_guards_failed,  # type: ignore[dict-item]
-    Hold: Watchdog._on_hold,  # type: ignore[dict-item]
-    FenceStarted: Watchdog._on_fence,  # type: ignore[dict-item]
-    Relaunched: Watchdog._on_relaunched,  # type: ignore[dict-item]
-}
-"""Event type → handler: the state machine as a table (style.md habit 3)."""
