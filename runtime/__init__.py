@@ -27,6 +27,8 @@ from ._errors import ReasonCode as ReasonCode
 from ._errors import SessionError as SessionError
 from ._errors import StateDirError as StateDirError
 from ._errors import StateDirLockedError as StateDirLockedError
+from ._errors import TaskError as TaskError
+from ._errors import WatchdogConfigError as WatchdogConfigError
 from ._journal._journal import Journal as Journal
 from ._journal._journal import LogContents as LogContents
 from ._journal._store import Store as Store
@@ -39,9 +41,7 @@ from ._rooms._admission import HistoryItem as HistoryItem
 from ._rooms._worker import RoomWorker as RoomWorker
 from ._rooms._worker import open_room_worker as open_room_worker
 from ._tasks._service import TaskService as TaskService
-from ._tasks._service import WatchdogConfigError as WatchdogConfigError
 from ._tasks._service import open_task_service as open_task_service
-from ._tasks._state import TaskError as TaskError
 from ._version import __version__ as __version__
 from ._wire import Accepted as Accepted
 from ._wire import DeliveryResult as DeliveryResult

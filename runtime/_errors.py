@@ -14,20 +14,37 @@ __all__ = [
     "ConfigError",
     "DeliveryError",
     "DiskFailedError",
+    "GateError",
     "JournalError",
     "PiRuntimeError",
     "ProtocolError",
     "ReasonCode",
+    "ReceiptRefusal",
+    "ReplayMismatch",
+    "RpcClosedError",
+    "RpcCommandError",
+    "RpcError",
+    "RpcLineTooLongError",
     "SessionError",
     "StateDirError",
     "StateDirLockedError",
+    "StepRefused",
+    "TaskError",
+    "WatchdogConfigError",
     "WorkerError",
+    "WorkerExitedError",
+    "WorkerLaunchError",
     "WorktreeError",
 ]
 
 
 class ReasonCode(enum.StrEnum):
     """Stable machine-readable reasons. Never rename, never reuse."""
+
+    def at(self, what: str) -> str:
+        """The composite code ``<code>:<what>``, e.g. ``recovery_refused:session``: the one
+        place such codes are built."""
+        return f"{self.value}:{what}"
 
     # journal damage and refusal (fail closed)
     JOURNAL_CORRUPT = "journal_corrupt"
@@ -235,8 +252,10 @@ class ConfigError(PiRuntimeError):
     """The configuration is invalid (``config_invalid``); ``setting`` names the offending
     setting as a dotted path (``thresholds.stall_seconds``, ``rooms."dm:1".grants``)."""
 
-    def __init__(self, setting: str, message: str) -> None:
-        super().__init__(ReasonCode.CONFIG_INVALID, f"{setting}: {message}")
+    def __init__(
+        self, setting: str, message: str, *, code: ReasonCode = ReasonCode.CONFIG_INVALID
+    ) -> None:
+        super().__init__(code, f"{setting}: {message}")
         self.setting = setting
 
 
@@ -264,3 +283,80 @@ class ProtocolError(PiRuntimeError):
 
 class GateError(PiRuntimeError):
     """The gate could not record a decision or an outcome (``gate_*`` reason codes)."""
+
+
+class RpcError(PiRuntimeError):
+    """Base of the channel's errors."""
+
+
+class RpcCommandError(RpcError):
+    """The worker answered ``success: false``; ``pi_error`` is its error text verbatim."""
+
+    def __init__(self, command: str, pi_error: str | None) -> None:
+        self.command = command
+        self.pi_error = pi_error or ""
+        super().__init__(ReasonCode.RPC_COMMAND_FAILED, f"{command!r} failed: {self.pi_error}")
+
+
+class RpcClosedError(RpcError):
+    """The channel was closed (``aclose``) and takes no more commands."""
+
+    def __init__(self) -> None:
+        super().__init__(ReasonCode.RPC_CLOSED, "the RPC channel is closed")
+
+
+class RpcLineTooLongError(RpcError):
+    """A stdout line grew past the limit; the channel stops reading (R2)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(ReasonCode.RPC_LINE_TOO_LONG, f"a stdout line exceeds {limit} bytes")
+
+
+class WorkerExitedError(RpcError):
+    """The worker's stdout ended while the channel was open (R5); ``stderr`` is its tail."""
+
+    def __init__(
+        self, message: str, *, stderr: bytes = b"", code: ReasonCode = ReasonCode.WORKER_EXITED
+    ) -> None:
+        text = stderr.decode("utf-8", "replace").strip()
+        super().__init__(code, message + (f"; its stderr ends with:\n{text}" if text else ""))
+        self.stderr = stderr
+
+
+class WorkerLaunchError(WorkerExitedError):
+    """The worker exited before it wrote anything, e.g. Pi with a broken extension (R6)."""
+
+    def __init__(self, *, stderr: bytes) -> None:
+        super().__init__(
+            "the worker exited before it answered anything; check its command line, "
+            "environment and extensions (-e), or start it by hand to see why",
+            stderr=stderr,
+            code=ReasonCode.WORKER_LAUNCH_FAILED,
+        )
+
+
+class StepRefused(PiRuntimeError):
+    """A request the gateway refuses and goes on serving (409, which the worker does not
+    retry): unlike a journal failure (G12) it says nothing about the journal's health."""
+
+
+class ReplayMismatch(StepRefused):
+    """A replayed turn asked for a model request the journal did not answer at that step
+    (G13, brief §4.3 "a mismatch fails closed"): refused, never sent upstream."""
+
+
+class ReceiptRefusal(PiRuntimeError):
+    """A definite refusal: the transaction rolled back and the call can never apply as
+    given, so it settles as a tool error with :attr:`code` (R3, R4, R2)."""
+
+
+class TaskError(PiRuntimeError):
+    """A task request refused, with a stable reason code."""
+
+
+class WatchdogConfigError(ConfigError):
+    """The ``[watchdog]`` table breaks a rule of WD9 (``watchdog_config_invalid``);
+    ``setting`` is ``watchdog.<setting>`` (or ``unsafe_test_timescale``)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(setting, message, code=ReasonCode.WATCHDOG_CONFIG_INVALID)

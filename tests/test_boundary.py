@@ -39,10 +39,11 @@ from runtime._boundary._gateway import GATEWAY_SECRET_ENV, GatewayConfig
 from runtime._boundary._http import HttpServer, open_request
 from runtime._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV, EffectLedger
 from runtime._clock import Clocks
+from runtime._errors import WorkerExitedError
 from runtime._journal._journal import Journal
 from runtime._journal._store import Store, delivery_key, open_store, runtime_dir
 from runtime._linux._proc import is_alive
-from runtime._pi._rpc import Event, WorkerExitedError, open_rpc_channel
+from runtime._pi._rpc import Event, open_rpc_channel
 from runtime._pi._session import interrupted_text
 from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import (

@@ -33,8 +33,6 @@ from runtime._boundary._gateway import (
     Gateway,
     GatewayConfig,
     MemoryStepJournal,
-    ReplayMismatch,
-    StepRefused,
     ToolCallIds,
     _Downstream,
     data_inactivity_message,
@@ -55,7 +53,7 @@ from runtime._boundary._http import (
     serve_http,
 )
 from runtime._clock import Clocks
-from runtime._errors import JournalError
+from runtime._errors import JournalError, ReplayMismatch, StepRefused
 from runtime._journal._store import open_store
 from runtime._pi._rpc import open_rpc_channel
 from runtime._pi._session import create_session

@@ -13,12 +13,11 @@ import trio
 from runtime._boundary._receipts import (
     RECEIPT_DB,
     RECEIPT_OPERATIONS,
-    ReceiptRefusal,
     ReceiptStore,
     input_fingerprint,
     open_receipt_store,
 )
-from runtime._errors import ReasonCode
+from runtime._errors import ReasonCode, ReceiptRefusal
 
 LIMIT: Final = 30.0
 

@@ -28,6 +28,13 @@ from fake_pi.model_server import ScriptedModel, serve_model
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime import MockWallClock, ReasonCode
 from runtime._boundary._http import HttpServer
+from runtime._errors import (
+    RpcClosedError,
+    RpcCommandError,
+    RpcLineTooLongError,
+    WorkerExitedError,
+    WorkerLaunchError,
+)
 from runtime._pi._rpc import (
     COMMAND_GUARD,
     MALFORMED_LINE,
@@ -35,16 +42,11 @@ from runtime._pi._rpc import (
     LineSplitter,
     ProtocolState,
     RpcChannel,
-    RpcClosedError,
-    RpcCommandError,
-    RpcLineTooLongError,
     UiCancel,
     UiConfirm,
     UiReply,
     UiRequest,
     UiValue,
-    WorkerExitedError,
-    WorkerLaunchError,
     chat_text,
     open_rpc_channel,
     ui_response,

@@ -19,7 +19,7 @@ import trio
 from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
 from runtime._clock import Clocks, MockSilenceClock
-from runtime._errors import ReasonCode
+from runtime._errors import ReasonCode, TaskError
 from runtime._records import (
     ContinuationSent,
     EpochStarted,
@@ -34,7 +34,7 @@ from runtime._records import (
 from runtime._tasks import _epoch
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._session import session_size
-from runtime._tasks._state import TaskError, inference_costs, read_lane, submitted_record
+from runtime._tasks._state import inference_costs, read_lane, submitted_record
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._wire import TaskSpec
 

@@ -46,7 +46,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import PiRuntimeError, ReasonCode, ReplayMismatch, StepRefused
 from .._journal._journal import Journal
 from .._records import ModelRequestIntent, ModelResponse
 from ._http import (
@@ -349,16 +349,6 @@ class DeliveryStepJournal:
         self._responses[digest] = list(chunks)
         self._last_answered = max(self._last_answered, step)
         self._replayed_upto = max(self._replayed_upto, step)
-
-
-class StepRefused(PiRuntimeError):
-    """A request the gateway refuses and goes on serving (409, which the worker does not
-    retry): unlike a journal failure (G12) it says nothing about the journal's health."""
-
-
-class ReplayMismatch(StepRefused):
-    """A replayed turn asked for a model request the journal did not answer at that step
-    (G13, brief §4.3 "a mismatch fails closed"): refused, never sent upstream."""
 
 
 # ------------------------------------------------------------------------------ the shell

@@ -32,12 +32,11 @@ import msgspec
 import trio
 
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import ReasonCode, ReceiptRefusal
 
 __all__ = [
     "RECEIPT_DB",
     "RECEIPT_OPERATIONS",
-    "ReceiptRefusal",
     "ReceiptStore",
     "open_receipt_store",
     "receipt_store",
@@ -71,11 +70,6 @@ CREATE TABLE IF NOT EXISTS receipts (
 """
 
 _T = TypeVar("_T")
-
-
-class ReceiptRefusal(PiRuntimeError):
-    """A definite refusal: the transaction rolled back and the call can never apply as
-    given, so it settles as a tool error with :attr:`code` (R3, R4, R2)."""
 
 
 class _WriteInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -29,10 +29,10 @@ from typing import Any, Final
 import msgspec
 import trio
 
-from .._errors import GateError, PiRuntimeError, ReasonCode
+from .._errors import GateError, PiRuntimeError, ReasonCode, ReceiptRefusal
 from .._records import ReplayClass
 from ._calls import GateCall, GateResult, RuntimeTool
-from ._receipts import ReceiptRefusal, ReceiptStore
+from ._receipts import ReceiptStore
 
 __all__ = [
     "RUNTIME_TOOLS",

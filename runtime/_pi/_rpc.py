@@ -22,7 +22,14 @@ from typing import Any, Final, Literal
 import msgspec
 import trio
 
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import (
+    RpcClosedError,
+    RpcCommandError,
+    RpcError,
+    RpcLineTooLongError,
+    WorkerExitedError,
+    WorkerLaunchError,
+)
 from ._pijson import loads
 
 __all__ = [
@@ -36,18 +43,12 @@ __all__ = [
     "Received",
     "Response",
     "RpcChannel",
-    "RpcClosedError",
-    "RpcCommandError",
-    "RpcError",
-    "RpcLineTooLongError",
     "UiCancel",
     "UiConfirm",
     "UiPolicy",
     "UiReply",
     "UiRequest",
     "UiValue",
-    "WorkerExitedError",
-    "WorkerLaunchError",
     "cancel_dialogs",
     "chat_text",
     "open_rpc_channel",
@@ -70,59 +71,6 @@ _encoder: Final = msgspec.json.Encoder()
 
 
 # -- errors ------------------------------------------------------------------------------
-
-
-class RpcError(PiRuntimeError):
-    """Base of the channel's errors."""
-
-
-class RpcCommandError(RpcError):
-    """The worker answered ``success: false``; ``pi_error`` is its error text verbatim."""
-
-    def __init__(self, response: Response) -> None:
-        self.response = response
-        self.command = response.command
-        self.pi_error = response.error or ""
-        super().__init__(
-            ReasonCode.RPC_COMMAND_FAILED, f"{response.command!r} failed: {self.pi_error}"
-        )
-
-
-class RpcClosedError(RpcError):
-    """The channel was closed (``aclose``) and takes no more commands."""
-
-    def __init__(self) -> None:
-        super().__init__(ReasonCode.RPC_CLOSED, "the RPC channel is closed")
-
-
-class RpcLineTooLongError(RpcError):
-    """A stdout line grew past the limit; the channel stops reading (R2)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(ReasonCode.RPC_LINE_TOO_LONG, f"a stdout line exceeds {limit} bytes")
-
-
-class WorkerExitedError(RpcError):
-    """The worker's stdout ended while the channel was open (R5); ``stderr`` is its tail."""
-
-    def __init__(
-        self, message: str, *, stderr: bytes = b"", code: ReasonCode = ReasonCode.WORKER_EXITED
-    ) -> None:
-        text = stderr.decode("utf-8", "replace").strip()
-        super().__init__(code, message + (f"; its stderr ends with:\n{text}" if text else ""))
-        self.stderr = stderr
-
-
-class WorkerLaunchError(WorkerExitedError):
-    """The worker exited before it wrote anything, e.g. Pi with a broken extension (R6)."""
-
-    def __init__(self, *, stderr: bytes) -> None:
-        super().__init__(
-            "the worker exited before it answered anything; check its command line, "
-            "environment and extensions (-e), or start it by hand to see why",
-            stderr=stderr,
-            code=ReasonCode.WORKER_LAUNCH_FAILED,
-        )
 
 
 # -- records ---------------------------------------------------------------------------
@@ -581,7 +529,7 @@ class RpcChannel:
             raise slot.error
         assert slot.response is not None
         if not slot.response.success:
-            raise RpcCommandError(slot.response)
+            raise RpcCommandError(slot.response.command, slot.response.error)
         return slot.response, slot.settled_before
 
     async def _write(self, record: Mapping[str, Any]) -> None:

@@ -41,11 +41,11 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import JournalError, ReasonCode, SessionError, WorkerError
+from .._errors import JournalError, ReasonCode, RpcError, SessionError, WorkerError
 from .._journal._journal import Journal
 from .._journal._store import Store, delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
-from .._pi._rpc import Event, RpcChannel, RpcError, open_rpc_channel
+from .._pi._rpc import Event, RpcChannel, open_rpc_channel
 from .._pi._session import (
     aread_session,
     atruncate_torn_tail,
@@ -381,7 +381,7 @@ class Lane:
         from the shared outbox, which is another file). If even
         that fails the disk is gone: the delivery stays pending and the host stops admitting
         (``Store.disk_failure``)."""
-        code = f"{ReasonCode.RECOVERY_REFUSED}:journal" if pending.recovering else str(error.code)
+        code = ReasonCode.RECOVERY_REFUSED.at("journal") if pending.recovering else str(error.code)
         with contextlib.suppress(JournalError):
             await self.host.outbox.publish(
                 delivery_id=pending.delivery_id, room=self.room, outcome=Outcome.FAILED, code=code
@@ -520,7 +520,7 @@ class Lane:
 
     def _refused(self, what: str) -> Result:
         """A replay that cannot be trusted fails closed (brief §4.3): ``recovery_refused:what``."""
-        code = f"{ReasonCode.RECOVERY_REFUSED}:{what}"
+        code = ReasonCode.RECOVERY_REFUSED.at(what)
         return Result(
             outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
         )

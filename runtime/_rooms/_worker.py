@@ -424,13 +424,13 @@ class RoomWorker:
     ) -> str | None:
         """``recovery_refused:<what>`` when what the admission pinned has changed."""
         if grants is None:
-            return f"{ReasonCode.RECOVERY_REFUSED}:grants"
+            return ReasonCode.RECOVERY_REFUSED.at("grants")
         now = fingerprints(delivery, grants=grants, settings=self._settings_print(grants))
         if now.authority != record.fingerprints.authority:
-            return f"{ReasonCode.RECOVERY_REFUSED}:grants"
+            return ReasonCode.RECOVERY_REFUSED.at("grants")
         changed = changed_settings(record.fingerprints.settings, now.settings)
         if changed:  # tools, route, worker or persona (brief §4.3)
-            return f"{ReasonCode.RECOVERY_REFUSED}:{changed[0]}"
+            return ReasonCode.RECOVERY_REFUSED.at(changed[0])
         return None
 
     async def _refuse(self, lane: Lane, pending: Pending, code: str | None) -> None:

@@ -53,10 +53,16 @@ from trio_websocket import (
 )
 
 from .._config import RoomWorkerConfig, load_config, validate_config
-from .._errors import ConfigError, DeliveryError, PiRuntimeError, ProtocolError, ReasonCode
+from .._errors import (
+    ConfigError,
+    DeliveryError,
+    PiRuntimeError,
+    ProtocolError,
+    ReasonCode,
+    TaskError,
+)
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._service import TaskService, loud_logging, open_task_service, watchdog_policy
-from .._tasks._state import TaskError
 from .._wire import RoomEvent, TaskEvent
 from ._protocol import (
     Ack,

@@ -22,9 +22,9 @@ from typing import Any, Protocol, assert_never
 
 import trio
 
-from .._errors import PiRuntimeError
+from .._errors import PiRuntimeError, RpcError
 from .._pi._launch import ModelRoute
-from .._pi._rpc import Event, RpcError
+from .._pi._rpc import Event
 from .._pi._session import Attestation, aread_session, contains_path
 from .._records import ContinuationSent, TaskSubmitted, ToolIntent
 from ._guards import Budget, GuardEvidence, failed_guards

@@ -23,14 +23,14 @@ import trio
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
-from .._errors import ReasonCode
+from .._errors import ReasonCode, TaskError
 from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
 from .._records import TaskEnded, TaskSubmitted
 from .._wire import TaskEvent, TaskSpec, TaskView
 from ._lane import TaskHost, TaskLane
 from ._lifecycle import Verdict
-from ._state import TaskError, check_spec, submitted_record
+from ._state import check_spec, submitted_record
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
 

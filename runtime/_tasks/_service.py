@@ -41,7 +41,7 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, WatchdogConfig, validate_config
-from .._errors import ConfigError, PiRuntimeError, ReasonCode
+from .._errors import ReasonCode, TaskError, WatchdogConfigError
 from .._hosting import start_model, worker_program
 from .._journal._journal import read_log
 from .._journal._store import Store, lane_key, runtime_dir
@@ -49,14 +49,13 @@ from .._linux._fs import OsFileSystem
 from .._records import LogKind, TaskEnded, TaskSubmitted
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._runner import TaskRunner, open_task_runner
-from ._state import TaskError, inference_costs, read_lane
+from ._state import inference_costs, read_lane
 from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
 from ._workers import ProcessWorkers
 
 __all__ = [
     "HISTORY_LIMIT",
     "TaskService",
-    "WatchdogConfigError",
     "loud_logging",
     "offline_view",
     "offline_views",
@@ -80,15 +79,6 @@ _SETTINGS: Final = {
     "hard_seconds.generation": "hard_generation_seconds",
     "timescale": "unsafe_test_timescale",
 }
-
-
-class WatchdogConfigError(ConfigError):
-    """The ``[watchdog]`` table breaks a rule of WD9 (``watchdog_config_invalid``);
-    ``setting`` is ``watchdog.<setting>`` (or ``unsafe_test_timescale``)."""
-
-    def __init__(self, setting: str, message: str) -> None:
-        PiRuntimeError.__init__(self, ReasonCode.WATCHDOG_CONFIG_INVALID, f"{setting}: {message}")
-        self.setting = setting
 
 
 # -- the policy ----------------------------------------------------------------------------

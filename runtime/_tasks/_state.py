@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import msgspec
 
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import ReasonCode, TaskError
 from .._journal._store import lane_key
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation
@@ -47,7 +47,6 @@ __all__ = [
     "CONTINUATION_VERSION",
     "LIFECYCLE_TOOLS",
     "LaneState",
-    "TaskError",
     "check_spec",
     "continuation_marker",
     "continuation_prompt",
@@ -62,10 +61,6 @@ CONTINUATION_VERSION: Final = 1
 LIFECYCLE_TOOLS: Final = ("task_done", "task_fail", "task_wait")
 MAX_VALIDATION_TIMEOUT: Final = 86_400.0
 _TASK_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
-
-
-class TaskError(PiRuntimeError):
-    """A task request refused, with a stable reason code."""
 
 
 def continuation_marker(action_id: str) -> str:
