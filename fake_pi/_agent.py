@@ -3,7 +3,7 @@
 One *run* goes from ``agent_start`` to ``agent_settled``; it may hold several
 ``agent_start … agent_end`` pairs (auto-retries) and several turns (tool
 rounds, steering, follow-ups), exactly as Pi 1.6.0 sequences them (see
-``../shared/pi-real/REPORT.md`` §4, §7 and the RPC transcripts). Events go out
+``docs/design/pi-observed.md`` §4, §7 and the RPC transcripts). Events go out
 through the ``emit`` callback; messages are persisted at ``message_end``.
 
 Abort cancels the one operation in flight (a model stream, a tool, a retry

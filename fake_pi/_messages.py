@@ -1,7 +1,7 @@
 """Pi's message shapes, and how a conversation becomes a model request (pure).
 
 Messages are plain dicts in exactly the shape Pi 1.6.0 emits them in events and
-stores them in session entries (``../shared/pi-real/REPORT.md`` §4-§5), so the
+stores them in session entries (``docs/design/pi-observed.md`` §4-§5), so the
 runtime cannot tell Fake-Pi from Pi. :func:`request_messages` converts a context
 (the messages on the session path) into OpenAI ``chat/completions`` messages the
 way Pi's ``openai-completions`` provider does: the system text, user content

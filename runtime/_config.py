@@ -1,4 +1,6 @@
-"""The room worker's typed configuration (brief §3, §5, §8, §9; ``docs/design/config.md``).
+"""The room worker's typed configuration (docs/design/boundaries.md, lanes.md, protocol.md,
+serve.md;
+``docs/design/config.md``).
 
 One frozen :class:`RoomWorkerConfig` holds everything an operator decides: where state and the
 lanes' working directories live, which worker runs with which model route, the persona, which
@@ -54,7 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_GRANTS: Final = frozenset({"send_text_update"})
-"""A room's grant when the configuration says nothing: no read, no shell, no write (brief §5)."""
+"""A room's grant when the configuration says nothing: no read, no shell, no write
+(docs/design/lanes.md)."""
 KNOWN_TOOLS: Final = frozenset(PI_TOOL_CLASSES) | frozenset(RUNTIME_TOOLS)
 """Every tool a grant may name: Pi's gated tools and the runtime's own tools."""
 PERSONA_MAX_BYTES: Final = 64 * 1024
@@ -68,7 +71,8 @@ _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The upstream model route the gateway calls on the worker's behalf (brief §3)."""
+    """The upstream model route the gateway calls on the worker's behalf
+    (docs/design/boundaries.md)."""
 
     provider: str = "fake"
     """The provider name the worker sees (its ``models.json`` key)."""
@@ -83,7 +87,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class RoomConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One served room: its standing grants and extra grants per actor (brief §5)."""
+    """One served room: its standing grants and extra grants per actor (docs/design/lanes.md)."""
 
     grants: frozenset[str] | None = None
     """The tools every delivery in this room may use; ``None``: the configuration's
@@ -94,7 +98,7 @@ class RoomConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Timing, in seconds (brief §3, §5)."""
+    """Timing, in seconds (docs/design/boundaries.md, lanes.md)."""
 
     stall_seconds: float = 300.0
     """A turn with no worker event (and no tool lease) this long is aborted ``turn_stalled``."""
@@ -112,7 +116,7 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class Caps(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Bounds (brief §5, §8)."""
+    """Bounds (docs/design/lanes.md, protocol.md)."""
 
     max_live_workers: int = 4
     """Live worker processes; the least recently used lane stops beyond it."""
@@ -129,7 +133,8 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The websocket server of ``pi-runtime serve`` (brief §8, §9; ``docs/design/serve.md``)."""
+    """The websocket server of ``pi-runtime serve`` (docs/design/protocol.md, serve.md;
+    ``docs/design/serve.md``)."""
 
     allowed_origins: frozenset[str] = frozenset()
     """Browser ``Origin`` values allowed to connect. A handshake carrying any other ``Origin``
@@ -143,7 +148,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class WatchdogConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The task lanes' watchdog, in seconds (brief §6; ``docs/design/watchdog.md``, WD9).
+    """The task lanes' watchdog, in seconds (docs/design/watchdog.md; ``docs/design/watchdog.md``,
+    WD9).
 
     Only the types are checked here: the rules (soft is 300 s, hard thresholds at least 900 s
     and longer than soft, …) depend on ``--unsafe-test-timescale`` and are checked when task
@@ -168,7 +174,8 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     state_dir: str = "state"
     work_root: str = "work"
-    """Each room lane works in a stable directory below it; outside ``state_dir`` (brief §3)."""
+    """Each room lane works in a stable directory below it; outside ``state_dir``
+    (docs/design/boundaries.md)."""
     agent: Literal["fake", "pi"] = "fake"
     pi_home: str | None = None
     """Where the pinned Pi is installed (``agent = "pi"``); ``None``: the default location."""
@@ -178,7 +185,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     default_grants: frozenset[str] = DEFAULT_GRANTS
     rooms: dict[str, RoomConfig] | None = None
     """``None``: every valid room is served with ``default_grants``; a table: only those rooms
-    are served, every other room is refused ``room_refused`` (brief §5)."""
+    are served, every other room is refused ``room_refused`` (docs/design/lanes.md)."""
     tool_classes: dict[str, ReplayClass] = {}
     """Replay-class overrides; each only as strict as or stricter than the declared class."""
     thresholds: Thresholds = Thresholds()
@@ -218,7 +225,8 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return standing | self.rooms[room].actors.get(actor_id, frozenset())
 
     def is_privileged(self, room: str, actor_id: str) -> bool:
-        """Whether the actor's grants go beyond the room's standing grants (brief §5): such a
+        """Whether the actor's grants go beyond the room's standing grants (docs/design/lanes.md):
+        such a
         delivery runs in a one-shot session and is never steered into (or from) a room run.
         ``False`` for a room that is not served (it runs nothing)."""
         granted = self.grants_for(room, actor_id)

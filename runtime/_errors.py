@@ -143,7 +143,7 @@ class ReasonCode(enum.StrEnum):
     HELLO_REQUIRED = "hello_required"
     ORIGIN_REFUSED = "origin_refused"
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
-    # a task lane's worktree evidence: manifest and candidate checkpoint (brief §6.2)
+    # a task lane's worktree evidence: manifest and candidate checkpoint (docs/design/watchdog.md)
     WORKTREE_MISSING = "worktree_missing"
     WORKTREE_CHANGED = "worktree_changed"
     WORKTREE_UNREADABLE = "worktree_unreadable"
@@ -342,7 +342,7 @@ class StepRefused(PiRuntimeError):
 
 class ReplayMismatch(StepRefused):
     """A replayed turn asked for a model request the journal did not answer at that step
-    (G13, brief §4.3 "a mismatch fails closed"): refused, never sent upstream."""
+    (G13, docs/design/recovery.md "a mismatch fails closed"): refused, never sent upstream."""
 
 
 class ReceiptRefusal(PiRuntimeError):

@@ -68,7 +68,7 @@ class LogKind(enum.StrEnum):
 
 
 class ReplayClass(enum.StrEnum):
-    """How a tool may be treated after a crash (brief §4.4). Stricter wins."""
+    """How a tool may be treated after a crash (docs/design/gate.md). Stricter wins."""
 
     SAFE = "safe"
     RECEIPT = "receipt"
@@ -88,7 +88,7 @@ _STRICTNESS: Final = {ReplayClass.SAFE: 0, ReplayClass.RECEIPT: 1, ReplayClass.N
 
 
 class Outcome(enum.StrEnum):
-    """How a delivery ended (brief §5)."""
+    """How a delivery ended (docs/design/lanes.md)."""
 
     REPLY = "reply"
     ABSORBED = "absorbed"
@@ -122,7 +122,7 @@ class Header(_Record, tag="header", frozen=True, kw_only=True):
 
 
 class Fingerprints(msgspec.Struct, frozen=True, kw_only=True):
-    """The three fingerprints an admission pins (brief §4.2)."""
+    """The three fingerprints an admission pins (docs/design/journal.md)."""
 
     request: str
     """Over the canonical request, excluding channel history and display names."""
@@ -296,7 +296,8 @@ class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):
 
 
 class TaskSubmitted(_Record, tag="task_submitted", frozen=True, kw_only=True):
-    """A task lane's admission (brief §6): the task, its worktree and its frozen route."""
+    """A task lane's admission (docs/design/watchdog.md): the task, its worktree and its frozen
+    route."""
 
     task_id: str
     prompt: str

@@ -1,4 +1,6 @@
-"""Room ids (brief §2, §8): validated before anything else touches them, never used raw in a path.
+"""Room ids (docs/design/index.md, protocol.md): validated before anything else touches them, never
+used raw
+in a path.
 
 ``guild:<guild>:<channel>`` and ``dm:<channel>``, where each part is 1 to 64 ASCII letters,
 digits, ``_``, ``-`` or ``.``; or ``room:<opaque>`` with 1 to 200 printable, non-space

@@ -135,7 +135,7 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class TaskView(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything ``pi-runtime task show`` prints (seed 002's diagnostics list)."""
+    """Everything ``pi-runtime task show`` prints (docs/design/watchdog.md's diagnostics list)."""
 
     task_id: str
     state: str

@@ -34,7 +34,7 @@ async def test_mock_silence_clock_follows_trio_time(autojump_clock: trio.testing
 
 
 async def test_simulated_suspend_moves_only_boottime(mock_clock: trio.testing.MockClock) -> None:
-    """A suspend is visible as boottime - monotonic growing (brief §6.3)."""
+    """A suspend is visible as boottime - monotonic growing (docs/design/clocks.md)."""
     clock = MockSilenceClock()
     before = clock.read()
     clock.suspend(1200)

@@ -2,7 +2,8 @@
 tuple.
 
 Pure core, plain synchronous tests named after the invariants of docs/design/watchdog.md
-(``test_lk<N>_…``); seed 002 groups 5 (explicit outcomes, the layered Done), 7 (waits) and 9
+(``test_lk<N>_…``); docs/design/watchdog.md groups 5 (explicit outcomes, the layered Done), 7
+(waits) and 9
 (terminal-vs-epoch-CAS races, first terminal wins, late evidence).
 """
 

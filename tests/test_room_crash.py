@@ -1,5 +1,5 @@
 """Crashes of the room-worker host, by SIGKILL at named points (``docs/design/lanes.md``,
-brief §4.3); each cell with the real Pi and with Fake-Pi.
+docs/design/recovery.md); each cell with the real Pi and with Fake-Pi.
 
 The host is a real process (``tests/room_host.py``) that reports each fact on stdout; the test
 kills it right after the fact it waits for, starts a new host on the same state directory and

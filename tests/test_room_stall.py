@@ -1,4 +1,5 @@
-"""The turn stall backstop at the lane level (brief §5 "Turn stall backstop", §6.3; issue #5
+"""The turn stall backstop at the lane level (docs/design/lanes.md "Turn stall backstop", §6.3;
+issue #5
 item 6): the real room worker (``open_room_worker``), Fake-Pi as a real subprocess, a scripted
 model on loopback, the brief's thresholds (300 s of silence, a 5 s tick, the gateway's 270 s
 upstream inactivity) — under virtual time. ``tests/test_stall.py`` tests the watch alone.
@@ -11,7 +12,8 @@ on with :meth:`MockClock.jump` — to the next timer and no further, and only wh
 tool, the tool is running). So a timer never fires while the subprocess is still working on
 something, and nothing depends on how fast the machine is.
 
-Autojump is not used (brief §6.3 keeps it for in-process tests): it jumps whenever every task
+Autojump is not used (docs/design/clocks.md keeps it for in-process tests): it jumps whenever every
+task
 *in this process* has been blocked for its threshold, and a task waiting on the subprocess's
 pipe is blocked. While a turn runs its 5 s tick is always pending, so every threshold's worth
 of real work in Fake-Pi (a chunk, a retry wait, a slow machine) would age the turn by up to
@@ -76,7 +78,7 @@ _json = msgspec.json.Encoder()
 
 def test_the_thresholds_are_the_briefs() -> None:
     """These tests run on the defaults: 300 s of silence, a 5 s tick, and the gateway's 270 s
-    of upstream inactivity, which is below the silence limit (brief §5, §6.2)."""
+    of upstream inactivity, which is below the silence limit (docs/design/lanes.md, watchdog.md)."""
     thresholds = Thresholds()
     assert (thresholds.stall_seconds, thresholds.tick_seconds) == (LIMIT, TICK)
     assert thresholds.upstream_inactivity_seconds == 270.0 < LIMIT
@@ -536,7 +538,8 @@ async def test_a_hung_upstream_is_the_gateways_to_abort_not_the_backstops(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Remedies are layered (brief §6.2): a model stream that goes quiet (:class:`Hang`) is
+    """Remedies are layered (docs/design/watchdog.md): a model stream that goes quiet
+    (:class:`Hang`) is
     aborted by the gateway after 270 s of upstream inactivity (G10), below the 300 s limit;
     the worker retries in-process (its ``auto_retry_start`` is an event), the retry is
     answered, and the turn ends ``reply`` — the backstop never fires. So with the brief's

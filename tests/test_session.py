@@ -84,7 +84,7 @@ def sample_lines(name: str) -> list[bytes]:
 
 def not_written_by_pi() -> set[tuple[str, int]]:
     """The recorder appended one line to ``branched`` with Python's json.dumps (", " and ": "
-    separators), as another program would: the one line Pi did not write (REPORT §8
+    separators), as another program would: the one line Pi did not write (pi-observed.md §8
     "Branching (a)"; facts.json names it)."""
     return {("branched", facts().injected_line.line)}
 
@@ -153,7 +153,7 @@ def test_s4_path_to_root_is_root_first() -> None:
 
 
 def test_s5_branched_sample_path_skips_the_abandoned_branch() -> None:
-    """REPORT §8 (a): the line appended under the first answer leads the path Pi uses. Pi
+    """pi-observed.md §8 (a): the line appended under the first answer leads the path Pi uses. Pi
     reopened the file with that line as its leaf and wrote the branch's prompt and answer
     below it; the entries between the branch point and that line are left behind."""
     injected = facts().injected_line
@@ -203,7 +203,7 @@ def test_s5_branch_at_an_earlier_entry_becomes_the_leaf(tmp_path: Path) -> None:
 
 
 def test_s5_killed_midtool_leaf_is_the_dangling_tool_call() -> None:
-    """REPORT §8: SIGKILL mid-tool leaves the assistant toolCall as the last line."""
+    """pi-observed.md §8: SIGKILL mid-tool leaves the assistant toolCall as the last line."""
     session = read_session(sample("killed_midtool")).session
     leaf = session.leaf
     assert leaf is not None

@@ -536,7 +536,7 @@ async def scripted_model(steps: Sequence[Step]) -> AsyncIterator[tuple[ScriptedM
 
 async def _kill_mid_tool(launch: WorkerLaunch, call_id: str) -> None:
     """Prompt; once the tool ``call_id`` started, SIGKILL the worker alone (as a crash
-    would), then stop the rest of its tree (the tool, orphaned, REPORT §8)."""
+    would), then stop the rest of its tree (the tool, orphaned, pi-observed.md §8)."""
     async with (
         open_worker(launch) as worker,
         open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,

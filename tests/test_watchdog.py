@@ -3,7 +3,8 @@
 Pure cores, plain synchronous tests named after the invariants of docs/design/watchdog.md
 (``test_wd<N>_…``). Time is plain numbers: a :class:`Tick` carries the boottime reading
 (``now``, counts a suspend) and the monotonic reading (``awake``, does not); while the host is
-awake both advance together. The clock matrix is seed 002's "RED-first permanent validation"
+awake both advance together. The clock matrix is docs/design/watchdog.md's "RED-first permanent
+validation"
 list (groups 1, 2, 3, 4, 7, 9, 10).
 """
 

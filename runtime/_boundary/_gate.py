@@ -1,6 +1,7 @@
 """The tool gate: before a worker's tool starts, the runtime decides; after it, the outcome.
 
-Boundary 3 of brief §3. The worker (the real Pi through ``runtime/_boundary/pi_extension/gate.ts``,
+Boundary 3 of docs/design/boundaries.md The worker (the real Pi through
+``runtime/_boundary/pi_extension/gate.ts``,
 Fake-Pi through ``fake_pi/_gate_client.py``) asks over a Unix socket (mode 0600, in the
 runtime directory) with small JSON bodies over HTTP/1.1:
 
@@ -76,7 +77,8 @@ PI_TOOL_CLASSES: Final[Mapping[str, ReplayClass]] = {
     "write": ReplayClass.NEVER,
     "edit": ReplayClass.NEVER,
 }
-"""Declared replay classes of Pi's gated tools; any other tool is ``never`` (brief §4.4)."""
+"""Declared replay classes of Pi's gated tools; any other tool is ``never``
+(docs/design/gate.md)."""
 
 _json = msgspec.json.Encoder()
 

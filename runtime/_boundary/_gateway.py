@@ -1,4 +1,5 @@
-"""The model gateway: the worker's model endpoint, journaling every step (brief §3).
+"""The model gateway: the worker's model endpoint, journaling every step
+(docs/design/boundaries.md).
 
 A worker (the real Pi or Fake-Pi) is pointed at the gateway instead of the
 model: OpenAI-compatible streaming ``POST …/chat/completions`` on loopback. The

@@ -1,5 +1,5 @@
 """Transactional receipts: the SQLite document store behind ``write_document`` /
-``read_document`` (brief §7; ``docs/design/receipts.md``).
+``read_document`` (docs/design/receipts.md; ``docs/design/receipts.md``).
 
 A ``receipt`` tool commits its effect and its receipt in **one** transaction, so after any
 crash the receipt is proof: present means applied (and holds the saved result), absent means

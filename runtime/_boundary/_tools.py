@@ -49,7 +49,7 @@ TOOLS_ENV: Final = "PI_RUNTIME_TOOLS"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolSpec:
-    """One tool as the model sees it, and its replay class (brief §4.4)."""
+    """One tool as the model sees it, and its replay class (docs/design/gate.md)."""
 
     name: str
     description: str

@@ -1,6 +1,6 @@
 """The state directory: its lock, its layout, and the logs and documents in it.
 
-Layout (brief §4.1)::
+Layout (docs/design/journal.md)::
 
     state/                     0700, checked at every open
       LOCK                     flock'd by the single owner for its whole life

@@ -1,7 +1,7 @@
 """Pi session files (JSONL v3): read, create and append them exactly as Pi 1.6.0 does.
 
 Invariants S1..S13 are stated in ``docs/design/sessions.md`` and cited by the tests; the
-format facts come from the Pi research report (``shared/pi-real/REPORT.md`` §5, §8).
+format facts come from the Pi research report (``docs/design/pi-observed.md`` §5, §8).
 
 A pure core (:func:`encode_entry`, :func:`parse_session`, :class:`Session`, :func:`attest`)
 never touches the file system; the JavaScript-exact JSON it writes and reads comes from
@@ -255,7 +255,7 @@ class Session:
 
     def branch_at(self, entry_id: str, entry: Mapping[str, Any], *, time_ms: int) -> SessionEntry:
         """The entry that branches at the earlier ``entry_id``; once written it is the
-        leaf, and Pi's context becomes the path root…``entry_id`` (S5, REPORT §8 (a))."""
+        leaf, and Pi's context becomes the path root…``entry_id`` (S5, pi-observed.md §8 (a))."""
         return self.new_entry(entry, time_ms=time_ms, parent_id=entry_id)
 
     def with_entry(self, entry: SessionEntry) -> Session:
@@ -655,7 +655,7 @@ def contains_path(session: Session, attestation: Attestation) -> bool:
 
 # ------------------------------------------------------------ dangling tool calls (S12, S13)
 # Pi answers a tool call only by running it. A worker killed mid-tool leaves the assistant's
-# toolCall blocks without a toolResult (REPORT §8); each later request then carries Pi's
+# toolCall blocks without a toolResult (pi-observed.md §8); each later request then carries Pi's
 # synthetic "No result provided" for them, in the request only. Before a relaunch the runtime
 # writes a real answer instead. Which calls count mirrors Pi's own request building:
 # ``buildSessionProjection`` (session-manager.js), ``convertToLlm`` (messages.js) and

@@ -1,8 +1,10 @@
 """What a delivery is, before it runs: its request, fingerprints and rendered prompt (pure).
 
 A room message arrives as a :class:`Delivery` (the wire protocol's ``deliver`` frame, brief
-§8). Before it is admitted the runtime pins three fingerprints (brief §4.2) and renders the
-prompt exactly as it will be sent (brief §5, cold and warm lanes). Everything here is pure:
+§8). Before it is admitted the runtime pins three fingerprints (docs/design/journal.md) and renders
+the
+prompt exactly as it will be sent (docs/design/lanes.md, cold and warm lanes). Everything here is
+pure:
 no I/O, no clock, no Trio.
 
 * The **request fingerprint** covers the canonical request *excluding* the channel history
@@ -117,7 +119,7 @@ def _canonical_request(delivery: Delivery) -> dict[str, Any]:
 
 
 def fingerprints(delivery: Delivery, *, grants: Iterable[str], settings: str) -> Fingerprints:
-    """The three fingerprints an admission pins (brief §4.2); ``settings`` is the host's
+    """The three fingerprints an admission pins (docs/design/journal.md); ``settings`` is the host's
     :func:`settings_fingerprint` (the same for every delivery with these grants)."""
     return Fingerprints(
         request=digest(_canonical_request(delivery)),
@@ -149,7 +151,7 @@ def _speaker(author: Author) -> str:
 
 
 def render_prompt(delivery: Delivery, *, cold: bool) -> str:
-    """The prompt exactly as it will be sent (brief §5).
+    """The prompt exactly as it will be sent (docs/design/lanes.md).
 
     A cold lane — one whose session does not yet hold the conversation — gets the client's
     backlog first, marked as context from the room and not as instructions; a warm lane gets

@@ -4,7 +4,7 @@ A :class:`Lane` owns one room's queue, session file, working directory and — w
 warm — one worker epoch behind its own gateway and gate (``runtime/_boundary/_boundaries.py``). The
 lane
 runs in its own nursery and each epoch in a nested one, so stopping a lane or fencing an epoch
-is a cancellation (brief §3). The invariants (L1…) are in ``docs/design/lanes.md``.
+is a cancellation (docs/design/boundaries.md). The invariants (L1…) are in ``docs/design/lanes.md``.
 
 One delivery's turn: the delivery's log is created (or reopened when it is replayed) and its
 admission written there with the session leaf it starts from; the rendered prompt is sent; the
@@ -76,7 +76,7 @@ REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
 EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
 SHELL_LEASE: Final = 600.0
-"""The lease of a shell tool that names no timeout of its own (brief §5)."""
+"""The lease of a shell tool that names no timeout of its own (docs/design/lanes.md)."""
 
 
 @dataclass(eq=False)
@@ -101,7 +101,8 @@ class Pending:
 
 @dataclass(eq=False)
 class Absorbed:
-    """A delivery steered into an owner's run (brief §5): its text, and the step whose model
+    """A delivery steered into an owner's run (docs/design/lanes.md): its text, and the step whose
+    model
     request first carried it (``None`` until seen)."""
 
     pending: Pending
@@ -316,7 +317,8 @@ class Lane:
             self._room.request_stop()
 
     async def steer(self, pending: Pending) -> bool:
-        """Steer ``pending`` into the running turn (brief §5) when that turn has the same
+        """Steer ``pending`` into the running turn (docs/design/lanes.md) when that turn has the
+        same
         authority and is still running: its absorbed input is journaled in the owner's log
         first, then sent as a ``steer``. False (queue it instead) otherwise."""
         owner, turn = self.current, self._running
@@ -433,7 +435,7 @@ class Lane:
     async def _settle_absorbed(self, owner: Pending, result: Result) -> None:
         """Once the owner's result is durable: a steered delivery whose text a model request
         carried ends ``absorbed`` into it, when the owner answered (reply or silent); any
-        other runs as its own turn next, in arrival order (brief §5, L10)."""
+        other runs as its own turn next, in arrival order (docs/design/lanes.md, L10)."""
         answered = result.outcome in (Outcome.REPLY, Outcome.SILENT)
         retry: list[Pending] = []
         for item in owner.absorbed:
@@ -453,7 +455,7 @@ class Lane:
 
     async def _run(self, nursery: trio.Nursery, pending: Pending, log: Journal) -> Result:
         """The delivery's turn, replayed after a worker death, within the recovery attempts
-        (brief §4.3): the attempts so far are the abandoned steps in its log."""
+        (docs/design/recovery.md): the attempts so far are the abandoned steps in its log."""
         existing = log.contents.records
         attempts = sum(isinstance(r, StepAbandoned) for r in existing)
         started = next((r for r in existing if isinstance(r, Admission)), None)
@@ -519,7 +521,8 @@ class Lane:
             raise _WorkerDied(str(error)) from error
 
     def _refused(self, what: str) -> Result:
-        """A replay that cannot be trusted fails closed (brief §4.3): ``recovery_refused:what``."""
+        """A replay that cannot be trusted fails closed (docs/design/recovery.md):
+        ``recovery_refused:what``."""
         code = ReasonCode.RECOVERY_REFUSED.at(what)
         return Result(
             outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
@@ -639,7 +642,7 @@ class Lane:
 
     async def _send_text_update(self, call: GateCall, intent_id: str) -> GateResult:
         """``send_text_update``: a short message threaded on the one being answered; it does
-        not settle the turn (brief §5)."""
+        not settle the turn (docs/design/lanes.md)."""
         await trio.lowlevel.checkpoint()
         pending = self.current
         text = call.args.get("text")
@@ -751,7 +754,7 @@ class _Turn:
     async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
         """Before each model request is answered: a steer first carried here is recorded as
         seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
-        now, so the next request is the same as the first time (brief §4.3)."""
+        now, so the next request is the same as the first time (docs/design/recovery.md)."""
         carried = _user_text(body)
         for item in self.pending.absorbed:
             if item.first_step is None and item.text in carried:

@@ -4,7 +4,7 @@ Every finished delivery is published once into ``results.log`` as a
 :class:`~runtime._records.ResultPublished` with the next ``seq``; an acknowledgement is a
 cumulative :class:`~runtime._records.ResultAcked`. After a restart the outbox is rebuilt from
 the log: what was published and not acknowledged is delivered again with its original seq
-(brief §8). ``delivery_id`` is the receiver's idempotency key.
+(docs/design/protocol.md). ``delivery_id`` is the receiver's idempotency key.
 
 Resource handling: the log belongs to the store; the outbox only appends. Concurrency: one
 publisher at a time (a lock keeps seq order equal to log order); any number of readers.

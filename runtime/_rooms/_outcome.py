@@ -1,8 +1,8 @@
-"""How a finished room turn ends (brief §5 "Outcomes"): a pure classifier, no I/O.
+"""How a finished room turn ends (docs/design/lanes.md "Outcomes"): a pure classifier, no I/O.
 
 A room lane hands :func:`classify_turn` the agent messages of one turn, in order, as Pi
 reports them (``agent_end.messages`` or ``get_messages``: ``user``, ``assistant`` and
-``toolResult`` messages; ``shared/pi-real/REPORT.md`` §4, §5, §7). The **last assistant message
+``toolResult`` messages; ``docs/design/pi-observed.md`` §4, §5, §7). The **last assistant message
 decides**:
 
 * ``stopReason`` ``stop`` or ``length`` with visible text → ``reply`` with that text (the
@@ -23,12 +23,13 @@ reply.
 **Silence is the whole reply.** A turn is silent only when its entire text (after stripping
 surrounding whitespace) is the marker; a reply that merely *contains* the marker is a reply.
 This is what lets :func:`could_still_be_silent` start ``typing`` the moment the streamed text
-stops being a prefix of the marker without ever lighting a turn that ends silent (brief §5:
+stops being a prefix of the marker without ever lighting a turn that ends silent
+(docs/design/lanes.md:
 ``typing`` "never for a silent turn").
 
 **The provider's words stay in the session.** A failed :class:`TurnEnd` carries only its
 reason code, never ``errorMessage``: results and logs must not hold provider response bodies
-(brief §5). :func:`classify_turn` reads ``errorMessage`` only to choose the code.
+(docs/design/lanes.md). :func:`classify_turn` reads ``errorMessage`` only to choose the code.
 
 **Usage limits are what Pi itself calls an account limit.** Pi 1.6.0 does not retry an error
 whose message matches its ``NON_RETRYABLE_PROVIDER_LIMIT_ERROR_PATTERN``

@@ -1,4 +1,4 @@
-"""The room turn stall backstop (brief §5 "Turn stall backstop", §6.3).
+"""The room turn stall backstop (docs/design/lanes.md "Turn stall backstop", §6.3).
 
 A turn takes as long as its work takes; only *silence* is bounded. :class:`StallWatch` is the
 pure core: it is told about worker events and tool leases, takes ``now`` as an argument and
@@ -51,9 +51,11 @@ from .._clock import SilenceClock
 __all__ = ["DEFAULT_STALL_LIMIT", "DEFAULT_STALL_TICK", "StallWatch", "watch_turn"]
 
 DEFAULT_STALL_LIMIT = 300.0
-"""Seconds of silence after which a room turn is aborted as ``turn_stalled`` (brief §5)."""
+"""Seconds of silence after which a room turn is aborted as ``turn_stalled``
+(docs/design/lanes.md)."""
 DEFAULT_STALL_TICK = 5.0
-"""Seconds of Trio time between two reads of the suspend-aware clock (brief §5, §6.3)."""
+"""Seconds of Trio time between two reads of the suspend-aware clock (docs/design/lanes.md,
+clocks.md)."""
 
 
 class StallWatch:

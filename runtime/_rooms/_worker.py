@@ -1,6 +1,7 @@
 """The room worker: admits deliveries durably, runs them in room lanes, publishes results.
 
-:func:`open_room_worker` is the embedding API (brief §1 "Bot authors"; issue #5): it owns the
+:func:`open_room_worker` is the embedding API (docs/design/index.md "Bot authors"; issue #5): it
+owns the
 state directory, recovers what a previous owner left unfinished, runs one lane per room and
 yields a :class:`RoomWorker` with :meth:`~RoomWorker.deliver`, :meth:`~RoomWorker.cancel`,
 :meth:`~RoomWorker.drain`, :meth:`~RoomWorker.events`, :meth:`~RoomWorker.results` and
@@ -186,7 +187,7 @@ class RoomWorker:
 
     async def drain(self, seconds: float | None = None) -> None:
         """Stop admitting and let running turns finish, for up to ``seconds`` (default: the
-        configured drain timeout). What has not finished stays pending (brief §4.3)."""
+        configured drain timeout). What has not finished stays pending (docs/design/recovery.md)."""
         self.stop_admitting()
         limit = self.config.thresholds.drain_timeout_seconds if seconds is None else seconds
         with trio.move_on_after(limit):
@@ -300,7 +301,8 @@ class RoomWorker:
         return found
 
     def _settings(self, grants: frozenset[str]) -> dict[str, Any]:
-        """What the settings fingerprint covers (brief §3, §4.2), as named parts."""
+        """What the settings fingerprint covers (docs/design/boundaries.md, journal.md), as named
+        parts."""
         program = self._host.program
         route = self._host.route
         classes = {n: str(c) for n, c in PI_TOOL_CLASSES.items()}
@@ -326,7 +328,8 @@ class RoomWorker:
 
     async def _recover(self) -> None:
         """Pick up what a previous owner left: kill its epochs' trees, then requeue every
-        admitted delivery without a published result, in admission order (brief §4.3)."""
+        admitted delivery without a published result, in admission order
+        (docs/design/recovery.md)."""
         await self._kill_leftover_epochs()
         published = self._host.outbox
         admissions = [r for r in self.store.admissions.contents.records if isinstance(r, Admission)]
@@ -429,7 +432,7 @@ class RoomWorker:
         if now.authority != record.fingerprints.authority:
             return ReasonCode.RECOVERY_REFUSED.at("grants")
         changed = changed_settings(record.fingerprints.settings, now.settings)
-        if changed:  # tools, route, worker or persona (brief §4.3)
+        if changed:  # tools, route, worker or persona (docs/design/recovery.md)
             return ReasonCode.RECOVERY_REFUSED.at(changed[0])
         return None
 
@@ -462,7 +465,8 @@ class RoomWorker:
 
 CANCEL_REQUESTS: Final = "cancel-requests.json"
 """A document in the state directory: deliveries whose cancel was requested while no server
-ran; the next start ends each ``cancelled`` before anything runs (brief §8, ``cancel``)."""
+ran; the next start ends each ``cancelled`` before anything runs (docs/design/protocol.md,
+``cancel``)."""
 
 
 async def _read_cancel_requests(store: Store) -> list[str]:

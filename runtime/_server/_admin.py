@@ -1,4 +1,5 @@
-"""The admin socket: how commands reach the server that owns a state directory (brief §4.1).
+"""The admin socket: how commands reach the server that owns a state directory
+(docs/design/journal.md).
 
 A Unix socket ``<state>/admin.sock`` (0600, in the 0700 state directory) speaking JSON lines:
 one request object per connection, one response object back, then the server closes::

@@ -1,4 +1,5 @@
-"""The websocket wire protocol (brief §8): its frames as types, decoded and encoded (pure).
+"""The websocket wire protocol (docs/design/protocol.md): its frames as types, decoded and encoded
+(pure).
 
 Every frame is one JSON object in one websocket text frame, tagged by ``type``. Client frames
 are inbound commands: strict (``forbid_unknown_fields``), and every way one can be wrong is
@@ -12,7 +13,8 @@ only ever added, with defaults).
 generated from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them
 equal.
 The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The task
-frames (``task_*``) drive task lanes (brief §6, issue #8): their server frames are the task
+frames (``task_*``) drive task lanes (docs/design/watchdog.md, issue #8): their server frames are
+the task
 runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
 :class:`~runtime._tasks._runner.TaskEvent`).
 """

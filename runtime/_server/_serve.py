@@ -1,4 +1,5 @@
-"""``pi-runtime serve``: the room worker behind a websocket (brief §1, §8, §9).
+"""``pi-runtime serve``: the room worker behind a websocket (docs/design/index.md, protocol.md,
+serve.md).
 
 One process owns one state directory. It runs a :class:`~runtime._rooms._worker.RoomWorker`,
 answers the wire protocol of ``docs/design/protocol.md`` on every websocket connection, and
@@ -111,7 +112,7 @@ class ServeOptions:
     port: int = 8765
     ssl_context: ssl.SSLContext | None = None
     insecure_bind: bool = False
-    """Allow a non-loopback address without TLS (brief §9: otherwise refused)."""
+    """Allow a non-loopback address without TLS (docs/design/serve.md: otherwise refused)."""
     unsafe_test_timescale: float = 1.0
     """Tests only: divide every task-lane watchdog threshold by this (WD9); said loudly."""
 
@@ -423,7 +424,7 @@ class RoomServer:
             connection.in_flight.add(delivery_id)
         await connection.send(accepted)
         if accepted.disposition == "duplicate" and stored is not None:
-            await connection.send(stored)  # its stored result again, with its seq (brief §8)
+            await connection.send(stored)  # its stored result again, with its seq (P…)
 
     async def _send_results(self, connection: _Connection) -> None:
         async for result in self.worker.results():

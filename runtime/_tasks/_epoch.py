@@ -1,4 +1,5 @@
-"""One process epoch of a task lane under watch (brief §6.1-6.3; TL2, WD1-WD3, WD6-WD8, WD10).
+"""One process epoch of a task lane under watch (docs/design/watchdog.md-6.3; TL2, WD1-WD3,
+WD6-WD8, WD10).
 
 A :class:`EpochWatch` lives exactly as long as one worker process: the lane opens the worker
 (``async with workers.open(…)``), hands it to :meth:`EpochWatch.run`, and stops the tree when
@@ -318,7 +319,8 @@ class EpochWatch:
         return tuple(name for name in MANUAL_RESUME_GUARDS if getattr(evidence, name) is not True)
 
     async def _guard_evidence(self) -> GuardEvidence:
-        """Every guard of brief §6.2, read now (the probe that asked for them was quiet)."""
+        """Every guard of docs/design/watchdog.md, read now (the probe that asked for them was
+        quiet)."""
         lane = self.lane
         eligible = self._eligible
         size = await session_size(lane.session)

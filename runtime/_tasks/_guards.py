@@ -1,4 +1,5 @@
-"""Fencing guards and recovery budgets of a task lane (brief §6.2). Pure: no trio, no I/O.
+"""Fencing guards and recovery budgets of a task lane (docs/design/watchdog.md). Pure: no trio, no
+I/O.
 
 A fence stops a live process, so it needs *proof*, not a timer. :class:`GuardEvidence` holds
 what the shell found, one field per guard; a guard is ``True`` only when checked and holding,
@@ -20,7 +21,7 @@ __all__ = ["Budget", "GuardEvidence", "failed_guards"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GuardEvidence:
-    """Every fencing guard of brief §6.2, as checked by the shell."""
+    """Every fencing guard of docs/design/watchdog.md, as checked by the shell."""
 
     progress_unchanged: bool | None = None
     """Compare-and-set: the progress sequence is the one the hard clock crossed on."""

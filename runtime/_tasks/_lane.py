@@ -1,4 +1,5 @@
-"""Task lanes: one coding task run by a supervised worker until an explicit receipt (brief §6).
+"""Task lanes: one coding task run by a supervised worker until an explicit receipt
+(docs/design/watchdog.md).
 
 A :class:`TaskLane` owns one task: its log (``lanes/<hash>/lane.log``: the submission, model
 steps, tool intents and outcomes, epochs, lifecycle receipts, outbox actions, continuations),

@@ -1,4 +1,5 @@
-"""The lifecycle kernel of a task lane: first terminal wins (brief §6.2, seed 002).
+"""The lifecycle kernel of a task lane: first terminal wins (docs/design/watchdog.md,
+docs/design/watchdog.md).
 
 Pure core: no trio, no I/O. ``task_done`` / ``task_fail`` / ``task_wait`` reach it through
 the tool gate as intents (the gate has made the intent durable first); the kernel decides
@@ -130,7 +131,8 @@ class LifecycleKernel:
 
     def begin_epoch(self, epoch: int, *, fenced: bool) -> bool:
         """The epoch compare-and-set (LK6): a new process epoch may own the task only while
-        no terminal (nor a wait: seed 002, "park") was accepted. ``fenced``: the old epoch was
+        no terminal (nor a wait: docs/design/watchdog.md, "park") was accepted. ``fenced``: the old
+        epoch was
         fenced (the fence counter moves, so its late reports are old-fence evidence)."""
         if self.state.terminal or self.state is TaskState.WAITING:
             return False  # a parked task is woken by its reply (LK5), not by a continuation
@@ -236,7 +238,7 @@ class LifecycleKernel:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DoneEvidence:
-    """What the shell gathered for a Done (brief §6.2)."""
+    """What the shell gathered for a Done (docs/design/watchdog.md)."""
 
     terminal: LifecycleReceipt | None
     quiescent_epoch: int | None

@@ -1,4 +1,4 @@
-"""The task runner: submits, controls and shows task lanes (brief §6; issue #8).
+"""The task runner: submits, controls and shows task lanes (docs/design/watchdog.md; issue #8).
 
 :func:`open_task_runner` owns a set of :class:`~runtime._tasks._lane.TaskLane`\\ s on a state
 directory's :class:`~runtime._journal._store.Store`: each in its own task of the runner's nursery.

@@ -8,7 +8,7 @@ or the real Pi as configured) behind a per-epoch gateway and gate, with
 * the configuration's model route; without ``model.base_url`` the plain scripted model of
   Fake-Pi is served here, as the room worker does;
 * an upstream whose inactivity bound is the hard threshold of the (scaled) policy, so a dead
-  upstream stream is ended by the gateway first (brief §6, layered remedies);
+  upstream stream is ended by the gateway first (docs/design/watchdog.md, layered remedies);
 * the gate sockets in the state directory's short runtime directory (one per lane);
 * the :class:`~runtime._tasks._watchdog.WatchdogPolicy` of the ``[watchdog]`` table, checked at
   start (WD9): a breach raises :class:`WatchdogConfigError` (``watchdog_config_invalid``) naming

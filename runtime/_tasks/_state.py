@@ -1,5 +1,6 @@
 """What a task is and what its lane log says: the submission, the diagnostics view, the
-continuation prompt, and the lane's durable state read back from its records (brief §6).
+continuation prompt, and the lane's durable state read back from its records
+(docs/design/watchdog.md).
 
 Pure apart from :func:`check_spec`'s look at the worktree: no trio, no clock. The task lane
 (``runtime/_tasks/_lane.py``) restores itself with :func:`read_lane`; the offline ``task show``

@@ -1,4 +1,4 @@
-"""The task-lane watchdog: classifications, clocks and the action table (brief §6).
+"""The task-lane watchdog: classifications, clocks and the action table (docs/design/watchdog.md).
 
 Pure core: no trio, no I/O, no clock reads. The shell (``runtime/_tasks/_lane.py``) feeds it what
 the worker did (:class:`Progress`, :class:`Lease`, :class:`Settled`, …) and clock readings
@@ -59,7 +59,8 @@ __all__ = [
 ]
 
 HARD_FLOOR_SECONDS: Final = 900.0
-"""No hard threshold may be shorter (seed 002: free/low-QoS TTFT and inter-token ≥ 900 s)."""
+"""No hard threshold may be shorter (docs/design/watchdog.md: free/low-QoS TTFT and inter-token ≥
+900 s)."""
 PROBE_TIMEOUT_FLOOR: Final = 2.0
 """The time scale shortens the probe's bound no further: it bounds a live worker's answer on
 a loaded machine, it is not a threshold (too short, and a busy worker reads as wedged)."""
@@ -68,7 +69,7 @@ SUSPEND_EVIDENCE_SECONDS: Final = 1.0
 
 
 class Classification(enum.StrEnum):
-    """The watchdog's view of a task lane (brief §6.1) — never a task status."""
+    """The watchdog's view of a task lane (docs/design/watchdog.md) — never a task status."""
 
     ACTIVE = "Active"
     WAITING_USER = "WaitingUser"
@@ -109,7 +110,8 @@ ACTION_TABLE: Final[Mapping[Classification, str]] = {
     Classification.STALLED_OPERATOR_REQUIRED: "inspect, then pi-runtime task resume | grant | "
     "abort | fail",
 }
-"""The next safe operator action for each classification (seed 002's action table)."""
+"""The next safe operator action for each classification (docs/design/watchdog.md's action
+table)."""
 
 
 # ------------------------------------------------------------------------------- policy
@@ -165,7 +167,7 @@ class WatchdogPolicy:
             elif not seconds > self.soft_seconds:
                 out.append((setting, "must be longer than soft_seconds"))
         if not unsafe and self.soft_seconds != 300.0:
-            out.append(("soft_seconds", "is static: 300 s (brief §6.2)"))
+            out.append(("soft_seconds", "is static: 300 s (docs/design/watchdog.md)"))
         return out
 
     def scaled(self, factor: float) -> WatchdogPolicy:

@@ -54,7 +54,7 @@ Record = dict[str, Any]
 
 COMMON_FLAGS: Final = ("--mode", "rpc", "--provider", "fake", "--model", "fake-model")
 QUIET_FLAGS: Final = ("-nc", "-ns", "-np", "-ne", "--no-mcp")
-"""No context files, skills, prompt templates, extensions or MCP (REPORT §10.6)."""
+"""No context files, skills, prompt templates, extensions or MCP (pi-observed.md §10.6)."""
 
 START_TIMEOUT: Final = 30.0
 """The first response of a cold Node start (compile cache empty) on a loaded CI box."""

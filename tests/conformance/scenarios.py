@@ -3,7 +3,7 @@
 A scenario is three things: the model's scripted steps (a fresh
 :class:`ScriptedModel` per run), ``drive`` (the RPC conversation, waiting on
 events, never sleeping) and ``check`` (behavioural facts, written from what
-the real Pi 1.6.0 does: REPORT.md, the research transcripts and runs of this
+the real Pi 1.6.0 does: pi-observed.md, the research transcripts and runs of this
 suite). :func:`run_scenario` runs one scenario on one worker and returns a
 :class:`Capture`; the test compares two captures with :mod:`.shapes`.
 """

@@ -1,7 +1,7 @@
 """Fake-Pi in-process, under virtual time: Pi's event sequences and session shapes.
 
 Each test names the Pi behaviour it mirrors: the invariants of ``docs/design/fake-pi.md``, which
-the conformance suite checks against the real Pi ("REPORT §n" cites the section of the Pi
+the conformance suite checks against the real Pi ("pi-observed.md §n" cites the section of the Pi
 research report a fact comes from; the real Pi's own files are in ``tests/data/pi-1.6.0/``).
 """
 
@@ -62,7 +62,7 @@ def _model(*steps: Any) -> ScriptedModel:
 async def test_plain_answer_sequence(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §4: one prompt, one text answer, system message on the first request."""
+    """pi-observed.md §4: one prompt, one text answer, system message on the first request."""
     session = tmp_path / "s.jsonl"
     async with open_fake_pi(cwd=tmp_path, session=session, clock=MockWallClock()) as fake:
         events = await _prompt(fake, "hello")
@@ -98,7 +98,7 @@ async def test_plain_answer_sequence(
 async def test_tool_round_then_answer(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §4: tool call, tool execution events, toolResult, second turn."""
+    """pi-observed.md §4: tool call, tool execution events, toolResult, second turn."""
     model = _model(
         ToolCalls(calls=[Call(name="write", arguments={"path": "a.txt", "content": "x"})])
     )
@@ -148,7 +148,7 @@ class _HoldingGate:
 async def test_steer_during_a_tool_is_delivered_after_it(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §7: a steer does not interrupt the tool; the next request holds it."""
+    """pi-observed.md §7: a steer does not interrupt the tool; the next request holds it."""
     gate = _HoldingGate()
     model = _model(ToolCalls(calls=[Call(name="read", arguments={"path": "x"})]))
     (tmp_path / "x").write_text("content")
@@ -176,7 +176,7 @@ async def test_steer_during_a_tool_is_delivered_after_it(
 async def test_follow_up_runs_when_the_agent_would_stop(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §7: a follow-up is its own turn within the same run."""
+    """pi-observed.md §7: a follow-up is its own turn within the same run."""
     model = _model(Text(text="first answer", delay=5))
     async with open_fake_pi(cwd=tmp_path, model=model) as fake:
         await fake.send({"id": "p", "type": "prompt", "message": "one"})
@@ -193,7 +193,7 @@ async def test_follow_up_runs_when_the_agent_would_stop(
 async def test_prompt_while_running_needs_streaming_behaviour(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §6: a bare prompt during a run is refused with Pi's text."""
+    """pi-observed.md §6: a bare prompt during a run is refused with Pi's text."""
     async with open_fake_pi(cwd=tmp_path, model=_model(Text(text="slow", delay=30))) as fake:
         await fake.send({"id": "1", "type": "prompt", "message": "a"})
         await fake.receive_until("message_start")
@@ -208,7 +208,8 @@ async def test_prompt_while_running_needs_streaming_behaviour(
 async def test_abort_while_streaming_keeps_partial_text(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §7: abort mid-stream → aborted message with the partial text, then the response."""
+    """pi-observed.md §7: abort mid-stream → aborted message with the partial text, then the
+    response."""
     model = _model(Text(text="one two three four five", delay=10))
     session = tmp_path / "s.jsonl"
     async with open_fake_pi(cwd=tmp_path, model=model, session=session) as fake:
@@ -233,7 +234,7 @@ async def test_abort_while_streaming_keeps_partial_text(
 
 
 async def test_abort_during_a_tool(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
-    """REPORT §7: abort during a tool → "Command aborted" result, then an aborted reply."""
+    """pi-observed.md §7: abort during a tool → "Command aborted" result, then an aborted reply."""
     gate = _HoldingGate()
     model = _model(ToolCalls(calls=[Call(name="read", arguments={"path": "x"})]))
     async with open_fake_pi(cwd=tmp_path, model=model, gate=gate) as fake:
@@ -264,7 +265,7 @@ async def test_abort_during_a_tool(tmp_path: Path, autojump_clock: trio.testing.
 async def test_http_500_then_success_is_retried(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §7: 500 → error reply, agent_end{willRetry}, auto_retry_*, context_edit."""
+    """pi-observed.md §7: 500 → error reply, agent_end{willRetry}, auto_retry_*, context_edit."""
     model = _model(HttpError())
     retry = RetrySettings(base_delay_ms=500)
     session = tmp_path / "s.jsonl"
@@ -360,7 +361,7 @@ async def test_saved_and_refused_results_reach_the_model(
 async def test_resume_appends_to_the_same_session(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §8: relaunch on the session file: same id, appends, leaf = last line."""
+    """pi-observed.md §8: relaunch on the session file: same id, appends, leaf = last line."""
     session = tmp_path / "s.jsonl"
     async with open_fake_pi(cwd=tmp_path, session=session) as fake:
         await _prompt(fake, "first")
@@ -381,7 +382,7 @@ async def test_resume_appends_to_the_same_session(
 async def test_killed_mid_tool_leaves_the_dangling_call(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §8: killed mid-tool, the session ends with the assistant toolCall;
+    """pi-observed.md §8: killed mid-tool, the session ends with the assistant toolCall;
     the next request answers it with "No result provided"."""
     session = tmp_path / "s.jsonl"
     model = _model(ToolCalls(calls=[Call(name="read", arguments={"path": "x"})]))
@@ -416,7 +417,7 @@ async def _drain(fake: FakePi) -> Any:
 async def test_bad_input_is_answered_like_pi(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §6: parse errors and unknown commands get Pi's error responses."""
+    """pi-observed.md §6: parse errors and unknown commands get Pi's error responses."""
     async with open_fake_pi(cwd=tmp_path) as fake:
         await fake.stdin.send_all(b"{not json\n")
         parse = await fake.receive()
@@ -440,7 +441,7 @@ async def test_bad_input_is_answered_like_pi(
 async def test_views_have_pis_shapes(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """REPORT §6: get_state, get_entries, get_tree, stats, last text, fork messages."""
+    """pi-observed.md §6: get_state, get_entries, get_tree, stats, last text, fork messages."""
     async with open_fake_pi(cwd=tmp_path, session=tmp_path / "s.jsonl") as fake:
         await _prompt(fake, "hello")
         data = {}

@@ -18,6 +18,6 @@ def test_api_key_names_an_environment_variable(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_session_file_name_is_pis() -> None:
-    """REPORT §5: ``<ISO time with : and . as ->_<session id>.jsonl``."""
+    """pi-observed.md §5: ``<ISO time with : and . as ->_<session id>.jsonl``."""
     name = session_file_name("01a228a6-4d63-774d-9fad-6c7d005d3481", 1795978317155)
     assert name == "2026-11-29T18-51-57-155Z_01a228a6-4d63-774d-9fad-6c7d005d3481.jsonl"

@@ -3,7 +3,8 @@
 Issue items 4-6 as a process: the scripted model served over HTTP (item 4), the tools it runs
 (item 5), and the process behaviours — session files, barriers (``kill``, ``exit:CODE``,
 ``hang``), SIGTERM, stdin EOF, ``ignore_sigterm``, the recorder (item 6) — checked against
-Pi 1.6.0's observed behaviour (docs/design/fake-pi.md; "REPORT §n" cites the section of the Pi
+Pi 1.6.0's observed behaviour (docs/design/fake-pi.md; "pi-observed.md §n" cites the section of the
+Pi
 research report a fact comes from, and the real Pi's own files are in tests/data/pi-1.6.0/).
 
 Every test runs in its own sandbox: HOME, an agent dir whose ``models.json`` points at a
@@ -655,7 +656,7 @@ async def test_sigkill_mid_stream_leaves_the_user_message_last(
 
 async def test_sigkill_mid_tool_orphans_the_tool_group(sandbox: Sandbox, model: Model) -> None:
     """Item 6: SIGKILL from outside while ``bash`` runs leaves the tool's process group alive
-    (Pi spawns bash detached; REPORT §8: a supervisor must kill the group itself) and the
+    (Pi spawns bash detached; pi-observed.md §8: a supervisor must kill the group itself) and the
     session ending with the dangling toolCall; the test then kills the group and waits on
     pidfds until every member is gone."""
     model.script(ToolCalls(calls=[Call(name="bash", arguments={"command": SLEEPER}, id="call_o")]))
