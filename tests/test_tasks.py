@@ -20,6 +20,7 @@ from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode, TaskError
+from runtime._pi._rpc import Event
 from runtime._records import (
     ContinuationSent,
     EpochStarted,
@@ -33,6 +34,7 @@ from runtime._records import (
 )
 from runtime._tasks import _epoch
 from runtime._tasks._lane import TaskLane
+from runtime._tasks._lifecycle import TaskState
 from runtime._tasks._session import session_size
 from runtime._tasks._state import inference_costs, read_lane, submitted_record
 from runtime._tasks._watchdog import WatchdogPolicy
@@ -328,6 +330,36 @@ async def test_wd11_a_session_append_seen_by_a_probe_ends_the_recovery(
         relaunch = next(i for i, r in enumerate(records) if isinstance(r, ContinuationSent))
         probes = [r for r in records[relaunch:] if isinstance(r, OutboxAction)]
         assert any(r.kind == "probe" and r.detail["evidence"] for r in probes)
+        charges = [r for r in records if isinstance(r, OutboxAction) and r.kind == "recovery_time"]
+        assert len(charges) == 1, charges
+        assert rig.runner.show(TASK).telemetry["resume_latency_seconds"], "it never ended"
+
+
+async def test_wd11_a_terminal_read_before_the_resumed_workers_events_ends_the_recovery(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WD11: the resumed worker's task_done reaches the gate before the runtime has read any
+    of its stdout events (a loaded host reads its pipe late): that call is its first
+    progress, and the recovery is charged once. (Found by scripts/flake-hunt under load,
+    after the probe's case was fixed.)"""
+    steps: list[Step] = [Hang(seconds=10_000), done(), say("finished")]
+    see = _epoch.EpochWatch._see
+
+    async def late(watch: _epoch.EpochWatch, event: Event) -> _epoch.EpochEnd | None:
+        lane = watch.lane
+        if rig.workers.launched[-1] == 2:  # the resumed epoch: its events wait for the gate
+            await rig.until(lambda: lane.kernel.state is not TaskState.OPEN)
+        return await see(watch, event)
+
+    monkeypatch.setattr(_epoch.EpochWatch, "_see", late)
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        records = await rig.records()
         charges = [r for r in records if isinstance(r, OutboxAction) and r.kind == "recovery_time"]
         assert len(charges) == 1, charges
         assert rig.runner.show(TASK).telemetry["resume_latency_seconds"], "it never ended"

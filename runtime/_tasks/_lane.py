@@ -804,8 +804,14 @@ class TaskLane:
             )
             if verdict is not Verdict.DUPLICATE:
                 await self._append(self.kernel.receipts[-1])  # durable before the answer
+            before = self.watchdog.classification
             if verdict is Verdict.ACCEPTED:
                 self.watchdog.feed(TerminalAccepted(str(kind)))
+            if tools.epoch == self.kernel.current.epoch:
+                # The resumed worker called a tool: its first progress, even when the gate
+                # answers before its stdout events are read (WD11).
+                await self.resumed_progress(before)
+            if verdict is Verdict.ACCEPTED:
                 self.changed()
                 answers = {
                     LifecycleKind.DONE: "Accepted: the task is marked done pending checks. "
