@@ -18,7 +18,7 @@ from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._clock import Clocks
 from runtime._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from runtime._pi._rpc import Event, open_rpc_channel
-from runtime._pi._session import create_session
+from runtime._pi._session_files import create_session
 from runtime._pi._worker import open_worker
 
 from ._pi import real_pi

@@ -46,7 +46,7 @@ from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, HttpError, Scenario, Step, Text, ToolCalls
 from runtime._boundary._http import HttpServer, Request, ResponseWriter, serve_http
 from runtime._clock import SystemWallClock, iso_timestamp
-from runtime._pi._session import read_session
+from runtime._pi._session_files import read_session
 
 from ._samples import (
     FACTS,

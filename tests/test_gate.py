@@ -51,7 +51,7 @@ from runtime._clock import Clocks
 from runtime._errors import JournalError, ReasonCode, WorkerLaunchError
 from runtime._journal._store import delivery_key, open_store
 from runtime._pi._rpc import open_rpc_channel
-from runtime._pi._session import interrupted_text
+from runtime._pi._session_settle import interrupted_text
 from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
 

@@ -56,7 +56,7 @@ from runtime._clock import Clocks
 from runtime._errors import JournalError, ReplayMismatch, StepRefused
 from runtime._journal._store import open_store
 from runtime._pi._rpc import open_rpc_channel
-from runtime._pi._session import create_session
+from runtime._pi._session_files import create_session
 from runtime._pi._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
 from runtime._records import ModelRequestIntent, ModelResponse
 

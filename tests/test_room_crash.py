@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
-from runtime._pi._session import interrupted_text
+from runtime._pi._session_settle import interrupted_text
 from runtime._rooms._worker import request_cancel
 
 from ._host_process import Fact, Host, run_host

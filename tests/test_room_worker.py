@@ -33,7 +33,7 @@ from fake_pi.scenario import (
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._store import lane_key
-from runtime._pi._session import interrupted_text
+from runtime._pi._session_settle import interrupted_text
 from runtime._records import EpochFenced, EpochStarted, Outcome
 from runtime._rooms._admission import changed_settings, settings_fingerprint
 from runtime._rooms._worker import RoomWorker, open_room_worker

@@ -28,6 +28,14 @@ from runtime._pi._session import (
     Attestation,
     Session,
     SessionIssueKind,
+    attest,
+    contains_path,
+    encode_entry,
+    parse_session,
+    uuid7,
+    verify_attestation,
+)
+from runtime._pi._session_files import (
     SessionWriter,
     aappend_entry,
     acreate_session,
@@ -35,16 +43,10 @@ from runtime._pi._session import (
     append_entry,
     aread_session,
     atruncate_torn_tail,
-    attest,
-    contains_path,
     create_session,
-    encode_entry,
     open_session_writer,
-    parse_session,
     read_session,
     truncate_torn_tail,
-    uuid7,
-    verify_attestation,
 )
 
 from ._samples import FACTS, PI_VERSION, SAMPLES, SESSION_NAMES, facts

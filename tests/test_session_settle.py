@@ -30,22 +30,23 @@ from runtime._clock import Clocks, MockWallClock, iso_timestamp
 from runtime._errors import ReasonCode, SessionError
 from runtime._pi._pijson import loads
 from runtime._pi._rpc import open_rpc_channel
-from runtime._pi._session import (
-    DanglingCall,
-    SessionEntry,
+from runtime._pi._session import SessionEntry, encode_entry
+from runtime._pi._session_files import (
     SessionWriter,
-    SettledResult,
     acreate_session,
-    aprepare_for_relaunch,
     aread_session,
-    asettle_dangling,
     create_session,
+    read_session,
+)
+from runtime._pi._session_settle import (
+    DanglingCall,
+    SettledResult,
+    aprepare_for_relaunch,
+    asettle_dangling,
     dangling_tool_calls,
-    encode_entry,
     interrupted_text,
     possibly_ran_result,
     prepare_for_relaunch,
-    read_session,
     settle_dangling,
 )
 from runtime._pi._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker

@@ -32,7 +32,7 @@ from runtime._journal._journal import read_log
 from runtime._journal._store import Store
 from runtime._linux._fs import OsFileSystem
 from runtime._linux._proctree import EPOCH_ENV, proc_table, read_environ
-from runtime._pi._session import interrupted_text
+from runtime._pi._session_settle import interrupted_text
 from runtime._records import (
     ContinuationSent,
     EpochStarted,

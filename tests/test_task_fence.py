@@ -51,7 +51,7 @@ from runtime._journal._store import Store, open_store, runtime_dir
 from runtime._linux._proc import process_start_time
 from runtime._linux._proctree import is_alive_pid, new_nonce
 from runtime._pi._launch import ModelRoute, RetrySettings, WorkerProgram
-from runtime._pi._session import aread_session
+from runtime._pi._session_files import aread_session
 from runtime._records import (
     ContinuationSent,
     EpochFenced,

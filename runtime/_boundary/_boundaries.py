@@ -40,12 +40,11 @@ import trio
 from .._clock import WallClock
 from .._journal._journal import Journal
 from .._pi._launch import ModelRoute, WorkerKind, WorkerLaunch
-from .._pi._session import (
+from .._pi._session_files import aread_session, atruncate_torn_tail
+from .._pi._session_settle import (
     RelaunchReport,
     SettledResult,
     aprepare_for_relaunch,
-    aread_session,
-    atruncate_torn_tail,
     dangling_tool_calls,
 )
 from .._records import ReplayClass

@@ -41,7 +41,7 @@ import msgspec
 import trio
 
 from .._errors import GateError, PiRuntimeError, ReasonCode
-from .._pi._session import interrupted_text, not_started_text
+from .._pi._session_settle import interrupted_text, not_started_text
 from .._records import Record, ReplayClass, ToolIntent, ToolOutcome
 from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
 from ._http import Request, ResponseWriter, _serve_connection

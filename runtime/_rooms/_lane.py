@@ -46,7 +46,7 @@ from .._journal._journal import Journal
 from .._journal._store import Store, delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._rpc import Event, RpcChannel, open_rpc_channel
-from .._pi._session import (
+from .._pi._session_files import (
     aread_session,
     atruncate_torn_tail,
     create_session,

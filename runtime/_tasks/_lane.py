@@ -38,13 +38,8 @@ from .._errors import PiRuntimeError, ReasonCode
 from .._journal._journal import Journal
 from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
-from .._pi._session import (
-    Attestation,
-    aread_session,
-    attest,
-    contains_path,
-    create_session,
-)
+from .._pi._session import Attestation, attest, contains_path
+from .._pi._session_files import aread_session, create_session
 from .._pi._worker import StopPolicy
 from .._records import (
     ContinuationSent,

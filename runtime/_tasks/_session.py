@@ -16,7 +16,7 @@ import trio
 from .._boundary._calls import GateCall
 from .._boundary._gate import RecordingGateJournal
 from .._clock import WallClock
-from .._pi._session import SessionWriter, aread_session, atruncate_torn_tail
+from .._pi._session_files import SessionWriter, aread_session, atruncate_torn_tail
 from ._state import continuation_marker
 
 __all__ = ["marker_in_session", "reanswer_orphaned", "session_size"]

@@ -24,7 +24,7 @@ import trio.lowlevel
 
 from fake_pi.scenario import Call, Cut, HttpError, Step, Text, Thinking, ToolCalls, UsageLimit
 from runtime._clock import SystemWallClock
-from runtime._pi._session import SessionWriter, create_session, read_session
+from runtime._pi._session_files import SessionWriter, create_session, read_session
 
 from .harness import (
     Model,

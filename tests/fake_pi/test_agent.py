@@ -28,7 +28,7 @@ from fake_pi.scenario import (
     UsageLimit,
 )
 from runtime._clock import MockWallClock
-from runtime._pi._session import read_session
+from runtime._pi._session_files import read_session
 
 
 def _kinds(events: list[dict[str, Any]]) -> list[str]:

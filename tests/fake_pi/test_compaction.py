@@ -35,7 +35,7 @@ from fake_pi._messages import COMPACTION_SUMMARY_PREFIX, COMPACTION_SUMMARY_SUFF
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Scenario, Text, ToolCalls, UsageLimit
 from runtime._clock import MockWallClock
-from runtime._pi._session import read_session
+from runtime._pi._session_files import read_session
 
 WINDOW = 20000
 THRESHOLD = 2000
