@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from runtime._clock import WallClock, iso_timestamp
+from runtime.worker_kit import WallClock, iso_timestamp
 
 from ._behaviours import Barriers, Recorder
 from ._compaction import (

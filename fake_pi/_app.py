@@ -22,9 +22,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from runtime._boundary._gateway import GATEWAY_SECRET_ENV
-from runtime._clock import SystemWallClock, WallClock
-from runtime._pi._session import uuid7
+from runtime.worker_kit import GATEWAY_SECRET_ENV, SystemWallClock, WallClock, uuid7
 
 from ._agent import Agent, AgentOptions, ModelInfo
 from ._behaviours import BarrierExit, BarrierKill, Barriers, Behaviours, FakeConfig, Recorder

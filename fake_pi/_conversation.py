@@ -19,10 +19,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runtime._clock import WallClock, iso_timestamp
-from runtime._pi._pijson import stringify
-from runtime._pi._session import Session, uuid7
-from runtime._pi._session_files import SessionWriter, read_session, truncate_torn_tail
+from runtime.worker_kit import (
+    Session,
+    SessionWriter,
+    WallClock,
+    iso_timestamp,
+    read_session,
+    stringify,
+    truncate_torn_tail,
+    uuid7,
+)
 
 from ._messages import context_from_path
 

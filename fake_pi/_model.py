@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from runtime._boundary._http import HttpClientError, iter_sse, open_request
+from runtime.worker_kit import HttpClientError, iter_sse, open_request
 
 from ._messages import usage
 from .model_server import ModelHttpError, ScriptedModel, StreamCut

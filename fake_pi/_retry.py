@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from runtime._rooms._outcome import PROVIDER_LIMIT_PATTERNS
+from runtime.worker_kit import PROVIDER_LIMIT_PATTERNS
 
 __all__ = ["RetrySettings", "is_retryable"]
 

@@ -35,7 +35,7 @@ from urllib.parse import unquote, urlparse
 
 import trio
 
-from runtime._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV
+from runtime.worker_kit import RUNTIME_TOOLS, TOOLS_ENV
 
 from ._bash import MAX_BYTES, OnUpdate, format_size, run_bash, truncate
 from ._bash import MAX_LINES as MAX_LINES  # importable from here, as before the split

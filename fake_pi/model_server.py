@@ -27,8 +27,7 @@ from typing import Any
 import msgspec
 import trio
 
-from runtime._boundary._gateway import request_digest
-from runtime._boundary._http import HttpServer, Request, ResponseWriter, serve_http
+from runtime.worker_kit import HttpServer, Request, ResponseWriter, request_digest, serve_http
 
 from .scenario import (
     STAY_SILENT,

@@ -1,6 +1,6 @@
 """The boundaries of docs/design/index.md (Layout) as a check that fails: ``lint-imports``
-with the contracts in ``pyproject.toml`` (layers, no fake_pi in the runtime, pure cores,
-no cycles). ``scripts/test`` runs it; these tests show it passes on the tree and that a
+with the contracts in ``pyproject.toml`` (layers, no fake_pi in the runtime, fake_pi only
+through runtime.worker_kit, pure cores, no cycles). ``scripts/test`` runs it; these tests show it passes on the tree and that a
 wrong-way import fails it, with the chain printed."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def copy_tree(target: Path) -> Path:
 def test_the_tree_keeps_every_contract(tmp_path: Path) -> None:
     done = lint_imports(copy_tree(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 kept, 0 broken" in done.stdout
+    assert "5 kept, 0 broken" in done.stdout
 
 
 def test_a_lane_importing_fake_pi_fails_with_the_chain(tmp_path: Path) -> None:
@@ -61,3 +61,13 @@ def test_a_lower_layer_importing_a_higher_one_fails(tmp_path: Path) -> None:
     done = lint_imports(root)
     assert done.returncode != 0
     assert "runtime._journal is not allowed to import runtime._rooms" in done.stdout
+
+
+def test_fake_pi_importing_a_private_runtime_module_fails(tmp_path: Path) -> None:
+    root = copy_tree(tmp_path)
+    agent = root / "fake_pi" / "_agent.py"
+    agent.write_text(agent.read_text() + "\nfrom runtime._pi import _rpc  # noqa: E402, F401\n")
+    done = lint_imports(root)
+    assert done.returncode != 0
+    assert "fake_pi is not allowed to import runtime._pi" in done.stdout
+    assert "fake_pi._agent -> runtime._pi._rpc" in done.stdout

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._errors import ReasonCode
+from .._pi._provider_errors import PROVIDER_LIMIT_PATTERNS
 from .._records import Outcome
 
 __all__ = [
-    "PROVIDER_LIMIT_PATTERNS",
     "STAY_SILENT",
     "USAGE_LIMIT_PATTERN",
     "TurnEnd",
@@ -65,26 +65,6 @@ __all__ = [
 STAY_SILENT: Final = "[[stay-silent]]"
 """The whole reply of a turn that chooses to say nothing (the persona tells the model when)."""
 
-PROVIDER_LIMIT_PATTERNS: Final = (
-    # verbatim: Pi 1.6.0 pi-ai/dist/utils/retry.js NON_RETRYABLE_PROVIDER_LIMIT_ERROR_PATTERN
-    # (Fake-Pi's retry rules use the same list: fake_pi/_retry.py)
-    # OpenCode Go/free-tier account limits
-    "GoUsageLimitError",
-    "FreeUsageLimitError",
-    "Monthly usage limit reached",
-    "available balance",
-    # quota / budget / billing exhaustion; insufficient_quota is OpenAI's code
-    "insufficient_quota",
-    "out of budget",
-    "quota exceeded",
-    "billing",
-    # Sign in with ChatGPT: shared subscription limit, workspace per-user limit
-    "subscription_sharing_usage_limit_exceeded",
-    "subscription_sharing_workplace_individual_usage_limit_exceeded",
-    # Zhipu/Z.ai plan limit, code 1308
-    r'"code"\s*:\s*"?1308(?![0-9])',
-)
-"""Pi's account-limit errors, which it never retries."""
 
 USAGE_LIMIT_PATTERN: Final = re.compile(
     "|".join(
