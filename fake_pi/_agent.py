@@ -572,7 +572,7 @@ class Agent:
     async def _run_tools(
         self, blocks: list[dict[str, Any]], produced: list[dict[str, Any]]
     ) -> list[dict[str, Any]]:
-        """Run a round's tool calls the way Pi does (SPIKE §4).
+        """Run a round's tool calls the way Pi does (docs/design/pi-observed.md §4).
 
         Parallel by default: every ``tool_execution_start`` in order, the calls
         run concurrently, each ``tool_execution_end`` as it finishes, then the

@@ -1,13 +1,12 @@
 """The ``pi-runtime`` command line (``docs/design/operations.md``).
 
 Commands: ``version``; ``serve`` (the websocket room worker, ``runtime/_server/_serve.py``);
-``status``
-and ``cancel`` (through the running server's admin socket; without one, ``status`` reads the
-state directory and ``cancel`` records the request there for the next start); ``token
-rotate``; ``journal verify`` and ``journal show``; ``pi install`` and ``doctor``; task lanes:
-``task run`` (through the server, or standalone), ``tasks`` and ``task show`` (through the
-server, or read from the lane logs), ``task reply|resume|abort|fail|grant`` (through the
-server). Every command and subcommand has ``--help``.
+``status`` and ``cancel`` (through the running server's admin socket; without one, ``status`` reads
+the state directory and ``cancel`` records the request there for the next start); ``token rotate``;
+``journal verify`` and ``journal show``; ``pi install`` and ``doctor``; task lanes: ``task run``
+(through the server, or standalone), ``tasks`` and ``task show`` (through the server, or read from
+the lane logs), ``task reply|resume|abort|fail|grant`` (through the server). Every command and
+subcommand has ``--help``.
 
 Exit status: 0 done; 1 refused or failed (the message names a stable code); 2 usage;
 3 ``server_not_running`` (a command that needs the server found none); 130 a standalone

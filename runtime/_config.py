@@ -1,6 +1,5 @@
-"""The room worker's typed configuration (docs/design/boundaries.md, lanes.md, protocol.md,
-serve.md;
-``docs/design/config.md``).
+"""The room worker's typed configuration (``docs/design/config.md``; also boundaries.md,
+lanes.md, protocol.md, serve.md).
 
 One frozen :class:`RoomWorkerConfig` holds everything an operator decides: where state and the
 lanes' working directories live, which worker runs with which model route, the persona, which
@@ -226,8 +225,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     def is_privileged(self, room: str, actor_id: str) -> bool:
         """Whether the actor's grants go beyond the room's standing grants (docs/design/lanes.md):
-        such a
-        delivery runs in a one-shot session and is never steered into (or from) a room run.
+        such a delivery runs in a one-shot session and is never steered into (or from) a room run.
         ``False`` for a room that is not served (it runs nothing)."""
         granted = self.grants_for(room, actor_id)
         return granted is not None and not granted <= self.standing_grants(room)

@@ -1,7 +1,7 @@
-"""The boundaries of docs/design/index.md (Layout) as a check that fails: ``lint-imports``
-with the contracts in ``pyproject.toml`` (layers, no fake_pi in the runtime, fake_pi only
-through runtime.worker_kit, pure cores, no cycles). ``scripts/test`` runs it; these tests show it passes on the tree and that a
-wrong-way import fails it, with the chain printed."""
+"""The boundaries of docs/design/index.md (Layout) as a check that fails: ``lint-imports`` with the
+contracts in ``pyproject.toml`` (layers, no fake_pi in the runtime, fake_pi only through
+runtime.worker_kit, pure cores, no cycles). ``scripts/test`` runs it; these tests show it passes on
+the tree and that a wrong-way import fails it, with the chain printed."""
 
 from __future__ import annotations
 

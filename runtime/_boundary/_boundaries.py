@@ -1,8 +1,8 @@
 """A lane's worker boundaries wired together: the model gateway and the tool gate.
 
-Brief §3 names three boundaries between the runtime and a worker: the process (``_worker``),
-the model endpoint (``_gateway``) and the tools (``_gate``). This module is how a lane uses the
-last two as one thing, :class:`Boundaries`:
+Three boundaries stand between the runtime and a worker (docs/design/boundaries.md): the process
+(``_worker``), the model endpoint (``_gateway``) and the tools (``_gate``). This module is how a
+lane uses the last two as one thing, :class:`Boundaries`:
 
 * both serve the delivery that is attached (:meth:`Boundaries.attach`): model steps and tool
   intents land in that delivery's log, and the gate's round is the gateway's current step, so
@@ -99,9 +99,9 @@ class BoundaryConfig:
     socket_name: str = GATE_SOCKET_NAME
     """The socket's file name: unique among the lanes sharing ``socket_dir``."""
     replay: bool = False
-    """Every epoch replays the attached delivery from its first step (room lanes, brief
-    §4.3): a request that leaves an answered step behind is refused (G13). False when an
-    epoch resumes where the last one stopped (task lanes, a settled session)."""
+    """Every epoch replays the attached delivery from its first step (room lanes,
+    docs/design/recovery.md): a request that leaves an answered step behind is refused (G13). False
+    when an epoch resumes where the last one stopped (task lanes, a settled session)."""
 
     @property
     def declared_runtime_tools(self) -> tuple[str, ...]:

@@ -9,8 +9,7 @@ model sees it.
 
 One declaration serves both workers: the runtime hands :func:`tools_environment`'s JSON to the
 worker in :data:`TOOLS_ENV`; the real Pi's extension (``runtime/_boundary/pi_extension/gate.ts``)
-and
-Fake-Pi register exactly these names, descriptions and JSON Schemas (Pi validates arguments
+and Fake-Pi register exactly these names, descriptions and JSON Schemas (Pi validates arguments
 against any JSON Schema), so both workers show the model the same tools.
 
 ``effect`` is the test tool: one fsynced JSON line per execution in a ledger, so a test can

@@ -1,11 +1,9 @@
 """What a delivery is, before it runs: its request, fingerprints and rendered prompt (pure).
 
-A room message arrives as a :class:`Delivery` (the wire protocol's ``deliver`` frame, brief
-§8). Before it is admitted the runtime pins three fingerprints (docs/design/journal.md) and renders
-the
-prompt exactly as it will be sent (docs/design/lanes.md, cold and warm lanes). Everything here is
-pure:
-no I/O, no clock, no Trio.
+A room message arrives as a :class:`Delivery` (the wire protocol's ``deliver`` frame,
+docs/design/protocol.md). Before it is admitted the runtime pins three fingerprints
+(docs/design/journal.md) and renders the prompt exactly as it will be sent (docs/design/lanes.md,
+cold and warm lanes). Everything here is pure: no I/O, no clock, no Trio.
 
 * The **request fingerprint** covers the canonical request *excluding* the channel history
   and display names: the same ``delivery_id`` re-sent with a fresh backlog or a renamed author

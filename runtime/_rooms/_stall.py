@@ -1,4 +1,4 @@
-"""The room turn stall backstop (docs/design/lanes.md "Turn stall backstop", §6.3).
+"""The room turn stall backstop (docs/design/lanes.md "Turn stall backstop", clocks.md).
 
 A turn takes as long as its work takes; only *silence* is bounded. :class:`StallWatch` is the
 pure core: it is told about worker events and tool leases, takes ``now`` as an argument and

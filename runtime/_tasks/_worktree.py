@@ -1,12 +1,12 @@
 """A task's worktree evidence: manifest, candidate checkpoint, validation receipt.
 
-A task lane may call a task Done only with evidence beside its lifecycle receipt (brief
-§6.2): the exact process tree is quiescent, a **manifest** says what the worktree holds,
-and a **candidate checkpoint** preserves exactly that content, bound to the manifest by
-its digest. Without the manifest a Done names no result; without the candidate the result
-can be lost or silently changed after the Done; without the binding the two can describe
-different trees. A **validation receipt** records a check run against the manifest
-(command, exit status, output tail), so "tests passed" names the tree they passed on.
+A task lane may call a task Done only with evidence beside its lifecycle receipt
+(docs/design/watchdog.md): the exact process tree is quiescent, a **manifest** says what the
+worktree holds, and a **candidate checkpoint** preserves exactly that content, bound to the manifest
+by its digest. Without the manifest a Done names no result; without the candidate the result can be
+lost or silently changed after the Done; without the binding the two can describe different trees. A
+**validation receipt** records a check run against the manifest (command, exit status, output tail),
+so "tests passed" names the tree they passed on.
 
 Everything here is blocking file and git work except :func:`run_validation`; the ``a*``
 wrappers run it through ``trio.to_thread``, never on the Trio loop.
