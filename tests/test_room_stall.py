@@ -435,7 +435,8 @@ async def test_a_silent_model_stalls_the_turn_at_300_to_305_s_and_the_lane_goes_
     clocks: Clocks,
     tmp_path: Path,
 ) -> None:
-    """Brief §5: 300 s with no worker event aborts the turn as ``failed`` / ``turn_stalled``,
+    """docs/design/lanes.md: 300 s with no worker event aborts the turn as ``failed`` /
+    ``turn_stalled``,
     caught on the first tick at or after the limit (300 to 305 s after the last event); the
     lane then serves the room's next delivery in the same worker.
 
@@ -590,7 +591,8 @@ async def test_a_20_minute_turn_streaming_every_4_minutes_is_never_aborted(
     clocks: Clocks,
     tmp_path: Path,
 ) -> None:
-    """Brief §5: any worker event resets the silence; nothing caps a turn's duration. Six
+    """docs/design/lanes.md: any worker event resets the silence; nothing caps a turn's duration.
+    Six
     tokens four minutes apart (below both the 300 s limit and the gateway's 270 s): the turn
     runs 20 minutes and ends ``reply``."""
     words = "one two three four five six"
@@ -627,7 +629,8 @@ async def test_a_6_minute_tool_within_its_lease_is_never_aborted(
     clocks: Clocks,
     tmp_path: Path,
 ) -> None:
-    """Brief §5: a tool running under the gate holds a lease for its deadline; a shell tool
+    """docs/design/lanes.md: a tool running under the gate holds a lease for its deadline; a shell
+    tool
     that names none gets 600 s. A real ``bash`` call (Fake-Pi runs it; it waits for a file
     this test creates) runs for 6 minutes of virtual time with no event at all — longer than
     the 300 s limit — and the turn is not aborted; it ends ``reply``.
@@ -679,7 +682,8 @@ async def test_a_20_minute_host_suspend_is_caught_on_the_first_tick_after_wake(
     silence_clock: MockSilenceClock,
     tmp_path: Path,
 ) -> None:
-    """Brief §6.3: silence is measured on the suspend-aware clock, re-read every tick; time
+    """docs/design/clocks.md: silence is measured on the suspend-aware clock, re-read every tick;
+    time
     the host spent asleep is silence, so a turn that was healthy (a token a minute) is
     aborted ``turn_stalled`` on the first tick after a 20-minute suspend — before its next
     token is due — having overshot by at most one tick of awake time."""

@@ -531,7 +531,7 @@ DIALOGS: Final[list[dict[str, Any]]] = [
     },
     {"type": "extension_ui_request", "id": "u6", "method": "someFutureDialog"},
 ]
-"""The exact lines Pi 1.6.0 wrote in the spike (SPIKE.md §5), plus an unknown method."""
+"""The exact lines Pi 1.6.0 wrote in the spike (pi-observed.md), plus an unknown method."""
 
 
 async def _answers(wire: Wire, count: int) -> dict[str, bytes]:

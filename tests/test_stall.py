@@ -23,7 +23,7 @@ MINUTE = 60.0
 
 
 def test_defaults_follow_the_brief() -> None:
-    """Brief §5: 300 s of silence, a 5 s tick."""
+    """docs/design/lanes.md: 300 s of silence, a 5 s tick."""
     assert DEFAULT_STALL_LIMIT == 300.0
     assert DEFAULT_STALL_TICK == 5.0
     assert StallWatch().limit == 300.0
@@ -225,7 +225,7 @@ async def test_st1_300_s_of_silence_stalls_within_one_tick(
 async def test_st1_st7_plain_silence_stalls_at_300_to_305_s(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Brief §5: nothing at all after the prompt; caught at 300 to 305 s."""
+    """docs/design/lanes.md: nothing at all after the prompt; caught at 300 to 305 s."""
 
     async def turn(watch: StallWatch, clock: MockSilenceClock) -> None:
         _event(watch, clock)

@@ -168,7 +168,7 @@ _COMPRESSED: Final = ("message_update:", "tool_execution_update:")
 def _regroup_tool_runs(records: Sequence[Record]) -> list[Record]:
     """Inside each maximal run of ``tool_execution_*`` events, group by tool call.
 
-    Parallel tool calls interleave their updates and ends by completion time (SPIKE §4);
+    Parallel tool calls interleave their updates and ends by completion time (pi-observed.md);
     each call's own order (start, updates, end) is what is deterministic. Groups keep the
     order of their ``tool_execution_start``.
     """

@@ -331,7 +331,7 @@ async def test_cut_stream_is_retried(
 async def test_saved_and_refused_results_reach_the_model(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """SPIKE §2: a saved result is handed to the model verbatim, a refusal as an error."""
+    """pi-observed.md: a saved result is handed to the model verbatim, a refusal as an error."""
 
     class Gate:
         async def before(self, call: ToolCall) -> GateDecision:
