@@ -436,9 +436,8 @@ async def test_a_silent_model_stalls_the_turn_at_300_to_305_s_and_the_lane_goes_
     tmp_path: Path,
 ) -> None:
     """docs/design/lanes.md: 300 s with no worker event aborts the turn as ``failed`` /
-    ``turn_stalled``,
-    caught on the first tick at or after the limit (300 to 305 s after the last event); the
-    lane then serves the room's next delivery in the same worker.
+    ``turn_stalled``, caught on the first tick at or after the limit (300 to 305 s after the last
+    event); the lane then serves the room's next delivery in the same worker.
 
     The model starts its answer and then says nothing while keeping its connection alive
     (:class:`Alive`): the gateway cannot tell it from a slow model, so only the backstop can
@@ -592,8 +591,7 @@ async def test_a_20_minute_turn_streaming_every_4_minutes_is_never_aborted(
     tmp_path: Path,
 ) -> None:
     """docs/design/lanes.md: any worker event resets the silence; nothing caps a turn's duration.
-    Six
-    tokens four minutes apart (below both the 300 s limit and the gateway's 270 s): the turn
+    Six tokens four minutes apart (below both the 300 s limit and the gateway's 270 s): the turn
     runs 20 minutes and ends ``reply``."""
     words = "one two three four five six"
     async with (
@@ -630,10 +628,9 @@ async def test_a_6_minute_tool_within_its_lease_is_never_aborted(
     tmp_path: Path,
 ) -> None:
     """docs/design/lanes.md: a tool running under the gate holds a lease for its deadline; a shell
-    tool
-    that names none gets 600 s. A real ``bash`` call (Fake-Pi runs it; it waits for a file
-    this test creates) runs for 6 minutes of virtual time with no event at all — longer than
-    the 300 s limit — and the turn is not aborted; it ends ``reply``.
+    tool that names none gets 600 s. A real ``bash`` call (Fake-Pi runs it; it waits for a file this
+    test creates) runs for 6 minutes of virtual time with no event at all — longer than the 300 s
+    limit — and the turn is not aborted; it ends ``reply``.
 
     The tool's last sign of life is the empty ``tool_execution_update`` Pi sends as the
     command starts; time moves on only once the lane has seen it."""
@@ -683,10 +680,9 @@ async def test_a_20_minute_host_suspend_is_caught_on_the_first_tick_after_wake(
     tmp_path: Path,
 ) -> None:
     """docs/design/clocks.md: silence is measured on the suspend-aware clock, re-read every tick;
-    time
-    the host spent asleep is silence, so a turn that was healthy (a token a minute) is
-    aborted ``turn_stalled`` on the first tick after a 20-minute suspend — before its next
-    token is due — having overshot by at most one tick of awake time."""
+    time the host spent asleep is silence, so a turn that was healthy (a token a minute) is aborted
+    ``turn_stalled`` on the first tick after a 20-minute suspend — before its next token is due —
+    having overshot by at most one tick of awake time."""
     words = " ".join(f"w{i}" for i in range(10))
     async with (
         serving([Text(text=words, delay=MINUTE)], probe) as upstream,
