@@ -17,7 +17,8 @@ from fake_pi.scenario import Call, Scenario, Step, ToolCalls
 from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._clock import Clocks
 from runtime._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
-from runtime._pi._rpc import Event, open_rpc_channel
+from runtime._pi._rpc import open_rpc_channel
+from runtime._pi._rpc_protocol import Event
 from runtime._pi._session_files import create_session
 from runtime._pi._worker import open_worker
 

@@ -43,7 +43,8 @@ from runtime._errors import WorkerExitedError
 from runtime._journal._journal import Journal
 from runtime._journal._store import Store, delivery_key, open_store, runtime_dir
 from runtime._linux._proc import is_alive
-from runtime._pi._rpc import Event, open_rpc_channel
+from runtime._pi._rpc import open_rpc_channel
+from runtime._pi._rpc_protocol import Event
 from runtime._pi._session_settle import interrupted_text
 from runtime._pi._worker import WorkerLaunch, open_worker
 from runtime._records import (

@@ -62,8 +62,8 @@ from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._boundary._gateway import DeliveryStepJournal
 from runtime._config import RoomWorkerConfig, config_from_dict
 from runtime._errors import PiRuntimeError
-from runtime._pi._rpc import Event as RpcEvent
 from runtime._pi._rpc import RpcChannel
+from runtime._pi._rpc_protocol import Event as RpcEvent
 from runtime._records import AbsorbedInput, ModelResponse, Outcome, Record
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult, Typing

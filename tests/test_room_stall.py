@@ -57,7 +57,7 @@ from runtime._clock import Clocks, MockSilenceClock
 from runtime._config import ModelConfig, RoomConfig, RoomWorkerConfig, Thresholds
 from runtime._errors import ReasonCode
 from runtime._journal._store import lane_key
-from runtime._pi._rpc import Event
+from runtime._pi._rpc_protocol import Event
 from runtime._records import EpochStarted, Outcome
 from runtime._rooms import _lane as _lanes
 from runtime._rooms._stall import StallWatch

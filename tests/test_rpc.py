@@ -35,20 +35,19 @@ from runtime._errors import (
     WorkerExitedError,
     WorkerLaunchError,
 )
-from runtime._pi._rpc import (
+from runtime._pi._rpc import RpcChannel, open_rpc_channel
+from runtime._pi._rpc_protocol import (
     COMMAND_GUARD,
     MALFORMED_LINE,
     Event,
     LineSplitter,
     ProtocolState,
-    RpcChannel,
     UiCancel,
     UiConfirm,
     UiReply,
     UiRequest,
     UiValue,
     chat_text,
-    open_rpc_channel,
     ui_response,
 )
 from runtime.testing import GateDecision, Run, ToolCall, ToolResult, open_fake_pi

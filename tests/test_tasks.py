@@ -20,7 +20,7 @@ from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode, TaskError
-from runtime._pi._rpc import Event
+from runtime._pi._rpc_protocol import Event
 from runtime._records import (
     ContinuationSent,
     EpochStarted,

@@ -45,7 +45,8 @@ from .._errors import JournalError, ReasonCode, RpcError, SessionError, WorkerEr
 from .._journal._journal import Journal
 from .._journal._store import Store, delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
-from .._pi._rpc import Event, RpcChannel, open_rpc_channel
+from .._pi._rpc import RpcChannel, open_rpc_channel
+from .._pi._rpc_protocol import Event
 from .._pi._session_files import (
     aread_session,
     atruncate_torn_tail,

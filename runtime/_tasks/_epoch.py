@@ -25,7 +25,7 @@ import trio
 
 from .._errors import PiRuntimeError, RpcError
 from .._pi._launch import ModelRoute
-from .._pi._rpc import Event
+from .._pi._rpc_protocol import Event
 from .._pi._session import Attestation, contains_path
 from .._pi._session_files import aread_session
 from .._records import ContinuationSent, TaskSubmitted, ToolIntent
