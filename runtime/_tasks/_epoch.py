@@ -37,7 +37,6 @@ from ._watch import Telemetry, watch_event
 from ._watchdog import (
     Action,
     CheckGuards,
-    Classification,
     Exited,
     FenceStarted,
     GuardsFailed,
@@ -121,7 +120,7 @@ class EpochOwner(Protocol):
     ) -> None: ...
     async def reserve(self) -> None: ...
     async def record_marker(self, action_id: str) -> None: ...
-    async def resumed_progress(self, before: Classification) -> None: ...
+    async def resumed_progress(self) -> None: ...
     async def operator_request(self) -> str | None: ...
 
 
@@ -225,8 +224,8 @@ class EpochWatch:
         if seen is None:
             return None
         wd.feed(seen)
-        if wd.classification is not before or before is Classification.RESUMING:
-            await lane.resumed_progress(before)
+        await lane.resumed_progress()  # WD11: the first progress after a relaunch
+        if wd.classification is not before:
             lane.changed()
         return None
 
@@ -280,9 +279,8 @@ class EpochWatch:
         size_after = await session_size(lane.session)
         if size_after != size_before:  # the session grew: a session append is progress (WD1)
             now, awake = lane.readings()
-            before = wd.classification
             wd.feed(Progress(now, awake, wd.phase, "session_append"))
-            await lane.resumed_progress(before)  # WD11: a resumed worker's first progress too
+            await lane.resumed_progress()  # WD11: a resumed worker's first progress too
         evidence: bool | None = wd.progress_seq != seq_before
         if not answered and not evidence:
             evidence = None

@@ -121,6 +121,7 @@ class TaskLane:
         "_parked",
         "_recovery_started_ms",
         "_restarted",
+        "_resume_pending",
         "_steps",
         "_tools",
         "_wake",
@@ -194,6 +195,8 @@ class TaskLane:
         self._wake = trio.Event()
         self._operator: str | None = None
         self._restarted = False
+        self._resume_pending = False
+        """A relaunched worker has not shown progress yet: its recovery runs (WD11)."""
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
@@ -543,12 +546,16 @@ class TaskLane:
         request, self._operator = self._operator, None
         return request
 
-    async def resumed_progress(self, before: Classification) -> None:
-        """The first progress after a relaunch ends the recovery (WD11)."""
-        if before is Classification.RESUMING:
-            seconds = await self._end_recovery()
-            if seconds is not None:
-                self.telemetry.resumed(seconds)
+    async def resumed_progress(self) -> None:
+        """Any progress of the worker: the first after a relaunch ends the recovery (WD11),
+        whatever the watchdog has called the worker since (a probe's answer or a hold can
+        move it out of ``Resuming`` first)."""
+        if not self._resume_pending:
+            return
+        self._resume_pending = False
+        seconds = await self._end_recovery()
+        if seconds is not None:
+            self.telemetry.resumed(seconds)
 
     async def _end_recovery(self) -> float | None:
         """Charge the running recovery's time, from its first reserve to now, never refunded
@@ -654,6 +661,7 @@ class TaskLane:
         )
         self._recovery_started_ms = self._recovery_started_ms or self.host.clocks.wall.time_ms()
         self.watchdog.feed(Relaunched(*self.readings()))
+        self._resume_pending = True
         action_id = self._continuation_id(number, "prompt")
         self._next = ("continuation", continuation_prompt(action_id, observed), action_id)
         self.changed()
@@ -799,13 +807,12 @@ class TaskLane:
             )
             if verdict is not Verdict.DUPLICATE:
                 await self._append(self.kernel.receipts[-1])  # durable before the answer
-            before = self.watchdog.classification
             if verdict is Verdict.ACCEPTED:
                 self.watchdog.feed(TerminalAccepted(str(kind)))
             if tools.epoch == self.kernel.current.epoch:
                 # The resumed worker called a tool: its first progress, even when the gate
                 # answers before its stdout events are read (WD11).
-                await self.resumed_progress(before)
+                await self.resumed_progress()
             if verdict is Verdict.ACCEPTED:
                 self.changed()
                 answers = {
