@@ -60,7 +60,8 @@ class Host:
         while (fact := await self.next_fact()) is not None:
             if wanted(fact):
                 return fact
-        await self.process.wait()
+        with trio.move_on_after(5):  # its exit status, if it is exiting; never a hang
+            await self.process.wait()
         raise AssertionError(f"the host ended without the fact; {self.explain()}")
 
     async def finish(self) -> list[Fact]:
