@@ -1,6 +1,5 @@
-"""The ``pi-runtime`` command line (``runtime/_cli.py``, ``runtime/_journal/_inspect.py``); test
-names
-cite ``docs/design/operations.md`` (O1…).
+"""The ``pi-runtime`` command line (``runtime/_cli/``, ``runtime/_journal/_inspect.py``); test
+names cite ``docs/design/operations.md`` (O1…).
 
 Commands run in-process through ``main(argv)`` (in a thread when the test itself runs Trio,
 since ``main`` starts its own Trio run) and, once, as a real ``python -m runtime._cli``
@@ -16,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
@@ -27,6 +25,7 @@ import trio
 
 from fake_pi.scenario import Hang, Text
 from runtime._cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from runtime._cli import _serve as cli_serve
 from runtime._config import ModelConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._store import delivery_key, lane_key, open_store
@@ -34,6 +33,7 @@ from runtime._records import Admission, Fingerprints, Outcome, Result
 from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import open_room_worker, request_cancel
 from runtime._server._admin import serve_admin
+from runtime._server._serve import ServeOptions
 from runtime._server._token import read_token
 from runtime._version import __version__
 
@@ -200,26 +200,38 @@ def test_o11_version_in_process_and_as_a_real_process(
     assert done.stdout == "d3: no server runs; cancelled at the next start\n"
 
 
-def test_o11_serve_parses_its_options_and_runs_the_server_module(
-    monkeypatch: pytest.MonkeyPatch,
+def test_o11_serve_parses_its_options_and_runs_the_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    seen: list[Any] = []
+    """``serve``'s flags become the configuration and the listen options the server runs
+    with (``runtime/_cli/_serve.py``); the server itself is replaced here."""
+    seen: list[tuple[RoomWorkerConfig, ServeOptions]] = []
 
-    def run_serve(args: Any) -> int:
-        seen.append(args)
-        return 7
+    async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
+        await trio.lowlevel.checkpoint()
+        seen.append((config, options))
 
-    module = types.ModuleType("runtime._server._serve")
-    module.run_serve = run_serve  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "runtime._server._serve", module)
-    assert main(["serve", "--port", "9001", "--agent", "pi", "--log-json"]) == 7
-    (args,) = seen
-    assert (args.host, args.port, args.agent, args.log_json) == ("127.0.0.1", 9001, "pi", True)
-    assert (args.state_dir, args.config, args.drain_timeout, args.insecure_bind) == (
-        None,
-        None,
-        None,
-        False,
+    monkeypatch.setattr(cli_serve, "serve_until_signalled", serve_until_signalled)
+    state = tmp_path / "state"
+    argv = ["serve", "--port", "9001", "--agent", "pi", "--log-json", "--state-dir", str(state)]
+    assert main([*argv, "--drain-timeout", "4"]) == EXIT_OK
+    ((config, options),) = seen
+    assert (options.host, options.port, options.insecure_bind) == ("127.0.0.1", 9001, False)
+    assert (options.ssl_context, options.unsafe_test_timescale) == (None, 1.0)
+    assert (config.agent, config.state_dir) == ("pi", str(state))
+    assert config.thresholds.drain_timeout_seconds == 4.0
+
+
+def test_o11_serve_refuses_a_non_loopback_bind_without_tls_before_serving(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
+        raise AssertionError("served")
+
+    monkeypatch.setattr(cli_serve, "serve_until_signalled", serve_until_signalled)
+    assert main(["serve", "--host", "0.0.0.0"]) == EXIT_USAGE
+    assert "pi-runtime: config_invalid: host: 0.0.0.0 is not a loopback address" in (
+        capsys.readouterr().err
     )
 
 

@@ -23,8 +23,9 @@ from trio_websocket import (
 )
 
 from fake_pi.scenario import Step, Text
+from runtime._cli._serve import _options
 from runtime._config import config_from_dict
-from runtime._server._serve import RoomServer, ServeOptions, _options, check_bind, open_server
+from runtime._server._serve import RoomServer, ServeOptions, check_bind, open_server
 from runtime._server._token import rotate_token
 
 from ._wire import Client, Frame, message

@@ -3,8 +3,10 @@ serve.md).
 
 One process owns one state directory. It runs a :class:`~runtime._rooms._worker.RoomWorker`,
 answers the wire protocol of ``docs/design/protocol.md`` on every websocket connection, and
-answers the admin socket (``runtime/_server/_admin.py``) for the command line. The invariants (S1…)
-are in ``docs/design/serve.md``; in short:
+answers the admin socket (``runtime/_server/_admin.py``) for the command line, which turns
+``serve``'s flags into the configuration and :class:`ServeOptions` (``runtime/_cli/_serve.py``)
+and calls :func:`serve_until_signalled`. The invariants (S1…) are in ``docs/design/serve.md``;
+in short:
 
 * a connection is served only after a ``hello`` carrying the state directory's current token
   (compared in constant time, re-read per hello so ``token rotate`` acts at once) and a
@@ -31,7 +33,6 @@ never end the server.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import ipaddress
@@ -53,7 +54,7 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from .._config import RoomWorkerConfig, load_config, validate_config
+from .._config import RoomWorkerConfig, validate_config
 from .._errors import (
     ConfigError,
     DeliveryError,
@@ -91,7 +92,7 @@ from ._protocol import (
 )
 from ._token import ensure_token, read_token, token_matches
 
-__all__ = ["RoomServer", "ServeOptions", "open_server", "run_serve"]
+__all__ = ["RoomServer", "ServeOptions", "check_bind", "open_server", "serve_until_signalled"]
 
 logger = logging.getLogger("runtime.serve")
 
@@ -514,44 +515,6 @@ async def open_server(
                 nursery.cancel_scope.cancel()
 
 
-# -- the command ---------------------------------------------------------------------------
-
-
-def _options(args: argparse.Namespace) -> ServeOptions:
-    context = None
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    if (cert is None) != (key is None):
-        raise ConfigError("tls", "give both --tls-cert and --tls-key, or neither")
-    if cert is not None:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as error:
-            raise ConfigError("tls", f"cannot load the certificate and key: {error}") from None
-    return ServeOptions(
-        host=args.host,
-        port=args.port,
-        ssl_context=context,
-        insecure_bind=bool(getattr(args, "insecure_bind", False)),
-        unsafe_test_timescale=float(getattr(args, "unsafe_test_timescale", None) or 1.0),
-    )
-
-
-def _config(args: argparse.Namespace) -> RoomWorkerConfig:
-    config = load_config(args.config) if args.config is not None else RoomWorkerConfig()
-    changes: dict[str, Any] = {}
-    if args.state_dir is not None:
-        changes["state_dir"] = str(Path(args.state_dir).absolute())
-    if args.agent is not None:
-        changes["agent"] = args.agent
-    if args.drain_timeout is not None:
-        thresholds = msgspec.structs.replace(
-            config.thresholds, drain_timeout_seconds=args.drain_timeout
-        )
-        changes["thresholds"] = thresholds
-    return validate_config(msgspec.structs.replace(config, **changes))
-
-
 async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
     """Serve until SIGINT or SIGTERM, then drain (S5) and stop."""
     import signal
@@ -593,16 +556,3 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
             await server.flush(FLUSH_SECONDS)
             left = server.worker.pending()
             logger.info("stopping; %d deliveries stay pending for the next start", len(left))
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """``pi-runtime serve``: exit 0 after a drained stop, 2 for refused settings."""
-    try:
-        config = _config(args)
-        options = _options(args)
-        check_bind(options)
-        trio.run(serve_until_signalled, config, options)
-    except PiRuntimeError as error:  # O11: `pi-runtime: <code>: <message>`, as every command
-        logging.getLogger("runtime.cli").error("%s", error.message, extra={"code": error.code})
-        return 2
-    return 0

@@ -1,0 +1,97 @@
+"""The ``pi-runtime`` command line (``docs/design/operations.md``).
+
+Commands: ``version``; ``serve`` (the websocket room worker, ``_serve.py``); ``status`` and
+``cancel`` (through the running server's admin socket; without one, ``status`` reads the state
+directory and ``cancel`` records the request there for the next start) and ``token rotate``
+(``_status.py``); ``journal verify`` and ``journal show`` (``_journal.py``); ``pi install`` and
+``doctor`` (``_doctor.py``); task lanes (``_tasks.py``): ``task run`` (through the server, or
+standalone), ``tasks`` and ``task show`` (through the server, or read from the lane logs),
+``task reply|resume|abort|fail|grant`` (through the server). Every command and subcommand has
+``--help``.
+
+Each module registers its commands with :class:`~runtime._cli._base.Commands`, which ties
+each to the function that runs it (``set_defaults(run=…)``): :func:`main` parses and calls
+``args.run(args)``; a group given without its subcommand prints its help.
+
+Exit status: 0 done; 1 refused or failed (the message names a stable code); 2 usage;
+3 ``server_not_running`` (a command that needs the server found none); 130 a standalone
+``task run`` interrupted (the task stays unfinished in its log).
+
+Logging goes to standard error, plain text, or JSON lines with ``--log-json``. Nothing here
+logs or prints a secret; ``token rotate`` prints the new token once, on standard output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .._errors import PiRuntimeError
+from .._version import __version__
+from . import _doctor, _journal, _serve, _status, _tasks
+from ._base import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NO_SERVER,
+    EXIT_OK,
+    EXIT_USAGE,
+    Commands,
+    fail,
+    log_json_option,
+    logger,
+)
+from ._logging import configure_logging
+from ._serve import add_serve_arguments
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_NO_SERVER",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "add_serve_arguments",
+    "configure_logging",
+    "main",
+]
+
+
+def _version(args: argparse.Namespace) -> int:
+    print(f"pi-runtime {__version__}")
+    return EXIT_OK
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every command, each tied to the function that runs it."""
+    common = argparse.ArgumentParser(add_help=False)
+    log_json_option(common, argparse.SUPPRESS)  # never overwrite one given before the command
+    top = argparse.ArgumentParser(
+        prog="pi-runtime",
+        description="A durable, supervised runtime for Pi coding-agent workers.",
+    )
+    log_json_option(top, False)
+    commands = Commands(top.add_subparsers(metavar="COMMAND"), common)
+    commands.add("version", "print the pi-runtime version", "Print the version.", _version)
+    for part in (_serve, _status, _journal, _doctor, _tasks):
+        part.register(commands)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status."""
+    top = parser()
+    args = top.parse_args(argv)
+    handler = configure_logging(json_lines=args.log_json)
+    try:
+        if not hasattr(args, "run"):  # no command, or a group without its subcommand
+            getattr(args, "help_for", top).print_help(sys.stderr)
+            return EXIT_USAGE
+        status: int = args.run(args)
+        return status
+    except PiRuntimeError as error:
+        return fail(error)
+    except OSError as error:
+        logger.error("%s", error)
+        return EXIT_FAILED
+    finally:
+        logging.getLogger().removeHandler(handler)

@@ -1,0 +1,7 @@
+"""``python -m runtime._cli``: the ``pi-runtime`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""What every command shares: exit statuses, the command logger, how a refusal is reported,
+the options several commands take, and the builder that ties a command to its ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from .._config import RoomWorkerConfig, load_config
+from .._errors import AdminError, PiRuntimeError, ReasonCode
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_NO_SERVER: Final = 3
+EXIT_INTERRUPTED: Final = 130
+
+logger = logging.getLogger("runtime.cli")
+"""The commands' own words (``pi-runtime: <code>: <message>`` in plain text)."""
+JSON: Final = msgspec.json.Encoder()
+
+Run = Callable[[argparse.Namespace], int]
+"""A command: the parsed arguments in, the exit status out."""
+
+
+@dataclass(frozen=True, slots=True)
+class Commands:
+    """A level of subcommands. :meth:`add` makes one that runs; :meth:`group` one that only
+    holds subcommands (given alone, it prints its help and exits ``EXIT_USAGE``)."""
+
+    choices: argparse._SubParsersAction[argparse.ArgumentParser]
+    common: argparse.ArgumentParser
+    """The options every command takes (``--log-json``)."""
+
+    def add(self, name: str, summary: str, description: str, run: Run) -> argparse.ArgumentParser:
+        parser = self._parser(name, summary, description)
+        parser.set_defaults(run=run)
+        return parser
+
+    def group(self, name: str, summary: str, description: str) -> Commands:
+        parser = self._parser(name, summary, description)
+        parser.set_defaults(help_for=parser)
+        choices = parser.add_subparsers(metavar=f"{name.upper()}_COMMAND")
+        return Commands(choices, self.common)
+
+    def _parser(self, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return self.choices.add_parser(
+            name, help=summary, description=description, parents=[self.common]
+        )
+
+
+def log_json_option(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=default,
+        help="log JSON lines on stderr (default: plain text)",
+    )
+
+
+def state_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("state"),
+        help="the state directory (default: ./state)",
+    )
+
+
+def config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=Path, help="the TOML configuration file (its [watchdog] table)"
+    )
+
+
+def timescale_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--unsafe-test-timescale",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="TESTS ONLY: divide every task-lane watchdog threshold by FACTOR and lift the "
+        "900 s floor; every log line and status say so",
+    )
+
+
+def fail(error: PiRuntimeError) -> int:
+    logger.error("%s", error.message, extra={"code": error.code})
+    return EXIT_NO_SERVER if error.code == ReasonCode.SERVER_NOT_RUNNING else EXIT_FAILED
+
+
+def refused(response: dict[str, Any]) -> int:
+    """Report a server's ``{"ok": false, ...}`` answer."""
+    message = response.get("message", "the server refused")
+    logger.error("%s", message, extra={"code": response.get("code", ReasonCode.ADMIN_FAILED)})
+    return EXIT_FAILED
+
+
+def no_server(state_dir: Path) -> AdminError:
+    return AdminError(
+        ReasonCode.SERVER_NOT_RUNNING,
+        f"no server answers on {state_dir}; start `pi-runtime serve --state-dir "
+        f"{state_dir}` (or a `pi-runtime task run`) and try again",
+    )
+
+
+def load_room_config(path: Path | None) -> RoomWorkerConfig:
+    return load_config(path) if path is not None else RoomWorkerConfig()
+
+
+def snippet(text: object, width: int = 60) -> str:
+    if not isinstance(text, str) or not text:
+        return ""
+    flat = " ".join(text.split())
+    return "  " + (repr(flat) if len(flat) <= width else repr(flat[: width - 1] + "…"))
+
+
+def short_class(classification: object) -> str:
+    text = str(classification or "-")
+    return "-" if text.startswith("unknown:") else text
+
+
+def seconds_text(value: object) -> str:
+    return "-" if value is None else f"{float(value):g} s"  # type: ignore[arg-type]

@@ -1,0 +1,123 @@
+"""``pi install`` and ``doctor``: the real Pi, the Node it needs, and what worker trees can
+use on this machine (cgroup v2, the child subreaper)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from .._linux._proctree import probe_cgroups, subreaper_supported
+from .._pi._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
+from .._version import __version__
+from ._base import Commands
+
+NODE_MINIMUM: Final = (22, 19, 0)
+"""Pi 1.6.0 declares ``engines.node >=22.19.0``."""
+
+
+def register(commands: Commands) -> None:
+    pi = commands.group("pi", "install the real Pi", "Manage the real Pi coding agent.")
+    install = pi.add(
+        "install",
+        "install Pi and the Node 22 it needs",
+        "Install Pi 1.6.0 and a Node 22 binary from the npm registry, from the "
+        "shipped lockfile with install scripts disabled (needs npm). Idempotent.",
+        _pi_install,
+    )
+    install.add_argument(
+        "--home",
+        type=Path,
+        help="install directory (default: $PI_RUNTIME_PI_HOME or ~/.cache/pi-runtime/pi)",
+    )
+    doctor = commands.add(
+        "doctor",
+        "check what workers need here",
+        "Report Pi, Node (>= 22.19) and their paths, cgroup v2 availability and "
+        "child-subreaper support. Exit status 1 when Pi cannot run.",
+        _doctor,
+    )
+    doctor.add_argument("--pi-home", type=Path, help="where Pi is installed (as for pi install)")
+
+
+def _pi_install(args: argparse.Namespace) -> int:
+    try:
+        pi = install_pi(args.home.absolute() if args.home else None)
+    except PiInstallError as error:
+        print(f"pi-runtime: {error}", file=sys.stderr)
+        return 1
+    print(f"pi {pi.version} at {pi.cli} (node {pi.node})")
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    path: str
+    version: tuple[int, int, int] | None
+    text: str
+
+    @property
+    def ok(self) -> bool:
+        return self.version is not None and self.version >= NODE_MINIMUM
+
+
+def _node(path: str) -> _Node:
+    try:
+        result = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return _Node(path, None, f"does not run ({error})")
+    text = result.stdout.strip()
+    match = re.fullmatch(r"v(\d+)\.(\d+)\.(\d+)", text)
+    version = (int(match[1]), int(match[2]), int(match[3])) if match else None
+    return _Node(path, version, text or result.stderr.strip())
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    pi_home: Path | None = args.pi_home.absolute() if args.pi_home else None
+    minimum = ".".join(map(str, NODE_MINIMUM))
+    lines = [("pi-runtime", f"{__version__} (python {sys.version.split()[0]}, {sys.executable})")]
+    home = pi_home or default_pi_home()
+    pi = find_pi(home)
+    ready = pi is not None
+    if pi is None:
+        lines.append(("pi", f"not installed at {home}: run `pi-runtime pi install` (needs npm)"))
+    else:
+        lines.append(("pi", f"{pi.version} at {pi.cli}"))
+        node = _node(str(pi.node))
+        verdict = "ok" if node.ok else f"needs >= {minimum}"
+        lines.append(("node (pi's)", f"{node.text} at {node.path} ({verdict})"))
+        ready = node.ok
+    on_path = shutil.which("node")
+    if on_path is None:
+        lines.append(("node (PATH)", "none; `pi-runtime pi install` brings its own Node 22"))
+    else:
+        node = _node(on_path)
+        verdict = "ok" if node.ok else f"older than {minimum}; Pi uses the one it installs"
+        lines.append(("node (PATH)", f"{node.text} at {on_path} ({verdict})"))
+    cgroups = probe_cgroups()
+    if cgroups.usable:
+        kill = "yes" if cgroups.kill else "no (members are killed one by one)"
+        lines.append(("cgroup v2", f"usable: {cgroups.parent} (cgroup.kill: {kill})"))
+    else:
+        lines.append(
+            (
+                "cgroup v2",
+                f"unavailable ({cgroups.reason}); worker trees are held by the child "
+                "subreaper and the nonce scan instead",
+            )
+        )
+    subreaper = "supported" if subreaper_supported() else "not supported (nonce scan only)"
+    lines.append(("subreaper", subreaper))
+    width = max(len(name) for name, _ in lines)
+    for name, text in lines:
+        print(f"{name.ljust(width)}  {text}")
+    if not ready:
+        print("\nPi cannot run here yet; see the lines above.", file=sys.stderr)
+    return 0 if ready else 1

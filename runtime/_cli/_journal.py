@@ -1,0 +1,49 @@
+"""``journal verify`` and ``journal show``: read-only checks of a state directory's logs."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._journal._inspect import delivery_records, verify_journal
+from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option
+
+
+def register(commands: Commands) -> None:
+    journal = commands.group("journal", "check or show the durable journal", "Inspect the journal.")
+    verify = journal.add(
+        "verify",
+        "check every log's frames and checksums",
+        "Read every log of the state directory (admissions, results, deliveries, lanes) and "
+        "check its frames, checksums, sequence and records. Prints each problem; exit "
+        "status 1 if there is any. Read-only; safe while a server runs.",
+        _journal_verify,
+    )
+    state_dir_option(verify)
+    show = journal.add(
+        "show",
+        "print one delivery's records",
+        "Print a delivery's journal records in order, one JSON object per line.",
+        _journal_show,
+    )
+    show.add_argument("delivery_id", metavar="DELIVERY_ID", help="the client's delivery id")
+    state_dir_option(show)
+
+
+def _journal_verify(args: argparse.Namespace) -> int:
+    checked, findings = verify_journal(args.state_dir)
+    for finding in findings:
+        code = f"{finding.code}: " if finding.code else ""
+        kind = "problem" if finding.problem else "note"
+        print(f"{kind}: {finding.rel}: {code}{finding.message}")
+    problems = sum(f.problem for f in findings)
+    print(f"checked {checked} logs: {problems} problem{'s' if problems != 1 else ''}")
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+def _journal_show(args: argparse.Namespace) -> int:
+    records, note = delivery_records(args.state_dir, args.delivery_id)
+    if note is not None:
+        logger.info("%s", note)
+    for record in records:
+        print(JSON.encode(record).decode())
+    return EXIT_OK
