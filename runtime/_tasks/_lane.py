@@ -13,34 +13,38 @@ clocks), :class:`~runtime._tasks._lifecycle.LifecycleKernel` (first terminal win
 and the suspend-aware clock every tick, and carries out their actions: a read-only probe, a guard
 check, a fence and a same-session resume, a completion prompt. The invariants (WD…, LK…,
 TL…) are in ``docs/design/watchdog.md``.
+
+Beside it: the ids of its outbox actions (``_action_ids.py``), its log parked or open
+(``_lane_log.py``), the lifecycle tools its worker calls (``_lifecycle_tools.py``), how it
+ends (``_done.py``: the Done tuple), its diagnostics view (``_view.py``), and one epoch's
+watch (``_epoch.py``, through the ``EpochOwner`` protocol).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 import trio
 
 from .._boundary._boundaries import BoundaryConfig, make_journals, settle_session
-from .._boundary._calls import GateCall, GateResult, RuntimeTool
+from .._boundary._calls import RuntimeTool
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import PiRuntimeError
 from .._journal._journal import Journal
 from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest, contains_path
 from .._pi._session_files import aread_session, create_session
-from .._pi._worker import StopPolicy
+from .._pi._worker import StopPolicy, kill_epoch_leftovers
 from .._records import (
     ContinuationSent,
     EpochFenced,
@@ -55,22 +59,25 @@ from .._records import (
     ToolIntent,
 )
 from .._wire import TaskView
+from ._action_ids import ActionIds
+from ._done import Ending, conclude, end_record
 from ._epoch import EpochEnd, EpochWatch
 from ._guards import Budget
-from ._lifecycle import DoneEvidence, LifecycleKernel, Report, TaskState, Verdict, done_missing
+from ._lane_log import LaneLog
+from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
+from ._lifecycle_tools import lifecycle_tools
 from ._session import marker_in_session, reanswer_orphaned
 from ._state import (
     CONTINUATION_VERSION,
     LIFECYCLE_TOOLS,
     continuation_marker,
     continuation_prompt,
-    inference_costs,
     read_lane,
     route_snapshot,
 )
+from ._view import task_view
 from ._watch import Telemetry
 from ._watchdog import (
-    ACTION_TABLE,
     Classification,
     Hold,
     Prompted,
@@ -83,13 +90,6 @@ from ._watchdog import (
 from ._workers import EpochRequest, TaskWorker, WorkerFactory
 
 __all__ = ["TaskHost", "TaskLane"]
-
-
-_KIND_OF_TOOL: Final = {
-    "task_done": LifecycleKind.DONE,
-    "task_fail": LifecycleKind.FAIL,
-    "task_wait": LifecycleKind.WAIT,
-}
 
 
 @dataclass
@@ -116,14 +116,12 @@ class TaskLane:
     __slots__ = (
         "_fenced",
         "_finished",
+        "_log",
         "_next",
         "_operator",
-        "_parked",
         "_recovery_started_ms",
         "_restarted",
         "_resume_pending",
-        "_steps",
-        "_tools",
         "_wake",
         "actions",
         "archive_dir",
@@ -135,9 +133,9 @@ class TaskLane:
         "failure",
         "home",
         "host",
+        "ids",
         "kernel",
         "key",
-        "log",
         "markers",
         "pending_action",
         "probe_result",
@@ -160,7 +158,8 @@ class TaskLane:
         self.task = submitted
         self.task_id = submitted.task_id
         self.key = lane_key(f"task:{submitted.task_id}")
-        self.log = log
+        self.ids = ActionIds(submitted.task_id, submitted.generation, submitted.attempt)
+        self._log = LaneLog(host.store, f"task:{submitted.task_id}", log, self._make_journals)
         self.session = host.store.root / submitted.session_path
         self.worktree = Path(submitted.worktree)
         base = host.work_root or host.store.root / "work"
@@ -200,10 +199,6 @@ class TaskLane:
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
-        self._parked = False
-        """The log is closed and the journals dropped (TL9); reopened on the next append."""
-        self._steps: DeliveryStepJournal | None = None
-        self._tools: RecordingGateJournal | None = None
         self._finished = trio.Event()
         self._recovery_started_ms: int | None = None
 
@@ -213,76 +208,27 @@ class TaskLane:
     def finished(self) -> trio.Event:
         return self._finished
 
+    @property
+    def policy(self) -> WatchdogPolicy:
+        return self.host.policy
+
+    @property
+    def live(self) -> bool:
+        return self.worker is not None
+
     def view(self) -> TaskView:
         """A frozen snapshot of everything the diagnostics show."""
-        wd = self.watchdog
-        now = self.now()
-        hard = wd.hard_threshold()
-        grace = "not started" if wd.grace_started_awake is None else "running"
-        if wd.classification is Classification.HARD_RESUME_ELIGIBLE:
-            grace = "elapsed"
-        record = self.record
-        process = None
-        if record is not None and self.worker is not None:
-            process = {
-                "pid": record.pid,
-                "start_time": record.start_time,
-                "boot_id": record.boot_id,
-                "nonce": record.nonce,
-            }
-        last_marker = next(reversed(self.markers.values()), None)
-        budget = self.budget
-        return TaskView(
-            task_id=self.task_id,
-            state=str(self.kernel.state),
-            generation=self.kernel.generation,
-            attempt=self.kernel.attempt,
-            fence=self.kernel.fence,
-            process_epoch=self.epochs,
-            continuation_epoch=self.continuations,
-            session_path=self.task.session_path,
-            session_id=self.attestation.session_id if self.attestation else None,
-            route=dict(self.task.route),
-            worktree=self.task.worktree,
-            process=process,
-            classification=str(wd.classification),
-            phase=str(wd.phase),
-            progress_seq=wd.progress_seq,
-            silence_seconds=round(wd.silence(now), 3) if wd.armed else 0.0,
-            soft_seconds=self.host.policy.soft_seconds,
-            probe=self.probe_result,
-            hard_seconds=hard,
-            grace_seconds=self.host.policy.grace_seconds,
-            grace=grace,
-            receipts=[msgspec.to_builtins(r) for r in self.kernel.receipts],
-            prompt_marker=last_marker.marker if last_marker else None,
-            budget=budget.as_dict(),
-            pending_action=self.pending_action,
-            hold_reason=wd.hold_reason,
-            next_action=self._next_action(),
-            timescale=self.host.policy.timescale,
-            telemetry=self.telemetry.as_dict(wd),
-            ended=msgspec.to_builtins(self.ended) if self.ended else None,
-            costs=self.ended.costs if self.ended else None,
-        )
-
-    def _next_action(self) -> str:
-        if self.ended is not None:
-            return "none: the task has ended"
-        if self.kernel.state is TaskState.WAITING:
-            return ACTION_TABLE[Classification.WAITING_USER]
-        return ACTION_TABLE[self.watchdog.classification]
+        return task_view(self)
 
     # -- operator controls (TL8) -----------------------------------------------------------
 
     async def reply(self, text: str, correlation: str | None = None) -> Verdict:
         verdict = self.kernel.reply(correlation)
         if verdict is Verdict.ACCEPTED:
-            assert True
             wait = self.kernel.receipts[-1] if self.kernel.receipts else None
             corr = correlation or (wait.intent_id if wait is not None else "")
             record = TaskReply(correlation=corr, text=text)
-            await self._append(record)
+            await self.append(record)
             self.replies[corr] = record
             self.watchdog.feed(Woken())
             self._next = ("reply", text, None)
@@ -300,7 +246,7 @@ class TaskLane:
         verdict = self.kernel.report(
             Report(key=self.kernel.operator_key(), intent_id=intent, kind=kind, detail=reason)
         )
-        await self._append(self.kernel.receipts[-1])
+        await self.append(self.kernel.receipts[-1])
         if verdict is Verdict.ACCEPTED:
             self.watchdog.feed(TerminalAccepted(str(kind)))
             self._operator = "terminal"
@@ -311,7 +257,7 @@ class TaskLane:
     async def grant(self, *, epochs: int, seconds: float, reason: str) -> Budget:
         """An audited manual grant (WD11): recorded before it counts."""
         granted = self.budget.grant(epochs=epochs, seconds=seconds)
-        action_id = f"{self._prefix()}/grant{len(self.actions)}"
+        action_id = self.ids.grant(len(self.actions))
         await self.record_action(
             action_id, "grant", "done", {"epochs": epochs, "seconds": seconds, "reason": reason}
         )
@@ -339,9 +285,9 @@ class TaskLane:
             while self.ended is None:
                 await self._step()
         finally:
-            if not self._parked:
+            if not self._log.parked:
                 with trio.CancelScope(shield=True):
-                    await self._park()  # an ended (or stopped) lane holds no descriptor
+                    await self._log.park()  # an ended (or stopped) lane holds no descriptor
             self._finished.set()
             self.changed()
 
@@ -351,15 +297,15 @@ class TaskLane:
             await self._finalize()
             return
         if state in (TaskState.FAILED, TaskState.ABORTED, TaskState.DONE):
-            await self._end(str(state))
+            await self._end(Ending(str(state)))
             return
         if state is TaskState.WAITING or self._held():
             self._wake = trio.Event()
             await self._end_recovery()  # a hold ends the running recovery; a resume starts one
-            await self._park()
+            await self._log.park()
             self.changed()
             await self._wake.wait()
-            await self._unpark()
+            await self._log.unpark()
             if self._operator == "resume":
                 self._operator = None
                 await self._relaunch_after_hold()
@@ -388,43 +334,28 @@ class TaskLane:
                 )
 
         await trio.to_thread.run_sync(prepare)
-        self._make_journals()
+        self._log.rebuild()
 
-    def _make_journals(self) -> None:
-        """The lane's step and tool journals on its log, from every record it holds."""
+    def _make_journals(self, log: Journal) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
+        """The lane's step and tool journals on ``log``, from every record it holds."""
         config = BoundaryConfig(
             upstream=self.host.upstream or GatewayConfig(upstream_url="http://127.0.0.1:9/v1"),
             granted=self._granted(),
             runtime_tools=self._runtime_tools(),
             socket_dir=self.host.store.root,
         )
-        self._steps, self._tools = make_journals(config, self.log, key=self.key, epoch=self.epochs)
+        return make_journals(config, log, key=self.key, epoch=self.epochs)
 
-    async def _append(self, record: Record) -> int:
-        """Append to the lane log, reopening it first if the lane parked (TL9)."""
-        if self._parked:
-            await self._unpark()
-        return await self.log.append(record)
+    def gate_epoch(self) -> int:
+        return self._log.journals()[1].epoch
 
-    async def _park(self) -> None:
-        """A parked lane (waiting, or held with no worker) holds no file descriptor and no
-        journal: the log is closed and everything is rebuilt from it on wake (TL9)."""
-        if self._parked:
-            return
-        self._parked = True
-        self._steps = self._tools = None
-        await self.host.store.close_log(self.log)
-
-    async def _unpark(self) -> None:
-        if not self._parked:
-            return
-        self.log = await self.host.store.open_lane_log(f"task:{self.task_id}")
-        self._parked = False
-        self._make_journals()
+    async def append(self, record: Record) -> int:
+        """Append to the lane log (reopened first if the lane parked, TL9)."""
+        return await self._log.append(record)
 
     async def _restore(self) -> None:
         """Rebuild the lane from its log (LK7, WD11, TL6): receipts, budget, markers, epochs."""
-        state = read_lane(self.task, self.log.contents.records, self.host.policy)
+        state = read_lane(self.task, self._log.journal.contents.records, self.host.policy)
         self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
         self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
         self.kernel, self.budget = state.kernel, state.budget
@@ -441,8 +372,6 @@ class TaskLane:
         """A host restart: whatever the previous epoch left is killed from its record (the
         record's identity must match, W5) before the session is touched. True when nothing
         of that epoch's tree is alive (its quiescence, LK4)."""
-        from .._pi._worker import kill_epoch_leftovers
-
         with contextlib.suppress(PiRuntimeError):
             return (await kill_epoch_leftovers(record)).clean
         return False
@@ -466,7 +395,7 @@ class TaskLane:
                     msgspec.to_builtins(self.attestation),
                 )
         kind, text, action_id = self._next
-        steps, tools = self._journals()
+        steps, tools = self._log.journals()
         request = EpochRequest(
             number=number,
             session=self.session,
@@ -476,7 +405,7 @@ class TaskLane:
             granted=self._granted(),
             runtime_tools=self._runtime_tools(),
             journals=(steps, tools),
-            log=self.log,
+            log=self._log.journal,
             started_ms=self.host.clocks.wall.time_ms,
             policy=StopPolicy(
                 term_grace=self.host.policy.term_grace_seconds,
@@ -489,7 +418,7 @@ class TaskLane:
             self.worker = worker
             self.record = worker.record
             if worker.record is not None:
-                await self._append(worker.record)
+                await self.append(worker.record)
             try:
                 end = await EpochWatch(self, worker).run(kind, text, action_id)
             finally:
@@ -502,7 +431,7 @@ class TaskLane:
                     self.worker = None
         self.quiescent_epoch = number if clean else None
         reason = "fence" if end in (EpochEnd.FENCE, EpochEnd.RESUME) else str(end)
-        await self._append(
+        await self.append(
             EpochFenced(epoch=number, reason=reason, fenced_ms=self.host.clocks.wall.time_ms())
         )
         if end in (EpochEnd.FENCE, EpochEnd.RESUME):
@@ -522,11 +451,6 @@ class TaskLane:
         elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
             self._fenced = True
             await self._replacement("the worker exited without a terminal receipt")
-
-    def _journals(self) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
-        assert self._steps is not None
-        assert self._tools is not None
-        return self._steps, self._tools
 
     # -- what an epoch's watch uses (runtime/_tasks/_epoch.py) -------------------------------------
 
@@ -570,7 +494,7 @@ class TaskLane:
         self.budget = self.budget.charge_seconds(seconds)
         self.recoveries += 1
         await self.record_action(
-            f"{self._prefix()}/recovery{self.recoveries}",
+            self.ids.recovery(self.recoveries),
             "recovery_time",
             "done",
             {"seconds": seconds, "from_ms": started, "to_ms": now},
@@ -599,16 +523,7 @@ class TaskLane:
         await self.record_action(action_id, "reserve", "done", {"epochs": 1, "at_ms": at_ms})
 
     def _next_continuation_id(self, kind: str) -> str:
-        """The id of the next continuation's action ``kind``: a reserve already recorded
-        whose continuation was never sent is that continuation's (TL6)."""
-        number = self.continuations
-        reserved = self._continuation_id(number, "reserve") in self.actions
-        if number and reserved and not self._continuation_sent(number):
-            return self._continuation_id(number, kind)
-        return self._continuation_id(number + 1, kind)
-
-    def _continuation_sent(self, number: int) -> bool:
-        return self._continuation_id(number, "prompt") in self.markers
+        return self.ids.next_continuation(self.continuations, kind, self.actions, self.markers)
 
     def unsettled_effects(self) -> list[ToolIntent]:
         """Worker tools let run whose outcome is not recorded and that may not simply run
@@ -617,14 +532,14 @@ class TaskLane:
         receipt)."""
         runtime_tools = self._runtime_tools()
         return [
-            i for i in self._journals()[1].unsettled()
+            i for i in self._log.journals()[1].unsettled()
             if i.replay_class is not ReplayClass.SAFE and i.name not in runtime_tools
         ]  # fmt: skip
 
     async def _replacement(self, observed: str) -> None:
         """After a fence, an exit or a restart: settle the session, charge the budget, re-attest
         and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe."""
-        tools = self._journals()[1]
+        tools = self._log.journals()[1]
         never = self.unsettled_effects()
         if never and self._operator != "forced":
             self.watchdog.feed(Hold("effect_possibly_ran:" + ",".join(i.name for i in never)))
@@ -640,7 +555,7 @@ class TaskLane:
                 return
             await self.reserve()
         number = self.continuations
-        step = self._journals()[0].current_step  # the round the gate settles (its step)
+        step = self._log.journals()[0].current_step  # the round the gate settles (its step)
         await reanswer_orphaned(self.session, tools, step=step, clock=self.host.clocks.wall)
         await settle_session(self.session, tools, clock=self.host.clocks.wall)
         read = await aread_session(self.session)
@@ -654,7 +569,7 @@ class TaskLane:
             return
         self.attestation = attest(read.session) if read.session.leaf is not None else None
         await self.record_action(
-            self._continuation_id(number, "attest"),
+            self.ids.continuation(number, "attest"),
             "attest",
             "done",
             msgspec.to_builtins(self.attestation) if self.attestation else {},
@@ -662,7 +577,7 @@ class TaskLane:
         self._recovery_started_ms = self._recovery_started_ms or self.host.clocks.wall.time_ms()
         self.watchdog.feed(Relaunched(*self.readings()))
         self._resume_pending = True
-        action_id = self._continuation_id(number, "prompt")
+        action_id = self.ids.continuation(number, "prompt")
         self._next = ("continuation", continuation_prompt(action_id, observed), action_id)
         self.changed()
 
@@ -681,8 +596,8 @@ class TaskLane:
         it is gone, so the next replacement gets a continuation of its own rather than waiting
         on an answer that will never come."""
         number = self.continuations
-        action_id = self._continuation_id(number, "prompt")
-        unrecorded = number > 0 and not self._continuation_sent(number)
+        action_id = self.ids.continuation(number, "prompt")
+        unrecorded = number > 0 and not self.ids.sent(number, self.markers)
         if unrecorded and await marker_in_session(self.session, action_id):
             await self.record_marker(action_id)
 
@@ -694,91 +609,26 @@ class TaskLane:
             marker=continuation_marker(action_id),
             prompt_version=CONTINUATION_VERSION,
         )
-        await self._append(record)
+        await self.append(record)
         self.markers[action_id] = record
 
     # -- the end: Done needs the whole tuple (LK4) ----------------------------------------------
 
     async def _finalize(self) -> None:
-        from ._worktree import run_validation, take_candidate, take_manifest
-
-        terminal = self.kernel.terminal
-        try:
-            manifest = await trio.to_thread.run_sync(take_manifest, self.worktree)
-            candidate = await trio.to_thread.run_sync(
-                lambda: take_candidate(
-                    self.worktree,
-                    manifest,
-                    archive_dir=self.archive_dir,
-                    task_id=self.task_id,
-                    message=f"pi-runtime candidate for task {self.task_id}",
-                )
-            )
-        except PiRuntimeError as error:
-            await self._end("held", code=str(error.code), detail=str(error))
-            return
-        validation = None
-        if self.task.validation:
-            validation = await run_validation(
-                self.worktree,
-                self.task.validation,
-                manifest,
-                timeout=self.task.validation_timeout,
-            )
-        evidence = DoneEvidence(
-            terminal=terminal,
+        ending = await conclude(
+            self.kernel,
+            self.task,
+            archive_dir=self.archive_dir,
             quiescent_epoch=self.quiescent_epoch,
-            manifest_digest=manifest.digest,
-            candidate_manifest_digest=candidate.manifest_digest,
-            validation_required=bool(self.task.validation),
-            validation_passed=validation.passed if validation else None,
-            validation_manifest_digest=validation.manifest_digest if validation else None,
         )
-        missing = done_missing(self.kernel, evidence)
-        if missing:
-            await self._end(
-                "held",
-                code=ReasonCode.TASK_NOT_DONE,
-                detail="missing: " + ", ".join(missing),
-                manifest=manifest.digest,
-                candidate=msgspec.to_builtins(candidate),
-                validation=msgspec.to_builtins(validation) if validation else None,
-            )
-            return
-        self.kernel.finalize()
-        await self._end(
-            "done",
-            manifest=manifest.digest,
-            candidate=msgspec.to_builtins(candidate),
-            validation=msgspec.to_builtins(validation) if validation else None,
-        )
+        await self._end(ending)
 
-    async def _end(
-        self,
-        state: str,
-        *,
-        code: str | None = None,
-        detail: str = "",
-        manifest: str | None = None,
-        candidate: dict[str, Any] | None = None,
-        validation: dict[str, Any] | None = None,
-    ) -> None:
-        terminal = self.kernel.terminal
-        if not detail and terminal is not None:
-            detail = terminal.detail
-        log = await self.host.store.read(self.log.rel)  # every record, ours and the gateway's
-        self.ended = TaskEnded(
-            costs=inference_costs(log.records),
-            state=state,
-            code=code,
-            detail=detail,
-            manifest_digest=manifest,
-            candidate=candidate,
-            validation=validation,
-            ended_ms=self.host.clocks.wall.time_ms(),
-        )
-        await self._append(self.ended)
-        self.host.log(f"task {self.task_id} ended {state}")
+    async def _end(self, ending: Ending) -> None:
+        log = await self.host.store.read(self._log.journal.rel)  # ours and the gateway's
+        now = self.host.clocks.wall.time_ms()
+        self.ended = end_record(ending, self.kernel.terminal, log.records, ended_ms=now)
+        await self.append(self.ended)
+        self.host.log(f"task {self.task_id} ended {ending.state}")
 
     # -- runtime tools (lifecycle through the gate, LK7) ----------------------------------------
 
@@ -786,52 +636,12 @@ class TaskLane:
         return frozenset(self.task.grants) | frozenset(LIFECYCLE_TOOLS)
 
     def _runtime_tools(self) -> dict[str, RuntimeTool]:
-        tools: dict[str, RuntimeTool] = {
-            name: self._lifecycle_handler(kind) for name, kind in _KIND_OF_TOOL.items()
-        }
+        tools = lifecycle_tools(self)
         if self.host.receipts is not None:
             tools.update(DocumentTools(self.host.receipts).handlers())
         if self.host.ledger is not None:
             tools["effect"] = EffectLedger(self.host.ledger)
         return {n: t for n, t in tools.items() if n in self._granted()}
-
-    def _lifecycle_handler(self, kind: LifecycleKind) -> RuntimeTool:
-        async def handle(call: GateCall, intent_id: str) -> GateResult:
-            tools = self._journals()[1]
-            key = self.kernel.current
-            if tools.epoch != key.epoch:  # a call decided in another epoch: late (LK2)
-                key = dataclasses.replace(key, epoch=tools.epoch)
-            detail = " ".join(str(v) for v in call.args.values())[:2000]
-            verdict = self.kernel.report(
-                Report(key=key, intent_id=intent_id, kind=kind, detail=detail)
-            )
-            if verdict is not Verdict.DUPLICATE:
-                await self._append(self.kernel.receipts[-1])  # durable before the answer
-            if verdict is Verdict.ACCEPTED:
-                self.watchdog.feed(TerminalAccepted(str(kind)))
-            if tools.epoch == self.kernel.current.epoch:
-                # The resumed worker called a tool: its first progress, even when the gate
-                # answers before its stdout events are read (WD11).
-                await self.resumed_progress()
-            if verdict is Verdict.ACCEPTED:
-                self.changed()
-                answers = {
-                    LifecycleKind.DONE: "Accepted: the task is marked done pending checks. "
-                    "Stop now.",
-                    LifecycleKind.FAIL: "Accepted: the task is marked failed. Stop now.",
-                    LifecycleKind.WAIT: "Accepted: waiting for the user's reply. Stop now; "
-                    "the reply will arrive as a new message.",
-                }
-                return GateResult.text(answers[kind])
-            if verdict is Verdict.DUPLICATE:
-                return GateResult.text("Already recorded.")
-            return GateResult.text(
-                f"Not accepted ({verdict}): a lifecycle outcome was already recorded for this "
-                "task.",
-                is_error=True,
-            )
-
-        return handle
 
     # -- small helpers ---------------------------------------------------------------------------
 
@@ -844,19 +654,12 @@ class TaskLane:
             return
         record = OutboxAction(action_id=action_id, kind=kind, state=state, detail=detail or {})
         self.pending_action = action_id if state == "reserved" else None
-        await self._append(record)
+        await self.append(record)
         self.actions[action_id] = record
-
-    def _prefix(self) -> str:
-        return f"{self.task_id}/g{self.task.generation}/a{self.task.attempt}"
 
     def epoch_action_id(self, kind: str) -> str:
         """The id of this epoch's action ``kind`` (TL6)."""
-        return f"{self._prefix()}/e{self.epochs}/{kind}"
-
-    def _continuation_id(self, number: int, kind: str) -> str:
-        """The id of continuation ``number``'s action ``kind`` (TL6)."""
-        return f"{self._prefix()}/c{number}/{kind}"
+        return self.ids.epoch(self.epochs, kind)
 
     def now(self) -> float:
         return self.host.clocks.silence.read().boottime
