@@ -130,13 +130,12 @@ def base_launch(kind: str, root: Path) -> WorkerLaunch:
 async def test_b1_b3_b5_a_turn_through_both_boundaries_then_replay(
     kind: str, tmp_path: Path
 ) -> None:
-    """B1: a tool round's intents carry the step of the model response that asked for them,
-    in the delivery's one log. B3: the granted runtime tools are declared to the worker
-    exactly as ``runtime/_boundary/_tools.py`` has them and run in the runtime (once); a Pi tool
-    runs
-    in the worker. B5: neither secret reaches the tools' environment or any file. Then a new
-    epoch on the rewound session is answered entirely from the journal: no model call, no
-    tool run, nothing appended."""
+    """B1: a tool round's intents carry the step of the model response that asked for them, in
+    the delivery's one log. B3: the granted runtime tools are declared to the worker exactly as
+    ``runtime/_boundary/_tools.py`` has them and run in the runtime (once); a Pi tool runs in
+    the worker. B5: neither secret reaches the tools' environment or any file. Then a new epoch
+    on the rewound session is answered entirely from the journal: no model call, no tool run,
+    nothing appended."""
     steps: list[Step] = [
         ToolCalls(
             calls=[

@@ -1,6 +1,5 @@
 """The tool gate (``runtime/_boundary/_gate.py``, ``runtime/_boundary/pi_extension/gate.ts``,
-Fake-Pi's
-``fake_pi/_gate_client.py``); test names cite ``docs/design/gate.md`` (T1…).
+Fake-Pi's ``fake_pi/_gate_client.py``); test names cite ``docs/design/gate.md`` (T1…).
 
 The server's decisions run against the real Unix socket with an in-memory log (and once on a
 real store); the end-to-end tests launch the real Pi (with the extension) and Fake-Pi as

@@ -1,5 +1,5 @@
-"""The lifecycle kernel of a task lane (runtime._tasks._lifecycle): first terminal wins, the Done
-tuple.
+"""The lifecycle kernel of a task lane (runtime._tasks._lifecycle): first terminal wins, the
+Done tuple.
 
 Pure core, plain synchronous tests named after the invariants of docs/design/watchdog.md
 (``test_lk<N>_…``); docs/design/watchdog.md groups 5 (explicit outcomes, the layered Done), 7

@@ -433,10 +433,9 @@ def test_could_still_be_silent(partial: str, expected: bool) -> None:
     ],
 )
 def test_typing_never_lights_a_silent_turn(final: str) -> None:
-    """Streamed token by token, the lane starts typing at the first prefix that can no longer
-    be silent: never for a turn that ends silent (docs/design/lanes.md), and for every reply except
-    one
-    that is itself a prefix of the marker (a reply of ``[[stay-`` gets no typing)."""
+    """Streamed token by token, the lane starts typing at the first prefix that can no longer be
+    silent: never for a turn that ends silent (docs/design/lanes.md), and for every reply except
+    one that is itself a prefix of the marker (a reply of ``[[stay-`` gets no typing)."""
     typed = any(not could_still_be_silent(final[:n]) for n in range(len(final) + 1))
     end = classify_turn([assistant(text(final))])
     if end.outcome is SILENT:

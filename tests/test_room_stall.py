@@ -12,14 +12,13 @@ on with :meth:`MockClock.jump` — to the next timer and no further, and only wh
 tool, the tool is running). So a timer never fires while the subprocess is still working on
 something, and nothing depends on how fast the machine is.
 
-Autojump is not used (docs/design/clocks.md keeps it for in-process tests): it jumps whenever every
-task
-*in this process* has been blocked for its threshold, and a task waiting on the subprocess's
-pipe is blocked. While a turn runs its 5 s tick is always pending, so every threshold's worth
-of real work in Fake-Pi (a chunk, a retry wait, a slow machine) would age the turn by up to
-5 s of virtual time, and each timer costs a threshold of real time (minutes for a 20-minute
-turn). A frozen clock (``rate=0``) does not work either: the runtime polls Trio's clock while a
-worker launches (``_environ_after_exec``), which would never return.
+Autojump is not used (docs/design/clocks.md keeps it for in-process tests): it jumps whenever
+every task *in this process* has been blocked for its threshold, and a task waiting on the
+subprocess's pipe is blocked. While a turn runs its 5 s tick is always pending, so every
+threshold's worth of real work in Fake-Pi (a chunk, a retry wait, a slow machine) would age the
+turn by up to 5 s of virtual time, and each timer costs a threshold of real time (minutes for a
+20-minute turn). A frozen clock (``rate=0``) does not work either: the runtime polls Trio's
+clock while a worker launches (``_environ_after_exec``), which would never return.
 
 What runs on which clock: the lane, its watch and tick, the gateway (keepalive, upstream
 inactivity), the gate and the runtime's own tools, and the scripted model (its delays) run in
@@ -59,7 +58,7 @@ from runtime._errors import ReasonCode
 from runtime._journal._store import lane_key
 from runtime._pi._rpc_protocol import Event
 from runtime._records import EpochStarted, Outcome
-from runtime._rooms import _lane as _lanes
+from runtime._rooms import _turn
 from runtime._rooms._stall import StallWatch
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
@@ -179,16 +178,16 @@ def probe(monkeypatch: pytest.MonkeyPatch) -> Probe:
             found.notify()
             return stalled
 
-    see = _lanes._Turn._see
+    see = _turn.Turn._see
 
-    def seeing(turn: _lanes._Turn, event: Event) -> bool:
+    def seeing(turn: _turn.Turn, event: Event) -> bool:
         boottime = turn.host.clocks.silence.read().boottime
         found.seen.append(Seen(trio.current_time(), boottime, event.type, _detail(event)))
         found.notify()
         return see(turn, event)
 
-    monkeypatch.setattr(_lanes, "StallWatch", RecordingWatch)
-    monkeypatch.setattr(_lanes._Turn, "_see", seeing)
+    monkeypatch.setattr(_turn, "StallWatch", RecordingWatch)
+    monkeypatch.setattr(_turn.Turn, "_see", seeing)
     return found
 
 
@@ -666,7 +665,7 @@ async def test_a_6_minute_tool_within_its_lease_is_never_aborted(
     between = [s for s in probe.seen if running.at < s.at < released]
     assert between == []  # six minutes without a single worker event
     ((taken, deadline),) = probe.leases
-    assert deadline == pytest.approx(taken + _lanes.SHELL_LEASE, abs=DRIFT)  # clock: rate 1
+    assert deadline == pytest.approx(taken + _turn.SHELL_LEASE, abs=DRIFT)  # clock: rate 1
     assert upstream.arrived == 2
     assert "finished" in str(upstream.bodies[1]["messages"][-1])
 

@@ -1,14 +1,14 @@
 """Room lanes: one long-lived session per room, its deliveries run one at a time.
 
 A :class:`Lane` owns one room's queue, session file, working directory and — while it is
-warm — one worker epoch behind its own gateway and gate (``runtime/_boundary/_boundaries.py``). The
-lane
-runs in its own nursery and each epoch in a nested one, so stopping a lane or fencing an epoch
-is a cancellation (docs/design/boundaries.md). The invariants (L1…) are in ``docs/design/lanes.md``.
+warm — one worker epoch behind its own gateway and gate (``runtime/_boundary/_boundaries.py``;
+the worker and its boundaries are a slot, ``_slot.py``). The lane runs in its own nursery and
+each epoch in a nested one, so stopping a lane or fencing an epoch is a cancellation
+(docs/design/boundaries.md). The invariants (L1…) are in ``docs/design/lanes.md``.
 
 One delivery's turn: the delivery's log is created (or reopened when it is replayed) and its
 admission written there with the session leaf it starts from; the rendered prompt is sent; the
-worker's events are watched (typing, tool activity, the stall backstop) until
+worker's events are watched (typing, tool activity, the stall backstop; ``_turn.py``) until
 ``agent_settled``; the last assistant message decides the outcome (``runtime/_rooms/_outcome.py``);
 the session is fsynced, the result appended to the delivery's log and then published in the
 outbox. A worker that dies mid-turn is fenced, the step is recorded as abandoned, the session
@@ -30,12 +30,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import trio
 
-from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
+from .._boundary._boundaries import BoundaryConfig
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
@@ -45,72 +45,35 @@ from .._errors import JournalError, ReasonCode, RpcError, SessionError, WorkerEr
 from .._journal._journal import Journal
 from .._journal._store import Store, delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
-from .._pi._rpc import RpcChannel, open_rpc_channel
-from .._pi._rpc_protocol import Event
 from .._pi._session_files import (
     aread_session,
     atruncate_torn_tail,
     create_session,
     open_session_writer,
 )
-from .._pi._worker import Epoch, open_worker
 from .._records import (
     AbsorbedInput,
     Admission,
-    EpochFenced,
     EpochStarted,
     Outcome,
     Result,
     StepAbandoned,
 )
-from .._wire import RoomEvent, TextUpdate, ToolActivity, Typing
+from .._wire import RoomEvent, TextUpdate
 from ._outbox import ResultOutbox
-from ._outcome import TurnEnd, classify_turn, could_still_be_silent
-from ._stall import StallWatch, watch_turn
+from ._outcome import TurnEnd
+from ._pending import Absorbed, Pending
+from ._slot import Slot
+from ._turn import Turn
 
 if TYPE_CHECKING:
-    from ._admission import Delivery
+    pass
 
-__all__ = ["Lane", "LaneHost", "Pending"]
+__all__ = ["Lane", "LaneHost"]
 
 REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
 EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
-SHELL_LEASE: Final = 600.0
-"""The lease of a shell tool that names no timeout of its own (docs/design/lanes.md)."""
-
-
-@dataclass(eq=False)
-class Pending:
-    """An admitted delivery the host has not finished."""
-
-    delivery: Delivery
-    admission: Admission
-    grants: frozenset[str]
-    privileged: bool
-    recovering: bool = False
-    cancelled: bool = False
-    absorbed: list[Absorbed] = field(default_factory=list)
-    """Deliveries steered into this one's run (it is their owner)."""
-    absorbed_into: str | None = None
-    """The owner this delivery was steered into, while it is."""
-
-    @property
-    def delivery_id(self) -> str:
-        return self.delivery.delivery_id
-
-
-@dataclass(eq=False)
-class Absorbed:
-    """A delivery steered into an owner's run (docs/design/lanes.md): its text, and the step whose
-    model
-    request first carried it (``None`` until seen)."""
-
-    pending: Pending
-    text: str
-    first_step: int | None = None
-    sent: bool = False
-    """Steered into the current attempt's worker."""
 
 
 @dataclass
@@ -145,130 +108,8 @@ class LaneHost:
     """Where the test tool ``effect`` writes (only when granted)."""
 
 
-class _Live:
-    """One running worker epoch, with the channel to it."""
-
-    def __init__(
-        self, number: int, worker: Epoch, rpc: RpcChannel, scope: trio.CancelScope
-    ) -> None:
-        self.number = number
-        self.worker = worker
-        self.rpc = rpc
-        self.scope = scope
-        self.stop = trio.Event()
-        self.ended = trio.Event()
-
-
 class _WorkerDied(Exception):
     """The epoch ended mid-turn (exit, launch failure or a broken channel)."""
-
-
-class _Slot:
-    """A worker of one authority for one session: its boundaries (opened with the first
-    delivery it serves, kept while the lane lives) and at most one live epoch.
-
-    The room's own slot lives as long as the lane; a privileged delivery's one-shot slot
-    only as long as that delivery (L6).
-    """
-
-    def __init__(self, lane: Lane, config: BoundaryConfig, session: Path) -> None:
-        self.lane = lane
-        self.config = config
-        self.session = session
-        self.boundaries: Boundaries | None = None
-        self.live: _Live | None = None
-        self._scope = trio.CancelScope()
-
-    async def serve(self, nursery: trio.Nursery, log: Journal, key: str) -> Boundaries:
-        """The boundaries, serving ``log`` (opened on first use)."""
-        if self.boundaries is None:
-            self.boundaries = await nursery.start(self._serve, log, key)
-        else:
-            self.boundaries.attach(log, key=key)
-        return self.boundaries
-
-    async def _serve(
-        self, log: Journal, key: str, task_status: trio.TaskStatus[Boundaries]
-    ) -> None:
-        with self._scope:
-            async with open_boundaries(self.config, log, key=key, epoch=0) as boundaries:
-                task_status.started(boundaries)
-                await trio.sleep_forever()
-
-    async def ensure_live(self, nursery: trio.Nursery) -> _Live:
-        if self.live is not None and not self.live.ended.is_set():
-            return self.live
-        assert self.boundaries is not None
-        lane = self.lane
-        await lane.host.reserve_worker(lane)
-        lane.epochs += 1
-        number = lane.epochs
-        self.boundaries.begin_epoch(number)
-        launch = self.boundaries.launch(lane.launch(self.session))
-        try:
-            self.live = await nursery.start(self._run_epoch, launch, number)
-        except BaseException:
-            lane.host.release_worker(lane)
-            raise
-        return self.live
-
-    async def _run_epoch(
-        self, launch: WorkerLaunch, number: int, task_status: trio.TaskStatus[_Live]
-    ) -> None:
-        lane = self.lane
-        assert lane.log is not None
-        live: _Live | None = None
-        try:
-            with trio.CancelScope() as scope:
-                async with open_worker(launch) as worker:
-                    await lane.log.append(
-                        worker.record(number, started_ms=lane.host.clocks.wall.time_ms())
-                    )
-                    async with open_rpc_channel(
-                        worker.stdin, worker.stdout, stderr=worker.stderr_tail
-                    ) as rpc:
-                        live = _Live(number, worker, rpc, scope)
-                        task_status.started(live)
-                        await live.stop.wait()
-                        if rpc.running:
-                            with contextlib.suppress(RpcError):
-                                await rpc.abort()
-            reason = "fenced" if scope.cancelled_caught else "stopped"
-            with trio.CancelScope(shield=True):
-                await lane.log.append(
-                    EpochFenced(
-                        epoch=number, reason=reason, fenced_ms=lane.host.clocks.wall.time_ms()
-                    )
-                )
-        finally:
-            if live is not None:
-                live.ended.set()
-            if self.live is live:
-                self.live = None
-            lane.host.release_worker(lane)
-
-    def request_stop(self) -> None:
-        if self.live is not None:
-            self.live.stop.set()
-
-    async def stop(self) -> None:
-        """Stop the live epoch once idle (stdin closed after ``agent_settled``)."""
-        live = self.live
-        if live is not None:
-            live.stop.set()
-            await live.ended.wait()
-
-    async def fence(self) -> None:
-        """Cancel the live epoch's scope: its whole tree is stopped before this returns."""
-        live = self.live
-        if live is not None:
-            live.scope.cancel()
-            await live.ended.wait()
-
-    async def close(self) -> None:
-        """Stop the epoch, then the boundaries (a one-shot slot's end)."""
-        await self.stop()
-        self._scope.cancel()
 
 
 class Lane:
@@ -290,9 +131,9 @@ class Lane:
         self.log: Journal | None = None
         self.epochs = 0
         """Epochs this lane ever started (numbers them; from the lane log at start)."""
-        self._room: _Slot | None = None
-        self._oneshot: _Slot | None = None
-        self._running: _Turn | None = None
+        self._room: Slot | None = None
+        self._oneshot: Slot | None = None
+        self._running: Turn | None = None
 
     # -- the host's view ---------------------------------------------------------------
 
@@ -319,8 +160,7 @@ class Lane:
 
     async def steer(self, pending: Pending) -> bool:
         """Steer ``pending`` into the running turn (docs/design/lanes.md) when that turn has the
-        same
-        authority and is still running: its absorbed input is journaled in the owner's log
+        same authority and is still running: its absorbed input is journaled in the owner's log
         first, then sent as a ``steer``. False (queue it instead) otherwise."""
         owner, turn = self.current, self._running
         if owner is None or turn is None or owner.privileged or pending.privileged:
@@ -504,12 +344,12 @@ class Lane:
                 await slot.close()
 
     async def _turn(
-        self, nursery: trio.Nursery, slot: _Slot, pending: Pending, log: Journal
+        self, nursery: trio.Nursery, slot: Slot, pending: Pending, log: Journal
     ) -> TurnEnd:
         try:
             live = await slot.ensure_live(nursery)
             assert slot.boundaries is not None
-            turn = _Turn(self, pending, live, log)
+            turn = Turn(self.host, self.room, pending, live.rpc, log)
             turn.replay_upto = slot.boundaries.steps.last_answered
             self._running = turn
             slot.boundaries.on_request = turn.on_request
@@ -569,13 +409,13 @@ class Lane:
 
     # -- sessions ----------------------------------------------------------------------
 
-    def _slot_for(self, pending: Pending) -> _Slot:
+    def _slot_for(self, pending: Pending) -> Slot:
         if pending.privileged:
             session = self.dir / "oneshot" / f"{delivery_key(pending.delivery_id)}.jsonl"
-            self._oneshot = _Slot(self, self._boundary_config(pending.grants, "o"), session)
+            self._oneshot = Slot(self, self._boundary_config(pending.grants, "o"), session)
             return self._oneshot
         if self._room is None or self._room.config.granted != pending.grants:
-            self._room = _Slot(self, self._boundary_config(pending.grants, "r"), self.session)
+            self._room = Slot(self, self._boundary_config(pending.grants, "r"), self.session)
         return self._room
 
     def _rel(self, path: Path) -> str:
@@ -666,6 +506,15 @@ class Lane:
         )
         return GateResult.text("sent")
 
+    async def reserve_worker(self) -> None:
+        await self.host.reserve_worker(self)
+
+    def release_worker(self) -> None:
+        self.host.release_worker(self)
+
+    def now_ms(self) -> int:
+        return self.host.clocks.wall.time_ms()
+
     def launch(self, session: Path) -> WorkerLaunch:
         return WorkerLaunch(
             program=self.host.program,
@@ -680,165 +529,3 @@ class Lane:
             settings={"steeringMode": "all"},  # a burst's steers reach one request (L10)
             state_dir=self.host.store.root,
         )
-
-
-class _Turn:
-    """The events of one turn: typing, tool activity, the stall backstop, the outcome."""
-
-    def __init__(self, lane: Lane, pending: Pending, live: _Live, log: Journal) -> None:
-        self.lane = lane
-        self.pending = pending
-        self.live = live
-        self.log = log
-        self.steer_lock = trio.Lock()
-        self.steerable = False
-        """Steers are taken from the prompt's acceptance until ``agent_settled``."""
-        self.host = lane.host
-        self.watch = StallWatch(limit=self.host.stall)
-        self.messages: list[dict[str, Any]] = []
-        self.partial = ""
-        self.typing = trio.Event()
-        self.stalled = False
-        self.replay_upto = -1
-        """The last step the journal answers (a replay asks them again first): a steer never
-        seen before the crash is sent again only once that step is answered (L10)."""
-
-    def _now(self) -> float:
-        return self.host.clocks.silence.read().boottime
-
-    async def run(self) -> TurnEnd:
-        rpc = self.live.rpc
-        self.watch.event(self._now())
-        for item in self.pending.absorbed:
-            item.sent = False
-        await rpc.prompt(self.pending.admission.rendered_prompt)
-        async with self.steer_lock:
-            self.steerable = True
-            for item in self.pending.absorbed:
-                if item.first_step is None and self.replay_upto < 0:  # steered, never seen
-                    await self.send_steer(item)
-        died: RpcError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._backstop)
-            nursery.start_soon(self._keep_typing)
-            try:
-                async for event in rpc:
-                    self.watch.event(self._now())
-                    if self._see(event):
-                        break
-            except RpcError as error:  # raised here, not from the nursery: no group to unwrap
-                died = error
-            nursery.cancel_scope.cancel()
-        if died is not None:
-            raise died
-        async with self.steer_lock:  # a steer being sent finishes first
-            self.steerable = False
-            if any(item.first_step is None and item.sent for item in self.pending.absorbed):
-                # steered too late for any model request: the worker still queues it, and
-                # it runs as its own turn (L10) — take it back so it is not carried twice
-                with contextlib.suppress(RpcError):
-                    await rpc.clear_queue()
-        end = classify_turn(self.messages)
-        if end.outcome is Outcome.CANCELLED and not self.pending.cancelled:
-            code = ReasonCode.TURN_STALLED if self.stalled else ReasonCode.RESPONSE_MISSING
-            return TurnEnd(outcome=Outcome.FAILED, code=code)
-        if self.pending.cancelled and end.outcome is not Outcome.REPLY:
-            return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
-        return end
-
-    async def send_steer(self, item: Absorbed) -> None:
-        """Steer ``item`` into this run; a dead worker is noticed by the turn itself."""
-        item.sent = True
-        with contextlib.suppress(RpcError):
-            await self.live.rpc.steer(item.text)
-
-    async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
-        """Before each model request is answered: a steer first carried here is recorded as
-        seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
-        now, so the next request is the same as the first time (docs/design/recovery.md)."""
-        carried = _user_text(body)
-        for item in self.pending.absorbed:
-            if item.first_step is None and item.text in carried:
-                item.first_step = step
-                await self.log.append(
-                    AbsorbedInput(
-                        delivery_id=item.pending.delivery_id, text=item.text, first_step=step
-                    )
-                )
-            elif replayed and item.first_step == step + 1 and not item.sent:
-                await self.send_steer(item)
-            elif (
-                replayed and item.first_step is None and not item.sent and step >= self.replay_upto
-            ):
-                await self.send_steer(item)  # never seen: after the last answered step
-
-    def _see(self, event: Event) -> bool:
-        """Handle one event; True at ``agent_settled``."""
-        record = event.record
-        kind = event.type
-        if kind == "agent_settled":
-            self.steerable = False
-            return True
-        if kind == "message_end":
-            message = record.get("message")
-            if isinstance(message, dict) and message.get("role") in ("assistant", "toolResult"):
-                self.messages.append(message)
-            self.partial = ""
-        elif kind == "message_update":
-            delta = record.get("assistantMessageEvent") or {}
-            if delta.get("type") == "text_delta":
-                self.partial += str(delta.get("delta", ""))
-                if not self.typing.is_set() and not could_still_be_silent(self.partial):
-                    self.typing.set()
-        elif kind in ("tool_execution_start", "tool_execution_end"):
-            call_id = str(record.get("toolCallId", ""))
-            tool = str(record.get("toolName", ""))
-            phase: Literal["start", "end"] = "start" if kind == "tool_execution_start" else "end"
-            if phase == "start":
-                self.watch.lease(call_id, self._now() + _lease_seconds(tool, record))
-            else:
-                self.watch.release(call_id, self._now())
-            self.host.emit(
-                ToolActivity(
-                    room=self.lane.room,
-                    delivery_id=self.pending.delivery_id,
-                    tool=tool,
-                    phase=phase,
-                )
-            )
-        return False
-
-    async def _backstop(self) -> None:
-        await watch_turn(self.watch, self.host.clocks.silence, tick=self.host.tick)
-        self.stalled = True
-        with contextlib.suppress(RpcError):
-            await self.live.rpc.abort()
-
-    async def _keep_typing(self) -> None:
-        await self.typing.wait()
-        while True:
-            self.host.emit(Typing(room=self.lane.room, delivery_id=self.pending.delivery_id))
-            await trio.sleep(self.host.typing_refresh)
-
-
-def _user_text(body: dict[str, Any]) -> str:
-    """Every user message's text in an OpenAI chat request, joined."""
-    parts: list[str] = []
-    for message in body.get("messages") or []:
-        if not isinstance(message, dict) or message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "\n".join(parts)
-
-
-def _lease_seconds(tool: str, record: dict[str, Any]) -> float:
-    """A gated tool's lease: its own timeout when it names one; shell tools get a default."""
-    args = record.get("args") or {}
-    timeout = args.get("timeout") if isinstance(args, dict) else None
-    if isinstance(timeout, int | float) and timeout > 0:
-        return float(timeout)
-    return SHELL_LEASE if tool == "bash" else 0.0

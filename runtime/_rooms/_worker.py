@@ -60,8 +60,9 @@ from ._admission import (
     render_prompt,
     settings_fingerprint,
 )
-from ._lane import Absorbed, Lane, LaneHost, Pending
+from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
+from ._pending import Absorbed, Pending
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 

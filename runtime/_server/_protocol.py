@@ -1,5 +1,5 @@
-"""The websocket wire protocol (docs/design/protocol.md): its frames as types, decoded and encoded
-(pure).
+"""The websocket wire protocol (docs/design/protocol.md): its frames as types, decoded and
+encoded (pure).
 
 Every frame is one JSON object in one websocket text frame, tagged by ``type``. Client frames
 are inbound commands: strict (``forbid_unknown_fields``), and every way one can be wrong is
@@ -11,11 +11,9 @@ only ever added, with defaults).
 
 ``python -m runtime._server._protocol --schema`` prints the JSON Schema of both directions,
 generated from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them
-equal.
-The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The task
-frames (``task_*``) drive task lanes (docs/design/watchdog.md, issue #8): their server frames are
-the task
-runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
+equal. The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The
+task frames (``task_*``) drive task lanes (docs/design/watchdog.md, issue #8): their server
+frames are the task runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
 :class:`~runtime._tasks._runner.TaskEvent`).
 """
 

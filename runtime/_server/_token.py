@@ -1,5 +1,5 @@
-"""The access token: the secret a websocket client presents in ``hello`` (docs/design/protocol.md,
-serve.md).
+"""The access token: the secret a websocket client presents in ``hello``
+(docs/design/protocol.md, serve.md).
 
 It lives in ``<state>/token`` as raw text (no newline), mode 0600, owned by the user running
 the server. :func:`ensure_token` creates it at first start; :func:`rotate_token` replaces it

@@ -2,10 +2,9 @@
 
 Issue items 4-6 as a process: the scripted model served over HTTP (item 4), the tools it runs
 (item 5), and the process behaviours — session files, barriers (``kill``, ``exit:CODE``,
-``hang``), SIGTERM, stdin EOF, ``ignore_sigterm``, the recorder (item 6) — checked against
-Pi 1.6.0's observed behaviour (docs/design/fake-pi.md; "pi-observed.md §n" cites the section of the
-Pi
-research report a fact comes from, and the real Pi's own files are in tests/data/pi-1.6.0/).
+``hang``), SIGTERM, stdin EOF, ``ignore_sigterm``, the recorder (item 6) — checked against Pi
+1.6.0's observed behaviour (docs/design/fake-pi.md; "pi-observed.md §n" cites the section of the
+Pi research report a fact comes from, and the real Pi's own files are in tests/data/pi-1.6.0/).
 
 Every test runs in its own sandbox: HOME, an agent dir whose ``models.json`` points at a
 ``serve_model`` server in the test's Trio run and whose ``settings.json`` sets

@@ -1,0 +1,43 @@
+"""What a room lane queues: an admitted delivery (:class:`Pending`) and a delivery steered
+into another's run (:class:`Absorbed`, docs/design/lanes.md L10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .._records import Admission
+from ._admission import Delivery
+
+__all__ = ["Absorbed", "Pending"]
+
+
+@dataclass(eq=False)
+class Pending:
+    """An admitted delivery the host has not finished."""
+
+    delivery: Delivery
+    admission: Admission
+    grants: frozenset[str]
+    privileged: bool
+    recovering: bool = False
+    cancelled: bool = False
+    absorbed: list[Absorbed] = field(default_factory=list)
+    """Deliveries steered into this one's run (it is their owner)."""
+    absorbed_into: str | None = None
+    """The owner this delivery was steered into, while it is."""
+
+    @property
+    def delivery_id(self) -> str:
+        return self.delivery.delivery_id
+
+
+@dataclass(eq=False)
+class Absorbed:
+    """A delivery steered into an owner's run (docs/design/lanes.md): its text, and the step
+    whose model request first carried it (``None`` until seen)."""
+
+    pending: Pending
+    text: str
+    first_step: int | None = None
+    sent: bool = False
+    """Steered into the current attempt's worker."""

@@ -1,0 +1,155 @@
+"""A room lane's worker slots: a worker of one authority for one session, its boundaries and
+at most one live epoch (docs/design/lanes.md L6, docs/design/boundaries.md)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
+from .._errors import RpcError
+from .._journal._journal import Journal
+from .._pi._launch import WorkerLaunch
+from .._pi._rpc import RpcChannel, open_rpc_channel
+from .._pi._worker import Epoch, open_worker
+from .._records import EpochFenced
+
+__all__ = ["Live", "Slot", "SlotOwner"]
+
+
+class SlotOwner(Protocol):
+    """What a slot uses of its lane (:class:`~runtime._rooms._lane.Lane`)."""
+
+    epochs: int
+    """Epochs started in the lane, over its whole log: the next one's number is one more."""
+
+    @property
+    def log(self) -> Journal | None: ...
+    def launch(self, session: Path) -> WorkerLaunch: ...
+    async def reserve_worker(self) -> None:
+        """Wait for a worker slot of the host (L8)."""
+        ...
+
+    def release_worker(self) -> None: ...
+    def now_ms(self) -> int: ...
+
+
+class Live:
+    """One running worker epoch, with the channel to it."""
+
+    def __init__(
+        self, number: int, worker: Epoch, rpc: RpcChannel, scope: trio.CancelScope
+    ) -> None:
+        self.number = number
+        self.worker = worker
+        self.rpc = rpc
+        self.scope = scope
+        self.stop = trio.Event()
+        self.ended = trio.Event()
+
+
+class Slot:
+    """A worker of one authority for one session: its boundaries (opened with the first
+    delivery it serves, kept while the lane lives) and at most one live epoch.
+
+    The room's own slot lives as long as the lane; a privileged delivery's one-shot slot
+    only as long as that delivery (L6).
+    """
+
+    def __init__(self, lane: SlotOwner, config: BoundaryConfig, session: Path) -> None:
+        self.lane = lane
+        self.config = config
+        self.session = session
+        self.boundaries: Boundaries | None = None
+        self.live: Live | None = None
+        self._scope = trio.CancelScope()
+
+    async def serve(self, nursery: trio.Nursery, log: Journal, key: str) -> Boundaries:
+        """The boundaries, serving ``log`` (opened on first use)."""
+        if self.boundaries is None:
+            self.boundaries = await nursery.start(self._serve, log, key)
+        else:
+            self.boundaries.attach(log, key=key)
+        return self.boundaries
+
+    async def _serve(
+        self, log: Journal, key: str, task_status: trio.TaskStatus[Boundaries]
+    ) -> None:
+        with self._scope:
+            async with open_boundaries(self.config, log, key=key, epoch=0) as boundaries:
+                task_status.started(boundaries)
+                await trio.sleep_forever()
+
+    async def ensure_live(self, nursery: trio.Nursery) -> Live:
+        if self.live is not None and not self.live.ended.is_set():
+            return self.live
+        assert self.boundaries is not None
+        lane = self.lane
+        await lane.reserve_worker()
+        lane.epochs += 1
+        number = lane.epochs
+        self.boundaries.begin_epoch(number)
+        launch = self.boundaries.launch(lane.launch(self.session))
+        try:
+            self.live = await nursery.start(self._run_epoch, launch, number)
+        except BaseException:
+            lane.release_worker()
+            raise
+        return self.live
+
+    async def _run_epoch(
+        self, launch: WorkerLaunch, number: int, task_status: trio.TaskStatus[Live]
+    ) -> None:
+        lane = self.lane
+        assert lane.log is not None
+        live: Live | None = None
+        try:
+            with trio.CancelScope() as scope:
+                async with open_worker(launch) as worker:
+                    await lane.log.append(worker.record(number, started_ms=lane.now_ms()))
+                    async with open_rpc_channel(
+                        worker.stdin, worker.stdout, stderr=worker.stderr_tail
+                    ) as rpc:
+                        live = Live(number, worker, rpc, scope)
+                        task_status.started(live)
+                        await live.stop.wait()
+                        if rpc.running:
+                            with contextlib.suppress(RpcError):
+                                await rpc.abort()
+            reason = "fenced" if scope.cancelled_caught else "stopped"
+            with trio.CancelScope(shield=True):
+                await lane.log.append(
+                    EpochFenced(epoch=number, reason=reason, fenced_ms=lane.now_ms())
+                )
+        finally:
+            if live is not None:
+                live.ended.set()
+            if self.live is live:
+                self.live = None
+            lane.release_worker()
+
+    def request_stop(self) -> None:
+        if self.live is not None:
+            self.live.stop.set()
+
+    async def stop(self) -> None:
+        """Stop the live epoch once idle (stdin closed after ``agent_settled``)."""
+        live = self.live
+        if live is not None:
+            live.stop.set()
+            await live.ended.wait()
+
+    async def fence(self) -> None:
+        """Cancel the live epoch's scope: its whole tree is stopped before this returns."""
+        live = self.live
+        if live is not None:
+            live.scope.cancel()
+            await live.ended.wait()
+
+    async def close(self) -> None:
+        """Stop the epoch, then the boundaries (a one-shot slot's end)."""
+        await self.stop()
+        self._scope.cancel()

@@ -1,0 +1,206 @@
+"""One delivery's turn in a room lane's worker: the prompt, the steers, the events until
+``agent_settled`` (typing, tool activity, the stall backstop) and the outcome
+(docs/design/lanes.md; the outcome rules are ``runtime/_rooms/_outcome.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Final, Literal, Protocol
+
+import trio
+
+from .._clock import Clocks
+from .._errors import ReasonCode, RpcError
+from .._journal._journal import Journal
+from .._pi._rpc import RpcChannel
+from .._pi._rpc_protocol import Event
+from .._records import AbsorbedInput, Outcome
+from .._wire import RoomEvent, ToolActivity, Typing
+from ._outcome import TurnEnd, classify_turn, could_still_be_silent
+from ._pending import Absorbed, Pending
+from ._stall import StallWatch, watch_turn
+
+__all__ = ["Turn", "TurnHost"]
+
+SHELL_LEASE: Final = 600.0
+"""The lease of a shell tool that names no timeout of its own (docs/design/lanes.md)."""
+
+
+class TurnHost(Protocol):
+    """What a turn uses of its lane's host (:class:`~runtime._rooms._lane.LaneHost`)."""
+
+    @property
+    def clocks(self) -> Clocks: ...
+    @property
+    def stall(self) -> float: ...
+    @property
+    def tick(self) -> float: ...
+    @property
+    def typing_refresh(self) -> float: ...
+    @property
+    def emit(self) -> Callable[[RoomEvent], None]: ...
+
+
+class Turn:
+    """The events of one turn: typing, tool activity, the stall backstop, the outcome."""
+
+    def __init__(
+        self, host: TurnHost, room: str, pending: Pending, rpc: RpcChannel, log: Journal
+    ) -> None:
+        self.room = room
+        self.pending = pending
+        self.rpc = rpc
+        self.log = log
+        self.steer_lock = trio.Lock()
+        self.steerable = False
+        """Steers are taken from the prompt's acceptance until ``agent_settled``."""
+        self.host = host
+        self.watch = StallWatch(limit=self.host.stall)
+        self.messages: list[dict[str, Any]] = []
+        self.partial = ""
+        self.typing = trio.Event()
+        self.stalled = False
+        self.replay_upto = -1
+        """The last step the journal answers (a replay asks them again first): a steer never
+        seen before the crash is sent again only once that step is answered (L10)."""
+
+    def _now(self) -> float:
+        return self.host.clocks.silence.read().boottime
+
+    async def run(self) -> TurnEnd:
+        rpc = self.rpc
+        self.watch.event(self._now())
+        for item in self.pending.absorbed:
+            item.sent = False
+        await rpc.prompt(self.pending.admission.rendered_prompt)
+        async with self.steer_lock:
+            self.steerable = True
+            for item in self.pending.absorbed:
+                if item.first_step is None and self.replay_upto < 0:  # steered, never seen
+                    await self.send_steer(item)
+        died: RpcError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._backstop)
+            nursery.start_soon(self._keep_typing)
+            try:
+                async for event in rpc:
+                    self.watch.event(self._now())
+                    if self._see(event):
+                        break
+            except RpcError as error:  # raised here, not from the nursery: no group to unwrap
+                died = error
+            nursery.cancel_scope.cancel()
+        if died is not None:
+            raise died
+        async with self.steer_lock:  # a steer being sent finishes first
+            self.steerable = False
+            if any(item.first_step is None and item.sent for item in self.pending.absorbed):
+                # steered too late for any model request: the worker still queues it, and
+                # it runs as its own turn (L10) — take it back so it is not carried twice
+                with contextlib.suppress(RpcError):
+                    await rpc.clear_queue()
+        end = classify_turn(self.messages)
+        if end.outcome is Outcome.CANCELLED and not self.pending.cancelled:
+            code = ReasonCode.TURN_STALLED if self.stalled else ReasonCode.RESPONSE_MISSING
+            return TurnEnd(outcome=Outcome.FAILED, code=code)
+        if self.pending.cancelled and end.outcome is not Outcome.REPLY:
+            return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
+        return end
+
+    async def send_steer(self, item: Absorbed) -> None:
+        """Steer ``item`` into this run; a dead worker is noticed by the turn itself."""
+        item.sent = True
+        with contextlib.suppress(RpcError):
+            await self.rpc.steer(item.text)
+
+    async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
+        """Before each model request is answered: a steer first carried here is recorded as
+        seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
+        now, so the next request is the same as the first time (docs/design/recovery.md)."""
+        carried = _user_text(body)
+        for item in self.pending.absorbed:
+            if item.first_step is None and item.text in carried:
+                item.first_step = step
+                await self.log.append(
+                    AbsorbedInput(
+                        delivery_id=item.pending.delivery_id, text=item.text, first_step=step
+                    )
+                )
+            elif replayed and item.first_step == step + 1 and not item.sent:
+                await self.send_steer(item)
+            elif (
+                replayed and item.first_step is None and not item.sent and step >= self.replay_upto
+            ):
+                await self.send_steer(item)  # never seen: after the last answered step
+
+    def _see(self, event: Event) -> bool:
+        """Handle one event; True at ``agent_settled``."""
+        record = event.record
+        kind = event.type
+        if kind == "agent_settled":
+            self.steerable = False
+            return True
+        if kind == "message_end":
+            message = record.get("message")
+            if isinstance(message, dict) and message.get("role") in ("assistant", "toolResult"):
+                self.messages.append(message)
+            self.partial = ""
+        elif kind == "message_update":
+            delta = record.get("assistantMessageEvent") or {}
+            if delta.get("type") == "text_delta":
+                self.partial += str(delta.get("delta", ""))
+                if not self.typing.is_set() and not could_still_be_silent(self.partial):
+                    self.typing.set()
+        elif kind in ("tool_execution_start", "tool_execution_end"):
+            call_id = str(record.get("toolCallId", ""))
+            tool = str(record.get("toolName", ""))
+            phase: Literal["start", "end"] = "start" if kind == "tool_execution_start" else "end"
+            if phase == "start":
+                self.watch.lease(call_id, self._now() + _lease_seconds(tool, record))
+            else:
+                self.watch.release(call_id, self._now())
+            self.host.emit(
+                ToolActivity(
+                    room=self.room,
+                    delivery_id=self.pending.delivery_id,
+                    tool=tool,
+                    phase=phase,
+                )
+            )
+        return False
+
+    async def _backstop(self) -> None:
+        await watch_turn(self.watch, self.host.clocks.silence, tick=self.host.tick)
+        self.stalled = True
+        with contextlib.suppress(RpcError):
+            await self.rpc.abort()
+
+    async def _keep_typing(self) -> None:
+        await self.typing.wait()
+        while True:
+            self.host.emit(Typing(room=self.room, delivery_id=self.pending.delivery_id))
+            await trio.sleep(self.host.typing_refresh)
+
+
+def _user_text(body: dict[str, Any]) -> str:
+    """Every user message's text in an OpenAI chat request, joined."""
+    parts: list[str] = []
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "\n".join(parts)
+
+
+def _lease_seconds(tool: str, record: dict[str, Any]) -> float:
+    """A gated tool's lease: its own timeout when it names one; shell tools get a default."""
+    args = record.get("args") or {}
+    timeout = args.get("timeout") if isinstance(args, dict) else None
+    if isinstance(timeout, int | float) and timeout > 0:
+        return float(timeout)
+    return SHELL_LEASE if tool == "bash" else 0.0
