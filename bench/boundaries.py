@@ -92,7 +92,6 @@ from runtime._boundary._gateway import (
     GATEWAY_SECRET_ENV,
     Gateway,
     GatewayConfig,
-    MemoryStepJournal,
     request_digest,
     serve_gateway,
 )
@@ -105,6 +104,7 @@ from runtime._boundary._http import (
     open_request,
     serve_http,
 )
+from runtime._boundary._steps import MemoryStepJournal
 from runtime._pi._pi_install import PiInstall, default_pi_home, find_pi
 from runtime._pi._rpc import RpcChannel, open_rpc_channel
 from runtime._pi._worker import (

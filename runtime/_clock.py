@@ -24,7 +24,6 @@ sleep (boot time jumps, monotonic time does not).
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -40,7 +39,6 @@ __all__ = [
     "SystemSilenceClock",
     "SystemWallClock",
     "WallClock",
-    "iso_timestamp",
 ]
 
 
@@ -150,13 +148,3 @@ class Clocks:
     @classmethod
     def system(cls) -> Clocks:
         return cls()
-
-
-def iso_timestamp(time_ms: int) -> str:
-    """Format epoch milliseconds the way Pi writes entry timestamps.
-
-    >>> iso_timestamp(1795978324855)
-    '2026-11-29T18:52:04.855Z'
-    """
-    moment = datetime.datetime.fromtimestamp(time_ms / 1000, tz=datetime.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{time_ms % 1000:03d}Z"

@@ -21,8 +21,8 @@ from ._boundary._http import (
     serve_http,
 )
 from ._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV
-from ._clock import SystemWallClock, WallClock, iso_timestamp
-from ._pi._pijson import stringify
+from ._clock import SystemWallClock, WallClock
+from ._pi._pijson import iso_timestamp, stringify
 from ._pi._provider_errors import PROVIDER_LIMIT_PATTERNS
 from ._pi._session import Session, uuid7
 from ._pi._session_files import SessionWriter, read_session, truncate_torn_tail

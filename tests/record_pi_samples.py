@@ -45,7 +45,8 @@ import trio.lowlevel
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, HttpError, Scenario, Step, Text, ToolCalls
 from runtime._boundary._http import HttpServer, Request, ResponseWriter, serve_http
-from runtime._clock import SystemWallClock, iso_timestamp
+from runtime._clock import SystemWallClock
+from runtime._pi._pijson import iso_timestamp
 from runtime._pi._session_files import read_session
 
 from ._samples import (

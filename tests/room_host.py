@@ -32,7 +32,7 @@ import msgspec
 import trio
 
 from runtime._boundary._gate import RecordingGateJournal
-from runtime._boundary._gateway import DeliveryStepJournal
+from runtime._boundary._steps import DeliveryStepJournal
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
 from runtime._records import Record, ToolIntent

@@ -6,7 +6,8 @@ import trio
 import trio.testing
 
 from runtime import Clocks, MockSilenceClock, MockWallClock, SystemSilenceClock
-from runtime._clock import SystemWallClock, iso_timestamp
+from runtime._clock import SystemWallClock
+from runtime._pi._pijson import iso_timestamp
 
 
 def test_iso_timestamp_matches_pi() -> None:

@@ -29,10 +29,8 @@ from runtime import ReasonCode
 from runtime._boundary._gateway import (
     DONE,
     KEEPALIVE,
-    DeliveryStepJournal,
     Gateway,
     GatewayConfig,
-    MemoryStepJournal,
     ToolCallIds,
     _Downstream,
     data_inactivity_message,
@@ -52,6 +50,7 @@ from runtime._boundary._http import (
     open_request,
     serve_http,
 )
+from runtime._boundary._steps import DeliveryStepJournal, MemoryStepJournal
 from runtime._clock import Clocks
 from runtime._errors import JournalError, ReplayMismatch, StepRefused
 from runtime._journal._store import open_store

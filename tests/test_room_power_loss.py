@@ -59,7 +59,7 @@ import trio.testing
 
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Step, Text, ToolCalls
-from runtime._boundary._gateway import DeliveryStepJournal
+from runtime._boundary._steps import DeliveryStepJournal
 from runtime._config import RoomWorkerConfig, config_from_dict
 from runtime._errors import PiRuntimeError
 from runtime._pi._rpc import RpcChannel

@@ -26,9 +26,9 @@ from fake_pi.model_server import ScriptedModel
 from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime._boundary._http import HttpServer
-from runtime._clock import Clocks, MockWallClock, iso_timestamp
+from runtime._clock import Clocks, MockWallClock
 from runtime._errors import ReasonCode, SessionError
-from runtime._pi._pijson import loads
+from runtime._pi._pijson import iso_timestamp, loads
 from runtime._pi._rpc import open_rpc_channel
 from runtime._pi._session import SessionEntry, encode_entry
 from runtime._pi._session_files import (

@@ -1,6 +1,7 @@
-"""A task's worktree evidence (runtime._tasks._worktree): tests named after the invariants W-M1…,
-W-C1… and W-V1… of its module docstring, on real files, real git repositories and real
-child processes (so the real clock with short bounds)."""
+"""A task's worktree evidence (``runtime/_tasks/_worktree.py``, ``_candidate.py``,
+``_validation.py``): tests named after the invariants W-M1…, W-C1… and W-V1… of
+``docs/design/worktree.md``, on real files, real git repositories and real child processes
+(so the real clock with short bounds)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,14 @@ import trio.lowlevel
 
 from runtime._errors import ReasonCode, WorktreeError
 from runtime._linux._proctree import is_alive_pid
-from runtime._tasks._worktree import (
-    CANDIDATE_REF_PREFIX,
+from runtime._tasks._candidate import CANDIDATE_REF_PREFIX, Candidate, acandidate, take_candidate
+from runtime._tasks._validation import (
     OUTPUT_TAIL_BYTES,
     VALIDATION_ENV,
-    Candidate,
-    Manifest,
     ValidationReceipt,
-    acandidate,
-    amanifest,
     run_validation,
-    take_candidate,
-    take_manifest,
 )
+from runtime._tasks._worktree import Manifest, amanifest, take_manifest
 
 LIMIT: Final = 30.0
 TREE: Final[Mapping[str, bytes]] = {

@@ -58,14 +58,9 @@ from ._gate import (
     gate_environment,
     serve_gate,
 )
-from ._gateway import (
-    GATEWAY_SECRET_ENV,
-    DeliveryStepJournal,
-    Gateway,
-    GatewayConfig,
-    serve_gateway,
-)
+from ._gateway import GATEWAY_SECRET_ENV, Gateway, GatewayConfig, serve_gateway
 from ._http import HttpServer
+from ._steps import DeliveryStepJournal
 from ._tools import RUNTIME_TOOLS, tools_environment
 
 __all__ = [

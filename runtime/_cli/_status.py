@@ -15,7 +15,7 @@ from .._journal._inspect import offline_status
 from .._rooms._worker import request_cancel
 from .._server._admin import admin_request
 from .._server._token import rotate_token
-from .._tasks._service import offline_views
+from .._tasks._view import offline_views
 from ._base import (
     EXIT_OK,
     JSON,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._tasks._service import threshold_lines
+from .._tasks._policy import threshold_lines
 from .._tasks._watchdog import Phase, WatchdogPolicy
 from ._base import seconds_text, snippet
 

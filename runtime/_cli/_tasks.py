@@ -23,15 +23,9 @@ from .._config import RoomWorkerConfig, validate_config
 from .._errors import AdminError, DeliveryError, PiRuntimeError, ReasonCode
 from .._journal._store import open_store
 from .._server._admin import admin_request, serve_admin
-from .._tasks._service import (
-    TaskService,
-    loud_logging,
-    offline_view,
-    offline_views,
-    open_task_service,
-    policy_dict,
-    watchdog_policy,
-)
+from .._tasks._policy import loud_logging, policy_dict, watchdog_policy
+from .._tasks._service import TaskService, open_task_service
+from .._tasks._view import offline_view, offline_views
 from ._base import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,

@@ -18,6 +18,7 @@ surrogates rendered as JavaScript renders them) and lets msgspec do the rest, an
 
 from __future__ import annotations
 
+import datetime
 import decimal
 import json
 import math
@@ -27,7 +28,7 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["loads", "stringify"]
+__all__ = ["iso_timestamp", "loads", "stringify"]
 
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _encoder: Final = msgspec.json.Encoder()
@@ -129,3 +130,13 @@ def _js_ready(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_js_ready(item) for item in value]
     raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def iso_timestamp(time_ms: int) -> str:
+    """Format epoch milliseconds the way Pi writes entry timestamps.
+
+    >>> iso_timestamp(1795978324855)
+    '2026-11-29T18:52:04.855Z'
+    """
+    moment = datetime.datetime.fromtimestamp(time_ms / 1000, tz=datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{time_ms % 1000:03d}Z"

@@ -20,9 +20,8 @@ from typing import Any, Final
 
 import msgspec
 
-from .._clock import iso_timestamp
 from .._errors import ReasonCode, SessionError
-from ._pijson import loads, stringify
+from ._pijson import iso_timestamp, loads, stringify
 
 __all__ = [
     "LEAF",

@@ -21,9 +21,9 @@ from typing import Any, ParamSpec, TypeVar
 import msgspec
 import trio
 
-from .._clock import WallClock, iso_timestamp
+from .._clock import WallClock
 from .._errors import ReasonCode, SessionError
-from ._pijson import loads
+from ._pijson import iso_timestamp, loads
 from ._session import (
     LEAF,
     SESSION_VERSION,

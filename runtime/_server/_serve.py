@@ -64,7 +64,8 @@ from .._errors import (
     TaskError,
 )
 from .._rooms._worker import RoomWorker, open_room_worker
-from .._tasks._service import TaskService, loud_logging, open_task_service, watchdog_policy
+from .._tasks._policy import loud_logging, watchdog_policy
+from .._tasks._service import TaskService, open_task_service
 from .._wire import RoomEvent, TaskEvent
 from ._protocol import (
     Ack,

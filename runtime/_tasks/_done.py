@@ -21,9 +21,11 @@ import trio
 
 from .._errors import PiRuntimeError, ReasonCode
 from .._records import LifecycleReceipt, Record, TaskEnded, TaskSubmitted
+from ._candidate import take_candidate
 from ._lifecycle import DoneEvidence, LifecycleKernel, done_missing
 from ._state import inference_costs
-from ._worktree import run_validation, take_candidate, take_manifest
+from ._validation import run_validation
+from ._worktree import take_manifest
 
 __all__ = ["Ending", "conclude", "end_record"]
 

@@ -34,8 +34,9 @@ import trio
 from .._boundary._boundaries import BoundaryConfig, make_journals, settle_session
 from .._boundary._calls import RuntimeTool
 from .._boundary._gate import RecordingGateJournal
-from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
+from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
+from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
 from .._errors import PiRuntimeError

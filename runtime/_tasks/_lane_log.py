@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._boundary._gate import RecordingGateJournal
-from .._boundary._gateway import DeliveryStepJournal
+from .._boundary._steps import DeliveryStepJournal
 from .._journal._journal import Journal
 from .._journal._store import Store
 from .._records import Record

@@ -11,14 +11,12 @@ or the real Pi as configured) behind a per-epoch gateway and gate, with
   upstream stream is ended by the gateway first (docs/design/watchdog.md, layered remedies);
 * the gate sockets in the state directory's short runtime directory (one per lane);
 * the :class:`~runtime._tasks._watchdog.WatchdogPolicy` of the ``[watchdog]`` table, checked at
-  start (WD9): a breach raises :class:`WatchdogConfigError` (``watchdog_config_invalid``) naming
-  ``watchdog.<setting>``. Only ``--unsafe-test-timescale FACTOR`` divides every threshold by
-  FACTOR and lifts the 900 s floor, and then every log line says so (:func:`loud_logging`).
+  start (WD9, ``_policy.py``).
 
 :class:`TaskService` adds what the wire protocol and the admin socket need on top of the
 runner: an event history per task (``task_wait`` follows it), plain-dict answers for the admin
-socket, a status summary. :func:`offline_views` reads the lane logs of a state directory no
-server runs on (``pi-runtime tasks`` / ``task show`` without a server): no lock, no write.
+socket, a status summary. (The lane logs of a state directory no server runs on are read by
+``_view.py``'s ``offline_views``.)
 
 Resource handling: everything runs in the service's own nursery (the embedded model, the event
 collector, the runner's lanes); leaving the block cancels it, which stops every epoch's tree and
@@ -29,8 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -40,31 +37,22 @@ import trio
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
-from .._config import RoomWorkerConfig, WatchdogConfig, validate_config
-from .._errors import ReasonCode, TaskError, WatchdogConfigError
+from .._config import RoomWorkerConfig, validate_config
+from .._errors import ReasonCode, TaskError
 from .._hosting import start_model, worker_program
-from .._journal._journal import read_log
-from .._journal._store import Store, lane_key, runtime_dir
-from .._linux._fs import OsFileSystem
-from .._records import LogKind, TaskEnded, TaskSubmitted
+from .._journal._store import Store, runtime_dir
+from .._records import TaskEnded
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
+from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
 from ._runner import TaskRunner, open_task_runner
-from ._state import inference_costs, read_lane
-from ._watchdog import ACTION_TABLE, Classification, Phase, WatchdogPolicy
+from ._watchdog import WatchdogPolicy
 from ._workers import ProcessWorkers
 
 __all__ = [
     "HISTORY_LIMIT",
     "TaskService",
-    "loud_logging",
-    "offline_view",
-    "offline_views",
     "open_task_service",
-    "policy_dict",
     "task_spec",
-    "threshold_lines",
-    "timescale_warning",
-    "watchdog_policy",
 ]
 
 HISTORY_LIMIT: Final = 1000
@@ -74,112 +62,8 @@ WAIT_LIMIT: Final = 25.0
 
 logger = logging.getLogger("runtime.tasks")
 
-_SETTINGS: Final = {
-    "hard_seconds.provider": "hard_provider_seconds",
-    "hard_seconds.generation": "hard_generation_seconds",
-    "timescale": "unsafe_test_timescale",
-}
 
-
-# -- the policy ----------------------------------------------------------------------------
-
-
-def watchdog_policy(
-    config: RoomWorkerConfig | WatchdogConfig, *, timescale: float = 1.0
-) -> WatchdogPolicy:
-    """The checked policy of ``config``'s ``[watchdog]`` table, divided by ``timescale`` when
-    it is not 1 (the unsafe test time scale, which also lifts the 900 s floor). Raises
-    :class:`WatchdogConfigError` naming the first setting that breaks a rule (WD9)."""
-    table = config.watchdog if isinstance(config, RoomWorkerConfig) else config
-    policy = WatchdogPolicy(
-        soft_seconds=table.soft_seconds,
-        hard_seconds={
-            Phase.PROVIDER: table.hard_provider_seconds,
-            Phase.GENERATION: table.hard_generation_seconds,
-        },
-        grace_seconds=table.grace_seconds,
-        max_replacements=table.max_replacements,
-        recovery_seconds=table.recovery_seconds,
-    )
-    if not (isinstance(timescale, int | float) and math.isfinite(timescale) and timescale >= 1):
-        raise WatchdogConfigError(
-            "unsafe_test_timescale", f"must be a finite number, at least 1, not {timescale!r}"
-        )
-    if timescale != 1.0:
-        policy = policy.scaled(float(timescale))
-    problems = policy.problems()
-    if problems:
-        setting, why = problems[0]
-        name = _SETTINGS.get(setting, setting)
-        prefix = "" if name == "unsafe_test_timescale" else "watchdog."
-        raise WatchdogConfigError(prefix + name, why)
-    return policy
-
-
-def timescale_warning(policy: WatchdogPolicy) -> str | None:
-    """The loud line every log and ``status`` carry under the unsafe time scale, else None."""
-    if policy.timescale == 1.0:
-        return None
-    factor = f"{policy.timescale:g}"
-    return (
-        f"UNSAFE TEST TIMESCALE x{factor}: thresholds divided by {factor} "
-        f"({_thresholds(policy)}); never use this in production"
-    )
-
-
-def _marker(policy: WatchdogPolicy) -> str:
-    return f"[UNSAFE TEST TIMESCALE x{policy.timescale:g}]"
-
-
-def _thresholds(policy: WatchdogPolicy) -> str:
-    hard = ", ".join(f"{phase} {seconds:g} s" for phase, seconds in policy.hard_seconds.items())
-    return f"soft {policy.soft_seconds:g} s, hard {hard}, grace {policy.grace_seconds:g} s"
-
-
-def threshold_lines(policy: WatchdogPolicy, production: WatchdogPolicy) -> list[str]:
-    """What ``task show`` prints about the clocks: the production thresholds, and under the
-    unsafe time scale the scaled ones with the warning."""
-    lines = [f"production thresholds: {_thresholds(production)}"]
-    warning = timescale_warning(policy)
-    if warning is not None:
-        lines.append(f"in effect: {_thresholds(policy)}")
-        lines.append(f"!!! {warning} !!!")
-    return lines
-
-
-class _Loud(logging.Filter):
-    """Prefixes every record's message with the time-scale warning, once per record."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "UNSAFE" not in str(record.msg) and "UNSAFE" not in record.getMessage():
-            record.msg = f"{self.prefix} {record.msg}"
-        return True
-
-
-@contextlib.contextmanager
-def loud_logging(policy: WatchdogPolicy) -> Iterator[None]:
-    """Under the unsafe time scale, every log line of this process (every handler of the root
-    logger) says so for the block: a line that does not already starts with
-    ``[UNSAFE TEST TIMESCALE xF]``. Nothing happens at scale 1."""
-    if policy.timescale == 1.0:
-        yield
-        return
-    loud = _Loud(_marker(policy))
-    handlers = list(logging.getLogger().handlers)
-    for handler in handlers:
-        handler.addFilter(loud)
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(loud)
-
-
-# -- workers ---------------------------------------------------------------------------------
+# -- plain data ------------------------------------------------------------------------------
 
 
 def task_spec(request: dict[str, Any]) -> TaskSpec:
@@ -399,17 +283,6 @@ def _summary(view: TaskView) -> dict[str, Any]:
     }
 
 
-def policy_dict(policy: WatchdogPolicy) -> dict[str, Any]:
-    """The thresholds and budgets of ``policy`` as plain data (``task show``'s production)."""
-    return {
-        "soft_seconds": policy.soft_seconds,
-        "hard_seconds": {str(p): s for p, s in policy.hard_seconds.items()},
-        "grace_seconds": policy.grace_seconds,
-        "max_replacements": policy.max_replacements,
-        "recovery_seconds": policy.recovery_seconds,
-    }
-
-
 @contextlib.asynccontextmanager
 async def open_task_service(
     config: RoomWorkerConfig,
@@ -441,7 +314,7 @@ async def open_task_service(
 
     def line(text: str) -> None:
         """Every line of the task lanes says so under the unsafe time scale (WD9)."""
-        say(text if warning is None or "UNSAFE" in text else f"{_marker(policy)} {text}")
+        say(text if warning is None or "UNSAFE" in text else f"{timescale_marker(policy)} {text}")
 
     async with trio.open_nursery() as nursery:
         base_url, route = await start_model(model, nursery)
@@ -480,104 +353,3 @@ async def open_task_service(
                 yield service
             finally:
                 nursery.cancel_scope.cancel()
-
-
-# -- reading a state directory no server runs on -------------------------------------------
-
-
-def offline_views(state_dir: Path, policy: WatchdogPolicy | None = None) -> list[TaskView]:
-    """Every task of ``state_dir`` as its lane log says, read without the lock and without
-    writing (like ``status``, O9). The watchdog runs only in an owner, so ``classification``
-    says no server runs; thresholds are ``policy``'s (default: the production ones)."""
-    root = state_dir.absolute()
-    lanes = root / "lanes"
-    views: list[TaskView] = []
-    if not lanes.is_dir():
-        return views
-    for directory in sorted(lanes.iterdir()):
-        view = _offline_lane(root, directory.name, policy or WatchdogPolicy())
-        if view is not None:
-            views.append(view)
-    return sorted(views, key=lambda v: v.task_id)
-
-
-def offline_view(state_dir: Path, task_id: str, policy: WatchdogPolicy | None = None) -> TaskView:
-    """One task as its lane log says (see :func:`offline_views`); ``task_unknown`` if none."""
-    root = state_dir.absolute()
-    view = _offline_lane(root, lane_key(f"task:{task_id}"), policy or WatchdogPolicy())
-    if view is None:
-        raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {root}")
-    return view
-
-
-def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | None:
-    rel = f"lanes/{name}/lane.log"
-    try:
-        contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.LANE)
-    except FileNotFoundError:
-        return None
-    if not contents.records or not contents.header.subject.startswith("task:"):
-        return None
-    records = contents.records
-    submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
-    if submitted is None:
-        return None
-    state = read_lane(submitted, records, policy)
-    kernel, budget, ended, epochs = state.kernel, state.budget, state.ended, state.epochs
-    receipts = kernel.receipts
-    live = (
-        state.record
-        if state.record is not None and state.record.epoch not in state.fenced
-        else None
-    )
-    continuations = state.continuations
-    pending = state.pending_action
-    markers = list(state.markers.values())
-    if ended is not None:
-        next_action = "none: the task has ended"
-    elif str(kernel.state) == "waiting":
-        next_action = ACTION_TABLE[Classification.WAITING_USER] + " (start the server first)"
-    else:
-        next_action = "start pi-runtime serve (or task run again) to resume it"
-    return TaskView(
-        task_id=submitted.task_id,
-        state=ended.state if ended is not None else str(kernel.state),
-        generation=kernel.generation,
-        attempt=kernel.attempt,
-        fence=kernel.fence,
-        process_epoch=epochs,
-        continuation_epoch=continuations,
-        session_path=submitted.session_path,
-        session_id=None,
-        route=dict(submitted.route),
-        worktree=submitted.worktree,
-        process=(
-            {
-                "pid": live.pid,
-                "start_time": live.start_time,
-                "boot_id": live.boot_id,
-                "nonce": live.nonce,
-            }
-            if live is not None and ended is None
-            else None
-        ),
-        classification="unknown: no server runs (the watchdog runs only in the owner)",
-        phase="unknown",
-        progress_seq=0,
-        silence_seconds=0.0,
-        soft_seconds=policy.soft_seconds,
-        probe=None,
-        hard_seconds=min(policy.hard_seconds.values(), default=None),
-        grace_seconds=policy.grace_seconds,
-        grace="not started",
-        receipts=[msgspec.to_builtins(r) for r in receipts],
-        prompt_marker=markers[-1].marker if markers else None,
-        budget=budget.as_dict(),
-        pending_action=pending,
-        hold_reason=None,
-        next_action=next_action,
-        timescale=policy.timescale,
-        telemetry={},
-        ended=msgspec.to_builtins(ended) if ended is not None else None,
-        costs=inference_costs(records),
-    )

@@ -1,22 +1,29 @@
-"""A task lane's diagnostics view (``task show``, ``tasks``, ``task_event``): what the lane
+"""A task lane's diagnostics view (``task show``, ``tasks``, ``task_event``): what a live lane
 knows, frozen into a :class:`~runtime._wire.TaskView` (docs/design/watchdog.md, "What an
-operator sees")."""
+operator sees") — or, with no server running, what its lane log says (:func:`offline_views`:
+no lock, no write)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
 
+from .._errors import ReasonCode, TaskError
+from .._journal._journal import read_log
+from .._journal._store import lane_key
+from .._linux._fs import OsFileSystem
 from .._pi._session import Attestation
-from .._records import ContinuationSent, EpochStarted, TaskEnded, TaskSubmitted
+from .._records import ContinuationSent, EpochStarted, LogKind, TaskEnded, TaskSubmitted
 from .._wire import TaskView
 from ._guards import Budget
 from ._lifecycle import LifecycleKernel, TaskState
+from ._state import inference_costs, read_lane
 from ._watch import Telemetry
 from ._watchdog import ACTION_TABLE, Classification, Watchdog, WatchdogPolicy
 
-__all__ = ["Viewed", "next_action", "task_view"]
+__all__ = ["Viewed", "next_action", "offline_view", "offline_views", "task_view"]
 
 
 class Viewed(Protocol):
@@ -117,3 +124,101 @@ def next_action(lane: Viewed) -> str:
     if lane.kernel.state is TaskState.WAITING:
         return ACTION_TABLE[Classification.WAITING_USER]
     return ACTION_TABLE[lane.watchdog.classification]
+
+
+def offline_views(state_dir: Path, policy: WatchdogPolicy | None = None) -> list[TaskView]:
+    """Every task of ``state_dir`` as its lane log says, read without the lock and without
+    writing (like ``status``, O9). The watchdog runs only in an owner, so ``classification``
+    says no server runs; thresholds are ``policy``'s (default: the production ones)."""
+    root = state_dir.absolute()
+    lanes = root / "lanes"
+    views: list[TaskView] = []
+    if not lanes.is_dir():
+        return views
+    for directory in sorted(lanes.iterdir()):
+        view = _offline_lane(root, directory.name, policy or WatchdogPolicy())
+        if view is not None:
+            views.append(view)
+    return sorted(views, key=lambda v: v.task_id)
+
+
+def offline_view(state_dir: Path, task_id: str, policy: WatchdogPolicy | None = None) -> TaskView:
+    """One task as its lane log says (see :func:`offline_views`); ``task_unknown`` if none."""
+    root = state_dir.absolute()
+    view = _offline_lane(root, lane_key(f"task:{task_id}"), policy or WatchdogPolicy())
+    if view is None:
+        raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {root}")
+    return view
+
+
+def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | None:
+    rel = f"lanes/{name}/lane.log"
+    try:
+        contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.LANE)
+    except FileNotFoundError:
+        return None
+    if not contents.records or not contents.header.subject.startswith("task:"):
+        return None
+    records = contents.records
+    submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
+    if submitted is None:
+        return None
+    state = read_lane(submitted, records, policy)
+    kernel, budget, ended, epochs = state.kernel, state.budget, state.ended, state.epochs
+    receipts = kernel.receipts
+    live = (
+        state.record
+        if state.record is not None and state.record.epoch not in state.fenced
+        else None
+    )
+    continuations = state.continuations
+    pending = state.pending_action
+    markers = list(state.markers.values())
+    if ended is not None:
+        next_action = "none: the task has ended"
+    elif str(kernel.state) == "waiting":
+        next_action = ACTION_TABLE[Classification.WAITING_USER] + " (start the server first)"
+    else:
+        next_action = "start pi-runtime serve (or task run again) to resume it"
+    return TaskView(
+        task_id=submitted.task_id,
+        state=ended.state if ended is not None else str(kernel.state),
+        generation=kernel.generation,
+        attempt=kernel.attempt,
+        fence=kernel.fence,
+        process_epoch=epochs,
+        continuation_epoch=continuations,
+        session_path=submitted.session_path,
+        session_id=None,
+        route=dict(submitted.route),
+        worktree=submitted.worktree,
+        process=(
+            {
+                "pid": live.pid,
+                "start_time": live.start_time,
+                "boot_id": live.boot_id,
+                "nonce": live.nonce,
+            }
+            if live is not None and ended is None
+            else None
+        ),
+        classification="unknown: no server runs (the watchdog runs only in the owner)",
+        phase="unknown",
+        progress_seq=0,
+        silence_seconds=0.0,
+        soft_seconds=policy.soft_seconds,
+        probe=None,
+        hard_seconds=min(policy.hard_seconds.values(), default=None),
+        grace_seconds=policy.grace_seconds,
+        grace="not started",
+        receipts=[msgspec.to_builtins(r) for r in receipts],
+        prompt_marker=markers[-1].marker if markers else None,
+        budget=budget.as_dict(),
+        pending_action=pending,
+        hold_reason=None,
+        next_action=next_action,
+        timescale=policy.timescale,
+        telemetry={},
+        ended=msgspec.to_builtins(ended) if ended is not None else None,
+        costs=inference_costs(records),
+    )

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from .._boundary._boundaries import BoundaryConfig, open_boundaries
 from .._boundary._gate import RecordingGateJournal
-from .._boundary._gateway import DeliveryStepJournal, GatewayConfig
+from .._boundary._gateway import GatewayConfig
+from .._boundary._steps import DeliveryStepJournal
 from .._errors import ReasonCode, WorkerError
 from .._journal._journal import Journal
 from .._linux._proc import boot_id, process_start_time
