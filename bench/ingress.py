@@ -96,7 +96,7 @@ CONNECTIONS: Final = 50
 HOLD_ROOM: Final = "dm:bench-hold"
 TEXT: Final = (
     "can you check why the nightly build failed? the last green run was yesterday at 18:00 "
-    "and since then three commits touched runtime/_server/_serve.py and tests/test_serve.py"
+    "and since then three commits touched runtime/_server/_serve.py and tests/server/test_serve.py"
 )
 PHASE_LIMIT: Final = 120.0
 """Seconds any one phase may take before the run is abandoned."""

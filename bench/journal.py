@@ -98,7 +98,9 @@ TOOL_OUTPUT: Final = (
         for i in range(8)
     )
 )
-REQUEST_TEXT: Final = "please look at the failing test in tests/test_store.py and fix it " * 3
+REQUEST_TEXT: Final = (
+    "please look at the failing test in tests/journal/test_store.py and fix it " * 3
+)
 RENDERED_PROMPT: Final = (
     "You are Pi, a coding agent working in the repository. " * 6
 ) + REQUEST_TEXT

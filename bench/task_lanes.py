@@ -44,8 +44,8 @@ of CPU per lane at 8 frames), which say where it goes. Each reports what was all
 since the zero-lane point and is still held, per lane, grouped by the innermost frame in
 ``runtime/`` or ``fake_pi/``, and the gc-tracked objects per lane by type.
 
-**The virtual-time matrix**: ``pytest -q tests/test_tasks.py tests/test_watchdog.py
-tests/test_lifecycle.py -p no:randomly`` in a subprocess, its wall time.
+**The virtual-time matrix**: ``pytest -q tests/tasks/test_tasks.py tests/tasks/test_watchdog.py
+tests/tasks/test_lifecycle.py -p no:randomly`` in a subprocess, its wall time.
 
 Nothing asserts a time or a size: targets print as met or missed for information. Every child
 is bounded by ``LIMIT``; the temporary directories are removed. Progress goes to stderr, the
@@ -95,7 +95,11 @@ TARGET_CORE_PERCENT: Final = 5.0
 TARGET_LANE_KIB: Final = 16.0
 TARGET_FDS_PER_LANE: Final = 0.0
 TARGET_MATRIX_SECONDS: Final = 60.0
-MATRIX: Final = ("tests/test_tasks.py", "tests/test_watchdog.py", "tests/test_lifecycle.py")
+MATRIX: Final = (
+    "tests/tasks/test_tasks.py",
+    "tests/tasks/test_watchdog.py",
+    "tests/tasks/test_lifecycle.py",
+)
 LIMIT: Final = 900.0
 """Seconds any one child or phase may take before the bench gives up (a bound)."""
 RESULT_MARK: Final = "RESULT "

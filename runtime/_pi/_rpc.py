@@ -3,7 +3,7 @@ shell around the pure protocol of :mod:`runtime._pi._rpc_protocol`.
 
 :func:`open_rpc_channel` yields an :class:`RpcChannel` that runs a reader task, an answerer
 for extension dialogs and, if given, a stderr drain. The invariants R1… are stated in
-``docs/design/rpc.md`` and cited by ``tests/test_rpc.py``.
+``docs/design/rpc.md`` and cited by ``tests/pi/test_rpc.py``.
 """
 
 from __future__ import annotations

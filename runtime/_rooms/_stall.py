@@ -11,7 +11,7 @@ of a :class:`~runtime._clock.SilenceClock` (``clock.read().boottime``), which ke
 while the host is suspended: time the host spent asleep is silence. A deadline the gate holds
 in Trio time converts as ``reading.boottime + (deadline - trio.current_time())``.
 
-Invariants (tests ``test_st<N>_*`` in ``tests/test_stall.py`` cite them):
+Invariants (tests ``test_st<N>_*`` in ``tests/rooms/test_stall.py`` cite them):
 
 1. **Silence stalls.** A turn stalls once ``limit`` seconds (default 300) have passed on the
    boottime axis since the later of its last worker event and the latest deadline of a lease

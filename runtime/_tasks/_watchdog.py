@@ -3,7 +3,7 @@
 Pure core: no trio, no I/O, no clock reads. The shell (``runtime/_tasks/_lane.py``) feeds it what
 the worker did (:class:`Progress`, :class:`Lease`, :class:`Settled`, …) and clock readings
 (:class:`Tick`), and carries out the :class:`Action`\\ s it returns. The numbered invariants
-(WD1…) are in ``docs/design/watchdog.md``; ``tests/test_watchdog.py`` cites them.
+(WD1…) are in ``docs/design/watchdog.md``; ``tests/tasks/test_watchdog.py`` cites them.
 
 Two static clocks (WD2 to WD6):
 

@@ -1,0 +1,1 @@
+"""Tests of ``runtime/_boundary/`` (the worker boundaries)."""

@@ -1,0 +1,628 @@
+"""The tool gate (``runtime/_boundary/_gate.py``, ``runtime/_boundary/pi_extension/gate.ts``,
+Fake-Pi's ``fake_pi/_gate_client.py``); test names cite ``docs/design/gate.md`` (T1…).
+
+The server's decisions run against the real Unix socket with an in-memory log (and once on a
+real store); the end-to-end tests launch the real Pi (with the extension) and Fake-Pi as
+subprocesses, driven over RPC by a scripted model. Every wait is bounded by ``trio.fail_after``
+and driven by events, never by sleeping; every process is stopped by ``open_worker``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import trio
+import trio.testing
+from msgspec.structs import replace
+
+from fake_pi._gate_client import post_json
+from fake_pi.model_server import ScriptedModel
+from fake_pi.model_server import serve_model as serve_model_http
+from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
+from runtime._boundary._calls import GateCall, GateResult, RunTool, Saved
+from runtime._boundary._gate import (
+    EXTENSION_PATH,
+    GATE_SECRET_ENV,
+    GATE_SOCKET_ENV,
+    Gate,
+    GateServer,
+    MemoryLog,
+    RecordingGateJournal,
+    canonical_args,
+    gate_environment,
+    replay_class_of,
+    serve_gate,
+)
+from runtime._boundary._http import HttpServer
+from runtime._boundary._receipts import open_receipt_store
+from runtime._boundary._tools import DocumentTools
+from runtime._clock import Clocks
+from runtime._errors import JournalError, ReasonCode, WorkerLaunchError
+from runtime._journal._store import delivery_key, open_store
+from runtime._pi._rpc import open_rpc_channel
+from runtime._pi._session_settle import interrupted_text
+from runtime._pi._worker import WorkerLaunch, open_worker
+from runtime._records import Record, ReplayClass, ToolIntent, ToolOutcome
+
+from .._secrets import files_containing
+from .._workers import one_turn, sandbox_launch, tool_messages
+
+LIMIT: Final = 10.0
+PROCESS_LIMIT: Final = 90.0
+KEY: Final = "k"
+SAVED_TEXT: Final = "saved-output-123\nline2\n"
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short private directory for sockets (a socket path is limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="gate-", dir="/tmp"))
+    path.chmod(0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Rig:
+    gate: Gate
+    server: GateServer
+    log: MemoryLog
+    journal: RecordingGateJournal
+
+    async def post(self, target: str, body: Any, secret: str | None = "") -> tuple[int, Any]:
+        given = self.gate.secret if secret == "" else secret
+        return await post_json(str(self.server.path), target, body, secret=given)
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    sock_dir: Path,
+    *,
+    existing: Sequence[Record] = (),
+    granted: Sequence[str] = ("read", "bash", "edit", "write"),
+    log: MemoryLog | None = None,
+) -> AsyncIterator[Rig]:
+    log = log if log is not None else MemoryLog(records=list(existing))
+    journal = RecordingGateJournal(
+        log, key=KEY, epoch=1, granted=granted, existing=list(log.records)
+    )
+    gate = Gate(journal)
+    async with trio.open_nursery() as nursery:
+        server: GateServer = await nursery.start(serve_gate, gate, sock_dir / "gate.sock")
+        yield Rig(gate, server, log, journal)
+        nursery.cancel_scope.cancel()
+
+
+def _intent(call_id: str, name: str = "bash", *, seq: int = 1, **kw: Any) -> ToolIntent:
+    return ToolIntent(
+        intent_id=f"{KEY}:{seq}",
+        step=kw.get("step", 0),
+        tool_call_id=call_id,
+        name=name,
+        args=canonical_args(kw.get("args", {})),
+        replay_class=replay_class_of(name),
+        epoch=0,
+    )
+
+
+def _saved_records(call_id: str = "call_saved") -> list[Record]:
+    return [
+        _intent(call_id, args={"command": "touch saved-ran"}),
+        ToolOutcome(
+            intent_id=f"{KEY}:1",
+            tool_call_id=call_id,
+            content=[{"type": "text", "text": SAVED_TEXT}],
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------- the server, unit
+
+
+async def test_t1_only_the_current_secret_is_served(sock_dir: Path) -> None:
+    """T1: no secret, a wrong one, or the previous epoch's: 401, and nothing is recorded."""
+    body = {"tool_call_id": "c1", "name": "bash", "args": {"command": "true"}}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            old = r.gate.secret
+            for secret in (None, "wrong", old + "x"):
+                status, answer = await r.post("/before", body, secret=secret)
+                assert status == 401
+                assert answer["error"]["code"] == ReasonCode.GATE_UNAUTHORIZED
+            r.gate.rotate_secret()
+            assert (await r.post("/before", body, secret=old))[0] == 401
+            assert r.log.records == []
+            assert r.gate.refused_unauthorized == 4
+            status, answer = await r.post("/before", body)
+            assert (status, answer["decision"]) == (200, "run")
+
+
+async def test_t1_socket_is_private_and_removed(sock_dir: Path) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            mode = r.server.path.stat().st_mode
+            assert stat.S_ISSOCK(mode)
+            assert stat.S_IMODE(mode) == 0o600
+    assert not (sock_dir / "gate.sock").exists()
+
+
+async def test_t2_t3_t4_decisions_over_the_socket(sock_dir: Path) -> None:
+    """run (intent durable first, id ``<key>:<seq>``), after → outcome; the same call id in
+    the same round → saved, verbatim; a tool not granted → refused, nothing recorded."""
+    call = {"tool_call_id": "c1", "name": "bash", "args": {"command": "echo hi", "timeout": 3}}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, granted=("read", "bash")) as r:
+            status, answer = await r.post("/before", call)
+            assert (status, answer) == (200, {"decision": "run", "intent_id": "k:1"})
+            assert r.log.records == [
+                ToolIntent(
+                    intent_id="k:1",
+                    step=0,
+                    tool_call_id="c1",
+                    name="bash",
+                    args='{"command":"echo hi","timeout":3}',
+                    replay_class=ReplayClass.NEVER,
+                    epoch=1,
+                )
+            ]
+            content: list[dict[str, Any]] = [{"type": "text", "text": "hi\n"}]
+            result = {"content": content, "details": {"x": 1}}
+            after = {"tool_call_id": "c1", "name": "bash", "result": result}
+            assert await r.post("/after", after) == (200, {"ok": True})
+            assert r.log.records[1] == ToolOutcome(
+                intent_id="k:1", tool_call_id="c1", content=content, is_error=False
+            )
+            # the same call again within the round: the recorded result, no new intent
+            status, answer = await r.post("/before", call)
+            assert (status, answer) == (
+                200,
+                {"decision": "saved", "result": {"content": content, "isError": False}},
+            )
+            assert len(r.log.records) == 2
+            # not granted
+            write = {"tool_call_id": "c2", "name": "write", "args": {"path": "x", "content": ""}}
+            status, answer = await r.post("/before", write)
+            assert status == 200
+            assert answer["decision"] == "refused"
+            assert answer["result"]["isError"] is True
+            assert "not granted" in answer["result"]["content"][0]["text"]
+            assert len(r.log.records) == 2
+            # malformed, unknown target, an outcome nobody let run
+            assert (await r.post("/before", {"name": "bash"}))[0] == 400
+            assert (await r.post("/before", [1, 2]))[0] == 400
+            assert (await r.post("/nope", call))[0] == 404
+            assert (await r.post("/after", {**after, "tool_call_id": "zz"}))[0] == 409
+            assert (await r.post("/after", {**after, "result": {"content": "x"}}))[0] == 400
+
+
+def test_t5_replay_classes() -> None:
+    assert replay_class_of("read") is ReplayClass.SAFE
+    for name in ("bash", "write", "edit", "mcp_whatever"):
+        assert replay_class_of(name) is ReplayClass.NEVER
+    assert replay_class_of("read", recorded=ReplayClass.NEVER) is ReplayClass.NEVER
+    assert replay_class_of("x", {"x": ReplayClass.SAFE}, ReplayClass.SAFE) is ReplayClass.SAFE
+    assert replay_class_of("x", {"x": ReplayClass.RECEIPT}) is ReplayClass.NEVER
+
+
+async def test_t5_intent_without_outcome(sock_dir: Path) -> None:
+    """A ``never`` tool whose intent has no outcome is not run again: the model gets the
+    "possibly ran" result (recorded, so the next replay says the same); a ``safe`` one
+    runs again under a new intent."""
+    existing: list[Record] = [_intent("c_bash"), _intent("c_read", "read", seq=2)]
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, existing=existing) as r:
+            status, answer = await r.post(
+                "/before", {"tool_call_id": "c_bash", "name": "bash", "args": {}}
+            )
+            assert status == 200
+            assert answer == {
+                "decision": "saved",
+                "result": {
+                    "content": [{"type": "text", "text": interrupted_text("bash")}],
+                    "isError": True,
+                },
+            }
+            assert r.log.records[2:] == [
+                ToolOutcome(
+                    intent_id="k:1",
+                    tool_call_id="c_bash",
+                    content=answer["result"]["content"],
+                    is_error=True,
+                )
+            ]
+            status, answer = await r.post(
+                "/before", {"tool_call_id": "c_read", "name": "read", "args": {"path": "a"}}
+            )
+            assert answer == {"decision": "run", "intent_id": "k:4"}
+
+
+async def test_t10_a_runtime_tool_runs_in_the_runtime_once() -> None:
+    """T10: a granted runtime tool is run by the gate itself between its durable intent and
+    its durable outcome, and answered *saved*; asked again in the round, the recorded result
+    comes back and the handler is not called; a handler that fails settles the call as an
+    error result; an intent left without outcome (a crash inside the handler) is answered
+    "possibly ran", never run again."""
+    calls: list[tuple[str, str]] = []
+
+    async def update(call: GateCall, intent_id: str) -> GateResult:
+        await trio.lowlevel.checkpoint()
+        calls.append((call.tool_call_id, intent_id))
+        if call.args.get("text") == "boom":
+            raise RuntimeError("chat is down")
+        return GateResult.text("sent")
+
+    crashed = _intent("c_crash", "send_text_update")
+    log = MemoryLog(records=[crashed])
+    journal = RecordingGateJournal(
+        log,
+        key=KEY,
+        epoch=1,
+        granted=["send_text_update"],
+        existing=[crashed],
+        runtime_tools={"send_text_update": update},
+    )
+    ok = GateCall("c1", "send_text_update", {"text": "hi"})
+    with trio.fail_after(LIMIT):
+        assert await journal.decide(ok) == Saved(GateResult.text("sent"))
+        assert await journal.decide(ok) == Saved(GateResult.text("sent"))
+        failed = await journal.decide(GateCall("c2", "send_text_update", {"text": "boom"}))
+        assert failed == Saved(
+            GateResult.text("tool send_text_update failed: chat is down", is_error=True)
+        )
+        interrupted = await journal.decide(GateCall("c_crash", "send_text_update", {}))
+    assert interrupted == Saved(
+        GateResult.text(interrupted_text("send_text_update"), is_error=True)
+    )
+    assert calls == [("c1", "k:2"), ("c2", "k:4")]
+    assert [type(r) for r in log.records] == [
+        ToolIntent,
+        ToolIntent,
+        ToolOutcome,
+        ToolIntent,
+        ToolOutcome,
+        ToolOutcome,
+    ]
+
+
+async def test_t11_wait_outcomes_returns_once_the_outcome_is_durable() -> None:
+    """T11: ``wait_outcomes`` holds while a call let run has no durable outcome; calls never
+    let run (or already settled) do not hold."""
+    journal = RecordingGateJournal(MemoryLog(), key=KEY, epoch=1, granted=["bash"])
+    call = GateCall("c1", "bash", {"command": "true"})
+    with trio.fail_after(LIMIT):
+        assert isinstance(await journal.decide(call), RunTool)
+        await journal.wait_outcomes(["other"])
+        released: list[bool] = []
+        async with trio.open_nursery() as nursery:
+
+            async def waiter() -> None:
+                await journal.wait_outcomes(["c1", "other"])
+                released.append(True)
+
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert released == []
+            await journal.record_outcome(call, GateResult.text("ok"))
+        assert released == [True]
+        await journal.wait_outcomes(["c1"])
+
+
+async def test_t2_journal_failure_answers_503_and_stops_the_gate(sock_dir: Path) -> None:
+    async def fail(record: Record) -> None:
+        raise JournalError(ReasonCode.JOURNAL_POISONED, "disk said no")
+
+    log = MemoryLog(on_append=fail)
+    journal = RecordingGateJournal(log, key=KEY, epoch=1, granted=["bash"])
+    gate = Gate(journal)
+    body = {"tool_call_id": "c1", "name": "bash", "args": {}}
+    raised: list[JournalError] = []
+
+    async def run(task_status: trio.TaskStatus[GateServer]) -> None:
+        try:
+            await serve_gate(gate, sock_dir / "g.sock", task_status=task_status)
+        except JournalError as error:
+            raised.append(error)
+
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            server: GateServer = await nursery.start(run)
+            status, answer = await post_json(str(server.path), "/before", body, secret=gate.secret)
+            assert status == 503
+            assert answer["error"]["code"] == ReasonCode.JOURNAL_POISONED
+    assert [e.code for e in raised] == [ReasonCode.JOURNAL_POISONED]
+    assert not (sock_dir / "g.sock").exists()
+
+
+async def test_t2_t3_on_a_delivery_log(tmp_path: Path) -> None:
+    """On a real store: intent ids are ``<delivery key>:<seq>`` of the intent itself; after a
+    reopen, the recorded outcome is answered for the same call id."""
+    key = delivery_key("d1")
+    call = GateCall("call_1", "bash", {"command": "ls"})
+    async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+        log = await store.create_delivery_log("d1")
+        journal = RecordingGateJournal(log, key=key, epoch=1, granted=["bash"])
+        decision = await journal.decide(call)
+        assert isinstance(decision, RunTool)
+        await journal.record_outcome(call, GateResult.text("a\nb\n"))
+        await store.close_log(log)
+    async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+        log = await store.open_delivery_log("d1")
+        records = log.contents.records
+        seq = int(decision.intent_id.rsplit(":", 1)[1])
+        assert decision.intent_id == f"{key}:{seq}"
+        intent = records[seq]
+        assert isinstance(intent, ToolIntent)
+        assert intent.intent_id == decision.intent_id
+        reopened = RecordingGateJournal(log, key=key, epoch=2, granted=["bash"], existing=records)
+        assert await reopened.decide(call) == Saved(GateResult.text("a\nb\n"))
+        await store.close_log(log)
+
+
+# ------------------------------------------------------------------------- end to end
+
+
+def _launch(
+    kind: str,
+    root: Path,
+    model_server: HttpServer,
+    *,
+    gate_env: dict[str, str] | None,
+    extension: bool = True,
+) -> WorkerLaunch:
+    return sandbox_launch(
+        kind,
+        root,
+        base_url=f"{model_server.url}/v1",
+        extensions=(EXTENSION_PATH,) if extension and kind == "pi" else (),
+        extra_env=gate_env or {},
+    )
+
+
+def _text(content: list[dict[str, Any]]) -> str:
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+@contextlib.asynccontextmanager
+async def model_and_gate(
+    steps: Sequence[Step], sock_dir: Path, log: MemoryLog, granted: Sequence[str]
+) -> AsyncIterator[tuple[ScriptedModel, HttpServer, Rig]]:
+    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    async with trio.open_nursery() as nursery:
+        up: HttpServer = await nursery.start(serve_model_http, model)
+        async with rig(sock_dir, log=log, granted=granted) as r:
+            yield model, up, r
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_saved_refused_run_and_no_secret_for_tools(
+    kind: str, tmp_path: Path, sock_dir: Path
+) -> None:
+    """T3: a saved result reaches the model exactly and the tool did not run. T4: a refused
+    tool's text reaches the model, the tool did not run. T2: a run tool's intent and outcome
+    are recorded, the outcome being what the model got. T6: the agent's ``env`` shows the
+    socket but not the secret, and no file written holds it. T8: calls run one at a time."""
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[
+                Call(name="bash", arguments={"command": "env"}, id="call_env"),
+                Call(name="bash", arguments={"command": "touch saved-ran"}, id="call_saved"),
+                Call(
+                    name="write",
+                    arguments={"path": "refused.txt", "content": "x"},
+                    id="call_refused",
+                ),
+            ]
+        ),
+        Text(text="done"),
+    ]
+    log = MemoryLog(records=_saved_records())
+    with trio.fail_after(PROCESS_LIMIT):
+        async with model_and_gate(steps, sock_dir, log, ("read", "bash")) as (model, up, r):
+            env = gate_environment(r.server, r.gate)
+            events = await one_turn(_launch(kind, tmp_path, up, gate_env=env))
+            secret = r.gate.secret
+    work = tmp_path / "work"
+    assert model.request_count == 2
+    tools = tool_messages(model.requests[1].body)
+    assert tools["call_saved"] == SAVED_TEXT
+    assert not (work / "saved-ran").exists()
+    assert "not granted" in tools["call_refused"]
+    assert not (work / "refused.txt").exists()
+    seen_env = tools["call_env"]
+    assert f"{GATE_SOCKET_ENV}={r.server.path}" in seen_env
+    assert GATE_SECRET_ENV not in seen_env
+    assert secret not in seen_env
+    assert files_containing([tmp_path, sock_dir], secret) == []
+    # the recorded outcome is what the model got; nothing recorded for saved or refused
+    new = log.records[2:]
+    assert [type(x) for x in new] == [ToolIntent, ToolOutcome]
+    intent, outcome = new
+    assert isinstance(intent, ToolIntent)
+    assert isinstance(outcome, ToolOutcome)
+    assert (intent.tool_call_id, intent.name, intent.intent_id) == ("call_env", "bash", "k:3")
+    assert intent.args == '{"command":"env"}'
+    assert outcome.intent_id == "k:3"
+    assert _text(outcome.content) == seen_env
+    # T8: sequential — each call ends before the next starts
+    order = [
+        (e.type, e.record.get("toolCallId"))
+        for e in events
+        if e.type in ("tool_execution_start", "tool_execution_end")
+    ]
+    assert order == [
+        (t, c)
+        for c in ("call_env", "call_saved", "call_refused")
+        for t in ("tool_execution_start", "tool_execution_end")
+    ]
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_t2_intent_durable_before_the_tool_starts(
+    kind: str, tmp_path: Path, sock_dir: Path
+) -> None:
+    """T2: while the intent's append is held, the tool's effect has not happened; it happens
+    only after the append returned."""
+    entered = trio.Event()
+    release = trio.Event()
+    effect = tmp_path / "work" / "effect"
+    seen_at_return: list[bool] = []
+
+    async def hold(record: Record) -> None:
+        if isinstance(record, ToolIntent):
+            entered.set()
+            await release.wait()
+            seen_at_return.append(effect.exists())
+
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": "touch effect"}, id="c1")]),
+        Text(text="done"),
+    ]
+    log = MemoryLog(on_append=hold)
+    with trio.fail_after(PROCESS_LIMIT):
+        async with model_and_gate(steps, sock_dir, log, ("bash",)) as (_model, up, r):
+            launch = _launch(kind, tmp_path, up, gate_env=gate_environment(r.server, r.gate))
+            async with (
+                open_worker(launch) as worker,
+                open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+            ):
+                prompted = await rpc.prompt("go")
+                await entered.wait()
+                assert not effect.exists()
+                release.set()
+                settled = await rpc.wait_settled(prompted.settled_before)
+                assert settled.record["aborted"] is False
+    assert seen_at_return == [False]
+    assert effect.exists()
+    assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome]
+
+
+async def test_e2e_t7_pi_schemas_and_prompt_unchanged_by_the_extension(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """T7: the tools array and the system prompt Pi sends are byte-identical with the
+    extension loaded (and the gate configured) and without it."""
+    bodies = []
+    with trio.fail_after(PROCESS_LIMIT):
+        for extension in (False, True):
+            async with model_and_gate([Text(text="ok")], sock_dir, MemoryLog(), ["bash"]) as (
+                model,
+                up,
+                r,
+            ):
+                env = gate_environment(r.server, r.gate) if extension else None
+                await one_turn(_launch("pi", tmp_path, up, gate_env=env, extension=extension))
+                bodies.append(model.requests[0].body)
+    plain, gated = bodies
+    assert [t["function"]["name"] for t in plain["tools"]] == ["read", "bash", "edit", "write"]
+    assert gated["tools"] == plain["tools"]
+    assert gated["messages"][0] == plain["messages"][0]
+
+
+async def test_e2e_pi_extension_without_gate_config_refuses_to_start(tmp_path: Path) -> None:
+    """T9: loaded without the socket and secret, the extension fails Pi's start (exit 1)
+    rather than running tools ungated."""
+    with trio.fail_after(PROCESS_LIMIT):
+        async with trio.open_nursery() as nursery:
+            up: HttpServer = await nursery.start(serve_model_http, ScriptedModel())
+            launch = _launch("pi", tmp_path, up, gate_env=None)
+            with pytest.raises(WorkerLaunchError) as raised:
+                await one_turn(launch)
+            nursery.cancel_scope.cancel()
+    assert raised.value.code is ReasonCode.WORKER_LAUNCH_FAILED
+    assert f"{GATE_SOCKET_ENV} and {GATE_SECRET_ENV} must be set" in str(raised.value)
+
+
+def test_extension_ships_with_the_package() -> None:
+    assert EXTENSION_PATH.is_file()
+    text = EXTENSION_PATH.read_text()
+    specifiers = re.findall(r'from "([^"]+)"', text)
+    assert specifiers  # only Pi's own package and node built-ins resolve in an extension
+    assert all(s == "@earendil-works/pi-coding-agent" or s.startswith("node:") for s in specifiers)
+    assert "registerCommand(" not in text
+
+
+async def test_t13_a_receipt_intent_without_outcome_runs_the_same_guarded_write(
+    tmp_path: Path,
+) -> None:
+    """T13 (receipts R2): a ``write_document`` intent left without outcome is not "possibly
+    ran": the gate runs the same receipt-guarded write under the *original* intent id. The
+    call whose write committed before the crash gets its saved result and writes nothing;
+    the one that never applied is applied exactly once; both outcomes are recorded."""
+    store = await open_receipt_store(tmp_path)
+    applied_args = {"document_id": "notes", "content": "before the crash"}
+    orphan_args = {"document_id": "other", "content": "never applied"}
+    receipt = {"replay_class": ReplayClass.RECEIPT}  # as the gate records its declared class
+    applied = replace(_intent("c_applied", "write_document", seq=1, args=applied_args), **receipt)
+    orphan = replace(_intent("c_orphan", "write_document", seq=2, args=orphan_args), **receipt)
+    log = MemoryLog(records=[applied, orphan])
+    journal = RecordingGateJournal(
+        log,
+        key=KEY,
+        epoch=1,
+        granted=["write_document"],
+        existing=[applied, orphan],
+        runtime_tools=DocumentTools(store).handlers(),
+    )
+    with trio.fail_after(LIMIT):
+        committed = await store.write_document("k:1", applied_args)  # the crash came after
+        first = await journal.decide(GateCall("c_applied", "write_document", applied_args))
+        second = await journal.decide(GateCall("c_orphan", "write_document", orphan_args))
+        again = await journal.decide(GateCall("c_orphan", "write_document", orphan_args))
+        notes, other = await store.revisions("notes"), await store.revisions("other")
+        await store.aclose()
+    assert isinstance(first, Saved)
+    assert json.loads(first.result.content[0]["text"]) == committed
+    assert notes == [committed["revision_id"]]  # nothing written again
+    assert isinstance(second, Saved)
+    assert json.loads(second.result.content[0]["text"])["revision_id"] == other[0]
+    assert len(other) == 1  # applied exactly once
+    assert again == second  # now the recorded outcome
+    outcomes = [r for r in log.records if isinstance(r, ToolOutcome)]
+    assert [(o.intent_id, o.is_error) for o in outcomes] == [("k:1", False), ("k:2", False)]
+
+
+def test_t13_only_the_registry_keeps_the_receipt_class() -> None:
+    assert replay_class_of("write_document", {"write_document": ReplayClass.RECEIPT}) is (
+        ReplayClass.RECEIPT
+    )
+    assert replay_class_of("read_document", {"read_document": ReplayClass.SAFE}) is (
+        ReplayClass.SAFE
+    )
+
+
+async def test_t13_a_definite_refusal_settles_as_a_tool_error_with_its_code(
+    tmp_path: Path,
+) -> None:
+    """Receipts R5 through the gate: a stale base or a reused key is the tool's error result
+    (its code first), recorded as the call's outcome; the document is unchanged."""
+    store = await open_receipt_store(tmp_path)
+    journal = RecordingGateJournal(
+        MemoryLog(),
+        key=KEY,
+        epoch=1,
+        granted=["write_document"],
+        runtime_tools=DocumentTools(store).handlers(),
+    )
+    with trio.fail_after(LIMIT):
+        await store.write_document("other:1", {"document_id": "notes", "content": "first"})
+        stale = {"document_id": "notes", "content": "mine", "base_revision_id": "rev-old"}
+        answer = await journal.decide(GateCall("c1", "write_document", stale))
+        revisions = await store.revisions("notes")
+        await store.aclose()
+    assert isinstance(answer, Saved)
+    assert answer.result.is_error
+    assert answer.result.content[0]["text"].startswith("document_stale_base: ")
+    assert len(revisions) == 1

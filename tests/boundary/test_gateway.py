@@ -1,0 +1,875 @@
+"""The model gateway (``runtime/_boundary/_gateway.py``); test names cite
+``docs/design/gateway.md`` (G1…).
+
+Two speeds: the pure helpers (sync), and the Trio shell on loopback sockets against the
+scripted model (real clock, short intervals, every wait bounded by ``trio.fail_after`` and
+driven by events, never by sleeping); plus end-to-end runs of Fake-Pi and the real Pi
+pointed at the gateway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import trio
+
+from fake_pi._retry import is_retryable
+from fake_pi.model_server import ScriptedModel, body_digest
+from fake_pi.model_server import serve_model as serve_model_http
+from fake_pi.scenario import Call, Cut, Hang, HttpError, Scenario, Step, Text, ToolCalls
+from runtime import ReasonCode
+from runtime._boundary._gateway import (
+    DONE,
+    KEEPALIVE,
+    Gateway,
+    GatewayConfig,
+    ToolCallIds,
+    _Downstream,
+    data_inactivity_message,
+    inactivity_message,
+    is_terminal,
+    request_digest,
+    serve_gateway,
+    sse_data,
+)
+from runtime._boundary._http import (
+    HttpClientError,
+    HttpServer,
+    Request,
+    ResponseWriter,
+    SseEvent,
+    iter_sse,
+    open_request,
+    serve_http,
+)
+from runtime._boundary._steps import DeliveryStepJournal, MemoryStepJournal
+from runtime._clock import Clocks
+from runtime._errors import JournalError, ReplayMismatch, StepRefused
+from runtime._journal._store import open_store
+from runtime._pi._rpc import open_rpc_channel
+from runtime._pi._session_files import create_session
+from runtime._pi._worker import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram, open_worker
+from runtime._records import ModelRequestIntent, ModelResponse
+
+from .._pi import real_pi
+from .._secrets import files_containing
+
+LIMIT: Final = 10.0
+PROCESS_LIMIT: Final = 90.0
+BODY: Final[dict[str, Any]] = {
+    "model": "fake-model",
+    "stream": True,
+    "messages": [{"role": "user", "content": "say hi"}],
+}
+UPSTREAM_KEY_ENV: Final = "PI_RUNTIME_TEST_UPSTREAM_KEY"
+UPSTREAM_KEY: Final = "sk-secret-123"
+SSE: Final = [("content-type", "text/event-stream")]
+
+Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    return json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+    )
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+def test_g1_digest_is_over_the_canonical_body() -> None:
+    reordered = {"stream": True, "messages": BODY["messages"], "model": "fake-model"}
+    assert request_digest(BODY) == request_digest(reordered) == body_digest(BODY)
+    assert request_digest({**BODY, "model": "other"}) != request_digest(BODY)
+
+
+async def test_sse_framing_round_trips() -> None:
+    async def feed() -> AsyncIterator[bytes]:
+        yield sse_data(chunk({"content": "a"})) + KEEPALIVE[:5]
+        yield KEEPALIVE[5:] + sse_data(DONE)
+
+    events = [event async for event in iter_sse(feed())]
+    assert events == [
+        SseEvent(data=chunk({"content": "a"})),
+        SseEvent(comment="keepalive"),
+        SseEvent(data=DONE),
+    ]
+
+
+def test_g4_terminal_part_is_finish_usage_and_done() -> None:
+    assert not is_terminal(chunk({"content": "x"}))
+    assert not is_terminal(chunk({"role": "assistant", "content": ""}))
+    assert is_terminal(chunk({}, "stop"))
+    assert is_terminal(chunk({}, "tool_calls"))
+    assert is_terminal(json.dumps({"choices": [], "usage": {"total_tokens": 3}}))
+    assert not is_terminal(json.dumps({"choices": [], "usage": None}))
+    assert is_terminal(DONE)
+    assert not is_terminal("not json")
+
+
+def test_g7_missing_ids_are_minted_on_the_first_delta_only() -> None:
+    first = chunk({"tool_calls": [{"index": 0, "type": "function", "function": {"name": "bash"}}]})
+    more = chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]})
+    second = chunk({"tool_calls": [{"index": 1, "id": "", "function": {"name": "read"}}]})
+    given = chunk({"tool_calls": [{"index": 2, "id": "call_x", "function": {"name": "ls"}}]})
+    ids = ToolCallIds("ab" * 32)
+    out = [ids.apply(p) for p in (first, more, second, given)]
+    calls = [json.loads(p)["choices"][0]["delta"]["tool_calls"][0] for p in out]
+    assert [c.get("id") for c in calls] == [
+        "call_abababababababab_0",
+        None,
+        "call_abababababababab_1",
+        "call_x",
+    ]
+    assert out[1] == more  # untouched payloads keep their bytes
+    assert out[3] == given
+    again = ToolCallIds("ab" * 32)
+    assert [again.apply(p) for p in (first, more, second, given)] == out  # deterministic
+
+
+def test_g10_the_inactivity_error_is_retryable_by_pi() -> None:
+    message = inactivity_message(270)
+    assert is_retryable(message)
+    assert ReasonCode.GATEWAY_UPSTREAM_INACTIVE in message
+
+
+# ------------------------------------------------------------------------------ the shell
+
+
+@dataclass
+class Rig:
+    gateway: Gateway
+    server: HttpServer
+    model: ScriptedModel
+    journal: MemoryStepJournal
+    upstream_auth: list[str | None] = field(default_factory=list)
+    intents_when_upstream_called: list[list[str]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"{self.server.url}/v1/chat/completions"
+
+    def headers(self, secret: str | None = None) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {secret or self.gateway.secret}")]
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    steps: Sequence[Step] = (),
+    *,
+    journal: MemoryStepJournal | None = None,
+    upstream: Handler | None = None,
+    environ: Mapping[str, str] | None = None,
+    **config: Any,
+) -> AsyncIterator[Rig]:
+    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    journal = journal or MemoryStepJournal()
+    this: Rig | None = None
+
+    async def recording(request: Request, response: ResponseWriter) -> None:
+        assert this is not None
+        this.upstream_auth.append(request.headers.get("authorization"))
+        this.intents_when_upstream_called.append(list(journal.requests))
+        await (upstream or model.handle)(request, response)
+
+    async with trio.open_nursery() as nursery:
+        up: HttpServer = await nursery.start(functools.partial(serve_http, recording))
+        settings = {"keepalive_interval": 0.05, "upstream_inactivity": 5.0, **config}
+        gateway = Gateway(
+            GatewayConfig(upstream_url=f"{up.url}/v1", **settings),
+            journal,
+            environ=environ if environ is not None else {},
+        )
+        server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+        this = Rig(gateway, server, model, journal)
+        yield this
+        nursery.cancel_scope.cancel()
+
+
+async def exchange(
+    rig: Rig, body: Mapping[str, Any] = BODY, secret: str | None = None
+) -> tuple[int, list[SseEvent]]:
+    async with open_request(
+        "POST", rig.url, headers=rig.headers(secret), body=json.dumps(body).encode()
+    ) as response:
+        if response.status != 200:
+            return response.status, [SseEvent(data=(await response.read()).decode())]
+        return 200, [event async for event in iter_sse(response.iter_bytes())]
+
+
+def data(events: list[SseEvent]) -> list[str]:
+    return [e.data for e in events if e.data is not None]
+
+
+async def test_g3_chunks_pass_through_before_the_upstream_finishes() -> None:
+    more = trio.Event()
+
+    async def gated(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(sse_data(chunk({"content": "hel"})))
+        await more.wait()
+        await response.send(sse_data(chunk({"content": "lo"})) + sse_data(chunk({}, "stop")))
+        await response.send(sse_data(DONE))
+        await response.end()
+
+    with trio.fail_after(LIMIT):
+        async with (
+            rig(upstream=gated, keepalive_interval=60) as r,
+            open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as resp,
+        ):
+            events = iter_sse(resp.iter_bytes())
+            first = await anext(events)
+            assert first.data == chunk({"content": "hel"})  # the upstream is still waiting
+            assert not more.is_set()
+            more.set()
+            rest = [e async for e in events]
+    assert data(rest) == [chunk({"content": "lo"}), chunk({}, "stop"), DONE]
+    assert r.journal.responses[request_digest(BODY)] == [first.data, *data(rest)]
+
+
+class BlockingJournal(MemoryStepJournal):
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = trio.Event()
+        self.release = trio.Event()
+
+    async def record_response(self, digest: str, chunks: list[str]) -> None:
+        self.entered.set()
+        await self.release.wait()
+        await super().record_response(digest, chunks)
+
+
+async def test_g4_g5_terminal_part_held_until_durable_with_keepalives() -> None:
+    journal = BlockingJournal()
+    with trio.fail_after(LIMIT):
+        async with (
+            rig([Text(text="one two three")], journal=journal) as r,
+            open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as resp,
+        ):
+            events = iter_sse(resp.iter_bytes())
+            before: list[SseEvent] = []
+            keepalives_while_held = 0
+            while keepalives_while_held < 3:
+                event = await anext(events)
+                before.append(event)
+                if event.comment == "keepalive" and journal.entered.is_set():
+                    keepalives_while_held += 1
+            assert not any(is_terminal(p) for p in data(before))
+            assert "".join(
+                json.loads(p)["choices"][0]["delta"]["content"] for p in data(before)
+            ) == ("one two three")
+            assert journal.responses == {}
+            journal.release.set()
+            after = [e async for e in events]
+    relayed = data(before) + data(after)
+    assert [is_terminal(p) for p in data(after)] == [True, True, True]  # finish, usage, [DONE]
+    assert data(after)[-1] == DONE
+    assert journal.responses[request_digest(BODY)] == relayed
+
+
+async def test_g2_g6_replay_from_the_journal_pays_upstream_once() -> None:
+    digest = request_digest(BODY)
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text="paid once")]) as r:
+            status, first = await exchange(r)
+            assert status == 200
+            assert r.intents_when_upstream_called == [[digest]]  # G2: intent before the call
+            status, retried = await exchange(r)  # Pi's retry resends identical bytes
+            assert (status, data(retried)) == (200, data(first))
+            assert r.model.count(digest) == 1
+            stats = r.gateway.statistics()
+            assert (stats.upstream_calls, stats.replayed, stats.journaled) == (1, 1, 1)
+        # a new epoch (new gateway, new secret) on the same journal: still not paid again
+        async with rig([Text(text="must not be used")], journal=r.journal) as again:
+            status, replayed = await exchange(again)
+            assert (status, data(replayed)) == (200, data(first))
+            assert again.model.count(digest) == 0
+            assert again.model.request_count == 0
+
+
+async def test_only_requests_in_flight_hold_a_lock() -> None:
+    """The per-digest locks (identical requests in flight wait for each other) do not
+    accumulate: a gateway that answered many distinct requests holds none afterwards."""
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text=f"answer {n}") for n in range(5)]) as r:
+            for n in range(5):
+                status, _ = await exchange(
+                    r, {**BODY, "messages": [{"role": "user", "content": str(n)}]}
+                )
+                assert status == 200
+            await trio.testing.wait_all_tasks_blocked()  # the last handler has returned
+            assert r.gateway._locks == {}
+
+
+async def test_g14_a_released_delivery_refuses_without_stopping_the_gateway(
+    tmp_path: Path,
+) -> None:
+    """After the lane releases the delivery (its turn ended), its journal forgets it and a
+    late request of its worker is refused (409), while the gateway goes on serving."""
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            steps = DeliveryStepJournal(log, epoch=1)
+            await steps.record_request("a" * 64)
+            await steps.record_response("a" * 64, [DONE])
+            steps.release()
+            assert await steps.lookup("a" * 64) is None
+            with pytest.raises(StepRefused):
+                await steps.record_request("b" * 64)
+            async with rig(journal=steps) as r:  # type: ignore[arg-type]
+                status, _ = await exchange(r)
+                assert status == 409
+                status, _ = await exchange(r)
+                assert status == 409  # still serving
+            await store.close_log(log)
+
+
+async def test_g7_omitted_tool_ids_assigned_and_stable_across_replay() -> None:
+    calls = [Call(name="bash", arguments={"command": "echo a"}), Call(name="ls", arguments={})]
+    with trio.fail_after(LIMIT):
+        async with rig([ToolCalls(calls=calls, omit_ids=True)]) as r:
+            _, live = await exchange(r)
+            _, replayed = await exchange(r)
+    ids = [
+        call["id"]
+        for payload in data(live)
+        if payload != DONE
+        for choice in json.loads(payload)["choices"]
+        for call in choice["delta"].get("tool_calls", [])
+        if "id" in call
+    ]
+    digest = request_digest(BODY)
+    assert ids == [f"call_{digest[:16]}_0", f"call_{digest[:16]}_1"]
+    assert data(replayed) == data(live)
+    assert r.model.count(digest) == 1
+
+
+async def test_g8_wrong_or_missing_secret_is_refused_before_upstream() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text="never")]) as r:
+            old = r.gateway.secret
+            status, body = await exchange(r, secret="not-the-secret")
+            assert status == 401
+            assert json.loads(body[0].data or "")["error"]["type"] == "gateway_unauthorized"
+            async with open_request("POST", r.url, body=json.dumps(BODY).encode()) as resp:
+                assert resp.status == 401
+                await resp.read()
+            new = r.gateway.rotate_secret()
+            assert new != old
+            status, _ = await exchange(r, secret=old)
+            assert status == 401
+            assert r.model.request_count == 0
+            assert r.journal.requests == []
+            assert r.gateway.statistics().refused == 3
+            status, _ = await exchange(r, secret=new)
+            assert status == 200
+            assert r.model.request_count == 1
+
+
+async def test_g9_upstream_key_read_per_request_and_never_journaled() -> None:
+    environ = {UPSTREAM_KEY_ENV: UPSTREAM_KEY}
+    second = {**BODY, "messages": [{"role": "user", "content": "again"}]}
+    third = {**BODY, "messages": [{"role": "user", "content": "and again"}]}
+    with trio.fail_after(LIMIT):
+        async with rig(environ=environ, upstream_key_env=UPSTREAM_KEY_ENV) as r:
+            assert (await exchange(r))[0] == 200
+            environ[UPSTREAM_KEY_ENV] = "sk-rotated"
+            assert (await exchange(r, second))[0] == 200
+            del environ[UPSTREAM_KEY_ENV]
+            status, body = await exchange(r, third)
+    assert r.upstream_auth == [f"Bearer {UPSTREAM_KEY}", "Bearer sk-rotated"]
+    assert status == 500
+    assert "gateway_upstream_key_missing" in (body[0].data or "")
+    assert UPSTREAM_KEY not in json.dumps(r.journal.responses)
+    assert r.model.request_count == 2
+
+
+async def test_g10_upstream_silence_mid_stream_is_a_retryable_error() -> None:
+    with trio.fail_after(LIMIT):
+        async with (
+            rig([Hang(seconds=60)], upstream_inactivity=0.3, keepalive_interval=0.05) as r,
+            open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as resp,
+        ):
+            assert resp.status == 200
+            events: list[SseEvent] = []
+
+            async def read_all() -> None:
+                async for event in iter_sse(resp.iter_bytes()):
+                    events.append(event)
+
+            with pytest.raises(HttpClientError):  # then the connection is cut
+                await read_all()
+    error = json.loads(data(events)[-1])["error"]["message"]
+    assert is_retryable(error)
+    assert "gateway_upstream_inactive" in error
+    assert any(e.comment == "keepalive" for e in events)  # G5: while the upstream was silent
+    assert r.journal.responses == {}
+    assert r.gateway.statistics().inactivity_aborts == 1
+
+
+async def test_g10_upstream_silence_before_headers_is_a_504() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(
+            [Text(text="late", first_token_delay=60)],
+            upstream_inactivity=0.3,
+            keepalive_interval=60,
+        ) as r:
+            status, body = await exchange(r)
+    assert status == 504
+    assert is_retryable(f"504: {body[0].data}")
+
+
+def commenting(*script: float | str, then_hang: bool = False) -> Handler:
+    """An upstream stream: SSE comments for each float (seconds, one every 0.05 s), a data
+    event for each str; then it ends, or hangs silent."""
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        for step in script:
+            if isinstance(step, str):
+                await response.send(sse_data(step))
+                continue
+            until = trio.current_time() + step
+            while trio.current_time() < until:
+                await response.send(b": processing\n\n")
+                await trio.sleep(0.05)
+        if then_hang:
+            await trio.sleep_forever()
+        await response.end()
+
+    return upstream
+
+
+def error_message(events: list[SseEvent]) -> str:
+    message = json.loads(data(events)[-1])["error"]["message"]
+    assert isinstance(message, str)
+    return message
+
+
+async def test_g15_an_upstream_sending_only_comments_is_cut_by_the_data_deadline() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(
+            upstream=commenting(math.inf), upstream_data_inactivity=0.3, keepalive_interval=60
+        ) as r:
+            status, body = await exchange(r)
+    message = error_message(body)
+    assert status == 504
+    assert message == data_inactivity_message(0.3)
+    assert "no data event" in message
+    assert is_retryable(f"504: {message}")
+    assert ReasonCode.GATEWAY_UPSTREAM_INACTIVE in message
+    stats = r.gateway.statistics()
+    assert (stats.data_inactivity_aborts, stats.inactivity_aborts) == (1, 0)  # comments are bytes
+    assert r.journal.responses == {}
+
+
+async def test_g15_data_events_reset_the_data_deadline() -> None:
+    payloads = [chunk({"content": "a"}), chunk({"content": "b"}), chunk({}, "stop"), DONE]
+    script = [item for payload in payloads for item in (0.4, payload)]  # 1.6 s, 0.4 s per gap
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=commenting(*script), upstream_data_inactivity=1.0) as r:
+            status, events = await exchange(r)
+    assert (status, data(events)) == (200, payloads)
+    assert r.journal.responses[request_digest(BODY)] == payloads
+    stats = r.gateway.statistics()
+    assert (stats.data_inactivity_aborts, stats.inactivity_aborts, stats.journaled) == (0, 0, 1)
+
+
+async def test_g15_without_a_data_deadline_only_the_byte_rule_cuts_comments() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(
+            upstream=commenting(0.6, then_hang=True),
+            upstream_inactivity=0.3,
+            keepalive_interval=60,
+        ) as r:
+            started = trio.current_time()
+            status, body = await exchange(r)
+            elapsed = trio.current_time() - started
+    assert r.gateway.config.upstream_data_inactivity is None
+    assert elapsed >= 0.6  # comments kept the stream alive past upstream_inactivity (G10)
+    assert (status, error_message(body)) == (504, inactivity_message(0.3))  # then the silence
+    stats = r.gateway.statistics()
+    assert (stats.data_inactivity_aborts, stats.inactivity_aborts) == (0, 1)
+
+
+async def test_upstream_errors_and_cuts_are_relayed_not_journaled() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig([HttpError(status=503, message="busy"), Cut(after_chunks=2)]) as r:
+            status, body = await exchange(r)
+            assert status == 503
+            assert "busy" in (body[0].data or "")
+            with pytest.raises(HttpClientError):
+                await exchange(r)
+            assert r.journal.responses == {}
+            assert r.journal.requests == [request_digest(BODY)] * 2
+
+
+async def test_g11_the_gate_barrier_holds_a_request_with_keepalives() -> None:
+    open_gate = trio.Event()
+    held: list[dict[str, Any]] = []
+
+    async def barrier(body: dict[str, Any]) -> None:
+        held.append(body)
+        await open_gate.wait()
+
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text="through")]) as r:
+            r.gateway._barrier = barrier  # the tool gate's hook
+            async with open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as resp:
+                events = iter_sse(resp.iter_bytes())
+                assert (await anext(events)).comment == "keepalive"
+                assert held == [BODY]
+                assert r.model.request_count == 0
+                open_gate.set()
+                rest = [e async for e in events]
+    assert data(rest)[-1] == DONE
+    assert r.model.request_count == 1
+
+
+async def test_a_worker_that_goes_away_mid_stream_still_gets_the_step_journaled() -> None:
+    more = trio.Event()
+
+    async def gated(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(sse_data(chunk({"content": "hel"})))
+        await more.wait()
+        await response.send(sse_data(chunk({}, "stop")) + sse_data(DONE))
+        await response.end()
+
+    class Recorded(MemoryStepJournal):
+        done = trio.Event()
+
+        async def record_response(self, digest: str, chunks: list[str]) -> None:
+            await super().record_response(digest, chunks)
+            self.done.set()
+
+    journal = Recorded()
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=gated, keepalive_interval=60, journal=journal) as r:
+            async with open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as resp:
+                await anext(iter_sse(resp.iter_bytes()))
+            more.set()  # the worker's connection is closed now
+            await journal.done.wait()
+            _, replayed = await exchange(r)
+    assert data(replayed) == [chunk({"content": "hel"}), chunk({}, "stop"), DONE]
+    assert r.intents_when_upstream_called == [[request_digest(BODY)]]
+
+
+class PoisonedJournal(MemoryStepJournal):
+    async def record_request(self, digest: str) -> None:
+        await trio.lowlevel.checkpoint()
+        raise JournalError(ReasonCode.JOURNAL_POISONED, "a write failed")
+
+
+async def test_g12_a_journal_failure_stops_the_gateway() -> None:
+    gateway = Gateway(GatewayConfig(upstream_url="http://127.0.0.1:9/v1"), PoisonedJournal())
+
+    async def ask(server: HttpServer) -> bytes:
+        async with open_request(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            headers=[("authorization", f"Bearer {gateway.secret}")],
+            body=json.dumps(BODY).encode(),
+        ) as resp:
+            return await resp.read()
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+            with pytest.raises(HttpClientError):  # the worker is cut, nothing answered
+                await ask(server)
+
+    with trio.fail_after(LIMIT), pytest.raises(ExceptionGroup) as caught:
+        await run()
+    (error,) = caught.value.exceptions
+    assert isinstance(error, JournalError)
+    assert error.code == ReasonCode.JOURNAL_POISONED
+
+
+async def test_delivery_step_journal_on_a_real_log(tmp_path: Path) -> None:
+    digest_a, digest_b = "a" * 64, "b" * 64
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            steps = DeliveryStepJournal(log, epoch=1)
+            assert await steps.lookup(digest_a) is None
+            await steps.record_request(digest_a)
+            await steps.record_request(digest_a)  # a retry after a cut keeps its step
+            await steps.record_response(digest_a, ["x", DONE])
+            await steps.record_request(digest_b)
+            await store.close_log(log)
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.open_delivery_log("d1")
+            records = log.contents.records[1:]
+            assert records == (
+                ModelRequestIntent(step=0, request_digest=digest_a, epoch=1),
+                ModelRequestIntent(step=0, request_digest=digest_a, epoch=1),
+                ModelResponse(step=0, request_digest=digest_a, chunks=["x", DONE], epoch=1),
+                ModelRequestIntent(step=1, request_digest=digest_b, epoch=1),
+            )
+            reopened = DeliveryStepJournal(log, epoch=2)
+            assert await reopened.lookup(digest_a) == ["x", DONE]
+            assert await reopened.lookup(digest_b) is None
+            assert reopened.step_of(digest_b) == 1
+            await reopened.record_request("c" * 64)
+            assert reopened.step_of("c" * 64) == 2
+
+
+async def test_g13_a_replay_that_leaves_an_answered_step_behind_is_refused(
+    tmp_path: Path,
+) -> None:
+    """With ``replay``, each epoch asks the steps again from the first: a request the journal
+    did not answer while answered steps remain is a mismatch — refused, nothing recorded. A
+    request past every answered step, or the unanswered step asked again, is fine; without
+    ``replay`` (a resumed session) nothing is checked."""
+    a, b, c, x = "a" * 64, "b" * 64, "c" * 64, "x" * 64
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            first = DeliveryStepJournal(log, epoch=1, replay=True)
+            for digest in (a, b):
+                await first.record_request(digest)
+                await first.record_response(digest, [DONE])
+            await first.record_request(c)  # asked, never answered
+            await store.close_log(log)
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.open_delivery_log("d1")
+            count = len(log.contents.records)
+            replaying = DeliveryStepJournal(log, epoch=1, replay=True)
+            replaying.begin_epoch(2)
+            assert await replaying.lookup(a) == [DONE]
+            with pytest.raises(ReplayMismatch) as refused:
+                await replaying.record_request(x)  # step 1 was b, not x
+            assert refused.value.code is ReasonCode.RECOVERY_REFUSED
+            assert replaying.mismatch is refused.value
+            assert replaying.step_of(x) is None
+            await store.close_log(log)
+
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.open_delivery_log("d1")
+            assert len(log.contents.records) == count  # the refusal recorded nothing
+            again = DeliveryStepJournal(log, epoch=3, replay=True)
+            again.begin_epoch(3)
+            assert await again.lookup(a) == [DONE]
+            assert await again.lookup(b) == [DONE]
+            await again.record_request(c)  # the unanswered step, asked again
+            assert again.step_of(c) == 2
+            await again.record_request(x)  # past every answered step: a new one
+            assert (again.step_of(x), again.mismatch) == (3, None)
+
+            resumed = DeliveryStepJournal(log, epoch=4)  # a resumed session: not checked
+            resumed.begin_epoch(4)
+            await resumed.record_request("y" * 64)
+            assert resumed.mismatch is None
+            await store.close_log(log)
+
+
+# ------------------------------------------------------------------------- end to end
+
+
+def _launch(
+    kind: str, root: Path, session: Path, gateway: Gateway, server: HttpServer
+) -> WorkerLaunch:
+    # the secret travels in the environment, not on disk: both workers resolve "$NAME"
+    program = WorkerProgram.pi(real_pi()) if kind == "pi" else WorkerProgram.fake_pi()
+    api_key = "$PI_RUNTIME_GATEWAY_SECRET"
+    extra_env = {"PI_RUNTIME_GATEWAY_SECRET": gateway.secret}
+    for sub in ("work", "home", "tmp"):
+        (root / sub).mkdir(exist_ok=True)
+    return WorkerLaunch(
+        program=program,
+        cwd=root / "work",
+        home=root / "home",
+        agent_dir=root / "home" / "agent",
+        tmp_dir=root / "tmp",
+        session=session,
+        route=ModelRoute(
+            provider="fake", model="fake-model", base_url=f"{server.url}/v1", api_key=api_key
+        ),
+        retry=RetrySettings(max_retries=2, base_delay_ms=20),
+        extra_env=extra_env,
+        state_dir=root / "state",
+    )
+
+
+async def _one_turn(launch: WorkerLaunch, events: list[str] | None = None) -> str:
+    """Prompt once, wait for ``agent_settled``; the final assistant text."""
+    async with (
+        open_worker(launch) as worker,
+        open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+    ):
+        prompted = await rpc.prompt("say hello")
+        settled = await rpc.wait_settled(prompted.settled_before)
+        assert settled.record["aborted"] is False
+        if events is not None:
+            async for event in rpc:  # buffered: read back up to the settle
+                events.append(event.type)
+                if event.type == "agent_settled":
+                    break
+        messages = (await rpc.request({"type": "get_messages"})).data["messages"]
+        last = messages[-1]
+        assert last["role"] == "assistant", last
+        assert last.get("stopReason") == "stop", last
+        return "".join(p.get("text", "") for p in last["content"])
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_turn_through_the_gateway_then_replay_after_restart(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """G2, G6, G8, G9 with a real worker: a turn completes through the gateway; a restarted
+    worker on the same session (rewound to the admission leaf) is answered from the journal;
+    neither the upstream key nor (for Pi) the epoch secret is in any file written."""
+    monkeypatch.setenv(UPSTREAM_KEY_ENV, UPSTREAM_KEY)
+    for sub in ("work", "home", "tmp"):
+        (tmp_path / sub).mkdir()
+    session = tmp_path / "sessions" / "lane.jsonl"
+    session.parent.mkdir()
+    create_session(
+        session,
+        cwd=str(tmp_path / "work"),
+        provider="fake",
+        model_id="fake-model",
+        clock=Clocks.system().wall,
+    )
+    admission_leaf = session.read_bytes()
+    model = ScriptedModel(scenario=Scenario(steps=[Text(text="hello from upstream")]))
+    upstream_auth: list[str | None] = []
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        upstream_auth.append(request.headers.get("authorization"))
+        await model.handle(request, response)
+
+    with trio.fail_after(PROCESS_LIMIT):
+        async with (
+            open_store(tmp_path / "state", clocks=Clocks.system()) as store,
+            trio.open_nursery() as nursery,
+        ):
+            up: HttpServer = await nursery.start(functools.partial(serve_http, upstream))
+            log = await store.create_delivery_log("delivery-1")
+            steps = DeliveryStepJournal(log, epoch=1)
+            texts: list[str] = []
+            for epoch in (1, 2):
+                session.write_bytes(admission_leaf)  # what replay does: back to the leaf
+                steps.begin_epoch(epoch)
+                gateway = Gateway(
+                    GatewayConfig(upstream_url=f"{up.url}/v1", upstream_key_env=UPSTREAM_KEY_ENV),
+                    steps,
+                )
+                server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+                texts.append(await _one_turn(_launch(kind, tmp_path, session, gateway, server)))
+                assert files_containing([tmp_path], gateway.secret) == []
+            nursery.cancel_scope.cancel()
+        assert texts == ["hello from upstream", "hello from upstream"]
+        assert model.request_count == 1  # the restarted worker was answered from the journal
+        assert upstream_auth == [f"Bearer {UPSTREAM_KEY}"]
+        assert files_containing([tmp_path], UPSTREAM_KEY) == []
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_g10_silent_upstream_is_retried_in_the_same_process(
+    kind: str, tmp_path: Path
+) -> None:
+    """G10: the gateway aborts a silent upstream; the worker auto-retries the identical
+    request in the same process and the turn completes with the retry's answer."""
+    model = ScriptedModel(scenario=Scenario(steps=[Hang(seconds=60), Text(text="after retry")]))
+    with trio.fail_after(PROCESS_LIMIT):
+        async with trio.open_nursery() as nursery:
+            up: HttpServer = await nursery.start(serve_model_http, model)
+            journal = MemoryStepJournal()
+            gateway = Gateway(
+                GatewayConfig(
+                    upstream_url=f"{up.url}/v1", upstream_inactivity=0.5, keepalive_interval=0.1
+                ),
+                journal,
+            )
+            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+            events: list[str] = []
+            launch = _launch(kind, tmp_path, tmp_path / "lane.jsonl", gateway, server)
+            assert await _one_turn(launch, events) == "after retry"
+            nursery.cancel_scope.cancel()
+    assert "auto_retry_start" in events
+    assert "auto_retry_end" in events
+    digests = [r.digest for r in model.requests]
+    assert len(digests) == 2
+    assert digests[0] == digests[1]  # the same bytes, retried in the same process
+    assert gateway.statistics().inactivity_aborts == 1
+    assert list(journal.responses) == [digests[0]]
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_e2e_a_stream_cut_upstream_is_retried_and_the_turn_completes(
+    kind: str, tmp_path: Path
+) -> None:
+    """An upstream that drops the connection mid-stream: the gateway cuts the worker's
+    stream too (nothing journaled for the cut attempt), the worker retries the identical
+    request in the same process, and the turn completes with the retry's answer."""
+    model = ScriptedModel(scenario=Scenario(steps=[Cut(after_chunks=2), Text(text="whole")]))
+    with trio.fail_after(PROCESS_LIMIT):
+        async with trio.open_nursery() as nursery:
+            up: HttpServer = await nursery.start(serve_model_http, model)
+            journal = MemoryStepJournal()
+            gateway = Gateway(GatewayConfig(upstream_url=f"{up.url}/v1"), journal)
+            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+            events: list[str] = []
+            launch = _launch(kind, tmp_path, tmp_path / "lane.jsonl", gateway, server)
+            assert await _one_turn(launch, events) == "whole"
+            nursery.cancel_scope.cancel()
+    assert "auto_retry_start" in events
+    digests = [r.digest for r in model.requests]
+    assert len(digests) == 2
+    assert digests[0] == digests[1]
+    assert journal.requests == digests  # both attempts recorded as intents
+    assert list(journal.responses) == [digests[0]]  # only the whole answer journaled
+
+
+class _GoneWorker:
+    """A worker connection that is gone: every send fails; counts the attempts."""
+
+    started = True
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        raise trio.BrokenResourceError
+
+    async def send(self, data: bytes) -> None:
+        self.sends += 1
+        if self.sends > 100:
+            raise AssertionError("the keepalive loop spins on a gone worker")
+        raise trio.BrokenResourceError
+
+
+async def test_g5_keepalives_stop_once_the_worker_is_gone() -> None:
+    """G5: a worker that went away mid-stream (the step goes on, G12's note) gets no more
+    keepalives: the loop ends instead of spinning (a send to a gone worker is a no-op, so
+    the loop would never sleep again — it did, at 100 % CPU, until the upstream ended)."""
+    worker = _GoneWorker()
+    downstream = _Downstream(worker)  # type: ignore[arg-type]
+    with trio.fail_after(5):  # a spinning loop still checkpoints: cancelled, then failed
+        await downstream.keepalive(0.001)
+    assert downstream.gone
+    assert worker.sends == 1

@@ -1,0 +1,1 @@
+"""Tests of ``runtime/_cli/`` (the command line)."""

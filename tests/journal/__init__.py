@@ -1,0 +1,1 @@
+"""Tests of ``runtime/_journal/`` (the durable store)."""

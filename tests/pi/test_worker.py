@@ -1,0 +1,611 @@
+"""Process epochs and whole-tree ownership (``runtime/_pi/_worker.py``,
+``runtime/_linux/_proctree.py``).
+
+Invariants W1-W11 are in ``docs/design/workers.md``; each test names the ones it proves.
+
+Everything here runs real processes on the real clock: every wait is bounded by
+:func:`trio.fail_after` and waits on a pipe, a pidfd or an exit — never on a sleep. The
+process-tree tests use a plain shell script as the "worker" (``worker_helpers/tree.sh``: a
+setsid'ed double-forked daemon plus a backgrounded sleep), because the tree machinery must not
+depend on Pi; the launch tests use Fake-Pi and the real Pi. Survivors are looked for in
+``/proc`` by the epoch nonce, which every descendant inherits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import pytest
+import trio
+import trio.lowlevel
+
+from runtime._cli import main as cli_main
+from runtime._errors import ReasonCode, WorkerError
+from runtime._linux._proc import ProcessIdentity, boot_id, identity_of, is_alive
+from runtime._linux._proctree import (
+    EPOCH_ENV,
+    cgroup_member,
+    is_child_subreaper,
+    new_nonce,
+    probe_cgroups,
+    proc_table,
+    set_child_subreaper,
+    settled_environ,
+    trio_managed,
+)
+from runtime._pi._pi_install import PiInstall
+from runtime._pi._worker import (
+    ENV_ALLOWED,
+    QUIET_FLAGS,
+    Containment,
+    Epoch,
+    ModelRoute,
+    RetrySettings,
+    StopPolicy,
+    WorkerKind,
+    WorkerLaunch,
+    WorkerProgram,
+    kill_epoch_leftovers,
+    open_epoch,
+    open_worker,
+    worker_argv,
+    worker_environment,
+    write_agent_files,
+)
+from runtime._records import EpochStarted
+
+from .._pi import real_pi
+from .._procs import alive_with_nonce
+
+REPO: Final = Path(__file__).resolve().parents[2]
+HELPERS: Final = Path(__file__).with_name("worker_helpers")
+TREE: Final = HELPERS / "tree.sh"
+HOST: Final = HELPERS / "host.py"
+LIMIT: Final = 20.0
+"""Bound on any one test's waits (a loaded CI box included)."""
+SECRET_NAME: Final = "PI_RUNTIME_TEST_UPSTREAM_API_KEY"
+SECRET: Final = "sk-live-do-not-leak-0123456789"
+RUNTIME_SET: Final = {
+    EPOCH_ENV,
+    "HOME",
+    "PI_CODING_AGENT_DIR",
+    "PI_OFFLINE",
+    "PI_TELEMETRY",
+    "PI_SKIP_VERSION_CHECK",
+    "PWD",
+}
+
+CGROUPS = probe_cgroups()
+# cgroup v2 is writable on the machines this project runs on (root, hybrid mount): the
+# CGROUP cases are never skipped; on a machine without it they fail and say why.
+CONTAINMENTS: Final = [Containment.CGROUP, Containment.SUBREAPER, Containment.SCAN]
+
+
+@pytest.fixture(autouse=True)
+def _restore_subreaper() -> Iterator[None]:
+    """A subreaper test leaves the pytest process as it found it (other tests look for orphans)."""
+    before = is_child_subreaper()
+    yield
+    if not before:
+        set_child_subreaper(False)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+class Lines:
+    """Lines from a byte stream, split on ``b"\\n"`` only."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def line(self) -> bytes:
+        while (end := self.buffer.find(b"\n")) < 0:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                raise EOFError(f"stream ended; partial line {bytes(self.buffer)!r}")
+            self.buffer += data
+        line = bytes(self.buffer[:end])
+        del self.buffer[: end + 1]
+        return line
+
+
+def exists(path: str | Path) -> bool:
+    return os.path.exists(path)
+
+
+def proc_file(pid: int, name: str) -> bytes:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
+async def environ_of(pid: int) -> dict[str, str]:
+    """The process's environment, read once its exec has published it: ``tree.sh`` reports
+    the daemon's and the background job's pids before they finish exec'ing ``sleep``, and a
+    read inside an exec comes back empty."""
+    raw = await settled_environ(pid) or b""
+    pairs = (item.decode().partition("=") for item in raw.split(b"\0") if item)
+    return {name: value for name, _, value in pairs}
+
+
+def tree_env(root: Path, **extra: str) -> dict[str, str]:
+    return worker_environment(
+        home=root / "home", agent_dir=root / "home" / "agent", cwd=root, extra=extra
+    )
+
+
+def tree_argv(root: Path) -> list[str]:
+    return ["sh", str(TREE), str(root)]
+
+
+async def tree_ready(epoch: Epoch) -> tuple[int, int]:
+    """Wait for ``ready <daemon> <background>``; the two pids the worker's "tool" left behind."""
+    word, daemon, background = (await Lines(epoch.stdout).line()).split()
+    assert word == b"ready"
+    return int(daemon), int(background)
+
+
+async def wait_exited(pid: int) -> None:
+    """Wait until ``pid`` has exited, without reaping it (its pidfd polls readable)."""
+    fd = os.pidfd_open(pid)
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def identities(pids: list[int]) -> list[ProcessIdentity]:
+    found = [identity_of(pid) for pid in pids]
+    assert all(found), pids
+    return [identity for identity in found if identity is not None]
+
+
+def pi_install() -> PiInstall:
+    return real_pi()  # fails loudly when Pi cannot be installed: never skipped
+
+
+def launch_for(root: Path, program: WorkerProgram, **changes: Any) -> WorkerLaunch:
+    for directory in ("work", "home", "tmp", "state"):
+        (root / directory).mkdir(exist_ok=True)
+    launch = WorkerLaunch(
+        program=program,
+        cwd=root / "work",
+        home=root / "home",
+        agent_dir=root / "home" / "agent",
+        tmp_dir=root / "tmp",
+        session=root / "lane.jsonl",
+        route=ModelRoute(provider="fake", model="fake-model", base_url="http://127.0.0.1:9/v1"),
+        persona="Answer tersely.",
+        retry=RetrySettings(max_retries=2, base_delay_ms=20),
+        state_dir=root / "state",
+    )
+    return dataclasses.replace(launch, **changes)
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@pytest.mark.parametrize("kind", [WorkerKind.FAKE_PI, WorkerKind.PI])
+async def test_worker_launch_reads_identity_and_nonce_back(
+    tmp_path: Path, kind: WorkerKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W1, W8, W9: Fake-Pi and the real Pi, launched the same way, answer RPC; the epoch's
+    identity (pid, start time, boot id) and nonce are read back from /proc; the record keeps
+    them; the secret in the runtime's environment never reaches the worker; stop leaves nothing.
+    """
+    monkeypatch.setenv(SECRET_NAME, SECRET)
+    program = WorkerProgram.pi(pi_install()) if kind is WorkerKind.PI else WorkerProgram.fake_pi()
+    launch = launch_for(tmp_path, program)
+    with trio.fail_after(LIMIT):
+        async with open_worker(launch) as epoch:
+            await epoch.stdin.send_all(b'{"type":"get_state","id":"s1"}\n')
+            reply = json.loads(await Lines(epoch.stdout).line())
+            assert reply["id"] == "s1"
+            assert reply["success"] is True, reply
+            assert reply["data"]["model"]["id"] == "fake-model"
+
+            assert epoch.identity == identity_of(epoch.pid)
+            assert epoch.identity.boot_id == boot_id()
+            environ = await environ_of(epoch.pid)
+            assert environ[EPOCH_ENV] == epoch.nonce
+            assert SECRET_NAME not in environ
+            assert SECRET not in "".join(environ.values())
+            assert environ["HOME"] == str(launch.home)
+            assert environ["PI_CODING_AGENT_DIR"] == str(launch.agent_dir)
+            assert environ["PI_OFFLINE"] == "1"
+            assert environ["PI_TELEMETRY"] == "0"
+            if kind is WorkerKind.FAKE_PI:  # Pi renames its process title to "pi"
+                assert proc_file(epoch.pid, "cmdline").split(b"\0")[:-1] == [
+                    arg.encode() for arg in worker_argv(launch)
+                ]
+            assert os.readlink(f"/proc/{epoch.pid}/cwd") == str(launch.cwd)
+            if epoch.containment is Containment.CGROUP:
+                assert epoch.cgroup is not None
+                assert cgroup_member(epoch.pid, epoch.cgroup)
+
+            record = epoch.record(3, started_ms=1234)
+            decoded = msgspec.json.decode(msgspec.json.encode(record), type=EpochStarted)
+            assert decoded == record
+            assert (record.pid, record.start_time, record.boot_id, record.nonce) == (
+                epoch.pid,
+                epoch.identity.start_time,
+                boot_id(),
+                epoch.nonce,
+            )
+            assert record.cgroup == (None if epoch.cgroup is None else str(epoch.cgroup))
+            tree = await epoch.members()
+        report = await epoch.stop()
+    assert report.clean
+    assert report.graceful
+    assert not any(is_alive(member) for member in tree)
+    assert alive_with_nonce(epoch.nonce) == []
+    if epoch.cgroup is not None:
+        assert not exists(epoch.cgroup)
+
+
+def test_pi_and_fake_pi_get_the_same_launch(tmp_path: Path) -> None:
+    """W9: one command line for both, bar the program and Pi's own --no-approve."""
+    pi = PiInstall(home=tmp_path, node=tmp_path / "node", cli=tmp_path / "cli.js", version="1.6.0")
+    fake = launch_for(tmp_path, WorkerProgram.fake_pi())
+    real = dataclasses.replace(fake, program=WorkerProgram.pi(pi))
+    fake_args = worker_argv(fake)[len(fake.program.command) :]
+    real_args = worker_argv(real)[len(real.program.command) :]
+    assert worker_argv(real)[:2] == [str(pi.node), str(pi.cli)]
+    assert worker_argv(fake)[1:3] == ["-m", "fake_pi"]
+    assert [arg for arg in real_args if arg != "--no-approve"] == fake_args
+    assert fake_args == [
+        "--mode",
+        "rpc",
+        *QUIET_FLAGS,
+        "--provider",
+        "fake",
+        "--model",
+        "fake-model",
+        "--session",
+        str(tmp_path / "lane.jsonl"),
+        "--append-system-prompt",
+        "Answer tersely.",
+    ]
+    assert "--no-session" in worker_argv(dataclasses.replace(fake, session=None))
+
+
+def test_agent_files_are_written_with_explicit_retry(tmp_path: Path) -> None:
+    """W9: models.json names the route; settings.json always carries retry and no telemetry."""
+    launch = launch_for(tmp_path, WorkerProgram.fake_pi(), settings={"httpIdleTimeoutMs": 1})
+    write_agent_files(launch)
+    settings = json.loads((launch.agent_dir / "settings.json").read_text())
+    assert settings == {
+        "httpIdleTimeoutMs": 1,
+        "retry": {
+            "enabled": True,
+            "maxRetries": 2,
+            "baseDelayMs": 20,
+            "maxAgentDelayMs": 60000,
+            "provider": {"maxRetries": 0},
+        },
+        "enableInstallTelemetry": False,
+    }
+    provider = json.loads((launch.agent_dir / "models.json").read_text())["providers"]["fake"]
+    assert provider["baseUrl"] == "http://127.0.0.1:9/v1"
+    assert [model["id"] for model in provider["models"]] == ["fake-model"]
+    assert (launch.agent_dir / "settings.json").stat().st_mode & 0o777 == 0o600
+    assert launch.agent_dir.stat().st_mode & 0o777 == 0o700
+
+
+async def test_environment_is_allow_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W8: neither the worker nor the daemon its tool left behind sees the runtime's secrets;
+    only allow-listed names, the runtime's own and explicit extras get through."""
+    monkeypatch.setenv(SECRET_NAME, SECRET)
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    env = tree_env(tmp_path, FAKE_PI_CONFIG="/dev/null")
+    assert SECRET_NAME not in env
+    assert env["LC_ALL"] == "C.UTF-8"
+    with trio.fail_after(LIMIT):
+        async with open_epoch(tree_argv(tmp_path), env=env, cwd=tmp_path) as epoch:
+            daemon, background = await tree_ready(epoch)
+            for pid in (epoch.pid, daemon, background):
+                seen = await environ_of(pid)
+                assert SECRET_NAME not in seen, pid
+                assert seen[EPOCH_ENV] == epoch.nonce
+                assert seen["HOME"] == str(tmp_path / "home")
+                extra = {
+                    name
+                    for name in seen
+                    if name not in ENV_ALLOWED and name not in RUNTIME_SET
+                    if not name.startswith("LC_")
+                }
+                assert extra == {"FAKE_PI_CONFIG"}, seen
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME_SET))
+def test_extras_cannot_replace_what_the_runtime_sets(tmp_path: Path, name: str) -> None:
+    """W8: HOME, the agent dir, Pi's offline switches and the nonce are not for extras."""
+    with pytest.raises(WorkerError) as caught:
+        tree_env(tmp_path, **{name: "x"})
+    assert caught.value.code is ReasonCode.WORKER_CONFIG_INVALID
+
+
+async def test_launch_problems_are_typed(tmp_path: Path) -> None:
+    """W2, W10: launch errors carry worker_* reason codes (never a group) and leave no cgroup."""
+    env = tree_env(tmp_path)
+    with pytest.raises(WorkerError) as caught:
+        async with open_epoch(["no-such-worker-program"], env=env, cwd=tmp_path):
+            pass  # pragma: no cover
+    assert caught.value.code is ReasonCode.WORKER_NOT_FOUND
+
+    nonce = new_nonce()
+    with pytest.raises(WorkerError) as caught:
+        async with open_epoch(["sh", "-c", ":"], env=env, cwd=tmp_path / "gone", nonce=nonce):
+            pass  # pragma: no cover
+    assert caught.value.code is ReasonCode.WORKER_LAUNCH_FAILED
+    if CGROUPS.parent is not None:
+        assert not exists(CGROUPS.parent / nonce)
+
+    inside = launch_for(tmp_path, WorkerProgram.fake_pi(), home=tmp_path / "state" / "home")
+    with pytest.raises(WorkerError) as caught:
+        async with open_worker(inside):
+            pass  # pragma: no cover
+    assert caught.value.code is ReasonCode.WORKER_CONFIG_INVALID
+
+    (tmp_path / "work" / "persona.md").write_text("x")
+    named = launch_for(tmp_path, WorkerProgram.fake_pi(), persona="persona.md")
+    with pytest.raises(WorkerError) as caught:
+        async with open_worker(named):
+            pass  # pragma: no cover
+    assert caught.value.code is ReasonCode.WORKER_CONFIG_INVALID
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_stop_leaves_no_descendant(tmp_path: Path, containment: Containment) -> None:
+    """W2, W3, W6: a daemonised (setsid, double-forked) grandchild and a background job are
+    part of the tree, and stop leaves none of them alive — with a cgroup and without one."""
+    with trio.fail_after(LIMIT):
+        async with open_epoch(
+            tree_argv(tmp_path), env=tree_env(tmp_path), cwd=tmp_path, containment=containment
+        ) as epoch:
+            assert epoch.containment is containment
+            daemon, background = await tree_ready(epoch)
+            tree = await epoch.members()
+            assert {epoch.pid, daemon, background} <= {member.pid for member in tree}
+            if containment is Containment.CGROUP:
+                assert epoch.cgroup is not None
+                assert all(cgroup_member(pid, epoch.cgroup) for pid in (daemon, background))
+            else:
+                assert epoch.cgroup is None
+                assert is_child_subreaper() is (containment is Containment.SUBREAPER)
+            report = await epoch.stop()
+    assert report.clean, report
+    assert report.graceful
+    assert report.exit_status == -signal.SIGTERM
+    assert not any(is_alive(member) for member in tree)
+    assert alive_with_nonce(epoch.nonce) == []
+    if epoch.cgroup is not None:
+        assert not exists(epoch.cgroup)
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_fence_is_a_cancellation(tmp_path: Path, containment: Containment) -> None:
+    """W6, W10: cancelling the epoch's scope stops the whole tree before the block is left."""
+    with trio.fail_after(LIMIT), trio.CancelScope() as fence:
+        async with open_epoch(
+            tree_argv(tmp_path), env=tree_env(tmp_path), cwd=tmp_path, containment=containment
+        ) as epoch:
+            await tree_ready(epoch)
+            tree = await epoch.members()
+            fence.cancel()
+            await trio.sleep_forever()
+    assert fence.cancelled_caught
+    assert len(tree) == 3
+    assert not any(is_alive(member) for member in tree)
+    assert alive_with_nonce(epoch.nonce) == []
+
+
+async def test_term_ignoring_worker_is_killed_after_the_bound(tmp_path: Path) -> None:
+    """W6: SIGTERM, a bounded wait, then SIGKILL for the whole tree."""
+    policy = StopPolicy(term_grace=0.3, kill_bound=5.0)
+    env = tree_env(tmp_path, TREE_MODE="ignore_term")
+    with trio.fail_after(LIMIT):
+        async with open_epoch(tree_argv(tmp_path), env=env, cwd=tmp_path, policy=policy) as epoch:
+            await tree_ready(epoch)
+            tree = await epoch.members()
+            started = trio.current_time()
+            report = await epoch.stop()
+            waited = trio.current_time() - started
+    assert not report.graceful
+    assert report.exit_status == -signal.SIGKILL
+    assert policy.term_grace <= waited < policy.term_grace + policy.kill_bound
+    assert report.clean
+    assert not any(is_alive(member) for member in tree)
+
+
+async def test_trio_keeps_exit_statuses_while_adopted_orphans_are_reaped(tmp_path: Path) -> None:
+    """W4: as subreaper the runtime reaps the orphans it adopted from the tree, and only them:
+    Trio still gets the worker's own status and an unrelated child's (no waitpid(-1))."""
+    bystander = await trio.lowlevel.open_process(
+        ["sh", "-c", "read line; exit 9"], stdin=subprocess.PIPE
+    )
+    env = tree_env(tmp_path, TREE_MODE="exit7")
+    with trio.fail_after(LIMIT):
+        async with open_epoch(
+            tree_argv(tmp_path), env=env, cwd=tmp_path, containment=Containment.SUBREAPER
+        ) as epoch:
+            daemon, background = await tree_ready(epoch)
+            assert bystander.stdin is not None
+            await bystander.stdin.aclose()
+            await wait_exited(bystander.pid)  # a zombie child of ours, not the epoch's
+            await epoch.stdin.send_all(b"exit now\n")
+            assert await epoch.wait() == 7
+            adopted = {pid for pid, info in proc_table().items() if info.ppid == os.getpid()}
+            assert {daemon, background} <= adopted
+            report = await epoch.stop()
+        assert report.exit_status == 7
+        assert report.graceful
+        assert set(report.kill.reaped) == {daemon, background}
+        assert bystander.pid not in report.kill.reaped
+        assert await bystander.wait() == 9
+
+
+# ------------------------------------------------------------------------------ takeover
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_new_host_kills_the_tree_of_a_sigkilled_one(
+    tmp_path: Path, containment: Containment
+) -> None:
+    """W7: the host is SIGKILLed with its worker tree running; another process kills the whole
+    old tree from the epoch record alone — with a cgroup and without one."""
+    record_path = tmp_path / "epoch.json"
+    host = await trio.lowlevel.open_process(
+        [sys.executable, str(HOST), str(record_path), str(tmp_path), str(containment)],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+    )
+    nonce = None
+    try:
+        with trio.fail_after(LIMIT):
+            assert host.stdout is not None
+            _, daemon, background = (await Lines(host.stdout).line()).split()
+            record = msgspec.json.decode(record_path.read_bytes(), type=EpochStarted)
+            nonce = record.nonce
+            assert (record.cgroup is not None) is (containment is Containment.CGROUP)
+            host.kill()
+            assert await host.wait() == -signal.SIGKILL
+            # the old tree outlived its host ...
+            orphans = set(alive_with_nonce(record.nonce))
+            assert {record.pid, int(daemon), int(background)} <= orphans
+            tree = identities(sorted(orphans))
+
+            report = await kill_epoch_leftovers(record)
+    finally:
+        if host.returncode is None:  # pragma: no cover - only when the test failed early
+            host.kill()
+        if nonce is not None:  # a failed test must not leave its tree behind
+            for pid in alive_with_nonce(nonce):
+                os.kill(pid, signal.SIGKILL)
+    # ... and nothing of it survives the new host
+    assert report.clean, report
+    assert not any(is_alive(member) for member in tree)
+    assert alive_with_nonce(record.nonce) == []
+    if record.cgroup is not None:
+        assert report.cgroup_killed
+        assert not exists(record.cgroup)
+
+
+async def test_identity_mismatch_is_never_killed() -> None:
+    """W5: a recorded pid whose start time or boot id does not match is left alone; the same pid
+    with a matching identity, or any process proven by the nonce, is killed."""
+    bystander = await trio.lowlevel.open_process(["sleep", "300"])
+    nonce = new_nonce()
+    carrier = await trio.lowlevel.open_process(
+        ["sleep", "300"], env={"PATH": os.environ["PATH"], EPOCH_ENV: nonce}
+    )
+    with trio_managed(bystander.pid), trio_managed(carrier.pid), trio.fail_after(LIMIT):
+        try:
+            real = identity_of(bystander.pid)
+            assert real is not None
+            for start_time, boot in ((real.start_time - 1, real.boot_id), (real.start_time, "0")):
+                record = EpochStarted(
+                    epoch=1,
+                    pid=real.pid,
+                    start_time=start_time,
+                    boot_id=boot,
+                    nonce=new_nonce(),
+                    started_ms=0,
+                )
+                report = await kill_epoch_leftovers(record)
+                assert report.killed == ()
+                assert report.clean
+                assert is_alive(real)
+
+            # reused pid, but the process carries the record's nonce: proven, killed
+            carried = identity_of(carrier.pid)
+            assert carried is not None
+            record = EpochStarted(
+                epoch=1,
+                pid=carrier.pid,
+                start_time=carried.start_time + 1,
+                boot_id=carried.boot_id,
+                nonce=nonce,
+                started_ms=0,
+            )
+            assert (await kill_epoch_leftovers(record)).killed == (carrier.pid,)
+            assert await carrier.wait() == -signal.SIGKILL
+
+            # the exact recorded identity: killed (and left for Trio to reap)
+            record = EpochStarted(
+                epoch=1,
+                pid=real.pid,
+                start_time=real.start_time,
+                boot_id=real.boot_id,
+                nonce=new_nonce(),
+                started_ms=0,
+            )
+            assert (await kill_epoch_leftovers(record)).killed == (real.pid,)
+            assert await bystander.wait() == -signal.SIGKILL
+        finally:
+            for process in (bystander, carrier):
+                if process.returncode is None:  # pragma: no cover - only on failure
+                    process.kill()
+
+
+@pytest.mark.parametrize(
+    "cgroup",
+    ["/sys/fs/cgroup/unified", "/sys/fs/cgroup/unified/pi-runtime/{other}", "/tmp/{nonce}"],
+)
+async def test_a_record_cannot_aim_the_kill_elsewhere(cgroup: str) -> None:
+    """W5: a damaged or forged record names no cgroup but the epoch's own, and a real nonce."""
+    nonce = new_nonce()
+    record = EpochStarted(
+        epoch=1,
+        pid=1,
+        start_time=0,
+        boot_id="x",
+        nonce=nonce,
+        cgroup=cgroup.format(nonce=nonce, other=new_nonce()),
+        started_ms=0,
+    )
+    with pytest.raises(WorkerError) as caught:
+        await kill_epoch_leftovers(record)
+    assert caught.value.code is ReasonCode.WORKER_RECORD_INVALID
+    with pytest.raises(WorkerError) as caught:
+        await kill_epoch_leftovers(msgspec.structs.replace(record, nonce="", cgroup=None))
+    assert caught.value.code is ReasonCode.WORKER_RECORD_INVALID
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+
+def test_doctor_reports_pi_node_cgroups_and_subreaper(capsys: pytest.CaptureFixture[str]) -> None:
+    home = pi_install().home
+    assert cli_main(["doctor", "--pi-home", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert f"1.6.0 at {home}" in out
+    assert "node (pi's)" in out
+    assert "(ok)" in out
+    assert "cgroup v2" in out
+    assert "subreaper    supported" in out
+
+
+def test_doctor_says_how_to_get_pi(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["doctor", "--pi-home", str(tmp_path)]) == 1
+    assert "run `pi-runtime pi install`" in capsys.readouterr().out
+
+
+def test_pi_install_is_idempotent(capsys: pytest.CaptureFixture[str]) -> None:
+    home = pi_install().home
+    assert cli_main(["pi", "install", "--home", str(home)]) == 0
+    assert capsys.readouterr().out.startswith(f"pi 1.6.0 at {home}")
+    assert cli_main(["version"]) == 0

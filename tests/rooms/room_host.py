@@ -1,0 +1,124 @@
+"""A room-worker host for the crash tests: ``python tests/rooms/room_host.py SPEC.json``.
+
+It opens the room worker on the spec's configuration (relative paths resolve against the
+spec's ``base``), delivers the spec's messages in order (an item ``{"wait_fifo": PATH}``
+waits until something writes that FIFO, e.g. a tool that has started), then follows the
+results until it has seen ``expect`` of them (acknowledging each when ``ack`` is true)
+and exits 0. Every fact is one JSON line on stdout, written and flushed as it happens, so a
+test can SIGKILL the host right after a named point::
+
+    {"accepted": {...}}   the admission is durable (L1)
+    {"refused": CODE}     the delivery was refused
+    {"event": {...}}      typing / text_update / tool_activity
+    {"result": {...}}     a published result (durable, L5)
+    {"acked": SEQ}        the acknowledgement is durable
+    {"paused": POINT}     the spec's ``pause`` barrier was passed; the host waits to be killed
+
+``pause`` names a barrier inside the runtime and how many times to pass it first:
+``{"point": "model_response" | "tool_intent" | "receipt_commit", "nth": N}`` — right after
+the N-th model response (or tool intent, or receipt transaction) is durable, before the worker
+hears of it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from runtime._boundary._gate import RecordingGateJournal
+from runtime._boundary._steps import DeliveryStepJournal
+from runtime._config import config_from_dict
+from runtime._errors import DeliveryError
+from runtime._records import Record, ToolIntent
+from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
+from tests._host_process import pause_after_receipt_commit
+
+
+def emit(fact: dict[str, Any]) -> None:
+    sys.stdout.write(msgspec.json.encode(fact).decode() + "\n")
+    sys.stdout.flush()
+
+
+async def follow_events(worker: RoomWorker) -> None:
+    async for event in worker.events():
+        emit({"event": msgspec.to_builtins(event)})
+
+
+def install_pause(point: str, nth: int) -> None:
+    """Stop right after the ``nth`` pass of a barrier: report it and wait to be killed."""
+    passed = 0
+
+    async def barrier() -> None:
+        nonlocal passed
+        passed += 1
+        if passed == nth:
+            emit({"paused": point})
+            await trio.sleep_forever()
+
+    if point == "model_response":
+        record_response = DeliveryStepJournal.record_response
+
+        async def after_response(self: DeliveryStepJournal, digest: str, chunks: list[str]) -> None:
+            await record_response(self, digest, chunks)
+            await barrier()
+
+        DeliveryStepJournal.record_response = after_response  # type: ignore[method-assign]
+    elif point == "tool_intent":
+        append = RecordingGateJournal._append
+
+        async def after_intent(self: RecordingGateJournal, record: Record) -> int:
+            seq = await append(self, record)
+            if isinstance(record, ToolIntent):
+                await barrier()
+            return seq
+
+        RecordingGateJournal._append = after_intent  # type: ignore[method-assign]
+    elif point == "receipt_commit":
+        pause_after_receipt_commit(barrier)
+    else:
+        raise ValueError(f"unknown pause point {point!r}")
+
+
+async def _nothing() -> AsyncIterator[DeliveryResult]:
+    results: tuple[DeliveryResult, ...] = ()
+    for result in results:
+        yield result
+
+
+async def main(spec: dict[str, Any]) -> None:
+    base = Path(spec["base"])
+    if "pause" in spec:
+        install_pause(spec["pause"]["point"], spec["pause"].get("nth", 1))
+    config = config_from_dict(spec["config"], base=base)
+    async with open_room_worker(config, base_dir=base) as worker, trio.open_nursery() as nursery:
+        nursery.start_soon(follow_events, worker)
+        for message in spec.get("deliver", []):
+            if "wait_fifo" in message:  # a step of the script: wait until a tool writes it
+                await trio.to_thread.run_sync(Path(message["wait_fifo"]).read_bytes)
+                continue
+            try:
+                emit({"accepted": msgspec.to_builtins(await worker.deliver(message))})
+            except DeliveryError as error:
+                emit({"refused": str(error.code)})
+        seen = 0
+        expect = spec.get("expect", 0)
+        async for result in worker.results() if expect > 0 else _nothing():
+            emit({"result": msgspec.to_builtins(result)})
+            if spec.get("ack"):
+                await worker.ack(result.seq)
+                emit({"acked": result.seq})
+            seen += 1
+            if seen >= expect:
+                break
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    trio.run(main, json.loads(Path(sys.argv[1]).read_text()))

@@ -1,0 +1,434 @@
+"""The room worker and its lanes (``runtime/_rooms/_worker.py``, ``runtime/_rooms/_lane.py``); test
+names cite ``docs/design/lanes.md`` (L1…).
+
+Real processes (Fake-Pi as a subprocess, and the real Pi where a test is parametrized over
+both), a real state directory, a scripted model on loopback. Waits are bounded by
+``trio.fail_after`` and driven by the worker's own results and events, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from fake_pi.scenario import (
+    Call,
+    Empty,
+    Hang,
+    HttpError,
+    Step,
+    Text,
+    ToolCalls,
+    UsageLimit,
+)
+from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
+from runtime._errors import DeliveryError, ReasonCode
+from runtime._journal._store import lane_key
+from runtime._pi._session_settle import interrupted_text
+from runtime._records import EpochFenced, EpochStarted, Outcome
+from runtime._rooms._admission import changed_settings, settings_fingerprint
+from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
+
+from .._pi import pi_home
+from .._workers import scripted_upstream, waiting_bash
+
+LIMIT: Final = 90.0
+ROOM: Final = "dm:100"
+
+
+def message(
+    delivery_id: str, text: str = "hi", *, room: str = ROOM, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "delivery_id": delivery_id,
+        "room": room,
+        "author": {"id": extra.pop("author_id", "u1"), "name": "Ann"},
+        "message_id": f"m-{delivery_id}",
+        "text": text,
+        **extra,
+    }
+
+
+def config(kind: str, url: str, **overrides: Any) -> RoomWorkerConfig:
+    return RoomWorkerConfig(
+        agent="pi" if kind == "pi" else "fake",
+        pi_home=str(pi_home()) if kind == "pi" else None,
+        model=ModelConfig(base_url=url),
+        **overrides,
+    )
+
+
+async def next_results(
+    worker: RoomWorker, count: int, after: int | None = None
+) -> list[DeliveryResult]:
+    found: list[DeliveryResult] = []
+    async for result in worker.results(after):
+        found.append(result)
+        if len(found) == count:
+            break
+    return found
+
+
+@contextlib.asynccontextmanager
+async def collecting(worker: RoomWorker) -> AsyncIterator[list[RoomEvent]]:
+    events: list[RoomEvent] = []
+
+    async def collect() -> None:
+        async for event in worker.events():
+            events.append(event)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(collect)
+        yield events
+        nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ admission and results
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_l1_l2_l5_reply_published_redelivered_until_acked(kind: str, tmp_path: Path) -> None:
+    """L1: accepted after the admission is durable. L5: one result with a seq, delivered again
+    after a restart until acknowledged, never after. L2: the same id and request is a
+    duplicate with the same result; the same id with another text is a conflict."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="hello there")]) as (model, url):
+            cfg = config(kind, url)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                accepted = await worker.deliver(message("d1"))
+                assert accepted.disposition == "started"
+                (first,) = await next_results(worker, 1)
+            assert (first.seq, first.delivery_id, first.outcome, first.text) == (
+                1,
+                "d1",
+                Outcome.REPLY,
+                "hello there",
+            )
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                assert await next_results(worker, 1) == [first]  # not acknowledged: again
+                await worker.ack(first.seq)
+                again = await worker.deliver(message("d1"))
+                assert again.disposition == "duplicate"
+                assert worker.result_of("d1") == first
+                with pytest.raises(DeliveryError) as conflict:
+                    await worker.deliver(message("d1", "something else"))
+                assert conflict.value.code is ReasonCode.DELIVERY_CONFLICT
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                assert worker.pending() == []
+                with trio.move_on_after(0.5):  # nothing comes: everything was acknowledged
+                    assert await next_results(worker, 1) == []
+    assert model.request_count == 1
+
+
+async def test_l3_a_rooms_deliveries_run_in_order_and_the_warm_lane_gets_no_backlog(
+    tmp_path: Path,
+) -> None:
+    """L3: a second delivery to a busy room is queued and runs after the first, in the same
+    session (the second request holds the first reply); a cold lane's prompt carries the
+    backlog, a warm lane's does not."""
+    history = [{"author": {"id": "u9", "name": "Bob"}, "text": "BACKLOG-LINE"}]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Text(text="first", delay=0.3), Text(text="second")]) as (model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            a = await worker.deliver(message("d1", "one", history=history))
+            b = await worker.deliver(message("d2", "two", history=history))
+            results = await next_results(worker, 2)
+    assert (a.disposition, b.disposition) == ("started", "queued")
+    assert [(r.delivery_id, r.text) for r in results] == [("d1", "first"), ("d2", "second")]
+    first, second = (r.body["messages"] for r in model.requests)
+    assert "BACKLOG-LINE" in str(first[-1])
+    assert "BACKLOG-LINE" not in str(second[-1])
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
+    assert second[2]["content"] == "first"
+
+
+async def test_l4_l6_refusals_admit_nothing(tmp_path: Path) -> None:
+    """L4: a full room queue refuses with queue_full. L6: a room outside the configured
+    table is refused, an invalid room id or delivery is invalid; none is admitted."""
+    rooms = {ROOM: RoomConfig(grants=frozenset({"send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Hang(seconds=60)]) as (_model, url):
+            cfg = config("fake", url, rooms=rooms, caps=Caps(queue_limit=1))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                cases = [
+                    (message("d2"), ReasonCode.QUEUE_FULL),
+                    (message("d3", room="dm:999"), ReasonCode.ROOM_REFUSED),
+                    (message("d4", room="nope"), ReasonCode.ROOM_INVALID),
+                    (message("d5", text="   "), ReasonCode.DELIVERY_INVALID),
+                    ({**message("d6"), "extra": 1}, ReasonCode.DELIVERY_INVALID),
+                ]
+                for request, code in cases:
+                    with pytest.raises(DeliveryError) as refused:
+                        await worker.deliver(request)
+                    assert refused.value.code is code, request
+                assert worker.pending() == ["d1"]
+                await worker.cancel("d1")
+                (result,) = await next_results(worker, 1)
+                assert result.outcome is Outcome.CANCELLED
+                with pytest.raises(DeliveryError) as unknown:
+                    await worker.cancel("zzz")
+                assert unknown.value.code is ReasonCode.DELIVERY_UNKNOWN
+
+
+async def test_l7_l12_silent_turn_never_types_and_updates_do_not_settle(tmp_path: Path) -> None:
+    """L12: ``send_text_update`` is threaded on the answered message and the turn goes on;
+    typing starts only once the reply can no longer be silent, and never for a silent turn.
+    L7: ``[[stay-silent]]`` ends ``silent`` with no text."""
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="send_text_update", arguments={"text": "looking"})]),
+        Text(text="[[stay-silent]]"),
+        Text(text="a real answer"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+            collecting(worker) as events,
+        ):
+            await worker.deliver(message("d1"))
+            (silent,) = await next_results(worker, 1)
+            await trio.testing.wait_all_tasks_blocked()  # the collector has read every event
+            quiet = list(events)
+            await worker.deliver(message("d2"))
+            (reply,) = await next_results(worker, 1, after=silent.seq)
+            await trio.testing.wait_all_tasks_blocked()
+            loud = events[len(quiet) :]
+    assert (silent.outcome, silent.text) == (Outcome.SILENT, None)
+    assert (reply.outcome, reply.text) == (Outcome.REPLY, "a real answer")
+    assert TextUpdate(room=ROOM, delivery_id="d1", reply_to="m-d1", text="looking") in quiet
+    assert not any(isinstance(e, Typing) for e in quiet)
+    assert [e.phase for e in quiet if isinstance(e, ToolActivity)] == ["start", "end"]
+    assert Typing(room=ROOM, delivery_id="d2") in loud
+
+
+# ------------------------------------------------------------------------------- workers
+
+
+async def _lane_epochs(worker: RoomWorker, room: str = ROOM) -> list[Any]:
+    contents = await worker.store.read(f"lanes/{lane_key(room)}/lane.log")
+    return [r for r in contents.records if isinstance(r, EpochStarted | EpochFenced)]
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_l9_a_worker_killed_mid_tool_is_replayed_on_a_new_epoch(
+    kind: str, tmp_path: Path
+) -> None:
+    """L9: SIGKILL of the worker while its bash tool runs: the epoch is fenced, the turn
+    replays on a new epoch in the same session — the recorded model response is not
+    requested again, the interrupted tool is reported "possibly ran" — and ends in one
+    reply."""
+    fifo = tmp_path / "started.fifo"
+    runs = tmp_path / "runs"
+    os.mkfifo(fifo)
+    command = f"echo x >> {runs}; echo go > {fifo}; sleep 60"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")]),
+        Text(text="recovered"),
+    ]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            cfg = config(kind, url, rooms=rooms)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                # the tool is running once it writes to the FIFO (its intent is durable, T2)
+                await trio.to_thread.run_sync(fifo.read_bytes)
+                epochs = await _lane_epochs(worker)
+                (started,) = [r for r in epochs if isinstance(r, EpochStarted)]
+                os.kill(started.pid, signal.SIGKILL)
+                (result,) = await next_results(worker, 1)
+                epochs = await _lane_epochs(worker)
+    assert (result.outcome, result.text) == (Outcome.REPLY, "recovered")
+    assert runs.read_text() == "x\n"  # never run again
+    assert model.request_count == 2  # the tool-call response was replayed, not paid again
+    tools = [m for m in model.requests[1].body["messages"] if m.get("role") == "tool"]
+    assert [t["content"] for t in tools] == [interrupted_text("bash")]
+    kinds = [(type(r).__name__, r.epoch) for r in epochs]
+    assert kinds[:3] == [("EpochStarted", 1), ("EpochFenced", 1), ("EpochStarted", 2)]
+
+
+async def test_l8_live_workers_are_capped_least_recently_used_stops(tmp_path: Path) -> None:
+    """L8: with one live worker allowed, a second room's turn waits until the first room's
+    idle worker is stopped; both are answered and the first lane's epoch ended."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="a"), Text(text="b")]) as (_model, url):
+            cfg = config("fake", url, caps=Caps(max_live_workers=1))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await next_results(worker, 1)
+                await worker.deliver(message("d2", room="dm:200"))
+                results = await next_results(worker, 1, after=1)
+                first_lane = await _lane_epochs(worker)
+    assert [r.text for r in results] == ["b"]
+    assert [type(r).__name__ for r in first_lane] == ["EpochStarted", "EpochFenced"]
+
+
+async def test_l8_rooms_waiting_for_a_slot_get_it_when_a_turn_ends(tmp_path: Path) -> None:
+    """L8: three rooms admitted at once with one live worker allowed: the second and third
+    wait while the first turn runs, and each gets the slot when the turn before it ends
+    (the ended lane's idle worker is stopped for it) — no room waits for the idle stop."""
+    steps = [Text(text=t) for t in "abc"]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            cfg = config("fake", url, caps=Caps(max_live_workers=1))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                for n in range(3):
+                    await worker.deliver(message(f"d{n}", room=f"dm:{n}"))
+                results = await next_results(worker, 3)
+    assert sorted(r.delivery_id for r in results) == ["d0", "d1", "d2"]
+    assert {r.outcome for r in results} == {Outcome.REPLY}
+
+
+# ------------------------------------------------------------------------------ steering
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_l10_a_burst_gets_one_answer_and_two_absorbed(kind: str, tmp_path: Path) -> None:
+    """L10: two messages arriving while the first one's tool runs are journaled and steered
+    into the run (``steered``); the next model request carries both; once the owner's reply
+    is durable they end ``absorbed`` into it. One burst, one answer, one model call more."""
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="one answer for all")]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            open_room_worker(config(kind, url, rooms=rooms), base_dir=tmp_path) as worker,
+        ):
+            first = await worker.deliver(message("d1", "first"))
+            await trio.to_thread.run_sync(started.read_bytes)  # the tool runs
+            second = await worker.deliver(message("d2", "second"))
+            third = await worker.deliver(message("d3", "third"))
+            await trio.to_thread.run_sync(release.write_bytes, b"done\n")
+            results = await next_results(worker, 3)
+    assert [first.disposition, second.disposition, third.disposition] == [
+        "started",
+        "steered",
+        "steered",
+    ]
+    by_id = {r.delivery_id: r for r in results}
+    assert (by_id["d1"].outcome, by_id["d1"].text) == (Outcome.REPLY, "one answer for all")
+    for absorbed in ("d2", "d3"):
+        assert (by_id[absorbed].outcome, by_id[absorbed].absorbed_into) == (Outcome.ABSORBED, "d1")
+    assert by_id["d1"].seq < by_id["d2"].seq < by_id["d3"].seq  # the owner's result first
+    assert model.request_count == 2
+    carried = str(model.requests[1].body["messages"])
+    assert "second" in carried
+    assert "third" in carried
+
+
+# ------------------------------------------------------------------------------ recovery
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"persona": "You are someone else now."}, "recovery_refused:persona"),
+        ({"rooms": {ROOM: RoomConfig(grants=frozenset({"read"}))}}, "recovery_refused:grants"),
+        ({"model": "other-model"}, "recovery_refused:route"),
+    ],
+)
+async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
+    change: dict[str, Any], code: str, tmp_path: Path
+) -> None:
+    """L11: a delivery left unfinished (the worker stopped mid-turn) is not replayed under a
+    changed persona, grants or model route: it ends ``failed`` with
+    ``recovery_refused:<what>``, naming what changed; nothing reaches the model again."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Hang(seconds=60)]) as (model, url):
+            before = config("fake", url)
+            async with open_room_worker(before, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))  # admitted; the turn hangs; leave
+
+            fields: dict[str, Any] = dict(change)
+            if "model" in fields:
+                fields["model"] = ModelConfig(base_url=url, model=fields["model"])
+            after = msgspec.structs.replace(before, **fields)
+            async with open_room_worker(after, base_dir=tmp_path) as worker:
+                (result,) = await next_results(worker, 1)
+                asked = model.request_count
+    assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.FAILED, code)
+    assert asked == model.request_count
+
+
+def test_l11_changed_settings_names_the_part() -> None:
+    old = settings_fingerprint({"route": 1, "tools": [1], "persona": "a"})
+    new = settings_fingerprint({"route": 1, "tools": [2], "persona": "b", "worker": 3})
+    assert changed_settings(old, new) == ["persona", "tools", "worker"]
+    assert changed_settings(old, old) == []
+
+
+@pytest.mark.parametrize(
+    ("step", "code"),
+    [
+        (UsageLimit(), "usage_limit_reached"),
+        (HttpError(status=400, message="bad request from the provider"), "model_failed"),
+        (Empty(), "response_missing"),
+    ],
+)
+async def test_l7_provider_failures_carry_only_the_code(
+    step: Step, code: str, tmp_path: Path
+) -> None:
+    """L7: a provider failure ends ``failed`` with its code; the provider's own text stays in
+    the session and appears in no result and no journal record."""
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([step]) as (_model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+    assert (result.outcome, result.code, result.text) == (Outcome.FAILED, code, None)
+    provider_text = getattr(step, "message", None)
+    if provider_text is not None:
+        session = (tmp_path / "state" / "lanes" / lane_key(ROOM) / "session.jsonl").read_text()
+        assert provider_text in session
+        for log in (tmp_path / "state").rglob("*.log"):
+            assert provider_text.encode() not in log.read_bytes(), log
+
+
+async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> None:
+    """L11: an unfinished delivery whose log is damaged (a bad checksum before its end) is
+    not replayed: it ends ``failed`` with ``recovery_refused:journal``, and the lane goes on
+    serving the room."""
+    started = tmp_path / "started.fifo"
+    os.mkfifo(started)
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[Call(name="bash", arguments={"command": f"echo go > {started}; sleep 60"})]
+        ),
+        Text(text="next one"),
+    ]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            cfg = config("fake", url, rooms=rooms)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await trio.to_thread.run_sync(started.read_bytes)  # its turn (and log) exist
+                log = tmp_path / "state" / worker.store.delivery_rel("d1")
+            data = bytearray(await trio.to_thread.run_sync(log.read_bytes))
+            data[30] ^= 0xFF  # inside the first frame: damage, not a torn tail
+            await trio.to_thread.run_sync(log.write_bytes, bytes(data))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d2"))
+                first, second = await next_results(worker, 2)
+    assert (first.delivery_id, first.outcome, first.code) == (
+        "d1",
+        Outcome.FAILED,
+        "recovery_refused:journal",
+    )
+    assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)

@@ -1,0 +1,1 @@
+"""Tests of ``runtime/_server/`` (the server and the wire protocol)."""

@@ -1,0 +1,1 @@
+"""Tests of ``runtime/_tasks/`` (task lanes)."""
