@@ -127,4 +127,5 @@ def short_class(classification: object) -> str:
 
 
 def seconds_text(value: object) -> str:
-    return "-" if value is None else f"{float(value):g} s"  # type: ignore[arg-type]
+    """``12.5 s`` for a number of seconds; ``-`` for anything else (a field not sent)."""
+    return f"{float(value):g} s" if isinstance(value, int | float) else "-"

@@ -26,14 +26,15 @@ import trio
 from .._errors import PiRuntimeError, RpcError
 from .._pi._launch import ModelRoute
 from .._pi._rpc_protocol import Event
-from .._pi._session import Attestation, contains_path
+from .._pi._session import contains_path
 from .._pi._session_files import aread_session
-from .._records import ContinuationSent, TaskSubmitted, ToolIntent
-from ._guards import Budget, GuardEvidence, failed_guards
-from ._lifecycle import LifecycleKernel, TaskState
+from .._records import ToolIntent
+from ._guards import GuardEvidence, failed_guards
+from ._lifecycle import TaskState
 from ._session import marker_in_session, session_size
 from ._state import continuation_prompt, route_snapshot
-from ._watch import Telemetry, watch_event
+from ._view import LaneFacts
+from ._watch import watch_event
 from ._watchdog import (
     Action,
     CheckGuards,
@@ -47,7 +48,6 @@ from ._watchdog import (
     Prompted,
     Settled,
     Tick,
-    Watchdog,
     WatchdogPolicy,
 )
 from ._workers import TaskWorker
@@ -80,31 +80,18 @@ class EpochHost(Protocol):
     def route(self) -> ModelRoute: ...
 
 
-class EpochOwner(Protocol):
+class EpochOwner(LaneFacts, Protocol):
     """Everything :class:`EpochWatch` uses of its task lane, and nothing more: the coupling
     between one epoch's watch and the lane that owns it, on one page
-    (:class:`~runtime._tasks._lane.TaskLane` is the one implementation)."""
+    (:class:`~runtime._tasks._lane.TaskLane` is the one implementation): what every reader
+    sees (:class:`~runtime._tasks._view.LaneFacts`), and these."""
 
     @property
     def host(self) -> EpochHost: ...
     @property
-    def task(self) -> TaskSubmitted: ...
-    @property
     def session(self) -> Path: ...
     @property
     def worktree(self) -> Path: ...
-    @property
-    def watchdog(self) -> Watchdog: ...
-    @property
-    def kernel(self) -> LifecycleKernel: ...
-    @property
-    def budget(self) -> Budget: ...
-    @property
-    def telemetry(self) -> Telemetry: ...
-    @property
-    def markers(self) -> dict[str, ContinuationSent]: ...
-    @property
-    def attestation(self) -> Attestation | None: ...
 
     probe_result: str | None
     """What the last read-only probe found (the epoch writes it; ``task show`` reads it)."""

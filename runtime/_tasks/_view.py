@@ -23,16 +23,17 @@ from ._state import inference_costs, read_lane
 from ._watch import Telemetry
 from ._watchdog import ACTION_TABLE, Classification, Watchdog, WatchdogPolicy
 
-__all__ = ["Viewed", "next_action", "offline_view", "offline_views", "task_view"]
+__all__ = ["LaneFacts", "Viewed", "next_action", "offline_view", "offline_views", "task_view"]
 
 
-class Viewed(Protocol):
-    """What the view reads of a task lane (:class:`~runtime._tasks._lane.TaskLane`)."""
+class LaneFacts(Protocol):
+    """What a task lane (:class:`~runtime._tasks._lane.TaskLane`) shows everyone who reads it:
+    its task, watchdog and lifecycle kernel, budget, telemetry, markers and attestation. The
+    view (:class:`Viewed`) and an epoch's watch (``_epoch.py``'s ``EpochOwner``) add what
+    each needs more."""
 
     @property
     def task(self) -> TaskSubmitted: ...
-    @property
-    def policy(self) -> WatchdogPolicy: ...
     @property
     def watchdog(self) -> Watchdog: ...
     @property
@@ -45,6 +46,13 @@ class Viewed(Protocol):
     def markers(self) -> dict[str, ContinuationSent]: ...
     @property
     def attestation(self) -> Attestation | None: ...
+
+
+class Viewed(LaneFacts, Protocol):
+    """What the view reads of a task lane."""
+
+    @property
+    def policy(self) -> WatchdogPolicy: ...
     @property
     def record(self) -> EpochStarted | None: ...
     @property
