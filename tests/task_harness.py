@@ -130,11 +130,15 @@ async def open_rig(
     policy: WatchdogPolicy | None = None,
     behaviours: Mapping[int, Behaviours] | None = None,
     identity: Mapping[int, bool | None] | None = None,
+    survivors: Mapping[int, tuple[int, ...]] | None = None,
     state: str = "state",
 ) -> AsyncIterator[Rig]:
     model = ScriptedModel(scenario=Scenario(steps=list(steps)))
     workers = InProcessWorkers(
-        model=model, behaviours=dict(behaviours or {}), identity=dict(identity or {})
+        model=model,
+        behaviours=dict(behaviours or {}),
+        identity=dict(identity or {}),
+        survivors=dict(survivors or {}),
     )
     worktree = make_worktree(tmp_path)
     ledger = tmp_path / "effects.jsonl"

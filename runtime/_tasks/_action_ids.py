@@ -40,6 +40,10 @@ class ActionIds:
     def grant(self, number: int) -> str:
         return f"{self.prefix}/grant{number}"
 
+    def hold(self, number: int) -> str:
+        """The ``number``-th hold or lift of a hold (WD12)."""
+        return f"{self.prefix}/hold{number}"
+
     def recovery(self, number: int) -> str:
         """The charge of the ``number``-th recovery's time (WD11)."""
         return f"{self.prefix}/recovery{number}"

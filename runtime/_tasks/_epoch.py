@@ -108,6 +108,7 @@ class EpochOwner(LaneFacts, Protocol):
     async def reserve(self) -> None: ...
     async def record_marker(self, action_id: str) -> None: ...
     async def resumed_progress(self) -> None: ...
+    async def note_hold(self) -> None: ...
     async def operator_request(self) -> str | None: ...
 
 
@@ -181,8 +182,10 @@ class EpochWatch:
         if lane.kernel.state is not TaskState.OPEN:
             self._finish(EpochEnd.TERMINAL)
             return
+        actions = lane.watchdog.feed(Exited())
+        await lane.note_hold()  # durable before anyone sees it (WD12)
         self._finish(EpochEnd.EXITED)
-        self._execute(lane.watchdog.feed(Exited()))
+        self._execute(actions)
         lane.changed()
 
     async def _see(self, event: Event) -> EpochEnd | None:
@@ -197,6 +200,7 @@ class EpochWatch:
             if lane.kernel.state is not TaskState.OPEN:
                 return EpochEnd.TERMINAL
             actions = wd.feed(Settled())
+            await lane.note_hold()  # a second settle without a terminal holds (WD8, WD12)
             lane.changed()
             for action in actions:
                 if isinstance(action, PromptCompletion):
@@ -213,6 +217,7 @@ class EpochWatch:
         wd.feed(seen)
         await lane.resumed_progress()  # WD11: the first progress after a relaunch
         if wd.classification is not before:
+            await lane.note_hold()  # progress may have lifted a hold (WD12)
             lane.changed()
         return None
 
@@ -225,6 +230,7 @@ class EpochWatch:
             actions = lane.watchdog.feed(Tick(now, awake))
             lane.check_recovery_budget()
             if lane.watchdog.classification is not before:
+                await lane.note_hold()  # WD12
                 lane.changed()
             self._execute(actions)
             await trio.sleep(lane.host.policy.tick_seconds)
@@ -240,6 +246,7 @@ class EpochWatch:
                 failed = await self._manual_resume_guards()
                 if failed:  # still held, now for what the operator's resume could not prove
                     lane.watchdog.feed(GuardsFailed(failed))
+                    await lane.note_hold()
                     lane.changed()
                     continue
                 await lane.reserve()
@@ -282,6 +289,7 @@ class EpochWatch:
             self._eligible = (wd.progress_seq, size_after)
             await lane.record_action(lane.epoch_action_id("eligibility"), "eligibility", "done")
         self._execute(wd.feed(ProbeAnswered(purpose, evidence)))
+        await lane.note_hold()  # an unanswered probe holds (WD12)
         lane.changed()
 
     async def _check_guards(self) -> None:
@@ -289,6 +297,7 @@ class EpochWatch:
         failed = failed_guards(await self._guard_evidence())
         if failed:
             lane.watchdog.feed(GuardsFailed(failed))
+            await lane.note_hold()
             lane.changed()
             return
         await lane.reserve()

@@ -22,7 +22,6 @@ watch (``_epoch.py``, through the ``EpochOwner`` protocol).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +87,7 @@ from ._watchdog import (
     WatchdogPolicy,
     Woken,
 )
-from ._workers import EpochRequest, TaskWorker, WorkerFactory
+from ._workers import EpochRequest, Stopped, TaskWorker, WorkerFactory
 
 __all__ = ["TaskHost", "TaskLane"]
 
@@ -120,7 +119,9 @@ class TaskLane:
         "_log",
         "_next",
         "_operator",
+        "_recorded_hold",
         "_recovery_started_ms",
+        "_restart_survivors",
         "_restarted",
         "_resume_pending",
         "_wake",
@@ -195,6 +196,10 @@ class TaskLane:
         self._wake = trio.Event()
         self._operator: str | None = None
         self._restarted = False
+        self._restart_survivors: tuple[int, ...] | None = None
+        """What a host restart could not kill of the previous epoch (None: nothing)."""
+        self._recorded_hold: str | None = None
+        """The hold the log says stands (WD12)."""
         self._resume_pending = False
         """A relaunched worker has not shown progress yet: its recovery runs (WD11)."""
         self._fenced = False
@@ -302,6 +307,7 @@ class TaskLane:
             return
         if state is TaskState.WAITING or self._held():
             self._wake = trio.Event()
+            await self.note_hold()  # every hold is durable before the lane parks (WD12)
             await self._end_recovery()  # a hold ends the running recovery; a resume starts one
             await self._log.park()
             self.changed()
@@ -313,6 +319,9 @@ class TaskLane:
             return
         if self._restarted:  # TL7: a host restart replaced the worker
             self._restarted = False
+            if self._restart_survivors is not None:  # TL12: never a second tree
+                await self.hold(_survivors(self._restart_survivors))
+                return
             await self._replacement("the runtime restarted and the previous worker is gone")
             if self._held():
                 return
@@ -366,16 +375,25 @@ class TaskLane:
             self.watchdog.feed(TerminalAccepted("wait"))
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
             self._restarted = True
-        if self.record is not None and self.epochs > 0 and await self._kill_leftovers(self.record):
-            self.quiescent_epoch = self.record.epoch  # nothing of it lives: quiescent (LK4)
+        if self.record is not None and self.epochs > 0:
+            stopped = await self._kill_leftovers(self.record)
+            if stopped.clean:
+                self.quiescent_epoch = self.record.epoch  # nothing of it lives (LK4)
+            else:
+                self._restart_survivors = stopped.survivors
+        self._recorded_hold = state.hold
+        if state.hold is not None and self.ended is None and not self.kernel.state.terminal:
+            self.watchdog.feed(Hold(state.hold))  # WD12: a hold outlives the host
 
-    async def _kill_leftovers(self, record: EpochStarted) -> bool:
-        """A host restart: whatever the previous epoch left is killed from its record (the
-        record's identity must match, W5) before the session is touched. True when nothing
-        of that epoch's tree is alive (its quiescence, LK4)."""
-        with contextlib.suppress(PiRuntimeError):
-            return (await kill_epoch_leftovers(record)).clean
-        return False
+    async def _kill_leftovers(self, record: EpochStarted) -> Stopped:
+        """Whatever a recorded epoch left is killed from its record (the record's identity must
+        match, W5) before the session is touched; clean when nothing of that epoch's tree is
+        alive (its quiescence, LK4). A record that cannot be acted on proves nothing."""
+        try:
+            report = await kill_epoch_leftovers(record)
+        except PiRuntimeError:
+            return Stopped(False, (record.pid,))
+        return Stopped(report.clean, report.survivors + report.undecided)
 
     # -- one epoch ---------------------------------------------------------------------------
 
@@ -385,6 +403,8 @@ class TaskLane:
             return
         self._fenced = False
         self.epochs = number
+        launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
+        await self.record_action(launch, "launch", "reserved", {"epoch": number})
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
             read = await aread_session(self.session)
             if read.session.leaf is not None:
@@ -420,6 +440,7 @@ class TaskLane:
             self.record = worker.record
             if worker.record is not None:
                 await self.append(worker.record)
+            await self.record_action(launch, "launch", "done", {"epoch": number})
             try:
                 end = await EpochWatch(self, worker).run(kind, text, action_id)
             finally:
@@ -428,8 +449,9 @@ class TaskLane:
                         await self.record_action(
                             self.epoch_action_id("signal"), "signal", "reserved", {}
                         )
-                    clean = await worker.stop()
+                    stopped = await worker.stop()
                     self.worker = None
+        clean = stopped.clean
         self.quiescent_epoch = number if clean else None
         reason = "fence" if end in (EpochEnd.FENCE, EpochEnd.RESUME) else str(end)
         await self.append(
@@ -442,15 +464,21 @@ class TaskLane:
             await self.record_action(self.epoch_action_id("reap"), "reap", "done", {"clean": clean})
             self._fenced = True
             if not clean:
-                self.watchdog.feed(Hold("fence_left_survivors"))
+                await self.hold(_survivors(stopped.survivors))
                 return
             await self._replacement(
                 "the worker was silent past the hard threshold and its grace"
                 if end is EpochEnd.FENCE
                 else "an operator resumed the task after a hold"
             )
+        elif not clean and not self.kernel.state.terminal:  # TL12: never a second tree
+            self._fenced = True
+            await self.hold(_survivors(stopped.survivors))
         elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
             self._fenced = True
+            if self._held():  # WD8: the core held (an exit after the completion prompt)
+                await self.note_hold()
+                return
             await self._replacement("the worker exited without a terminal receipt")
 
     # -- what an epoch's watch uses (runtime/_tasks/_epoch.py) -------------------------------------
@@ -543,16 +571,14 @@ class TaskLane:
         tools = self._log.journals()[1]
         never = self.unsettled_effects()
         if never and self._operator != "forced":
-            self.watchdog.feed(Hold("effect_possibly_ran:" + ",".join(i.name for i in never)))
-            self.changed()
+            await self.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
             return
         await self._reconcile_marker()
         reserve_id = self._next_continuation_id("reserve")
         if reserve_id not in self.actions:
             if self.budget.exhausted:  # the hold names what ran out (WD11)
                 spent = "epochs" if self.budget.epochs_left <= 0 else "recovery_seconds"
-                self.watchdog.feed(Hold(f"budget_exhausted:{spent}"))
-                self.changed()
+                await self.hold(f"budget_exhausted:{spent}")
                 return
             await self.reserve()
         number = self.continuations
@@ -561,12 +587,10 @@ class TaskLane:
         await settle_session(self.session, tools, clock=self.host.clocks.wall)
         read = await aread_session(self.session)
         if self.attestation is not None and not contains_path(read.session, self.attestation):
-            self.watchdog.feed(Hold("session_attestation_mismatch"))
-            self.changed()
+            await self.hold("session_attestation_mismatch")
             return
         if self.task.route != route_snapshot(self.host.route):
-            self.watchdog.feed(Hold("route_changed"))
-            self.changed()
+            await self.hold("route_changed")
             return
         self.attestation = attest(read.session) if read.session.leaf is not None else None
         await self.record_action(
@@ -583,10 +607,26 @@ class TaskLane:
         self.changed()
 
     async def _relaunch_after_hold(self) -> None:
-        """An operator's resume of a held task whose worker is gone (TL8)."""
+        """An operator's resume of a held task whose worker is gone (TL8). A tree that was
+        not proven gone must be proven gone now (TL12): the kill is tried again from the
+        epoch's record, and without that proof the task stays held."""
+        reason = self.watchdog.hold_reason or ""
+        if reason.startswith("survivors:"):
+            stopped = (
+                await self._kill_leftovers(self.record)
+                if self.record is not None
+                else Stopped(False, ())
+            )
+            if not stopped.clean:
+                await self.hold(_survivors(stopped.survivors or _pids(reason)))
+                return
+            self.quiescent_epoch = self.record.epoch if self.record is not None else None
+        self._restarted = False  # the resume is the replacement a restart would have made
+        self._restart_survivors = None
         self._operator = "forced"
         try:
             self.watchdog.classification = Classification.RESUMING
+            await self.note_hold()  # the operator lifted the hold (WD12)
             await self._replacement("an operator resumed the task after a hold")
         finally:
             self._operator = None
@@ -646,6 +686,23 @@ class TaskLane:
 
     # -- small helpers ---------------------------------------------------------------------------
 
+    async def hold(self, reason: str) -> None:
+        """Hold the task for an operator, durably (WD12)."""
+        self.watchdog.feed(Hold(reason))
+        await self.note_hold()
+        self.changed()
+
+    async def note_hold(self) -> None:
+        """Make the watchdog's hold — or that no hold stands any more — durable (WD12): a
+        restarted host keeps a hold until an operator's action (or progress) lifts it."""
+        reason = self.watchdog.hold_reason if self._held() else None
+        if reason == self._recorded_hold:
+            return
+        number = 1 + sum(a.kind in ("hold", "unhold") for a in self.actions.values())
+        kind, shown = ("hold", reason) if reason is not None else ("unhold", self._recorded_hold)
+        self._recorded_hold = reason
+        await self.record_action(self.ids.hold(number), kind, "done", {"reason": shown})
+
     async def record_action(
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
     ) -> None:
@@ -671,3 +728,13 @@ class TaskLane:
 
     def changed(self) -> None:
         self.host.on_change(self)
+
+
+def _survivors(pids: tuple[int, ...]) -> str:
+    """The hold reason of a tree that could not be proven gone (TL12)."""
+    return "survivors:" + (",".join(map(str, pids)) or "unknown")
+
+
+def _pids(reason: str) -> tuple[int, ...]:
+    """The pids a ``survivors:`` hold names."""
+    return tuple(int(p) for p in reason.removeprefix("survivors:").split(",") if p.isdigit())

@@ -98,6 +98,8 @@ class LaneState:
     record: EpochStarted | None = None
     """The last epoch started."""
     fenced: set[int] = field(default_factory=set)
+    hold: str | None = None
+    """The reason of a hold no operator action lifted yet (WD12)."""
     """Epochs whose end is recorded."""
     ended: TaskEnded | None = None
     continuations: int = 0
@@ -137,8 +139,9 @@ def read_lane(
         elif isinstance(record, EpochStarted):
             state.epochs = max(state.epochs, record.epoch)
             state.record = record
-        elif isinstance(record, EpochFenced):
+        elif isinstance(record, EpochFenced):  # an in-process epoch records only its end
             state.fenced.add(record.epoch)
+            state.epochs = max(state.epochs, record.epoch)
         elif isinstance(record, TaskEnded):
             state.ended = record
     state.kernel = LifecycleKernel.restore(
@@ -164,6 +167,12 @@ def _apply_action(state: LaneState, action: OutboxAction) -> None:
         at_ms = action.detail.get("at_ms")
         if state.recovery_started_ms is None and isinstance(at_ms, int):
             state.recovery_started_ms = at_ms
+    elif action.kind == "launch":  # intent before effect: an epoch that began counts
+        state.epochs = max(state.epochs, int(action.detail.get("epoch", 0)))
+    elif action.kind == "hold":
+        state.hold = str(action.detail.get("reason"))
+    elif action.kind == "unhold":
+        state.hold = None
     elif action.kind == "recovery_time" and action.state == "done":
         state.budget = state.budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
         state.recoveries += 1

@@ -34,7 +34,17 @@ from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._pi._worker import Epoch, StopPolicy, StopReport, open_worker
 from .._records import EpochStarted
 
-__all__ = ["EpochRequest", "ProcessWorkers", "TaskWorker", "WorkerFactory"]
+__all__ = ["EpochRequest", "ProcessWorkers", "Stopped", "TaskWorker", "WorkerFactory"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """What stopping an epoch's tree proved."""
+
+    clean: bool
+    """Nothing of the tree is alive (proven)."""
+    survivors: tuple[int, ...] = ()
+    """Pids still alive, or not decided, when the bound ran out."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,8 +75,8 @@ class TaskWorker(Protocol):
         """Whether the live process is exactly the recorded one (WD10); ``None``: unknown."""
         ...
 
-    async def stop(self) -> bool:
-        """TERM, bounded KILL of the whole tree, reap; True when nothing of it survives."""
+    async def stop(self) -> Stopped:
+        """TERM, bounded KILL of the whole tree, reap; what survived, if anything."""
         ...
 
 
@@ -101,10 +111,10 @@ class _ProcessWorker:
             return None
         return same
 
-    async def stop(self) -> bool:
+    async def stop(self) -> Stopped:
         report = await self.epoch.stop()
         self.stopped = True
-        return report.clean
+        return Stopped(report.clean, report.kill.survivors + report.kill.undecided)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .._boundary._gate import RecordingGateJournal
 from .._boundary._tools import tools_environment
 from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._records import EpochStarted
-from .._tasks._workers import EpochRequest, TaskWorker
+from .._tasks._workers import EpochRequest, Stopped, TaskWorker
 
 __all__ = ["InProcessWorkers"]
 
@@ -63,14 +63,15 @@ class _InProcessWorker:
     fake: FakePi
     record: EpochStarted | None = None
     identity: bool | None = True
+    survivors: tuple[int, ...] = ()
 
     def identity_holds(self) -> bool | None:
         return self.identity if not self.fake.killed else False
 
-    async def stop(self) -> bool:
+    async def stop(self) -> Stopped:
         self.fake.kill()  # stopped dead, as SIGKILL would
         await trio.lowlevel.checkpoint()
-        return True
+        return Stopped(not self.survivors, self.survivors)
 
 
 @dataclass
@@ -82,6 +83,8 @@ class InProcessWorkers:
     """Per epoch number: what that epoch's Fake-Pi does wrong (hang, exit at a barrier)."""
     identity: Mapping[int, bool | None] = field(default_factory=dict)
     """Per epoch number: what an identity check finds (default: it holds)."""
+    survivors: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Per epoch number: the pids its stop reports as surviving (default: none)."""
     launched: list[int] = field(default_factory=list)
 
     @contextlib.asynccontextmanager
@@ -104,5 +107,10 @@ class InProcessWorkers:
             ) as fake,
             open_rpc_channel(fake.stdin, fake.stdout) as rpc,
         ):
-            yield _InProcessWorker(rpc, fake, identity=self.identity.get(request.number, True))
+            yield _InProcessWorker(
+                rpc,
+                fake,
+                identity=self.identity.get(request.number, True),
+                survivors=self.survivors.get(request.number, ()),
+            )
             fake.kill()

@@ -1,0 +1,139 @@
+"""Task lanes act only on proof (issue #17): each test tries to break one rule of
+``docs/design/watchdog.md`` — a hold holds, a proof is re-checked, nothing relaunches on a
+guess, nothing a person said is lost. In-process Fake-Pi on virtual time
+(``io_autojump_clock``); a host restart is a second runner on the same state directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from fake_pi._behaviours import Behaviours
+from fake_pi.scenario import Step
+from runtime._clock import Clocks
+from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Record
+
+from ..task_harness import TASK, done, open_rig, say
+
+pytestmark = pytest.mark.trio
+
+HELD = "StalledOperatorRequired"
+
+
+def actions(records: list[Record], kind: str) -> list[OutboxAction]:
+    return [r for r in records if isinstance(r, OutboxAction) and r.kind == kind]
+
+
+# ---------------------------------------------------------------- TL12: never a second tree
+
+
+async def test_tl12_an_exit_whose_tree_survived_holds_naming_the_pids_and_launches_nothing(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    behaviours = {1: Behaviours(at={"after_model:1": "exit:0"})}
+    async with open_rig(
+        tmp_path, clocks, [say("working"), done(), say()], behaviours=behaviours,
+        survivors={1: (4242, 4243)},
+    ) as rig:  # fmt: skip
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await trio.sleep(3600)  # an hour later: still one epoch, still held
+        view = rig.runner.show(TASK)
+        assert (view.classification, view.hold_reason) == (HELD, "survivors:4242,4243")
+        assert rig.workers.launched == [1]
+        assert view.budget["epochs_used"] == 0  # nothing was reserved for a replacement
+        rig.runner.resume(TASK)  # in-process epochs have no record to kill from: no proof
+        await trio.sleep(60)
+        assert rig.runner.show(TASK).hold_reason == "survivors:4242,4243"
+        assert rig.workers.launched == [1]
+
+
+async def test_tl12_a_restart_that_cannot_kill_the_last_epoch_holds_instead_of_relaunching(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    steps: list[Step] = [say("working"), say("more"), done(), say()]
+    behaviours = {1: Behaviours(at={"after_model:1": "hang"})}
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.workers.launched == [1])
+        log = rig.runner.log_rel(TASK)
+    # The host died with epoch 1 running; its record names a process the restart cannot act
+    # on (a record whose nonce is not one the runtime makes): nothing proves the tree gone.
+    await _append_lane_record(
+        tmp_path, clocks, log,
+        EpochStarted(epoch=1, pid=1, start_time=1, boot_id="b", nonce="not-a-nonce",
+                     started_ms=0),
+    )  # fmt: skip
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        view = rig.runner.show(TASK)
+        assert view.hold_reason == "survivors:1"
+        assert rig.workers.launched == []  # no replacement on a guess
+
+
+async def _append_lane_record(tmp_path: Path, clocks: Clocks, rel: str, record: Record) -> None:
+    from runtime._journal._store import open_store
+
+    async with open_store(tmp_path / "state", clocks=clocks) as store:
+        subject = (await store.read(rel)).header.subject
+        log = await store.open_lane_log(subject)
+        await log.append(record)
+        await store.close_log(log)
+
+
+# ------------------------------------------------ WD8: the shell never overrides the core
+
+
+async def test_wd8_an_exit_after_the_completion_prompt_holds_as_the_core_decided(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    # Settles without a terminal, gets the completion prompt, then exits without one.
+    behaviours = {1: Behaviours(at={"after_model:2": "exit:0"})}
+    async with open_rig(
+        tmp_path, clocks, [say("I think I am done"), say("still"), done(), say()],
+        behaviours=behaviours,
+    ) as rig:  # fmt: skip
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await trio.sleep(3600)
+        view = rig.runner.show(TASK)
+        assert view.hold_reason == "no_terminal_after_completion_prompt:exited"
+        assert rig.workers.launched == [1]
+        records = await rig.records()
+        assert len([r for r in records if isinstance(r, ContinuationSent)]) == 1
+
+
+# ----------------------------------------------------------- WD12: a hold outlives the host
+
+
+async def test_wd12_a_hold_survives_a_restart_and_only_the_operator_lifts_it(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    steps: list[Step] = [say("I think I am done"), say("still"), done(), say()]
+    behaviours = {1: Behaviours(at={"after_model:2": "exit:0"})}
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+    # The host restarts (its scripted model starts afresh: what the resumed worker will say).
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await trio.sleep(3600)
+        view = rig.runner.show(TASK)
+        assert view.hold_reason == "no_terminal_after_completion_prompt:exited"
+        assert rig.workers.launched == []  # not resumed on its own
+        assert view.budget["epochs_used"] == 0
+        rig.runner.resume(TASK)
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert rig.workers.launched == [2]
+        records = await rig.records()
+        holds = [(a.kind, a.detail["reason"]) for a in records if isinstance(a, OutboxAction)
+                 and a.kind in ("hold", "unhold")]  # fmt: skip
+        assert holds == [
+            ("hold", "no_terminal_after_completion_prompt:exited"),
+            ("unhold", "no_terminal_after_completion_prompt:exited"),
+        ]
+        assert len(actions(records, "reserve")) == 1  # the resume is charged once
