@@ -88,6 +88,14 @@ class Rig:
         while not predicate():
             await self.changed.wait()
 
+    async def until_logged(self, predicate: Callable[[list[Record]], bool]) -> None:
+        """Wait until ``predicate(lane log records)`` holds: a record appended without a
+        lane event (an epoch's end, a prompt marker) is looked for once a virtual second."""
+        while True:
+            if predicate(await self.records()):
+                return
+            await trio.sleep(1)
+
     def saw(self, event: TaskEvent) -> None:
         self.events.append(event)
         self.times.append((trio.current_time(), event))

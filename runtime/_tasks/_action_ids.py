@@ -40,6 +40,10 @@ class ActionIds:
     def grant(self, number: int) -> str:
         return f"{self.prefix}/grant{number}"
 
+    def reply(self, number: int) -> str:
+        """The prompt that delivers the ``number``-th reply (LK8)."""
+        return f"{self.prefix}/reply{number}"
+
     def hold(self, number: int) -> str:
         """The ``number``-th hold or lift of a hold (WD12)."""
         return f"{self.prefix}/hold{number}"

@@ -109,6 +109,7 @@ class EpochOwner(LaneFacts, Protocol):
     async def record_marker(self, action_id: str) -> None: ...
     async def resumed_progress(self) -> None: ...
     async def note_hold(self) -> None: ...
+    def pending_reply(self) -> tuple[str, str] | None: ...
     async def operator_request(self) -> str | None: ...
 
 
@@ -132,6 +133,7 @@ class EpochWatch:
             pass  # TL5: this continuation is already in the session; never a second copy
         else:
             await self.worker.rpc.prompt(text)
+            lane.kernel.reply_heard()  # the worker has every reply before it reports (LK8)
             if action_id is not None:
                 await lane.record_marker(action_id)
         lane.prompted()
@@ -179,8 +181,8 @@ class EpochWatch:
                     return
         except RpcError:
             pass
-        if lane.kernel.state is not TaskState.OPEN:
-            self._finish(EpochEnd.TERMINAL)
+        if lane.kernel.state is not TaskState.OPEN or lane.pending_reply() is not None:
+            self._finish(EpochEnd.TERMINAL)  # LK8: a pending reply starts the next epoch
             return
         actions = lane.watchdog.feed(Exited())
         await lane.note_hold()  # durable before anyone sees it (WD12)
@@ -199,6 +201,12 @@ class EpochWatch:
         if kind == "agent_settled":
             if lane.kernel.state is not TaskState.OPEN:
                 return EpochEnd.TERMINAL
+            pending = lane.pending_reply()
+            if pending is not None:  # LK8: the reply that came mid-turn, now the turn is over
+                await self._send_prompt(*pending)
+                lane.prompted()
+                lane.changed()
+                return None
             actions = wd.feed(Settled())
             await lane.note_hold()  # a second settle without a terminal holds (WD8, WD12)
             lane.changed()
@@ -347,9 +355,16 @@ class EpochWatch:
 
     async def _send_continuation(self, action_id: str, observed: str) -> None:
         """The completion prompt on the live worker (WD8), idempotent by its marker (TL5)."""
+        if await self._send_prompt(action_id, continuation_prompt(action_id, observed)):
+            self.lane.watchdog.feed(Prompted(*self.lane.readings()))
+
+    async def _send_prompt(self, action_id: str, text: str) -> bool:
+        """Prompt the live worker with ``text`` once (its marker in the log or the session
+        means it was sent: TL5); whether it was sent now."""
         lane = self.lane
         if action_id in lane.markers or await marker_in_session(lane.session, action_id):
-            return
-        await self.worker.rpc.prompt(continuation_prompt(action_id, observed))
+            return False
+        await self.worker.rpc.prompt(text)
+        lane.kernel.reply_heard()  # LK8
         await lane.record_marker(action_id)
-        lane.watchdog.feed(Prompted(*lane.readings()))
+        return True

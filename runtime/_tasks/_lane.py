@@ -73,6 +73,7 @@ from ._state import (
     continuation_marker,
     continuation_prompt,
     read_lane,
+    reply_prompt,
     route_snapshot,
 )
 from ._view import task_view
@@ -124,6 +125,7 @@ class TaskLane:
         "_restart_survivors",
         "_restarted",
         "_resume_pending",
+        "_undelivered",
         "_wake",
         "actions",
         "archive_dir",
@@ -198,6 +200,8 @@ class TaskLane:
         self._restarted = False
         self._restart_survivors: tuple[int, ...] | None = None
         """What a host restart could not kill of the previous epoch (None: nothing)."""
+        self._undelivered: TaskReply | None = None
+        """The user's reply the worker has not been sent yet (LK8)."""
         self._recorded_hold: str | None = None
         """The hold the log says stands (WD12)."""
         self._resume_pending = False
@@ -237,7 +241,7 @@ class TaskLane:
             await self.append(record)
             self.replies[corr] = record
             self.watchdog.feed(Woken())
-            self._next = ("reply", text, None)
+            self._reply_next(record)
             self._wake.set()
         return verdict
 
@@ -381,9 +385,20 @@ class TaskLane:
                 self.quiescent_epoch = self.record.epoch  # nothing of it lives (LK4)
             else:
                 self._restart_survivors = stopped.survivors
+        if await self._reply_undelivered(state.last_reply, state.reply_carrier):
+            assert state.last_reply is not None
+            self.kernel.reply_pending = True
+            self._reply_next(state.last_reply)
         self._recorded_hold = state.hold
         if state.hold is not None and self.ended is None and not self.kernel.state.terminal:
             self.watchdog.feed(Hold(state.hold))  # WD12: a hold outlives the host
+
+    async def _reply_undelivered(self, reply: TaskReply | None, carrier: str | None) -> bool:
+        """A reply is delivered once the prompt that carried it is in the session (LK8): a
+        worker that was sent it and died before its turn began never kept it."""
+        if reply is None or self.kernel.state is not TaskState.OPEN:
+            return False
+        return carrier is None or not await marker_in_session(self.session, carrier)
 
     async def _kill_leftovers(self, record: EpochStarted) -> Stopped:
         """Whatever a recorded epoch left is killed from its record (the record's identity must
@@ -474,6 +489,11 @@ class TaskLane:
         elif not clean and not self.kernel.state.terminal:  # TL12: never a second tree
             self._fenced = True
             await self.hold(_survivors(stopped.survivors))
+        elif self.kernel.state is TaskState.OPEN and self.pending_reply() is not None:
+            # LK8: the worker asked, the user answered before it stopped; the reply starts
+            # the next epoch as a reply always does (not a replacement: not charged).
+            self._fenced = True
+            await self._settle_session()
         elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
             self._fenced = True
             if self._held():  # WD8: the core held (an exit after the completion prompt)
@@ -487,6 +507,8 @@ class TaskLane:
         """The epoch's prompt is sent: the next one is decided anew, and silence counts from
         now (WD1)."""
         self._next = ("none", "", None)
+        self._undelivered = None  # every prompt carries a pending reply (LK8)
+        self.kernel.reply_pending = False
         self.watchdog.feed(Prompted(*self.readings()))
         self.telemetry.request_started = self.now()
         self.changed()
@@ -568,7 +590,6 @@ class TaskLane:
     async def _replacement(self, observed: str) -> None:
         """After a fence, an exit or a restart: settle the session, charge the budget, re-attest
         and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe."""
-        tools = self._log.journals()[1]
         never = self.unsettled_effects()
         if never and self._operator != "forced":
             await self.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
@@ -582,16 +603,15 @@ class TaskLane:
                 return
             await self.reserve()
         number = self.continuations
-        step = self._log.journals()[0].current_step  # the round the gate settles (its step)
-        await reanswer_orphaned(self.session, tools, step=step, clock=self.host.clocks.wall)
-        await settle_session(self.session, tools, clock=self.host.clocks.wall)
-        read = await aread_session(self.session)
+        read = await aread_session(self.session)  # TL4: attested before anything is written
         if self.attestation is not None and not contains_path(read.session, self.attestation):
             await self.hold("session_attestation_mismatch")
             return
         if self.task.route != route_snapshot(self.host.route):
             await self.hold("route_changed")
             return
+        await self._settle_session()
+        read = await aread_session(self.session)
         self.attestation = attest(read.session) if read.session.leaf is not None else None
         await self.record_action(
             self.ids.continuation(number, "attest"),
@@ -603,8 +623,30 @@ class TaskLane:
         self.watchdog.feed(Relaunched(*self.readings()))
         self._resume_pending = True
         action_id = self.ids.continuation(number, "prompt")
-        self._next = ("continuation", continuation_prompt(action_id, observed), action_id)
+        reply = self._undelivered.text if self._undelivered is not None else None
+        prompt = continuation_prompt(action_id, observed, reply=reply)
+        self._next = ("continuation", prompt, action_id)
         self.changed()
+
+    async def _settle_session(self) -> None:
+        """Answer what the previous worker left dangling in the session (TL5, WD10)."""
+        tools = self._log.journals()[1]
+        step = self._log.journals()[0].current_step  # the round the gate settles (its step)
+        await reanswer_orphaned(self.session, tools, step=step, clock=self.host.clocks.wall)
+        await settle_session(self.session, tools, clock=self.host.clocks.wall)
+
+    def _reply_next(self, reply: TaskReply) -> None:
+        """The next prompt is the user's reply (LK8)."""
+        self._undelivered = reply
+        action_id = self.ids.reply(len(self.replies))
+        self._next = ("reply", reply_prompt(action_id, reply.text), action_id)
+
+    def pending_reply(self) -> tuple[str, str] | None:
+        """(action id, prompt) of the user's reply not yet sent to the worker (LK8)."""
+        kind, text, action_id = self._next
+        if kind != "reply" or action_id is None or not self.kernel.reply_pending:
+            return None
+        return action_id, text
 
     async def _relaunch_after_hold(self) -> None:
         """An operator's resume of a held task whose worker is gone (TL8). A tree that was

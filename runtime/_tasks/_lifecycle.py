@@ -65,6 +65,8 @@ class Verdict(enum.StrEnum):
     """After a terminal was accepted (LK1)."""
     NOT_WAITING = "not_waiting"
     """A reply whose correlation is not the current wait's (LK5)."""
+    REPLY_PENDING = "reply_pending"
+    """The worker's report while the user's reply has not reached it yet (LK8)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +109,8 @@ class LifecycleKernel:
     epoch: int = 0
     state: TaskState = TaskState.OPEN
     wait_correlation: str | None = None
+    reply_pending: bool = False
+    """A reply woke the task and the worker has not been sent it yet (LK8)."""
     receipts: list[LifecycleReceipt] = field(default_factory=list)
     """Every verdict, accepted or late, in order."""
     _consumed: dict[str, Verdict] = field(default_factory=dict)
@@ -184,6 +188,8 @@ class LifecycleKernel:
             return Verdict.LATE_TERMINAL
         if self.state is TaskState.WAITING and not operator:
             return Verdict.LATE_TERMINAL  # a parked task's worker says nothing more
+        if self.reply_pending and not operator:
+            return Verdict.REPLY_PENDING  # decided without the user's answer (LK8)
         return Verdict.ACCEPTED
 
     def reply(self, correlation: str | None) -> Verdict:
@@ -194,7 +200,12 @@ class LifecycleKernel:
             return Verdict.NOT_WAITING
         self.state = TaskState.OPEN
         self.wait_correlation = None
+        self.reply_pending = True
         return Verdict.ACCEPTED
+
+    def reply_heard(self) -> None:
+        """The prompt carrying the reply reached the worker: its reports count again (LK8)."""
+        self.reply_pending = False
 
     def operator_key(self) -> EpochKey:
         return EpochKey(

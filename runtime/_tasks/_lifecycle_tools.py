@@ -75,6 +75,12 @@ def _tool(lane: LifecycleOwner, kind: LifecycleKind) -> RuntimeTool:
             return GateResult.text(_ANSWERS[kind])
         if verdict is Verdict.DUPLICATE:
             return GateResult.text("Already recorded.")
+        if verdict is Verdict.REPLY_PENDING:
+            return GateResult.text(
+                "Not accepted: the user has answered your task_wait; the answer arrives as "
+                "your next message. Stop now and read it.",
+                is_error=True,
+            )
         return GateResult.text(
             f"Not accepted ({verdict}): a lifecycle outcome was already recorded for this task.",
             is_error=True,

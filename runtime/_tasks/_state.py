@@ -53,6 +53,7 @@ __all__ = [
     "continuation_prompt",
     "inference_costs",
     "read_lane",
+    "reply_prompt",
     "route_snapshot",
     "submitted_record",
 ]
@@ -65,12 +66,18 @@ _TASK_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
 def continuation_marker(action_id: str) -> str:
-    """The first line of continuation ``action_id``: what makes it idempotent in the
-    session (TL5)."""
-    return f"[pi-runtime continuation v{CONTINUATION_VERSION} {action_id}]"
+    """The first line of prompt ``action_id`` (a continuation, or a reply: ``…/replyN``):
+    what makes it idempotent in the session (TL5, LK8)."""
+    kind = "reply" if action_id.rsplit("/", 1)[-1].startswith("reply") else "continuation"
+    return f"[pi-runtime {kind} v{CONTINUATION_VERSION} {action_id}]"
 
 
-def continuation_prompt(action_id: str, observed: str) -> str:
+def reply_prompt(action_id: str, text: str) -> str:
+    """The user's reply as the worker's next prompt: its marker, then the reply (LK8)."""
+    return f"{continuation_marker(action_id)}\n{text}"
+
+
+def continuation_prompt(action_id: str, observed: str, reply: str | None = None) -> str:
     """The one versioned, neutral continuation prompt (TL5): a bounded observed fact, the
     absence of a terminal receipt, what to inspect, what not to repeat, what to call. Its
     first line is the marker that makes it idempotent; its wording is guidance, never proof."""
@@ -82,6 +89,7 @@ def continuation_prompt(action_id: str, observed: str) -> str:
         "result. Do not repeat a side effect that may already have happened: a result saying "
         "a tool possibly ran means check first.\n"
         "Then finish the task and call exactly one of task_done, task_fail or task_wait."
+        + (f"\nThe user answered your task_wait: {reply}" if reply is not None else "")
     )
 
 
@@ -98,9 +106,13 @@ class LaneState:
     record: EpochStarted | None = None
     """The last epoch started."""
     fenced: set[int] = field(default_factory=set)
+    """Epochs whose end is recorded."""
     hold: str | None = None
     """The reason of a hold no operator action lifted yet (WD12)."""
-    """Epochs whose end is recorded."""
+    last_reply: TaskReply | None = None
+    reply_carrier: str | None = None
+    """The action id of the first prompt sent after the last reply: the one that carried it
+    (LK8). Whether the worker kept it is the session's to say."""
     ended: TaskEnded | None = None
     continuations: int = 0
     attestation: Attestation | None = None
@@ -134,8 +146,11 @@ def read_lane(
             _apply_action(state, record)
         elif isinstance(record, ContinuationSent):
             state.markers[record.action_id] = record
+            if state.last_reply is not None and state.reply_carrier is None:
+                state.reply_carrier = record.action_id  # LK8
         elif isinstance(record, TaskReply):
             state.replies[record.correlation] = record
+            state.last_reply, state.reply_carrier = record, None
         elif isinstance(record, EpochStarted):
             state.epochs = max(state.epochs, record.epoch)
             state.record = record

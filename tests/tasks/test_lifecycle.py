@@ -397,12 +397,25 @@ def test_lk5_the_operator_may_end_a_waiting_task(kind: LifecycleKind) -> None:
 def test_lk5_after_the_reply_the_worker_decides_again() -> None:
     k = waiting_kernel()
     k.reply("wait-1")
+    k.reply_heard()  # the prompt carrying the reply reached the worker (LK8)
     assert report(k, "wait-2", K.WAIT) is Verdict.ACCEPTED
     assert k.wait_correlation == "wait-2"
     assert k.reply("wait-1") is Verdict.NOT_WAITING  # the old wait's reply
     assert k.reply("wait-2") is Verdict.ACCEPTED
+    k.reply_heard()
     assert report(k, "done", K.DONE) is Verdict.ACCEPTED
     assert k.state is TaskState.SUCCESS_INTENT
+
+
+def test_lk8_a_report_before_the_worker_heard_the_reply_is_not_accepted() -> None:
+    k = waiting_kernel()
+    assert k.reply("wait-1") is Verdict.ACCEPTED
+    assert report(k, "guess", K.DONE) is Verdict.REPLY_PENDING
+    assert report(k, "guess", K.DONE) is Verdict.DUPLICATE  # consumed once (LK3)
+    assert k.state is TaskState.OPEN
+    k.reply_heard()
+    assert report(k, "done", K.DONE) is Verdict.ACCEPTED
+    assert [r.verdict for r in k.receipts][-2:] == ["reply_pending", "accepted"]
 
 
 # ------------------------------------------------------------------ LK6 epoch compare-and-set
@@ -495,6 +508,7 @@ def test_lk7_restore_reproduces_a_success_intent() -> None:
     report(k, "wait-1", K.WAIT)
     report(k, "parked", K.FAIL)
     assert k.reply("wait-1") is Verdict.ACCEPTED
+    k.reply_heard()
     report(k, "done", K.DONE)
     report(k, "late", K.FAIL)
     again = restored(k, replies=("wait-1",))

@@ -14,9 +14,16 @@ import trio
 from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Step
 from runtime._clock import Clocks
-from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Record
+from runtime._records import (
+    ContinuationSent,
+    EpochFenced,
+    EpochStarted,
+    LifecycleReceipt,
+    OutboxAction,
+    Record,
+)
 
-from ..task_harness import TASK, done, open_rig, say
+from ..task_harness import TASK, Rig, done, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
 
@@ -137,3 +144,88 @@ async def test_wd12_a_hold_survives_a_restart_and_only_the_operator_lifts_it(
             ("unhold", "no_terminal_after_completion_prompt:exited"),
         ]
         assert len(actions(records, "reserve")) == 1  # the resume is charged once
+
+
+# ------------------------------------------------- LK8: a reply is delivered exactly once
+
+
+def _user_texts(rig: Rig) -> list[str]:
+    """Every user message of every model request, in order (repeats across requests kept
+    apart by request)."""
+    texts: list[str] = []
+    for request in rig.model.requests:
+        for message in request.body.get("messages", []):
+            if message.get("role") == "user":
+                content = message.get("content")
+                texts.append(content if isinstance(content, str) else str(content))
+    return texts
+
+
+def _replies_sent(rig: Rig, text: str) -> int:
+    """How many distinct user messages carried ``text`` (a message repeats in every later
+    request of the session; count it once)."""
+    return len({t for t in _user_texts(rig) if text in t})
+
+
+async def test_lk8_a_reply_before_the_settle_reaches_the_worker_once_and_no_completion_prompt(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}
+    steps: list[Step] = [wait(), say("I asked"), done(), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert _replies_sent(rig, "the blue one") == 1
+        assert rig.workers.launched == [1]  # delivered to the live worker after its turn
+        markers = [r.action_id for r in await rig.records() if isinstance(r, ContinuationSent)]
+        assert markers == [f"{TASK}/g1/a1/reply1"]  # no completion prompt
+
+
+async def test_lk8_a_done_decided_before_the_worker_heard_the_reply_is_not_accepted(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}
+    steps: list[Step] = [wait(), done("guessed"), say("ok"), done("with the answer"), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
+        assert [(r.kind, r.verdict) for r in receipts] == [
+            ("wait", "accepted"),
+            ("done", "reply_pending"),
+            ("done", "accepted"),
+        ]
+        assert receipts[-1].detail == "with the answer"
+        assert _replies_sent(rig, "the blue one") == 1
+
+
+async def test_lk8_a_reply_recorded_before_a_host_crash_reaches_the_next_worker_once(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    # Epoch 2 (the one the reply wakes) is sent the reply but hangs before its turn starts,
+    # so the reply never reaches the session; then the host dies.
+    behaviours = {2: Behaviours(at={"agent_start:1": "hang"})}
+    steps: list[Step] = [wait(), say("asked"), done(), say()]  # by turn in the session
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        # until epoch 1 is stopped and the lane parked
+        await rig.until_logged(lambda log: any(isinstance(r, EpochFenced) for r in log))
+        await rig.runner.reply(TASK, "the blue one")
+        reply_sent = f"{TASK}/g1/a1/reply1"
+        await rig.until_logged(  # until the reply was sent to epoch 2
+            lambda log: any(
+                isinstance(r, ContinuationSent) and r.action_id == reply_sent for r in log
+            )
+        )
+    async with open_rig(tmp_path, clocks, steps) as rig:  # the host restarts
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        assert _replies_sent(rig, "the blue one") == 1  # inside the one continuation
+        assert rig.workers.launched == [3]

@@ -127,7 +127,7 @@ class SmokeModel(ScriptedModel):
             return mode, "prompt", Text(text="I will not call a lifecycle tool.")
         if CONTINUATION in text:
             return mode, "continuation", done("finished after the continuation")
-        if text.startswith(REPLY):
+        if REPLY in text:  # after the reply's marker line (LK8)
             return mode, "reply", done("finished after the reply")
         if mode in ("fence", "stop"):
             return mode, "wedged", None
