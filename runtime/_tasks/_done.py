@@ -22,7 +22,7 @@ import trio
 from .._errors import PiRuntimeError, ReasonCode
 from .._records import LifecycleReceipt, Record, TaskEnded, TaskSubmitted
 from ._candidate import take_candidate
-from ._lifecycle import DoneEvidence, LifecycleKernel, done_missing
+from ._lifecycle import DoneEvidence, LifecycleKernel, TaskState, done_missing
 from ._state import inference_costs
 from ._validation import run_validation
 from ._worktree import take_manifest
@@ -80,6 +80,8 @@ async def conclude(
         validation_passed=validation.passed if validation else None,
         validation_manifest_digest=validation.manifest_digest if validation else None,
     )
+    if kernel.state is not TaskState.SUCCESS_INTENT:  # an operator ended it meanwhile (LK9)
+        return Ending(str(kernel.state))
     taken = msgspec.to_builtins(candidate)
     checked = msgspec.to_builtins(validation) if validation else None
     missing = done_missing(kernel, evidence)

@@ -122,6 +122,8 @@ class EpochWatch:
         self.end: EpochEnd | None = None
         self._nursery: trio.Nursery | None = None
         self._probes = 0
+        self._decided_at: float | None = None
+        """When this epoch's worker was first seen past a lifecycle decision (LK9)."""
         self._eligible: tuple[int, int] | None = None
         """(progress sequence, session size) when the fence probe found nothing new."""
 
@@ -234,6 +236,8 @@ class EpochWatch:
         lane = self.lane
         while True:
             now, awake = lane.readings()
+            if await self._quiesced(now):
+                return
             before = lane.watchdog.classification
             actions = lane.watchdog.feed(Tick(now, awake))
             lane.check_recovery_budget()
@@ -242,6 +246,26 @@ class EpochWatch:
                 lane.changed()
             self._execute(actions)
             await trio.sleep(lane.host.policy.tick_seconds)
+
+    async def _quiesced(self, now: float) -> bool:
+        """LK9: a worker still running ``grace_seconds`` after its terminal or wait was
+        accepted (or after the user's reply it has not settled to receive) is stopped — the
+        receipt makes that safe — so the task's evidence and its next step never wait on it."""
+        lane = self.lane
+        kernel = lane.kernel
+        if kernel.state is TaskState.OPEN and not kernel.reply_pending:
+            self._decided_at = None
+            return False
+        if self._decided_at is None:
+            self._decided_at = now
+        waited = now - self._decided_at
+        if waited < lane.host.policy.grace_seconds:
+            return False
+        await lane.record_action(
+            lane.epoch_action_id("quiesce"), "quiesce", "done", {"after_seconds": waited}
+        )
+        self._finish(EpochEnd.TERMINAL)
+        return True
 
     async def _operator_watch(self) -> None:
         lane = self.lane

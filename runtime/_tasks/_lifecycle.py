@@ -98,6 +98,9 @@ _OUTCOME: Final = {
 }
 
 
+_OPERATOR_ENDS: Final = (LifecycleKind.ABORT, LifecycleKind.OPERATOR_FAIL)
+
+
 @dataclass
 class LifecycleKernel:
     """The lifecycle of one task attempt. Mutable, pure; rebuilt from its receipts."""
@@ -127,8 +130,9 @@ class LifecycleKernel:
 
     @property
     def terminal(self) -> LifecycleReceipt | None:
-        """The accepted terminal receipt (done / fail / abort), if any."""
-        for receipt in self.receipts:
+        """The accepted terminal receipt (done / fail / abort) in force, if any: the first, or
+        an operator's that ended a success intent before it was finalized (LK9)."""
+        for receipt in reversed(self.receipts):
             if receipt.accepted and _OUTCOME.get(receipt.kind, TaskState.OPEN).terminal:
                 return receipt
         return None
@@ -184,6 +188,8 @@ class LifecycleKernel:
                 return Verdict.LATE_EPOCH
         elif report.key != self.current:
             return Verdict.LATE_EPOCH
+        if self.state is TaskState.SUCCESS_INTENT and operator and report.kind in _OPERATOR_ENDS:
+            return Verdict.ACCEPTED  # LK9: not finalized yet, an operator may still end it
         if self.state.terminal:
             return Verdict.LATE_TERMINAL
         if self.state is TaskState.WAITING and not operator:

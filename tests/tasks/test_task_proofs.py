@@ -229,3 +229,35 @@ async def test_lk8_a_reply_recorded_before_a_host_crash_reaches_the_next_worker_
         assert ended.state == "done"
         assert _replies_sent(rig, "the blue one") == 1  # inside the one continuation
         assert rig.workers.launched == [3]
+
+
+# ----------------------------------------- LK9: quiescence after a decision is an action
+
+
+async def test_lk9_a_worker_running_on_after_its_done_is_stopped_after_the_grace_then_done(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    behaviours = {1: Behaviours(at={"after_tool:1": "hang"})}  # never settles after done
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        start = trio.current_time()
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        waited = trio.current_time() - start
+        assert 120 <= waited < 130  # the grace, not forever
+        (quiesce,) = actions(await rig.records(), "quiesce")
+        assert quiesce.detail["after_seconds"] >= 120
+        assert rig.workers.launched == [1]
+
+
+async def test_lk9_an_operator_may_abort_a_success_intent_that_is_not_finalized(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    behaviours = {1: Behaviours(at={"after_tool:1": "hang"})}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "success_intent")
+        await rig.runner.abort(TASK, "the operator saw it go wrong")
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "aborted"
+        assert ended.detail == "the operator saw it go wrong"
