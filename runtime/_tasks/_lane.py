@@ -577,15 +577,19 @@ class TaskLane:
         return self.ids.next_continuation(self.continuations, kind, self.actions, self.markers)
 
     def unsettled_effects(self) -> list[ToolIntent]:
-        """Worker tools let run whose outcome is not recorded and that may not simply run
-        again (not ``safe``): a side effect that may have happened (WD10). The runtime's own
-        tools are not among them: the gate settles those itself (a receipt tool by its
-        receipt)."""
+        """Tools let run whose outcome is not recorded and whose running again is not proven
+        harmless: a side effect that may have happened (WD10, WD13). Proven harmless are a
+        ``safe`` tool (read-only or idempotent), a lifecycle tool (the kernel consumes its
+        intent once, LK3) and a runtime tool backed by a receipt (the gate replays its
+        receipt). Anything else — a ``never`` tool of the worker or of the runtime — is not."""
         runtime_tools = self._runtime_tools()
-        return [
-            i for i in self._log.journals()[1].unsettled()
-            if i.replay_class is not ReplayClass.SAFE and i.name not in runtime_tools
-        ]  # fmt: skip
+
+        def proven(intent: ToolIntent) -> bool:
+            if intent.replay_class is ReplayClass.SAFE or intent.name in LIFECYCLE_TOOLS:
+                return True
+            return intent.replay_class is ReplayClass.RECEIPT and intent.name in runtime_tools
+
+        return [i for i in self._log.journals()[1].unsettled() if not proven(i)]
 
     async def _replacement(self, observed: str) -> None:
         """After a fence, an exit or a restart: settle the session, charge the budget, re-attest

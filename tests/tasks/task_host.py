@@ -22,7 +22,8 @@ model request), ``pause`` (``{"point": P, "nth": N}``: stop right after the N-th
 ``on_hold`` (``{"epochs": E, "seconds": S}``: when the task is first held, grant that once and
 resume it, as an operator would), ``term_grace`` (seconds from TERM to KILL of a fenced tree;
 a wedged Fake-Pi ignores TERM) and ``probe_timeout`` (how long a probe waits for its answer: a
-real process on a loaded machine, not a threshold of the clocks; a quick answer ends the wait).
+real process on a loaded machine, not a threshold of the clocks; a quick answer ends the wait)
+and ``recovery_seconds`` (the recovery-time budget in real seconds instead of the scaled 6 s).
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said):
 
@@ -260,6 +261,8 @@ async def main(spec: dict[str, Any]) -> None:
         term_grace_seconds=float(spec.get("term_grace", 5.0)),
         probe_timeout_seconds=float(spec.get("probe_timeout", 30.0)),
     )
+    if "recovery_seconds" in spec:  # a test about the epoch budget: time must not run out
+        policy = replace(policy, recovery_seconds=float(spec["recovery_seconds"]))
     configs = fake_configs(base, spec.get("behaviours", {}))
     task = spec["task"]
     changes = Changes()

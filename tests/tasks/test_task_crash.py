@@ -357,12 +357,14 @@ async def test_crash_after_the_continuation_prompt_never_sends_it_again(
     assert model.request_count == 2
 
 
-async def test_crash_after_an_effect_before_its_outcome_never_runs_it_again(
+async def test_wd13_crash_after_an_effect_before_its_outcome_holds_and_never_runs_it_again(
     tmp_path: Path,
 ) -> None:
-    """Killed after the runtime's ``effect`` tool wrote its ledger line, before the gate
-    recorded its outcome: the next host settles the call as "possibly ran" (recorded), never
-    runs it again, and resumes the task with one continuation; the model hears it."""
+    """Killed after the runtime's ``effect`` tool (a ``never`` tool without a receipt) wrote
+    its ledger line, before the gate recorded its outcome: the next host holds the task
+    (``effect_possibly_ran:effect``, WD13) instead of continuing on a guess; the operator's
+    resume on a third host settles the call as "possibly ran" (recorded), never runs it again,
+    and continues with one continuation; the model hears it."""
     steps: list[Step] = [
         ToolCalls(calls=[Call(name="effect", arguments={"key": "k1"}, id="c1")]),
         done(),
@@ -371,7 +373,11 @@ async def test_crash_after_an_effect_before_its_outcome_never_runs_it_again(
     async with crash_rig(tmp_path, steps) as (model, url, workers):
         spec = task_spec(url, grants=("read", "effect"))
         facts = await kill_when_paused(tmp_path, spec, "effect")
-        facts += await recover(tmp_path, spec)
+        held = await recover(tmp_path, spec)
+        assert outcome(held)["held"]["hold_reason"] == "effect_possibly_ran:effect", held
+        assert model.request_count == 1  # nothing continued on the guess
+        facts += held
+        facts += await recover(tmp_path, {**spec, "on_hold": {"seconds": 1}}, "c")
     assert outcome(facts)["ended"]["state"] == "done", facts
     found = check_common(tmp_path, facts, workers)
     assert [e["key"] for e in effects(tmp_path)] == ["k1"]
@@ -467,7 +473,9 @@ async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charg
     longer than the scaled 6 s."""
     behaviours = {n: HANG for n in (1, 2, 3, 4)}
     async with crash_rig(tmp_path, STEPS) as (model, url, workers):
-        spec = task_spec(url, behaviours=behaviours)
+        # The epochs must run out first: with the scaled 6 s of recovery time, five loaded
+        # host starts could exhaust the seconds first, a hold that is durable too (WD12).
+        spec = {**task_spec(url, behaviours=behaviours), "recovery_seconds": 600.0}
         facts = await kill_when_paused(tmp_path, spec, "record:epoch_started")
         for name in ("b", "c", "d"):
             facts += await kill_when_paused(tmp_path, spec, "record:continuation_sent", name=name)
