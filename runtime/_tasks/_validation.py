@@ -16,7 +16,7 @@ import msgspec
 import trio
 import trio.lowlevel
 
-from ._worktree import Manifest, check_root
+from ._worktree import Manifest, amanifest, check_root
 
 __all__ = ["OUTPUT_TAIL_BYTES", "VALIDATION_ENV", "ValidationReceipt", "run_validation"]
 
@@ -92,9 +92,11 @@ async def run_validation(
     *,
     timeout: float,  # noqa: ASYNC109
 ) -> ValidationReceipt:
-    """Run ``command`` in the worktree at ``root`` and receipt it against ``manifest``
-    (W-V1…W-V3). The command is not re-checked against the worktree: a check that
-    writes caches would otherwise never pass.
+    """Run ``command`` in the worktree at ``root`` and receipt it (W-V1…W-V3) with the digest
+    of the tree it ran on, taken here just before it starts — not ``manifest``'s copied: a
+    tree that changed after ``manifest`` was taken gives another digest, and the Done tuple
+    then finds the validation not of its manifest (LK4). The tree is not taken again after
+    the command: a check that writes caches would otherwise never pass.
 
     It runs in a new session (its own process group), with stdin ``/dev/null`` and the
     allow-listed environment, at most ``timeout`` seconds; then (or as soon as it exits)
@@ -106,6 +108,7 @@ async def run_validation(
     if not argv:
         raise ValueError("an empty validation command")
     env = {key: os.environ[key] for key in VALIDATION_ENV if key in os.environ}
+    ran_on = (await amanifest(root)).digest
     tail = _Tail(OUTPUT_TAIL_BYTES)
     started = trio.current_time()
 
@@ -113,7 +116,7 @@ async def run_validation(
         return ValidationReceipt(
             command=argv,
             exit_status=exit_status,
-            manifest_digest=manifest.digest,
+            manifest_digest=ran_on,
             output_tail=prefix + tail.text(),
             duration_ms=round((trio.current_time() - started) * 1000),
         )

@@ -38,7 +38,8 @@ def watch_event(
     A request starting (a turn, a provider retry, a compaction) is progress in the provider
     phase; the model's tokens are progress in the generation phase; the end of a message is
     progress in an unknown phase (tools or the end come next: no guess, WD4); a tool starting
-    is a lease when its arguments declare a deadline (WD5), else progress in the tool phase."""
+    is a lease when its arguments declare a deadline (WD5), else progress in the tool phase,
+    and so is its live output while it runs."""
     if kind in _PROVIDER_EVENTS:
         return Progress(now, awake, Phase.PROVIDER, kind)
     if kind in _MESSAGE_EVENTS:
@@ -50,6 +51,8 @@ def watch_event(
         lease = declared_lease(record)
         if lease is not None:
             return Lease(now, awake, str(record.get("toolCallId", "")), now + lease)
+        return Progress(now, awake, Phase.TOOL, kind)
+    if kind == "tool_execution_update":  # a running tool's live output (a streaming bash)
         return Progress(now, awake, Phase.TOOL, kind)
     if kind == "tool_execution_end":
         return LeaseEnded(now, awake, str(record.get("toolCallId", "")))

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
 from runtime._tasks._guards import Budget, GuardEvidence, failed_guards
+from runtime._tasks._watch import watch_event
 from runtime._tasks._watchdog import (
     ACTION_TABLE,
     HARD_FLOOR_SECONDS,
@@ -104,16 +105,85 @@ def eligible_at_1020() -> Watchdog:
 # ------------------------------------------------------------------ WD1 progress, meaningful
 
 
-@pytest.mark.parametrize("kind", ["token", "thinking", "tool_call_start", "tool_call_end",
-                                  "session_append", "worktree_change"])  # fmt: skip
-def test_wd1_every_meaningful_event_advances_progress_seq(kind: str) -> None:
+def test_wd1_progress_advances_the_sequence_and_the_clock_monotonically() -> None:
     wd = prompted()
     assert wd.progress_seq == 0
     for n in range(1, 4):
-        assert wd.feed(Progress(10.0 * n, 10.0 * n, Phase.GENERATION, kind)) == []
+        assert wd.feed(Progress(10.0 * n, 10.0 * n, Phase.GENERATION, "token")) == []
         assert wd.progress_seq == n
     assert wd.last_progress == 30.0
     assert wd.last_progress_awake == 30.0
+    wd.feed(Progress(20.0, 20.0, Phase.GENERATION, "token"))  # an older reading: no going back
+    assert (wd.progress_seq, wd.last_progress, wd.last_progress_awake) == (4, 30.0, 30.0)
+
+
+_ASSISTANT: Final = {"message": {"role": "assistant", "content": []}}
+_DELTA: Final = {**_ASSISTANT, "assistantMessageEvent": {"type": "text_delta", "delta": "a"}}
+_THINK: Final = {**_ASSISTANT, "assistantMessageEvent": {"type": "thinking_delta", "delta": "h"}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "record", "expected"),
+    [
+        ("turn_start", {}, ("progress", Phase.PROVIDER)),
+        ("auto_retry_start", {"attempt": 1}, ("progress", Phase.PROVIDER)),
+        ("compaction_start", {}, ("progress", Phase.PROVIDER)),
+        ("message_start", _ASSISTANT, ("progress", Phase.GENERATION)),
+        ("message_update", _DELTA, ("progress", Phase.GENERATION)),
+        ("message_update", _THINK, ("progress", Phase.GENERATION)),
+        ("message_end", _ASSISTANT, ("progress", Phase.UNKNOWN)),
+        ("tool_execution_start", {"toolCallId": "c1", "args": {}}, ("progress", Phase.TOOL)),
+        ("tool_execution_start", {"toolCallId": "c1", "args": {"timeout": 60}}, ("lease", 60.0)),
+        ("tool_execution_update", {"toolCallId": "c1", "partialResult": {}},
+         ("progress", Phase.TOOL)),
+        ("tool_execution_end", {"toolCallId": "c1"}, ("lease_ended", "c1")),
+        ("message_start", {"message": {"role": "user", "content": []}}, None),
+        ("message_end", {"message": {"role": "toolResult", "content": []}}, None),
+        ("agent_start", {}, None),
+        ("agent_end", {"messages": []}, None),
+        ("queue_update", {}, None),
+        ("extension_ui_request", {}, None),
+        ("response", {"command": "get_state"}, None),
+    ],
+)  # fmt: skip
+def test_wd1_watch_event_maps_pi_events_to_progress_and_nothing_else(
+    kind: str, record: dict[str, Any], expected: tuple[str, Any] | None
+) -> None:
+    """The real mapping from Pi's events to the core's (``watch_event``): what is progress,
+    in which phase, and what is not progress at all (a probe's answer, the prompt echoed, a
+    tool result echoed, the end of a run)."""
+    seen = watch_event(kind, record, 100.0, 90.0)
+    if expected is None:
+        assert seen is None
+        return
+    what, value = expected
+    if what == "progress":
+        assert isinstance(seen, Progress)
+        assert (seen.now, seen.awake, seen.phase, seen.kind) == (100.0, 90.0, value, kind)
+    elif what == "lease":
+        assert isinstance(seen, Lease)
+        assert (seen.key, seen.deadline) == ("c1", 100.0 + value)
+    else:
+        assert isinstance(seen, LeaseEnded)
+        assert seen.key == value
+
+
+def test_wd1_a_streaming_tool_without_a_deadline_is_never_suspect_while_it_prints() -> None:
+    """A live ``bash`` with no declared timeout prints a line a minute for 20 minutes: its
+    output is progress, so the watchdog never suspects it (it was held at 300 s before)."""
+    wd = prompted()
+    started = watch_event("tool_execution_start", {"toolCallId": "b", "args": {}}, 0.0, 0.0)
+    assert started is not None
+    wd.feed(started)
+    for minute in range(1, 21):
+        now = 60.0 * minute
+        update = {"toolCallId": "b", "partialResult": {"content": [{"type": "text"}]}}
+        output = watch_event("tool_execution_update", update, now - 1, now - 1)
+        assert output is not None  # live tool output is progress (WD1)
+        assert wd.feed(output) == []
+        assert wd.feed(Tick(now, now)) == []
+        assert view(wd) is not C.SUSPECT
+    assert wd.suspicions == 0
 
 
 def test_wd1_leases_are_progress_too() -> None:

@@ -571,6 +571,20 @@ async def test_wv1_a_passing_check_is_receipted_against_the_manifest(
     assert receipt.duration_ms >= 0
 
 
+async def test_wv1_the_receipt_names_the_tree_the_check_ran_on_not_the_one_it_was_given(
+    manifest: Manifest,
+) -> None:
+    """The digest is taken when the check starts, never copied from the manifest handed in:
+    a tree changed in between gives another digest, so the Done tuple's "same manifest"
+    check can fail (LK4)."""
+    (Path(manifest.root) / "changed-after-the-manifest.txt").write_text("new\n")
+    with trio.fail_after(LIMIT):
+        receipt = await run_validation(Path(manifest.root), python("pass"), manifest, timeout=LIMIT)
+    assert receipt.passed
+    assert receipt.manifest_digest != manifest.digest
+    assert receipt.manifest_digest == take_manifest(Path(manifest.root)).digest
+
+
 async def test_wv1_a_failing_check_keeps_its_status_and_output_tail(manifest: Manifest) -> None:
     code = (
         "import sys; sys.stdout.write('x' * 10000); sys.stdout.flush();"
