@@ -38,6 +38,7 @@ from ._watch import watch_event
 from ._watchdog import (
     Action,
     CheckGuards,
+    Classification,
     Exited,
     FenceStarted,
     GuardsFailed,
@@ -124,8 +125,9 @@ class EpochWatch:
         self._probes = 0
         self._decided_at: float | None = None
         """When this epoch's worker was first seen past a lifecycle decision (LK9)."""
-        self._eligible: tuple[int, int] | None = None
-        """(progress sequence, session size) when the fence probe found nothing new."""
+        self._eligible: tuple[int, int, int] | None = None
+        """(progress sequence, session size, probe number) when the fence probe found
+        nothing new."""
 
     async def run(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
         """Prompt the epoch (``kind``: a task, a reply or a continuation ``action_id``) and
@@ -318,25 +320,38 @@ class EpochWatch:
             action_id, "probe", "done", {"purpose": purpose, "evidence": evidence}
         )
         if purpose == "fence" and evidence is False:
-            self._eligible = (wd.progress_seq, size_after)
+            self._eligible = (wd.progress_seq, size_after, self._probes)
             await lane.record_action(lane.epoch_action_id("eligibility"), "eligibility", "done")
         self._execute(wd.feed(ProbeAnswered(purpose, evidence)))
         await lane.note_hold()  # an unanswered probe holds (WD12)
         lane.changed()
 
     async def _check_guards(self) -> None:
+        """Every guard, then the reserve, then every guard again: the compare-and-set holds
+        only if nothing moved during the reserve's await (WD10). Progress meanwhile means the
+        worker was not stalled: no fence, and the reserve waits for the next replacement."""
+        lane = self.lane
+        if await self._guards_hold():
+            await lane.reserve()
+            if await self._guards_hold():  # re-checked after the last await before the fence
+                lane.watchdog.feed(FenceStarted())
+                await lane.record_action(lane.epoch_action_id("fence"), "fence", "done")
+                lane.changed()
+                self._finish(EpochEnd.FENCE)
+
+    async def _guards_hold(self) -> bool:
+        """Whether every guard holds now; a guard that fails holds the task, unless progress
+        already cleared the eligibility (then there is nothing to fence)."""
         lane = self.lane
         failed = failed_guards(await self._guard_evidence())
+        if lane.watchdog.classification is not Classification.HARD_RESUME_ELIGIBLE:
+            return False  # progress (or a hold) came first: the worker is not to be fenced
         if failed:
             lane.watchdog.feed(GuardsFailed(failed))
             await lane.note_hold()
             lane.changed()
-            return
-        await lane.reserve()
-        lane.watchdog.feed(FenceStarted())
-        await lane.record_action(lane.epoch_action_id("fence"), "fence", "done")
-        lane.changed()
-        self._finish(EpochEnd.FENCE)
+            return False
+        return True
 
     async def _manual_resume_guards(self) -> tuple[str, ...]:
         """An operator's resume stands in for the clocks, the probe and the progress
@@ -355,7 +370,7 @@ class EpochWatch:
             progress_unchanged=eligible is not None and eligible[0] == lane.watchdog.progress_seq,
             session_unchanged=eligible is not None and eligible[1] == size,
             process_identity=self.worker.identity_holds(),
-            fresh_probe_quiet=True,
+            fresh_probe_quiet=eligible is not None and eligible[2] == self._probes,
             effects_safe=not lane.unsettled_effects(),
             no_terminal=lane.kernel.state is TaskState.OPEN,
             budget_left=not lane.budget.exhausted,

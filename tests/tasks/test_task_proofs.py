@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from fake_pi._behaviours import Behaviours
-from fake_pi.scenario import Step
+from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
 from runtime._records import (
     ContinuationSent,
@@ -22,6 +22,8 @@ from runtime._records import (
     OutboxAction,
     Record,
 )
+from runtime._tasks._lane import TaskLane
+from runtime._tasks._watchdog import Phase, Progress
 
 from ..task_harness import TASK, Rig, done, open_rig, say, wait
 
@@ -261,3 +263,41 @@ async def test_lk9_an_operator_may_abort_a_success_intent_that_is_not_finalized(
         ended = await rig.runner.wait(TASK)
         assert ended.state == "aborted"
         assert ended.detail == "the operator saw it go wrong"
+
+
+# ------------------------------------- WD10: the compare-and-set is re-checked after awaits
+
+
+async def test_wd10_progress_during_the_reserve_stops_the_fence(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker shows progress while the lane awaits its budget reservation, after every
+    guard held: the fence must not go ahead on the proof read before that await."""
+    reserve = TaskLane.reserve
+    injected: list[float] = []
+
+    async def reserve_while_the_worker_speaks(lane: TaskLane) -> None:
+        if not injected:  # the first fence attempt: a token arrives during the await
+            now, awake = lane.readings()
+            injected.append(now)
+            lane.watchdog.feed(Progress(now, awake, Phase.GENERATION, "token"))
+        await reserve(lane)
+
+    monkeypatch.setattr(TaskLane, "reserve", reserve_while_the_worker_speaks)
+    steps: list[Step] = [Hang(seconds=100_000), done(), say("finished")]
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        records = await rig.records()
+        fence_probes = [a for a in actions(records, "probe") if a.detail["purpose"] == "fence"]
+        assert len(fence_probes) == 2  # the first eligibility did not fence: a new episode
+        (fence,) = actions(records, "fence")
+        assert len(actions(records, "reserve")) == 1  # charged once, kept for the real fence
+        assert rig.workers.launched == [1, 2]
+        assert fence.action_id.endswith("/e1/fence")
+        assert injected
+        assert trio.current_time() - injected[0] >= 900 + 120  # a whole new hard episode
