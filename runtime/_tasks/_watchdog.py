@@ -117,6 +117,11 @@ table)."""
 # ------------------------------------------------------------------------------- policy
 
 
+MAX_REPLACEMENTS: Final = 10
+"""The most replacement epochs a configuration may allow per attempt (WD9, WD11): the budget
+bounds recovery exposure, so it is finite and small; more is an operator's audited grant."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchdogPolicy:
     """The static thresholds and budgets of task lanes (seconds). Never adapted at run time."""
@@ -152,8 +157,10 @@ class WatchdogPolicy:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 out.append((name, f"must be a positive number of seconds, not {value!r}"))
-        if self.max_replacements < 1:
-            out.append(("max_replacements", "must be at least 1"))
+        if not 1 <= self.max_replacements <= MAX_REPLACEMENTS:
+            out.append(
+                ("max_replacements", f"must be at least 1 and at most {MAX_REPLACEMENTS}")
+            )
         if not (math.isfinite(self.timescale) and self.timescale >= 1.0):
             out.append(("timescale", "must be a finite number, at least 1"))
         for phase, seconds in self.hard_seconds.items():

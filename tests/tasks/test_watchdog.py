@@ -905,9 +905,14 @@ def test_wd9_a_bad_grace_is_named(grace: float) -> None:
     assert "positive" in problems[0][1]
 
 
-@pytest.mark.parametrize("count", [0, -1])
-def test_wd9_max_replacements_must_be_at_least_one(count: int) -> None:
+@pytest.mark.parametrize("count", [0, -1, 11, 1_000_000])
+def test_wd9_max_replacements_is_bounded_both_ways(count: int) -> None:
     assert settings(WatchdogPolicy(max_replacements=count)) == {"max_replacements"}
+
+
+@pytest.mark.parametrize("count", [1, 10])
+def test_wd9_max_replacements_within_its_bounds_is_accepted(count: int) -> None:
+    assert settings(WatchdogPolicy(max_replacements=count)) == set()
 
 
 @pytest.mark.parametrize("timescale", [0.5, 0.0, -60.0, math.nan, math.inf])
