@@ -379,6 +379,7 @@ class TaskLane:
             self.watchdog.feed(TerminalAccepted("wait"))
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
             self._restarted = True
+            self._fenced = True  # the dead host's epoch is superseded: its fence moves (LK2)
         if self.record is not None and self.epochs > 0:
             stopped = await self._kill_leftovers(self.record)
             if stopped.clean:
@@ -419,7 +420,8 @@ class TaskLane:
         self._fenced = False
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
-        await self.record_action(launch, "launch", "reserved", {"epoch": number})
+        identity = {"epoch": number, "fence": self.kernel.fence}  # LK2 keys, restored as such
+        await self.record_action(launch, "launch", "reserved", identity)
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
             read = await aread_session(self.session)
             if read.session.leaf is not None:
@@ -455,7 +457,7 @@ class TaskLane:
             self.record = worker.record
             if worker.record is not None:
                 await self.append(worker.record)
-            await self.record_action(launch, "launch", "done", {"epoch": number})
+            await self.record_action(launch, "launch", "done", identity)
             try:
                 end = await EpochWatch(self, worker).run(kind, text, action_id)
             finally:

@@ -109,6 +109,8 @@ class LaneState:
     """Epochs whose end is recorded."""
     hold: str | None = None
     """The reason of a hold no operator action lifted yet (WD12)."""
+    fence: int | None = None
+    """The fence of the last epoch launched, as its launch action recorded it (LK2)."""
     last_reply: TaskReply | None = None
     reply_carrier: str | None = None
     """The action id of the first prompt sent after the last reply: the one that carried it
@@ -164,7 +166,11 @@ def read_lane(
         [r for r in records if isinstance(r, LifecycleReceipt)],
         generation=submitted.generation,
         attempt=submitted.attempt,
-        fence=sum(isinstance(r, EpochFenced) and r.reason == "fence" for r in records),
+        fence=(
+            state.fence
+            if state.fence is not None  # a log from before launch actions: count the fences
+            else sum(isinstance(r, EpochFenced) and r.reason == "fence" for r in records)
+        ),
         epoch=state.epochs,
         replies=state.replies,
         done=state.ended is not None and state.ended.state == "done",
@@ -184,6 +190,7 @@ def _apply_action(state: LaneState, action: OutboxAction) -> None:
             state.recovery_started_ms = at_ms
     elif action.kind == "launch":  # intent before effect: an epoch that began counts
         state.epochs = max(state.epochs, int(action.detail.get("epoch", 0)))
+        state.fence = max(state.fence or 0, int(action.detail.get("fence", 0)))
     elif action.kind == "hold":
         state.hold = str(action.detail.get("reason"))
     elif action.kind == "unhold":

@@ -301,3 +301,33 @@ async def test_wd10_progress_during_the_reserve_stops_the_fence(
         assert fence.action_id.endswith("/e1/fence")
         assert injected
         assert trio.current_time() - injected[0] >= 900 + 120  # a whole new hard episode
+
+
+# ------------------------------------------------- LK2: the fence counter survives a restart
+
+
+async def test_lk2_the_fence_a_restart_restores_is_the_one_the_receipts_carry(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """An exit moves the fence (epoch 2 runs under fence 1); a host restart then restores
+    fence 1 — not a count of fence-reason ends, which is 0 — and its replacement moves it to
+    2, so the done the replacement reports is current and accepted."""
+    behaviours = {1: Behaviours(at={"after_model:1": "exit:0"}),
+                  2: Behaviours(at={"before_model:1": "hang"})}  # fmt: skip
+    steps: list[Step] = [say("working"), done(), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).fence == 1)
+        await rig.until_logged(
+            lambda log: any(
+                isinstance(r, OutboxAction) and r.kind == "launch" and r.detail.get("epoch") == 2
+                for r in log
+            )
+        )
+    async with open_rig(tmp_path, clocks, steps) as rig:  # the host restarts
+        ended = await rig.runner.wait(TASK)
+        assert ended.state == "done"
+        receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
+        assert [(r.kind, r.fence, r.epoch, r.verdict) for r in receipts] == [
+            ("done", 2, 3, "accepted")
+        ]
