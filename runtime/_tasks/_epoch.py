@@ -16,6 +16,7 @@ is the lane's (:class:`~runtime._tasks._lane.TaskLane`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from collections.abc import Iterable
 from pathlib import Path
@@ -333,17 +334,21 @@ class EpochWatch:
         lane = self.lane
         if await self._guards_hold():
             await lane.reserve()
-            if await self._guards_hold():  # re-checked after the last await before the fence
+            if await self._guards_hold(reserved=True):  # re-read after the reserve's await
                 lane.watchdog.feed(FenceStarted())
                 await lane.record_action(lane.epoch_action_id("fence"), "fence", "done")
                 lane.changed()
                 self._finish(EpochEnd.FENCE)
 
-    async def _guards_hold(self) -> bool:
+    async def _guards_hold(self, *, reserved: bool = False) -> bool:
         """Whether every guard holds now; a guard that fails holds the task, unless progress
-        already cleared the eligibility (then there is nothing to fence)."""
+        already cleared the eligibility (then there is nothing to fence). ``reserved``: this
+        replacement's epoch is charged already, so the budget guard is met by that reserve."""
         lane = self.lane
-        failed = failed_guards(await self._guard_evidence())
+        evidence = await self._guard_evidence()
+        if reserved:
+            evidence = dataclasses.replace(evidence, budget_left=True)
+        failed = failed_guards(evidence)
         if lane.watchdog.classification is not Classification.HARD_RESUME_ELIGIBLE:
             return False  # progress (or a hold) came first: the worker is not to be fenced
         if failed:
