@@ -158,9 +158,7 @@ class WatchdogPolicy:
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 out.append((name, f"must be a positive number of seconds, not {value!r}"))
         if not 1 <= self.max_replacements <= MAX_REPLACEMENTS:
-            out.append(
-                ("max_replacements", f"must be at least 1 and at most {MAX_REPLACEMENTS}")
-            )
+            out.append(("max_replacements", f"must be at least 1 and at most {MAX_REPLACEMENTS}"))
         if not (math.isfinite(self.timescale) and self.timescale >= 1.0):
             out.append(("timescale", "must be a finite number, at least 1"))
         for phase, seconds in self.hard_seconds.items():
