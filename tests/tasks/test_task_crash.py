@@ -207,12 +207,17 @@ def check_common(root: Path, facts: list[Fact], workers: Workers) -> list[Record
     # one reserve per continuation id, one charge per reserve
     reserves = actions(found, "reserve")
     assert len({r.action_id for r in reserves}) == len(reserves)
-    # one continuation prompt per continuation action id: one record, one marker in the session
+    # one continuation prompt per continuation action id: one record, never two markers in the
+    # session; a worker killed with its host right after the prompt was sent may not have kept
+    # it (TL5: it is not sent again, the next replacement gets its own), but the last one sent
+    # is the one the finishing worker worked from
     sent = [r for r in found if isinstance(r, ContinuationSent)]
     assert len({r.action_id for r in sent}) == len(sent)
     text = session_text(root)
     for record in sent:
-        assert text.count(json.dumps(record.marker)[1:-1]) == 1, record
+        assert text.count(json.dumps(record.marker)[1:-1]) <= 1, record
+    if sent and "ended" in outcome(facts):
+        assert text.count(json.dumps(sent[-1].marker)[1:-1]) == 1, sent[-1]
     # the lifecycle receipt is not duplicated
     receipts = [r for r in found if isinstance(r, LifecycleReceipt)]
     assert len({r.intent_id for r in receipts}) == len(receipts)
