@@ -101,9 +101,10 @@ def create_session(
     """Create a Pi-shaped session file and return its view (S7).
 
     Writes header, ``model_change`` (the root) and ``thinking_level_change`` with one
-    ``os.write`` into a file created with ``O_EXCL`` (mode 0600), then fsyncs the file and
-    its directory. On failure the partial file is removed. ``SessionError(SESSION_EXISTS)``
-    if ``path`` exists. ``session_id`` defaults to a fresh UUIDv7.
+    ``os.write`` into a temporary file (mode 0600) beside ``path``, fsyncs it, links it into
+    place (atomic; fails if ``path`` exists) and fsyncs the directory: a crash leaves no
+    session or a whole one. ``SessionError(SESSION_EXISTS)`` if ``path`` exists.
+    ``session_id`` defaults to a fresh UUIDv7.
     """
     now = clock.time_ms()
     header: dict[str, Any] = {
@@ -121,12 +122,14 @@ def create_session(
     level = {"type": "thinking_level_change", "thinkingLevel": thinking_level}
     session = session.with_entry(session.new_entry(level, time_ms=now))
     data = session.to_bytes()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError:
-        exists = ReasonCode.SESSION_EXISTS
-        raise SessionError(exists, "session file exists", path=os.fspath(path)) from None
+    # Written whole to a private temporary file, fsynced, then linked into place: ``link``
+    # fails if the path exists (O_EXCL's promise) and is atomic, so a crash at any instant
+    # leaves no session or a whole one — never an empty or torn header (S7).
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    temp = os.path.join(directory, f".{os.path.basename(target)}.{uuid7(now)}.creating")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd = os.open(temp, flags, 0o600)
     try:
         try:
             if os.write(fd, data) != len(data):
@@ -134,14 +137,18 @@ def create_session(
             os.fsync(fd)
         finally:
             os.close(fd)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        os.unlink(path)
-        raise
+            os.link(temp, target)
+        except FileExistsError:
+            exists = ReasonCode.SESSION_EXISTS
+            raise SessionError(exists, "session file exists", path=os.fspath(path)) from None
+    finally:
+        os.unlink(temp)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     return session
 
 

@@ -9,7 +9,10 @@ import itertools
 import os
 import re
 import secrets
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 
-from runtime._clock import MockWallClock
+from runtime._clock import MockWallClock, SystemWallClock
 from runtime._errors import ReasonCode, SessionError
 from runtime._pi import _session
 from runtime._pi._session import (
@@ -648,3 +651,31 @@ def test_s4_s5_random_trees_survive_a_reread(ops: list[tuple[int, Any]]) -> None
         assert result.session.leaf == leaf
         assert result.session.to_bytes() == path.read_bytes()
         assert os.path.getsize(path) == result.size
+
+
+def test_s7_a_crash_while_a_session_is_created_leaves_none_or_a_whole_one(tmp_path: Path) -> None:
+    """SIGKILLed right after the session's bytes are written and before they are linked into
+    place: the path does not exist (the next start creates it whole), never an empty file
+    that no reader can parse (seen as ``session_header_invalid`` after a kill right after a
+    delivery was accepted)."""
+    path = tmp_path / "session.jsonl"
+    code = (
+        "import os, signal, sys\n"
+        "from runtime._clock import SystemWallClock\n"
+        "from runtime._pi import _session_files as files\n"
+        "real_write = os.write\n"
+        "def write(fd, data):\n"
+        "    n = real_write(fd, data)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return n\n"
+        "files.os.write = write\n"
+        "files.create_session(sys.argv[1], cwd='/', provider='p', model_id='m',\n"
+        "                     clock=SystemWallClock())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert not path.exists()
+    create_session(path, cwd="/", provider="p", model_id="m", clock=SystemWallClock())
+    assert read_session(path).session.header["cwd"] == "/"
