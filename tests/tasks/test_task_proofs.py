@@ -210,27 +210,21 @@ async def test_lk8_a_done_decided_before_the_worker_heard_the_reply_is_not_accep
 async def test_lk8_a_reply_recorded_before_a_host_crash_reaches_the_next_worker_once(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
-    # Epoch 2 (the one the reply wakes) is sent the reply but hangs before its turn starts,
-    # so the reply never reaches the session; then the host dies.
-    behaviours = {2: Behaviours(at={"agent_start:1": "hang"})}
+    # The reply is recorded, and the host dies before the epoch it wakes is launched: the
+    # test leaves the rig right after the reply returns, so the lane is cancelled at its next
+    # checkpoint (deterministic under Trio). The reply must reach the next host's worker.
     steps: list[Step] = [wait(), say("asked"), done(), say()]  # by turn in the session
-    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+    async with open_rig(tmp_path, clocks, steps) as rig:
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
         # until epoch 1 is stopped and the lane parked
         await rig.until_logged(lambda log: any(isinstance(r, EpochFenced) for r in log))
         await rig.runner.reply(TASK, "the blue one")
-        reply_sent = f"{TASK}/g1/a1/reply1"
-        await rig.until_logged(  # until the reply was sent to epoch 2
-            lambda log: any(
-                isinstance(r, ContinuationSent) and r.action_id == reply_sent for r in log
-            )
-        )
     async with open_rig(tmp_path, clocks, steps) as rig:  # the host restarts
         ended = await rig.runner.wait(TASK)
         assert ended.state == "done"
         assert _replies_sent(rig, "the blue one") == 1  # inside the one continuation
-        assert rig.workers.launched == [3]
+        assert rig.workers.launched == [3]  # epoch 2's launch was reserved, never reused
 
 
 # ----------------------------------------- LK9: quiescence after a decision is an action
