@@ -315,6 +315,9 @@ class TaskSubmitted(_Record, tag="task_submitted", frozen=True, kw_only=True):
     validation_timeout: float = 600.0
     """Seconds the validation command may run (killed and not passed after them)."""
     submitted_ms: int = 0
+    policy: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The watchdog policy frozen at submission (thresholds, grace, budgets: WD14); a new
+    configuration applies to new tasks only. Empty in a log written before it was frozen."""
 
 
 class TaskReply(_Record, tag="task_reply", frozen=True, kw_only=True):

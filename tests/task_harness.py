@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import trio
 
@@ -19,7 +20,7 @@ from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime._clock import Clocks
 from runtime._journal._store import Store, open_store
 from runtime._pi._launch import ModelRoute
-from runtime._records import Record
+from runtime._records import Record, TaskEnded
 from runtime._tasks._runner import TaskRunner, open_task_runner
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._wire import TaskEvent, TaskSpec
@@ -56,6 +57,12 @@ def make_worktree(root: Path) -> Path:
     return worktree
 
 
+WAIT_BOUND: Final = 6 * 3600.0
+"""Virtual seconds a rig wait may take: six hours, far beyond every policy's clocks (the
+hard threshold and its grace, four epochs of them, the recovery budget), so only a wrong test
+or a hang reaches it (in about half a minute of real time)."""
+
+
 @dataclass
 class Rig:
     """An in-process task runner and what the test needs to look at."""
@@ -83,18 +90,30 @@ class Rig:
             None,
         )
 
-    async def until(self, predicate: Callable[[], bool]) -> None:
-        """Wait (on the lanes' change events, never on time) until ``predicate()`` holds."""
-        while not predicate():
-            await self.changed.wait()
+    async def until(self, predicate: Callable[[], bool], *, within: float = WAIT_BOUND) -> None:
+        """Wait (on the lanes' change events, never on time) until ``predicate()`` holds; a
+        test whose condition never comes fails after ``within`` virtual seconds rather than
+        hanging (``trio.TooSlowError``)."""
+        with trio.fail_after(within):
+            while not predicate():
+                await self.changed.wait()
 
-    async def until_logged(self, predicate: Callable[[list[Record]], bool]) -> None:
+    async def until_logged(
+        self, predicate: Callable[[list[Record]], bool], *, within: float = WAIT_BOUND
+    ) -> None:
         """Wait until ``predicate(lane log records)`` holds: a record appended without a
-        lane event (an epoch's end, a prompt marker) is looked for once a virtual second."""
-        while True:
-            if predicate(await self.records()):
-                return
-            await trio.sleep(1)
+        lane event (an epoch's end, a prompt marker) is looked for once a virtual second;
+        fails after ``within`` virtual seconds."""
+        with trio.fail_after(within):
+            while True:
+                if predicate(await self.records()):
+                    return
+                await trio.sleep(1)
+
+    async def ended(self, task_id: str = TASK, *, within: float = WAIT_BOUND) -> TaskEnded:
+        """The task's end record, once it ends; fails after ``within`` virtual seconds."""
+        with trio.fail_after(within):
+            return await self.runner.wait(task_id)
 
     def saw(self, event: TaskEvent) -> None:
         self.events.append(event)

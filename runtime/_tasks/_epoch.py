@@ -77,8 +77,6 @@ class EpochHost(Protocol):
     """What an epoch's watch reads of the lane's host."""
 
     @property
-    def policy(self) -> WatchdogPolicy: ...
-    @property
     def route(self) -> ModelRoute: ...
 
 
@@ -90,6 +88,10 @@ class EpochOwner(LaneFacts, Protocol):
 
     @property
     def host(self) -> EpochHost: ...
+    @property
+    def policy(self) -> WatchdogPolicy:
+        """The task's frozen policy (WD14)."""
+
     @property
     def session(self) -> Path: ...
     @property
@@ -248,7 +250,7 @@ class EpochWatch:
                 await lane.note_hold()  # WD12
                 lane.changed()
             self._execute(actions)
-            await trio.sleep(lane.host.policy.tick_seconds)
+            await trio.sleep(lane.policy.tick_seconds)
 
     async def _quiesced(self, now: float) -> bool:
         """LK9: a worker still running ``grace_seconds`` after its terminal or wait was
@@ -262,7 +264,7 @@ class EpochWatch:
         if self._decided_at is None:
             self._decided_at = now
         waited = now - self._decided_at
-        if waited < lane.host.policy.grace_seconds:
+        if waited < lane.policy.grace_seconds:
             return False
         await lane.record_action(
             lane.epoch_action_id("quiesce"), "quiesce", "done", {"after_seconds": waited}
@@ -301,7 +303,7 @@ class EpochWatch:
         seq_before = wd.progress_seq
         size_before = await session_size(lane.session)
         answered = False
-        with trio.move_on_after(lane.host.policy.probe_timeout_seconds):
+        with trio.move_on_after(lane.policy.probe_timeout_seconds):
             with contextlib.suppress(RpcError):
                 await self.worker.rpc.request({"type": "get_state"})
                 answered = True

@@ -75,6 +75,7 @@ from ._state import (
     read_lane,
     reply_prompt,
     route_snapshot,
+    task_policy,
 )
 from ._view import task_view
 from ._watch import Telemetry
@@ -120,6 +121,7 @@ class TaskLane:
         "_log",
         "_next",
         "_operator",
+        "_policy_problem",
         "_recorded_hold",
         "_recovery_started_ms",
         "_restart_survivors",
@@ -142,6 +144,7 @@ class TaskLane:
         "key",
         "markers",
         "pending_action",
+        "policy",
         "probe_result",
         "quiescent_epoch",
         "record",
@@ -173,8 +176,10 @@ class TaskLane:
         self.kernel = LifecycleKernel(
             submitted.task_id, generation=submitted.generation, attempt=submitted.attempt
         )
-        self.watchdog = Watchdog(policy=host.policy)
-        policy = host.policy
+        policy, self._policy_problem = task_policy(submitted, host.policy)
+        self.policy = policy
+        """The task's own thresholds, grace and budgets, frozen at submission (WD14)."""
+        self.watchdog = Watchdog(policy=policy)
         self.budget = Budget(
             max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds
         )
@@ -217,10 +222,6 @@ class TaskLane:
     @property
     def finished(self) -> trio.Event:
         return self._finished
-
-    @property
-    def policy(self) -> WatchdogPolicy:
-        return self.host.policy
 
     @property
     def live(self) -> bool:
@@ -369,7 +370,7 @@ class TaskLane:
 
     async def _restore(self) -> None:
         """Rebuild the lane from its log (LK7, WD11, TL6): receipts, budget, markers, epochs."""
-        state = read_lane(self.task, self._log.journal.contents.records, self.host.policy)
+        state = read_lane(self.task, self._log.journal.contents.records, self.policy)
         self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
         self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
         self.kernel, self.budget = state.kernel, state.budget
@@ -391,8 +392,9 @@ class TaskLane:
             self.kernel.reply_pending = True
             self._reply_next(state.last_reply)
         self._recorded_hold = state.hold
-        if state.hold is not None and self.ended is None and not self.kernel.state.terminal:
-            self.watchdog.feed(Hold(state.hold))  # WD12: a hold outlives the host
+        hold = state.hold or self._policy_problem  # WD14: never a task on a guessed policy
+        if hold is not None and self.ended is None and not self.kernel.state.terminal:
+            self.watchdog.feed(Hold(hold))  # WD12: a hold outlives the host
 
     async def _reply_undelivered(self, reply: TaskReply | None, carrier: str | None) -> bool:
         """A reply is delivered once the prompt that carried it is in the session (LK8): a
@@ -446,8 +448,8 @@ class TaskLane:
             log=self._log.journal,
             started_ms=self.host.clocks.wall.time_ms,
             policy=StopPolicy(
-                term_grace=self.host.policy.term_grace_seconds,
-                kill_bound=self.host.policy.kill_bound_seconds,
+                term_grace=self.policy.term_grace_seconds,
+                kill_bound=self.policy.kill_bound_seconds,
             ),
         )
         end = EpochEnd.EXITED

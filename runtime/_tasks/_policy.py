@@ -134,10 +134,9 @@ def loud_logging(policy: WatchdogPolicy) -> Iterator[None]:
 
 def policy_dict(policy: WatchdogPolicy) -> dict[str, Any]:
     """The thresholds and budgets of ``policy`` as plain data (``task show``'s production)."""
-    return {
-        "soft_seconds": policy.soft_seconds,
-        "hard_seconds": {str(p): s for p, s in policy.hard_seconds.items()},
-        "grace_seconds": policy.grace_seconds,
-        "max_replacements": policy.max_replacements,
-        "recovery_seconds": policy.recovery_seconds,
-    }
+    return {k: v for k, v in policy.snapshot().items() if k in _SHOWN}
+
+
+_SHOWN: Final = frozenset(
+    {"soft_seconds", "hard_seconds", "grace_seconds", "max_replacements", "recovery_seconds"}
+)

@@ -72,7 +72,9 @@ class TaskRunner:
         async with self._lock:
             existing = self.lanes.get(spec.task_id) or self.ended.get(spec.task_id)
             if existing is not None:
-                record = submitted_record(spec, route=self.host.route, now_ms=0)
+                record = submitted_record(
+                    spec, route=self.host.route, policy=self.host.policy, now_ms=0
+                )
 
                 def key(task: TaskSubmitted) -> tuple[Any, ...]:
                     return (task.prompt, task.worktree, task.grants, task.validation,
@@ -86,7 +88,10 @@ class TaskRunner:
                     )
                 return self.show(spec.task_id)
             record = submitted_record(
-                spec, route=self.host.route, now_ms=self.host.clocks.wall.time_ms()
+                spec,
+                route=self.host.route,
+                policy=self.host.policy,
+                now_ms=self.host.clocks.wall.time_ms(),
             )
             log = await self.host.store.open_lane_log(f"task:{spec.task_id}")
             await log.append(record)  # durable before anything runs

@@ -56,6 +56,7 @@ __all__ = [
     "reply_prompt",
     "route_snapshot",
     "submitted_record",
+    "task_policy",
 ]
 
 CONTINUATION_VERSION: Final = 1
@@ -93,12 +94,32 @@ def continuation_prompt(action_id: str, observed: str, reply: str | None = None)
     )
 
 
+def task_policy(
+    submitted: TaskSubmitted, fallback: WatchdogPolicy
+) -> tuple[WatchdogPolicy, str | None]:
+    """The watchdog policy frozen in ``submitted`` (WD14), so a restart with another
+    configuration changes nothing of a running task's thresholds, grace or budgets; and the
+    hold reason when it cannot be read back (``policy_unreadable:<why>``: a snapshot of
+    another version, or damaged), with ``fallback`` (the host's) in its place until an
+    operator decides. ``fallback`` also serves a log written before the policy was frozen."""
+    if not submitted.policy:
+        return fallback, None
+    try:
+        return WatchdogPolicy.from_snapshot(submitted.policy), None
+    except ValueError as error:
+        return fallback, f"policy_unreadable:{error}"
+
+
 @dataclass
 class LaneState:
     """What a task lane's log says, read without running anything (:func:`read_lane`)."""
 
     kernel: LifecycleKernel
     budget: Budget
+    policy: WatchdogPolicy
+    """The task's own policy, frozen at its submission (WD14)."""
+    policy_problem: str | None = None
+    """Why the frozen policy could not be read back (the task holds on it), if it could not."""
     actions: dict[str, OutboxAction] = field(default_factory=dict)
     markers: dict[str, ContinuationSent] = field(default_factory=dict)
     replies: dict[str, TaskReply] = field(default_factory=dict)
@@ -136,11 +157,15 @@ def read_lane(
 ) -> LaneState:
     """The lane's durable state from its records (LK7, WD11, TL6, TL7): the kernel from its
     receipts and replies, the budget from its reserves, recovery time and grants, the
-    continuation markers, the epochs and the latest attestation. Pure."""
+    continuation markers, the epochs and the latest attestation. The budget is the frozen
+    policy's (WD14); ``policy`` serves a log from before it was frozen. Pure."""
     records = list(records)
+    policy, problem = task_policy(submitted, policy)
     state = LaneState(
         kernel=LifecycleKernel(submitted.task_id),
         budget=Budget(max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds),
+        policy=policy,
+        policy_problem=problem,
     )
     for record in records:
         if isinstance(record, OutboxAction):
@@ -236,7 +261,9 @@ def check_spec(spec: TaskSpec) -> None:
         raise TaskError(ReasonCode.TASK_INVALID, f"grants: unknown tools {', '.join(unknown)}")
 
 
-def submitted_record(spec: TaskSpec, *, route: ModelRoute, now_ms: int) -> TaskSubmitted:
+def submitted_record(
+    spec: TaskSpec, *, route: ModelRoute, policy: WatchdogPolicy, now_ms: int
+) -> TaskSubmitted:
     key = lane_key(f"task:{spec.task_id}")
     return TaskSubmitted(
         task_id=spec.task_id,
@@ -248,6 +275,7 @@ def submitted_record(spec: TaskSpec, *, route: ModelRoute, now_ms: int) -> TaskS
         validation=list(spec.validation),
         validation_timeout=spec.validation_timeout,
         submitted_ms=now_ms,
+        policy=policy.snapshot(),
     )
 
 

@@ -172,6 +172,7 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
     if submitted is None:
         return None
     state = read_lane(submitted, records, policy)
+    policy = state.policy  # the task's own, frozen at submission (WD14)
     kernel, budget, ended, epochs = state.kernel, state.budget, state.ended, state.epochs
     receipts = kernel.receipts
     live = (

@@ -28,7 +28,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Final, assert_never
+from typing import Any, Final, assert_never
 
 __all__ = [
     "ACTION_TABLE",
@@ -195,6 +195,66 @@ class WatchdogPolicy:
 
     def hard_for(self, phase: Phase) -> float | None:
         return self.hard_seconds.get(phase)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every setting as plain data: what a task's submission freezes (WD14)."""
+        return {
+            "soft_seconds": self.soft_seconds,
+            "hard_seconds": {str(p): s for p, s in self.hard_seconds.items()},
+            "grace_seconds": self.grace_seconds,
+            "tick_seconds": self.tick_seconds,
+            "probe_timeout_seconds": self.probe_timeout_seconds,
+            "max_replacements": self.max_replacements,
+            "recovery_seconds": self.recovery_seconds,
+            "term_grace_seconds": self.term_grace_seconds,
+            "kill_bound_seconds": self.kill_bound_seconds,
+            "timescale": self.timescale,
+        }
+
+    @classmethod
+    def from_snapshot(cls, data: Mapping[str, Any]) -> WatchdogPolicy:
+        """The policy :meth:`snapshot` froze. Raises ``ValueError`` naming the first setting
+        that is missing, of the wrong type, or breaks a rule of WD9 (a snapshot written by
+        another version, or a damaged one, is never half-applied)."""
+        numbers: dict[str, float] = {}
+        for name in _SNAPSHOT_SECONDS:
+            value = data.get(name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name}: a number, not {value!r}")
+            numbers[name] = float(value)
+        replacements = data.get("max_replacements")
+        if isinstance(replacements, bool) or not isinstance(replacements, int):
+            raise ValueError(f"max_replacements: a whole number, not {replacements!r}")
+        hard = data.get("hard_seconds")
+        if not isinstance(hard, Mapping):
+            raise ValueError(f"hard_seconds: a table, not {hard!r}")
+        phases: dict[Phase, float] = {}
+        for phase, seconds in hard.items():
+            try:
+                known = Phase(phase)
+            except ValueError:
+                raise ValueError(f"hard_seconds.{phase}: no such phase") from None
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+                raise ValueError(f"hard_seconds.{phase}: a number, not {seconds!r}")
+            phases[known] = float(seconds)
+        policy = cls(hard_seconds=phases, max_replacements=replacements, **numbers)
+        problems = policy.problems()
+        if problems:
+            setting, why = problems[0]
+            raise ValueError(f"{setting}: {why}")
+        return policy
+
+
+_SNAPSHOT_SECONDS: Final = (
+    "soft_seconds",
+    "grace_seconds",
+    "tick_seconds",
+    "probe_timeout_seconds",
+    "recovery_seconds",
+    "term_grace_seconds",
+    "kill_bound_seconds",
+    "timescale",
+)
 
 
 # ------------------------------------------------------------------------------- events

@@ -23,7 +23,7 @@ from runtime._records import (
     Record,
 )
 from runtime._tasks._lane import TaskLane
-from runtime._tasks._watchdog import Phase, Progress
+from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
 
 from ..task_harness import TASK, Rig, done, open_rig, say, wait
 
@@ -135,7 +135,7 @@ async def test_wd12_a_hold_survives_a_restart_and_only_the_operator_lifts_it(
         assert rig.workers.launched == []  # not resumed on its own
         assert view.budget["epochs_used"] == 0
         rig.runner.resume(TASK)
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert rig.workers.launched == [2]
         records = await rig.records()
@@ -178,7 +178,7 @@ async def test_lk8_a_reply_before_the_settle_reaches_the_worker_once_and_no_comp
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
         await rig.runner.reply(TASK, "the blue one")
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert _replies_sent(rig, "the blue one") == 1
         assert rig.workers.launched == [1]  # delivered to the live worker after its turn
@@ -195,7 +195,7 @@ async def test_lk8_a_done_decided_before_the_worker_heard_the_reply_is_not_accep
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
         await rig.runner.reply(TASK, "the blue one")
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
         assert [(r.kind, r.verdict) for r in receipts] == [
@@ -221,7 +221,7 @@ async def test_lk8_a_reply_recorded_before_a_host_crash_reaches_the_next_worker_
         await rig.until_logged(lambda log: any(isinstance(r, EpochFenced) for r in log))
         await rig.runner.reply(TASK, "the blue one")
     async with open_rig(tmp_path, clocks, steps) as rig:  # the host restarts
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert _replies_sent(rig, "the blue one") == 1  # inside the one continuation
         assert rig.workers.launched == [3]  # epoch 2's launch was reserved, never reused
@@ -237,7 +237,7 @@ async def test_lk9_a_worker_running_on_after_its_done_is_stopped_after_the_grace
     async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
         start = trio.current_time()
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         waited = trio.current_time() - start
         assert 120 <= waited < 130  # the grace, not forever
@@ -254,7 +254,7 @@ async def test_lk9_an_operator_may_abort_a_success_intent_that_is_not_finalized(
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).state == "success_intent")
         await rig.runner.abort(TASK, "the operator saw it go wrong")
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "aborted"
         assert ended.detail == "the operator saw it go wrong"
 
@@ -284,7 +284,7 @@ async def test_wd10_progress_during_the_reserve_stops_the_fence(
     steps: list[Step] = [Hang(seconds=100_000), done(), say("finished")]
     async with open_rig(tmp_path, clocks, steps) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         records = await rig.records()
         fence_probes = [a for a in actions(records, "probe") if a.detail["purpose"] == "fence"]
@@ -319,9 +319,95 @@ async def test_lk2_the_fence_a_restart_restores_is_the_one_the_receipts_carry(
             )
         )
     async with open_rig(tmp_path, clocks, steps) as rig:  # the host restarts
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
         assert [(r.kind, r.fence, r.epoch, r.verdict) for r in receipts] == [
             ("done", 2, 3, "accepted")
         ]
+
+
+# ------------------------------------------- WD14: the policy is frozen at submission
+
+
+WEDGED = Behaviours(at={"before_model:1": "hang"})
+
+
+def launched(log: list[Record], epoch: int) -> bool:
+    """The launch of ``epoch`` is recorded done (its worker started)."""
+    return any(a.detail.get("epoch") == epoch and a.state == "done" for a in actions(log, "launch"))
+
+
+async def test_wd14_a_restart_with_a_larger_budget_refunds_nothing_to_a_running_task(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """A task submitted with one replacement uses it and holds (the next fence's budget
+    guard fails); the host restarts configured for five: the task's budget is still the one
+    it was submitted with, nothing relaunches, and a new task gets the new configuration."""
+    behaviours = dict.fromkeys((1, 2), WEDGED)
+    small = WatchdogPolicy(max_replacements=1)
+    async with open_rig(tmp_path, clocks, [done()], policy=small, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == "guard:budget_left")
+        assert rig.workers.launched == [1, 2]
+    large = WatchdogPolicy(max_replacements=5, hard_seconds={Phase.PROVIDER: 1800.0})
+    async with open_rig(tmp_path, clocks, [done(), say()], policy=large) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await trio.sleep(3600)
+        view = rig.runner.show(TASK)
+        assert view.hold_reason == "guard:budget_left"
+        assert (view.budget["epochs_used"], view.budget["epochs_left"]) == (1, 0)
+        assert rig.runner.lanes[TASK].policy == small  # thresholds too, not only the budget
+        assert rig.workers.launched == []
+        other = await rig.runner.submit(rig.spec(task_id="new-task"))
+        assert other.budget["epochs_left"] == 5
+        assert rig.runner.lanes["new-task"].policy == large
+
+
+async def test_wd14_a_restart_with_other_thresholds_fences_on_the_frozen_ones(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The host restarts with a hard threshold of 1800 s under a task submitted with 900 s:
+    the replacement wedged in the provider phase is fenced after 900 s and the grace, as the
+    task was promised, not after 1800 s."""
+    async with open_rig(tmp_path, clocks, [done()], behaviours={1: WEDGED}) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until_logged(lambda log: launched(log, 1))
+    slow = WatchdogPolicy(hard_seconds={Phase.PROVIDER: 1800.0, Phase.GENERATION: 1800.0})
+    behaviours = {2: WEDGED}
+    async with open_rig(tmp_path, clocks, [done(), say()], policy=slow,
+                        behaviours=behaviours) as rig:  # fmt: skip
+        await rig.until_logged(lambda log: launched(log, 2))
+        start = trio.current_time()
+        await rig.until_logged(lambda log: bool(actions(log, "fence")))
+        fenced = trio.current_time() - start
+        assert 900 + 120 <= fenced < 1800
+        assert (await rig.ended(TASK)).state == "done"
+
+
+async def test_wd14_a_frozen_policy_this_version_cannot_read_holds_the_task(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A submission whose frozen policy breaks a rule of this version (written by another
+    version: 50 replacements) is never run on a guessed policy: the task holds
+    ``policy_unreadable`` naming the setting and launches nothing, and so it stays after a
+    restart."""
+    async with open_rig(tmp_path, clocks, [done()]) as rig:
+        snapshot = WatchdogPolicy.snapshot
+        monkeypatch.setattr(
+            WatchdogPolicy, "snapshot", lambda p: {**snapshot(p), "max_replacements": 50}
+        )
+        await rig.runner.submit(rig.spec())
+        monkeypatch.undo()
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.workers.launched == []
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await trio.sleep(3600)
+        reason = rig.runner.show(TASK).hold_reason or ""
+        assert reason.startswith("policy_unreadable:max_replacements")
+        assert rig.workers.launched == []
+        assert [a.detail["reason"] for a in actions(await rig.records(), "hold")] == [reason]

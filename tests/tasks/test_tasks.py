@@ -50,7 +50,7 @@ async def test_tl1_done_needs_the_whole_tuple_and_hands_back_a_candidate(
 ) -> None:
     async with open_rig(tmp_path, clocks, [effect("write-file"), done(), say("finished")]) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert ended.manifest_digest is not None
         assert ended.candidate is not None
@@ -67,7 +67,7 @@ async def test_lk1_fail_is_final_and_not_done(
 ) -> None:
     async with open_rig(tmp_path, clocks, [fail("no way"), done(), say()]) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "failed"
         assert ended.candidate is None
         receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
@@ -85,7 +85,7 @@ async def test_wd3_a_wedged_provider_is_fenced_after_hard_and_grace_and_resumed_
     async with open_rig(tmp_path, clocks, steps) as rig:
         start = trio.current_time()
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         records = await rig.records()
         fence = next(r for r in records if isinstance(r, OutboxAction) and r.kind == "fence")
@@ -109,7 +109,7 @@ async def test_wd8_settled_without_a_terminal_gets_one_completion_prompt_at_once
     async with open_rig(tmp_path, clocks, [say("I think I am done"), done(), say()]) as rig:
         start = trio.current_time()
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert trio.current_time() - start < 300  # no waiting for the soft threshold
         records = await rig.records()
@@ -133,7 +133,7 @@ async def test_lk5_wait_parks_and_only_the_reply_wakes(
             await rig.runner.reply(TASK, "the blue one", correlation="not-the-wait")
         assert refused.value.code == ReasonCode.TASK_NOT_WAITING
         await rig.runner.reply(TASK, "the blue one")
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert rig.workers.launched == [1, 2]
 
@@ -151,7 +151,7 @@ async def test_wd4_unknown_silence_in_a_tool_is_held_never_fenced(
         assert view.classification == "StalledOperatorRequired"
         assert rig.workers.launched == [1]
         await rig.runner.abort(TASK, "operator gave up")
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "aborted"
 
 
@@ -161,7 +161,7 @@ async def test_wd2_a_slow_first_token_is_suspect_then_recovers_without_a_fence(
     steps: list[Step] = [Text(text="slow but fine", first_token_delay=600), done(), say()]
     async with open_rig(tmp_path, clocks, steps) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert "Suspect" in rig.classifications()
         assert rig.workers.launched == [1]
@@ -181,7 +181,7 @@ async def test_wd2_wd3_exact_times_suspect_at_300_eligible_only_after_900_plus_g
     async with open_rig(tmp_path, clocks, steps) as rig:
         start = trio.current_time()
         await rig.runner.submit(rig.spec())
-        await rig.runner.wait(TASK)
+        await rig.ended(TASK)
         suspect = rig.first("Suspect")
         eligible = rig.first("HardResumeEligible")
         fencing = rig.first("Fencing")
@@ -200,7 +200,7 @@ async def test_wd1_a_20_minute_run_with_a_token_every_4_minutes_is_never_suspect
     async with open_rig(tmp_path, clocks, [slow, done(), say()]) as rig:
         start = trio.current_time()
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert trio.current_time() - start >= 20 * 60
         assert "Suspect" not in rig.classifications()
@@ -224,7 +224,7 @@ async def test_wd6_a_suspend_makes_it_suspect_at_once_but_hard_time_counts_awake
         suspect = rig.first("Suspect")
         assert suspect is not None
         assert suspect - wake <= 5
-        await rig.runner.wait(TASK)
+        await rig.ended(TASK)
         eligible = rig.first("HardResumeEligible")
         assert eligible is not None
         assert eligible - wake >= 1020
@@ -238,7 +238,7 @@ async def test_wd8_a_provider_retry_is_not_settled_and_gets_no_completion_prompt
 ) -> None:
     async with open_rig(tmp_path, clocks, [HttpError(), done(), say()]) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert not [r for r in await rig.records() if isinstance(r, ContinuationSent)]
         assert "NeedsFinalization" not in rig.classifications()
@@ -255,7 +255,7 @@ async def test_wd8_an_exit_without_a_terminal_resumes_the_same_session_at_once(
     async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
         start = trio.current_time()
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert trio.current_time() - start < 300
         assert rig.workers.launched == [1, 2]
@@ -291,7 +291,7 @@ async def test_wd11_budget_exhaustion_holds_and_a_grant_charges_once(
         await rig.runner.grant(TASK, epochs=1, reason="one more try")
         rig.workers.behaviours = {}
         rig.runner.resume(TASK)
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         records = await rig.records()
         grants = [r for r in records if isinstance(r, OutboxAction) and r.kind == "grant"]
@@ -324,7 +324,7 @@ async def test_wd11_a_session_append_seen_by_a_probe_ends_the_recovery(
     monkeypatch.setattr(_epoch, "session_size", size)
     async with open_rig(tmp_path, clocks, steps, behaviours={2: slow_start}) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         records = await rig.records()
         relaunch = next(i for i, r in enumerate(records) if isinstance(r, ContinuationSent))
@@ -357,7 +357,7 @@ async def test_wd11_a_terminal_read_before_the_resumed_workers_events_ends_the_r
     monkeypatch.setattr(_epoch.EpochWatch, "_see", late)
     async with open_rig(tmp_path, clocks, steps) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         records = await rig.records()
         charges = [r for r in records if isinstance(r, OutboxAction) and r.kind == "recovery_time"]
@@ -368,8 +368,9 @@ async def test_wd11_a_terminal_read_before_the_resumed_workers_events_ends_the_r
 async def test_wd11_read_lane_keeps_the_open_recovery_and_its_charges() -> None:
     """The lane's durable state: a reserve starts a recovery (its ``at_ms``), a later reserve
     does not restart it, a charge ends it; the budget adds every charge."""
+    policy = WatchdogPolicy()
     submitted = submitted_record(
-        TaskSpec(task_id=TASK, prompt="p", worktree="/"), route=ROUTE, now_ms=0
+        TaskSpec(task_id=TASK, prompt="p", worktree="/"), route=ROUTE, policy=policy, now_ms=0
     )
 
     def reserve(n: int, at_ms: int) -> OutboxAction:
@@ -382,7 +383,6 @@ async def test_wd11_read_lane_keeps_the_open_recovery_and_its_charges() -> None:
         detail = {"seconds": seconds}
         return OutboxAction(action_id=f"t/r{n}", kind="recovery_time", state="done", detail=detail)
 
-    policy = WatchdogPolicy()
     state = read_lane(submitted, [reserve(1, 1_000), reserve(2, 5_000)], policy)
     assert (state.recovery_started_ms, state.recoveries) == (1_000, 0)
     state = read_lane(submitted, [reserve(1, 1_000), charge(1, 30.0), reserve(2, 9_000)], policy)
@@ -435,7 +435,7 @@ async def test_wd4_an_operator_resume_of_a_held_task_fences_and_resumes_once(
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).classification == "StalledOperatorRequired")
         rig.runner.resume(TASK)
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert rig.workers.launched == [1, 2]
         records = await rig.records()
@@ -459,7 +459,7 @@ async def test_lk3_lk1_a_second_lifecycle_call_is_late_evidence(
     )
     async with open_rig(tmp_path, clocks, [both, say()]) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         receipts = [r for r in await rig.records() if isinstance(r, LifecycleReceipt)]
         assert [(r.kind, r.accepted, r.verdict) for r in receipts] == [
@@ -474,7 +474,7 @@ async def test_lk4_a_failing_validation_keeps_the_task_from_done(
     check = (sys.executable, "-c", "import sys; sys.exit(4)")
     async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
         await rig.runner.submit(rig.spec(validation=check))
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "held"
         assert ended.code == ReasonCode.TASK_NOT_DONE
         assert "validation" in ended.detail
@@ -489,7 +489,7 @@ async def test_lk4_a_passing_validation_is_part_of_done(
     check = (sys.executable, "-c", "import pathlib; assert pathlib.Path('README.md').exists()")
     async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
         await rig.runner.submit(rig.spec(validation=check))
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert ended.validation is not None
         assert ended.validation["manifest_digest"] == ended.manifest_digest
@@ -518,14 +518,14 @@ async def test_tl9_an_ended_task_keeps_only_its_view_and_its_end(
     view and its end record."""
     async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
         await rig.runner.submit(rig.spec())
-        ended = await rig.runner.wait(TASK)
+        ended = await rig.ended(TASK)
         await rig.until(lambda: TASK not in rig.runner.lanes)
         gc.collect()
         assert not [o for o in gc.get_objects() if isinstance(o, TaskLane)]
         assert rig.runner.ended[TASK].ended == ended
         assert rig.runner.show(TASK).state == "done"
         assert [view.task_id for view in rig.runner.tasks()] == [TASK]
-        assert await rig.runner.wait(TASK) == ended
+        assert await rig.ended(TASK) == ended
         assert (await rig.runner.submit(rig.spec())).state == "done"
         with pytest.raises(TaskError) as late:
             await rig.runner.abort(TASK)

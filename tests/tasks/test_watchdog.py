@@ -1112,3 +1112,17 @@ def test_wd9_the_action_table_covers_every_classification() -> None:
         assert action.strip(), classification
     assert "pi-runtime task" in ACTION_TABLE[C.STALLED_OPERATOR_REQUIRED]
     assert "pi-runtime task reply" in ACTION_TABLE[C.WAITING_USER]
+
+
+def test_wd14_a_snapshot_reads_back_as_the_same_policy_and_refuses_a_damaged_one() -> None:
+    policy = WatchdogPolicy(max_replacements=2).scaled(10)
+    assert WatchdogPolicy.from_snapshot(policy.snapshot()) == policy
+    for damage, setting in (
+        ({"max_replacements": True}, "max_replacements"),
+        ({"soft_seconds": "300"}, "soft_seconds"),
+        ({"hard_seconds": {"tool": 900.0}}, "hard_seconds.tool"),
+        ({"hard_seconds": {"dreaming": 900.0}}, "hard_seconds.dreaming"),
+        ({"grace_seconds": -1.0}, "grace_seconds"),
+    ):
+        with pytest.raises(ValueError, match=f"^{setting}"):
+            WatchdogPolicy.from_snapshot({**WatchdogPolicy().snapshot(), **damage})
