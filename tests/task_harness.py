@@ -159,6 +159,7 @@ async def open_rig(
     identity: Mapping[int, bool | None] | None = None,
     survivors: Mapping[int, tuple[int, ...]] | None = None,
     state: str = "state",
+    route: ModelRoute = ROUTE,
 ) -> AsyncIterator[Rig]:
     model = ScriptedModel(scenario=Scenario(steps=list(steps)))
     workers = InProcessWorkers(
@@ -174,7 +175,7 @@ async def open_rig(
         open_task_runner(
             store,
             workers=workers,
-            route=ROUTE,
+            route=route,
             policy=policy,
             clocks=clocks,
             ledger=ledger,

@@ -117,6 +117,9 @@ class ModelRoute:
     """Pi counts a model as available only with some key; never a real credential."""
     context_window: int = 128_000
     max_tokens: int = 4096
+    thinking_level: str = "off"
+    """The reasoning level a session of this route is created with (its
+    ``thinking_level_change``); a model with a level other than ``off`` is declared reasoning."""
 
     def models_json(self) -> dict[str, Any]:
         provider: dict[str, Any] = {"api": self.api, "apiKey": self.api_key}
@@ -126,7 +129,7 @@ class ModelRoute:
             {
                 "id": self.model,
                 "name": self.model,
-                "reasoning": False,
+                "reasoning": self.thinking_level != "off",
                 "input": ["text"],
                 "contextWindow": self.context_window,
                 "maxTokens": self.max_tokens,

@@ -24,16 +24,13 @@ from typing import Any, Protocol, assert_never
 
 import trio
 
-from .._errors import PiRuntimeError, RpcError
-from .._pi._launch import ModelRoute
+from .._errors import RpcError
 from .._pi._rpc_protocol import Event
-from .._pi._session import contains_path
-from .._pi._session_files import aread_session
 from .._records import ToolIntent
 from ._guards import GuardEvidence, failed_guards
 from ._lifecycle import TaskState
 from ._session import marker_in_session, session_size
-from ._state import continuation_prompt, route_snapshot
+from ._state import continuation_prompt
 from ._view import LaneFacts
 from ._watch import watch_event
 from ._watchdog import (
@@ -54,7 +51,7 @@ from ._watchdog import (
 )
 from ._workers import TaskWorker
 
-__all__ = ["EpochEnd", "EpochHost", "EpochOwner", "EpochWatch"]
+__all__ = ["EpochEnd", "EpochOwner", "EpochWatch"]
 
 MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
 """What an operator's resume must still prove (TL8): the look stands in for the rest."""
@@ -73,21 +70,12 @@ class EpochEnd(enum.StrEnum):
     """An operator resumed a held task."""
 
 
-class EpochHost(Protocol):
-    """What an epoch's watch reads of the lane's host."""
-
-    @property
-    def route(self) -> ModelRoute: ...
-
-
 class EpochOwner(LaneFacts, Protocol):
     """Everything :class:`EpochWatch` uses of its task lane, and nothing more: the coupling
     between one epoch's watch and the lane that owns it, on one page
     (:class:`~runtime._tasks._lane.TaskLane` is the one implementation): what every reader
     sees (:class:`~runtime._tasks._view.LaneFacts`), and these."""
 
-    @property
-    def host(self) -> EpochHost: ...
     @property
     def policy(self) -> WatchdogPolicy:
         """The task's frozen policy (WD14)."""
@@ -110,6 +98,9 @@ class EpochOwner(LaneFacts, Protocol):
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
     ) -> None: ...
     async def reserve(self) -> None: ...
+    async def route_problem(self) -> str | None:
+        """Why the session and route are not the attested ones (TL4), or None."""
+
     async def record_marker(self, action_id: str) -> None: ...
     async def resumed_progress(self) -> None: ...
     async def note_hold(self) -> None: ...
@@ -385,19 +376,14 @@ class EpochWatch:
         )
 
     async def _attested(self) -> bool | None:
-        """Same session (path prefix), route and worktree as recorded (WD10)."""
-        lane = self.lane
-        if lane.task.route != route_snapshot(lane.host.route):
+        """Same session (path prefix, model and level), route and worktree as recorded
+        (WD10, TL4); unknown when nothing was attested yet or the session cannot be read."""
+        problem = await self.lane.route_problem()
+        if problem is not None and problem != "session_unreadable":
             return False
-        if not lane.worktree.is_dir():
-            return False
-        if lane.attestation is None:
+        if problem is not None or self.lane.attestation is None:
             return None
-        try:
-            read = await aread_session(lane.session)
-        except (OSError, PiRuntimeError):
-            return None
-        return contains_path(read.session, lane.attestation)
+        return True
 
     async def _send_continuation(self, action_id: str, observed: str) -> None:
         """The completion prompt on the live worker (WD8), idempotent by its marker (TL5)."""

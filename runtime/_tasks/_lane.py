@@ -74,7 +74,8 @@ from ._state import (
     continuation_prompt,
     read_lane,
     reply_prompt,
-    route_snapshot,
+    route_change,
+    session_route_change,
     task_policy,
 )
 from ._view import task_view
@@ -345,6 +346,7 @@ class TaskLane:
                     cwd=str(self.worktree),
                     provider=str(self.task.route.get("provider", "")),
                     model_id=str(self.task.route.get("model", "")),
+                    thinking_level=str(self.task.route.get("thinking_level", "off")),
                     clock=self.host.clocks.wall,
                 )
 
@@ -597,10 +599,15 @@ class TaskLane:
 
     async def _replacement(self, observed: str) -> None:
         """After a fence, an exit or a restart: settle the session, charge the budget, re-attest
-        and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe."""
+        and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe; the route
+        and the session are attested before anything is written or charged (TL4)."""
         never = self.unsettled_effects()
         if never and self._operator != "forced":
             await self.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
+            return
+        problem = await self.route_problem()
+        if problem is not None:
+            await self.hold(problem)
             return
         await self._reconcile_marker()
         reserve_id = self._next_continuation_id("reserve")
@@ -611,12 +618,9 @@ class TaskLane:
                 return
             await self.reserve()
         number = self.continuations
-        read = await aread_session(self.session)  # TL4: attested before anything is written
-        if self.attestation is not None and not contains_path(read.session, self.attestation):
-            await self.hold("session_attestation_mismatch")
-            return
-        if self.task.route != route_snapshot(self.host.route):
-            await self.hold("route_changed")
+        problem = await self.route_problem()  # TL4: again after the awaits, before the write
+        if problem is not None:
+            await self.hold(problem)
             return
         await self._settle_session()
         read = await aread_session(self.session)
@@ -635,6 +639,25 @@ class TaskLane:
         prompt = continuation_prompt(action_id, observed, reply=reply)
         self._next = ("continuation", prompt, action_id)
         self.changed()
+
+    async def route_problem(self) -> str | None:
+        """Why the next worker would not continue the task's own session on its own route
+        (TL4), as a hold reason; None when every part is attested: the host's route is the
+        frozen one (provider, model, endpoint, API kind, reasoning level), the session's
+        path begins with the attested one and names the frozen model and level, and the
+        worktree is there. An unreadable session proves nothing and is a reason too."""
+        change = route_change(self.task.route, self.host.route)
+        if change is not None:
+            return change
+        if not self.worktree.is_dir():
+            return "worktree_missing"
+        try:
+            read = await aread_session(self.session)
+        except (OSError, PiRuntimeError):
+            return "session_unreadable"
+        if self.attestation is not None and not contains_path(read.session, self.attestation):
+            return "session_attestation_mismatch"
+        return session_route_change(self.task.route, read.session)
 
     async def _settle_session(self) -> None:
         """Answer what the previous worker left dangling in the session (TL5, WD10)."""

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -25,7 +25,7 @@ import msgspec
 from .._errors import ReasonCode, TaskError
 from .._journal._store import lane_key
 from .._pi._launch import ModelRoute
-from .._pi._session import Attestation
+from .._pi._session import Attestation, Session
 from .._records import (
     ContinuationSent,
     EpochFenced,
@@ -54,7 +54,9 @@ __all__ = [
     "inference_costs",
     "read_lane",
     "reply_prompt",
+    "route_change",
     "route_snapshot",
+    "session_route_change",
     "submitted_record",
     "task_policy",
 ]
@@ -233,8 +235,49 @@ def _apply_action(state: LaneState, action: OutboxAction) -> None:
 
 
 def route_snapshot(route: ModelRoute) -> dict[str, Any]:
-    """The frozen route of a task: what names the model, never a key."""
-    return {"provider": route.provider, "model": route.model}
+    """The frozen route of a task (TL4): provider, model, endpoint, API kind and reasoning
+    level — everything that decides which model answers and how; never a key."""
+    return {
+        "provider": route.provider,
+        "model": route.model,
+        "endpoint": route.base_url,
+        "api": route.api,
+        "thinking_level": route.thinking_level,
+    }
+
+
+_ROUTE_REQUIRED: Final = ("provider", "model")
+
+
+def route_change(frozen: Mapping[str, Any], route: ModelRoute) -> str | None:
+    """The hold reason when ``route`` is not the frozen one (TL4): ``route_changed:<part>``
+    naming the first part that differs, else None. A snapshot written before a part was
+    frozen is compared on the parts it has, provider and model always."""
+    current = route_snapshot(route)
+    for part, value in current.items():
+        if (part in frozen or part in _ROUTE_REQUIRED) and frozen.get(part) != value:
+            return f"route_changed:{part}"
+    return None
+
+
+def session_route_change(frozen: Mapping[str, Any], session: Session) -> str | None:
+    """The hold reason when the session would resume on another route than the frozen one
+    (TL4): its last ``model_change`` and ``thinking_level_change`` on the current path are
+    what Pi continues with. ``route_changed:session.<part>``, else None."""
+    model: dict[str, Any] = {}
+    level: str | None = None
+    for entry in session.path_to_root():
+        if entry.type == "model_change":
+            model = entry.raw
+        elif entry.type == "thinking_level_change":
+            level = entry.raw.get("thinkingLevel")
+    found = {"provider": model.get("provider"), "model": model.get("modelId")}
+    if "thinking_level" in frozen:
+        found["thinking_level"] = level
+    for part, value in found.items():
+        if frozen.get(part) != value:
+            return f"route_changed:session.{part}"
+    return None
 
 
 def check_spec(spec: TaskSpec) -> None:

@@ -6,7 +6,9 @@ guess, nothing a person said is lost. In-process Fake-Pi on virtual time
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -14,6 +16,7 @@ import trio
 from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
+from runtime._pi._session import parse_session
 from runtime._records import (
     ContinuationSent,
     EpochFenced,
@@ -25,7 +28,7 @@ from runtime._records import (
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
 
-from ..task_harness import TASK, Rig, done, open_rig, say, wait
+from ..task_harness import ROUTE, TASK, Rig, done, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
 
@@ -411,3 +414,79 @@ async def test_wd14_a_frozen_policy_this_version_cannot_read_holds_the_task(
         assert reason.startswith("policy_unreadable:max_replacements")
         assert rig.workers.launched == []
         assert [a.detail["reason"] for a in actions(await rig.records(), "hold")] == [reason]
+
+
+# ------------------------------- TL4: the whole route is frozen and attested before a write
+
+
+def _session_bytes(tmp_path: Path) -> bytes:
+    (path,) = (tmp_path / "state" / "lanes").glob("*/session.jsonl")
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("changed", "reason"),
+    [
+        ({"base_url": "http://127.0.0.1:9/other"}, "route_changed:endpoint"),
+        ({"api": "anthropic-messages"}, "route_changed:api"),
+        ({"thinking_level": "high"}, "route_changed:thinking_level"),
+        ({"model": "another-model"}, "route_changed:model"),
+    ],
+)
+async def test_tl4_a_restart_on_another_route_holds_before_any_write_or_charge(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    changed: dict[str, Any],
+    reason: str,
+) -> None:
+    """The host restarts configured with another endpoint, API kind, reasoning level or
+    model: the task holds naming the part, before it writes to the session, charges a
+    replacement or launches a worker."""
+    async with open_rig(tmp_path, clocks, [done()], behaviours={1: WEDGED}) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until_logged(lambda log: launched(log, 1))
+    before = _session_bytes(tmp_path)
+    other = dataclasses.replace(ROUTE, **changed)
+    async with open_rig(tmp_path, clocks, [done(), say()], route=other) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.runner.show(TASK).hold_reason == reason
+        records = await rig.records()
+        assert actions(records, "reserve") == []
+        assert rig.workers.launched == []
+    assert _session_bytes(tmp_path) == before
+
+
+async def test_tl4_a_session_moved_to_another_model_holds_the_replacement(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The session the next worker would resume names another model than the frozen route
+    (the worker switched it): the replacement holds ``route_changed:session.model`` instead
+    of resuming a session on a route the task was never given."""
+    async with open_rig(tmp_path, clocks, [done()], behaviours={1: WEDGED}) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until_logged(lambda log: launched(log, 1))
+    (path,) = (tmp_path / "state" / "lanes").glob("*/session.jsonl")
+    session = parse_session(path.read_bytes()).require_clean()
+    switch = {"type": "model_change", "provider": "fake", "modelId": "another-model"}
+    entry = session.new_entry(switch, time_ms=1)
+    path.write_bytes(session.with_entry(entry).to_bytes())
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.runner.show(TASK).hold_reason == "route_changed:session.model"
+        assert rig.workers.launched == []
+
+
+async def test_tl4_a_route_changed_under_a_wedged_worker_fails_the_fences_guard(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The fence's attestation guard is the same proof: the host's route no longer the
+    frozen one → the guard fails and the wedged worker is held, not fenced."""
+    async with open_rig(tmp_path, clocks, [done()], behaviours={1: WEDGED}) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until_logged(lambda log: launched(log, 1))
+        rig.runner.host.route = dataclasses.replace(ROUTE, base_url="http://127.0.0.1:9/x")
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.runner.show(TASK).hold_reason == "guard:attested"
+        assert actions(await rig.records(), "fence") == []
+        assert rig.workers.launched == [1]
