@@ -114,6 +114,10 @@ class ScriptedModel:
     directives: bool = False
     """Honour ``#…`` directives in the last user text (tests only)."""
     model_id: str = "fake-model"
+    call_id_prefix: str = "call"
+    """Server-numbered tool-call ids are ``<prefix>_<n>``, unique over this model's life. A
+    test that restarts a host on the same session with a new model gives it another prefix,
+    as a real provider's ids never repeat."""
     requests: list[ReceivedRequest] = field(default_factory=list)
     _next: int = 0
     _call_counter: int = 0
@@ -225,7 +229,7 @@ class ScriptedModel:
                     self._call_counter += 1
                     head: dict[str, Any] = {"index": index, "type": "function"}
                     if not omit_ids:
-                        head["id"] = call.id or f"call_{self._call_counter}"
+                        head["id"] = call.id or f"{self.call_id_prefix}_{self._call_counter}"
                     head["function"] = {"name": call.name, "arguments": ""}
                     yield chunk({"tool_calls": [head]})
                     arguments = _json.encode(call.arguments).decode()

@@ -145,6 +145,7 @@ class ReasonCode(enum.StrEnum):
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
     # a task lane's worktree evidence: manifest and candidate checkpoint (docs/design/watchdog.md)
     WORKTREE_MISSING = "worktree_missing"
+    WORKTREE_LEASED = "worktree_leased"
     WORKTREE_CHANGED = "worktree_changed"
     WORKTREE_UNREADABLE = "worktree_unreadable"
     CHECKPOINT_FAILED = "checkpoint_failed"

@@ -7,6 +7,7 @@ scripted model called directly, on ``autojump_clock``: a 20-minute stall takes m
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,14 +100,18 @@ class Rig:
                 await self.changed.wait()
 
     async def until_logged(
-        self, predicate: Callable[[list[Record]], bool], *, within: float = WAIT_BOUND
+        self,
+        predicate: Callable[[list[Record]], bool],
+        *,
+        task_id: str = TASK,
+        within: float = WAIT_BOUND,
     ) -> None:
         """Wait until ``predicate(lane log records)`` holds: a record appended without a
         lane event (an epoch's end, a prompt marker) is looked for once a virtual second;
         fails after ``within`` virtual seconds."""
         with trio.fail_after(within):
             while True:
-                if predicate(await self.records()):
+                if predicate(await self.records(task_id)):
                     return
                 await trio.sleep(1)
 
@@ -161,7 +166,11 @@ async def open_rig(
     state: str = "state",
     route: ModelRoute = ROUTE,
 ) -> AsyncIterator[Rig]:
-    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    # every host its own call ids: a real provider never repeats one (the in-process worker
+    # has no gateway, so the gate tells rounds apart by the call id alone)
+    model = ScriptedModel(
+        scenario=Scenario(steps=list(steps)), call_id_prefix=f"call_{secrets.token_hex(4)}"
+    )
     workers = InProcessWorkers(
         model=model,
         behaviours=dict(behaviours or {}),

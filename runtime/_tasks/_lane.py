@@ -110,6 +110,8 @@ class TaskHost:
     work_root: Path | None = None
     on_change: Callable[[TaskLane], None] = lambda lane: None
     """Called whenever a lane's classification or state changes (events, diagnostics)."""
+    leaseholder: Callable[[TaskSubmitted], str | None] = lambda task: None
+    """The live task that holds the worktree lease a task needs, if another does (TL13)."""
     log: Callable[[str], None] = lambda line: None
 
 
@@ -121,6 +123,7 @@ class TaskLane:
         "_finished",
         "_log",
         "_next",
+        "_opened",
         "_operator",
         "_policy_problem",
         "_recorded_hold",
@@ -128,6 +131,7 @@ class TaskLane:
         "_restart_survivors",
         "_restarted",
         "_resume_pending",
+        "_settle_first",
         "_undelivered",
         "_wake",
         "actions",
@@ -217,6 +221,9 @@ class TaskLane:
         """(kind, text, continuation action id) of the next prompt."""
         self._finished = trio.Event()
         self._recovery_started_ms: int | None = None
+        self._opened = False
+        self._settle_first = False
+        """A host that died left the last epoch's session: settle it before the next launch."""
 
     # -- the runner's view ---------------------------------------------------------------
 
@@ -290,10 +297,20 @@ class TaskLane:
 
     # -- the lane's task -------------------------------------------------------------------
 
+    async def open(self) -> None:
+        """Prepare the lane's directories and session and restore it from its log (LK7,
+        WD11, TL6), once: the runner opens every unfinished lane before it serves anyone, so
+        a control that comes right after a restart meets the restored task (a waiting task
+        waits, a held one is held)."""
+        if self._opened:
+            return
+        await self._prepare()
+        await self._restore()
+        self._opened = True
+
     async def run(self) -> None:
         try:
-            await self._prepare()
-            await self._restore()
+            await self.open()
             while self.ended is None:
                 await self._step()
         finally:
@@ -331,6 +348,10 @@ class TaskLane:
             await self._replacement("the runtime restarted and the previous worker is gone")
             if self._held():
                 return
+        holder = self.host.leaseholder(self.task)
+        if holder is not None:  # TL13: never two live tasks in one worktree
+            await self.hold(f"worktree_leased:{holder}")
+            return
         await self._run_epoch()
 
     def _held(self) -> bool:
@@ -383,6 +404,7 @@ class TaskLane:
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
             self._restarted = True
             self._fenced = True  # the dead host's epoch is superseded: its fence moves (LK2)
+        self._settle_first = self.epochs > 0 and self.ended is None
         if self.record is not None and self.epochs > 0:
             stopped = await self._kill_leftovers(self.record)
             if stopped.clean:
@@ -422,6 +444,9 @@ class TaskLane:
         if not self.kernel.begin_epoch(number, fenced=self._fenced):  # LK6
             return
         self._fenced = False
+        if self._settle_first:  # the dead host's worker may have left a call unanswered
+            self._settle_first = False
+            await self._settle_session()
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
         identity = {"epoch": number, "fence": self.kernel.fence}  # LK2 keys, restored as such
@@ -645,12 +670,16 @@ class TaskLane:
         (TL4), as a hold reason; None when every part is attested: the host's route is the
         frozen one (provider, model, endpoint, API kind, reasoning level), the session's
         path begins with the attested one and names the frozen model and level, and the
-        worktree is there. An unreadable session proves nothing and is a reason too."""
+        worktree is there and leased to this task alone (TL13). An unreadable session proves
+        nothing and is a reason too."""
         change = route_change(self.task.route, self.host.route)
         if change is not None:
             return change
         if not self.worktree.is_dir():
             return "worktree_missing"
+        holder = self.host.leaseholder(self.task)
+        if holder is not None:  # TL13: one live task per worktree
+            return f"worktree_leased:{holder}"
         try:
             read = await aread_session(self.session)
         except (OSError, PiRuntimeError):

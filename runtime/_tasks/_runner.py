@@ -93,12 +93,39 @@ class TaskRunner:
                 policy=self.host.policy,
                 now_ms=self.host.clocks.wall.time_ms(),
             )
+            holder = next(
+                (
+                    t
+                    for t, lane in self.lanes.items()
+                    if overlap(lane.task.worktree, record.worktree)
+                ),
+                None,
+            )
+            if holder is not None:  # TL13: one live task per worktree
+                raise TaskError(
+                    ReasonCode.WORKTREE_LEASED,
+                    f"worktree {record.worktree} is leased to live task {holder!r} "
+                    "(it, or a directory inside it or around it): one live task per worktree",
+                )
             log = await self.host.store.open_lane_log(f"task:{spec.task_id}")
             await log.append(record)  # durable before anything runs
             lane = TaskLane(self.host, record, log)
             self.lanes[spec.task_id] = lane
             self._nursery.start_soon(self._run_lane, lane)
             return lane.view()
+
+    def leaseholder(self, task: TaskSubmitted) -> str | None:
+        """The live task holding the worktree lease ``task`` needs (TL13): one not ended
+        whose worktree is ``task``'s, inside it or around it, admitted before it (the lease
+        is the durable submission until its end record). Only a log written before the
+        lease existed can have two; the later one then holds."""
+        mine = (task.submitted_ms, task.task_id)
+        for lane in self.lanes.values():
+            other = lane.task
+            earlier = (other.submitted_ms, other.task_id) < mine
+            if earlier and overlap(other.worktree, task.worktree):
+                return other.task_id
+        return None
 
     def lane(self, task_id: str) -> TaskLane:
         """The live lane of ``task_id``: ``task_ended`` once it has ended, else
@@ -222,7 +249,8 @@ class TaskRunner:
         )  # fmt: skip
 
     async def _recover(self) -> None:
-        """Resume every task whose log has no end (TL7)."""
+        """Resume every task whose log has no end (TL7), once all of them are known (their
+        worktree leases, TL13)."""
         lanes = self.host.store.root / "lanes"
         found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
         for path in found:
@@ -242,6 +270,11 @@ class TaskRunner:
                 self._retire(lane)
                 continue
             self.lanes[submitted.task_id] = lane
+        for lane in list(self.lanes.values()):  # every lease is known before any lane runs
+            try:
+                await lane.open()  # restored before anyone is served (a reply, a resume)
+            except Exception as error:  # this lane alone fails (TL11); run() reports it
+                lane.failure = error
             self._nursery.start_soon(self._run_lane, lane)
 
     def _retire(self, lane: TaskLane) -> None:
@@ -306,6 +339,7 @@ async def open_task_runner(
     )
     async with trio.open_nursery() as nursery:
         runner = TaskRunner(host, nursery)
+        host.leaseholder = runner.leaseholder
         await runner._recover()
         try:
             yield runner
@@ -319,3 +353,8 @@ def check_policy(policy: WatchdogPolicy) -> None:
     if problems:
         setting, why = problems[0]
         raise TaskError(ReasonCode.WATCHDOG_CONFIG_INVALID, f"watchdog.{setting}: {why}")
+
+
+def overlap(a: str, b: str) -> bool:
+    """Whether two absolute real paths are one directory or one lies inside the other."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")

@@ -545,7 +545,11 @@ async def test_two_lanes_on_one_runner_each_have_their_own_gate(tmp_path: Path) 
     with trio.fail_after(LIMIT):
         async with open_fence_rig(tmp_path, "fake", DoneOnEveryPrompt()) as rig:
             for task_id in tasks:
-                spec = msgspec.structs.replace(rig.spec(prompt=f"do {task_id}"), task_id=task_id)
+                worktree = tmp_path / task_id  # one live task per worktree (TL13)
+                worktree.mkdir()
+                spec = msgspec.structs.replace(
+                    rig.spec(prompt=f"do {task_id}"), task_id=task_id, worktree=str(worktree)
+                )
                 await rig.runner.submit(spec)
             for task_id in tasks:
                 ended = await rig.runner.wait(task_id)

@@ -10,12 +10,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
 from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
+from runtime._errors import TaskError
 from runtime._pi._session import parse_session
 from runtime._records import (
     ContinuationSent,
@@ -216,14 +218,13 @@ async def test_lk8_a_reply_recorded_before_a_host_crash_reaches_the_next_worker_
     # The reply is recorded, and the host dies before the epoch it wakes is launched: the
     # test leaves the rig right after the reply returns, so the lane is cancelled at its next
     # checkpoint (deterministic under Trio). The reply must reach the next host's worker.
-    steps: list[Step] = [wait(), say("asked"), done(), say()]  # by turn in the session
-    async with open_rig(tmp_path, clocks, steps) as rig:
+    async with open_rig(tmp_path, clocks, [wait(), say("asked")]) as rig:
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
         # until epoch 1 is stopped and the lane parked
         await rig.until_logged(lambda log: any(isinstance(r, EpochFenced) for r in log))
         await rig.runner.reply(TASK, "the blue one")
-    async with open_rig(tmp_path, clocks, steps) as rig:  # the host restarts
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:  # the host restarts
         ended = await rig.ended(TASK)
         assert ended.state == "done"
         assert _replies_sent(rig, "the blue one") == 1  # inside the one continuation
@@ -362,7 +363,10 @@ async def test_wd14_a_restart_with_a_larger_budget_refunds_nothing_to_a_running_
         assert (view.budget["epochs_used"], view.budget["epochs_left"]) == (1, 0)
         assert rig.runner.lanes[TASK].policy == small  # thresholds too, not only the budget
         assert rig.workers.launched == []
-        other = await rig.runner.submit(rig.spec(task_id="new-task"))
+        elsewhere = tmp_path / "another-worktree"
+        elsewhere.mkdir()
+        spec = msgspec.structs.replace(rig.spec(task_id="new-task"), worktree=str(elsewhere))
+        other = await rig.runner.submit(spec)
         assert other.budget["epochs_left"] == 5
         assert rig.runner.lanes["new-task"].policy == large
 
@@ -490,3 +494,75 @@ async def test_tl4_a_route_changed_under_a_wedged_worker_fails_the_fences_guard(
         assert rig.runner.show(TASK).hold_reason == "guard:attested"
         assert actions(await rig.records(), "fence") == []
         assert rig.workers.launched == [1]
+
+
+# --------------------------------------------------- TL13: one live task per worktree
+
+
+async def test_tl13_a_second_live_task_on_a_worktree_is_refused_until_the_first_ends(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """While a task lives (here: waiting on a reply) its worktree is leased: another task on
+    it, on a directory inside it or on one around it is refused ``worktree_leased``, after a
+    host restart too; once the first ends, the worktree is free."""
+    async with open_rig(tmp_path, clocks, [wait()]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        inner = rig.worktree / "src"
+        inner.mkdir()
+        for path in (rig.worktree, inner, rig.worktree.parent):
+            spec = msgspec.structs.replace(rig.spec(task_id="second"), worktree=str(path))
+            with pytest.raises(TaskError) as refused:
+                await rig.runner.submit(spec)
+            assert refused.value.code == "worktree_leased"
+            assert TASK in str(refused.value)
+    async with open_rig(tmp_path, clocks, [done(), say(), done(), say()]) as rig:  # durable
+        with pytest.raises(TaskError, match="is leased to live task"):
+            await rig.runner.submit(rig.spec(task_id="second"))
+        await rig.runner.reply(TASK, "go on")
+        assert (await rig.ended(TASK)).state == "done"
+        # the dead host's worker never wrote the wait's answer: settled before the launch
+        tool_results = [m.get("content") for m in rig.model.requests[0].body["messages"]
+                        if m.get("role") == "tool"]  # fmt: skip
+        assert tool_results
+        assert "Accepted: waiting" in str(tool_results[0])
+        second = await rig.runner.submit(rig.spec(task_id="second"))
+        assert second.task_id == "second"
+        assert (await rig.ended("second")).state == "done"
+
+
+async def test_tl13_two_live_logs_on_one_worktree_the_later_task_holds(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two live task logs on one worktree (written by a version without the lease), both
+    waiting when the host restarts: the reply to the task admitted later does not launch
+    it — it holds ``worktree_leased:<first>`` — until the first has ended and an operator
+    resumes it; then it runs, with the reply."""
+    async with open_rig(tmp_path, clocks, [wait(), say(), wait(), say()]) as rig:
+        monkeypatch.setattr("runtime._tasks._runner.overlap", lambda a, b: False)
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await trio.sleep(1)  # admitted a virtual second later
+        await rig.runner.submit(rig.spec(task_id="second"))
+        await rig.until(lambda: rig.runner.show("second").state == "waiting")
+        monkeypatch.undo()
+    async with open_rig(tmp_path, clocks, [done(), say(), done(), say()]) as rig:
+        await rig.runner.reply("second", "the second answer")
+        await rig.until(lambda: rig.runner.show("second").classification == HELD)
+        assert rig.runner.show("second").hold_reason == f"worktree_leased:{TASK}"
+        rig.runner.resume("second")  # too early: the first still holds the lease
+        leased = f"worktree_leased:{TASK}"
+        await rig.until_logged(
+            lambda log: [a.detail["reason"] for a in actions(log, "hold")].count(leased) == 2,
+            task_id="second",
+        )
+        assert rig.runner.show("second").hold_reason == leased
+        assert rig.workers.launched == []
+        await rig.runner.reply(TASK, "go on")
+        assert (await rig.ended(TASK)).state == "done"
+        rig.runner.resume("second")
+        assert (await rig.ended("second")).state == "done"
+        assert _replies_sent(rig, "the second answer") == 1

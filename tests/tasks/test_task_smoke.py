@@ -349,8 +349,8 @@ def query_json(cwd: Path, *args: str) -> dict[str, Any]:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def make_worktree(root: Path) -> Path:
-    worktree = root / "worktree"
+def make_worktree(root: Path, name: str = "worktree") -> Path:
+    worktree = root / name
     worktree.mkdir()
     (worktree / "README.md").write_text("a task's worktree\n")
     return worktree
@@ -447,6 +447,7 @@ class Smoke:
 
     root: Path
     worktree: Path
+    """Each task's worktree is a directory of its own in here."""
     state: Path
     model: SmokeModel
     terminal: Callable[..., Terminal]
@@ -459,7 +460,10 @@ class Smoke:
 
     def run_task(self, task_id: str, mode: str) -> Terminal:
         """``pi-runtime task run … --wait`` through the server, printing the task's events."""
-        follow = self.terminal(self.root, *run_args(self.worktree, self.state, task_id, mode,
+        worktree = self.worktree / task_id  # one live task per worktree (TL13)
+        if not worktree.exists():
+            make_worktree(self.worktree, name=task_id)
+        follow = self.terminal(self.root, *run_args(worktree, self.state, task_id, mode,
                                                     "--wait"))  # fmt: skip
         follow.expect(rf"^task {task_id}: started on the server \(state open\)$")
         return follow
@@ -602,7 +606,8 @@ def test_smoke_fence_resume_wait_reply_and_abort_under_the_test_time_scale(
     by its own ``task run --wait`` terminal, controlled from more terminals."""
     model = SmokeModel()
     with model_thread(model) as url, terminals() as terminal:
-        smoke = Smoke(tmp_path, make_worktree(tmp_path), tmp_path / "state", model, terminal)
+        smoke = Smoke(tmp_path, make_worktree(tmp_path, "worktrees"), tmp_path / "state", model,
+                      terminal)  # fmt: skip
         try:
             serve = terminal(
                 tmp_path, "serve", "--port", "0", "--config", str(write_config(tmp_path, url)),
