@@ -40,6 +40,7 @@ from ._watchdog import (
     Exited,
     FenceStarted,
     GuardsFailed,
+    Phase,
     Probe,
     ProbeAnswered,
     Progress,
@@ -50,8 +51,13 @@ from ._watchdog import (
     WatchdogPolicy,
 )
 from ._workers import TaskWorker
+from ._worktree import WorktreeStamp, worktree_stamp
 
 __all__ = ["EpochEnd", "EpochOwner", "EpochWatch"]
+
+WORKTREE_SCAN_TICKS = 6
+"""The worktree progress scan runs every this many ticks (30 s at the production 5 s tick;
+scaled with the tick under the unsafe time scale): far inside the 300 s soft threshold."""
 
 MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
 """What an operator's resume must still prove (TL8): the look stands in for the rest."""
@@ -119,6 +125,9 @@ class EpochWatch:
         self._probes = 0
         self._decided_at: float | None = None
         """When this epoch's worker was first seen past a lifecycle decision (LK9)."""
+        self._stamp: WorktreeStamp | None = None
+        """The worktree as the last progress scan saw it (WD1)."""
+        self._ticks = 0
         self._eligible: tuple[int, int, int] | None = None
         """(progress sequence, session size, probe number) when the fence probe found
         nothing new."""
@@ -234,6 +243,10 @@ class EpochWatch:
             now, awake = lane.readings()
             if await self._quiesced(now):
                 return
+            if self._ticks % WORKTREE_SCAN_TICKS == 0:
+                await self._worktree_progress()
+            self._ticks += 1
+            now, awake = lane.readings()
             before = lane.watchdog.classification
             actions = lane.watchdog.feed(Tick(now, awake))
             lane.check_recovery_budget()
@@ -242,6 +255,28 @@ class EpochWatch:
                 lane.changed()
             self._execute(actions)
             await trio.sleep(lane.policy.tick_seconds)
+
+    async def _worktree_progress(self) -> None:
+        """A change in the worktree since the last look is progress of the worker (WD1): a
+        bounded stat scan (:func:`~runtime._tasks._worktree.worktree_stamp`) off the loop,
+        every :data:`WORKTREE_SCAN_TICKS` ticks. The first look of an epoch is its baseline;
+        a settled worker's phase is not changed by it (what it left running is no turn)."""
+        lane = self.lane
+        stamp = await trio.to_thread.run_sync(worktree_stamp, lane.worktree)
+        previous, self._stamp = self._stamp, stamp
+        wd = lane.watchdog
+        if previous is None or stamp is None or stamp.digest == previous.digest:
+            return
+        if not wd.armed or wd.phase is Phase.SETTLED:
+            return
+        now, awake = lane.readings()
+        before = wd.classification
+        wd.feed(Progress(now, awake, wd.phase, "worktree"))
+        lane.telemetry.worktree_changes += 1
+        await lane.resumed_progress()  # WD11: the first progress after a relaunch
+        if wd.classification is not before:
+            await lane.note_hold()  # progress may lift a hold (WD12)
+            lane.changed()
 
     async def _quiesced(self, now: float) -> bool:
         """LK9: a worker still running ``grace_seconds`` after its terminal or wait was

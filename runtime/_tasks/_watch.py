@@ -86,6 +86,8 @@ class Telemetry:
     probes: int = 0
     request_started: float | None = None
     last_token: float | None = None
+    worktree_changes: int = 0
+    """Worktree changes the progress scan saw (WD1)."""
 
     def see(self, kind: str, record: Mapping[str, Any], now: float) -> None:
         """Note one worker event at ``now`` (boottime seconds)."""
@@ -112,4 +114,5 @@ class Telemetry:
             "suspicions": watchdog.suspicions,
             "probes": self.probes,
             "resume_latency_seconds": [round(t, 3) for t in self.resume_latency],
+            "worktree_changes": self.worktree_changes,
         }

@@ -21,10 +21,13 @@ import trio.lowlevel
 from .._errors import ReasonCode, WorktreeError
 
 __all__ = [
+    "STAMP_LIMIT",
     "FileEntry",
     "Manifest",
+    "WorktreeStamp",
     "amanifest",
     "take_manifest",
+    "worktree_stamp",
 ]
 
 
@@ -247,6 +250,68 @@ def take_manifest(root: Path) -> Manifest:
 async def amanifest(root: Path) -> Manifest:
     """:func:`take_manifest` off the Trio loop."""
     return await trio.to_thread.run_sync(take_manifest, root)
+
+
+# --- the progress stamp (WD1) --------------------------------------------------------
+
+STAMP_LIMIT: Final = 20_000
+"""Entries a progress stamp looks at, at most: its cost is bounded whatever the worktree
+holds (``docs/design/performance.md`` measures it)."""
+_STAMP_DOMAIN: Final = b"pi-runtime.worktree-stamp.v1\0"
+
+
+class WorktreeStamp(msgspec.Struct, frozen=True, kw_only=True):
+    """What a cheap look at a worktree saw: a digest over the path, type, size and
+    modification time (ns) of each entry, in a fixed order, never the contents. Any file
+    written, created, removed, renamed or touched among the first :data:`STAMP_LIMIT`
+    entries changes it; ``truncated`` says that entries past the limit were not looked at."""
+
+    digest: str
+    entries: int
+    truncated: bool
+
+
+def worktree_stamp(root: Path, *, limit: int = STAMP_LIMIT) -> WorktreeStamp | None:
+    """A bounded stat scan of ``root`` (blocking): each directory's entries in name order,
+    then its subdirectories, depth first, never entering a symlinked directory or ``.git``
+    (git's own bookkeeping is no work on the task; a commit is a tool call, which is
+    progress anyway). ``None`` when the root cannot be read: no stamp, no claim of
+    progress."""
+    digest = hashlib.blake2b(_STAMP_DOMAIN, digest_size=16)
+    seen = 0
+    pending = [b""]
+    base = os.fsencode(root)
+    try:
+        os.stat(base)
+    except OSError:
+        return None
+    truncated = False
+    while pending and not truncated:
+        rel_dir = pending.pop()
+        try:
+            with os.scandir(os.path.join(base, rel_dir) if rel_dir else base) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:  # vanished or unreadable: what it held is not looked at
+            continue
+        below: list[bytes] = []
+        for entry in entries:
+            if entry.name == b".git":
+                continue
+            if seen >= limit:
+                truncated = True
+                break
+            rel = rel_dir + b"/" + entry.name if rel_dir else entry.name
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # it vanished between the listing and the look
+            seen += 1
+            digest.update(b"%b\0%o\0%d\0%d\0" % (rel, info.st_mode, info.st_size,
+                                                     info.st_mtime_ns))  # fmt: skip
+            if stat.S_ISDIR(info.st_mode):
+                below.append(rel)
+        pending.extend(reversed(below))  # the next looked into: the first by name
+    return WorktreeStamp(digest=digest.hexdigest(), entries=seen, truncated=truncated)
 
 
 # --- the candidate -------------------------------------------------------------------

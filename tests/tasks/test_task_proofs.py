@@ -566,3 +566,34 @@ async def test_tl13_two_live_logs_on_one_worktree_the_later_task_holds(
         rig.runner.resume("second")
         assert (await rig.ended("second")).state == "done"
         assert _replies_sent(rig, "the second answer") == 1
+
+
+# ----------------------------------------- WD1: worktree changes are progress of the worker
+
+
+async def test_wd1_worktree_changes_keep_a_silent_worker_active_and_silence_counts_from_the_last(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The worker says nothing for 2,000 s (its model request hangs) while its worktree
+    changes every 60 s for the first 1,200 s (a build writing files, no output): it stays
+    Active through the soft threshold, and only once the changes stop does silence count —
+    Suspect 300 s after the last change (within one 30 s scan), never before."""
+    steps: list[Step] = [Hang(seconds=2_000), done(), say()]
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until_logged(lambda log: launched(log, 1))
+        start = trio.current_time()
+        build = rig.worktree / "build.log"
+        while trio.current_time() - start < 1_200:
+            with build.open("a") as log:
+                log.write("compiled one more file\n")
+            last_change = trio.current_time()
+            await trio.sleep(60)
+        assert "Suspect" not in rig.classifications()
+        await rig.until(lambda: rig.runner.show(TASK).classification == "Suspect")
+        suspected = rig.first("Suspect")
+        assert suspected is not None
+        assert last_change + 300 <= suspected <= last_change + 300 + 30 + 5
+        assert (await rig.ended(TASK)).state == "done"
+        assert rig.workers.launched == [1]  # never fenced
+        assert rig.runner.show(TASK).telemetry["worktree_changes"] >= 19

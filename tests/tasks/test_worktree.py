@@ -29,7 +29,7 @@ from runtime._tasks._validation import (
     ValidationReceipt,
     run_validation,
 )
-from runtime._tasks._worktree import Manifest, amanifest, take_manifest
+from runtime._tasks._worktree import Manifest, amanifest, take_manifest, worktree_stamp
 
 LIMIT: Final = 30.0
 TREE: Final[Mapping[str, bytes]] = {
@@ -705,3 +705,58 @@ def test_wv1_a_receipt_is_a_plain_record(manifest: Manifest) -> None:
     )
     assert receipt.passed
     assert b"passed" not in msgspec.json.encode(receipt)
+
+
+# --- the progress stamp (WD1 of docs/design/watchdog.md) ------------------------------
+
+
+def _stamp(root: Path, limit: int = 20_000) -> str:
+    stamp = worktree_stamp(root, limit=limit)
+    assert stamp is not None
+    return stamp.digest
+
+
+def test_wd1_the_stamp_changes_with_every_kind_of_write_and_not_with_a_read(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "tree"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "a.py").write_text("a = 1\n")
+    before = _stamp(root)
+    assert (root / "src" / "a.py").read_text() == "a = 1\n"
+    assert _stamp(root) == before  # a read is no change
+    changes: list[Callable[[], object]] = [
+        lambda: (root / "src" / "a.py").write_text("a = 2\n"),  # same size, new mtime
+        lambda: (root / "src" / "b.py").write_text(""),  # created
+        lambda: (root / "src" / "b.py").rename(root / "src" / "c.py"),  # renamed
+        lambda: (root / "src" / "c.py").unlink(),  # removed
+        lambda: os.utime(root / "src" / "a.py", ns=(1, 1)),  # touched back in time
+        lambda: (root / "src" / "a.py").chmod(0o600),  # mode
+        lambda: (root / "deep" / "er").mkdir(parents=True),  # a directory
+    ]
+    seen = {before}
+    for change in changes:
+        change()
+        digest = _stamp(root)
+        assert digest not in seen, change
+        seen.add(digest)
+
+
+def test_wd1_the_stamp_ignores_git_and_is_bounded(tmp_path: Path) -> None:
+    root = tmp_path / "tree"
+    (root / ".git").mkdir(parents=True)
+    for n in range(50):
+        (root / f"f{n:02}").write_text("x")
+    before = worktree_stamp(root)
+    assert before is not None
+    assert (before.entries, before.truncated) == (50, False)
+    (root / ".git" / "index").write_text("refreshed by git status")
+    assert _stamp(root) == before.digest
+    bounded = worktree_stamp(root, limit=10)
+    assert bounded is not None
+    assert (bounded.entries, bounded.truncated) == (10, True)
+    (root / "f49").write_text("past the limit")  # name order: f49 is never looked at
+    assert _stamp(root, limit=10) == bounded.digest
+    (root / "f00").write_text("within it")
+    assert _stamp(root, limit=10) != bounded.digest
+    assert worktree_stamp(tmp_path / "gone") is None
