@@ -171,3 +171,6 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     costs: dict[str, Any] | None = None
     """Model answers and tokens, the task's own and its continuations' apart
     (:func:`inference_costs`): from the log (``task show`` offline, an ended task)."""
+    finalization: dict[str, Any] | None = None
+    """What the last finalization attempt that found the Done tuple incomplete found (its
+    code, what was missing, the manifest, candidate and validation receipt: LK10)."""

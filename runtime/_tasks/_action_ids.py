@@ -48,6 +48,10 @@ class ActionIds:
         """The ``number``-th hold or lift of a hold (WD12)."""
         return f"{self.prefix}/hold{number}"
 
+    def finalize(self, number: int) -> str:
+        """Finalization attempt ``number`` that found the Done tuple incomplete (LK10)."""
+        return f"{self.prefix}/finalize{number}"
+
     def recovery(self, number: int) -> str:
         """The charge of the ``number``-th recovery's time (WD11)."""
         return f"{self.prefix}/recovery{number}"

@@ -5,8 +5,9 @@
 worktree's manifest and a candidate (a commit or an archive), runs the task's validation
 command when it has one, and asks the kernel what of the tuple is missing — the terminal
 receipt, a quiescent epoch (nothing of the worker alive), the candidate and the validation
-matching the manifest. Anything missing ends the task ``held`` with ``task_not_done`` and the
-list; the whole tuple finalizes the kernel and ends it ``done``.
+matching the manifest. Anything missing is an ending ``held`` with ``task_not_done`` and the
+list, which the lane holds on rather than ends (LK10: the operator may retry); the whole
+tuple finalizes the kernel and ends it ``done``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import PiRuntimeError
+from .._errors import PiRuntimeError, ReasonCode
 from .._journal._journal import Journal
 from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
@@ -322,7 +322,7 @@ class TaskLane:
 
     async def _step(self) -> None:
         state = self.kernel.state
-        if state is TaskState.SUCCESS_INTENT:
+        if state is TaskState.SUCCESS_INTENT and not self._held():
             await self._finalize()
             return
         if state in (TaskState.FAILED, TaskState.ABORTED, TaskState.DONE):
@@ -338,7 +338,10 @@ class TaskLane:
             await self._log.unpark()
             if self._operator == "resume":
                 self._operator = None
-                await self._relaunch_after_hold()
+                if self.kernel.state is TaskState.SUCCESS_INTENT:
+                    await self._retry_finalization()  # LK10: the worker is not needed
+                else:
+                    await self._relaunch_after_hold()
             return
         if self._restarted:  # TL7: a host restart replaced the worker
             self._restarted = False
@@ -411,13 +414,21 @@ class TaskLane:
                 self.quiescent_epoch = self.record.epoch  # nothing of it lives (LK4)
             else:
                 self._restart_survivors = stopped.survivors
+        elif self.epochs > 0 and state.launched_in_host(self.epochs):
+            self.quiescent_epoch = self.epochs  # it lived in the host that died (LK4)
         if await self._reply_undelivered(state.last_reply, state.reply_carrier):
             assert state.last_reply is not None
             self.kernel.reply_pending = True
             self._reply_next(state.last_reply)
         self._recorded_hold = state.hold
         hold = state.hold or self._policy_problem  # WD14: never a task on a guessed policy
-        if hold is not None and self.ended is None and not self.kernel.state.terminal:
+        open_ = self.ended is None and not self.kernel.state.terminal
+        unfinished = (  # LK10: an incomplete Done stays held across a restart too
+            self.ended is None
+            and self.kernel.state is TaskState.SUCCESS_INTENT
+            and (state.hold or "").startswith(UNFINISHED)
+        )
+        if hold is not None and (open_ or unfinished):
             self.watchdog.feed(Hold(hold))  # WD12: a hold outlives the host
 
     async def _reply_undelivered(self, reply: TaskReply | None, carrier: str | None) -> bool:
@@ -449,7 +460,11 @@ class TaskLane:
             await self._settle_session()
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
-        identity = {"epoch": number, "fence": self.kernel.fence}  # LK2 keys, restored as such
+        identity = {  # LK2 keys, restored as such; in_host: whether it dies with the host
+            "epoch": number,
+            "fence": self.kernel.fence,
+            "in_host": self.host.workers.in_host,
+        }
         await self.record_action(launch, "launch", "reserved", identity)
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
             read = await aread_session(self.session)
@@ -758,13 +773,36 @@ class TaskLane:
     # -- the end: Done needs the whole tuple (LK4) ----------------------------------------------
 
     async def _finalize(self) -> None:
+        """Done with the whole tuple (LK4); an incomplete one holds, with what it found
+        recorded, for the operator to retry or end (LK10) — never an end of its own."""
         ending = await conclude(
             self.kernel,
             self.task,
             archive_dir=self.archive_dir,
             quiescent_epoch=self.quiescent_epoch,
         )
-        await self._end(ending)
+        if ending.state != "held":
+            await self._end(ending)
+            return
+        number = 1 + sum(a.kind == "finalize" for a in self.actions.values())
+        found = {
+            "code": ending.code,
+            "detail": ending.detail,
+            "manifest": ending.manifest,
+            "candidate": ending.candidate,
+            "validation": ending.validation,
+        }
+        await self.record_action(self.ids.finalize(number), "finalize", "done", found)
+        missing = ending.detail.removeprefix("missing: ").replace(" ", "")
+        shown = missing if ending.code == ReasonCode.TASK_NOT_DONE else str(ending.code)
+        await self.hold(f"{UNFINISHED}{shown}")
+        self.host.log(f"task {self.task_id} not done ({ending.code}): {ending.detail}")
+
+    async def _retry_finalization(self) -> None:
+        """The operator's resume of an incomplete Done: take the tuple again (LK10)."""
+        self.watchdog.feed(TerminalAccepted("done"))  # the success intent, unheld
+        await self.note_hold()
+        self.changed()
 
     async def _end(self, ending: Ending) -> None:
         log = await self.host.store.read(self._log.journal.rel)  # ours and the gateway's
@@ -830,6 +868,10 @@ class TaskLane:
 
     def changed(self) -> None:
         self.host.on_change(self)
+
+
+UNFINISHED = "finalization_incomplete:"
+"""The prefix of the hold an incomplete Done takes (LK10)."""
 
 
 def _survivors(pids: tuple[int, ...]) -> str:

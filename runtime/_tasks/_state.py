@@ -146,6 +146,14 @@ class LaneState:
     recovery_started_ms: int | None = None
     """The start (its first reserve's ``at_ms``) of a recovery still running (WD11)."""
 
+    def launched_in_host(self, epoch: int) -> bool:
+        """Epoch ``epoch`` was launched, recorded as a worker inside its host (it died with
+        it); False for a process worker or a log that does not say."""
+        return any(
+            a.kind == "launch" and a.detail.get("epoch") == epoch and a.detail.get("in_host")
+            for a in self.actions.values()
+        )
+
     @property
     def pending_action(self) -> str | None:
         """The last outbox action reserved and not done."""

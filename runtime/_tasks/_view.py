@@ -5,8 +5,9 @@ no lock, no write)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -15,7 +16,14 @@ from .._journal._journal import read_log
 from .._journal._store import lane_key
 from .._linux._fs import OsFileSystem
 from .._pi._session import Attestation
-from .._records import ContinuationSent, EpochStarted, LogKind, TaskEnded, TaskSubmitted
+from .._records import (
+    ContinuationSent,
+    EpochStarted,
+    LogKind,
+    OutboxAction,
+    TaskEnded,
+    TaskSubmitted,
+)
 from .._wire import TaskView
 from ._guards import Budget
 from ._lifecycle import LifecycleKernel, TaskState
@@ -70,7 +78,15 @@ class Viewed(LaneFacts, Protocol):
     def pending_action(self) -> str | None: ...
     @property
     def ended(self) -> TaskEnded | None: ...
+    @property
+    def actions(self) -> dict[str, OutboxAction]: ...
     def now(self) -> float: ...
+
+
+def last_finalization(actions: Mapping[str, OutboxAction]) -> dict[str, Any] | None:
+    """What the last incomplete finalization attempt found (LK10), if there was one."""
+    attempts = [a for a in actions.values() if a.kind == "finalize"]
+    return dict(attempts[-1].detail) if attempts else None
 
 
 def task_view(lane: Viewed) -> TaskView:
@@ -122,6 +138,7 @@ def task_view(lane: Viewed) -> TaskView:
         telemetry=lane.telemetry.as_dict(wd),
         ended=msgspec.to_builtins(ended) if ended else None,
         costs=ended.costs if ended else None,
+        finalization=last_finalization(lane.actions),
     )
 
 
@@ -230,4 +247,5 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
         telemetry={},
         ended=msgspec.to_builtins(ended) if ended is not None else None,
         costs=inference_costs(records),
+        finalization=last_finalization(state.actions),
     )

@@ -81,6 +81,11 @@ class TaskWorker(Protocol):
 
 
 class WorkerFactory(Protocol):
+    @property
+    def in_host(self) -> bool:
+        """Its workers run inside the host's process: one dies with its host, so a restart
+        has nothing of it to kill (a process worker's tree may outlive the host)."""
+
     def open(self, request: EpochRequest) -> contextlib.AbstractAsyncContextManager[TaskWorker]: ...
 
 
@@ -120,6 +125,10 @@ class _ProcessWorker:
 @dataclass
 class ProcessWorkers:
     """Real worker processes behind a gateway and a gate opened per epoch."""
+
+    @property
+    def in_host(self) -> bool:
+        return False
 
     program: WorkerProgram
     route: ModelRoute

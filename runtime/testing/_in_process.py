@@ -87,6 +87,11 @@ class InProcessWorkers:
     """Per epoch number: the pids its stop reports as surviving (default: none)."""
     launched: list[int] = field(default_factory=list)
 
+    @property
+    def in_host(self) -> bool:
+        """Fake-Pi runs in this Trio run: it ends with the host."""
+        return True
+
     @contextlib.asynccontextmanager
     async def open(self, request: EpochRequest) -> AsyncIterator[TaskWorker]:
         _steps, tools = request.journals

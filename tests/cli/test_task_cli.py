@@ -224,24 +224,29 @@ async def test_o13_a_validation_past_its_timeout_is_killed_and_keeps_the_task_fr
     tmp_path: Path,
 ) -> None:
     """``--validate`` with ``--validation-timeout``: the command is killed at its bound, its
-    receipt says so and has not passed, so the task ends held (LK4), not done."""
+    receipt says so and has not passed, so the task is not done: it holds
+    ``finalization_incomplete:validation`` (LK4, LK10), ``task show`` shows the receipt, and
+    the run ends when the operator fails the task."""
     worktree = make_worktree(tmp_path)
     slow = f"{sys.executable} -c 'import time; time.sleep(120)'"
     with trio.fail_after(LIMIT):
         async with scripted_upstream([done(), say()]) as (_model, url):
             config = str(write_config(tmp_path, url))
-            ran = await cli(
-                tmp_path,
-                *run_task(worktree, "tv", "--config", config),
-                "--validate", slow, "--validation-timeout", "0.5",
-            )  # fmt: skip
-    assert ran.returncode == EXIT_FAILED, err(ran)
-    assert err(ran).splitlines()[-1].startswith("pi-runtime: task_not_done: task tv ended held")
-    shown = json.loads(out(await cli(tmp_path, "task", "show", "tv", "--json")))
-    validation = shown["task"]["ended"]["validation"]
-    assert validation["exit_status"] < 0  # killed: a signal, never a pass
-    assert "timed out after 0.5s" in validation["output_tail"]
-    assert validation["duration_ms"] < 60_000
+            args = (*run_task(worktree, "tv", "--config", config),
+                    "--validate", slow, "--validation-timeout", "0.5")  # fmt: skip
+            async with started(tmp_path, *args) as run:
+                await run.printed(rb"hold=finalization_incomplete:validation")
+                shown = json.loads(out(await cli(tmp_path, "task", "show", "tv", "--json")))
+                validation = shown["task"]["finalization"]["validation"]
+                assert validation["exit_status"] < 0  # killed: a signal, never a pass
+                assert "timed out after 0.5s" in validation["output_tail"]
+                assert validation["duration_ms"] < 60_000
+                assert shown["task"]["ended"] is None
+                failed = await cli(tmp_path, "task", "fail", "tv", "--reason", "too slow")
+                assert failed.returncode == EXIT_OK, err(failed)
+                await run.rest()
+                assert run.process.returncode == EXIT_FAILED
+    assert "task tv ended failed: too slow" in (tmp_path / "task.stderr").read_text()
 
 
 async def test_o13_a_standalone_task_run_answers_replies_on_its_admin_socket(

@@ -177,6 +177,10 @@ class EpochWorkers:
     workers: ProcessWorkers
     configs: Mapping[int, Path]
 
+    @property
+    def in_host(self) -> bool:
+        return self.workers.in_host
+
     def open(self, request: EpochRequest) -> contextlib.AbstractAsyncContextManager[TaskWorker]:
         path = self.configs.get(request.number)
         workers = self.workers

@@ -7,6 +7,7 @@ guess, nothing a person said is lost. In-process Fake-Pi on virtual time
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -597,3 +598,53 @@ async def test_wd1_worktree_changes_keep_a_silent_worker_active_and_silence_coun
         assert (await rig.ended(TASK)).state == "done"
         assert rig.workers.launched == [1]  # never fenced
         assert rig.runner.show(TASK).telemetry["worktree_changes"] >= 19
+
+
+# ------------------------------------------ LK10: an incomplete Done is retryable, not an end
+
+
+async def test_lk10_an_incomplete_done_holds_then_the_operators_resume_finalizes_it(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The validation fails (a file it needs is missing): the task is not ended — it holds
+    ``finalization_incomplete:validation`` with what the attempt found recorded, through a
+    restart too. The operator makes the file and resumes: the tuple is taken again and the
+    task ends done, the worker never launched again and charged nothing."""
+    needed = tmp_path / "validation-may-pass"
+    code = f"import os, sys; sys.exit(0 if os.path.exists({str(needed)!r}) else 4)"
+    check = (sys.executable, "-c", code)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=check))
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.runner.show(TASK).hold_reason == "finalization_incomplete:validation"
+    async with open_rig(tmp_path, clocks, []) as rig:  # the host restarts: still held
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await trio.sleep(3600)
+        view = rig.runner.show(TASK)
+        assert (view.state, view.hold_reason) == (
+            "success_intent",
+            "finalization_incomplete:validation",
+        )
+        needed.write_text("fixed by the operator")
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK)
+        assert ended.state == "done"
+        assert ended.validation is not None
+        assert ended.validation["exit_status"] == 0
+        records = await rig.records()
+        assert len(actions(records, "finalize")) == 1  # the one incomplete attempt
+        assert actions(records, "reserve") == []
+        assert rig.workers.launched == []
+
+
+async def test_lk10_an_operator_may_fail_an_incomplete_done(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    check = (sys.executable, "-c", "import sys; sys.exit(4)")
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=check))
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        await rig.runner.fail(TASK, "the validation cannot pass on this branch")
+        ended = await rig.ended(TASK)
+        assert ended.state == "failed"
+        assert "cannot pass" in ended.detail

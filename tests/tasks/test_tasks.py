@@ -44,6 +44,8 @@ from ..task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
 
+HELD = "StalledOperatorRequired"
+
 
 async def test_tl1_done_needs_the_whole_tuple_and_hands_back_a_candidate(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
@@ -474,13 +476,15 @@ async def test_lk4_a_failing_validation_keeps_the_task_from_done(
     check = (sys.executable, "-c", "import sys; sys.exit(4)")
     async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
         await rig.runner.submit(rig.spec(validation=check))
-        ended = await rig.ended(TASK)
-        assert ended.state == "held"
-        assert ended.code == ReasonCode.TASK_NOT_DONE
-        assert "validation" in ended.detail
-        assert ended.validation is not None
-        assert ended.validation["exit_status"] == 4
-        assert ended.candidate is not None  # the candidate survives for the operator
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        view = rig.runner.show(TASK)
+        assert view.state == "success_intent"  # held, not ended: the operator decides (LK10)
+        assert view.hold_reason == "finalization_incomplete:validation"
+        (attempt,) = [a for a in await rig.records() if isinstance(a, OutboxAction)
+                      and a.kind == "finalize"]  # fmt: skip
+        assert attempt.detail["code"] == ReasonCode.TASK_NOT_DONE
+        assert attempt.detail["validation"]["exit_status"] == 4
+        assert attempt.detail["candidate"] is not None  # it survives for the operator
 
 
 async def test_lk4_a_passing_validation_is_part_of_done(
