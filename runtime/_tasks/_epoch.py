@@ -107,6 +107,8 @@ class EpochOwner(LaneFacts, Protocol):
     async def route_problem(self) -> str | None:
         """Why the session and route are not the attested ones (TL4), or None."""
 
+    async def hold(self, reason: str) -> None: ...
+
     async def record_marker(self, action_id: str) -> None: ...
     async def resumed_progress(self) -> None: ...
     async def note_hold(self) -> None: ...
@@ -136,14 +138,18 @@ class EpochWatch:
         """Prompt the epoch (``kind``: a task, a reply or a continuation ``action_id``) and
         watch it until it must end (TL2)."""
         lane = self.lane
-        if action_id is not None and await marker_in_session(lane.session, action_id):
+        present = False if action_id is None else await marker_in_session(lane.session, action_id)
+        if present is None:  # the session cannot say whether it was sent: hold, never guess
+            await lane.hold(f"prompt_marker_unknown:{action_id}")
+        elif present:
             pass  # TL5: this continuation is already in the session; never a second copy
         else:
             await self.worker.rpc.prompt(text)
             lane.kernel.reply_heard()  # the worker has every reply before it reports (LK8)
             if action_id is not None:
                 await lane.record_marker(action_id)
-        lane.prompted()
+        if present is not None:
+            lane.prompted()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._read_events)
@@ -429,7 +435,13 @@ class EpochWatch:
         """Prompt the live worker with ``text`` once (its marker in the log or the session
         means it was sent: TL5); whether it was sent now."""
         lane = self.lane
-        if action_id in lane.markers or await marker_in_session(lane.session, action_id):
+        if action_id in lane.markers:
+            return False
+        present = await marker_in_session(lane.session, action_id)
+        if present is None:  # unknown whether the worker has it: hold (TL5)
+            await lane.hold(f"prompt_marker_unknown:{action_id}")
+            return False
+        if present:
             return False
         await self.worker.rpc.prompt(text)
         lane.kernel.reply_heard()  # LK8

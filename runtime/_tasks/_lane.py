@@ -416,12 +416,15 @@ class TaskLane:
                 self._restart_survivors = stopped.survivors
         elif self.epochs > 0 and state.launched_in_host(self.epochs):
             self.quiescent_epoch = self.epochs  # it lived in the host that died (LK4)
-        if await self._reply_undelivered(state.last_reply, state.reply_carrier):
+        undelivered = await self._reply_undelivered(state.last_reply, state.reply_carrier)
+        if undelivered is not False:
             assert state.last_reply is not None
             self.kernel.reply_pending = True
             self._reply_next(state.last_reply)
         self._recorded_hold = state.hold
         hold = state.hold or self._policy_problem  # WD14: never a task on a guessed policy
+        if undelivered is None:  # LK8: nobody knows whether the worker kept the reply
+            hold = hold or f"prompt_marker_unknown:{state.reply_carrier}"
         open_ = self.ended is None and not self.kernel.state.terminal
         unfinished = (  # LK10: an incomplete Done stays held across a restart too
             self.ended is None
@@ -431,12 +434,16 @@ class TaskLane:
         if hold is not None and (open_ or unfinished):
             self.watchdog.feed(Hold(hold))  # WD12: a hold outlives the host
 
-    async def _reply_undelivered(self, reply: TaskReply | None, carrier: str | None) -> bool:
+    async def _reply_undelivered(self, reply: TaskReply | None, carrier: str | None) -> bool | None:
         """A reply is delivered once the prompt that carried it is in the session (LK8): a
-        worker that was sent it and died before its turn began never kept it."""
+        worker that was sent it and died before its turn began never kept it. ``None``: the
+        session cannot say."""
         if reply is None or self.kernel.state is not TaskState.OPEN:
             return False
-        return carrier is None or not await marker_in_session(self.session, carrier)
+        if carrier is None:
+            return True
+        present = await marker_in_session(self.session, carrier)
+        return None if present is None else not present
 
     async def _kill_leftovers(self, record: EpochStarted) -> Stopped:
         """Whatever a recorded epoch left is killed from its record (the record's identity must
@@ -649,7 +656,8 @@ class TaskLane:
         if problem is not None:
             await self.hold(problem)
             return
-        await self._reconcile_marker()
+        if not await self._reconcile_marker():
+            return
         reserve_id = self._next_continuation_id("reserve")
         if reserve_id not in self.actions:
             if self.budget.exhausted:  # the hold names what ran out (WD11)
@@ -748,16 +756,22 @@ class TaskLane:
         finally:
             self._operator = None
 
-    async def _reconcile_marker(self) -> None:
+    async def _reconcile_marker(self) -> bool:
         """A continuation delivered to a worker that died before its record was written is in
         the session but not in the log: record it now (TL5). It was sent; the worker that got
         it is gone, so the next replacement gets a continuation of its own rather than waiting
         on an answer that will never come."""
         number = self.continuations
         action_id = self.ids.continuation(number, "prompt")
-        unrecorded = number > 0 and not self.ids.sent(number, self.markers)
-        if unrecorded and await marker_in_session(self.session, action_id):
+        if number == 0 or self.ids.sent(number, self.markers):
+            return True
+        present = await marker_in_session(self.session, action_id)
+        if present is None:  # it may be in the session or not: hold, never guess
+            await self.hold(f"prompt_marker_unknown:{action_id}")
+            return False
+        if present:
             await self.record_marker(action_id)
+        return True
 
     async def record_marker(self, action_id: str) -> None:
         """The continuation ``action_id`` is in the session (TL5)."""

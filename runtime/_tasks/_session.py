@@ -16,6 +16,7 @@ import trio
 from .._boundary._calls import GateCall
 from .._boundary._gate import RecordingGateJournal
 from .._clock import WallClock
+from .._errors import PiRuntimeError, ReasonCode
 from .._pi._session_files import SessionWriter, aread_session, atruncate_torn_tail
 from ._state import continuation_marker
 
@@ -77,13 +78,19 @@ async def reanswer_orphaned(
     await trio.to_thread.run_sync(branch)
 
 
-async def marker_in_session(session: Path, action_id: str) -> bool:
-    """Whether continuation ``action_id`` is already in the session (TL5: never twice)."""
+async def marker_in_session(session: Path, action_id: str) -> bool | None:
+    """Whether prompt ``action_id`` (a continuation or a reply) is in the session as Pi
+    loads it (TL5, LK8): inside an entry Pi reads — a malformed or torn line, which Pi
+    skips, does not count. ``None`` when the session cannot be read: nobody knows whether
+    the worker has it, and the caller holds (``prompt_marker_unknown``) rather than guess."""
     try:
-        data = await trio.Path(session).read_bytes()
-    except FileNotFoundError:
-        return False
-    return json.dumps(continuation_marker(action_id))[1:-1].encode() in data
+        read = await aread_session(session)
+    except PiRuntimeError as error:
+        return False if error.code == ReasonCode.SESSION_MISSING else None
+    except OSError:
+        return None
+    needle = json.dumps(continuation_marker(action_id))[1:-1].encode()
+    return any(needle in entry.raw_line for entry in read.session.by_id.values())
 
 
 async def session_size(session: Path) -> int:

@@ -7,6 +7,7 @@ guess, nothing a person said is lost. In-process Fake-Pi on virtual time
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
 from runtime._errors import TaskError
 from runtime._pi._session import parse_session
+from runtime._pi._session_files import create_session
 from runtime._records import (
     ContinuationSent,
     EpochFenced,
@@ -29,6 +31,8 @@ from runtime._records import (
     Record,
 )
 from runtime._tasks._lane import TaskLane
+from runtime._tasks._session import marker_in_session
+from runtime._tasks._state import continuation_marker
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
 
 from ..task_harness import ROUTE, TASK, Rig, done, open_rig, say, wait
@@ -648,3 +652,53 @@ async def test_lk10_an_operator_may_fail_an_incomplete_done(
         ended = await rig.ended(TASK)
         assert ended.state == "failed"
         assert "cannot pass" in ended.detail
+
+
+# ------------------------------------- TL5: an uncertain prompt marker holds, never guesses
+
+
+async def test_tl5_a_marker_counts_only_in_an_entry_pi_loads_and_an_unreadable_session_is_unknown(
+    tmp_path: Path, clocks: Clocks
+) -> None:
+    session = tmp_path / "session.jsonl"
+    created = create_session(session, cwd=str(tmp_path), provider="fake", model_id="m",
+                             clock=clocks.wall)  # fmt: skip
+    action = "task-1/g1/a1/c1/prompt"
+    marker = continuation_marker(action)
+    assert await marker_in_session(session, action) is False
+    assert created.leaf is not None
+    message = {"role": "user", "content": marker}
+    entry = {"type": "message", "id": "0badf00d", "parentId": created.leaf.id, "message": message}
+    line = json.dumps(entry)
+    with session.open("ab") as f:
+        f.write(line.encode()[:-10])  # a torn last line: Pi skips it, the worker never had it
+    assert await marker_in_session(session, action) is False
+    with session.open("ab") as f:
+        f.write(line.encode()[-10:] + b"\n")  # now whole: Pi loads it
+    assert await marker_in_session(session, action) is True
+    session.write_bytes(b"not a session header\n" + session.read_bytes())
+    assert await marker_in_session(session, action) is None  # nobody can say
+    assert await marker_in_session(tmp_path / "none.jsonl", action) is False
+
+
+async def test_lk8_a_reply_whose_carrier_cannot_be_checked_holds_instead_of_resending(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The reply was sent to a worker that hung before answering, and the host died; the
+    session cannot be read back at the restart. Whether the worker kept the reply is
+    unknown: the task holds ``prompt_marker_unknown:<the reply's action>`` rather than send
+    the reply a second time or drop it."""
+    behaviours = {2: Behaviours(at={"before_model:1": "hang"})}
+    async with open_rig(tmp_path, clocks, [wait(), say("asked")], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await rig.until_logged(lambda log: any(isinstance(r, EpochFenced) for r in log))
+        await rig.runner.reply(TASK, "the blue one")  # the next epoch carries it, and hangs
+        await rig.until_logged(lambda log: any(isinstance(r, ContinuationSent) for r in log))
+    (path,) = (tmp_path / "state" / "lanes").glob("*/session.jsonl")
+    path.write_bytes(b"not a session header\n" + path.read_bytes())
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.runner.show(TASK).hold_reason == f"prompt_marker_unknown:{TASK}/g1/a1/reply1"
+        assert rig.workers.launched == []
+        assert rig.model.requests == []
