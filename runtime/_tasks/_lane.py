@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import trio
 
-from .._boundary._boundaries import BoundaryConfig, make_journals, settle_session
+from .._boundary._boundaries import BoundaryConfig, make_journals
 from .._boundary._calls import RuntimeTool
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._gateway import GatewayConfig
@@ -42,7 +42,7 @@ from .._errors import PiRuntimeError, ReasonCode
 from .._journal._journal import Journal
 from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
-from .._pi._session import Attestation, attest, contains_path
+from .._pi._session import Attestation, attest
 from .._pi._session_files import aread_session, create_session
 from .._pi._worker import StopPolicy, kill_epoch_leftovers
 from .._records import (
@@ -66,16 +66,15 @@ from ._guards import Budget
 from ._lane_log import LaneLog
 from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
-from ._session import marker_in_session, reanswer_orphaned
+from ._recovery import Recovery
+from ._replacement import prepare_replacement, route_problem, settle_session
+from ._session import marker_in_session
 from ._state import (
     CONTINUATION_VERSION,
     LIFECYCLE_TOOLS,
     continuation_marker,
-    continuation_prompt,
     read_lane,
     reply_prompt,
-    route_change,
-    session_route_change,
     task_policy,
 )
 from ._view import task_view
@@ -84,7 +83,6 @@ from ._watchdog import (
     Classification,
     Hold,
     Prompted,
-    Relaunched,
     TerminalAccepted,
     Watchdog,
     WatchdogPolicy,
@@ -127,18 +125,14 @@ class TaskLane:
         "_operator",
         "_policy_problem",
         "_recorded_hold",
-        "_recovery_started_ms",
         "_restart_survivors",
         "_restarted",
-        "_resume_pending",
         "_settle_first",
         "_undelivered",
         "_wake",
         "actions",
         "archive_dir",
         "attestation",
-        "budget",
-        "continuations",
         "ended",
         "epochs",
         "failure",
@@ -153,7 +147,7 @@ class TaskLane:
         "probe_result",
         "quiescent_epoch",
         "record",
-        "recoveries",
+        "recovery",
         "replies",
         "session",
         "task",
@@ -185,13 +179,11 @@ class TaskLane:
         self.policy = policy
         """The task's own thresholds, grace and budgets, frozen at submission (WD14)."""
         self.watchdog = Watchdog(policy=policy)
-        self.budget = Budget(
-            max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds
+        self.recovery = Recovery(
+            Budget(max_epochs=policy.max_replacements, max_seconds=policy.recovery_seconds)
         )
+        """The replacement budget and the recovery that runs now (WD11)."""
         self.epochs = 0
-        self.continuations = 0
-        self.recoveries = 0
-        """Recoveries ended (their time charged)."""
         self.actions: dict[str, OutboxAction] = {}
         self.markers: dict[str, ContinuationSent] = {}
         self.replies: dict[str, TaskReply] = {}
@@ -214,13 +206,10 @@ class TaskLane:
         """The user's reply the worker has not been sent yet (LK8)."""
         self._recorded_hold: str | None = None
         """The hold the log says stands (WD12)."""
-        self._resume_pending = False
-        """A relaunched worker has not shown progress yet: its recovery runs (WD11)."""
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
         self._finished = trio.Event()
-        self._recovery_started_ms: int | None = None
         self._opened = False
         self._settle_first = False
         """A host that died left the last epoch's session: settle it before the next launch."""
@@ -234,6 +223,14 @@ class TaskLane:
     @property
     def live(self) -> bool:
         return self.worker is not None
+
+    @property
+    def budget(self) -> Budget:
+        return self.recovery.budget
+
+    @property
+    def continuations(self) -> int:
+        return self.recovery.continuations
 
     def view(self) -> TaskView:
         """A frozen snapshot of everything the diagnostics show."""
@@ -275,12 +272,12 @@ class TaskLane:
 
     async def grant(self, *, epochs: int, seconds: float, reason: str) -> Budget:
         """An audited manual grant (WD11): recorded before it counts."""
-        granted = self.budget.grant(epochs=epochs, seconds=seconds)
+        granted = self.recovery.budget.grant(epochs=epochs, seconds=seconds)
         action_id = self.ids.grant(len(self.actions))
         await self.record_action(
             action_id, "grant", "done", {"epochs": epochs, "seconds": seconds, "reason": reason}
         )
-        self.budget = granted
+        self.recovery.budget = granted
         self._wake.set()
         return granted
 
@@ -348,7 +345,7 @@ class TaskLane:
             if self._restart_survivors is not None:  # TL12: never a second tree
                 await self.hold(_survivors(self._restart_survivors))
                 return
-            await self._replacement("the runtime restarted and the previous worker is gone")
+            await self._replace("the runtime restarted and the previous worker is gone")
             if self._held():
                 return
         holder = self.host.leaseholder(self.task)
@@ -399,9 +396,10 @@ class TaskLane:
         state = read_lane(self.task, self._log.journal.contents.records, self.policy)
         self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
         self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
-        self.kernel, self.budget = state.kernel, state.budget
-        self.continuations, self.attestation = state.continuations, state.attestation
-        self.recoveries, self._recovery_started_ms = state.recoveries, state.recovery_started_ms
+        self.kernel, self.attestation = state.kernel, state.attestation
+        self.recovery = Recovery(
+            state.budget, state.continuations, state.recoveries, state.recovery_started_ms
+        )
         if self.kernel.state is TaskState.WAITING:
             self.watchdog.feed(TerminalAccepted("wait"))
         if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
@@ -464,7 +462,7 @@ class TaskLane:
         self._fenced = False
         if self._settle_first:  # the dead host's worker may have left a call unanswered
             self._settle_first = False
-            await self._settle_session()
+            await settle_session(self)
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
         identity = {  # LK2 keys, restored as such; in_host: whether it dies with the host
@@ -534,7 +532,7 @@ class TaskLane:
             if not clean:
                 await self.hold(_survivors(stopped.survivors))
                 return
-            await self._replacement(
+            await self._replace(
                 "the worker was silent past the hard threshold and its grace"
                 if end is EpochEnd.FENCE
                 else "an operator resumed the task after a hold"
@@ -546,13 +544,13 @@ class TaskLane:
             # LK8: the worker asked, the user answered before it stopped; the reply starts
             # the next epoch as a reply always does (not a replacement: not charged).
             self._fenced = True
-            await self._settle_session()
+            await settle_session(self)
         elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
             self._fenced = True
             if self._held():  # WD8: the core held (an exit after the completion prompt)
                 await self.note_hold()
                 return
-            await self._replacement("the worker exited without a terminal receipt")
+            await self._replace("the worker exited without a terminal receipt")
 
     # -- what an epoch's watch uses (runtime/_tasks/_epoch.py) -------------------------------------
 
@@ -578,56 +576,37 @@ class TaskLane:
         """Any progress of the worker: the first after a relaunch ends the recovery (WD11),
         whatever the watchdog has called the worker since (a probe's answer or a hold can
         move it out of ``Resuming`` first)."""
-        if not self._resume_pending:
+        if not self.recovery.first_progress():
             return
-        self._resume_pending = False
         seconds = await self._end_recovery()
         if seconds is not None:
             self.telemetry.resumed(seconds)
 
     async def _end_recovery(self) -> float | None:
-        """Charge the running recovery's time, from its first reserve to now, never refunded
-        (WD11). A recovery runs from the reserve that started it until the resumed worker's
-        first progress or a hold; across host restarts too (its start is the reserve's
-        ``at_ms`` in the log)."""
-        if self._recovery_started_ms is None:
+        """Charge the running recovery's time, durably, never refunded (WD11)."""
+        detail = self.recovery.end(self.host.clocks.wall.time_ms())
+        if detail is None:
             return None
-        started, now = self._recovery_started_ms, self.host.clocks.wall.time_ms()
-        seconds = max(0.0, (now - started) / 1000)
-        self._recovery_started_ms = None
-        self.budget = self.budget.charge_seconds(seconds)
-        self.recoveries += 1
-        await self.record_action(
-            self.ids.recovery(self.recoveries),
-            "recovery_time",
-            "done",
-            {"seconds": seconds, "from_ms": started, "to_ms": now},
-        )
-        return seconds
+        number = self.recovery.recoveries
+        await self.record_action(self.ids.recovery(number), "recovery_time", "done", detail)
+        return float(detail["seconds"])
 
     def check_recovery_budget(self) -> None:
         """A recovery that outlasts the seconds left holds the task (WD11)."""
         if self.watchdog.classification is not Classification.RESUMING:
             return
-        if self._recovery_started_ms is None:
-            return
-        spent = (self.host.clocks.wall.time_ms() - self._recovery_started_ms) / 1000
-        if spent >= self.budget.seconds_left:
+        if self.recovery.overdue(self.host.clocks.wall.time_ms()):
             self.watchdog.feed(Hold("budget_exhausted:recovery_seconds"))
 
     async def reserve(self) -> None:
         """Charge one replacement epoch before its launch, once (WD11, TL6)."""
-        action_id = self._next_continuation_id("reserve")
+        action_id = self.ids.next_continuation(
+            self.recovery.continuations, "reserve", self.actions, self.markers
+        )
         if action_id in self.actions:
             return
-        self.budget = self.budget.charge_epoch()
-        self.continuations += 1
-        at_ms = self.host.clocks.wall.time_ms()
-        self._recovery_started_ms = self._recovery_started_ms or at_ms  # one recovery runs on
-        await self.record_action(action_id, "reserve", "done", {"epochs": 1, "at_ms": at_ms})
-
-    def _next_continuation_id(self, kind: str) -> str:
-        return self.ids.next_continuation(self.continuations, kind, self.actions, self.markers)
+        detail = self.recovery.charge_epoch(self.host.clocks.wall.time_ms())
+        await self.record_action(action_id, "reserve", "done", detail)
 
     def unsettled_effects(self) -> list[ToolIntent]:
         """Tools let run whose outcome is not recorded and whose running again is not proven
@@ -644,79 +623,21 @@ class TaskLane:
 
         return [i for i in self._log.journals()[1].unsettled() if not proven(i)]
 
-    async def _replacement(self, observed: str) -> None:
-        """After a fence, an exit or a restart: settle the session, charge the budget, re-attest
-        and queue the one continuation prompt (TL4, TL5, WD11). Holds when unsafe; the route
-        and the session are attested before anything is written or charged (TL4)."""
-        never = self.unsettled_effects()
-        if never and self._operator != "forced":
-            await self.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
-            return
-        problem = await self.route_problem()
-        if problem is not None:
-            await self.hold(problem)
-            return
-        if not await self._reconcile_marker():
-            return
-        reserve_id = self._next_continuation_id("reserve")
-        if reserve_id not in self.actions:
-            if self.budget.exhausted:  # the hold names what ran out (WD11)
-                spent = "epochs" if self.budget.epochs_left <= 0 else "recovery_seconds"
-                await self.hold(f"budget_exhausted:{spent}")
-                return
-            await self.reserve()
-        number = self.continuations
-        problem = await self.route_problem()  # TL4: again after the awaits, before the write
-        if problem is not None:
-            await self.hold(problem)
-            return
-        await self._settle_session()
-        read = await aread_session(self.session)
-        self.attestation = attest(read.session) if read.session.leaf is not None else None
-        await self.record_action(
-            self.ids.continuation(number, "attest"),
-            "attest",
-            "done",
-            msgspec.to_builtins(self.attestation) if self.attestation else {},
-        )
-        self._recovery_started_ms = self._recovery_started_ms or self.host.clocks.wall.time_ms()
-        self.watchdog.feed(Relaunched(*self.readings()))
-        self._resume_pending = True
-        action_id = self.ids.continuation(number, "prompt")
+    async def _replace(self, observed: str, *, forced: bool = False) -> None:
+        """Prove and queue the next worker's continuation, or hold (``_replacement.py``)."""
         reply = self._undelivered.text if self._undelivered is not None else None
-        prompt = continuation_prompt(action_id, observed, reply=reply)
-        self._next = ("continuation", prompt, action_id)
-        self.changed()
+        queued = await prepare_replacement(self, observed, forced=forced, reply=reply)
+        if queued is not None:
+            prompt, action_id = queued
+            self._next = ("continuation", prompt, action_id)
 
     async def route_problem(self) -> str | None:
         """Why the next worker would not continue the task's own session on its own route
-        (TL4), as a hold reason; None when every part is attested: the host's route is the
-        frozen one (provider, model, endpoint, API kind, reasoning level), the session's
-        path begins with the attested one and names the frozen model and level, and the
-        worktree is there and leased to this task alone (TL13). An unreadable session proves
-        nothing and is a reason too."""
-        change = route_change(self.task.route, self.host.route)
-        if change is not None:
-            return change
-        if not self.worktree.is_dir():
-            return "worktree_missing"
-        holder = self.host.leaseholder(self.task)
-        if holder is not None:  # TL13: one live task per worktree
-            return f"worktree_leased:{holder}"
-        try:
-            read = await aread_session(self.session)
-        except (OSError, PiRuntimeError):
-            return "session_unreadable"
-        if self.attestation is not None and not contains_path(read.session, self.attestation):
-            return "session_attestation_mismatch"
-        return session_route_change(self.task.route, read.session)
+        (TL4, TL13), as a hold reason; None when every part is attested."""
+        return await route_problem(self)
 
-    async def _settle_session(self) -> None:
-        """Answer what the previous worker left dangling in the session (TL5, WD10)."""
-        tools = self._log.journals()[1]
-        step = self._log.journals()[0].current_step  # the round the gate settles (its step)
-        await reanswer_orphaned(self.session, tools, step=step, clock=self.host.clocks.wall)
-        await settle_session(self.session, tools, clock=self.host.clocks.wall)
+    def journals(self) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
+        return self._log.journals()
 
     def _reply_next(self, reply: TaskReply) -> None:
         """The next prompt is the user's reply (LK8)."""
@@ -748,30 +669,9 @@ class TaskLane:
             self.quiescent_epoch = self.record.epoch if self.record is not None else None
         self._restarted = False  # the resume is the replacement a restart would have made
         self._restart_survivors = None
-        self._operator = "forced"
-        try:
-            self.watchdog.classification = Classification.RESUMING
-            await self.note_hold()  # the operator lifted the hold (WD12)
-            await self._replacement("an operator resumed the task after a hold")
-        finally:
-            self._operator = None
-
-    async def _reconcile_marker(self) -> bool:
-        """A continuation delivered to a worker that died before its record was written is in
-        the session but not in the log: record it now (TL5). It was sent; the worker that got
-        it is gone, so the next replacement gets a continuation of its own rather than waiting
-        on an answer that will never come."""
-        number = self.continuations
-        action_id = self.ids.continuation(number, "prompt")
-        if number == 0 or self.ids.sent(number, self.markers):
-            return True
-        present = await marker_in_session(self.session, action_id)
-        if present is None:  # it may be in the session or not: hold, never guess
-            await self.hold(f"prompt_marker_unknown:{action_id}")
-            return False
-        if present:
-            await self.record_marker(action_id)
-        return True
+        self.watchdog.classification = Classification.RESUMING
+        await self.note_hold()  # the operator lifted the hold (WD12)
+        await self._replace("an operator resumed the task after a hold", forced=True)
 
     async def record_marker(self, action_id: str) -> None:
         """The continuation ``action_id`` is in the session (TL5)."""

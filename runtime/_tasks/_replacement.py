@@ -1,0 +1,186 @@
+"""How a task lane proves and prepares a replacement worker (TL4, TL5, WD11, WD13, TL13 of
+``docs/design/watchdog.md``): after a fence, an exit, a restart or an operator's resume, the
+next worker may continue the task only in its own session, on its own route and worktree,
+with no possibly-run effect left unproven and budget left; then the session is settled,
+re-attested, and the one continuation prompt is queued.
+
+Each step that acts reads its proof again after its last await: the route and session before
+anything is charged, and again after the reserve, before the first write. A failed or unknown
+proof holds the task (:meth:`ReplacementOwner.hold`); nothing falls back.
+
+These functions see the lane only through :class:`ReplacementOwner` (``TaskLane`` is the one
+implementation), so what a replacement reads and writes of it is on one page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from .._boundary._boundaries import settle_session as settle_dangling
+from .._boundary._gate import RecordingGateJournal
+from .._boundary._steps import DeliveryStepJournal
+from .._clock import Clocks
+from .._errors import PiRuntimeError
+from .._pi._launch import ModelRoute
+from .._pi._session import Attestation, attest, contains_path
+from .._pi._session_files import aread_session
+from .._records import OutboxAction, TaskSubmitted, ToolIntent
+from ._action_ids import ActionIds
+from ._recovery import Recovery
+from ._session import marker_in_session, reanswer_orphaned
+from ._state import continuation_prompt, route_change, session_route_change
+from ._view import LaneFacts
+from ._watchdog import Relaunched
+
+__all__ = [
+    "ReplacementOwner",
+    "prepare_replacement",
+    "reconcile_marker",
+    "route_problem",
+    "settle_session",
+]
+
+
+class ReplacementHost(Protocol):
+    """What a replacement reads of the lane's host."""
+
+    @property
+    def route(self) -> ModelRoute: ...
+    @property
+    def clocks(self) -> Clocks: ...
+    @property
+    def leaseholder(self) -> Callable[[TaskSubmitted], str | None]: ...
+
+
+class ReplacementOwner(LaneFacts, Protocol):
+    """Everything a replacement uses of its task lane, and nothing more."""
+
+    attestation: Attestation | None
+    """The attested session path (a replacement writes the new one)."""
+
+    @property
+    def host(self) -> ReplacementHost: ...
+    @property
+    def session(self) -> Path: ...
+    @property
+    def worktree(self) -> Path: ...
+    @property
+    def ids(self) -> ActionIds: ...
+    @property
+    def actions(self) -> dict[str, OutboxAction]: ...
+    @property
+    def recovery(self) -> Recovery: ...
+
+    def journals(self) -> tuple[DeliveryStepJournal, RecordingGateJournal]: ...
+    def unsettled_effects(self) -> list[ToolIntent]: ...
+    def readings(self) -> tuple[float, float]: ...
+    def changed(self) -> None: ...
+    async def hold(self, reason: str) -> None: ...
+    async def reserve(self) -> None: ...
+    async def record_marker(self, action_id: str) -> None: ...
+    async def record_action(
+        self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
+    ) -> None: ...
+
+
+async def prepare_replacement(
+    lane: ReplacementOwner, observed: str, *, forced: bool, reply: str | None
+) -> tuple[str, str] | None:
+    """Prove and prepare the next worker of ``lane`` (TL4, TL5, WD11, WD13): the
+    continuation ``(prompt, action id)`` to send it, or ``None`` when the lane holds.
+    ``forced``: an operator's resume, which continues past a possibly-run effect (settled
+    "possibly ran"); ``reply``: the user's reply the worker has not had yet (LK8)."""
+    never = lane.unsettled_effects()
+    if never and not forced:  # WD13: auto-continue only on proof
+        await lane.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
+        return None
+    problem = await route_problem(lane)  # TL4: before anything is charged or written
+    if problem is not None:
+        await lane.hold(problem)
+        return None
+    if not await reconcile_marker(lane):
+        return None
+    recovery = lane.recovery
+    reserve_id = lane.ids.next_continuation(
+        recovery.continuations, "reserve", lane.actions, lane.markers
+    )
+    if reserve_id not in lane.actions:
+        if recovery.budget.exhausted:  # the hold names what ran out (WD11)
+            await lane.hold(f"budget_exhausted:{recovery.exhausted_by()}")
+            return None
+        await lane.reserve()
+    number = recovery.continuations
+    problem = await route_problem(lane)  # TL4: again after the awaits, before the write
+    if problem is not None:
+        await lane.hold(problem)
+        return None
+    await settle_session(lane)
+    read = await aread_session(lane.session)
+    lane.attestation = attest(read.session) if read.session.leaf is not None else None
+    await lane.record_action(
+        lane.ids.continuation(number, "attest"),
+        "attest",
+        "done",
+        msgspec.to_builtins(lane.attestation) if lane.attestation else {},
+    )
+    recovery.relaunched(lane.host.clocks.wall.time_ms())
+    lane.watchdog.feed(Relaunched(*lane.readings()))
+    action_id = lane.ids.continuation(number, "prompt")
+    lane.changed()
+    return continuation_prompt(action_id, observed, reply=reply), action_id
+
+
+async def route_problem(lane: ReplacementOwner) -> str | None:
+    """Why the next worker would not continue the task's own session on its own route
+    (TL4), as a hold reason; None when every part is attested: the host's route is the
+    frozen one (provider, model, endpoint, API kind, reasoning level), the session's path
+    begins with the attested one and names the frozen model and level, and the worktree is
+    there and leased to this task alone (TL13). An unreadable session proves nothing and is
+    a reason too."""
+    change = route_change(lane.task.route, lane.host.route)
+    if change is not None:
+        return change
+    if not lane.worktree.is_dir():
+        return "worktree_missing"
+    holder = lane.host.leaseholder(lane.task)
+    if holder is not None:  # TL13: one live task per worktree
+        return f"worktree_leased:{holder}"
+    try:
+        read = await aread_session(lane.session)
+    except (OSError, PiRuntimeError):
+        return "session_unreadable"
+    if lane.attestation is not None and not contains_path(read.session, lane.attestation):
+        return "session_attestation_mismatch"
+    return session_route_change(lane.task.route, read.session)
+
+
+async def reconcile_marker(lane: ReplacementOwner) -> bool:
+    """A continuation delivered to a worker that died before its record was written is in
+    the session but not in the log: record it now (TL5). It was sent; the worker that got it
+    is gone, so the next replacement gets a continuation of its own rather than waiting on an
+    answer that will never come. False when the lane holds: the session cannot say."""
+    number = lane.recovery.continuations
+    action_id = lane.ids.continuation(number, "prompt")
+    if number == 0 or lane.ids.sent(number, lane.markers):
+        return True
+    present = await marker_in_session(lane.session, action_id)
+    if present is None:  # it may be in the session or not: hold, never guess
+        await lane.hold(f"prompt_marker_unknown:{action_id}")
+        return False
+    if present:
+        await lane.record_marker(action_id)
+    return True
+
+
+async def settle_session(lane: ReplacementOwner) -> None:
+    """Answer what the previous worker left dangling in the session (TL5, WD10): calls the
+    gate never saw are re-answered from the journal, and every call without a result gets
+    its recorded outcome or "possibly ran"."""
+    steps, tools = lane.journals()
+    wall = lane.host.clocks.wall
+    await reanswer_orphaned(lane.session, tools, step=steps.current_step, clock=wall)
+    await settle_dangling(lane.session, tools, clock=wall)
