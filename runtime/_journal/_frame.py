@@ -12,10 +12,15 @@ torn *final frame*, never damage in the middle)::
 
 Reading (:func:`scan`) accepts exactly the frames that check out, in sequence.
 The only damage it forgives is a **torn tail**: bytes at the end of the file
-after which no valid frame begins (a write that never completed, zeros or
-garbage from a power loss). Such bytes were never acknowledged, because an
-append is acknowledged only after its frame was synced. Anything else — a bad
-frame followed by a good one, a sequence gap — raises :class:`FrameDamage`.
+after which no valid frame begins and that show a write that never completed —
+a final frame whose declared length runs past the end of the file (or whose
+header is not whole), zeros where a header would begin, or a body with a NUL
+byte in it (the unwritten pages of a power loss read as zeros; a JSON body never
+holds one). Such bytes were never acknowledged, because an append is
+acknowledged only after its frame was synced. A **complete** final frame that
+fails its checksum shows no interrupted write: it is damage (a flipped bit in
+the last acknowledged record must never make its record vanish), and so is a
+bad frame followed by a good one, or a sequence gap: :class:`FrameDamage`.
 """
 
 from __future__ import annotations
@@ -99,6 +104,19 @@ def _frame_at(data: bytes | memoryview, offset: int) -> Frame | None:
     return Frame(offset, first_seq, count, bytes(view[offset + HEADER_SIZE : end]))
 
 
+def _complete_but_damaged(data: bytes, offset: int) -> bool:
+    """Whether the invalid final bytes at ``offset`` are a whole frame — a plausible header
+    whose body ends inside the file, with no NUL in it — that fails its checksum: damage,
+    where a torn write would have left the frame short or zero-filled (J3, J4)."""
+    if len(data) - offset < HEADER_SIZE:
+        return False
+    length, _crc, _first, count = _HEADER.unpack_from(data, offset)
+    end = offset + HEADER_SIZE + length
+    if length == 0 or length > MAX_BODY or count == 0 or end > len(data):
+        return False
+    return b"\0" not in data[offset + HEADER_SIZE : end]
+
+
 def _valid_frame_after(data: bytes, offset: int) -> int | None:
     """Offset of the first valid frame that begins after ``offset``, if any."""
     for candidate in range(offset + 1, len(data) - HEADER_SIZE + 1):
@@ -126,6 +144,12 @@ def scan(data: bytes, *, first_seq: int = 0) -> Scan:
                     ReasonCode.JOURNAL_CORRUPT,
                     offset,
                     f"unreadable frame followed by a valid frame at offset {later}",
+                )
+            if _complete_but_damaged(data, offset):
+                raise FrameDamage(
+                    ReasonCode.JOURNAL_CORRUPT,
+                    offset,
+                    "the final frame is complete but fails its checksum (damage, not a torn write)",
                 )
             return Scan(frames, offset, len(data) - offset)
         if frame.first_seq != expected:

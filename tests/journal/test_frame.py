@@ -30,18 +30,67 @@ def test_round_trip_batches() -> None:
     assert result.next_seq == 5
 
 
-@given(cut=st.integers(min_value=0, max_value=200), tail=st.binary(max_size=64))
+@given(
+    cut=st.integers(min_value=0, max_value=200),
+    tail=st.one_of(st.binary(max_size=64), st.integers(0, 64).map(bytes)),
+)
 def test_torn_final_frame_is_discarded(cut: int, tail: bytes) -> None:
-    """J3: a final frame cut anywhere, plus any garbage, is a torn tail."""
+    """J3: a final frame cut anywhere, plus zeros or garbage, is a torn tail — unless the
+    garbage happens to make it a whole frame (its declared length ends inside the file,
+    no NUL in its body) that fails its checksum: that is damage (J4), never dropped."""
     good = _log([b"1"], [b"2", b"3"])
     last = encode_frame(3, [b'"' + b"z" * 100 + b'"'])
     data = good + last[: min(cut, len(last) - 1)] + tail
     assume(not data.startswith(good + last))  # the tail happened to complete the frame
+    final = data[len(good) :]
+    length = int.from_bytes(final[:4], "little") if len(final) >= HEADER_SIZE else 0
+    count = int.from_bytes(final[16:20], "little") if len(final) >= HEADER_SIZE else 0
+    body = final[HEADER_SIZE : HEADER_SIZE + length]
+    if 0 < length == len(body) and count > 0 and b"\0" not in body:  # whole, and bad
+        with pytest.raises(FrameDamage) as info:
+            scan(data)
+        assert info.value.code is ReasonCode.JOURNAL_CORRUPT
+        assert info.value.offset == len(good)
+        return
     result = scan(data)
     # garbage may by chance not extend beyond good; it must never add frames
     assert [f.first_seq for f in result.frames] == [0, 1]
     assert result.good_length == len(good)
     assert result.torn_bytes == len(data) - len(good)
+
+
+def test_a_cut_final_frame_is_torn_wherever_it_is_cut() -> None:
+    """J3: every prefix of the final frame (an interrupted write) is a torn tail."""
+    good = _log([b"1"], [b"2", b"3"])
+    last = encode_frame(3, [b'"' + b"z" * 100 + b'"'])
+    for cut in range(len(last)):
+        result = scan(good + last[:cut])
+        assert (result.good_length, result.torn_bytes) == (len(good), cut)
+
+
+def test_j4_a_flipped_bit_in_the_last_complete_frame_is_damage_not_a_torn_tail() -> None:
+    """J4: the last acknowledged record with one bit flipped is whole — its length ends
+    exactly at the end of the file — so it is damage and fails closed; dropping it as torn
+    would forget an intent (a tool that then runs twice)."""
+    good = _log([b"1"], [b"2", b"3"])
+    last = bytearray(encode_frame(3, [b'{"type":"tool_intent","name":"bash"}']))
+    for position in (HEADER_SIZE + 5, len(last) - 2, 9):  # body, last body byte, header seq
+        flipped = bytearray(last)
+        flipped[position] ^= 0x04
+        with pytest.raises(FrameDamage) as info:
+            scan(good + bytes(flipped))
+        assert info.value.code is ReasonCode.JOURNAL_CORRUPT
+        assert info.value.offset == len(good)
+
+
+def test_j3_a_whole_final_frame_with_a_zero_filled_body_is_a_torn_write() -> None:
+    """J3: a power loss after the file grew but before the body's pages were written leaves
+    the header and zeros: a torn write (a JSON body never holds a NUL), not damage."""
+    good = _log([b"1"])
+    last = bytearray(encode_frame(1, [b'"' + b"z" * 100 + b'"']))
+    last[HEADER_SIZE + 40 :] = bytes(len(last) - HEADER_SIZE - 40)
+    result = scan(good + bytes(last))
+    assert (result.good_length, result.torn_bytes) == (len(good), len(last))
 
 
 def test_zero_filled_tail_is_torn() -> None:

@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
+from runtime._journal._frame import HEADER_SIZE, scan
 from runtime._pi._session_settle import interrupted_text
 from runtime._rooms._worker import request_cancel
 
@@ -342,6 +343,30 @@ async def test_crash_after_a_safe_tool_intent_runs_it_again(kind: str, tmp_path:
     assert "the safe content 42" in content
 
 
+@pytest.mark.parametrize("kind", KINDS)
+async def test_l14_crash_after_a_read_configured_never_reports_possibly_ran(
+    kind: str, tmp_path: Path
+) -> None:
+    """L14: the same crash with ``read`` configured ``never`` (``tool_classes``): the
+    configured class reaches the gate, so the replay does not run ``read`` again — the model
+    hears "possibly ran", not what the file holds."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the safe content 42\n")
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="read", arguments={"path": str(notes)}, id="c1")]),
+        Text(text="told the truth"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            settings = config(kind, url, ("read", "send_text_update"))
+            spec = {"config": {**settings, "tool_classes": {"read": "never"}}}
+            await kill_when_paused(tmp_path, spec, "tool_intent")
+            (result,) = await recover(tmp_path, spec)
+    assert (result["outcome"], result["text"]) == ("reply", "told the truth")
+    assert model.request_count == 2
+    assert list(tool_messages(model.requests[1].body).values()) == [interrupted_text("read")]
+
+
 def session_of(root: Path) -> Path:
     (path,) = (root / "state" / "lanes").glob("*/session.jsonl")
     return path
@@ -455,3 +480,34 @@ async def test_crash_between_a_receipt_commit_and_its_outcome_replays_the_receip
     assert model.request_count == 2
     (saved,) = tool_messages(model.requests[1].body).values()
     assert json.loads(saved)["revision_id"] == revisions[0][0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_j4_a_flipped_bit_in_the_last_record_fails_closed_and_never_reruns_the_tool(
+    kind: str, tmp_path: Path
+) -> None:
+    """Killed when a bash call's intent is the delivery log's last record; one bit of that
+    record flips on disk while the host is down. The record is whole — not a torn write —
+    so the log is damaged (J4): the delivery fails closed (`recovery_refused:journal`), and
+    bash never runs (dropping the record as torn would have run it as if it never was)."""
+    runs = tmp_path / "runs"
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": f"echo x >> {runs}"}, id="c1")]),
+        Text(text="must not be reached"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("bash", "send_text_update"))}
+            await kill_when_paused(tmp_path, spec, "tool_intent")
+            await kill_orphaned_epochs(tmp_path)
+            (log,) = (tmp_path / "state" / "deliveries").glob("*.log")
+            data = bytearray(log.read_bytes())
+            last = scan(bytes(data)).frames[-1]
+            assert b"tool_intent" in last.body
+            data[last.offset + HEADER_SIZE + len(last.body) // 2] ^= 0x01
+            log.write_bytes(bytes(data))
+            (result,) = await recover(tmp_path, spec)
+    assert result["outcome"] == "failed"
+    assert result["code"] == "recovery_refused:journal", result
+    assert not runs.exists()
+    assert model.request_count == 1
