@@ -93,6 +93,7 @@ class ReasonCode(enum.StrEnum):
     GATE_UNAUTHORIZED = "gate_unauthorized"
     GATE_BAD_REQUEST = "gate_bad_request"
     GATE_TOOL_REFUSED = "gate_tool_refused"
+    GATE_REPLAY_MISMATCH = "gate_replay_mismatch"
     GATE_JOURNAL_FAILED = "gate_journal_failed"
     GATE_UNREACHABLE = "gate_unreachable"
     # configuration (docs/design/config.md)

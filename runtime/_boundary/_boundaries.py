@@ -95,7 +95,9 @@ class BoundaryConfig:
     """The socket's file name: unique among the lanes sharing ``socket_dir``."""
     replay: bool = False
     """Every epoch replays the attached delivery from its first step (room lanes,
-    docs/design/recovery.md): a request that leaves an answered step behind is refused (G13). False
+    docs/design/recovery.md): a request that leaves an answered step behind is refused (G13), and
+    after a replayed tool call that is not the recorded one so is every later call and every
+    request the journal has not answered (T14). False
     when an epoch resumes where the last one stopped (task lanes, a settled session)."""
 
     @property
@@ -246,6 +248,8 @@ def _journals(
         existing=log.contents.records,
         step=lambda: steps.current_step,
         runtime_tools={n: h for n, h in config.runtime_tools.items() if n in config.granted},
+        # T14: a replayed call that is not the recorded one fails the whole replay (G13)
+        on_mismatch=(lambda error: steps.diverge(error.message)) if config.replay else None,
     )
     return steps, tools
 

@@ -17,8 +17,9 @@ served; anything else gets 401 and reaches no journal (T1). What to answer is de
 :class:`~runtime._journal._journal.Journal` or (for tests) on a :class:`MemoryLog`. It makes the
 :class:`~runtime._records.ToolIntent` durable before it answers *run* (T2), answers *saved*
 from a recorded :class:`~runtime._records.ToolOutcome` for the same tool-call id within the
-round (T3), *refused* for tools not granted (T4), and classifies tools by replay class (T5).
-The invariants are in ``docs/design/gate.md``.
+round (T3), *refused* for tools not granted (T4), classifies tools by replay class (T5), and
+refuses a replayed call that is not the recorded one — another name or other arguments under a
+recorded tool-call id (T14). The invariants are in ``docs/design/gate.md``.
 
 Resource handling: :func:`serve_gate` owns the listening socket and removes the socket file
 when it ends. Error handling: a journal failure is answered with 503 (the worker's tool fails
@@ -162,6 +163,11 @@ class RecordingGateJournal:
     tools (``runtime/_boundary/_tools.py``): the gate runs them itself and answers *saved* (T10).
     ``step`` returns the current round (the model step whose response carried the calls); the
     lane wires it to the gateway's step, tests may leave it at 0. Set :attr:`epoch` per epoch.
+
+    A call whose ``(step, tool_call_id)`` has a recorded intent of another name or other
+    arguments is refused (T14): nothing runs, nothing is recorded, :attr:`mismatch` keeps the
+    first such refusal. ``on_mismatch`` is for journals whose delivery replays as a whole (room
+    lanes): it is told of the first mismatch, and from then on every call is refused.
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class RecordingGateJournal:
         existing: Iterable[Record] = (),
         step: Callable[[], int] = lambda: 0,
         runtime_tools: Mapping[str, RuntimeTool] | None = None,
+        on_mismatch: Callable[[GateError], None] | None = None,
     ) -> None:
         self._log = log
         self.key = key
@@ -192,6 +199,9 @@ class RecordingGateJournal:
         self._settled: dict[str, trio.Event] = {}
         """Per running tool-call id: set once its outcome is durable (the gateway waits, T11)."""
         self._lock = trio.Lock()
+        self._on_mismatch = on_mismatch
+        self.mismatch: GateError | None = None
+        """The first replayed call refused for not being the recorded one (T14)."""
         for record in existing:
             self._learn(record)
 
@@ -241,6 +251,10 @@ class RecordingGateJournal:
                     )
                 )
             previous = self._intents.get((step, call.tool_call_id))
+            if self.mismatch is not None and self._on_mismatch is not None:
+                return Refuse(_mismatch_result(call, self.mismatch))  # T14: the delivery failed
+            if previous is not None and not _same_call(previous, call):
+                return Refuse(_mismatch_result(call, self._mismatched(previous, call)))  # T14
             declared = replay_class_of(call.name, self.classes)
             if previous is not None:
                 outcome = self._outcomes.get(previous.intent_id)
@@ -293,6 +307,9 @@ class RecordingGateJournal:
             intent = self._intents.get((self._step(), call.tool_call_id))
             if intent is None:
                 return GateResult.text(not_started_text(call.name), is_error=True)
+            if intent.name != call.name:  # T14; the session holds the arguments before Pi
+                # coerced them, the intent after: only the name can be compared here
+                return _mismatch_result(call, self._mismatched(intent, call), settling=True)
             outcome = self._outcomes.get(intent.intent_id)
             if outcome is not None:
                 return GateResult(content=outcome.content, is_error=outcome.is_error)
@@ -302,6 +319,21 @@ class RecordingGateJournal:
                 result = await self._run_runtime_tool(handler, call, intent.intent_id)
                 return await self._record_settled(intent, call, result)
             return await self._record_interrupted(intent, call)
+
+    def _mismatched(self, intent: ToolIntent, call: GateCall) -> GateError:
+        """Note that ``call`` is not the call ``intent`` recorded under its id (T14)."""
+        asked = f"as {call.name}" if intent.name != call.name else "with other arguments"
+        error = GateError(
+            ReasonCode.GATE_REPLAY_MISMATCH,
+            f"call {call.tool_call_id!r} of round {intent.step} is recorded as a "
+            f"{intent.name} call ({intent.intent_id}) and was asked again {asked}: "
+            "this is not the recorded turn",
+        )
+        if self.mismatch is None:
+            self.mismatch = error
+            if self._on_mismatch is not None:
+                self._on_mismatch(error)
+        return error
 
     async def _record_interrupted(self, intent: ToolIntent, call: GateCall) -> GateResult:
         """Record and return "possibly ran" as the outcome of ``intent`` (lock held)."""
@@ -353,6 +385,28 @@ class RecordingGateJournal:
     def outcomes(self) -> list[ToolOutcome]:
         """Every outcome known (recorded before or by this object)."""
         return list(self._outcomes.values())
+
+
+def _same_call(intent: ToolIntent, call: GateCall) -> bool:
+    """Whether ``call`` is the call ``intent`` recorded: the same name and canonical
+    arguments (T14; the round and tool-call id are the key it was found by)."""
+    return intent.name == call.name and intent.args == canonical_args(call.args)
+
+
+def _mismatch_result(call: GateCall, error: GateError, *, settling: bool = False) -> GateResult:
+    """The error result of a call refused for a mismatch (T14). Settling a dead worker's call,
+    the runtime cannot say the call did not run (no intent of it is known), only that the
+    recorded result is not its own."""
+    if settling:
+        return GateResult.text(
+            f"tool {call.name}: {error.message}; its result is unknown, inspect before "
+            f"repeating ({error.code})",
+            is_error=True,
+        )
+    return GateResult.text(
+        f"tool {call.name} was refused and did not run: {error.message} ({error.code})",
+        is_error=True,
+    )
 
 
 # ------------------------------------------------------------------------------ the server

@@ -121,6 +121,13 @@ class DeliveryStepJournal:
         self.epoch = epoch
         self._replayed_upto = -1
 
+    def diverge(self, reason: str) -> None:
+        """The gate refused a replayed tool call that is not the recorded one (T14): the
+        replay diverged like a request the journal did not answer (G13). From now on no
+        request is asked upstream; the lane ends the delivery ``recovery_refused:replay``."""
+        if self.mismatch is None:
+            self.mismatch = ReplayMismatch(ReasonCode.RECOVERY_REFUSED, reason)
+
     def step_of(self, digest: str) -> int | None:
         return self._steps.get(digest)
 
@@ -138,6 +145,8 @@ class DeliveryStepJournal:
         step = self._steps.get(digest)
         if step is None:
             step = self._next_step
+        if self.mismatch is not None:  # G13, T14: a diverged replay asks nothing more
+            raise ReplayMismatch(self.mismatch.code, self.mismatch.message)
         behind = self._replayed_upto < self._last_answered and step > self._replayed_upto + 1
         if self.replay and behind:
             # G13: an answered step lies between what this epoch replayed and this request

@@ -10,9 +10,10 @@ cold and warm lanes). Everything here is pure: no I/O, no clock, no Trio.
   is the same request; a different text, room, author id or message id is a
   ``delivery_conflict``.
 * The **authority fingerprint** covers the grants that decided what the delivery may do.
-* The **settings fingerprint** covers what a replay must find unchanged: model route and
-  parameters, tool names, schemas and replay classes, worker kind/version/install path and a
-  digest of the persona text (computed by the lane host, passed in as canonical data).
+* The **settings fingerprint** covers what a replay must find unchanged: model route (with the
+  upstream endpoint, :func:`route_endpoint`) and parameters, tool names, schemas and effective
+  replay classes, worker kind/version/install path and a digest of the persona text (computed
+  by the lane host, passed in as canonical data).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -36,6 +38,7 @@ __all__ = [
     "fingerprints",
     "parse_delivery",
     "render_prompt",
+    "route_endpoint",
     "settings_fingerprint",
 ]
 
@@ -130,6 +133,21 @@ def settings_fingerprint(settings: Mapping[str, Any]) -> str:
     """``name=<digest>`` per part, sorted, ``;``-joined: comparing two of them names the
     part that changed (``recovery_refused:<part>``)."""
     return ";".join(f"{name}={digest(settings[name])}" for name in sorted(settings))
+
+
+def route_endpoint(base_url: str | None) -> str | None:
+    """The upstream endpoint as the route fingerprint pins it (L15): scheme, host, port and
+    path (a trailing ``/`` dropped, as the gateway drops it), never user info, query or
+    fragment, so no credential reaches a record even in digested form. ``None`` (the
+    runtime's own scripted model, on a fresh port each start) stays ``None``."""
+    if base_url is None:
+        return None
+    url = urlsplit(base_url)
+    host = (url.hostname or "").lower()
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    port = f":{url.port}" if url.port is not None else ""
+    return f"{url.scheme.lower()}://{host}{port}{url.path.rstrip('/')}"
 
 
 def changed_settings(recorded: str, current: str) -> list[str]:

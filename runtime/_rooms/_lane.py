@@ -27,7 +27,7 @@ import functools
 import math
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -56,6 +56,7 @@ from .._records import (
     Admission,
     EpochStarted,
     Outcome,
+    ReplayClass,
     Result,
     StepAbandoned,
 )
@@ -101,6 +102,9 @@ class LaneHost:
     release_worker: Callable[[Lane], None]
     lane_idle: Callable[[Lane], None]
     """Called when a lane's delivery ends: its live worker may now be stopped for another (L8)."""
+    classes: Mapping[str, ReplayClass]
+    """The configured replay classes (``RoomWorkerConfig.replay_classes()``), the gate's
+    declared classes (L14)."""
     retry: RetrySettings = field(default_factory=RetrySettings)
     receipts: ReceiptStore | None = None
     """The receipt and document store behind ``write_document`` / ``read_document``."""
@@ -476,6 +480,7 @@ class Lane:
             upstream=self.host.upstream,
             granted=grants,
             runtime_tools={n: t for n, t in tools.items() if n in grants},
+            classes=self.host.classes,  # L14: the configured classes, not the built-in ones
             socket_dir=self.host.socket_root,
             socket_name=f"{self.key[:20]}-{kind}.sock",
             replay=True,

@@ -30,7 +30,7 @@ from typing import Any, Final, Literal
 import msgspec
 import trio
 
-from .._boundary._gate import PI_TOOL_CLASSES
+from .._boundary._gate import replay_class_of
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore, receipt_store
 from .._boundary._tools import RUNTIME_TOOLS
@@ -58,6 +58,7 @@ from ._admission import (
     fingerprints,
     parse_delivery,
     render_prompt,
+    route_endpoint,
     settings_fingerprint,
 )
 from ._lane import Lane, LaneHost
@@ -306,17 +307,18 @@ class RoomWorker:
         parts."""
         program = self._host.program
         route = self._host.route
-        classes = {n: str(c) for n, c in PI_TOOL_CLASSES.items()}
-        tools = {
-            name: (
-                RUNTIME_TOOLS[name].declaration() if name in RUNTIME_TOOLS else classes.get(name)
-            )
-            for name in sorted(grants)
-        }
+
+        def tool(name: str) -> Any:  # L14: the effective class, as the gate applies it
+            cls = str(replay_class_of(name, self._host.classes))
+            spec = RUNTIME_TOOLS.get(name)
+            return cls if spec is None else {**spec.declaration(), "replay_class": cls}
+
+        tools = {name: tool(name) for name in sorted(grants)}
         return {
             "route": {
                 "provider": route.provider,
                 "model": route.model,
+                "endpoint": route_endpoint(self.config.model.base_url),  # L15
                 "context_window": route.context_window,
                 "max_tokens": route.max_tokens,
             },
@@ -573,6 +575,7 @@ async def open_room_worker(
             reserve_worker=reserve,
             release_worker=release,
             lane_idle=lane_idle,
+            classes=config.replay_classes(),  # L14
             ledger=work_root / "effects.jsonl",
             receipts=receipts,
         )

@@ -10,6 +10,7 @@ bounded by ``trio.fail_after`` and driven by events; every process is stopped by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -321,6 +322,54 @@ async def test_b4_a_request_carrying_a_result_waits_for_its_outcome(tmp_path: Pa
         ModelRequestIntent,
         ModelResponse,
     ]
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_t14_a_mismatched_replayed_call_refuses_the_rest_of_a_replay(
+    tmp_path: Path, replay: bool
+) -> None:
+    """T14 through both boundaries: on a lane that replays (room lanes), a call asked under a
+    recorded round and id as another tool is refused, so is every later call, and the next
+    model request the journal has not answered is refused too (409, never sent upstream):
+    ``steps.mismatch`` is set, from which the lane ends the delivery
+    ``recovery_refused:replay``. A lane that does not replay (task lanes) refuses only that
+    call."""
+    with trio.fail_after(LIMIT):
+        async with lane(tmp_path, [Text(text="a")]) as ln:
+            config = dataclasses.replace(ln.config(("bash", "write")), replay=replay)
+            key = delivery_key(DELIVERY)
+            async with open_boundaries(config, ln.log, key=key, epoch=1) as b:
+                assert b.gateway_server is not None
+                bash = {"tool_call_id": "c1", "name": "bash", "args": {"command": "true"}}
+                result = {"content": [{"type": "text", "text": "done"}]}
+                assert b.gate_server is not None
+                path, secret = str(b.gate_server.path), b.gate.secret
+                assert (await post_json(path, "/before", bash, secret=secret))[0] == 200
+                after = {**bash, "result": result}
+                assert (await post_json(path, "/after", after, secret=secret))[0] == 200
+                write = {"tool_call_id": "c1", "name": "write", "args": {"path": "x"}}
+                status, answer = await post_json(path, "/before", write, secret=secret)
+                assert (status, answer["decision"]) == (200, "refused")
+                assert "gate_replay_mismatch" in answer["result"]["content"][0]["text"]
+                fresh = {"tool_call_id": "c2", "name": "bash", "args": {"command": "true"}}
+                _status, later = await post_json(path, "/before", fresh, secret=secret)
+                request = await _gateway_status(b.gateway_server, b.gateway.secret, _request())
+                mismatch = b.steps.mismatch
+    if replay:
+        assert later["decision"] == "refused"
+        assert request == 409
+        assert ln.model.request_count == 0
+        assert mismatch is not None
+    else:
+        assert later["decision"] == "run"
+        assert request == 200
+        assert mismatch is None
+    records = await read_back(ln.store)
+    assert [(type(r).__name__, getattr(r, "name", None)) for r in records][:2] == [
+        ("ToolIntent", "bash"),
+        ("ToolOutcome", None),
+    ]
+    assert not any(isinstance(r, ToolIntent) and r.name == "write" for r in records)
 
 
 def test_carried_tool_results() -> None:

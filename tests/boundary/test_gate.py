@@ -220,7 +220,10 @@ async def test_t5_intent_without_outcome(sock_dir: Path) -> None:
     """A ``never`` tool whose intent has no outcome is not run again: the model gets the
     "possibly ran" result (recorded, so the next replay says the same); a ``safe`` one
     runs again under a new intent."""
-    existing: list[Record] = [_intent("c_bash"), _intent("c_read", "read", seq=2)]
+    existing: list[Record] = [
+        _intent("c_bash"),
+        _intent("c_read", "read", seq=2, args={"path": "a"}),  # the call asked again (T14)
+    ]
     with trio.fail_after(LIMIT):
         async with rig(sock_dir, existing=existing) as r:
             status, answer = await r.post(
@@ -626,3 +629,148 @@ async def test_t13_a_definite_refusal_settles_as_a_tool_error_with_its_code(
     assert answer.result.is_error
     assert answer.result.content[0]["text"].startswith("document_stale_base: ")
     assert len(revisions) == 1
+
+
+# ------------------------------------------------- T14: a replay must ask the recorded call
+
+_BASH_ARGS: Final = {"command": "touch saved-ran"}
+
+
+@pytest.mark.parametrize(
+    ("existing", "asked"),
+    [
+        pytest.param(
+            _saved_records("c1"),
+            {"name": "bash", "args": {"command": "rm -rf important"}},
+            id="same-name-other-args-with-outcome",
+        ),
+        pytest.param(
+            _saved_records("c1"),
+            {"name": "write", "args": {"path": "x", "content": "y"}},
+            id="other-name-with-outcome",
+        ),
+        pytest.param(
+            [_intent("c1", args=_BASH_ARGS)],
+            {"name": "bash", "args": {"command": "echo other"}},
+            id="never-without-outcome-other-args",
+        ),
+        pytest.param(
+            [_intent("c1", "read", args={"path": "a"})],
+            {"name": "read", "args": {"path": "/etc/other"}},
+            id="safe-without-outcome-other-args",
+        ),
+        pytest.param(
+            [_intent("c1", "read", args={"path": "a"})],
+            {"name": "bash", "args": {"path": "a"}},
+            id="safe-recorded-other-name",
+        ),
+    ],
+)
+async def test_t14_a_replayed_call_that_is_not_the_recorded_one_fails_closed(
+    sock_dir: Path, existing: list[Record], asked: dict[str, Any]
+) -> None:
+    """T14: a call whose round and tool-call id have a recorded intent of another name or
+    other arguments is refused with ``gate_replay_mismatch``: it is not handed the recorded
+    result, not reported "possibly ran", not run again (a ``safe`` tool neither), and
+    nothing is recorded. The recorded call itself is still answered as before."""
+    recorded = existing[0]
+    assert isinstance(recorded, ToolIntent)
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, existing=existing) as r:
+            status, answer = await r.post("/before", {"tool_call_id": "c1", **asked})
+            assert status == 200
+            assert answer["decision"] == "refused", answer
+            assert answer["result"]["isError"] is True
+            (text,) = [c["text"] for c in answer["result"]["content"]]
+            assert ReasonCode.GATE_REPLAY_MISMATCH in text
+            assert f"tool {asked['name']} was refused and did not run" in text
+            assert SAVED_TEXT not in text
+            assert r.log.records == existing  # nothing recorded, nothing let run
+            assert r.journal.in_flight() == []
+            assert r.journal.mismatch is not None
+            assert r.journal.mismatch.code is ReasonCode.GATE_REPLAY_MISMATCH
+            # the recorded call, asked as it was recorded, is answered as it always was
+            same = {"tool_call_id": "c1", "name": recorded.name, "args": json.loads(recorded.args)}
+            status, answer = await r.post("/before", same)
+            assert answer["decision"] in ("saved", "run"), answer
+            if answer["decision"] == "saved" and len(existing) > 1:
+                assert answer["result"]["content"][0]["text"] == SAVED_TEXT
+
+
+async def test_t14_with_on_mismatch_the_whole_delivery_is_refused() -> None:
+    """T14: a journal whose delivery replays as a whole (room lanes) tells ``on_mismatch``
+    once, and refuses every later call — a new one and the recorded one alike — so nothing
+    runs in a replay that is no longer the recorded turn."""
+    told: list[str] = []
+    existing = _saved_records("c1")
+    log = MemoryLog(records=list(existing))
+    journal = RecordingGateJournal(
+        log,
+        key=KEY,
+        epoch=1,
+        granted=["bash", "write"],
+        existing=existing,
+        on_mismatch=lambda error: told.append(str(error.code)),
+    )
+    with trio.fail_after(LIMIT):
+        first = await journal.decide(GateCall("c1", "write", {"path": "x", "content": ""}))
+        fresh = await journal.decide(GateCall("c2", "bash", {"command": "true"}))
+        recorded = await journal.decide(GateCall("c1", "bash", _BASH_ARGS))
+    for decision in (first, fresh, recorded):
+        assert not isinstance(decision, RunTool | Saved)
+        assert decision.result.is_error
+        assert ReasonCode.GATE_REPLAY_MISMATCH in decision.result.content[0]["text"]
+    assert told == [ReasonCode.GATE_REPLAY_MISMATCH]
+    assert log.records == existing
+
+
+async def test_t14_a_dead_workers_call_is_not_settled_with_another_tools_result() -> None:
+    """T14 when settling (T12): a dangling call whose id has a recorded intent of another
+    tool gets neither that tool's outcome nor a recorded "possibly ran" — an error result
+    with ``gate_replay_mismatch`` that says its result is unknown; nothing is recorded. The
+    arguments are not compared there: the session holds them as the model sent them, the
+    intent as the worker validated (and coerced) them."""
+    existing = _saved_records("c1")
+    log = MemoryLog(records=list(existing))
+    journal = RecordingGateJournal(log, key=KEY, epoch=1, granted=["bash"], existing=existing)
+    with trio.fail_after(LIMIT):
+        other = await journal.settle(GateCall("c1", "write", {"path": "x", "content": ""}))
+        coerced = await journal.settle(GateCall("c1", "bash", {"command": "touch saved-ran "}))
+    assert other.is_error
+    (text,) = [c["text"] for c in other.content]
+    assert ReasonCode.GATE_REPLAY_MISMATCH in text
+    assert "result is unknown" in text
+    assert SAVED_TEXT not in text
+    assert log.records == existing
+    outcome = existing[1]
+    assert isinstance(outcome, ToolOutcome)
+    assert coerced == GateResult(content=outcome.content, is_error=False)
+
+
+async def test_t14_a_receipt_intent_is_not_applied_with_other_arguments(tmp_path: Path) -> None:
+    """T14 with T13: a ``write_document`` intent without outcome, asked again with another
+    content, is refused — the guarded write under the original intent id is not applied
+    with arguments that were never recorded."""
+    store = await open_receipt_store(tmp_path)
+    recorded_args = {"document_id": "notes", "content": "recorded"}
+    intent = replace(
+        _intent("c1", "write_document", args=recorded_args), replay_class=ReplayClass.RECEIPT
+    )
+    log = MemoryLog(records=[intent])
+    journal = RecordingGateJournal(
+        log,
+        key=KEY,
+        epoch=1,
+        granted=["write_document"],
+        existing=[intent],
+        runtime_tools=DocumentTools(store).handlers(),
+    )
+    with trio.fail_after(LIMIT):
+        asked = {"document_id": "notes", "content": "something else"}
+        answer = await journal.decide(GateCall("c1", "write_document", asked))
+        revisions = await store.revisions("notes")
+        await store.aclose()
+    assert not isinstance(answer, RunTool | Saved)
+    assert ReasonCode.GATE_REPLAY_MISMATCH in answer.result.content[0]["text"]
+    assert revisions == []
+    assert log.records == [intent]

@@ -34,8 +34,8 @@ from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._store import lane_key
 from runtime._pi._session_settle import interrupted_text
-from runtime._records import EpochFenced, EpochStarted, Outcome
-from runtime._rooms._admission import changed_settings, settings_fingerprint
+from runtime._records import EpochFenced, EpochStarted, Outcome, ReplayClass
+from runtime._rooms._admission import changed_settings, route_endpoint, settings_fingerprint
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
 
@@ -362,6 +362,54 @@ async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
                 asked = model.request_count
     assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.FAILED, code)
     assert asked == model.request_count
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ("tool_classes", "recovery_refused:tools"),
+        ("base_url", "recovery_refused:route"),
+    ],
+)
+async def test_l14_l15_recovery_refuses_changed_replay_classes_or_endpoint(
+    change: str, code: str, tmp_path: Path
+) -> None:
+    """L14: the effective replay classes are part of the settings fingerprint, so a restart
+    that configures ``read`` as ``never`` refuses the unfinished delivery ``:tools``. L15:
+    the route fingerprint pins the upstream endpoint, so a deploy that points the room at
+    another endpoint refuses it ``:route`` instead of replaying into the other upstream."""
+    rooms = {ROOM: RoomConfig(grants=frozenset({"read", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Hang(seconds=60)]) as (model, url),
+            scripted_upstream([Text(text="from the other endpoint")]) as (other, other_url),
+        ):
+            before = config("fake", url, rooms=rooms)
+            async with open_room_worker(before, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))  # admitted; the turn hangs; leave
+            asked = model.request_count
+            if change == "tool_classes":
+                after = msgspec.structs.replace(before, tool_classes={"read": ReplayClass.NEVER})
+            else:
+                after = msgspec.structs.replace(before, model=ModelConfig(base_url=other_url))
+            async with open_room_worker(after, base_dir=tmp_path) as worker:
+                (result,) = await next_results(worker, 1)
+    assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.FAILED, code)
+    assert model.request_count == asked
+    assert other.request_count == 0
+
+
+def test_l15_the_route_endpoint_carries_no_credentials() -> None:
+    """L15: the endpoint the route fingerprint pins is scheme, host, port and path: a
+    trailing ``/`` (which the gateway drops) changes nothing; user info, query and fragment
+    are never part of it."""
+    assert route_endpoint(None) is None
+    assert route_endpoint("https://API.example.com/v1/") == "https://api.example.com/v1"
+    assert route_endpoint("http://127.0.0.1:8080/v1") == "http://127.0.0.1:8080/v1"
+    assert route_endpoint("http://[::1]:9/v1") == "http://[::1]:9/v1"
+    leaky = route_endpoint("https://user:s3cret@example.com/v1?key=t0ken#frag")
+    assert leaky == "https://example.com/v1"
+    assert route_endpoint("https://example.com/v1") != route_endpoint("https://example.org/v1")
 
 
 def test_l11_changed_settings_names_the_part() -> None:
