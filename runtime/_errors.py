@@ -7,7 +7,11 @@ codes are only added.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import functools
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 __all__ = [
     "AdminError",
@@ -35,6 +39,9 @@ __all__ = [
     "WorkerExitedError",
     "WorkerLaunchError",
     "WorktreeError",
+    "one_error",
+    "raises_one_error",
+    "single_error",
 ]
 
 
@@ -160,6 +167,8 @@ class ReasonCode(enum.StrEnum):
     TASK_ENDED = "task_ended"
     TASK_LATE = "task_late"
     TASK_LANE_FAILED = "task_lane_failed"
+    # the public entry points (brief §3: one typed error, never a group)
+    HOST_FAILED = "host_failed"
     WATCHDOG_CONFIG_INVALID = "watchdog_config_invalid"
 
 
@@ -362,3 +371,71 @@ class WatchdogConfigError(ConfigError):
 
     def __init__(self, setting: str, message: str) -> None:
         super().__init__(setting, message, code=ReasonCode.WATCHDOG_CONFIG_INVALID)
+
+
+# ------------------------------------------------- one error out of a public API (brief §3)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for error in group.exceptions:
+        found.extend(_leaves(error) if isinstance(error, BaseExceptionGroup) else [error])
+    return found
+
+
+def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """What a public entry point raises instead of ``group`` (brief §3: no ``ExceptionGroup``
+    leaks): its only exception, however deeply wrapped, as itself; for several, one
+    :class:`PiRuntimeError` with the first typed one's code (``host_failed`` when none is
+    typed) and the group as its cause. A group holding anything that is not an
+    ``Exception`` (a cancellation, an interrupt: Trio's and the caller's to handle) is
+    returned as it is."""
+    leaves = _leaves(group)
+    if any(not isinstance(error, Exception) for error in leaves):
+        return group
+    if len(leaves) == 1:
+        return leaves[0]
+    typed = [error for error in leaves if isinstance(error, PiRuntimeError)]
+    code = typed[0].code if typed else ReasonCode.HOST_FAILED
+    error = PiRuntimeError(code, f"{len(leaves)} failures at once; the first: {leaves[0]}")
+    error.__cause__ = group
+    return error
+
+
+@contextlib.contextmanager
+def single_error() -> Iterator[None]:
+    """Raise :func:`one_error` of any exception group the block raises; a lone exception
+    keeps its own context and cause (it is re-raised as itself)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = one_error(group)
+        if error is group:
+            raise
+        context, cause, suppress = error.__context__, error.__cause__, error.__suppress_context__
+        try:
+            raise error
+        finally:
+            error.__context__, error.__cause__ = context, cause
+            error.__suppress_context__ = suppress
+            del error
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def raises_one_error(
+    open_: Callable[_P, contextlib.AbstractAsyncContextManager[_T]],
+) -> Callable[_P, contextlib.AbstractAsyncContextManager[_T]]:
+    """An ``async with`` entry point whose block — its own start, its tasks and the
+    caller's body — raises one exception, never a group (:func:`single_error`)."""
+
+    @functools.wraps(open_)
+    @contextlib.asynccontextmanager
+    async def opened(*args: _P.args, **kwargs: _P.kwargs) -> AsyncIterator[_T]:
+        with single_error():
+            async with open_(*args, **kwargs) as value:
+                yield value
+
+    return opened

@@ -36,7 +36,7 @@ from .._boundary._receipts import ReceiptStore, receipt_store
 from .._boundary._tools import RUNTIME_TOOLS
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
-from .._errors import DeliveryError, JournalError, ReasonCode
+from .._errors import DeliveryError, JournalError, ReasonCode, raises_one_error
 from .._hosting import start_model, worker_program
 from .._journal._store import Store, open_store, runtime_dir
 from .._linux._fs import FileSystem
@@ -499,6 +499,7 @@ async def request_cancel(
     return "requested"
 
 
+@raises_one_error
 @contextlib.asynccontextmanager
 async def open_room_worker(
     config: RoomWorkerConfig,

@@ -62,6 +62,7 @@ from .._errors import (
     ProtocolError,
     ReasonCode,
     TaskError,
+    raises_one_error,
 )
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
@@ -460,6 +461,7 @@ def _frame_type(frame: ClientFrame) -> str:
     return str(type(frame).__struct_config__.tag)
 
 
+@raises_one_error
 @contextlib.asynccontextmanager
 async def open_server(
     config: RoomWorkerConfig,

@@ -38,7 +38,7 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
-from .._errors import ReasonCode, TaskError
+from .._errors import ReasonCode, TaskError, raises_one_error
 from .._hosting import start_model, worker_program
 from .._journal._store import Store, runtime_dir
 from .._records import TaskEnded
@@ -283,6 +283,7 @@ def _summary(view: TaskView) -> dict[str, Any]:
     }
 
 
+@raises_one_error
 @contextlib.asynccontextmanager
 async def open_task_service(
     config: RoomWorkerConfig,
