@@ -174,3 +174,6 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     finalization: dict[str, Any] | None = None
     """What the last finalization attempt that found the Done tuple incomplete found (its
     code, what was missing, the manifest, candidate and validation receipt: LK10)."""
+    failure: dict[str, Any] | None = None
+    """Why the task's lane stopped without an end (TL11): ``{"code", "message"}``; the task
+    stays unfinished in its log for the next start."""

@@ -303,6 +303,17 @@ def _ended(view: dict[str, Any]) -> int:
     ended = view.get("ended") or {}
     state = ended.get("state")
     task_id = view.get("task_id")
+    failure = view.get("failure")
+    if not ended and failure:  # TL11: its lane stopped; the task stays unfinished
+        logger.error(
+            "task %s: its lane failed (%s): %s; it stays unfinished in its log, and the next "
+            "start resumes it",
+            task_id,
+            failure.get("code"),
+            failure.get("message"),
+            extra={"code": ReasonCode.TASK_LANE_FAILED},
+        )
+        return EXIT_FAILED
     if state == "done":
         candidate = ended.get("candidate") or {}
         print(

@@ -144,6 +144,11 @@ class TaskRunner:
         """Every task of the store, live or ended, sorted."""
         return sorted({*self.lanes, *self.ended})
 
+    def has_failed(self, task_id: str) -> bool:
+        """The task's lane stopped without an end (TL11): nothing runs it until a restart."""
+        lane = self.lanes.get(task_id)
+        return lane is not None and lane.ended is None and lane.failure is not None
+
     def has_ended(self, task_id: str) -> bool:
         """The task's end is recorded and its lane has stopped."""
         if task_id in self.ended:

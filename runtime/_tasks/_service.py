@@ -183,7 +183,10 @@ class TaskService:
         return self._ended(task_id)
 
     def _ended(self, task_id: str) -> bool:
-        """The task has ended and its last event (if it ran here) is in the history."""
+        """The task has ended — or its lane failed, which nothing ends here (TL11) — and
+        its last event (if it ran here) is in the history."""
+        if self.runner.has_failed(task_id):
+            return True
         if not self.runner.has_ended(task_id):
             return False
         history = self._history.get(task_id)

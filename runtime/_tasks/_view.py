@@ -80,6 +80,10 @@ class Viewed(LaneFacts, Protocol):
     def ended(self) -> TaskEnded | None: ...
     @property
     def actions(self) -> dict[str, OutboxAction]: ...
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the lane's task stopped without an end (TL11), if it did."""
+
     def now(self) -> float: ...
 
 
@@ -139,13 +143,24 @@ def task_view(lane: Viewed) -> TaskView:
         ended=msgspec.to_builtins(ended) if ended else None,
         costs=ended.costs if ended else None,
         finalization=last_finalization(lane.actions),
+        failure=lane_failure(lane.failure) if lane.ended is None else None,
     )
+
+
+def lane_failure(error: BaseException | None) -> dict[str, Any] | None:
+    """What the view says of a lane that stopped without an end (TL11)."""
+    if error is None:
+        return None
+    code = getattr(error, "code", None)
+    return {"code": str(code or type(error).__name__), "message": str(error)}
 
 
 def next_action(lane: Viewed) -> str:
     """The next safe operator action (``docs/design/watchdog.md``, the action table)."""
     if lane.ended is not None:
         return "none: the task has ended"
+    if lane.failure is not None:  # TL11: nothing runs it until the next start
+        return "its lane failed (see failure and the server log): fix the cause, then restart"
     if lane.kernel.state is TaskState.WAITING:
         return ACTION_TABLE[Classification.WAITING_USER]
     return ACTION_TABLE[lane.watchdog.classification]

@@ -20,6 +20,7 @@ from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
 from runtime._errors import TaskError
+from runtime._journal._store import lane_key
 from runtime._pi._session import parse_session
 from runtime._pi._session_files import create_session
 from runtime._records import (
@@ -31,6 +32,7 @@ from runtime._records import (
     Record,
 )
 from runtime._tasks._lane import TaskLane
+from runtime._tasks._service import TaskService
 from runtime._tasks._session import marker_in_session
 from runtime._tasks._state import continuation_marker
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
@@ -702,3 +704,32 @@ async def test_lk8_a_reply_whose_carrier_cannot_be_checked_holds_instead_of_rese
         assert rig.runner.show(TASK).hold_reason == f"prompt_marker_unknown:{TASK}/g1/a1/reply1"
         assert rig.workers.launched == []
         assert rig.model.requests == []
+
+
+# ------------------------------------------- TL11: a failed lane is seen, not followed forever
+
+
+async def test_tl11_a_lane_that_fails_is_shown_failed_and_a_follower_is_told(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """The lane cannot prepare (a file stands where its tmp directory must go: a broken
+    disk's stand-in): it stops without an end. The view says so with the code and a next
+    action, and a follower through the service's ``task_wait`` (what ``task run --wait``
+    polls) is told the task is over for this server, instead of polling forever."""
+    async with open_rig(tmp_path, clocks, [done()]) as rig:
+        blocker = tmp_path / "work" / "tmp" / lane_key(f"task:{TASK}")
+        blocker.parent.mkdir(parents=True)
+        blocker.write_text("not a directory")
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).failure is not None)
+        view = rig.runner.show(TASK)
+        assert view.failure is not None
+        assert view.failure["code"] == "FileExistsError"
+        assert view.next_action.startswith("its lane failed")
+        service = TaskService(rig.runner, WatchdogPolicy(), WatchdogPolicy())
+        answer = await service.task_wait(TASK, 0, 5.0)
+        assert answer["ended"] is True
+        assert answer["task"]["failure"]["code"] == "FileExistsError"
+        with pytest.raises(TaskError) as raised:
+            await rig.ended(TASK)
+        assert raised.value.code == "task_lane_failed"
