@@ -167,7 +167,7 @@ class ReasonCode(enum.StrEnum):
     TASK_ENDED = "task_ended"
     TASK_LATE = "task_late"
     TASK_LANE_FAILED = "task_lane_failed"
-    # the public entry points (brief §3: one typed error, never a group)
+    # the public entry points (docs/design/lanes.md L16: one typed error, never a group)
     HOST_FAILED = "host_failed"
     WATCHDOG_CONFIG_INVALID = "watchdog_config_invalid"
 
@@ -373,7 +373,7 @@ class WatchdogConfigError(ConfigError):
         super().__init__(setting, message, code=ReasonCode.WATCHDOG_CONFIG_INVALID)
 
 
-# ------------------------------------------------- one error out of a public API (brief §3)
+# ---------------------------------------- one error out of a public API (docs/design/lanes.md L16)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
@@ -384,7 +384,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """What a public entry point raises instead of ``group`` (brief §3: no ``ExceptionGroup``
+    """What a public entry point raises instead of ``group`` (L16: no ``ExceptionGroup``
     leaks): its only exception, however deeply wrapped, as itself; for several, one
     :class:`PiRuntimeError` with the first typed one's code (``host_failed`` when none is
     typed) and the group as its cause. A group holding anything that is not an

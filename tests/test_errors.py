@@ -1,7 +1,7 @@
-"""No public entry point leaks an ``ExceptionGroup`` (brief §3, issue #18 item 4): the
-``async with`` of ``open_room_worker``, ``open_task_service`` and ``open_server`` raises one
-exception — the caller's own, or one typed :class:`PiRuntimeError` with its code and the
-group as its cause (``runtime/_errors.py`` :func:`one_error`)."""
+"""No public entry point leaks an ``ExceptionGroup`` (``docs/design/lanes.md`` L16, issue #18
+item 4): the ``async with`` of ``open_room_worker``, ``open_task_service`` and ``open_server``
+raises one exception — the caller's own, or one typed :class:`PiRuntimeError` with its code and
+the group as its cause (``runtime/_errors.py`` :func:`one_error`)."""
 
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ def submitted_record(
 
 
 def inference_costs(records: Iterable[Record]) -> dict[str, Any]:
-    """What the task's model answers cost, from its log (domain isolation, seed group 11): the
+    """What the task's model answers cost, from its log (domain isolation, TL10): the
     original work (the task and the user's replies) and the continuations (every answer after
     a continuation or completion prompt until the next reply) apart. Each bucket counts the
     complete upstream answers (``model_response``: journal replays are not asked again, so
