@@ -239,6 +239,8 @@ class GatewayStatistics:
     """Streams cut because only comments arrived for ``upstream_data_inactivity`` (G15)."""
     detached: int
     """Upstream responses that finished after their delivery was detached (G14)."""
+    incomplete_streams: int
+    """Upstream streams that ended with no terminal part, cut instead of finished (G16)."""
 
 
 class _Downstream:
@@ -336,6 +338,7 @@ class Gateway:
                 "inactivity_aborts",
                 "data_inactivity_aborts",
                 "detached",
+                "incomplete_streams",
             ),
             0,
         )
@@ -505,9 +508,9 @@ class Gateway:
             self._stats["data_inactivity_aborts"] += 1
             await self._relay_error(504, data_inactivity_message(data_limit), downstream)
             return
-        if not held:
-            await downstream.finish(b"")  # ended without finish_reason: relayed as is
-            return
+        if not held:  # G16: it ended with no terminal part: an incomplete response
+            self._stats["incomplete_streams"] += 1
+            return  # never journaled, never finished: cut like an upstream cut (retried)
         if held[-1].strip() != DONE:
             chunks.append(DONE)
             held.append(DONE)

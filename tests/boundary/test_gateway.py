@@ -510,6 +510,25 @@ async def test_g15_without_a_data_deadline_only_the_byte_rule_cuts_comments() ->
     assert (stats.data_inactivity_aborts, stats.inactivity_aborts) == (0, 1)
 
 
+async def test_g16_a_stream_that_ends_without_a_terminal_part_is_cut_not_journaled() -> None:
+    """The upstream ends its stream cleanly after some content, with no ``finish_reason``,
+    usage or ``[DONE]``: an incomplete response. The gateway neither journals it nor finishes
+    the worker's stream as if it were whole: it cuts it, as an upstream cut (the worker
+    retries, and the step is asked again)."""
+
+    async def incomplete(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(sse_data(chunk({"content": "half an ans"})))
+        await response.end()
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=incomplete) as r:
+            with pytest.raises(HttpClientError):
+                await exchange(r)
+            assert r.journal.responses == {}
+            assert r.gateway.statistics().incomplete_streams == 1
+
+
 async def test_upstream_errors_and_cuts_are_relayed_not_journaled() -> None:
     with trio.fail_after(LIMIT):
         async with rig([HttpError(status=503, message="busy"), Cut(after_chunks=2)]) as r:
