@@ -11,7 +11,7 @@ import contextlib
 import enum
 import functools
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import ParamSpec, TypeVar
+from typing import NoReturn, ParamSpec, TypeVar
 
 __all__ = [
     "AdminError",
@@ -41,6 +41,7 @@ __all__ = [
     "WorktreeError",
     "one_error",
     "raises_one_error",
+    "reraise",
     "single_error",
 ]
 
@@ -412,13 +413,19 @@ def single_error() -> Iterator[None]:
         error = one_error(group)
         if error is group:
             raise
-        context, cause, suppress = error.__context__, error.__cause__, error.__suppress_context__
-        try:
-            raise error
-        finally:
-            error.__context__, error.__cause__ = context, cause
-            error.__suppress_context__ = suppress
-            del error
+        reraise(error)
+
+
+def reraise(error: BaseException) -> NoReturn:
+    """Raise ``error`` as itself, out of the group that held it, with its own context and
+    cause kept (a bare ``raise error`` in an ``except`` block would chain the group)."""
+    context, cause, suppress = error.__context__, error.__cause__, error.__suppress_context__
+    try:
+        raise error
+    finally:
+        error.__context__, error.__cause__ = context, cause
+        error.__suppress_context__ = suppress
+        del error
 
 
 _P = ParamSpec("_P")

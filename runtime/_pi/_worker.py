@@ -36,7 +36,7 @@ import msgspec
 import trio
 import trio.lowlevel
 
-from .._errors import ReasonCode, WorkerError
+from .._errors import ReasonCode, WorkerError, reraise
 from .._linux._proc import ProcessIdentity, boot_id, process_start_time
 from .._linux._proctree import (
     CGROUP_PARENT_NAME,
@@ -390,14 +390,7 @@ def _reraise_single(group: BaseExceptionGroup[BaseException]) -> NoReturn:
     """Re-raise a group's only exception as itself, with its own context kept (no group leaks)."""
     if len(group.exceptions) != 1:
         raise group
-    error = group.exceptions[0]
-    context, cause, suppress = error.__context__, error.__cause__, error.__suppress_context__
-    try:
-        raise error
-    finally:
-        error.__context__, error.__cause__ = context, cause
-        error.__suppress_context__ = suppress
-        del error
+    reraise(group.exceptions[0])
 
 
 @contextlib.asynccontextmanager

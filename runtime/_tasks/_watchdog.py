@@ -122,6 +122,18 @@ MAX_REPLACEMENTS: Final = 10
 bounds recovery exposure, so it is finite and small; more is an operator's audited grant."""
 
 
+_DURATIONS: Final = (
+    "soft_seconds",
+    "grace_seconds",
+    "tick_seconds",
+    "probe_timeout_seconds",
+    "recovery_seconds",
+    "term_grace_seconds",
+    "kill_bound_seconds",
+)
+"""The policy's durations: each a positive, finite number of seconds (WD9)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WatchdogPolicy:
     """The static thresholds and budgets of task lanes (seconds). Never adapted at run time."""
@@ -145,15 +157,7 @@ class WatchdogPolicy:
         """Every rule this policy breaks, as ``(setting, why)`` (WD9). Empty: valid."""
         out: list[tuple[str, str]] = []
         unsafe = self.timescale != 1.0
-        for name in (
-            "soft_seconds",
-            "grace_seconds",
-            "tick_seconds",
-            "probe_timeout_seconds",
-            "recovery_seconds",
-            "term_grace_seconds",
-            "kill_bound_seconds",
-        ):
+        for name in _DURATIONS:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 out.append((name, f"must be a positive number of seconds, not {value!r}"))
@@ -217,7 +221,7 @@ class WatchdogPolicy:
         that is missing, of the wrong type, or breaks a rule of WD9 (a snapshot written by
         another version, or a damaged one, is never half-applied)."""
         numbers: dict[str, float] = {}
-        for name in _SNAPSHOT_SECONDS:
+        for name in (*_DURATIONS, "timescale"):
             value = data.get(name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name}: a number, not {value!r}")
@@ -243,18 +247,6 @@ class WatchdogPolicy:
             setting, why = problems[0]
             raise ValueError(f"{setting}: {why}")
         return policy
-
-
-_SNAPSHOT_SECONDS: Final = (
-    "soft_seconds",
-    "grace_seconds",
-    "tick_seconds",
-    "probe_timeout_seconds",
-    "recovery_seconds",
-    "term_grace_seconds",
-    "kill_bound_seconds",
-    "timescale",
-)
 
 
 # ------------------------------------------------------------------------------- events
