@@ -275,11 +275,17 @@ class TaskRunner:
                 self._retire(lane)
                 continue
             self.lanes[submitted.task_id] = lane
-        for lane in list(self.lanes.values()):  # every lease is known before any lane runs
+
+        async def open_(lane: TaskLane) -> None:
             try:
                 await lane.open()  # restored before anyone is served (a reply, a resume)
             except Exception as error:  # this lane alone fails (TL11); run() reports it
                 lane.failure = error
+
+        async with trio.open_nursery() as opening:  # side by side: one lane's kill bound
+            for lane in self.lanes.values():  # does not delay the others' start
+                opening.start_soon(open_, lane)
+        for lane in list(self.lanes.values()):  # every lease is known before any lane runs
             self._nursery.start_soon(self._run_lane, lane)
 
     def _retire(self, lane: TaskLane) -> None:
