@@ -5,9 +5,11 @@ For watchdog and crash tests a Fake-Pi can be told to misbehave at a named
 counted from 1 over the process's life), ``before_model:N`` / ``after_model:N``
 (the N-th model response), ``mid_stream:N`` (after the first chunk of the N-th
 model response), ``settled:N`` (the N-th ``agent_settled``), ``agent_start:N`` (before the
-N-th run emits anything: a worker slow to start on a loaded machine). Actions: ``kill``
-(SIGKILL itself), ``exit:CODE``, ``hang`` (stop doing anything, forever), ``delay:SECONDS``
-(do nothing for that long, then go on).
+N-th run emits anything: a worker slow to start on a loaded machine), ``abort:N`` (the N-th
+``abort`` command, before it is carried out: ``hang`` there is a wedged worker that neither
+aborts nor answers while its run goes on; a shutdown's own abort passes no barrier).
+Actions: ``kill`` (SIGKILL itself), ``exit:CODE``, ``hang`` (stop doing anything, forever),
+``delay:SECONDS`` (do nothing for that long, then go on).
 ``ignore_sigterm`` makes SIGTERM wait that many seconds before it takes
 effect. The recorder writes launch argv, environment *keys* (never values),
 stdin lines and tool executions as JSON lines.

@@ -182,6 +182,9 @@ async def _follow_up(agent: Agent, command: dict[str, Any]) -> Any:
 
 
 async def _abort(agent: Agent, command: dict[str, Any]) -> Any:
+    # the ``abort:N`` barrier: ``hang`` there is a wedged worker, one that neither aborts nor
+    # answers (its run goes on); a shutdown's abort (stdin closed, SIGTERM) passes no barrier
+    await agent.options.barriers.reach("abort")
     await agent.abort()
     return None
 

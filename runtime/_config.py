@@ -101,6 +101,12 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     stall_seconds: float = 300.0
     """A turn with no worker event (and no tool lease) this long is aborted ``turn_stalled``."""
+    abort_grace_seconds: float = 30.0
+    """After the stall backstop's abort, how long the worker has to settle; one that has not
+    is presumed wedged and its epoch is fenced (lanes.md L20). Less than ``stall_seconds``."""
+    tool_lease_max_seconds: float = 600.0
+    """The longest a gated tool's lease holds the stall backstop off: a tool's own ``timeout``
+    above it leases only this, and a ``bash`` call with no timeout gets it (lanes.md L20)."""
     tick_seconds: float = 5.0
     """How often the suspend-aware clock is re-read; a host that slept overshoots by one tick."""
     typing_refresh_seconds: float = 8.0
@@ -514,11 +520,13 @@ def _check_threshold_values(config: RoomWorkerConfig) -> None:
 
 
 def _check_threshold_order(config: RoomWorkerConfig) -> None:
-    """C10: the timers fit inside the stall backstop: tick <= stall; typing refresh < stall;
-    upstream inactivity < stall; keepalive < upstream inactivity."""
+    """C10: the timers fit inside the stall backstop: tick <= stall; abort grace < stall;
+    typing refresh < stall; upstream inactivity < stall; keepalive < upstream inactivity."""
     t = config.thresholds
     rules = (
         ("tick_seconds", t.tick_seconds <= t.stall_seconds, "at most", "stall_seconds"),
+        ("abort_grace_seconds", t.abort_grace_seconds < t.stall_seconds, "less than",
+         "stall_seconds"),
         ("typing_refresh_seconds", t.typing_refresh_seconds < t.stall_seconds, "less than",
          "stall_seconds"),
         ("upstream_inactivity_seconds", t.upstream_inactivity_seconds < t.stall_seconds,

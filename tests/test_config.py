@@ -59,6 +59,8 @@ read = "never"
 
 [thresholds]
 stall_seconds = 600
+abort_grace_seconds = 45
+tool_lease_max_seconds = 1800
 tick_seconds = 2.5
 typing_refresh_seconds = 8
 upstream_inactivity_seconds = 540
@@ -135,6 +137,8 @@ def test_complete_toml_file_round_trip(tmp_path: Path) -> None:
     assert config.tool_classes == {"read": ReplayClass.NEVER}
     assert config.thresholds == Thresholds(
         stall_seconds=600.0,
+        abort_grace_seconds=45.0,
+        tool_lease_max_seconds=1800.0,
         tick_seconds=2.5,
         typing_refresh_seconds=8.0,
         upstream_inactivity_seconds=540.0,
@@ -434,6 +438,17 @@ def test_c8_a_stricter_override_is_what_the_gate_gets() -> None:
         pytest.param(
             {"drain_timeout_seconds": -0.5}, "thresholds.drain_timeout_seconds", id="drain"
         ),
+        pytest.param(
+            {"abort_grace_seconds": 0}, "thresholds.abort_grace_seconds", id="zero-abort-grace"
+        ),
+        pytest.param(
+            {"tool_lease_max_seconds": float("inf")},
+            "thresholds.tool_lease_max_seconds",
+            id="infinite-lease",
+        ),
+        pytest.param(
+            {"tool_lease_max_seconds": -600}, "thresholds.tool_lease_max_seconds", id="lease"
+        ),
     ],
 )
 def test_c9_thresholds_are_finite_and_positive(thresholds: dict[str, Any], setting: str) -> None:
@@ -449,6 +464,16 @@ def test_c9_a_zero_drain_timeout_means_cancel_at_once() -> None:
     ("thresholds", "setting"),
     [
         pytest.param({"tick_seconds": 301}, "thresholds.tick_seconds", id="tick-over-stall"),
+        pytest.param(
+            {"abort_grace_seconds": 300},
+            "thresholds.abort_grace_seconds",
+            id="abort-grace-equals-stall",
+        ),
+        pytest.param(
+            {"stall_seconds": 20, "tick_seconds": 1},
+            "thresholds.abort_grace_seconds",
+            id="stall-below-abort-grace",
+        ),
         pytest.param(
             {"upstream_inactivity_seconds": 300},
             "thresholds.upstream_inactivity_seconds",
@@ -474,6 +499,7 @@ def test_c10_tick_may_equal_stall() -> None:
         {
             "thresholds": {
                 "stall_seconds": 10,
+                "abort_grace_seconds": 2,
                 "tick_seconds": 10,
                 "typing_refresh_seconds": 8,
                 "upstream_inactivity_seconds": 9,

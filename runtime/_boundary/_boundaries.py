@@ -38,6 +38,7 @@ from typing import Any, Final
 import trio
 
 from .._clock import WallClock
+from .._errors import PiRuntimeError
 from .._journal._journal import Journal
 from .._pi._launch import ModelRoute, WorkerKind, WorkerLaunch
 from .._pi._session_files import aread_session, atruncate_torn_tail
@@ -143,6 +144,12 @@ class Boundaries:
         """Awaited with ``(body, step, replayed)`` for every model request of the attached
         delivery, before it is answered (the lane finds its steers there)."""
         gateway.on_answer = self._answered
+
+    @property
+    def failure(self) -> PiRuntimeError | None:
+        """The journal failure that stopped the gateway or the gate (the first of them), set
+        the moment the append failed — before :func:`open_boundaries` raises it."""
+        return self.gateway.failure or self.gate.failure
 
     async def _answered(self, body: dict[str, Any], digest: str, replayed: bool) -> None:
         hook = self.on_request

@@ -487,6 +487,11 @@ class Gate:
         finally:
             self._failed.set()
 
+    @property
+    def failure(self) -> PiRuntimeError | None:
+        """The journal failure that stopped this gate, set the moment it happened."""
+        return self._failure
+
     async def wait_failed(self) -> PiRuntimeError:
         await self._failed.wait()
         assert self._failure is not None

@@ -414,8 +414,8 @@ class Gateway:
         recorded = await journal.lookup(digest)
         if recorded is not None:  # G6: replay, upstream untouched
             self._stats["replayed"] += 1
-            if self.on_answer is not None:
-                await self.on_answer(body, digest, True)
+            if not await self._announce(body, digest, replayed=True):
+                return
             for payload in recorded[:-1]:
                 await downstream.send(sse_data(payload))
             await downstream.finish(sse_data(recorded[-1]) if recorded else b"")
@@ -442,10 +442,22 @@ class Gateway:
         except PiRuntimeError as exc:
             self._fail(exc)
             return
-        if self.on_answer is not None:
-            await self.on_answer(body, digest, False)
+        if not await self._announce(body, digest, replayed=False):
+            return
         self._stats["upstream_calls"] += 1
         await self._relay(body, digest, key, downstream, journal)
+
+    async def _announce(self, body: dict[str, Any], digest: str, *, replayed: bool) -> bool:
+        """Tell the owner (``on_answer``) a request is about to be answered; False when
+        what it journals there failed: the gateway fails as for its own append."""
+        if self.on_answer is None:
+            return True
+        try:
+            await self.on_answer(body, digest, replayed)
+        except PiRuntimeError as exc:
+            self._fail(exc)
+            return False
+        return True
 
     async def _relay(
         self,
@@ -550,6 +562,11 @@ class Gateway:
         if self._failure is None:
             self._failure = error
         self._failed.set()
+
+    @property
+    def failure(self) -> PiRuntimeError | None:
+        """The journal failure that stopped this gateway, set the moment it happened."""
+        return self._failure
 
     async def wait_failed(self) -> PiRuntimeError:
         await self._failed.wait()

@@ -16,7 +16,10 @@ ordinary call: the receipt's saved result, or the write applied exactly once. Th
   as a tool error; any other failure raises and leaves the call unsettled (R5);
 * the database is opened only by the runtime, in WAL mode with ``synchronous=FULL``, and used
   off the Trio loop, one statement sequence at a time (R6);
-* only the operations in :data:`RECEIPT_OPERATIONS` are ``receipt`` (R7).
+* only the operations in :data:`RECEIPT_OPERATIONS` are ``receipt`` (R7);
+* a transient error (SQLite busy or locked) is retried, the whole transaction again, with the
+  bounded backoff of :class:`StoreRetry` on Trio's clock; when the bound is spent the last
+  error raises like any other failure (R8).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -35,9 +39,12 @@ from .._clock import Clocks
 from .._errors import ReasonCode, ReceiptRefusal
 
 __all__ = [
+    "DEFAULT_BUSY_TIMEOUT",
     "RECEIPT_DB",
     "RECEIPT_OPERATIONS",
     "ReceiptStore",
+    "StoreRetry",
+    "is_transient",
     "open_receipt_store",
     "receipt_store",
 ]
@@ -48,6 +55,11 @@ RECEIPT_OPERATIONS: Final = frozenset({"write_document"})
 """The registry of receipt-backed operations (R7): nothing else is treated as ``receipt``."""
 MAX_DOCUMENT_ID: Final = 200
 MAX_CONTENT_BYTES: Final = 1024 * 1024
+DEFAULT_BUSY_TIMEOUT: Final = 0.1
+"""Seconds SQLite's own busy handler waits for a lock inside one attempt (R8): short, because
+that wait blocks the store's thread (holding its one-at-a-time limiter, deaf to cancellation,
+on the real clock). Longer waits are :class:`StoreRetry`'s, on Trio's clock."""
+_TRANSIENT: Final = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS documents (
@@ -70,6 +82,51 @@ CREATE TABLE IF NOT EXISTS receipts (
 """
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreRetry:
+    """The bounded exponential backoff of a transient store error (R8): at most
+    :attr:`attempts` runs of one operation, the n-th pause ``first_delay * factor**(n-1)``
+    seconds capped at :attr:`cap`, slept on Trio's clock between the attempts (none after the
+    last). The defaults try 5 times over 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s: far longer than any
+    write transaction of this store holds the lock, short enough that a worker's tool call
+    (and a recovery under the gate's lock) waits at most a couple of seconds before the
+    delivery fails."""
+
+    attempts: int = 5
+    first_delay: float = 0.1
+    factor: float = 2.0
+    cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"StoreRetry.attempts must be at least 1, not {self.attempts}")
+        if not 0 <= self.first_delay <= self.cap:
+            raise ValueError("StoreRetry needs 0 <= first_delay <= cap")
+        if self.factor < 1:
+            raise ValueError(f"StoreRetry.factor must be at least 1, not {self.factor}")
+
+    def delays(self) -> Iterator[float]:
+        """The pauses between the attempts, in order (``attempts - 1`` of them)."""
+        delay = self.first_delay
+        for _ in range(self.attempts - 1):
+            yield delay
+            delay = min(delay * self.factor, self.cap)
+
+    @property
+    def total_delay(self) -> float:
+        """The summed backoff: how long the pauses take when every attempt fails."""
+        return sum(self.delays())
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` is SQLite's ``SQLITE_BUSY`` or ``SQLITE_LOCKED`` (any extended code):
+    another connection held a lock, and the same transaction may succeed later (R8)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return (
+        isinstance(error, sqlite3.Error) and isinstance(code, int) and (code & 0xFF) in _TRANSIENT
+    )
 
 
 class _WriteInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -105,13 +162,39 @@ def input_fingerprint(operation: str, args: Mapping[str, Any]) -> str:
 class ReceiptStore:
     """The receipt and document store; obtain it from :func:`open_receipt_store`."""
 
-    def __init__(self, connection: sqlite3.Connection, *, now_ms: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        connection: sqlite3.Connection,
+        *,
+        now_ms: Callable[[], int],
+        retry: StoreRetry | None = None,
+    ) -> None:
         self._db = connection
         self._now_ms = now_ms
+        self._retry = retry if retry is not None else StoreRetry()
         self._limiter = trio.CapacityLimiter(1)  # R6: one statement sequence at a time
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
-        return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+        """``fn`` (one whole statement sequence) off the loop; a transient error runs it again
+        after the next pause of the backoff (R8). The pause is slept here, outside the limiter,
+        so the store serves others meanwhile. ``fn`` must leave no transaction open when it
+        raises: each attempt starts from the committed state."""
+        delays = self._retry.delays()
+        attempt, waited = 1, 0.0
+        while True:
+            try:
+                return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+            except sqlite3.Error as error:
+                transient = is_transient(error)
+                delay = next(delays, None) if transient else None
+                if delay is None:
+                    if transient:
+                        error.add_note(f"still so after {attempt} attempts over {waited:g} s")
+                    elif attempt > 1:
+                        error.add_note(f"on attempt {attempt}, after a transient error")
+                    raise
+            await trio.sleep(delay)
+            attempt, waited = attempt + 1, waited + delay
 
     async def write_document(self, intent_id: str, args: Mapping[str, Any]) -> dict[str, Any]:
         """The receipt-guarded write of ``write_document`` (an ordinary call and a recovery
@@ -128,7 +211,7 @@ class ReceiptStore:
 
     def _write(self, intent_id: str, request: _WriteInput, fingerprint: str) -> dict[str, Any]:
         db = self._db
-        db.execute("BEGIN IMMEDIATE")
+        db.execute("BEGIN IMMEDIATE")  # a busy BEGIN starts no transaction: nothing to undo
         try:
             saved = db.execute(
                 "SELECT input_fingerprint, result FROM receipts WHERE intent_id = ?", (intent_id,)
@@ -175,6 +258,8 @@ class ReceiptStore:
             db.execute("COMMIT")  # the revision and its receipt, or neither
             return result
         except BaseException:
+            # A busy COMMIT leaves the transaction open; SQLITE_FULL or an I/O error may have
+            # rolled it back already. Either way the attempt ends with none open (R8).
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
@@ -211,11 +296,13 @@ class ReceiptStore:
         return await self._run(query)
 
     async def aclose(self) -> None:
-        await self._run(self._db.close)
+        await trio.to_thread.run_sync(self._db.close, limiter=self._limiter)
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+def _connect(path: Path, busy_timeout: float) -> sqlite3.Connection:
+    if busy_timeout < 0:
+        raise ValueError(f"busy_timeout must be 0 or more seconds, not {busy_timeout}")
+    db = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
     try:
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")  # R6: a commit is on disk when it returns
@@ -227,20 +314,33 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 async def open_receipt_store(
-    state_dir: Path | str, *, now_ms: Callable[[], int] | None = None
+    state_dir: Path | str,
+    *,
+    now_ms: Callable[[], int] | None = None,
+    retry: StoreRetry | None = None,
+    busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
 ) -> ReceiptStore:
-    """Open (creating) ``<state_dir>/receipts.sqlite``; close it with ``aclose``."""
+    """Open (creating) ``<state_dir>/receipts.sqlite``; close it with ``aclose``. ``retry``
+    bounds the retries of a transient error (default :class:`StoreRetry`); ``busy_timeout``
+    is SQLite's own wait for a lock within one attempt, in seconds (0: ``SQLITE_BUSY`` at
+    once, as the tests use it) (R8)."""
     path = Path(state_dir) / RECEIPT_DB
-    db = await trio.to_thread.run_sync(_connect, path)
-    return ReceiptStore(db, now_ms=now_ms or Clocks.system().wall.time_ms)
+    db = await trio.to_thread.run_sync(_connect, path, busy_timeout)
+    return ReceiptStore(db, now_ms=now_ms or Clocks.system().wall.time_ms, retry=retry)
 
 
 @contextlib.asynccontextmanager
 async def receipt_store(
-    state_dir: Path | str, *, now_ms: Callable[[], int] | None = None
+    state_dir: Path | str,
+    *,
+    now_ms: Callable[[], int] | None = None,
+    retry: StoreRetry | None = None,
+    busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
 ) -> AsyncIterator[ReceiptStore]:
     """:func:`open_receipt_store` for the block; closed on the way out, even if cancelled."""
-    store = await open_receipt_store(state_dir, now_ms=now_ms)
+    store = await open_receipt_store(
+        state_dir, now_ms=now_ms, retry=retry, busy_timeout=busy_timeout
+    )
     try:
         yield store
     finally:

@@ -138,8 +138,11 @@ class DocumentTools:
     """``write_document`` and ``read_document`` on the receipt store
     (``runtime/_boundary/_receipts.py``):
     a definite refusal is the tool's error result, with its code (R5); any other failure of
-    the store raises, so the call stays unsettled and the gate stops (the next epoch runs the
-    same guarded write)."""
+    the store raises ``receipt_store_failed``, so the call stays unsettled and the gate stops
+    (the next epoch runs the same guarded write). A transient error (SQLite busy or locked)
+    has already been retried by the store, within its bound, before it gets here (R8): the
+    store owns the retry because only it knows SQLite's error codes, reruns the whole
+    transaction as one attempt, and pauses outside its one-at-a-time limiter."""
 
     store: ReceiptStore
 
@@ -157,8 +160,9 @@ class DocumentTools:
             return GateResult.text(f"{refusal.code}: {refusal.message}", is_error=True)
         except PiRuntimeError:
             raise
-        except Exception as error:  # the store failed: not settled (R5)
-            raise GateError(ReasonCode.RECEIPT_STORE_FAILED, f"receipt store: {error}") from error
+        except Exception as error:  # the store failed (R8: retries spent): not settled (R5)
+            detail = "; ".join([str(error), *getattr(error, "__notes__", ())])
+            raise GateError(ReasonCode.RECEIPT_STORE_FAILED, f"receipt store: {detail}") from error
         return GateResult.text(json.dumps(result, ensure_ascii=False, sort_keys=True))
 
     def handlers(self) -> dict[str, RuntimeTool]:

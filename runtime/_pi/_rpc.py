@@ -304,6 +304,12 @@ class RpcChannel:
             error = exc
         if error is None:
             error = RpcClosedError() if self._stdin_closed else await self._exit_reason()
+        self._end(error)
+
+    def _end(self, error: RpcError) -> None:
+        """Stdout ended (or the channel's block did): every waiter learns ``error``."""
+        if self._exit_error is not None:
+            return
         self._exit_error = error
         for slot in self._slots.values():
             slot.error = error
@@ -397,21 +403,26 @@ async def open_rpc_channel(
         exit_grace=exit_grace,
     )
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(channel._read)
-            nursery.start_soon(channel._answer_dialogs, nursery)
-            if isinstance(stderr, trio.abc.ReceiveStream):
-                nursery.start_soon(channel._drain_stderr, stderr)
-            else:
-                channel._stderr_done.set()
-            try:
-                yield channel
-                await channel.aclose()
-            finally:
-                if channel.idle:
-                    with trio.move_on_after(exit_grace, shield=True):
-                        await channel._close_stdin()
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel._read)
+                nursery.start_soon(channel._answer_dialogs, nursery)
+                if isinstance(stderr, trio.abc.ReceiveStream):
+                    nursery.start_soon(channel._drain_stderr, stderr)
+                else:
+                    channel._stderr_done.set()
+                try:
+                    yield channel
+                    await channel.aclose()
+                finally:
+                    if channel.idle:
+                        with trio.move_on_after(exit_grace, shield=True):
+                            await channel._close_stdin()
+                    nursery.cancel_scope.cancel()
+        finally:
+            # the reader may be cancelled before stdout ended (the epoch was fenced): a
+            # consumer still waiting for an event learns the channel is gone, never hangs
+            channel._end(RpcClosedError())
     except BaseExceptionGroup as group:
         error: BaseException = group
         while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:

@@ -41,7 +41,14 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import JournalError, ReasonCode, RpcError, SessionError, WorkerError
+from .._errors import (
+    JournalError,
+    PiRuntimeError,
+    ReasonCode,
+    RpcError,
+    SessionError,
+    WorkerError,
+)
 from .._journal._journal import Journal
 from .._journal._store import Store, delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -65,7 +72,7 @@ from ._outbox import ResultOutbox
 from ._outcome import TurnEnd
 from ._pending import Absorbed, Pending
 from ._slot import Slot
-from ._turn import Turn
+from ._turn import Turn, WorkerWedged
 
 if TYPE_CHECKING:
     pass
@@ -91,6 +98,10 @@ class LaneHost:
     socket_root: Path
     persona: str | None
     stall: float
+    abort_grace: float
+    """After the stall backstop's abort, how long the worker has to settle (L20)."""
+    tool_lease_max: float
+    """The longest tool lease (L20)."""
     tick: float
     typing_refresh: float
     idle_stop: float
@@ -175,7 +186,14 @@ class Lane:
             if not turn.steerable:
                 return False
             item = Absorbed(pending, pending.admission.rendered_prompt)
-            await turn.log.append(AbsorbedInput(delivery_id=pending.delivery_id, text=item.text))
+            try:
+                await turn.log.append(
+                    AbsorbedInput(delivery_id=pending.delivery_id, text=item.text)
+                )
+            except JournalError as error:  # L17: the owner's log failed; this one runs alone
+                if self._room is not None:
+                    self._room.fail(error)
+                return False
             owner.absorbed.append(item)
             pending.absorbed_into = owner.delivery_id
             await turn.send_steer(item)
@@ -215,20 +233,24 @@ class Lane:
                 self.current = pending
                 try:
                     await self._deliver(nursery, pending)
-                except JournalError as error:  # this delivery's log failed: it ends here
-                    await self._journal_failed(pending, error)
+                except JournalError:  # the shared outbox failed: the disk is going (L17)
+                    pass  # the delivery stays pending; the host stops admitting
                 finally:
                     self.current = None
                     self.last_used = trio.current_time()
                     self.host.lane_idle(self)
 
-    async def _journal_failed(self, pending: Pending, error: JournalError) -> None:
-        """A delivery whose log was poisoned ends ``failed`` with the journal's code; one whose
-        log is found damaged when it is recovered ends ``recovery_refused:journal`` (published
-        from the shared outbox, which is another file). If even
-        that fails the disk is gone: the delivery stays pending and the host stops admitting
-        (``Store.disk_failure``)."""
-        code = ReasonCode.RECOVERY_REFUSED.at("journal") if pending.recovering else str(error.code)
+    async def _journal_failed(self, pending: Pending, refused: str | None) -> None:
+        """A delivery whose log was poisoned — now, or before the host restarted — ends
+        ``failed journal_poisoned`` (L17); one whose log is found damaged when it is recovered
+        ends ``recovery_refused:journal`` (``refused="journal"``, L11), published from the
+        shared outbox, which is another file. If even that fails the disk is gone: the
+        delivery stays pending and the host stops admitting (``Store.disk_failure``)."""
+        code = (
+            ReasonCode.JOURNAL_POISONED
+            if refused is None
+            else ReasonCode.RECOVERY_REFUSED.at(refused)
+        )
         with contextlib.suppress(JournalError):
             await self.host.outbox.publish(
                 delivery_id=pending.delivery_id, room=self.room, outcome=Outcome.FAILED, code=code
@@ -265,15 +287,26 @@ class Lane:
 
     async def _deliver(self, nursery: trio.Nursery, pending: Pending) -> None:
         store = self.host.store
-        log = await store.open_or_create_delivery_log(pending.delivery_id)
         try:
-            existing = log.contents.records
-            recorded = next((r for r in existing if isinstance(r, Result)), None)
-            if recorded is None:
-                recorded = await self._run(nursery, pending, log)
-                await log.append(recorded)
-        finally:
-            await store.close_log(log)
+            log = await store.open_or_create_delivery_log(pending.delivery_id)
+        except JournalError as error:
+            # poisoned before a restart: as if now (L17); found damaged: refused (L11)
+            damaged = pending.recovering and error.code is not ReasonCode.JOURNAL_POISONED
+            await self._journal_failed(pending, "journal" if damaged else None)
+            return
+        try:
+            try:
+                existing = log.contents.records
+                recorded = next((r for r in existing if isinstance(r, Result)), None)
+                if recorded is None:
+                    recorded = await self._run(nursery, pending, log)
+                    await log.append(recorded)
+            finally:
+                await store.close_log(log)
+        except JournalError:  # this delivery's log failed: it ends here (L17)
+            self.stop_worker()  # its worker is not trusted with the next delivery
+            await self._journal_failed(pending, None)
+            return
         await self._publish(pending, recorded)
         await self._settle_absorbed(pending, recorded)
 
@@ -300,34 +333,41 @@ class Lane:
 
     async def _run(self, nursery: trio.Nursery, pending: Pending, log: Journal) -> Result:
         """The delivery's turn, replayed after a worker death, within the recovery attempts
-        (docs/design/recovery.md): the attempts so far are the abandoned steps in its log."""
-        existing = log.contents.records
+        (docs/design/recovery.md, L19): the attempts so far are the abandoned steps in its log,
+        and a delivery the host finds unfinished at start is charged one before anything of
+        its turn runs."""
+        existing = log.contents.records  # as the log was opened
         attempts = sum(isinstance(r, StepAbandoned) for r in existing)
+        if pending.recovering:  # the host died during this delivery: charged first (L19)
+            await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
+            attempts += 1
         started = next((r for r in existing if isinstance(r, Admission)), None)
         slot = self._slot_for(pending)
         if started is None:
-            leaf = await self._leaf(slot.session)
+            try:
+                leaf = await self._leaf(slot.session)
+            except (SessionError, OSError):  # L18: the session cannot be read: fail closed
+                return self._refused("session")
             started = msgspec.structs.replace(
                 pending.admission, session_path=self._rel(slot.session), session_leaf=leaf
             )
             await log.append(started)
-        elif pending.recovering:  # the host died during this delivery's turn
-            attempts += 1
-            await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
         boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
         try:
             while True:
                 if attempts > 0:
-                    if attempts >= self.host.recovery_attempts:
-                        return self._result(
-                            TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
-                        )
+                    if attempts > self.host.recovery_attempts:  # L19: that many replays
+                        return self._result(EXHAUSTED)
                     if not await self._branch(slot.session, started):
                         return self._refused("session")
                 try:
                     end = await self._turn(nursery, slot, pending, log)
                 except _WorkerDied:
                     await slot.fence()
+                    if slot.failure is not None:  # L17: it was fenced for its journal
+                        return await self._journal_lost(slot.failure)
+                    # the host stopping killed it: not charged here (the next start is, L19)
+                    await trio.lowlevel.checkpoint()
                     attempts += 1
                     await log.append(
                         StepAbandoned(
@@ -337,31 +377,58 @@ class Lane:
                         )
                     )
                     continue
+                if slot.failure is not None:  # L17: re-checked after the turn's last await
+                    await slot.fence()
+                    return await self._journal_lost(slot.failure)
                 await self._fsync(slot.session)
                 if boundaries.steps.mismatch is not None:  # G13: the replay diverged
                     return self._refused("replay")
-                return self._result(end, leaf=await self._leaf(slot.session))
+                try:
+                    leaf = await self._leaf(slot.session)
+                except (SessionError, OSError):  # L18
+                    return self._refused("session")
+                return self._result(end, leaf=leaf)
         finally:
             boundaries.release()  # the log closes next: nothing of this turn stays in memory
             if slot is self._oneshot:
                 self._oneshot = None
                 await slot.close()
 
+    async def _journal_lost(self, failure: PiRuntimeError) -> Result:
+        """L17: the delivery's journal failed mid-turn and its worker is fenced. A journal
+        error is raised (the log is poisoned: the lane publishes ``journal_poisoned``); any
+        other failure of the boundaries (the receipt store, the gate's own append) ends the
+        delivery ``failed`` with its code."""
+        await trio.lowlevel.checkpoint()
+        if isinstance(failure, JournalError):
+            raise failure
+        return self._result(TurnEnd(outcome=Outcome.FAILED, code=failure.code))
+
     async def _turn(
         self, nursery: trio.Nursery, slot: Slot, pending: Pending, log: Journal
     ) -> TurnEnd:
         try:
             live = await slot.ensure_live(nursery)
-            assert slot.boundaries is not None
-            turn = Turn(self.host, self.room, pending, live.rpc, log)
-            turn.replay_upto = slot.boundaries.steps.last_answered
+            boundaries = slot.boundaries  # held: a journal failure drops the slot's (L17)
+            assert boundaries is not None
+            turn = Turn(self.host, self.room, pending, live.rpc, log, outside=nursery)
+            turn.replay_upto = boundaries.steps.last_answered
             self._running = turn
-            slot.boundaries.on_request = turn.on_request
+            boundaries.on_request = turn.on_request
             try:
                 return await turn.run()
             finally:
-                slot.boundaries.on_request = None
+                boundaries.on_request = None
                 self._running = None
+        except WorkerWedged as wedged:
+            # L20: the stalled turn's worker did not settle after the abort. It is fenced —
+            # its whole tree is dead when this returns — so nothing of it can reach the
+            # session after the result's leaf is read, and a line it tore is cut (as a replay
+            # would, _branch); the turn ends as the stall decided, never replayed.
+            await slot.fence()
+            with contextlib.suppress(SessionError, OSError):  # the leaf read reports these
+                await atruncate_torn_tail(slot.session)
+            return wedged.end
         except (WorkerError, RpcError) as error:  # exited, failed to launch, channel broke
             raise _WorkerDied(str(error)) from error
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import trio
 
 from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
-from .._errors import RpcError
+from .._errors import PiRuntimeError, RpcError, one_error
 from .._journal._journal import Journal
 from .._pi._launch import WorkerLaunch
 from .._pi._rpc import RpcChannel, open_rpc_channel
@@ -66,9 +66,25 @@ class Slot:
         self.boundaries: Boundaries | None = None
         self.live: Live | None = None
         self._scope = trio.CancelScope()
+        self._failure: PiRuntimeError | None = None
+        self._served = trio.Event()
+        """Set when the boundaries' task ends."""
+
+    @property
+    def failure(self) -> PiRuntimeError | None:
+        """Why the attached delivery's journal could not be written (L17), if it could not:
+        the boundaries' own failure the moment it happened, or one the lane reported
+        (:meth:`fail`). Cleared when the next delivery is served."""
+        if self._failure is not None:
+            return self._failure
+        return self.boundaries.failure if self.boundaries is not None else None
 
     async def serve(self, nursery: trio.Nursery, log: Journal, key: str) -> Boundaries:
-        """The boundaries, serving ``log`` (opened on first use)."""
+        """The boundaries, serving ``log`` (opened on first use, and again after a journal
+        failure stopped the last ones)."""
+        self._failure = None
+        if self.boundaries is not None and self.boundaries.failure is not None:
+            await self._served.wait()  # the failed boundaries end first; new ones serve
         if self.boundaries is None:
             self.boundaries = await nursery.start(self._serve, log, key)
         else:
@@ -78,10 +94,32 @@ class Slot:
     async def _serve(
         self, log: Journal, key: str, task_status: trio.TaskStatus[Boundaries]
     ) -> None:
-        with self._scope:
-            async with open_boundaries(self.config, log, key=key, epoch=0) as boundaries:
-                task_status.started(boundaries)
-                await trio.sleep_forever()
+        self._scope = scope = trio.CancelScope()
+        self._served = served = trio.Event()
+        opened: Boundaries | None = None
+        try:
+            with scope:
+                async with open_boundaries(self.config, log, key=key, epoch=0) as opened:
+                    task_status.started(opened)
+                    await trio.sleep_forever()
+        except* PiRuntimeError as group:  # L17: a journal write of the attached delivery
+            if opened is None:
+                raise  # they never started: the lane's own failure
+            failure = opened.failure or one_error(group)
+            assert isinstance(failure, PiRuntimeError)
+            self.fail(failure)
+        finally:
+            if self.boundaries is opened:
+                self.boundaries = None
+            served.set()
+
+    def fail(self, error: PiRuntimeError) -> None:
+        """The attached delivery's journal failed (L17): its worker is fenced at once, so it
+        starts no effect that could not be journaled; the lane ends the delivery."""
+        if self._failure is None:
+            self._failure = error
+        if self.live is not None:
+            self.live.scope.cancel()
 
     async def ensure_live(self, nursery: trio.Nursery) -> Live:
         if self.live is not None and not self.live.ended.is_set():

@@ -1,12 +1,19 @@
 """One delivery's turn in a room lane's worker: the prompt, the steers, the events until
 ``agent_settled`` (typing, tool activity, the stall backstop) and the outcome
-(docs/design/lanes.md; the outcome rules are ``runtime/_rooms/_outcome.py``)."""
+(docs/design/lanes.md; the outcome rules are ``runtime/_rooms/_outcome.py``).
+
+The stall backstop is bounded itself (L20): once the turn has stalled it is ``turn_stalled``
+whatever the worker does next. Its ``abort`` is sent from outside the turn (the lane's
+nursery), so not even a write to a worker that stopped reading holds the turn; a worker with
+no ``agent_settled`` ``abort_grace`` seconds after it — or one that died after the stall —
+is :class:`WorkerWedged`, and the lane fences its epoch before the result is published.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import trio
 
@@ -21,10 +28,7 @@ from ._outcome import TurnEnd, classify_turn, could_still_be_silent
 from ._pending import Absorbed, Pending
 from ._stall import StallWatch, watch_turn
 
-__all__ = ["Turn", "TurnHost"]
-
-SHELL_LEASE: Final = 600.0
-"""The lease of a shell tool that names no timeout of its own (docs/design/lanes.md)."""
+__all__ = ["Turn", "TurnHost", "WorkerWedged"]
 
 
 class TurnHost(Protocol):
@@ -35,6 +39,16 @@ class TurnHost(Protocol):
     @property
     def stall(self) -> float: ...
     @property
+    def abort_grace(self) -> float:
+        """Seconds (Trio time) the worker has to settle after the backstop's abort (L20)."""
+        ...
+
+    @property
+    def tool_lease_max(self) -> float:
+        """The longest tool lease; a ``bash`` call with no timeout gets it (L20)."""
+        ...
+
+    @property
     def tick(self) -> float: ...
     @property
     def typing_refresh(self) -> float: ...
@@ -42,13 +56,34 @@ class TurnHost(Protocol):
     def emit(self) -> Callable[[RoomEvent], None]: ...
 
 
+class WorkerWedged(Exception):
+    """The stalled turn's worker did not settle (L20): no ``agent_settled`` within
+    ``abort_grace`` of the backstop's abort, or it died after the stall. The lane fences the
+    epoch, then ends the turn with :attr:`end` — never a replay."""
+
+    def __init__(self, end: TurnEnd) -> None:
+        super().__init__("the stalled turn's worker did not settle after its abort")
+        self.end = end
+
+
 class Turn:
-    """The events of one turn: typing, tool activity, the stall backstop, the outcome."""
+    """The events of one turn: typing, tool activity, the stall backstop, the outcome.
+
+    ``outside`` is a nursery that outlives the turn (the lane's): the backstop's abort runs
+    there, so the turn can end while that command is still unanswered (L20)."""
 
     def __init__(
-        self, host: TurnHost, room: str, pending: Pending, rpc: RpcChannel, log: Journal
+        self,
+        host: TurnHost,
+        room: str,
+        pending: Pending,
+        rpc: RpcChannel,
+        log: Journal,
+        *,
+        outside: trio.Nursery,
     ) -> None:
         self.room = room
+        self.outside = outside
         self.pending = pending
         self.rpc = rpc
         self.log = log
@@ -61,6 +96,8 @@ class Turn:
         self.partial = ""
         self.typing = trio.Event()
         self.stalled = False
+        """The backstop fired: the turn is ``turn_stalled`` whatever the worker does next."""
+        self._abort_scope = trio.CancelScope()
         self.replay_upto = -1
         """The last step the journal answers (a replay asks them again first): a steer never
         seen before the crash is sent again only once that step is answered (L10)."""
@@ -80,17 +117,28 @@ class Turn:
                 if item.first_step is None and self.replay_upto < 0:  # steered, never seen
                     await self.send_steer(item)
         died: RpcError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._backstop)
-            nursery.start_soon(self._keep_typing)
-            try:
-                async for event in rpc:
-                    self.watch.event(self._now())
-                    if self._see(event):
-                        break
-            except RpcError as error:  # raised here, not from the nursery: no group to unwrap
-                died = error
-            nursery.cancel_scope.cancel()
+        settled = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._backstop, nursery.cancel_scope)
+                nursery.start_soon(self._keep_typing)
+                try:
+                    async for event in rpc:
+                        self.watch.event(self._now())
+                        if self._see(event):
+                            settled = True
+                            break
+                except RpcError as error:  # raised here, not from the nursery: no group
+                    died = error
+                nursery.cancel_scope.cancel()
+        finally:
+            self._abort_scope.cancel()  # an abort still unanswered is dropped, not awaited
+        if self.stalled and not settled:
+            # L20: the worker did not settle after the stall (presumed wedged once the grace
+            # ran out, or dead): the lane fences its epoch and the turn ends as the stall
+            # decided — never replayed as a worker death (L9) would be
+            self.steerable = False
+            raise WorkerWedged(self._stalled_end())
         if died is not None:
             raise died
         async with self.steer_lock:  # a steer being sent finishes first
@@ -107,6 +155,13 @@ class Turn:
         if self.pending.cancelled and end.outcome is not Outcome.REPLY:
             return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
         return end
+
+    def _stalled_end(self) -> TurnEnd:
+        """How a stalled turn whose worker never settled ends: ``cancelled`` when it was
+        cancelled (L13), else ``failed turn_stalled``."""
+        if self.pending.cancelled:
+            return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
+        return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.TURN_STALLED)
 
     async def send_steer(self, item: Absorbed) -> None:
         """Steer ``item`` into this run; a dead worker is noticed by the turn itself."""
@@ -157,7 +212,8 @@ class Turn:
             tool = str(record.get("toolName", ""))
             phase: Literal["start", "end"] = "start" if kind == "tool_execution_start" else "end"
             if phase == "start":
-                self.watch.lease(call_id, self._now() + _lease_seconds(tool, record))
+                lease = _lease_seconds(tool, record, cap=self.host.tool_lease_max)
+                self.watch.lease(call_id, self._now() + lease)
             else:
                 self.watch.release(call_id, self._now())
             self.host.emit(
@@ -170,10 +226,23 @@ class Turn:
             )
         return False
 
-    async def _backstop(self) -> None:
+    async def _backstop(self, events: trio.CancelScope) -> None:
+        """The stall backstop (L7, L20). Once the turn stalled it is ``turn_stalled``; the abort
+        is sent from the lane's nursery, and if ``agent_settled`` (which cancels this task)
+        has not come ``abort_grace`` seconds later, the worker is presumed wedged: the turn's
+        events (``events``) are cancelled and :meth:`run` raises :class:`WorkerWedged`.
+
+        The grace is Trio time, the host's awake time: a suspended host gives the worker no
+        chance to settle, so it is not counted against it (the silence before the stall is)."""
         await watch_turn(self.watch, self.host.clocks.silence, tick=self.host.tick)
         self.stalled = True
-        with contextlib.suppress(RpcError):
+        self.outside.start_soon(self._abort)
+        await trio.sleep(self.host.abort_grace)
+        events.cancel()  # no agent_settled: presumed wedged
+
+    async def _abort(self) -> None:
+        """``abort``, dropped when the turn ends first; a broken channel is the turn's to see."""
+        with self._abort_scope, contextlib.suppress(RpcError):
             await self.rpc.abort()
 
     async def _keep_typing(self) -> None:
@@ -197,10 +266,12 @@ def _user_text(body: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def _lease_seconds(tool: str, record: dict[str, Any]) -> float:
-    """A gated tool's lease: its own timeout when it names one; shell tools get a default."""
+def _lease_seconds(tool: str, record: dict[str, Any], *, cap: float) -> float:
+    """A gated tool's lease: its own timeout when it names one, a ``bash`` call without one
+    ``cap``, any other tool none — never more than ``cap`` (L20): the model chooses the
+    timeout, so an uncapped one could hold the backstop off for ever."""
     args = record.get("args") or {}
     timeout = args.get("timeout") if isinstance(args, dict) else None
-    if isinstance(timeout, int | float) and timeout > 0:
-        return float(timeout)
-    return SHELL_LEASE if tool == "bash" else 0.0
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+        return min(float(timeout), cap)
+    return cap if tool == "bash" else 0.0

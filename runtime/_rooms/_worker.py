@@ -120,7 +120,11 @@ class RoomWorker:
             delivery = parse_delivery(
                 delivery, max_text=caps.max_text_chars, max_history=caps.max_history_items
             )
-        if not self._admitting or self.store.disk_failure is not None:
+        if (disk := self.store.disk_failure) is not None:  # L17: host-wide, and says why
+            raise DeliveryError(
+                ReasonCode.NOT_ADMITTING, f"this worker stopped admitting, its disk failed: {disk}"
+            )
+        if not self._admitting:
             raise DeliveryError(ReasonCode.NOT_ADMITTING, "this worker is not admitting")
         grants = self.config.grants_for(delivery.room, delivery.author.id)
         if grants is None:
@@ -566,6 +570,8 @@ async def open_room_worker(
             socket_root=runtime_dir(state_dir),
             persona=config.persona,
             stall=thresholds.stall_seconds,
+            abort_grace=thresholds.abort_grace_seconds,
+            tool_lease_max=thresholds.tool_lease_max_seconds,
             tick=thresholds.tick_seconds,
             typing_refresh=thresholds.typing_refresh_seconds,
             idle_stop=thresholds.idle_stop_seconds,

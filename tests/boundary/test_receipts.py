@@ -3,21 +3,30 @@ R1… of ``docs/design/receipts.md``, on a real SQLite file in a temporary state
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sqlite3
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import pytest
 import trio
+import trio.testing
 
+from runtime._boundary._calls import GateCall
 from runtime._boundary._receipts import (
     RECEIPT_DB,
     RECEIPT_OPERATIONS,
     ReceiptStore,
+    StoreRetry,
     input_fingerprint,
+    is_transient,
     open_receipt_store,
 )
-from runtime._errors import ReasonCode, ReceiptRefusal
+from runtime._boundary._tools import DocumentTools
+from runtime._errors import GateError, ReasonCode, ReceiptRefusal
 
 LIMIT: Final = 30.0
 
@@ -177,3 +186,212 @@ async def test_reading_an_unknown_document_is_a_tool_error(tmp_path: Path) -> No
             await s.read_document({"document_id": "nothing"})
         assert refused.value.code is ReasonCode.DOCUMENT_UNKNOWN
         await s.aclose()
+
+
+# R8: a transient store error is retried, bounded. Each test holds a real lock from a second
+# connection on the same file, so the store (busy_timeout=0) really gets SQLITE_BUSY, and runs
+# on ``autojump_clock`` (MockClock(autojump_threshold=0)): the backoff is slept in virtual
+# time. No ``fail_after`` here: autojump would jump to its deadline while an attempt's thread
+# runs (the store's limiter is not the default one), and with no other deadline the elapsed
+# virtual time is exactly the sum of the pauses. Attempts are counted as the transactions the
+# store began, by SQLite's statement trace on the store's connection.
+
+RETRY: Final = StoreRetry()
+"""The defaults are what is tested: 5 attempts, pauses 0.1, 0.2, 0.4, 0.8 s."""
+BEGIN: Final = "BEGIN IMMEDIATE"
+
+
+@dataclass
+class Trace:
+    """Every statement the store's connection runs (called in the store's thread);
+    ``on_begin(n)`` as the n-th transaction begins, before it takes its lock."""
+
+    statements: list[str] = field(default_factory=list)
+    on_begin: Callable[[int], None] = lambda n: None
+
+    def __call__(self, sql: str) -> None:
+        self.statements.append(sql)
+        if sql == BEGIN:
+            self.on_begin(self.begun)
+
+    @property
+    def begun(self) -> int:
+        return self.statements.count(BEGIN)
+
+    def attempt(self, n: int) -> list[str]:
+        """The statements of the n-th attempt (from its ``BEGIN IMMEDIATE`` on)."""
+        starts = [i for i, sql in enumerate(self.statements) if sql == BEGIN]
+        end = starts[n] if n < len(starts) else len(self.statements)
+        return self.statements[starts[n - 1] : end]
+
+
+async def traced_store(tmp_path: Path) -> tuple[ReceiptStore, Trace]:
+    """A store that gets ``SQLITE_BUSY`` at once on a lock (``busy_timeout=0``), traced."""
+    s = await open_receipt_store(tmp_path, now_ms=lambda: 1_000, busy_timeout=0)
+    trace = Trace()
+    s._db.set_trace_callback(trace)
+    return s, trace
+
+
+@contextlib.contextmanager
+def other_connection(path: Path, *statements: str) -> Iterator[sqlite3.Connection]:
+    """A second connection on ``path`` that ran ``statements`` (so holds their locks until
+    :func:`release`); usable from the store's thread too."""
+    other = sqlite3.connect(path, isolation_level=None, timeout=0, check_same_thread=False)
+    try:
+        for sql in statements:
+            other.execute(sql).fetchall()
+        yield other
+    finally:
+        release(other)
+        other.close()
+
+
+def release(other: sqlite3.Connection) -> None:
+    if other.in_transaction:
+        other.execute("ROLLBACK")
+
+
+def write_call(content: str = "hello") -> GateCall:
+    return GateCall("c1", "write_document", {"document_id": "notes", "content": content})
+
+
+def stored(path: Path) -> tuple[int, int]:
+    """(revisions, receipts) in the file, read by a fresh connection."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        revisions = db.execute("SELECT count(*) FROM revisions").fetchone()[0]
+        receipts = db.execute("SELECT count(*) FROM receipts").fetchone()[0]
+    return int(revisions), int(receipts)
+
+
+async def test_r8_a_lock_released_after_two_busy_attempts_applies_the_write_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The first two attempts find the file write-locked (a real SQLITE_BUSY on ``BEGIN
+    IMMEDIATE``); the lock goes as the third begins. The tool answers its normal result, the
+    write applied exactly once, after the first two pauses of the backoff."""
+    path = tmp_path / RECEIPT_DB
+    s, trace = await traced_store(tmp_path)
+    with other_connection(path, BEGIN) as lock:
+        trace.on_begin = lambda n: release(lock) if n == 3 else None
+        start = trio.current_time()
+        result = await DocumentTools(s).write(write_call(), "d1:7")
+        elapsed = trio.current_time() - start
+    assert trace.begun == 3
+    assert trace.attempt(1) == trace.attempt(2) == [BEGIN]  # a busy BEGIN: nothing else ran
+    assert elapsed == pytest.approx(0.1 + 0.2)
+    assert not result.is_error
+    answer = json.loads(result.content[0]["text"])
+    assert answer["document_id"] == "notes"
+    assert answer["base_revision_id"] is None
+    assert await s.revisions("notes") == [answer["revision_id"]]
+    assert await DocumentTools(s).write(write_call(), "d1:7") == result  # its receipt (R2)
+    await s.aclose()
+    assert stored(path) == (1, 1)
+
+
+async def test_r8_a_lock_never_released_fails_the_call_after_the_policys_attempts(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Busy on every attempt: exactly ``attempts`` transactions begun, the summed backoff slept
+    (0.1 + 0.2 + 0.4 + 0.8 s), then ``receipt_store_failed`` (the call stays unsettled), no
+    transaction left open and nothing written."""
+    path = tmp_path / RECEIPT_DB
+    s, trace = await traced_store(tmp_path)
+    with other_connection(path, BEGIN):
+        start = trio.current_time()
+        with pytest.raises(GateError) as failed:
+            await DocumentTools(s).write(write_call(), "d1:7")
+        elapsed = trio.current_time() - start
+    assert trace.statements == [BEGIN] * RETRY.attempts == [BEGIN] * 5  # a busy BEGIN: no more
+    assert elapsed == pytest.approx(RETRY.total_delay) == 1.5
+    assert failed.value.code is ReasonCode.RECEIPT_STORE_FAILED
+    assert "database is locked" in failed.value.message
+    assert f"after {RETRY.attempts} attempts" in failed.value.message
+    assert not s._db.in_transaction
+    await s.aclose()
+    assert stored(path) == (0, 0)
+
+
+async def test_r8_a_non_transient_error_is_not_retried(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A real ``SQLITE_FULL`` (the file may not grow: ``max_page_count`` at its size) is an
+    ``OperationalError`` like busy, but not transient. After one busy attempt the lock goes and
+    the second attempt finds the disk full: it is the last, after one pause. A closed store
+    fails at once, without a pause. Nothing is written."""
+    path = tmp_path / RECEIPT_DB
+    s, trace = await traced_store(tmp_path)
+    pages = s._db.execute("PRAGMA page_count").fetchone()[0]
+    s._db.execute(f"PRAGMA max_page_count = {pages}")
+    with other_connection(path, BEGIN) as lock:
+        trace.on_begin = lambda n: release(lock) if n == 2 else None
+        start = trio.current_time()
+        with pytest.raises(GateError) as failed:
+            await DocumentTools(s).write(write_call("x" * 100_000), "d1:7")
+        elapsed = trio.current_time() - start
+    assert trace.begun == 2
+    assert elapsed == pytest.approx(RETRY.first_delay)
+    assert failed.value.code is ReasonCode.RECEIPT_STORE_FAILED
+    assert "database or disk is full" in failed.value.message
+    assert not s._db.in_transaction
+    await s.aclose()
+    start = trio.current_time()
+    with pytest.raises(GateError) as failed:  # closed: sqlite3.ProgrammingError
+        await DocumentTools(s).write(write_call(), "d1:7")
+    assert trio.current_time() == start
+    assert failed.value.code is ReasonCode.RECEIPT_STORE_FAILED
+    assert stored(path) == (0, 0)
+
+
+async def test_r8_a_busy_commit_is_rolled_back_and_the_whole_write_retried(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``COMMIT`` itself busy, after the receipt check and every insert ran: in rollback-journal
+    mode (set here only; in the store's WAL mode a commit needs no lock the writer lacks) a
+    reader's shared lock makes it so. SQLite leaves that transaction open; the store rolls it
+    back, and the next attempt runs the whole guarded write again, receipt check (R2) first:
+    one revision, one receipt."""
+    path = tmp_path / RECEIPT_DB
+    s, trace = await traced_store(tmp_path)
+    assert s._db.execute("PRAGMA journal_mode = DELETE").fetchone() == ("delete",)
+    with other_connection(path, "BEGIN", "SELECT count(*) FROM receipts") as reader:
+        trace.on_begin = lambda n: release(reader) if n == 2 else None
+        start = trio.current_time()
+        result = await DocumentTools(s).write(write_call(), "d1:7")
+        elapsed = trio.current_time() - start
+    first = trace.attempt(1)
+    assert first[1].startswith("SELECT input_fingerprint, result FROM receipts")
+    assert any(sql.startswith("INSERT INTO receipts") for sql in first)
+    assert first[-2:] == ["COMMIT", "ROLLBACK"]
+    assert trace.attempt(2)[-1] == "COMMIT"
+    assert trace.begun == 2
+    assert elapsed == pytest.approx(RETRY.first_delay)
+    assert not result.is_error
+    await s.aclose()
+    assert stored(path) == (1, 1)
+
+
+def test_r8_the_backoff_grows_by_its_factor_up_to_its_cap() -> None:
+    assert list(RETRY.delays()) == pytest.approx([0.1, 0.2, 0.4, 0.8])
+    long = StoreRetry(attempts=7, first_delay=0.5, factor=2.0, cap=2.0)
+    assert list(long.delays()) == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert list(StoreRetry(attempts=1).delays()) == []
+    for bad in ({"attempts": 0}, {"first_delay": -1.0}, {"first_delay": 3.0}, {"factor": 0.5}):
+        with pytest.raises(ValueError, match="StoreRetry"):
+            StoreRetry(**bad)
+
+
+def test_r8_only_busy_and_locked_are_transient() -> None:
+    def error(code: int | None) -> sqlite3.Error:
+        e = sqlite3.OperationalError("x")
+        if code is not None:
+            e.sqlite_errorcode = code
+        return e
+
+    busy_snapshot, locked_sharedcache = sqlite3.SQLITE_BUSY | 2 << 8, sqlite3.SQLITE_LOCKED | 1 << 8
+    for code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, busy_snapshot, locked_sharedcache):
+        assert is_transient(error(code))
+    for other in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY, None):
+        assert not is_transient(error(other))
+    assert not is_transient(ReceiptRefusal(ReasonCode.DOCUMENT_INVALID, "x"))

@@ -233,6 +233,28 @@ async def test_abort_while_streaming_keeps_partial_text(
     assert leaf.raw["message"]["stopReason"] == "aborted"
 
 
+async def test_a_hang_at_the_abort_barrier_is_a_worker_that_ignores_the_abort(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """fake-pi.md "Process behaviours": ``abort:1 = hang`` is a wedged worker — the first abort
+    is neither carried out nor answered, and the run goes on to its end (``agent_settled`` not
+    aborted); the second abort passes the barrier and is answered."""
+    model = _model(Text(text="one two three", delay=10))
+    behaviours = Behaviours(at={"abort:1": "hang"})
+    async with open_fake_pi(cwd=tmp_path, model=model, behaviours=behaviours) as fake:
+        await fake.send({"id": "p", "type": "prompt", "message": "talk"})
+        await fake.receive_until("message_update")
+        await fake.send({"id": "a1", "type": "abort"})
+        events = await fake.receive_until("agent_settled")
+        await fake.send({"id": "a2", "type": "abort"})
+        answered = await fake.receive_until("response")
+    assert "message_end:assistant:stop" in _kinds(events)
+    assert events[-1] == {"type": "agent_settled", "aborted": False}
+    assert not any(e["type"] == "response" for e in events)  # the first abort: no answer
+    assert answered[-1]["id"] == "a2"
+    assert answered[-1]["success"] is True
+
+
 async def test_abort_during_a_tool(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     """pi-observed.md §7: abort during a tool → "Command aborted" result, then an aborted reply."""
     gate = _HoldingGate()

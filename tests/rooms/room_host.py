@@ -17,7 +17,10 @@ test can SIGKILL the host right after a named point::
 ``pause`` names a barrier inside the runtime and how many times to pass it first:
 ``{"point": "model_response" | "tool_intent" | "receipt_commit", "nth": N}`` — right after
 the N-th model response (or tool intent, or receipt transaction) is durable, before the worker
-hears of it.
+hears of it; ``"poisoned_publish"`` — right before a ``journal_poisoned`` result is published.
+
+``fault`` makes one write of one delivery's log fail (``{"delivery": ID, "nth": N, "errno":
+E}``, the N-th write to that log, before it happens; ``tests/faultfs.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ from runtime._boundary._gate import RecordingGateJournal
 from runtime._boundary._steps import DeliveryStepJournal
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
+from runtime._journal._store import delivery_key
+from runtime._linux._fs import OsFileSystem
 from runtime._records import Record, ToolIntent
+from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
 from tests._host_process import pause_after_receipt_commit
+from tests.faultfs import Fault, FaultyFileSystem
 
 
 def emit(fact: dict[str, Any]) -> None:
@@ -82,6 +89,15 @@ def install_pause(point: str, nth: int) -> None:
         RecordingGateJournal._append = after_intent  # type: ignore[method-assign]
     elif point == "receipt_commit":
         pause_after_receipt_commit(barrier)
+    elif point == "poisoned_publish":
+        publish = ResultOutbox.publish
+
+        async def before_poisoned(self: ResultOutbox, **fields: Any) -> DeliveryResult:
+            if fields.get("code") == "journal_poisoned":
+                await barrier()
+            return await publish(self, **fields)
+
+        ResultOutbox.publish = before_poisoned  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown pause point {point!r}")
 
@@ -97,7 +113,16 @@ async def main(spec: dict[str, Any]) -> None:
     if "pause" in spec:
         install_pause(spec["pause"]["point"], spec["pause"].get("nth", 1))
     config = config_from_dict(spec["config"], base=base)
-    async with open_room_worker(config, base_dir=base) as worker, trio.open_nursery() as nursery:
+    fs = None
+    if "fault" in spec:  # one write of one delivery's log fails (tests/faultfs.py)
+        fault = spec["fault"]
+        where = delivery_key(fault["delivery"])
+        plan = Fault("write", fault["nth"], "before", fault["errno"], path_contains=where)
+        fs = FaultyFileSystem(OsFileSystem(), plan)
+    async with (
+        open_room_worker(config, base_dir=base, fs=fs) as worker,
+        trio.open_nursery() as nursery,
+    ):
         nursery.start_soon(follow_events, worker)
         for message in spec.get("deliver", []):
             if "wait_fifo" in message:  # a step of the script: wait until a tool writes it

@@ -11,6 +11,7 @@ for again (the scripted model counts requests), an interrupted ``never`` tool re
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -23,7 +24,10 @@ import trio
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._journal._frame import HEADER_SIZE, scan
+from runtime._journal._journal import decode_log
+from runtime._journal._store import delivery_key
 from runtime._pi._session_settle import interrupted_text
+from runtime._records import StepAbandoned
 from runtime._rooms._worker import request_cancel
 
 from .._host_process import Fact, Host, run_host
@@ -511,3 +515,91 @@ async def test_j4_a_flipped_bit_in_the_last_record_fails_closed_and_never_reruns
     assert result["code"] == "recovery_refused:journal", result
     assert not runs.exists()
     assert model.request_count == 1
+
+
+OTHER: Final = "dm:8"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_l17_a_host_with_one_rooms_journal_failing_answers_the_others(
+    kind: str, tmp_path: Path
+) -> None:
+    """L17, by killing the host: one write of room A's delivery log fails mid-turn (the
+    model response record, EINVAL: not a disk failure) while room B is answered. The host
+    does not go down: B's reply is published, and A's delivery reaches the publish of its
+    ``journal_poisoned`` result — where the host is SIGKILLed. The next host publishes it
+    ``journal_poisoned`` (not ``recovery_refused:journal``: the log was poisoned, not found
+    damaged), redelivers B's unacknowledged reply unchanged, and asks the model nothing."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="answer")] * 3) as (model, url):
+            settings = config(kind, url)
+            settings["rooms"][OTHER] = {"grants": ["send_text_update"]}
+            spec: dict[str, Any] = {"config": settings}
+            fault = {"delivery": "a1", "nth": 4, "errno": errno.EINVAL}
+            first = {
+                **spec,
+                "deliver": [{**message("b1"), "room": OTHER}, message("a1")],
+                "expect": 2,
+                "fault": fault,
+                "pause": {"point": "poisoned_publish"},
+            }
+            async with host(tmp_path, first, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                if not any("result" in f for f in h.facts):
+                    await h.until(lambda f: "result" in f)
+                await h.kill()
+                before = results(h.facts)
+            asked = model.request_count
+            after = await recover(tmp_path, spec, expect=2)
+    assert [(r["delivery_id"], r["outcome"], r["text"]) for r in before] == [
+        ("b1", "reply", "answer")
+    ]
+    by_id = {r["delivery_id"]: r for r in after}
+    assert by_id["b1"] == before[0]  # unacknowledged: again, the same result and seq
+    assert (by_id["a1"]["outcome"], by_id["a1"]["code"]) == ("failed", "journal_poisoned")
+    assert asked == 2  # one request per room: A's response was not journaled
+    assert model.request_count == asked  # nothing of A asked again after the restart
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_l19_a_host_killed_at_the_same_point_replays_three_times_then_exhausts(
+    kind: str, tmp_path: Path
+) -> None:
+    """L19: the host is SIGKILLed each time the delivery's model request reaches the model
+    (never answered, so every replay asks again). The configured 3 recovery attempts are 3
+    replays, each charged durably before it runs; the 4th start ends the delivery ``failed
+    recovery_exhausted`` without asking the model, and the room answers its next delivery."""
+    arrivals_in, arrivals = trio.open_memory_channel[int](10)
+    seen: list[int] = []
+
+    async def hold(n: int) -> None:
+        seen.append(n)
+        if n <= 4:  # the first run and the three replays: report it, never answer
+            await arrivals_in.send(n)
+            await trio.sleep_forever()
+
+    steps: list[Step] = [*[Text(text="never sent")] * 4, Text(text="the next one")]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps, on_request=hold) as (model, url):
+            spec: dict[str, Any] = {"config": config(kind, url)}
+            for run in range(4):
+                deliver = [message("d1")] if run == 0 else []
+                once = {**spec, "deliver": deliver, "expect": 1}
+                async with host(tmp_path, once, f"run{run}") as h:
+                    assert await arrivals.receive() == run + 1
+                    await h.kill()
+            asked = len(seen)
+            last = {**spec, "deliver": [message("d2")], "expect": 2, "ack": True}
+            async with host(tmp_path, last, "last") as h:
+                found = results(await h.finish())
+        log = tmp_path / "state" / "deliveries" / f"{delivery_key('d1')}.log"
+        records = decode_log(await trio.to_thread.run_sync(log.read_bytes), rel="d1").records
+        abandoned = [r.reason for r in records if isinstance(r, StepAbandoned)]
+    assert asked == 4  # the first run and three replays
+    assert [(r["delivery_id"], r["outcome"], r.get("code")) for r in found] == [
+        ("d1", "failed", "recovery_exhausted"),
+        ("d2", "reply", None),
+    ]
+    assert len(seen) == asked + 1  # d1 asked nothing more; d2 once
+    assert model.request_count == 1  # and only d2's request was answered
+    assert abandoned == ["host_restart"] * 4  # each start after the first charged one first

@@ -29,15 +29,19 @@ no jump happens while the test waits — and every advance is bounded in virtual
 
 Instrumentation, test-only (``monkeypatch``): the lane's :class:`StallWatch` is replaced by a
 subclass that records every event, lease and check, and ``_Turn._see`` by a wrapper that
-records each worker event's type and time as the lane saw it. The clocks are the shipped
+records each worker event's type and time as the lane saw it; for L20, ``RpcChannel.abort`` and
+``Slot.fence`` are wrapped to record when they were called, and Fake-Pi gets a behaviour
+(``abort:1``) through ``--fake-config`` on its command line. The clocks are the shipped
 ``clocks`` / ``silence_clock`` fixtures (``runtime.testing``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
+import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +52,7 @@ import pytest
 import trio
 import trio.testing
 
+from fake_pi._behaviours import Behaviours, FakeConfig
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Call, Hang, Scenario, Step, Text, ToolCalls
 from runtime._boundary import _gateway
@@ -56,9 +61,11 @@ from runtime._clock import Clocks, MockSilenceClock
 from runtime._config import ModelConfig, RoomConfig, RoomWorkerConfig, Thresholds
 from runtime._errors import ReasonCode
 from runtime._journal._store import lane_key
+from runtime._pi._launch import WorkerProgram
+from runtime._pi._rpc import RpcChannel
 from runtime._pi._rpc_protocol import Event
-from runtime._records import EpochStarted, Outcome
-from runtime._rooms import _turn
+from runtime._records import EpochFenced, EpochStarted, Outcome, StepAbandoned
+from runtime._rooms import _slot, _turn, _worker
 from runtime._rooms._stall import StallWatch
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
@@ -68,6 +75,10 @@ MINUTE: Final = 60.0
 LIMIT: Final = 300.0
 """The brief's silence limit (``Thresholds().stall_seconds``), asserted below."""
 TICK: Final = 5.0
+GRACE: Final = 30.0
+"""How long the stall backstop's abort may go unanswered (``Thresholds().abort_grace_seconds``)."""
+LEASE_MAX: Final = 600.0
+"""The longest tool lease (``Thresholds().tool_lease_max_seconds``)."""
 REAL_WAIT: Final = 30.0
 """Seconds of real time any one wait for the subprocess may take."""
 DRIFT: Final = 0.25
@@ -81,6 +92,10 @@ def test_the_thresholds_are_the_briefs() -> None:
     thresholds = Thresholds()
     assert (thresholds.stall_seconds, thresholds.tick_seconds) == (LIMIT, TICK)
     assert thresholds.upstream_inactivity_seconds == 270.0 < LIMIT
+    assert (thresholds.abort_grace_seconds, thresholds.tool_lease_max_seconds) == (
+        GRACE,
+        LEASE_MAX,
+    )
 
 
 # ------------------------------------------------------------------------------ the probe
@@ -341,9 +356,10 @@ async def room_worker(
     clocks: Clocks,
     probe: Probe,
     grants: frozenset[str] = frozenset({"send_text_update"}),
+    on_result: Callable[[DeliveryResult], None] | None = None,
 ) -> AsyncIterator[tuple[RoomWorker, list[DeliveryResult]]]:
     """The room worker on Fake-Pi (a subprocess) with the default thresholds; its results
-    are collected as they are published."""
+    are collected as they are published (``on_result`` sees each one first)."""
     config = RoomWorkerConfig(
         agent="fake",
         model=ModelConfig(base_url=upstream.url),
@@ -357,6 +373,8 @@ async def room_worker(
 
         async def collect() -> None:
             async for result in worker.results():
+                if on_result is not None:
+                    on_result(result)
                 results.append(result)
                 probe.notify()
 
@@ -665,7 +683,7 @@ async def test_a_6_minute_tool_within_its_lease_is_never_aborted(
     between = [s for s in probe.seen if running.at < s.at < released]
     assert between == []  # six minutes without a single worker event
     ((taken, deadline),) = probe.leases
-    assert deadline == pytest.approx(taken + _turn.SHELL_LEASE, abs=DRIFT)  # clock: rate 1
+    assert deadline == pytest.approx(taken + LEASE_MAX, abs=DRIFT)  # clock: rate 1
     assert upstream.arrived == 2
     assert "finished" in str(upstream.bodies[1]["messages"][-1])
 
@@ -712,6 +730,297 @@ async def test_a_20_minute_host_suspend_is_caught_on_the_first_tick_after_wake(
     assert not any(c.stalled for c in probe.checks if c.at < wake)
     assert stall.boottime - probe.last_event_before(stall) >= 20 * MINUTE
     assert upstream.tokens == 3  # the next token (due 40 s after the wake) never came
+
+
+# ------------------------------------------------------- L20: the backstop's own bounds
+
+
+def _behaving(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, behaviours: Behaviours) -> None:
+    """Every Fake-Pi epoch the room worker starts runs with ``behaviours`` (``--fake-config``;
+    the worker's environment is allow-listed, so ``$FAKE_PI_CONFIG`` would not reach it)."""
+    path = tmp_path / "fake-config.json"
+    path.write_bytes(msgspec.json.encode(FakeConfig(behaviours=behaviours)))
+    program = WorkerProgram.fake_pi()
+    configured = dataclasses.replace(
+        program, command=(*program.command, "--fake-config", str(path))
+    )
+    monkeypatch.setattr(_worker, "worker_program", lambda config: configured)
+
+
+@dataclass
+class Aborts:
+    """When the lane sent ``abort`` and when it fenced an epoch (Trio time; test-only)."""
+
+    sent: list[float] = field(default_factory=list)
+    fenced: list[float] = field(default_factory=list)
+    """When :meth:`Slot.fence` was called."""
+
+
+@pytest.fixture
+def aborts(monkeypatch: pytest.MonkeyPatch, probe: Probe) -> Aborts:
+    found = Aborts()
+    abort, fence = RpcChannel.abort, _slot.Slot.fence
+
+    async def aborting(channel: RpcChannel) -> None:
+        found.sent.append(trio.current_time())
+        probe.notify()
+        await abort(channel)
+
+    async def fencing(slot: _slot.Slot) -> None:
+        found.fenced.append(trio.current_time())
+        probe.notify()
+        await fence(slot)
+
+    monkeypatch.setattr(RpcChannel, "abort", aborting)
+    monkeypatch.setattr(_slot.Slot, "fence", fencing)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _epochs(worker: RoomWorker) -> list[EpochStarted | EpochFenced]:
+    contents = await worker.store.read(f"lanes/{lane_key(ROOM)}/lane.log")
+    return [r for r in contents.records if isinstance(r, EpochStarted | EpochFenced)]
+
+
+async def test_l20_a_worker_that_ignores_the_stall_abort_is_fenced_after_the_grace(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    aborts: Aborts,
+    clocks: Clocks,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L20: a silent model stalls the turn and the backstop sends ``abort``; the worker is
+    wedged (Fake-Pi ``abort:1 = hang``: it neither aborts nor answers, its run goes on). Once
+    ``abort_grace_seconds`` (30 s) passed after the abort with no ``agent_settled``, the epoch
+    is fenced — its process is gone by the time the result is published — and the delivery
+    ends ``failed turn_stalled``, never replayed (the model was asked once for it). The lane
+    serves the room's next delivery on a new epoch."""
+    _behaving(monkeypatch, tmp_path, Behaviours(at={"abort:1": "hang"}))
+    alive_at_result: list[bool] = []
+    wedged: list[int] = []
+    async with (
+        serving([Alive(), Text(text="back again")], probe) as upstream,
+        room_worker(
+            upstream,
+            tmp_path,
+            clocks,
+            probe,
+            on_result=lambda _: alive_at_result.extend(_alive(pid) for pid in wedged),
+        ) as (worker, results),
+    ):
+        await worker.deliver(message("d1", "are you there?"))
+        await driver.wait_for(
+            lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
+            "the answer to start",
+        )
+        (first,) = await _epochs(worker)
+        assert isinstance(first, EpochStarted)
+        wedged.append(first.pid)
+        await driver.advance(
+            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
+        )
+        stall = probe.stall()
+        assert stall is not None, "the turn was never found stalled"
+        await driver.wait_for(lambda: len(aborts.sent) == 1, "the backstop's abort")
+        assert _alive(first.pid)
+        # the worker answers nothing: virtual time runs on, timer by timer, past the grace
+        await driver.advance(
+            10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
+        )
+        await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
+        (stalled,) = results
+        assert (stalled.delivery_id, stalled.outcome, stalled.code, stalled.text) == (
+            "d1",
+            Outcome.FAILED,
+            str(ReasonCode.TURN_STALLED),
+            None,
+        )
+        assert alive_at_result == [False]  # killed before its result was published
+        # fenced once the grace was over, not before
+        (fenced_at,) = aborts.fenced
+        assert GRACE <= fenced_at - aborts.sent[0] <= GRACE + DRIFT
+        # the room's next delivery is answered, by a new epoch
+        await worker.deliver(message("d2", "hello again"))
+        await driver.wait_for(lambda: len(results) == 2, "the next delivery's result")
+        assert (results[1].delivery_id, results[1].outcome, results[1].text) == (
+            "d2",
+            Outcome.REPLY,
+            "back again",
+        )
+        epochs = await _epochs(worker)
+        d1_log = await worker.store.read_delivery_log("d1")
+    assert [(type(r).__name__, r.epoch) for r in epochs] == [
+        ("EpochStarted", 1),
+        ("EpochFenced", 1),
+        ("EpochStarted", 2),
+    ]
+    assert isinstance(epochs[1], EpochFenced)
+    assert epochs[1].reason == "fenced"
+    assert not any(isinstance(r, StepAbandoned) for r in d1_log.records)  # never replayed
+    assert upstream.arrived == 2  # d1 asked once, d2 once
+    assert "hello again" in str(upstream.bodies[1]["messages"][-1])
+
+
+async def test_l20_a_worker_that_dies_on_the_stall_abort_is_not_replayed(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    aborts: Aborts,
+    clocks: Clocks,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L20: a stalled turn ends ``failed turn_stalled`` whatever the worker does after the
+    abort: one that exits on it (Fake-Pi ``abort:1 = exit:3``) is fenced, and the turn is not
+    replayed as a worker death (L9) would be — the model, silent for the limit, is not asked
+    again. The room's next delivery is answered by a new epoch."""
+    _behaving(monkeypatch, tmp_path, Behaviours(at={"abort:1": "exit:3"}))
+    async with (
+        serving([Alive(), Text(text="back again")], probe) as upstream,
+        room_worker(upstream, tmp_path, clocks, probe) as (worker, results),
+    ):
+        await worker.deliver(message("d1", "are you there?"))
+        await driver.wait_for(
+            lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
+            "the answer to start",
+        )
+        await driver.advance(
+            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
+        )
+        assert probe.stall() is not None, "the turn was never found stalled"
+        await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
+        (stalled,) = results
+        assert (stalled.delivery_id, stalled.outcome, stalled.code) == (
+            "d1",
+            Outcome.FAILED,
+            str(ReasonCode.TURN_STALLED),
+        )
+        assert upstream.arrived == 1  # not replayed
+        assert len(aborts.fenced) == 1
+        await worker.deliver(message("d2", "hello again"))
+        await driver.wait_for(lambda: len(results) == 2, "the next delivery's result")
+        assert (results[1].outcome, results[1].text) == (Outcome.REPLY, "back again")
+        epochs = await _epochs(worker)
+        d1_log = await worker.store.read_delivery_log("d1")
+    assert [r.epoch for r in epochs if isinstance(r, EpochStarted)] == [1, 2]
+    assert not any(isinstance(r, StepAbandoned) for r in d1_log.records)
+    assert upstream.arrived == 2
+
+
+async def test_l20_a_cancel_the_wedged_worker_ignores_ends_cancelled_once_it_is_fenced(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    aborts: Aborts,
+    clocks: Clocks,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L20 with L13: a running delivery is cancelled, but its worker ignores that abort and the
+    backstop's too (Fake-Pi ``abort:1`` and ``abort:2 = hang``). The silence still stalls the
+    turn; 30 s after the backstop's abort the epoch is fenced, the delivery ends ``cancelled``
+    (as it was asked to), the canceller's call returns, and the next delivery is answered."""
+    _behaving(monkeypatch, tmp_path, Behaviours(at={"abort:1": "hang", "abort:2": "hang"}))
+    cancelled = trio.Event()
+    async with (
+        serving([Alive(), Text(text="back again")], probe) as upstream,
+        room_worker(upstream, tmp_path, clocks, probe) as (worker, results),
+        trio.open_nursery() as nursery,
+    ):
+        await worker.deliver(message("d1", "are you there?"))
+        await driver.wait_for(
+            lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
+            "the answer to start",
+        )
+
+        async def cancel() -> None:
+            await worker.cancel("d1")
+            cancelled.set()
+            probe.notify()
+
+        nursery.start_soon(cancel)
+        await driver.wait_for(lambda: len(aborts.sent) == 1, "the cancel's abort")
+        await driver.advance(
+            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
+        )
+        assert probe.stall() is not None, "the turn was never found stalled"
+        await driver.wait_for(lambda: len(aborts.sent) == 2, "the backstop's abort")
+        assert not cancelled.is_set()  # the wedged worker answers neither
+        await driver.advance(
+            10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
+        )
+        await driver.wait_for(
+            lambda: len(results) == 1 and cancelled.is_set(), "the cancelled turn's result"
+        )
+        (result,) = results
+        assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.CANCELLED, None)
+        (fenced_at,) = aborts.fenced
+        assert GRACE <= fenced_at - aborts.sent[1] <= GRACE + DRIFT
+        await worker.deliver(message("d2", "hello again"))
+        await driver.wait_for(lambda: len(results) == 2, "the next delivery's result")
+        assert (results[1].outcome, results[1].text) == (Outcome.REPLY, "back again")
+    assert upstream.arrived == 2
+
+
+async def test_l20_a_bash_timeout_above_the_cap_leases_only_the_cap(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    clocks: Clocks,
+    tmp_path: Path,
+) -> None:
+    """L20: a tool's lease is its own ``timeout`` capped at ``tool_lease_max_seconds`` (600 s).
+    A ``bash`` call asking for 23 days (a valid Pi timeout) that then runs silently leases
+    600 s only, so the turn stalls at the cap plus the silence limit — 900 to 905 s after the
+    command started — instead of never; the abort kills the command and the turn ends
+    ``failed turn_stalled``."""
+    release = tmp_path / "release"  # never created: the command runs until it is killed
+    command = f"while [ ! -e {release} ]; do sleep 0.02; done; echo finished"
+    days = 2_000_000
+    plan: list[Step | Alive] = [
+        ToolCalls(
+            calls=[
+                Call(
+                    name="bash",
+                    arguments={"command": command, "timeout": days},
+                    id="call_forever",
+                )
+            ]
+        ),
+        Text(text="never asked"),
+    ]
+    async with (
+        serving(plan, probe) as upstream,
+        room_worker(
+            upstream, tmp_path, clocks, probe, grants=frozenset({"bash", "send_text_update"})
+        ) as (worker, results),
+    ):
+        await worker.deliver(message("d1", "run it for ever"))
+        await driver.wait_for(
+            lambda: probe.count("tool_execution_update", "bash") == 1, "the command to start"
+        )
+        await driver.advance(30 * MINUTE, quiet=lambda: True, stop=_stalled(probe))
+        stall = probe.stall()
+        assert stall is not None, "the turn was never found stalled: the lease was not capped"
+        await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
+        (result,) = results
+        assert (result.outcome, result.code) == (Outcome.FAILED, str(ReasonCode.TURN_STALLED))
+    ((taken, deadline),) = probe.leases
+    assert deadline == pytest.approx(taken + LEASE_MAX, abs=DRIFT)  # not taken + 23 days
+    # silence counted from the capped lease's end: the first tick at or after 600 + 300 s
+    assert LIMIT <= stall.boottime - deadline <= LIMIT + TICK + DRIFT
+    assert not release.exists()
+    assert probe.count("tool_execution_end", "bash") == 1  # the abort ended the command
+    assert upstream.arrived == 1
 
 
 def _pairs(values: Sequence[float]) -> list[tuple[float, float]]:

@@ -9,6 +9,7 @@ both), a real state directory, a scripted model on loopback. Waits are bounded b
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -32,15 +33,17 @@ from fake_pi.scenario import (
 )
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
-from runtime._journal._store import lane_key
+from runtime._journal._store import delivery_key, lane_key
+from runtime._linux._fs import OsFileSystem
 from runtime._pi._session_settle import interrupted_text
-from runtime._records import EpochFenced, EpochStarted, Outcome, ReplayClass
+from runtime._records import EpochFenced, EpochStarted, Outcome, ReplayClass, StepAbandoned
 from runtime._rooms._admission import changed_settings, route_endpoint, settings_fingerprint
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
 
 from .._pi import pi_home
 from .._workers import scripted_upstream, waiting_bash
+from ..faultfs import Fault, FaultyFileSystem
 
 LIMIT: Final = 90.0
 ROOM: Final = "dm:100"
@@ -480,3 +483,121 @@ async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> No
         "recovery_refused:journal",
     )
     assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)
+
+
+# ------------------------------------------------------------------ a fault stays in its delivery
+
+OTHER: Final = "dm:200"
+
+
+@pytest.mark.parametrize(
+    ("where", "nth", "error"),
+    [
+        ("gateway", 4, errno.EINVAL),  # the model response record
+        ("gate", 5, errno.EINVAL),  # the tool intent record
+        ("gateway", 4, errno.EIO),  # a disk-level failure: admission stops host-wide
+    ],
+    ids=["gateway", "gate", "gateway-eio"],
+)
+async def test_l17_a_failed_journal_write_mid_turn_poisons_only_that_delivery(
+    where: str, nth: int, error: int, tmp_path: Path
+) -> None:
+    """L17: the ``nth`` write to one delivery's log fails mid-turn (the gateway's model
+    response, or the gate's tool intent), while a turn of another room runs a tool. Only that
+    delivery ends — ``failed journal_poisoned``, its log poisoned, its worker fenced (its tool
+    never ran) — and the host goes on: the other room's turn finishes, and the failed room
+    answers its next delivery on a new epoch. A disk-level error (EIO) also stops admission
+    host-wide, saying why; what was admitted still finishes."""
+    started, release, waiting = waiting_bash(tmp_path)
+    ran = tmp_path / "ran"
+    first_a: Step = Text(text="never relayed")
+    if where == "gate":
+        first_a = ToolCalls(calls=[Call(name="bash", arguments={"command": f"touch {ran}"})])
+    steps: list[Step] = [waiting, first_a, Text(text="other room done"), Text(text="A again")]
+    grants = frozenset({"bash", "send_text_update"})
+    rooms = {ROOM: RoomConfig(grants=grants), OTHER: RoomConfig(grants=grants)}
+    fault = Fault("write", nth, "before", error, path_contains=delivery_key("a1"))
+    faulty = FaultyFileSystem(OsFileSystem(), fault)
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(config("fake", url, rooms=rooms), base_dir=tmp_path, fs=faulty) as w,
+        ):
+            await w.deliver(message("b1", room=OTHER))
+            await trio.to_thread.run_sync(started.read_bytes)  # the other room's tool runs
+            await w.deliver(message("a1"))
+            (poisoned,) = await next_results(w, 1)
+            assert [hit.fault for hit in faulty.hits] == [fault]
+            if error == errno.EIO:
+                with pytest.raises(DeliveryError) as refused:
+                    await w.deliver(message("a2"))
+                assert refused.value.code is ReasonCode.NOT_ADMITTING
+                assert "disk_failed" in str(refused.value)
+            else:
+                assert w.store.disk_failure is None
+                await w.deliver(message("a2"))
+            await trio.to_thread.run_sync(release.write_bytes, b"go\n")
+            later = await next_results(w, 1 if error == errno.EIO else 2, after=poisoned.seq)
+            lane = await w.store.read(w.store.lane_rel(ROOM))
+    assert (poisoned.delivery_id, poisoned.outcome, poisoned.code, poisoned.text) == (
+        "a1",
+        Outcome.FAILED,
+        "journal_poisoned",
+        None,
+    )
+    answered = {r.delivery_id: (r.outcome, r.text) for r in later}
+    assert answered.pop("b1") == (Outcome.REPLY, "other room done")
+    if error != errno.EIO:
+        assert answered == {"a2": (Outcome.REPLY, "A again")}
+    fenced = [(r.epoch, r.reason) for r in lane.records if isinstance(r, EpochFenced)]
+    assert fenced[0] == (1, "fenced")
+    assert not ran.exists()  # the tool whose intent could not be journaled never ran
+    assert (tmp_path / "state" / (w.store.delivery_rel("a1") + ".poison")).exists()
+
+
+@pytest.mark.parametrize("when", ["new", "recovering"])
+async def test_l18_a_damaged_session_header_fails_that_lane_closed_and_the_host_serves(
+    when: str, tmp_path: Path
+) -> None:
+    """L18: the room's session file has lost its header (its first line overwritten). A new
+    delivery of that room, and one the host finds unfinished at start, fail closed
+    ``recovery_refused:session`` — the unfinished one charged its recovery attempt before
+    the session is read (L19) — and another room of the same host is answered."""
+    first: Step = Text(text="first") if when == "new" else Hang(seconds=60)
+    steps: list[Step] = [first, Text(text="other room")]
+    rooms = {ROOM: RoomConfig(), OTHER: RoomConfig()}
+    session = tmp_path / "state" / "lanes" / lane_key(ROOM) / "session.jsonl"
+    asked_once = trio.Event()
+
+    async def arrived(n: int) -> None:
+        await trio.lowlevel.checkpoint()
+        asked_once.set()
+
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps, on_request=arrived) as (model, url):
+            cfg = config("fake", url, rooms=rooms)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                if when == "new":
+                    await next_results(worker, 1)
+                else:  # the turn hangs in the model: the host stops mid-turn
+                    await asked_once.wait()
+            lines = (await trio.to_thread.run_sync(session.read_bytes)).split(b"\n")
+            lines[0] = b'{"type":"not-a-session-header"' + b" " * 8
+            await trio.to_thread.run_sync(session.write_bytes, b"\n".join(lines))
+            asked = model.request_count
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                if when == "new":
+                    await worker.deliver(message("d2"))
+                await worker.deliver(message("e1", room=OTHER))
+                found = await next_results(worker, 2, after=1 if when == "new" else None)
+                log = await worker.store.read(worker.store.delivery_rel("d1"))
+    outcomes = {r.delivery_id: (r.outcome, r.code, r.text) for r in found}
+    refused = "d2" if when == "new" else "d1"
+    assert outcomes == {
+        refused: (Outcome.FAILED, "recovery_refused:session", None),
+        "e1": (Outcome.REPLY, None, "other room"),
+    }
+    assert model.request_count == asked + 1  # only the other room's turn asked the model
+    if when == "recovering":
+        assert [r.reason for r in log.records if isinstance(r, StepAbandoned)] == ["host_restart"]
