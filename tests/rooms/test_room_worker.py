@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import signal
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
@@ -31,12 +32,21 @@ from fake_pi.scenario import (
     ToolCalls,
     UsageLimit,
 )
+from runtime._boundary._receipts import RECEIPT_DB
 from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._store import delivery_key, lane_key
 from runtime._linux._fs import OsFileSystem
 from runtime._pi._session_settle import interrupted_text
-from runtime._records import EpochFenced, EpochStarted, Outcome, ReplayClass, StepAbandoned
+from runtime._records import (
+    EpochFenced,
+    EpochStarted,
+    Outcome,
+    ReplayClass,
+    StepAbandoned,
+    ToolIntent,
+    ToolOutcome,
+)
 from runtime._rooms._admission import changed_settings, route_endpoint, settings_fingerprint
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
@@ -601,3 +611,50 @@ async def test_l18_a_damaged_session_header_fails_that_lane_closed_and_the_host_
     assert model.request_count == asked + 1  # only the other room's turn asked the model
     if when == "recovering":
         assert [r.reason for r in log.records if isinstance(r, StepAbandoned)] == ["host_restart"]
+
+
+async def test_l17_a_receipt_store_locked_past_its_retries_fails_only_that_delivery(
+    tmp_path: Path,
+) -> None:
+    """L17, receipts R8: another connection holds the receipt store's write lock for the
+    whole turn. ``write_document`` is retried (the bounded backoff) and then fails: only that
+    delivery ends ``failed receipt_store_failed`` — its call unsettled, nothing written, its
+    worker fenced — while another room is answered, and the room's next delivery writes the
+    document once the lock is gone."""
+    args = {"document_id": "notes", "content": "hello"}
+    write = ToolCalls(calls=[Call(name="write_document", arguments=args, id="w1")])
+    steps: list[Step] = [write, Text(text="other room"), write, Text(text="written")]
+    grants = frozenset({"write_document", "send_text_update"})
+    rooms = {ROOM: RoomConfig(grants=grants), OTHER: RoomConfig()}
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(config("fake", url, rooms=rooms), base_dir=tmp_path) as w,
+        ):
+            lock = sqlite3.connect(tmp_path / "state" / RECEIPT_DB, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")  # a real write lock, held by someone else
+            await w.deliver(message("a1"))
+            (failed,) = await next_results(w, 1)
+            await w.deliver(message("b1", room=OTHER))
+            (other,) = await next_results(w, 1, after=failed.seq)
+            lock.execute("ROLLBACK")
+            lock.close()
+            await w.deliver(message("a2"))
+            (written,) = await next_results(w, 1, after=other.seq)
+            log = await w.store.read(w.store.delivery_rel("a1"))
+            assert w.receipts is not None
+            revisions = await w.receipts.revisions("notes")
+            lane = await w.store.read(w.store.lane_rel(ROOM))
+    assert (failed.delivery_id, failed.outcome, failed.code) == (
+        "a1",
+        Outcome.FAILED,
+        "receipt_store_failed",
+    )
+    assert [type(r) for r in log.records if isinstance(r, ToolIntent | ToolOutcome)] == [
+        ToolIntent
+    ]  # the call stays unsettled (R5)
+    assert (other.delivery_id, other.text) == ("b1", "other room")
+    assert (written.delivery_id, written.outcome, written.text) == ("a2", Outcome.REPLY, "written")
+    assert len(revisions) == 1  # applied once, by a2
+    fenced = [(r.epoch, r.reason) for r in lane.records if isinstance(r, EpochFenced)]
+    assert fenced[0] == (1, "fenced")
