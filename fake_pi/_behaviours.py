@@ -7,7 +7,8 @@ counted from 1 over the process's life), ``before_model:N`` / ``after_model:N``
 model response), ``settled:N`` (the N-th ``agent_settled``), ``agent_start:N`` (before the
 N-th run emits anything: a worker slow to start on a loaded machine), ``abort:N`` (the N-th
 ``abort`` command, before it is carried out: ``hang`` there is a wedged worker that neither
-aborts nor answers while its run goes on; a shutdown's own abort passes no barrier).
+aborts nor answers while its run goes on; a shutdown's own abort passes no barrier),
+``prompt:N`` (the N-th ``prompt`` command, before it is answered or started).
 Actions: ``kill`` (SIGKILL itself), ``exit:CODE``, ``hang`` (stop doing anything, forever),
 ``delay:SECONDS`` (do nothing for that long, then go on).
 ``ignore_sigterm`` makes SIGTERM wait that many seconds before it takes

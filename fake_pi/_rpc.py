@@ -158,6 +158,8 @@ class _Refused(Exception):
 
 
 async def _prompt(agent: Agent, command: dict[str, Any]) -> Any:
+    # the ``prompt:N`` barrier: ``hang`` there is a worker that never answers its prompt
+    await agent.options.barriers.reach("prompt")
     text = command.get("message")
     if not isinstance(text, str):
         raise _Refused("prompt needs a message")

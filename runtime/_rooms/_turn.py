@@ -110,19 +110,21 @@ class Turn:
         self.watch.event(self._now())
         for item in self.pending.absorbed:
             item.sent = False
-        await rpc.prompt(self.pending.admission.rendered_prompt)
-        async with self.steer_lock:
-            self.steerable = True
-            for item in self.pending.absorbed:
-                if item.first_step is None and self.replay_upto < 0:  # steered, never seen
-                    await self.send_steer(item)
         died: RpcError | None = None
         settled = False
         try:
             async with trio.open_nursery() as nursery:
+                # L20: the backstop watches from the prompt on, so a worker that never
+                # answers the prompt is fenced like one that goes silent after it
                 nursery.start_soon(self._backstop, nursery.cancel_scope)
                 nursery.start_soon(self._keep_typing)
                 try:
+                    await rpc.prompt(self.pending.admission.rendered_prompt)
+                    async with self.steer_lock:
+                        self.steerable = True
+                        for item in self.pending.absorbed:
+                            if item.first_step is None and self.replay_upto < 0:  # never seen
+                                await self.send_steer(item)
                     async for event in rpc:
                         self.watch.event(self._now())
                         if self._see(event):

@@ -255,6 +255,23 @@ async def test_a_hang_at_the_abort_barrier_is_a_worker_that_ignores_the_abort(
     assert answered[-1]["success"] is True
 
 
+async def test_a_hang_at_the_prompt_barrier_is_a_worker_that_never_answers_its_prompt(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """fake-pi.md "Process behaviours": ``prompt:1 = hang`` is a worker that never answers its
+    prompt — no response, no run, nothing emitted for an hour of virtual time, and no command
+    after it is handled either (an ``abort`` included)."""
+    model = _model(Text(text="never said"))
+    behaviours = Behaviours(at={"prompt:1": "hang"})
+    with trio.move_on_after(3600) as waited:  # the hung worker is only ever cancelled
+        async with open_fake_pi(cwd=tmp_path, model=model, behaviours=behaviours) as fake:
+            await fake.send({"id": "p", "type": "prompt", "message": "talk"})
+            await fake.send({"id": "a", "type": "abort"})
+            await fake.receive_until("response")
+    assert waited.cancelled_caught
+    assert model.request_count == 0
+
+
 async def test_abort_during_a_tool(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     """pi-observed.md §7: abort during a tool → "Command aborted" result, then an aborted reply."""
     gate = _HoldingGate()

@@ -870,6 +870,48 @@ async def test_l20_a_worker_that_ignores_the_stall_abort_is_fenced_after_the_gra
     assert "hello again" in str(upstream.bodies[1]["messages"][-1])
 
 
+async def test_l20_a_worker_that_never_answers_its_prompt_is_fenced_too(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    aborts: Aborts,
+    clocks: Clocks,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L20: the backstop watches from the prompt on. A worker that never answers the turn's
+    ``prompt`` (Fake-Pi ``prompt:1 = hang``: no run, no command handled after it) is found
+    stalled once the limit passed, sent the abort, and fenced after the grace; the delivery
+    ends ``failed turn_stalled`` without the model ever being asked, and is never replayed."""
+    _behaving(monkeypatch, tmp_path, Behaviours(at={"prompt:1": "hang"}))
+    async with (
+        serving([Text(text="never asked")], probe) as upstream,
+        room_worker(upstream, tmp_path, clocks, probe) as (worker, results),
+    ):
+        await worker.deliver(message("d1", "are you there?"))
+        await driver.wait_for(lambda: bool(probe.checks), "the backstop to watch the prompt")
+        await driver.advance(30 * MINUTE, quiet=lambda: True, stop=_stalled(probe))
+        assert probe.stall() is not None, "the turn was never found stalled"
+        await driver.advance(10 * MINUTE, quiet=lambda: True, stop=lambda: bool(aborts.fenced))
+        await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
+        (stalled,) = results
+        epochs = await _epochs(worker)
+        d1_log = await worker.store.read_delivery_log("d1")
+    assert (stalled.delivery_id, stalled.outcome, stalled.code) == (
+        "d1",
+        Outcome.FAILED,
+        str(ReasonCode.TURN_STALLED),
+    )
+    (fenced_at,) = aborts.fenced
+    assert GRACE <= fenced_at - aborts.sent[0] <= GRACE + DRIFT
+    assert [(type(r).__name__, r.epoch) for r in epochs] == [
+        ("EpochStarted", 1),
+        ("EpochFenced", 1),
+    ]
+    assert not any(isinstance(r, StepAbandoned) for r in d1_log.records)  # never replayed
+    assert upstream.arrived == 0
+
+
 async def test_l20_a_worker_that_dies_on_the_stall_abort_is_not_replayed(
     virtual_clock: trio.testing.MockClock,
     driver: Driver,
@@ -926,9 +968,10 @@ async def test_l20_a_cancel_the_wedged_worker_ignores_ends_cancelled_once_it_is_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """L20 with L13: a running delivery is cancelled, but its worker ignores that abort and the
-    backstop's too (Fake-Pi ``abort:1`` and ``abort:2 = hang``). The silence still stalls the
-    turn; 30 s after the backstop's abort the epoch is fenced, the delivery ends ``cancelled``
-    (as it was asked to), the canceller's call returns, and the next delivery is answered."""
+    backstop's too (Fake-Pi ``abort:1`` and ``abort:2 = hang``). The canceller's call returns
+    once the grace has passed unanswered; the silence still stalls the turn; 30 s after the
+    backstop's abort the epoch is fenced, the delivery ends ``cancelled`` (as it was asked to),
+    and the next delivery is answered."""
     _behaving(monkeypatch, tmp_path, Behaviours(at={"abort:1": "hang", "abort:2": "hang"}))
     cancelled = trio.Event()
     async with (
@@ -954,7 +997,8 @@ async def test_l20_a_cancel_the_wedged_worker_ignores_ends_cancelled_once_it_is_
         )
         assert probe.stall() is not None, "the turn was never found stalled"
         await driver.wait_for(lambda: len(aborts.sent) == 2, "the backstop's abort")
-        assert not cancelled.is_set()  # the wedged worker answers neither
+        assert cancelled.is_set()  # the cancel returned after the grace, unanswered
+        assert not results  # but the delivery is not over until its worker is fenced
         await driver.advance(
             10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
         )
