@@ -10,7 +10,8 @@ them unchanged (``open_store(root, fs=...)``):
 * :class:`PowerLossFileSystem` is an in-memory file system that keeps the page
   cache apart from the disk. :meth:`PowerLossFileSystem.crash` turns it into
   what a machine finds after losing power: synced bytes and directory entries
-  survive, everything else survives partly, torn or not at all.
+  survive, everything else survives partly, torn or not at all. A torn write past the old
+  end of a file reads as zeros (as on ext4, XFS and btrfs), never as stale data.
 """
 
 from __future__ import annotations
@@ -623,6 +624,13 @@ def _crash_content(file: _File, rng: random.Random) -> bytes:
         if isinstance(torn, _Write):
             prefix = rng.randint(0, len(torn.data))
             fill = rng.randint(0, len(torn.data) - prefix)
-            filler = bytes(fill) if rng.random() < 0.5 else rng.randbytes(fill)
-            _apply(content, _Write(torn.offset, torn.data[:prefix] + filler))
+            filler = bytearray(bytes(fill) if rng.random() < 0.5 else rng.randbytes(fill))
+            # Past the old end of the file a torn write reads as zeros, never as stale
+            # blocks: ext4 (data=ordered, the default), XFS and btrfs commit a file's new size
+            # only with its data, or read unwritten extents as zeros. Garbage can only be old
+            # bytes inside the old length, which an append never has.
+            old_end = len(content) - (torn.offset + prefix)
+            for i in range(max(old_end, 0), fill):
+                filler[i] = 0
+            _apply(content, _Write(torn.offset, torn.data[:prefix] + bytes(filler)))
     return bytes(content)

@@ -39,7 +39,7 @@ import trio
 
 from .._clock import WallClock
 from .._errors import PiRuntimeError
-from .._journal._journal import Journal
+from .._journal._interface import Log
 from .._pi._launch import ModelRoute, WorkerKind, WorkerLaunch
 from .._pi._session_files import aread_session, atruncate_torn_tail
 from .._pi._session_settle import (
@@ -156,7 +156,7 @@ class Boundaries:
         if hook is not None:
             await hook(body, self.steps.current_step, replayed)
 
-    def attach(self, log: Journal, *, key: str) -> None:
+    def attach(self, log: Log, *, key: str) -> None:
         """Serve the delivery whose log is ``log`` (key ``key``) from now on (B1): its model
         steps and tool intents are recorded there, and what it already holds is replayed."""
         self.steps, self.tools = _journals(self.config, log, key=key, epoch=self.epoch)
@@ -236,14 +236,14 @@ async def settle_session(
 
 
 def make_journals(
-    config: BoundaryConfig, log: Journal, *, key: str, epoch: int
+    config: BoundaryConfig, log: Log, *, key: str, epoch: int
 ) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
     """A lane's step and tool journals on ``log`` (shared step numbering, B1)."""
     return _journals(config, log, key=key, epoch=epoch)
 
 
 def _journals(
-    config: BoundaryConfig, log: Journal, *, key: str, epoch: int
+    config: BoundaryConfig, log: Log, *, key: str, epoch: int
 ) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
     steps = DeliveryStepJournal(log, epoch=epoch, replay=config.replay)
     tools = RecordingGateJournal(
@@ -264,7 +264,7 @@ def _journals(
 @contextlib.asynccontextmanager
 async def open_boundaries(
     config: BoundaryConfig,
-    log: Journal,
+    log: Log,
     *,
     key: str,
     epoch: int,

@@ -14,7 +14,7 @@ from typing import Protocol
 import trio
 
 from .._errors import ReasonCode, ReplayMismatch, StepRefused
-from .._journal._journal import Journal
+from .._journal._interface import Log
 from .._records import ModelRequestIntent, ModelResponse
 
 __all__ = ["DeliveryStepJournal", "MemoryStepJournal", "StepJournal"]
@@ -71,8 +71,8 @@ class DeliveryStepJournal:
     :attr:`epoch` when a new epoch starts.
     """
 
-    def __init__(self, journal: Journal, *, epoch: int, replay: bool = False) -> None:
-        self._journal: Journal | None = journal
+    def __init__(self, journal: Log, *, epoch: int, replay: bool = False) -> None:
+        self._journal: Log | None = journal
         self.epoch = epoch
         self.replay = replay
         """Each epoch asks the steps again from the first; diverging is refused (G13)."""
@@ -104,7 +104,7 @@ class DeliveryStepJournal:
         self._steps.clear()
         self._responses.clear()
 
-    def _log(self) -> Journal:
+    def _log(self) -> Log:
         if self._journal is None:
             raise StepRefused(
                 ReasonCode.GATEWAY_BAD_REQUEST, "no delivery is being answered on this gateway"

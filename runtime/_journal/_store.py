@@ -46,6 +46,7 @@ from .._errors import (
 from .._linux._fs import FileSystem, OsFileSystem
 from .._linux._proc import ProcessIdentity, current_identity, is_alive
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison
+from ._interface import Log
 from ._journal import Journal, LogContents, encode_record, read_log
 from ._writer import TMP_MARK, LogTarget, WriterPool, atomic_write, disk_error
 
@@ -216,6 +217,19 @@ class Store:
         await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
         return await self._create(rel, kind, subject)
 
+    async def exists(self, rel: str) -> bool:
+        return await trio.to_thread.run_sync(self.fs.exists, self.path(rel))
+
+    async def lane_logs(self) -> list[str]:
+        fs, lanes = self.fs, self.path("lanes")
+
+        def names() -> list[str]:
+            found = sorted(fs.listdir(lanes)) if fs.exists(lanes) else []
+            rels = [f"lanes/{name}/lane.log" for name in found]
+            return [rel for rel in rels if fs.exists(self.path(rel))]
+
+        return await trio.to_thread.run_sync(names)
+
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
         root = str(self.root)
         return await trio.to_thread.run_sync(lambda: read_log(self.fs, root, rel, kind=kind))
@@ -300,7 +314,7 @@ class Store:
         if first is not None:
             raise first
 
-    async def close_log(self, journal: Journal) -> None:
+    async def close_log(self, journal: Log) -> None:
         self._open.pop(journal.rel, None)
         await journal.aclose()
 

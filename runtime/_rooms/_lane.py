@@ -49,8 +49,8 @@ from .._errors import (
     SessionError,
     WorkerError,
 )
-from .._journal._journal import Journal
-from .._journal._store import Store, delivery_key, lane_key
+from .._journal._interface import JournalStore, Log
+from .._journal._store import delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._session_files import (
     aread_session,
@@ -88,7 +88,7 @@ EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHA
 class LaneHost:
     """What every lane needs from its worker host (``runtime/_rooms/_worker.py``)."""
 
-    store: Store
+    store: JournalStore
     clocks: Clocks
     program: WorkerProgram
     route: ModelRoute
@@ -143,7 +143,7 @@ class Lane:
         self.cwd = host.work_root / "rooms" / self.key
         self.home = host.work_root / "homes" / self.key
         self.tmp = host.work_root / "tmp" / self.key
-        self.log: Journal | None = None
+        self.log: Log | None = None
         self.epochs = 0
         """Epochs this lane ever started (numbers them; from the lane log at start)."""
         self._room: Slot | None = None
@@ -247,7 +247,7 @@ class Lane:
         ``failed journal_poisoned`` (L17); one whose log is found damaged when it is recovered
         ends ``recovery_refused:journal`` (``refused="journal"``, L11), published from the
         shared outbox, which is another file. If even that fails the disk is gone: the
-        delivery stays pending and the host stops admitting (``Store.disk_failure``)."""
+        delivery stays pending and the host stops admitting (``JournalStore.disk_failure``)."""
         code = (
             ReasonCode.JOURNAL_POISONED
             if refused is None
@@ -333,7 +333,7 @@ class Lane:
         for pending in reversed(retry):
             self.submit(pending, front=True)
 
-    async def _run(self, nursery: trio.Nursery, pending: Pending, log: Journal) -> Result:
+    async def _run(self, nursery: trio.Nursery, pending: Pending, log: Log) -> Result:
         """The delivery's turn, replayed after a worker death, within the recovery attempts
         (docs/design/recovery.md, L19): the attempts so far are the abandoned steps in its log,
         and a delivery the host finds unfinished at start is charged one before anything of
@@ -406,9 +406,7 @@ class Lane:
             raise failure
         return self._result(TurnEnd(outcome=Outcome.FAILED, code=failure.code))
 
-    async def _turn(
-        self, nursery: trio.Nursery, slot: Slot, pending: Pending, log: Journal
-    ) -> TurnEnd:
+    async def _turn(self, nursery: trio.Nursery, slot: Slot, pending: Pending, log: Log) -> TurnEnd:
         try:
             live = await slot.ensure_live(nursery)
             boundaries = slot.boundaries  # held: a journal failure drops the slot's (L17)

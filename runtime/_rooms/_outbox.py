@@ -17,7 +17,7 @@ from typing import Final
 
 import trio
 
-from .._journal._journal import Journal
+from .._journal._interface import Log
 from .._records import Outcome, Record, ResultAcked, ResultPublished
 from .._wire import DeliveryResult
 
@@ -30,7 +30,7 @@ _NOT_PUBLISHED: Final = 0
 class ResultOutbox:
     """The server's numbered results; obtain with ``ResultOutbox(store.results)``."""
 
-    def __init__(self, log: Journal, existing: Iterable[Record] | None = None) -> None:
+    def __init__(self, log: Log, existing: Iterable[Record] | None = None) -> None:
         self._log = log
         self._by_delivery: dict[str, DeliveryResult] = {}
         self._ordered: list[DeliveryResult] = []

@@ -11,7 +11,7 @@ import trio
 
 from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
 from .._errors import PiRuntimeError, RpcError, one_error
-from .._journal._journal import Journal
+from .._journal._interface import Log
 from .._pi._launch import WorkerLaunch
 from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._pi._worker import Epoch, open_worker
@@ -27,7 +27,7 @@ class SlotOwner(Protocol):
     """Epochs started in the lane, over its whole log: the next one's number is one more."""
 
     @property
-    def log(self) -> Journal | None: ...
+    def log(self) -> Log | None: ...
     def launch(self, session: Path) -> WorkerLaunch: ...
     async def reserve_worker(self) -> None:
         """Wait for a worker slot of the host (L8)."""
@@ -79,7 +79,7 @@ class Slot:
             return self._failure
         return self.boundaries.failure if self.boundaries is not None else None
 
-    async def serve(self, nursery: trio.Nursery, log: Journal, key: str) -> Boundaries:
+    async def serve(self, nursery: trio.Nursery, log: Log, key: str) -> Boundaries:
         """The boundaries, serving ``log`` (opened on first use, and again after a journal
         failure stopped the last ones)."""
         self._failure = None
@@ -91,9 +91,7 @@ class Slot:
             self.boundaries.attach(log, key=key)
         return self.boundaries
 
-    async def _serve(
-        self, log: Journal, key: str, task_status: trio.TaskStatus[Boundaries]
-    ) -> None:
+    async def _serve(self, log: Log, key: str, task_status: trio.TaskStatus[Boundaries]) -> None:
         self._scope = scope = trio.CancelScope()
         self._served = served = trio.Event()
         opened: Boundaries | None = None

@@ -19,7 +19,7 @@ import trio
 
 from .._clock import Clocks
 from .._errors import ReasonCode, RpcError
-from .._journal._journal import Journal
+from .._journal._interface import Log
 from .._pi._rpc import RpcChannel
 from .._pi._rpc_protocol import Event
 from .._records import AbsorbedInput, Outcome
@@ -78,7 +78,7 @@ class Turn:
         room: str,
         pending: Pending,
         rpc: RpcChannel,
-        log: Journal,
+        log: Log,
         *,
         outside: trio.Nursery,
     ) -> None:

@@ -38,7 +38,8 @@ from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
 from .._errors import DeliveryError, JournalError, ReasonCode, raises_one_error
 from .._hosting import start_model, worker_program
-from .._journal._store import Store, open_store, runtime_dir
+from .._journal._interface import JournalStore
+from .._journal._store import open_store, runtime_dir
 from .._linux._fs import FileSystem
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
@@ -85,7 +86,7 @@ class RoomWorker:
     def __init__(
         self,
         config: RoomWorkerConfig,
-        store: Store,
+        store: JournalStore,
         host: LaneHost,
         nursery: trio.Nursery,
     ) -> None:
@@ -417,8 +418,7 @@ class RoomWorker:
         the owners' logs (only deliveries whose turn started have one)."""
         found: dict[str, tuple[str, str, int | None]] = {}
         for owner in owners:
-            rel = self.store.delivery_rel(owner)
-            if not await trio.to_thread.run_sync(self.store.fs.exists, self.store.path(rel)):
+            if not await self.store.exists(self.store.delivery_rel(owner)):
                 continue
             try:
                 records = (await self.store.read_delivery_log(owner)).records
@@ -451,16 +451,7 @@ class RoomWorker:
         await lane.write_result(pending, result)
 
     async def _kill_leftover_epochs(self) -> None:
-        fs, lanes = self.store.fs, self.store.path("lanes")
-
-        def lane_names() -> list[str]:
-            return sorted(fs.listdir(lanes)) if fs.exists(lanes) else []
-
-        names = await trio.to_thread.run_sync(lane_names)
-        for name in names:
-            rel = f"lanes/{name}/lane.log"
-            if not await trio.to_thread.run_sync(self.store.fs.exists, self.store.path(rel)):
-                continue
+        for rel in await self.store.lane_logs():
             contents = await self.store.read(rel)
             started = {r.epoch: r for r in contents.records if isinstance(r, EpochStarted)}
             for record in contents.records:
@@ -476,7 +467,7 @@ ran; the next start ends each ``cancelled`` before anything runs (docs/design/pr
 ``cancel``)."""
 
 
-async def _read_cancel_requests(store: Store) -> list[str]:
+async def _read_cancel_requests(store: JournalStore) -> list[str]:
     data = await store.read_document(CANCEL_REQUESTS)
     return [] if data is None else msgspec.json.decode(data, type=list[str])
 

@@ -39,8 +39,8 @@ from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
 from .._errors import PiRuntimeError, ReasonCode
-from .._journal._journal import Journal
-from .._journal._store import Store, lane_key
+from .._journal._interface import JournalStore, Log
+from .._journal._store import lane_key
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest
 from .._pi._session_files import aread_session, create_session
@@ -97,7 +97,7 @@ __all__ = ["TaskHost", "TaskLane"]
 class TaskHost:
     """What every task lane needs from its runner."""
 
-    store: Store
+    store: JournalStore
     clocks: Clocks
     policy: WatchdogPolicy
     workers: WorkerFactory
@@ -159,7 +159,7 @@ class TaskLane:
         "worktree",
     )
 
-    def __init__(self, host: TaskHost, submitted: TaskSubmitted, log: Journal) -> None:
+    def __init__(self, host: TaskHost, submitted: TaskSubmitted, log: Log) -> None:
         self.host = host
         self.task = submitted
         self.task_id = submitted.task_id
@@ -374,7 +374,7 @@ class TaskLane:
         await trio.to_thread.run_sync(prepare)
         self._log.rebuild()
 
-    def _make_journals(self, log: Journal) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
+    def _make_journals(self, log: Log) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
         """The lane's step and tool journals on ``log``, from every record it holds."""
         config = BoundaryConfig(
             upstream=self.host.upstream or GatewayConfig(upstream_url="http://127.0.0.1:9/v1"),

@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._steps import DeliveryStepJournal
-from .._journal._journal import Journal
-from .._journal._store import Store
+from .._journal._interface import JournalStore, Log
 from .._records import Record
 
 __all__ = ["LaneLog"]
@@ -26,17 +25,17 @@ class LaneLog:
 
     def __init__(
         self,
-        store: Store,
+        store: JournalStore,
         subject: str,
-        log: Journal,
-        journals: Callable[[Journal], Journals],
+        log: Log,
+        journals: Callable[[Log], Journals],
     ) -> None:
         self._store, self._subject, self._log, self._make = store, subject, log, journals
         self._parked = False
         self._journals: Journals | None = None
 
     @property
-    def journal(self) -> Journal:
+    def journal(self) -> Log:
         """The log (reopened by :meth:`append` or :meth:`unpark` after a park)."""
         return self._log
 

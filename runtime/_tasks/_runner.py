@@ -24,7 +24,8 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._errors import ReasonCode, TaskError
-from .._journal._store import Store, lane_key
+from .._journal._interface import JournalStore
+from .._journal._store import lane_key
 from .._pi._launch import ModelRoute
 from .._records import TaskEnded, TaskSubmitted
 from .._wire import TaskEvent, TaskSpec, TaskView
@@ -309,7 +310,7 @@ class TaskRunner:
 
 @contextlib.asynccontextmanager
 async def open_task_runner(
-    store: Store,
+    store: JournalStore,
     *,
     workers: WorkerFactory,
     route: ModelRoute,

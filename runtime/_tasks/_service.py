@@ -40,7 +40,8 @@ from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
 from .._errors import ReasonCode, TaskError, raises_one_error
 from .._hosting import start_model, worker_program
-from .._journal._store import Store, runtime_dir
+from .._journal._interface import JournalStore
+from .._journal._store import runtime_dir
 from .._records import TaskEnded
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
@@ -291,7 +292,7 @@ def _summary(view: TaskView) -> dict[str, Any]:
 async def open_task_service(
     config: RoomWorkerConfig,
     *,
-    store: Store,
+    store: JournalStore,
     receipts: ReceiptStore | None = None,
     clocks: Clocks | None = None,
     timescale: float = 1.0,

@@ -26,7 +26,7 @@ from .._boundary._gate import RecordingGateJournal
 from .._boundary._gateway import GatewayConfig
 from .._boundary._steps import DeliveryStepJournal
 from .._errors import ReasonCode, WorkerError
-from .._journal._journal import Journal
+from .._journal._interface import Log
 from .._linux._proc import boot_id, process_start_time
 from .._linux._proctree import carries_nonce
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -59,7 +59,7 @@ class EpochRequest:
     granted: frozenset[str]
     runtime_tools: Mapping[str, Any]
     journals: tuple[DeliveryStepJournal, RecordingGateJournal]
-    log: Journal
+    log: Log
     started_ms: Callable[[], int]
     policy: StopPolicy
 

@@ -1,0 +1,114 @@
+"""What a journal store is, whatever keeps it: the interface both stores implement.
+
+The file store (``_store.py``: a state directory of append-only logs, the embedded default)
+and the PostgreSQL store (``_postgres.py``, docs/design/scale-out.md) are two implementations
+of :class:`JournalStore`; a log of either is a :class:`Log`. The storage conformance suite
+(``tests/journal/test_conformance_stores.py``) runs the journal invariants of
+``docs/design/journal.md`` against both, through this interface only.
+
+A log has a *name* (``rel``): the state-directory-relative path of the file store
+(``deliveries/<hash>.log``, ``lanes/<hash>/lane.log``, ``admissions/admissions.log``,
+``results.log``), used as the log's key by every store, so records that name a log mean the
+same thing on both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from .._clock import Clocks
+from .._errors import DiskFailedError
+from .._records import LogKind, Record
+from ._journal import LogContents
+
+__all__ = ["JournalStore", "Log"]
+
+
+class Log(Protocol):
+    """An open log: what it held when it was opened, and durable appends."""
+
+    contents: LogContents
+    """The records the log held when it was opened (``records[0]`` is the header)."""
+
+    @property
+    def rel(self) -> str:
+        """The log's name (see the module doc)."""
+        ...
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next append gets."""
+        ...
+
+    @property
+    def poisoned(self) -> bool:
+        """An append failed: every later one is refused (``journal_poisoned``, J5)."""
+        ...
+
+    async def append(self, record: Record) -> int:
+        """Append ``record``; return its sequence number once it is durable (J1)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop appending; idempotent."""
+        ...
+
+
+class JournalStore(Protocol):
+    """An open journal store, owned by this process."""
+
+    @property
+    def root(self) -> Path:
+        """This host's local state directory (sessions, worktrees, sockets live below it)."""
+        ...
+
+    @property
+    def clocks(self) -> Clocks: ...
+
+    @property
+    def admissions(self) -> Log:
+        """The shared, group-committed admission log."""
+        ...
+
+    @property
+    def results(self) -> Log:
+        """The shared, numbered result outbox."""
+        ...
+
+    @property
+    def disk_failure(self) -> DiskFailedError | None:
+        """The first failure of the storage itself; once set the host stops admitting."""
+        ...
+
+    @staticmethod
+    def delivery_rel(delivery_id: str) -> str: ...
+
+    @staticmethod
+    def lane_rel(lane: str) -> str: ...
+
+    async def create_delivery_log(self, delivery_id: str) -> Log: ...
+
+    async def open_or_create_delivery_log(self, delivery_id: str) -> Log: ...
+
+    async def open_delivery_log(self, delivery_id: str) -> Log: ...
+
+    async def read_delivery_log(self, delivery_id: str) -> LogContents: ...
+
+    async def open_lane_log(self, lane: str) -> Log: ...
+
+    async def read(self, rel: str, kind: LogKind | None = None) -> LogContents: ...
+
+    async def exists(self, rel: str) -> bool:
+        """Whether the log ``rel`` was ever created."""
+        ...
+
+    async def lane_logs(self) -> list[str]:
+        """The names of every lane log, sorted."""
+        ...
+
+    async def close_log(self, journal: Log) -> None: ...
+
+    async def write_document(self, rel: str, data: bytes) -> None: ...
+
+    async def read_document(self, rel: str) -> bytes | None: ...

@@ -1,0 +1,319 @@
+"""The storage conformance suite: the journal invariants of ``docs/design/journal.md`` against
+every journal store, through the store interface only (``runtime/_journal/_interface.py``).
+
+Each test runs on the file store (a real state directory, real fsync) and on the PostgreSQL store
+(a real, throw-away PostgreSQL from ``pgserver``, a fresh database per test). What a test may not
+do through the interface — damage a stored record, make the next write fail — it asks of the
+backend (:class:`Backend`), which does it the way that store would really meet it: a flipped
+byte in the file or in the row, a failing ``write(2)`` (``tests/faultfs.py``) or a database
+connection terminated under the store.
+
+Test names cite the invariants: ``test_sc_j<N>_*`` checks J<N> of journal.md on every store.
+Invariants that are the file store's alone (torn tails of a file, fdatasync, the directory
+lock: J3, J6, J9 to J11) stay in ``tests/journal/test_store*.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+
+from runtime._errors import JournalError, ReasonCode
+from runtime._journal._frame import HEADER_SIZE, encode_frame, scan
+from runtime._journal._interface import JournalStore
+from runtime._journal._journal import encode_record
+from runtime._journal._store import Store, open_store
+from runtime._linux._fs import OsFileSystem
+from runtime._records import SCHEMA_VERSION, Header, LogKind, OutboxAction, Record
+
+from ..faultfs import Fault, FaultyFileSystem
+
+LIMIT: Final = 20.0
+
+
+def _action(log: str, n: int) -> OutboxAction:
+    return OutboxAction(
+        action_id=f"{log}:{n}", kind="test", state="done", detail={"n": n, "pad": "x" * (n % 5)}
+    )
+
+
+# -- backends -----------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """One store under test, and the raw access its tests need."""
+
+    name: str
+    open: Callable[[], contextlib.AbstractAsyncContextManager[JournalStore]]
+    damage: Callable[[str, int], Awaitable[None]]
+    """Flip one byte inside record ``seq`` of log ``rel`` (the store is closed)."""
+    put_frame: Callable[[str, int, bytes], Awaitable[None]]
+    """Store a raw frame as record ``seq`` of log ``rel``: in its place, or after the last
+    (the store is closed)."""
+    break_writes: Callable[[JournalStore], Awaitable[None]]
+    """Make the store's next append fail (the store is open)."""
+
+
+class _FileBackend:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.faulty = FaultyFileSystem(OsFileSystem(), armed=False)
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[JournalStore]:
+        self.faulty.disarm()
+        async with open_store(self.root, fs=self.faulty) as store:
+            yield store
+
+    async def damage(self, rel: str, seq: int) -> None:
+        path = self.root / rel
+        data = bytearray(await trio.to_thread.run_sync(path.read_bytes))
+        frame = next(f for f in scan(bytes(data)).frames if f.first_seq == seq)
+        data[frame.offset + HEADER_SIZE + len(frame.body) // 2] ^= 0x40
+        await trio.to_thread.run_sync(path.write_bytes, bytes(data))
+
+    async def put_frame(self, rel: str, seq: int, frame: bytes) -> None:
+        path = self.root / rel
+        data = await trio.to_thread.run_sync(path.read_bytes)
+        scanned = scan(data)
+        if seq == scanned.next_seq:
+            await trio.to_thread.run_sync(path.write_bytes, data + frame)
+            return
+        old = next(f for f in scanned.frames if f.first_seq == seq)
+        spliced = data[: old.offset] + frame + data[old.offset + HEADER_SIZE + len(old.body) :]
+        await trio.to_thread.run_sync(path.write_bytes, spliced)
+
+    async def break_writes(self, store: JournalStore) -> None:
+        await trio.lowlevel.checkpoint()
+        self.faulty.arm(Fault("write", 1, "before", errno.EINVAL))  # not the disk: EINVAL
+
+
+def _file(tmp_path: Path) -> Backend:
+    files = _FileBackend(tmp_path / "state")
+    return Backend("file", files.open, files.damage, files.put_frame, files.break_writes)
+
+
+BACKENDS: Final[dict[str, Callable[[pytest.FixtureRequest, Path], Backend]]] = {
+    "file": lambda request, tmp_path: _file(tmp_path),
+}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    return BACKENDS[request.param](request, tmp_path)
+
+
+def test_sc_the_file_store_is_a_journal_store() -> None:
+    """The file store satisfies the interface the suite speaks (checked by mypy here)."""
+    checked: Callable[[Store], JournalStore] = lambda store: store  # noqa: E731
+    assert callable(checked)
+
+
+# -- J1, J2: durable before acknowledged; reopening gives exactly what was acknowledged ----
+
+
+async def _fill(store: JournalStore) -> dict[str, list[Record]]:
+    """Append to one log of each kind; what each holds after its header."""
+    written: dict[str, list[Record]] = {}
+    delivery = await store.create_delivery_log("d0")
+    lane = await store.open_lane_log("dm:1")
+    for journal in (delivery, lane, store.admissions, store.results):
+        records: list[Record] = [_action(journal.rel, n) for n in range(3)]
+        for record in records:
+            seq = await journal.append(record)
+            assert seq == journal.next_seq - 1
+        written[journal.rel] = records
+    await store.close_log(delivery)
+    await store.close_log(lane)
+    return written
+
+
+async def test_sc_j1_j2_appends_come_back_exactly_after_reopening(backend: Backend) -> None:
+    """J1, J2: every acknowledged append comes back after the store is closed and opened
+    again — the same records, in order, under the same sequence numbers (the header is 0)."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            written = await _fill(store)
+        async with backend.open() as store:
+            for rel, records in written.items():
+                contents = await store.read(rel)
+                assert isinstance(contents.records[0], Header), rel
+                assert list(contents.records[1:]) == records, rel
+            reopened = await store.open_delivery_log("d0")
+            assert reopened.next_seq == 4
+            assert await reopened.append(_action("d0", 9)) == 4
+            await store.close_log(reopened)
+        async with backend.open() as store:
+            assert (await store.read_delivery_log("d0")).records[-1] == _action("d0", 9)
+
+
+async def test_sc_j2_a_delivery_log_is_created_once(backend: Backend) -> None:
+    """J2: creating a delivery log that holds records is refused; opening-or-creating it
+    opens what it holds."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            log = await store.create_delivery_log("d0")
+            await log.append(_action("d0", 1))
+            await store.close_log(log)
+            with pytest.raises(FileExistsError):
+                await store.create_delivery_log("d0")
+            again = await store.open_or_create_delivery_log("d0")
+            assert list(again.contents.records[1:]) == [_action("d0", 1)]
+            await store.close_log(again)
+
+
+async def test_sc_j2_appends_after_the_store_closed_are_refused(backend: Backend) -> None:
+    """J2: once its store is closed, a log takes no more appends (``journal_closed``)."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            log = await store.create_delivery_log("d0")
+        with pytest.raises(JournalError) as info:
+            await log.append(_action("d0", 1))
+        assert info.value.code is ReasonCode.JOURNAL_CLOSED
+
+
+# -- J4: damage fails closed, with its code ------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["middle", "last"])
+async def test_sc_j4_a_flipped_byte_fails_closed(backend: Backend, which: str) -> None:
+    """J4 (J3): one flipped byte in a stored record — in the middle of the log, or in its
+    last, complete record — fails the log closed, ``journal_corrupt`` naming it, on read and
+    on open; it is never taken for a torn tail and never skipped."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            await _fill(store)
+            rel = store.delivery_rel("d0")
+        await backend.damage(rel, 2 if which == "middle" else 3)
+        async with backend.open() as store:
+            for attempt in (store.read_delivery_log, store.open_delivery_log):
+                with pytest.raises(JournalError) as info:
+                    await attempt("d0")
+                assert info.value.code is ReasonCode.JOURNAL_CORRUPT
+                assert rel in str(info.value)
+
+
+async def test_sc_j4_an_unknown_record_type_is_refused(backend: Backend) -> None:
+    """J4: a valid record of a type this version does not know is refused
+    ``journal_unknown_record``, never skipped."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            await _fill(store)
+            rel = store.delivery_rel("d0")
+        await backend.put_frame(rel, 4, encode_frame(4, [b'{"type":"from_the_future","x":1}']))
+        async with backend.open() as store:
+            with pytest.raises(JournalError) as info:
+                await store.read_delivery_log("d0")
+            assert info.value.code is ReasonCode.JOURNAL_UNKNOWN_RECORD
+
+
+async def test_sc_j4_a_sequence_gap_is_refused(backend: Backend) -> None:
+    """J4: a record that does not continue the sequence is refused ``journal_sequence_gap``."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            await _fill(store)
+            rel = store.delivery_rel("d0")
+        await backend.put_frame(rel, 4, encode_frame(6, [encode_record(_action("x", 6))]))
+        async with backend.open() as store:
+            with pytest.raises(JournalError) as info:
+                await store.read_delivery_log("d0")
+            assert info.value.code is ReasonCode.JOURNAL_SEQUENCE_GAP
+
+
+async def test_sc_j4_a_newer_schema_version_is_refused(backend: Backend) -> None:
+    """J4: a log whose header names a newer schema than this version knows is refused
+    ``journal_version_unsupported``."""
+    future = Header(
+        schema_version=SCHEMA_VERSION + 1, kind=LogKind.DELIVERY, subject="d0", created_ms=1
+    )
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            await _fill(store)
+            rel = store.delivery_rel("d0")
+        await backend.put_frame(rel, 0, encode_frame(0, [encode_record(future)]))
+        async with backend.open() as store:
+            with pytest.raises(JournalError) as info:
+                await store.open_delivery_log("d0")
+            assert info.value.code is ReasonCode.JOURNAL_VERSION_UNSUPPORTED
+
+
+# -- J5: a failed write poisons that log, and only that log -------------------------------
+
+
+async def test_sc_j5_a_failed_append_poisons_only_its_log(backend: Backend) -> None:
+    """J5: an append that fails poisons its log: it raises, every later append to that log is
+    refused ``journal_poisoned``, the log is refused for appending after a reopen too, and it
+    still reads back exactly what was acknowledged before the failure. Another log opened
+    afterwards is untouched."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            log = await store.create_delivery_log("d0")
+            await log.append(_action("d0", 1))
+            await backend.break_writes(store)
+            with pytest.raises(JournalError):
+                await log.append(_action("d0", 2))
+            assert log.poisoned
+            with pytest.raises(JournalError) as info:
+                await log.append(_action("d0", 3))
+            assert info.value.code is ReasonCode.JOURNAL_POISONED
+            with contextlib.suppress(JournalError):
+                await store.close_log(log)
+        async with backend.open() as store:
+            with pytest.raises(JournalError) as info:
+                await store.open_delivery_log("d0")
+            assert info.value.code is ReasonCode.JOURNAL_POISONED
+            contents = await store.read_delivery_log("d0")
+            assert list(contents.records[1:]) == [_action("d0", 1)]
+            other = await store.create_delivery_log("d1")
+            assert await other.append(_action("d1", 1)) == 1
+            await store.close_log(other)
+
+
+# -- J7: documents are replaced whole ------------------------------------------------------
+
+
+async def test_sc_j7_documents_are_replaced_whole(backend: Backend) -> None:
+    """J7: a document reads back as the last write, whole, after a reopen; a missing one is
+    ``None``."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            assert await store.read_document("lanes/state.json") is None
+            await store.write_document("lanes/state.json", b"one")
+            await store.write_document("lanes/state.json", b"two" * 1000)
+        async with backend.open() as store:
+            assert await store.read_document("lanes/state.json") == b"two" * 1000
+
+
+# -- J8: concurrent appends to a shared log ------------------------------------------------
+
+
+async def test_sc_j8_concurrent_admissions_get_distinct_consecutive_seqs(
+    backend: Backend,
+) -> None:
+    """J8: many producers appending to the shared admission log at once each get their own
+    sequence number, the numbers are consecutive, and every record is there after a reopen."""
+    seqs: dict[int, Record] = {}
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            start = store.admissions.next_seq
+
+            async def produce(p: int) -> None:
+                for n in range(5):
+                    record = _action(f"p{p}", n)
+                    seqs[await store.admissions.append(record)] = record
+
+            async with trio.open_nursery() as nursery:
+                for p in range(8):
+                    nursery.start_soon(produce, p)
+        assert sorted(seqs) == list(range(start, start + 40))
+        async with backend.open() as store:
+            contents = await store.read(store.admissions.rel)
+            assert {seq: contents.records[seq] for seq in seqs} == seqs
