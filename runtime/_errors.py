@@ -62,9 +62,16 @@ class ReasonCode(enum.StrEnum):
     JOURNAL_HEADER_MISSING = "journal_header_missing"
     JOURNAL_POISONED = "journal_poisoned"
     JOURNAL_CLOSED = "journal_closed"
+    JOURNAL_CONFLICT = "journal_conflict"  # another writer appended that record first
     # the disk itself failed: the host stops admitting
     DISK_FAILED = "disk_failed"
     DISK_FULL = "disk_full"
+    # the PostgreSQL journal store (docs/design/postgres-store.md); store_unavailable: the
+    # database cannot be reached or failed, the host stops admitting (as for disk_failed)
+    STORE_UNAVAILABLE = "store_unavailable"
+    STORE_SCHEMA_MISSING = "store_schema_missing"
+    STORE_SCHEMA_NEWER = "store_schema_newer"
+    STORE_NOT_CONFIGURED = "store_not_configured"
     # state directory
     STATE_DIR_INSECURE = "state_dir_insecure"
     STATE_DIR_LOCKED = "state_dir_locked"

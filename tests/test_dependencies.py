@@ -1,14 +1,16 @@
 """Every third-party module the package and the benchmarks import is declared in
 ``pyproject.toml``: the product's in ``dependencies``, ``runtime.testing``'s (the pytest
 plugin users load) in the ``testing`` extra or there, the benchmarks' in the ``bench``
-extra or there. An import that only arrives because another package happens to depend on
-it (``h11`` through trio-websocket → wsproto, once) fails here."""
+extra or there, an optional part's (the PostgreSQL store's) in its own extra or there. An
+import that only arrives because another package happens to depend on it (``h11`` through
+trio-websocket → wsproto, once) fails here."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -80,13 +82,36 @@ def _py(folder: str) -> list[Path]:
     return sorted((REPO / folder).rglob("*.py"))
 
 
+OPTIONAL: Final = {"runtime/_journal/_postgres.py": "postgres"}
+"""Product modules that need an extra, each imported only where that extra is used (the
+PostgreSQL store: by ``pi-runtime db migrate``, inside the command)."""
+
+
 def _product() -> list[Path]:
     testing = REPO / "runtime" / "testing"
-    return [p for p in _py("runtime") + _py("fake_pi") if testing not in p.parents]
+    optional = {REPO / path for path in OPTIONAL}
+    return [
+        p for p in _py("runtime") + _py("fake_pi") if testing not in p.parents and p not in optional
+    ]
 
 
 def test_the_product_imports_only_its_dependencies() -> None:
     assert undeclared(_product(), declared()) == {}
+
+
+def test_an_optional_module_imports_only_its_extra() -> None:
+    for path, extra in OPTIONAL.items():
+        assert undeclared([REPO / path], declared(extra)) == {}, path
+
+
+def test_the_package_and_its_command_import_no_extra() -> None:
+    """Without the postgres extra, ``runtime`` and the ``pi-runtime`` command still import:
+    nothing imports an optional module at import time."""
+    code = "import sys, runtime, runtime._cli; print(sorted({'psycopg'} & set(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout == "[]\n"
 
 
 def test_runtime_testing_imports_only_the_testing_extra() -> None:

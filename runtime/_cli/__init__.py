@@ -6,8 +6,8 @@ directory and ``cancel`` records the request there for the next start) and ``tok
 (``_status.py``); ``journal verify`` and ``journal show`` (``_journal.py``); ``pi install`` and
 ``doctor`` (``_doctor.py``); task lanes (``_tasks.py``): ``task run`` (through the server, or
 standalone), ``tasks`` and ``task show`` (through the server, or read from the lane logs),
-``task reply|resume|abort|fail|grant`` (through the server). Every command and subcommand has
-``--help``.
+``task reply|resume|abort|fail|grant`` (through the server); ``db migrate`` (the PostgreSQL
+store's schema, ``_db.py``). Every command and subcommand has ``--help``.
 
 Each module registers its commands with :class:`~runtime._cli._base.Commands`, which ties
 each to the function that runs it (``set_defaults(run=…)``): :func:`main` parses and calls
@@ -29,7 +29,7 @@ import sys
 
 from .._errors import PiRuntimeError
 from .._version import __version__
-from . import _doctor, _journal, _serve, _status, _tasks
+from . import _db, _doctor, _journal, _serve, _status, _tasks
 from ._base import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     log_json_option(top, False)
     commands = Commands(top.add_subparsers(metavar="COMMAND"), common)
     commands.add("version", "print the pi-runtime version", "Print the version.", _version)
-    for part in (_serve, _status, _journal, _doctor, _tasks):
+    for part in (_serve, _status, _journal, _doctor, _tasks, _db):
         part.register(commands)
     return top
 

@@ -29,11 +29,13 @@ from runtime._errors import JournalError, ReasonCode
 from runtime._journal._frame import HEADER_SIZE, encode_frame, scan
 from runtime._journal._interface import JournalStore
 from runtime._journal._journal import encode_record
+from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._journal._store import Store, open_store
 from runtime._linux._fs import OsFileSystem
 from runtime._records import SCHEMA_VERSION, Header, LogKind, OutboxAction, Record
 
 from ..faultfs import Fault, FaultyFileSystem
+from .pg_fixtures import execute
 
 LIMIT: Final = 20.0
 
@@ -60,6 +62,8 @@ class Backend:
     (the store is closed)."""
     break_writes: Callable[[JournalStore], Awaitable[None]]
     """Make the store's next append fail (the store is open)."""
+    mend_writes: Callable[[], Awaitable[None]]
+    """Let appends succeed again."""
 
 
 class _FileBackend:
@@ -95,14 +99,87 @@ class _FileBackend:
         await trio.lowlevel.checkpoint()
         self.faulty.arm(Fault("write", 1, "before", errno.EINVAL))  # not the disk: EINVAL
 
+    async def mend_writes(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.faulty.disarm()
+
 
 def _file(tmp_path: Path) -> Backend:
     files = _FileBackend(tmp_path / "state")
-    return Backend("file", files.open, files.damage, files.put_frame, files.break_writes)
+    return Backend(
+        "file", files.open, files.damage, files.put_frame, files.break_writes, files.mend_writes
+    )
+
+
+class _PgBackend:
+    """The PostgreSQL store on a fresh, migrated database (``pg_fixtures.py``): damage is a
+    changed byte in the row, a failing write a connection terminated under the store."""
+
+    def __init__(self, dsn: str, root: Path) -> None:
+        self.dsn = dsn
+        self.root = root
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[JournalStore]:
+        async with open_pg_store(self.dsn, root=self.root) as store:
+            yield store
+
+    async def damage(self, rel: str, seq: int) -> None:
+        (frame,) = await self._frame(rel, seq)
+        data = bytearray(frame)
+        data[HEADER_SIZE + (len(data) - HEADER_SIZE) // 2] ^= 0x40
+        await self._write(rel, seq, bytes(data))
+
+    async def put_frame(self, rel: str, seq: int, frame: bytes) -> None:
+        if await self._frame(rel, seq):
+            await self._write(rel, seq, frame)
+            return
+        await execute(
+            self.dsn,
+            "INSERT INTO pi_runtime.log_records (log, seq, frame) VALUES (%s, %s, %s)",
+            [rel, seq, frame],
+        )
+
+    async def break_writes(self, store: JournalStore) -> None:
+        """The server refuses every later insert of a record (what a write error is to it)."""
+        await execute(
+            self.dsn,
+            "CREATE OR REPLACE FUNCTION public.refuse_write() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'the test refuses this write'; END $$",
+        )
+        await execute(
+            self.dsn,
+            "CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records "
+            "FOR EACH ROW EXECUTE FUNCTION public.refuse_write()",
+        )
+
+    async def mend_writes(self) -> None:
+        await execute(self.dsn, "DROP TRIGGER IF EXISTS refuse ON pi_runtime.log_records")
+
+    async def _frame(self, rel: str, seq: int) -> list[bytes]:
+        rows = await execute(
+            self.dsn,
+            "SELECT frame FROM pi_runtime.log_records WHERE log = %s AND seq = %s",
+            [rel, seq],
+        )
+        return [bytes(row[0]) for row in rows]
+
+    async def _write(self, rel: str, seq: int, frame: bytes) -> None:
+        await execute(
+            self.dsn,
+            "UPDATE pi_runtime.log_records SET frame = %s WHERE log = %s AND seq = %s",
+            [frame, rel, seq],
+        )
+
+
+def _postgresql(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    pg = _PgBackend(request.getfixturevalue("pg_dsn"), tmp_path / "state")
+    return Backend("postgresql", pg.open, pg.damage, pg.put_frame, pg.break_writes, pg.mend_writes)
 
 
 BACKENDS: Final[dict[str, Callable[[pytest.FixtureRequest, Path], Backend]]] = {
     "file": lambda request, tmp_path: _file(tmp_path),
+    "postgresql": _postgresql,
 }
 
 
@@ -111,10 +188,13 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     return BACKENDS[request.param](request, tmp_path)
 
 
-def test_sc_the_file_store_is_a_journal_store() -> None:
-    """The file store satisfies the interface the suite speaks (checked by mypy here)."""
-    checked: Callable[[Store], JournalStore] = lambda store: store  # noqa: E731
-    assert callable(checked)
+def test_sc_both_stores_are_journal_stores() -> None:
+    """Both stores satisfy the interface the suite speaks (checked by mypy here)."""
+    stores: list[Callable[[Store], JournalStore] | Callable[[PgStore], JournalStore]] = [
+        lambda store: store,
+        lambda store: store,
+    ]
+    assert len(stores) == 2
 
 
 # -- J1, J2: durable before acknowledged; reopening gives exactly what was acknowledged ----
@@ -266,6 +346,7 @@ async def test_sc_j5_a_failed_append_poisons_only_its_log(backend: Backend) -> N
             assert info.value.code is ReasonCode.JOURNAL_POISONED
             with contextlib.suppress(JournalError):
                 await store.close_log(log)
+        await backend.mend_writes()
         async with backend.open() as store:
             with pytest.raises(JournalError) as info:
                 await store.open_delivery_log("d0")

@@ -1,0 +1,802 @@
+"""The PostgreSQL journal store: the logs and documents of one host in a database.
+
+The second implementation of :class:`~runtime._journal._interface.JournalStore`
+(``docs/design/postgres-store.md``). A log keeps its name (``rel``: exactly the file store's
+names, :meth:`Store.delivery_rel`, :meth:`Store.lane_rel`, ``admissions/admissions.log``,
+``results.log``) and each record is one row ``(log, seq, frame)`` whose ``frame`` is the file
+store's frame of that one record (:func:`~runtime._journal._frame.encode_frame`). Reading a
+log concatenates its frames in ``seq`` order and decodes them with the file store's
+:func:`~runtime._journal._journal.decode_log`, so damage, sequence gaps, unknown records and
+newer schemas fail closed with the same reason codes; since a row is written whole or not at
+all, a "torn tail" there is damage too (``journal_corrupt``).
+
+Durable means committed: an append is one ``INSERT`` in its own transaction and returns only
+once the server answered its ``COMMIT`` (J1; group commit is issue #23). An append that does
+not end in a confirmed commit — the connection broke, the server went away, it refused —
+poisons its log in this process and, in a separate transaction, in the database (J5); one
+whose ``(log, seq)`` another writer took first is refused ``journal_conflict`` and the log
+takes no more appends from this process (nothing is recorded: the other writer's log is
+sound). A database that cannot be reached sets :attr:`PgStore.disk_failure`
+(``store_unavailable``): the host stops admitting.
+
+psycopg 3 is blocking; every call runs in a worker thread (``trio.to_thread``), one thread at
+a time per connection (each has its own :class:`trio.CapacityLimiter`). Connections: one for
+the shared logs (admissions, results), a few more for the other logs, reads and documents,
+chosen by the log's name. A thread, once started, is waited for (never abandoned): an append
+handed over always reports its fate to its caller, and no connection is closed under a
+running call.
+
+The DSN may hold a password: no error, log line, record or file holds it. Every message
+that names the database uses :func:`redact_dsn`; the server's own error texts are scrubbed
+of the password too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import msgspec
+import psycopg
+import psycopg.errors
+import trio
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import TupleRow
+
+from .._clock import Clocks
+from .._errors import DiskFailedError, JournalError, ReasonCode
+from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
+from ._frame import encode_frame
+from ._interface import JournalStore, Log
+from ._journal import LogContents, decode_log, encode_record
+from ._store import ADMISSIONS, RESULTS, Store, _prepare_root
+
+__all__ = [
+    "STORE_SCHEMA_VERSION",
+    "PgLog",
+    "PgStore",
+    "migrate",
+    "open_pg_store",
+    "redact_dsn",
+]
+
+_T = TypeVar("_T")
+_Conn = psycopg.Connection[TupleRow]
+
+SCHEMA: Final = "pi_runtime"
+"""The PostgreSQL schema (namespace) every table of the store lives in."""
+
+_VERSION_TABLE: Final = f"""
+CREATE TABLE IF NOT EXISTS {SCHEMA}.schema_version (
+    singleton   boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
+    version     integer     NOT NULL CHECK (version >= 0),
+    migrated_at timestamptz NOT NULL DEFAULT now()
+)"""
+
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    # 1: the logs, their poison, the documents (issue #19)
+    (
+        f"""CREATE TABLE {SCHEMA}.log_records (
+            log   text COLLATE "C" NOT NULL,
+            seq   bigint NOT NULL CHECK (seq >= 0),
+            frame bytea  NOT NULL,
+            PRIMARY KEY (log, seq)
+        )""",
+        f"""CREATE TABLE {SCHEMA}.log_poison (
+            log         text COLLATE "C" PRIMARY KEY,
+            good_seq    bigint      NOT NULL CHECK (good_seq >= 0),
+            reason      text        NOT NULL,
+            document    bytea       NOT NULL,
+            poisoned_at timestamptz NOT NULL DEFAULT now()
+        )""",
+        f"""CREATE TABLE {SCHEMA}.documents (
+            name       text COLLATE "C" PRIMARY KEY,
+            data       bytea       NOT NULL,
+            updated_at timestamptz NOT NULL DEFAULT now()
+        )""",
+    ),
+)
+"""``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
+never edited: a database migrated once must mean the same thing to every later version."""
+
+STORE_SCHEMA_VERSION: Final = len(MIGRATIONS)
+"""The database schema this code creates and the only one it opens."""
+
+_MIGRATION_LOCK: Final = zlib.crc32(b"pi-runtime db migrate")
+"""The transaction-level advisory lock that serialises concurrent migrations."""
+
+_SECRET_KEYS: Final = ("password", "sslpassword")
+_DEFAULTS: Final = {
+    "application_name": ("PGAPPNAME", "pi-runtime"),
+    "connect_timeout": ("PGCONNECT_TIMEOUT", "10"),
+}
+"""Connection parameters (and the libpq variable that also sets them) given unless the DSN
+or the environment names them: a connection attempt never waits forever."""
+_POISON_DECODER: Final = msgspec.json.Decoder(Poison)
+
+_NEVER: Final = 2**63 - 1
+
+_INSERT: Final = f"INSERT INTO {SCHEMA}.log_records (log, seq, frame) VALUES (%s, %s, %s)"
+_READ: Final = f"""
+WITH poison AS (SELECT good_seq, document FROM {SCHEMA}.log_poison WHERE log = %(log)s)
+SELECT NULL::bigint, NULL::bytea, good_seq, document FROM poison
+UNION ALL
+SELECT seq, frame, NULL, NULL FROM {SCHEMA}.log_records
+ WHERE log = %(log)s AND seq < COALESCE((SELECT good_seq FROM poison), {_NEVER})
+ORDER BY 1 NULLS FIRST"""
+"""One statement, so one snapshot: the poison (if any) first, then the rows it vouches for."""
+_POISON: Final = f"""
+INSERT INTO {SCHEMA}.log_poison (log, good_seq, reason, document) VALUES (%s, %s, %s, %s)
+ON CONFLICT (log) DO NOTHING"""
+_WRITE_DOCUMENT: Final = f"""
+INSERT INTO {SCHEMA}.documents (name, data) VALUES (%s, %s)
+ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data, updated_at = now()"""
+_READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
+_EXISTS: Final = f"""
+SELECT EXISTS (SELECT FROM {SCHEMA}.log_records WHERE log = %(log)s)
+    OR EXISTS (SELECT FROM {SCHEMA}.log_poison WHERE log = %(log)s)"""
+_LANE_LOGS: Final = f"""
+SELECT log FROM {SCHEMA}.log_records WHERE seq = 0 AND log LIKE 'lanes/%/lane.log'
+UNION
+SELECT log FROM {SCHEMA}.log_poison WHERE log LIKE 'lanes/%/lane.log'
+ORDER BY 1"""
+"""Every log has its header row (seq 0) unless its creation was poisoned; ``COLLATE "C"``
+orders names as Python's ``sorted`` does."""
+
+
+# -- credentials ------------------------------------------------------------------------------
+
+
+def redact_dsn(dsn: str) -> str:
+    """``dsn`` without its password (nor ``sslpassword``), fit for an error or a log line:
+    ``postgresql://ann:secret@db/x`` becomes ``user=ann dbname=x host=db``. A DSN that does
+    not parse is not shown at all (where its password begins cannot be known)."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "<a DSN that does not parse>"
+    return _describe(params)
+
+
+def _describe(params: Mapping[str, Any]) -> str:
+    shown = {k: v for k, v in params.items() if k not in _SECRET_KEYS and k not in _DEFAULTS}
+    return make_conninfo("", **shown) or "<the default of the PG* environment>"
+
+
+def _scrub(text: str, params: Mapping[str, Any]) -> str:
+    """``text`` (a server's or libpq's message) with every secret of ``params`` and of the
+    environment replaced by ``***``."""
+    secrets = [params.get(key) for key in _SECRET_KEYS]
+    secrets += [os.environ.get("PGPASSWORD"), os.environ.get("PGSSLPASSWORD")]
+    for secret in secrets:
+        if secret:
+            text = text.replace(str(secret), "***")
+    return text
+
+
+def _parse(dsn: str) -> dict[str, Any]:
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        problem = "the DSN does not parse (it is not shown: it may hold a password)"
+    else:
+        defaults = {k: v for k, (env, v) in _DEFAULTS.items() if not os.environ.get(env)}
+        return {**defaults, **params}
+    raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem)
+
+
+def _reason(exc: psycopg.Error, params: Mapping[str, Any]) -> str:
+    """A short, scrubbed account of a driver error: its class, SQLSTATE and first line."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    state = f" [{exc.sqlstate}]" if exc.sqlstate else ""
+    return _scrub(f"{type(exc).__name__}{state}: {first}", params)
+
+
+class _Unreachable(Exception):
+    """No connection could be made (raised in a worker thread; its text is scrubbed)."""
+
+
+# -- connections ------------------------------------------------------------------------------
+
+
+def _connect(params: Mapping[str, Any]) -> _Conn:
+    """A new autocommit connection whose commits are synchronous (blocking)."""
+    try:
+        conn = psycopg.connect(autocommit=True, **params)
+        try:
+            row = conn.execute("SHOW synchronous_commit").fetchone()
+            if row is not None and row[0] == "off":  # COMMIT must mean durable (J1)
+                conn.execute("SET synchronous_commit TO on")
+        except BaseException:
+            conn.close()
+            raise
+    except psycopg.Error as exc:
+        problem = f"cannot reach the database {_describe(params)}: {_reason(exc, params)}"
+    else:
+        return conn
+    raise _Unreachable(problem)  # outside the handler: no driver text rides along as context
+
+
+class _Connection:
+    """One database connection, used by one worker thread at a time; (re)connected on use."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self._params = params
+        self._limiter = trio.CapacityLimiter(1)
+        self._conn: _Conn | None = None
+        """Touched only by the thread that holds the limiter."""
+        self._closed = False
+
+    async def run(self, fn: Callable[[_Conn], _T], *, retry: bool = False) -> _T:
+        """Run ``fn(connection)`` in a worker thread. With ``retry`` (for idempotent work: a
+        read, an upsert), a connection found broken is replaced and ``fn`` runs once more.
+        Raises :class:`_Unreachable` when no connection can be made."""
+        return await trio.to_thread.run_sync(self._call, fn, retry, limiter=self._limiter)
+
+    def _live(self) -> _Conn:
+        if self._closed:
+            raise _Unreachable("the store is closed")
+        if self._conn is None or self._conn.closed:
+            self._conn = None
+            self._conn = _connect(self._params)
+        return self._conn
+
+    def _call(self, fn: Callable[[_Conn], _T], retry: bool) -> _T:
+        conn = self._live()
+        try:
+            return fn(conn)
+        except psycopg.Error:
+            if not (retry and conn.broken):
+                raise
+        return fn(self._live())
+
+    async def aclose(self) -> None:
+        """Close the connection, after the call in flight (which holds the limiter)."""
+        await trio.to_thread.run_sync(self._close, limiter=self._limiter)
+
+    def _close(self) -> None:
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+# -- the blocking halves ----------------------------------------------------------------------
+
+
+_Rows = tuple[list[tuple[int, bytes]], bytes | None]
+"""A log's rows ``(seq, frame)`` in order, and its poison document if it has one."""
+
+
+def _read_rows(rel: str) -> Callable[[_Conn], _Rows]:
+    def read(conn: _Conn) -> _Rows:
+        rows = conn.execute(_READ, {"log": rel}, binary=True).fetchall()
+        poison: bytes | None = None
+        frames: list[tuple[int, bytes]] = []
+        for seq, frame, _good_seq, document in rows:
+            if seq is None:
+                poison = bytes(document)
+            else:
+                frames.append((seq, bytes(frame)))
+        return frames, poison
+
+    return read
+
+
+def _decode_poison(document: bytes, rel: str) -> Poison:
+    try:
+        return _POISON_DECODER.decode(document)
+    except msgspec.DecodeError as exc:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT, f"unreadable poison row: {exc}", path=rel
+        ) from exc
+
+
+def _schema_version(conn: _Conn) -> int:
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", [f"{SCHEMA}.schema_version"]
+    ).fetchone()
+    if row is None or not row[0]:
+        return 0
+    version = conn.execute(f"SELECT version FROM {SCHEMA}.schema_version").fetchone()
+    return int(version[0]) if version else 0
+
+
+def _newer(version: int, params: Mapping[str, Any]) -> JournalError:
+    return JournalError(
+        ReasonCode.STORE_SCHEMA_NEWER,
+        f"the database {_describe(params)} has store schema version {version}, newer than "
+        f"this pi-runtime's {STORE_SCHEMA_VERSION}; upgrade pi-runtime to use it",
+    )
+
+
+def _migrate(params: Mapping[str, Any]) -> int:
+    conn = _connect(params)
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [_MIGRATION_LOCK])
+            version = _schema_version(conn)
+            if version > STORE_SCHEMA_VERSION:
+                raise _newer(version, params)
+            if version == STORE_SCHEMA_VERSION:
+                return version  # no DDL: a role without CREATE may run it on a current one
+            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+            conn.execute(_VERSION_TABLE)
+            for statements in MIGRATIONS[version:]:
+                for statement in statements:
+                    conn.execute(statement)
+            conn.execute(
+                f"INSERT INTO {SCHEMA}.schema_version (version) VALUES (%s) "
+                "ON CONFLICT (singleton) DO UPDATE SET version = EXCLUDED.version, "
+                "migrated_at = now()",
+                [STORE_SCHEMA_VERSION],
+            )
+    finally:
+        conn.close()
+    return STORE_SCHEMA_VERSION
+
+
+async def migrate(dsn: str) -> int:
+    """Create the store's schema in the database ``dsn`` names, or upgrade it; return the
+    version now in place (:data:`STORE_SCHEMA_VERSION`). Idempotent, and safe to run from
+    several processes at once (an advisory lock serialises them; each migration is one
+    transaction with its version bump). Refuses a schema newer than this code knows
+    (``store_schema_newer``) and leaves it untouched."""
+    params = _parse(dsn)
+    try:
+        return await trio.to_thread.run_sync(_migrate, params)
+    except _Unreachable as exc:
+        problem = str(exc)
+    except psycopg.Error as exc:
+        problem = f"migrating the database {_describe(params)} failed: {_reason(exc, params)}"
+    raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem)
+
+
+# -- logs -------------------------------------------------------------------------------------
+
+
+class PgLog:
+    """An open log of the PostgreSQL store (:class:`~runtime._journal._interface.Log`).
+    Obtain one from :class:`PgStore`; do not construct it."""
+
+    def __init__(
+        self,
+        store: PgStore,
+        connection: _Connection,
+        contents: LogContents,
+        *,
+        next_seq: int,
+        good_length: int,
+    ) -> None:
+        self.contents = contents
+        """The records the log held when it was opened (``records[0]`` is the header)."""
+        self._store = store
+        self._connection = connection
+        self._rel = contents.rel
+        self._next_seq = next_seq
+        self._good_length = good_length
+        """Bytes of the frames of every acknowledged record (a poison's ``good_length``)."""
+        self._lock = trio.StrictFIFOLock()
+        """One append at a time, in call order: a record is committed only after the one
+        before it (a failed one poisons, so no later one can commit after a gap)."""
+        self._refusal: JournalError | None = None
+        self._closed = False
+
+    @property
+    def rel(self) -> str:
+        return self._rel
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    @property
+    def poisoned(self) -> bool:
+        return self._refusal is not None
+
+    async def append(self, record: Record) -> int:
+        """Append ``record``; return its sequence number once its ``INSERT`` committed.
+
+        Raises :class:`JournalError`: ``journal_conflict`` when another writer holds that
+        sequence number, ``journal_poisoned`` when this append or an earlier one did not
+        commit, ``journal_closed`` after :meth:`aclose` or the store's end; and
+        :class:`DiskFailedError` (``store_unavailable``) when the database cannot be reached.
+        """
+        payload = encode_record(record)
+        async with self._lock:
+            self._check_open()
+            seq = self._next_seq
+            frame = encode_frame(seq, [payload])
+
+            def insert(conn: _Conn) -> None:
+                conn.execute(_INSERT, [self._rel, seq, frame])
+
+            try:
+                await self._connection.run(insert)
+            except psycopg.errors.UniqueViolation:
+                raise self._conflict(seq) from None
+            except _Unreachable as exc:
+                failure = self._store._unavailable(str(exc))
+                with trio.CancelScope(shield=True):
+                    await self._poison(str(exc))
+                raise failure from None
+            except psycopg.Error as exc:
+                reason = _reason(exc, self._store._params)
+                with trio.CancelScope(shield=True):
+                    await self._poison(reason)
+                raise JournalError(
+                    ReasonCode.JOURNAL_POISONED,
+                    f"an append did not commit ({reason}); the log accepts no more records",
+                    path=self._rel,
+                ) from None
+            self._next_seq = seq + 1
+            self._good_length += len(frame)
+            return seq
+
+    def _check_open(self) -> None:
+        if self._closed or self._store._closed:
+            what = "the store is closed" if self._store._closed else "the log is closed"
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, what, path=self._rel)
+        if self._refusal is not None:
+            raise self._refusal
+
+    def _conflict(self, seq: int) -> JournalError:
+        self._refusal = JournalError(
+            ReasonCode.JOURNAL_POISONED,
+            f"another writer appended record {seq} first; this process appends no more here",
+            path=self._rel,
+        )
+        return JournalError(
+            ReasonCode.JOURNAL_CONFLICT,
+            f"record {seq} was already written by another writer; this process appends no "
+            "more to the log",
+            path=self._rel,
+        )
+
+    async def _poison(self, reason: str) -> None:
+        """Refuse every later append; record the poison in the database if it can be
+        reached (else the store is failed: the host stops admitting)."""
+        self._refusal = JournalError(
+            ReasonCode.JOURNAL_POISONED,
+            f"an earlier append did not commit ({reason}); the log accepts no more records",
+            path=self._rel,
+        )
+        poison = Poison(
+            log_path=self._rel,
+            good_length=self._good_length,
+            reason=reason,
+            errno=None,
+            poisoned_ms=self._store.clocks.wall.time_ms(),
+        )
+        document = encode_record(poison)
+        good_seq = self._next_seq
+
+        def record(conn: _Conn) -> None:
+            conn.execute(_POISON, [self._rel, good_seq, reason, document])
+
+        try:
+            await self._connection.run(record, retry=True)
+        except _Unreachable as exc:
+            self._store._unavailable(str(exc))
+        except psycopg.Error as exc:
+            self._store._unavailable(
+                f"the poison of {self._rel} could not be recorded: "
+                f"{_reason(exc, self._store._params)}"
+            )
+
+    async def aclose(self) -> None:
+        """Take no more appends (after the one in flight, if any). Idempotent."""
+        if self._closed:
+            return
+        async with self._lock:
+            self._closed = True
+
+
+# -- the store --------------------------------------------------------------------------------
+
+
+class PgStore:
+    """An open PostgreSQL journal store (:class:`~runtime._journal._interface.JournalStore`).
+    Use :func:`open_pg_store`."""
+
+    def __init__(self, params: dict[str, Any], root: Path, clocks: Clocks, pool: int) -> None:
+        if pool < 1:
+            raise ValueError("the PostgreSQL store needs at least one pooled connection")
+        self.root = root
+        self.clocks = clocks
+        self._params = params
+        self._shared = _Connection(params)
+        """Appends and reads of the shared logs (admissions, results)."""
+        self._pool = [_Connection(params) for _ in range(pool)]
+        """Every other log, reads and documents, chosen by name."""
+        self._open: dict[str, PgLog] = {}
+        self._disk_failure: DiskFailedError | None = None
+        self._closed = False
+        self.admissions: PgLog
+        self.results: PgLog
+
+    # -- health --------------------------------------------------------------------------
+
+    @property
+    def disk_failure(self) -> DiskFailedError | None:
+        """The first failure of the database itself (``store_unavailable``); once set the
+        host must stop admitting."""
+        return self._disk_failure
+
+    def _unavailable(self, problem: str, rel: str | None = None) -> DiskFailedError:
+        error = DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem, path=rel)
+        if self._disk_failure is None:
+            self._disk_failure = error
+        return error
+
+    def _connection(self, rel: str) -> _Connection:
+        if rel in (ADMISSIONS, RESULTS):
+            return self._shared
+        return self._pool[zlib.crc32(rel.encode()) % len(self._pool)]
+
+    async def _run(self, rel: str | None, fn: Callable[[_Conn], _T]) -> _T:
+        """Idempotent work (a read, an upsert) on ``rel``'s connection (the shared one for
+        ``None``), retried once on a new connection if that one broke; a failure is the
+        database's (``disk_failure``)."""
+        if self._closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=rel)
+        connection = self._shared if rel is None else self._connection(rel)
+        try:
+            return await connection.run(fn, retry=True)
+        except _Unreachable as exc:
+            problem = str(exc)
+        except psycopg.Error as exc:
+            problem = f"the database failed: {_reason(exc, self._params)}"
+        raise self._unavailable(problem, rel)
+
+    # -- names ---------------------------------------------------------------------------
+
+    @staticmethod
+    def delivery_rel(delivery_id: str) -> str:
+        return Store.delivery_rel(delivery_id)
+
+    @staticmethod
+    def lane_rel(lane: str) -> str:
+        return Store.lane_rel(lane)
+
+    # -- logs ----------------------------------------------------------------------------
+
+    async def create_delivery_log(self, delivery_id: str) -> PgLog:
+        """Create a delivery's log (its header committed). ``FileExistsError`` if it exists."""
+        return await self._create(self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id)
+
+    async def open_or_create_delivery_log(self, delivery_id: str) -> PgLog:
+        return await self._open_or_create(
+            self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id
+        )
+
+    async def open_delivery_log(self, delivery_id: str) -> PgLog:
+        """Open an existing delivery's log for appending; ``FileNotFoundError`` if none."""
+        return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY)
+
+    async def read_delivery_log(self, delivery_id: str) -> LogContents:
+        """Read a delivery's log without opening it for appends (even if poisoned)."""
+        return await self.read(self.delivery_rel(delivery_id), LogKind.DELIVERY)
+
+    async def open_lane_log(self, lane: str) -> PgLog:
+        return await self._open_or_create(self.lane_rel(lane), LogKind.LANE, lane)
+
+    async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
+        """What a log holds (its acknowledged records; up to its poison, if poisoned).
+        ``FileNotFoundError`` if it holds nothing; :class:`JournalError` on any damage."""
+        rows, document = await self._run(rel, _read_rows(rel))
+        if not rows and document is None:
+            raise FileNotFoundError(f"{rel} holds no record")
+        poison = None if document is None else _decode_poison(document, rel)
+        return _decode_rows(rows, rel=rel, kind=kind, poison=poison)
+
+    async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> PgLog:
+        with contextlib.suppress(FileNotFoundError):
+            return await self._open_existing(rel, kind)
+        return await self._create(rel, kind, subject)
+
+    async def _open_existing(self, rel: str, kind: LogKind) -> PgLog:
+        if rel in self._open:
+            return self._open[rel]
+        contents = await self.read(rel, kind)
+        if contents.poison is not None:
+            raise JournalError(
+                ReasonCode.JOURNAL_POISONED,
+                f"log was poisoned ({contents.poison.reason}); it is not replayed",
+                path=rel,
+            )
+        if rel in self._open:  # opened by another task meanwhile
+            return self._open[rel]
+        log = PgLog(
+            self,
+            self._connection(rel),
+            contents,
+            next_seq=contents.next_seq,
+            good_length=contents.good_length,
+        )
+        self._open[rel] = log
+        return log
+
+    async def _create(self, rel: str, kind: LogKind, subject: str) -> PgLog:
+        """Create a log whose header is committed before this returns; ``FileExistsError``
+        if the log holds a record or a poison."""
+        if rel in self._open:
+            raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
+
+        if await self.exists(rel):
+            raise FileExistsError(f"{rel} already exists")
+        header = Header(
+            schema_version=SCHEMA_VERSION,
+            kind=kind,
+            subject=subject,
+            created_ms=self.clocks.wall.time_ms(),
+        )
+        contents = LogContents(rel, (header,), 0, 0)
+        log = PgLog(self, self._connection(rel), contents, next_seq=0, good_length=0)
+        self._open[rel] = log
+        try:
+            await log.append(header)
+        except JournalError as error:
+            del self._open[rel]
+            if error.code is ReasonCode.JOURNAL_CONFLICT:  # created by another writer
+                raise FileExistsError(f"{rel} already exists") from None
+            raise
+        except BaseException:
+            del self._open[rel]
+            raise
+        log.contents = LogContents(rel, (header,), log._good_length, 0)
+        return log
+
+    async def exists(self, rel: str) -> bool:
+        """Whether the log ``rel`` was ever created (it holds a record or a poison)."""
+
+        def exists(conn: _Conn) -> bool:
+            row = conn.execute(_EXISTS, {"log": rel}).fetchone()
+            return bool(row and row[0])
+
+        return await self._run(rel, exists)
+
+    async def lane_logs(self) -> list[str]:
+        """The names of every lane log, sorted."""
+
+        def names(conn: _Conn) -> list[str]:
+            return [str(row[0]) for row in conn.execute(_LANE_LOGS).fetchall()]
+
+        return await self._run("lanes", names)
+
+    async def close_log(self, journal: Log) -> None:
+        self._open.pop(journal.rel, None)
+        await journal.aclose()
+
+    # -- documents -----------------------------------------------------------------------
+
+    async def write_document(self, rel: str, data: bytes) -> None:
+        """Replace a document atomically: one upsert, committed before this returns."""
+
+        def write(conn: _Conn) -> None:
+            conn.execute(_WRITE_DOCUMENT, [rel, data])
+
+        await self._run(rel, write)
+
+    async def read_document(self, rel: str) -> bytes | None:
+        def read(conn: _Conn) -> bytes | None:
+            row = conn.execute(_READ_DOCUMENT, [rel], binary=True).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return await self._run(rel, read)
+
+    # -- opening and closing -------------------------------------------------------------
+
+    async def _check_schema(self) -> None:
+        version = await self._run(None, _schema_version)
+        if version > STORE_SCHEMA_VERSION:
+            raise _newer(version, self._params)
+        if version < STORE_SCHEMA_VERSION:
+            found = "no pi-runtime schema" if version == 0 else f"store schema {version}"
+            raise JournalError(
+                ReasonCode.STORE_SCHEMA_MISSING,
+                f"the database {_describe(self._params)} has {found}; this pi-runtime needs "
+                f"version {STORE_SCHEMA_VERSION}: run `pi-runtime db migrate` first",
+            )
+
+    async def _release(self) -> None:
+        """Close every log, then every connection (each after its call in flight)."""
+        first: BaseException | None = None
+        for log in list(self._open.values()):
+            try:
+                await log.aclose()
+            except Exception as exc:  # pragma: no cover - aclose only waits
+                first = first or exc
+        self._open.clear()
+        self._closed = True
+        for connection in [self._shared, *self._pool]:
+            try:
+                await connection.aclose()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+def _decode_rows(
+    rows: list[tuple[int, bytes]], *, rel: str, kind: LogKind | None, poison: Poison | None
+) -> LogContents:
+    """Decode a log's rows as the file store decodes its file (J4), then check what only a
+    row can get wrong: a "torn" final frame (rows are written whole, so it is damage) and a
+    row whose ``seq`` is not its record's."""
+    data = b"".join(frame for _seq, frame in rows)
+    contents = decode_log(data, rel=rel, kind=kind, poison=poison)
+    if contents.torn_bytes:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT,
+            "the last row's frame is unreadable (a row is never torn: this is damage)",
+            path=rel,
+            offset=contents.good_length,
+        )
+    if len(contents.records) != len(rows):
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT, "a row holds more than one record", path=rel, offset=0
+        )
+    offset = 0
+    for index, (seq, frame) in enumerate(rows):  # record ``index`` is in row ``index``
+        if seq != index:
+            raise JournalError(
+                ReasonCode.JOURNAL_CORRUPT,
+                f"row {seq} holds record {index}",
+                path=rel,
+                offset=offset,
+            )
+        offset += len(frame)
+    return contents
+
+
+def _local_root(root: Path | str) -> Path:
+    path = Path(root).absolute()
+    _prepare_root(path)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def open_pg_store(
+    dsn: str, *, root: Path | str, clocks: Clocks | None = None, connections: int = 2
+) -> AsyncIterator[PgStore]:
+    """Use the PostgreSQL store in the database ``dsn`` names for the duration of the block.
+
+    ``root`` is this host's local state directory (sessions, sockets; created 0700 if
+    missing, refused if others can read it): the store keeps no journal file there.
+    ``connections`` is the number of pooled connections beside the one of the shared logs.
+
+    Refuses a database without the store's schema (``store_schema_missing``: run
+    ``pi-runtime db migrate``) or with a newer one (``store_schema_newer``), and one that
+    cannot be reached (``store_unavailable``). Reads the shared logs: damage in one raises
+    :class:`JournalError` and nothing starts.
+
+    Resource handling: on exit, however the block ends (cancelled too), every open log is
+    closed and every connection closed, shielded; the first error of that is raised after
+    all of it ran.
+    """
+    clocks = clocks or Clocks.system()
+    params = _parse(dsn)
+    path = await trio.to_thread.run_sync(_local_root, root)
+    store = PgStore(params, path, clocks, connections)
+    try:
+        await store._check_schema()
+        store.admissions = await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions")
+        store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
+        yield store
+    finally:
+        with trio.CancelScope(shield=True):
+            await store._release()
+
+
+if TYPE_CHECKING:
+
+    def _is_a_journal_store(store: PgStore) -> JournalStore:
+        return store  # mypy: PgStore satisfies the interface
+
+    def _is_a_log(log: PgLog) -> Log:
+        return log
