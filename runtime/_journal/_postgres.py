@@ -11,20 +11,27 @@ newer schemas fail closed with the same reason codes; since a row is written who
 all, a "torn tail" there is damage too (``journal_corrupt``).
 
 Durable means committed: an append is one ``INSERT`` in its own transaction and returns only
-once the server answered its ``COMMIT`` (J1; group commit is issue #23). An append that does
-not end in a confirmed commit — the connection broke, the server went away, it refused —
-poisons its log in this process and, in a separate transaction, in the database (J5); one
-whose ``(log, seq)`` another writer took first is refused ``journal_conflict`` and the log
-takes no more appends from this process (nothing is recorded: the other writer's log is
-sound). A database that cannot be reached sets :attr:`PgStore.disk_failure`
-(``store_unavailable``): the host stops admitting.
+once the server answered its ``COMMIT`` (J1; group commit is issue #23). When the connection
+breaks around an append (a database restart, a failover, a proxy cutting an idle connection),
+its outcome is unknown, and it is resolved, not guessed: the store reconnects under its
+:class:`RetryPolicy` and looks on the new connection — the row ``(log, seq)`` holds exactly
+this record's frame (it committed: acknowledged), or it is absent (inserted again; the frame is
+deterministic, so that is idempotent). Only when the policy's bound is spent is the log
+poisoned, in this process only, and :attr:`PgStore.disk_failure` set (``store_unavailable``):
+the host stops admitting; no poison is written for it — a row is atomic, so what a later
+reader finds is exactly what committed. A definite refusal by the server (a trigger raising, a
+constraint other than the key, permissions) poisons the log in this process and, in a
+separate transaction, in the database (J5). An append whose ``(log, seq)`` another writer took
+first (with other bytes) is refused ``journal_conflict`` and the log takes no more appends from
+this process (nothing is recorded: the other writer's log is sound).
 
 psycopg 3 is blocking; every call runs in a worker thread (``trio.to_thread``), one thread at
 a time per connection (each has its own :class:`trio.CapacityLimiter`). Connections: one for
 the shared logs (admissions, results), a few more for the other logs, reads and documents,
-chosen by the log's name. A thread, once started, is waited for (never abandoned): an append
-handed over always reports its fate to its caller, and no connection is closed under a
-running call.
+chosen by the log's name; a broken one is replaced on its next use. A thread, once started,
+is waited for (never abandoned): an append handed over always reports its fate to its caller
+(once sent, its resolution is shielded from cancellation, bounded by the policy), and no
+connection is closed under a running call.
 
 The DSN may hold a password: no error, log line, record or file holds it. Every message
 that names the database uses :func:`redact_dsn`; the server's own error texts are scrubbed
@@ -37,6 +44,7 @@ import contextlib
 import os
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -56,9 +64,11 @@ from ._journal import LogContents, decode_log, encode_record
 from ._store import ADMISSIONS, RESULTS, Store, _prepare_root
 
 __all__ = [
+    "DEFAULT_RETRY",
     "STORE_SCHEMA_VERSION",
     "PgLog",
     "PgStore",
+    "RetryPolicy",
     "migrate",
     "open_pg_store",
     "redact_dsn",
@@ -121,6 +131,17 @@ _POISON_DECODER: Final = msgspec.json.Decoder(Poison)
 _NEVER: Final = 2**63 - 1
 
 _INSERT: Final = f"INSERT INTO {SCHEMA}.log_records (log, seq, frame) VALUES (%s, %s, %s)"
+_INSERT_IF_ABSENT: Final = f"""
+INSERT INTO {SCHEMA}.log_records (log, seq, frame) VALUES (%s, %s, %s)
+ON CONFLICT (log, seq) DO NOTHING RETURNING true"""
+"""The resolution of an append whose outcome is unknown. If the old backend is still running
+its ``INSERT`` of that row, this one waits for it to end (PostgreSQL's speculative insertion)
+and then does nothing if it committed."""
+_FRAME: Final = f"SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq = %s"
+"""A statement of its own after :data:`_INSERT_IF_ABSENT`: its snapshot is taken after that
+one ended, so it sees a row another backend committed while it waited."""
+_KEY: Final = "log_records_pkey"
+"""The primary key ``(log, seq)``: a unique violation on it is another writer's record."""
 _READ: Final = f"""
 WITH poison AS (SELECT good_seq, document FROM {SCHEMA}.log_poison WHERE log = %(log)s)
 SELECT NULL::bigint, NULL::bytea, good_seq, document FROM poison
@@ -197,7 +218,78 @@ def _reason(exc: psycopg.Error, params: Mapping[str, Any]) -> str:
 
 
 class _Unreachable(Exception):
-    """No connection could be made (raised in a worker thread; its text is scrubbed)."""
+    """No connection could be made (raised in a worker thread; its text is scrubbed), or no
+    call went through within the retry policy's bound."""
+
+
+class _Broken(Exception):
+    """The connection broke during a call (the server ended the session or went away, the
+    network or a proxy cut it): what the call sent may or may not have taken effect. Its text
+    is scrubbed."""
+
+
+class _Closed(Exception):
+    """The store is closed: no connection is made any more."""
+
+
+class _Vanished(Exception):
+    """An append's row was neither inserted nor found (deleted under the store)."""
+
+
+class _Unsettled(Exception):
+    """An append neither committed nor was refused within the retry policy's bound."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How long the store keeps trying work whose connection broke or could not be made.
+
+    ``attempts`` tries in all; retry *n* (1, 2, …) waits ``min(max_delay, first_delay *
+    factor ** (n - 1))`` seconds of Trio's clock first (``trio.sleep``). The default, 10
+    attempts 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5, 5, 5 s apart (21.3 s of waiting), replaces
+    a connection cut while idle at the first retry (0.1 s), and bridges a database restart (a fast
+    restart takes well under a second to a few seconds, a busy server's shutdown checkpoint
+    or a short crash recovery some more) with margin; an outage longer than that stops
+    admissions within half a minute instead of holding every caller. Each attempt may also
+    wait up to ``connect_timeout`` (10 s unless the DSN says otherwise) for its connection."""
+
+    attempts: int = 10
+    first_delay: float = 0.1
+    factor: float = 2.0
+    max_delay: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("a retry policy needs at least one attempt")
+        if not 0 <= self.first_delay <= self.max_delay or self.factor < 1:
+            raise ValueError("a retry policy waits 0 <= first_delay <= max_delay, factor >= 1")
+
+    def delay(self, retry: int) -> float:
+        """The wait before retry ``retry`` (the first retry is 1)."""
+        return min(self.max_delay, self.first_delay * self.factor ** (retry - 1))
+
+    @property
+    def total_delay(self) -> float:
+        """How long all the retries wait together (connection attempts aside)."""
+        return sum(self.delay(retry) for retry in range(1, self.attempts))
+
+
+DEFAULT_RETRY: Final = RetryPolicy()
+"""The store's retry policy unless :func:`open_pg_store` is given another."""
+
+_SESSION_ENDED: Final = "57P"
+"""SQLSTATE ``57P01`` to ``57P05``: the server ended the session (an administrator, a shutdown, a
+crash, a dropped database, an idle-session timeout) — the call's outcome is not its answer."""
+
+
+def _lost(conn: _Conn, exc: psycopg.Error) -> bool:
+    """Whether ``exc`` means the session is gone (not a refusal of what was sent)."""
+    state = exc.sqlstate or ""
+    return conn.closed or state.startswith("08") or state.startswith(_SESSION_ENDED)
 
 
 # -- connections ------------------------------------------------------------------------------
@@ -222,7 +314,8 @@ def _connect(params: Mapping[str, Any]) -> _Conn:
 
 
 class _Connection:
-    """One database connection, used by one worker thread at a time; (re)connected on use."""
+    """One database connection, used by one worker thread at a time; (re)connected on use,
+    and dropped as soon as a call finds it broken (the next call makes a new one)."""
 
     def __init__(self, params: Mapping[str, Any]) -> None:
         self._params = params
@@ -231,28 +324,35 @@ class _Connection:
         """Touched only by the thread that holds the limiter."""
         self._closed = False
 
-    async def run(self, fn: Callable[[_Conn], _T], *, retry: bool = False) -> _T:
-        """Run ``fn(connection)`` in a worker thread. With ``retry`` (for idempotent work: a
-        read, an upsert), a connection found broken is replaced and ``fn`` runs once more.
-        Raises :class:`_Unreachable` when no connection can be made."""
-        return await trio.to_thread.run_sync(self._call, fn, retry, limiter=self._limiter)
+    async def run(self, fn: Callable[[_Conn], _T]) -> _T:
+        """Run ``fn(connection)`` once, in a worker thread. Raises :class:`_Unreachable` when
+        no connection can be made (nothing was sent), :class:`_Broken` when the connection
+        broke during the call (what it sent may have taken effect), :class:`_Closed` once
+        closed, and the driver's error when the server refused (a definite answer)."""
+        return await trio.to_thread.run_sync(self._call, fn, limiter=self._limiter)
 
     def _live(self) -> _Conn:
         if self._closed:
-            raise _Unreachable("the store is closed")
+            raise _Closed("the store is closed")
         if self._conn is None or self._conn.closed:
             self._conn = None
             self._conn = _connect(self._params)
         return self._conn
 
-    def _call(self, fn: Callable[[_Conn], _T], retry: bool) -> _T:
+    def _call(self, fn: Callable[[_Conn], _T]) -> _T:
         conn = self._live()
         try:
             return fn(conn)
-        except psycopg.Error:
-            if not (retry and conn.broken):
+        except psycopg.Error as exc:
+            if not _lost(conn, exc):
                 raise
-        return fn(self._live())
+            problem = (
+                f"the connection to the database {_describe(self._params)} broke: "
+                f"{_reason(exc, self._params)}"
+            )
+        self._conn = None
+        conn.close()
+        raise _Broken(problem)  # outside the handler: no driver text rides along as context
 
     async def aclose(self) -> None:
         """Close the connection, after the call in flight (which holds the limiter)."""
@@ -285,6 +385,38 @@ def _read_rows(rel: str) -> Callable[[_Conn], _Rows]:
         return frames, poison
 
     return read
+
+
+def _insert(rel: str, seq: int, frame: bytes) -> Callable[[_Conn], bool]:
+    """An append's first attempt: ``True`` once committed, ``False`` if another writer holds
+    ``(rel, seq)`` (a definite answer: nothing of this process was sent before)."""
+
+    def insert(conn: _Conn) -> bool:
+        try:
+            conn.execute(_INSERT, [rel, seq, frame])
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != _KEY:  # another constraint refused it
+                raise
+            return False
+        return True
+
+    return insert
+
+
+def _resolve(rel: str, seq: int, frame: bytes) -> Callable[[_Conn], bool]:
+    """An append after an attempt whose outcome is unknown: ``True`` if the row is there now
+    with exactly ``frame`` (inserted by this call, or committed by the earlier attempt),
+    ``False`` if it holds other bytes (another writer's record)."""
+
+    def resolve(conn: _Conn) -> bool:
+        if conn.execute(_INSERT_IF_ABSENT, [rel, seq, frame]).fetchone() is not None:
+            return True  # it had not committed: it has now
+        row = conn.execute(_FRAME, [rel, seq], binary=True).fetchone()
+        if row is None:
+            raise _Vanished(f"record {seq} was neither inserted nor found")
+        return bytes(row[0]) == frame
+
+    return resolve
 
 
 def _decode_poison(document: bytes, rel: str) -> Poison:
@@ -381,8 +513,9 @@ class PgLog:
         self._good_length = good_length
         """Bytes of the frames of every acknowledged record (a poison's ``good_length``)."""
         self._lock = trio.StrictFIFOLock()
-        """One append at a time, in call order: a record is committed only after the one
-        before it (a failed one poisons, so no later one can commit after a gap)."""
+        """One append at a time, in call order, held until the append is resolved: a record
+        is committed only after the one before it (a failed one poisons, so no later one can
+        commit after a gap)."""
         self._refusal: JournalError | None = None
         self._closed = False
 
@@ -401,31 +534,34 @@ class PgLog:
     async def append(self, record: Record) -> int:
         """Append ``record``; return its sequence number once its ``INSERT`` committed.
 
-        Raises :class:`JournalError`: ``journal_conflict`` when another writer holds that
-        sequence number, ``journal_poisoned`` when this append or an earlier one did not
-        commit, ``journal_closed`` after :meth:`aclose` or the store's end; and
-        :class:`DiskFailedError` (``store_unavailable``) when the database cannot be reached.
+        A connection that breaks around the append is replaced and the append resolved on
+        the new one (its row found, or inserted again), within the store's
+        :class:`RetryPolicy`. Raises :class:`JournalError`: ``journal_conflict`` when another
+        writer holds that sequence number, ``journal_poisoned`` when the server refused this
+        append or an earlier append failed, ``journal_closed`` after :meth:`aclose` or the
+        store's end; and :class:`DiskFailedError` (``store_unavailable``) when the database
+        could not be reached within the policy (the record is then in the log if and only if
+        it committed, which this process cannot tell; the log takes no more appends here).
         """
         payload = encode_record(record)
         async with self._lock:
             self._check_open()
             seq = self._next_seq
             frame = encode_frame(seq, [payload])
-
-            def insert(conn: _Conn) -> None:
-                conn.execute(_INSERT, [self._rel, seq, frame])
-
             try:
-                await self._connection.run(insert)
-            except psycopg.errors.UniqueViolation:
-                raise self._conflict(seq) from None
-            except _Unreachable as exc:
-                failure = self._store._unavailable(str(exc))
-                with trio.CancelScope(shield=True):
-                    await self._poison(str(exc))
-                raise failure from None
-            except psycopg.Error as exc:
-                reason = _reason(exc, self._store._params)
+                ours = await self._commit(seq, frame)
+            except _Unsettled as unsettled:
+                self._refuse(unsettled.why)
+                raise self._store._unavailable(unsettled.why, self._rel) from None
+            except _Closed:
+                raise JournalError(
+                    ReasonCode.JOURNAL_CLOSED, "the store is closed", path=self._rel
+                ) from None
+            except (psycopg.Error, _Vanished) as exc:  # the server's definite refusal
+                if isinstance(exc, psycopg.Error):
+                    reason = _reason(exc, self._store._params)
+                else:
+                    reason = str(exc)
                 with trio.CancelScope(shield=True):
                     await self._poison(reason)
                 raise JournalError(
@@ -433,9 +569,43 @@ class PgLog:
                     f"an append did not commit ({reason}); the log accepts no more records",
                     path=self._rel,
                 ) from None
+            if not ours:
+                raise self._conflict(seq)
             self._next_seq = seq + 1
             self._good_length += len(frame)
             return seq
+
+    async def _commit(self, seq: int, frame: bytes) -> bool:
+        """Commit the row ``(rel, seq, frame)``: ``True`` once it is there, ``False`` if
+        another writer's record is. Retried under the store's policy while the connection
+        breaks or cannot be made; once an attempt was sent (its outcome unknown) every later
+        one resolves it (:func:`_resolve`), shielded from cancellation: the log's next
+        number depends on it. Raises :class:`_Unsettled` when the bound is spent, the
+        driver's error on a definite refusal."""
+        policy = self._store.retry
+        sent = False
+        problem = ""
+        for attempt in range(policy.attempts):
+            with trio.CancelScope(shield=sent):
+                if attempt:
+                    await trio.sleep(policy.delay(attempt))
+                work = (_resolve if sent else _insert)(self._rel, seq, frame)
+                try:
+                    return await self._connection.run(work)
+                except _Unreachable as exc:  # nothing sent this time
+                    problem = str(exc)
+                except _Broken as exc:
+                    sent = True
+                    problem = str(exc)
+        if sent:
+            why = (
+                f"record {seq} was sent but its commit could not be confirmed or found in "
+                f"{policy.attempts} attempts ({problem}); the log holds it after a restart "
+                "if and only if it committed"
+            )
+        else:
+            why = f"record {seq} could not be sent in {policy.attempts} attempts ({problem})"
+        raise _Unsettled(why)
 
     def _check_open(self) -> None:
         if self._closed or self._store._closed:
@@ -457,9 +627,20 @@ class PgLog:
             path=self._rel,
         )
 
+    def _refuse(self, why: str) -> None:
+        """Refuse every later append in this process (nothing is recorded)."""
+        self._refusal = JournalError(
+            ReasonCode.JOURNAL_POISONED,
+            f"an earlier append failed ({why}); the log accepts no more records",
+            path=self._rel,
+        )
+
     async def _poison(self, reason: str) -> None:
-        """Refuse every later append; record the poison in the database if it can be
-        reached (else the store is failed: the host stops admitting)."""
+        """Refuse every later append; record the poison in the database (retried under the
+        store's policy) if it can be reached, else the store is failed: the host stops
+        admitting. Only for a definite refusal: if an earlier attempt's outcome was unknown,
+        the row may have committed after all, and the poison's ``good_seq`` keeps it from
+        being read."""
         self._refusal = JournalError(
             ReasonCode.JOURNAL_POISONED,
             f"an earlier append did not commit ({reason}); the log accepts no more records",
@@ -479,9 +660,9 @@ class PgLog:
             conn.execute(_POISON, [self._rel, good_seq, reason, document])
 
         try:
-            await self._connection.run(record, retry=True)
-        except _Unreachable as exc:
-            self._store._unavailable(str(exc))
+            await self._store._retrying(self._connection, record)
+        except (_Unreachable, _Closed) as exc:
+            self._store._unavailable(f"the poison of {self._rel} could not be recorded: {exc}")
         except psycopg.Error as exc:
             self._store._unavailable(
                 f"the poison of {self._rel} could not be recorded: "
@@ -503,11 +684,20 @@ class PgStore:
     """An open PostgreSQL journal store (:class:`~runtime._journal._interface.JournalStore`).
     Use :func:`open_pg_store`."""
 
-    def __init__(self, params: dict[str, Any], root: Path, clocks: Clocks, pool: int) -> None:
+    def __init__(
+        self,
+        params: dict[str, Any],
+        root: Path,
+        clocks: Clocks,
+        pool: int,
+        retry: RetryPolicy = DEFAULT_RETRY,
+    ) -> None:
         if pool < 1:
             raise ValueError("the PostgreSQL store needs at least one pooled connection")
         self.root = root
         self.clocks = clocks
+        self.retry = retry
+        """How work whose connection broke or could not be made is retried."""
         self._params = params
         self._shared = _Connection(params)
         """Appends and reads of the shared logs (admissions, results)."""
@@ -538,15 +728,31 @@ class PgStore:
             return self._shared
         return self._pool[zlib.crc32(rel.encode()) % len(self._pool)]
 
+    async def _retrying(self, connection: _Connection, fn: Callable[[_Conn], _T]) -> _T:
+        """Idempotent work (a read, an upsert) on ``connection``, run again under the retry
+        policy while the connection breaks or cannot be made; :class:`_Unreachable` when the
+        bound is spent. A definite refusal (the driver's error) is not retried."""
+        problem = ""
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                await trio.sleep(self.retry.delay(attempt))
+            try:
+                return await connection.run(fn)
+            except (_Unreachable, _Broken) as exc:
+                problem = str(exc)
+        raise _Unreachable(f"{problem} (in {self.retry.attempts} attempts)")
+
     async def _run(self, rel: str | None, fn: Callable[[_Conn], _T]) -> _T:
         """Idempotent work (a read, an upsert) on ``rel``'s connection (the shared one for
-        ``None``), retried once on a new connection if that one broke; a failure is the
+        ``None``), retried under the policy (:meth:`_retrying`); a failure is the
         database's (``disk_failure``)."""
         if self._closed:
             raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=rel)
         connection = self._shared if rel is None else self._connection(rel)
         try:
-            return await connection.run(fn, retry=True)
+            return await self._retrying(connection, fn)
+        except _Closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=rel) from None
         except _Unreachable as exc:
             problem = str(exc)
         except psycopg.Error as exc:
@@ -762,13 +968,20 @@ def _local_root(root: Path | str) -> Path:
 
 @contextlib.asynccontextmanager
 async def open_pg_store(
-    dsn: str, *, root: Path | str, clocks: Clocks | None = None, connections: int = 2
+    dsn: str,
+    *,
+    root: Path | str,
+    clocks: Clocks | None = None,
+    connections: int = 2,
+    retry: RetryPolicy = DEFAULT_RETRY,
 ) -> AsyncIterator[PgStore]:
     """Use the PostgreSQL store in the database ``dsn`` names for the duration of the block.
 
     ``root`` is this host's local state directory (sessions, sockets; created 0700 if
     missing, refused if others can read it): the store keeps no journal file there.
     ``connections`` is the number of pooled connections beside the one of the shared logs.
+    ``retry`` bounds how long work whose connection broke or could not be made is tried
+    again (:class:`RetryPolicy`; opening the store too) before the store fails.
 
     Refuses a database without the store's schema (``store_schema_missing``: run
     ``pi-runtime db migrate``) or with a newer one (``store_schema_newer``), and one that
@@ -782,7 +995,7 @@ async def open_pg_store(
     clocks = clocks or Clocks.system()
     params = _parse(dsn)
     path = await trio.to_thread.run_sync(_local_root, root)
-    store = PgStore(params, path, clocks, connections)
+    store = PgStore(params, path, clocks, connections, retry)
     try:
         await store._check_schema()
         store.admissions = await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions")

@@ -5,8 +5,8 @@ Each test runs on the file store (a real state directory, real fsync) and on the
 (a real, throw-away PostgreSQL from ``pgserver``, a fresh database per test). What a test may not
 do through the interface — damage a stored record, make the next write fail — it asks of the
 backend (:class:`Backend`), which does it the way that store would really meet it: a flipped
-byte in the file or in the row, a failing ``write(2)`` (``tests/faultfs.py``) or a database
-connection terminated under the store.
+byte in the file or in the row, a failing ``write(2)`` (``tests/faultfs.py``) or an insert the
+database server refuses.
 
 Test names cite the invariants: ``test_sc_j<N>_*`` checks J<N> of journal.md on every store.
 Invariants that are the file store's alone (torn tails of a file, fdatasync, the directory
@@ -113,7 +113,8 @@ def _file(tmp_path: Path) -> Backend:
 
 class _PgBackend:
     """The PostgreSQL store on a fresh, migrated database (``pg_fixtures.py``): damage is a
-    changed byte in the row, a failing write a connection terminated under the store."""
+    changed byte in the row, a failing write one the server refuses (a raising trigger: a
+    dropped connection is not a failed write there, it is reconnected and resolved, PG11)."""
 
     def __init__(self, dsn: str, root: Path) -> None:
         self.dsn = dsn

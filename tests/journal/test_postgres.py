@@ -4,9 +4,12 @@ schema and migrations, how a record is stored, conflicts, poison, an unreachable
 DSN's password, ``pi-runtime db migrate``. What both stores must do alike is in
 ``test_conformance_stores.py``.
 
-No test sleeps: a connection broken under the store is terminated by an admin connection
-that waits until it is gone (``terminate_backends``), and a commit whose outcome is unknown
-is made by a trigger that ends its own backend at ``COMMIT``.
+No test sleeps on the real clock: a connection broken under the store is terminated by an
+admin connection that waits until it is gone (``terminate_backends``); a commit whose outcome
+is unknown is made by a trigger that ends its own backend at ``COMMIT``, or by a proxy that
+drops the request or the answer and closes the connection (``cutting_proxy``); a database
+restart waits on ``pg_ctl`` (``stop_server``, ``start_server``). The store's own retries wait
+on Trio's clock, under a fast policy (``FAST``) where a test makes them fail.
 """
 
 from __future__ import annotations
@@ -25,22 +28,35 @@ from psycopg.conninfo import conninfo_to_dict
 from runtime._cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from runtime._errors import DiskFailedError, JournalError, PiRuntimeError, ReasonCode
 from runtime._journal._frame import HEADER_SIZE, encode_frame
-from runtime._journal._interface import JournalStore
+from runtime._journal._interface import JournalStore, Log
 from runtime._journal._journal import encode_record
 from runtime._journal._postgres import (
+    DEFAULT_RETRY,
     STORE_SCHEMA_VERSION,
     PgStore,
+    RetryPolicy,
     migrate,
     open_pg_store,
     redact_dsn,
 )
-from runtime._journal._store import Store
+from runtime._journal._store import ADMISSIONS, Store
 from runtime._records import Header, LogKind, OutboxAction, Record
 
-from .pg_fixtures import admin_dsn, database_name, execute, terminate_backends
+from .pg_fixtures import (
+    PostgresServer,
+    admin_dsn,
+    cutting_proxy,
+    database_name,
+    execute,
+    start_server,
+    stop_server,
+    terminate_backends,
+)
 
 LIMIT: Final = 30.0
 SECRET: Final = "s3cr3t-Pa55"
+FAST: Final = RetryPolicy(attempts=5, first_delay=0.001, max_delay=0.01)
+"""Retries that end within a few hundredths of a second (the tests that spend them)."""
 
 
 def _action(n: int) -> OutboxAction:
@@ -301,21 +317,303 @@ async def test_a_conflicting_writers_append_is_refused(pg_dsn: str, tmp_path: Pa
             assert list(contents.records[1:]) == [_action(1), _action(2)]
 
 
-# -- poison (J5) --------------------------------------------------------------------------
+# -- a broken connection: the outcome resolved (PG5) --------------------------------------
 
 
-async def test_a_terminated_connection_poisons_the_log(pg_dsn: str, tmp_path: Path) -> None:
-    """J5 on PostgreSQL: the store's connections are terminated under it; the next append
-    fails and poisons its log — every later one is refused ``journal_poisoned``, the poison
-    is recorded in the database (with the last good record), a reopen refuses the log for
-    appending, and reading it gives exactly what was acknowledged. The database is still
-    reachable: other logs work, no disk failure."""
+async def _count_inserts(dsn: str, rel: str, seq: int) -> None:
+    """Count every row ``(rel, seq)`` the server inserts, committed or not (a sequence is not
+    transactional): read it with :func:`_inserts`."""
+    await execute(dsn, "CREATE SEQUENCE public.inserts")
+    await execute(
+        dsn,
+        """CREATE FUNCTION public.count_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN PERFORM nextval('public.inserts'); RETURN NULL; END $$""",
+    )
+    await execute(
+        dsn,
+        f"""CREATE TRIGGER count_insert AFTER INSERT ON pi_runtime.log_records FOR EACH ROW
+            WHEN (NEW.log = '{rel}' AND NEW.seq = {seq})
+            EXECUTE FUNCTION public.count_insert()""",
+    )
+
+
+async def _inserts(dsn: str) -> int:
+    rows = await execute(
+        dsn, "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM public.inserts"
+    )
+    return int(rows[0][0])
+
+
+async def _assert_exactly(dsn: str, rel: str, records: list[Record]) -> None:
+    """The log ``rel`` holds exactly its header and ``records``, each once at its seq, and
+    nothing is poisoned."""
+    rows = await _rows(dsn, rel)
+    assert [seq for seq, _frame in rows] == list(range(len(records) + 1))
+    assert [frame for _seq, frame in rows[1:]] == [
+        encode_frame(seq, [encode_record(record)]) for seq, record in enumerate(records, 1)
+    ]
+    assert await execute(dsn, "SELECT log FROM pi_runtime.log_poison") == []
+
+
+async def test_a_terminated_connection_is_reconnected_and_the_append_lands_once(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """PG5: the store's connections are terminated under it (as by an operator, or a server
+    that ends idle sessions); the next append finds its connection broken, cannot know
+    whether the server got it, and resolves it on a new connection — it lands exactly once,
+    on every log (the shared admission log too), nothing is poisoned, no disk failure, and
+    a reopen gives exactly what was acknowledged."""
     root = tmp_path / "state"
     with trio.fail_after(LIMIT):
-        async with open_pg_store(pg_dsn, root=root) as store:
+        async with open_pg_store(pg_dsn, root=root, retry=FAST) as store:
             log = await store.create_delivery_log("d1")
             assert await log.append(_action(1)) == 1
-            assert await terminate_backends(pg_dsn) >= 1
+            assert await store.admissions.append(_action(1)) == 1
+            assert await terminate_backends(pg_dsn) >= 2
+            assert await log.append(_action(2)) == 2
+            assert await store.admissions.append(_action(2)) == 2
+            assert await log.append(_action(3)) == 3
+            assert not log.poisoned
+            assert not store.admissions.poisoned
+            assert store.disk_failure is None
+            await store.close_log(log)
+        await _assert_exactly(pg_dsn, log.rel, [_action(1), _action(2), _action(3)])
+        await _assert_exactly(pg_dsn, store.admissions.rel, [_action(1), _action(2)])
+        async with open_pg_store(pg_dsn, root=root) as store:
+            reopened = await store.open_delivery_log("d1")
+            assert list(reopened.contents.records[1:]) == [_action(1), _action(2), _action(3)]
+            assert await reopened.append(_action(4)) == 4
+            assert store.admissions.next_seq == 3
+
+
+async def test_an_unknown_commit_outcome_is_resolved_on_a_new_connection(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """PG5, at ``COMMIT``: the connection dies while the server commits (a deferred trigger
+    ends its own backend, once), so the store cannot know whether the record committed. It
+    did not (the backend died before its commit record); the store finds the row absent on a
+    new connection and inserts it again: the server inserted the row twice (the trigger
+    counts), it is there once, the append returns its number, nothing is poisoned."""
+    rel = Store.delivery_rel("d1")
+    await _count_inserts(pg_dsn, rel, 2)
+    await execute(pg_dsn, "CREATE SEQUENCE public.die_once")
+    await execute(
+        pg_dsn,
+        """CREATE FUNCTION public.die_once() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+               IF nextval('public.die_once') = 1 THEN
+                   PERFORM pg_terminate_backend(pg_backend_pid());
+               END IF;
+               RETURN NULL;
+           END $$""",
+    )
+    await execute(
+        pg_dsn,
+        f"""CREATE CONSTRAINT TRIGGER die AFTER INSERT ON pi_runtime.log_records
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+            WHEN (NEW.log = '{rel}' AND NEW.seq = 2) EXECUTE FUNCTION public.die_once()""",
+    )
+    with trio.fail_after(LIMIT):
+        async with open_pg_store(pg_dsn, root=tmp_path / "state", retry=FAST) as store:
+            log = await store.create_delivery_log("d1")
+            assert await log.append(_action(1)) == 1
+            assert await log.append(_action(2)) == 2
+            assert await _inserts(pg_dsn) == 2  # the first died uncommitted, the second held
+            assert await log.append(_action(3)) == 3
+            assert not log.poisoned
+            assert store.disk_failure is None
+        await _assert_exactly(pg_dsn, rel, [_action(1), _action(2), _action(3)])
+        async with open_pg_store(pg_dsn, root=tmp_path / "state") as store:
+            reopened = await store.open_delivery_log("d1")
+            assert list(reopened.contents.records[1:]) == [_action(1), _action(2), _action(3)]
+
+
+async def test_a_commit_the_client_never_heard_of_is_acknowledged(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """PG5, after ``COMMIT``: the server committed the record, and the connection was cut
+    before its answer reached the store (a proxy drops the answer and closes the
+    connection). The store finds the row, with exactly its bytes, on a new connection and
+    acknowledges it without inserting it again: the server inserted it once, the append
+    returns its number, the next one follows it, nothing is poisoned."""
+    rel = Store.delivery_rel("d1")
+    await _count_inserts(pg_dsn, rel, 2)
+    with trio.fail_after(LIMIT):
+        async with (
+            cutting_proxy(pg_dsn) as proxy,
+            open_pg_store(proxy.dsn, root=tmp_path / "state", retry=FAST) as store,
+        ):
+            log = await store.create_delivery_log("d1")
+            assert await log.append(_action(1)) == 1
+            connections = proxy.connections
+            proxy.cut_next("reply")
+            assert await log.append(_action(2)) == 2
+            assert proxy.cuts == 1
+            assert proxy.connections == connections + 1  # resolved on a new connection
+            assert await _inserts(pg_dsn) == 1  # found, not inserted again
+            assert await log.append(_action(3)) == 3
+            assert store.disk_failure is None
+        await _assert_exactly(pg_dsn, rel, [_action(1), _action(2), _action(3)])
+
+
+@pytest.mark.parametrize("found", ["nothing", "this record", "another record"])
+async def test_an_unknown_outcome_is_resolved_by_the_row_found(
+    pg_dsn: str, tmp_path: Path, found: str
+) -> None:
+    """PG5, the resolution itself, against a real row: the append's request is lost (a proxy
+    drops it and closes the connection: the server never saw it, the store cannot know) and
+    the row ``(log, 2)`` is, on the new connection, absent (inserted: acknowledged), present
+    with exactly this record's bytes (written by another connection: taken as this append's
+    commit, acknowledged, not inserted again), or present with other bytes (another writer's
+    record: ``journal_conflict``, the log takes no more appends here, nothing recorded)."""
+    rel = Store.delivery_rel("d1")
+    theirs = _action(100) if found == "another record" else _action(2)
+    with trio.fail_after(LIMIT):
+        async with (
+            cutting_proxy(pg_dsn) as proxy,
+            open_pg_store(proxy.dsn, root=tmp_path / "state", retry=FAST) as store,
+        ):
+            log = await store.create_delivery_log("d1")
+            assert await log.append(_action(1)) == 1
+            if found != "nothing":
+                await execute(
+                    pg_dsn,
+                    "INSERT INTO pi_runtime.log_records VALUES (%s, 2, %s)",
+                    [rel, encode_frame(2, [encode_record(theirs)])],
+                )
+            proxy.cut_next("request")
+            if found == "another record":
+                with pytest.raises(JournalError) as info:
+                    await log.append(_action(2))
+                assert info.value.code is ReasonCode.JOURNAL_CONFLICT
+                assert log.poisoned
+            else:
+                assert await log.append(_action(2)) == 2
+                assert not log.poisoned
+            assert proxy.cuts == 1
+            assert store.disk_failure is None
+        await _assert_exactly(pg_dsn, rel, [_action(1), theirs])
+
+
+async def test_a_database_restart_under_load_loses_nothing(
+    pg_server: PostgresServer, pg_dsn: str, tmp_path: Path
+) -> None:
+    """Issue #19: the database restarts (``pg_ctl stop -m fast``, then started again) while
+    tasks append to a delivery log, a lane log and the shared admission log, every producer
+    in the middle of an append while it is down. Every append returns its number (the retry
+    policy bridges the restart); afterwards each log holds every acknowledged record exactly
+    once at its number and nothing else, nothing is poisoned, the store never failed, and
+    the store opens again and takes appends on every log."""
+    root = tmp_path / "state"
+    policy = RetryPolicy(attempts=400, first_delay=0.005, max_delay=0.1)  # about 40 s
+    acked: dict[str, dict[int, Record]] = {}
+    inside: set[int] = set()
+    every_one_inside = trio.Event()
+    enough = trio.Event()
+    down = restarted = False
+    with trio.fail_after(3 * LIMIT):
+        async with open_pg_store(pg_dsn, root=root, retry=policy) as store:
+            logs = [
+                await store.create_delivery_log("d1"),
+                await store.open_lane_log("dm:1"),
+                store.admissions,
+            ]
+            producers = [log for log in logs for _ in range(2)]
+            for log in logs:
+                acked[log.rel] = {}
+
+            async def produce(p: int, log: Log) -> None:
+                after = n = 0
+                while after < 5:
+                    record = _action(1000 * p + n)
+                    n += 1
+                    inside.add(p)
+                    if down and len(inside) == len(producers):
+                        every_one_inside.set()
+                    since_restart = restarted
+                    seq = await log.append(record)
+                    inside.discard(p)
+                    assert seq not in acked[log.rel]
+                    acked[log.rel][seq] = record
+                    after += since_restart
+                    if sum(map(len, acked.values())) >= 20:
+                        enough.set()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for p, log in enumerate(producers):
+                        nursery.start_soon(produce, p, log)
+                    await enough.wait()
+                    old = await _store_backends(pg_dsn)
+                    await stop_server(pg_server)
+                    down = True
+                    if len(inside) == len(producers):
+                        every_one_inside.set()
+                    await every_one_inside.wait()
+                    await start_server(pg_server)
+                    down, restarted = False, True
+            finally:
+                with trio.CancelScope(shield=True):
+                    await start_server(pg_server)  # the next tests need it (a no-op if up)
+            assert store.disk_failure is None
+            assert not any(log.poisoned for log in logs)
+            assert old
+            assert old.isdisjoint(await _store_backends(pg_dsn))  # every session was new
+        for log in logs:
+            records = [acked[log.rel][seq] for seq in sorted(acked[log.rel])]
+            assert sorted(acked[log.rel]) == list(range(1, len(records) + 1))
+            await _assert_exactly(pg_dsn, log.rel, records)
+        async with open_pg_store(pg_dsn, root=root) as store:
+            assert store.admissions.next_seq == len(acked[ADMISSIONS]) + 1
+            delivery = await store.open_delivery_log("d1")
+            lane = await store.open_lane_log("dm:1")
+            for log in (delivery, lane, store.admissions):
+                assert await log.append(_action(99)) == len(acked[log.rel]) + 1
+            assert store.disk_failure is None
+
+
+async def _store_backends(dsn: str) -> set[int]:
+    rows = await execute(
+        dsn,
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+        "AND application_name = 'pi-runtime'",
+    )
+    return {int(pid) for (pid,) in rows}
+
+
+# -- a definite refusal poisons (J5) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("refusal", ["trigger", "another constraint"])
+async def test_a_refused_append_poisons_the_log(pg_dsn: str, tmp_path: Path, refusal: str) -> None:
+    """J5 on PostgreSQL: the server refuses an append (a trigger raises; a unique index that
+    is not the key refuses it) — a definite answer, not a broken connection, so nothing is
+    retried: every later append is refused ``journal_poisoned``, the poison is recorded in
+    the database (with the last good record), a reopen refuses the log for appending, and
+    reading it gives exactly what was acknowledged. The database is still reachable: other
+    logs work, no disk failure."""
+    root = tmp_path / "state"
+    refuse, named = {
+        "trigger": (
+            """CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN
+                   IF NEW.seq = 2 THEN RAISE EXCEPTION 'the test refuses record 2'; END IF;
+                   RETURN NEW;
+               END $$;
+               CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records
+               FOR EACH ROW EXECUTE FUNCTION public.refuse()""",
+            "RaiseException",
+        ),
+        "another constraint": (
+            "CREATE UNIQUE INDEX one_record ON pi_runtime.log_records (log) WHERE seq >= 1",
+            "UniqueViolation",
+        ),
+    }[refusal]
+    with trio.fail_after(LIMIT):
+        async with open_pg_store(pg_dsn, root=root, retry=FAST) as store:
+            log = await store.create_delivery_log("d1")
+            assert await log.append(_action(1)) == 1
+            await execute(pg_dsn, refuse)
             with pytest.raises(JournalError) as info:
                 await log.append(_action(2))
             assert info.value.code is ReasonCode.JOURNAL_POISONED
@@ -323,12 +621,12 @@ async def test_a_terminated_connection_poisons_the_log(pg_dsn: str, tmp_path: Pa
             with pytest.raises(JournalError) as later:
                 await log.append(_action(3))
             assert later.value.code is ReasonCode.JOURNAL_POISONED
-            other = await store.create_delivery_log("d2")  # on a new connection
+            other = await store.create_delivery_log("d2")
             assert await other.append(_action(1)) == 1
             assert store.disk_failure is None
         poison = await execute(pg_dsn, "SELECT log, good_seq, reason FROM pi_runtime.log_poison")
         assert [(rel, good) for rel, good, _reason in poison] == [(log.rel, 2)]
-        assert "AdminShutdown" in poison[0][2]
+        assert named in poison[0][2]
         async with open_pg_store(pg_dsn, root=root) as store:
             with pytest.raises(JournalError) as reopened:
                 await store.open_delivery_log("d1")
@@ -344,65 +642,32 @@ async def test_a_terminated_connection_poisons_the_log(pg_dsn: str, tmp_path: Pa
             assert contents.poison.good_length == contents.good_length
 
 
-async def test_a_commit_whose_outcome_is_unknown_poisons(pg_dsn: str, tmp_path: Path) -> None:
-    """J5 on PostgreSQL, at ``COMMIT``: the connection dies while the server commits (a
-    deferred trigger ends its own backend), so the store cannot know whether the record
-    committed; the log is poisoned at its last acknowledged record, and a row that did
-    commit after all is never read back as acknowledged."""
-    rel = Store.delivery_rel("d1")
-    await execute(
-        pg_dsn,
-        """CREATE FUNCTION pi_runtime_test_die() RETURNS trigger LANGUAGE plpgsql AS $$
-           BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NULL; END $$""",
-    )
-    await execute(
-        pg_dsn,
-        f"""CREATE CONSTRAINT TRIGGER die AFTER INSERT ON pi_runtime.log_records
-            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
-            WHEN (NEW.log = '{rel}' AND NEW.seq = 2) EXECUTE FUNCTION pi_runtime_test_die()""",
-    )
-    with trio.fail_after(LIMIT):
-        async with open_pg_store(pg_dsn, root=tmp_path / "state") as store:
-            log = await store.create_delivery_log("d1")
-            assert await log.append(_action(1)) == 1
-            with pytest.raises(JournalError) as info:
-                await log.append(_action(2))
-            assert info.value.code is ReasonCode.JOURNAL_POISONED
-            assert store.disk_failure is None
-        # as if that commit had gone through before the connection died
-        await execute(pg_dsn, "DROP TRIGGER die ON pi_runtime.log_records")
-        await execute(
-            pg_dsn,
-            "INSERT INTO pi_runtime.log_records VALUES (%s, 2, %s) ON CONFLICT DO NOTHING",
-            [rel, encode_frame(2, [encode_record(_action(2))])],
-        )
-        async with open_pg_store(pg_dsn, root=tmp_path / "state") as store:
-            contents = await store.read_delivery_log("d1")
-            assert list(contents.records[1:]) == [_action(1)]
-            with pytest.raises(JournalError) as reopened:
-                await store.open_delivery_log("d1")
-            assert reopened.value.code is ReasonCode.JOURNAL_POISONED
+# -- an unreachable database --------------------------------------------------------------
 
 
 async def test_an_unreachable_database_stops_admissions(pg_dsn: str, tmp_path: Path) -> None:
     """The database stops taking connections and the store's are terminated: the next
-    append poisons its log (the poison cannot be recorded) and the store's ``disk_failure``
-    is ``store_unavailable``, so the host stops admitting; a read is refused with it too.
-    No error names the DSN's password."""
+    append retries under the store's policy (here a fast one) and, once it is spent, raises
+    ``store_unavailable``; the store's ``disk_failure`` is set, so the host stops admitting;
+    a read is refused with it too, and the log takes no more appends in this process. No
+    poison is written (the database cannot be reached, and the row is not there: the log
+    reads as what committed). Once the database takes connections again, the store opens
+    and the log takes appends. No error names the DSN's password."""
     dsn = f"{pg_dsn}&password={SECRET}"
     admin, database = admin_dsn(pg_dsn), database_name(pg_dsn)
     with trio.fail_after(LIMIT):
-        async with open_pg_store(dsn, root=tmp_path / "state") as store:
+        async with open_pg_store(dsn, root=tmp_path / "state", retry=FAST) as store:
             log = await store.open_lane_log("dm:1")
             await execute(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
             try:
                 await terminate_backends(pg_dsn)
-                with pytest.raises(JournalError) as info:
+                with pytest.raises(DiskFailedError) as info:
                     await log.append(_action(1))
-                assert info.value.code is ReasonCode.JOURNAL_POISONED
+                assert info.value.code is ReasonCode.STORE_UNAVAILABLE
+                assert f"in {FAST.attempts} attempts" in str(info.value)
+                assert log.poisoned
                 failure = store.disk_failure
-                assert isinstance(failure, DiskFailedError)
-                assert failure.code is ReasonCode.STORE_UNAVAILABLE
+                assert failure is info.value
                 assert "not currently accepting connections" in str(failure)
                 with pytest.raises(DiskFailedError) as read:
                     await store.read(log.rel)
@@ -410,10 +675,40 @@ async def test_an_unreachable_database_stops_admissions(pg_dsn: str, tmp_path: P
                 with pytest.raises(JournalError) as later:
                     await log.append(_action(2))
                 assert later.value.code is ReasonCode.JOURNAL_POISONED
-                errors: list[BaseException] = [info.value, failure, read.value, later.value]
+                errors: list[BaseException] = [info.value, read.value, later.value]
                 assert not [text for e in errors for text in _texts(e) if SECRET in text]
             finally:
                 await execute(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        assert await execute(pg_dsn, "SELECT log FROM pi_runtime.log_poison") == []
+        async with open_pg_store(dsn, root=tmp_path / "state") as store:
+            reopened = await store.open_lane_log("dm:1")
+            assert list(reopened.contents.records[1:]) == []
+            assert await reopened.append(_action(1)) == 1
+
+
+def test_the_retry_policy_is_bounded() -> None:
+    """The default policy waits 0.1 s first, doubling up to 5 s, about 21 s in all; a policy
+    that would never try or never wait sensibly is refused."""
+    assert [DEFAULT_RETRY.delay(n) for n in range(1, DEFAULT_RETRY.attempts)] == [
+        0.1,
+        0.2,
+        0.4,
+        0.8,
+        1.6,
+        3.2,
+        5.0,
+        5.0,
+        5.0,
+    ]
+    assert DEFAULT_RETRY.total_delay == pytest.approx(21.3)
+    for bad in (
+        {"attempts": 0},
+        {"first_delay": -1.0},
+        {"first_delay": 6.0},
+        {"factor": 0.5},
+    ):
+        with pytest.raises(ValueError, match="a retry policy"):
+            RetryPolicy(**bad)
 
 
 async def test_connections_are_closed_when_the_block_is_cancelled(
@@ -477,7 +772,7 @@ async def test_the_password_is_in_no_error(
     errors: list[BaseException] = []
     with trio.fail_after(LIMIT):
         with pytest.raises(DiskFailedError) as opened:
-            async with open_pg_store(dsn, root=tmp_path / "state"):
+            async with open_pg_store(dsn, root=tmp_path / "state", retry=FAST):
                 pass  # pragma: no cover - refused
         errors.append(opened.value)
         with pytest.raises(DiskFailedError) as migrated:
@@ -495,7 +790,8 @@ async def test_the_password_is_in_no_error(
 
 async def test_the_password_reaches_no_record_row_or_file(pg_dsn: str, tmp_path: Path) -> None:
     """With a password in the DSN, a store that writes logs, a document and a poison keeps
-    it out of every row of its tables and every file of its state directory."""
+    it out of every row of its tables and every file of its state directory — even when the
+    server's refusal, recorded as the poison's reason, quotes the password."""
     dsn = f"{pg_dsn}&password={SECRET}"
     root = tmp_path / "state"
     with trio.fail_after(LIMIT):
@@ -503,9 +799,22 @@ async def test_the_password_reaches_no_record_row_or_file(pg_dsn: str, tmp_path:
             log = await store.create_delivery_log("d1")
             await log.append(_action(1))
             await store.write_document("doc", b"1")
-            await terminate_backends(pg_dsn)
-            with pytest.raises(JournalError):
-                await log.append(_action(2))
+            await terminate_backends(pg_dsn)  # reconnected with the password
+            await log.append(_action(2))
+            await execute(
+                pg_dsn,
+                f"""CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+                    BEGIN RAISE EXCEPTION 'refused, the password is {SECRET}'; END $$""",
+            )
+            await execute(
+                pg_dsn,
+                "CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records "
+                "FOR EACH ROW EXECUTE FUNCTION public.refuse()",
+            )
+            with pytest.raises(JournalError) as info:
+                await log.append(_action(3))
+            assert info.value.code is ReasonCode.JOURNAL_POISONED
+            assert SECRET not in str(info.value)
     dump = await execute(
         pg_dsn,
         "SELECT string_agg(t::text, ' ') FROM (SELECT log, seq, encode(frame, 'escape') "
@@ -514,7 +823,8 @@ async def test_the_password_reaches_no_record_row_or_file(pg_dsn: str, tmp_path:
         "UNION ALL SELECT string_agg(d::text, ' ') FROM pi_runtime.documents d",
     )
     text = " ".join(str(value) for (value,) in dump)
-    assert "AdminShutdown" in text
+    assert "RaiseException" in text
+    assert "the password is ***" in text
     assert SECRET not in text
     assert not [p for p in root.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
 
