@@ -16,6 +16,10 @@ Three different questions need three different clocks:
 No other module reads ``time.time()`` or ``time.monotonic()``: every later module
 takes a :class:`Clocks` and uses it.
 
+:class:`Backoff` is the one bounded exponential backoff the stores use when they retry (the
+receipt store's transient SQLite errors, receipts R8; the PostgreSQL store's broken
+connections, postgres-store PG12); its waits are Trio time.
+
 The test doubles :class:`MockSilenceClock` and :class:`MockWallClock` derive
 their readings from Trio's clock, so a :class:`trio.testing.MockClock` (with or
 without autojump) drives them; ``MockSilenceClock.suspend()`` simulates a host
@@ -25,12 +29,14 @@ sleep (boot time jumps, monotonic time does not).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import trio
 
 __all__ = [
+    "Backoff",
     "Clocks",
     "MockSilenceClock",
     "MockWallClock",
@@ -148,3 +154,34 @@ class Clocks:
     @classmethod
     def system(cls) -> Clocks:
         return cls()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backoff:
+    """A bounded exponential backoff: at most :attr:`attempts` tries in all; the wait before
+    retry *n* (1, 2, …) is ``min(max_delay, first_delay * factor ** (n - 1))`` seconds of
+    Trio's clock (``trio.sleep``), none after the last try."""
+
+    attempts: int
+    first_delay: float
+    factor: float = 2.0
+    max_delay: float
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"a Backoff needs at least one attempt, not {self.attempts}")
+        if not 0 <= self.first_delay <= self.max_delay or self.factor < 1:
+            raise ValueError("a Backoff waits 0 <= first_delay <= max_delay, factor >= 1")
+
+    def delay(self, retry: int) -> float:
+        """The wait before retry ``retry`` (the first retry is 1)."""
+        return min(self.max_delay, self.first_delay * self.factor ** (retry - 1))
+
+    def delays(self) -> Iterator[float]:
+        """The waits between the tries, in order (``attempts - 1`` of them)."""
+        return (self.delay(retry) for retry in range(1, self.attempts))
+
+    @property
+    def total_delay(self) -> float:
+        """How long the waits take together when every try fails."""
+        return sum(self.delays())

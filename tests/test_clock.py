@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import trio
 import trio.testing
 
 from runtime import Clocks, MockSilenceClock, MockWallClock, SystemSilenceClock
-from runtime._clock import SystemWallClock
+from runtime._clock import Backoff, SystemWallClock
 from runtime._pi._pijson import iso_timestamp
 
 
@@ -52,3 +55,23 @@ async def test_mock_wall_clock(autojump_clock: trio.testing.MockClock) -> None:
     assert wall.time_ms() == 1_002_500
     wall.advance(10)
     assert wall.time_ms() == 1_012_500
+
+
+def test_backoff_waits_grow_by_the_factor_up_to_the_cap_and_are_bounded() -> None:
+    """``Backoff``, the one bounded backoff of the stores (receipts R8, postgres-store PG12):
+    ``attempts - 1`` waits, growing by ``factor`` up to ``max_delay``; a backoff that would
+    never try, or wait a negative or uncapped time, or shrink, is refused."""
+    backoff = Backoff(attempts=6, first_delay=0.5, factor=3.0, max_delay=4.0)
+    assert list(backoff.delays()) == [0.5, 1.5, 4.0, 4.0, 4.0]
+    assert backoff.delay(1) == 0.5
+    assert backoff.total_delay == 14.0
+    assert list(Backoff(attempts=1, first_delay=0.1, max_delay=1.0).delays()) == []
+    bad: list[Callable[[], Backoff]] = [
+        lambda: Backoff(attempts=0, first_delay=0.1, max_delay=1.0),
+        lambda: Backoff(attempts=3, first_delay=-1.0, max_delay=1.0),
+        lambda: Backoff(attempts=3, first_delay=2.0, max_delay=1.0),
+        lambda: Backoff(attempts=3, first_delay=0.1, factor=0.5, max_delay=1.0),
+    ]
+    for make in bad:
+        with pytest.raises(ValueError, match="a Backoff"):
+            make()

@@ -18,7 +18,7 @@ ordinary call: the receipt's saved result, or the write applied exactly once. Th
   off the Trio loop, one statement sequence at a time (R6);
 * only the operations in :data:`RECEIPT_OPERATIONS` are ``receipt`` (R7);
 * a transient error (SQLite busy or locked) is retried, the whole transaction again, with the
-  bounded backoff of :class:`StoreRetry` on Trio's clock; when the bound is spent the last
+  bounded backoff of :data:`STORE_RETRY` on Trio's clock; when the bound is spent the last
   error raises like any other failure (R8).
 """
 
@@ -27,23 +27,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import msgspec
 import trio
 
-from .._clock import Clocks
+from .._clock import Backoff, Clocks
 from .._errors import ReasonCode, ReceiptRefusal
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT",
     "RECEIPT_DB",
     "RECEIPT_OPERATIONS",
+    "STORE_RETRY",
     "ReceiptStore",
-    "StoreRetry",
     "is_transient",
     "open_receipt_store",
     "receipt_store",
@@ -58,7 +57,7 @@ MAX_CONTENT_BYTES: Final = 1024 * 1024
 DEFAULT_BUSY_TIMEOUT: Final = 0.1
 """Seconds SQLite's own busy handler waits for a lock inside one attempt (R8): short, because
 that wait blocks the store's thread (holding its one-at-a-time limiter, deaf to cancellation,
-on the real clock). Longer waits are :class:`StoreRetry`'s, on Trio's clock."""
+on the real clock). Longer waits are the backoff's (:data:`STORE_RETRY`), on Trio's clock."""
 _TRANSIENT: Final = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
 
 _SCHEMA: Final = """
@@ -84,40 +83,11 @@ CREATE TABLE IF NOT EXISTS receipts (
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreRetry:
-    """The bounded exponential backoff of a transient store error (R8): at most
-    :attr:`attempts` runs of one operation, the n-th pause ``first_delay * factor**(n-1)``
-    seconds capped at :attr:`cap`, slept on Trio's clock between the attempts (none after the
-    last). The defaults try 5 times over 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s: far longer than any
-    write transaction of this store holds the lock, short enough that a worker's tool call
-    (and a recovery under the gate's lock) waits at most a couple of seconds before the
-    delivery fails."""
-
-    attempts: int = 5
-    first_delay: float = 0.1
-    factor: float = 2.0
-    cap: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"StoreRetry.attempts must be at least 1, not {self.attempts}")
-        if not 0 <= self.first_delay <= self.cap:
-            raise ValueError("StoreRetry needs 0 <= first_delay <= cap")
-        if self.factor < 1:
-            raise ValueError(f"StoreRetry.factor must be at least 1, not {self.factor}")
-
-    def delays(self) -> Iterator[float]:
-        """The pauses between the attempts, in order (``attempts - 1`` of them)."""
-        delay = self.first_delay
-        for _ in range(self.attempts - 1):
-            yield delay
-            delay = min(delay * self.factor, self.cap)
-
-    @property
-    def total_delay(self) -> float:
-        """The summed backoff: how long the pauses take when every attempt fails."""
-        return sum(self.delays())
+STORE_RETRY: Final = Backoff(attempts=5, first_delay=0.1, max_delay=2.0)
+"""The bounded backoff of a transient store error (R8): 5 tries over 0.1 + 0.2 + 0.4 + 0.8 =
+1.5 s of Trio's clock — far longer than any write transaction of this store holds the lock,
+short enough that a worker's tool call (and a recovery under the gate's lock) waits at most a
+couple of seconds before the delivery fails."""
 
 
 def is_transient(error: BaseException) -> bool:
@@ -167,11 +137,11 @@ class ReceiptStore:
         connection: sqlite3.Connection,
         *,
         now_ms: Callable[[], int],
-        retry: StoreRetry | None = None,
+        retry: Backoff | None = None,
     ) -> None:
         self._db = connection
         self._now_ms = now_ms
-        self._retry = retry if retry is not None else StoreRetry()
+        self._retry = retry if retry is not None else STORE_RETRY
         self._limiter = trio.CapacityLimiter(1)  # R6: one statement sequence at a time
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
@@ -317,11 +287,11 @@ async def open_receipt_store(
     state_dir: Path | str,
     *,
     now_ms: Callable[[], int] | None = None,
-    retry: StoreRetry | None = None,
+    retry: Backoff | None = None,
     busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
 ) -> ReceiptStore:
     """Open (creating) ``<state_dir>/receipts.sqlite``; close it with ``aclose``. ``retry``
-    bounds the retries of a transient error (default :class:`StoreRetry`); ``busy_timeout``
+    bounds the retries of a transient error (default :data:`STORE_RETRY`); ``busy_timeout``
     is SQLite's own wait for a lock within one attempt, in seconds (0: ``SQLITE_BUSY`` at
     once, as the tests use it) (R8)."""
     path = Path(state_dir) / RECEIPT_DB
@@ -334,7 +304,7 @@ async def receipt_store(
     state_dir: Path | str,
     *,
     now_ms: Callable[[], int] | None = None,
-    retry: StoreRetry | None = None,
+    retry: Backoff | None = None,
     busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
 ) -> AsyncIterator[ReceiptStore]:
     """:func:`open_receipt_store` for the block; closed on the way out, even if cancelled."""

@@ -14,7 +14,7 @@ Durable means committed: an append is one ``INSERT`` in its own transaction and 
 once the server answered its ``COMMIT`` (J1; group commit is issue #23). When the connection
 breaks around an append (a database restart, a failover, a proxy cutting an idle connection),
 its outcome is unknown, and it is resolved, not guessed: the store reconnects under its
-:class:`RetryPolicy` and looks on the new connection — the row ``(log, seq)`` holds exactly
+:data:`DEFAULT_RETRY` backoff and looks on the new connection — the row ``(log, seq)`` holds exactly
 this record's frame (it committed: acknowledged), or it is absent (inserted again; the frame is
 deterministic, so that is idempotent). Only when the policy's bound is spent is the log
 poisoned, in this process only, and :attr:`PgStore.disk_failure` set (``store_unavailable``):
@@ -44,7 +44,6 @@ import contextlib
 import os
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -55,7 +54,7 @@ import trio
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 
-from .._clock import Clocks
+from .._clock import Backoff, Clocks
 from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
 from ._frame import encode_frame
@@ -68,7 +67,6 @@ __all__ = [
     "STORE_SCHEMA_VERSION",
     "PgLog",
     "PgStore",
-    "RetryPolicy",
     "migrate",
     "open_pg_store",
     "redact_dsn",
@@ -244,42 +242,15 @@ class _Unsettled(Exception):
         self.why = why
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetryPolicy:
-    """How long the store keeps trying work whose connection broke or could not be made.
-
-    ``attempts`` tries in all; retry *n* (1, 2, …) waits ``min(max_delay, first_delay *
-    factor ** (n - 1))`` seconds of Trio's clock first (``trio.sleep``). The default, 10
-    attempts 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5, 5, 5 s apart (21.3 s of waiting), replaces
-    a connection cut while idle at the first retry (0.1 s), and bridges a database restart (a fast
-    restart takes well under a second to a few seconds, a busy server's shutdown checkpoint
-    or a short crash recovery some more) with margin; an outage longer than that stops
-    admissions within half a minute instead of holding every caller. Each attempt may also
-    wait up to ``connect_timeout`` (10 s unless the DSN says otherwise) for its connection."""
-
-    attempts: int = 10
-    first_delay: float = 0.1
-    factor: float = 2.0
-    max_delay: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError("a retry policy needs at least one attempt")
-        if not 0 <= self.first_delay <= self.max_delay or self.factor < 1:
-            raise ValueError("a retry policy waits 0 <= first_delay <= max_delay, factor >= 1")
-
-    def delay(self, retry: int) -> float:
-        """The wait before retry ``retry`` (the first retry is 1)."""
-        return min(self.max_delay, self.first_delay * self.factor ** (retry - 1))
-
-    @property
-    def total_delay(self) -> float:
-        """How long all the retries wait together (connection attempts aside)."""
-        return sum(self.delay(retry) for retry in range(1, self.attempts))
-
-
-DEFAULT_RETRY: Final = RetryPolicy()
-"""The store's retry policy unless :func:`open_pg_store` is given another."""
+DEFAULT_RETRY: Final = Backoff(attempts=10, first_delay=0.1, max_delay=5.0)
+"""How long the store keeps trying work whose connection broke or could not be made, unless
+:func:`open_pg_store` is given another backoff: 10 tries, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5, 5,
+5 s apart (21.3 s of waiting). It replaces a connection cut while idle at the first retry
+(0.1 s) and bridges a database restart (a fast restart takes well under a second to a few
+seconds, a busy server's shutdown checkpoint or a short crash recovery some more) with margin;
+an outage longer than that stops admissions within half a minute instead of holding every
+caller. Each try may also wait up to ``connect_timeout`` (10 s unless the DSN says otherwise)
+for its connection."""
 
 _SESSION_ENDED: Final = "57P"
 """SQLSTATE ``57P01`` to ``57P05``: the server ended the session (an administrator, a shutdown, a
@@ -535,13 +506,13 @@ class PgLog:
         """Append ``record``; return its sequence number once its ``INSERT`` committed.
 
         A connection that breaks around the append is replaced and the append resolved on
-        the new one (its row found, or inserted again), within the store's
-        :class:`RetryPolicy`. Raises :class:`JournalError`: ``journal_conflict`` when another
-        writer holds that sequence number, ``journal_poisoned`` when the server refused this
-        append or an earlier append failed, ``journal_closed`` after :meth:`aclose` or the
-        store's end; and :class:`DiskFailedError` (``store_unavailable``) when the database
-        could not be reached within the policy (the record is then in the log if and only if
-        it committed, which this process cannot tell; the log takes no more appends here).
+        the new one (its row found, or inserted again), within the store's backoff. Raises
+        :class:`JournalError`: ``journal_conflict`` when another writer holds that sequence
+        number, ``journal_poisoned`` when the server refused this append or an earlier append
+        failed, ``journal_closed`` after :meth:`aclose` or the store's end; and
+        :class:`DiskFailedError` (``store_unavailable``) when the database could not be
+        reached within the backoff (the record is then in the log if and only if it
+        committed, which this process cannot tell; the log takes no more appends here).
         """
         payload = encode_record(record)
         async with self._lock:
@@ -690,7 +661,7 @@ class PgStore:
         root: Path,
         clocks: Clocks,
         pool: int,
-        retry: RetryPolicy = DEFAULT_RETRY,
+        retry: Backoff = DEFAULT_RETRY,
     ) -> None:
         if pool < 1:
             raise ValueError("the PostgreSQL store needs at least one pooled connection")
@@ -973,7 +944,7 @@ async def open_pg_store(
     root: Path | str,
     clocks: Clocks | None = None,
     connections: int = 2,
-    retry: RetryPolicy = DEFAULT_RETRY,
+    retry: Backoff = DEFAULT_RETRY,
 ) -> AsyncIterator[PgStore]:
     """Use the PostgreSQL store in the database ``dsn`` names for the duration of the block.
 
@@ -981,7 +952,8 @@ async def open_pg_store(
     missing, refused if others can read it): the store keeps no journal file there.
     ``connections`` is the number of pooled connections beside the one of the shared logs.
     ``retry`` bounds how long work whose connection broke or could not be made is tried
-    again (:class:`RetryPolicy`; opening the store too) before the store fails.
+    again (a :class:`~runtime._clock.Backoff`, :data:`DEFAULT_RETRY` by default; opening the
+    store too) before the store fails.
 
     Refuses a database without the store's schema (``store_schema_missing``: run
     ``pi-runtime db migrate``) or with a newer one (``store_schema_newer``), and one that

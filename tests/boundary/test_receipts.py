@@ -19,13 +19,14 @@ from runtime._boundary._calls import GateCall
 from runtime._boundary._receipts import (
     RECEIPT_DB,
     RECEIPT_OPERATIONS,
+    STORE_RETRY,
     ReceiptStore,
-    StoreRetry,
     input_fingerprint,
     is_transient,
     open_receipt_store,
 )
 from runtime._boundary._tools import DocumentTools
+from runtime._clock import Backoff
 from runtime._errors import GateError, ReasonCode, ReceiptRefusal
 
 LIMIT: Final = 30.0
@@ -196,7 +197,7 @@ async def test_reading_an_unknown_document_is_a_tool_error(tmp_path: Path) -> No
 # virtual time is exactly the sum of the pauses. Attempts are counted as the transactions the
 # store began, by SQLite's statement trace on the store's connection.
 
-RETRY: Final = StoreRetry()
+RETRY: Final = STORE_RETRY
 """The defaults are what is tested: 5 attempts, pauses 0.1, 0.2, 0.4, 0.8 s."""
 BEGIN: Final = "BEGIN IMMEDIATE"
 
@@ -374,12 +375,9 @@ async def test_r8_a_busy_commit_is_rolled_back_and_the_whole_write_retried(
 
 def test_r8_the_backoff_grows_by_its_factor_up_to_its_cap() -> None:
     assert list(RETRY.delays()) == pytest.approx([0.1, 0.2, 0.4, 0.8])
-    long = StoreRetry(attempts=7, first_delay=0.5, factor=2.0, cap=2.0)
+    long = Backoff(attempts=7, first_delay=0.5, factor=2.0, max_delay=2.0)
     assert list(long.delays()) == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0]
-    assert list(StoreRetry(attempts=1).delays()) == []
-    for bad in ({"attempts": 0}, {"first_delay": -1.0}, {"first_delay": 3.0}, {"factor": 0.5}):
-        with pytest.raises(ValueError, match="StoreRetry"):
-            StoreRetry(**bad)
+    assert list(Backoff(attempts=1, first_delay=0.1, max_delay=1.0).delays()) == []
 
 
 def test_r8_only_busy_and_locked_are_transient() -> None:
