@@ -26,7 +26,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 
@@ -46,6 +46,7 @@ __all__ = [
     "RoomConfig",
     "RoomWorkerConfig",
     "ServerConfig",
+    "StoreConfig",
     "Thresholds",
     "WatchdogConfig",
     "config_from_dict",
@@ -137,6 +138,16 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """Most backlog items a delivery may carry."""
 
 
+class StoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the journal lives (docs/design/scale-out.md, postgres-store.md)."""
+
+    url: str | None = None
+    """``None``: the file store in ``state_dir`` (the embedded default). A PostgreSQL DSN
+    (``postgresql://host/db`` or ``host=… dbname=…``): the PostgreSQL store, its schema made by
+    ``pi-runtime db migrate``; never with a password in it (C4): libpq reads ``PGPASSWORD``,
+    ``~/.pgpass`` or a service file."""
+
+
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The websocket server of ``pi-runtime serve`` (docs/design/protocol.md, serve.md;
     ``docs/design/serve.md``)."""
@@ -197,6 +208,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     caps: Caps = Caps()
     server: ServerConfig = ServerConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    store: StoreConfig = StoreConfig()
     """Task lanes only (``pi-runtime task``, the wire's task frames)."""
 
     def check_served(self, room: str) -> str:
@@ -440,6 +452,22 @@ def _check_no_secret(config: RoomWorkerConfig) -> None:
                 "must not carry credentials; put the key in an environment variable and name "
                 "it in model.api_key_env",
             )
+    if config.store.url is not None and _dsn_has_password(config.store.url):
+        raise ConfigError(
+            "store.url",
+            "must not carry a password; give it to libpq through PGPASSWORD, ~/.pgpass or a "
+            "service file",
+        )
+
+
+def _dsn_has_password(dsn: str) -> bool:
+    """Whether a PostgreSQL DSN (a URI or ``key=value`` pairs) holds a password (an empty
+    one, as in ``postgresql://user:@host/db``, is none)."""
+    if dsn.startswith(("postgresql://", "postgres://")):
+        url = urlsplit(dsn)
+        query = parse_qs(url.query)
+        return bool(url.password) or any(query.get(key) for key in ("password", "sslpassword"))
+    return re.search(r"(?:^|\s)(?:ssl)?password\s*=\s*(?:'[^']|[^\s'])", dsn) is not None
 
 
 def _check_persona(config: RoomWorkerConfig) -> None:

@@ -72,6 +72,7 @@ class ReasonCode(enum.StrEnum):
     STORE_SCHEMA_MISSING = "store_schema_missing"
     STORE_SCHEMA_NEWER = "store_schema_newer"
     STORE_NOT_CONFIGURED = "store_not_configured"
+    STORE_LOCKED = "store_locked"
     # state directory
     STATE_DIR_INSECURE = "state_dir_insecure"
     STATE_DIR_LOCKED = "state_dir_locked"

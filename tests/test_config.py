@@ -334,6 +334,30 @@ def test_c4_base_url_carries_no_credentials() -> None:
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:s3cret@db.example.com/pi",
+        "postgresql://db.example.com/pi?password=s3cret",
+        "host=db.example.com dbname=pi password=s3cret",
+        "host=db.example.com sslpassword=s3cret dbname=pi",
+    ],
+)
+def test_c4_store_url_carries_no_password(url: str) -> None:
+    """C4: a PostgreSQL DSN with a password in it is refused without echoing it; libpq reads
+    the password from PGPASSWORD, ~/.pgpass or a service file."""
+    error = refused({"store": {"url": url}})
+    assert error.setting == "store.url"
+    assert "s3cret" not in str(error)
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://app@db.example.com/pi", "postgresql://app:@/pi?host=/run/pg", "dbname=pi"]
+)
+def test_c4_store_url_without_a_password_is_taken(url: str) -> None:
+    assert config_from_dict({"store": {"url": url}}, base=BASE).store.url == url
+
+
+@pytest.mark.parametrize(
     "persona",
     [
         pytest.param("", id="empty"),

@@ -40,6 +40,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--config", type=Path, help="the TOML configuration file")
     serve.add_argument(
+        "--store",
+        default=None,
+        metavar="DSN",
+        help="keep the journal in this PostgreSQL database (made by `pi-runtime db migrate`; "
+        "no password in it: PGPASSWORD, ~/.pgpass or a service file) instead of the state "
+        "directory (default: the configuration's [store] url, else the state directory)",
+    )
+    serve.add_argument(
         "--agent",
         choices=("fake", "pi"),
         default=None,
@@ -104,6 +112,8 @@ def _config(args: argparse.Namespace) -> RoomWorkerConfig:
         changes["state_dir"] = str(Path(args.state_dir).absolute())
     if args.agent is not None:
         changes["agent"] = args.agent
+    if getattr(args, "store", None) is not None:
+        changes["store"] = msgspec.structs.replace(config.store, url=args.store)
     if args.drain_timeout is not None:
         thresholds = msgspec.structs.replace(
             config.thresholds, drain_timeout_seconds=args.drain_timeout

@@ -945,8 +945,12 @@ async def open_pg_store(
     clocks: Clocks | None = None,
     connections: int = 2,
     retry: Backoff = DEFAULT_RETRY,
+    exclusive: bool = False,
 ) -> AsyncIterator[PgStore]:
     """Use the PostgreSQL store in the database ``dsn`` names for the duration of the block.
+
+    ``exclusive``: hold the database's owner lock for the block (PG14: a host serving it);
+    another exclusive store on the same database is refused ``store_locked``.
 
     ``root`` is this host's local state directory (sessions, sockets; created 0700 if
     missing, refused if others can read it): the store keeps no journal file there.
@@ -968,14 +972,43 @@ async def open_pg_store(
     params = _parse(dsn)
     path = await trio.to_thread.run_sync(_local_root, root)
     store = PgStore(params, path, clocks, connections, retry)
+    owner: _Conn | None = None
     try:
+        if exclusive:
+            owner = await trio.to_thread.run_sync(_own, params)
         await store._check_schema()
         store.admissions = await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions")
         store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
         yield store
     finally:
         with trio.CancelScope(shield=True):
-            await store._release()
+            try:
+                await store._release()
+            finally:
+                if owner is not None:
+                    await trio.to_thread.run_sync(owner.close)
+
+
+OWNER_LOCK: Final = 0x70692D72756E  # "pi-run": the database-wide lock of PG14
+"""The key of the session advisory lock an exclusive store holds for its whole life (PG14)."""
+
+
+def _own(params: Mapping[str, Any]) -> _Conn:
+    """A connection holding the store's owner lock (PG14), or ``store_locked``."""
+    conn = _connect(params)
+    try:
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", [OWNER_LOCK]).fetchone()
+    except BaseException:
+        conn.close()
+        raise
+    if row is None or not row[0]:
+        conn.close()
+        raise JournalError(
+            ReasonCode.STORE_LOCKED,
+            f"another host holds the database {_describe(params)}; until lanes are leased "
+            "(docs/design/scale-out.md S10) one host serves one database",
+        )
+    return conn
 
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from .._boundary._receipts import ReceiptStore, receipt_store
 from .._boundary._tools import RUNTIME_TOOLS
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
-from .._errors import DeliveryError, JournalError, ReasonCode, raises_one_error
+from .._errors import ConfigError, DeliveryError, JournalError, ReasonCode, raises_one_error
 from .._hosting import start_model, worker_program
 from .._journal._interface import JournalStore
 from .._journal._store import open_store, runtime_dir
@@ -467,6 +467,27 @@ ran; the next start ends each ``cancelled`` before anything runs (docs/design/pr
 ``cancel``)."""
 
 
+def _open_journal_store(
+    config: RoomWorkerConfig, *, clocks: Clocks, fs: FileSystem | None
+) -> contextlib.AbstractAsyncContextManager[JournalStore]:
+    """The configured journal store: the file store in ``state_dir`` (the default), or the
+    PostgreSQL store when ``[store] url`` names a database (``docs/design/scale-out.md``),
+    held exclusively by this host until lanes are leased; ``state_dir`` then keeps only what
+    is local (sessions, sockets, the token, the receipt store)."""
+    state_dir = Path(config.state_dir)
+    if config.store.url is None:
+        return open_store(state_dir, clocks=clocks, fs=fs)
+    if fs is not None:
+        raise ConfigError("store.url", "a file system is given to the file store only")
+    try:  # the optional extra pi-runtime[postgres]
+        from .._journal._postgres import open_pg_store
+    except ImportError as error:
+        raise ConfigError(
+            "store.url", f"the PostgreSQL store needs pi-runtime[postgres] ({error})"
+        ) from None
+    return open_pg_store(config.store.url, root=state_dir, clocks=clocks, exclusive=True)
+
+
 async def _read_cancel_requests(store: JournalStore) -> list[str]:
     data = await store.read_document(CANCEL_REQUESTS)
     return [] if data is None else msgspec.json.decode(data, type=list[str])
@@ -515,7 +536,7 @@ async def open_room_worker(
     program = worker_program(config)
     clocks = clocks or Clocks.system()
     async with (
-        open_store(state_dir, clocks=clocks, fs=fs) as store,
+        _open_journal_store(config, clocks=clocks, fs=fs) as store,
         receipt_store(state_dir, now_ms=clocks.wall.time_ms) as receipts,
         trio.open_nursery() as nursery,
     ):
