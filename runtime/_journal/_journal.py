@@ -145,17 +145,23 @@ def decode_log(
     return LogContents(rel, tuple(records), scanned.good_length, scanned.torn_bytes, poison)
 
 
+def decode_poison(data: bytes, *, path: str, what: str = "poison document") -> Poison:
+    """A stored poison record (a file's poison document, a database's poison row);
+    ``journal_corrupt`` naming ``path`` if it cannot be read."""
+    try:
+        return _POISON_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT, f"unreadable {what}: {exc}", path=path
+        ) from exc
+
+
 def read_poison(fs: FileSystem, path: str) -> Poison | None:
     try:
         data = fs.read(path)
     except FileNotFoundError:
         return None
-    try:
-        return _POISON_DECODER.decode(data)
-    except msgspec.DecodeError as exc:
-        raise JournalError(
-            ReasonCode.JOURNAL_CORRUPT, f"unreadable poison document: {exc}", path=path
-        ) from exc
+    return decode_poison(data, path=path)
 
 
 def read_log(fs: FileSystem, root: str, rel: str, *, kind: LogKind | None = None) -> LogContents:

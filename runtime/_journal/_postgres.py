@@ -47,7 +47,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-import msgspec
 import psycopg
 import psycopg.errors
 import trio
@@ -59,7 +58,7 @@ from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
 from ._frame import encode_frame
 from ._interface import JournalStore, Log
-from ._journal import LogContents, decode_log, encode_record
+from ._journal import LogContents, decode_log, decode_poison, encode_record
 from ._store import ADMISSIONS, RESULTS, Store, _prepare_root
 
 __all__ = [
@@ -124,7 +123,6 @@ _DEFAULTS: Final = {
 }
 """Connection parameters (and the libpq variable that also sets them) given unless the DSN
 or the environment names them: a connection attempt never waits forever."""
-_POISON_DECODER: Final = msgspec.json.Decoder(Poison)
 
 _NEVER: Final = 2**63 - 1
 
@@ -388,15 +386,6 @@ def _resolve(rel: str, seq: int, frame: bytes) -> Callable[[_Conn], bool]:
         return bytes(row[0]) == frame
 
     return resolve
-
-
-def _decode_poison(document: bytes, rel: str) -> Poison:
-    try:
-        return _POISON_DECODER.decode(document)
-    except msgspec.DecodeError as exc:
-        raise JournalError(
-            ReasonCode.JOURNAL_CORRUPT, f"unreadable poison row: {exc}", path=rel
-        ) from exc
 
 
 def _schema_version(conn: _Conn) -> int:
@@ -768,7 +757,7 @@ class PgStore:
         rows, document = await self._run(rel, _read_rows(rel))
         if not rows and document is None:
             raise FileNotFoundError(f"{rel} holds no record")
-        poison = None if document is None else _decode_poison(document, rel)
+        poison = None if document is None else decode_poison(document, path=rel, what="poison row")
         return _decode_rows(rows, rel=rel, kind=kind, poison=poison)
 
     async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> PgLog:
