@@ -63,6 +63,7 @@ class ReasonCode(enum.StrEnum):
     JOURNAL_POISONED = "journal_poisoned"
     JOURNAL_CLOSED = "journal_closed"
     JOURNAL_CONFLICT = "journal_conflict"  # another writer appended that record first
+    LANE_FENCED = "lane_fenced"  # another host claimed the lane: this one's write is refused
     # the disk itself failed: the host stops admitting
     DISK_FAILED = "disk_failed"
     DISK_FULL = "disk_full"

@@ -14,15 +14,17 @@ same thing on both.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from .._clock import Clocks
 from .._errors import DiskFailedError
 from .._records import LogKind, Record
+from ._fence import Fence, Lease
 from ._journal import LogContents
 
-__all__ = ["JournalStore", "Log"]
+__all__ = ["Fence", "JournalStore", "Lease", "LeaseStore", "Log"]
 
 
 class Log(Protocol):
@@ -46,8 +48,20 @@ class Log(Protocol):
         """An append failed: every later one is refused (``journal_poisoned``, J5)."""
         ...
 
-    async def append(self, record: Record) -> int:
-        """Append ``record``; return its sequence number once it is durable (J1)."""
+    async def append(self, record: Record, *, fence: Fence | None = None) -> int:
+        """Append ``record``; return its sequence number once it is durable (J1). Fenced
+        by ``fence`` (default: the fence the log was opened with): ``lane_fenced`` once
+        another host claimed the lane, and nothing is written (S11)."""
+        ...
+
+    async def try_append(self, record: Record, *, fence: Fence | None = None) -> int | None:
+        """As :meth:`append`, for a log other hosts append to too: ``None`` when another
+        writer took the next sequence number first (:meth:`refresh`, decide again)."""
+        ...
+
+    async def refresh(self) -> list[Record]:
+        """The records other writers appended since this process last read or wrote the
+        log (none, where this process is the only writer)."""
         ...
 
     async def aclose(self) -> None:
@@ -87,15 +101,20 @@ class JournalStore(Protocol):
     @staticmethod
     def lane_rel(lane: str) -> str: ...
 
-    async def create_delivery_log(self, delivery_id: str) -> Log: ...
+    async def create_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> Log:
+        """``fence``: every append to the log is fenced by it (S11). A store with one owner
+        (the file store: its directory lock) has nothing to check and ignores it."""
+        ...
 
-    async def open_or_create_delivery_log(self, delivery_id: str) -> Log: ...
+    async def open_or_create_delivery_log(
+        self, delivery_id: str, *, fence: Fence | None = None
+    ) -> Log: ...
 
-    async def open_delivery_log(self, delivery_id: str) -> Log: ...
+    async def open_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> Log: ...
 
     async def read_delivery_log(self, delivery_id: str) -> LogContents: ...
 
-    async def open_lane_log(self, lane: str) -> Log: ...
+    async def open_lane_log(self, lane: str, *, fence: Fence | None = None) -> Log: ...
 
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents: ...
 
@@ -109,6 +128,35 @@ class JournalStore(Protocol):
 
     async def close_log(self, journal: Log) -> None: ...
 
-    async def write_document(self, rel: str, data: bytes) -> None: ...
+    async def write_document(
+        self, rel: str, data: bytes, *, fence: Fence | None = None
+    ) -> None: ...
 
     async def read_document(self, rel: str) -> bytes | None: ...
+
+
+class LeaseStore(JournalStore, Protocol):
+    """A journal store several hosts share, whose lanes are owned under leases (the
+    PostgreSQL store; docs/design/scale-out.md S10-S12, S23)."""
+
+    @property
+    def owner(self) -> str:
+        """This host's name in the lease rows."""
+        ...
+
+    async def claim(self, lane: str, ttl: float) -> Fence | None:
+        """The lane's lease for ``ttl`` seconds under a new epoch, or ``None`` while
+        another owner's lease runs."""
+        ...
+
+    async def renew(self, fences: Sequence[Fence], ttl: float) -> set[Fence]:
+        """Extend the leases still held; the ones returned are, the others are lost."""
+        ...
+
+    async def release(self, fence: Fence) -> None: ...
+
+    async def lease(self, lane: str) -> Lease | None: ...
+
+    async def watch_shared(self, changed: Callable[[], None], *, poll: float) -> NoReturn:
+        """Call ``changed()`` when another host may have appended to a shared log."""
+        ...

@@ -23,10 +23,11 @@ import msgspec
 from .._errors import JournalError, ReasonCode
 from .._linux._fs import FileSystem
 from .._records import KNOWN_TAGS, SCHEMA_VERSION, Header, LogKind, Poison, Record
+from ._fence import Fence
 from ._frame import Frame, FrameDamage, scan
 from ._writer import LogTarget, WriterPool
 
-__all__ = ["Journal", "LogContents", "decode_log", "encode_record", "read_log"]
+__all__ = ["Journal", "LogContents", "decode_frames", "decode_log", "encode_record", "read_log"]
 
 _ENCODER: Final = msgspec.json.Encoder()
 _DECODER: Final = msgspec.json.Decoder(list[Record])
@@ -145,6 +146,27 @@ def decode_log(
     return LogContents(rel, tuple(records), scanned.good_length, scanned.torn_bytes, poison)
 
 
+def decode_frames(data: bytes, *, rel: str, first_seq: int, offset: int) -> list[Record]:
+    """The records of whole frames that continue a log at record ``first_seq`` (what other
+    writers appended to a shared log, read as rows: there is no torn tail, a short final
+    frame is damage). ``offset`` is where ``data`` begins in the log (for the errors)."""
+    try:
+        scanned = scan(data, first_seq=first_seq)
+    except FrameDamage as exc:
+        raise JournalError(exc.code, exc.detail, path=rel, offset=offset + exc.offset) from exc
+    if scanned.torn_bytes:
+        raise JournalError(
+            ReasonCode.JOURNAL_CORRUPT,
+            "a frame is unreadable",
+            path=rel,
+            offset=offset + scanned.good_length,
+        )
+    records: list[Record] = []
+    for frame in scanned.frames:
+        records.extend(_decode_frame(frame, rel))
+    return records
+
+
 def decode_poison(data: bytes, *, path: str, what: str = "poison document") -> Poison:
     """A stored poison record (a file's poison document, a database's poison row);
     ``journal_corrupt`` naming ``path`` if it cannot be read."""
@@ -195,14 +217,23 @@ class Journal:
     def poisoned(self) -> bool:
         return self._target.poisoned is not None
 
-    async def append(self, record: Record) -> int:
+    async def append(self, record: Record, *, fence: Fence | None = None) -> int:
         """Append ``record``; return its sequence number once it is durable.
 
         Raises :class:`JournalError` (``journal_poisoned``) if this or an
         earlier append failed, and :class:`~runtime._errors.DiskFailedError`
-        when the disk itself failed.
+        when the disk itself failed. The file has one writer (the directory lock's
+        holder): a ``fence`` has nothing to check.
         """
         return await self._pool.append(self._target, encode_record(record))
+
+    async def try_append(self, record: Record, *, fence: Fence | None = None) -> int | None:
+        """:meth:`append`: no other writer can take a number first."""
+        return await self.append(record, fence=fence)
+
+    async def refresh(self) -> list[Record]:
+        """Nothing: this process is the file's only writer."""
+        return []
 
     async def aclose(self) -> None:
         """Close the file once earlier appends are settled. Idempotent."""

@@ -41,11 +41,14 @@ of the password too.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
+import secrets
+import socket
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
 import psycopg
 import psycopg.errors
@@ -56,9 +59,10 @@ from psycopg.rows import TupleRow
 from .._clock import Backoff, Clocks
 from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
+from ._fence import Fence, Lease
 from ._frame import encode_frame
-from ._interface import JournalStore, Log
-from ._journal import LogContents, decode_log, decode_poison, encode_record
+from ._interface import JournalStore, LeaseStore, Log
+from ._journal import LogContents, decode_frames, decode_log, decode_poison, encode_record
 from ._store import ADMISSIONS, RESULTS, Store, _prepare_root
 
 __all__ = [
@@ -76,6 +80,10 @@ _Conn = psycopg.Connection[TupleRow]
 
 SCHEMA: Final = "pi_runtime"
 """The PostgreSQL schema (namespace) every table of the store lives in."""
+
+CHANNEL: Final = "pi_runtime_shared_logs"
+"""The ``NOTIFY`` channel an append to a shared log is announced on (its payload: the log's
+name), at its commit (scale-out.md S23)."""
 
 _VERSION_TABLE: Final = f"""
 CREATE TABLE IF NOT EXISTS {SCHEMA}.schema_version (
@@ -106,6 +114,22 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             updated_at timestamptz NOT NULL DEFAULT now()
         )""",
     ),
+    # 2: lane leases and their epochs; appends to the shared logs announced (scale-out.md)
+    (
+        f"""CREATE TABLE {SCHEMA}.lanes (
+            lane        text COLLATE "C" PRIMARY KEY,
+            owner       text        NOT NULL,
+            epoch       bigint      NOT NULL CHECK (epoch > 0),
+            lease_until timestamptz NOT NULL,
+            claimed_at  timestamptz NOT NULL DEFAULT now()
+        )""",
+        f"""CREATE FUNCTION {SCHEMA}.announce_shared_append() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_notify('{CHANNEL}', NEW.log); RETURN NULL; END $$""",
+        f"""CREATE TRIGGER shared_append AFTER INSERT ON {SCHEMA}.log_records FOR EACH ROW
+            WHEN (NEW.log IN ('{ADMISSIONS}', '{RESULTS}'))
+            EXECUTE FUNCTION {SCHEMA}.announce_shared_append()""",
+    ),
 )
 """``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
 never edited: a database migrated once must mean the same thing to every later version."""
@@ -133,6 +157,16 @@ ON CONFLICT (log, seq) DO NOTHING RETURNING true"""
 """The resolution of an append whose outcome is unknown. If the old backend is still running
 its ``INSERT`` of that row, this one waits for it to end (PostgreSQL's speculative insertion)
 and then does nothing if it committed."""
+_LEASED: Final = f"FROM {SCHEMA}.lanes WHERE lane = %s AND owner = %s AND epoch = %s FOR SHARE"
+"""The fence of a write (S11): the lane's lease row, as this owner holds it at this epoch,
+locked for share until the write commits — a claim (an ``UPDATE`` of the row) waits for the
+write, or the write, waiting for the claim, finds the epoch changed and writes nothing."""
+_INSERT_FENCED: Final = (
+    f"INSERT INTO {SCHEMA}.log_records (log, seq, frame) SELECT %s, %s, %s {_LEASED}"
+)
+_INSERT_FENCED_IF_ABSENT: Final = f"""
+INSERT INTO {SCHEMA}.log_records (log, seq, frame) SELECT %s, %s, %s {_LEASED}
+ON CONFLICT (log, seq) DO NOTHING RETURNING true"""
 _FRAME: Final = f"SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq = %s"
 """A statement of its own after :data:`_INSERT_IF_ABSENT`: its snapshot is taken after that
 one ended, so it sees a row another backend committed while it waited."""
@@ -146,12 +180,50 @@ SELECT seq, frame, NULL, NULL FROM {SCHEMA}.log_records
  WHERE log = %(log)s AND seq < COALESCE((SELECT good_seq FROM poison), {_NEVER})
 ORDER BY 1 NULLS FIRST"""
 """One statement, so one snapshot: the poison (if any) first, then the rows it vouches for."""
+_READ_AFTER: Final = f"""
+WITH poison AS (SELECT good_seq, document FROM {SCHEMA}.log_poison WHERE log = %(log)s)
+SELECT NULL::bigint, NULL::bytea, good_seq, document FROM poison
+UNION ALL
+SELECT seq, frame, NULL, NULL FROM {SCHEMA}.log_records
+ WHERE log = %(log)s AND seq >= %(after)s
+   AND seq < COALESCE((SELECT good_seq FROM poison), {_NEVER})
+ORDER BY 1 NULLS FIRST"""
+""":data:`_READ` from ``after`` on: what other writers appended since (a shared log)."""
 _POISON: Final = f"""
 INSERT INTO {SCHEMA}.log_poison (log, good_seq, reason, document) VALUES (%s, %s, %s, %s)
 ON CONFLICT (log) DO NOTHING"""
 _WRITE_DOCUMENT: Final = f"""
 INSERT INTO {SCHEMA}.documents (name, data) VALUES (%s, %s)
 ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data, updated_at = now()"""
+_WRITE_DOCUMENT_FENCED: Final = f"""
+INSERT INTO {SCHEMA}.documents (name, data) SELECT %s, %s {_LEASED}
+ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data, updated_at = now() RETURNING true"""
+_CLAIM: Final = f"""
+INSERT INTO {SCHEMA}.lanes AS l (lane, owner, epoch, lease_until)
+VALUES (%(lane)s, %(owner)s, 1, now() + make_interval(secs => %(ttl)s))
+ON CONFLICT (lane) DO UPDATE
+   SET owner = EXCLUDED.owner, epoch = l.epoch + 1, lease_until = EXCLUDED.lease_until,
+       claimed_at = now()
+ WHERE l.lease_until <= now() OR l.owner = EXCLUDED.owner
+RETURNING epoch"""
+"""S10: a lane nobody holds, whose lease ran out, or that this owner holds is claimed, its
+epoch one higher than any before (a row is never deleted, so an epoch is never reused); one
+another owner holds is not (no row comes back). Times are the database's (``now()``)."""
+_RENEW: Final = f"""
+UPDATE {SCHEMA}.lanes AS l SET lease_until = now() + make_interval(secs => %(ttl)s)
+  FROM unnest(%(lanes)s::text[], %(epochs)s::bigint[]) AS held (lane, epoch)
+ WHERE l.lane = held.lane AND l.epoch = held.epoch AND l.owner = %(owner)s
+   AND l.lease_until > now()
+RETURNING l.lane"""
+"""S12: every lease this owner still holds at its epoch, extended; an expired one is not
+(it is claimed again, under a new epoch)."""
+_RELEASE: Final = f"""
+UPDATE {SCHEMA}.lanes SET lease_until = '-infinity'
+ WHERE lane = %s AND owner = %s AND epoch = %s"""
+"""A lease given up: it runs out now (the row, and so the epoch, stays)."""
+_LEASE: Final = f"""
+SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_until - now()), 0)
+  FROM {SCHEMA}.lanes WHERE lane = %s"""
 _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
 _EXISTS: Final = f"""
 SELECT EXISTS (SELECT FROM {SCHEMA}.log_records WHERE log = %(log)s)
@@ -341,9 +413,15 @@ _Rows = tuple[list[tuple[int, bytes]], bytes | None]
 """A log's rows ``(seq, frame)`` in order, and its poison document if it has one."""
 
 
-def _read_rows(rel: str) -> Callable[[_Conn], _Rows]:
+def _read_rows(rel: str, *, after: int | None = None) -> Callable[[_Conn], _Rows]:
+    """The whole log, or its rows from ``after`` on."""
+
     def read(conn: _Conn) -> _Rows:
-        rows = conn.execute(_READ, {"log": rel}, binary=True).fetchall()
+        if after is None:
+            rows = conn.execute(_READ, {"log": rel}, binary=True).fetchall()
+        else:
+            params = {"log": rel, "after": after}
+            rows = conn.execute(_READ_AFTER, params, binary=True).fetchall()
         poison: bytes | None = None
         frames: list[tuple[int, bytes]] = []
         for seq, frame, _good_seq, document in rows:
@@ -356,34 +434,62 @@ def _read_rows(rel: str) -> Callable[[_Conn], _Rows]:
     return read
 
 
-def _insert(rel: str, seq: int, frame: bytes) -> Callable[[_Conn], bool]:
-    """An append's first attempt: ``True`` once committed, ``False`` if another writer holds
-    ``(rel, seq)`` (a definite answer: nothing of this process was sent before)."""
+class _Landed(enum.Enum):
+    """What became of an append."""
 
-    def insert(conn: _Conn) -> bool:
+    OURS = "ours"
+    """Committed: the row holds this record."""
+    THEIRS = "theirs"
+    """Another writer holds ``(log, seq)``: this record is not in the log."""
+    FENCED = "fenced"
+    """The fence no longer holds (another owner claimed the lane): nothing was written."""
+
+
+def _fence_params(fence: Fence | None) -> list[Any]:
+    return [] if fence is None else [fence.lane, fence.owner, fence.epoch]
+
+
+def _insert(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[_Conn], _Landed]:
+    """An append's first attempt (a definite answer: nothing of this process was sent
+    before), fenced by ``fence`` when one is given (S11)."""
+
+    def insert(conn: _Conn) -> _Landed:
         try:
-            conn.execute(_INSERT, [rel, seq, frame])
+            if fence is None:
+                conn.execute(_INSERT, [rel, seq, frame])
+            elif (
+                conn.execute(_INSERT_FENCED, [rel, seq, frame, *_fence_params(fence)]).rowcount != 1
+            ):
+                return _Landed.FENCED
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != _KEY:  # another constraint refused it
                 raise
-            return False
-        return True
+            return _Landed.THEIRS
+        return _Landed.OURS
 
     return insert
 
 
-def _resolve(rel: str, seq: int, frame: bytes) -> Callable[[_Conn], bool]:
-    """An append after an attempt whose outcome is unknown: ``True`` if the row is there now
+def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[_Conn], _Landed]:
+    """An append after an attempt whose outcome is unknown: ``OURS`` if the row is there now
     with exactly ``frame`` (inserted by this call, or committed by the earlier attempt),
-    ``False`` if it holds other bytes (another writer's record)."""
+    ``THEIRS`` if it holds other bytes (another writer's record), ``FENCED`` if it is absent
+    and the fence no longer holds."""
 
-    def resolve(conn: _Conn) -> bool:
-        if conn.execute(_INSERT_IF_ABSENT, [rel, seq, frame]).fetchone() is not None:
-            return True  # it had not committed: it has now
+    def resolve(conn: _Conn) -> _Landed:
+        if fence is None:
+            inserted = conn.execute(_INSERT_IF_ABSENT, [rel, seq, frame]).fetchone()
+        else:
+            params = [rel, seq, frame, *_fence_params(fence)]
+            inserted = conn.execute(_INSERT_FENCED_IF_ABSENT, params).fetchone()
+        if inserted is not None:
+            return _Landed.OURS  # it had not committed: it has now
         row = conn.execute(_FRAME, [rel, seq], binary=True).fetchone()
         if row is None:
+            if fence is not None:
+                return _Landed.FENCED
             raise _Vanished(f"record {seq} was neither inserted nor found")
-        return bytes(row[0]) == frame
+        return _Landed.OURS if bytes(row[0]) == frame else _Landed.THEIRS
 
     return resolve
 
@@ -463,9 +569,12 @@ class PgLog:
         *,
         next_seq: int,
         good_length: int,
+        fence: Fence | None = None,
     ) -> None:
         self.contents = contents
         """The records the log held when it was opened (``records[0]`` is the header)."""
+        self.fence = fence
+        """The lease every append is fenced by unless it names its own (S11)."""
         self._store = store
         self._connection = connection
         self._rel = contents.rel
@@ -491,25 +600,66 @@ class PgLog:
     def poisoned(self) -> bool:
         return self._refusal is not None
 
-    async def append(self, record: Record) -> int:
+    async def append(self, record: Record, *, fence: Fence | None = None) -> int:
         """Append ``record``; return its sequence number once its ``INSERT`` committed.
+
+        ``fence`` (default: the log's own, :attr:`fence`): the write is made only while that
+        lease holds, in the same statement (S11).
 
         A connection that breaks around the append is replaced and the append resolved on
         the new one (its row found, or inserted again), within the store's backoff. Raises
-        :class:`JournalError`: ``journal_conflict`` when another writer holds that sequence
-        number, ``journal_poisoned`` when the server refused this append or an earlier append
+        :class:`JournalError`: ``lane_fenced`` when the fence no longer holds (nothing was
+        written; a log fenced by its own fence takes no more appends here),
+        ``journal_conflict`` when another writer holds that sequence number,
+        ``journal_poisoned`` when the server refused this append or an earlier append
         failed, ``journal_closed`` after :meth:`aclose` or the store's end; and
         :class:`DiskFailedError` (``store_unavailable``) when the database could not be
         reached within the backoff (the record is then in the log if and only if it
         committed, which this process cannot tell; the log takes no more appends here).
         """
+        seq = await self._append(record, fence, shared=False)
+        assert seq is not None
+        return seq
+
+    async def try_append(self, record: Record, *, fence: Fence | None = None) -> int | None:
+        """Append ``record`` to a log other hosts append to too (a shared log, S21): as
+        :meth:`append`, but ``None`` when another writer took the next sequence number
+        first — nothing was written and the log goes on: :meth:`refresh` to learn what was
+        written, decide again, try again."""
+        return await self._append(record, fence, shared=True)
+
+    async def refresh(self) -> list[Record]:
+        """The records other writers appended since this process last read or wrote the
+        log, in order; later appends follow them (S21). A poison another process recorded
+        refuses appends here too (the records it vouches for are returned)."""
+        async with self._lock:
+            self._check_open()
+            rows, document = await self._store._run(
+                self._rel, _read_rows(self._rel, after=self._next_seq)
+            )
+            if document is not None:
+                poison = decode_poison(document, path=self._rel, what="poison row")
+                self._refusal = JournalError(
+                    ReasonCode.JOURNAL_POISONED,
+                    f"the log was poisoned ({poison.reason}); it accepts no more records",
+                    path=self._rel,
+                )
+            records = _decode_tail(
+                rows, rel=self._rel, first_seq=self._next_seq, offset=self._good_length
+            )
+            self._next_seq += len(records)
+            self._good_length += sum(len(frame) for _seq, frame in rows)
+            return records
+
+    async def _append(self, record: Record, fence: Fence | None, *, shared: bool) -> int | None:
         payload = encode_record(record)
+        fence = fence or self.fence
         async with self._lock:
             self._check_open()
             seq = self._next_seq
             frame = encode_frame(seq, [payload])
             try:
-                ours = await self._commit(seq, frame)
+                landed = await self._commit(seq, frame, fence)
             except _Unsettled as unsettled:
                 self._refuse(unsettled.why)
                 raise self._store._unavailable(unsettled.why, self._rel) from None
@@ -529,19 +679,23 @@ class PgLog:
                     f"an append did not commit ({reason}); the log accepts no more records",
                     path=self._rel,
                 ) from None
-            if not ours:
+            if landed is _Landed.FENCED:
+                assert fence is not None
+                raise self._fenced(fence)
+            if landed is _Landed.THEIRS:
+                if shared:
+                    return None
                 raise self._conflict(seq)
             self._next_seq = seq + 1
             self._good_length += len(frame)
             return seq
 
-    async def _commit(self, seq: int, frame: bytes) -> bool:
-        """Commit the row ``(rel, seq, frame)``: ``True`` once it is there, ``False`` if
-        another writer's record is. Retried under the store's policy while the connection
-        breaks or cannot be made; once an attempt was sent (its outcome unknown) every later
-        one resolves it (:func:`_resolve`), shielded from cancellation: the log's next
-        number depends on it. Raises :class:`_Unsettled` when the bound is spent, the
-        driver's error on a definite refusal."""
+    async def _commit(self, seq: int, frame: bytes, fence: Fence | None) -> _Landed:
+        """Commit the row ``(rel, seq, frame)`` under ``fence``. Retried under the store's
+        policy while the connection breaks or cannot be made; once an attempt was sent (its
+        outcome unknown) every later one resolves it (:func:`_resolve`), shielded from
+        cancellation: the log's next number depends on it. Raises :class:`_Unsettled` when
+        the bound is spent, the driver's error on a definite refusal."""
         policy = self._store.retry
         sent = False
         problem = ""
@@ -549,7 +703,7 @@ class PgLog:
             with trio.CancelScope(shield=sent):
                 if attempt:
                     await trio.sleep(policy.delay(attempt))
-                work = (_resolve if sent else _insert)(self._rel, seq, frame)
+                work = (_resolve if sent else _insert)(self._rel, seq, frame, fence)
                 try:
                     return await self._connection.run(work)
                 except _Unreachable as exc:  # nothing sent this time
@@ -566,6 +720,21 @@ class PgLog:
         else:
             why = f"record {seq} could not be sent in {policy.attempts} attempts ({problem})"
         raise _Unsettled(why)
+
+    def _fenced(self, fence: Fence) -> JournalError:
+        """The lease ``fence`` was taken over: a log fenced by it is this host's no more —
+        it takes no more appends here and is forgotten by the store (opening it again reads
+        what the new owner wrote); a shared log goes on for the other lanes."""
+        error = JournalError(
+            ReasonCode.LANE_FENCED,
+            f"lane {fence.lane} is no longer held by this host at epoch {fence.epoch} "
+            "(another host claimed it); nothing was written",
+            path=self._rel,
+        )
+        if fence == self.fence:
+            self._refusal = error
+            self._store._forget(self)
+        return error
 
     def _check_open(self) -> None:
         if self._closed or self._store._closed:
@@ -651,6 +820,7 @@ class PgStore:
         clocks: Clocks,
         pool: int,
         retry: Backoff = DEFAULT_RETRY,
+        owner: str | None = None,
     ) -> None:
         if pool < 1:
             raise ValueError("the PostgreSQL store needs at least one pooled connection")
@@ -658,9 +828,14 @@ class PgStore:
         self.clocks = clocks
         self.retry = retry
         """How work whose connection broke or could not be made is retried."""
+        self.owner = owner or new_owner_id()
+        """This host's name in the lease rows (S10): unique to this process's life, so a host
+        started again claims its lanes anew, under new epochs."""
         self._params = params
         self._shared = _Connection(params)
         """Appends and reads of the shared logs (admissions, results)."""
+        self._leases = _Connection(params)
+        """Claims, renewals and releases: never queued behind an append (S12)."""
         self._pool = [_Connection(params) for _ in range(pool)]
         """Every other log, reads and documents, chosen by name."""
         self._open: dict[str, PgLog] = {}
@@ -731,25 +906,28 @@ class PgStore:
 
     # -- logs ----------------------------------------------------------------------------
 
-    async def create_delivery_log(self, delivery_id: str) -> PgLog:
-        """Create a delivery's log (its header committed). ``FileExistsError`` if it exists."""
-        return await self._create(self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id)
+    async def create_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> PgLog:
+        """Create a delivery's log (its header committed). ``FileExistsError`` if it exists.
+        ``fence``: every append to it (the header too) is fenced by that lease (S11)."""
+        rel = self.delivery_rel(delivery_id)
+        return await self._create(rel, LogKind.DELIVERY, delivery_id, fence)
 
-    async def open_or_create_delivery_log(self, delivery_id: str) -> PgLog:
-        return await self._open_or_create(
-            self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id
-        )
+    async def open_or_create_delivery_log(
+        self, delivery_id: str, *, fence: Fence | None = None
+    ) -> PgLog:
+        rel = self.delivery_rel(delivery_id)
+        return await self._open_or_create(rel, LogKind.DELIVERY, delivery_id, fence)
 
-    async def open_delivery_log(self, delivery_id: str) -> PgLog:
+    async def open_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> PgLog:
         """Open an existing delivery's log for appending; ``FileNotFoundError`` if none."""
-        return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY)
+        return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY, fence)
 
     async def read_delivery_log(self, delivery_id: str) -> LogContents:
         """Read a delivery's log without opening it for appends (even if poisoned)."""
         return await self.read(self.delivery_rel(delivery_id), LogKind.DELIVERY)
 
-    async def open_lane_log(self, lane: str) -> PgLog:
-        return await self._open_or_create(self.lane_rel(lane), LogKind.LANE, lane)
+    async def open_lane_log(self, lane: str, *, fence: Fence | None = None) -> PgLog:
+        return await self._open_or_create(self.lane_rel(lane), LogKind.LANE, lane, fence)
 
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
         """What a log holds (its acknowledged records; up to its poison, if poisoned).
@@ -760,14 +938,30 @@ class PgStore:
         poison = None if document is None else decode_poison(document, path=rel, what="poison row")
         return _decode_rows(rows, rel=rel, kind=kind, poison=poison)
 
-    async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> PgLog:
+    async def _open_or_create(
+        self, rel: str, kind: LogKind, subject: str, fence: Fence | None = None
+    ) -> PgLog:
         with contextlib.suppress(FileNotFoundError):
-            return await self._open_existing(rel, kind)
-        return await self._create(rel, kind, subject)
+            return await self._open_existing(rel, kind, fence)
+        return await self._create(rel, kind, subject, fence)
 
-    async def _open_existing(self, rel: str, kind: LogKind) -> PgLog:
-        if rel in self._open:
-            return self._open[rel]
+    def _cached(self, rel: str, fence: Fence | None) -> PgLog | None:
+        """The open log ``rel`` if it was opened under ``fence``; one opened under another
+        lease is forgotten (what it knows may be stale: another owner may have appended)."""
+        log = self._open.get(rel)
+        if log is not None and log.fence != fence:
+            self._forget(log)
+            return None
+        return log
+
+    def _forget(self, log: PgLog) -> None:
+        """Open ``log`` no more (it stays usable to whoever holds it, until refused)."""
+        if self._open.get(log.rel) is log:
+            del self._open[log.rel]
+
+    async def _open_existing(self, rel: str, kind: LogKind, fence: Fence | None = None) -> PgLog:
+        if (cached := self._cached(rel, fence)) is not None:
+            return cached
         contents = await self.read(rel, kind)
         if contents.poison is not None:
             raise JournalError(
@@ -775,22 +969,25 @@ class PgStore:
                 f"log was poisoned ({contents.poison.reason}); it is not replayed",
                 path=rel,
             )
-        if rel in self._open:  # opened by another task meanwhile
-            return self._open[rel]
+        if (cached := self._cached(rel, fence)) is not None:  # opened by another task meanwhile
+            return cached
         log = PgLog(
             self,
             self._connection(rel),
             contents,
             next_seq=contents.next_seq,
             good_length=contents.good_length,
+            fence=fence,
         )
         self._open[rel] = log
         return log
 
-    async def _create(self, rel: str, kind: LogKind, subject: str) -> PgLog:
+    async def _create(
+        self, rel: str, kind: LogKind, subject: str, fence: Fence | None = None
+    ) -> PgLog:
         """Create a log whose header is committed before this returns; ``FileExistsError``
         if the log holds a record or a poison."""
-        if rel in self._open:
+        if self._cached(rel, fence) is not None:
             raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
 
         if await self.exists(rel):
@@ -802,17 +999,17 @@ class PgStore:
             created_ms=self.clocks.wall.time_ms(),
         )
         contents = LogContents(rel, (header,), 0, 0)
-        log = PgLog(self, self._connection(rel), contents, next_seq=0, good_length=0)
+        log = PgLog(self, self._connection(rel), contents, next_seq=0, good_length=0, fence=fence)
         self._open[rel] = log
         try:
             await log.append(header)
         except JournalError as error:
-            del self._open[rel]
+            self._forget(log)
             if error.code is ReasonCode.JOURNAL_CONFLICT:  # created by another writer
                 raise FileExistsError(f"{rel} already exists") from None
             raise
         except BaseException:
-            del self._open[rel]
+            self._forget(log)
             raise
         log.contents = LogContents(rel, (header,), log._good_length, 0)
         return log
@@ -840,13 +1037,26 @@ class PgStore:
 
     # -- documents -----------------------------------------------------------------------
 
-    async def write_document(self, rel: str, data: bytes) -> None:
-        """Replace a document atomically: one upsert, committed before this returns."""
+    async def write_document(self, rel: str, data: bytes, *, fence: Fence | None = None) -> None:
+        """Replace a document atomically: one upsert, committed before this returns.
+        ``fence``: only while that lease holds (S11), else ``lane_fenced`` and nothing is
+        written."""
 
-        def write(conn: _Conn) -> None:
-            conn.execute(_WRITE_DOCUMENT, [rel, data])
+        def write(conn: _Conn) -> bool:
+            if fence is None:
+                conn.execute(_WRITE_DOCUMENT, [rel, data])
+                return True
+            params = [rel, data, *_fence_params(fence)]
+            return conn.execute(_WRITE_DOCUMENT_FENCED, params).fetchone() is not None
 
-        await self._run(rel, write)
+        if not await self._run(rel, write):
+            assert fence is not None
+            raise JournalError(
+                ReasonCode.LANE_FENCED,
+                f"lane {fence.lane} is no longer held by this host at epoch {fence.epoch}; "
+                "the document was not written",
+                path=rel,
+            )
 
     async def read_document(self, rel: str) -> bytes | None:
         def read(conn: _Conn) -> bytes | None:
@@ -854,6 +1064,120 @@ class PgStore:
             return None if row is None else bytes(row[0])
 
         return await self._run(rel, read)
+
+    # -- leases (S10-S12) -----------------------------------------------------------------
+
+    async def _on_leases(self, fn: Callable[[_Conn], _T]) -> _T:
+        """Lease work on its own connection, retried under the policy; a database that
+        cannot be reached is ``store_unavailable`` here, not the host's :attr:`disk_failure`:
+        the lease keeper decides what losing its leases means (S12)."""
+        if self._closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed")
+        try:
+            return await self._retrying(self._leases, fn)
+        except _Closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed") from None
+        except _Unreachable as exc:
+            problem = str(exc)
+        except psycopg.Error as exc:
+            problem = f"the database failed: {_reason(exc, self._params)}"
+        raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem)
+
+    async def claim(self, lane: str, ttl: float) -> Fence | None:
+        """Claim ``lane`` (its name as :meth:`open_lane_log` takes it) for ``ttl`` seconds of
+        the database's clock: a :class:`Fence` one epoch above every earlier claim, or
+        ``None`` while another owner's lease on it runs (S10). Claiming a lane this host
+        holds claims it anew (its earlier epoch's writes are refused from now on)."""
+        key = self.lane_rel(lane)
+
+        def claim(conn: _Conn) -> int | None:
+            params = {"lane": key, "owner": self.owner, "ttl": ttl}
+            row = conn.execute(_CLAIM, params).fetchone()
+            return None if row is None else int(row[0])
+
+        epoch = await self._on_leases(claim)
+        return None if epoch is None else Fence(key, self.owner, epoch)
+
+    async def renew(self, fences: Sequence[Fence], ttl: float) -> set[Fence]:
+        """Extend every lease of ``fences`` this host still holds at its epoch by ``ttl``
+        seconds from now (the database's clock), in one statement; the ones returned are
+        held, the others are lost (S12)."""
+        mine = [fence for fence in fences if fence.owner == self.owner]
+        if not mine:
+            return set()
+
+        def renew(conn: _Conn) -> set[str]:
+            params = {
+                "lanes": [fence.lane for fence in mine],
+                "epochs": [fence.epoch for fence in mine],
+                "owner": self.owner,
+                "ttl": ttl,
+            }
+            return {str(row[0]) for row in conn.execute(_RENEW, params).fetchall()}
+
+        held = await self._on_leases(renew)
+        return {fence for fence in mine if fence.lane in held}
+
+    async def release(self, fence: Fence) -> None:
+        """Give ``fence``'s lease up (it runs out now; its epoch stays spent)."""
+
+        def release(conn: _Conn) -> None:
+            conn.execute(_RELEASE, [fence.lane, fence.owner, fence.epoch])
+
+        await self._on_leases(release)
+
+    async def lease(self, lane: str) -> Lease | None:
+        """Who holds ``lane``'s lease now, by the database's clock (``None``: never
+        claimed)."""
+        key = self.lane_rel(lane)
+
+        def lease(conn: _Conn) -> Lease | None:
+            row = conn.execute(_LEASE, [key]).fetchone()
+            if row is None:
+                return None
+            return Lease(Fence(key, str(row[0]), int(row[1])), bool(row[2]), float(row[3]))
+
+        return await self._on_leases(lease)
+
+    async def watch_shared(self, changed: Callable[[], None], *, poll: float) -> NoReturn:
+        """Call ``changed()`` whenever another process may have appended to a shared log:
+        on each announcement (``NOTIFY``, S23), after a reconnect (one may have been missed)
+        and every ``poll`` seconds whatever happens, so a lost announcement delays, never
+        loses. Runs until cancelled, on a connection of its own."""
+        listener: _Conn | None = None
+        fd = -1  # the listener's socket, taken once: a lost connection no longer names it
+        failures = 0
+
+        async def close() -> None:
+            nonlocal listener
+            assert listener is not None
+            trio.lowlevel.notify_closing(fd)
+            await trio.to_thread.run_sync(listener.close)
+            listener = None
+
+        try:
+            while True:
+                if listener is None:
+                    try:
+                        listener = await trio.to_thread.run_sync(_listen, self._params)
+                        fd = listener.fileno()
+                        failures = 0
+                    except (_Unreachable, psycopg.Error):
+                        failures += 1
+                        await trio.sleep(self.retry.delay(min(failures, self.retry.attempts)))
+                    changed()
+                    continue
+                with trio.move_on_after(poll):
+                    await trio.lowlevel.wait_readable(fd)
+                try:
+                    await trio.to_thread.run_sync(_drain_notifications, listener)
+                except psycopg.Error:
+                    await close()
+                changed()
+        finally:
+            if listener is not None:
+                with trio.CancelScope(shield=True):
+                    await close()
 
     # -- opening and closing -------------------------------------------------------------
 
@@ -879,7 +1203,7 @@ class PgStore:
                 first = first or exc
         self._open.clear()
         self._closed = True
-        for connection in [self._shared, *self._pool]:
+        for connection in [self._shared, self._leases, *self._pool]:
             try:
                 await connection.aclose()
             except Exception as exc:
@@ -920,6 +1244,25 @@ def _decode_rows(
     return contents
 
 
+def _decode_tail(
+    rows: list[tuple[int, bytes]], *, rel: str, first_seq: int, offset: int
+) -> list[Record]:
+    """The records of a log's rows from ``first_seq`` on (:meth:`PgLog.refresh`), checked
+    as :func:`_decode_rows` checks a whole log; ``offset`` is where the rows begin in the
+    log's bytes (for the errors)."""
+    data = b"".join(frame for _seq, frame in rows)
+    records = decode_frames(data, rel=rel, first_seq=first_seq, offset=offset)
+    for index, (seq, _frame) in enumerate(rows):
+        if seq != first_seq + index or len(records) != len(rows):
+            raise JournalError(
+                ReasonCode.JOURNAL_CORRUPT,
+                f"row {seq} does not hold record {first_seq + index} alone",
+                path=rel,
+                offset=offset,
+            )
+    return records
+
+
 def _local_root(root: Path | str) -> Path:
     path = Path(root).absolute()
     _prepare_root(path)
@@ -935,6 +1278,7 @@ async def open_pg_store(
     connections: int = 2,
     retry: Backoff = DEFAULT_RETRY,
     exclusive: bool = False,
+    owner: str | None = None,
 ) -> AsyncIterator[PgStore]:
     """Use the PostgreSQL store in the database ``dsn`` names for the duration of the block.
 
@@ -946,7 +1290,8 @@ async def open_pg_store(
     ``connections`` is the number of pooled connections beside the one of the shared logs.
     ``retry`` bounds how long work whose connection broke or could not be made is tried
     again (a :class:`~runtime._clock.Backoff`, :data:`DEFAULT_RETRY` by default; opening the
-    store too) before the store fails.
+    store too) before the store fails. ``owner``: this host's name in the lease rows
+    (default: :func:`new_owner_id`).
 
     Refuses a database without the store's schema (``store_schema_missing``: run
     ``pi-runtime db migrate``) or with a newer one (``store_schema_newer``), and one that
@@ -960,11 +1305,11 @@ async def open_pg_store(
     clocks = clocks or Clocks.system()
     params = _parse(dsn)
     path = await trio.to_thread.run_sync(_local_root, root)
-    store = PgStore(params, path, clocks, connections, retry)
-    owner: _Conn | None = None
+    store = PgStore(params, path, clocks, connections, retry, owner)
+    holder: _Conn | None = None
     try:
         if exclusive:
-            owner = await trio.to_thread.run_sync(_own, params)
+            holder = await trio.to_thread.run_sync(_own, params)
         await store._check_schema()
         store.admissions = await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions")
         store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
@@ -974,8 +1319,30 @@ async def open_pg_store(
             try:
                 await store._release()
             finally:
-                if owner is not None:
-                    await trio.to_thread.run_sync(owner.close)
+                if holder is not None:
+                    await trio.to_thread.run_sync(holder.close)
+
+
+def _listen(params: Mapping[str, Any]) -> _Conn:
+    conn = _connect(params)
+    try:
+        conn.execute(f"LISTEN {CHANNEL}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _drain_notifications(conn: _Conn) -> int:
+    """Read what the server sent the listener (without waiting); the number of
+    announcements. A broken connection raises the driver's error."""
+    return sum(1 for _ in conn.notifies(timeout=0))
+
+
+def new_owner_id() -> str:
+    """A name for this host's life in the lease rows: its host name, process id and a random
+    part (a process id is reused; a host started again is a new owner)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 OWNER_LOCK: Final = 0x70692D72756E  # "pi-run": the database-wide lock of PG14
@@ -1007,3 +1374,6 @@ if TYPE_CHECKING:
 
     def _is_a_log(log: PgLog) -> Log:
         return log
+
+    def _is_a_lease_store(store: PgStore) -> LeaseStore:
+        return store

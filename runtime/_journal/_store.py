@@ -46,6 +46,7 @@ from .._errors import (
 from .._linux._fs import FileSystem, OsFileSystem
 from .._linux._proc import ProcessIdentity, current_identity, is_alive
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison
+from ._fence import Fence
 from ._interface import Log
 from ._journal import Journal, LogContents, encode_record, read_log
 from ._writer import TMP_MARK, LogTarget, WriterPool, atomic_write, disk_error
@@ -186,18 +187,21 @@ class Store:
 
     # -- logs ----------------------------------------------------------------------
 
-    async def create_delivery_log(self, delivery_id: str) -> Journal:
-        """Create a delivery's log (its header durable). Fails if it exists."""
+    async def create_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> Journal:
+        """Create a delivery's log (its header durable). Fails if it exists. A file store
+        has one owner (its directory lock): a ``fence`` has nothing to check here."""
         return await self._create(self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id)
 
-    async def open_or_create_delivery_log(self, delivery_id: str) -> Journal:
+    async def open_or_create_delivery_log(
+        self, delivery_id: str, *, fence: Fence | None = None
+    ) -> Journal:
         """Open a delivery's log, creating it if missing (a delivery whose turn starts, or
         that ends without one)."""
         return await self._open_or_create(
             self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id
         )
 
-    async def open_delivery_log(self, delivery_id: str) -> Journal:
+    async def open_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> Journal:
         """Open an existing delivery's log for appending (torn tail cut off)."""
         return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY)
 
@@ -205,7 +209,7 @@ class Store:
         """Read a delivery's log without opening it for appends (even if poisoned)."""
         return await self.read(self.delivery_rel(delivery_id), LogKind.DELIVERY)
 
-    async def open_lane_log(self, lane: str) -> Journal:
+    async def open_lane_log(self, lane: str, *, fence: Fence | None = None) -> Journal:
         """Open a lane's log, creating it (and its directory) if missing."""
         rel = self.lane_rel(lane)
         return await self._open_or_create(rel, LogKind.LANE, lane)
@@ -341,7 +345,7 @@ class Store:
 
     # -- documents -----------------------------------------------------------------
 
-    async def write_document(self, rel: str, data: bytes) -> None:
+    async def write_document(self, rel: str, data: bytes, *, fence: Fence | None = None) -> None:
         """Replace a small document atomically and durably."""
         await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
 

@@ -98,7 +98,7 @@ async def test_migrate_is_idempotent_and_versioned(pg_blank_dsn: str) -> None:
     """``migrate`` creates the schema and records its version in a one-row table; run again
     (also by several processes at once) it changes nothing and answers the same version."""
     with trio.fail_after(LIMIT):
-        assert await migrate(pg_blank_dsn) == STORE_SCHEMA_VERSION == 1
+        assert await migrate(pg_blank_dsn) == STORE_SCHEMA_VERSION == 2
         async with trio.open_nursery() as nursery:
             for _ in range(3):
                 nursery.start_soon(migrate, pg_blank_dsn)
@@ -110,7 +110,13 @@ async def test_migrate_is_idempotent_and_versioned(pg_blank_dsn: str) -> None:
             pg_blank_dsn,
             "SELECT tablename FROM pg_tables WHERE schemaname = 'pi_runtime' ORDER BY 1",
         )
-        assert tables == [("documents",), ("log_poison",), ("log_records",), ("schema_version",)]
+        assert tables == [
+            ("documents",),
+            ("lanes",),
+            ("log_poison",),
+            ("log_records",),
+            ("schema_version",),
+        ]
 
 
 async def test_a_newer_schema_is_refused_and_left_alone(pg_dsn: str, tmp_path: Path) -> None:

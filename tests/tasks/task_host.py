@@ -60,6 +60,7 @@ from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gateway import GatewayConfig
 from runtime._boundary._receipts import receipt_store
 from runtime._boundary._tools import EffectLedger
+from runtime._journal._fence import Fence
 from runtime._journal._journal import Journal
 from runtime._journal._store import open_store, runtime_dir
 from runtime._pi._launch import ModelRoute, WorkerProgram
@@ -121,8 +122,8 @@ def install_pause(point: str, nth: int) -> None:
     elif name == "record":
         append = Journal.append
 
-        async def after_append(self: Journal, record: Record) -> int:
-            seq = await append(self, record)
+        async def after_append(self: Journal, record: Record, *, fence: Fence | None = None) -> int:
+            seq = await append(self, record, fence=fence)
             if record_tag(record) == rest:
                 await barrier()
             return seq
