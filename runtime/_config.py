@@ -146,6 +146,20 @@ class StoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     (``postgresql://host/db`` or ``host=… dbname=…``): the PostgreSQL store, its schema made by
     ``pi-runtime db migrate``; never with a password in it (C4): libpq reads ``PGPASSWORD``,
     ``~/.pgpass`` or a service file."""
+    lease_seconds: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    """On PostgreSQL, how long a host's lease on a lane lasts without a renewal (renewed every
+    third of it; docs/design/scale-out.md S10-S12): a host that dies has its lanes claimed by
+    the others after at most this long, and one that cannot renew stops its workers itself
+    before it runs out."""
+    host_name: str | None = None
+    """On PostgreSQL, this host's name in the lease rows (S10). Each host of a deployment
+    needs its own; the same host started again keeps it and so takes its lanes back at once
+    (a claim always moves the epoch on, so even a second process under the same name cannot
+    write with the first's lease). Default: the machine's host name and the state
+    directory's path."""
+    poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """On PostgreSQL, how often a host reads the shared logs without being told to (S23), and
+    looks for lanes whose holder's lease ran out while deliveries wait in them (S13)."""
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

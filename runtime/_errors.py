@@ -121,6 +121,7 @@ class ReasonCode(enum.StrEnum):
     DELIVERY_INVALID = "delivery_invalid"
     DELIVERY_CONFLICT = "delivery_conflict"
     DELIVERY_UNKNOWN = "delivery_unknown"
+    DELIVERY_ELSEWHERE = "delivery_elsewhere"  # it runs on another host of the deployment
     QUEUE_FULL = "queue_full"
     NOT_ADMITTING = "not_admitting"
     TURN_STALLED = "turn_stalled"
@@ -170,6 +171,7 @@ class ReasonCode(enum.StrEnum):
     # task lanes: submission, controls, the watchdog (docs/design/watchdog.md)
     TASK_INVALID = "task_invalid"
     TASK_UNKNOWN = "task_unknown"
+    TASKS_NOT_SERVED = "tasks_not_served"  # this server runs no task lanes
     TASK_CONFLICT = "task_conflict"
     TASK_NOT_DONE = "task_not_done"
     TASK_NOT_WAITING = "task_not_waiting"

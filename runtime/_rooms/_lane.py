@@ -18,6 +18,15 @@ out (``recovery_exhausted``).
 
 Privileged deliveries (grants beyond the room's standing set) run in a one-shot session with
 an epoch of their own, stopped afterwards, so the room session's tools never change.
+
+On a store several hosts share (docs/design/scale-out.md S11, S13) a lane runs under its
+lease (:attr:`Lane.fence`): every write it makes — its logs, the gate's and the gateway's
+records, its results, its session's bytes — is fenced by it. A write refused ``lane_fenced``
+means another host claimed the lane: the lane is lost (:meth:`Lane.lose`), its scope is
+cancelled — its epochs' trees are stopped — and nothing more of it is published; its
+unfinished deliveries are the new owner's. The session file is stored in the database at the
+two points the journal depends on it (the admission leaf, the result's leaf) and a lane that
+starts on a host restores it from there first.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from .._errors import (
     SessionError,
     WorkerError,
 )
+from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -113,6 +123,8 @@ class LaneHost:
     release_worker: Callable[[Lane], None]
     lane_idle: Callable[[Lane], None]
     """Called when a lane's delivery ends: its live worker may now be stopped for another (L8)."""
+    lane_gone: Callable[[Lane], None]
+    """Called when a lane was lost to another host (S11) and has stopped."""
     classes: Mapping[str, ReplayClass]
     """The configured replay classes (``RoomWorkerConfig.replay_classes()``), the gate's
     declared classes (L14)."""
@@ -121,6 +133,18 @@ class LaneHost:
     """The receipt and document store behind ``write_document`` / ``read_document``."""
     ledger: Path | None = None
     """Where the test tool ``effect`` writes (only when granted)."""
+    shared: bool = False
+    """The store is shared by several hosts: sessions travel through it (S13)."""
+
+
+SESSIONS: Final = "sessions/"
+"""Documents holding the lanes' session files on a shared store, named ``sessions/`` and
+the file's path under the state directory."""
+
+
+def fenced_out(error: BaseException) -> bool:
+    """Whether ``error`` is a write refused because another host claimed the lane (S11)."""
+    return isinstance(error, JournalError) and error.code is ReasonCode.LANE_FENCED
 
 
 class _WorkerDied(Exception):
@@ -130,9 +154,17 @@ class _WorkerDied(Exception):
 class Lane:
     """One room's lane; the host starts :meth:`run` in the lane's own nursery."""
 
-    def __init__(self, host: LaneHost, room: str) -> None:
+    def __init__(self, host: LaneHost, room: str, fence: Fence | None = None) -> None:
         self.host = host
         self.room = room
+        self.fence = fence
+        """The lane's lease on a shared store (S11); ``None`` where this host owns it all."""
+        self.lost = False
+        """Another host claimed the lane: it stops, and publishes nothing more."""
+        self.lost_why = ""
+        self._scope = trio.CancelScope()
+        self.stopped = trio.Event()
+        """Set once :meth:`run` has ended (its epochs' trees are stopped by then)."""
         self.key = lane_key(room)
         self.queue: deque[Pending] = deque()
         self.current: Pending | None = None
@@ -162,6 +194,11 @@ class Lane:
     @property
     def busy(self) -> bool:
         return self.current is not None
+
+    @property
+    def waiting(self) -> int:
+        """Deliveries queued or running here (the queue limit counts them)."""
+        return len(self.queue) + self.busy
 
     def submit(self, pending: Pending, *, front: bool = False) -> None:
         (self.queue.appendleft if front else self.queue.append)(pending)
@@ -221,10 +258,40 @@ class Lane:
 
     # -- the lane's task ---------------------------------------------------------------
 
+    def lose(
+        self, why: str = "a write under its lease was refused: another host claimed it"
+    ) -> None:
+        """The lane is another host's now (S11), or may be (S12): stop it — its epochs'
+        trees with it — and publish nothing more. Safe to call more than once, from anywhere."""
+        if not self.lost:
+            self.lost, self.lost_why = True, why
+        self._scope.cancel()
+
+    async def _give_up(self) -> None:
+        """:meth:`lose` from inside the lane: returns only if the caller is shielded."""
+        self.lose()
+        await trio.lowlevel.checkpoint()
+
     async def run(self) -> None:
-        """Serve the queue until cancelled (the host's shutdown)."""
+        """Serve the queue until cancelled (the host's shutdown) or lost (S11)."""
+        try:
+            with self._scope:
+                await self._serve()
+        finally:
+            if self.lost:
+                self.host.lane_gone(self)
+            self.stopped.set()
+
+    async def _serve(self) -> None:
+        if self.host.shared:
+            await self._restore_session(self.session)
         await trio.to_thread.run_sync(self._prepare)
-        self.log = await self.host.store.open_lane_log(self.room)
+        try:
+            self.log = await self.host.store.open_lane_log(self.room, fence=self.fence)
+        except JournalError as error:
+            if fenced_out(error):
+                await self._give_up()
+            raise
         self.epochs = sum(isinstance(r, EpochStarted) for r in self.log.contents.records)
         async with trio.open_nursery() as nursery:
             while True:
@@ -235,8 +302,10 @@ class Lane:
                 self.current = pending
                 try:
                     await self._deliver(nursery, pending)
-                except JournalError:  # the shared outbox failed: the disk is going (L17)
-                    pass  # the delivery stays pending; the host stops admitting
+                except JournalError as error:  # the shared outbox failed (L17), or fenced
+                    if fenced_out(error):
+                        await self._give_up()
+                    # the disk is going: the delivery stays pending; the host stops admitting
                 finally:
                     self.current = None
                     self.last_used = trio.current_time()
@@ -253,11 +322,19 @@ class Lane:
             if refused is None
             else ReasonCode.RECOVERY_REFUSED.at(refused)
         )
-        with contextlib.suppress(JournalError):
+        try:
             await self.host.outbox.publish(
-                delivery_id=pending.delivery_id, room=self.room, outcome=Outcome.FAILED, code=code
+                delivery_id=pending.delivery_id,
+                room=self.room,
+                outcome=Outcome.FAILED,
+                code=code,
+                fence=self.fence,
             )
-            self.host.finished(pending)
+        except JournalError as error:
+            if fenced_out(error):
+                await self._give_up()
+            return
+        self.host.finished(pending)
 
     async def _idle(self) -> None:
         self._wake = trio.Event()
@@ -290,8 +367,10 @@ class Lane:
     async def _deliver(self, nursery: trio.Nursery, pending: Pending) -> None:
         store = self.host.store
         try:
-            log = await store.open_or_create_delivery_log(pending.delivery_id)
+            log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
         except JournalError as error:
+            if fenced_out(error):  # S11: another host's lane now
+                await self._give_up()
             # poisoned before a restart: as if now (L17); found damaged: refused (L11)
             damaged = pending.recovering and error.code is not ReasonCode.JOURNAL_POISONED
             await self._journal_failed(pending, "journal" if damaged else None)
@@ -305,7 +384,9 @@ class Lane:
                     await log.append(recorded)
             finally:
                 await store.close_log(log)
-        except JournalError:  # this delivery's log failed: it ends here (L17)
+        except JournalError as error:  # this delivery's log failed: it ends here (L17)
+            if fenced_out(error):  # S11: not failed — another host's lane now
+                await self._give_up()
             self.stop_worker()  # its worker is not trusted with the next delivery
             await self._journal_failed(pending, None)
             return
@@ -353,7 +434,10 @@ class Lane:
             started = msgspec.structs.replace(
                 pending.admission, session_path=self._rel(slot.session), session_leaf=leaf
             )
+            await self._store_session(slot.session)  # S13: before the record that needs it
             await log.append(started)
+        elif self.host.shared and slot.session != self.session:  # a one-shot session
+            await self._restore_session(slot.session)
         boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
         try:
             while True:
@@ -389,6 +473,7 @@ class Lane:
                     leaf = await self._leaf(slot.session)
                 except (SessionError, OSError):  # L18
                     return self._refused("session")
+                await self._store_session(slot.session)  # S13: before the result
                 return self._result(end, leaf=leaf)
         finally:
             boundaries.release()  # the log closes next: nothing of this turn stays in memory
@@ -457,6 +542,7 @@ class Lane:
             text=result.text,
             code=result.code,
             absorbed_into=result.absorbed_into,
+            fence=self.fence,
         )
         self.host.finished(pending)
 
@@ -467,9 +553,18 @@ class Lane:
 
     async def write_result(self, pending: Pending, result: Result) -> None:
         """Record ``result`` in the delivery's own log (created with its admission if the
-        delivery never ran), then publish it."""
+        delivery never ran), then publish it. Raises ``lane_fenced`` when another host
+        claimed the lane (the lane is lost: :meth:`lose`)."""
+        try:
+            await self._write_result(pending, result)
+        except JournalError as error:
+            if fenced_out(error):
+                self.lose()
+            raise
+
+    async def _write_result(self, pending: Pending, result: Result) -> None:
         store = self.host.store
-        log = await store.open_or_create_delivery_log(pending.delivery_id)
+        log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
         try:
             if not any(isinstance(r, Admission) for r in log.contents.records):
                 await log.append(pending.admission)
@@ -491,6 +586,41 @@ class Lane:
 
     def _rel(self, path: Path) -> str:
         return str(path.relative_to(self.host.store.root))
+
+    async def _store_session(self, session: Path) -> None:
+        """On a shared store, the session file's bytes into the database, under the lane's
+        lease (S13): written after the session is fsynced, before the record naming its
+        leaf, so a host that claims the lane finds at least what that record depends on."""
+        if not self.host.shared:
+            return
+        data = await trio.to_thread.run_sync(session.read_bytes)
+        await self.host.store.write_document(SESSIONS + self._rel(session), data, fence=self.fence)
+
+    async def _restore_session(self, session: Path) -> None:
+        """On a shared store, the session file as the database holds it, written over this
+        host's copy (which may be stale: another host may have run the lane since), at the
+        same path (S13). None stored: the lane never started a turn, and starts fresh."""
+        data = await self.host.store.read_document(SESSIONS + self._rel(session))
+
+        def write() -> None:
+            session.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if data is None:
+                session.unlink(missing_ok=True)
+                return
+            temporary = session.with_name(session.name + ".restoring")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, session)
+            directory = os.open(session.parent, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+
+        await trio.to_thread.run_sync(write)
 
     async def _leaf(self, session: Path) -> str | None:
         await trio.to_thread.run_sync(self._create_session, session)
@@ -583,6 +713,12 @@ class Lane:
 
     def release_worker(self) -> None:
         self.host.release_worker(self)
+
+    def lane_log_failed(self, error: JournalError) -> None:
+        """An epoch's end could not be recorded: under a lease another host claimed, the
+        lane is lost (S11); a failed disk is the store's (it stops admitting)."""
+        if fenced_out(error):
+            self.lose()
 
     def now_ms(self) -> int:
         return self.host.clocks.wall.time_ms()

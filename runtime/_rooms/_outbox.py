@@ -6,8 +6,16 @@ cumulative :class:`~runtime._records.ResultAcked`. After a restart the outbox is
 the log: what was published and not acknowledged is delivered again with its original seq
 (docs/design/protocol.md). ``delivery_id`` is the receiver's idempotency key.
 
+On a store several hosts share (docs/design/scale-out.md S21) every host publishes into the
+same log: an append that loses the race for the log's next number learns what the others
+wrote (:meth:`ResultOutbox.sync`, which the host also calls when told of their appends) and
+is decided again — the next ``seq`` after every result now known, or the result another host
+already published — so ``seq`` stays one gap-free order across the deployment, and a result
+is published under its lane's lease (``fence``): a host that lost the lane publishes nothing.
+
 Resource handling: the log belongs to the store; the outbox only appends. Concurrency: one
-publisher at a time (a lock keeps seq order equal to log order); any number of readers.
+publisher at a time in this process (a lock keeps seq order equal to log order); any number
+of readers.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Final
 
 import trio
 
+from .._journal._fence import Fence
 from .._journal._interface import Log
 from .._records import Outcome, Record, ResultAcked, ResultPublished
 from .._wire import DeliveryResult
@@ -40,16 +49,38 @@ class ResultOutbox:
         """Every seq up to this one was acknowledged."""
         self._lock = trio.Lock()
         self._changed = trio.Event()
-        for record in log.contents.records if existing is None else existing:
-            if isinstance(record, ResultPublished):
-                self._learn(DeliveryResult.of(record))
-            elif isinstance(record, ResultAcked):
-                self.acked = max(self.acked, record.seq)
+        self._learn(log.contents.records if existing is None else existing)
 
-    def _learn(self, result: DeliveryResult) -> None:
-        self._by_delivery.setdefault(result.delivery_id, result)
-        self._ordered.append(result)
-        self.last_of_room[result.room] = result
+    def _learn(self, records: Iterable[Record]) -> bool:
+        """Take in records of the log (from its start, or from where this outbox stopped);
+        whether anything changed."""
+        changed = False
+        for record in records:
+            if isinstance(record, ResultPublished):
+                result = DeliveryResult.of(record)
+                self._by_delivery.setdefault(result.delivery_id, result)
+                self._ordered.append(result)
+                self.last_of_room[result.room] = result
+                changed = True
+            elif isinstance(record, ResultAcked) and record.seq > self.acked:
+                self.acked = record.seq
+                changed = True
+        return changed
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def sync(self) -> list[DeliveryResult]:
+        """Learn what other hosts appended to the log since this outbox last read or wrote
+        it (nothing on a store with one writer); the results among it."""
+        async with self._lock:
+            return self._sync_locked(await self._log.refresh())
+
+    def _sync_locked(self, records: list[Record]) -> list[DeliveryResult]:
+        if self._learn(records):
+            self._wake()
+        return [DeliveryResult.of(r) for r in records if isinstance(r, ResultPublished)]
 
     @property
     def last_seq(self) -> int:
@@ -71,39 +102,43 @@ class ResultOutbox:
         text: str | None = None,
         code: str | None = None,
         absorbed_into: str | None = None,
+        fence: Fence | None = None,
     ) -> DeliveryResult:
         """Publish a delivery's result durably, once: a second call for the same delivery
-        returns the first result unchanged (and writes nothing)."""
+        returns the first result unchanged (and writes nothing). ``fence``: the lane's
+        lease, checked with the write (``lane_fenced``: nothing was published)."""
         async with self._lock:
-            if (known := self._by_delivery.get(delivery_id)) is not None:
-                return known
-            record = ResultPublished(
-                seq=self.last_seq + 1,
-                delivery_id=delivery_id,
-                room=room,
-                outcome=outcome,
-                text=text,
-                code=code,
-                absorbed_into=absorbed_into,
-            )
-            await self._log.append(record)
-            result = DeliveryResult.of(record)
-            self._learn(result)
-            self._changed.set()
-            self._changed = trio.Event()
-            return result
+            while True:
+                if (known := self._by_delivery.get(delivery_id)) is not None:
+                    return known
+                record = ResultPublished(
+                    seq=self.last_seq + 1,
+                    delivery_id=delivery_id,
+                    room=room,
+                    outcome=outcome,
+                    text=text,
+                    code=code,
+                    absorbed_into=absorbed_into,
+                )
+                if await self._log.try_append(record, fence=fence) is not None:
+                    self._learn([record])
+                    self._wake()
+                    return DeliveryResult.of(record)
+                self._sync_locked(await self._log.refresh())  # another host's number
 
     async def ack(self, seq: int) -> None:
         """Acknowledge every result up to ``seq`` (cumulative; an older seq changes
         nothing; a seq beyond the last published one is clamped to it)."""
-        seq = min(seq, self.last_seq)
         async with self._lock:
-            if seq <= self.acked:
-                return
-            await self._log.append(ResultAcked(seq=seq))
-            self.acked = seq
-            self._changed.set()
-            self._changed = trio.Event()
+            while True:
+                seq = min(seq, self.last_seq)
+                if seq <= self.acked:
+                    return
+                if await self._log.try_append(ResultAcked(seq=seq)) is not None:
+                    self._learn([ResultAcked(seq=seq)])
+                    self._wake()
+                    return
+                self._sync_locked(await self._log.refresh())
 
     async def follow(self, after: int | None = None) -> AsyncIterator[DeliveryResult]:
         """Every result with a seq above ``after`` (default: the acknowledged seq), in seq

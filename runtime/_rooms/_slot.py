@@ -10,7 +10,7 @@ from typing import Protocol
 import trio
 
 from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
-from .._errors import PiRuntimeError, RpcError, one_error
+from .._errors import JournalError, PiRuntimeError, RpcError, one_error
 from .._journal._interface import Log
 from .._pi._launch import WorkerLaunch
 from .._pi._rpc import RpcChannel, open_rpc_channel
@@ -35,6 +35,9 @@ class SlotOwner(Protocol):
 
     def release_worker(self) -> None: ...
     def now_ms(self) -> int: ...
+    def lane_log_failed(self, error: JournalError) -> None:
+        """An append to the lane's log failed after the epoch started (its end's record)."""
+        ...
 
 
 class Live:
@@ -157,9 +160,15 @@ class Slot:
                                 await rpc.abort()
             reason = "fenced" if scope.cancelled_caught else "stopped"
             with trio.CancelScope(shield=True):
-                await lane.log.append(
-                    EpochFenced(epoch=number, reason=reason, fenced_ms=lane.now_ms())
-                )
+                try:
+                    await lane.log.append(
+                        EpochFenced(epoch=number, reason=reason, fenced_ms=lane.now_ms())
+                    )
+                except JournalError as error:
+                    # the epoch's tree is stopped: without this record the next owner just
+                    # finds nothing left of it to kill; the lane decides what the failure
+                    # means (lost to another host: it stops)
+                    lane.lane_log_failed(error)
         finally:
             if live is not None:
                 live.ended.set()

@@ -17,15 +17,27 @@ by the next :func:`open_room_worker` on the same state directory.
 Error handling: a refused delivery raises :class:`~runtime._errors.DeliveryError` with a
 stable code and admits nothing; invalid configuration raises
 :class:`~runtime._errors.ConfigError` before anything starts.
+
+On a store several hosts share (``[store] url``, docs/design/scale-out.md) the worker is one
+host of a deployment: it knows every admission and every result (it reads what the others
+append when told of it, S23), admits into the shared log (S21), runs a room's deliveries only
+while it holds the room lane's lease (S10-S12: :class:`~runtime._rooms._leases.LaneLeases`) —
+claiming a lane when it admits into a room nobody holds, and claiming a lane whose holder's
+lease ran out while deliveries wait in it, which it then recovers as a restart would (S13) —
+and gives a lane up when another host has claimed it (S11). Results of every host reach its
+readers in one ``seq`` order.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+import functools
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import msgspec
 import trio
@@ -36,10 +48,18 @@ from .._boundary._receipts import ReceiptStore, receipt_store
 from .._boundary._tools import RUNTIME_TOOLS
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
-from .._errors import ConfigError, DeliveryError, JournalError, ReasonCode, raises_one_error
+from .._errors import (
+    ConfigError,
+    DeliveryError,
+    DiskFailedError,
+    JournalError,
+    ReasonCode,
+    raises_one_error,
+)
 from .._hosting import start_model, worker_program
-from .._journal._interface import JournalStore
-from .._journal._store import open_store, runtime_dir
+from .._journal._fence import Fence
+from .._journal._interface import JournalStore, LeaseStore
+from .._journal._store import lane_key, open_store, runtime_dir
 from .._linux._fs import FileSystem
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
@@ -49,6 +69,7 @@ from .._records import (
     EpochStarted,
     Fingerprints,
     Outcome,
+    Record,
     Result,
 )
 from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
@@ -62,11 +83,14 @@ from ._admission import (
     route_endpoint,
     settings_fingerprint,
 )
-from ._lane import Lane, LaneHost
+from ._lane import Lane, LaneHost, fenced_out
+from ._leases import LaneLeases
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
+
+logger = logging.getLogger("runtime.rooms")
 
 EVENT_BUFFER = 1024
 """Signals kept for a slow events reader; older ones are dropped (they are not durable)."""
@@ -106,6 +130,17 @@ class RoomWorker:
         self._idle.set()
         self._warm: set[str] = set()
         self._settings_prints: dict[frozenset[str], str] = {}
+        self._admissions: dict[str, Admission] = {}
+        """Every admission this host knows, in admission order (of every host, when shared)."""
+        self._unfinished: dict[str, dict[str, None]] = {}
+        """Per room, the deliveries admitted (anywhere) without a published result, in order."""
+        self.leases: LaneLeases | None = None
+        """This host's lane leases; ``None`` where it owns every lane (one host per store)."""
+        self._ready: set[str] = set()
+        """Rooms whose lane this host holds and has recovered: new admissions go to them."""
+        self._taking: dict[str, trio.Event] = {}
+        """Rooms whose lane is being claimed and recovered (set when that ends)."""
+        self._poked = trio.Event()
 
     # -- the API -----------------------------------------------------------------------
 
@@ -141,17 +176,19 @@ class RoomWorker:
             return Accepted(
                 delivery_id=delivery.delivery_id, room=known.room, disposition="duplicate"
             )
-        lane = self._lane(delivery.room)
-        if len(lane.queue) + lane.busy >= caps.queue_limit:
+        room = delivery.room
+        lane = self._lanes.get(room) if self.leases is not None else self._lane(room)
+        waiting = len(self._unfinished.get(room, ())) if lane is None else lane.waiting
+        if waiting >= caps.queue_limit:
             raise DeliveryError(
                 ReasonCode.QUEUE_FULL,
                 f"room {delivery.room} already has {caps.queue_limit} deliveries waiting",
             )
         privileged = self.config.is_privileged(delivery.room, delivery.author.id)
-        cold = privileged or (delivery.room not in self._warm and not lane.busy and not lane.queue)
+        cold = privileged or (room not in self._warm and not waiting)
         admission = Admission(
             delivery_id=delivery.delivery_id,
-            lane=lane.key,
+            lane=lane_key(room),
             request=msgspec.to_builtins(delivery),
             fingerprints=prints,
             rendered_prompt=render_prompt(delivery, cold=cold),
@@ -159,23 +196,48 @@ class RoomWorker:
         )
         self._known[delivery.delivery_id] = _Known(prints, delivery.room)
         try:
-            await self.store.admissions.append(admission)
+            first = await self._append_admission(admission)
         except BaseException:
-            del self._known[delivery.delivery_id]
+            if delivery.delivery_id not in self._admissions:
+                del self._known[delivery.delivery_id]
             raise
-        if not privileged:
-            self._warm.add(delivery.room)
+        if first is not admission:  # another host admitted it first (S21)
+            if first.fingerprints.request != prints.request:
+                raise DeliveryError(
+                    ReasonCode.DELIVERY_CONFLICT,
+                    f"delivery {delivery.delivery_id} was admitted with a different request",
+                )
+            return Accepted(delivery_id=delivery.delivery_id, room=room, disposition="duplicate")
+        if self.leases is not None:
+            return await self._admitted_shared(admission)
+        assert lane is not None
         started = not lane.busy and not lane.queue
         pending = Pending(delivery, admission, grants, privileged)
-        self._pending[delivery.delivery_id] = pending
-        if await lane.steer(pending):  # L10: into the live run of the same authority
-            disposition: Literal["started", "steered", "queued"] = "steered"
-        else:
-            self._enqueue(lane, pending)
-            disposition = "started" if started else "queued"
-        return Accepted(
-            delivery_id=delivery.delivery_id, room=delivery.room, disposition=disposition
-        )
+        routed = await self._route(lane, pending)
+        disposition: Literal["started", "steered", "queued"] = routed
+        if routed == "queued" and started:
+            disposition = "started"
+        return Accepted(delivery_id=delivery.delivery_id, room=room, disposition=disposition)
+
+    async def _route(self, lane: Lane, pending: Pending) -> Literal["steered", "queued"]:
+        """Hand an admitted delivery to its lane: steered into the live run of the same
+        authority (L10), else queued."""
+        self._pending[pending.delivery_id] = pending
+        if await lane.steer(pending):
+            return "steered"
+        self._enqueue(lane, pending)
+        return "queued"
+
+    async def _append_admission(self, admission: Admission) -> Admission:
+        """Make ``admission`` durable in the shared admission log; what is then the
+        delivery's admission: ``admission``, or the one another host appended first (S21)."""
+        log = self.store.admissions
+        while await log.try_append(admission) is None:  # another host took the number
+            self._learn_admissions(await log.refresh())
+            if (first := self._admissions.get(admission.delivery_id)) is not None:
+                return first
+        self._learn_admissions([admission])
+        return admission
 
     async def cancel(self, delivery_id: str) -> None:
         """Cancel a queued or running delivery (its result: ``cancelled``); a finished one
@@ -183,6 +245,11 @@ class RoomWorker:
         pending = self._pending.get(delivery_id)
         if pending is None:
             if delivery_id in self._known:
+                if self._host.outbox.result_of(delivery_id) is None:  # S20: not built yet
+                    raise DeliveryError(
+                        ReasonCode.DELIVERY_ELSEWHERE,
+                        f"delivery {delivery_id} runs on another host: cancel it there",
+                    )
                 return  # already finished
             raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
         lane = self._lanes[pending.delivery.room]
@@ -254,10 +321,11 @@ class RoomWorker:
 
     # -- lanes -------------------------------------------------------------------------
 
-    def _lane(self, room: str) -> Lane:
+    def _lane(self, room: str, fence: Fence | None = None) -> Lane:
         lane = self._lanes.get(room)
         if lane is None:
-            lane = Lane(self._host, room)
+            assert self.leases is None or fence is not None, "a shared lane runs under a lease"
+            lane = Lane(self._host, room, fence)
             self._lanes[room] = lane
             self._nursery.start_soon(lane.run)
         return lane
@@ -268,6 +336,7 @@ class RoomWorker:
 
     def _finished(self, pending: Pending) -> None:
         self._pending.pop(pending.delivery_id, None)
+        self._unfinished.get(pending.delivery.room, {}).pop(pending.delivery_id, None)
         self._idle.set()
 
     def _emit(self, event: RoomEvent) -> None:
@@ -334,14 +403,188 @@ class RoomWorker:
 
     # -- recovery ----------------------------------------------------------------------
 
-    async def _recover(self) -> None:
+    # -- one host of many (a shared store; docs/design/scale-out.md) --------------------
+
+    async def _admitted_shared(self, admission: Admission) -> Accepted:
+        """Where a delivery admitted here goes on a shared store (S20): into its lane if
+        this host holds it or can claim it; else the lane's holder is told (S23) and runs
+        it (``queued``)."""
+        room = str(admission.request["room"])
+        delivery_id = admission.delivery_id
+        lane = await self._take(room, fresh=frozenset({delivery_id}))
+        if lane is not None:
+            await self._reconcile(room)
+        pending = self._pending.get(delivery_id)
+        disposition: Literal["started", "steered", "queued"] = "queued"
+        if lane is not None and pending is not None:
+            if pending.absorbed_into is not None:
+                disposition = "steered"
+            elif lane.current is pending or (
+                lane.current is None and lane.queue and lane.queue[0] is pending
+            ):
+                disposition = "started"
+        return Accepted(delivery_id=delivery_id, room=room, disposition=disposition)
+
+    async def _take(self, room: str, *, fresh: frozenset[str] = frozenset()) -> Lane | None:
+        """The room's lane, held and recovered by this host: claimed now if nobody holds it
+        (S10) and recovered as a restart would (S13: leftovers killed, the session restored
+        from the database, unfinished deliveries replayed). ``None`` while another host
+        holds it, or when the claim or the recovery failed (the database, a damaged log):
+        that stays in this room — the lane is given up and claimed again later."""
+        if room in self._ready:
+            return self._lanes.get(room)
+        if (taking := self._taking.get(room)) is not None:
+            await taking.wait()
+            return self._lanes.get(room) if room in self._ready else None
+        assert self.leases is not None
+        done = self._taking[room] = trio.Event()
+        fence: Fence | None = None
+        try:
+            fence = await self.leases.claim(room)
+            if fence is None:
+                return None
+            await self._sync()  # everything admitted before the claim is known now
+            if self.leases.fence(room) != fence:
+                return None  # lost again meanwhile
+            logger.info("lane %s claimed at epoch %d", room, fence.epoch)
+            self._lane(room, fence)
+            await self._recover({room}, fresh=fresh)
+            self._ready.add(room)
+            return self._lanes.get(room)
+        except (DiskFailedError, JournalError):
+            if fence is not None:
+                if (lane := self._lanes.get(room)) is not None and lane.fence == fence:
+                    lane.lose()
+                await self.leases.release(fence)
+            return None
+        finally:
+            del self._taking[room]
+            done.set()
+
+    async def _reconcile(self, room: str) -> None:
+        """Hand every unfinished delivery of ``room`` that this host has not taken yet —
+        admitted by another host, or learned while the lane was being recovered — to the
+        room's lane, if this host holds it. What the admitting host pinned is checked
+        here as at a recovery (its grants and settings must be this host's too)."""
+        lane = self._lanes.get(room)
+        if lane is None or lane.lost or room not in self._ready:
+            return
+        for delivery_id in list(self._unfinished.get(room, ())):
+            if delivery_id in self._pending:
+                continue
+            record = self._admissions[delivery_id]
+            delivery = msgspec.convert(record.request, Delivery)
+            grants = self.config.grants_for(room, delivery.author.id)
+            privileged = self.config.is_privileged(room, delivery.author.id)
+            pending = Pending(delivery, record, grants or frozenset(), privileged)
+            refused = self._refusal(record, delivery, grants)
+            if refused is not None:
+                self._pending[delivery_id] = pending
+                self._nursery.start_soon(self._refuse, lane, pending, refused)
+                continue
+            await self._route(lane, pending)
+
+    def _poke(self) -> None:
+        """Another host may have appended to a shared log (S23)."""
+        self._poked.set()
+
+    async def _sync(self) -> None:
+        """Learn what the other hosts appended to the shared logs, and hand new deliveries
+        of the rooms this host holds to their lanes."""
+        new = self._learn_admissions(await self.store.admissions.refresh())
+        self._learn_results(await self._host.outbox.sync())
+        for room in sorted({str(a.request["room"]) for a in new}):
+            await self._reconcile(room)
+
+    async def _follow_shared(self) -> None:
+        """Read the shared logs whenever told (S23), until cancelled. A database that cannot
+        be reached is the store's failure (the host stops admitting); reading goes on."""
+        while True:
+            await self._poked.wait()
+            self._poked = trio.Event()
+            with contextlib.suppress(DiskFailedError):
+                await self._sync()
+
+    async def _claim_waiting(self, interval: float) -> None:
+        """Claim the lanes whose deliveries wait while nobody holds them — their holder died
+        or stopped renewing (S12, S13) — every ``interval`` seconds, until cancelled."""
+        while True:
+            waiting = [
+                room
+                for room, ids in self._unfinished.items()
+                if ids and room not in self._lanes and room not in self._taking
+            ]
+            for room in sorted(waiting):
+                await self._take(room)
+            await trio.sleep(interval)
+
+    def _lane_lost(self, room: str, fence: Fence, why: str) -> None:
+        """The lease ``fence`` is lost (S12: taken over, or not renewed in time): stop the
+        lane — its workers first."""
+        lane = self._lanes.get(room)
+        if lane is not None and lane.fence == fence:
+            lane.lose(why)
+
+    def _lane_gone(self, lane: Lane) -> None:
+        """A lost lane has stopped: forget it and its deliveries (another host runs them)."""
+        if self._lanes.get(lane.room) is lane:
+            del self._lanes[lane.room]
+        self._ready.discard(lane.room)
+        for delivery_id, pending in list(self._pending.items()):
+            if pending.delivery.room == lane.room:
+                del self._pending[delivery_id]
+        self._release_worker(lane)
+        if self.leases is not None and lane.fence is not None:
+            self.leases.drop(lane.room, lane.fence)
+            logger.warning(
+                "lane %s given up at epoch %d (%s); its workers are stopped",
+                lane.room,
+                lane.fence.epoch,
+                lane.lost_why,
+            )
+        self._idle.set()
+
+    # -- what this host knows -----------------------------------------------------------
+
+    def _learn_admissions(self, records: list[Record]) -> list[Admission]:
+        """Take in admissions (this host's, or read from the shared log); the new ones."""
+        new = []
+        outbox = self._host.outbox
+        for record in records:
+            if not isinstance(record, Admission) or record.delivery_id in self._admissions:
+                continue
+            delivery = msgspec.convert(record.request, Delivery)
+            room = delivery.room
+            self._admissions[record.delivery_id] = record
+            self._known[record.delivery_id] = _Known(record.fingerprints, room)
+            if outbox.result_of(record.delivery_id) is None:
+                self._unfinished.setdefault(room, {})[record.delivery_id] = None
+                if not self.config.is_privileged(room, delivery.author.id):
+                    self._warm.add(room)
+            else:
+                self._warm.add(room)
+            new.append(record)
+        return new
+
+    def _learn_results(self, results: list[DeliveryResult]) -> None:
+        for result in results:
+            self._unfinished.get(result.room, {}).pop(result.delivery_id, None)
+
+    # -- recovery ----------------------------------------------------------------------
+
+    async def _recover(
+        self, rooms: set[str] | None = None, *, fresh: frozenset[str] = frozenset()
+    ) -> None:
         """Pick up what a previous owner left: kill its epochs' trees, then requeue every
         admitted delivery without a published result, in admission order
-        (docs/design/recovery.md)."""
-        await self._kill_leftover_epochs()
+        (docs/design/recovery.md) — of every room, or (a shared store, S13) of ``rooms``,
+        whose lanes this host has just claimed. ``fresh``: deliveries this host has just
+        admitted, which never ran (not charged a recovery attempt)."""
+        await self._kill_leftover_epochs(rooms)
         published = self._host.outbox
-        admissions = [r for r in self.store.admissions.contents.records if isinstance(r, Admission)]
-        running = [a for a in admissions if published.result_of(a.delivery_id) is None]
+        chosen = self._unfinished.keys() if rooms is None else rooms
+        ids = {d for room in chosen for d in self._unfinished.get(room, ())}
+        running = [a for d, a in self._admissions.items() if d in ids and d not in self._pending]
         steered = await self._steered(
             [a.delivery_id for a in running] + self._finished_owners(running)
         )
@@ -350,16 +593,13 @@ class RoomWorker:
             unfinished = [d for d in cancels if published.result_of(d) is None]
             await self.store.write_document(CANCEL_REQUESTS, _encode_ids(unfinished))
         replaying: set[str] = set()
-        for record in admissions:
+        for record in running:
             delivery = msgspec.convert(record.request, Delivery)
-            self._known[record.delivery_id] = _Known(record.fingerprints, delivery.room)
-            if published.result_of(record.delivery_id) is not None:
-                self._warm.add(delivery.room)
-                continue
             grants = self.config.grants_for(delivery.room, delivery.author.id)
             privileged = self.config.is_privileged(delivery.room, delivery.author.id)
             lane = self._lane(delivery.room)
-            pending = Pending(delivery, record, grants or frozenset(), privileged, recovering=True)
+            recovering = record.delivery_id not in fresh
+            pending = Pending(delivery, record, grants or frozenset(), privileged, recovering)
             refused = self._refusal(record, delivery, grants)
             if record.delivery_id in cancels:  # `pi-runtime cancel` while no server ran
                 refused = None
@@ -367,8 +607,6 @@ class RoomWorker:
                 self._pending[record.delivery_id] = pending
                 self._nursery.start_soon(self._refuse, lane, pending, refused)
                 continue
-            if not privileged:
-                self._warm.add(delivery.room)
             owner_id = steered.get(record.delivery_id)
             if owner_id is not None and self._absorbed_at_recovery(lane, pending, owner_id):
                 continue
@@ -410,8 +648,17 @@ class RoomWorker:
             absorbed_into=owner[0],
             finished_ms=self._host.clocks.wall.time_ms(),
         )
-        self._nursery.start_soon(lane.write_result, pending, absorbed)
+        self._nursery.start_soon(self._write_result, lane, pending, absorbed)
         return True
+
+    async def _write_result(self, lane: Lane, pending: Pending, result: Result) -> None:
+        """``lane.write_result`` from outside the lane's own task: a lane lost to another
+        host meanwhile (S11) publishes nothing, and that is not this task's failure."""
+        try:
+            await lane.write_result(pending, result)
+        except JournalError as error:
+            if not fenced_out(error):
+                raise
 
     async def _steered(self, owners: list[str]) -> dict[str, tuple[str, str, int | None]]:
         """For each delivery steered into one of ``owners``: (owner, text, first step), from
@@ -448,10 +695,15 @@ class RoomWorker:
         ``cancelled`` (``code`` None) when a cancel was requested while no server ran."""
         outcome = Outcome.CANCELLED if code is None else Outcome.FAILED
         result = Result(outcome=outcome, code=code, finished_ms=self._host.clocks.wall.time_ms())
-        await lane.write_result(pending, result)
+        await self._write_result(lane, pending, result)
 
-    async def _kill_leftover_epochs(self) -> None:
-        for rel in await self.store.lane_logs():
+    async def _kill_leftover_epochs(self, rooms: set[str] | None = None) -> None:
+        if rooms is None:
+            rels = await self.store.lane_logs()
+        else:
+            rels = [self.store.lane_rel(room) for room in sorted(rooms)]
+            rels = [rel for rel in rels if await self.store.exists(rel)]
+        for rel in rels:
             contents = await self.store.read(rel)
             started = {r.epoch: r for r in contents.records if isinstance(r, EpochStarted)}
             for record in contents.records:
@@ -460,6 +712,24 @@ class RoomWorker:
             for record in started.values():
                 await kill_epoch_leftovers(record)
 
+
+@contextlib.asynccontextmanager
+async def _releasing_leases(worker: Callable[[], RoomWorker | None]) -> AsyncIterator[None]:
+    """On leaving (after every lane and its workers stopped): give up the leases the worker
+    still holds, so the other hosts claim its rooms at once rather than when the leases run
+    out (bounded; they run out anyway)."""
+    try:
+        yield
+    finally:
+        running = worker()
+        if running is not None and running.leases is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_BOUND):
+                for fence in running.leases.held.values():
+                    await running.leases.release(fence)
+
+
+RELEASE_BOUND: Final = 5.0
+"""Seconds a stopping host spends giving its leases up."""
 
 CANCEL_REQUESTS: Final = "cancel-requests.json"
 """A document in the state directory: deliveries whose cancel was requested while no server
@@ -472,8 +742,8 @@ def _open_journal_store(
 ) -> contextlib.AbstractAsyncContextManager[JournalStore]:
     """The configured journal store: the file store in ``state_dir`` (the default), or the
     PostgreSQL store when ``[store] url`` names a database (``docs/design/scale-out.md``),
-    held exclusively by this host until lanes are leased; ``state_dir`` then keeps only what
-    is local (sessions, sockets, the token, the receipt store)."""
+    shared with the deployment's other hosts; ``state_dir`` then keeps only what is local
+    (copies of sessions, sockets, the token, the receipt store)."""
     state_dir = Path(config.state_dir)
     if config.store.url is None:
         return open_store(state_dir, clocks=clocks, fs=fs)
@@ -485,7 +755,8 @@ def _open_journal_store(
         raise ConfigError(
             "store.url", f"the PostgreSQL store needs pi-runtime[postgres] ({error})"
         ) from None
-    return open_pg_store(config.store.url, root=state_dir, clocks=clocks, exclusive=True)
+    owner = config.store.host_name or f"{socket.gethostname()}:{state_dir}"
+    return open_pg_store(config.store.url, root=state_dir, clocks=clocks, owner=owner)
 
 
 async def _read_cancel_requests(store: JournalStore) -> list[str]:
@@ -535,9 +806,11 @@ async def open_room_worker(
     work_root = Path(config.work_root)
     program = worker_program(config)
     clocks = clocks or Clocks.system()
+    worker: RoomWorker | None = None
     async with (
         _open_journal_store(config, clocks=clocks, fs=fs) as store,
         receipt_store(state_dir, now_ms=clocks.wall.time_ms) as receipts,
+        _releasing_leases(lambda: worker),
         trio.open_nursery() as nursery,
     ):
         model = config.model
@@ -549,7 +822,6 @@ async def open_room_worker(
             keepalive_interval=thresholds.keepalive_seconds,
             upstream_inactivity=thresholds.upstream_inactivity_seconds,
         )
-        worker: RoomWorker | None = None
 
         def finished(pending: Pending) -> None:
             assert worker is not None
@@ -570,6 +842,12 @@ async def open_room_worker(
         def lane_idle(lane: Lane) -> None:
             assert worker is not None
             worker._lane_idle(lane)
+
+        def lane_gone(lane: Lane) -> None:
+            assert worker is not None
+            worker._lane_gone(lane)
+
+        shared = config.store.url is not None
 
         host = LaneHost(
             store=store,
@@ -594,12 +872,25 @@ async def open_room_worker(
             reserve_worker=reserve,
             release_worker=release,
             lane_idle=lane_idle,
+            lane_gone=lane_gone,
+            shared=shared,
             classes=config.replay_classes(),  # L14
             ledger=work_root / "effects.jsonl",
             receipts=receipts,
         )
         worker = RoomWorker(config, store, host, nursery)
-        await worker._recover()
+        worker._learn_admissions(list(store.admissions.contents.records))
+        if shared:  # one host of many: lanes under leases (docs/design/scale-out.md)
+            leased = cast(LeaseStore, store)
+            leases = LaneLeases(leased, ttl=config.store.lease_seconds, lost=worker._lane_lost)
+            worker.leases = leases
+            poll = config.store.poll_seconds
+            nursery.start_soon(leases.run)
+            nursery.start_soon(functools.partial(leased.watch_shared, worker._poke, poll=poll))
+            nursery.start_soon(worker._follow_shared)
+            nursery.start_soon(worker._claim_waiting, poll)
+        else:
+            await worker._recover()
         try:
             yield worker
         finally:

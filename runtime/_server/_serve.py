@@ -382,7 +382,11 @@ class RoomServer:
         it as ``error`` with ``ref`` = the task id)."""
         tasks = self.tasks
         if tasks is None:
-            raise TaskError(ReasonCode.TASK_UNKNOWN, "this server runs no task lanes")
+            raise TaskError(
+                ReasonCode.TASKS_NOT_SERVED,
+                "this server runs no task lanes: on a shared store (PostgreSQL) task lanes are "
+                "not leased yet (docs/design/scale-out.md)",
+            )
         if isinstance(frame, TaskSubmit):
             request: dict[str, Any] = msgspec.to_builtins(frame)
             view, new = await tasks.submit(request)
@@ -485,15 +489,18 @@ async def open_server(
     state_dir = Path(config.state_dir)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     token, created = await trio.to_thread.run_sync(ensure_token, state_dir)
-    async with (
-        open_room_worker(config, base_dir=base_dir) as worker,
-        open_task_service(
-            config,
-            store=worker.store,
-            receipts=worker.receipts,
-            timescale=options.unsafe_test_timescale,
-        ) as tasks,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        worker = await stack.enter_async_context(open_room_worker(config, base_dir=base_dir))
+        tasks: TaskService | None = None
+        if worker.leases is None:  # task lanes are not leased yet (docs/design/scale-out.md)
+            tasks = await stack.enter_async_context(
+                open_task_service(
+                    config,
+                    store=worker.store,
+                    receipts=worker.receipts,
+                    timescale=options.unsafe_test_timescale,
+                )
+            )
         server = RoomServer(worker, state_dir, worker_id=worker_id, tasks=tasks)
         server.new_token = token if created else None
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,172 @@
+"""Two room workers — two hosts — on one PostgreSQL database, in one process
+(docs/design/scale-out.md S11, S13, S20, S21): what a host does when another claims its
+lane under it, and how deliveries and results cross between hosts. Fake-Pi workers are real
+processes; the database is a real, throw-away PostgreSQL. The process-level tests (several
+``pi-runtime serve``, SIGKILL, SIGSTOP) are ``tests/server/test_serve_hosts.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import trio
+
+from runtime._config import ModelConfig, RoomWorkerConfig, StoreConfig
+from runtime._errors import DeliveryError, ReasonCode
+from runtime._journal._postgres import open_pg_store
+from runtime._records import ModelResponse, Result, StepAbandoned
+from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
+
+from .._workers import scripted_upstream
+from ..journal.pg_fixtures import execute, pg_dsn, pg_server
+
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
+LIMIT: Final = 60.0
+
+
+def message(delivery_id: str, room: str, text: str = "hi") -> dict[str, Any]:
+    return {
+        "delivery_id": delivery_id,
+        "room": room,
+        "author": {"id": "u1", "name": "Ann"},
+        "message_id": f"m-{delivery_id}",
+        "text": text,
+    }
+
+
+@contextlib.asynccontextmanager
+async def host(root: Path, name: str, dsn: str, url: str) -> AsyncIterator[RoomWorker]:
+    """A host whose leases never run out during a test (60 s): a lane changes hands here only
+    because a test expires its lease in the database."""
+    config = RoomWorkerConfig(
+        state_dir=str(root / name / "state"),
+        work_root=str(root / name / "work"),
+        model=ModelConfig(base_url=url),
+        store=StoreConfig(url=dsn, lease_seconds=60, poll_seconds=0.05, host_name=name),
+    )
+    async with open_room_worker(config) as worker:
+        yield worker
+
+
+async def result_of(worker: RoomWorker, delivery_id: str) -> DeliveryResult:
+    async for result in worker.results(after=0):
+        if result.delivery_id == delivery_id:
+            return result
+    raise AssertionError("unreachable")
+
+
+async def test_s11_a_host_whose_lane_is_claimed_under_it_is_refused_and_gives_it_up(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S11: A runs d1 (its model request held open); its lease is made to run out and B
+    claims dm:1, kills A's worker and answers d1. A's next write for the lane — recording
+    its worker's death — is refused by epoch: A gives the lane up (its reason: a refused
+    write, not its deadline, 60 s away) and publishes nothing; d1 has B's one result, and
+    A's dead epoch left nothing after B's records. Both hosts stream the result (S20)."""
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == 1:
+            asked.set()
+            await trio.sleep_forever()  # A's request: never answered
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (model, url),
+            host(tmp_path, "a", pg_dsn, url) as a,
+        ):
+            accepted = await a.deliver(message("d1", "dm:1"))
+            assert accepted.disposition == "started"
+            await asked.wait()
+            lane = a._lanes["dm:1"]
+            await execute(pg_dsn, "UPDATE pi_runtime.lanes SET lease_until = now()")
+            async with host(tmp_path, "b", pg_dsn, url) as b:
+                on_b = await result_of(b, "d1")
+                await lane.stopped.wait()
+                on_a = await result_of(a, "d1")
+                status = a.status()
+    assert on_a == on_b
+    assert (on_b.outcome, on_b.seq) == ("reply", 1)
+    assert lane.lost
+    assert "refused" in lane.lost_why
+    assert status == []
+    async with open_pg_store(pg_dsn, root=tmp_path / "reader") as store:
+        records = (await store.read_delivery_log("d1")).records
+    assert [r.epoch for r in records if isinstance(r, ModelResponse)] == [2]
+    assert sum(isinstance(r, Result) for r in records) == 1
+    assert not any(isinstance(r, StepAbandoned) and r.epoch == 1 for r in records)
+    assert model.request_count == 1  # B's; A's was never answered
+
+
+async def test_s20_any_host_takes_any_client_and_the_lanes_holder_runs_it(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S20, S21: A holds dm:1 (it admitted d1 there); d2 for dm:1 sent to B is admitted by B
+    (``queued``: A runs it, told by the announcement) and answered once; the same delivery
+    sent again to either host is a duplicate, with another text a conflict; results are one
+    seq order on both hosts, and an acknowledgement made on one is the deployment's."""
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([]) as (model, url),
+            host(tmp_path, "a", pg_dsn, url) as a,
+            host(tmp_path, "b", pg_dsn, url) as b,
+        ):
+            first = await a.deliver(message("d1", "dm:1", "one"))
+            await result_of(a, "d1")
+            second = await b.deliver(message("d2", "dm:1", "two"))
+            on_b = await result_of(b, "d2")
+            on_a = await result_of(a, "d2")
+            duplicate = await a.deliver(message("d2", "dm:1", "two"))
+            with pytest.raises(DeliveryError) as conflict:
+                await b.deliver(message("d1", "dm:1", "not one"))
+            await b.ack(on_b.seq)
+            await a._sync()
+            acked = a._host.outbox.acked
+            status_b = b.status()
+    assert (first.disposition, second.disposition) == ("started", "queued")
+    assert on_a == on_b
+    assert (on_b.outcome, on_b.seq) == ("reply", 2)
+    assert on_b.text is not None
+    assert "two" in on_b.text
+    assert duplicate.disposition == "duplicate"
+    assert conflict.value.code is ReasonCode.DELIVERY_CONFLICT
+    assert acked == 2
+    assert status_b == []  # B never held dm:1
+    assert model.request_count == 2
+
+
+async def test_s21_the_same_delivery_sent_to_two_hosts_at_once_is_admitted_once(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S21: one delivery sent to A and B at the same moment (a client retrying on another
+    host): one admission in the shared log, the other answer is ``duplicate``, one result."""
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([]) as (model, url),
+            host(tmp_path, "a", pg_dsn, url) as a,
+            host(tmp_path, "b", pg_dsn, url) as b,
+        ):
+            answers: list[str] = []
+
+            async def send(worker: RoomWorker) -> None:
+                answers.append((await worker.deliver(message("d1", "dm:3"))).disposition)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send, a)
+                nursery.start_soon(send, b)
+            await result_of(a, "d1")
+            await result_of(b, "d1")
+    assert sorted(answers)[0] == "duplicate"
+    assert sorted(answers)[1] in ("started", "queued")
+    rows = await execute(
+        pg_dsn,
+        "SELECT count(*) FROM pi_runtime.log_records WHERE log = 'admissions/admissions.log' "
+        "AND seq > 0",
+    )
+    assert rows == [(1,)]
+    assert model.request_count == 1

@@ -1,0 +1,297 @@
+"""Several ``pi-runtime serve`` hosts on one PostgreSQL database (docs/design/scale-out.md,
+issue #19): lanes owned under leases, a dead host's lanes claimed by the others, a paused
+host fenced out by epoch.
+
+Each host is a real process with a local state directory and work root of its own, seen by
+it at the *same* path as by every other host — as on separate machines, where every host
+has ``/srv/pi-runtime`` — because a session's requests name their working directory and a
+replay's must be byte-identical: each runs in a private mount namespace (``unshare
+--mount``) where its own directory is bind-mounted over the common path. The tests use
+Fake-Pi workers, a scripted model server shared by all hosts, and real websocket clients.
+
+No test sleeps on the real clock: a lease runs out on the database's clock (a short
+``lease_seconds``), and each step waits for the event it needs — a FIFO the tool writes, a
+result frame, a line a host logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+from trio_websocket import open_websocket_url
+
+from fake_pi.scenario import Call, Step, ToolCalls
+from runtime._journal._postgres import open_pg_store
+from runtime._pi._session_settle import interrupted_text
+from runtime._records import ModelResponse, Record
+
+from .._procs import alive_with_nonce, epoch_nonces, kill_orphaned_epochs
+from .._wire import Client, Frame, message
+from .._workers import scripted_upstream
+from ..journal.pg_fixtures import execute, pg_dsn, pg_server
+from .test_serve_e2e import LISTENING, REPO
+
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
+LIMIT: Final = 120.0
+LEASE: Final = 2.0
+"""Seconds a host's lease lasts here: a dead host's lanes are claimed this long after."""
+
+
+class HostProcess:
+    """One ``pi-runtime serve`` host in its own mount namespace."""
+
+    def __init__(self, name: str, process: trio.Process, private: Path) -> None:
+        self.name = name
+        self.process = process
+        self.private = private
+        """The host's own directory (what it sees at the common path)."""
+        self.stdout = b""
+        self.stderr = b""
+        self._changed = trio.Event()
+        self.port = 0
+
+    @property
+    def token(self) -> str:
+        return (self.private / "state" / "token").read_text()
+
+    async def read(self, stream: trio.abc.ReceiveStream, which: str) -> None:
+        while data := await stream.receive_some(65536):
+            setattr(self, which, getattr(self, which) + data)
+            self._changed.set()
+            self._changed = trio.Event()
+        self._changed.set()
+
+    async def until(self, which: str, pattern: bytes) -> re.Match[bytes]:
+        """Wait until the host printed (``stdout``) or logged (``stderr``) ``pattern``."""
+        while (found := re.search(pattern, getattr(self, which))) is None:
+            if self.process.returncode is not None and self.process.poll() is not None:
+                raise AssertionError(f"{self.name} ended: {self.stderr.decode()[-2000:]}")
+            await self._changed.wait()
+        return found
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[Client]:
+        async with open_websocket_url(f"ws://127.0.0.1:{self.port}/") as ws:
+            client = Client(ws)
+            welcome = await client.hello(self.token)
+            assert welcome["type"] == "welcome", welcome
+            yield client
+
+    def signal(self, number: int) -> None:
+        self.process.send_signal(number)
+
+    async def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        await self.process.wait()
+
+
+def _config(dsn: str, url: str, name: str) -> str:
+    return (
+        'state_dir = "state"\nwork_root = "work"\n'
+        'default_grants = ["bash", "send_text_update"]\n\n'
+        f'[model]\nbase_url = "{url}"\n\n'
+        f'[store]\nurl = "{dsn}"\nlease_seconds = {LEASE}\npoll_seconds = 0.1\n'
+        f'host_name = "{name}"\n'
+    )
+
+
+@contextlib.asynccontextmanager
+async def deployment(root: Path, dsn: str, url: str) -> AsyncIterator[Any]:
+    """Start hosts with ``start(name)`` (each in its own namespace, all at one path); every
+    host is killed when the block ends, and no worker of theirs is left behind."""
+    common = root / "srv"
+    common.mkdir()
+    hosts: list[HostProcess] = []
+    async with trio.open_nursery() as nursery:
+
+        async def start(name: str) -> HostProcess:
+            private = root / "hosts" / name
+            private.mkdir(parents=True, mode=0o700)
+            (private / "config.toml").write_text(_config(dsn, url, name))
+            serve = f"{sys.executable} -m runtime._cli serve --port 0 --config {common}/config.toml"
+            script = f"mount --bind {private} {common} && cd {common} && exec {serve}"
+            unshare = ["unshare", "--mount", "--propagation", "private"]
+            if os.geteuid() != 0:
+                unshare.append("--map-root-user")
+            process = await trio.lowlevel.open_process(
+                [*unshare, "sh", "-c", script],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+            host = HostProcess(name, process, private)
+            hosts.append(host)
+            assert process.stdout is not None
+            assert process.stderr is not None
+            nursery.start_soon(host.read, process.stdout, "stdout")
+            nursery.start_soon(host.read, process.stderr, "stderr")
+            host.port = int((await host.until("stdout", LISTENING.pattern)).group(2))
+            return host
+
+        try:
+            yield start
+        finally:
+            for host in hosts:
+                if host.process.returncode is None:
+                    host.process.send_signal(signal.SIGCONT)
+                    host.process.kill()
+                with trio.CancelScope(shield=True):
+                    await host.process.wait()
+            await kill_orphaned_epochs(common)
+            nursery.cancel_scope.cancel()
+
+
+def _bash(command: str) -> Step:
+    return ToolCalls(calls=[Call(name="bash", arguments={"command": command}, id="c1")])
+
+
+async def _results(dsn: str) -> list[tuple[str, int]]:
+    """Every published result in the database: (delivery id, seq)."""
+    rows = await execute(
+        dsn,
+        "SELECT frame FROM pi_runtime.log_records WHERE log = 'results.log' AND seq > 0 "
+        "ORDER BY seq",
+    )
+    found = []
+    for (frame,) in rows:
+        text = bytes(frame).decode("utf-8", "replace")
+        if '"type":"result_published"' in text:
+            delivery = re.search(r'"delivery_id":"([^"]+)"', text)
+            seq = re.search(r'"seq":(\d+)', text)
+            assert delivery is not None
+            assert seq is not None
+            found.append((delivery.group(1), int(seq.group(1))))
+    return found
+
+
+async def test_three_hosts_a_dead_hosts_lane_is_claimed_and_its_tool_not_run_again(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S10-S13, S20, S21: three hosts, a room on each (each admitting host claims its room).
+    Host A is SIGKILLed while dm:1's ``bash`` tool runs — its intent and the model response
+    that asked for it journaled. After A's lease runs out another host claims dm:1, kills
+    A's leftover tool, restores the session from the database and replays: the model hears
+    "possibly ran", the tool ran once, the model response is not asked for again. Every
+    delivery has exactly one result, in one gap-free seq order, streamed to a client of
+    each surviving host."""
+    started, runs = tmp_path / "started.fifo", tmp_path / "runs"
+    os.mkfifo(started)
+    command = f"echo x >> {runs}; echo go > {started}; sleep 300"
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([_bash(command)]) as (model, url),  # then: "You said: …"
+            deployment(tmp_path, pg_dsn, url) as start,
+        ):
+            a, b, c = [await start(name) for name in "abc"]
+            async with a.connect() as on_a:
+                await on_a.send(message("d1", room="dm:1"))
+                accepted = await on_a.until(lambda f: f["type"] == "accepted")
+                assert accepted["disposition"] == "started"
+                await trio.to_thread.run_sync(started.read_bytes)  # the tool runs on A
+                on_a_workers = epoch_nonces(tmp_path / "srv")  # A is the only host with one
+                await a.kill()
+            async with b.connect() as on_b, c.connect() as on_c:
+                await on_b.send(message("d2", "to b", room="dm:2"))
+                await on_c.send(message("d3", "to c", room="dm:3"))
+                seen_b = await _collect(on_b, {"d1", "d2", "d3"})
+                seen_c = await _collect(on_c, {"d1", "d2", "d3"})
+                assert on_a_workers
+                survivors = [n for n in on_a_workers if alive_with_nonce(n)]
+                assert survivors == []  # nothing of A's worker and its tool is left
+            claims = [h for h in (b, c) if re.search(rb"lane dm:1 claimed at epoch 2", h.stderr)]
+    assert len(claims) == 1  # one host claimed A's lane
+    assert seen_b == seen_c
+    d1, d2, d3 = (seen_b[d] for d in ("d1", "d2", "d3"))
+    assert d1["outcome"] == "reply"
+    assert d1["text"].startswith(f"The tool said: {interrupted_text('bash')}")
+    assert (d2["outcome"], d3["outcome"]) == ("reply", "reply")
+    assert "to b" in d2["text"]
+    assert "to c" in d3["text"]
+    assert sorted(f["seq"] for f in (d1, d2, d3)) == [1, 2, 3]
+    assert sorted(await _results(pg_dsn)) == sorted((d, f["seq"]) for d, f in seen_b.items())
+    assert runs.read_text() == "x\n"  # the tool ran once
+    assert model.request_count == 4  # d1's tool call once (journaled), d1's answer, d2, d3
+    (replay,) = [r for r in model.requests if _tools(r.body)]
+    assert _tools(replay.body) == [interrupted_text("bash")]
+
+
+def _tools(body: dict[str, Any]) -> list[str]:
+    return [m["content"] for m in body.get("messages", []) if m.get("role") == "tool"]
+
+
+async def _collect(client: Client, wanted: set[str]) -> dict[str, Frame]:
+    """The result frames of ``wanted`` (each once: a second one fails the test)."""
+    seen: dict[str, Frame] = {}
+    while set(seen) != wanted:
+        frame = await client.until(lambda f: f["type"] == "result")
+        assert frame["delivery_id"] not in seen, f"a second result: {frame}"
+        seen[frame["delivery_id"]] = frame
+    return seen
+
+
+async def test_a_paused_host_is_fenced_out_and_nothing_is_doubled(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S11, S12, the zombie: host A is SIGSTOPped while d1's model request is open, past its
+    lease; B claims dm:1, kills A's worker, replays and answers d1. A is then SIGCONTed: it
+    gives the lane up (its deadline passed, or its next write is refused by epoch) and
+    writes nothing more for it — every record of A's worker epoch precedes every record of
+    B's in d1's log, one model response is journaled (B's), d1 has one result — while A goes
+    on serving its other rooms."""
+    a_asked = trio.Event()
+    arrived = 0
+
+    async def on_request(n: int) -> None:
+        nonlocal arrived
+        arrived = n
+        if n == 1:  # A's request: never answered (A is paused, then fenced out)
+            a_asked.set()
+            await trio.sleep_forever()
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (model, url),
+            deployment(tmp_path, pg_dsn, url) as start,
+        ):
+            a, b = [await start(name) for name in "ab"]
+            async with a.connect() as on_a:
+                await on_a.send(message("d1", room="dm:1"))
+                await on_a.until(lambda f: f["type"] == "accepted")
+                await a_asked.wait()
+            a.signal(signal.SIGSTOP)
+            async with b.connect() as on_b:
+                d1 = await on_b.result("d1")  # claimed after A's lease ran out
+                await b.until("stderr", rb"lane dm:1 claimed at epoch 2")
+                a.signal(signal.SIGCONT)
+                await a.until("stderr", rb"lane dm:1 given up at epoch 1")
+                async with a.connect() as again:
+                    await again.send(message("d2", "still here", room="dm:2"))
+                    d2 = await again.result("d2")
+                    await again.send({"type": "status"})
+                    status = await again.until(lambda f: f["type"] == "status")
+                assert await on_b.result("d2") == d2  # every host streams every result
+    assert d1["outcome"] == "reply"
+    assert (d2["outcome"], d2["seq"]) == ("reply", 2)
+    assert [room["room"] for room in status["rooms"]] == ["dm:2"]  # A holds dm:1 no more
+    assert sorted(await _results(pg_dsn)) == [("d1", 1), ("d2", 2)]
+    records = await _delivery_records(pg_dsn, tmp_path, "d1")
+    epochs = [r.epoch for r in records if hasattr(r, "epoch") and r.epoch > 0]
+    assert epochs == sorted(epochs)  # nothing of A's epoch (1) after B's (2)
+    responses = [r for r in records if isinstance(r, ModelResponse)]
+    assert [r.epoch for r in responses] == [2]
+    assert arrived == 3  # A's request for d1 (never answered), B's replay of it, d2
+    assert model.request_count == 2  # the two answered
+
+
+async def _delivery_records(dsn: str, root: Path, delivery_id: str) -> list[Record]:
+    async with open_pg_store(dsn, root=root / "reader") as store:
+        return list((await store.read_delivery_log(delivery_id)).records)
