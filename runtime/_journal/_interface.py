@@ -157,6 +157,7 @@ class LeaseStore(JournalStore, Protocol):
 
     async def lease(self, lane: str) -> Lease | None: ...
 
-    async def watch_shared(self, changed: Callable[[], None], *, poll: float) -> NoReturn:
-        """Call ``changed()`` when another host may have appended to a shared log."""
+    async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:
+        """Call ``changed(released)`` when another host may have appended to a shared log,
+        or given a lease up (``released``)."""
         ...

@@ -83,7 +83,9 @@ SCHEMA: Final = "pi_runtime"
 
 CHANNEL: Final = "pi_runtime_shared_logs"
 """The ``NOTIFY`` channel an append to a shared log is announced on (its payload: the log's
-name), at its commit (scale-out.md S23)."""
+name), and a released lease (:data:`RELEASED`), at its commit (scale-out.md S23)."""
+RELEASED: Final = "released"
+"""The announcement of a lease given up: a lane may be claimed now."""
 
 _VERSION_TABLE: Final = f"""
 CREATE TABLE IF NOT EXISTS {SCHEMA}.schema_version (
@@ -218,9 +220,11 @@ RETURNING l.lane"""
 """S12: every lease this owner still holds at its epoch, extended; an expired one is not
 (it is claimed again, under a new epoch)."""
 _RELEASE: Final = f"""
-UPDATE {SCHEMA}.lanes SET lease_until = '-infinity'
- WHERE lane = %s AND owner = %s AND epoch = %s"""
-"""A lease given up: it runs out now (the row, and so the epoch, stays)."""
+WITH released AS (
+    UPDATE {SCHEMA}.lanes SET lease_until = '-infinity'
+     WHERE lane = %s AND owner = %s AND epoch = %s RETURNING lane)
+SELECT pg_notify('{CHANNEL}', '{RELEASED}') FROM released"""
+"""A lease given up: it runs out now (the row, and so the epoch, stays), announced (S23)."""
 _LEASE: Final = f"""
 SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_until - now()), 0)
   FROM {SCHEMA}.lanes WHERE lane = %s"""
@@ -1139,11 +1143,12 @@ class PgStore:
 
         return await self._on_leases(lease)
 
-    async def watch_shared(self, changed: Callable[[], None], *, poll: float) -> NoReturn:
-        """Call ``changed()`` whenever another process may have appended to a shared log:
-        on each announcement (``NOTIFY``, S23), after a reconnect (one may have been missed)
-        and every ``poll`` seconds whatever happens, so a lost announcement delays, never
-        loses. Runs until cancelled, on a connection of its own."""
+    async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:
+        """Call ``changed(released)`` whenever another process may have appended to a shared
+        log or given a lease up (``released``): on each announcement (``NOTIFY``, S23), after
+        a reconnect (one may have been missed: ``released`` too) and every ``poll`` seconds
+        whatever happens, so a lost announcement delays, never loses. Runs until cancelled,
+        on a connection of its own."""
         listener: _Conn | None = None
         fd = -1  # the listener's socket, taken once: a lost connection no longer names it
         failures = 0
@@ -1165,15 +1170,18 @@ class PgStore:
                     except (_Unreachable, psycopg.Error):
                         failures += 1
                         await trio.sleep(self.retry.delay(min(failures, self.retry.attempts)))
-                    changed()
+                    changed(True)
                     continue
                 with trio.move_on_after(poll):
                     await trio.lowlevel.wait_readable(fd)
+                released = False
                 try:
-                    await trio.to_thread.run_sync(_drain_notifications, listener)
+                    payloads = await trio.to_thread.run_sync(_drain_notifications, listener)
+                    released = RELEASED in payloads
                 except psycopg.Error:
                     await close()
-                changed()
+                    released = True
+                changed(released)
         finally:
             if listener is not None:
                 with trio.CancelScope(shield=True):
@@ -1333,10 +1341,10 @@ def _listen(params: Mapping[str, Any]) -> _Conn:
     return conn
 
 
-def _drain_notifications(conn: _Conn) -> int:
-    """Read what the server sent the listener (without waiting); the number of
-    announcements. A broken connection raises the driver's error."""
-    return sum(1 for _ in conn.notifies(timeout=0))
+def _drain_notifications(conn: _Conn) -> set[str]:
+    """Read what the server sent the listener (without waiting); the announcements'
+    payloads. A broken connection raises the driver's error."""
+    return {notify.payload for notify in conn.notifies(timeout=0)}
 
 
 def new_owner_id() -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -140,6 +141,9 @@ class RoomWorker:
         """Rooms whose lane this host holds and has recovered: new admissions go to them."""
         self._taking: dict[str, trio.Event] = {}
         """Rooms whose lane is being claimed and recovered (set when that ends)."""
+        self._not_before: dict[str, float] = {}
+        """Rooms whose lane another host's lease holds, and until when (Trio's clock): no
+        claim is tried before."""
         self._poked = trio.Event()
 
     # -- the API -----------------------------------------------------------------------
@@ -411,7 +415,7 @@ class RoomWorker:
         it (``queued``)."""
         room = str(admission.request["room"])
         delivery_id = admission.delivery_id
-        lane = await self._take(room, fresh=frozenset({delivery_id}))
+        lane = await self._take(room)
         if lane is not None:
             await self._reconcile(room)
         pending = self._pending.get(delivery_id)
@@ -425,36 +429,44 @@ class RoomWorker:
                 disposition = "started"
         return Accepted(delivery_id=delivery_id, room=room, disposition=disposition)
 
-    async def _take(self, room: str, *, fresh: frozenset[str] = frozenset()) -> Lane | None:
+    async def _take(self, room: str) -> Lane | None:
         """The room's lane, held and recovered by this host: claimed now if nobody holds it
         (S10) and recovered as a restart would (S13: leftovers killed, the session restored
         from the database, unfinished deliveries replayed). ``None`` while another host
         holds it, or when the claim or the recovery failed (the database, a damaged log):
         that stays in this room — the lane is given up and claimed again later."""
-        if room in self._ready:
-            return self._lanes.get(room)
         if (taking := self._taking.get(room)) is not None:
             await taking.wait()
-            return self._lanes.get(room) if room in self._ready else None
+        if room in self._lanes:  # held (or being given up: claimed again once it is gone)
+            lane = self._lanes[room]
+            return lane if room in self._ready and not lane.lost else None
+        if trio.current_time() < self._not_before.get(room, -math.inf):
+            return None  # another host's lease on it runs until then
         assert self.leases is not None
         done = self._taking[room] = trio.Event()
         fence: Fence | None = None
         try:
             fence = await self.leases.claim(room)
             if fence is None:
+                lease = await self.leases.store.lease(room)
+                remaining = lease.remaining if lease is not None and lease.live else 0.0
+                self._not_before[room] = trio.current_time() + remaining
                 return None
             await self._sync()  # everything admitted before the claim is known now
             if self.leases.fence(room) != fence:
                 return None  # lost again meanwhile
             logger.info("lane %s claimed at epoch %d", room, fence.epoch)
-            self._lane(room, fence)
-            await self._recover({room}, fresh=fresh)
+            lane = self._lane(room, fence)
+            await self._recover({room})
+            if self._lanes.get(room) is not lane or lane.lost:
+                return None  # lost while it recovered: claimed again once it is gone
             self._ready.add(room)
-            return self._lanes.get(room)
+            await self._reconcile(room)  # what was learned while it recovered
+            return lane
         except (DiskFailedError, JournalError):
             if fence is not None:
-                if (lane := self._lanes.get(room)) is not None and lane.fence == fence:
-                    lane.lose()
+                if (taken := self._lanes.get(room)) is not None and taken.fence == fence:
+                    taken.lose()
                 await self.leases.release(fence)
             return None
         finally:
@@ -484,8 +496,10 @@ class RoomWorker:
                 continue
             await self._route(lane, pending)
 
-    def _poke(self) -> None:
-        """Another host may have appended to a shared log (S23)."""
+    def _poke(self, released: bool) -> None:
+        """Another host may have appended to a shared log, or given a lease up (S23)."""
+        if released:
+            self._not_before.clear()
         self._poked.set()
 
     async def _sync(self) -> None:
@@ -572,14 +586,12 @@ class RoomWorker:
 
     # -- recovery ----------------------------------------------------------------------
 
-    async def _recover(
-        self, rooms: set[str] | None = None, *, fresh: frozenset[str] = frozenset()
-    ) -> None:
+    async def _recover(self, rooms: set[str] | None = None) -> None:
         """Pick up what a previous owner left: kill its epochs' trees, then requeue every
         admitted delivery without a published result, in admission order
         (docs/design/recovery.md) — of every room, or (a shared store, S13) of ``rooms``,
-        whose lanes this host has just claimed. ``fresh``: deliveries this host has just
-        admitted, which never ran (not charged a recovery attempt)."""
+        whose lanes this host has just claimed; there a delivery whose turn never began
+        anywhere (it has no log) is not charged a recovery attempt (L19)."""
         await self._kill_leftover_epochs(rooms)
         published = self._host.outbox
         chosen = self._unfinished.keys() if rooms is None else rooms
@@ -597,8 +609,14 @@ class RoomWorker:
             delivery = msgspec.convert(record.request, Delivery)
             grants = self.config.grants_for(delivery.room, delivery.author.id)
             privileged = self.config.is_privileged(delivery.room, delivery.author.id)
-            lane = self._lane(delivery.room)
-            recovering = record.delivery_id not in fresh
+            if rooms is None:
+                lane, recovering = self._lane(delivery.room), True
+            else:  # claimed just now: still held? (lost meanwhile: claimed again later)
+                held = self._lanes.get(delivery.room)
+                if held is None or held.lost:
+                    continue
+                lane = held
+                recovering = await self.store.exists(self.store.delivery_rel(record.delivery_id))
             pending = Pending(delivery, record, grants or frozenset(), privileged, recovering)
             refused = self._refusal(record, delivery, grants)
             if record.delivery_id in cancels:  # `pi-runtime cancel` while no server ran

@@ -341,15 +341,19 @@ async def test_s23_an_append_to_a_shared_log_is_announced_to_other_hosts(
 ) -> None:
     """S23: a host watching the shared logs is told of another host's append at its commit
     (long before its poll interval), and after its listening connection was cut it
-    reconnects and is told again (it may have missed one)."""
+    reconnects and is told again (it may have missed one); a lease given up is announced
+    as a release (a lane may be claimed now)."""
     with trio.fail_after(LIMIT):
         async with _host(pg_dsn, tmp_path, "a") as a, _host(pg_dsn, tmp_path, "b") as b:
             calls = 0
             changed = trio.Event()
 
-            def on_change() -> None:
-                nonlocal calls, changed
+            releases = 0
+
+            def on_change(released: bool) -> None:
+                nonlocal calls, changed, releases
                 calls += 1
+                releases += released
                 changed.set()
 
             async with trio.open_nursery() as nursery:
@@ -365,8 +369,15 @@ async def test_s23_an_append_to_a_shared_log_is_announced_to_other_hosts(
                 changed = trio.Event()
                 await b.results.append(_action(2))
                 await changed.wait()
+                fence = await b.claim("room-1", TTL)
+                assert fence is not None
+                before = releases
+                changed = trio.Event()
+                await b.release(fence)  # announced too: a lane may be claimed now
+                await changed.wait()
                 nursery.cancel_scope.cancel()
-            assert calls >= 4
+            assert calls >= 5
+            assert releases > before
 
 
 async def test_the_lease_schema_is_version_2(pg_dsn: str) -> None:

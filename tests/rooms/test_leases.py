@@ -49,7 +49,7 @@ class ScriptedLeases:
     async def lease(self, lane: str) -> Lease | None:
         raise NotImplementedError
 
-    async def watch_shared(self, changed: Callable[[], None], *, poll: float) -> NoReturn:
+    async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:
         raise NotImplementedError
 
 

@@ -170,3 +170,33 @@ async def test_s21_the_same_delivery_sent_to_two_hosts_at_once_is_admitted_once(
     )
     assert rows == [(1,)]
     assert model.request_count == 1
+
+
+async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S12, S23: A stops (its block ends) with d1 mid-turn and d2 queued in dm:1; its leases
+    are given up and announced, so B — which found dm:1 held and would otherwise wait out the
+    60 s lease — claims it at once and answers both, d1 replayed."""
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == 1:
+            asked.set()
+            await trio.sleep_forever()  # A's request: never answered
+
+    with trio.fail_after(LIMIT / 2):  # far less than the lease
+        async with (
+            scripted_upstream([], on_request=on_request) as (model, url),
+            host(tmp_path, "b", pg_dsn, url) as b,
+        ):
+            async with host(tmp_path, "a", pg_dsn, url) as a:
+                await a.deliver(message("d1", "dm:1", "one"))
+                await asked.wait()
+                queued = await b.deliver(message("d2", "dm:1", "two"))  # B: held by A
+            d1 = await result_of(b, "d1")
+            d2 = await result_of(b, "d2")
+    assert queued.disposition == "queued"
+    assert (d1.outcome, d2.outcome) == ("reply", "reply")
+    assert (d1.seq, d2.seq) == (1, 2)
+    assert model.request_count == 2
