@@ -153,3 +153,30 @@ def test_readme_configuration_example_loads(tmp_path: Path) -> None:
     assert (config.agent, config.model.api_key_env) == ("pi", "OPENAI_API_KEY")
     assert config.rooms is not None
     assert config.rooms["dm:42"].grants == frozenset({"send_text_update", "read"})
+
+
+def test_the_several_hosts_demo_runs_as_the_readme_shows(tmp_path: Path) -> None:
+    """The README's "Several hosts" demo (``scripts/several-hosts``, with this environment's
+    Python): three hosts answer their rooms; a room of the SIGKILLed host is answered
+    through another, which claimed its lane under a new epoch."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "_several_hosts.py"), str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for host in "abc":
+        assert f"dm:{host} through host {host}: {{'accepted': 'started', 'outcome': 'reply'" in (
+            "\n".join(lines)
+        )
+    last = lines[-1]
+    assert last.startswith(
+        "dm:a through host b: {'accepted': 'queued', 'outcome': 'reply', 'seq': 4}"
+    )
+    assert re.search(r"its lane now held by [bc] \(epoch 2\)$", last)
+    shown = README.read_text()
+    assert "scripts/several-hosts" in shown

@@ -1,0 +1,134 @@
+"""The demo behind ``scripts/several-hosts`` (see there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import trio
+from trio_websocket import open_websocket_url
+
+warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+from pgserver.postgres_server import get_server  # noqa: E402
+
+from runtime._journal._postgres import migrate  # noqa: E402
+
+LEASE = 3.0
+
+
+def host_config(dsn: str, name: str) -> str:
+    return (
+        'state_dir = "state"\nwork_root = "work"\n\n'
+        f'[store]\nurl = "{dsn}"\nhost_name = "{name}"\nlease_seconds = {LEASE}\n'
+    )
+
+
+async def start_host(root: Path, name: str) -> tuple[trio.Process, int]:
+    """Start host ``name``; its process and the port it listens on."""
+    common, own = root / "srv", root / "hosts" / name
+    serve = f"{Path(sys.executable).parent}/pi-runtime serve --port 0 --config config.toml"
+    script = f"mount --bind {own} {common} && cd {common} && exec {serve}"
+    unshare = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        unshare.append("--map-root-user")
+    log = (root / f"{name}.log").open("ab")
+    process = await trio.lowlevel.open_process(
+        [*unshare, "sh", "-c", script], stdout=subprocess.PIPE, stderr=log
+    )
+    assert process.stdout is not None
+    seen = b""
+    while (found := re.search(rb"listening on ws://[0-9.]+:(\d+)", seen)) is None:
+        data = await process.stdout.receive_some(4096)
+        if not data:
+            raise SystemExit(f"host {name} did not start; see {root / f'{name}.log'}")
+        seen += data
+    return process, int(found.group(1))
+
+
+async def ask(root: Path, name: str, port: int, delivery_id: str, room: str) -> dict[str, str]:
+    token = (root / "hosts" / name / "state" / "token").read_text()
+    async with open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
+        hello = {"type": "hello", "protocol": 1, "token": token, "client": "several-hosts"}
+        await ws.send_message(json.dumps(hello))
+        welcome = json.loads(await ws.get_message())
+        if welcome["type"] != "welcome":
+            raise SystemExit(f"host {name} refused the client: {welcome}")
+        message = {
+            "type": "deliver",
+            "delivery_id": delivery_id,
+            "room": room,
+            "author": {"id": "u-1", "name": "Ann"},
+            "message_id": f"m-{delivery_id}",
+            "text": f"hello, {room}",
+        }
+        await ws.send_message(json.dumps(message))
+        while True:
+            frame = json.loads(await ws.get_message())
+            if frame["type"] == "error":
+                raise SystemExit(f"host {name} refused {delivery_id}: {frame}")
+            if frame["type"] == "accepted" and frame["delivery_id"] == delivery_id:
+                accepted = frame["disposition"]
+            if frame["type"] == "result" and frame["delivery_id"] == delivery_id:
+                return {"accepted": accepted, "outcome": frame["outcome"], "seq": frame["seq"]}
+
+
+def holder(root: Path, room: str) -> str:
+    for name in "abc":
+        log = (root / f"{name}.log").read_text(errors="replace")
+        claims = re.findall(rf"lane {re.escape(room)} claimed at epoch (\d+)", log)
+        if claims and int(claims[-1]) > 1:
+            return f"{name} (epoch {claims[-1]})"
+    return "?"
+
+
+def prepare(root: Path, dsn: str) -> None:
+    (root / "srv").mkdir()
+    for name in "abc":
+        own = root / "hosts" / name
+        own.mkdir(parents=True, mode=0o700)
+        (own / "config.toml").write_text(host_config(dsn, name))
+
+
+async def main(root: Path, dsn: str) -> None:
+    hosts: dict[str, trio.Process] = {}
+    try:
+        print(f"PostgreSQL: {dsn} (schema {await migrate(dsn)})")
+        ports: dict[str, int] = {}
+        for name in "abc":
+            hosts[name], ports[name] = await start_host(root, name)
+            print(f"host {name}: ws://127.0.0.1:{ports[name]}/ (log: {root / f'{name}.log'})")
+        for n, name in enumerate("abc", 1):
+            answer = await ask(root, name, ports[name], f"d{n}", f"dm:{name}")
+            print(f"dm:{name} through host {name}: {answer}")
+        hosts["a"].kill()
+        await hosts["a"].wait()
+        print("host a SIGKILLed; writing to its room dm:a through host b …")
+        with trio.fail_after(LEASE + 30):
+            answer = await ask(root, "b", ports["b"], "d4", "dm:a")
+        print(f"dm:a through host b: {answer}, its lane now held by {holder(root, 'dm:a')}")
+    finally:
+        for process in hosts.values():
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+def run(root: Path) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    server = get_server(root / "pg", cleanup_mode="stop")
+    try:
+        prepare(root, server.get_uri())
+        trio.run(main, root, server.get_uri())
+    finally:
+        server.cleanup()
+
+
+run(Path(sys.argv[1]).absolute())
