@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from pgserver.postgres_server import get_server  # noqa: E402
 from runtime._journal._postgres import migrate  # noqa: E402
 
 LEASE = 3.0
+COMMON = Path(tempfile.mkdtemp(prefix="pi-hosts-", dir="/tmp"))
+"""Where every host sees its own directory (in its own mount namespace), as separate machines
+would each have ``/srv/pi-runtime``: short, since a socket's path must fit in 108 bytes."""
 
 
 def host_config(dsn: str, name: str) -> str:
@@ -31,7 +35,7 @@ def host_config(dsn: str, name: str) -> str:
 
 async def start_host(root: Path, name: str) -> tuple[trio.Process, int]:
     """Start host ``name``; its process and the port it listens on."""
-    common, own = root / "srv", root / "hosts" / name
+    common, own = COMMON, root / "hosts" / name
     serve = f"{Path(sys.executable).parent}/pi-runtime serve --port 0 --config config.toml"
     script = f"mount --bind {own} {common} && cd {common} && exec {serve}"
     unshare = ["unshare", "--mount", "--propagation", "private"]
@@ -88,7 +92,6 @@ def holder(root: Path, room: str) -> str:
 
 
 def prepare(root: Path, dsn: str) -> None:
-    (root / "srv").mkdir()
     for name in "abc":
         own = root / "hosts" / name
         own.mkdir(parents=True, mode=0o700)
@@ -129,6 +132,7 @@ def run(root: Path) -> None:
         trio.run(main, root, server.get_uri())
     finally:
         server.cleanup()
+        COMMON.rmdir()
 
 
 run(Path(sys.argv[1]).absolute())

@@ -415,18 +415,19 @@ class RoomWorker:
         it (``queued``)."""
         room = str(admission.request["room"])
         delivery_id = admission.delivery_id
+        ahead = any(d != delivery_id for d in self._unfinished.get(room, ()))
         lane = await self._take(room)
         if lane is not None:
             await self._reconcile(room)
         pending = self._pending.get(delivery_id)
+        result = self._host.outbox.result_of(delivery_id)  # it may have run meanwhile
         disposition: Literal["started", "steered", "queued"] = "queued"
-        if lane is not None and pending is not None:
-            if pending.absorbed_into is not None:
-                disposition = "steered"
-            elif lane.current is pending or (
-                lane.current is None and lane.queue and lane.queue[0] is pending
-            ):
-                disposition = "started"
+        if (pending is not None and pending.absorbed_into is not None) or (
+            result is not None and result.outcome is Outcome.ABSORBED
+        ):
+            disposition = "steered"
+        elif lane is not None and not ahead:
+            disposition = "started"  # this host runs it, and nothing of the room was before it
         return Accepted(delivery_id=delivery_id, room=room, disposition=disposition)
 
     async def _take(self, room: str) -> Lane | None:
