@@ -204,7 +204,7 @@ async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
     assert (d1.seq, d2.seq) == (1, 2)
     if d2.outcome == "absorbed":  # steered into d1's run (on A, or on B's replay): L10
         assert d2.absorbed_into == "d1"
-        assert model.request_count == 1  # B's replay of d1, carrying d2
+        assert model.request_count in (1, 2)  # B's replay of d1 carried d2, or a next step did
     else:
         assert d2.outcome == "reply"
         assert model.request_count == 2
