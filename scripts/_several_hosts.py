@@ -126,12 +126,16 @@ def run(root: Path) -> None:
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    server = get_server(root / "pg", cleanup_mode="stop")
+    # its own temporary directory: as root, PostgreSQL runs as the user `pgserver`, which must
+    # traverse every parent of its data directory (DIR's may not let it)
+    data = Path(tempfile.mkdtemp(prefix="pi-runtime-pg-"))
+    server = get_server(data / "data", cleanup_mode="stop")
     try:
         prepare(root, server.get_uri())
         trio.run(main, root, server.get_uri())
     finally:
         server.cleanup()
+        shutil.rmtree(data, ignore_errors=True)
         COMMON.rmdir()
 
 

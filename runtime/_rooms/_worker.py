@@ -506,10 +506,8 @@ class RoomWorker:
     async def _sync(self) -> None:
         """Learn what the other hosts appended to the shared logs, and hand new deliveries
         of the rooms this host holds to their lanes."""
-        new = self._learn_admissions(await self.store.admissions.refresh())
+        self._learn_admissions(await self.store.admissions.refresh())  # handed over there
         self._learn_results(await self._host.outbox.sync())
-        for room in sorted({str(a.request["room"]) for a in new}):
-            await self._reconcile(room)
 
     async def _follow_shared(self) -> None:
         """Read the shared logs whenever told (S23), until cancelled. A database that cannot
@@ -521,16 +519,20 @@ class RoomWorker:
                 await self._sync()
 
     async def _claim_waiting(self, interval: float) -> None:
-        """Claim the lanes whose deliveries wait while nobody holds them — their holder died
-        or stopped renewing (S12, S13) — every ``interval`` seconds, until cancelled."""
+        """Claim the lanes whose deliveries wait while nobody here holds them — their holder
+        died or stopped renewing (S12, S13) — every ``interval`` seconds, until cancelled."""
+        seen: set[str] = set()
         while True:
-            waiting = [
+            waiting = {
                 room
                 for room, ids in self._unfinished.items()
                 if ids and room not in self._lanes and room not in self._taking
-            ]
-            for room in sorted(waiting):
+            }
+            # a room is taken only once it waited a whole interval: the host that admitted
+            # into it claims it itself right after the admission (S20)
+            for room in sorted(waiting & seen):
                 await self._take(room)
+            seen = waiting
             await trio.sleep(interval)
 
     def _lane_lost(self, room: str, fence: Fence, why: str) -> None:
@@ -562,7 +564,9 @@ class RoomWorker:
     # -- what this host knows -----------------------------------------------------------
 
     def _learn_admissions(self, records: list[Record]) -> list[Admission]:
-        """Take in admissions (this host's, or read from the shared log); the new ones."""
+        """Take in admissions (this host's, or read from the shared log — by a refresh of
+        any path: a sync, or an append that lost the race for a number); the new ones. A
+        new one in a room whose lane this host holds is handed to it (:meth:`_reconcile`)."""
         new = []
         outbox = self._host.outbox
         for record in records:
@@ -579,6 +583,8 @@ class RoomWorker:
             else:
                 self._warm.add(room)
             new.append(record)
+            if room in self._ready:  # another host admitted into a lane held here
+                self._nursery.start_soon(self._reconcile, room)
         return new
 
     def _learn_results(self, results: list[DeliveryResult]) -> None:
