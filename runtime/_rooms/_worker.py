@@ -533,7 +533,10 @@ class RoomWorker:
             for room in sorted(waiting & seen):
                 await self._take(room)
             seen = waiting
-            await trio.sleep(interval)
+            # and at the moment a lease another host held can have run out, if sooner
+            now = trio.current_time()
+            until = [self._not_before[r] for r in waiting if self._not_before.get(r, 0) > now]
+            await trio.sleep_until(min([now + interval, *until]))
 
     def _lane_lost(self, room: str, fence: Fence, why: str) -> None:
         """The lease ``fence`` is lost (S12: taken over, or not renewed in time): stop the
