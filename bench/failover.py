@@ -19,13 +19,9 @@ recovery, a fresh worker and the turn). The issue's target: answer - expiry ≤ 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -33,7 +29,6 @@ from pathlib import Path
 
 import psycopg
 import trio
-from trio_websocket import open_websocket_url
 
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 from pgserver.postgres_server import get_server  # noqa: E402
@@ -41,45 +36,7 @@ from pgserver.postgres_server import get_server  # noqa: E402
 from runtime._journal._postgres import migrate  # noqa: E402
 from runtime._journal._store import Store  # noqa: E402
 
-
-async def _start(common: Path, own: Path) -> tuple[trio.Process, int]:
-    serve = f"{Path(sys.executable).parent}/pi-runtime serve --port 0 --config config.toml"
-    script = f"mount --bind {own} {common} && cd {common} && exec {serve}"
-    unshare = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        unshare.append("--map-root-user")
-    process = await trio.lowlevel.open_process(
-        [*unshare, "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    assert process.stdout is not None
-    seen = b""
-    while (found := re.search(rb"listening on ws://[0-9.]+:(\d+)", seen)) is None:
-        data = await process.stdout.receive_some(4096)
-        if not data:
-            raise SystemExit("a host did not start")
-        seen += data
-    return process, int(found.group(1))
-
-
-async def _ask(own: Path, port: int, delivery_id: str, room: str) -> None:
-    token = (own / "state" / "token").read_text()
-    async with open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
-        hello = {"type": "hello", "protocol": 1, "token": token, "client": "bench"}
-        await ws.send_message(json.dumps(hello))
-        await ws.get_message()
-        message = {
-            "type": "deliver",
-            "delivery_id": delivery_id,
-            "room": room,
-            "author": {"id": "u-1", "name": "Ann"},
-            "message_id": f"m-{delivery_id}",
-            "text": "hello",
-        }
-        await ws.send_message(json.dumps(message))
-        while True:
-            frame = json.loads(await ws.get_message())
-            if frame["type"] == "result" and frame["delivery_id"] == delivery_id:
-                return
+from ._hosts import ask, start_host  # noqa: E402
 
 
 def _remaining(dsn: str, room: str) -> float:
@@ -101,15 +58,15 @@ async def _round(root: Path, common: Path, dsn: str, n: int, lease: float) -> tu
             f'state_dir = "state"\nwork_root = "work"\n\n[store]\nurl = "{dsn}"\n'
             f'host_name = "{name}"\nlease_seconds = {lease}\n'
         )
-        hosts[name] = (*await _start(common, own), own)
+        hosts[name] = (*await start_host(common, own), own)
     (a, a_port, a_dir), (_b, b_port, b_dir) = hosts[f"a{n}"], hosts[f"b{n}"]
     room = f"dm:bench-{n}"
     try:
-        await _ask(a_dir, a_port, f"r{n}-1", room)
+        await ask(a_dir, a_port, f"r{n}-1", room)
         expiry = await trio.to_thread.run_sync(_remaining, dsn, room)
         killed = time.monotonic()
         a.kill()
-        await _ask(b_dir, b_port, f"r{n}-2", room)
+        await ask(b_dir, b_port, f"r{n}-2", room)
         answered = time.monotonic() - killed
     finally:
         for process, _port, _own in hosts.values():

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import trio
-from trio_websocket import open_websocket_url
 
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 from pgserver.postgres_server import get_server  # noqa: E402
 
+from bench import _hosts as hosts  # noqa: E402
 from runtime._journal._postgres import migrate  # noqa: E402
 
 LEASE = 3.0
@@ -35,51 +33,12 @@ def host_config(dsn: str, name: str) -> str:
 
 async def start_host(root: Path, name: str) -> tuple[trio.Process, int]:
     """Start host ``name``; its process and the port it listens on."""
-    common, own = COMMON, root / "hosts" / name
-    serve = f"{Path(sys.executable).parent}/pi-runtime serve --port 0 --config config.toml"
-    script = f"mount --bind {own} {common} && cd {common} && exec {serve}"
-    unshare = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        unshare.append("--map-root-user")
     log = (root / f"{name}.log").open("ab")
-    process = await trio.lowlevel.open_process(
-        [*unshare, "sh", "-c", script], stdout=subprocess.PIPE, stderr=log
-    )
-    assert process.stdout is not None
-    seen = b""
-    while (found := re.search(rb"listening on ws://[0-9.]+:(\d+)", seen)) is None:
-        data = await process.stdout.receive_some(4096)
-        if not data:
-            raise SystemExit(f"host {name} did not start; see {root / f'{name}.log'}")
-        seen += data
-    return process, int(found.group(1))
+    return await hosts.start_host(COMMON, root / "hosts" / name, stderr=log)
 
 
-async def ask(root: Path, name: str, port: int, delivery_id: str, room: str) -> dict[str, str]:
-    token = (root / "hosts" / name / "state" / "token").read_text()
-    async with open_websocket_url(f"ws://127.0.0.1:{port}/") as ws:
-        hello = {"type": "hello", "protocol": 1, "token": token, "client": "several-hosts"}
-        await ws.send_message(json.dumps(hello))
-        welcome = json.loads(await ws.get_message())
-        if welcome["type"] != "welcome":
-            raise SystemExit(f"host {name} refused the client: {welcome}")
-        message = {
-            "type": "deliver",
-            "delivery_id": delivery_id,
-            "room": room,
-            "author": {"id": "u-1", "name": "Ann"},
-            "message_id": f"m-{delivery_id}",
-            "text": f"hello, {room}",
-        }
-        await ws.send_message(json.dumps(message))
-        while True:
-            frame = json.loads(await ws.get_message())
-            if frame["type"] == "error":
-                raise SystemExit(f"host {name} refused {delivery_id}: {frame}")
-            if frame["type"] == "accepted" and frame["delivery_id"] == delivery_id:
-                accepted = frame["disposition"]
-            if frame["type"] == "result" and frame["delivery_id"] == delivery_id:
-                return {"accepted": accepted, "outcome": frame["outcome"], "seq": frame["seq"]}
+async def ask(root: Path, name: str, port: int, delivery_id: str, room: str) -> dict[str, Any]:
+    return await hosts.ask(root / "hosts" / name, port, delivery_id, room)
 
 
 def holder(root: Path, room: str) -> str:

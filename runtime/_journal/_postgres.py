@@ -881,13 +881,22 @@ class PgStore:
                 problem = str(exc)
         raise _Unreachable(f"{problem} (in {self.retry.attempts} attempts)")
 
-    async def _run(self, rel: str | None, fn: Callable[[_Conn], _T]) -> _T:
+    async def _run(
+        self,
+        rel: str | None,
+        fn: Callable[[_Conn], _T],
+        *,
+        connection: _Connection | None = None,
+        store_failure: bool = True,
+    ) -> _T:
         """Idempotent work (a read, an upsert) on ``rel``'s connection (the shared one for
-        ``None``), retried under the policy (:meth:`_retrying`); a failure is the
-        database's (``disk_failure``)."""
+        ``None``; or ``connection``), retried under the policy (:meth:`_retrying`). A
+        failure is ``store_unavailable``, and the database's (``disk_failure``) unless
+        ``store_failure`` is false."""
         if self._closed:
             raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=rel)
-        connection = self._shared if rel is None else self._connection(rel)
+        if connection is None:
+            connection = self._shared if rel is None else self._connection(rel)
         try:
             return await self._retrying(connection, fn)
         except _Closed:
@@ -896,7 +905,9 @@ class PgStore:
             problem = str(exc)
         except psycopg.Error as exc:
             problem = f"the database failed: {_reason(exc, self._params)}"
-        raise self._unavailable(problem, rel)
+        if store_failure:
+            raise self._unavailable(problem, rel)
+        raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem, path=rel)
 
     # -- names ---------------------------------------------------------------------------
 
@@ -1075,17 +1086,7 @@ class PgStore:
         """Lease work on its own connection, retried under the policy; a database that
         cannot be reached is ``store_unavailable`` here, not the host's :attr:`disk_failure`:
         the lease keeper decides what losing its leases means (S12)."""
-        if self._closed:
-            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed")
-        try:
-            return await self._retrying(self._leases, fn)
-        except _Closed:
-            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed") from None
-        except _Unreachable as exc:
-            problem = str(exc)
-        except psycopg.Error as exc:
-            problem = f"the database failed: {_reason(exc, self._params)}"
-        raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem)
+        return await self._run(None, fn, connection=self._leases, store_failure=False)
 
     async def claim(self, lane: str, ttl: float) -> Fence | None:
         """Claim ``lane`` (its name as :meth:`open_lane_log` takes it) for ``ttl`` seconds of

@@ -229,6 +229,9 @@ class RoomWorker:
         self._pending[pending.delivery_id] = pending
         if await lane.steer(pending):
             return "steered"
+        if lane.lost:  # given up during the steer (S11): another host runs it
+            self._pending.pop(pending.delivery_id, None)
+            return "queued"
         self._enqueue(lane, pending)
         return "queued"
 
@@ -480,9 +483,11 @@ class RoomWorker:
         room's lane, if this host holds it. What the admitting host pinned is checked
         here as at a recovery (its grants and settings must be this host's too)."""
         lane = self._lanes.get(room)
-        if lane is None or lane.lost or room not in self._ready:
+        if lane is None or room not in self._ready:
             return
         for delivery_id in list(self._unfinished.get(room, ())):
+            if lane.lost:  # given up during an earlier steer: the new holder runs the rest
+                return
             if delivery_id in self._pending:
                 continue
             record = self._admissions[delivery_id]
@@ -621,12 +626,12 @@ class RoomWorker:
             privileged = self.config.is_privileged(delivery.room, delivery.author.id)
             if rooms is None:
                 lane, recovering = self._lane(delivery.room), True
-            else:  # claimed just now: still held? (lost meanwhile: claimed again later)
+            else:  # claimed just now: still held after the last await? (else: claimed later)
+                recovering = await self.store.exists(self.store.delivery_rel(record.delivery_id))
                 held = self._lanes.get(delivery.room)
                 if held is None or held.lost:
                     continue
                 lane = held
-                recovering = await self.store.exists(self.store.delivery_rel(record.delivery_id))
             pending = Pending(delivery, record, grants or frozenset(), privileged, recovering)
             refused = self._refusal(record, delivery, grants)
             if record.delivery_id in cancels:  # `pi-runtime cancel` while no server ran

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import pytest
 import trio
@@ -24,19 +24,10 @@ from runtime._wire import DeliveryResult
 
 from .._workers import scripted_upstream
 from ..journal.pg_fixtures import execute, pg_dsn, pg_server
+from .test_room_worker import message
 
 __all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
 LIMIT: Final = 60.0
-
-
-def message(delivery_id: str, room: str, text: str = "hi") -> dict[str, Any]:
-    return {
-        "delivery_id": delivery_id,
-        "room": room,
-        "author": {"id": "u1", "name": "Ann"},
-        "message_id": f"m-{delivery_id}",
-        "text": text,
-    }
 
 
 @contextlib.asynccontextmanager
@@ -82,7 +73,7 @@ async def test_s11_a_host_whose_lane_is_claimed_under_it_is_refused_and_gives_it
             scripted_upstream([], on_request=on_request) as (model, url),
             host(tmp_path, "a", pg_dsn, url) as a,
         ):
-            accepted = await a.deliver(message("d1", "dm:1"))
+            accepted = await a.deliver(message("d1", room="dm:1"))
             assert accepted.disposition == "started"
             await asked.wait()
             lane = a._lanes["dm:1"]
@@ -118,14 +109,14 @@ async def test_s20_any_host_takes_any_client_and_the_lanes_holder_runs_it(
             host(tmp_path, "a", pg_dsn, url) as a,
             host(tmp_path, "b", pg_dsn, url) as b,
         ):
-            first = await a.deliver(message("d1", "dm:1", "one"))
+            first = await a.deliver(message("d1", "one", room="dm:1"))
             await result_of(a, "d1")
-            second = await b.deliver(message("d2", "dm:1", "two"))
+            second = await b.deliver(message("d2", "two", room="dm:1"))
             on_b = await result_of(b, "d2")
             on_a = await result_of(a, "d2")
-            duplicate = await a.deliver(message("d2", "dm:1", "two"))
+            duplicate = await a.deliver(message("d2", "two", room="dm:1"))
             with pytest.raises(DeliveryError) as conflict:
-                await b.deliver(message("d1", "dm:1", "not one"))
+                await b.deliver(message("d1", "not one", room="dm:1"))
             await b.ack(on_b.seq)
             await a._sync()
             acked = a._host.outbox.acked
@@ -156,7 +147,7 @@ async def test_s21_the_same_delivery_sent_to_two_hosts_at_once_is_admitted_once(
             answers: list[str] = []
 
             async def send(worker: RoomWorker) -> None:
-                answers.append((await worker.deliver(message("d1", "dm:3"))).disposition)
+                answers.append((await worker.deliver(message("d1", room="dm:3"))).disposition)
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send, a)
@@ -194,9 +185,9 @@ async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
             host(tmp_path, "b", pg_dsn, url, lease=600) as b,
         ):
             async with host(tmp_path, "a", pg_dsn, url, lease=600) as a:
-                await a.deliver(message("d1", "dm:1", "one"))
+                await a.deliver(message("d1", "one", room="dm:1"))
                 await asked.wait()
-                queued = await b.deliver(message("d2", "dm:1", "two"))  # B: held by A
+                queued = await b.deliver(message("d2", "two", room="dm:1"))  # B: held by A
             d1 = await result_of(b, "d1")
             d2 = await result_of(b, "d2")
     assert queued.disposition == "queued"
