@@ -24,10 +24,12 @@ ordinary call: the receipt's saved result, or the write applied exactly once. Th
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -43,8 +45,13 @@ __all__ = [
     "RECEIPT_OPERATIONS",
     "STORE_RETRY",
     "ReceiptStore",
+    "SqliteReceiptStore",
+    "Tables",
+    "WriteRequest",
+    "apply_write",
     "is_transient",
     "open_receipt_store",
+    "read_head",
     "receipt_store",
 ]
 
@@ -129,8 +136,163 @@ def input_fingerprint(operation: str, args: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
-class ReceiptStore:
-    """The receipt and document store; obtain it from :func:`open_receipt_store`."""
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """The names of the store's three tables in one database (R9): the statements of a
+    write are the same on both backends, only their table names and placeholders differ."""
+
+    documents: str
+    revisions: str
+    receipts: str
+    placeholder: str = "?"
+
+    def sql(self, statement: str) -> str:
+        """``statement`` with ``{documents}``, ``{revisions}``, ``{receipts}`` named and each
+        ``?`` in this backend's placeholder."""
+        named = statement.format(
+            documents=self.documents, revisions=self.revisions, receipts=self.receipts
+        )
+        return named.replace("?", self.placeholder)
+
+
+Execute = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
+"""Run one statement of the open transaction and return its rows (none for a write)."""
+
+_SAVED: Final = "SELECT input_fingerprint, result FROM {receipts} WHERE intent_id = ?"
+_HEAD: Final = "SELECT head_revision_id FROM {documents} WHERE document_id = ?"
+_ADD_REVISION: Final = (
+    "INSERT INTO {revisions} (revision_id, document_id, base_revision_id, content, created_ms) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
+_MOVE_HEAD: Final = (
+    "INSERT INTO {documents} (document_id, head_revision_id) VALUES (?, ?) "
+    "ON CONFLICT (document_id) DO UPDATE SET head_revision_id = excluded.head_revision_id"
+)
+_ADD_RECEIPT: Final = (
+    "INSERT INTO {receipts} (intent_id, operation, input_fingerprint, result) VALUES (?, ?, ?, ?)"
+)
+_READ: Final = (
+    "SELECT r.revision_id, r.content FROM {documents} d "
+    "JOIN {revisions} r ON r.revision_id = d.head_revision_id WHERE d.document_id = ?"
+)
+
+
+class WriteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A validated ``write_document`` (R4), its receipt key and fingerprint (R1, R2)."""
+
+    intent_id: str
+    document_id: str
+    content: str
+    base_revision_id: str | None
+    fingerprint: str
+    created_ms: int
+
+
+def apply_write(tables: Tables, execute: Execute, request: WriteRequest) -> dict[str, Any]:
+    """The guarded write, inside the caller's open transaction, on either backend: the saved
+    result of the intent's receipt (R2), or the revision, the document's new head and the
+    receipt, to commit together (R3). Raises :class:`ReceiptRefusal` for a definite refusal;
+    the caller rolls back on any exception."""
+    saved = execute(tables.sql(_SAVED), (request.intent_id,))
+    if saved:  # R2: proof it applied
+        if saved[0][0] != request.fingerprint:
+            raise ReceiptRefusal(
+                ReasonCode.RECEIPT_KEY_CONFLICT,
+                f"intent {request.intent_id} was applied with other input; it cannot apply again",
+            )
+        result: dict[str, Any] = msgspec.json.decode(saved[0][1])
+        return result
+    head = execute(tables.sql(_HEAD), (request.document_id,))
+    current = head[0][0] if head else None
+    if request.base_revision_id != current:  # R3: compare-and-swap
+        raise ReceiptRefusal(
+            ReasonCode.DOCUMENT_STALE_BASE,
+            f"document {request.document_id} is at revision {current}, not "
+            f"{request.base_revision_id}: read it again, then write on its revision",
+        )
+    revision = "rev-" + hashlib.sha256(request.intent_id.encode()).hexdigest()[:24]
+    execute(
+        tables.sql(_ADD_REVISION),
+        (revision, request.document_id, current, request.content, request.created_ms),
+    )
+    execute(tables.sql(_MOVE_HEAD), (request.document_id, revision))
+    result = {
+        "document_id": request.document_id,
+        "revision_id": revision,
+        "base_revision_id": current,
+    }
+    encoded = msgspec.json.encode(result).decode()
+    execute(
+        tables.sql(_ADD_RECEIPT),
+        (request.intent_id, "write_document", request.fingerprint, encoded),
+    )
+    return result
+
+
+def read_head(tables: Tables, execute: Execute, document_id: str) -> dict[str, Any]:
+    """``read_document``: the head revision and its content (``document_unknown`` if none)."""
+    rows = execute(tables.sql(_READ), (document_id,))
+    if not rows:
+        raise ReceiptRefusal(ReasonCode.DOCUMENT_UNKNOWN, f"no document {document_id}")
+    return {"document_id": document_id, "revision_id": rows[0][0], "content": rows[0][1]}
+
+
+class ReceiptStore(abc.ABC):
+    """The receipt and document store, on either backend: :func:`open_receipt_store`
+    (SQLite, in the state directory) or, on a shared PostgreSQL journal,
+    ``runtime._boundary._receipts_pg`` (R9). The validation and the guarded write are
+    this class's; a backend runs them in its transactions."""
+
+    def __init__(self, *, now_ms: Callable[[], int]) -> None:
+        self._now_ms = now_ms
+
+    async def write_document(self, intent_id: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """The receipt-guarded write of ``write_document`` (an ordinary call and a recovery
+        alike): the saved result of ``intent_id``'s receipt, or the write applied once with
+        its receipt, in one transaction. Raises :class:`ReceiptRefusal` for a definite
+        refusal; any other exception leaves the call unsettled."""
+        request = _convert(args, _WriteInput)
+        if len(request.content.encode()) > MAX_CONTENT_BYTES:
+            raise ReceiptRefusal(
+                ReasonCode.DOCUMENT_INVALID, f"content is over {MAX_CONTENT_BYTES} bytes"
+            )
+        if "\0" in request.content:  # PostgreSQL's text cannot hold it: refused on both
+            raise ReceiptRefusal(ReasonCode.DOCUMENT_INVALID, "content holds a NUL character")
+        write = WriteRequest(
+            intent_id=intent_id,
+            document_id=request.document_id,
+            content=request.content,
+            base_revision_id=request.base_revision_id,
+            fingerprint=input_fingerprint("write_document", msgspec.to_builtins(request)),
+            created_ms=self._now_ms(),
+        )
+        return await self._write(write)
+
+    async def read_document(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """``read_document`` (``safe``): the head revision and its content."""
+        return await self._read(_convert(args, _ReadInput).document_id)
+
+    @abc.abstractmethod
+    async def _write(self, request: WriteRequest) -> dict[str, Any]:
+        """:func:`apply_write` in one committed transaction (retried as the backend must)."""
+
+    @abc.abstractmethod
+    async def _read(self, document_id: str) -> dict[str, Any]:
+        """:func:`read_head` on the committed state."""
+
+    @abc.abstractmethod
+    async def revisions(self, document_id: str) -> list[str]:
+        """Every revision id of ``document_id``, oldest first (for tests and diagnostics)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+
+_SQLITE_TABLES: Final = Tables(documents="documents", revisions="revisions", receipts="receipts")
+
+
+class SqliteReceiptStore(ReceiptStore):
+    """The store in ``<state>/receipts.sqlite``; obtain it from :func:`open_receipt_store`."""
 
     def __init__(
         self,
@@ -139,8 +301,8 @@ class ReceiptStore:
         now_ms: Callable[[], int],
         retry: Backoff | None = None,
     ) -> None:
+        super().__init__(now_ms=now_ms)
         self._db = connection
-        self._now_ms = now_ms
         self._retry = retry if retry is not None else STORE_RETRY
         self._limiter = trio.CapacityLimiter(1)  # R6: one statement sequence at a time
 
@@ -166,96 +328,31 @@ class ReceiptStore:
             await trio.sleep(delay)
             attempt, waited = attempt + 1, waited + delay
 
-    async def write_document(self, intent_id: str, args: Mapping[str, Any]) -> dict[str, Any]:
-        """The receipt-guarded write of ``write_document`` (an ordinary call and a recovery
-        alike): the saved result of ``intent_id``'s receipt, or the write applied once with
-        its receipt, in one transaction. Raises :class:`ReceiptRefusal` for a definite
-        refusal; any other exception leaves the call unsettled."""
-        request = _convert(args, _WriteInput)
-        if len(request.content.encode()) > MAX_CONTENT_BYTES:
-            raise ReceiptRefusal(
-                ReasonCode.DOCUMENT_INVALID, f"content is over {MAX_CONTENT_BYTES} bytes"
-            )
-        fingerprint = input_fingerprint("write_document", msgspec.to_builtins(request))
-        return await self._run(lambda: self._write(intent_id, request, fingerprint))
+    def _execute(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, params).fetchall()
 
-    def _write(self, intent_id: str, request: _WriteInput, fingerprint: str) -> dict[str, Any]:
+    async def _write(self, request: WriteRequest) -> dict[str, Any]:
+        return await self._run(lambda: self._write_once(request))
+
+    def _write_once(self, request: WriteRequest) -> dict[str, Any]:
         db = self._db
         db.execute("BEGIN IMMEDIATE")  # a busy BEGIN starts no transaction: nothing to undo
         try:
-            saved = db.execute(
-                "SELECT input_fingerprint, result FROM receipts WHERE intent_id = ?", (intent_id,)
-            ).fetchone()
-            if saved is not None:  # R2: proof it applied
-                if saved[0] != fingerprint:
-                    raise ReceiptRefusal(
-                        ReasonCode.RECEIPT_KEY_CONFLICT,
-                        f"intent {intent_id} was applied with other input; it cannot apply again",
-                    )
-                db.execute("ROLLBACK")
-                result: dict[str, Any] = msgspec.json.decode(saved[1])
-                return result
-            head = db.execute(
-                "SELECT head_revision_id FROM documents WHERE document_id = ?",
-                (request.document_id,),
-            ).fetchone()
-            current = None if head is None else head[0]
-            if request.base_revision_id != current:  # R3: compare-and-swap
-                raise ReceiptRefusal(
-                    ReasonCode.DOCUMENT_STALE_BASE,
-                    f"document {request.document_id} is at revision {current}, not "
-                    f"{request.base_revision_id}: read it again, then write on its revision",
-                )
-            revision = "rev-" + hashlib.sha256(intent_id.encode()).hexdigest()[:24]
-            db.execute(
-                "INSERT INTO revisions VALUES (?, ?, ?, ?, ?)",
-                (revision, request.document_id, current, request.content, self._now_ms()),
-            )
-            db.execute(
-                "INSERT INTO documents VALUES (?, ?) ON CONFLICT(document_id) "
-                "DO UPDATE SET head_revision_id = excluded.head_revision_id",
-                (request.document_id, revision),
-            )
-            result = {
-                "document_id": request.document_id,
-                "revision_id": revision,
-                "base_revision_id": current,
-            }
-            db.execute(
-                "INSERT INTO receipts VALUES (?, ?, ?, ?)",
-                (intent_id, "write_document", fingerprint, msgspec.json.encode(result).decode()),
-            )
+            result = apply_write(_SQLITE_TABLES, self._execute, request)
             db.execute("COMMIT")  # the revision and its receipt, or neither
             return result
         except BaseException:
-            # A busy COMMIT leaves the transaction open; SQLITE_FULL or an I/O error may have
-            # rolled it back already. Either way the attempt ends with none open (R8).
+            # A refusal, or a busy COMMIT, leaves the transaction open; SQLITE_FULL or an I/O
+            # error may have rolled it back already. Either way the attempt ends with none
+            # open (R8).
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
 
-    async def read_document(self, args: Mapping[str, Any]) -> dict[str, Any]:
-        """``read_document`` (``safe``): the head revision and its content."""
-        request = _convert(args, _ReadInput)
-
-        def read() -> dict[str, Any]:
-            row = self._db.execute(
-                "SELECT r.revision_id, r.content FROM documents d "
-                "JOIN revisions r ON r.revision_id = d.head_revision_id "
-                "WHERE d.document_id = ?",
-                (request.document_id,),
-            ).fetchone()
-            if row is None:
-                raise ReceiptRefusal(
-                    ReasonCode.DOCUMENT_UNKNOWN, f"no document {request.document_id}"
-                )
-            return {"document_id": request.document_id, "revision_id": row[0], "content": row[1]}
-
-        return await self._run(read)
+    async def _read(self, document_id: str) -> dict[str, Any]:
+        return await self._run(lambda: read_head(_SQLITE_TABLES, self._execute, document_id))
 
     async def revisions(self, document_id: str) -> list[str]:
-        """Every revision id of ``document_id``, oldest first (for tests and diagnostics)."""
-
         def query() -> list[str]:
             rows = self._db.execute(
                 "SELECT revision_id FROM revisions WHERE document_id = ? ORDER BY rowid",
@@ -289,14 +386,14 @@ async def open_receipt_store(
     now_ms: Callable[[], int] | None = None,
     retry: Backoff | None = None,
     busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
-) -> ReceiptStore:
+) -> SqliteReceiptStore:
     """Open (creating) ``<state_dir>/receipts.sqlite``; close it with ``aclose``. ``retry``
     bounds the retries of a transient error (default :data:`STORE_RETRY`); ``busy_timeout``
     is SQLite's own wait for a lock within one attempt, in seconds (0: ``SQLITE_BUSY`` at
     once, as the tests use it) (R8)."""
     path = Path(state_dir) / RECEIPT_DB
     db = await trio.to_thread.run_sync(_connect, path, busy_timeout)
-    return ReceiptStore(db, now_ms=now_ms or Clocks.system().wall.time_ms, retry=retry)
+    return SqliteReceiptStore(db, now_ms=now_ms or Clocks.system().wall.time_ms, retry=retry)
 
 
 @contextlib.asynccontextmanager
@@ -306,7 +403,7 @@ async def receipt_store(
     now_ms: Callable[[], int] | None = None,
     retry: Backoff | None = None,
     busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
-) -> AsyncIterator[ReceiptStore]:
+) -> AsyncIterator[SqliteReceiptStore]:
     """:func:`open_receipt_store` for the block; closed on the way out, even if cancelled."""
     store = await open_receipt_store(
         state_dir, now_ms=now_ms, retry=retry, busy_timeout=busy_timeout

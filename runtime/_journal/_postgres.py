@@ -132,6 +132,29 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             WHEN (NEW.log IN ('{ADMISSIONS}', '{RESULTS}'))
             EXECUTE FUNCTION {SCHEMA}.announce_shared_append()""",
     ),
+    # 3: the receipt and document store of write_document / read_document (receipts.md R9)
+    (
+        f"""CREATE TABLE {SCHEMA}.receipt_documents (
+            document_id      text COLLATE "C" PRIMARY KEY,
+            head_revision_id text NOT NULL
+        )""",
+        f"""CREATE TABLE {SCHEMA}.receipt_revisions (
+            revision_id      text COLLATE "C" PRIMARY KEY,
+            document_id      text COLLATE "C" NOT NULL,
+            base_revision_id text,
+            content          text   NOT NULL,
+            created_ms       bigint NOT NULL,
+            made             bigint GENERATED ALWAYS AS IDENTITY
+        )""",
+        f"""CREATE INDEX receipt_revisions_by_document
+            ON {SCHEMA}.receipt_revisions (document_id, made)""",
+        f"""CREATE TABLE {SCHEMA}.receipts (
+            intent_id         text COLLATE "C" PRIMARY KEY,
+            operation         text NOT NULL,
+            input_fingerprint text NOT NULL,
+            result            text NOT NULL
+        )""",
+    ),
 )
 """``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
 never edited: a database migrated once must mean the same thing to every later version."""
@@ -1079,6 +1102,23 @@ class PgStore:
             return None if row is None else bytes(row[0])
 
         return await self._run(rel, read)
+
+    # -- transactions of other parts ------------------------------------------------------
+
+    async def transaction(self, key: str, fn: Callable[[_Conn], _T]) -> _T:
+        """``fn(connection)`` inside one transaction on ``key``'s pooled connection, committed
+        when it returns and rolled back when it raises (its exception then passes through).
+        When the connection breaks or cannot be made the whole transaction runs again, under
+        the retry policy, so ``fn`` must be idempotent *across a commit*: a transaction whose
+        ``COMMIT`` was sent may have committed (the receipt store's guarded write is: its
+        receipt says so). A failure is ``store_unavailable`` for the caller, not the host's
+        :attr:`disk_failure`."""
+
+        def run(conn: _Conn) -> _T:
+            with conn.transaction():
+                return fn(conn)
+
+        return await self._run(key, run, store_failure=False)
 
     # -- leases (S10-S12) -----------------------------------------------------------------
 

@@ -792,6 +792,24 @@ def _open_journal_store(
     return open_pg_store(config.store.url, root=state_dir, clocks=clocks, owner=owner)
 
 
+@contextlib.asynccontextmanager
+async def _open_receipt_store(
+    config: RoomWorkerConfig, store: JournalStore, *, clocks: Clocks
+) -> AsyncIterator[ReceiptStore]:
+    """The receipt store beside the journal: ``receipts.sqlite`` in ``state_dir`` with the
+    file store, the database's tables with the PostgreSQL store, where the next holder of a
+    lane finds the receipts its intents need (receipts.md R9)."""
+    if config.store.url is None:
+        async with receipt_store(config.state_dir, now_ms=clocks.wall.time_ms) as receipts:
+            yield receipts
+        return
+    from .._boundary._receipts_pg import PgReceiptStore  # the optional extra, as the store
+    from .._journal._postgres import PgStore
+
+    assert isinstance(store, PgStore)
+    yield PgReceiptStore(store, now_ms=clocks.wall.time_ms)
+
+
 async def _read_cancel_requests(store: JournalStore) -> list[str]:
     data = await store.read_document(CANCEL_REQUESTS)
     return [] if data is None else msgspec.json.decode(data, type=list[str])
@@ -842,7 +860,7 @@ async def open_room_worker(
     worker: RoomWorker | None = None
     async with (
         _open_journal_store(config, clocks=clocks, fs=fs) as store,
-        receipt_store(state_dir, now_ms=clocks.wall.time_ms) as receipts,
+        _open_receipt_store(config, store, clocks=clocks) as receipts,
         _releasing_leases(lambda: worker),
         trio.open_nursery() as nursery,
     ):

@@ -1,12 +1,15 @@
 """The receipt and document store (runtime._boundary._receipts): tests named after the invariants
-R1… of ``docs/design/receipts.md``, on a real SQLite file in a temporary state directory."""
+R1… of ``docs/design/receipts.md``. R1-R4 and the reads run on both backends (R9): a real
+SQLite file in a temporary state directory, and the tables of a real, throw-away PostgreSQL
+database (``tests/journal/pg_fixtures.py``); what only one backend has (SQLite's WAL and
+busy locks, R6 and R8; PostgreSQL's hosts and broken connections, R9) is tested on it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -15,25 +18,62 @@ import pytest
 import trio
 import trio.testing
 
+from runtime._boundary import _receipts, _receipts_pg
 from runtime._boundary._calls import GateCall
 from runtime._boundary._receipts import (
     RECEIPT_DB,
     RECEIPT_OPERATIONS,
     STORE_RETRY,
     ReceiptStore,
+    SqliteReceiptStore,
     input_fingerprint,
     is_transient,
     open_receipt_store,
 )
+from runtime._boundary._receipts_pg import PgReceiptStore
 from runtime._boundary._tools import DocumentTools
 from runtime._clock import Backoff
 from runtime._errors import GateError, ReasonCode, ReceiptRefusal
+from runtime._journal._postgres import open_pg_store
 
+from ..journal.pg_fixtures import cutting_proxy, execute, pg_dsn, pg_server
+
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
 LIMIT: Final = 30.0
+Opener = Callable[[], Awaitable[ReceiptStore]]
+"""Opens the store under test again (the same state: a restart)."""
 
 
-async def store(tmp_path: Path) -> ReceiptStore:
+async def store(tmp_path: Path) -> SqliteReceiptStore:
     return await open_receipt_store(tmp_path, now_ms=lambda: 1_000)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path | str]:
+    """Which store, and where: a state directory, or a migrated database's DSN."""
+    if request.param == "sqlite":
+        return "sqlite", tmp_path
+    return "postgresql", request.getfixturevalue("pg_dsn")
+
+
+@pytest.fixture
+async def reopen(backend: tuple[str, Path | str], tmp_path: Path) -> AsyncIterator[Opener]:
+    kind, where = backend
+    if kind == "sqlite":
+        assert isinstance(where, Path)
+
+        async def sqlite() -> ReceiptStore:
+            return await open_receipt_store(where, now_ms=lambda: 1_000)
+
+        yield sqlite
+        return
+    assert isinstance(where, str)
+    async with open_pg_store(where, root=tmp_path / "state") as journal:
+
+        async def postgresql() -> ReceiptStore:
+            return PgReceiptStore(journal, now_ms=lambda: 1_000)
+
+        yield postgresql
 
 
 def write(content: str, base: str | None = None, doc: str = "notes") -> dict[str, Any]:
@@ -41,15 +81,17 @@ def write(content: str, base: str | None = None, doc: str = "notes") -> dict[str
 
 
 async def test_r1_r2_an_orphaned_write_applies_once_then_replays_its_receipt(
-    tmp_path: Path,
+    reopen: Opener,
 ) -> None:
     """The same guarded write serves the original call and any recovery: the first applies
     (revision and receipt together), every later one with the same intent id and input
-    replays the saved result and writes nothing."""
+    replays the saved result and writes nothing — also after the store is opened again."""
     with trio.fail_after(LIMIT):
-        s = await store(tmp_path)
+        s = await reopen()
         first = await s.write_document("d1:7", write("hello"))
         again = await s.write_document("d1:7", write("hello"))  # recovery
+        await s.aclose()
+        s = await reopen()
         late = await s.write_document("d1:7", write("hello"))  # the original, late
         revisions = await s.revisions("notes")
         read = await s.read_document({"document_id": "notes"})
@@ -61,12 +103,12 @@ async def test_r1_r2_an_orphaned_write_applies_once_then_replays_its_receipt(
 
 
 async def test_r1_the_key_is_the_intent_id_two_writes_of_one_delivery_never_collide(
-    tmp_path: Path,
+    reopen: Opener,
 ) -> None:
     """Two calls in one delivery (the provider may reuse its tool-call id; the runtime's
     intent ids differ) are two writes, each on the revision before it."""
     with trio.fail_after(LIMIT):
-        s = await store(tmp_path)
+        s = await reopen()
         one = await s.write_document("d1:7", write("one"))
         two = await s.write_document("d1:9", write("two", base=one["revision_id"]))
         assert await s.revisions("notes") == [one["revision_id"], two["revision_id"]]
@@ -75,25 +117,29 @@ async def test_r1_the_key_is_the_intent_id_two_writes_of_one_delivery_never_coll
 
 
 async def test_r2_a_reused_key_with_other_input_is_refused_and_changes_nothing(
-    tmp_path: Path,
+    reopen: Opener,
 ) -> None:
     with trio.fail_after(LIMIT):
-        s = await store(tmp_path)
+        s = await reopen()
         first = await s.write_document("d1:7", write("hello"))
         with pytest.raises(ReceiptRefusal) as refused:
             await s.write_document("d1:7", write("other"))
         assert refused.value.code is ReasonCode.RECEIPT_KEY_CONFLICT
+        with pytest.raises(ReceiptRefusal) as elsewhere:  # another document, the same key
+            await s.write_document("d1:7", write("hello", doc="other"))
+        assert elsewhere.value.code is ReasonCode.RECEIPT_KEY_CONFLICT
         assert await s.revisions("notes") == [first["revision_id"]]
+        assert await s.revisions("other") == []
         assert (await s.read_document({"document_id": "notes"}))["content"] == "hello"
         await s.aclose()
 
 
-async def test_r3_a_stale_base_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+async def test_r3_a_stale_base_is_refused_and_changes_nothing(reopen: Opener) -> None:
     """Compare-and-swap: a write on a revision that is no longer the head (someone wrote
     after the agent read) is a conflict, and no receipt is kept — the call can be retried
     on the new head under a new intent."""
     with trio.fail_after(LIMIT):
-        s = await store(tmp_path)
+        s = await reopen()
         one = await s.write_document("d1:7", write("one"))
         two = await s.write_document("d2:3", write("two", base=one["revision_id"]))
         with pytest.raises(ReceiptRefusal) as refused:
@@ -118,21 +164,24 @@ async def test_r3_a_stale_base_is_refused_and_changes_nothing(tmp_path: Path) ->
         {"document_id": "d", "content": 5},
         {"document_id": "d", "content": "x", "extra": True},
         {"document_id": "d", "content": "x" * (1024 * 1024 + 1)},
+        {"document_id": "d", "content": "a\0b"},
     ],
-    ids=["missing", "empty-id", "control-char", "long-id", "wrong-type", "extra", "too-big"],
+    ids=["missing", "empty-id", "control-char", "long-id", "wrong-type", "extra", "too-big", "nul"],
 )
 async def test_r4_invalid_input_is_refused_and_writes_nothing(
-    tmp_path: Path, args: dict[str, Any]
+    reopen: Opener, args: dict[str, Any]
 ) -> None:
+    """Refused before anything is written: no revision, and no receipt (the same intent id
+    then applies a valid write)."""
     with trio.fail_after(LIMIT):
-        s = await store(tmp_path)
+        s = await reopen()
         with pytest.raises(ReceiptRefusal) as refused:
             await s.write_document("d1:7", args)
         assert refused.value.code is ReasonCode.DOCUMENT_INVALID
+        assert await s.revisions("d") == []
+        applied = await s.write_document("d1:7", write("valid", doc="d"))
+        assert await s.revisions("d") == [applied["revision_id"]]
         await s.aclose()
-    with sqlite3.connect(tmp_path / RECEIPT_DB) as db:
-        assert db.execute("SELECT count(*) FROM receipts").fetchone() == (0,)
-        assert db.execute("SELECT count(*) FROM revisions").fetchone() == (0,)
 
 
 async def test_r5_any_other_failure_raises_and_leaves_nothing_half_done(tmp_path: Path) -> None:
@@ -180,9 +229,9 @@ def test_the_fingerprint_is_over_the_canonical_input() -> None:
     assert a != input_fingerprint("write_document", {"document_id": "d", "content": "y"})
 
 
-async def test_reading_an_unknown_document_is_a_tool_error(tmp_path: Path) -> None:
+async def test_reading_an_unknown_document_is_a_tool_error(reopen: Opener) -> None:
     with trio.fail_after(LIMIT):
-        s = await store(tmp_path)
+        s = await reopen()
         with pytest.raises(ReceiptRefusal) as refused:
             await s.read_document({"document_id": "nothing"})
         assert refused.value.code is ReasonCode.DOCUMENT_UNKNOWN
@@ -226,7 +275,7 @@ class Trace:
         return self.statements[starts[n - 1] : end]
 
 
-async def traced_store(tmp_path: Path) -> tuple[ReceiptStore, Trace]:
+async def traced_store(tmp_path: Path) -> tuple[SqliteReceiptStore, Trace]:
     """A store that gets ``SQLITE_BUSY`` at once on a lock (``busy_timeout=0``), traced."""
     s = await open_receipt_store(tmp_path, now_ms=lambda: 1_000, busy_timeout=0)
     trace = Trace()
@@ -393,3 +442,126 @@ def test_r8_only_busy_and_locked_are_transient() -> None:
     for other in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY, None):
         assert not is_transient(error(other))
     assert not is_transient(ReceiptRefusal(ReasonCode.DOCUMENT_INVALID, "x"))
+
+
+# R9: on a shared PostgreSQL journal the store is the database's, one for every host. Each
+# "host" here is a journal store of its own (its own connections), as two processes have.
+
+
+@contextlib.asynccontextmanager
+async def two_hosts(dsn: str, root: Path) -> AsyncIterator[tuple[ReceiptStore, ReceiptStore]]:
+    async with (
+        open_pg_store(dsn, root=root / "a") as a,
+        open_pg_store(dsn, root=root / "b") as b,
+    ):
+        yield PgReceiptStore(a, now_ms=lambda: 1_000), PgReceiptStore(b, now_ms=lambda: 2_000)
+
+
+async def test_r9_one_intent_written_by_two_hosts_at_once_applies_once(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A dead host's late write and its successor's recovery of the same intent, at the same
+    moment, many times over: each intent has one revision and one receipt, and both hosts
+    get the same result (the second serialised behind the first by the intent's lock)."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    with trio.fail_after(LIMIT):
+        async with two_hosts(pg_dsn, tmp_path) as (a, b), trio.open_nursery() as nursery:
+            for n in range(20):
+                intent = f"d1:{n}"
+                results[intent] = []
+
+                async def one(host: ReceiptStore, intent: str = intent, n: int = n) -> None:
+                    answer = await host.write_document(intent, write("x", doc=f"doc{n}"))
+                    results[intent].append(answer)
+
+                nursery.start_soon(one, a)
+                nursery.start_soon(one, b)
+    for answers in results.values():
+        assert len(answers) == 2
+        assert answers[0] == answers[1]
+    rows = await execute(pg_dsn, "SELECT count(*) FROM pi_runtime.receipt_revisions")
+    receipts = await execute(pg_dsn, "SELECT count(*) FROM pi_runtime.receipts")
+    assert rows == receipts == [(20,)]
+
+
+async def test_r9_two_hosts_writing_one_document_on_one_base_one_wins(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """Compare-and-swap across hosts (R3): two intents on the same head at once, many times
+    over — exactly one applies, the other is refused ``document_stale_base``; the
+    document's history is one chain, each revision on the one before."""
+    outcomes: list[str] = []
+    with trio.fail_after(LIMIT):
+        async with two_hosts(pg_dsn, tmp_path) as (a, b):
+            head = (await a.write_document("d0:1", write("start")))["revision_id"]
+            for n in range(10):
+                won: list[str] = []
+
+                async def one(
+                    host: ReceiptStore, intent: str, base: str = head, won: list[str] = won
+                ) -> None:
+                    try:
+                        won.append(
+                            (await host.write_document(intent, write(intent, base)))["revision_id"]
+                        )
+                    except ReceiptRefusal as refusal:
+                        outcomes.append(str(refusal.code))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(one, a, f"a:{n}")
+                    nursery.start_soon(one, b, f"b:{n}")
+                assert len(won) == 1
+                head = won[0]
+            chain = await a.revisions("notes")
+            rows = await execute(
+                pg_dsn,
+                "SELECT revision_id, base_revision_id FROM pi_runtime.receipt_revisions "
+                "ORDER BY made",
+            )
+    assert outcomes == ["document_stale_base"] * 10
+    assert len(chain) == 11
+    assert [base for _, base in rows] == [None, *chain[:-1]]
+    assert chain[-1] == head
+
+
+async def test_r9_a_commit_whose_answer_is_lost_is_found_applied_not_applied_again(
+    pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection is cut right after the server answered the write's ``COMMIT`` (the
+    answer never reaches the host). The store runs the whole write again on a new connection:
+    the receipt the lost attempt committed is found, its saved result returned, and the
+    document has one revision."""
+    apply = _receipts.apply_write
+    with trio.fail_after(LIMIT):
+        async with (
+            cutting_proxy(pg_dsn) as proxy,
+            open_pg_store(proxy.dsn, root=tmp_path / "state") as journal,
+        ):
+
+            def cut_at_commit(*args: Any) -> dict[str, Any]:
+                result = apply(*args)
+                if proxy.cuts == 0:
+                    proxy.cut_next("reply")  # the next answer is the COMMIT's
+                return result
+
+            monkeypatch.setattr(_receipts_pg, "apply_write", cut_at_commit)
+            s = PgReceiptStore(journal, now_ms=lambda: 1_000)
+            result = await s.write_document("d1:7", write("once"))
+            assert proxy.cuts == 1
+            revisions = await s.revisions("notes")
+    assert revisions == [result["revision_id"]]
+    assert await execute(pg_dsn, "SELECT count(*) FROM pi_runtime.receipts") == [(1,)]
+
+
+async def test_r9_a_database_that_cannot_be_reached_leaves_the_call_unsettled(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """Not a refusal (R5): with the journal store closed under it the write raises, the
+    tool answers ``receipt_store_failed`` (the call stays unsettled) and nothing is written."""
+    with trio.fail_after(LIMIT):
+        async with open_pg_store(pg_dsn, root=tmp_path / "state") as journal:
+            s = PgReceiptStore(journal, now_ms=lambda: 1_000)
+        with pytest.raises(GateError) as failed:
+            await DocumentTools(s).write(write_call(), "d1:7")
+    assert failed.value.code is ReasonCode.RECEIPT_STORE_FAILED
+    assert await execute(pg_dsn, "SELECT count(*) FROM pi_runtime.receipts") == [(0,)]

@@ -8,21 +8,23 @@ processes; the database is a real, throw-away PostgreSQL. The process-level test
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 import trio
 
-from runtime._config import ModelConfig, RoomWorkerConfig, StoreConfig
+from fake_pi.scenario import Call, Step, Text, ToolCalls
+from runtime._config import DEFAULT_GRANTS, ModelConfig, RoomWorkerConfig, StoreConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._postgres import open_pg_store
 from runtime._records import ModelResponse, Result, StepAbandoned
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
 
-from .._workers import scripted_upstream
+from .._workers import scripted_upstream, tool_messages
 from ..journal.pg_fixtures import execute, pg_dsn, pg_server
 from .test_room_worker import message
 
@@ -32,7 +34,13 @@ LIMIT: Final = 60.0
 
 @contextlib.asynccontextmanager
 async def host(
-    root: Path, name: str, dsn: str, url: str, *, lease: float = 60
+    root: Path,
+    name: str,
+    dsn: str,
+    url: str,
+    *,
+    lease: float = 60,
+    grants: frozenset[str] = DEFAULT_GRANTS,
 ) -> AsyncIterator[RoomWorker]:
     """A host whose leases never run out during a test (60 s): a lane changes hands here only
     because a test expires its lease in the database, or its holder gives it up."""
@@ -41,6 +49,7 @@ async def host(
         work_root=str(root / name / "work"),
         model=ModelConfig(base_url=url),
         store=StoreConfig(url=dsn, lease_seconds=lease, poll_seconds=0.05, host_name=name),
+        default_grants=grants,
     )
     async with open_room_worker(config) as worker:
         yield worker
@@ -199,3 +208,64 @@ async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
     else:
         assert d2.outcome == "reply"
         assert model.request_count == 2
+
+
+async def test_r9_documents_and_receipts_travel_with_the_lane(tmp_path: Path, pg_dsn: str) -> None:
+    """receipts.md R9: A answers d1, which wrote ``notes``; d2's ``write_document`` of
+    ``other`` commits its revision and receipt and A stops right there, before its outcome is
+    journaled. B claims the lane: its recovery of d2's call finds A's receipt (the saved
+    result, nothing written again), and d3 on B reads the document d1 wrote on A. With a
+    receipt store per host, B would have applied d2's write a second time in its own store
+    and found no ``notes``."""
+    documents = frozenset({"write_document", "read_document", "send_text_update"})
+
+    def call(name: str, **args: str) -> ToolCalls:
+        return ToolCalls(calls=[Call(name=name, arguments=args, id="c1")])
+
+    steps: list[Step] = [
+        call("write_document", document_id="notes", content="from a"),  # d1 on A
+        Text(text="saved notes"),
+        call("write_document", document_id="other", content="x"),  # d2 on A: A stops
+        Text(text="saved other"),  # d2 on B, after its replayed call
+        call("read_document", document_id="notes"),  # d3 on B
+    ]
+    committed = trio.Event()
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            host(tmp_path, "a", pg_dsn, url, grants=documents) as a,
+        ):
+            receipts = a.receipts
+            assert receipts is not None
+            write = receipts.write_document
+
+            async def stop_after_second(intent_id: str, args: Mapping[str, Any]) -> dict[str, Any]:
+                result = await write(intent_id, args)
+                if args["document_id"] == "other":
+                    committed.set()
+                    await trio.sleep_forever()  # A never journals the outcome
+                return result
+
+            receipts.write_document = stop_after_second  # type: ignore[method-assign]
+            await a.deliver(message("d1", room="dm:1"))
+            d1 = await result_of(a, "d1")
+            await a.deliver(message("d2", room="dm:1"))
+            await committed.wait()
+            lane = a._lanes["dm:1"]
+            await execute(pg_dsn, "UPDATE pi_runtime.lanes SET lease_until = now()")
+            async with host(tmp_path, "b", pg_dsn, url, grants=documents) as b:
+                d2 = await result_of(b, "d2")
+                await lane.stopped.wait()
+                await b.deliver(message("d3", room="dm:1"))
+                d3 = await result_of(b, "d3")
+    assert (d1.text, d2.text) == ("saved notes", "saved other")
+    assert d3.text is not None
+    read = json.loads(d3.text.removeprefix("The tool said: "))
+    assert (read["document_id"], read["content"]) == ("notes", "from a")
+    revisions = await execute(
+        pg_dsn, "SELECT document_id FROM pi_runtime.receipt_revisions ORDER BY made"
+    )
+    assert revisions == [("notes",), ("other",)]  # each write applied once, in the database
+    (saved,) = tool_messages(model.requests[3].body).values()  # d2's call, as B replayed it
+    assert json.loads(saved)["document_id"] == "other"
+    assert not (tmp_path / "b" / "state" / "receipts.sqlite").exists()
