@@ -782,19 +782,24 @@ async def to_thread_case(seconds: float) -> Sample:
 # -- the peer: DBOS Transact with SQLite in WAL mode -----------------------------------
 
 
-def dbos_worker(directory: Path, seconds: float, concurrencies: list[int]) -> dict[str, Any]:
-    """Run in a subprocess: DBOS workflows of ``DBOS_STEPS_PER_WORKFLOW`` durable steps."""
+def dbos_worker(
+    directory: Path, seconds: float, concurrencies: list[int], url: str | None = None
+) -> dict[str, Any]:
+    """Run in a subprocess: DBOS workflows of ``DBOS_STEPS_PER_WORKFLOW`` durable steps, on
+    a SQLite system database in ``directory`` or, given ``url``, on that PostgreSQL one
+    (``bench/postgres.py``)."""
     from importlib.metadata import version
 
     from dbos import DBOS, DBOSConfig
 
     db = directory / "dbos.sqlite"
-    # WAL is persistent in the database file: switch it on before DBOS opens it.
-    with contextlib.closing(sqlite3.connect(db)) as connection:
-        connection.execute("PRAGMA journal_mode=WAL")
+    if url is None:
+        # WAL is persistent in the database file: switch it on before DBOS opens it.
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            connection.execute("PRAGMA journal_mode=WAL")
     config: DBOSConfig = {
         "name": "pi-runtime-bench",
-        "system_database_url": f"sqlite:///{db}",
+        "system_database_url": url or f"sqlite:///{db}",
         "application_version": "bench",
         "log_level": "WARNING",
     }
@@ -822,9 +827,11 @@ def dbos_worker(directory: Path, seconds: float, concurrencies: list[int]) -> di
     DBOS.launch()
     try:
         lane_workflow(2)  # warm up
-        with contextlib.closing(sqlite3.connect(db)) as connection:
-            journal_mode = str(connection.execute("PRAGMA journal_mode").fetchone()[0])
-            synchronous = int(connection.execute("PRAGMA synchronous").fetchone()[0])
+        journal_mode, synchronous = "postgresql", -1
+        if url is None:
+            with contextlib.closing(sqlite3.connect(db)) as connection:
+                journal_mode = str(connection.execute("PRAGMA journal_mode").fetchone()[0])
+                synchronous = int(connection.execute("PRAGMA synchronous").fetchone()[0])
 
         def work(i: int, deadline: float) -> int:
             steps = 0
@@ -852,8 +859,11 @@ def dbos_worker(directory: Path, seconds: float, concurrencies: list[int]) -> di
         DBOS.destroy()
 
 
-def run_dbos(directory: Path, seconds: float) -> tuple[dict[str, Sample], dict[str, Any]]:
-    """DBOS in a subprocess; returns its samples and facts (or the reason it failed)."""
+def run_dbos(
+    directory: Path, seconds: float, url: str | None = None
+) -> tuple[dict[str, Sample], dict[str, Any]]:
+    """DBOS in a subprocess (on ``url``'s PostgreSQL, or SQLite in ``directory``); returns its
+    samples and facts (or the reason it failed)."""
     directory.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable,
@@ -863,6 +873,7 @@ def run_dbos(directory: Path, seconds: float) -> tuple[dict[str, Sample], dict[s
         str(directory),
         "--dbos-seconds",
         str(seconds),
+        *(["--dbos-url", url] if url else []),
     ]
     try:
         done = subprocess.run(
@@ -897,9 +908,9 @@ def run_dbos(directory: Path, seconds: float) -> tuple[dict[str, Sample], dict[s
     return samples, facts
 
 
-def dbos_worker_main(directory: str, seconds: float) -> int:
+def dbos_worker_main(directory: str, seconds: float, url: str | None = None) -> int:
     try:
-        facts = dbos_worker(Path(directory), seconds, [1, 16])
+        facts = dbos_worker(Path(directory), seconds, [1, 16], url)
     except Exception as exc:  # report why DBOS could not run, never crash the bench
         facts = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     print(RESULT_MARK + json.dumps(facts), flush=True)
@@ -1262,9 +1273,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-dbos", action="store_true", help="skip the DBOS peer")
     parser.add_argument("--dbos-worker", help=argparse.SUPPRESS)
     parser.add_argument("--dbos-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
+    parser.add_argument("--dbos-url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dbos_worker:
-        return dbos_worker_main(args.dbos_worker, args.dbos_seconds)
+        return dbos_worker_main(args.dbos_worker, args.dbos_seconds, args.dbos_url)
 
     settings = QUICK if args.quick else FULL
     if args.rounds:

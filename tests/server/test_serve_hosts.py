@@ -103,30 +103,32 @@ class HostProcess:
         await self.process.wait()
 
 
-def _config(dsn: str, url: str, name: str) -> str:
+def _config(dsn: str, url: str, name: str, lease: float = LEASE) -> str:
     return (
         'state_dir = "state"\nwork_root = "work"\n'
         'default_grants = ["bash", "send_text_update"]\n\n'
         f'[model]\nbase_url = "{url}"\n\n'
-        f'[store]\nurl = "{dsn}"\nlease_seconds = {LEASE}\npoll_seconds = 0.1\n'
+        f'[store]\nurl = "{dsn}"\nlease_seconds = {lease}\npoll_seconds = 0.1\n'
         f'host_name = "{name}"\n'
     )
 
 
 @contextlib.asynccontextmanager
-async def deployment(root: Path, dsn: str, url: str) -> AsyncIterator[Any]:
+async def deployment(
+    root: Path, dsn: str, url: str, *, lease: float = LEASE
+) -> AsyncIterator[Any]:
     """Start hosts with ``start(name)`` (each in its own namespace, all at one path,
     ``start.common``: short, as ``/srv/pi-runtime`` would be — a socket's path must fit in
-    108 bytes); every host is killed when the block ends, and no worker of theirs is left
-    behind."""
+    108 bytes); a name started again is that host restarted on its own directory. Every
+    host is killed when the block ends, and no worker of theirs is left behind."""
     common = Path(tempfile.mkdtemp(prefix="pi-hosts-", dir="/tmp"))
     hosts: list[HostProcess] = []
     async with trio.open_nursery() as nursery:
 
         async def start(name: str) -> HostProcess:
             private = root / "hosts" / name
-            private.mkdir(parents=True, mode=0o700)
-            (private / "config.toml").write_text(_config(dsn, url, name))
+            private.mkdir(parents=True, mode=0o700, exist_ok=True)
+            (private / "config.toml").write_text(_config(dsn, url, name, lease))
             serve = f"{sys.executable} -m runtime._cli serve --port 0 --config {common}/config.toml"
             script = f"mount --bind {private} {common} && cd {common} && exec {serve}"
             unshare = ["unshare", "--mount", "--propagation", "private"]
