@@ -11,7 +11,8 @@ newer schemas fail closed with the same reason codes; since a row is written who
 all, a "torn tail" there is damage too (``journal_corrupt``).
 
 Durable means committed: an append is one ``INSERT`` in its own transaction and returns only
-once the server answered its ``COMMIT`` (J1; group commit is issue #23). When the connection
+once the server answered its ``COMMIT`` (J1); unfenced appends to a shared log made at once (the
+admissions of many clients) are written as one group, one statement (S22). When the connection
 breaks around an append (a database restart, a failover, a proxy cutting an idle connection),
 its outcome is unknown, and it is resolved, not guessed: the store reconnects under its
 :data:`DEFAULT_RETRY` backoff and looks on the new connection — the row ``(log, seq)`` holds exactly
@@ -192,6 +193,14 @@ _INSERT_FENCED: Final = (
 _INSERT_FENCED_IF_ABSENT: Final = f"""
 INSERT INTO {SCHEMA}.log_records (log, seq, frame) SELECT %s, %s, %s {_LEASED}
 ON CONFLICT (log, seq) DO NOTHING RETURNING true"""
+_INSERT_MANY: Final = f"""
+INSERT INTO {SCHEMA}.log_records (log, seq, frame)
+SELECT %s, %s + t.ord - 1, t.frame FROM unnest(%s::bytea[]) WITH ORDINALITY AS t (frame, ord)"""
+"""A group of consecutive records in one statement, so one transaction: all or none (S22)."""
+_INSERT_MANY_IF_ABSENT: Final = f"""{_INSERT_MANY}
+ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
+_FRAMES: Final = f"""
+SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq >= %s AND seq < %s ORDER BY seq"""
 _FRAME: Final = f"SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq = %s"
 """A statement of its own after :data:`_INSERT_IF_ABSENT`: its snapshot is taken after that
 one ended, so it sees a row another backend committed while it waited."""
@@ -521,6 +530,53 @@ def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[
     return resolve
 
 
+class _Mixed(Exception):
+    """Part of a group was found taken by another writer: the group's transaction is
+    rolled back (it is all or none)."""
+
+
+def _insert_many(rel: str, seq: int, frames: list[bytes]) -> Callable[[_Conn], _Landed]:
+    """A group's first attempt (unfenced: the admission log, S22)."""
+
+    def insert(conn: _Conn) -> _Landed:
+        try:
+            conn.execute(_INSERT_MANY, [rel, seq, frames])
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != _KEY:
+                raise
+            return _Landed.THEIRS
+        return _Landed.OURS
+
+    return insert
+
+
+def _resolve_many(rel: str, seq: int, frames: list[bytes]) -> Callable[[_Conn], _Landed]:
+    """A group after an attempt whose outcome is unknown. The earlier attempt committed all
+    of it or none: ``OURS`` if the rows hold exactly these frames now (inserted here, or by
+    that attempt), ``THEIRS`` if another writer holds any of the numbers (nothing of this
+    group is then written: a partial insert is rolled back)."""
+
+    def resolve(conn: _Conn) -> _Landed:
+        try:
+            with conn.transaction():
+                params = [rel, seq, frames]
+                inserted = conn.execute(_INSERT_MANY_IF_ABSENT, params).fetchall()
+                if len(inserted) == len(frames):
+                    return _Landed.OURS  # it had not committed: it has now
+                if inserted:
+                    raise _Mixed
+        except _Mixed:
+            return _Landed.THEIRS
+        rows = conn.execute(_FRAMES, [rel, seq, seq + len(frames)], binary=True).fetchall()
+        if not rows:
+            raise _Vanished(
+                f"records {seq}…{seq + len(frames) - 1} were neither inserted nor found"
+            )
+        return _Landed.OURS if [bytes(r[0]) for r in rows] == frames else _Landed.THEIRS
+
+    return resolve
+
+
 def _schema_version(conn: _Conn) -> int:
     row = conn.execute(
         "SELECT to_regclass(%s) IS NOT NULL", [f"{SCHEMA}.schema_version"]
@@ -584,6 +640,22 @@ async def migrate(dsn: str) -> int:
 # -- logs -------------------------------------------------------------------------------------
 
 
+GROUP_MAX: Final = 256
+"""The most records one group commit of a shared log writes (S22)."""
+
+
+class _Queued:
+    """One record waiting for its group (S22), and its fate once the group is written."""
+
+    __slots__ = ("done", "error", "payload", "seq")
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.done = trio.Event()
+        self.seq: int | None = None
+        self.error: Exception | None = None
+
+
 class PgLog:
     """An open log of the PostgreSQL store (:class:`~runtime._journal._interface.Log`).
     Obtain one from :class:`PgStore`; do not construct it."""
@@ -614,6 +686,11 @@ class PgLog:
         commit after a gap)."""
         self._refusal: JournalError | None = None
         self._closed = False
+        self._queued: list[_Queued] = []
+        """The unfenced ``try_append`` calls waiting for the next group (S22)."""
+        self._flushing = False
+        self.commits = 0
+        """Commits this process made on the log (a group is one): for tests and benchmarks."""
 
     @property
     def rel(self) -> str:
@@ -681,44 +758,92 @@ class PgLog:
     async def _append(self, record: Record, fence: Fence | None, *, shared: bool) -> int | None:
         payload = encode_record(record)
         fence = fence or self.fence
+        if shared and fence is None:
+            return await self._grouped(payload)
         async with self._lock:
-            self._check_open()
-            seq = self._next_seq
-            frame = encode_frame(seq, [payload])
-            try:
-                landed = await self._commit(seq, frame, fence)
-            except _Unsettled as unsettled:
-                self._refuse(unsettled.why)
-                raise self._store._unavailable(unsettled.why, self._rel) from None
-            except _Closed:
-                raise JournalError(
-                    ReasonCode.JOURNAL_CLOSED, "the store is closed", path=self._rel
-                ) from None
-            except (psycopg.Error, _Vanished) as exc:  # the server's definite refusal
-                if isinstance(exc, psycopg.Error):
-                    reason = _reason(exc, self._store._params)
-                else:
-                    reason = str(exc)
-                with trio.CancelScope(shield=True):
-                    await self._poison(reason)
-                raise JournalError(
-                    ReasonCode.JOURNAL_POISONED,
-                    f"an append did not commit ({reason}); the log accepts no more records",
-                    path=self._rel,
-                ) from None
-            if landed is _Landed.FENCED:
-                assert fence is not None
-                raise self._fenced(fence)
-            if landed is _Landed.THEIRS:
-                if shared:
-                    return None
-                raise self._conflict(seq)
-            self._next_seq = seq + 1
-            self._good_length += len(frame)
-            return seq
+            first = await self._append_locked([payload], fence, shared=shared)
+        return first
 
-    async def _commit(self, seq: int, frame: bytes, fence: Fence | None) -> _Landed:
-        """Commit the row ``(rel, seq, frame)`` under ``fence``. Retried under the store's
+    async def _grouped(self, payload: bytes) -> int | None:
+        """S22: an unfenced append to a shared log (an admission) joins the next group; the
+        first caller to find no group being written writes every queued one, in call order,
+        each group one statement (``GROUP_MAX`` records at most), while later callers queue
+        behind it. Once queued, a record's fate is waited for shielded (its group may commit),
+        bounded by the store's retry policy, as a single append's is once sent."""
+        queued = _Queued(payload)
+        self._queued.append(queued)
+        with trio.CancelScope(shield=True):
+            if not self._flushing:
+                self._flushing = True
+                try:
+                    await self._flush()
+                finally:
+                    self._flushing = False
+            await queued.done.wait()
+        if queued.error is not None:
+            raise queued.error
+        return queued.seq
+
+    async def _flush(self) -> None:
+        async with self._lock:
+            while self._queued:
+                group, self._queued = self._queued[:GROUP_MAX], self._queued[GROUP_MAX:]
+                try:
+                    first = await self._append_locked([q.payload for q in group], None, shared=True)
+                except Exception as error:  # every record of the group shares its fate
+                    for q in group:
+                        q.error = error
+                        q.done.set()
+                    continue
+                for i, q in enumerate(group):
+                    q.seq = None if first is None else first + i
+                    q.done.set()
+
+    async def _append_locked(
+        self, payloads: list[bytes], fence: Fence | None, *, shared: bool
+    ) -> int | None:
+        """Append ``payloads`` as consecutive records, all or none, holding the lock: the
+        first one's number, or ``None`` when another writer took one of the numbers first
+        on a shared log (nothing written)."""
+        self._check_open()
+        seq = self._next_seq
+        frames = [encode_frame(seq + i, [payload]) for i, payload in enumerate(payloads)]
+        try:
+            landed = await self._commit(seq, frames, fence)
+        except _Unsettled as unsettled:
+            self._refuse(unsettled.why)
+            raise self._store._unavailable(unsettled.why, self._rel) from None
+        except _Closed:
+            raise JournalError(
+                ReasonCode.JOURNAL_CLOSED, "the store is closed", path=self._rel
+            ) from None
+        except (psycopg.Error, _Vanished) as exc:  # the server's definite refusal
+            if isinstance(exc, psycopg.Error):
+                reason = _reason(exc, self._store._params)
+            else:
+                reason = str(exc)
+            with trio.CancelScope(shield=True):
+                await self._poison(reason)
+            raise JournalError(
+                ReasonCode.JOURNAL_POISONED,
+                f"an append did not commit ({reason}); the log accepts no more records",
+                path=self._rel,
+            ) from None
+        if landed is _Landed.FENCED:
+            assert fence is not None
+            raise self._fenced(fence)
+        if landed is _Landed.THEIRS:
+            if shared:
+                return None
+            raise self._conflict(seq)
+        self.commits += 1
+        self._next_seq = seq + len(frames)
+        self._good_length += sum(len(frame) for frame in frames)
+        return seq
+
+    async def _commit(self, seq: int, frames: list[bytes], fence: Fence | None) -> _Landed:
+        """Commit the rows ``(rel, seq…, frames)`` under ``fence`` (a group of more than one:
+        unfenced, in one statement). Retried under the store's
         policy while the connection breaks or cannot be made; once an attempt was sent (its
         outcome unknown) every later one resolves it (:func:`_resolve`), shielded from
         cancellation: the log's next number depends on it. Raises :class:`_Unsettled` when
@@ -730,7 +855,11 @@ class PgLog:
             with trio.CancelScope(shield=sent):
                 if attempt:
                     await trio.sleep(policy.delay(attempt))
-                work = (_resolve if sent else _insert)(self._rel, seq, frame, fence)
+                if len(frames) == 1:
+                    work = (_resolve if sent else _insert)(self._rel, seq, frames[0], fence)
+                else:
+                    assert fence is None
+                    work = (_resolve_many if sent else _insert_many)(self._rel, seq, frames)
                 try:
                     return await self._connection.run(work)
                 except _Unreachable as exc:  # nothing sent this time

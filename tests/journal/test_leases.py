@@ -14,7 +14,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import psycopg
 import pytest
@@ -28,7 +28,7 @@ from runtime._journal._postgres import STORE_SCHEMA_VERSION, PgStore, open_pg_st
 from runtime._journal._store import ADMISSIONS, RESULTS
 from runtime._records import OutboxAction, Record
 
-from .pg_fixtures import execute, terminate_backends
+from .pg_fixtures import cutting_proxy, execute, terminate_backends
 
 LIMIT: Final = 30.0
 TTL: Final = 30.0
@@ -381,8 +381,9 @@ async def test_s23_an_append_to_a_shared_log_is_announced_to_other_hosts(
 
 
 async def test_the_lease_schema_is_version_2(pg_dsn: str) -> None:
-    """The lease table and the announcement trigger are migration 2."""
-    assert STORE_SCHEMA_VERSION == 2
+    """The lease table and the announcement trigger are migration 2 (3 adds the receipt
+    store's tables, receipts.md R9)."""
+    assert STORE_SCHEMA_VERSION == 3
     triggers = await execute(
         pg_dsn,
         "SELECT tgname FROM pg_trigger WHERE tgrelid = 'pi_runtime.log_records'::regclass "
@@ -393,7 +394,7 @@ async def test_the_lease_schema_is_version_2(pg_dsn: str) -> None:
 
 async def test_a_version_1_database_is_refused_until_migrated(pg_dsn: str, tmp_path: Path) -> None:
     """A database at store schema 1 (the single-host slice) is refused by this pi-runtime
-    until ``migrate`` added migration 2, which keeps what version 1 held."""
+    until ``migrate`` added migrations 2 and 3, which keep what version 1 held."""
     from runtime._journal._postgres import migrate
 
     async with open_pg_store(pg_dsn, root=tmp_path / "a") as store:
@@ -402,6 +403,8 @@ async def test_a_version_1_database_is_refused_until_migrated(pg_dsn: str, tmp_p
         "DROP TRIGGER shared_append ON pi_runtime.log_records",
         "DROP FUNCTION pi_runtime.announce_shared_append()",
         "DROP TABLE pi_runtime.lanes",
+        "DROP TABLE pi_runtime.receipt_documents, pi_runtime.receipt_revisions, "
+        "pi_runtime.receipts",
         "UPDATE pi_runtime.schema_version SET version = 1",
     ):
         await execute(pg_dsn, statement)
@@ -411,7 +414,125 @@ async def test_a_version_1_database_is_refused_until_migrated(pg_dsn: str, tmp_p
                 pass  # pragma: no cover - refused
         assert refused.value.code is ReasonCode.STORE_SCHEMA_MISSING
         assert "store schema 1" in str(refused.value)
-        assert await migrate(pg_dsn) == 2
+        assert await migrate(pg_dsn) == STORE_SCHEMA_VERSION == 3
         async with open_pg_store(pg_dsn, root=tmp_path / "a") as store:
             assert store.admissions.contents.records[1:] == (_action(1),)
             assert await store.claim("room-1", TTL) is not None
+
+
+# S22: concurrent unfenced appends to a shared log (admissions) are group-committed.
+
+
+async def _produce(
+    store: PgStore, host: str, producer: int, count: int, landed: dict[int, Record]
+) -> None:
+    """One of a host's concurrent producers (clients being admitted at once): on a lost race
+    the host learns what was written and tries again; each record's number is kept."""
+    log = store.admissions
+    for n in range(count):
+        record = _action(producer * 1000 + n, host)
+        while (seq := await log.try_append(record)) is None:
+            await log.refresh()
+        assert seq not in landed, f"number {seq} handed out twice"
+        landed[seq] = record
+
+
+async def test_s22_concurrent_admissions_are_group_committed_and_each_lands_once(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """Three hosts, 16 producers each, at once: every record lands exactly once, at the
+    number its append returned, gap-free; each host made far fewer commits than it
+    appended records (groups of concurrent appends, one statement each); a reader polling
+    meanwhile never sees a gap."""
+    producers, count = 16, 5
+    landed: dict[int, Record] = {}
+    reads = 0
+    with trio.fail_after(LIMIT * 2):
+        async with (
+            _host(pg_dsn, tmp_path, "a") as a,
+            _host(pg_dsn, tmp_path, "b") as b,
+            _host(pg_dsn, tmp_path, "c") as c,
+            _host(pg_dsn, tmp_path, "reader") as reader,
+        ):
+            done = trio.Event()
+
+            async def read_meanwhile() -> None:
+                nonlocal reads
+                while not done.is_set():
+                    await reader.read(ADMISSIONS)  # a gap would raise (journal_corrupt)
+                    reads += 1
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_meanwhile)
+                async with trio.open_nursery() as writers:
+                    for name, store in zip("abc", (a, b, c), strict=True):
+                        for p in range(producers):
+                            writers.start_soon(_produce, store, name, p, count, landed)
+                done.set()
+            final = (await reader.read(ADMISSIONS)).records
+            commits = [s.admissions.commits for s in (a, b, c)]
+    total = 3 * producers * count
+    assert len(final) == total + 1  # and the header
+    assert sorted(landed) == list(range(1, total + 1))
+    for seq, record in landed.items():
+        assert final[seq] == record
+    assert sum(commits) < total / 2, commits
+    assert reads > 0
+
+
+async def test_s22_a_group_that_loses_the_race_writes_none_of_its_records(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A group is one statement: when another host took one of its numbers first, none of
+    its records is written (no record at a number its appends were not told of); each
+    append is told so (``None``), learns what was written and lands on the next try."""
+    with trio.fail_after(LIMIT):
+        async with _host(pg_dsn, tmp_path, "a") as a, _host(pg_dsn, tmp_path, "b") as b:
+            await b.admissions.refresh()
+            await b.admissions.try_append(_action(0, "b"))  # B takes number 1
+            tries: list[int | None] = []
+            before = a.admissions.commits
+
+            async def one(n: int) -> None:
+                tries.append(await a.admissions.try_append(_action(n, "a")))
+
+            async with trio.open_nursery() as nursery:
+                for n in range(5):
+                    nursery.start_soon(one, n)
+            assert tries == [None] * 5
+            assert a.admissions.commits == before
+            await a.admissions.refresh()
+            async with trio.open_nursery() as nursery:
+                for n in range(5):
+                    nursery.start_soon(one, n)
+            final = (await b.read(ADMISSIONS)).records[1:]
+    assert sorted(t for t in tries if t is not None) == [2, 3, 4, 5, 6]
+    assert final[0] == _action(0, "b")
+    assert {r.action_id for r in final[1:] if isinstance(r, OutboxAction)} == {
+        f"aa:{n}" for n in range(5)
+    }
+
+
+@pytest.mark.parametrize("where", ["request", "reply"])
+async def test_s22_a_group_whose_outcome_is_unknown_is_resolved_once(
+    pg_dsn: str, tmp_path: Path, where: Literal["request", "reply"]
+) -> None:
+    """The connection is cut under a group's statement: before the server saw it
+    (``request``: inserted again) or after it committed (``reply``: found, not inserted
+    again). Either way every record is in the log once, at the number its append returned."""
+    landed: dict[int, Record] = {}
+    with trio.fail_after(LIMIT):
+        async with (
+            cutting_proxy(pg_dsn) as proxy,
+            open_pg_store(proxy.dsn, root=tmp_path / "a") as a,
+        ):
+            await a.admissions.try_append(_action(999, "a"))  # a connection, in use
+            proxy.cut_next(where)
+            async with trio.open_nursery() as nursery:
+                for p in range(8):
+                    nursery.start_soon(_produce, a, "a", p, 1, landed)
+            assert proxy.cuts == 1
+            final = (await a.read(ADMISSIONS)).records
+    assert len(final) == 1 + 1 + 8
+    for seq, record in landed.items():
+        assert final[seq] == record

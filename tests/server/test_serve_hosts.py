@@ -114,9 +114,7 @@ def _config(dsn: str, url: str, name: str, lease: float = LEASE) -> str:
 
 
 @contextlib.asynccontextmanager
-async def deployment(
-    root: Path, dsn: str, url: str, *, lease: float = LEASE
-) -> AsyncIterator[Any]:
+async def deployment(root: Path, dsn: str, url: str, *, lease: float = LEASE) -> AsyncIterator[Any]:
     """Start hosts with ``start(name)`` (each in its own namespace, all at one path,
     ``start.common``: short, as ``/srv/pi-runtime`` would be — a socket's path must fit in
     108 bytes); a name started again is that host restarted on its own directory. Every
