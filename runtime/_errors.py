@@ -121,7 +121,6 @@ class ReasonCode(enum.StrEnum):
     DELIVERY_INVALID = "delivery_invalid"
     DELIVERY_CONFLICT = "delivery_conflict"
     DELIVERY_UNKNOWN = "delivery_unknown"
-    DELIVERY_ELSEWHERE = "delivery_elsewhere"  # it runs on another host of the deployment
     QUEUE_FULL = "queue_full"
     NOT_ADMITTING = "not_admitting"
     TURN_STALLED = "turn_stalled"

@@ -82,9 +82,13 @@ def _py(folder: str) -> list[Path]:
     return sorted((REPO / folder).rglob("*.py"))
 
 
-OPTIONAL: Final = {"runtime/_journal/_postgres.py": "postgres"}
+OPTIONAL: Final = {
+    "runtime/_journal/_postgres.py": "postgres",
+    "runtime/_boundary/_receipts_pg.py": "postgres",
+}
 """Product modules that need an extra, each imported only where that extra is used (the
-PostgreSQL store: by ``pi-runtime db migrate``, inside the command)."""
+PostgreSQL store and its receipt store: by ``pi-runtime db migrate`` and a room worker whose
+``[store] url`` names a database, inside the function)."""
 
 
 def _product() -> list[Path]:

@@ -157,6 +157,15 @@ class LeaseStore(JournalStore, Protocol):
 
     async def lease(self, lane: str) -> Lease | None: ...
 
+    async def documents(self, prefix: str) -> dict[str, bytes]:
+        """Every document whose name starts with ``prefix``, by name."""
+        ...
+
+    async def announce(self) -> None:
+        """Make every host's :meth:`watch_shared` call its ``changed`` (a document written
+        for the others to read)."""
+        ...
+
     async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:
         """Call ``changed(released)`` when another host may have appended to a shared log,
         or given a lease up (``released``)."""

@@ -261,6 +261,8 @@ _LEASE: Final = f"""
 SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_until - now()), 0)
   FROM {SCHEMA}.lanes WHERE lane = %s"""
 _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
+_DOCUMENTS: Final = f"SELECT name, data FROM {SCHEMA}.documents WHERE name LIKE %s ORDER BY name"
+_ANNOUNCE: Final = f"SELECT pg_notify('{CHANNEL}', 'documents')"
 _EXISTS: Final = f"""
 SELECT EXISTS (SELECT FROM {SCHEMA}.log_records WHERE log = %(log)s)
     OR EXISTS (SELECT FROM {SCHEMA}.log_poison WHERE log = %(log)s)"""
@@ -1224,6 +1226,20 @@ class PgStore:
                 "the document was not written",
                 path=rel,
             )
+
+    async def documents(self, prefix: str) -> dict[str, bytes]:
+        """Every document whose name starts with ``prefix``, by name (S26)."""
+
+        def read(conn: _Conn) -> dict[str, bytes]:
+            pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            rows = conn.execute(_DOCUMENTS, [pattern], binary=True).fetchall()
+            return {str(name): bytes(data) for name, data in rows}
+
+        return await self._run(prefix, read)
+
+    async def announce(self) -> None:
+        """Tell every host watching the shared logs to look again (S23, S26): sent at once."""
+        await self._run(None, lambda conn: conn.execute(_ANNOUNCE))
 
     async def read_document(self, rel: str) -> bytes | None:
         def read(conn: _Conn) -> bytes | None:

@@ -60,7 +60,7 @@ from .._errors import (
 from .._hosting import start_model, worker_program
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore
-from .._journal._store import lane_key, open_store, runtime_dir
+from .._journal._store import delivery_key, lane_key, open_store, runtime_dir
 from .._linux._fs import FileSystem
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
@@ -145,6 +145,8 @@ class RoomWorker:
         """Rooms whose lane another host's lease holds, and until when (Trio's clock): no
         claim is tried before."""
         self._poked = trio.Event()
+        self._cancels: set[str] = set()
+        """Deliveries another host was asked to cancel (S26), not finished when last read."""
 
     # -- the API -----------------------------------------------------------------------
 
@@ -251,14 +253,17 @@ class RoomWorker:
         is left as it is; an unknown one raises ``delivery_unknown``."""
         pending = self._pending.get(delivery_id)
         if pending is None:
-            if delivery_id in self._known:
-                if self._host.outbox.result_of(delivery_id) is None:  # S20: not built yet
-                    raise DeliveryError(
-                        ReasonCode.DELIVERY_ELSEWHERE,
-                        f"delivery {delivery_id} runs on another host: cancel it there",
-                    )
+            if delivery_id not in self._known:
+                raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
+            if self._host.outbox.result_of(delivery_id) is not None or self.leases is None:
                 return  # already finished
-            raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
+            # S26: it runs, or waits, on another host (or on none): the request is made
+            # durable in the database and announced; its lane's holder — or the next one,
+            # at its recovery — ends it ``cancelled``
+            leased = self.leases.store
+            await leased.write_document(_cancel_rel(delivery_id), delivery_id.encode())
+            await leased.announce()
+            return
         lane = self._lanes[pending.delivery.room]
         await lane.cancel(delivery_id)
 
@@ -496,7 +501,7 @@ class RoomWorker:
             privileged = self.config.is_privileged(room, delivery.author.id)
             pending = Pending(delivery, record, grants or frozenset(), privileged)
             refused = self._refusal(record, delivery, grants)
-            if refused is not None:
+            if refused is not None or delivery_id in self._cancels:  # S26: cancelled first
                 self._pending[delivery_id] = pending
                 self._nursery.start_soon(self._refuse, lane, pending, refused)
                 continue
@@ -513,6 +518,25 @@ class RoomWorker:
         of the rooms this host holds to their lanes."""
         self._learn_admissions(await self.store.admissions.refresh())  # handed over there
         self._learn_results(await self._host.outbox.sync())
+        await self._learn_cancels()
+
+    async def _learn_cancels(self) -> None:
+        """S26: the cancel requests in the database; each of a delivery pending here is
+        carried out (the others wait for their lane's holder, or its next one)."""
+        if self.leases is None:
+            return
+        outbox = self._host.outbox
+        found = await self.leases.store.documents(CANCELS)
+        self._cancels = {
+            d for data in found.values() if outbox.result_of(d := data.decode()) is None
+        }
+        for delivery_id in sorted(self._cancels):
+            pending = self._pending.get(delivery_id)
+            if pending is None or pending.cancelled:
+                continue
+            lane = self._lanes.get(pending.delivery.room)
+            if lane is not None and not lane.lost:
+                self._nursery.start_soon(lane.cancel, delivery_id)
 
     async def _follow_shared(self) -> None:
         """Read the shared logs whenever told (S23), until cancelled. A database that cannot
@@ -619,6 +643,8 @@ class RoomWorker:
         if any(published.result_of(d) is not None for d in cancels):  # applied: forget them
             unfinished = [d for d in cancels if published.result_of(d) is None]
             await self.store.write_document(CANCEL_REQUESTS, _encode_ids(unfinished))
+        if rooms is not None:  # a claimed lane: the cancels other hosts took (S26)
+            await self._learn_cancels()
         replaying: set[str] = set()
         for record in running:
             delivery = msgspec.convert(record.request, Delivery)
@@ -634,9 +660,14 @@ class RoomWorker:
                 lane = held
             pending = Pending(delivery, record, grants or frozenset(), privileged, recovering)
             refused = self._refusal(record, delivery, grants)
-            if record.delivery_id in cancels:  # `pi-runtime cancel` while no server ran
+            # `pi-runtime cancel` while no server ran; another host's cancel (S26), also one
+            # learned during the awaits above — not of one steered into a run: it rides its
+            # owner's replay, as a live cancel leaves it (L10)
+            asked = record.delivery_id in cancels or record.delivery_id in self._cancels
+            cancelled = asked and record.delivery_id not in steered
+            if cancelled:
                 refused = None
-            if refused is not None or record.delivery_id in cancels:
+            if refused is not None or cancelled:
                 self._pending[record.delivery_id] = pending
                 self._nursery.start_soon(self._refuse, lane, pending, refused)
                 continue
@@ -765,6 +796,15 @@ RELEASE_BOUND: Final = 5.0
 """Seconds a stopping host spends giving its leases up."""
 
 CANCEL_REQUESTS: Final = "cancel-requests.json"
+CANCELS: Final = "cancels/"
+"""On a shared store, one document per cancel a host took for a delivery it does not run
+(S26): ``cancels/<delivery key>``, holding the delivery id."""
+
+
+def _cancel_rel(delivery_id: str) -> str:
+    return CANCELS + delivery_key(delivery_id)
+
+
 """A document in the state directory: deliveries whose cancel was requested while no server
 ran; the next start ends each ``cancelled`` before anything runs (docs/design/protocol.md,
 ``cancel``)."""

@@ -17,7 +17,13 @@ import pytest
 import trio
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
-from runtime._config import DEFAULT_GRANTS, ModelConfig, RoomWorkerConfig, StoreConfig
+from runtime._config import (
+    DEFAULT_GRANTS,
+    ModelConfig,
+    RoomConfig,
+    RoomWorkerConfig,
+    StoreConfig,
+)
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._postgres import open_pg_store
 from runtime._records import ModelResponse, Result, StepAbandoned
@@ -41,6 +47,8 @@ async def host(
     *,
     lease: float = 60,
     grants: frozenset[str] = DEFAULT_GRANTS,
+    poll: float = 0.05,
+    rooms: dict[str, RoomConfig] | None = None,
 ) -> AsyncIterator[RoomWorker]:
     """A host whose leases never run out during a test (60 s): a lane changes hands here only
     because a test expires its lease in the database, or its holder gives it up."""
@@ -48,8 +56,9 @@ async def host(
         state_dir=str(root / name / "state"),
         work_root=str(root / name / "work"),
         model=ModelConfig(base_url=url),
-        store=StoreConfig(url=dsn, lease_seconds=lease, poll_seconds=0.05, host_name=name),
+        store=StoreConfig(url=dsn, lease_seconds=lease, poll_seconds=poll, host_name=name),
         default_grants=grants,
+        rooms=rooms,
     )
     async with open_room_worker(config) as worker:
         yield worker
@@ -269,3 +278,85 @@ async def test_r9_documents_and_receipts_travel_with_the_lane(tmp_path: Path, pg
     (saved,) = tool_messages(model.requests[3].body).values()  # d2's call, as B replayed it
     assert json.loads(saved)["document_id"] == "other"
     assert not (tmp_path / "b" / "state" / "receipts.sqlite").exists()
+
+
+ROOMS: Final = {"dm:1": RoomConfig(actors={"u2": frozenset({"read"})})}
+"""u2 has more grants than the room's: its deliveries run alone (one-shot), never steered."""
+
+
+async def test_s26_a_cancel_sent_to_another_host_travels_to_the_lanes_holder(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S26: A holds dm:1 and runs d1 (its model request held open); d2 (by an author with
+    more grants: never steered into d1's run, L10) waits behind it.
+    ``cancel`` of d2, then of d1, through B (which holds nothing): B makes each request
+    durable in the database and announces it; A ends d2 ``cancelled`` from its queue and
+    aborts d1's running turn, ``cancelled`` too. Both hosts stream both results; d1's model
+    request was the only one."""
+    asked = trio.Event()
+    arrived = 0
+
+    async def on_request(n: int) -> None:
+        nonlocal arrived
+        arrived = n
+        if n == 1:
+            asked.set()
+            await trio.sleep_forever()  # d1's turn runs until it is cancelled
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (_model, url),
+            host(tmp_path, "a", pg_dsn, url, rooms=ROOMS) as a,
+            host(tmp_path, "b", pg_dsn, url, rooms=ROOMS) as b,
+        ):
+            await a.deliver(message("d1", "one", room="dm:1"))
+            await asked.wait()
+            queued = await a.deliver(message("d2", "two", room="dm:1", author_id="u2"))
+            await b._sync()  # B has learned both admissions
+            await b.cancel("d2")
+            d2 = await result_of(b, "d2")
+            await b.cancel("d1")
+            d1 = await result_of(b, "d1")
+            on_a = [await result_of(a, d) for d in ("d1", "d2")]
+            await b.cancel("d1")  # finished: nothing to do
+            status_b = b.status()
+    assert queued.disposition == "queued"
+    assert (d2.outcome, d1.outcome) == ("cancelled", "cancelled")
+    assert on_a == [d1, d2]
+    assert (d2.seq, d1.seq) == (1, 2)
+    assert status_b == []  # B never held dm:1
+    assert arrived == 1  # d1's, never answered; d2 never asked
+
+
+async def test_s26_a_cancel_of_a_lane_nobody_holds_is_carried_out_by_its_next_holder(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S26 at a claim: A admitted d1 and d2 (queued: its author has more grants) and stopped
+    (its lane released, d1's turn cut short, d2 never begun). B — whose scan would claim
+    the room only after a minute — is asked to cancel d2 while nobody holds dm:1 and
+    records the request; C, started then,
+    claims the lane and recovers the room: d1 is answered, d2 ends ``cancelled`` without a
+    turn."""
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == 1:
+            asked.set()
+            await trio.sleep_forever()  # A's request: A stops under it
+
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([], on_request=on_request) as (model, url):
+            async with host(tmp_path, "a", pg_dsn, url, rooms=ROOMS) as a:
+                await a.deliver(message("d1", "one", room="dm:1"))
+                await asked.wait()
+                await a.deliver(message("d2", "never-asked-xyz", room="dm:1", author_id="u2"))
+            async with host(tmp_path, "b", pg_dsn, url, poll=60, rooms=ROOMS) as b:
+                await b.cancel("d2")
+                held_by_b = dict(b._lanes)
+                async with host(tmp_path, "c", pg_dsn, url, rooms=ROOMS) as c:
+                    d1 = await result_of(c, "d1")
+                    d2 = await result_of(c, "d2")
+    assert held_by_b == {}
+    assert d1.outcome == "reply"
+    assert d2.outcome == "cancelled"
+    assert not any("never-asked-xyz" in str(r.body) for r in model.requests)  # d2 never ran
