@@ -796,6 +796,10 @@ RELEASE_BOUND: Final = 5.0
 """Seconds a stopping host spends giving its leases up."""
 
 CANCEL_REQUESTS: Final = "cancel-requests.json"
+"""A document in the state directory: deliveries whose cancel was requested while no server
+ran; the next start ends each ``cancelled`` before anything runs (docs/design/protocol.md,
+``cancel``)."""
+
 CANCELS: Final = "cancels/"
 """On a shared store, one document per cancel a host took for a delivery it does not run
 (S26): ``cancels/<delivery key>``, holding the delivery id."""
@@ -803,11 +807,6 @@ CANCELS: Final = "cancels/"
 
 def _cancel_rel(delivery_id: str) -> str:
     return CANCELS + delivery_key(delivery_id)
-
-
-"""A document in the state directory: deliveries whose cancel was requested while no server
-ran; the next start ends each ``cancelled`` before anything runs (docs/design/protocol.md,
-``cancel``)."""
 
 
 def _open_journal_store(
