@@ -161,6 +161,10 @@ class LeaseStore(JournalStore, Protocol):
         """Every document whose name starts with ``prefix``, by name."""
         ...
 
+    async def delete_documents(self, names: Sequence[str]) -> None:
+        """Remove the named documents (those absent are no matter)."""
+        ...
+
     async def announce(self) -> None:
         """Make every host's :meth:`watch_shared` call its ``changed`` (a document written
         for the others to read)."""

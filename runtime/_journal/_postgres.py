@@ -263,6 +263,7 @@ SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_unti
 _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
 _DOCUMENTS: Final = f"SELECT name, data FROM {SCHEMA}.documents WHERE name LIKE %s ORDER BY name"
 _ANNOUNCE: Final = f"SELECT pg_notify('{CHANNEL}', 'documents')"
+_DELETE_DOCUMENTS: Final = f"DELETE FROM {SCHEMA}.documents WHERE name = ANY(%s::text[])"
 _EXISTS: Final = f"""
 SELECT EXISTS (SELECT FROM {SCHEMA}.log_records WHERE log = %(log)s)
     OR EXISTS (SELECT FROM {SCHEMA}.log_poison WHERE log = %(log)s)"""
@@ -1236,6 +1237,15 @@ class PgStore:
             return {str(name): bytes(data) for name, data in rows}
 
         return await self._run(prefix, read)
+
+    async def delete_documents(self, names: Sequence[str]) -> None:
+        """Remove the named documents (those absent are no matter): one statement."""
+
+        def delete(conn: _Conn) -> None:
+            conn.execute(_DELETE_DOCUMENTS, [list(names)])
+
+        if names:
+            await self._run(names[0], delete)
 
     async def announce(self) -> None:
         """Tell every host watching the shared logs to look again (S23, S26): sent at once."""

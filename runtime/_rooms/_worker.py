@@ -527,9 +527,10 @@ class RoomWorker:
             return
         outbox = self._host.outbox
         found = await self.leases.store.documents(CANCELS)
-        self._cancels = {
-            d for data in found.values() if outbox.result_of(d := data.decode()) is None
-        }
+        requested = {name: data.decode() for name, data in found.items()}
+        done = [name for name, d in requested.items() if outbox.result_of(d) is not None]
+        self._cancels = {d for d in requested.values() if outbox.result_of(d) is None}
+        await self.leases.store.delete_documents(done)  # carried out, or moot: finished
         for delivery_id in sorted(self._cancels):
             pending = self._pending.get(delivery_id)
             if pending is None or pending.cancelled:

@@ -319,6 +319,10 @@ async def test_s26_a_cancel_sent_to_another_host_travels_to_the_lanes_holder(
             d1 = await result_of(b, "d1")
             on_a = [await result_of(a, d) for d in ("d1", "d2")]
             await b.cancel("d1")  # finished: nothing to do
+            await b._sync()  # the requests of finished deliveries are removed
+            left = await execute(
+                pg_dsn, "SELECT name FROM pi_runtime.documents WHERE name LIKE 'cancels/%'"
+            )
             status_b = b.status()
     assert queued.disposition == "queued"
     assert (d2.outcome, d1.outcome) == ("cancelled", "cancelled")
@@ -326,6 +330,7 @@ async def test_s26_a_cancel_sent_to_another_host_travels_to_the_lanes_holder(
     assert (d2.seq, d1.seq) == (1, 2)
     assert status_b == []  # B never held dm:1
     assert arrived == 1  # d1's, never answered; d2 never asked
+    assert left == []
 
 
 async def test_s26_a_cancel_of_a_lane_nobody_holds_is_carried_out_by_its_next_holder(
