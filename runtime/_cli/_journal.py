@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from .._journal._inspect import delivery_records, verify_journal
+import trio
+
+from .._journal._inspect import (
+    delivery_records,
+    delivery_records_in_database,
+    verify_database,
+    verify_journal,
+)
 from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option
 
 
@@ -19,6 +26,7 @@ def register(commands: Commands) -> None:
         _journal_verify,
     )
     state_dir_option(verify)
+    store_option(verify)
     show = journal.add(
         "show",
         "print one delivery's records",
@@ -27,10 +35,24 @@ def register(commands: Commands) -> None:
     )
     show.add_argument("delivery_id", metavar="DELIVERY_ID", help="the client's delivery id")
     state_dir_option(show)
+    store_option(show)
+
+
+def store_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="DSN",
+        help="read the journal of this PostgreSQL database (several hosts' deployment; no "
+        "password in it: PGPASSWORD, ~/.pgpass or a service file) instead of --state-dir",
+    )
 
 
 def _journal_verify(args: argparse.Namespace) -> int:
-    checked, findings = verify_journal(args.state_dir)
+    if args.store:
+        checked, findings = trio.run(verify_database, args.store)
+    else:
+        checked, findings = verify_journal(args.state_dir)
     for finding in findings:
         code = f"{finding.code}: " if finding.code else ""
         kind = "problem" if finding.problem else "note"
@@ -41,7 +63,10 @@ def _journal_verify(args: argparse.Namespace) -> int:
 
 
 def _journal_show(args: argparse.Namespace) -> int:
-    records, note = delivery_records(args.state_dir, args.delivery_id)
+    if args.store:
+        records, note = trio.run(delivery_records_in_database, args.store, args.delivery_id)
+    else:
+        records, note = delivery_records(args.state_dir, args.delivery_id)
     if note is not None:
         logger.info("%s", note)
     for record in records:

@@ -11,9 +11,12 @@ server runs. Blocking; the command line calls them from its main thread.
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -25,7 +28,18 @@ from .._wire import DeliveryResult
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
 
-__all__ = ["RECENT_RESULTS", "Finding", "delivery_records", "offline_status", "verify_journal"]
+if TYPE_CHECKING:
+    from ._postgres import PgStore
+
+__all__ = [
+    "RECENT_RESULTS",
+    "Finding",
+    "delivery_records",
+    "delivery_records_in_database",
+    "offline_status",
+    "verify_database",
+    "verify_journal",
+]
 
 RECENT_RESULTS: Final = 10
 
@@ -160,6 +174,52 @@ def verify_journal(state_dir: Path) -> tuple[int, list[Finding]]:
     return len(logs), findings
 
 
+async def verify_database(dsn: str) -> tuple[int, list[Finding]]:
+    """:func:`verify_journal` of the PostgreSQL store ``dsn`` names (scale-out.md): every
+    log in the database read and checked as a file's is. Opening the store reads the shared
+    logs (their damage raises :class:`JournalError`); nothing else is written."""
+    async with _pg_store(dsn) as store:
+        names = await store.log_names()
+        findings: list[Finding] = []
+        for rel in names:
+            kind = _kind_of(rel)
+            try:
+                contents = await store.read(rel, kind)
+            except JournalError as error:
+                findings.append(Finding(rel, error.message, problem=True, code=str(error.code)))
+                continue
+            findings += _check_contents(rel, kind, contents)
+    return len(names), findings
+
+
+async def delivery_records_in_database(
+    dsn: str, delivery_id: str
+) -> tuple[list[Record], str | None]:
+    """:func:`delivery_records` from the PostgreSQL store ``dsn`` names."""
+    async with _pg_store(dsn) as store:
+        contents = None
+        if await store.exists(store.delivery_rel(delivery_id)):
+            contents = await store.read_delivery_log(delivery_id)
+        admissions = store.admissions.contents.records
+        results = store.results.contents.records
+    return _records_of(contents, admissions, results, delivery_id, "the database")
+
+
+def _kind_of(rel: str) -> LogKind:
+    if rel == ADMISSIONS:
+        return LogKind.ADMISSIONS
+    if rel == RESULTS:
+        return LogKind.RESULTS
+    return LogKind.LANE if rel.startswith("lanes/") else LogKind.DELIVERY
+
+
+def _pg_store(dsn: str) -> AbstractAsyncContextManager[PgStore]:
+    from ._postgres import open_pg_store  # the optional extra, only here
+
+    root = Path(tempfile.mkdtemp(prefix="pi-runtime-inspect-"))  # no local state is read
+    return open_pg_store(dsn, root=root)
+
+
 def _check_contents(rel: str, kind: LogKind, contents: LogContents) -> list[Finding]:
     found: list[Finding] = []
     if contents.torn_bytes:
@@ -221,20 +281,27 @@ def delivery_records(state_dir: Path, delivery_id: str) -> tuple[list[Record], s
         contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.DELIVERY)
     except FileNotFoundError:
         contents = None
+    admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
+    results = _read_shared(root, RESULTS, LogKind.RESULTS)
+    return _records_of(contents, admissions, results, delivery_id, str(root))
+
+
+def _records_of(
+    contents: LogContents | None,
+    admissions: Sequence[Record],
+    results: Sequence[Record],
+    delivery_id: str,
+    where: str,
+) -> tuple[list[Record], str | None]:
     if contents is not None and contents.records:
         note = None
         if contents.poison is not None:
             note = f"the log was poisoned ({contents.poison.reason})"
         return list(contents.records), note
-    admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
     found: list[Record] = [
         r for r in admissions if isinstance(r, Admission) and r.delivery_id == delivery_id
     ]
     if not found:
-        raise PiRuntimeError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id!r} in {root}")
-    found += [
-        r
-        for r in _read_shared(root, RESULTS, LogKind.RESULTS)
-        if isinstance(r, ResultPublished) and r.delivery_id == delivery_id
-    ]
+        raise PiRuntimeError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id!r} in {where}")
+    found += [r for r in results if isinstance(r, ResultPublished) and r.delivery_id == delivery_id]
     return found, f"no log of its own (its turn never started); from {ADMISSIONS} and {RESULTS}"

@@ -272,6 +272,11 @@ SELECT log FROM {SCHEMA}.log_records WHERE seq = 0 AND log LIKE 'lanes/%/lane.lo
 UNION
 SELECT log FROM {SCHEMA}.log_poison WHERE log LIKE 'lanes/%/lane.log'
 ORDER BY 1"""
+_LOG_NAMES: Final = f"""
+SELECT log FROM {SCHEMA}.log_records WHERE seq = 0
+UNION
+SELECT log FROM {SCHEMA}.log_poison
+ORDER BY 1"""
 """Every log has its header row (seq 0) unless its creation was poisoned; ``COLLATE "C"``
 orders names as Python's ``sorted`` does."""
 
@@ -1192,6 +1197,14 @@ class PgStore:
             return bool(row and row[0])
 
         return await self._run(rel, exists)
+
+    async def log_names(self) -> list[str]:
+        """The names of every log (its header row, or its poison), sorted."""
+
+        def names(conn: _Conn) -> list[str]:
+            return [str(row[0]) for row in conn.execute(_LOG_NAMES).fetchall()]
+
+        return await self._run(None, names)
 
     async def lane_logs(self) -> list[str]:
         """The names of every lane log, sorted."""

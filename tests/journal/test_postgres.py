@@ -14,6 +14,7 @@ on Trio's clock, under a fast policy (``FAST``) where a test makes them fail.
 
 from __future__ import annotations
 
+import json
 import logging
 import stat
 import sys
@@ -873,3 +874,44 @@ def test_cli_db_migrate_refusals(
             main([*command, "--help"])
         assert done.value.code == 0
         assert capsys.readouterr().out.startswith(f"usage: pi-runtime {' '.join(command)}")
+
+
+# -- pi-runtime journal verify / show --store ---------------------------------------------------
+
+
+def test_cli_journal_verify_and_show_read_the_database(
+    pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``journal verify --store DSN`` checks every log in the database as it checks files:
+    a sound deployment passes; a flipped byte in a delivery's row is a ``journal_corrupt``
+    problem (exit 1). ``journal show --store DSN`` prints a delivery's records, one JSON
+    object per line, and refuses an unknown one ``delivery_unknown``."""
+
+    async def fill() -> None:
+        async with open_pg_store(pg_dsn, root=tmp_path / "host") as store:
+            log = await store.create_delivery_log("d1")
+            await log.append(_action(1))
+            await log.append(_action(2))
+            await store.admissions.append(_action(3))
+
+    trio.run(fill)
+    assert main(["journal", "verify", "--store", pg_dsn]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == "checked 3 logs: 0 problems"
+    assert main(["journal", "show", "--store", pg_dsn, "d1"]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line).get("action_id") for line in lines[1:]] == ["a:1", "a:2"]
+    assert main(["journal", "show", "--store", pg_dsn, "nobody"]) == EXIT_FAILED
+    assert "delivery_unknown" in capsys.readouterr().err
+    rel = Store.delivery_rel("d1")
+    trio.run(
+        execute,
+        pg_dsn,
+        "UPDATE pi_runtime.log_records SET frame = overlay(frame placing '\\xff'::bytea "
+        f"from {HEADER_SIZE + 3} for 1) WHERE log = %s AND seq = 2",
+        [rel],
+    )
+    assert main(["journal", "verify", "--store", pg_dsn]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert f"problem: {rel}: journal_corrupt" in out
+    assert out.strip().splitlines()[-1] == "checked 3 logs: 1 problem"
