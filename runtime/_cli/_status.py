@@ -12,7 +12,7 @@ import trio
 
 from .._errors import AdminError
 from .._journal._inspect import offline_status
-from .._rooms._worker import request_cancel
+from .._rooms._worker import request_cancel, request_cancel_in_database
 from .._server._admin import admin_request
 from .._server._token import rotate_token
 from .._tasks._view import offline_views
@@ -50,6 +50,13 @@ def register(commands: Commands) -> None:
     )
     cancel.add_argument("delivery_id", metavar="DELIVERY_ID", help="the client's delivery id")
     state_dir_option(cancel)
+    cancel.add_argument(
+        "--store",
+        default=None,
+        metavar="DSN",
+        help="cancel in this PostgreSQL deployment (several hosts): recorded in the database "
+        "and carried out by the host that holds the delivery's room",
+    )
     cancel.add_argument("--json", action="store_true", help="print the server's answer as JSON")
     token = commands.group("token", "manage the websocket access token", "Manage the access token.")
     rotate = token.add(
@@ -182,6 +189,15 @@ def _offline_summary(view: Any) -> dict[str, Any]:
 def _cancel(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
     delivery_id: str = args.delivery_id
+    if args.store:  # S26: any host of the deployment, or the next one, carries it out
+        recorded = trio.run(request_cancel_in_database, args.store, delivery_id)
+        if args.json:
+            answer = {"ok": True, "delivery_id": delivery_id, "state": recorded}
+            print(JSON.encode(answer | {"source": "database"}).decode())
+        else:
+            done = "already finished" if recorded == "finished" else "cancel requested"
+            print(f"{delivery_id}: {done}")
+        return EXIT_OK
     response = trio.run(admin_request, state_dir, {"command": "cancel", "delivery_id": delivery_id})
     if response is None:  # no server: recorded in the state directory for the next start
         recorded = trio.run(request_cancel, state_dir, delivery_id)

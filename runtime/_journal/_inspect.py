@@ -11,7 +11,6 @@ server runs. Blocking; the command line calls them from its main thread.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -214,10 +213,9 @@ def _kind_of(rel: str) -> LogKind:
 
 
 def _pg_store(dsn: str) -> AbstractAsyncContextManager[PgStore]:
-    from ._postgres import open_pg_store  # the optional extra, only here
+    from ._postgres import open_pg_reader  # the optional extra, only here
 
-    root = Path(tempfile.mkdtemp(prefix="pi-runtime-inspect-"))  # no local state is read
-    return open_pg_store(dsn, root=root)
+    return open_pg_reader(dsn)
 
 
 def _check_contents(rel: str, kind: LogKind, contents: LogContents) -> list[Finding]:

@@ -45,7 +45,9 @@ import contextlib
 import enum
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -72,6 +74,7 @@ __all__ = [
     "PgLog",
     "PgStore",
     "migrate",
+    "open_pg_reader",
     "open_pg_store",
     "redact_dsn",
 ]
@@ -1538,6 +1541,18 @@ async def open_pg_store(
             finally:
                 if holder is not None:
                     await trio.to_thread.run_sync(holder.close)
+
+
+@contextlib.asynccontextmanager
+async def open_pg_reader(dsn: str) -> AsyncIterator[PgStore]:
+    """:func:`open_pg_store` for a command that is not a host (``journal``, ``cancel``): its
+    local root a temporary directory, removed on the way out (nothing local is read)."""
+    root = Path(await trio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="pi-runtime-")))
+    try:
+        async with open_pg_store(dsn, root=root) as store:
+            yield store
+    finally:
+        await trio.to_thread.run_sync(lambda: shutil.rmtree(root, ignore_errors=True))
 
 
 def _listen(params: Mapping[str, Any]) -> _Conn:

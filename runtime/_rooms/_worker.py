@@ -877,6 +877,26 @@ async def request_cancel(
     return "requested"
 
 
+async def request_cancel_in_database(
+    dsn: str, delivery_id: str
+) -> Literal["requested", "finished"]:
+    """Cancel ``delivery_id`` of the deployment on the PostgreSQL store ``dsn`` names, from
+    outside any host (S26): the request is made durable and announced; the holder of the
+    delivery's room — or the next one — ends it ``cancelled``. ``finished`` when it already
+    has a result; ``delivery_unknown`` when it was never admitted."""
+    from .._journal._postgres import open_pg_reader  # the optional extra, as the store
+
+    async with open_pg_reader(dsn) as store:
+        records = store.admissions.contents.records
+        if not any(isinstance(r, Admission) and r.delivery_id == delivery_id for r in records):
+            raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
+        if ResultOutbox(store.results).result_of(delivery_id) is not None:
+            return "finished"
+        await store.write_document(_cancel_rel(delivery_id), delivery_id.encode())
+        await store.announce()
+    return "requested"
+
+
 @raises_one_error
 @contextlib.asynccontextmanager
 async def open_room_worker(

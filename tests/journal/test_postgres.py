@@ -915,3 +915,12 @@ def test_cli_journal_verify_and_show_read_the_database(
     out = capsys.readouterr().out
     assert f"problem: {rel}: journal_corrupt" in out
     assert out.strip().splitlines()[-1] == "checked 3 logs: 1 problem"
+
+
+def test_cli_cancel_store_refuses_an_unknown_delivery(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pi-runtime cancel --store DSN ID`` of a delivery never admitted: ``delivery_unknown``
+    (the cancel itself: ``tests/rooms/test_room_hosts.py::test_s26_*``)."""
+    assert main(["cancel", "--store", pg_dsn, "nobody"]) == EXIT_FAILED
+    assert "delivery_unknown" in capsys.readouterr().err

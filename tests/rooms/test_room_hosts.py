@@ -27,7 +27,7 @@ from runtime._config import (
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._postgres import open_pg_store
 from runtime._records import ModelResponse, Result, StepAbandoned
-from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._rooms._worker import RoomWorker, open_room_worker, request_cancel_in_database
 from runtime._wire import DeliveryResult
 
 from .._workers import scripted_upstream, tool_messages
@@ -365,3 +365,35 @@ async def test_s26_a_cancel_of_a_lane_nobody_holds_is_carried_out_by_its_next_ho
     assert d1.outcome == "reply"
     assert d2.outcome == "cancelled"
     assert not any("never-asked-xyz" in str(r.body) for r in model.requests)  # d2 never ran
+
+
+async def test_s26_a_cancel_made_in_the_database_without_a_host(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """``pi-runtime cancel --store DSN`` (``request_cancel_in_database``): no host is
+    asked; the request is recorded and announced, and A — holding the room — ends the queued
+    d2 ``cancelled``. Asked again it answers ``finished``; an id never admitted is
+    ``delivery_unknown``."""
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == 1:
+            asked.set()
+            await trio.sleep_forever()
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (_model, url),
+            host(tmp_path, "a", pg_dsn, url, rooms=ROOMS) as a,
+        ):
+            await a.deliver(message("d1", "one", room="dm:1"))
+            await asked.wait()
+            await a.deliver(message("d2", "two", room="dm:1", author_id="u2"))
+            first = await request_cancel_in_database(pg_dsn, "d2")
+            d2 = await result_of(a, "d2")
+            again = await request_cancel_in_database(pg_dsn, "d2")
+            with pytest.raises(DeliveryError) as unknown:
+                await request_cancel_in_database(pg_dsn, "nobody")
+    assert (first, again) == ("requested", "finished")
+    assert d2.outcome == "cancelled"
+    assert unknown.value.code is ReasonCode.DELIVERY_UNKNOWN
