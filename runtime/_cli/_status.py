@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from .._errors import AdminError
-from .._journal._inspect import offline_status
+from .._journal._inspect import database_status, offline_status
 from .._rooms._worker import request_cancel, request_cancel_in_database
 from .._server._admin import admin_request
 from .._server._token import rotate_token
@@ -38,6 +38,13 @@ def register(commands: Commands) -> None:
         _status,
     )
     state_dir_option(status)
+    status.add_argument(
+        "--store",
+        default=None,
+        metavar="DSN",
+        help="read the deployment's PostgreSQL database instead (several hosts): every room, "
+        "and which host holds it",
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     cancel = commands.add(
         "cancel",
@@ -92,8 +99,10 @@ async def _status_via_server(state_dir: Path) -> dict[str, Any] | None:
 
 def _status(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
-    response = trio.run(_status_via_server, state_dir)
-    if response is None:
+    response = None if args.store else trio.run(_status_via_server, state_dir)
+    if args.store:
+        status = trio.run(database_status, args.store)
+    elif response is None:
         status = offline_status(state_dir)
         views = offline_views(state_dir)
         if views:
@@ -142,6 +151,8 @@ def _room_status_lines(status: dict[str, Any]) -> list[str]:
             f"server: pid {server.get('pid')} owns the state directory but its admin socket "
             "did not answer; read from the state directory"
         ]
+    elif status.get("source") == "database":
+        lines = ["deployment: read from its database (no host asked)"]
     else:
         lines = ["server: not running; read from the state directory"]
     pending = status.get("pending")
@@ -156,7 +167,19 @@ def _room_status_lines(status: dict[str, Any]) -> list[str]:
     rooms = status.get("rooms") or []
     lines.append(f"rooms: {len(rooms)}")
     for room in rooms:
-        worker = "live worker" if room.get("live_worker") else "no worker"
+        if "holder" in room:  # a deployment's database: which host holds the room's lane
+            holder = room["holder"]
+            worker = (
+                "held by nobody"
+                if holder is None
+                else (
+                    f"held by {holder['host']} (epoch {holder['epoch']}"
+                    + ("" if holder["live"] else ", lease run out")
+                    + ")"
+                )
+            )
+        else:
+            worker = "live worker" if room.get("live_worker") else "no worker"
         lines.append(
             f"  {room.get('room')}  {room.get('state', '?')}  queued {room.get('queued', 0)}"
             f"  {worker}  last result #{room.get('last_result_seq') or '-'}"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RECENT_RESULTS",
     "Finding",
+    "database_status",
     "delivery_records",
     "delivery_records_in_database",
     "offline_status",
@@ -56,6 +57,35 @@ def offline_status(state_dir: Path, *, recent: int = RECENT_RESULTS) -> dict[str
         )
     admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
     results = _read_shared(root, RESULTS, LogKind.RESULTS)
+    owner = _read_owner(root)
+    running = owner is not None and is_alive(owner.identity)
+    server = {"running": running, "pid": owner.pid if running and owner else None}
+    return {"source": "state_dir", "server": server} | _summary(admissions, results, recent)
+
+
+async def database_status(dsn: str, *, recent: int = RECENT_RESULTS) -> dict[str, Any]:
+    """:func:`offline_status` of the PostgreSQL store ``dsn`` names (scale-out.md): the
+    deployment's pending deliveries, rooms and recent results, and which host holds each
+    room's lane (its lease: owner, epoch, whether it still runs)."""
+    async with _pg_store(dsn) as store:
+        summary = _summary(
+            store.admissions.contents.records, store.results.contents.records, recent
+        )
+        for room in summary["rooms"]:
+            lease = await store.lease(str(room["room"]))
+            room["holder"] = (
+                None
+                if lease is None
+                else {"host": lease.fence.owner, "epoch": lease.fence.epoch, "live": lease.live}
+            )
+    return {"source": "database"} | summary
+
+
+def _summary(
+    admissions: Sequence[Record], results: Sequence[Record], recent: int
+) -> dict[str, Any]:
+    """Pending deliveries (admitted, no published result), each room's state, the most
+    recent results: what the shared logs say."""
     published: dict[str, ResultPublished] = {}
     acked = 0
     for record in results:
@@ -92,11 +122,7 @@ def offline_status(state_dir: Path, *, recent: int = RECENT_RESULTS) -> dict[str
             {"room": result.room, "state": "idle", "queued": 0, "live_worker": False},
         )
         entry["last_result_seq"] = result.seq
-    owner = _read_owner(root)
-    running = owner is not None and is_alive(owner.identity)
     return {
-        "source": "state_dir",
-        "server": {"running": running, "pid": owner.pid if running and owner else None},
         "pending": len(pending),
         "pending_deliveries": pending,
         "rooms": sorted(rooms.values(), key=lambda r: str(r["room"])),

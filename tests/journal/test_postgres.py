@@ -924,3 +924,21 @@ def test_cli_cancel_store_refuses_an_unknown_delivery(
     (the cancel itself: ``tests/rooms/test_room_hosts.py::test_s26_*``)."""
     assert main(["cancel", "--store", pg_dsn, "nobody"]) == EXIT_FAILED
     assert "delivery_unknown" in capsys.readouterr().err
+
+
+def test_cli_status_store_reads_the_database(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pi-runtime status --store DSN`` asks no host: it says so, and what the database
+    holds (here nothing yet); ``--json`` is one object (the rooms' holders:
+    ``tests/rooms/test_room_hosts.py::test_the_deployments_status_is_read_from_its_database``)."""
+    assert main(["status", "--store", pg_dsn]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        "deployment: read from its database (no host asked)",
+        "pending: 0",
+        "rooms: 0",
+    ]
+    assert main(["status", "--store", pg_dsn, "--json"]) == EXIT_OK
+    status = json.loads(capsys.readouterr().out)
+    assert (status["source"], status["pending"], status["rooms"]) == ("database", 0, [])

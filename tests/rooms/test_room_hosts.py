@@ -25,6 +25,7 @@ from runtime._config import (
     StoreConfig,
 )
 from runtime._errors import DeliveryError, ReasonCode
+from runtime._journal._inspect import database_status
 from runtime._journal._postgres import open_pg_store
 from runtime._records import ModelResponse, Result, StepAbandoned
 from runtime._rooms._worker import RoomWorker, open_room_worker, request_cancel_in_database
@@ -397,3 +398,34 @@ async def test_s26_a_cancel_made_in_the_database_without_a_host(
     assert (first, again) == ("requested", "finished")
     assert d2.outcome == "cancelled"
     assert unknown.value.code is ReasonCode.DELIVERY_UNKNOWN
+
+
+async def test_the_deployments_status_is_read_from_its_database(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """``pi-runtime status --store DSN`` (``database_status``): with no host asked, every
+    room of the deployment, its pending deliveries, and which host holds its lane at which
+    epoch; the results as the shared log holds them."""
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == 2:
+            asked.set()
+            await trio.sleep_forever()  # d2's turn: still running when the status is read
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (_model, url),
+            host(tmp_path, "a", pg_dsn, url) as a,
+        ):
+            await a.deliver(message("d1", "one", room="dm:1"))
+            await result_of(a, "d1")
+            await a.deliver(message("d2", "two", room="dm:1"))
+            await asked.wait()
+            status = await database_status(pg_dsn)
+    assert status["source"] == "database"
+    assert [d["delivery_id"] for d in status["pending_deliveries"]] == ["d2"]
+    (room,) = status["rooms"]
+    assert (room["room"], room["state"], room["queued"]) == ("dm:1", "pending", 1)
+    assert room["holder"] == {"host": "a", "epoch": 1, "live": True}
+    assert [r["delivery_id"] for r in status["recent_results"]] == ["d1"]
