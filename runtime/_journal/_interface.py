@@ -54,9 +54,17 @@ class Log(Protocol):
         another host claimed the lane, and nothing is written (S11)."""
         ...
 
-    async def try_append(self, record: Record, *, fence: Fence | None = None) -> int | None:
+    async def try_append(
+        self,
+        record: Record,
+        *,
+        fence: Fence | None = None,
+        unless: Callable[[], bool] | None = None,
+    ) -> int | None:
         """As :meth:`append`, for a log other hosts append to too: ``None`` when another
-        writer took the next sequence number first (:meth:`refresh`, decide again)."""
+        writer took the next sequence number first (:meth:`refresh`, decide again), or when
+        ``unless()`` is true at the moment the record would be written (checked under the
+        log's lock, after every refresh made before it)."""
         ...
 
     async def refresh(self) -> list[Record]:

@@ -15,6 +15,7 @@ gap, an unknown record tag or a header from a newer schema raise
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -227,8 +228,16 @@ class Journal:
         """
         return await self._pool.append(self._target, encode_record(record))
 
-    async def try_append(self, record: Record, *, fence: Fence | None = None) -> int | None:
+    async def try_append(
+        self,
+        record: Record,
+        *,
+        fence: Fence | None = None,
+        unless: Callable[[], bool] | None = None,
+    ) -> int | None:
         """:meth:`append`: no other writer can take a number first."""
+        if unless is not None and unless():
+            return None
         return await self.append(record, fence=fence)
 
     async def refresh(self) -> list[Record]:

@@ -658,10 +658,11 @@ GROUP_MAX: Final = 256
 class _Queued:
     """One record waiting for its group (S22), and its fate once the group is written."""
 
-    __slots__ = ("done", "error", "payload", "seq")
+    __slots__ = ("done", "error", "payload", "seq", "unless")
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self, payload: bytes, unless: Callable[[], bool] | None) -> None:
         self.payload = payload
+        self.unless = unless
         self.done = trio.Event()
         self.seq: int | None = None
         self.error: Exception | None = None
@@ -700,6 +701,9 @@ class PgLog:
         self._queued: list[_Queued] = []
         """The unfenced ``try_append`` calls waiting for the next group (S22)."""
         self._flushing = False
+        self.on_records: Callable[[list[Record]], object] | None = None
+        """Called, under the log's lock, with what each :meth:`refresh` read (a host taking in
+        the others' admissions before its next ``try_append`` decides, S21)."""
         self.commits = 0
         """Commits this process made on the log (a group is one): for tests and benchmarks."""
 
@@ -736,12 +740,18 @@ class PgLog:
         assert seq is not None
         return seq
 
-    async def try_append(self, record: Record, *, fence: Fence | None = None) -> int | None:
+    async def try_append(
+        self,
+        record: Record,
+        *,
+        fence: Fence | None = None,
+        unless: Callable[[], bool] | None = None,
+    ) -> int | None:
         """Append ``record`` to a log other hosts append to too (a shared log, S21): as
         :meth:`append`, but ``None`` when another writer took the next sequence number
         first — nothing was written and the log goes on: :meth:`refresh` to learn what was
         written, decide again, try again."""
-        return await self._append(record, fence, shared=True)
+        return await self._append(record, fence, shared=True, unless=unless)
 
     async def refresh(self) -> list[Record]:
         """The records other writers appended since this process last read or wrote the
@@ -764,24 +774,35 @@ class PgLog:
             )
             self._next_seq += len(records)
             self._good_length += sum(len(frame) for _seq, frame in rows)
+            if records and self.on_records is not None:
+                self.on_records(records)  # under the lock: before any later append decides
             return records
 
-    async def _append(self, record: Record, fence: Fence | None, *, shared: bool) -> int | None:
+    async def _append(
+        self,
+        record: Record,
+        fence: Fence | None,
+        *,
+        shared: bool,
+        unless: Callable[[], bool] | None = None,
+    ) -> int | None:
         payload = encode_record(record)
         fence = fence or self.fence
         if shared and fence is None:
-            return await self._grouped(payload)
+            return await self._grouped(payload, unless)
         async with self._lock:
+            if unless is not None and unless():
+                return None
             first = await self._append_locked([payload], fence, shared=shared)
         return first
 
-    async def _grouped(self, payload: bytes) -> int | None:
+    async def _grouped(self, payload: bytes, unless: Callable[[], bool] | None) -> int | None:
         """S22: an unfenced append to a shared log (an admission) joins the next group; the
         first caller to find no group being written writes every queued one, in call order,
         each group one statement (``GROUP_MAX`` records at most), while later callers queue
         behind it. Once queued, a record's fate is waited for shielded (its group may commit),
         bounded by the store's retry policy, as a single append's is once sent."""
-        queued = _Queued(payload)
+        queued = _Queued(payload, unless)
         self._queued.append(queued)
         with trio.CancelScope(shield=True):
             if not self._flushing:
@@ -799,6 +820,12 @@ class PgLog:
         async with self._lock:
             while self._queued:
                 group, self._queued = self._queued[:GROUP_MAX], self._queued[GROUP_MAX:]
+                for q in group:  # decided now, after every refresh before this group
+                    if q.unless is not None and q.unless():
+                        q.done.set()  # seq None: not written
+                group = [q for q in group if not q.done.is_set()]
+                if not group:
+                    continue
                 try:
                     first = await self._append_locked([q.payload for q in group], None, shared=True)
                 except Exception as error:  # every record of the group shares its fate

@@ -241,9 +241,14 @@ class RoomWorker:
         """Make ``admission`` durable in the shared admission log; what is then the
         delivery's admission: ``admission``, or the one another host appended first (S21)."""
         log = self.store.admissions
-        while await log.try_append(admission) is None:  # another host took the number
+        delivery_id = admission.delivery_id
+
+        def learned() -> bool:  # another host's admission of it, taken in by any refresh
+            return delivery_id in self._admissions
+
+        while await log.try_append(admission, unless=learned) is None:  # lost the number
             self._learn_admissions(await log.refresh())
-            if (first := self._admissions.get(admission.delivery_id)) is not None:
+            if (first := self._admissions.get(delivery_id)) is not None:
                 return first
         self._learn_admissions([admission])
         return admission
@@ -993,6 +998,9 @@ async def open_room_worker(
         worker._learn_admissions(list(store.admissions.contents.records))
         if shared:  # one host of many: lanes under leases (docs/design/scale-out.md)
             leased = cast(LeaseStore, store)
+            # S21: what any refresh reads is taken in under the log's lock, so an admission
+            # decides against it (``unless``) before its record could be written a second time
+            store.admissions.on_records = worker._learn_admissions  # type: ignore[attr-defined]
             leases = LaneLeases(leased, ttl=config.store.lease_seconds, lost=worker._lane_lost)
             worker.leases = leases
             poll = config.store.poll_seconds

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from runtime._clock import Clocks, MockWallClock
 from runtime._errors import JournalError, ReasonCode
@@ -536,3 +537,32 @@ async def test_s22_a_group_whose_outcome_is_unknown_is_resolved_once(
     assert len(final) == 1 + 1 + 8
     for seq, record in landed.items():
         assert final[seq] == record
+
+
+async def test_s21_an_append_decides_after_every_refresh_before_it(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """S21, the race of one delivery sent to two hosts: while A's refresh reads B's record
+    (and takes it in, ``on_records``, under the log's lock), A's ``try_append`` of the same
+    delivery waits; it then decides on what the refresh learned (``unless``) and writes
+    nothing — without this, A's append would land after B's, a second admission."""
+    learned: list[Record] = []
+    with trio.fail_after(LIMIT):
+        async with _host(pg_dsn, tmp_path, "a") as a, _host(pg_dsn, tmp_path, "b") as b:
+            await b.admissions.try_append(_action(1, "b"))  # B admits it first
+            a.admissions.on_records = learned.extend
+            answers: list[int | None] = []
+
+            async def append() -> None:
+                answers.append(
+                    await a.admissions.try_append(_action(1, "a"), unless=lambda: bool(learned))
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.admissions.refresh)
+                await trio.testing.wait_all_tasks_blocked()  # the refresh holds the lock
+                nursery.start_soon(append)
+            final = (await b.read(ADMISSIONS)).records[1:]
+    assert learned == [_action(1, "b")]
+    assert answers == [None]
+    assert final == (_action(1, "b"),)
