@@ -542,7 +542,19 @@ class RoomWorker:
                 continue
             lane = self._lanes.get(pending.delivery.room)
             if lane is not None and not lane.lost:
-                self._nursery.start_soon(lane.cancel, delivery_id)
+                self._nursery.start_soon(self._cancel_in, lane, delivery_id)
+
+    async def _cancel_in(self, lane: Lane, delivery_id: str) -> None:
+        """``lane.cancel`` from outside the lane's own task (S26): the lane is checked again
+        when this task runs, and one lost to another host meanwhile (S11) publishes nothing
+        — the new holder reads the request — which is not this task's failure."""
+        if lane.lost:
+            return
+        try:
+            await lane.cancel(delivery_id)
+        except JournalError as error:
+            if not fenced_out(error):
+                raise
 
     async def _follow_shared(self) -> None:
         """Read the shared logs whenever told (S23), until cancelled. A database that cannot

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Final, Literal
 
@@ -284,6 +284,39 @@ async def _append_all(store: PgStore, host: str, count: int, seen: list[Record])
         await trio.lowlevel.checkpoint()
 
 
+@contextlib.asynccontextmanager
+async def _three_hosts_and_a_reader(
+    dsn: str, root: Path
+) -> AsyncIterator[tuple[tuple[PgStore, PgStore, PgStore], PgStore]]:
+    async with (
+        _host(dsn, root, "a") as a,
+        _host(dsn, root, "b") as b,
+        _host(dsn, root, "c") as c,
+        _host(dsn, root, "reader") as reader,
+    ):
+        yield (a, b, c), reader
+
+
+async def _read_while(reader: PgStore, write: Callable[[trio.Nursery], None]) -> int:
+    """Run the writers ``write`` starts while ``reader`` reads the admission log again and
+    again (a gap would raise ``journal_corrupt``); how often it read."""
+    reads = 0
+    done = trio.Event()
+
+    async def read_meanwhile() -> None:
+        nonlocal reads
+        while not done.is_set():
+            await reader.read(ADMISSIONS)
+            reads += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_meanwhile)
+        async with trio.open_nursery() as writers:
+            write(writers)
+        done.set()
+    return reads
+
+
 async def test_s21_many_hosts_append_to_one_shared_log_gap_free(
     pg_dsn: str, tmp_path: Path
 ) -> None:
@@ -293,29 +326,15 @@ async def test_s21_many_hosts_append_to_one_shared_log_gap_free(
     number k is written only by a host that saw k - 1 committed)."""
     count = 40
     views: dict[str, list[Record]] = {name: [] for name in "abc"}
-    reads = 0
     with trio.fail_after(LIMIT * 2):
-        async with (
-            _host(pg_dsn, tmp_path, "a") as a,
-            _host(pg_dsn, tmp_path, "b") as b,
-            _host(pg_dsn, tmp_path, "c") as c,
-            _host(pg_dsn, tmp_path, "reader") as reader,
-        ):
-            done = trio.Event()
+        async with _three_hosts_and_a_reader(pg_dsn, tmp_path) as (hosts, reader):
 
-            async def read_meanwhile() -> None:
-                nonlocal reads
-                while not done.is_set():
-                    await reader.read(ADMISSIONS)  # a gap would raise (journal_corrupt)
-                    reads += 1
+            def write(writers: trio.Nursery) -> None:
+                for name, store in zip("abc", hosts, strict=True):
+                    writers.start_soon(_append_all, store, name, count, views[name])
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_meanwhile)
-                async with trio.open_nursery() as writers:
-                    for name, store in zip("abc", (a, b, c), strict=True):
-                        writers.start_soon(_append_all, store, name, count, views[name])
-                done.set()
-            for name, store in zip("abc", (a, b, c), strict=True):
+            reads = await _read_while(reader, write)
+            for name, store in zip("abc", hosts, strict=True):
                 views[name].extend(await store.admissions.refresh())
             final = (await reader.read(ADMISSIONS)).records[1:]
     assert len(final) == 3 * count
@@ -447,31 +466,17 @@ async def test_s22_concurrent_admissions_are_group_committed_and_each_lands_once
     meanwhile never sees a gap."""
     producers, count = 16, 5
     landed: dict[int, Record] = {}
-    reads = 0
     with trio.fail_after(LIMIT * 2):
-        async with (
-            _host(pg_dsn, tmp_path, "a") as a,
-            _host(pg_dsn, tmp_path, "b") as b,
-            _host(pg_dsn, tmp_path, "c") as c,
-            _host(pg_dsn, tmp_path, "reader") as reader,
-        ):
-            done = trio.Event()
+        async with _three_hosts_and_a_reader(pg_dsn, tmp_path) as (hosts, reader):
 
-            async def read_meanwhile() -> None:
-                nonlocal reads
-                while not done.is_set():
-                    await reader.read(ADMISSIONS)  # a gap would raise (journal_corrupt)
-                    reads += 1
+            def write(writers: trio.Nursery) -> None:
+                for name, store in zip("abc", hosts, strict=True):
+                    for p in range(producers):
+                        writers.start_soon(_produce, store, name, p, count, landed)
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_meanwhile)
-                async with trio.open_nursery() as writers:
-                    for name, store in zip("abc", (a, b, c), strict=True):
-                        for p in range(producers):
-                            writers.start_soon(_produce, store, name, p, count, landed)
-                done.set()
+            reads = await _read_while(reader, write)
             final = (await reader.read(ADMISSIONS)).records
-            commits = [s.admissions.commits for s in (a, b, c)]
+            commits = [s.admissions.commits for s in hosts]
     total = 3 * producers * count
     assert len(final) == total + 1  # and the header
     assert sorted(landed) == list(range(1, total + 1))

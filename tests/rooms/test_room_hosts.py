@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -65,6 +65,19 @@ async def host(
         yield worker
 
 
+def held_request(nth: int) -> tuple[trio.Event, Callable[[int], Awaitable[None]]]:
+    """An ``on_request`` for the scripted model that holds the ``nth`` model request open
+    (never answered), and the event set when it arrives."""
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == nth:
+            asked.set()
+            await trio.sleep_forever()
+
+    return asked, on_request
+
+
 async def result_of(worker: RoomWorker, delivery_id: str) -> DeliveryResult:
     async for result in worker.results(after=0):
         if result.delivery_id == delivery_id:
@@ -80,12 +93,7 @@ async def test_s11_a_host_whose_lane_is_claimed_under_it_is_refused_and_gives_it
     its worker's death — is refused by epoch: A gives the lane up (its reason: a refused
     write, not its deadline, 60 s away) and publishes nothing; d1 has B's one result, and
     A's dead epoch left nothing after B's records. Both hosts stream the result (S20)."""
-    asked = trio.Event()
-
-    async def on_request(n: int) -> None:
-        if n == 1:
-            asked.set()
-            await trio.sleep_forever()  # A's request: never answered
+    asked, on_request = held_request(1)  # A's request: never answered
 
     with trio.fail_after(LIMIT):
         async with (
@@ -191,12 +199,7 @@ async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
     are given up and announced, so B — which found dm:1 held and would otherwise wait out the
     600 s lease — claims it at once and answers both, d1 replayed (d2 as its own turn, or
     absorbed into d1's run when it was steered there)."""
-    asked = trio.Event()
-
-    async def on_request(n: int) -> None:
-        if n == 1:
-            asked.set()
-            await trio.sleep_forever()  # A's request: never answered
+    asked, on_request = held_request(1)  # A's request: never answered
 
     with trio.fail_after(LIMIT):  # far less than the lease
         async with (
@@ -343,12 +346,7 @@ async def test_s26_a_cancel_of_a_lane_nobody_holds_is_carried_out_by_its_next_ho
     records the request; C, started then,
     claims the lane and recovers the room: d1 is answered, d2 ends ``cancelled`` without a
     turn."""
-    asked = trio.Event()
-
-    async def on_request(n: int) -> None:
-        if n == 1:
-            asked.set()
-            await trio.sleep_forever()  # A's request: A stops under it
+    asked, on_request = held_request(1)  # A's request: A stops under it
 
     with trio.fail_after(LIMIT):
         async with scripted_upstream([], on_request=on_request) as (model, url):
@@ -375,12 +373,7 @@ async def test_s26_a_cancel_made_in_the_database_without_a_host(
     asked; the request is recorded and announced, and A — holding the room — ends the queued
     d2 ``cancelled``. Asked again it answers ``finished``; an id never admitted is
     ``delivery_unknown``."""
-    asked = trio.Event()
-
-    async def on_request(n: int) -> None:
-        if n == 1:
-            asked.set()
-            await trio.sleep_forever()
+    asked, on_request = held_request(1)
 
     with trio.fail_after(LIMIT):
         async with (
@@ -406,12 +399,7 @@ async def test_the_deployments_status_is_read_from_its_database(
     """``pi-runtime status --store DSN`` (``database_status``): with no host asked, every
     room of the deployment, its pending deliveries, and which host holds its lane at which
     epoch; the results as the shared log holds them."""
-    asked = trio.Event()
-
-    async def on_request(n: int) -> None:
-        if n == 2:
-            asked.set()
-            await trio.sleep_forever()  # d2's turn: still running when the status is read
+    asked, on_request = held_request(2)  # d2's turn: still running when the status is read
 
     with trio.fail_after(LIMIT):
         async with (
