@@ -159,7 +159,17 @@ class StoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     directory's path."""
     poll_seconds: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """On PostgreSQL, how often a host reads the shared logs without being told to (S23), and
-    looks for lanes whose holder's lease ran out while deliveries wait in them (S13)."""
+    looks for lanes whose holder's lease ran out while deliveries wait in them (S13) or a
+    task runs in them (S32)."""
+    shared_worktrees: bool = False
+    """On PostgreSQL: task worktrees and the task lanes' directories (``lanes/`` of the state
+    directory: their Pi sessions) are on storage every host sees at the same paths. Then a
+    task whose host's lease ran out resumes on the host that claims it; without it (the
+    default) that host holds the task ``host_lost:<host>`` for an operator (S32)."""
+    task_takeover_seconds: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    """On PostgreSQL without ``shared_worktrees``: how long a host's lease on a task lane must
+    have run out before another host claims the task (and holds it ``host_lost``). A host
+    that comes back sooner — a restart, a deploy — takes its tasks back itself (S32)."""
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -170,7 +170,8 @@ class ReasonCode(enum.StrEnum):
     # task lanes: submission, controls, the watchdog (docs/design/watchdog.md)
     TASK_INVALID = "task_invalid"
     TASK_UNKNOWN = "task_unknown"
-    TASKS_NOT_SERVED = "tasks_not_served"  # this server runs no task lanes
+    TASK_ELSEWHERE = "task_elsewhere"  # another host of the deployment holds its lane
+    HOST_LOST = "host_lost"  # its host's lease ran out; its session is not on this host
     TASK_CONFLICT = "task_conflict"
     TASK_NOT_DONE = "task_not_done"
     TASK_NOT_WAITING = "task_not_waiting"

@@ -25,7 +25,7 @@ from .._journal._store import open_store
 from .._server._admin import admin_request, serve_admin
 from .._tasks._policy import loud_logging, policy_dict, watchdog_policy
 from .._tasks._service import TaskService, open_task_service
-from .._tasks._view import offline_view, offline_views
+from .._tasks._view import database_views, offline_view, offline_views
 from ._base import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -56,6 +56,7 @@ def register(commands: Commands) -> None:
     )
     state_dir_option(tasks)
     config_option(tasks)
+    store_option(tasks)
     tasks.add_argument("--json", action="store_true", help="print one JSON object")
     task = commands.group(
         "task", "run and control task lanes", "Run, inspect and control task lanes."
@@ -116,6 +117,7 @@ def register(commands: Commands) -> None:
     show.add_argument("task_id", metavar="ID", help="the task's id")
     state_dir_option(show)
     config_option(show)
+    store_option(show)
     show.add_argument("--json", action="store_true", help="print one JSON object")
     reply = task.add(
         "reply",
@@ -170,34 +172,68 @@ async def _ask(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | Non
         return None
 
 
+def store_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="DSN",
+        help="read the deployment's PostgreSQL database instead (several hosts): every task, "
+        "and which host holds it",
+    )
+
+
+def _in_database(args: argparse.Namespace) -> list[dict[str, Any]]:
+    policy = watchdog_policy(load_room_config(args.config))
+    found = trio.run(database_views, args.store, policy)
+    return [msgspec.to_builtins(view) | {"holder": holder} for view, holder in found]
+
+
 def _tasks_cmd(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
+    if args.store:
+        listing: dict[str, Any] = {"source": "database", "tasks": _in_database(args)}
+        return _print_tasks(listing, json=args.json)
     response = trio.run(_ask, state_dir, {"command": "tasks"})
     if response is not None and not response.get("ok"):
         return refused(response)
     if response is None:
         policy = watchdog_policy(load_room_config(args.config))
         views = [msgspec.to_builtins(v) for v in offline_views(state_dir, policy)]
-        listing: dict[str, Any] = {"source": "state_dir", "tasks": views}
+        listing = {"source": "state_dir", "tasks": views}
     else:
         listing = {"source": "server"} | {k: v for k, v in response.items() if k != "ok"}
-    if args.json:
+    return _print_tasks(listing, json=args.json)
+
+
+def _print_tasks(listing: dict[str, Any], *, json: bool) -> int:
+    if json:
         print(JSON.encode(listing).decode())
         return EXIT_OK
     warning = listing.get("warning")
     if warning:
         print(f"!!! {warning} !!!")
-    if listing["source"] == "server":
+    source = listing["source"]
+    if source == "server":
         print("server: running (answered on its admin socket)")
+    elif source == "database":
+        print("deployment: read from its database (each task runs on the host holding it)")
     else:
         print("server: not running; read from the lane logs")
-    rows = [("TASK", "STATE", "CLASSIFICATION", "PHASE", "EPOCH", "SILENCE", "NEXT ACTION")]
+    head = ("TASK", "STATE", "HOST") if source == "database" else ("TASK", "STATE")
+    rows = [(*head, "CLASSIFICATION", "PHASE", "EPOCH", "SILENCE", "NEXT ACTION")]
     for view in listing["tasks"]:
         offline = str(view.get("classification", "")).startswith("unknown:")
+        holder = view.get("holder")
+        host = (
+            (f"{holder['host']}" if holder["live"] else f"({holder['host']}, lease out)")
+            if holder
+            else "-"
+        )
         rows.append(
             (
                 str(view.get("task_id")),
                 str(view.get("state")),
+                *((host,) if source == "database" else ()),
                 short_class(view.get("classification")),
                 "-" if offline else str(view.get("phase")),
                 str(view.get("process_epoch")),
@@ -216,6 +252,8 @@ def _tasks_cmd(args: argparse.Namespace) -> int:
 def _task_show(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
     task_id: str = args.task_id
+    if args.store:
+        return _task_show_in_database(args, task_id)
     response = trio.run(_ask, state_dir, {"command": "task_show", "task_id": task_id})
     if response is not None and not response.get("ok"):
         return refused(response)
@@ -234,6 +272,25 @@ def _task_show(args: argparse.Namespace) -> int:
     if source == "state_dir":
         lines.insert(1, "  (no server runs: read from the lane log; the watchdog runs only in "
                         "the owner)")  # fmt: skip
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _task_show_in_database(args: argparse.Namespace, task_id: str) -> int:
+    found = [view for view in _in_database(args) if view["task_id"] == task_id]
+    if not found:
+        message = f"no task {task_id!r} in the database"
+        return refused({"code": ReasonCode.TASK_UNKNOWN, "message": message})
+    (view,) = found
+    if args.json:
+        print(JSON.encode({"source": "database", "task": view}).decode())
+        return EXIT_OK
+    lines = task_lines(view, None)
+    holder = view["holder"]
+    held = "nobody" if holder is None else f"{holder['host']} (epoch {holder['epoch']}"
+    if holder is not None:
+        held += ", its lease runs)" if holder["live"] else ", its lease ran out)"
+    lines.insert(1, f"  (read from the database; its lane is held by {held})")
     print("\n".join(lines))
     return EXIT_OK
 

@@ -32,3 +32,5 @@ class Lease:
     """Whether it has not run out yet (by the database's clock)."""
     remaining: float
     """Seconds until it runs out (0 once it has)."""
+    expired_for: float = 0.0
+    """Seconds since it ran out (0 while it runs; infinite once given up: S32)."""

@@ -37,6 +37,7 @@ __all__ = [
     "delivery_records",
     "delivery_records_in_database",
     "offline_status",
+    "pg_reader",
     "verify_database",
     "verify_journal",
 ]
@@ -67,7 +68,7 @@ async def database_status(dsn: str, *, recent: int = RECENT_RESULTS) -> dict[str
     """:func:`offline_status` of the PostgreSQL store ``dsn`` names (scale-out.md): the
     deployment's pending deliveries, rooms and recent results, and which host holds each
     room's lane (its lease: owner, epoch, whether it still runs)."""
-    async with _pg_store(dsn) as store:
+    async with pg_reader(dsn) as store:
         summary = _summary(
             store.admissions.contents.records, store.results.contents.records, recent
         )
@@ -203,7 +204,7 @@ async def verify_database(dsn: str) -> tuple[int, list[Finding]]:
     """:func:`verify_journal` of the PostgreSQL store ``dsn`` names (scale-out.md): every
     log in the database read and checked as a file's is. Opening the store reads the shared
     logs (their damage raises :class:`JournalError`); nothing else is written."""
-    async with _pg_store(dsn) as store:
+    async with pg_reader(dsn) as store:
         names = await store.log_names()
         findings: list[Finding] = []
         for rel in names:
@@ -221,7 +222,7 @@ async def delivery_records_in_database(
     dsn: str, delivery_id: str
 ) -> tuple[list[Record], str | None]:
     """:func:`delivery_records` from the PostgreSQL store ``dsn`` names."""
-    async with _pg_store(dsn) as store:
+    async with pg_reader(dsn) as store:
         contents = None
         if await store.exists(store.delivery_rel(delivery_id)):
             contents = await store.read_delivery_log(delivery_id)
@@ -238,7 +239,8 @@ def _kind_of(rel: str) -> LogKind:
     return LogKind.LANE if rel.startswith("lanes/") else LogKind.DELIVERY
 
 
-def _pg_store(dsn: str) -> AbstractAsyncContextManager[PgStore]:
+def pg_reader(dsn: str) -> AbstractAsyncContextManager[PgStore]:
+    """The PostgreSQL store ``dsn`` names, opened to read (no lease, no lock, no write)."""
     from ._postgres import open_pg_reader  # the optional extra, only here
 
     return open_pg_reader(dsn)

@@ -261,7 +261,8 @@ WITH released AS (
 SELECT pg_notify('{CHANNEL}', '{RELEASED}') FROM released"""
 """A lease given up: it runs out now (the row, and so the epoch, stays), announced (S23)."""
 _LEASE: Final = f"""
-SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_until - now()), 0)
+SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_until - now()), 0),
+       greatest(extract(epoch FROM now() - lease_until), 0)
   FROM {SCHEMA}.lanes WHERE lane = %s"""
 _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
 _DOCUMENTS: Final = f"SELECT name, data FROM {SCHEMA}.documents WHERE name LIKE %s ORDER BY name"
@@ -701,6 +702,10 @@ class PgLog:
         self._queued: list[_Queued] = []
         """The unfenced ``try_append`` calls waiting for the next group (S22)."""
         self._flushing = False
+        self._in_line = 0
+        """Appends of this log's own (:meth:`append`) called and not yet resolved: each lands
+        at the number after those before it (the lock is FIFO), so :attr:`next_seq` counts
+        them — what a caller reads there right before its ``append`` is where it lands."""
         self.on_records: Callable[[list[Record]], object] | None = None
         """Called, under the log's lock, with what each :meth:`refresh` read (a host taking in
         the others' admissions before its next ``try_append`` decides, S21)."""
@@ -713,7 +718,9 @@ class PgLog:
 
     @property
     def next_seq(self) -> int:
-        return self._next_seq
+        """The number the next :meth:`append` lands at, counting those in line before it
+        (as the file store's: its writer numbers a record when it is handed over)."""
+        return self._next_seq + self._in_line
 
     @property
     def poisoned(self) -> bool:
@@ -736,7 +743,11 @@ class PgLog:
         reached within the backoff (the record is then in the log if and only if it
         committed, which this process cannot tell; the log takes no more appends here).
         """
-        seq = await self._append(record, fence, shared=False)
+        self._in_line += 1
+        try:
+            seq = await self._append(record, fence, shared=False)
+        finally:
+            self._in_line -= 1
         assert seq is not None
         return seq
 
@@ -1378,7 +1389,8 @@ class PgStore:
             row = conn.execute(_LEASE, [key]).fetchone()
             if row is None:
                 return None
-            return Lease(Fence(key, str(row[0]), int(row[1])), bool(row[2]), float(row[3]))
+            fence = Fence(key, str(row[0]), int(row[1]))
+            return Lease(fence, bool(row[2]), float(row[3]), float(row[4]))
 
         return await self._on_leases(lease)
 

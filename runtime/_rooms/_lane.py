@@ -60,6 +60,7 @@ from .._errors import (
 )
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
+from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._session_files import (
@@ -140,11 +141,6 @@ class LaneHost:
 SESSIONS: Final = "sessions/"
 """Documents holding the lanes' session files on a shared store, named ``sessions/`` and
 the file's path under the state directory."""
-
-
-def fenced_out(error: BaseException) -> bool:
-    """Whether ``error`` is a write refused because another host claimed the lane (S11)."""
-    return isinstance(error, JournalError) and error.code is ReasonCode.LANE_FENCED
 
 
 class _WorkerDied(Exception):

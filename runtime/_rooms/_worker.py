@@ -21,7 +21,7 @@ stable code and admits nothing; invalid configuration raises
 On a store several hosts share (``[store] url``, docs/design/scale-out.md) the worker is one
 host of a deployment: it knows every admission and every result (it reads what the others
 append when told of it, S23), admits into the shared log (S21), runs a room's deliveries only
-while it holds the room lane's lease (S10-S12: :class:`~runtime._rooms._leases.LaneLeases`) —
+while it holds the room lane's lease (S10-S12: :class:`~runtime._journal._leases.LaneLeases`) —
 claiming a lane when it admits into a room nobody holds, and claiming a lane whose holder's
 lease ran out while deliveries wait in it, which it then recovers as a restart would (S13) —
 and gives a lane up when another host has claimed it (S11). Results of every host reach its
@@ -60,6 +60,7 @@ from .._errors import (
 from .._hosting import start_model, worker_program
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore
+from .._journal._leases import LaneLeases, fenced_out
 from .._journal._store import delivery_key, lane_key, open_store, runtime_dir
 from .._linux._fs import FileSystem
 from .._pi._worker import kill_epoch_leftovers
@@ -84,8 +85,7 @@ from ._admission import (
     route_endpoint,
     settings_fingerprint,
 )
-from ._lane import Lane, LaneHost, fenced_out
-from ._leases import LaneLeases
+from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
 

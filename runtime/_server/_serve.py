@@ -61,11 +61,11 @@ from .._errors import (
     PiRuntimeError,
     ProtocolError,
     ReasonCode,
-    TaskError,
     raises_one_error,
 )
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
+from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
 from .._wire import RoomEvent, TaskEvent
 from ._protocol import (
@@ -176,11 +176,11 @@ class RoomServer:
         state_dir: Path,
         *,
         worker_id: str,
-        tasks: TaskService | None = None,
+        tasks: TaskService,
     ) -> None:
         self.worker = worker
         self.tasks = tasks
-        """The task lanes beside the room worker (``None``: this server runs none)."""
+        """The task lanes beside the room worker (under leases on a shared store, S30)."""
         self.state_dir = state_dir
         self.worker_id = worker_id
         self.server = worker.config.server
@@ -196,8 +196,7 @@ class RoomServer:
         await trio.lowlevel.checkpoint()
         report: dict[str, Any] = msgspec.to_builtins(self._status(None))
         report |= {"connections": len(self.connections), "admitting": self.worker.admitting}
-        if self.tasks is not None:
-            report |= self.tasks.status()
+        report |= self.tasks.status()
         return report
 
     async def cancel(self, delivery_id: str) -> dict[str, Any]:
@@ -224,9 +223,6 @@ class RoomServer:
     ) -> None:
         """Copy every task's ``task_event`` to every authenticated connection (P12), like the
         room signals: a task's durable state is always in its ``task_view``."""
-        if self.tasks is None:
-            task_status.started()
-            return
         async with self.tasks.runner.events(buffer=EVENT_QUEUE * 4) as events:
             task_status.started()
             async for event in events:
@@ -381,12 +377,6 @@ class RoomServer:
         """One task frame (P11): a refusal is a ``TaskError`` with its code (``_read`` sends
         it as ``error`` with ``ref`` = the task id)."""
         tasks = self.tasks
-        if tasks is None:
-            raise TaskError(
-                ReasonCode.TASKS_NOT_SERVED,
-                "this server runs no task lanes: on a shared store (PostgreSQL) task lanes are "
-                "not leased yet (docs/design/scale-out.md)",
-            )
         if isinstance(frame, TaskSubmit):
             request: dict[str, Any] = msgspec.to_builtins(frame)
             view, new = await tasks.submit(request)
@@ -491,16 +481,24 @@ async def open_server(
     token, created = await trio.to_thread.run_sync(ensure_token, state_dir)
     async with contextlib.AsyncExitStack() as stack:
         worker = await stack.enter_async_context(open_room_worker(config, base_dir=base_dir))
-        tasks: TaskService | None = None
-        if worker.leases is None:  # task lanes are not leased yet (docs/design/scale-out.md)
-            tasks = await stack.enter_async_context(
-                open_task_service(
-                    config,
-                    store=worker.store,
-                    receipts=worker.receipts,
-                    timescale=options.unsafe_test_timescale,
-                )
+        shared = None
+        if worker.leases is not None:  # several hosts: task lanes under leases (S30-S32)
+            shared = SharedTasks(
+                store=worker.leases.store,
+                lease_seconds=config.store.lease_seconds,
+                poll_seconds=config.store.poll_seconds,
+                shared_worktrees=config.store.shared_worktrees,
+                takeover_seconds=config.store.task_takeover_seconds,
             )
+        tasks = await stack.enter_async_context(
+            open_task_service(
+                config,
+                store=worker.store,
+                receipts=worker.receipts,
+                timescale=options.unsafe_test_timescale,
+                shared=shared,
+            )
+        )
         server = RoomServer(worker, state_dir, worker_id=worker_id, tasks=tasks)
         server.new_token = token if created else None
         async with trio.open_nursery() as nursery:
@@ -536,7 +534,7 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
     ):
         async with open_server(config, options) as server:
             scheme = "wss" if options.ssl_context is not None else "ws"
-            warning = server.tasks.warning if server.tasks is not None else None
+            warning = server.tasks.warning
             if warning is not None:
                 print(f"pi-runtime serve: !!! {warning} !!!", flush=True)
             if server.new_token is not None:

@@ -39,8 +39,10 @@ from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
 from .._errors import PiRuntimeError, ReasonCode
+from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
+from .._linux._proc import boot_id
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest
 from .._pi._session_files import aread_session, create_session
@@ -111,6 +113,11 @@ class TaskHost:
     leaseholder: Callable[[TaskSubmitted], str | None] = lambda task: None
     """The live task that holds the worktree lease a task needs, if another does (TL13)."""
     log: Callable[[str], None] = lambda line: None
+    owner: str | None = None
+    """On a shared store: this host's name in the lease rows (S10), recorded with each launch."""
+    shared_worktrees: bool = False
+    """On a shared store: task worktrees and lane directories are on storage every host sees
+    at the same paths, so a task claimed from a lost host resumes here (S32)."""
 
 
 class TaskLane:
@@ -120,6 +127,7 @@ class TaskLane:
         "_fenced",
         "_finished",
         "_log",
+        "_lost",
         "_next",
         "_opened",
         "_operator",
@@ -142,6 +150,7 @@ class TaskLane:
         "kernel",
         "key",
         "markers",
+        "moved_from",
         "pending_action",
         "policy",
         "probe_result",
@@ -159,13 +168,17 @@ class TaskLane:
         "worktree",
     )
 
-    def __init__(self, host: TaskHost, submitted: TaskSubmitted, log: Log) -> None:
+    def __init__(
+        self, host: TaskHost, submitted: TaskSubmitted, log: Log, *, fence: Fence | None = None
+    ) -> None:
         self.host = host
         self.task = submitted
         self.task_id = submitted.task_id
         self.key = lane_key(f"task:{submitted.task_id}")
         self.ids = ActionIds(submitted.task_id, submitted.generation, submitted.attempt)
-        self._log = LaneLog(host.store, f"task:{submitted.task_id}", log, self._make_journals)
+        self._log = LaneLog(
+            host.store, f"task:{submitted.task_id}", log, self._make_journals, fence=fence
+        )
         self.session = host.store.root / submitted.session_path
         self.worktree = Path(submitted.worktree)
         base = host.work_root or host.store.root / "work"
@@ -213,6 +226,10 @@ class TaskLane:
         self._opened = False
         self._settle_first = False
         """A host that died left the last epoch's session: settle it before the next launch."""
+        self.moved_from: str | None = None
+        """The host whose lease on this lane ran out before this host claimed it (S32)."""
+        self._lost: str | None = None
+        """``host_lost:<host>`` when the lane cannot resume here (S32)."""
 
     # -- the runner's view ---------------------------------------------------------------
 
@@ -223,6 +240,11 @@ class TaskLane:
     @property
     def live(self) -> bool:
         return self.worker is not None
+
+    @property
+    def lease(self) -> Fence | None:
+        """The lane's lease on a shared store (S31); ``None`` on a store with one owner."""
+        return self._log.fence
 
     @property
     def budget(self) -> Budget:
@@ -281,6 +303,11 @@ class TaskLane:
         self._wake.set()
         return granted
 
+    def session_missing(self) -> bool:
+        """Held ``host_lost`` and the task's session is not on this host (S32)."""
+        reason = self.watchdog.hold_reason or ""
+        return reason.startswith(HOST_LOST) and not self.session.is_file()
+
     def resume(self) -> bool:
         """Operator resume of a held task: fence and resume in the same session once the
         process identity, no terminal, budget and attestation hold (the clocks, the probe and
@@ -301,6 +328,8 @@ class TaskLane:
         waits, a held one is held)."""
         if self._opened:
             return
+        self.moved_from = self.moved_from or self._last_launch_elsewhere()
+        self._lost = await self._host_lost()  # before a session could be made here
         await self._prepare()
         await self._restore()
         self._opened = True
@@ -361,7 +390,7 @@ class TaskLane:
         def prepare() -> None:
             for path in (self.home, self.tmp, self.archive_dir, self.session.parent):
                 path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not self.session.exists():
+            if not self.session.exists() and self._lost is None:  # S32: never a new one
                 create_session(
                     self.session,
                     cwd=str(self.worktree),
@@ -406,13 +435,21 @@ class TaskLane:
             self._restarted = True
             self._fenced = True  # the dead host's epoch is superseded: its fence moves (LK2)
         self._settle_first = self.epochs > 0 and self.ended is None
-        if self.record is not None and self.epochs > 0:
+        lost = self._lost
+        foreign = (
+            self.moved_from is not None
+            and self.record is not None
+            and self.record.boot_id != boot_id()
+        )
+        if lost is not None or foreign:
+            pass  # S32: nothing is killed here on a guess, nor counted quiescent (W5, LK4)
+        elif self.record is not None and self.epochs > 0:
             stopped = await self._kill_leftovers(self.record)
             if stopped.clean:
                 self.quiescent_epoch = self.record.epoch  # nothing of it lives (LK4)
             else:
                 self._restart_survivors = stopped.survivors
-        elif self.epochs > 0 and state.launched_in_host(self.epochs):
+        elif self.epochs > 0 and state.launched_in_host(self.epochs) and self.moved_from is None:
             self.quiescent_epoch = self.epochs  # it lived in the host that died (LK4)
         undelivered = await self._reply_undelivered(state.last_reply, state.reply_carrier)
         if undelivered is not False:
@@ -423,6 +460,8 @@ class TaskLane:
         hold = state.hold or self._policy_problem  # WD14: never a task on a guessed policy
         if undelivered is None:  # LK8: nobody knows whether the worker kept the reply
             hold = hold or f"prompt_marker_unknown:{state.reply_carrier}"
+        if lost is not None:
+            hold = lost  # S32: first of all, the host it lived on is gone
         open_ = self.ended is None and not self.kernel.state.terminal
         unfinished = (  # LK10: an incomplete Done stays held across a restart too
             self.ended is None
@@ -431,6 +470,29 @@ class TaskLane:
         )
         if hold is not None and (open_ or unfinished):
             self.watchdog.feed(Hold(hold))  # WD12: a hold outlives the host
+
+    async def _host_lost(self) -> str | None:
+        """S32: the hold reason ``host_lost:<host>`` when this lane was claimed from another
+        host whose lease ran out and its worktree or session is not here to resume from (no
+        ``shared_worktrees``, or the session file is missing); ``None`` when it may resume.
+        An epoch that lived on another host proves no quiescence here either way (LK4):
+        its tree is stopped by that host's own deadline (S12), not by a kill from here."""
+        moved = self.moved_from
+        if moved is None:
+            return None
+        if self.host.shared_worktrees and await trio.to_thread.run_sync(self.session.is_file):
+            return None
+        return f"{HOST_LOST}{moved}"
+
+    def _last_launch_elsewhere(self) -> str | None:
+        """The host that launched the lane's last epoch, if not this one (as its launch
+        says: a lane this host claimed over a lease that changed hands again meanwhile)."""
+        mine = self.host.owner
+        for record in reversed(self._log.journal.contents.records):
+            if isinstance(record, OutboxAction) and record.kind == "launch":
+                host = record.detail.get("host")
+                return str(host) if mine is not None and host not in (None, mine) else None
+        return None
 
     async def _reply_undelivered(self, reply: TaskReply | None, carrier: str | None) -> bool | None:
         """A reply is delivered once the prompt that carried it is in the session (LK8): a
@@ -465,11 +527,13 @@ class TaskLane:
             await settle_session(self)
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
-        identity = {  # LK2 keys, restored as such; in_host: whether it dies with the host
+        identity: dict[str, Any] = {  # LK2 keys, restored; in_host: whether it dies with it
             "epoch": number,
             "fence": self.kernel.fence,
             "in_host": self.host.workers.in_host,
         }
+        if self.host.owner is not None:
+            identity["host"] = self.host.owner  # S32: where it ran, for the next holder
         await self.record_action(launch, "launch", "reserved", identity)
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
             read = await aread_session(self.session)
@@ -657,6 +721,13 @@ class TaskLane:
         not proven gone must be proven gone now (TL12): the kill is tried again from the
         epoch's record, and without that proof the task stays held."""
         reason = self.watchdog.hold_reason or ""
+        if reason.startswith(HOST_LOST) and not await trio.to_thread.run_sync(self.session.is_file):
+            self.host.log(  # S32: never a new session in place of the task's own
+                f"task {self.task_id} stays held ({reason}): its session {self.session} is "
+                "not on this host; bring it (and the worktree) here, or end the task"
+            )
+            self.watchdog.feed(Hold(reason))
+            return
         if reason.startswith("survivors:"):
             stopped = (
                 await self._kill_leftovers(self.record)
@@ -785,6 +856,8 @@ class TaskLane:
 
 
 UNFINISHED = "finalization_incomplete:"
+HOST_LOST = "host_lost:"
+"""The hold of a task claimed from a host whose lease ran out, that cannot resume here (S32)."""
 """The prefix of the hold an incomplete Done takes (LK10)."""
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._steps import DeliveryStepJournal
+from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._records import Record
 
@@ -21,7 +22,7 @@ class LaneLog:
     """The log of the lane ``subject`` on ``store``; ``journals(log)`` builds the step and
     tool journals from a log's records."""
 
-    __slots__ = ("_journals", "_log", "_make", "_parked", "_store", "_subject")
+    __slots__ = ("_journals", "_log", "_make", "_parked", "_store", "_subject", "fence")
 
     def __init__(
         self,
@@ -29,8 +30,12 @@ class LaneLog:
         subject: str,
         log: Log,
         journals: Callable[[Log], Journals],
+        *,
+        fence: Fence | None = None,
     ) -> None:
         self._store, self._subject, self._log, self._make = store, subject, log, journals
+        self.fence = fence
+        """On a shared store, the lane's lease: every append, after a park too (S31)."""
         self._parked = False
         self._journals: Journals | None = None
 
@@ -68,6 +73,6 @@ class LaneLog:
     async def unpark(self) -> None:
         if not self._parked:
             return
-        self._log = await self._store.open_lane_log(self._subject)
+        self._log = await self._store.open_lane_log(self._subject, fence=self.fence)
         self._parked = False
         self.rebuild()

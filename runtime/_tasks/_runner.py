@@ -12,10 +12,10 @@ Error handling: every refusal is a :class:`~runtime._tasks._state.TaskError` wit
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import trio
@@ -23,19 +23,22 @@ import trio
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
-from .._errors import ReasonCode, TaskError
-from .._journal._interface import JournalStore
+from .._errors import JournalError, ReasonCode, TaskError
+from .._journal._fence import Fence, Lease
+from .._journal._interface import JournalStore, LeaseStore, Log
+from .._journal._leases import LaneLeases, fenced_out
 from .._journal._store import lane_key
 from .._pi._launch import ModelRoute
-from .._records import TaskEnded, TaskSubmitted
+from .._records import Record, TaskEnded, TaskSubmitted
 from .._wire import TaskEvent, TaskSpec, TaskView
 from ._lane import TaskHost, TaskLane
 from ._lifecycle import Verdict
 from ._state import check_spec, submitted_record
+from ._view import records_view
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
 
-__all__ = ["EndedTask", "TaskEvent", "TaskRunner", "open_task_runner"]
+__all__ = ["EndedTask", "SharedTasks", "TaskEvent", "TaskRunner", "open_task_runner"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +52,55 @@ class EndedTask:
     ended: TaskEnded
 
 
+@dataclass(frozen=True, slots=True)
+class SharedTasks:
+    """How a runner on a store several hosts share holds its task lanes (S30-S32 of
+    docs/design/scale-out.md)."""
+
+    store: LeaseStore
+    lease_seconds: float
+    """A lease's time to live (renewed every third of it, S12)."""
+    poll_seconds: float
+    """How often the runner looks for task lanes whose holder's lease ran out (S32)."""
+    shared_worktrees: bool = False
+    """Worktrees and lane directories are on storage every host sees (S32)."""
+    takeover_seconds: float = 60.0
+    """Without ``shared_worktrees``: how long another host's lease must have run out before
+    its task is claimed here (and held ``host_lost``); a host back sooner (a restart, a
+    deploy) takes its tasks back itself (S32)."""
+
+
+def _lane_name(task_id: str) -> str:
+    return f"task:{task_id}"
+
+
+def _same_task(a: TaskSubmitted, b: TaskSubmitted) -> bool:
+    """Whether two submissions are one task (what a duplicate must repeat)."""
+
+    def key(task: TaskSubmitted) -> tuple[Any, ...]:
+        return (task.prompt, task.worktree, task.grants, task.validation,
+                task.validation_timeout)  # fmt: skip
+
+    return key(a) == key(b)
+
+
+def _conflict(task_id: str) -> TaskError:
+    return TaskError(
+        ReasonCode.TASK_CONFLICT,
+        f"task {task_id!r} exists with another prompt, worktree or grants",
+    )
+
+
+def _submitted(records: list[Record]) -> TaskSubmitted | None:
+    return next((r for r in records if isinstance(r, TaskSubmitted)), None)
+
+
 class TaskRunner:
     """Task lanes on one store; obtain it from :func:`open_task_runner`."""
 
-    def __init__(self, host: TaskHost, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, host: TaskHost, nursery: trio.Nursery, shared: SharedTasks | None = None
+    ) -> None:
         self.host = host
         self._nursery = nursery
         self.lanes: dict[str, TaskLane] = {}
@@ -61,6 +109,18 @@ class TaskRunner:
         """The tasks that have ended, by task id."""
         self._listeners: list[trio.MemorySendChannel[TaskEvent]] = []
         self._lock = trio.Lock()
+        self.shared = shared
+        self.leases: LaneLeases | None = None
+        """This host's leases on its task lanes, on a shared store (S31)."""
+        if shared is not None:
+            self.leases = LaneLeases(shared.store, ttl=shared.lease_seconds, lost=self._lost)
+        self.elsewhere: dict[str, str] = {}
+        """Live tasks another host's lease holds, by task id: their holder (S30)."""
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._claiming: set[str] = set()
+        """Tasks whose lanes this host claimed and is restoring (S32)."""
+        self._not_tasks: set[str] = set()
+        """Lane logs found to be a room's or an ended task's (looked at no more, S32)."""
 
     async def submit(self, spec: TaskSpec | dict[str, Any]) -> TaskView:
         """Admit a task durably and start it (TL1); the same task again returns its view."""
@@ -76,17 +136,8 @@ class TaskRunner:
                 record = submitted_record(
                     spec, route=self.host.route, policy=self.host.policy, now_ms=0
                 )
-
-                def key(task: TaskSubmitted) -> tuple[Any, ...]:
-                    return (task.prompt, task.worktree, task.grants, task.validation,
-                            task.validation_timeout)  # fmt: skip
-
-                same = key(record) == key(existing.task)
-                if not same:
-                    raise TaskError(
-                        ReasonCode.TASK_CONFLICT,
-                        f"task {spec.task_id!r} exists with another prompt, worktree or grants",
-                    )
+                if not _same_task(record, existing.task):
+                    raise _conflict(spec.task_id)
                 return self.show(spec.task_id)
             record = submitted_record(
                 spec,
@@ -108,12 +159,68 @@ class TaskRunner:
                     f"worktree {record.worktree} is leased to live task {holder!r} "
                     "(it, or a directory inside it or around it): one live task per worktree",
                 )
-            log = await self.host.store.open_lane_log(f"task:{spec.task_id}")
-            await log.append(record)  # durable before anything runs
-            lane = TaskLane(self.host, record, log)
+            if self.leases is None:
+                log = await self.host.store.open_lane_log(_lane_name(spec.task_id))
+                fence = None
+            else:
+                log, fence = await self._claim_new(record)
+            try:
+                await log.append(record)  # durable before anything runs
+            except JournalError as error:
+                if fence is not None and fenced_out(error):  # S31: another host's now
+                    self.leases_drop(spec.task_id, fence)
+                    raise self._elsewhere_error(spec.task_id) from error
+                raise
+            lane = TaskLane(self.host, record, log, fence=fence)
             self.lanes[spec.task_id] = lane
             self._nursery.start_soon(self._run_lane, lane)
             return lane.view()
+
+    async def _claim_new(self, record: TaskSubmitted) -> tuple[Log, Fence]:
+        """S30: the lease of a new task's lane, and its log, empty; a task any host
+        submitted already is its duplicate (``DuplicateElsewhere``) or ``task_conflict``."""
+        store, leases = self._shared_parts()
+        name = _lane_name(record.task_id)
+        if await store.exists(store.lane_rel(name)):
+            records = list((await store.read(store.lane_rel(name))).records)
+            if _submitted(records) is not None:
+                self._answer_existing(record, records)
+        fence = await leases.claim(name)
+        if fence is None:  # being submitted (or run) by another host right now
+            raise self._elsewhere_error(record.task_id)
+        log = await store.open_lane_log(name, fence=fence)
+        if _submitted(list(log.contents.records)) is not None:  # submitted elsewhere meanwhile
+            await store.close_log(log)
+            await leases.release(fence)
+            self._answer_existing(record, list(log.contents.records))
+        return log, fence  # a log a submitter died before writing to is this one's
+
+    def _shared_parts(self) -> tuple[LeaseStore, LaneLeases]:
+        if self.shared is None or self.leases is None:
+            raise AssertionError("the runner is not on a shared store")
+        return self.shared.store, self.leases
+
+    def _answer_existing(self, record: TaskSubmitted, records: list[Record]) -> NoReturn:
+        """A task already in the shared store: ``task_conflict`` for another one under its
+        id, else the holder's answer: ``task_elsewhere`` naming it (S30)."""
+        found = _submitted(records)
+        if found is not None and not _same_task(record, found):
+            raise _conflict(record.task_id)
+        view = records_view(records, self.host.policy)
+        raise DuplicateElsewhere(view, self._elsewhere_error(record.task_id))
+
+    def _elsewhere_error(self, task_id: str) -> TaskError:
+        holder = self.elsewhere.get(task_id)
+        where = f"host {holder!r}" if holder else "another host"
+        return TaskError(
+            ReasonCode.TASK_ELSEWHERE,
+            f"task {task_id!r} is held by {where} of this deployment: send its frames there "
+            "(docs/design/scale-out.md S30)",
+        )
+
+    def leases_drop(self, task_id: str, fence: Fence) -> None:
+        if self.leases is not None:
+            self.leases.drop(_lane_name(task_id), fence)
 
     def leaseholder(self, task: TaskSubmitted) -> str | None:
         """The live task holding the worktree lease ``task`` needs (TL13): one not ended
@@ -135,6 +242,8 @@ class TaskRunner:
         if lane is None:
             if task_id in self.ended:
                 raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
+            if task_id in self.elsewhere:
+                raise self._elsewhere_error(task_id)
             raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r}")
         return lane
 
@@ -168,9 +277,23 @@ class TaskRunner:
     def tasks(self) -> list[TaskView]:
         return [self.show(task_id) for task_id in self.task_ids()]
 
+    @contextlib.contextmanager
+    def _fenced_control(self, lane: TaskLane) -> Iterator[None]:
+        """S31: a control whose write the lane's fence refused gives the lane up (another
+        host claimed it) and is answered ``task_elsewhere``."""
+        try:
+            yield
+        except JournalError as error:
+            if lane.lease is None or not fenced_out(error):
+                raise
+            self._lost(_lane_name(lane.task_id), lane.lease, "a write was refused by its fence")
+            raise self._elsewhere_error(lane.task_id) from error
+
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> None:
         lane = self._open_lane(task_id)
-        if await lane.reply(text, correlation) is not Verdict.ACCEPTED:
+        with self._fenced_control(lane):
+            verdict = await lane.reply(text, correlation)
+        if verdict is not Verdict.ACCEPTED:
             raise TaskError(
                 ReasonCode.TASK_NOT_WAITING,
                 f"task {task_id!r} is not waiting"
@@ -178,24 +301,37 @@ class TaskRunner:
             )
 
     async def abort(self, task_id: str, reason: str = "aborted by the operator") -> None:
-        await self._terminal(self._open_lane(task_id).abort, reason)
+        lane = self._open_lane(task_id)
+        await self._terminal(lane, lane.abort, reason)
 
     async def fail(self, task_id: str, reason: str = "failed by the operator") -> None:
-        await self._terminal(self._open_lane(task_id).fail, reason)
+        lane = self._open_lane(task_id)
+        await self._terminal(lane, lane.fail, reason)
 
-    async def _terminal(self, report: Callable[[str], Any], reason: str) -> None:
-        if await report(reason) is not Verdict.ACCEPTED:
+    async def _terminal(self, lane: TaskLane, report: Callable[[str], Any], reason: str) -> None:
+        with self._fenced_control(lane):
+            verdict = await report(reason)
+        if verdict is not Verdict.ACCEPTED:
             raise TaskError(ReasonCode.TASK_LATE, "a terminal outcome was already recorded")
 
     def resume(self, task_id: str) -> None:
-        if not self._open_lane(task_id).resume():
+        lane = self._open_lane(task_id)
+        if lane.session_missing():  # S32: never a new session in place of the task's own
+            raise TaskError(
+                ReasonCode.HOST_LOST,
+                f"task {task_id!r} is held {lane.watchdog.hold_reason}: its session "
+                f"{lane.session} is not on this host; bring it and the worktree here (the "
+                "same paths) and resume, or abort or fail the task",
+            )
+        if not lane.resume():
             raise TaskError(ReasonCode.TASK_NOT_HELD, f"task {task_id!r} is not held")
 
     async def grant(self, task_id: str, *, epochs: int = 0, seconds: float = 0.0,
                     reason: str = "") -> None:  # fmt: skip
         lane = self._open_lane(task_id)
         try:
-            await lane.grant(epochs=epochs, seconds=seconds, reason=reason or "operator grant")
+            with self._fenced_control(lane):
+                await lane.grant(epochs=epochs, seconds=seconds, reason=reason or "operator grant")
         except ValueError as error:
             raise TaskError(ReasonCode.TASK_INVALID, str(error)) from error
 
@@ -256,7 +392,10 @@ class TaskRunner:
 
     async def _recover(self) -> None:
         """Resume every task whose log has no end (TL7), once all of them are known (their
-        worktree leases, TL13)."""
+        worktree leases, TL13). On a shared store: every task lane nobody else holds (S32)."""
+        if self.shared is not None:
+            await self.claim_orphans()
+            return
         lanes = self.host.store.root / "lanes"
         found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
         for path in found:
@@ -277,6 +416,12 @@ class TaskRunner:
                 continue
             self.lanes[submitted.task_id] = lane
 
+        await self._open_and_run(list(self.lanes.values()))
+
+    async def _open_and_run(self, lanes: list[TaskLane]) -> None:
+        """Restore ``lanes`` side by side, then make them the runner's and run them: a
+        control that finds one meets it restored (a waiting task waits, a held one holds)."""
+
         async def open_(lane: TaskLane) -> None:
             try:
                 await lane.open()  # restored before anyone is served (a reply, a resume)
@@ -284,10 +429,111 @@ class TaskRunner:
                 lane.failure = error
 
         async with trio.open_nursery() as opening:  # side by side: one lane's kill bound
-            for lane in self.lanes.values():  # does not delay the others' start
+            for lane in lanes:  # does not delay the others' start
                 opening.start_soon(open_, lane)
-        for lane in list(self.lanes.values()):  # every lease is known before any lane runs
+        for lane in lanes:  # every lease is known before any lane runs
+            self.lanes[lane.task_id] = lane
+            self._claiming.discard(lane.task_id)
+            self.elsewhere.pop(lane.task_id, None)
             self._nursery.start_soon(self._run_lane, lane)
+            if lane.lease is not None and self.shared is not None:
+                epoch = lane.lease.epoch
+                self.host.log(f"task {lane.task_id}: lane claimed at epoch {epoch}")
+
+    async def claim_orphans(self) -> None:
+        """S32: claim every task lane with no end whose holder's lease ran out (or that
+        nobody holds), restore it — held ``host_lost`` when it cannot resume here — and run
+        it; note which live tasks other hosts hold."""
+        store, _ = self._shared_parts()
+        claimed: list[TaskLane] = []
+        for rel in await store.lane_logs():
+            if rel in self._not_tasks:
+                continue
+            try:
+                contents = await store.read(rel)
+            except (FileNotFoundError, JournalError) as error:
+                self.host.log(f"lane log {rel} not read: {error}")
+                continue
+            subject = contents.header.subject
+            task_id = subject.removeprefix("task:")
+            if not subject.startswith("task:") or task_id in self.ended:
+                self._not_tasks.add(rel)
+                continue
+            if task_id in self.lanes or task_id in self._claiming:
+                continue
+            if any(isinstance(r, TaskEnded) for r in contents.records):
+                self._not_tasks.add(rel)
+                self.elsewhere.pop(task_id, None)
+                continue
+            if _submitted(list(contents.records)) is None:
+                continue  # a submission not written (yet, or ever): nothing to run
+            lease = await store.lease(subject)
+            if (
+                lease is not None
+                and lease.fence.owner != store.owner
+                and not self._claimable(lease)
+            ):
+                if self.elsewhere.get(task_id) != lease.fence.owner:
+                    self.host.log(f"task {task_id}: held by host {lease.fence.owner!r}")
+                self.elsewhere[task_id] = lease.fence.owner
+                continue
+            async with self._lock:  # never beside a submission's claim of the same task
+                if task_id in self.lanes or task_id in self._claiming:
+                    continue
+                lane = await self._claim_orphan(subject, lease.fence.owner if lease else None)
+            if lane is not None:
+                claimed.append(lane)
+        await self._open_and_run(claimed)
+
+    def _claimable(self, lease: Lease) -> bool:
+        """S32: another host's task lane is claimed once its lease ran out — and, unless
+        its worktree can be resumed here (``shared_worktrees``), only once it has been out
+        ``takeover_seconds``: its host may be coming back for it."""
+        assert self.shared is not None
+        if lease.live:
+            return False
+        return self.shared.shared_worktrees or lease.expired_for >= self.shared.takeover_seconds
+
+    async def _claim_orphan(self, subject: str, last_owner: str | None) -> TaskLane | None:
+        store, leases = self._shared_parts()
+        fence = await leases.claim(subject)
+        if fence is None:
+            return None  # another host was first
+        log = await store.open_lane_log(subject, fence=fence)  # read after the claim (S11)
+        records = list(log.contents.records)
+        submitted = _submitted(records)
+        if submitted is None or any(isinstance(r, TaskEnded) for r in records):
+            await store.close_log(log)
+            await leases.release(fence)
+            return None  # ended meanwhile, or not a task: the next look sees it so
+        lane = TaskLane(self.host, submitted, log, fence=fence)
+        if last_owner is not None and last_owner != store.owner:
+            lane.moved_from = last_owner
+        self._claiming.add(submitted.task_id)  # the runner's once restored
+        return lane
+
+    async def watch_orphans(self) -> None:
+        """Look for orphaned task lanes every ``poll_seconds`` until cancelled (S32)."""
+        assert self.shared is not None
+        while True:
+            await trio.sleep(self.shared.poll_seconds)
+            try:
+                await self.claim_orphans()
+            except (JournalError, OSError) as error:  # the database: look again next time
+                self.host.log(f"looking for orphaned task lanes failed: {error}")
+
+    def _lost(self, name: str, fence: Fence, why: str) -> None:
+        """S31: the lease of ``name`` is lost (taken over, or not renewed in time): its
+        lane's scope is cancelled — its epoch's tree stopped — and it is forgotten here."""
+        task_id = name.removeprefix("task:")
+        lane = self.lanes.get(task_id)
+        if lane is None or lane.lease != fence:
+            return
+        self.host.log(f"task {task_id}: lane lost ({why})")
+        self.elsewhere[task_id] = ""
+        scope = self._scopes.get(task_id)
+        if scope is not None:
+            scope.cancel()
 
     def _retire(self, lane: TaskLane) -> None:
         """Keep only what an ended task is asked for (its view and end record)."""
@@ -296,16 +542,51 @@ class TaskRunner:
         self.lanes.pop(lane.task_id, None)
 
     async def _run_lane(self, lane: TaskLane) -> None:
-        """Run one lane; a lane that fails stops alone, never the runner (TL11)."""
+        """Run one lane; a lane that fails stops alone, never the runner (TL11). A lane
+        whose write is refused by its fence, or whose lease is lost, stops and is another
+        host's (S31): not failed, forgotten here."""
+        scope = trio.CancelScope()
+        self._scopes[lane.task_id] = scope
         try:
-            await lane.run()
+            with scope:
+                await lane.run()
             if lane.ended is not None:
                 self._retire(lane)
         except Exception as error:  # a bug or a broken disk in this lane: the others go on
-            lane.failure = error
-            code = getattr(error, "code", type(error).__name__)
-            self.host.log(f"task {lane.task_id}: lane failed ({code}): {error}")
-            self._changed(lane)
+            if lane.lease is not None and _fenced(error):
+                self.host.log(f"task {lane.task_id}: a write was refused by its fence (S31)")
+                self.elsewhere[lane.task_id] = ""
+            else:
+                lane.failure = error
+                code = getattr(error, "code", type(error).__name__)
+                self.host.log(f"task {lane.task_id}: lane failed ({code}): {error}")
+                self._changed(lane)
+        finally:
+            self._scopes.pop(lane.task_id, None)
+            fence = lane.lease
+            if fence is not None and lane.task_id in self.elsewhere:  # lost (S31)
+                self.lanes.pop(lane.task_id, None)
+                self.leases_drop(lane.task_id, fence)
+                self._changed(lane)  # its followers learn it is gone from here
+            elif fence is not None and lane.ended is not None and self.leases is not None:
+                with trio.CancelScope(shield=True):
+                    await self.leases.release(fence)  # an ended task needs no holder
+
+
+class DuplicateElsewhere(TaskError):
+    """A submission of a task another host (or an earlier life of the deployment) admitted:
+    its view as the shared store says, and the error naming where it runs (S30)."""
+
+    def __init__(self, view: TaskView | None, error: TaskError) -> None:
+        super().__init__(error.code, str(error))
+        self.view = view
+
+
+def _fenced(error: BaseException) -> bool:
+    """Whether ``error`` (or every error of a group) is a write refused by a fence (S11)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_fenced(e) for e in error.exceptions)
+    return fenced_out(error)
 
 
 @contextlib.asynccontextmanager
@@ -321,6 +602,7 @@ async def open_task_runner(
     ledger: Path | None = None,
     work_root: Path | None = None,
     log: Callable[[str], None] | None = None,
+    shared: SharedTasks | None = None,
 ) -> AsyncIterator[TaskRunner]:
     """Run task lanes on ``store`` until the block ends; unfinished tasks are resumed first.
 
@@ -348,15 +630,25 @@ async def open_task_runner(
         work_root=work_root,
         on_change=changed,
         log=log or (lambda line: None),
+        owner=shared.store.owner if shared is not None else None,
+        shared_worktrees=shared.shared_worktrees if shared is not None else False,
     )
     async with trio.open_nursery() as nursery:
-        runner = TaskRunner(host, nursery)
+        runner = TaskRunner(host, nursery, shared)
         host.leaseholder = runner.leaseholder
+        if runner.leases is not None:
+            nursery.start_soon(runner.leases.run)
         await runner._recover()
+        if shared is not None:
+            nursery.start_soon(runner.watch_orphans)
         try:
             yield runner
         finally:
             nursery.cancel_scope.cancel()
+    if runner.leases is not None and shared is not None and shared.shared_worktrees:
+        with trio.CancelScope(shield=True):  # stopped, every lane's tree too: hand them over
+            for fence in runner.leases.held.values():  # (a local worktree waits for its
+                await runner.leases.release(fence)  # host to come back, S32)
 
 
 def check_policy(policy: WatchdogPolicy) -> None:

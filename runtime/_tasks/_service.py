@@ -45,7 +45,7 @@ from .._journal._store import runtime_dir
 from .._records import TaskEnded
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
-from ._runner import TaskRunner, open_task_runner
+from ._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
 from ._watchdog import WatchdogPolicy
 from ._workers import ProcessWorkers
 
@@ -109,7 +109,12 @@ class TaskService:
         if not isinstance(spec, TaskSpec):
             spec = task_spec(spec)
         new = not self.runner.known(spec.task_id)
-        await self.runner.submit(spec)
+        try:
+            await self.runner.submit(spec)
+        except DuplicateElsewhere as duplicate:  # S30: admitted by another host already
+            if duplicate.view is None:
+                raise
+            return duplicate.view, False
         return self.show(spec.task_id), new
 
     def show(self, task_id: str) -> TaskView:
@@ -297,13 +302,15 @@ async def open_task_service(
     clocks: Clocks | None = None,
     timescale: float = 1.0,
     log: Callable[[str], None] | None = None,
+    shared: SharedTasks | None = None,
 ) -> AsyncIterator[TaskService]:
     """Run task lanes on ``store`` with ``config``'s worker, model and ``[watchdog]`` policy
     (divided by ``timescale``) until the block ends; unfinished tasks are resumed at once.
 
     ``config`` is validated here (``ConfigError`` naming the setting); the state is
     ``store``'s (``config.state_dir`` is not read), the work directories are below
-    ``config.work_root``. Raises :class:`WatchdogConfigError`
+    ``config.work_root``. ``shared``: ``store`` is several hosts', whose task lanes are held
+    under leases (docs/design/scale-out.md S30-S32). Raises :class:`WatchdogConfigError`
     before anything starts when the policy breaks a rule, :class:`ConfigError` when the real
     Pi is configured but not installed."""
     config = validate_config(config)
@@ -351,6 +358,7 @@ async def open_task_service(
             ledger=work_root / "effects.jsonl",
             work_root=work_root,
             log=line,
+            shared=shared,
         ) as runner:
             service = TaskService(runner, policy, production)
             await nursery.start(service._collect)

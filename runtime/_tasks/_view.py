@@ -5,13 +5,14 @@ no lock, no write)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
 from .._errors import ReasonCode, TaskError
+from .._journal._inspect import pg_reader
 from .._journal._journal import read_log
 from .._journal._store import lane_key
 from .._linux._fs import OsFileSystem
@@ -21,6 +22,7 @@ from .._records import (
     EpochStarted,
     LogKind,
     OutboxAction,
+    Record,
     TaskEnded,
     TaskSubmitted,
 )
@@ -31,7 +33,16 @@ from ._state import inference_costs, read_lane
 from ._watch import Telemetry
 from ._watchdog import ACTION_TABLE, Classification, Watchdog, WatchdogPolicy
 
-__all__ = ["LaneFacts", "Viewed", "next_action", "offline_view", "offline_views", "task_view"]
+__all__ = [
+    "LaneFacts",
+    "Viewed",
+    "database_views",
+    "next_action",
+    "offline_view",
+    "offline_views",
+    "records_view",
+    "task_view",
+]
 
 
 class LaneFacts(Protocol):
@@ -191,6 +202,39 @@ def offline_view(state_dir: Path, task_id: str, policy: WatchdogPolicy | None = 
     return view
 
 
+async def database_views(
+    dsn: str, policy: WatchdogPolicy | None = None
+) -> list[tuple[TaskView, dict[str, Any] | None]]:
+    """Every task of the deployment whose PostgreSQL store ``dsn`` names, as its lane log
+    says (read only, like :func:`offline_views`), with the host holding its lane's lease
+    (``host``, ``epoch``, ``live``; ``None``: never claimed), by task id (S30)."""
+    policy = policy or WatchdogPolicy()
+    found: list[tuple[TaskView, dict[str, Any] | None]] = []
+    async with pg_reader(dsn) as store:
+        for rel in await store.lane_logs():
+            contents = await store.read(rel, LogKind.LANE)
+            subject = contents.header.subject
+            if not subject.startswith("task:"):
+                continue
+            view = records_view(
+                contents.records,
+                policy,
+                classification="unknown: read from the database (the watchdog runs in its host)",
+                waiting_action=" (on the host that holds it)",
+                resume_action="the host that holds it runs it; if none does, start one",
+            )
+            if view is None:
+                continue
+            lease = await store.lease(subject)
+            holder = (
+                None
+                if lease is None
+                else {"host": lease.fence.owner, "epoch": lease.fence.epoch, "live": lease.live}
+            )
+            found.append((view, holder))
+    return sorted(found, key=lambda pair: pair[0].task_id)
+
+
 def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | None:
     rel = f"lanes/{name}/lane.log"
     try:
@@ -199,7 +243,19 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
         return None
     if not contents.records or not contents.header.subject.startswith("task:"):
         return None
-    records = contents.records
+    return records_view(contents.records, policy)
+
+
+def records_view(
+    records: Sequence[Record],
+    policy: WatchdogPolicy,
+    *,
+    classification: str = "unknown: no server runs (the watchdog runs only in the owner)",
+    waiting_action: str = " (start the server first)",
+    resume_action: str = "start pi-runtime serve (or task run again) to resume it",
+) -> TaskView | None:
+    """A task as its lane log's ``records`` say, read by someone who does not run it (no
+    server, or another host holds its lane: S30); ``None`` without a submission."""
     submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
     if submitted is None:
         return None
@@ -218,9 +274,9 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
     if ended is not None:
         next_action = "none: the task has ended"
     elif str(kernel.state) == "waiting":
-        next_action = ACTION_TABLE[Classification.WAITING_USER] + " (start the server first)"
+        next_action = ACTION_TABLE[Classification.WAITING_USER] + waiting_action
     else:
-        next_action = "start pi-runtime serve (or task run again) to resume it"
+        next_action = resume_action
     return TaskView(
         task_id=submitted.task_id,
         state=ended.state if ended is not None else str(kernel.state),
@@ -243,7 +299,7 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
             if live is not None and ended is None
             else None
         ),
-        classification="unknown: no server runs (the watchdog runs only in the owner)",
+        classification=classification,
         phase="unknown",
         progress_seq=0,
         silence_seconds=0.0,
@@ -256,7 +312,7 @@ def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | N
         prompt_marker=markers[-1].marker if markers else None,
         budget=budget.as_dict(),
         pending_action=pending,
-        hold_reason=None,
+        hold_reason=state.hold,
         next_action=next_action,
         timescale=policy.timescale,
         telemetry={},

@@ -399,3 +399,26 @@ async def test_sc_j8_concurrent_admissions_get_distinct_consecutive_seqs(
         async with backend.open() as store:
             contents = await store.read(store.admissions.rel)
             assert {seq: contents.records[seq] for seq in seqs} == seqs
+
+
+async def test_sc_j8_next_seq_is_where_the_next_append_lands_with_appends_in_flight(
+    backend: Backend,
+) -> None:
+    """J8: a writer that reads a log's ``next_seq`` and appends at once lands there even while
+    other appends to the log are in flight (the gate names a tool intent after the number it
+    will get: a lane's own record appended beside it must not take that number)."""
+    landed: list[tuple[int, int]] = []
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            log = await store.open_lane_log("task:seq")
+
+            async def write(n: int) -> None:
+                expected = log.next_seq
+                landed.append((expected, await log.append(_action("seq", n))))
+
+            async with trio.open_nursery() as nursery:
+                for n in range(12):
+                    nursery.start_soon(write, n)
+            await store.close_log(log)
+    assert [expected for expected, _ in landed] == [seq for _, seq in landed]
+    assert sorted(seq for _, seq in landed) == list(range(1, 13))

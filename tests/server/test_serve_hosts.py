@@ -17,6 +17,7 @@ result frame, a line a host logs.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -109,7 +110,7 @@ def _config(dsn: str, url: str, name: str, lease: float = LEASE) -> str:
         'default_grants = ["bash", "send_text_update"]\n\n'
         f'[model]\nbase_url = "{url}"\n\n'
         f'[store]\nurl = "{dsn}"\nlease_seconds = {lease}\npoll_seconds = 0.1\n'
-        f'host_name = "{name}"\n'
+        f'host_name = "{name}"\ntask_takeover_seconds = 0\n'
     )
 
 
@@ -358,3 +359,41 @@ async def test_a_database_restart_under_two_hosts_loses_nothing(
         "AND seq > 0",
     )
     assert admitted == [(10,)]
+
+
+async def test_s30_s32_a_task_on_a_killed_host_is_claimed_and_held_host_lost(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S30-S32 with real hosts: a task submitted to A waits for its user; B, asked about it,
+    answers ``task_elsewhere``. A is SIGKILLed; once its lease ran out B claims the task and —
+    its worktree and session being A's alone — holds it ``host_lost:a``, launching nothing."""
+    worktree = tmp_path / "worktree"
+    worktree.mkdir()
+    (worktree / "README.md").write_text("a task's worktree\n")
+    wait = ToolCalls(calls=[Call(name="task_wait", arguments={"question": "which one?"})])
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([wait]) as (model, url),
+            deployment(tmp_path, pg_dsn, url) as start,
+        ):
+            a = await start("a")
+            b = await start("b")
+            async with a.connect() as client:
+                submit = {"type": "task_submit", "task_id": "t1", "prompt": "do the task",
+                          "worktree": str(worktree)}  # fmt: skip
+                await client.send(submit)
+                await client.until(lambda f: f["type"] == "task_accepted")
+                await client.until(lambda f: f["type"] == "task_event" and f["state"] == "waiting")
+            await b.until("stderr", rb"task t1: held by host 'a'")  # B looked
+            async with b.connect() as client:
+                await client.send({"type": "task_show", "task_id": "t1"})
+                refused = await client.until(lambda f: f["type"] == "error")
+                assert refused["code"] == "task_elsewhere", refused
+                await a.kill()
+                asked = model.request_count
+                await b.until("stderr", rb"task t1: lane claimed")
+                await client.send({"type": "task_show", "task_id": "t1"})
+                view = await client.until(lambda f: f["type"] == "task_view")
+    assert view["hold_reason"] == "host_lost:a", json.dumps(view)
+    assert view["process_epoch"] == 1
+    assert model.request_count == asked  # B asked nothing

@@ -1,18 +1,18 @@
-"""This host's leases on its room lanes, on a store several hosts share
-(docs/design/scale-out.md S10, S12).
+"""This host's leases on its lanes (rooms and tasks), on a store several hosts share
+(docs/design/scale-out.md S10, S12, S31).
 
-:class:`LaneLeases` claims a lane for the room worker, renews every lease it holds in one
-statement every third of the lease's time to live, and gives a lane up — calls ``lost`` —
-when a renewal says another host has it, or when the lease may have run out because no
-renewal succeeded in time: the deadline of a lease is the moment its last successful claim or
-renewal was *sent*, plus the TTL, less a margin (:data:`MARGIN`), measured on Trio's clock —
-the database's lease cannot have run out before it, so the host stops the lane's workers
-before any other host may claim the lane (S12). A renewal that hangs does not hold that
-deadline back: it is watched by a task of its own.
+:class:`LaneLeases` claims a lane for the room worker or the task runner, renews every lease it
+holds in one statement every third of the lease's time to live, and gives a lane up — calls
+``lost`` — when a renewal says another host has it, or when the lease may have run out because
+no renewal succeeded in time: the deadline of a lease is the moment its last successful claim or
+renewal was *sent*, plus the TTL, less a margin (:data:`MARGIN`), measured on Trio's clock — the
+database's lease cannot have run out before it, so the host stops the lane's workers before any
+other host may claim the lane (S12). A renewal that hangs does not hold that deadline back: it
+is watched by a task of its own.
 
-Resource handling: :meth:`LaneLeases.run` (renewals and deadlines) runs in the room worker's
-nursery until it is cancelled; nothing is released by it (the room worker releases its leases
-once its lanes are stopped).
+Resource handling: :meth:`LaneLeases.run` (renewals and deadlines) runs in its owner's (the
+room worker's, the task runner's) nursery until it is cancelled; nothing is released by it
+(its owner releases its leases once its lanes are stopped).
 """
 
 from __future__ import annotations
@@ -24,19 +24,24 @@ from typing import Final
 
 import trio
 
-from .._errors import DiskFailedError, JournalError
-from .._journal._fence import Fence
-from .._journal._interface import LeaseStore
+from .._errors import DiskFailedError, JournalError, ReasonCode
+from ._fence import Fence
+from ._interface import LeaseStore
 
-__all__ = ["MARGIN", "LaneLeases"]
+__all__ = ["MARGIN", "LaneLeases", "fenced_out"]
 
 MARGIN: Final = 0.1
 """The share of the TTL a host gives up before its lease's deadline: room for the rates of
 two clocks to differ and for the lane's workers to be stopped."""
 
 
+def fenced_out(error: BaseException) -> bool:
+    """Whether ``error`` is a write refused because another host claimed the lane (S11)."""
+    return isinstance(error, JournalError) and error.code is ReasonCode.LANE_FENCED
+
+
 class LaneLeases:
-    """The leases this host holds, by lane name (a room)."""
+    """The leases this host holds, by lane name (a room, ``task:<id>``)."""
 
     def __init__(
         self, store: LeaseStore, *, ttl: float, lost: Callable[[str, Fence, str], None]

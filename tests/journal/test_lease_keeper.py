@@ -1,4 +1,4 @@
-"""The lease keeper of a host (``runtime/_rooms/_leases.py``, docs/design/scale-out.md S12) on
+"""The lease keeper of a host (``runtime/_journal/_leases.py``, docs/design/scale-out.md S12) on
 Trio's virtual clock, against a lease store whose renewals the test scripts: when a host
 gives a lane up, and never before."""
 
@@ -13,7 +13,7 @@ import trio.testing
 
 from runtime._errors import DiskFailedError, ReasonCode
 from runtime._journal._fence import Fence, Lease
-from runtime._rooms._leases import MARGIN, LaneLeases
+from runtime._journal._leases import MARGIN, LaneLeases
 
 TTL: Final = 9.0
 

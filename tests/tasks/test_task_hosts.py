@@ -1,0 +1,349 @@
+"""Task lanes of several hosts on one PostgreSQL database, in one process
+(docs/design/scale-out.md S30-S32): a task is held under its lane's lease by the host it was
+submitted to, every write of it is fenced, and a task whose holder's lease ran out is claimed by
+another host — held ``host_lost`` when its worktree and session are that host's alone, resumed
+when the deployment says they are on shared storage. Fake-Pi runs in-process on the scripted
+model; leases run on the database's clock (real time), so nothing here waits on a threshold of
+the watchdog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+
+from fake_pi.model_server import ScriptedModel
+from fake_pi.scenario import Scenario, Step
+from runtime._cli import EXIT_FAILED, EXIT_OK, main
+from runtime._errors import ReasonCode, TaskError
+from runtime._journal._postgres import open_pg_store
+from runtime._records import OutboxAction, Record, TaskEnded
+from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
+from runtime._wire import TaskEvent, TaskSpec
+from runtime.testing._in_process import InProcessWorkers
+
+from ..journal.pg_fixtures import execute, pg_dsn, pg_server
+from ..task_harness import ROUTE, TASK, done, make_worktree, say, wait
+
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
+LIMIT: Final = 60.0
+
+
+@dataclass
+class TaskHost:
+    name: str
+    runner: TaskRunner
+    workers: InProcessWorkers
+    model: ScriptedModel
+    lines: list[str]
+    events: trio.MemoryReceiveChannel[TaskEvent]
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        """Wait on the runner's task events (never on time) until ``predicate()`` holds."""
+        while not predicate():
+            await self.events.receive()
+
+
+@contextlib.asynccontextmanager
+async def task_host(
+    root: Path,
+    name: str,
+    dsn: str,
+    steps: Sequence[Step],
+    *,
+    lease: float = 60.0,
+    shared_worktrees: bool = False,
+    takeover: float = 0.0,
+    state: str | None = None,
+) -> AsyncIterator[TaskHost]:
+    """A host ``name`` of the deployment: its own state directory (``state`` names one the
+    hosts share, standing for shared storage), the lease owner ``name``."""
+    model = ScriptedModel(
+        scenario=Scenario(steps=list(steps)), call_id_prefix=f"call_{secrets.token_hex(4)}"
+    )
+    workers = InProcessWorkers(model=model)
+    lines: list[str] = []
+    async with open_pg_store(dsn, root=root / (state or name) / "state", owner=name) as store:
+        shared = SharedTasks(
+            store=store,
+            lease_seconds=lease,
+            poll_seconds=3600.0,  # the tests look for orphans themselves (claim_orphans)
+            shared_worktrees=shared_worktrees,
+            takeover_seconds=takeover,
+        )
+        async with (
+            open_task_runner(
+                store,
+                workers=workers,
+                route=ROUTE,
+                work_root=root / (state or name) / "work",
+                shared=shared,
+                log=lines.append,
+            ) as runner,
+            runner.events(buffer=10_000) as events,
+        ):
+            yield TaskHost(name, runner, workers, model, lines, events)
+
+
+def spec(root: Path, prompt: str = "do the task") -> TaskSpec:
+    worktree = make_worktree(root)  # one path for every host (the tests share a machine)
+    return TaskSpec(task_id=TASK, prompt=prompt, worktree=str(worktree), grants=frozenset({"read"}))
+
+
+async def lane_records(host: TaskHost) -> list[Record]:
+    store = host.runner.host.store
+    return list((await store.read(store.lane_rel(f"task:{TASK}"))).records)
+
+
+def launch_hosts(records: list[Record]) -> list[str]:
+    return [
+        str(r.detail.get("host"))
+        for r in records
+        if isinstance(r, OutboxAction) and r.kind == "launch" and r.state == "done"
+    ]
+
+
+async def expire_leases(dsn: str) -> None:
+    await execute(dsn, "UPDATE pi_runtime.lanes SET lease_until = now()")
+
+
+async def test_s30_a_task_is_held_by_the_host_it_was_submitted_to(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S30: the task runs on A, under A's lease; B, looking, knows A holds it: the same task
+    sent to B is a duplicate (the view as the database says), another one under its id is
+    ``task_conflict``, a reply to B is ``task_elsewhere`` naming A; A runs it to its end, and
+    then B finds nothing to claim."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked"), done(), say()]) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await b.runner.claim_orphans()
+            assert b.runner.elsewhere == {TASK: "a"}
+            with pytest.raises(DuplicateElsewhere) as duplicate:
+                await b.runner.submit(spec(tmp_path))
+            assert duplicate.value.view is not None
+            assert duplicate.value.view.state == "waiting"
+            with pytest.raises(TaskError) as conflict:
+                await b.runner.submit(spec(tmp_path, prompt="another task"))
+            assert conflict.value.code is ReasonCode.TASK_CONFLICT
+            with pytest.raises(TaskError) as elsewhere:
+                await b.runner.reply(TASK, "the blue one")
+            assert elsewhere.value.code is ReasonCode.TASK_ELSEWHERE
+            assert "'a'" in str(elsewhere.value)
+            await a.runner.reply(TASK, "the blue one")
+            ended = await a.runner.wait(TASK)
+            assert ended.state == "done"
+            await b.runner.claim_orphans()
+            assert b.runner.lanes == {}
+            assert b.workers.launched == []
+            records = await lane_records(a)
+    assert launch_hosts(records) == ["a", "a"]
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+
+
+async def test_s31_s32_a_task_claimed_from_a_host_whose_lease_ran_out_is_held_host_lost(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S31, S32: A's task waits for its user; A's lease runs out and B claims the lane. Its
+    worktree and session are A's alone, so B holds it ``host_lost:a`` — launching nothing,
+    killing nothing, making no session of its own — and A, whose renewal finds the lease
+    taken, stops the lane and forgets it: a reply to A is ``task_elsewhere``."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            view = b.runner.show(TASK)
+            assert view.hold_reason == "host_lost:a"
+            assert view.classification == "StalledOperatorRequired"
+            await a.until(lambda: TASK not in a.runner.lanes)
+            with pytest.raises(TaskError) as elsewhere:
+                await a.runner.reply(TASK, "the blue one")
+            assert elsewhere.value.code is ReasonCode.TASK_ELSEWHERE
+            assert b.workers.launched == []
+            assert not (tmp_path / "b" / "state" / view.session_path).exists()
+            records = await lane_records(b)
+    holds = [r for r in records if isinstance(r, OutboxAction) and r.kind == "hold"]
+    assert [h.detail["reason"] for h in holds] == ["host_lost:a"]
+    assert launch_hosts(records) == ["a"]
+    assert any("lane lost" in line or "refused by its fence" in line for line in a.lines)
+
+
+async def test_s32_on_shared_storage_a_claimed_task_resumes_on_the_new_host(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S32: the same, on storage both hosts see at the same paths (``shared_worktrees``;
+    here one state directory): B claims the waiting task, keeps it waiting in its session,
+    and the user's reply sent to B runs it there to its end — one end record, the second
+    epoch launched by B in the same session."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(
+                tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0, state="shared",
+                shared_worktrees=True,
+            ) as a,
+            task_host(
+                tmp_path, "b", pg_dsn, [done(), say()], state="shared", shared_worktrees=True
+            ) as b,
+        ):  # fmt: skip
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await a.until(lambda: not a.runner.lane(TASK).live)
+            first = a.runner.show(TASK).session_path
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            assert b.runner.show(TASK).state == "waiting"
+            assert b.runner.show(TASK).hold_reason is None
+            await a.until(lambda: TASK not in a.runner.lanes)
+            await b.runner.reply(TASK, "the blue one")
+            ended = await b.runner.wait(TASK)
+            records = await lane_records(b)
+    assert ended.state == "done"
+    assert b.runner.show(TASK).session_path == first
+    assert launch_hosts(records) == ["a", "b"]
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert a.model.request_count == 2
+    assert b.model.request_count == 2
+
+
+async def test_s31_a_write_after_the_lease_was_taken_is_refused_and_nothing_is_written(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S31: A's lease is taken over before A noticed (its renewal is a minute away): the
+    user's reply sent to A is refused by the fence (``lane_fenced``), nothing of it is in the
+    log, and A gives the lane up."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await a.until(lambda: not a.runner.lane(TASK).live)
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            with pytest.raises(TaskError) as refused:
+                await a.runner.reply(TASK, "the blue one")
+            assert refused.value.code in (ReasonCode.LANE_FENCED, ReasonCode.TASK_ELSEWHERE)
+            await a.until(lambda: TASK not in a.runner.lanes)
+            records = await lane_records(b)
+    assert not [r for r in records if type(r).__name__ == "TaskReply"]
+
+
+async def test_s32_a_host_back_within_the_takeover_time_takes_its_task_back(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S32: A stops while its task waits (its lease is left to run out, not handed over: the
+    worktree is A's). B, whose takeover time has not passed, does not claim it; A started
+    again under its name takes it back at once and runs it on: no hold, one end."""
+    with trio.fail_after(LIMIT):
+        async with task_host(tmp_path, "b", pg_dsn, [], takeover=3600.0) as b:
+            async with task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a:
+                await a.runner.submit(spec(tmp_path))
+                await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            assert b.runner.lanes == {}
+            assert b.runner.elsewhere == {TASK: "a"}
+            async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
+                assert a.runner.show(TASK).state == "waiting"
+                assert a.runner.show(TASK).hold_reason is None
+                await a.runner.reply(TASK, "the blue one")
+                ended = await a.runner.wait(TASK)
+                records = await lane_records(a)
+    assert ended.state == "done"
+    assert not [r for r in records if isinstance(r, OutboxAction) and r.kind == "hold"]
+    assert b.workers.launched == []
+
+
+async def test_s32_a_host_lost_task_is_not_resumed_without_its_session(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S32: the operator's resume of a task held ``host_lost`` on a host without its session
+    is refused (``host_lost``) — a fresh session would not be the task's — and the task stays
+    held; ``abort`` ends it there."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            with pytest.raises(TaskError) as refused:
+                b.runner.resume(TASK)
+            assert refused.value.code is ReasonCode.HOST_LOST
+            assert b.runner.show(TASK).hold_reason == "host_lost:a"
+            await b.runner.abort(TASK, "its host is gone")
+            ended = await b.runner.wait(TASK)
+    assert ended.state == "aborted"
+    assert b.workers.launched == []
+
+
+async def test_s30_a_submitter_that_died_before_its_submission_leaves_no_task(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S30: a host claimed a new task's lane and died before the submission record was
+    written (its log holds a header only). Nobody runs that lane, and the task submitted again
+    to another host is a new task there, run to its end."""
+    with trio.fail_after(LIMIT):
+        async with open_pg_store(pg_dsn, root=tmp_path / "dead" / "state", owner="dead") as store:
+            fence = await store.claim(f"task:{TASK}", 60.0)
+            assert fence is not None
+            await store.open_lane_log(f"task:{TASK}", fence=fence)  # the header, then death
+        await expire_leases(pg_dsn)
+        async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
+            assert a.runner.lanes == {}
+            await a.runner.submit(spec(tmp_path))
+            ended = await a.runner.wait(TASK)
+            records = await lane_records(a)
+    assert ended.state == "done"
+    assert launch_hosts(records) == ["a"]
+
+
+def test_s30_tasks_store_lists_the_deployments_tasks_and_their_hosts(
+    tmp_path: Path, pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tasks --store DSN`` lists every task of the deployment as its lane log in the
+    database says, with the host holding it; ``task show ID --store DSN`` prints one (and
+    refuses an unknown one ``task_unknown``)."""
+
+    async def run_until_waiting() -> None:
+        with trio.fail_after(LIMIT):
+            async with task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a:
+                await a.runner.submit(spec(tmp_path))
+                await a.until(lambda: a.runner.show(TASK).state == "waiting")
+
+    trio.run(run_until_waiting)  # A stopped; its lease runs on (its worktree is its own)
+    assert main(["tasks", "--store", pg_dsn, "--json"]) == EXIT_OK
+    listing = json.loads(capsys.readouterr().out)
+    assert listing["source"] == "database"
+    (task,) = listing["tasks"]
+    assert (task["task_id"], task["state"], task["process_epoch"]) == (TASK, "waiting", 1)
+    assert task["holder"]["host"] == "a"
+    assert task["holder"]["live"] is True
+    assert main(["tasks", "--store", pg_dsn]) == EXIT_OK
+    table = capsys.readouterr().out
+    assert f"{TASK}  waiting  a " in table
+    assert main(["task", "show", TASK, "--store", pg_dsn]) == EXIT_OK
+    assert "held by a (epoch 1, its lease runs)" in capsys.readouterr().out
+    assert main(["task", "show", "nobody", "--store", pg_dsn]) == EXIT_FAILED
+    assert "task_unknown" in capsys.readouterr().err
