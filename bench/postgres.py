@@ -134,12 +134,16 @@ async def admit_worker(
                 n += 1
 
         began = time.perf_counter()
+        cpu = time.process_time()
         async with trio.open_nursery() as nursery:
             for p in range(PRODUCERS):
                 nursery.start_soon(producer, index * PRODUCERS + p)  # unique delivery ids
         elapsed = time.perf_counter() - began
+        cpu = time.process_time() - cpu
         commits = log.commits
-    facts = {"admitted": admitted, "lost": lost, "seconds": elapsed, "commits": commits}
+    facts = {
+        "admitted": admitted, "lost": lost, "seconds": elapsed, "commits": commits, "cpu": cpu,
+    }  # fmt: skip
     print(RESULT_MARK + json.dumps(facts))
 
 
@@ -155,6 +159,8 @@ async def admissions(dsn: str, root: Path, hosts: int, seconds: float, n: int) -
         for i in range(hosts)
     ]  # fmt: skip
     results = []
+    await trio.sleep(max(0.0, start_at - time.time()))
+    busy = _cpu_busy()  # from the start of the window (the imports and connects before it)
     for proc in procs:
         assert proc.stdout is not None
         out = b""
@@ -164,11 +170,25 @@ async def admissions(dsn: str, root: Path, hosts: int, seconds: float, n: int) -
         line = next(x for x in out.decode().splitlines() if x.startswith(RESULT_MARK))
         results.append(json.loads(line[len(RESULT_MARK) :]))
     seconds_max = max(r["seconds"] for r in results)
+    after = _cpu_busy()
+    window = (after[1] - busy[1]) or 1.0
     return {
+        "busy": (after[0] - busy[0]) / window,  # of every core, host processes and server
+        "cpu_per_1k": 1000
+        * sum(r["cpu"] for r in results)
+        / max(1, sum(r["admitted"] for r in results)),
         "rate": sum(r["admitted"] for r in results) / seconds_max,
         "lost": sum(r["lost"] for r in results) / max(1, sum(r["admitted"] for r in results)),
         "group": sum(r["admitted"] for r in results) / max(1, sum(r["commits"] for r in results)),
     }
+
+
+def _cpu_busy() -> tuple[float, float]:
+    """(busy, all) jiffies of every core so far (``/proc/stat``): the machine's share busy
+    over a window is the difference of two readings."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return float(sum(fields) - idle), float(sum(fields))
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -203,6 +223,8 @@ async def _round(dsn: str, dbos_url: str, root: Path, seconds: float, n: int) ->
     three = await admissions(dsn, root, HOSTS, seconds, n)
     row["admit_1"], row["lost_1"], row["group_1"] = one["rate"], one["lost"], one["group"]
     row["admit_3"], row["lost_3"], row["group_3"] = three["rate"], three["lost"], three["group"]
+    row["busy_1"], row["busy_3"] = one["busy"], three["busy"]
+    row["cpu_1"], row["cpu_3"] = one["cpu_per_1k"], three["cpu_per_1k"]
     row["r_pg_dbos_1"] = row["pg_1"] / row["dbos_1"]
     row["r_pg_dbos_16"] = row["pg_16"] / row["dbos_16"]
     row["r_pg_file_1"] = row["pg_1"] / row["file_1"]
@@ -224,6 +246,10 @@ LABELS: Final = (
     ("lost_3", f"  races lost per admission, {HOSTS} hosts", "ratio"),
     ("group_1", "  admissions per commit (group size), 1 host", "ratio"),
     ("group_3", f"  admissions per commit (group size), {HOSTS} hosts", "ratio"),
+    ("busy_1", "  machine busy (all cores) during admissions, 1 host", "share"),
+    ("busy_3", f"  machine busy (all cores) during admissions, {HOSTS} hosts", "share"),
+    ("cpu_1", "  host CPU per 1000 admissions, 1 host", "s"),
+    ("cpu_3", f"  host CPU per 1000 admissions, {HOSTS} hosts", "s"),
     ("r_pg_dbos_1", "PostgreSQL step / DBOS step, 1 lane (target >= 2)", "ratio"),
     ("r_pg_dbos_16", "PostgreSQL step / DBOS step, 16 lanes (target >= 2)", "ratio"),
     ("r_hosts", f"admissions {HOSTS} hosts / 1 host (target >= 2)", "ratio"),

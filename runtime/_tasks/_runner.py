@@ -480,7 +480,11 @@ class TaskRunner:
             async with self._lock:  # never beside a submission's claim of the same task
                 if task_id in self.lanes or task_id in self._claiming:
                     continue
-                lane = await self._claim_orphan(subject, lease.fence.owner if lease else None)
+                try:
+                    lane = await self._claim_orphan(subject, lease.fence.owner if lease else None)
+                except JournalError as error:  # this lane's log (damage): the others go on
+                    self.host.log(f"task {task_id}: lane not claimed ({error.code}): {error}")
+                    continue
             if lane is not None:
                 claimed.append(lane)
         await self._open_and_run(claimed)
@@ -499,7 +503,11 @@ class TaskRunner:
         fence = await leases.claim(subject)
         if fence is None:
             return None  # another host was first
-        log = await store.open_lane_log(subject, fence=fence)  # read after the claim (S11)
+        try:
+            log = await store.open_lane_log(subject, fence=fence)  # read after the claim (S11)
+        except (JournalError, OSError):
+            await leases.release(fence)  # never a lease held on a lane nobody runs
+            raise
         records = list(log.contents.records)
         submitted = _submitted(records)
         if submitted is None or any(isinstance(r, TaskEnded) for r in records):

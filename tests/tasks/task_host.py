@@ -23,10 +23,7 @@ model request), ``pause`` (``{"point": P, "nth": N}``: stop right after the N-th
 resume it, as an operator would), ``term_grace`` (seconds from TERM to KILL of a fenced tree;
 a wedged Fake-Pi ignores TERM), ``probe_timeout`` (how long a probe waits for its answer: a
 real process on a loaded machine, not a threshold of the clocks; a quick answer ends the wait),
-``recovery_seconds`` (the recovery-time budget in real seconds instead of the scaled 6 s)
-and ``grace`` (LK9: how long a worker may run on after its terminal receipt before it is
-stopped; 30 real seconds unless said, so a worker's own settle ends the epoch — the scaled
-0.4 s let a loaded machine stop it before its last model request, and the tests count them).
+``recovery_seconds`` (the recovery-time budget in real seconds instead of the scaled 6 s).
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said):
 
@@ -268,7 +265,6 @@ async def main(spec: dict[str, Any]) -> None:
         WatchdogPolicy().scaled(float(spec.get("scale", 300))),
         term_grace_seconds=float(spec.get("term_grace", 5.0)),
         probe_timeout_seconds=float(spec.get("probe_timeout", 30.0)),
-        grace_seconds=float(spec.get("grace", 30.0)),
     )
     if "recovery_seconds" in spec:  # a test about the epoch budget: time must not run out
         policy = replace(policy, recovery_seconds=float(spec["recovery_seconds"]))

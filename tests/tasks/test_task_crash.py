@@ -105,6 +105,14 @@ async def recover(root: Path, spec: Mapping[str, Any], name: str = "b") -> list[
         return await h.finish()
 
 
+def assert_asked(model: ScriptedModel, *, through_done: int) -> None:
+    """The model was asked ``through_done`` times up to the answer that called ``task_done``,
+    and at most once more: the request after the terminal receipt (answered "finished") is
+    made only if the worker gets to it within the grace (LK9: 0.4 s on this time scale,
+    after which the epoch is stopped), which the machine's load decides."""
+    assert model.request_count in (through_done, through_done + 1), model.request_count
+
+
 def outcome(facts: list[Fact]) -> Fact:
     """The last host's end: its ``ended`` or ``held`` fact (a change event may follow it)."""
     ends = [f for f in facts if "ended" in f or "held" in f]
@@ -255,13 +263,14 @@ async def test_a_wedged_worker_is_fenced_and_resumed_without_a_crash(tmp_path: P
     assert [p.detail["purpose"] for p in actions(found, "probe")] == ["soft", "fence"]
     assert [len(actions(found, k)) for k in ("eligibility", "reserve", "fence", "reap")] == [1] * 4
     assert outcome(facts)["view"]["budget"]["epochs_used"] == 1
-    assert model.request_count == 2
+    assert_asked(model, through_done=1)
     # domain isolation: both answers came after the continuation, counted apart, once each
     costs = outcome(facts)["ended"]["costs"]
     assert costs["task"]["answers"] == 0
-    assert costs["continuation"]["answers"] == 2
+    answered = model.request_count - costs["requests_without_answer"]  # the last one may be
+    assert costs["continuation"]["answers"] == answered >= 1  # cut by the grace (LK9)
     assert costs["continuation"]["completion_tokens"] > 0
-    assert costs["requests_without_answer"] == 0
+    assert costs["requests_without_answer"] <= 1
 
 
 FENCE_STEPS: Final = [
@@ -302,7 +311,7 @@ async def test_crash_at_a_fence_step_resumes_once_and_charges_once(
     view = outcome(facts)["view"]
     assert view["budget"]["epochs_used"] == 1
     assert budgets(facts)[-1] == 1
-    assert model.request_count == 2
+    assert_asked(model, through_done=1)
     # WD11: one recovery, charged from its reserve (the time the host was down included) to
     # the resumed worker's first progress, never restarted by the restart
     (charge,) = actions(found, "recovery_time")
@@ -335,7 +344,7 @@ async def test_repeated_crashes_after_the_launch_charge_the_replacement_once(
     (sent,) = [r for r in found if isinstance(r, ContinuationSent)]
     assert sent.epoch == 4
     assert outcome(facts)["view"]["budget"]["epochs_used"] == 1
-    assert model.request_count == 2
+    assert_asked(model, through_done=1)
 
 
 @pytest.mark.parametrize("point", ["continuation_prompted", "record:continuation_sent"])
@@ -359,7 +368,7 @@ async def test_crash_after_the_continuation_prompt_never_sends_it_again(
     assert [r.epoch for r in found if isinstance(r, EpochStarted)] == [1, 2, 3]
     assert len(actions(found, "fence")) == 1
     assert outcome(facts)["view"]["budget"]["epochs_used"] == 2
-    assert model.request_count == 2
+    assert_asked(model, through_done=1)
 
 
 async def test_wd13_crash_after_an_effect_before_its_outcome_holds_and_never_runs_it_again(
@@ -387,7 +396,7 @@ async def test_wd13_crash_after_an_effect_before_its_outcome_holds_and_never_run
     found = check_common(tmp_path, facts, workers)
     assert [e["key"] for e in effects(tmp_path)] == ["k1"]
     assert len([r for r in found if isinstance(r, ToolIntent) and r.name == "effect"]) == 1
-    assert model.request_count == 3
+    assert_asked(model, through_done=2)
     assert tool_messages(model.requests[1].body) == {"c1": interrupted_text("effect")}
     assert len(actions(found, "reserve")) == 1
 
@@ -415,7 +424,7 @@ async def test_crash_after_a_receipt_commit_before_its_outcome_replays_the_recei
         receipts = db.execute("SELECT intent_id FROM receipts").fetchall()
     assert [r[1] for r in revisions] == ["written once"]
     assert len(receipts) == 1
-    assert model.request_count == 3
+    assert_asked(model, through_done=2)
     (saved,) = tool_messages(model.requests[1].body).values()
     assert json.loads(saved)["revision_id"] == revisions[0][0]
 
@@ -462,7 +471,8 @@ async def test_a_task_that_ended_is_not_run_again(tmp_path: Path) -> None:
     found = check_common(tmp_path, facts, workers)
     assert [r.epoch for r in found if isinstance(r, EpochStarted)] == [1]
     assert len([r for r in found if isinstance(r, TaskEnded)]) == 1
-    assert model.request_count == asked == 2
+    assert model.request_count == asked
+    assert_asked(model, through_done=1)
 
 
 async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charging_once(
@@ -510,4 +520,4 @@ async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charg
     assert (budget["epochs_used"], budget["epochs_left"], budget["granted_epochs"]) == (4, 0, 1)
     sent = [r for r in found if isinstance(r, ContinuationSent)]
     assert [r.epoch for r in sent] == [2, 3, 4, 5]
-    assert model.request_count == 2
+    assert_asked(model, through_done=1)
