@@ -261,9 +261,14 @@ WITH released AS (
 SELECT pg_notify('{CHANNEL}', '{RELEASED}') FROM released"""
 """A lease given up: it runs out now (the row, and so the epoch, stays), announced (S23)."""
 _LEASE: Final = f"""
-SELECT owner, epoch, lease_until > now(), greatest(extract(epoch FROM lease_until - now()), 0),
-       greatest(extract(epoch FROM now() - lease_until), 0)
+SELECT owner, epoch, lease_until > now(),
+       CASE WHEN isfinite(lease_until)
+            THEN greatest(extract(epoch FROM lease_until - now()), 0) ELSE 0 END,
+       CASE WHEN isfinite(lease_until)
+            THEN greatest(extract(epoch FROM now() - lease_until), 0) ELSE 'Infinity' END
   FROM {SCHEMA}.lanes WHERE lane = %s"""
+"""S10, S32: who holds a lane, whether it runs, for how long yet, and how long it has been out
+(a released lease, ``-infinity``, has been out forever: given up, not lost)."""
 _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
 _DOCUMENTS: Final = f"SELECT name, data FROM {SCHEMA}.documents WHERE name LIKE %s ORDER BY name"
 _ANNOUNCE: Final = f"SELECT pg_notify('{CHANNEL}', 'documents')"

@@ -119,6 +119,8 @@ class TaskRunner:
         self._scopes: dict[str, trio.CancelScope] = {}
         self._claiming: set[str] = set()
         """Tasks whose lanes this host claimed and is restoring (S32)."""
+        self._subjects: dict[str, str] = {}
+        """Each lane log's subject, by name (it never changes)."""
         self._not_tasks: set[str] = set()
         """Lane logs found to be a room's or an ended task's (looked at no more, S32)."""
 
@@ -449,25 +451,16 @@ class TaskRunner:
         for rel in await store.lane_logs():
             if rel in self._not_tasks:
                 continue
-            try:
-                contents = await store.read(rel)
-            except (FileNotFoundError, JournalError) as error:
-                self.host.log(f"lane log {rel} not read: {error}")
+            subject = self._subjects.get(rel) or await self._subject(rel)
+            if subject is None:
                 continue
-            subject = contents.header.subject
             task_id = subject.removeprefix("task:")
             if not subject.startswith("task:") or task_id in self.ended:
                 self._not_tasks.add(rel)
                 continue
             if task_id in self.lanes or task_id in self._claiming:
                 continue
-            if any(isinstance(r, TaskEnded) for r in contents.records):
-                self._not_tasks.add(rel)
-                self.elsewhere.pop(task_id, None)
-                continue
-            if _submitted(list(contents.records)) is None:
-                continue  # a submission not written (yet, or ever): nothing to run
-            lease = await store.lease(subject)
+            lease = await store.lease(subject)  # before the log: a held lane is not read
             if (
                 lease is not None
                 and lease.fence.owner != store.owner
@@ -477,6 +470,17 @@ class TaskRunner:
                     self.host.log(f"task {task_id}: held by host {lease.fence.owner!r}")
                 self.elsewhere[task_id] = lease.fence.owner
                 continue
+            try:
+                records = list((await store.read(rel)).records)
+            except (FileNotFoundError, JournalError) as error:
+                self.host.log(f"lane log {rel} not read: {error}")
+                continue
+            if any(isinstance(r, TaskEnded) for r in records):
+                self._not_tasks.add(rel)
+                self.elsewhere.pop(task_id, None)
+                continue
+            if _submitted(records) is None:
+                continue  # a submission not written (yet, or ever): nothing to run
             async with self._lock:  # never beside a submission's claim of the same task
                 if task_id in self.lanes or task_id in self._claiming:
                     continue
@@ -488,6 +492,17 @@ class TaskRunner:
             if lane is not None:
                 claimed.append(lane)
         await self._open_and_run(claimed)
+
+    async def _subject(self, rel: str) -> str | None:
+        """The lane log ``rel``'s subject (a room, ``task:<id>``), read once and kept."""
+        assert self.shared is not None
+        try:
+            contents = await self.shared.store.read(rel)
+        except (FileNotFoundError, JournalError) as error:
+            self.host.log(f"lane log {rel} not read: {error}")
+            return None
+        self._subjects[rel] = contents.header.subject
+        return contents.header.subject
 
     def _claimable(self, lease: Lease) -> bool:
         """S32: another host's task lane is claimed once its lease ran out — and, unless

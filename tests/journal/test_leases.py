@@ -115,6 +115,32 @@ async def test_s10_a_lease_runs_on_the_databases_clock(pg_dsn: str, tmp_path: Pa
             assert TTL - 5 < lease.remaining <= TTL
 
 
+async def test_s32_a_lease_says_how_long_it_has_been_out(pg_dsn: str, tmp_path: Path) -> None:
+    """S32: a running lease has been out 0 s; one that ran out, a few seconds at most here;
+    a released one forever (given up, not lost: another host may take it at once)."""
+    with trio.fail_after(LIMIT):
+        async with _host(pg_dsn, tmp_path, "a") as a:
+            fence = await a.claim("task:t1", TTL)
+            assert fence is not None
+            running = await a.lease("task:t1")
+            assert running is not None
+            assert (running.live, running.expired_for) == (True, 0.0)
+            await _expire(pg_dsn, fence.lane)
+            out = await a.lease("task:t1")
+            assert out is not None
+            assert not out.live
+            assert 0.0 <= out.expired_for < 5
+            assert out.remaining == 0.0
+            again = await a.claim("task:t1", TTL)
+            assert again is not None
+            await a.release(again)
+            released = await a.lease("task:t1")
+            assert released is not None
+            assert not released.live
+            assert released.expired_for == float("inf")
+            assert released.remaining == 0.0
+
+
 # -- S11: every write fenced ----------------------------------------------------------------
 
 
