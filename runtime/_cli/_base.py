@@ -73,6 +73,12 @@ def state_dir_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def store_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--store DSN``: read (or act on) a deployment's PostgreSQL database; ``what`` says
+    what the command does there."""
+    parser.add_argument("--store", default=None, metavar="DSN", help=what)
+
+
 def config_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", type=Path, help="the TOML configuration file (its [watchdog] table)"

@@ -12,7 +12,7 @@ from .._journal._inspect import (
     verify_database,
     verify_journal,
 )
-from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option
+from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option, store_option
 
 
 def register(commands: Commands) -> None:
@@ -26,7 +26,7 @@ def register(commands: Commands) -> None:
         _journal_verify,
     )
     state_dir_option(verify)
-    store_option(verify)
+    store_option(verify, STORE_HELP)
     show = journal.add(
         "show",
         "print one delivery's records",
@@ -35,17 +35,13 @@ def register(commands: Commands) -> None:
     )
     show.add_argument("delivery_id", metavar="DELIVERY_ID", help="the client's delivery id")
     state_dir_option(show)
-    store_option(show)
+    store_option(show, STORE_HELP)
 
 
-def store_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store",
-        default=None,
-        metavar="DSN",
-        help="read the journal of this PostgreSQL database (several hosts' deployment; no "
-        "password in it: PGPASSWORD, ~/.pgpass or a service file) instead of --state-dir",
-    )
+STORE_HELP = (
+    "read the journal of this PostgreSQL database (several hosts' deployment; no password in "
+    "it: PGPASSWORD, ~/.pgpass or a service file) instead of --state-dir"
+)
 
 
 def _journal_verify(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from ._base import (
     short_class,
     snippet,
     state_dir_option,
+    store_option,
 )
 
 
@@ -38,11 +39,9 @@ def register(commands: Commands) -> None:
         _status,
     )
     state_dir_option(status)
-    status.add_argument(
-        "--store",
-        default=None,
-        metavar="DSN",
-        help="read the deployment's PostgreSQL database instead (several hosts): every room, "
+    store_option(
+        status,
+        "read the deployment's PostgreSQL database instead (several hosts): every room, "
         "and which host holds it",
     )
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,11 +56,9 @@ def register(commands: Commands) -> None:
     )
     cancel.add_argument("delivery_id", metavar="DELIVERY_ID", help="the client's delivery id")
     state_dir_option(cancel)
-    cancel.add_argument(
-        "--store",
-        default=None,
-        metavar="DSN",
-        help="cancel in this PostgreSQL deployment (several hosts): recorded in the database "
+    store_option(
+        cancel,
+        "cancel in this PostgreSQL deployment (several hosts): recorded in the database "
         "and carried out by the host that holds the delivery's room",
     )
     cancel.add_argument("--json", action="store_true", help="print the server's answer as JSON")

@@ -40,6 +40,7 @@ from ._base import (
     seconds_text,
     short_class,
     state_dir_option,
+    store_option,
     timescale_option,
 )
 from ._task_text import event_line, task_lines
@@ -56,7 +57,7 @@ def register(commands: Commands) -> None:
     )
     state_dir_option(tasks)
     config_option(tasks)
-    store_option(tasks)
+    store_option(tasks, STORE_HELP)
     tasks.add_argument("--json", action="store_true", help="print one JSON object")
     task = commands.group(
         "task", "run and control task lanes", "Run, inspect and control task lanes."
@@ -117,7 +118,7 @@ def register(commands: Commands) -> None:
     show.add_argument("task_id", metavar="ID", help="the task's id")
     state_dir_option(show)
     config_option(show)
-    store_option(show)
+    store_option(show, STORE_HELP)
     show.add_argument("--json", action="store_true", help="print one JSON object")
     reply = task.add(
         "reply",
@@ -172,14 +173,10 @@ async def _ask(state_dir: Path, request: dict[str, Any]) -> dict[str, Any] | Non
         return None
 
 
-def store_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store",
-        default=None,
-        metavar="DSN",
-        help="read the deployment's PostgreSQL database instead (several hosts): every task, "
-        "and which host holds it",
-    )
+STORE_HELP = (
+    "read the deployment's PostgreSQL database instead (several hosts): every task, and "
+    "which host holds it"
+)
 
 
 def _in_database(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -115,6 +115,22 @@ async def expire_leases(dsn: str) -> None:
     await execute(dsn, "UPDATE pi_runtime.lanes SET lease_until = now()")
 
 
+@contextlib.asynccontextmanager
+async def claimed_from_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
+    """A's task waits for its user, its epoch over; A's lease (3 s, renewed each second) is
+    made to run out and B — no shared worktrees, no takeover delay — claims the lane."""
+    async with (
+        task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
+        task_host(tmp_path, "b", pg_dsn, []) as b,
+    ):
+        await a.runner.submit(spec(tmp_path))
+        await a.until(lambda: a.runner.show(TASK).state == "waiting")
+        await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
+        await expire_leases(pg_dsn)
+        await b.runner.claim_orphans()
+        yield a, b
+
+
 async def test_s30_a_task_is_held_by_the_host_it_was_submitted_to(
     tmp_path: Path, pg_dsn: str
 ) -> None:
@@ -161,15 +177,7 @@ async def test_s31_s32_a_task_claimed_from_a_host_whose_lease_ran_out_is_held_ho
     killing nothing, making no session of its own — and A, whose renewal finds the lease
     taken, stops the lane and forgets it: a reply to A is ``task_elsewhere``."""
     with trio.fail_after(LIMIT):
-        async with (
-            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
-            task_host(tmp_path, "b", pg_dsn, []) as b,
-        ):
-            await a.runner.submit(spec(tmp_path))
-            await a.until(lambda: a.runner.show(TASK).state == "waiting")
-            await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
-            await expire_leases(pg_dsn)
-            await b.runner.claim_orphans()
+        async with claimed_from_a(tmp_path, pg_dsn) as (a, b):
             view = b.runner.show(TASK)
             assert view.hold_reason == "host_lost:a"
             assert view.classification == "StalledOperatorRequired"
@@ -280,14 +288,7 @@ async def test_s32_a_host_lost_task_is_not_resumed_without_its_session(
     is refused (``host_lost``) — a fresh session would not be the task's — and the task stays
     held; ``abort`` ends it there."""
     with trio.fail_after(LIMIT):
-        async with (
-            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
-            task_host(tmp_path, "b", pg_dsn, []) as b,
-        ):
-            await a.runner.submit(spec(tmp_path))
-            await a.until(lambda: a.runner.show(TASK).state == "waiting")
-            await expire_leases(pg_dsn)
-            await b.runner.claim_orphans()
+        async with claimed_from_a(tmp_path, pg_dsn) as (_a, b):
             with pytest.raises(TaskError) as refused:
                 b.runner.resume(TASK)
             assert refused.value.code is ReasonCode.HOST_LOST
