@@ -368,6 +368,7 @@ _STANDALONE_ACKS = {
     "task_wait": "Waiting for the answer.",
     "write_document": "No document store: documents are kept by pi-runtime.",
     "read_document": "No document store: documents are kept by pi-runtime.",
+    "attach": "No attachment root: attachments are kept by pi-runtime.",
 }
 
 

@@ -31,6 +31,7 @@ from runtime.worker_kit import HttpServer, Request, ResponseWriter, request_dige
 
 from .scenario import (
     STAY_SILENT,
+    Attach,
     Cut,
     Empty,
     Hang,
@@ -165,6 +166,8 @@ class ScriptedModel:
         :class:`StreamCut` after some chunks for cut and hung streams.
         """
         step = self.next_step(body)
+        if isinstance(step, Attach):
+            step = step.as_tool_calls()
         number = len(self.requests)
         if step.first_token_delay:
             await trio.sleep(step.first_token_delay)

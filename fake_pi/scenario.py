@@ -11,14 +11,20 @@ Every step type is a frozen msgspec Struct tagged by ``kind``.
 
 from __future__ import annotations
 
+import base64
 import re
+import shlex
+import struct
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 __all__ = [
     "STAY_SILENT",
+    "TINY_PNG",
+    "Attach",
     "Call",
     "Cut",
     "Empty",
@@ -77,6 +83,57 @@ class ToolCalls(_Step, tag="tool_calls", frozen=True, kw_only=True, forbid_unkno
     """Send the calls without ids (some upstreams do; the gateway assigns them)."""
 
 
+def _png(width: int, height: int, rgb: tuple[int, int, int]) -> bytes:
+    """A valid PNG of one colour (no dependencies: zlib and the chunk CRCs)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    row = b"\x00" + bytes(rgb) * width
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(row * height))
+        + chunk(b"IEND", b"")
+    )
+
+
+TINY_PNG: Final = base64.b64encode(_png(16, 16, (32, 96, 160))).decode()
+"""A 16 by 16 blue PNG, base64: the picture an :class:`Attach` step makes by default."""
+
+
+class Attach(_Step, tag="attach", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One round that makes a file in the working directory and attaches it to the reply: a
+    ``bash`` call writing ``data`` (base64) to ``path``, then an ``attach`` call for it (the
+    room must grant ``bash`` and ``attach``). The next step is usually the reply's text."""
+
+    path: str = "picture.png"
+    data: str = TINY_PNG
+    """The file's bytes, base64."""
+    name: str | None = None
+    """The name the reply shows (``attach``'s ``name``); ``None``: the file's."""
+    text: str = ""
+
+    def as_tool_calls(self) -> ToolCalls:
+        write = f"printf %s {shlex.quote(self.data)} | base64 -d > {shlex.quote(self.path)}"
+        directory = str(Path(self.path).parent)
+        if directory != ".":
+            write = f"mkdir -p {shlex.quote(directory)} && {write}"
+        attach: dict[str, Any] = {"path": self.path}
+        if self.name is not None:
+            attach["name"] = self.name
+        return ToolCalls(
+            calls=[
+                Call(name="bash", arguments={"command": write}),
+                Call(name="attach", arguments=attach),
+            ],
+            text=self.text,
+            first_token_delay=self.first_token_delay,
+        )
+
+
 class Hang(_Step, tag="hang", frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Start the response, then total silence for ``seconds``, then drop the connection."""
 
@@ -112,7 +169,9 @@ class StaySilent(_Step, tag="stay_silent", frozen=True, kw_only=True, forbid_unk
     """Answer exactly ``[[stay-silent]]``."""
 
 
-Step = Text | Thinking | ToolCalls | Hang | Cut | HttpError | UsageLimit | Empty | StaySilent
+Step = (
+    Text | Thinking | ToolCalls | Attach | Hang | Cut | HttpError | UsageLimit | Empty | StaySilent
+)
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -140,7 +199,8 @@ def parse_directives(text: str) -> Step | None:
     ``#text`` / ``#text=WORDS`` (underscores become spaces), ``#slowtext=N``
     (N chunks 0.5 s apart), ``#sleep=N`` (a ``bash sleep N`` tool call),
     ``#bash=CMD`` (underscores become spaces), ``#read=PATH``,
-    ``#effect=KEY``, ``#hang=N``, ``#ttft=N`` (slow first token), ``#cut``,
+    ``#effect=KEY``, ``#attach`` / ``#attach=FILE`` (:class:`Attach`), ``#hang=N``,
+    ``#ttft=N`` (slow first token), ``#cut``,
     ``#fail500``, ``#usage_limit``, ``#empty``, ``#think``, ``#silent``.
     Only honoured when the model was started with directives enabled.
     """
@@ -161,6 +221,8 @@ def parse_directives(text: str) -> Step | None:
                 return ToolCalls(calls=[Call(name="read", arguments={"path": value})])
             case "effect":
                 return ToolCalls(calls=[Call(name="effect", arguments={"key": value})])
+            case "attach":
+                return Attach(path=value) if value else Attach()
             case "hang":
                 return Hang(seconds=float(value or 3600))
             case "ttft":

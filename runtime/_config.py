@@ -33,6 +33,7 @@ import msgspec
 from ._boundary._gate import PI_TOOL_CLASSES
 from ._boundary._tools import RUNTIME_TOOLS
 from ._errors import ConfigError, DeliveryError, ReasonCode
+from ._journal._attachments import attachment_root
 from ._records import ReplayClass
 from ._room_ids import room_problem
 
@@ -55,7 +56,7 @@ __all__ = [
     "validate_config",
 ]
 
-DEFAULT_GRANTS: Final = frozenset({"send_text_update"})
+DEFAULT_GRANTS: Final = frozenset({"send_text_update", "attach"})
 """A room's grant when the configuration says nothing: no read, no shell, no write
 (docs/design/lanes.md)."""
 KNOWN_TOOLS: Final = frozenset(PI_TOOL_CLASSES) | frozenset(RUNTIME_TOOLS)
@@ -82,6 +83,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     Fake-Pi's plain scripted model itself, with either agent (no upstream, no credentials)."""
     api_key_env: str | None = None
     """The *name* of the environment variable holding the upstream key, never the key."""
+    scenario: str | None = None
+    """Without ``base_url``: a Fake-Pi scenario file (``.toml`` or ``.json``,
+    docs/design/fake-pi.md) the runtime's own scripted model answers by, in order, then
+    plainly; a demo or a test of a whole deployment (no upstream, no credentials)."""
     context_window: int = 128_000
     max_tokens: int = 4096
 
@@ -208,6 +213,36 @@ class WatchdogConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Recovery time per attempt (the recovery budget)."""
 
 
+DEFAULT_MEDIA_TYPES: Final = frozenset(
+    {
+        "image/png",
+        "image/jpeg",
+        "image/gif",
+        "image/webp",
+        "application/pdf",
+        "text/plain",
+        "text/markdown",
+        "text/csv",
+        "application/json",
+    }
+)
+"""What ``attach`` accepts when the configuration says nothing (docs/design/attachments.md)."""
+
+
+class AttachmentsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Files the agent attaches to its replies (docs/design/attachments.md)."""
+
+    root: str | None = None
+    """Where their bytes are kept; ``None``: ``attachments/`` in ``state_dir`` (A1). Outside
+    ``work_root``: no worker's tool may reach it."""
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 10 * 1024 * 1024
+    """The largest file ``attach`` accepts (``attachment_too_large`` beyond it)."""
+    media_types: frozenset[str] = DEFAULT_MEDIA_TYPES
+    """The media types ``attach`` accepts (``attachment_type_refused`` for any other)."""
+    fetch_bytes_per_second: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
+    """How fast one connection is sent attachment bytes (``fetch_attachment``)."""
+
+
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the room worker is configured with. Build it, then :func:`validate_config`
     it (or :func:`load_config` a TOML file, which does both)."""
@@ -234,6 +269,11 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     watchdog: WatchdogConfig = WatchdogConfig()
     store: StoreConfig = StoreConfig()
     """Task lanes only (``pi-runtime task``, the wire's task frames)."""
+    attachments: AttachmentsConfig = AttachmentsConfig()
+
+    def attachment_root(self) -> Path:
+        """The attachment root (A1): every part that writes or reads attachments asks here."""
+        return attachment_root(self.state_dir, self.attachments.root)
 
     def check_served(self, room: str) -> str:
         """``room`` when it is served; else :class:`DeliveryError` with ``room_invalid`` (not
@@ -411,8 +451,17 @@ def _resolve_paths(config: RoomWorkerConfig, base: Path) -> RoomWorkerConfig:
             raise ConfigError(setting, f"cannot expand ~: {exc}") from None
         return os.path.normpath(base / expanded)
 
+    attachments = config.attachments
+    if attachments.root is not None:
+        root = absolute("attachments.root", attachments.root)
+        attachments = msgspec.structs.replace(attachments, root=root)
+    model = config.model
+    if model.scenario is not None:
+        model = msgspec.structs.replace(model, scenario=absolute("model.scenario", model.scenario))
     return msgspec.structs.replace(
         config,
+        model=model,
+        attachments=attachments,
         state_dir=absolute("state_dir", config.state_dir),
         work_root=absolute("work_root", config.work_root),
         pi_home=None if config.pi_home is None else absolute("pi_home", config.pi_home),
@@ -434,6 +483,13 @@ def _check_directories(config: RoomWorkerConfig) -> None:
             "one another: a worker's tools run below work_root and must not see the state "
             "directory; choose a directory beside it",
         )
+    root = config.attachment_root().resolve()
+    if root.is_relative_to(work) or work.is_relative_to(root):
+        raise ConfigError(
+            "attachments.root",
+            f"{root} and work_root {config.work_root} must not contain one another: a "
+            "worker's tools run below work_root and must not reach the attachments",
+        )
 
 
 def _check_model(config: RoomWorkerConfig) -> None:
@@ -451,6 +507,10 @@ def _check_model(config: RoomWorkerConfig) -> None:
             url, host = urlsplit(""), None
         if url.scheme not in ("http", "https") or not host:
             raise ConfigError("model.base_url", "must be an http:// or https:// URL with a host")
+    if model.scenario is not None and model.base_url is not None:
+        raise ConfigError(
+            "model.scenario", "is for the runtime's own scripted model: set no model.base_url"
+        )
     for name in ("context_window", "max_tokens"):
         if getattr(model, name) < 1:
             raise ConfigError(f"model.{name}", "must be at least 1")

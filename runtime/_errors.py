@@ -15,6 +15,7 @@ from typing import NoReturn, ParamSpec, TypeVar
 
 __all__ = [
     "AdminError",
+    "AttachmentError",
     "ConfigError",
     "DeliveryError",
     "DiskFailedError",
@@ -157,6 +158,15 @@ class ReasonCode(enum.StrEnum):
     DOCUMENT_UNKNOWN = "document_unknown"
     RECEIPT_KEY_CONFLICT = "receipt_key_conflict"
     RECEIPT_STORE_FAILED = "receipt_store_failed"
+    # attachments (docs/design/attachments.md): the attach tool's refusals, a lost picture
+    ATTACHMENT_OUTSIDE_WORKDIR = "attachment_outside_workdir"
+    ATTACHMENT_SYMLINK = "attachment_symlink"
+    ATTACHMENT_NOT_FILE = "attachment_not_file"
+    ATTACHMENT_TOO_LARGE = "attachment_too_large"
+    ATTACHMENT_TYPE_REFUSED = "attachment_type_refused"
+    ATTACHMENT_MISSING = "attachment_missing"
+    ATTACHMENT_DAMAGED = "attachment_damaged"
+    ATTACHMENT_UNKNOWN = "attachment_unknown"
     # the websocket server (docs/design/serve.md)
     HELLO_REQUIRED = "hello_required"
     ORIGIN_REFUSED = "origin_refused"
@@ -292,6 +302,12 @@ class DeliveryError(PiRuntimeError):
     """A delivery (or a command about one) was refused; nothing was admitted. ``code`` is
     ``room_invalid``, ``room_refused``, ``delivery_invalid``, ``delivery_conflict``,
     ``delivery_unknown``, ``queue_full`` or ``not_admitting``."""
+
+
+class AttachmentError(PiRuntimeError):
+    """An attachment's bytes cannot be sent (``fetch_attachment``): ``attachment_unknown``
+    (no result this connection may see names it), ``attachment_missing`` or
+    ``attachment_damaged``."""
 
 
 class ProtocolError(PiRuntimeError):

@@ -2,7 +2,8 @@
 
 The one module of the runtime that may import ``fake_pi`` (the contract is in
 ``pyproject.toml``): with no ``model.base_url`` a host serves Fake-Pi's plain scripted model
-itself — the offline, credential-free default of ``pi-runtime serve`` — and with
+itself — the offline, credential-free default of ``pi-runtime serve``, answering by
+``model.scenario`` when one is configured — and with
 ``agent = "fake"`` its workers are Fake-Pi processes. Room lanes and task lanes both start
 here; nothing here knows about either (docs/design/index.md, Layout).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import trio
 
 from ._config import ModelConfig, RoomWorkerConfig
@@ -27,8 +29,16 @@ async def start_model(model: ModelConfig, nursery: trio.Nursery) -> tuple[str, M
     base_url = model.base_url
     if base_url is None:
         from fake_pi.model_server import ScriptedModel, serve_model
+        from fake_pi.scenario import Scenario
 
-        server = await nursery.start(serve_model, ScriptedModel())
+        scenario = Scenario()
+        if model.scenario is not None:
+            try:
+                scenario = Scenario.load(model.scenario)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
+                message = f"cannot load {model.scenario}: {error}"
+                raise ConfigError("model.scenario", message) from None
+        server = await nursery.start(serve_model, ScriptedModel(scenario=scenario))
         base_url = f"{server.url}/v1"
     route = ModelRoute(
         provider=model.provider,

@@ -27,6 +27,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "AbsorbedInput",
     "Admission",
+    "AttachmentRef",
     "ContinuationSent",
     "EpochFenced",
     "EpochStarted",
@@ -182,13 +183,33 @@ class ToolIntent(_Record, tag="tool_intent", frozen=True, kw_only=True):
     epoch: int
 
 
+class AttachmentRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A file the agent attached to its reply (docs/design/attachments.md): its bytes are in
+    the attachment root under ``sha256``, durable before any record names them (A2)."""
+
+    id: str
+    """What a client fetches it by (``fetch_attachment``); opaque to clients."""
+    name: str
+    """The file's name as the reply shows it (no directory)."""
+    media_type: str
+    size: int
+    sha256: str
+    """Hex digest of the bytes: their name in the attachment root."""
+
+
 class ToolOutcome(_Record, tag="tool_outcome", frozen=True, kw_only=True):
-    """A tool's result exactly as handed to the model."""
+    """A tool's result exactly as handed to the model: its content blocks (text and image
+    blocks, verbatim), Pi's ``details`` and the attachments it made, all handed back as they
+    are on a replay (A6)."""
 
     intent_id: str
     tool_call_id: str
     content: list[dict[str, Any]]
     is_error: bool = False
+    details: Any = None
+    """Pi's ``details`` of the result (JSON), ``None`` when it had none."""
+    attachments: list[AttachmentRef] = msgspec.field(default_factory=list)
+    """The files an ``attach`` call added to the reply."""
 
 
 class AbsorbedInput(_Record, tag="absorbed_input", frozen=True, kw_only=True):
@@ -216,6 +237,8 @@ class Result(_Record, tag="result", frozen=True, kw_only=True):
     absorbed_into: str | None = None
     session_leaf: str | None = None
     finished_ms: int
+    attachments: list[AttachmentRef] = msgspec.field(default_factory=list)
+    """A reply's attachments, in the order they were attached (A4)."""
 
 
 class Poison(_Record, tag="poison", frozen=True, kw_only=True):
@@ -287,6 +310,7 @@ class ResultPublished(_Record, tag="result_published", frozen=True, kw_only=True
     text: str | None = None
     code: str | None = None
     absorbed_into: str | None = None
+    attachments: list[AttachmentRef] = msgspec.field(default_factory=list)
 
 
 class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):

@@ -18,12 +18,13 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from ._records import Outcome, ResultPublished
+from ._records import AttachmentRef, Outcome, ResultPublished
 
 __all__ = [
     "DEFAULT_TASK_GRANTS",
     "DEFAULT_VALIDATION_TIMEOUT",
     "Accepted",
+    "Attachment",
     "DeliveryResult",
     "RoomEvent",
     "RoomStatus",
@@ -59,6 +60,26 @@ class ToolActivity(msgspec.Struct, frozen=True, kw_only=True, tag="tool_activity
 RoomEvent = Typing | TextUpdate | ToolActivity
 
 
+class Attachment(msgspec.Struct, frozen=True, kw_only=True):
+    """One attachment of a result as the receiver sees it (docs/design/attachments.md):
+    fetch its bytes with ``fetch_attachment {id}``. ``lost``: the server could not find its
+    bytes intact when it sent the result (``code`` says why); the words went out anyway."""
+
+    id: str
+    name: str
+    media_type: str
+    size: int
+    sha256: str
+    lost: bool = False
+    code: str | None = None
+
+    @classmethod
+    def of(cls, ref: AttachmentRef) -> Attachment:
+        return cls(
+            id=ref.id, name=ref.name, media_type=ref.media_type, size=ref.size, sha256=ref.sha256
+        )
+
+
 class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
     """How one delivery ended, as the receiver sees it (the wire's ``result`` frame)."""
 
@@ -69,6 +90,8 @@ class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
     text: str | None = None
     code: str | None = None
     absorbed_into: str | None = None
+    attachments: list[Attachment] = msgspec.field(default_factory=list)
+    """A reply's pictures and files, in the order the agent attached them."""
 
     @classmethod
     def of(cls, record: ResultPublished) -> DeliveryResult:
@@ -80,6 +103,7 @@ class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
             text=record.text,
             code=record.code,
             absorbed_into=record.absorbed_into,
+            attachments=[Attachment.of(ref) for ref in record.attachments],
         )
 
 

@@ -95,7 +95,7 @@ def test_defaults_are_valid_and_resolve_paths_against_the_base() -> None:
     assert config.work_root == str(BASE / "work")
     assert config.agent == "fake"
     assert config.model == ModelConfig()
-    assert config.default_grants == DEFAULT_GRANTS == frozenset({"send_text_update"})
+    assert config.default_grants == DEFAULT_GRANTS == frozenset({"send_text_update", "attach"})
     assert config.rooms is None
     assert config.thresholds == Thresholds()
     assert config.caps == Caps()
@@ -417,7 +417,7 @@ def test_c6_rooms_and_actors_are_valid_ids(data: dict[str, Any], setting: str) -
 def test_c7_every_grant_names_a_known_tool(data: dict[str, Any], setting: str) -> None:
     error = refused(data)
     assert error.setting == setting
-    assert "known tools: bash, " in error.message
+    assert "known tools: attach, bash, " in error.message
 
 
 def test_c7_known_tools_are_pis_and_the_runtimes() -> None:

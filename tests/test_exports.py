@@ -92,7 +92,8 @@ def test_composite_codes_are_built_by_the_enum() -> None:
 
 
 TESTING = {
-    "AllowAllGate", "Behaviours", "Call", "Clocks", "Cut", "Empty", "FakePi", "GateDecision",
+    "AllowAllGate", "Attach", "Behaviours", "Call", "Clocks", "Cut", "Empty", "FakePi",
+    "GateDecision",
     "Hang", "HttpError", "HttpServer", "MockSilenceClock", "MockWallClock", "Refused",
     "RetrySettings", "Run", "SavedResult", "Scenario", "ScriptedModel", "StaySilent", "Text",
     "Thinking", "ToolCall", "ToolCalls", "ToolGate", "ToolResult", "UsageLimit",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import base64
 import functools
 import os
 import re
@@ -13,11 +14,13 @@ from pathlib import Path
 import trio
 
 import runtime
+from fake_pi.scenario import TINY_PNG
 from runtime import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PNG = base64.b64decode(TINY_PNG)
 _EXAMPLE = re.compile(r"<!-- readme-example: (\S+) -->\n```[a-z]+\n(.*?)```", re.S)
 
 
@@ -113,14 +116,14 @@ def test_readme_task_example_uses_only_the_public_api() -> None:
             assert name in vars(runtime), f"runtime does not export {name}"
 
 
-async def test_readme_quick_start_client_gets_a_reply(tmp_path: Path) -> None:
-    """Issue #6 "done when": ``pi-runtime serve`` on its defaults (Fake-Pi, ./state), then the
-    README's client, pasted as is, says hello and prints the reply."""
+async def _serve_and_run_client(tmp_path: Path, *serve_args: str) -> list[str]:
+    """``pi-runtime serve`` in ``tmp_path`` (``serve_args`` added), then the README's client,
+    pasted as is; the lines it printed."""
     (tmp_path / "client.py").write_text(_examples()["client.py"])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            serve = [sys.executable, "-m", "runtime._cli", "serve", "--port", "0"]
+            serve = [sys.executable, "-m", "runtime._cli", "serve", "--port", "0", *serve_args]
             run = functools.partial(
                 trio.run_process, serve, cwd=tmp_path, env=env, stdout=subprocess.PIPE
             )
@@ -139,10 +142,32 @@ async def test_readme_quick_start_client_gets_a_reply(tmp_path: Path) -> None:
                 capture_stdout=True,
             )
             process.terminate()
-    lines = client.stdout.decode().splitlines()
+    return client.stdout.decode().splitlines()
+
+
+async def test_readme_quick_start_client_gets_a_reply(tmp_path: Path) -> None:
+    """Issue #6 "done when": ``pi-runtime serve`` on its defaults (Fake-Pi, ./state), then the
+    README's client, pasted as is, says hello and prints the reply."""
+    lines = await _serve_and_run_client(tmp_path)
     assert lines[0] == "welcome"
     assert lines[1].startswith("reply ")
-    assert "hello" in client.stdout.decode()  # the default model echoes the message
+    assert "hello" in "\n".join(lines)  # the default model echoes the message
+    assert not any(line.startswith(("saved", "lost")) for line in lines)  # no attachment
+
+
+async def test_readme_picture_client_saves_the_reply_picture(tmp_path: Path) -> None:
+    """Issue #20 "done when": with the README's ``picture.toml`` and its scenario, Fake-Pi
+    draws a picture and attaches it; the README's client receives the reply with the picture,
+    fetches it and saves it — the bytes the agent made."""
+    for name in ("picture.toml", "picture-scenario.toml"):
+        (tmp_path / name).write_text(_examples()[name])
+    lines = await _serve_and_run_client(tmp_path, "--config", "picture.toml")
+    assert lines == [
+        "welcome",
+        "reply Here is your picture",
+        f"saved picture.png image/png {len(PNG)} bytes",
+    ]
+    assert (tmp_path / "picture.png").read_bytes() == PNG
 
 
 def test_readme_configuration_example_loads(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._records import AttachmentRef, ToolOutcome
+
 __all__ = ["Decision", "GateCall", "GateResult", "Refuse", "RunTool", "RuntimeTool", "Saved"]
 
 
@@ -28,10 +30,24 @@ class GateResult:
     content: list[dict[str, Any]]
     is_error: bool = False
     details: Any = None
+    """Pi's ``details`` (JSON): recorded with the outcome and handed back on a replay."""
+    attachments: tuple[AttachmentRef, ...] = ()
+    """Files this call added to the reply (``attach``); recorded with the outcome, never
+    sent to the worker."""
 
     @classmethod
     def text(cls, text: str, *, is_error: bool = False) -> GateResult:
         return cls(content=[{"type": "text", "text": text}], is_error=is_error)
+
+    @classmethod
+    def recorded(cls, outcome: ToolOutcome) -> GateResult:
+        """The result a recorded outcome stands for, verbatim (T3, A6)."""
+        return cls(
+            content=outcome.content,
+            is_error=outcome.is_error,
+            details=outcome.details,
+            attachments=tuple(outcome.attachments),
+        )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"content": self.content, "isError": self.is_error}

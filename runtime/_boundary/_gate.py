@@ -43,7 +43,7 @@ import trio
 
 from .._errors import GateError, PiRuntimeError, ReasonCode
 from .._pi._session_settle import interrupted_text, not_started_text
-from .._records import Record, ReplayClass, ToolIntent, ToolOutcome
+from .._records import AttachmentRef, Record, ReplayClass, ToolIntent, ToolOutcome
 from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
 from ._http import Request, ResponseWriter, _serve_connection
 from ._receipts import RECEIPT_OPERATIONS
@@ -259,7 +259,7 @@ class RecordingGateJournal:
             if previous is not None:
                 outcome = self._outcomes.get(previous.intent_id)
                 if outcome is not None:  # T3: the recorded result, verbatim
-                    return Saved(GateResult(content=outcome.content, is_error=outcome.is_error))
+                    return Saved(GateResult.recorded(outcome))
                 cls = replay_class_of(call.name, self.classes, previous.replay_class)
                 if cls is ReplayClass.RECEIPT and call.name in self.runtime_tools:
                     # T13: the same receipt-guarded write proves or applies it (R2)
@@ -312,7 +312,7 @@ class RecordingGateJournal:
                 return _mismatch_result(call, self._mismatched(intent, call), settling=True)
             outcome = self._outcomes.get(intent.intent_id)
             if outcome is not None:
-                return GateResult(content=outcome.content, is_error=outcome.is_error)
+                return GateResult.recorded(outcome)
             cls = replay_class_of(call.name, self.classes, intent.replay_class)
             handler = self.runtime_tools.get(call.name)
             if cls is ReplayClass.RECEIPT and handler is not None:  # T13
@@ -350,6 +350,8 @@ class RecordingGateJournal:
                 tool_call_id=call.tool_call_id,
                 content=result.content,
                 is_error=result.is_error,
+                details=result.details,
+                attachments=list(result.attachments),
             )
         )
         if self._running.get(call.tool_call_id) is intent:
@@ -385,6 +387,16 @@ class RecordingGateJournal:
     def outcomes(self) -> list[ToolOutcome]:
         """Every outcome known (recorded before or by this object)."""
         return list(self._outcomes.values())
+
+    def attachments(self) -> list[AttachmentRef]:
+        """The files the delivery's recorded outcomes attached, in the order they were
+        recorded, each file once (A4): what its reply carries."""
+        seen: dict[str, AttachmentRef] = {}
+        for outcome in self._outcomes.values():
+            if not outcome.is_error:
+                for ref in outcome.attachments:
+                    seen.setdefault(ref.sha256, ref)
+        return list(seen.values())
 
 
 def _same_call(intent: ToolIntent, call: GateCall) -> bool:

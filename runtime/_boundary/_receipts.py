@@ -57,8 +57,10 @@ __all__ = [
 
 RECEIPT_DB: Final = "receipts.sqlite"
 """The store's file in the state directory."""
-RECEIPT_OPERATIONS: Final = frozenset({"write_document"})
-"""The registry of receipt-backed operations (R7): nothing else is treated as ``receipt``."""
+RECEIPT_OPERATIONS: Final = frozenset({"write_document", "attach"})
+"""The registry of receipt-backed operations (R7): nothing else is treated as ``receipt``.
+``write_document``'s receipt is its row in this store; ``attach``'s is its own recorded outcome
+(an attachment joins the reply only through it: docs/design/attachments.md A5)."""
 MAX_DOCUMENT_ID: Final = 200
 MAX_CONTENT_BYTES: Final = 1024 * 1024
 DEFAULT_BUSY_TIMEOUT: Final = 0.1

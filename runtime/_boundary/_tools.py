@@ -79,6 +79,17 @@ RUNTIME_TOOLS: Final[Mapping[str, ToolSpec]] = {
                                                     maxLength=600)),
         ),
         ToolSpec(
+            name="attach",
+            description="Attach a file from your working directory (a picture, a chart, a "
+            "document you made) to your reply. It is sent with your answer's text.",
+            parameters=_object(
+                "path",
+                path=_string("The file's path, relative to your working directory"),
+                name=_string("The name to show (default: the file's name)"),
+            ),
+            replay_class=ReplayClass.RECEIPT,
+        ),
+        ToolSpec(
             name="task_done",
             description="Report that the task is complete. Call it once, when the work is "
             "finished.",

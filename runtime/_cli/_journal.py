@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import trio
 
+from .._config import load_config
 from .._journal._inspect import (
     delivery_records,
     delivery_records_in_database,
@@ -27,6 +29,12 @@ def register(commands: Commands) -> None:
     )
     state_dir_option(verify)
     store_option(verify, STORE_HELP)
+    verify.add_argument(
+        "--config",
+        type=Path,
+        help="the TOML configuration file: its [attachments] root is checked (default: the "
+        "state directory's attachments/)",
+    )
     show = journal.add(
         "show",
         "print one delivery's records",
@@ -48,7 +56,8 @@ def _journal_verify(args: argparse.Namespace) -> int:
     if args.store:
         checked, findings = trio.run(verify_database, args.store)
     else:
-        checked, findings = verify_journal(args.state_dir)
+        root = load_config(args.config).attachment_root() if args.config else None
+        checked, findings = verify_journal(args.state_dir, root)
     for finding in findings:
         code = f"{finding.code}: " if finding.code else ""
         kind = "problem" if finding.problem else "note"

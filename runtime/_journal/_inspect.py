@@ -11,7 +11,7 @@ server runs. Blocking; the command line calls them from its main thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +22,18 @@ import msgspec
 from .._errors import JournalError, PiRuntimeError, ReasonCode, StateDirError
 from .._linux._fs import OsFileSystem
 from .._linux._proc import is_alive
-from .._records import Admission, LogKind, Record, ResultAcked, ResultPublished
+from .._records import (
+    Admission,
+    AttachmentRef,
+    LogKind,
+    Record,
+    Result,
+    ResultAcked,
+    ResultPublished,
+    ToolOutcome,
+)
 from .._wire import DeliveryResult
+from ._attachments import AttachmentStore, attachment_root
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
 
@@ -177,8 +187,10 @@ def _logs(root: Path) -> list[tuple[str, LogKind]]:
     return found
 
 
-def verify_journal(state_dir: Path) -> tuple[int, list[Finding]]:
-    """Check every log (O10): ``(logs checked, findings)``. Read-only, no lock."""
+def verify_journal(state_dir: Path, attachments: Path | None = None) -> tuple[int, list[Finding]]:
+    """Check every log (O10) and the attachments they name (A10, in ``attachments``, the
+    attachment root; default: the state directory's): ``(logs checked, findings)``.
+    Read-only, no lock."""
     root = state_dir.absolute()
     if not (root / ADMISSIONS).exists():
         raise StateDirError(
@@ -187,6 +199,7 @@ def verify_journal(state_dir: Path) -> tuple[int, list[Finding]]:
         )
     findings: list[Finding] = []
     logs = _logs(root)
+    named: dict[str, tuple[AttachmentRef, str]] = {}
     for rel, kind in logs:
         try:
             contents = read_log(OsFileSystem(), str(root), rel, kind=kind)
@@ -197,7 +210,44 @@ def verify_journal(state_dir: Path) -> tuple[int, list[Finding]]:
             findings.append(Finding(rel, error.message, problem=True, code=str(error.code)))
             continue
         findings += _check_contents(rel, kind, contents)
+        for ref, where in _named_attachments(rel, contents.records):
+            named.setdefault(ref.sha256, (ref, where))
+    store = AttachmentStore(attachments or attachment_root(root))
+    findings += _check_attachments(store, named)
     return len(logs), findings
+
+
+def _named_attachments(
+    rel: str, records: tuple[Record, ...]
+) -> Iterator[tuple[AttachmentRef, str]]:
+    """The attachments a log needs (A10): those of its published results, and those of the
+    outcomes of a delivery not finished yet (its result will name them). A finished
+    delivery needs what its result names (published or about to be), and no other."""
+    result = next((r for r in records if isinstance(r, Result)), None)
+    if result is not None:
+        yield from ((ref, f"the result in {rel}") for ref in result.attachments)
+        return
+    for record in records:
+        if isinstance(record, ResultPublished):
+            yield from ((ref, f"the result of seq {record.seq}") for ref in record.attachments)
+        elif isinstance(record, ToolOutcome):
+            yield from ((ref, f"an outcome in {rel}") for ref in record.attachments)
+
+
+def _check_attachments(
+    store: AttachmentStore, named: dict[str, tuple[AttachmentRef, str]]
+) -> list[Finding]:
+    found: list[Finding] = []
+    for sha256, (ref, where) in sorted(named.items()):
+        problem = store.check(sha256, ref.size)
+        if problem is not None:
+            message = f"{ref.name} ({ref.size} bytes), named by {where}, is not there intact"
+            found.append(Finding(f"attachments/{sha256}", message, problem=True, code=str(problem)))
+    for sha256 in store.names():
+        if sha256 not in named:
+            message = "no record names it (an orphan; removed at the next start)"
+            found.append(Finding(f"attachments/{sha256}", message, problem=False))
+    return found
 
 
 async def verify_database(dsn: str) -> tuple[int, list[Finding]]:

@@ -72,6 +72,7 @@ from .._pi._session_files import (
 from .._records import (
     AbsorbedInput,
     Admission,
+    AttachmentRef,
     EpochStarted,
     Outcome,
     ReplayClass,
@@ -134,6 +135,8 @@ class LaneHost:
     """The receipt and document store behind ``write_document`` / ``read_document``."""
     ledger: Path | None = None
     """Where the test tool ``effect`` writes (only when granted)."""
+    attach: Callable[[Callable[[], Path]], RuntimeTool] | None = None
+    """The ``attach`` tool for a working directory (docs/design/attachments.md)."""
     shared: bool = False
     """The store is shared by several hosts: sessions travel through it (S13)."""
 
@@ -470,7 +473,8 @@ class Lane:
                 except (SessionError, OSError):  # L18
                     return self._refused("session")
                 await self._store_session(slot.session)  # S13: before the result
-                return self._result(end, leaf=leaf)
+                attached = boundaries.tools.attachments() if end.outcome is Outcome.REPLY else []
+                return self._result(end, leaf=leaf, attachments=attached)  # A4
         finally:
             boundaries.release()  # the log closes next: nothing of this turn stays in memory
             if slot is self._oneshot:
@@ -521,13 +525,20 @@ class Lane:
             outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
         )
 
-    def _result(self, end: TurnEnd, *, leaf: str | None = None) -> Result:
+    def _result(
+        self,
+        end: TurnEnd,
+        *,
+        leaf: str | None = None,
+        attachments: list[AttachmentRef] | None = None,
+    ) -> Result:
         return Result(
             outcome=end.outcome,
             text=end.text,
             code=str(end.code) if end.code is not None else None,
             session_leaf=leaf,
             finished_ms=self.host.clocks.wall.time_ms(),
+            attachments=attachments or [],
         )
 
     async def _publish(self, pending: Pending, result: Result) -> None:
@@ -538,6 +549,7 @@ class Lane:
             text=result.text,
             code=result.code,
             absorbed_into=result.absorbed_into,
+            attachments=result.attachments,
             fence=self.fence,
         )
         self.host.finished(pending)
@@ -665,6 +677,8 @@ class Lane:
 
     def _boundary_config(self, grants: frozenset[str], kind: str) -> BoundaryConfig:
         tools: dict[str, RuntimeTool] = {"send_text_update": self._send_text_update}
+        if self.host.attach is not None:
+            tools["attach"] = self.host.attach(lambda: self.cwd)
         if self.host.ledger is not None:
             tools["effect"] = EffectLedger(self.host.ledger)
         if self.host.receipts is not None:

@@ -27,7 +27,7 @@ import trio
 
 from .._journal._fence import Fence
 from .._journal._interface import Log
-from .._records import Outcome, Record, ResultAcked, ResultPublished
+from .._records import AttachmentRef, Outcome, Record, ResultAcked, ResultPublished
 from .._wire import DeliveryResult
 
 __all__ = ["DeliveryResult", "ResultOutbox"]
@@ -43,6 +43,8 @@ class ResultOutbox:
         self._log = log
         self._by_delivery: dict[str, DeliveryResult] = {}
         self._ordered: list[DeliveryResult] = []
+        self._attachments: dict[str, AttachmentRef] = {}
+        """Every attachment a published result names, by id (what a client may fetch)."""
         self.last_of_room: dict[str, DeliveryResult] = {}
         """Each room's latest published result."""
         self.acked = 0
@@ -57,6 +59,8 @@ class ResultOutbox:
         changed = False
         for record in records:
             if isinstance(record, ResultPublished):
+                for ref in record.attachments:
+                    self._attachments.setdefault(ref.id, ref)
                 result = DeliveryResult.of(record)
                 self._by_delivery.setdefault(result.delivery_id, result)
                 self._ordered.append(result)
@@ -90,6 +94,15 @@ class ResultOutbox:
         """The published result of ``delivery_id``, if any (its first, original seq)."""
         return self._by_delivery.get(delivery_id)
 
+    def attachment(self, attachment_id: str) -> AttachmentRef | None:
+        """The attachment ``attachment_id`` of a published result (``None``: no result names
+        it, so no client may fetch it)."""
+        return self._attachments.get(attachment_id)
+
+    def referenced(self) -> set[str]:
+        """The sha256 of every attachment a published result names."""
+        return {ref.sha256 for ref in self._attachments.values()}
+
     def unacknowledged(self) -> list[DeliveryResult]:
         return [r for r in self._ordered if r.seq > self.acked]
 
@@ -102,6 +115,7 @@ class ResultOutbox:
         text: str | None = None,
         code: str | None = None,
         absorbed_into: str | None = None,
+        attachments: list[AttachmentRef] | None = None,
         fence: Fence | None = None,
     ) -> DeliveryResult:
         """Publish a delivery's result durably, once: a second call for the same delivery
@@ -119,6 +133,7 @@ class ResultOutbox:
                     text=text,
                     code=code,
                     absorbed_into=absorbed_into,
+                    attachments=attachments or [],
                 )
                 if await self._log.try_append(record, fence=fence) is not None:
                     self._learn([record])

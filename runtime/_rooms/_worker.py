@@ -43,6 +43,7 @@ from typing import Any, Final, Literal, cast
 import msgspec
 import trio
 
+from .._boundary._attach import AttachTool
 from .._boundary._gate import replay_class_of
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore, receipt_store
@@ -58,6 +59,7 @@ from .._errors import (
     raises_one_error,
 )
 from .._hosting import start_model, worker_program
+from .._journal._attachments import AttachmentStore
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
@@ -67,12 +69,14 @@ from .._pi._worker import kill_epoch_leftovers
 from .._records import (
     AbsorbedInput,
     Admission,
+    AttachmentRef,
     EpochFenced,
     EpochStarted,
     Fingerprints,
     Outcome,
     Record,
     Result,
+    ToolOutcome,
 )
 from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
 from ._admission import (
@@ -321,6 +325,11 @@ class RoomWorker:
 
     def result_of(self, delivery_id: str) -> DeliveryResult | None:
         return self._host.outbox.result_of(delivery_id)
+
+    def attachment(self, attachment_id: str) -> AttachmentRef | None:
+        """The attachment ``attachment_id`` when a published result names it (what a client
+        may fetch); ``None`` otherwise."""
+        return self._host.outbox.attachment(attachment_id)
 
     def results(self, after: int | None = None) -> AsyncIterator[DeliveryResult]:
         """Every result above ``after`` (default: the last acknowledged seq), in seq order,
@@ -742,6 +751,26 @@ class RoomWorker:
             if not fenced_out(error):
                 raise
 
+    async def _sweep_attachments(self, attachments: AttachmentStore) -> None:
+        """Remove the attachment files no record names (A8): their writer died between the
+        file and its outcome. Named are those of every published result and of every outcome
+        in the log of a delivery still unfinished (its result will carry them)."""
+        referenced = self._host.outbox.referenced()
+        for ids in self._unfinished.values():
+            for delivery_id in ids:
+                if not await self.store.exists(self.store.delivery_rel(delivery_id)):
+                    continue
+                try:
+                    records = (await self.store.read_delivery_log(delivery_id)).records
+                except JournalError:
+                    continue  # damaged: its lane refuses it; no result will name a file
+                for record in records:
+                    if isinstance(record, ToolOutcome):
+                        referenced.update(ref.sha256 for ref in record.attachments)
+        removed = await trio.to_thread.run_sync(attachments.sweep, referenced)
+        if removed:
+            logger.info("removed %d orphaned attachment file(s)", len(removed))
+
     async def _steered(self, owners: list[str]) -> dict[str, tuple[str, str, int | None]]:
         """For each delivery steered into one of ``owners``: (owner, text, first step), from
         the owners' logs (only deliveries whose turn started have one)."""
@@ -935,6 +964,7 @@ async def open_room_worker(
     program = worker_program(config)
     clocks = clocks or Clocks.system()
     worker: RoomWorker | None = None
+    attachments = AttachmentStore(config.attachment_root())  # A1
     async with (
         _open_journal_store(config, clocks=clocks, fs=fs) as store,
         _open_receipt_store(config, store, clocks=clocks) as receipts,
@@ -1005,6 +1035,12 @@ async def open_room_worker(
             classes=config.replay_classes(),  # L14
             ledger=work_root / "effects.jsonl",
             receipts=receipts,
+            attach=functools.partial(
+                AttachTool,
+                attachments,
+                max_bytes=config.attachments.max_bytes,
+                media_types=config.attachments.media_types,
+            ),
         )
         worker = RoomWorker(config, store, host, nursery)
         worker._learn_admissions(list(store.admissions.contents.records))
@@ -1021,6 +1057,7 @@ async def open_room_worker(
             nursery.start_soon(worker._follow_shared)
             nursery.start_soon(worker._claim_waiting, poll)
         else:
+            await worker._sweep_attachments(attachments)  # A8: before any lane runs
             await worker._recover()
         try:
             yield worker

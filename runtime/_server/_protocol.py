@@ -46,10 +46,12 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_PROTOCOLS",
     "Ack",
+    "AttachmentData",
     "Cancel",
     "ClientFrame",
     "Deliver",
     "ErrorFrame",
+    "FetchAttachment",
     "Hello",
     "RoomStatus",
     "ServerFrame",
@@ -188,9 +190,16 @@ class TaskShow(_ClientFrame, tag="task_show", frozen=True, kw_only=True):
     task_id: str | None = None
 
 
+class FetchAttachment(_ClientFrame, tag="fetch_attachment", frozen=True, kw_only=True):
+    """Ask for the bytes of an attachment a ``result`` named (docs/design/attachments.md):
+    answered by ``attachment_data`` frames, or an ``error`` with ``ref`` = the id."""
+
+    id: str
+
+
 ClientFrame = (
     Hello | Deliver | Cancel | Ack | StatusRequest | TaskSubmit | TaskReplyFrame | TaskControl
-    | TaskShow
+    | TaskShow | FetchAttachment
 )  # fmt: skip
 CLIENT_FRAME_TYPES: Final[tuple[str, ...]] = tuple(
     str(frame.__struct_config__.tag) for frame in get_args(ClientFrame)
@@ -253,6 +262,19 @@ class TaskList(_ServerFrame, tag="task_list", frozen=True, kw_only=True):
     tasks: list[TaskView]
 
 
+class AttachmentData(_ServerFrame, tag="attachment_data", frozen=True, kw_only=True):
+    """One chunk of an attachment's bytes, in order: ``data`` (base64) is its bytes from
+    ``offset``; the chunk with ``last`` true ends it. The bytes were checked against the
+    attachment's sha256 before the first chunk was sent."""
+
+    id: str
+    offset: int
+    size: int
+    """The attachment's whole size, in bytes."""
+    data: str
+    last: bool
+
+
 ServerFrame = (
     Welcome
     | Accepted
@@ -266,6 +288,7 @@ ServerFrame = (
     | TaskViewFrame
     | TaskList
     | TaskEvent
+    | AttachmentData
 )
 
 _client_decoder: Final = msgspec.json.Decoder(ClientFrame)

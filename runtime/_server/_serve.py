@@ -33,6 +33,7 @@ never end the server.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import ipaddress
@@ -56,6 +57,7 @@ from trio_websocket import (
 
 from .._config import RoomWorkerConfig, validate_config
 from .._errors import (
+    AttachmentError,
     ConfigError,
     DeliveryError,
     PiRuntimeError,
@@ -63,17 +65,20 @@ from .._errors import (
     ReasonCode,
     raises_one_error,
 )
+from .._journal._attachments import AttachmentStore
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
-from .._wire import RoomEvent, TaskEvent
+from .._wire import DeliveryResult, RoomEvent, TaskEvent
 from ._protocol import (
     Ack,
+    AttachmentData,
     Cancel,
     ClientFrame,
     Deliver,
     ErrorFrame,
+    FetchAttachment,
     Hello,
     ServerFrame,
     StatusReport,
@@ -98,6 +103,8 @@ __all__ = ["RoomServer", "ServeOptions", "check_bind", "open_server", "serve_unt
 
 logger = logging.getLogger("runtime.serve")
 
+ATTACHMENT_CHUNK: Final = 48 * 1024
+"""Bytes of an attachment per ``attachment_data`` frame (64 KiB of base64)."""
 EVENT_QUEUE: Final = 256
 """Signals (typing, text updates, tool activity) buffered per connection; a connection that
 falls further behind loses the oldest kind of thing there is to lose: signals, never results."""
@@ -189,6 +196,8 @@ class RoomServer:
         """The bound port (useful with ``port=0``)."""
         self.new_token: str | None = None
         """The token, when this start created it (the command line prints it once, O1)."""
+        self.attachments = AttachmentStore(worker.config.attachment_root())  # A1
+        self.fetch_rate = worker.config.attachments.fetch_bytes_per_second
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
 
@@ -347,6 +356,7 @@ class RoomServer:
                 ref = (
                     getattr(frame, "delivery_id", None)
                     or getattr(frame, "task_id", None)
+                    or getattr(frame, "id", None)
                     or _frame_type(frame)
                 )
                 await connection.send(error_frame(error, ref=ref))
@@ -362,6 +372,8 @@ class RoomServer:
             await connection.send(self._status(frame.room))
         elif isinstance(frame, TaskSubmit | TaskReplyFrame | TaskControl | TaskShow):
             await self._task_frame(connection, frame)
+        elif isinstance(frame, FetchAttachment):
+            await self._fetch(connection, frame.id)
         else:  # a second hello: the connection is already authenticated
             await connection.send(
                 ErrorFrame(
@@ -421,15 +433,64 @@ class RoomServer:
             connection.in_flight.add(delivery_id)
         await connection.send(accepted)
         if accepted.disposition == "duplicate" and stored is not None:
-            await connection.send(stored)  # its stored result again, with its seq (P…)
+            # its stored result again, with its seq (P…)
+            await connection.send(await self._checked(stored))
 
     async def _send_results(self, connection: _Connection) -> None:
         async for result in self.worker.results():
             connection.in_flight.discard(result.delivery_id)
-            await connection.send(result)
+            await connection.send(await self._checked(result))
             connection.sent_seq = result.seq
             connection.sent_more.set()
             connection.sent_more = trio.Event()
+
+    # -- attachments (docs/design/attachments.md) --------------------------------------
+
+    async def _checked(self, result: DeliveryResult) -> DeliveryResult:
+        """``result`` as it may be sent now (A7): each attachment whose bytes are not there
+        intact is marked ``lost`` with its code; the words go out unchanged."""
+        if not result.attachments:
+            return result
+        shown = []
+        for attachment in result.attachments:
+            check = self.attachments.check
+            problem = await trio.to_thread.run_sync(check, attachment.sha256, attachment.size)
+            if problem is not None:
+                logger.warning(
+                    "result %d: attachment %s is lost (%s)", result.seq, attachment.id, problem
+                )
+                attachment = msgspec.structs.replace(attachment, lost=True, code=str(problem))
+            shown.append(attachment)
+        return msgspec.structs.replace(result, attachments=shown)
+
+    async def _fetch(self, connection: _Connection, attachment_id: str) -> None:
+        """``fetch_attachment`` (A9): the bytes of an attachment a published result names, checked
+        against its sha256, in ``attachment_data`` chunks paced at the configured rate."""
+        ref = self.worker.attachment(attachment_id)
+        if ref is None:
+            raise AttachmentError(ReasonCode.ATTACHMENT_UNKNOWN, "no result names this attachment")
+        found = await trio.to_thread.run_sync(self.attachments.read, ref.sha256, ref.size)
+        if isinstance(found, ReasonCode):
+            raise AttachmentError(
+                found, "its bytes are not there intact; the reply's words were sent"
+            )
+        view = memoryview(found)
+        offset = 0
+        while True:
+            chunk = view[offset : offset + ATTACHMENT_CHUNK]
+            last = offset + len(chunk) >= len(view)
+            frame = AttachmentData(
+                id=ref.id,
+                offset=offset,
+                size=ref.size,
+                data=base64.b64encode(chunk).decode("ascii"),
+                last=last,
+            )
+            await connection.send(frame)
+            offset += len(chunk)
+            if last:
+                return
+            await trio.sleep(len(chunk) / self.fetch_rate)
 
     async def flush(self, seconds: float) -> None:
         """Let every connection receive the results published so far, for up to ``seconds``

@@ -35,6 +35,7 @@ from fake_pi._gate import ToolResult as ToolResult
 from fake_pi._retry import RetrySettings as RetrySettings
 from fake_pi.model_server import ScriptedModel as ScriptedModel
 from fake_pi.model_server import serve_model as serve_model
+from fake_pi.scenario import Attach as Attach
 from fake_pi.scenario import Call as Call
 from fake_pi.scenario import Cut as Cut
 from fake_pi.scenario import Empty as Empty

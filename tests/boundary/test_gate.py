@@ -159,8 +159,9 @@ async def test_t1_socket_is_private_and_removed(sock_dir: Path) -> None:
 
 
 async def test_t2_t3_t4_decisions_over_the_socket(sock_dir: Path) -> None:
-    """run (intent durable first, id ``<key>:<seq>``), after → outcome; the same call id in
-    the same round → saved, verbatim; a tool not granted → refused, nothing recorded."""
+    """run (intent durable first, id ``<key>:<seq>``), after → outcome (with Pi's details,
+    A6); the same call id in the same round → saved, verbatim; a tool not granted → refused,
+    nothing recorded."""
     call = {"tool_call_id": "c1", "name": "bash", "args": {"command": "echo hi", "timeout": 3}}
     with trio.fail_after(LIMIT):
         async with rig(sock_dir, granted=("read", "bash")) as r:
@@ -182,13 +183,21 @@ async def test_t2_t3_t4_decisions_over_the_socket(sock_dir: Path) -> None:
             after = {"tool_call_id": "c1", "name": "bash", "result": result}
             assert await r.post("/after", after) == (200, {"ok": True})
             assert r.log.records[1] == ToolOutcome(
-                intent_id="k:1", tool_call_id="c1", content=content, is_error=False
+                intent_id="k:1",
+                tool_call_id="c1",
+                content=content,
+                is_error=False,
+                details={"x": 1},
             )
-            # the same call again within the round: the recorded result, no new intent
+            # the same call again within the round: the recorded result, no new intent, its
+            # details too (A6: handed back verbatim)
             status, answer = await r.post("/before", call)
             assert (status, answer) == (
                 200,
-                {"decision": "saved", "result": {"content": content, "isError": False}},
+                {
+                    "decision": "saved",
+                    "result": {"content": content, "isError": False, "details": {"x": 1}},
+                },
             )
             assert len(r.log.records) == 2
             # not granted

@@ -218,8 +218,10 @@ async def test_r6_the_connection_runs_with_synchronous_full(tmp_path: Path) -> N
         await s.aclose()
 
 
-def test_r7_only_write_document_is_a_receipt_operation() -> None:
-    assert frozenset({"write_document"}) == RECEIPT_OPERATIONS
+def test_r7_only_the_registrys_operations_are_receipt_operations() -> None:
+    """R7: ``write_document`` (its receipt row) and ``attach`` (its recorded outcome is the
+    receipt: docs/design/attachments.md), nothing else."""
+    assert frozenset({"write_document", "attach"}) == RECEIPT_OPERATIONS
 
 
 def test_the_fingerprint_is_over_the_canonical_input() -> None:

@@ -17,7 +17,10 @@ test can SIGKILL the host right after a named point::
 ``pause`` names a barrier inside the runtime and how many times to pass it first:
 ``{"point": "model_response" | "tool_intent" | "receipt_commit", "nth": N}`` — right after
 the N-th model response (or tool intent, or receipt transaction) is durable, before the worker
-hears of it; ``"poisoned_publish"`` — right before a ``journal_poisoned`` result is published.
+hears of it; ``"attachment_stored"`` — an ``attach`` call's file is durable in the attachment
+root, its outcome not yet recorded; ``"attachment_outcome"`` — the outcome naming it is durable;
+``"outcome_of:ID"`` — the outcome of tool call ``ID`` is durable; ``"poisoned_publish"`` — right
+before a ``journal_poisoned`` result is published.
 
 ``fault`` makes one write of one delivery's log fail (``{"delivery": ID, "nth": N, "errno":
 E}``, the N-th write to that log, before it happens; ``tests/faultfs.py``).
@@ -34,13 +37,15 @@ from typing import Any
 import msgspec
 import trio
 
+from runtime._boundary._attach import AttachTool
+from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gate import RecordingGateJournal
 from runtime._boundary._steps import DeliveryStepJournal
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
 from runtime._journal._store import delivery_key
 from runtime._linux._fs import OsFileSystem
-from runtime._records import Record, ToolIntent
+from runtime._records import Record, ToolIntent, ToolOutcome
 from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
@@ -87,6 +92,37 @@ def install_pause(point: str, nth: int) -> None:
             return seq
 
         RecordingGateJournal._append = after_intent  # type: ignore[method-assign]
+    elif point == "attachment_stored":  # the file is durable, its outcome not yet recorded
+        attach = AttachTool.__call__
+
+        async def after_store(self: AttachTool, call: GateCall, intent_id: str) -> GateResult:
+            result = await attach(self, call, intent_id)
+            if result.attachments:
+                await barrier()
+            return result
+
+        AttachTool.__call__ = after_store  # type: ignore[method-assign]
+    elif point == "attachment_outcome":  # the outcome naming it is durable, no result yet
+        append_outcome = RecordingGateJournal._append
+
+        async def after_outcome(self: RecordingGateJournal, record: Record) -> int:
+            seq = await append_outcome(self, record)
+            if isinstance(record, ToolOutcome) and record.attachments:
+                await barrier()
+            return seq
+
+        RecordingGateJournal._append = after_outcome  # type: ignore[method-assign]
+    elif point.startswith("outcome_of:"):  # the outcome of that tool-call id is durable
+        call_id = point.removeprefix("outcome_of:")
+        append_any = RecordingGateJournal._append
+
+        async def after_call(self: RecordingGateJournal, record: Record) -> int:
+            seq = await append_any(self, record)
+            if isinstance(record, ToolOutcome) and record.tool_call_id == call_id:
+                await barrier()
+            return seq
+
+        RecordingGateJournal._append = after_call  # type: ignore[method-assign]
     elif point == "receipt_commit":
         pause_after_receipt_commit(barrier)
     elif point == "poisoned_publish":

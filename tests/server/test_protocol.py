@@ -25,10 +25,12 @@ from runtime._server._protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
+    AttachmentData,
     Cancel,
     ClientFrame,
     Deliver,
     ErrorFrame,
+    FetchAttachment,
     Hello,
     RoomStatus,
     ServerFrame,
@@ -52,7 +54,14 @@ from runtime._server._protocol import (
     reject_binary_frame,
     schema_text,
 )
-from runtime._wire import Accepted, DeliveryResult, TextUpdate, ToolActivity, Typing
+from runtime._wire import (
+    Accepted,
+    Attachment,
+    DeliveryResult,
+    TextUpdate,
+    ToolActivity,
+    Typing,
+)
 
 from .test_task_wire import TASK_VIEW
 
@@ -87,6 +96,7 @@ CLIENT_FRAMES: list[ClientFrame] = [
     TaskControl(task_id="t1", action="grant", epochs=1, seconds=600, reason="slow model"),
     TaskShow(),
     TaskShow(task_id="t1"),
+    FetchAttachment(id="5f2c"),
 ]
 SERVER_FRAMES: list[ServerFrame] = [
     Welcome(protocol=1, worker_id="w1"),
@@ -114,6 +124,26 @@ SERVER_FRAMES: list[ServerFrame] = [
     TaskEvent(
         task_id="t1", state="open", classification="Suspect", phase="provider", process_epoch=1
     ),
+    DeliveryResult(
+        seq=11,
+        delivery_id="d5",
+        room="dm:42",
+        outcome=Outcome.REPLY,
+        text="the chart",
+        attachments=[
+            Attachment(id="5f2c", name="q3.png", media_type="image/png", size=79, sha256="5f2c"),
+            Attachment(
+                id="9a1e",
+                name="old.png",
+                media_type="image/png",
+                size=12,
+                sha256="9a1e",
+                lost=True,
+                code="attachment_missing",
+            ),
+        ],
+    ),
+    AttachmentData(id="5f2c", offset=0, size=79, data="iVBORw0K", last=True),
 ]
 
 
@@ -151,6 +181,7 @@ def test_p1_the_tags_are_the_briefs() -> None:
         "task_reply",
         "task_control",
         "task_show",
+        "fetch_attachment",
     )
     assert [_tag(t) for t in get_args(ServerFrame)] == [
         "welcome",
@@ -165,6 +196,7 @@ def test_p1_the_tags_are_the_briefs() -> None:
         "task_view",
         "task_list",
         "task_event",
+        "attachment_data",
     ]
     assert {type(f) for f in CLIENT_FRAMES} == set(get_args(ClientFrame))
     assert {type(f) for f in SERVER_FRAMES} == set(get_args(ServerFrame))
@@ -447,6 +479,7 @@ def test_p8_the_runtimes_objects_are_server_frames() -> None:
         "text": None,
         "code": None,
         "absorbed_into": None,
+        "attachments": [],
     }
 
 

@@ -1,0 +1,213 @@
+"""``attach``: the runtime tool that adds a file of the agent's working directory to its reply
+(docs/design/attachments.md, A4-A5).
+
+The worker only carries the call (a runtime tool, T10): the gate has made the intent durable,
+this handler copies the file into the attachment root (durable, content-addressed) and answers
+with a result whose :attr:`GateResult.attachments` names it; the gate records that outcome
+before the model sees it, and the room's ``result`` frame carries the attachments the turn's
+outcomes name. An attachment exists for the reply only through that recorded outcome.
+
+Its replay class is ``receipt``: the recorded outcome is the receipt. Present, the attachment
+is part of the reply and a replay hands back the same result; absent, nothing of the call
+reached anyone (a file in the root that no record names is an orphan, swept at the next start),
+so the call is run once more with the same intent (T13) — copying the same file again is the
+same content-addressed write.
+
+Refusals are the tool's error results, each with its stable code, and nothing is stored:
+
+* ``attachment_outside_workdir`` — the path leaves the working directory (``..``, absolute
+  elsewhere);
+* ``attachment_symlink`` — a component of the path is a symbolic link: links are not followed,
+  so none can point out of the directory, not even by a swap between check and open (each
+  component is opened with ``O_NOFOLLOW`` below the one before);
+* ``attachment_not_file`` — not a regular file (a directory, a FIFO, a device), or missing;
+* ``attachment_too_large`` — over the configured ``max_bytes``;
+* ``attachment_type_refused`` — its media type (from its bytes for images and PDF, from its
+  name for text) is not in the configured allow-list.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Final
+
+import trio
+
+from .._errors import ReasonCode
+from .._journal._attachments import AttachmentStore
+from .._records import AttachmentRef
+from ._calls import GateCall, GateResult
+
+__all__ = ["AttachTool", "sniff_media_type"]
+
+_MAGIC: Final = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"%PDF-", "application/pdf"),
+)
+_TEXT_SUFFIXES: Final = {
+    ".txt": "text/plain",
+    ".log": "text/plain",
+    ".md": "text/markdown",
+    ".csv": "text/csv",
+    ".json": "application/json",
+}
+MAX_NAME: Final = 200
+"""Longest attachment name (characters)."""
+
+
+def sniff_media_type(name: str, data: bytes) -> str | None:
+    """The media type of ``data``: images and PDF by their first bytes, text by the name's
+    suffix when the bytes are UTF-8; ``None`` when it is none of those."""
+    for magic, media_type in _MAGIC:
+        if data.startswith(magic):
+            return media_type
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    suffix = PurePosixPath(name).suffix.lower()
+    if suffix in _TEXT_SUFFIXES:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return _TEXT_SUFFIXES[suffix]
+    return None
+
+
+class _Refused(Exception):
+    def __init__(self, code: ReasonCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class AttachTool:
+    """The ``attach`` handler of one lane (a :data:`~runtime._boundary._calls.RuntimeTool`)."""
+
+    store: AttachmentStore
+    workdir: Callable[[], Path]
+    """The working directory of the worker whose call this is (the lane's ``cwd``)."""
+    max_bytes: int
+    media_types: Collection[str]
+
+    async def __call__(self, call: GateCall, intent_id: str) -> GateResult:
+        path, name = call.args.get("path"), call.args.get("name")
+        if not isinstance(path, str) or not path or "\0" in path:
+            return GateResult.text("attach needs the path of a file", is_error=True)
+        if name is not None and not isinstance(name, str):
+            return GateResult.text("attach: name must be a string", is_error=True)
+        try:
+            ref = await trio.to_thread.run_sync(self._attach, path, name)
+        except _Refused as refused:
+            return GateResult.text(
+                f"attach refused ({refused.code}): {refused}; nothing was attached",
+                is_error=True,
+            )
+        text = (
+            f"attached {ref.name} ({ref.media_type}, {ref.size} bytes); it is sent with your reply"
+        )
+        return GateResult(
+            content=[{"type": "text", "text": text}],
+            details={"attachment": {"id": ref.id, "name": ref.name, "sha256": ref.sha256}},
+            attachments=(ref,),
+        )
+
+    def _attach(self, path: str, name: str | None) -> AttachmentRef:
+        data = self._read_inside(path)
+        shown = _display_name(name if name else PurePosixPath(path).name)
+        media_type = sniff_media_type(shown, data) or sniff_media_type(path, data)
+        if media_type is None or media_type not in self.media_types:
+            allowed = ", ".join(sorted(self.media_types))
+            raise _Refused(
+                ReasonCode.ATTACHMENT_TYPE_REFUSED,
+                f"{path} is {media_type or 'of an unknown type'}; allowed: {allowed}",
+            )
+        digest = self.store.put(data)
+        return AttachmentRef(
+            id=digest, name=shown, media_type=media_type, size=len(data), sha256=digest
+        )
+
+    def _read_inside(self, path: str) -> bytes:
+        """The bytes of ``path`` below the working directory, opened one component at a time
+        with ``O_NOFOLLOW`` (no symbolic link is ever followed)."""
+        workdir = self.workdir()
+        given = PurePosixPath(path)
+        relative: PurePosixPath | None = given
+        if given.is_absolute():
+            relative = next(
+                (given.relative_to(d) for d in (workdir, workdir.resolve()) if _under(given, d)),
+                None,
+            )
+        if relative is None or ".." in relative.parts or not relative.parts:
+            raise _Refused(
+                ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR,
+                f"{path} is not a file inside the working directory {workdir}",
+            )
+        parts = relative.parts
+        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parts[:-1]:
+                below = _step(fd, part, path, os.O_RDONLY | os.O_DIRECTORY)
+                os.close(fd)
+                fd = below
+            # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused next)
+            below = _step(fd, parts[-1], path, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+            fd = below
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise _Refused(ReasonCode.ATTACHMENT_NOT_FILE, f"{path} is not a regular file")
+            if info.st_size > self.max_bytes:
+                raise _Refused(
+                    ReasonCode.ATTACHMENT_TOO_LARGE,
+                    f"{path} has {info.st_size} bytes; at most {self.max_bytes} are attached",
+                )
+            with os.fdopen(os.dup(fd), "rb") as file:
+                data = file.read(self.max_bytes + 1)
+        finally:
+            os.close(fd)
+        if len(data) > self.max_bytes:  # it grew after the check
+            raise _Refused(
+                ReasonCode.ATTACHMENT_TOO_LARGE, f"{path} has more than {self.max_bytes} bytes"
+            )
+        return data
+
+
+def _under(path: PurePosixPath, directory: Path) -> bool:
+    return path.is_relative_to(PurePosixPath(directory))
+
+
+def _step(parent: int, part: str, path: str, flags: int) -> int:
+    """Open ``part`` below the directory ``parent`` without following a link. A link is
+    ``attachment_symlink``, anything missing ``attachment_not_file``."""
+    try:
+        return os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError as error:
+        if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and _is_link(parent, part)):
+            raise _Refused(
+                ReasonCode.ATTACHMENT_SYMLINK,
+                f"{path} goes through the symbolic link {part!r}; attach the file itself",
+            ) from None
+        raise _Refused(
+            ReasonCode.ATTACHMENT_NOT_FILE, f"{path}: {os.strerror(error.errno or 0)}"
+        ) from None
+
+
+def _is_link(parent: int, part: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(part, dir_fd=parent).st_mode)
+    except OSError:
+        return False
+
+
+def _display_name(name: str) -> str:
+    """A name fit to show: its last component, control characters dropped, bounded."""
+    shown = "".join(c for c in PurePosixPath(name).name if c.isprintable()).strip()
+    return (shown or "attachment")[:MAX_NAME]

@@ -1,0 +1,183 @@
+"""The ``attach`` tool and the attachment root (``runtime/_boundary/_attach.py``,
+``runtime/_journal/_attachments.py``); test names cite docs/design/attachments.md (A1…).
+
+Real files in a temporary directory: each refusal is tried the way an agent (or an adversary
+steering one) would try it, and after each the root holds nothing."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from fake_pi.scenario import TINY_PNG
+from runtime._boundary._attach import AttachTool, sniff_media_type
+from runtime._boundary._calls import GateCall, GateResult
+from runtime._config import (
+    DEFAULT_MEDIA_TYPES,
+    AttachmentsConfig,
+    RoomWorkerConfig,
+    validate_config,
+)
+from runtime._errors import ConfigError, ReasonCode
+from runtime._journal._attachments import AttachmentStore, attachment_root
+
+PNG = base64.b64decode(TINY_PNG)
+
+
+def tool(root: Path, workdir: Path, *, max_bytes: int = 1 << 20) -> AttachTool:
+    return AttachTool(
+        AttachmentStore(root), lambda: workdir, max_bytes=max_bytes, media_types=DEFAULT_MEDIA_TYPES
+    )
+
+
+async def attach(t: AttachTool, path: str, **args: str) -> GateResult:
+    return await t(GateCall("c1", "attach", {"path": path, **args}), "k:1")
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    work = tmp_path / "work"
+    work.mkdir()
+    return tmp_path / "state" / "attachments", work
+
+
+def text(result: GateResult) -> str:
+    return str(result.content[0]["text"])
+
+
+async def test_a2_a4_a_file_is_stored_once_by_its_sha256_0600_in_a_0700_root(
+    dirs: tuple[Path, Path],
+) -> None:
+    """A2: the bytes are in the root under their sha256, 0600 in a 0700 directory, before the
+    result names them; the same bytes attached again are the same one file. A4: the result
+    names the attachment (id, name, media type, size, sha256) and says so to the model."""
+    root, work = dirs
+    (work / "charts").mkdir()
+    (work / "charts" / "q3.png").write_bytes(PNG)
+    t = tool(root, work)
+    first = await attach(t, "charts/q3.png")
+    again = await attach(t, str(work / "charts" / "q3.png"), name="Q3 chart.png")
+    digest = hashlib.sha256(PNG).hexdigest()
+    assert not first.is_error
+    assert not again.is_error
+    (ref,) = first.attachments
+    assert (ref.id, ref.name, ref.media_type, ref.size, ref.sha256) == (
+        digest,
+        "q3.png",
+        "image/png",
+        len(PNG),
+        digest,
+    )
+    assert again.attachments[0].name == "Q3 chart.png"
+    assert "attached q3.png (image/png" in text(first)
+    assert first.details == {"attachment": {"id": digest, "name": "q3.png", "sha256": digest}}
+    assert os.listdir(root) == [digest]
+    assert (root / digest).read_bytes() == PNG
+    assert stat.S_IMODE((root / digest).stat().st_mode) == 0o600
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize(
+    ("path", "code"),
+    [
+        ("../outside.png", ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR),
+        ("sub/../../outside.png", ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR),
+        ("/etc/passwd", ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR),
+        ("", None),
+        ("link-out.png", ReasonCode.ATTACHMENT_SYMLINK),
+        ("link-dir/outside.png", ReasonCode.ATTACHMENT_SYMLINK),
+        ("link-in.png", ReasonCode.ATTACHMENT_SYMLINK),
+        ("missing.png", ReasonCode.ATTACHMENT_NOT_FILE),
+        ("sub", ReasonCode.ATTACHMENT_NOT_FILE),
+        ("pipe", ReasonCode.ATTACHMENT_NOT_FILE),
+        ("big.png", ReasonCode.ATTACHMENT_TOO_LARGE),
+        ("program.bin", ReasonCode.ATTACHMENT_TYPE_REFUSED),
+        ("fake.txt", ReasonCode.ATTACHMENT_TYPE_REFUSED),
+    ],
+)
+async def test_a5_a_refused_path_attaches_nothing_and_says_why(
+    dirs: tuple[Path, Path], path: str, code: ReasonCode | None
+) -> None:
+    """A5: a path that leaves the working directory, goes through a symbolic link (out, or
+    even in), is not a regular file (a FIFO is not waited on), is too large or of a type not
+    allowed is the tool's error result with its code — and nothing is stored."""
+    root, work = dirs
+    outside = work.parent / "outside.png"
+    outside.write_bytes(PNG)
+    (work / "sub").mkdir()
+    (work / "inside.png").write_bytes(PNG)
+    (work / "link-out.png").symlink_to(outside)
+    (work / "link-in.png").symlink_to(work / "inside.png")
+    (work / "link-dir").symlink_to(work.parent)
+    os.mkfifo(work / "pipe")
+    (work / "big.png").write_bytes(PNG + b"\0" * 2048)
+    (work / "program.bin").write_bytes(b"\x7fELF\x02\x01\x01")
+    (work / "fake.txt").write_bytes(b"\xff\xfe not utf-8 \xc3")
+    with trio.fail_after(10):
+        result = await attach(tool(root, work, max_bytes=len(PNG) + 1024), path)
+    assert result.is_error
+    assert result.attachments == ()
+    if code is not None:
+        assert f"({code})" in text(result)
+    assert not root.exists() or os.listdir(root) == []
+
+
+def test_a5_media_types_come_from_the_bytes_for_pictures_and_the_name_for_text() -> None:
+    """A5: a picture is what its bytes say, whatever its name; text is its name's type only
+    when it is UTF-8."""
+    assert sniff_media_type("looks.txt", PNG) == "image/png"
+    assert sniff_media_type("a.jpg", b"\xff\xd8\xff\xe0rest") == "image/jpeg"
+    assert sniff_media_type("a.webp", b"RIFF\0\0\0\0WEBPVP8 ") == "image/webp"
+    assert sniff_media_type("doc", b"%PDF-1.7") == "application/pdf"
+    assert sniff_media_type("notes.md", "héllo".encode()) == "text/markdown"
+    assert sniff_media_type("notes.md", b"\xff") is None
+    assert sniff_media_type("x.png", b"not a png") is None
+
+
+def test_a3_a_damaged_or_missing_file_is_told_apart(tmp_path: Path) -> None:
+    """A3: reading an attachment checks its size and sha256: a flipped bit is
+    ``attachment_damaged``, a removed file ``attachment_missing``; an intact one is its bytes."""
+    store = AttachmentStore(tmp_path / "attachments")
+    digest = store.put(PNG)
+    assert store.read(digest, len(PNG)) == PNG
+    path = store.path_of(digest)
+    data = bytearray(PNG)
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert store.check(digest, len(PNG)) is ReasonCode.ATTACHMENT_DAMAGED
+    assert store.put(PNG) == digest  # a damaged copy is replaced when the bytes come again
+    assert store.check(digest, len(PNG)) is None
+    path.unlink()
+    assert store.check(digest, len(PNG)) is ReasonCode.ATTACHMENT_MISSING
+
+
+def test_a8_sweep_removes_what_no_record_names_and_keeps_the_rest(tmp_path: Path) -> None:
+    """A8: the sweep removes files no record names and temporary files a crash left, and
+    keeps every referenced one."""
+    store = AttachmentStore(tmp_path / "attachments")
+    kept, orphan = store.put(PNG), store.put(b"orphan bytes")
+    (store.root / f"{kept}.tmp-0123").write_bytes(b"torn")
+    removed = store.sweep({kept})
+    assert sorted(removed) == sorted([orphan, f"{kept}.tmp-0123"])
+    assert store.names() == [kept]
+
+
+def test_a1_the_root_is_derived_in_one_place_and_kept_out_of_work_root(tmp_path: Path) -> None:
+    """A1: ``<state>/attachments`` by default, the configured directory otherwise (relative to
+    the configuration's directory); one inside ``work_root`` is refused, since the worker's
+    tools run there."""
+    config = validate_config(RoomWorkerConfig(), base=tmp_path)
+    assert config.attachment_root() == tmp_path / "state" / "attachments"
+    assert attachment_root(tmp_path / "state") == config.attachment_root()
+    moved = RoomWorkerConfig(attachments=AttachmentsConfig(root="pictures"))
+    assert validate_config(moved, base=tmp_path).attachment_root() == tmp_path / "pictures"
+    inside = RoomWorkerConfig(attachments=AttachmentsConfig(root="work/pictures"))
+    with pytest.raises(ConfigError) as refused:
+        validate_config(inside, base=tmp_path)
+    assert refused.value.setting == "attachments.root"
