@@ -767,7 +767,11 @@ class RoomWorker:
                 for record in records:
                     if isinstance(record, ToolOutcome):
                         referenced.update(ref.sha256 for ref in record.attachments)
-        removed = await trio.to_thread.run_sync(attachments.sweep, referenced)
+        try:
+            removed = await trio.to_thread.run_sync(attachments.sweep, referenced)
+        except OSError as error:  # the root cannot be swept: the orphans wait, nothing else does
+            logger.warning("cannot sweep the attachment root %s: %s", attachments.root, error)
+            return
         if removed:
             logger.info("removed %d orphaned attachment file(s)", len(removed))
 
