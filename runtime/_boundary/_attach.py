@@ -31,7 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
@@ -96,6 +96,9 @@ class AttachTool:
     """The working directory of the worker whose call this is (the lane's ``cwd``)."""
     max_bytes: int
     media_types: Collection[str]
+    share: Callable[[str, bytes], Awaitable[None]] | None = None
+    """On a store several hosts share: make the bytes durable there too, ``(sha256, data)``,
+    before the result names them (A11)."""
 
     async def __call__(self, call: GateCall, intent_id: str) -> GateResult:
         path, name = call.args.get("path"), call.args.get("name")
@@ -104,12 +107,14 @@ class AttachTool:
         if name is not None and not isinstance(name, str):
             return GateResult.text("attach: name must be a string", is_error=True)
         try:
-            ref = await trio.to_thread.run_sync(self._attach, path, name)
+            ref, data = await trio.to_thread.run_sync(self._attach, path, name)
         except _Refused as refused:
             return GateResult.text(
                 f"attach refused ({refused.code}): {refused}; nothing was attached",
                 is_error=True,
             )
+        if self.share is not None:
+            await self.share(ref.sha256, data)
         text = (
             f"attached {ref.name} ({ref.media_type}, {ref.size} bytes); it is sent with your reply"
         )
@@ -119,7 +124,7 @@ class AttachTool:
             attachments=(ref,),
         )
 
-    def _attach(self, path: str, name: str | None) -> AttachmentRef:
+    def _attach(self, path: str, name: str | None) -> tuple[AttachmentRef, bytes]:
         data = self._read_inside(path)
         shown = _display_name(name if name else PurePosixPath(path).name)
         media_type = sniff_media_type(shown, data) or sniff_media_type(path, data)
@@ -130,9 +135,10 @@ class AttachTool:
                 f"{path} is {media_type or 'of an unknown type'}; allowed: {allowed}",
             )
         digest = self.store.put(data)
-        return AttachmentRef(
+        ref = AttachmentRef(
             id=digest, name=shown, media_type=media_type, size=len(data), sha256=digest
         )
+        return ref, data
 
     def _read_inside(self, path: str) -> bytes:
         """The bytes of ``path`` below the working directory, opened one component at a time

@@ -31,10 +31,14 @@ from .._errors import ReasonCode
 from .._linux._fs import FileSystem, OsFileSystem
 from ._writer import TMP_MARK, atomic_write
 
-__all__ = ["ATTACHMENTS_DIR", "AttachmentStore", "attachment_root"]
+__all__ = ["ATTACHMENTS_DIR", "SHARED_ATTACHMENTS", "AttachmentStore", "attachment_root"]
 
 ATTACHMENTS_DIR: Final = "attachments"
 """The root's name in the state directory when the configuration names none."""
+SHARED_ATTACHMENTS: Final = "attachments/"
+"""On a store several hosts share: the documents holding attachments' bytes, named this and
+the sha256 (A11): written before the outcome that names them, read by a host whose own root
+lacks them."""
 
 _NAME: Final = re.compile(r"[0-9a-f]{64}")
 

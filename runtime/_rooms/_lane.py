@@ -36,7 +36,7 @@ import functools
 import math
 import os
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -58,6 +58,7 @@ from .._errors import (
     SessionError,
     WorkerError,
 )
+from .._journal._attachments import SHARED_ATTACHMENTS
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._leases import fenced_out
@@ -135,11 +136,15 @@ class LaneHost:
     """The receipt and document store behind ``write_document`` / ``read_document``."""
     ledger: Path | None = None
     """Where the test tool ``effect`` writes (only when granted)."""
-    attach: Callable[[Callable[[], Path]], RuntimeTool] | None = None
-    """The ``attach`` tool for a working directory (docs/design/attachments.md)."""
+    attach: Callable[[Callable[[], Path], Share | None], RuntimeTool] | None = None
+    """The ``attach`` tool for a working directory, sharing its bytes through the store when
+    one is given (docs/design/attachments.md A11)."""
     shared: bool = False
     """The store is shared by several hosts: sessions travel through it (S13)."""
 
+
+Share = Callable[[str, bytes], Awaitable[None]]
+"""Makes an attachment's bytes durable in the shared store: ``(sha256, data)``."""
 
 SESSIONS: Final = "sessions/"
 """Documents holding the lanes' session files on a shared store, named ``sessions/`` and
@@ -678,7 +683,8 @@ class Lane:
     def _boundary_config(self, grants: frozenset[str], kind: str) -> BoundaryConfig:
         tools: dict[str, RuntimeTool] = {"send_text_update": self._send_text_update}
         if self.host.attach is not None:
-            tools["attach"] = self.host.attach(lambda: self.cwd)
+            share = self._share_attachment if self.host.shared else None
+            tools["attach"] = self.host.attach(lambda: self.cwd, share)
         if self.host.ledger is not None:
             tools["effect"] = EffectLedger(self.host.ledger)
         if self.host.receipts is not None:
@@ -692,6 +698,11 @@ class Lane:
             socket_name=f"{self.key[:20]}-{kind}.sock",
             replay=True,
         )
+
+    async def _share_attachment(self, sha256: str, data: bytes) -> None:
+        """A11: an attachment's bytes in the shared store, under the lane's lease, before the
+        outcome that names them (any host may send its result)."""
+        await self.host.store.write_document(SHARED_ATTACHMENTS + sha256, data, fence=self.fence)
 
     async def _send_text_update(self, call: GateCall, intent_id: str) -> GateResult:
         """``send_text_update``: a short message threaded on the one being answered; it does

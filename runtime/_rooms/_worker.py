@@ -1039,11 +1039,12 @@ async def open_room_worker(
             classes=config.replay_classes(),  # L14
             ledger=work_root / "effects.jsonl",
             receipts=receipts,
-            attach=functools.partial(
-                AttachTool,
+            attach=lambda workdir, share: AttachTool(
                 attachments,
+                workdir,
                 max_bytes=config.attachments.max_bytes,
                 media_types=config.attachments.media_types,
+                share=share,
             ),
         )
         worker = RoomWorker(config, store, host, nursery)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import hashlib
 import ipaddress
 import logging
 import os
@@ -65,7 +66,7 @@ from .._errors import (
     ReasonCode,
     raises_one_error,
 )
-from .._journal._attachments import AttachmentStore
+from .._journal._attachments import SHARED_ATTACHMENTS, AttachmentStore
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
@@ -453,9 +454,8 @@ class RoomServer:
             return result
         shown = []
         for attachment in result.attachments:
-            check = self.attachments.check
-            problem = await trio.to_thread.run_sync(check, attachment.sha256, attachment.size)
-            if problem is not None:
+            problem = await self._bytes_of(attachment.sha256, attachment.size)
+            if isinstance(problem, ReasonCode):
                 logger.warning(
                     "result %d: attachment %s is lost (%s)", result.seq, attachment.id, problem
                 )
@@ -463,13 +463,30 @@ class RoomServer:
             shown.append(attachment)
         return msgspec.structs.replace(result, attachments=shown)
 
+    async def _bytes_of(self, sha256: str, size: int) -> bytes | ReasonCode:
+        """An attachment's intact bytes (A3), or why not. On a store several hosts share, bytes
+        this host's root lacks (or holds damaged) are taken from the store and kept here (A11);
+        a store that cannot answer leaves the local reason."""
+        found = await trio.to_thread.run_sync(self.attachments.read, sha256, size)
+        if not isinstance(found, ReasonCode) or self.worker.config.store.url is None:
+            return found
+        try:
+            shared = await self.worker.store.read_document(SHARED_ATTACHMENTS + sha256)
+        except PiRuntimeError as error:
+            logger.warning("attachment %s: the store cannot give it: %s", sha256, error)
+            return found
+        if shared is None or len(shared) != size or hashlib.sha256(shared).hexdigest() != sha256:
+            return found
+        await trio.to_thread.run_sync(self.attachments.put, shared)
+        return shared
+
     async def _fetch(self, connection: _Connection, attachment_id: str) -> None:
         """``fetch_attachment`` (A9): the bytes of an attachment a published result names, checked
         against its sha256, in ``attachment_data`` chunks paced at the configured rate."""
         ref = self.worker.attachment(attachment_id)
         if ref is None:
             raise AttachmentError(ReasonCode.ATTACHMENT_UNKNOWN, "no result names this attachment")
-        found = await trio.to_thread.run_sync(self.attachments.read, ref.sha256, ref.size)
+        found = await self._bytes_of(ref.sha256, ref.size)
         if isinstance(found, ReasonCode):
             raise AttachmentError(
                 found, "its bytes are not there intact; the reply's words were sent"

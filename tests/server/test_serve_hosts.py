@@ -16,7 +16,9 @@ result frame, a line a host logs.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -31,7 +33,7 @@ from typing import Any, Final
 import trio
 from trio_websocket import open_websocket_url
 
-from fake_pi.scenario import Call, Step, ToolCalls
+from fake_pi.scenario import TINY_PNG, Attach, Call, Step, Text, ToolCalls
 from runtime._journal._postgres import open_pg_store
 from runtime._pi._session_settle import interrupted_text
 from runtime._records import ModelResponse, Record
@@ -107,7 +109,7 @@ class HostProcess:
 def _config(dsn: str, url: str, name: str, lease: float = LEASE) -> str:
     return (
         'state_dir = "state"\nwork_root = "work"\n'
-        'default_grants = ["bash", "send_text_update"]\n\n'
+        'default_grants = ["bash", "attach", "send_text_update"]\n\n'
         f'[model]\nbase_url = "{url}"\n\n'
         f'[store]\nurl = "{dsn}"\nlease_seconds = {lease}\npoll_seconds = 0.1\n'
         f'host_name = "{name}"\ntask_takeover_seconds = 0\n'
@@ -239,6 +241,37 @@ async def test_three_hosts_a_dead_hosts_lane_is_claimed_and_its_tool_not_run_aga
     assert model.request_count == 4  # d1's tool call once (journaled), d1's answer, d2, d3
     (replay,) = [r for r in model.requests if _tools(r.body)]
     assert _tools(replay.body) == [interrupted_text("bash")]
+
+
+async def test_a11_a_picture_attached_on_one_host_is_sent_and_fetched_on_another(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A11: the agent on host A attaches a picture; its bytes are in the database before the
+    outcome that names them. A client of host B — whose own root has never held them — gets
+    the result with the picture not lost and fetches its bytes from B, which keeps them."""
+    png = base64.b64decode(TINY_PNG)
+    digest = hashlib.sha256(png).hexdigest()
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Attach(), Text(text="drawn on a")]) as (_model, url),
+            deployment(tmp_path, pg_dsn, url) as start,
+        ):
+            a, b = [await start(name) for name in "ab"]
+            async with a.connect() as on_a, b.connect() as on_b:
+                await on_a.send(message("d1", room="dm:1"))
+                seen = await _collect(on_b, {"d1"})
+                await on_b.send({"type": "fetch_attachment", "id": digest})
+                chunk = await on_b.until(lambda f: f["type"] in ("attachment_data", "error"))
+    result = seen["d1"]
+    assert (result["text"], [x["sha256"] for x in result["attachments"]]) == (
+        "drawn on a",
+        [digest],
+    )
+    assert result["attachments"][0]["lost"] is False
+    assert chunk["type"] == "attachment_data", chunk
+    assert (chunk["last"], base64.b64decode(chunk["data"])) == (True, png)
+    assert (a.private / "state" / "attachments" / digest).read_bytes() == png
+    assert (b.private / "state" / "attachments" / digest).read_bytes() == png
 
 
 def _tools(body: dict[str, Any]) -> list[str]:
