@@ -216,4 +216,6 @@ def _is_link(parent: int, part: str) -> bool:
 def _display_name(name: str) -> str:
     """A name fit to show: its last component, control characters dropped, bounded."""
     shown = "".join(c for c in PurePosixPath(name).name if c.isprintable()).strip()
-    return (shown or "attachment")[:MAX_NAME]
+    if shown in ("", ".", ".."):
+        return "attachment"
+    return shown[:MAX_NAME]

@@ -75,6 +75,13 @@ async def test_a2_a4_a_file_is_stored_once_by_its_sha256_0600_in_a_0700_root(
         digest,
     )
     assert again.attachments[0].name == "Q3 chart.png"
+    for given, shown in (
+        ("../../etc/x.png", "x.png"),
+        ("..", "attachment"),
+        ("a\x1b[2J.png", "a[2J.png"),
+    ):
+        named = await attach(t, "charts/q3.png", name=given)
+        assert named.attachments[0].name == shown  # a name to show, never a path
     assert "attached q3.png (image/png" in text(first)
     assert first.details == {"attachment": {"id": digest, "name": "q3.png", "sha256": digest}}
     assert os.listdir(root) == [digest]
