@@ -243,6 +243,16 @@ class AttachmentsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """How fast one connection is sent attachment bytes (``fetch_attachment``)."""
 
 
+class RetentionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What is kept, and for how long (docs/design/retention.md)."""
+
+    journal_days: Annotated[float, msgspec.Meta(gt=0)] = 7.0
+    """A finished delivery's step journal is removed this long after its result was
+    published, once that result is acknowledged (RT2)."""
+    sweep_hours: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """How often ``serve`` looks for step journals past ``journal_days``."""
+
+
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the room worker is configured with. Build it, then :func:`validate_config`
     it (or :func:`load_config` a TOML file, which does both)."""
@@ -270,6 +280,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     store: StoreConfig = StoreConfig()
     """Task lanes only (``pi-runtime task``, the wire's task frames)."""
     attachments: AttachmentsConfig = AttachmentsConfig()
+    retention: RetentionConfig = RetentionConfig()
 
     def attachment_root(self) -> Path:
         """The attachment root (A1): every part that writes or reads attachments asks here."""

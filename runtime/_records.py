@@ -311,6 +311,8 @@ class ResultPublished(_Record, tag="result_published", frozen=True, kw_only=True
     code: str | None = None
     absorbed_into: str | None = None
     attachments: list[AttachmentRef] = msgspec.field(default_factory=list)
+    published_ms: int = 0
+    """When it was published (wall clock); 0 in a record written before this was kept."""
 
 
 class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):

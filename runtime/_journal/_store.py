@@ -172,6 +172,21 @@ class Store:
             self._on_disk_failure(error)
             raise error from exc
 
+    async def remove_log(self, rel: str) -> bool:
+        """Remove the log ``rel`` durably (unlink, directory fsync): retention (RT2) of a log
+        nothing will read again. Whether it was there."""
+
+        def remove() -> bool:
+            path = self.path(rel)
+            try:
+                self.fs.unlink(path)
+            except FileNotFoundError:
+                return False
+            self.fs.fsync_dir(os.path.dirname(path))
+            return True
+
+        return await trio.to_thread.run_sync(remove)
+
     # -- paths ---------------------------------------------------------------------
 
     def path(self, rel: str) -> str:

@@ -20,7 +20,8 @@ of readers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Final
 
 import trio
@@ -39,10 +40,19 @@ _NOT_PUBLISHED: Final = 0
 class ResultOutbox:
     """The server's numbered results; obtain with ``ResultOutbox(store.results)``."""
 
-    def __init__(self, log: Log, existing: Iterable[Record] | None = None) -> None:
+    def __init__(
+        self,
+        log: Log,
+        existing: Iterable[Record] | None = None,
+        *,
+        now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
         self._log = log
+        self._now_ms = now_ms
         self._by_delivery: dict[str, DeliveryResult] = {}
         self._ordered: list[DeliveryResult] = []
+        self._published_ms: list[int] = []
+        """When each result of :attr:`_ordered` was published (0: not recorded)."""
         self._attachments: dict[str, AttachmentRef] = {}
         """Every attachment a published result names, by id (what a client may fetch)."""
         self.last_of_room: dict[str, DeliveryResult] = {}
@@ -64,6 +74,7 @@ class ResultOutbox:
                 result = DeliveryResult.of(record)
                 self._by_delivery.setdefault(result.delivery_id, result)
                 self._ordered.append(result)
+                self._published_ms.append(record.published_ms)
                 self.last_of_room[result.room] = result
                 changed = True
             elif isinstance(record, ResultAcked) and record.seq > self.acked:
@@ -103,6 +114,15 @@ class ResultOutbox:
         """The sha256 of every attachment a published result names."""
         return {ref.sha256 for ref in self._attachments.values()}
 
+    def acknowledged_since(self, position: int) -> list[tuple[int, DeliveryResult, int]]:
+        """The acknowledged results from index ``position`` of the publication order on, each
+        as ``(index, result, published_ms)`` (retention reads them in that order)."""
+        return [
+            (i, self._ordered[i], self._published_ms[i])
+            for i in range(position, len(self._ordered))
+            if self._ordered[i].seq <= self.acked
+        ]
+
     def unacknowledged(self) -> list[DeliveryResult]:
         return [r for r in self._ordered if r.seq > self.acked]
 
@@ -134,6 +154,7 @@ class ResultOutbox:
                     code=code,
                     absorbed_into=absorbed_into,
                     attachments=attachments or [],
+                    published_ms=self._now_ms(),
                 )
                 if await self._log.try_append(record, fence=fence) is not None:
                     self._learn([record])

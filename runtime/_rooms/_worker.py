@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ from .._journal._attachments import AttachmentStore
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
-from .._journal._store import delivery_key, lane_key, open_store, runtime_dir
+from .._journal._store import Store, delivery_key, lane_key, open_store, runtime_dir
 from .._linux._fs import FileSystem
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
@@ -138,6 +139,9 @@ class RoomWorker:
         self._admissions: dict[str, Admission] = {}
         """Every admission this host knows, in admission order (of every host, when shared)."""
         self._unfinished: dict[str, dict[str, None]] = {}
+        self._expired_upto = 0
+        """Retention (RT2): every result before this index of the publication order has no
+        step journal left."""
         """Per room, the deliveries admitted (anywhere) without a published result, in order."""
         self.leases: LaneLeases | None = None
         """This host's lane leases; ``None`` where it owns every lane (one host per store)."""
@@ -751,6 +755,65 @@ class RoomWorker:
             if not fenced_out(error):
                 raise
 
+    # -- retention (docs/design/retention.md) --------------------------------------------
+
+    async def expire_journals(self) -> int:
+        """Remove the step journal (and one-shot session) of every delivery whose result was
+        acknowledged and published more than ``[retention] journal_days`` ago (RT2); how many
+        were removed. Kept whatever their age (RT1): unacknowledged results, and every
+        delivery of a room that has one unfinished (a replay there may read its owners' logs).
+        The delivery's admission and result stay in the shared logs, so a duplicate still gets
+        its result (RT3). On the file store only: a shared store's retention is not built."""
+        store = self.store
+        if not isinstance(store, Store):
+            return 0
+        outbox = self._host.outbox
+        cutoff = self._host.clocks.wall.time_ms() - self.config.retention.journal_days * 86_400_000
+        busy = {room for room, ids in self._unfinished.items() if ids}
+        removed = 0
+        settled = True
+        """Every result before this one is expired: the next look may start after it."""
+        for index, result, published_ms in outbox.acknowledged_since(self._expired_upto):
+            rel = store.delivery_rel(result.delivery_id)
+            when = published_ms or await self._modified_ms(store.path(rel))
+            if when is not None and when > cutoff:
+                break  # published in order: the rest are younger
+            if when is not None and result.room in busy:
+                settled = False  # RT1: looked at again once the room is idle
+                continue
+            if when is not None:
+                removed += await store.remove_log(rel)
+                oneshot = store.root / "lanes" / lane_key(result.room) / "oneshot"
+                with contextlib.suppress(FileNotFoundError):
+                    name = f"{delivery_key(result.delivery_id)}.jsonl"
+                    await trio.to_thread.run_sync(os.unlink, oneshot / name)
+            if settled:
+                self._expired_upto = index + 1
+        return removed
+
+    @staticmethod
+    async def _modified_ms(path: str) -> int | None:
+        """A log's last write (the result's), for a result published before the publication
+        time was recorded; ``None`` when there is no log."""
+        try:
+            stat = await trio.to_thread.run_sync(os.stat, path)
+        except FileNotFoundError:
+            return None
+        return stat.st_mtime_ns // 1_000_000
+
+    async def _expire_periodically(self, hours: float) -> None:
+        """:meth:`expire_journals` now and every ``hours``; a failure is logged and the next
+        look tries again (a fault of retention stays in retention)."""
+        while True:
+            try:
+                removed = await self.expire_journals()
+            except (OSError, JournalError) as error:
+                logger.warning("retention: cannot remove expired step journals: %s", error)
+            else:
+                if removed:
+                    logger.info("retention: removed %d expired step journal(s)", removed)
+            await trio.sleep(hours * 3600)
+
     async def _sweep_attachments(self, attachments: AttachmentStore) -> None:
         """Remove the attachment files no record names (A8): their writer died between the
         file and its outcome. Named are those of every published result and of every outcome
@@ -1017,7 +1080,7 @@ async def open_room_worker(
             program=program,
             route=route,
             upstream=upstream,
-            outbox=ResultOutbox(store.results),
+            outbox=ResultOutbox(store.results, now_ms=clocks.wall.time_ms),
             work_root=work_root,
             socket_root=runtime_dir(state_dir),
             persona=config.persona,
@@ -1064,6 +1127,7 @@ async def open_room_worker(
         else:
             await worker._sweep_attachments(attachments)  # A8: before any lane runs
             await worker._recover()
+            nursery.start_soon(worker._expire_periodically, config.retention.sweep_hours)
         try:
             yield worker
         finally:

@@ -1,0 +1,67 @@
+"""Retention of finished deliveries' step journals (docs/design/retention.md RT1-RT3), the slice
+built so far: a real room worker on a real state directory, its wall clock a virtual one moved
+past the retention period."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+import trio
+
+from fake_pi.scenario import Hang, Step, Text
+from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
+from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
+from runtime._journal._inspect import verify_journal
+from runtime._rooms._worker import open_room_worker
+
+from .._workers import scripted_upstream
+from .test_room_worker import message, next_results
+
+LIMIT: Final = 60.0
+DAY: Final = 86_400.0
+A, B = "dm:1", "dm:2"
+
+
+async def test_rt1_rt2_rt3_a_finished_acknowledged_journal_goes_after_its_days(
+    tmp_path: Path,
+) -> None:
+    """RT2: a delivery answered and acknowledged eight days ago has its step journal removed
+    (journal_days = 7), durably; RT3: a duplicate still gets its result, with its seq, and no
+    model request; RT1: kept whatever their age are an unacknowledged result's journal and
+    every journal of a room with a delivery still running. The state directory verifies."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [Text(text="old"), Text(text="old"), Text(text="a new"), Hang(seconds=3600)]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            config = RoomWorkerConfig(
+                model=ModelConfig(base_url=url), retention=RetentionConfig(journal_days=7)
+            )
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                store = worker.store
+                await worker.deliver(message("b1", room=B))
+                await worker.deliver(message("a1", room=A))
+                first = await next_results(worker, 2)
+                await worker.ack(max(r.seq for r in first))  # b1 and a1 acknowledged
+                await worker.deliver(message("a2", room=A))
+                (unacked,) = await next_results(worker, 1, after=max(r.seq for r in first))
+                await worker.deliver(message("b2", room=B))  # B stays busy: its model hangs
+                wall.advance(6 * DAY)
+                assert await worker.expire_journals() == 0  # not old enough yet
+                wall.advance(2 * DAY)
+                removed = await worker.expire_journals()
+                kept = {d: await store.exists(store.delivery_rel(d)) for d in ("a1", "a2", "b1")}
+                duplicate = await worker.deliver(message("a1", room=A))
+                again = worker.result_of("a1")
+                asked = [
+                    r for r in model.requests if "(message m-a1)" in str(r.body["messages"][-1])
+                ]
+    assert removed == 1
+    assert kept == {"a1": False, "a2": True, "b1": True}  # a2 unacked; b1's room is busy
+    assert duplicate.disposition == "duplicate"
+    assert again == {r.delivery_id: r for r in first}["a1"]
+    assert len(asked) == 1  # the duplicate asked nothing
+    assert unacked.delivery_id == "a2"
+    _, findings = verify_journal(tmp_path / "state")
+    assert [f for f in findings if f.problem] == []
