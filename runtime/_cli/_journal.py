@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import trio
 
-from .._config import load_config
+from .._clock import Clocks
+from .._config import RoomWorkerConfig, load_config, validate_config
 from .._journal._inspect import (
     delivery_records,
     delivery_records_in_database,
     verify_database,
     verify_journal,
 )
+from .._rooms._retention import compact_journals
 from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option, store_option
 
 
@@ -34,6 +37,19 @@ def register(commands: Commands) -> None:
         type=Path,
         help="the TOML configuration file: its [attachments] root is checked (default: the "
         "state directory's attachments/)",
+    )
+    compact = journal.add(
+        "compact",
+        "remove the step journals retention lets go",
+        "Remove the step journal of every delivery whose result was acknowledged and "
+        "published more than [retention] journal_days ago (docs/design/retention.md), as "
+        "serve does every [retention] sweep_hours. Refused while a server holds the state "
+        "directory (state_dir_locked). File store only.",
+        _journal_compact,
+    )
+    state_dir_option(compact)
+    compact.add_argument(
+        "--config", type=Path, help="the TOML configuration file (its state_dir and [retention])"
     )
     show = journal.add(
         "show",
@@ -65,6 +81,21 @@ def _journal_verify(args: argparse.Namespace) -> int:
     problems = sum(f.problem for f in findings)
     print(f"checked {checked} logs: {problems} problem{'s' if problems != 1 else ''}")
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _journal_compact(args: argparse.Namespace) -> int:
+    if args.config:
+        config = load_config(args.config)
+    else:
+        config = validate_config(RoomWorkerConfig(state_dir=str(args.state_dir)))
+    days = config.retention.journal_days
+    removed = trio.run(
+        functools.partial(
+            compact_journals, Path(config.state_dir), journal_days=days, clocks=Clocks.system()
+        )
+    )
+    print(f"removed {removed} step journal{'s' if removed != 1 else ''} older than {days:g} days")
+    return EXIT_OK
 
 
 def _journal_show(args: argparse.Namespace) -> int:

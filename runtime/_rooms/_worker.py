@@ -34,7 +34,6 @@ import contextlib
 import functools
 import logging
 import math
-import os
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -93,6 +92,7 @@ from ._admission import (
 from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
+from ._retention import expire_step_journals
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 
@@ -767,39 +767,12 @@ class RoomWorker:
         store = self.store
         if not isinstance(store, Store):
             return 0
-        outbox = self._host.outbox
         cutoff = self._host.clocks.wall.time_ms() - self.config.retention.journal_days * 86_400_000
         busy = {room for room, ids in self._unfinished.items() if ids}
-        removed = 0
-        settled = True
-        """Every result before this one is expired: the next look may start after it."""
-        for index, result, published_ms in outbox.acknowledged_since(self._expired_upto):
-            rel = store.delivery_rel(result.delivery_id)
-            when = published_ms or await self._modified_ms(store.path(rel))
-            if when is not None and when > cutoff:
-                break  # published in order: the rest are younger
-            if when is not None and result.room in busy:
-                settled = False  # RT1: looked at again once the room is idle
-                continue
-            if when is not None:
-                removed += await store.remove_log(rel)
-                oneshot = store.root / "lanes" / lane_key(result.room) / "oneshot"
-                with contextlib.suppress(FileNotFoundError):
-                    name = f"{delivery_key(result.delivery_id)}.jsonl"
-                    await trio.to_thread.run_sync(os.unlink, oneshot / name)
-            if settled:
-                self._expired_upto = index + 1
+        removed, self._expired_upto = await expire_step_journals(
+            store, self._host.outbox, busy, cutoff_ms=int(cutoff), start=self._expired_upto
+        )
         return removed
-
-    @staticmethod
-    async def _modified_ms(path: str) -> int | None:
-        """A log's last write (the result's), for a result published before the publication
-        time was recorded; ``None`` when there is no log."""
-        try:
-            stat = await trio.to_thread.run_sync(os.stat, path)
-        except FileNotFoundError:
-            return None
-        return stat.st_mtime_ns // 1_000_000
 
     async def _expire_periodically(self, hours: float) -> None:
         """:meth:`expire_journals` now and every ``hours``; a failure is logged and the next

@@ -4,12 +4,15 @@ past the retention period."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Final
 
+import pytest
 import trio
 
 from fake_pi.scenario import Hang, Step, Text
+from runtime._cli import main
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
 from runtime._journal._inspect import verify_journal
@@ -65,3 +68,33 @@ async def test_rt1_rt2_rt3_a_finished_acknowledged_journal_goes_after_its_days(
     assert unacked.delivery_id == "a2"
     _, findings = verify_journal(tmp_path / "state")
     assert [f for f in findings if f.problem] == []
+
+
+async def test_rt10_journal_compact_removes_them_on_demand_and_waits_for_no_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """RT10 (the built part): ``pi-runtime journal compact`` removes the step journals past
+    ``journal_days`` of a state directory no server holds — here, results published ten days
+    ago (the host's wall clock was set back) — and is refused ``state_dir_locked`` while a
+    room worker holds it."""
+    ten_days_ago = MockWallClock(start_ms=time.time_ns() // 1_000_000 - int(10 * DAY * 1000))
+    clocks = Clocks(silence=SystemSilenceClock(), wall=ten_days_ago)
+    compact = ["journal", "compact", "--state-dir", str(tmp_path / "state")]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="old")]) as (_model, url):
+            config = RoomWorkerConfig(model=ModelConfig(base_url=url))
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                await worker.deliver(message("a1", room=A))
+                (result,) = await next_results(worker, 1)
+                await worker.ack(result.seq)
+                refused = await trio.to_thread.run_sync(main, compact)
+                log = tmp_path / "state" / worker.store.delivery_rel("a1")
+            kept = await trio.to_thread.run_sync(log.exists)
+            compacted = await trio.to_thread.run_sync(main, compact)
+            gone = not await trio.to_thread.run_sync(log.exists)
+    assert refused == 1
+    assert "is in use by pid" in caplog.text
+    assert kept
+    assert compacted == 0
+    assert "removed 1 step journal older than 7 days" in capsys.readouterr().out
+    assert gone
