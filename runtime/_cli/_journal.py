@@ -10,6 +10,7 @@ import trio
 
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, load_config, validate_config
+from .._errors import ConfigError
 from .._journal._inspect import (
     delivery_records,
     delivery_records_in_database,
@@ -86,6 +87,8 @@ def _journal_verify(args: argparse.Namespace) -> int:
 def _journal_compact(args: argparse.Namespace) -> int:
     if args.config:
         config = load_config(args.config)
+        if config.store.url is not None:
+            raise ConfigError("store.url", "journal compact is for the file store only")
     else:
         config = validate_config(RoomWorkerConfig(state_dir=str(args.state_dir)))
     days = config.retention.journal_days

@@ -20,7 +20,8 @@ from pathlib import Path
 import trio
 
 from .._clock import Clocks
-from .._journal._store import Store, delivery_key, lane_key, open_store
+from .._errors import ReasonCode, StateDirError
+from .._journal._store import ADMISSIONS, Store, delivery_key, lane_key, open_store
 from .._records import Admission
 from ._outbox import ResultOutbox
 
@@ -72,7 +73,14 @@ async def _modified_ms(path: str) -> int | None:
 async def compact_journals(state_dir: Path, *, journal_days: float, clocks: Clocks) -> int:
     """``pi-runtime journal compact``: :func:`expire_step_journals` over a state directory no
     server holds (its lock is taken: ``state_dir_locked`` while one runs — it does the same
-    every ``[retention] sweep_hours``); how many step journals were removed."""
+    every ``[retention] sweep_hours``); how many step journals were removed. A directory that
+    holds no file-store journal (a host of a PostgreSQL deployment, a typo) is refused
+    ``state_dir_invalid``, and nothing is created there."""
+    if not await trio.to_thread.run_sync((state_dir / ADMISSIONS).exists):
+        raise StateDirError(
+            ReasonCode.STATE_DIR_INVALID,
+            f"{state_dir} holds no file-store journal (no {ADMISSIONS}); check --state-dir",
+        )
     async with open_store(state_dir, clocks=clocks) as store:
         outbox = ResultOutbox(store.results)
         busy = {

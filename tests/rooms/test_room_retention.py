@@ -98,3 +98,7 @@ async def test_rt10_journal_compact_removes_them_on_demand_and_waits_for_no_serv
     assert compacted == 0
     assert "removed 1 step journal older than 7 days" in capsys.readouterr().out
     assert gone
+    elsewhere = ["journal", "compact", "--state-dir", str(tmp_path / "elsewhere")]
+    assert await trio.to_thread.run_sync(main, elsewhere) == 1
+    assert "holds no file-store journal" in caplog.text
+    assert not await trio.to_thread.run_sync((tmp_path / "elsewhere").exists)  # not created
