@@ -32,12 +32,19 @@ async def test_rt1_rt2_rt3_a_finished_acknowledged_journal_goes_after_its_days(
     """RT2: a delivery answered and acknowledged eight days ago has its step journal removed
     (journal_days = 7), durably; RT3: a duplicate still gets its result, with its seq, and no
     model request; RT1: kept whatever their age are an unacknowledged result's journal and
-    every journal of a room with a delivery still running. The state directory verifies."""
+    every journal of a room with a delivery still running. The state directory verifies, and
+    a host restarted on it replays the running delivery and still knows the expired one."""
     wall = MockWallClock()
     clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
     steps: list[Step] = [Text(text="old"), Text(text="old"), Text(text="a new"), Hang(seconds=3600)]
+    hanging = trio.Event()
+
+    async def arrived(n: int) -> None:
+        if n == 4:
+            hanging.set()  # b2's request: it hangs
+
     with trio.fail_after(LIMIT):
-        async with scripted_upstream(steps) as (model, url):
+        async with scripted_upstream(steps, on_request=arrived) as (model, url):
             config = RoomWorkerConfig(
                 model=ModelConfig(base_url=url), retention=RetentionConfig(journal_days=7)
             )
@@ -50,6 +57,7 @@ async def test_rt1_rt2_rt3_a_finished_acknowledged_journal_goes_after_its_days(
                 await worker.deliver(message("a2", room=A))
                 (unacked,) = await next_results(worker, 1, after=max(r.seq for r in first))
                 await worker.deliver(message("b2", room=B))  # B stays busy: its model hangs
+                await hanging.wait()
                 wall.advance(6 * DAY)
                 assert await worker.expire_journals() == 0  # not old enough yet
                 wall.advance(2 * DAY)
@@ -60,12 +68,19 @@ async def test_rt1_rt2_rt3_a_finished_acknowledged_journal_goes_after_its_days(
                 asked = [
                     r for r in model.requests if "(message m-a1)" in str(r.body["messages"][-1])
                 ]
+            # a restart on what retention left: the running b2 is replayed (the scenario is
+            # spent: a plain answer) and a1 is still known (RT3)
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                after_restart = worker.result_of("a1")
+                later = await next_results(worker, 2)  # a2 again (unacknowledged), and b2
     assert removed == 1
     assert kept == {"a1": False, "a2": True, "b1": True}  # a2 unacked; b1's room is busy
     assert duplicate.disposition == "duplicate"
     assert again == {r.delivery_id: r for r in first}["a1"]
     assert len(asked) == 1  # the duplicate asked nothing
     assert unacked.delivery_id == "a2"
+    assert after_restart == again
+    assert {(r.delivery_id, r.outcome) for r in later} == {("a2", "reply"), ("b2", "reply")}
     _, findings = verify_journal(tmp_path / "state")
     assert [f for f in findings if f.problem] == []
 
