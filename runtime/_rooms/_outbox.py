@@ -21,7 +21,7 @@ of readers.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Final
 
 import trio
@@ -114,14 +114,13 @@ class ResultOutbox:
         """The sha256 of every attachment a published result names."""
         return {ref.sha256 for ref in self._attachments.values()}
 
-    def acknowledged_since(self, position: int) -> list[tuple[int, DeliveryResult, int]]:
+    def acknowledged_since(self, position: int) -> Iterator[tuple[int, DeliveryResult, int]]:
         """The acknowledged results from index ``position`` of the publication order on, each
-        as ``(index, result, published_ms)`` (retention reads them in that order)."""
-        return [
-            (i, self._ordered[i], self._published_ms[i])
-            for i in range(position, len(self._ordered))
-            if self._ordered[i].seq <= self.acked
-        ]
+        as ``(index, result, published_ms)`` (retention reads them in that order and stops
+        early)."""
+        for i in range(position, len(self._ordered)):
+            if self._ordered[i].seq <= self.acked:
+                yield i, self._ordered[i], self._published_ms[i]
 
     def unacknowledged(self) -> list[DeliveryResult]:
         return [r for r in self._ordered if r.seq > self.acked]

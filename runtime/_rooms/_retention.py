@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -31,22 +31,23 @@ __all__ = ["compact_journals", "expire_step_journals"]
 async def expire_step_journals(
     store: Store,
     outbox: ResultOutbox,
-    busy: Collection[str],
+    busy: Callable[[str], bool],
     *,
     cutoff_ms: int,
     start: int = 0,
 ) -> tuple[int, int]:
     """Remove the expired step journals among the results from index ``start`` of the
     publication order on: ``(journals removed, where the next look may start)`` — the index
-    after the last result before which every one is expired (a busy room's result holds it
-    back, so it is looked at again)."""
+    after the last result before which every one is expired (a result of a room ``busy``
+    says has an unfinished delivery holds it back, so it is looked at again). ``busy`` is
+    asked after the last await before each removal."""
     removed, position, settled = 0, start, True
     for index, result, published_ms in outbox.acknowledged_since(start):
         rel = store.delivery_rel(result.delivery_id)
         when = published_ms or await _modified_ms(store.path(rel))
         if when is not None and when > cutoff_ms:
             break  # published in order: the rest are younger
-        if when is not None and result.room in busy:
+        if when is not None and busy(result.room):
             settled = False  # RT1: looked at again once the room is idle
             continue
         if when is not None:
@@ -87,7 +88,9 @@ async def compact_journals(state_dir: Path, *, journal_days: float, clocks: Cloc
             str(record.request.get("room"))
             for record in store.admissions.contents.records
             if isinstance(record, Admission) and outbox.result_of(record.delivery_id) is None
-        }
+        }  # nothing admits here: the store's lock is held
         cutoff = clocks.wall.time_ms() - journal_days * 86_400_000
-        removed, _ = await expire_step_journals(store, outbox, busy, cutoff_ms=int(cutoff))
+        removed, _ = await expire_step_journals(
+            store, outbox, busy.__contains__, cutoff_ms=int(cutoff)
+        )
     return removed

@@ -768,9 +768,12 @@ class RoomWorker:
         if not isinstance(store, Store):
             return 0
         cutoff = self._host.clocks.wall.time_ms() - self.config.retention.journal_days * 86_400_000
-        busy = {room for room, ids in self._unfinished.items() if ids}
         removed, self._expired_upto = await expire_step_journals(
-            store, self._host.outbox, busy, cutoff_ms=int(cutoff), start=self._expired_upto
+            store,
+            self._host.outbox,
+            lambda room: bool(self._unfinished.get(room)),
+            cutoff_ms=int(cutoff),
+            start=self._expired_upto,
         )
         return removed
 
@@ -794,13 +797,7 @@ class RoomWorker:
         referenced = self._host.outbox.referenced()
         for ids in self._unfinished.values():
             for delivery_id in ids:
-                if not await self.store.exists(self.store.delivery_rel(delivery_id)):
-                    continue
-                try:
-                    records = (await self.store.read_delivery_log(delivery_id)).records
-                except JournalError:
-                    continue  # damaged: its lane refuses it; no result will name a file
-                for record in records:
+                for record in await self._log_records(delivery_id):
                     if isinstance(record, ToolOutcome):
                         referenced.update(ref.sha256 for ref in record.attachments)
         try:
@@ -816,16 +813,20 @@ class RoomWorker:
         the owners' logs (only deliveries whose turn started have one)."""
         found: dict[str, tuple[str, str, int | None]] = {}
         for owner in owners:
-            if not await self.store.exists(self.store.delivery_rel(owner)):
-                continue
-            try:
-                records = (await self.store.read_delivery_log(owner)).records
-            except JournalError:
-                continue  # damaged: its lane refuses it (recovery_refused:journal)
-            for record in records:
+            for record in await self._log_records(owner):
                 if isinstance(record, AbsorbedInput):
                     found[record.delivery_id] = (owner, record.text, record.first_step)
         return found
+
+    async def _log_records(self, delivery_id: str) -> tuple[Record, ...]:
+        """The records of a delivery's own log; none when its turn never began (no log) or
+        the log is damaged (its lane refuses it, ``recovery_refused:journal``)."""
+        if not await self.store.exists(self.store.delivery_rel(delivery_id)):
+            return ()
+        try:
+            return (await self.store.read_delivery_log(delivery_id)).records
+        except JournalError:
+            return ()
 
     def _refusal(
         self, record: Admission, delivery: Delivery, grants: frozenset[str] | None
