@@ -251,6 +251,15 @@ class RetentionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     published, once that result is acknowledged (RT2)."""
     sweep_hours: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     """How often ``serve`` looks for step journals past ``journal_days``."""
+    idempotency_days: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """A finished delivery's idempotency record (its request fingerprint and result) is kept
+    this long after its result was published (RT3); at least ``journal_days``."""
+    forget_days: Annotated[float, msgspec.Meta(gt=0)] = 365.0
+    """An expired delivery's id is kept in the expired-id filter this long after its result
+    was published (RT4: a duplicate is ``delivery_expired``); at least ``idempotency_days``.
+    After it, the same id would be admitted as new."""
+    compact_hours: Annotated[float, msgspec.Meta(gt=0)] = 6.0
+    """How often ``serve`` compacts the shared logs (RT6-RT10)."""
 
 
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -669,6 +678,15 @@ def _check_caps(config: RoomWorkerConfig) -> None:
             raise ConfigError(f"caps.{field.name}", "must be at least 1")
 
 
+def _check_retention(config: RoomWorkerConfig) -> None:
+    """RT3, RT4: an idempotency record outlives its step journal; an expired id its record."""
+    retention = config.retention
+    if retention.idempotency_days < retention.journal_days:
+        raise ConfigError("retention.idempotency_days", "must be at least retention.journal_days")
+    if retention.forget_days < retention.idempotency_days:
+        raise ConfigError("retention.forget_days", "must be at least retention.idempotency_days")
+
+
 _CHECKS: Final = (
     _check_directories,
     _check_model,
@@ -680,4 +698,5 @@ _CHECKS: Final = (
     _check_threshold_values,
     _check_threshold_order,
     _check_caps,
+    _check_retention,
 )

@@ -122,6 +122,7 @@ class ReasonCode(enum.StrEnum):
     DELIVERY_INVALID = "delivery_invalid"
     DELIVERY_CONFLICT = "delivery_conflict"
     DELIVERY_UNKNOWN = "delivery_unknown"
+    DELIVERY_EXPIRED = "delivery_expired"
     QUEUE_FULL = "queue_full"
     NOT_ADMITTING = "not_admitting"
     TURN_STALLED = "turn_stalled"
@@ -301,7 +302,8 @@ class AdminError(PiRuntimeError):
 class DeliveryError(PiRuntimeError):
     """A delivery (or a command about one) was refused; nothing was admitted. ``code`` is
     ``room_invalid``, ``room_refused``, ``delivery_invalid``, ``delivery_conflict``,
-    ``delivery_unknown``, ``queue_full`` or ``not_admitting``."""
+    ``delivery_unknown``, ``delivery_expired`` (its idempotency record is past retention,
+    docs/design/retention.md RT4), ``queue_full`` or ``not_admitting``."""
 
 
 class AttachmentError(PiRuntimeError):

@@ -28,6 +28,7 @@ __all__ = [
     "AbsorbedInput",
     "Admission",
     "AttachmentRef",
+    "Compacted",
     "ContinuationSent",
     "EpochFenced",
     "EpochStarted",
@@ -46,6 +47,7 @@ __all__ = [
     "Result",
     "ResultAcked",
     "ResultPublished",
+    "Settled",
     "StepAbandoned",
     "TaskEnded",
     "TaskReply",
@@ -55,7 +57,7 @@ __all__ = [
     "record_tag",
 ]
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 """The journal schema this code writes and the newest it reads."""
 
 
@@ -321,6 +323,30 @@ class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):
     seq: int
 
 
+class Settled(_Record, tag="settled", frozen=True, kw_only=True):
+    """A finished delivery's idempotency record (docs/design/retention.md RT3), written by a
+    compaction of the admission log in place of its :class:`Admission` once its step journal
+    has gone: what a duplicate is answered from (its result stays in the result log)."""
+
+    delivery_id: str
+    room: str
+    request: str
+    """The request fingerprint (:attr:`Fingerprints.request`): a different request under
+    the same id is still a ``delivery_conflict``."""
+    admitted_ms: int
+
+
+class Compacted(_Record, tag="compacted", frozen=True, kw_only=True):
+    """Second record of a shared log a compaction rewrote (RT6, RT7): what it left out."""
+
+    compacted_ms: int
+    removed: int
+    """Records of the previous file not carried over."""
+    last_seq: int = 0
+    """In the result log: the last seq published before the compaction (RT8: the next
+    result is numbered after it, whatever was removed)."""
+
+
 class TaskSubmitted(_Record, tag="task_submitted", frozen=True, kw_only=True):
     """A task lane's admission (docs/design/watchdog.md): the task, its worktree and its frozen
     route."""
@@ -386,6 +412,8 @@ Record = (
     | LifecycleReceipt
     | ResultPublished
     | ResultAcked
+    | Settled
+    | Compacted
     | TaskSubmitted
     | TaskReply
     | TaskEnded

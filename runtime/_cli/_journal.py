@@ -41,11 +41,13 @@ def register(commands: Commands) -> None:
     )
     compact = journal.add(
         "compact",
-        "remove the step journals retention lets go",
+        "remove what retention lets go, and compact the shared logs",
         "Remove the step journal of every delivery whose result was acknowledged and "
-        "published more than [retention] journal_days ago (docs/design/retention.md), as "
-        "serve does every [retention] sweep_hours. Refused while a server holds the state "
-        "directory (state_dir_locked). File store only.",
+        "published more than [retention] journal_days ago, keep only an idempotency record "
+        "of each, expire those older than [retention] idempotency_days, and rewrite the "
+        "admission and result logs with what is left (docs/design/retention.md), as serve "
+        "does every [retention] sweep_hours and compact_hours. Refused while a server holds "
+        "the state directory (state_dir_locked). File store only.",
         _journal_compact,
     )
     state_dir_option(compact)
@@ -91,13 +93,20 @@ def _journal_compact(args: argparse.Namespace) -> int:
             raise ConfigError("store.url", "journal compact is for the file store only")
     else:
         config = validate_config(RoomWorkerConfig(state_dir=str(args.state_dir)))
-    days = config.retention.journal_days
-    removed = trio.run(
+    retention = config.retention
+    removed, plan = trio.run(
         functools.partial(
-            compact_journals, Path(config.state_dir), journal_days=days, clocks=Clocks.system()
+            compact_journals, Path(config.state_dir), retention=retention, clocks=Clocks.system()
         )
     )
+    days = retention.journal_days
     print(f"removed {removed} step journal{'s' if removed != 1 else ''} older than {days:g} days")
+    settled, expired = len(plan.settled), len(plan.expired)
+    print(
+        f"kept {settled} idempotency record{'s' if settled != 1 else ''} in place of admissions; "
+        f"expired {expired} deliver{'ies' if expired != 1 else 'y'} older than "
+        f"{retention.idempotency_days:g} days (a duplicate of one is delivery_expired)"
+    )
     return EXIT_OK
 
 

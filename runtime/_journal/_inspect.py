@@ -11,6 +11,7 @@ server runs. Blocking; the command line calls them from its main thread.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -25,15 +26,18 @@ from .._linux._proc import is_alive
 from .._records import (
     Admission,
     AttachmentRef,
+    Compacted,
     LogKind,
     Record,
     Result,
     ResultAcked,
     ResultPublished,
+    Settled,
     ToolOutcome,
 )
 from .._wire import DeliveryResult
 from ._attachments import AttachmentStore, attachment_root
+from ._expired import EXPIRED, read_expired
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
 
@@ -214,6 +218,10 @@ def verify_journal(state_dir: Path, attachments: Path | None = None) -> tuple[in
             named.setdefault(ref.sha256, (ref, where))
     store = AttachmentStore(attachments or attachment_root(root))
     findings += _check_attachments(store, named)
+    try:  # RT4: a damaged filter would let an expired delivery run again as new
+        read_expired(OsFileSystem(), str(root / EXPIRED))
+    except JournalError as error:
+        findings.append(Finding(EXPIRED, error.message, problem=True, code=str(error.code)))
     return len(logs), findings
 
 
@@ -336,11 +344,19 @@ def _check_contents(rel: str, kind: LogKind, contents: LogContents) -> list[Find
         )
     if kind is LogKind.RESULTS:
         seqs = [r.seq for r in contents.records if isinstance(r, ResultPublished)]
-        if seqs != list(range(1, len(seqs) + 1)):
+        mark = contents.records[1] if len(contents.records) > 1 else None
+        if isinstance(mark, Compacted):  # RT6: what a compaction kept, in order, gaps allowed
+            bad = any(b <= a for a, b in itertools.pairwise([0, *seqs])) or (
+                seqs[-1] < mark.last_seq if seqs else False
+            )
+            shape = "increasing, and through the last seq before the compaction"
+        else:
+            bad, shape = seqs != list(range(1, len(seqs) + 1)), "1, 2, 3, …"
+        if bad:
             found.append(
                 Finding(
                     rel,
-                    "result seqs are not 1, 2, 3, …",
+                    f"result seqs are not {shape}",
                     problem=True,
                     code=str(ReasonCode.JOURNAL_SEQUENCE_GAP),
                 )
@@ -375,7 +391,7 @@ def _records_of(
             note = f"the log was poisoned ({contents.poison.reason})"
         return list(contents.records), note
     found: list[Record] = [
-        r for r in admissions if isinstance(r, Admission) and r.delivery_id == delivery_id
+        r for r in admissions if isinstance(r, Admission | Settled) and r.delivery_id == delivery_id
     ]
     if not found:
         raise PiRuntimeError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id!r} in {where}")

@@ -12,6 +12,7 @@ Layout (docs/design/journal.md)::
       lanes/<hash>/lane.log    one log per lane (epochs, outbox, receipts)
       lanes/<hash>/session.jsonl    the lane's Pi session
       results.log              the numbered result outbox (shared)
+      expired.ids              the expired-id filter (docs/design/retention.md RT4)
       receipts.sqlite          the receipt store
 
 File names derive from hashes of client-chosen ids, never the raw ids, and
@@ -28,7 +29,7 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -45,8 +46,10 @@ from .._errors import (
 )
 from .._linux._fs import FileSystem, OsFileSystem
 from .._linux._proc import ProcessIdentity, current_identity, is_alive
-from .._records import SCHEMA_VERSION, Header, LogKind, Poison
+from .._records import SCHEMA_VERSION, Compacted, Header, LogKind, Poison, Record
+from ._expired import EXPIRED, ExpiredIds, read_expired
 from ._fence import Fence
+from ._frame import encode_frame
 from ._interface import Log
 from ._journal import Journal, LogContents, encode_record, read_log
 from ._writer import TMP_MARK, LogTarget, WriterPool, atomic_write, disk_error
@@ -65,6 +68,8 @@ _T = TypeVar("_T")
 ADMISSIONS: Final = "admissions/admissions.log"
 RESULTS: Final = "results.log"
 OWNER: Final = "owner.json"
+_FRAME_RECORDS: Final = 1024
+"""Records per frame of a compacted log."""
 LOCK: Final = "LOCK"
 
 
@@ -149,6 +154,8 @@ class Store:
         self._disk_failure: DiskFailedError | None = None
         self.admissions: Journal
         self.results: Journal
+        self.expired = ExpiredIds()
+        """The expired-id filter (RT4): ``delivery_key(id) in store.expired``."""
 
     # -- health --------------------------------------------------------------------
 
@@ -186,6 +193,55 @@ class Store:
             return True
 
         return await trio.to_thread.run_sync(remove)
+
+    # -- compaction (docs/design/retention.md RT4-RT7) -----------------------------------
+
+    async def expire(self, forget_after_ms: Mapping[str, int]) -> None:
+        """Add deliveries to the expired-id filter, each until its forget-after time (RT4),
+        durably (the file replaced atomically); the entries past theirs are dropped."""
+        now = self.clocks.wall.time_ms()
+        keyed = {delivery_key(d): when for d, when in forget_after_ms.items()}
+        data = self.expired.merged(keyed, now_ms=now)
+        await self._blocking(EXPIRED, atomic_write, self.fs, self.path(EXPIRED), data)
+        # what is on disk now, checked as a start would check it
+        self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
+
+    async def rewrite_shared(
+        self, journal: Journal, records: list[Record], *, last_seq: int = 0
+    ) -> Journal:
+        """Replace the shared log ``journal`` (:attr:`admissions` or :attr:`results`) by a
+        file holding ``records`` (RT7): a new header and a :class:`Compacted` record first,
+        same framing; written to a temp file, synced, renamed over the log, the directory
+        synced — so the old file is whole until the new one is durable, and a crash leaves
+        one or the other. The caller guarantees nothing appends to it meanwhile. What is
+        then the log: reopened from disk (read back and checked), so a failed rewrite
+        leaves the old one open."""
+        rel, contents = journal.rel, journal.contents
+        kind = contents.header.kind
+        marked = len(contents.records) > 1 and isinstance(contents.records[1], Compacted)
+        before = journal.next_seq - 1 - marked  # the records the file holds after its header
+        header = Header(
+            schema_version=SCHEMA_VERSION,
+            kind=kind,
+            subject=contents.header.subject,
+            created_ms=self.clocks.wall.time_ms(),
+        )
+        mark = Compacted(
+            compacted_ms=header.created_ms,
+            removed=max(0, before - len(records)),
+            last_seq=last_seq,
+        )
+        data = await trio.to_thread.run_sync(_framed, [header, mark, *records])
+        await self.close_log(journal)
+        try:
+            await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
+        finally:
+            reopened = await self._open_existing(rel, kind)
+            if kind is LogKind.ADMISSIONS:
+                self.admissions = reopened
+            else:
+                self.results = reopened
+        return reopened
 
     # -- paths ---------------------------------------------------------------------
 
@@ -385,6 +441,16 @@ class Store:
         )
 
 
+def _framed(records: list[Record]) -> bytes:
+    """``records`` as a log file's bytes, numbered from 0, in frames of
+    :data:`_FRAME_RECORDS`."""
+    encoded = [encode_record(r) for r in records]
+    return b"".join(
+        encode_frame(first, encoded[first : first + _FRAME_RECORDS])
+        for first in range(0, len(encoded), _FRAME_RECORDS)
+    )
+
+
 # -- opening -------------------------------------------------------------------------
 
 
@@ -523,6 +589,9 @@ async def open_store(
                 ADMISSIONS, LogKind.ADMISSIONS, "admissions"
             )
             store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
+            store.expired = await trio.to_thread.run_sync(
+                read_expired, store.fs, store.path(EXPIRED)
+            )
             yield store
         finally:
             with trio.CancelScope(shield=True):

@@ -21,14 +21,21 @@ of readers.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Final
 
 import trio
 
 from .._journal._fence import Fence
 from .._journal._interface import Log
-from .._records import AttachmentRef, Outcome, Record, ResultAcked, ResultPublished
+from .._records import (
+    AttachmentRef,
+    Compacted,
+    Outcome,
+    Record,
+    ResultAcked,
+    ResultPublished,
+)
 from .._wire import DeliveryResult
 
 __all__ = ["DeliveryResult", "ResultOutbox"]
@@ -49,19 +56,24 @@ class ResultOutbox:
     ) -> None:
         self._log = log
         self._now_ms = now_ms
+        self._lock = trio.Lock()
+        self._changed = trio.Event()
+        self._forget()
+        self._learn(log.contents.records if existing is None else existing)
+
+    def _forget(self) -> None:
         self._by_delivery: dict[str, DeliveryResult] = {}
         self._ordered: list[DeliveryResult] = []
-        self._published_ms: list[int] = []
-        """When each result of :attr:`_ordered` was published (0: not recorded)."""
+        self._records: list[ResultPublished] = []
+        """The record of each result of :attr:`_ordered`."""
         self._attachments: dict[str, AttachmentRef] = {}
         """Every attachment a published result names, by id (what a client may fetch)."""
         self.last_of_room: dict[str, DeliveryResult] = {}
         """Each room's latest published result."""
         self.acked = 0
         """Every seq up to this one was acknowledged."""
-        self._lock = trio.Lock()
-        self._changed = trio.Event()
-        self._learn(log.contents.records if existing is None else existing)
+        self._floor = _NOT_PUBLISHED
+        """The last seq published before the log was last compacted (RT8)."""
 
     def _learn(self, records: Iterable[Record]) -> bool:
         """Take in records of the log (from its start, or from where this outbox stopped);
@@ -74,12 +86,14 @@ class ResultOutbox:
                 result = DeliveryResult.of(record)
                 self._by_delivery.setdefault(result.delivery_id, result)
                 self._ordered.append(result)
-                self._published_ms.append(record.published_ms)
+                self._records.append(record)
                 self.last_of_room[result.room] = result
                 changed = True
             elif isinstance(record, ResultAcked) and record.seq > self.acked:
                 self.acked = record.seq
                 changed = True
+            elif isinstance(record, Compacted):
+                self._floor = max(self._floor, record.last_seq)
         return changed
 
     def _wake(self) -> None:
@@ -99,7 +113,11 @@ class ResultOutbox:
 
     @property
     def last_seq(self) -> int:
-        return self._ordered[-1].seq if self._ordered else _NOT_PUBLISHED
+        return max(self._ordered[-1].seq if self._ordered else _NOT_PUBLISHED, self._floor)
+
+    def published(self) -> list[ResultPublished]:
+        """Every published result's record, in seq order."""
+        return list(self._records)
 
     def result_of(self, delivery_id: str) -> DeliveryResult | None:
         """The published result of ``delivery_id``, if any (its first, original seq)."""
@@ -120,7 +138,7 @@ class ResultOutbox:
         early)."""
         for i in range(position, len(self._ordered)):
             if self._ordered[i].seq <= self.acked:
-                yield i, self._ordered[i], self._published_ms[i]
+                yield i, self._ordered[i], self._records[i].published_ms
 
     def unacknowledged(self) -> list[DeliveryResult]:
         return [r for r in self._ordered if r.seq > self.acked]
@@ -174,6 +192,32 @@ class ResultOutbox:
                     self._wake()
                     return
                 self._sync_locked(await self._log.refresh())
+
+    async def rewrite(
+        self,
+        drop: set[str],
+        replace: Callable[[list[Record], int], Awaitable[object]],
+        current: Callable[[], Log],
+    ) -> int:
+        """Compact the log (docs/design/retention.md RT7, RT8): ``replace(records,
+        last_seq)`` rewrites it holding every published result but those of ``drop`` and
+        the acknowledged seq; nothing is published or acknowledged meanwhile. ``current()``
+        is the log afterwards, whether the rewrite succeeded or not. Seqs are kept as they
+        were, and the next one still follows the last ever published. How many results were
+        left out."""
+        async with self._lock:
+            kept: list[Record] = [r for r in self._records if r.delivery_id not in drop]
+            removed = len(self._records) - len(kept)
+            if self.acked:
+                kept.append(ResultAcked(seq=self.acked))
+            last = self.last_seq
+            try:
+                await replace(kept, last)
+            finally:
+                self._log = current()
+            self._forget()
+            self._learn([Compacted(compacted_ms=0, removed=0, last_seq=last), *kept])
+            return removed
 
     async def follow(self, after: int | None = None) -> AsyncIterator[DeliveryResult]:
         """Every result with a seq above ``after`` (default: the acknowledged seq), in seq

@@ -1,31 +1,188 @@
-"""Retention of room deliveries' step journals (docs/design/retention.md RT1-RT3), shared by the
-room worker (at its start and every ``[retention] sweep_hours``) and ``pi-runtime journal
-compact`` (on demand, with no server running).
+"""Retention of room deliveries (docs/design/retention.md RT1-RT8), shared by the room worker
+(at its start, every ``[retention] sweep_hours`` and ``compact_hours``) and ``pi-runtime
+journal compact`` (on demand, with no server running). File store only.
 
-A delivery's step journal (``deliveries/<key>.log``) and one-shot session are removed —
-unlink, directory fsync — once its result is acknowledged and was published before
-``cutoff_ms``. Kept whatever their age (RT1): an unacknowledged result's journal, and every
-journal of a room with an unfinished delivery (its replay may read its owners' logs). The
-admission and the published result stay in the shared logs, so a duplicate still gets its
-result (RT3). File store only.
+A finished delivery — its result acknowledged, its room idle — passes through three stages:
+
+* ``journal_days`` after its result was published, its step journal (``deliveries/<key>.log``)
+  and one-shot session are removed (:func:`expire_step_journals`), and at the next compaction
+  its admission is slimmed to a :class:`~runtime._records.Settled` idempotency record;
+* ``idempotency_days`` after, a compaction removes that record and its result, and its id goes
+  into the expired-id filter: a duplicate is then ``delivery_expired`` (RT4);
+* ``forget_days`` after, the filter lets it go.
+
+A room's latest result is never removed (its lane's recovery reads it, and it keeps the room
+warm). What is not finished is never touched, whatever its age (RT1). Removal is ordered so a
+crash between any two steps leaves more, never less (RT5): the step journal, then the
+filter, then the admission log, then the result log (:func:`compact_shared`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final, NamedTuple
 
 import trio
 
 from .._clock import Clocks
+from .._config import RetentionConfig
 from .._errors import ReasonCode, StateDirError
 from .._journal._store import ADMISSIONS, Store, delivery_key, lane_key, open_store
-from .._records import Admission
+from .._records import Admission, Record, ResultPublished, Settled
+from .._wire import DeliveryResult
 from ._outbox import ResultOutbox
 
-__all__ = ["compact_journals", "expire_step_journals"]
+__all__ = [
+    "Compaction",
+    "compact_journals",
+    "compact_shared",
+    "compact_store",
+    "expire_step_journals",
+    "plan_compaction",
+]
+
+DAY_MS: Final = 86_400_000
+
+Admitted = Admission | Settled
+"""What the admission log holds of a delivery: its admission, or its idempotency record."""
+
+
+def room_of(record: Admitted) -> str:
+    return record.room if isinstance(record, Settled) else str(record.request.get("room"))
+
+
+class Expiry(NamedTuple):
+    room: str
+    published_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """What one compaction of the shared logs keeps and removes (:func:`plan_compaction`)."""
+
+    admissions: list[Admitted] = field(default_factory=list)
+    """The admission log's records after it, in their order."""
+    settled: dict[str, Settled] = field(default_factory=dict)
+    """The admissions slimmed to idempotency records now."""
+    expired: dict[str, Expiry] = field(default_factory=dict)
+    """The deliveries expired now (RT4)."""
+    orphaned: set[str] = field(default_factory=set)
+    """Results whose delivery the admission log no longer holds (an earlier compaction
+    stopped between its two rewrites): left out of the result log."""
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.settled or self.expired or self.orphaned)
+
+
+def plan_compaction(
+    admitted: Iterable[Admitted],
+    published: Sequence[ResultPublished],
+    *,
+    acked: int,
+    busy: Callable[[str], bool],
+    latest: Mapping[str, DeliveryResult],
+    journal_cutoff_ms: int,
+    idempotency_cutoff_ms: int,
+) -> Compaction:
+    """Decide a compaction (pure). A delivery is touched only when its result is
+    acknowledged (seq ≤ ``acked``), its room is not ``busy`` and the result is not its room's
+    ``latest`` (RT1); then, by when it was published (its admission time for a result older
+    than that field): before ``idempotency_cutoff_ms`` it expires, before
+    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled`."""
+    results = {r.delivery_id: r for r in published}
+    kept: list[Admitted] = []
+    plan = Compaction(admissions=kept)
+    for record in admitted:
+        delivery_id = record.delivery_id
+        result = results.pop(delivery_id, None)
+        room = room_of(record)
+        if result is None or result.seq > acked or busy(room):
+            kept.append(record)  # RT1: not finished, or its room is not idle
+            continue
+        when = result.published_ms or record.admitted_ms
+        last = latest.get(room)
+        if when <= idempotency_cutoff_ms and (last is None or last.delivery_id != delivery_id):
+            plan.expired[delivery_id] = Expiry(room, when)
+            continue
+        if when <= journal_cutoff_ms and isinstance(record, Admission):
+            record = plan.settled[delivery_id] = _settled(record, room)
+        kept.append(record)
+    plan.orphaned.update(results)  # a result no record of the admission log names
+    return plan
+
+
+def _settled(record: Admission, room: str) -> Settled:
+    return Settled(
+        delivery_id=record.delivery_id,
+        room=room,
+        request=record.fingerprints.request,
+        admitted_ms=record.admitted_ms,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _nothing() -> AsyncIterator[None]:
+    yield
+
+
+async def compact_shared(
+    store: Store,
+    outbox: ResultOutbox,
+    admitted: Callable[[], Iterable[Admitted]],
+    *,
+    busy: Callable[[str], bool],
+    retention: RetentionConfig,
+    paused: Callable[[], AbstractAsyncContextManager[None]] = _nothing,
+) -> Compaction:
+    """Compact the shared logs now (RT4-RT8): plan it (:func:`plan_compaction`) while
+    ``paused()`` holds every admission back, remove the step journals of what it slims or
+    expires, add what it expires to the expired-id filter, rewrite the admission log, then —
+    admissions flowing again, publication held by the outbox — the result log. Each step is
+    durable before the next begins (RT5). What it did (nothing, when nothing was due)."""
+    now = store.clocks.wall.time_ms()
+    async with paused():
+        plan = plan_compaction(
+            admitted(),
+            outbox.published(),
+            acked=outbox.acked,
+            busy=busy,
+            latest=outbox.last_of_room,
+            journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
+            idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
+        )
+        if not plan.changes:
+            return plan
+        going = [(s.delivery_id, s.room) for s in plan.settled.values()]
+        going += [(d, e.room) for d, e in plan.expired.items()]
+        for delivery_id, room in going:
+            await remove_step_journal(store, delivery_id, room)
+        if plan.expired:
+            forget = int(retention.forget_days * DAY_MS)
+            await store.expire({d: e.published_ms + forget for d, e in plan.expired.items()})
+        await store.rewrite_shared(store.admissions, list(plan.admissions))
+
+    async def replace(records: list[Record], last_seq: int) -> object:
+        return await store.rewrite_shared(store.results, records, last_seq=last_seq)
+
+    await outbox.rewrite(set(plan.expired) | plan.orphaned, replace, lambda: store.results)
+    return plan
+
+
+async def remove_step_journal(store: Store, delivery_id: str, room: str) -> bool:
+    """Remove a delivery's step journal and one-shot session, durably; whether it had a
+    journal left."""
+    removed = await store.remove_log(store.delivery_rel(delivery_id))
+    oneshot = store.root / "lanes" / lane_key(room) / "oneshot"
+    with contextlib.suppress(FileNotFoundError):
+        name = f"{delivery_key(delivery_id)}.jsonl"
+        await trio.to_thread.run_sync(os.unlink, oneshot / name)
+    return removed
 
 
 async def expire_step_journals(
@@ -51,11 +208,7 @@ async def expire_step_journals(
             settled = False  # RT1: looked at again once the room is idle
             continue
         if when is not None:
-            removed += await store.remove_log(rel)
-            oneshot = store.root / "lanes" / lane_key(result.room) / "oneshot"
-            with contextlib.suppress(FileNotFoundError):
-                name = f"{delivery_key(result.delivery_id)}.jsonl"
-                await trio.to_thread.run_sync(os.unlink, oneshot / name)
+            removed += await remove_step_journal(store, result.delivery_id, result.room)
         if settled:
             position = index + 1
     return removed, position
@@ -71,11 +224,14 @@ async def _modified_ms(path: str) -> int | None:
     return info.st_mtime_ns // 1_000_000
 
 
-async def compact_journals(state_dir: Path, *, journal_days: float, clocks: Clocks) -> int:
-    """``pi-runtime journal compact``: :func:`expire_step_journals` over a state directory no
-    server holds (its lock is taken: ``state_dir_locked`` while one runs — it does the same
-    every ``[retention] sweep_hours``); how many step journals were removed. A directory that
-    holds no file-store journal (a host of a PostgreSQL deployment, a typo) is refused
+async def compact_journals(
+    state_dir: Path, *, retention: RetentionConfig, clocks: Clocks
+) -> tuple[int, Compaction]:
+    """``pi-runtime journal compact``: :func:`expire_step_journals`, then :func:`compact_shared`,
+    over a state directory no server holds (its lock is taken: ``state_dir_locked`` while one
+    runs — it does the same every ``[retention] sweep_hours`` and ``compact_hours``): how many
+    step journals were removed, and what the compaction did. A directory that holds no
+    file-store journal (a host of a PostgreSQL deployment, a typo) is refused
     ``state_dir_invalid``, and nothing is created there."""
     if not await trio.to_thread.run_sync((state_dir / ADMISSIONS).exists):
         raise StateDirError(
@@ -83,14 +239,18 @@ async def compact_journals(state_dir: Path, *, journal_days: float, clocks: Cloc
             f"{state_dir} holds no file-store journal (no {ADMISSIONS}); check --state-dir",
         )
     async with open_store(state_dir, clocks=clocks) as store:
-        outbox = ResultOutbox(store.results)
-        busy = {
-            str(record.request.get("room"))
-            for record in store.admissions.contents.records
-            if isinstance(record, Admission) and outbox.result_of(record.delivery_id) is None
-        }  # nothing admits here: the store's lock is held
-        cutoff = clocks.wall.time_ms() - journal_days * 86_400_000
-        removed, _ = await expire_step_journals(
-            store, outbox, busy.__contains__, cutoff_ms=int(cutoff)
-        )
-    return removed
+        return await compact_store(store, retention=retention)
+
+
+async def compact_store(store: Store, *, retention: RetentionConfig) -> tuple[int, Compaction]:
+    """:func:`compact_journals` on a store this process holds and nothing else uses (no
+    worker runs on it: what the logs held at open is all there is)."""
+    outbox = ResultOutbox(store.results)
+    admitted = [r for r in store.admissions.contents.records if isinstance(r, Admitted)]
+    busy = {room_of(r) for r in admitted if outbox.result_of(r.delivery_id) is None}
+    cutoff = store.clocks.wall.time_ms() - retention.journal_days * DAY_MS
+    removed, _ = await expire_step_journals(store, outbox, busy.__contains__, cutoff_ms=int(cutoff))
+    plan = await compact_shared(
+        store, outbox, lambda: admitted, busy=busy.__contains__, retention=retention
+    )
+    return removed, plan

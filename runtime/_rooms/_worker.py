@@ -72,10 +72,10 @@ from .._records import (
     AttachmentRef,
     EpochFenced,
     EpochStarted,
-    Fingerprints,
     Outcome,
     Record,
     Result,
+    Settled,
     ToolOutcome,
 )
 from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
@@ -92,7 +92,7 @@ from ._admission import (
 from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
-from ._retention import expire_step_journals
+from ._retention import Compaction, compact_shared, expire_step_journals
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 
@@ -104,9 +104,9 @@ EVENT_BUFFER = 1024
 
 @dataclass(frozen=True, slots=True)
 class _Known:
-    """An admission this host knows: its fingerprints and its room."""
+    """A delivery this host knows was admitted: its request fingerprint and its room."""
 
-    fingerprints: Fingerprints
+    request: str
     room: str
 
 
@@ -137,7 +137,17 @@ class RoomWorker:
         self._warm: set[str] = set()
         self._settings_prints: dict[frozenset[str], str] = {}
         self._admissions: dict[str, Admission] = {}
-        """Every admission this host knows, in admission order (of every host, when shared)."""
+        """Every admission this host knows, in admission order (of every host, when shared),
+        but those a compaction slimmed (:attr:`_settled`) or expired."""
+        self._settled: dict[str, Settled] = {}
+        """The idempotency records of finished deliveries whose admission was slimmed (RT3)."""
+        self._paused: trio.Event | None = None
+        """Set while a compaction rewrites the admission log: appends wait for it (RT7)."""
+        self._appending = 0
+        """Admission appends under way."""
+        self._drained = trio.Event()
+        self._retaining = trio.Lock()
+        """One retention pass at a time (step journals or compaction)."""
         self._unfinished: dict[str, dict[str, None]] = {}
         self._expired_upto = 0
         """Retention (RT2): every result before this index of the publication order has no
@@ -181,8 +191,10 @@ class RoomWorker:
             raise DeliveryError(ReasonCode.ROOM_REFUSED, f"room {delivery.room} is not served here")
         prints = fingerprints(delivery, grants=grants, settings=self._settings_print(grants))
         known = self._known.get(delivery.delivery_id)
-        if known is not None:
-            if known.fingerprints.request != prints.request:
+        if known is None:
+            self._check_not_expired(delivery.delivery_id)
+        else:
+            if known.request != prints.request:
                 raise DeliveryError(
                     ReasonCode.DELIVERY_CONFLICT,
                     f"delivery {delivery.delivery_id} was admitted with a different request",
@@ -208,7 +220,7 @@ class RoomWorker:
             rendered_prompt=render_prompt(delivery, cold=cold),
             admitted_ms=self._host.clocks.wall.time_ms(),
         )
-        self._known[delivery.delivery_id] = _Known(prints, delivery.room)
+        self._known[delivery.delivery_id] = _Known(prints.request, delivery.room)
         try:
             first = await self._append_admission(admission)
         except BaseException:
@@ -248,18 +260,35 @@ class RoomWorker:
     async def _append_admission(self, admission: Admission) -> Admission:
         """Make ``admission`` durable in the shared admission log; what is then the
         delivery's admission: ``admission``, or the one another host appended first (S21)."""
-        log = self.store.admissions
         delivery_id = admission.delivery_id
 
         def learned() -> bool:  # another host's admission of it, taken in by any refresh
             return delivery_id in self._admissions
 
-        while await log.try_append(admission, unless=learned) is None:  # lost the number
-            self._learn_admissions(await log.refresh())
-            if (first := self._admissions.get(delivery_id)) is not None:
-                return first
+        while self._paused is not None:  # a compaction rewrites the log (RT7)
+            await self._paused.wait()
+        self._appending += 1
+        try:
+            log = self.store.admissions
+            while await log.try_append(admission, unless=learned) is None:  # lost the number
+                self._learn_admissions(await log.refresh())
+                if (first := self._admissions.get(delivery_id)) is not None:
+                    return first
+        finally:
+            self._appending -= 1
+            if not self._appending:
+                self._drained.set()
         self._learn_admissions([admission])
         return admission
+
+    def _check_not_expired(self, delivery_id: str) -> None:
+        """RT4: a delivery whose idempotency record retention removed is never run again."""
+        if isinstance(self.store, Store) and delivery_key(delivery_id) in self.store.expired:
+            raise DeliveryError(
+                ReasonCode.DELIVERY_EXPIRED,
+                f"delivery {delivery_id} finished longer ago than [retention] "
+                "idempotency_days; its result is no longer kept, and it is not run again",
+            )
 
     async def cancel(self, delivery_id: str) -> None:
         """Cancel a queued or running delivery (its result: ``cancelled``); a finished one
@@ -267,6 +296,7 @@ class RoomWorker:
         pending = self._pending.get(delivery_id)
         if pending is None:
             if delivery_id not in self._known:
+                self._check_not_expired(delivery_id)
                 raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
             if self._host.outbox.result_of(delivery_id) is not None or self.leases is None:
                 return  # already finished
@@ -633,12 +663,17 @@ class RoomWorker:
         new = []
         outbox = self._host.outbox
         for record in records:
+            if isinstance(record, Settled):  # a finished delivery's idempotency record
+                self._settled[record.delivery_id] = record
+                self._known[record.delivery_id] = _Known(record.request, record.room)
+                self._warm.add(record.room)
+                continue
             if not isinstance(record, Admission) or record.delivery_id in self._admissions:
                 continue
             delivery = msgspec.convert(record.request, Delivery)
             room = delivery.room
             self._admissions[record.delivery_id] = record
-            self._known[record.delivery_id] = _Known(record.fingerprints, room)
+            self._known[record.delivery_id] = _Known(record.fingerprints.request, room)
             if outbox.result_of(record.delivery_id) is None:
                 self._unfinished.setdefault(room, {})[record.delivery_id] = None
                 if not self.config.is_privileged(room, delivery.author.id):
@@ -768,27 +803,84 @@ class RoomWorker:
         if not isinstance(store, Store):
             return 0
         cutoff = self._host.clocks.wall.time_ms() - self.config.retention.journal_days * 86_400_000
-        removed, self._expired_upto = await expire_step_journals(
-            store,
-            self._host.outbox,
-            lambda room: bool(self._unfinished.get(room)),
-            cutoff_ms=int(cutoff),
-            start=self._expired_upto,
-        )
+        async with self._retaining:
+            removed, self._expired_upto = await expire_step_journals(
+                store,
+                self._host.outbox,
+                self._busy,
+                cutoff_ms=int(cutoff),
+                start=self._expired_upto,
+            )
         return removed
 
-    async def _expire_periodically(self, hours: float) -> None:
-        """:meth:`expire_journals` now and every ``hours``; a failure is logged and the next
-        look tries again (a fault of retention stays in retention)."""
+    def _busy(self, room: str) -> bool:
+        return bool(self._unfinished.get(room))
+
+    async def compact(self) -> Compaction:
+        """Compact the shared logs now (RT4-RT8, :func:`compact_shared`): slim the admissions
+        of deliveries past ``journal_days`` to idempotency records, expire those past
+        ``idempotency_days`` (a duplicate is then ``delivery_expired``), rewrite both logs
+        with what is left. Admissions wait while the admission log is rewritten; results
+        while the result log is. What it did. On the file store only."""
+        store = self.store
+        if not isinstance(store, Store):
+            return Compaction()
+        async with self._retaining:
+            plan = await compact_shared(
+                store,
+                self._host.outbox,
+                lambda: [*self._settled.values(), *self._admissions.values()],
+                busy=self._busy,
+                retention=self.config.retention,
+                paused=self._admissions_paused,
+            )
+            if plan.changes:  # both logs are durable: what this host knows follows them
+                for delivery_id in plan.expired:
+                    self._settled.pop(delivery_id, None)
+                    self._admissions.pop(delivery_id, None)
+                    self._known.pop(delivery_id, None)
+                for delivery_id, settled in plan.settled.items():
+                    self._admissions.pop(delivery_id, None)
+                    self._settled[delivery_id] = settled
+                self._expired_upto = 0  # the publication order was renumbered
+        return plan
+
+    @contextlib.asynccontextmanager
+    async def _admissions_paused(self) -> AsyncIterator[None]:
+        """Hold every admission append back, once those under way are durable."""
+        resume = self._paused = trio.Event()
+        try:
+            while self._appending:
+                self._drained = trio.Event()
+                await self._drained.wait()
+            yield
+        finally:
+            self._paused = None
+            resume.set()
+
+    async def _retain_periodically(self, sweep_hours: float, compact_hours: float) -> None:
+        """:meth:`expire_journals` now and every ``sweep_hours``, :meth:`compact` now and
+        every ``compact_hours``; a failure is logged and the next look tries again (a fault
+        of retention stays in retention)."""
+        next_compaction = trio.current_time()
         while True:
             try:
                 removed = await self.expire_journals()
-            except (OSError, JournalError) as error:
-                logger.warning("retention: cannot remove expired step journals: %s", error)
-            else:
                 if removed:
                     logger.info("retention: removed %d expired step journal(s)", removed)
-            await trio.sleep(hours * 3600)
+                if trio.current_time() >= next_compaction:
+                    next_compaction = trio.current_time() + compact_hours * 3600
+                    plan = await self.compact()
+                    if plan.changes:
+                        logger.info(
+                            "retention: compacted the shared logs: %d idempotency record(s) "
+                            "kept in place of admissions, %d delivery id(s) expired",
+                            len(plan.settled),
+                            len(plan.expired),
+                        )
+            except (OSError, JournalError) as error:
+                logger.warning("retention: %s", error)
+            await trio.sleep(min(sweep_hours, compact_hours) * 3600)
 
     async def _sweep_attachments(self, attachments: AttachmentStore) -> None:
         """Remove the attachment files no record names (A8): their writer died between the
@@ -955,7 +1047,10 @@ async def request_cancel(
     the directory (cancel through it), ``delivery_unknown`` when it was never admitted."""
     async with open_store(Path(state_dir), clocks=clocks or Clocks.system()) as store:
         records = store.admissions.contents.records
-        if not any(isinstance(r, Admission) and r.delivery_id == delivery_id for r in records):
+        admitted = (Admission, Settled)
+        if not any(isinstance(r, admitted) and r.delivery_id == delivery_id for r in records):
+            if delivery_key(delivery_id) in store.expired:
+                return "finished"  # long ago: retention removed its result (RT4)
             raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
         if ResultOutbox(store.results).result_of(delivery_id) is not None:
             return "finished"
@@ -1101,7 +1196,10 @@ async def open_room_worker(
         else:
             await worker._sweep_attachments(attachments)  # A8: before any lane runs
             await worker._recover()
-            nursery.start_soon(worker._expire_periodically, config.retention.sweep_hours)
+            retention = config.retention
+            nursery.start_soon(
+                worker._retain_periodically, retention.sweep_hours, retention.compact_hours
+            )
         try:
             yield worker
         finally:

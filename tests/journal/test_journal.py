@@ -122,6 +122,7 @@ def test_tags_are_stable() -> None:
     assert sorted(KNOWN_TAGS) == [
         "absorbed_input",
         "admission",
+        "compacted",
         "continuation_sent",
         "epoch_fenced",
         "epoch_started",
@@ -134,6 +135,7 @@ def test_tags_are_stable() -> None:
         "result",
         "result_acked",
         "result_published",
+        "settled",
         "step_abandoned",
         "task_ended",
         "task_reply",

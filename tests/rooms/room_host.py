@@ -20,7 +20,14 @@ the N-th model response (or tool intent, or receipt transaction) is durable, bef
 hears of it; ``"attachment_stored"`` — an ``attach`` call's file is durable in the attachment
 root, its outcome not yet recorded; ``"attachment_outcome"`` — the outcome naming it is durable;
 ``"outcome_of:ID"`` — the outcome of tool call ``ID`` is durable; ``"poisoned_publish"`` — right
-before a ``journal_poisoned`` result is published.
+before a ``journal_poisoned`` result is published; ``"compaction:journal"`` — a compaction
+removed its first step journal; ``"compaction:expired"`` — the expired-id filter is durable;
+``"compaction:admissions"`` — the admission log was rewritten, the result log not yet
+(docs/design/retention.md RT5).
+
+``wall_days`` sets the host's wall clock that many days from now (negative: the past; it then
+stands still), so its results are published that long ago. ``compact`` compacts the shared
+logs once the results were followed (``{"compacted": {"settled": N, "expired": N}}``).
 
 ``fault`` makes one write of one delivery's log fail (``{"delivery": ID, "nth": N, "errno":
 E}``, the N-th write to that log, before it happens; ``tests/faultfs.py``).
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -41,11 +49,13 @@ from runtime._boundary._attach import AttachTool
 from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gate import RecordingGateJournal
 from runtime._boundary._steps import DeliveryStepJournal
+from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
-from runtime._journal._store import delivery_key
+from runtime._journal._store import Store, delivery_key
 from runtime._linux._fs import OsFileSystem
-from runtime._records import Record, ToolIntent, ToolOutcome
+from runtime._records import LogKind, Record, ToolIntent, ToolOutcome
+from runtime._rooms import _retention
 from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
@@ -134,6 +144,35 @@ def install_pause(point: str, nth: int) -> None:
             return await publish(self, **fields)
 
         ResultOutbox.publish = before_poisoned  # type: ignore[method-assign]
+    elif point == "compaction:journal":
+        remove = _retention.remove_step_journal
+
+        async def after_removal(store: Store, delivery_id: str, room: str) -> bool:
+            removed = await remove(store, delivery_id, room)
+            if removed:
+                await barrier()
+            return removed
+
+        _retention.remove_step_journal = after_removal
+    elif point == "compaction:expired":
+        expire = Store.expire
+
+        async def after_expire(self: Store, forget_after_ms: Any) -> None:
+            await expire(self, forget_after_ms)
+            await barrier()
+
+        Store.expire = after_expire  # type: ignore[method-assign]
+    elif point == "compaction:admissions":
+        rewrite = Store.rewrite_shared
+
+        async def after_rewrite(self: Store, journal: Any, records: Any, **kw: Any) -> Any:
+            kind = journal.contents.header.kind
+            rewritten = await rewrite(self, journal, records, **kw)
+            if kind is LogKind.ADMISSIONS:
+                await barrier()
+            return rewritten
+
+        Store.rewrite_shared = after_rewrite  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown pause point {point!r}")
 
@@ -155,8 +194,12 @@ async def main(spec: dict[str, Any]) -> None:
         where = delivery_key(fault["delivery"])
         plan = Fault("write", fault["nth"], "before", fault["errno"], path_contains=where)
         fs = FaultyFileSystem(OsFileSystem(), plan)
+    clocks = None
+    if "wall_days" in spec:
+        start = time.time_ns() // 1_000_000 + int(spec["wall_days"] * 86_400_000)
+        clocks = Clocks(silence=SystemSilenceClock(), wall=MockWallClock(start_ms=start))
     async with (
-        open_room_worker(config, base_dir=base, fs=fs) as worker,
+        open_room_worker(config, base_dir=base, fs=fs, clocks=clocks) as worker,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(follow_events, worker)
@@ -178,6 +221,9 @@ async def main(spec: dict[str, Any]) -> None:
             seen += 1
             if seen >= expect:
                 break
+        if spec.get("compact"):
+            done = await worker.compact()
+            emit({"compacted": {"settled": len(done.settled), "expired": len(done.expired)}})
         nursery.cancel_scope.cancel()
 
 

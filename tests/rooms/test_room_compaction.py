@@ -1,0 +1,400 @@
+"""Compaction of the shared logs and the expiry of idempotency records
+(docs/design/retention.md RT3-RT8, RT10): a real room worker on a real state directory, its
+wall clock a virtual one moved past the retention periods; crashes by SIGKILL of a real host
+at each step of a compaction, and by power loss at every file operation of one."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import trio
+
+from fake_pi.scenario import Step, Text
+from runtime._cli import main
+from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
+from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
+from runtime._errors import DeliveryError, JournalError, ReasonCode
+from runtime._journal._expired import EXPIRED, read_expired
+from runtime._journal._inspect import verify_journal
+from runtime._journal._journal import read_log
+from runtime._journal._store import ADMISSIONS, RESULTS, delivery_key, open_store
+from runtime._linux._fs import FileSystem, OsFileSystem
+from runtime._records import (
+    Admission,
+    Compacted,
+    Fingerprints,
+    LogKind,
+    Outcome,
+    ResultAcked,
+    ResultPublished,
+    Settled,
+)
+from runtime._rooms._outbox import ResultOutbox
+from runtime._rooms._retention import compact_store
+from runtime._rooms._worker import open_room_worker
+from runtime._wire import DeliveryResult
+
+from .._workers import scripted_upstream
+from ..faultfs import PowerLossFileSystem
+from .test_room_worker import message, next_results
+
+LIMIT: Final = 60.0
+DAY: Final = 86_400.0
+A, B = "dm:1", "dm:2"
+
+
+def asked(model: Any, delivery_id: str) -> int:
+    """How many model requests carried ``delivery_id``'s message."""
+    return sum(f"(message m-{delivery_id})" in str(r.body["messages"][-1]) for r in model.requests)
+
+
+def shared(root: Path, fs: FileSystem | None = None) -> tuple[list[Any], list[Any]]:
+    """The records of the admission and result logs, as a start reads them."""
+    fs = fs or OsFileSystem()
+    admissions = read_log(fs, str(root), ADMISSIONS, kind=LogKind.ADMISSIONS).records
+    results = read_log(fs, str(root), RESULTS, kind=LogKind.RESULTS).records
+    return list(admissions[1:]), list(results[1:])
+
+
+async def test_rt3_rt4_rt6_rt8_a_finished_delivery_is_slimmed_then_expires(
+    tmp_path: Path,
+) -> None:
+    """Day 8 (RT3): a compaction keeps an idempotency record in place of each finished
+    admission, and a duplicate still gets its result, with its seq, asking the model nothing.
+    Day 31 (RT4): the older one expires — its duplicate, even with a changed text, is
+    ``delivery_expired`` and is never run; a room's latest result stays (RT1). The logs then
+    hold only what is kept (RT6), the next result is numbered after the last one ever
+    published (RT8), a restart knows all of it, and the state directory verifies."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(6)]
+    retention = RetentionConfig(journal_days=7, idempotency_days=30)
+    root = tmp_path / "state"
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            config = RoomWorkerConfig(model=ModelConfig(base_url=url), retention=retention)
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                for delivery_id, room in (("a1", A), ("a2", A), ("b1", B)):
+                    await worker.deliver(message(delivery_id, room=room))
+                first = {r.delivery_id: r for r in await next_results(worker, 3)}
+                await worker.ack(max(r.seq for r in first.values()))
+                wall.advance(8 * DAY)
+                slimmed = await worker.compact()
+                day8_records = shared(root)
+                day8 = await worker.deliver(message("a1", room=A))
+                day8_result = worker.result_of("a1")
+                with pytest.raises(DeliveryError) as conflict8:
+                    await worker.deliver(message("a1", "changed", room=A))
+                wall.advance(23 * DAY)
+                expired = await worker.compact()
+                with pytest.raises(DeliveryError) as day31:
+                    await worker.deliver(message("a1", room=A))
+                with pytest.raises(DeliveryError) as changed31:
+                    await worker.deliver(message("a1", "changed", room=A))
+                with pytest.raises(DeliveryError) as cancel31:
+                    await worker.cancel("a1")
+                latest = worker.result_of("a2")
+                await worker.deliver(message("a3", room=A))
+                (a3,) = await next_results(worker, 1, after=max(r.seq for r in first.values()))
+            admissions, results = shared(root)
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                with pytest.raises(DeliveryError) as after_restart:
+                    await worker.deliver(message("a1", room=A))
+                a2_again = await worker.deliver(message("a2", room=A))
+                kept_result = worker.result_of("a2")
+                last_seq = worker.last_seq
+    assert set(slimmed.settled) == {"a1", "a2", "b1"}
+    assert not slimmed.expired
+    day8_admissions, _ = day8_records
+    assert all(isinstance(r, Settled) for r in day8_admissions[1:])
+    assert day8.disposition == "duplicate"
+    assert day8_result == first["a1"]
+    assert conflict8.value.code is ReasonCode.DELIVERY_CONFLICT
+    assert set(expired.expired) == {"a1"}  # a2 is room A's latest, b1 room B's
+    assert day31.value.code is changed31.value.code is ReasonCode.DELIVERY_EXPIRED
+    assert cancel31.value.code is ReasonCode.DELIVERY_EXPIRED
+    assert asked(model, "a1") == 1
+    assert latest == first["a2"]
+    assert a3.seq == max(r.seq for r in first.values()) + 1  # RT8
+    assert isinstance(admissions[0], Compacted)
+    assert {r.delivery_id for r in admissions[1:]} == {"a2", "b1", "a3"}
+    assert isinstance(results[0], Compacted)
+    published = [r for r in results if isinstance(r, ResultPublished)]
+    assert {r.delivery_id for r in published} == {"a2", "b1", "a3"}
+    assert [r.seq for r in published] == sorted(r.seq for r in published)
+    assert ResultAcked(seq=max(r.seq for r in first.values())) in results
+    assert after_restart.value.code is ReasonCode.DELIVERY_EXPIRED
+    assert a2_again.disposition == "duplicate"
+    assert kept_result == first["a2"]
+    assert last_seq == a3.seq
+    assert not (root / "deliveries" / f"{delivery_key('a1')}.log").exists()
+    _, findings = verify_journal(root)
+    assert [f for f in findings if f.problem] == []
+
+
+async def test_rt1_rt8_what_is_live_is_kept_whatever_its_age(tmp_path: Path) -> None:
+    """RT1: a compaction 40 days on keeps, in full, an unacknowledged result's admission and
+    every delivery of a room with one still running (only an acknowledged delivery of an
+    idle room, not its latest, expires); RT8: an acknowledgement of a result
+    published before the compaction applies after it, and nothing is delivered again after a
+    restart."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    release, waiting = trio.Event(), trio.Event()
+
+    async def held(n: int) -> None:
+        if n == 4:
+            waiting.set()
+            await release.wait()  # b2's model request waits: room B stays busy
+
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(6)]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps, on_request=held) as (_model, url):
+            config = RoomWorkerConfig(model=ModelConfig(base_url=url))
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                first: dict[str, DeliveryResult] = {}
+                for delivery_id, room in (("a1", A), ("b1", B), ("a2", A)):  # seqs 1, 2, 3
+                    await worker.deliver(message(delivery_id, room=room))
+                    (first[delivery_id],) = await next_results(worker, 1, after=len(first))
+                await worker.ack(first["b1"].seq)  # a1 and b1; a2 is not acknowledged yet
+                await worker.deliver(message("b2", room=B))
+                await waiting.wait()
+                wall.advance(40 * DAY)
+                plan = await worker.compact()
+                admissions, _ = shared(tmp_path / "state")
+                await worker.ack(first["a2"].seq)
+                acked = worker._host.outbox.acked
+                release.set()
+                await next_results(worker, 1, after=max(r.seq for r in first.values()))
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                again = worker._host.outbox.unacknowledged()
+    full = {r.delivery_id for r in admissions if isinstance(r, Admission)}
+    assert set(plan.expired) == {"a1"}  # acknowledged, its room idle, not its latest
+    assert not plan.settled
+    assert {"a2", "b1", "b2"} <= full  # a2 unacknowledged; b1 in a busy room
+    assert acked == first["a2"].seq
+    assert [r.delivery_id for r in again] == ["b2"]
+
+
+# -- crashes ---------------------------------------------------------------------------
+
+
+POINTS: Final = ("compaction:journal", "compaction:expired", "compaction:admissions")
+
+
+@pytest.mark.parametrize("point", POINTS)
+async def test_rt5_a_host_killed_in_a_compaction_loses_nothing_and_runs_nothing_again(
+    point: str, tmp_path: Path
+) -> None:
+    """RT5: a host SIGKILLed at each step of a compaction — after a step journal went, after
+    the expired-id filter is durable, between the two logs' rewrites — leaves every delivery
+    either known (its admission or idempotency record) or expired, never neither; the next
+    host finishes the compaction: the old delivery's duplicate is ``delivery_expired`` or a
+    duplicate, never run again, the kept one still a duplicate, a new one answered once."""
+    from .test_room_crash import config, host, message, results
+
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(6)]
+    root = tmp_path / "state"
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec: dict[str, Any] = {"config": config("fake", url)}
+            old = {**spec, "wall_days": -40, "deliver": [message("d1"), message("d2")]}
+            async with host(tmp_path, {**old, "expect": 2, "ack": True}, "a") as h:
+                answered = results(await h.finish())
+            killed = {**spec, "compact": True, "pause": {"point": point}}
+            async with host(tmp_path, killed, "b") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+            admissions, _ = shared(root)
+            known = {r.delivery_id for r in admissions if isinstance(r, Admission | Settled)}
+            expired = read_expired(OsFileSystem(), str(root / EXPIRED))
+            kept = {d: d in known or delivery_key(d) in expired for d in ("d1", "d2")}
+            after = {**spec, "deliver": [message("d1"), message("d2"), message("d3")]}
+            async with host(tmp_path, {**after, "expect": 1, "ack": True}, "c") as h:
+                facts = await h.finish()
+            async with host(tmp_path, {**spec, "compact": True}, "d") as h:
+                await h.until(lambda f: "compacted" in f)
+            admissions, results_after = shared(root)
+            expired = read_expired(OsFileSystem(), str(root / EXPIRED))
+    assert len(answered) == 2
+    assert kept == {"d1": True, "d2": True}, point
+    replies = [
+        f.get("accepted") or f.get("refused") for f in facts if "accepted" in f or "refused" in f
+    ]
+    duplicate = {
+        "type": "accepted",
+        "delivery_id": "d1",
+        "room": "dm:7",
+        "disposition": "duplicate",
+    }
+    assert replies[0] in ("delivery_expired", duplicate)
+    assert replies[1] == {**duplicate, "delivery_id": "d2"}
+    assert [r["delivery_id"] for r in results(facts)] == ["d3"]
+    assert [asked(model, d) for d in ("d1", "d2", "d3")] == [1, 1, 1]
+    # the compaction was finished; d2, no longer its room's latest, went too
+    assert delivery_key("d1") in expired
+    assert delivery_key("d2") in expired
+    assert {r.delivery_id for r in admissions if isinstance(r, Admission | Settled)} == {"d3"}
+    assert [r.delivery_id for r in results_after if isinstance(r, ResultPublished)] == ["d3"]
+    _, findings = verify_journal(root)
+    assert [f for f in findings if f.problem] == []
+
+
+# -- power loss ------------------------------------------------------------------------
+
+OLD: Final = 40 * DAY
+HISTORY: Final = {  # delivery: (room, days since its result, acknowledged); None: no result
+    "a1": ("dm:a", OLD, True),
+    "a2": ("dm:a", OLD, True),
+    "a3": ("dm:a", OLD, True),  # room a's latest: slimmed, never expired
+    "b1": ("dm:b", 10 * DAY, True),  # slimmed
+    "c0": ("dm:c", OLD, True),  # room c is busy: kept in full
+    "b2": ("dm:b", OLD, False),  # not acknowledged: kept in full
+    "c1": ("dm:c", None, False),  # no result yet
+}
+
+
+async def _history(root: Path, fs: Any, now_ms: int) -> None:
+    """The deliveries of :data:`HISTORY`, each with a step journal, their results published
+    when it says, the acknowledged ones acknowledged."""
+    wall = MockWallClock(start_ms=now_ms)
+    async with open_store(
+        root, fs=fs, clocks=Clocks(silence=SystemSilenceClock(), wall=wall)
+    ) as store:
+        when = 0
+        outbox = ResultOutbox(store.results, now_ms=lambda: when)
+        prints = Fingerprints(request="r", authority="a", settings="s")
+        for delivery_id, (room, age, acked) in HISTORY.items():
+            request = {"delivery_id": delivery_id, "room": room}
+            admission = Admission(
+                delivery_id=delivery_id,
+                lane=room,
+                request=request,
+                fingerprints=prints,
+                rendered_prompt="hi",
+                admitted_ms=now_ms - int(OLD * 1000),
+            )
+            await store.admissions.append(admission)
+            await store.close_log(await store.create_delivery_log(delivery_id))
+            if age is not None:
+                when = now_ms - int(age * 1000)
+                published = await outbox.publish(
+                    delivery_id=delivery_id, room=room, outcome=Outcome.REPLY, text="t"
+                )
+                if acked:
+                    await outbox.ack(published.seq)
+
+
+def _check_after_crash(root: Path, fs: FileSystem, cut: int) -> tuple[set[str], set[str]]:
+    """RT5, RT7: the crashed image opens, and every delivery is known or expired, never
+    neither; every known finished one still has its result; what is live is kept in full;
+    no seq is lost. What is known and what is expired."""
+    where = f"power cut after {cut} operations"
+    admissions, results = shared(root, fs)
+    known = {r.delivery_id for r in admissions if isinstance(r, Admission | Settled)}
+    full = {r.delivery_id for r in admissions if isinstance(r, Admission)}
+    filter_ = read_expired(fs, str(root / EXPIRED))
+    expired = {d for d in HISTORY if delivery_key(d) in filter_}
+    published = {r.delivery_id: r for r in results if isinstance(r, ResultPublished)}
+    acked = max((r.seq for r in results if isinstance(r, ResultAcked)), default=0)
+    assert known | expired == set(HISTORY), where
+    for delivery_id in known:
+        if HISTORY[delivery_id][1] is not None:
+            assert delivery_id in published, f"{where}: {delivery_id}'s result is lost"
+    assert {"b2", "c0", "c1"} <= full, where
+    assert acked == 5, where
+    assert published["b2"].seq == 6, where
+    return known, expired
+
+
+RETENTION: Final = RetentionConfig(journal_days=7, idempotency_days=30)
+
+
+async def _compaction(
+    root: Path, fs: PowerLossFileSystem, now_ms: int, cut: int | None = None
+) -> None:
+    """A compaction at ``now_ms``; ``cut``: the power goes after that many operations of it."""
+    wall = MockWallClock(start_ms=now_ms)
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    async with open_store(root, fs=fs, clocks=clocks) as store:
+        if cut is not None:
+            fs.cut_after(cut)
+        await compact_store(store, retention=RETENTION)
+
+
+async def test_rt5_rt7_power_loss_at_every_operation_of_a_compaction(tmp_path: Path) -> None:
+    """RT5, RT7: the power is cut after each operation of a compaction in turn (the step
+    journals' removal, the expired-id filter's replace, each log's rewrite — temp file,
+    write, sync, rename, directory sync) and the disk image a machine could find is built
+    (:meth:`~tests.faultfs.PowerLossFileSystem.crash`, two draws each): it opens, every
+    delivery is known or expired and never neither, every known finished one keeps its
+    result, what is live is kept in full, no seq is lost; the next compaction finishes the
+    job and the outcome is the one an uncut compaction reaches."""
+    now = time.time_ns() // 1_000_000
+    probe = PowerLossFileSystem(tmp_path / "probe")
+    await _history(tmp_path / "probe", probe, now)
+    probe.cut_after(10**9)  # counts from here
+    start = probe.ops
+    await _compaction(tmp_path / "probe", probe, now, cut=10**9)
+    operations = probe.ops - start
+    wanted = _check_after_crash(tmp_path / "probe", probe, -1)
+    assert wanted == ({"a3", "b1", "b2", "c0", "c1"}, {"a1", "a2"})
+    assert operations > 20  # the store's open and close, then every step of the compaction
+    with trio.fail_after(LIMIT):
+        for cut in range(operations + 1):
+            for draw in range(2):
+                root = tmp_path / f"cut{cut}-{draw}"
+                fs = PowerLossFileSystem(root)
+                await _history(root, fs, now)
+                with contextlib.suppress(OSError, JournalError):
+                    await _compaction(root, fs, now, cut)
+                fs.crash(random.Random(cut * 2 + draw))
+                _check_after_crash(root, fs, cut)
+                await _compaction(root, fs, now)
+                assert _check_after_crash(root, fs, cut) == wanted, f"cut {cut}"
+
+
+async def test_rt10_journal_compact_expires_on_demand_and_verify_checks_the_filter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """RT10: ``pi-runtime journal compact`` on a state directory whose results were
+    published 40 days ago (the host's wall clock was set back) expires the older one and
+    keeps the room's latest; ``journal verify`` passes on the compacted logs, and a flipped
+    bit in the expired-id filter is a ``journal_corrupt`` problem there — and a start refuses
+    the directory with that code rather than take an expired delivery for a new one (RT4)."""
+    forty_days_ago = MockWallClock(start_ms=time.time_ns() // 1_000_000 - int(40 * DAY * 1000))
+    clocks = Clocks(silence=SystemSilenceClock(), wall=forty_days_ago)
+    root = tmp_path / "state"
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="one"), Text(text="two")]) as (_model, url):
+            config = RoomWorkerConfig(model=ModelConfig(base_url=url))
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                await worker.deliver(message("a1", room=A))
+                (one,) = await next_results(worker, 1)
+                await worker.deliver(message("a2", room=A))
+                (two,) = await next_results(worker, 1, after=one.seq)
+                await worker.ack(two.seq)
+            compact = ["journal", "compact", "--state-dir", str(root)]
+            assert await trio.to_thread.run_sync(main, compact) == 0
+            printed = capsys.readouterr().out
+            verify = ["journal", "verify", "--state-dir", str(root)]
+            assert await trio.to_thread.run_sync(main, verify) == 0
+            capsys.readouterr()
+            data = bytearray((root / EXPIRED).read_bytes())
+            data[-3] ^= 0x10
+            (root / EXPIRED).write_bytes(bytes(data))
+            assert await trio.to_thread.run_sync(main, verify) == 1
+            damaged = capsys.readouterr().out
+            with pytest.raises(JournalError) as refused:
+                async with open_room_worker(config, base_dir=tmp_path, clocks=clocks):
+                    pass
+    assert "removed 2 step journals" in printed
+    assert "kept 1 idempotency record" in printed
+    assert "expired 1 delivery older than 30 days" in printed
+    assert f"problem: {EXPIRED}: journal_corrupt: expired-id filter fails its checksum" in damaged
+    assert refused.value.code is ReasonCode.JOURNAL_CORRUPT
