@@ -37,7 +37,7 @@ from .._records import (
 )
 from .._wire import DeliveryResult
 from ._attachments import AttachmentStore, attachment_root
-from ._expired import EXPIRED, read_expired
+from ._expired import EXPIRED, ExpiredIds, read_expired
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
 
@@ -375,7 +375,8 @@ def delivery_records(state_dir: Path, delivery_id: str) -> tuple[list[Record], s
         contents = None
     admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
     results = _read_shared(root, RESULTS, LogKind.RESULTS)
-    return _records_of(contents, admissions, results, delivery_id, str(root))
+    expired = read_expired(OsFileSystem(), str(root / EXPIRED))
+    return _records_of(contents, admissions, results, delivery_id, str(root), expired)
 
 
 def _records_of(
@@ -384,6 +385,7 @@ def _records_of(
     results: Sequence[Record],
     delivery_id: str,
     where: str,
+    expired: ExpiredIds | None = None,
 ) -> tuple[list[Record], str | None]:
     if contents is not None and contents.records:
         note = None
@@ -394,6 +396,12 @@ def _records_of(
         r for r in admissions if isinstance(r, Admission | Settled) and r.delivery_id == delivery_id
     ]
     if not found:
+        if expired is not None and delivery_key(delivery_id) in expired:
+            raise PiRuntimeError(
+                ReasonCode.DELIVERY_EXPIRED,
+                f"delivery {delivery_id!r} finished longer ago than [retention] "
+                f"idempotency_days; retention removed its records from {where}",
+            )
         raise PiRuntimeError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id!r} in {where}")
     found += [r for r in results if isinstance(r, ResultPublished) and r.delivery_id == delivery_id]
     return found, f"no log of its own (its turn never started); from {ADMISSIONS} and {RESULTS}"

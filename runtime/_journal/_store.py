@@ -29,7 +29,7 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -179,18 +179,24 @@ class Store:
             self._on_disk_failure(error)
             raise error from exc
 
-    async def remove_log(self, rel: str) -> bool:
-        """Remove the log ``rel`` durably (unlink, directory fsync): retention (RT2) of a log
-        nothing will read again. Whether it was there."""
+    async def remove_files(self, rels: Sequence[str]) -> int:
+        """Remove the files ``rels`` (logs nothing will read again, their sessions) durably —
+        unlink, then one fsync of each directory they were in — in one trip off the loop:
+        retention (RT2). How many were there."""
 
-        def remove() -> bool:
-            path = self.path(rel)
-            try:
-                self.fs.unlink(path)
-            except FileNotFoundError:
-                return False
-            self.fs.fsync_dir(os.path.dirname(path))
-            return True
+        def remove() -> int:
+            removed, directories = 0, set()
+            for rel in rels:
+                path = self.path(rel)
+                try:
+                    self.fs.unlink(path)
+                except FileNotFoundError:
+                    continue
+                removed += 1
+                directories.add(os.path.dirname(path))
+            for directory in sorted(directories):
+                self.fs.fsync_dir(directory)
+            return removed
 
         return await trio.to_thread.run_sync(remove)
 

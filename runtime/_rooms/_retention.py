@@ -160,8 +160,7 @@ async def compact_shared(
             return plan
         going = [(s.delivery_id, s.room) for s in plan.settled.values()]
         going += [(d, e.room) for d, e in plan.expired.items()]
-        for delivery_id, room in going:
-            await remove_step_journal(store, delivery_id, room)
+        await remove_step_journals(store, going)
         if plan.expired:
             forget = int(retention.forget_days * DAY_MS)
             await store.expire({d: e.published_ms + forget for d, e in plan.expired.items()})
@@ -174,14 +173,15 @@ async def compact_shared(
     return plan
 
 
-async def remove_step_journal(store: Store, delivery_id: str, room: str) -> bool:
-    """Remove a delivery's step journal and one-shot session, durably; whether it had a
-    journal left."""
-    removed = await store.remove_log(store.delivery_rel(delivery_id))
-    oneshot = store.root / "lanes" / lane_key(room) / "oneshot"
-    with contextlib.suppress(FileNotFoundError):
-        name = f"{delivery_key(delivery_id)}.jsonl"
-        await trio.to_thread.run_sync(os.unlink, oneshot / name)
+async def remove_step_journals(store: Store, deliveries: Sequence[tuple[str, str]]) -> int:
+    """Remove the step journal and one-shot session of each ``(delivery id, room)``, durably
+    and in one trip off the loop; how many had a journal left."""
+    journals = [store.delivery_rel(d) for d, _ in deliveries]
+    if not journals:
+        return 0
+    removed = await store.remove_files(journals)
+    sessions = [f"lanes/{lane_key(room)}/oneshot/{delivery_key(d)}.jsonl" for d, room in deliveries]
+    await store.remove_files(sessions)
     return removed
 
 
@@ -197,21 +197,25 @@ async def expire_step_journals(
     publication order on: ``(journals removed, where the next look may start)`` — the index
     after the last result before which every one is expired (a result of a room ``busy``
     says has an unfinished delivery holds it back, so it is looked at again). ``busy`` is
-    asked after the last await before each removal."""
-    removed, position, settled = 0, start, True
+    asked after the last await before the removal."""
+    due: list[tuple[int, DeliveryResult, int | None]] = []
     for index, result, published_ms in outbox.acknowledged_since(start):
         rel = store.delivery_rel(result.delivery_id)
         when = published_ms or await _modified_ms(store.path(rel))
         if when is not None and when > cutoff_ms:
             break  # published in order: the rest are younger
+        due.append((index, result, when))
+    going: list[tuple[str, str]] = []
+    position, settled = start, True
+    for index, result, when in due:
         if when is not None and busy(result.room):
             settled = False  # RT1: looked at again once the room is idle
             continue
         if when is not None:
-            removed += await remove_step_journal(store, result.delivery_id, result.room)
+            going.append((result.delivery_id, result.room))
         if settled:
             position = index + 1
-    return removed, position
+    return await remove_step_journals(store, going), position
 
 
 async def _modified_ms(path: str) -> int | None:

@@ -21,7 +21,7 @@ hears of it; ``"attachment_stored"`` — an ``attach`` call's file is durable in
 root, its outcome not yet recorded; ``"attachment_outcome"`` — the outcome naming it is durable;
 ``"outcome_of:ID"`` — the outcome of tool call ``ID`` is durable; ``"poisoned_publish"`` — right
 before a ``journal_poisoned`` result is published; ``"compaction:journal"`` — a compaction
-removed its first step journal; ``"compaction:expired"`` — the expired-id filter is durable;
+removed step journals; ``"compaction:expired"`` — the expired-id filter is durable;
 ``"compaction:admissions"`` — the admission log was rewritten, the result log not yet
 (docs/design/retention.md RT5).
 
@@ -145,15 +145,15 @@ def install_pause(point: str, nth: int) -> None:
 
         ResultOutbox.publish = before_poisoned  # type: ignore[method-assign]
     elif point == "compaction:journal":
-        remove = _retention.remove_step_journal
+        remove = _retention.remove_step_journals
 
-        async def after_removal(store: Store, delivery_id: str, room: str) -> bool:
-            removed = await remove(store, delivery_id, room)
+        async def after_removal(store: Store, deliveries: Any) -> int:
+            removed = await remove(store, deliveries)
             if removed:
                 await barrier()
             return removed
 
-        _retention.remove_step_journal = after_removal
+        _retention.remove_step_journals = after_removal
     elif point == "compaction:expired":
         expire = Store.expire
 

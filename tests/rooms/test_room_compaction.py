@@ -364,7 +364,7 @@ async def test_rt10_journal_compact_expires_on_demand_and_verify_checks_the_filt
 ) -> None:
     """RT10: ``pi-runtime journal compact`` on a state directory whose results were
     published 40 days ago (the host's wall clock was set back) expires the older one and
-    keeps the room's latest; ``journal verify`` passes on the compacted logs, and a flipped
+    keeps the room's latest (``journal show`` of the expired one says so); ``journal verify`` passes on the compacted logs, and a flipped
     bit in the expired-id filter is a ``journal_corrupt`` problem there — and a start refuses
     the directory with that code rather than take an expired delivery for a new one (RT4)."""
     forty_days_ago = MockWallClock(start_ms=time.time_ns() // 1_000_000 - int(40 * DAY * 1000))
@@ -384,6 +384,8 @@ async def test_rt10_journal_compact_expires_on_demand_and_verify_checks_the_filt
             printed = capsys.readouterr().out
             verify = ["journal", "verify", "--state-dir", str(root)]
             assert await trio.to_thread.run_sync(main, verify) == 0
+            show = ["journal", "show", "a1", "--state-dir", str(root)]
+            assert await trio.to_thread.run_sync(main, show) == 1
             capsys.readouterr()
             data = bytearray((root / EXPIRED).read_bytes())
             data[-3] ^= 0x10
@@ -398,3 +400,4 @@ async def test_rt10_journal_compact_expires_on_demand_and_verify_checks_the_filt
     assert "expired 1 delivery older than 30 days" in printed
     assert f"problem: {EXPIRED}: journal_corrupt: expired-id filter fails its checksum" in damaged
     assert refused.value.code is ReasonCode.JOURNAL_CORRUPT
+    assert "delivery_expired" in caplog.text  # journal show a1
