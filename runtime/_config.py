@@ -262,6 +262,21 @@ class RetentionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """How often ``serve`` compacts the shared logs (RT6-RT10)."""
 
 
+class BackoffConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a turn waits out an unavailable provider (docs/design/retention.md PB1-PB4)."""
+
+    enabled: bool = True
+    """``false``: a provider failure ends the turn at once, as before."""
+    first_seconds: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """The first wait; each later one doubles, up to ``max_seconds``, with full jitter."""
+    max_seconds: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    deadline_minutes: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """After its first failure a delivery waits at most this long, then ends with the
+    provider's failure code."""
+    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 12
+    """A delivery's own failed tries before it ends with the provider's failure code."""
+
+
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the room worker is configured with. Build it, then :func:`validate_config`
     it (or :func:`load_config` a TOML file, which does both)."""
@@ -290,6 +305,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """Task lanes only (``pi-runtime task``, the wire's task frames)."""
     attachments: AttachmentsConfig = AttachmentsConfig()
     retention: RetentionConfig = RetentionConfig()
+    backoff: BackoffConfig = BackoffConfig()
 
     def attachment_root(self) -> Path:
         """The attachment root (A1): every part that writes or reads attachments asks here."""
@@ -678,6 +694,12 @@ def _check_caps(config: RoomWorkerConfig) -> None:
             raise ConfigError(f"caps.{field.name}", "must be at least 1")
 
 
+def _check_backoff(config: RoomWorkerConfig) -> None:
+    """PB2: the first wait is at most the longest."""
+    if config.backoff.first_seconds > config.backoff.max_seconds:
+        raise ConfigError("backoff.first_seconds", "must be at most backoff.max_seconds")
+
+
 def _check_retention(config: RoomWorkerConfig) -> None:
     """RT3, RT4: an idempotency record outlives its step journal; an expired id its record."""
     retention = config.retention
@@ -699,4 +721,5 @@ _CHECKS: Final = (
     _check_threshold_order,
     _check_caps,
     _check_retention,
+    _check_backoff,
 )

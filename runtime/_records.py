@@ -41,6 +41,7 @@ __all__ = [
     "ModelResponse",
     "OutboxAction",
     "Outcome",
+    "Parked",
     "Poison",
     "Record",
     "ReplayClass",
@@ -336,6 +337,26 @@ class Settled(_Record, tag="settled", frozen=True, kw_only=True):
     admitted_ms: int
 
 
+class Parked(_Record, tag="parked", frozen=True, kw_only=True):
+    """A delivery's turn met an unavailable provider and waits to be tried again, the same
+    turn from its journal (docs/design/retention.md PB1-PB4): the schedule is durable, so a
+    restart resumes it at ``next_attempt_ms`` instead of failing or charging it."""
+
+    attempt: int
+    """Its own failed tries so far (a park the route's breaker decided, with no try of its
+    own, repeats the count)."""
+    first_failure_ms: int
+    """Wall clock of its first failure: the deadline runs from here."""
+    next_attempt_ms: int
+    status: int | None = None
+    """The provider's HTTP status (``None``: no response), or ``None`` for a breaker's park."""
+    by_route: bool = False
+    """Parked because the route's breaker was open, not by a failure of its own."""
+    code: str
+    """What it ends with past the deadline or the attempts (``model_failed``,
+    ``usage_limit_reached``)."""
+
+
 class Compacted(_Record, tag="compacted", frozen=True, kw_only=True):
     """Second record of a shared log a compaction rewrote (RT6, RT7): what it left out."""
 
@@ -414,6 +435,7 @@ Record = (
     | ResultAcked
     | Settled
     | Compacted
+    | Parked
     | TaskSubmitted
     | TaskReply
     | TaskEnded

@@ -48,6 +48,7 @@ import msgspec
 import trio
 
 from .._errors import PiRuntimeError, ReasonCode, StepRefused
+from .._pi._provider_errors import USAGE_LIMIT_PATTERN
 from ._http import (
     HttpClientError,
     HttpServer,
@@ -63,15 +64,18 @@ __all__ = [
     "DONE",
     "GATEWAY_SECRET_ENV",
     "KEEPALIVE",
+    "PARKED_MESSAGE",
     "ROOM_UPSTREAM_INACTIVITY",
     "Gateway",
     "GatewayConfig",
     "GatewayStatistics",
     "ToolCallIds",
+    "UpstreamFailure",
     "data_inactivity_message",
     "inactivity_message",
     "is_terminal",
     "request_digest",
+    "retry_after_seconds",
     "serve_gateway",
     "sse_data",
 ]
@@ -81,6 +85,12 @@ GATEWAY_SECRET_ENV: Final = "PI_RUNTIME_GATEWAY_SECRET"
 route names it as its API key (``"$PI_RUNTIME_GATEWAY_SECRET"``), which Pi and Fake-Pi resolve
 from the environment at request time, so it is never written to the agent directory. Tools
 never see it: the extension's bash ``spawnHook`` and Fake-Pi drop it from their environment."""
+PARKED_MESSAGE: Final = (
+    "pi-runtime: the model provider cannot be reached for now; the runtime parks this turn "
+    "and resumes it when the provider is back"
+)
+"""What a worker is told when the gateway ends its turn for an unavailable provider (PB1):
+worded so that neither Pi's retry rules nor its account-limit rules match it."""
 DONE: Final = "[DONE]"
 KEEPALIVE: Final = b": keepalive\n\n"
 ROOM_UPSTREAM_INACTIVITY: Final = 270.0
@@ -93,6 +103,44 @@ _sorted_json = msgspec.json.Encoder(order="sorted")
 
 
 # ---------------------------------------------------------------------------- pure helpers
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFailure:
+    """How the gateway's last call upstream failed, as the provider backoff reads it
+    (docs/design/retention.md PB1): never the provider's words, only their shape."""
+
+    status: int | None
+    """The HTTP status; ``None``: no response (refused, unreachable, cut before its head)."""
+    retry_after: float | None = None
+    """The response's ``Retry-After``, in seconds, when it gave one."""
+    account_limit: bool = False
+    """Its body reports an account usage limit (quota, billing, plan:
+    :data:`~runtime._pi._provider_errors.USAGE_LIMIT_PATTERN`)."""
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether it says the provider is unavailable for now, not that the request is
+        wrong: no response, 408, 429 or any 5xx — but an account limit only with a time to
+        wait for (``Retry-After``: a usage limit's reset). A 400, 401, 403 or 404 is a
+        definite refusal (PB3), and so is every other status."""
+        status = self.status
+        transient = status is None or status in (408, 429) or 500 <= status <= 599
+        return transient and (not self.account_limit or self.retry_after is not None)
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header's seconds (its delta-seconds form; an HTTP date is not
+    read), ``None`` when absent or unreadable; at most a day."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    if not seconds >= 0:  # NaN too
+        return None
+    return min(seconds, 86_400.0)
 
 
 def request_digest(body: Mapping[str, Any]) -> str:
@@ -225,6 +273,10 @@ class GatewayConfig:
     upstream_data_inactivity: float | None = None
     """G15: the stream is cut when no SSE data event (comments do not count) arrived for this
     long after the headers. Rooms: ``None``, no such deadline; task lanes: the same value."""
+    park_unavailable: bool = False
+    """PB1: an upstream that is unavailable (:attr:`UpstreamFailure.unavailable`) ends the
+    worker's turn at once with :data:`PARKED_MESSAGE`, which the worker does not retry: the
+    runtime's durable backoff is then the one retry policy (room lanes with ``[backoff]``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -328,6 +380,8 @@ class Gateway:
         self._locks: dict[str, trio.Lock] = {}
         self._failure: PiRuntimeError | None = None
         self._failed = trio.Event()
+        self.upstream_failure: UpstreamFailure | None = None
+        """How the last call upstream failed; ``None`` once one is answered (PB1)."""
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -496,7 +550,17 @@ class Gateway:
                 ) as upstream:
                     silence.deadline = trio.current_time() + limit
                     if upstream.status != 200:
-                        await self._relay_status(upstream.status, await upstream.read(), downstream)
+                        error = await upstream.read()
+                        failure = UpstreamFailure(
+                            upstream.status,
+                            retry_after_seconds(upstream.headers.get("retry-after")),
+                            USAGE_LIMIT_PATTERN.search(error.decode(errors="replace")) is not None,
+                        )
+                        self.upstream_failure = failure
+                        if failure.unavailable and self.config.park_unavailable:
+                            await self._relay_error(400, PARKED_MESSAGE, downstream)
+                            return
+                        await self._relay_status(upstream.status, error, downstream)
                         return
                     data_arrived()  # the data deadline runs from the headers
                     async for event in iter_sse(activity(upstream.iter_bytes())):
@@ -510,6 +574,10 @@ class Gateway:
                         else:
                             await downstream.send(sse_data(payload))  # G3
             except HttpClientError:
+                if not chunks:  # no answer at all: refused, unreachable, cut before any data
+                    self.upstream_failure = UpstreamFailure(None)
+                    if self.config.park_unavailable:
+                        await self._relay_error(400, PARKED_MESSAGE, downstream)
                 return  # upstream cut: cut the worker too ("terminated", retried)
         if silence.cancelled_caught:  # G10
             self._stats["inactivity_aborts"] += 1
@@ -538,6 +606,7 @@ class Gateway:
             self._fail(exc)
             return
         self._stats["journaled"] += 1
+        self.upstream_failure = None
         for payload in held[:-1]:
             await downstream.send(sse_data(payload))
         await downstream.finish(sse_data(held[-1]))

@@ -7,9 +7,10 @@ same list. Pure: a leaf of ``_pi`` that room lanes' outcome core may import.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
-__all__ = ["PROVIDER_LIMIT_PATTERNS"]
+__all__ = ["PROVIDER_LIMIT_PATTERNS", "USAGE_LIMIT_PATTERN"]
 
 
 PROVIDER_LIMIT_PATTERNS: Final = (
@@ -32,3 +33,19 @@ PROVIDER_LIMIT_PATTERNS: Final = (
     r'"code"\s*:\s*"?1308(?![0-9])',
 )
 """Pi's account-limit errors, which it never retries."""
+
+
+USAGE_LIMIT_PATTERN: Final = re.compile(
+    "|".join(
+        [
+            *PROVIDER_LIMIT_PATTERNS,
+            # Pi 1.6.0 pi-ai/dist/api/openai-codex-responses.js: "usage limit" is never retried
+            # and usage_limit_reached becomes "You have hit your ChatGPT usage limit…";
+            # pi-ai/dist/api/openai-responses.js: "…your ChatGPT workspace's usage limit…"
+            r"usage.?limit",
+        ]
+    ),
+    re.IGNORECASE,
+)
+"""Matches an error that reports an account usage limit (a Pi ``errorMessage``, or the
+provider's response body the gateway sees): see ``runtime/_rooms/_outcome.py``."""

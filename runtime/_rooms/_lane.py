@@ -46,7 +46,7 @@ import trio
 
 from .._boundary._boundaries import BoundaryConfig
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
-from .._boundary._gateway import GatewayConfig
+from .._boundary._gateway import GatewayConfig, UpstreamFailure
 from .._boundary._receipts import ReceiptStore
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
@@ -76,11 +76,13 @@ from .._records import (
     AttachmentRef,
     EpochStarted,
     Outcome,
+    Parked,
     ReplayClass,
     Result,
     StepAbandoned,
 )
 from .._wire import RoomEvent, TextUpdate
+from ._backoff import RouteBreaker, past_bounds
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd
 from ._pending import Absorbed, Pending
@@ -92,6 +94,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Lane", "LaneHost"]
 
+_PROVIDER_CODES: Final = (ReasonCode.MODEL_FAILED, ReasonCode.USAGE_LIMIT_REACHED)
+"""The turn ends a provider's failure gets (``_outcome.py``): the ones parking replaces."""
 REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
 EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
@@ -141,6 +145,8 @@ class LaneHost:
     one is given (docs/design/attachments.md A11)."""
     shared: bool = False
     """The store is shared by several hosts: sessions travel through it (S13)."""
+    breaker: RouteBreaker | None = None
+    """The model route's breaker; ``None``: an unavailable provider fails the turn (PB1)."""
 
 
 Share = Callable[[str, bytes], Awaitable[None]]
@@ -185,6 +191,8 @@ class Lane:
         self._room: Slot | None = None
         self._oneshot: Slot | None = None
         self._running: Turn | None = None
+        self._cancelled = trio.Event()
+        """Set when the current delivery is cancelled (a parked one stops waiting)."""
 
     # -- the host's view ---------------------------------------------------------------
 
@@ -251,6 +259,7 @@ class Lane:
         current = self.current
         if current is not None and current.delivery_id == delivery_id:
             current.cancelled = True
+            self._cancelled.set()
             slot = self._oneshot if current.privileged else self._room
             if slot is not None and slot.live is not None:
                 # bounded (L20): a wedged worker answers no abort; its turn's backstop fences
@@ -425,9 +434,14 @@ class Lane:
         its turn runs."""
         existing = log.contents.records  # as the log was opened
         attempts = sum(isinstance(r, StepAbandoned) for r in existing)
-        if pending.recovering:  # the host died during this delivery: charged first (L19)
+        parks = [r for r in existing if isinstance(r, Parked)]
+        resting = bool(existing) and isinstance(existing[-1], Parked)  # PB2: nothing ran since
+        if pending.recovering and not resting:  # the host died during its turn: charged (L19)
             await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
             attempts += 1
+        self._cancelled = trio.Event()
+        if resting and self.host.breaker is not None:  # PB2: the recorded schedule holds
+            self.host.breaker.resume(parks[-1])
         started = next((r for r in existing if isinstance(r, Admission)), None)
         slot = self._slot_for(pending)
         if started is None:
@@ -443,15 +457,30 @@ class Lane:
         elif self.host.shared and slot.session != self.session:  # a one-shot session
             await self._restore_session(slot.session)
         boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
+        branch = attempts > 0 or bool(parks)  # the session goes back to the admission leaf
         try:
             while True:
-                if attempts > 0:
-                    if attempts > self.host.recovery_attempts:  # L19: that many replays
-                        return self._result(EXHAUSTED)
-                    if not await self._branch(slot.session, started):
-                        return self._refused("session")
+                if attempts > self.host.recovery_attempts:  # L19: that many replays
+                    return self._result(EXHAUSTED)
+                probe = await self._wait_for_route(pending, log, parks)
+                if isinstance(probe, TurnEnd):  # cancelled, or past its bounds, while parked
+                    return self._result(probe)
+                if branch and not await self._branch(slot.session, started):
+                    return self._refused("session")
+                gateway = boundaries.gateway
+                gateway.upstream_failure = None  # PB1: what this turn meets
+                answered = gateway.statistics().journaled
                 try:
                     end = await self._turn(nursery, slot, pending, log)
+                    parked = await self._park(
+                        pending,
+                        slot,
+                        log,
+                        parks,
+                        end,
+                        gateway.upstream_failure,
+                        answered=gateway.statistics().journaled > answered,
+                    )
                 except _WorkerDied:
                     await slot.fence()
                     if slot.failure is not None:  # L17: it was fenced for its journal
@@ -459,6 +488,7 @@ class Lane:
                     # the host stopping killed it: not charged here (the next start is, L19)
                     await trio.lowlevel.checkpoint()
                     attempts += 1
+                    branch = True
                     await log.append(
                         StepAbandoned(
                             step=boundaries.steps.current_step,
@@ -467,9 +497,15 @@ class Lane:
                         )
                     )
                     continue
+                finally:
+                    if self.host.breaker is not None:  # no word on the route: another probes
+                        self.host.breaker.abandoned(probe)
                 if slot.failure is not None:  # L17: re-checked after the turn's last await
                     await slot.fence()
                     return await self._journal_lost(slot.failure)
+                if parked:
+                    branch = True  # PB1: the same turn again, from the journal
+                    continue
                 await self._fsync(slot.session)
                 if boundaries.steps.mismatch is not None:  # G13: the replay diverged
                     return self._refused("replay")
@@ -485,6 +521,80 @@ class Lane:
             if slot is self._oneshot:
                 self._oneshot = None
                 await slot.close()
+
+    # -- an unavailable provider (docs/design/retention.md PB1-PB4) ----------------------
+
+    async def _wait_for_route(
+        self, pending: Pending, log: Log, parks: list[Parked]
+    ) -> TurnEnd | object | None:
+        """Before a turn asks the provider: wait while the route's breaker is open (PB4) —
+        its schedule is the one this delivery's last :class:`Parked` recorded, or another
+        delivery's failure set — recording each new wait (a restart resumes there, PB2).
+        ``None``: go; a token: go, as the half-open breaker's one probe; a
+        :class:`TurnEnd`: it ends here (cancelled, or past its bounds, PB3)."""
+        breaker = self.host.breaker
+        if breaker is None:
+            return None
+        wall = self.host.clocks.wall
+        while True:
+            if pending.cancelled:
+                return TurnEnd(outcome=Outcome.CANCELLED)
+            admit = breaker.admit()
+            if admit.until_ms is None:
+                return admit.probe
+            if past_bounds(breaker.config, parks, wall.time_ms()):
+                return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
+            if not parks or parks[-1].next_attempt_ms != admit.until_ms:
+                record = Parked(
+                    attempt=parks[-1].attempt if parks else 0,
+                    first_failure_ms=parks[0].first_failure_ms if parks else wall.time_ms(),
+                    next_attempt_ms=admit.until_ms,
+                    by_route=True,
+                    code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
+                )
+                await log.append(record)
+                parks.append(record)
+            await breaker.wait(admit.until_ms, self._cancelled)
+
+    async def _park(
+        self,
+        pending: Pending,
+        slot: Slot,
+        log: Log,
+        parks: list[Parked],
+        end: TurnEnd,
+        failure: UpstreamFailure | None,
+        *,
+        answered: bool,
+    ) -> bool:
+        """After a turn: whether it met an unavailable provider and is parked (PB1) — its
+        schedule durable in its journal, its worker stopped — instead of ending. A definite
+        refusal, a usage limit with no time to wait for, and a turn past its bounds (PB3)
+        end as they are. The provider answering (a response, or a definite refusal) closes
+        the route's breaker; a turn that never reached it (all replayed) says nothing."""
+        breaker = self.host.breaker
+        if breaker is None:
+            return False
+        failed = end.outcome is Outcome.FAILED and end.code in _PROVIDER_CODES
+        if not failed or failure is None or not failure.unavailable:
+            if answered or (failure is not None and not failure.unavailable):
+                breaker.succeeded()
+            return False
+        next_attempt = breaker.failed(failure)
+        now = self.host.clocks.wall.time_ms()
+        record = Parked(
+            attempt=(parks[-1].attempt if parks else 0) + 1,
+            first_failure_ms=parks[0].first_failure_ms if parks else now,
+            next_attempt_ms=next_attempt,
+            status=failure.status,
+            code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else end.code),
+        )
+        if pending.cancelled or past_bounds(breaker.config, [*parks, record], now):
+            return False
+        await log.append(record)
+        parks.append(record)
+        await slot.fence()  # no worker is kept while parked; the next try is a new epoch
+        return True
 
     async def _journal_lost(self, failure: PiRuntimeError) -> Result:
         """L17: the delivery's journal failed mid-turn and its worker is fenced. A journal

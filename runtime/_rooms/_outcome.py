@@ -44,13 +44,12 @@ retries is ``model_failed``, not a usage limit: Pi retries it because it passes 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from .._errors import ReasonCode
-from .._pi._provider_errors import PROVIDER_LIMIT_PATTERNS
+from .._pi._provider_errors import USAGE_LIMIT_PATTERN
 from .._records import Outcome
 
 __all__ = [
@@ -64,21 +63,6 @@ __all__ = [
 
 STAY_SILENT: Final = "[[stay-silent]]"
 """The whole reply of a turn that chooses to say nothing (the persona tells the model when)."""
-
-
-USAGE_LIMIT_PATTERN: Final = re.compile(
-    "|".join(
-        [
-            *PROVIDER_LIMIT_PATTERNS,
-            # Pi 1.6.0 pi-ai/dist/api/openai-codex-responses.js: "usage limit" is never retried
-            # and usage_limit_reached becomes "You have hit your ChatGPT usage limit…";
-            # pi-ai/dist/api/openai-responses.js: "…your ChatGPT workspace's usage limit…"
-            r"usage.?limit",
-        ]
-    ),
-    re.IGNORECASE,
-)
-"""Matches a Pi ``errorMessage`` that reports an account usage limit (see the module doc)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,7 @@ from ._admission import (
     route_endpoint,
     settings_fingerprint,
 )
+from ._backoff import RouteBreaker
 from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
@@ -1115,6 +1116,7 @@ async def open_room_worker(
             upstream_key_env=model.api_key_env,
             keepalive_interval=thresholds.keepalive_seconds,
             upstream_inactivity=thresholds.upstream_inactivity_seconds,
+            park_unavailable=config.backoff.enabled,  # PB1
         )
 
         def finished(pending: Pending) -> None:
@@ -1168,6 +1170,7 @@ async def open_room_worker(
             lane_idle=lane_idle,
             lane_gone=lane_gone,
             shared=shared,
+            breaker=RouteBreaker(config.backoff, clocks) if config.backoff.enabled else None,
             classes=config.replay_classes(),  # L14
             ledger=work_root / "effects.jsonl",
             receipts=receipts,

@@ -131,6 +131,7 @@ def test_tags_are_stable() -> None:
         "model_request",
         "model_response",
         "outbox_action",
+        "parked",
         "poison",
         "result",
         "result_acked",

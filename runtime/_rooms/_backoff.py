@@ -1,0 +1,149 @@
+"""Durable backoff for an unavailable provider (docs/design/retention.md PB1-PB4): the
+route's breaker and each parked delivery's schedule.
+
+A room turn whose model provider is unavailable (no response, 408, 429, 5xx — seen by the
+gateway, :class:`~runtime._boundary._gateway.UpstreamFailure`) is *parked*, not failed: its
+lane records a :class:`~runtime._records.Parked` with the next attempt's time in the
+delivery's journal, stops its worker, waits, and runs the same turn again from the journal
+(the steps answered before are not asked again). One :class:`RouteBreaker` per host — a host
+has one model route — makes the other deliveries on it park too, without each asking the
+provider: open after a failure, half-open at the next attempt time, when exactly one
+delivery (the first to ask) probes; its success closes the breaker (every parked delivery
+goes on), its failure opens it again with the next, longer wait.
+
+The waits: ``first_seconds * 2 ** (n - 1)`` for the route's ``n``-th failure in a row, at
+most ``max_seconds``, with equal jitter (half of it fixed, half uniform), and never sooner
+than the provider's ``Retry-After``. A delivery ends with its provider's failure code once
+``deadline_minutes`` passed since its first failure or after ``max_attempts`` tries of its
+own (PB3).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Final
+
+import trio
+
+from .._boundary._gateway import UpstreamFailure
+from .._clock import Clocks
+from .._config import BackoffConfig
+from .._records import Parked
+
+__all__ = ["Admit", "RouteBreaker", "past_bounds"]
+
+MINUTE_MS: Final = 60_000
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """What the breaker says to a turn about to start: go (``until_ms`` None), or wait
+    until ``until_ms`` (or until the breaker changes, whichever comes first)."""
+
+    until_ms: int | None = None
+    probe: object | None = None
+    """This turn is the half-open breaker's one probe: its token
+    (:meth:`RouteBreaker.abandoned`)."""
+
+
+class RouteBreaker:
+    """The breaker of this host's model route (PB4). Trio-only; not thread-safe."""
+
+    def __init__(
+        self, config: BackoffConfig, clocks: Clocks, *, rng: random.Random | None = None
+    ) -> None:
+        self.config = config
+        self._clocks = clocks
+        self._rng = rng or random.Random()
+        self.open_until_ms: int | None = None
+        """Closed when ``None``; else no turn asks the provider before this time."""
+        self.failures = 0
+        """The route's failures in a row (the next wait's exponent)."""
+        self._probing: object | None = None
+        """The token of the turn probing the half-open breaker."""
+        self._seen = False
+        """Whether a turn of this process has said anything about the route yet."""
+        self._changed = trio.Event()
+
+    def resume(self, parked: Parked) -> None:
+        """A delivery this process found parked (PB2): until a turn of this process says
+        otherwise, its recorded schedule is the route's."""
+        if self._seen or parked.next_attempt_ms <= (self.open_until_ms or 0):
+            return
+        self.open_until_ms = parked.next_attempt_ms
+        self.failures = max(self.failures, parked.attempt)
+
+    def admit(self) -> Admit:
+        """Whether a turn may start now (and ask the provider)."""
+        until = self.open_until_ms
+        if until is None:
+            return Admit()
+        if self._clocks.wall.time_ms() < until:
+            return Admit(until_ms=until)
+        if self._probing is not None:  # half-open, and one is probing: wait for its outcome
+            return Admit(until_ms=self._clocks.wall.time_ms() + self._wait_ms(None))
+        self._probing = object()
+        return Admit(probe=self._probing)
+
+    def failed(self, failure: UpstreamFailure) -> int:
+        """A turn met the provider unavailable: the breaker opens (again); the time of the
+        next attempt. A failure while it is already open for longer changes nothing."""
+        now = self._clocks.wall.time_ms()
+        self._probing, self._seen = None, True
+        if self.open_until_ms is not None and self.open_until_ms > now:
+            self._wake()
+            return self.open_until_ms
+        self.failures += 1
+        self.open_until_ms = now + self._wait_ms(failure.retry_after)
+        self._wake()
+        return self.open_until_ms
+
+    def succeeded(self) -> None:
+        """A turn got through (or failed for a reason of its own): the route is up."""
+        self._seen = True
+        if self.open_until_ms is None and self._probing is None:
+            return
+        self.open_until_ms, self.failures, self._probing = None, 0, None
+        self._wake()
+
+    def abandoned(self, probe: object) -> None:
+        """The turn that probed with ``probe`` ended with no word on the route (cancelled,
+        its worker died, nothing asked upstream): the next turn to ask probes instead."""
+        if probe is not None and self._probing is probe:
+            self._probing = None
+            self._wake()
+
+    async def wait(self, until_ms: int, cancelled: trio.Event) -> None:
+        """Sleep until ``until_ms`` on the wall clock, the breaker changes, or ``cancelled``."""
+        changed = self._changed
+        delay = max(0.0, (until_ms - self._clocks.wall.time_ms()) / 1000)
+        with trio.move_on_after(delay):
+            async with trio.open_nursery() as nursery:
+
+                async def on(event: trio.Event) -> None:
+                    await event.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(on, changed)
+                nursery.start_soon(on, cancelled)
+
+    def _wait_ms(self, retry_after: float | None) -> int:
+        config = self.config
+        full = min(config.max_seconds, config.first_seconds * 2 ** max(0, self.failures - 1))
+        wait = full / 2 + self._rng.uniform(0, full / 2)
+        return int(max(wait, retry_after or 0.0) * 1000)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+def past_bounds(config: BackoffConfig, parks: list[Parked], now_ms: int) -> bool:
+    """PB3: whether a delivery parked ``parks`` so far has waited long enough — its own tries
+    reached ``max_attempts``, or ``deadline_minutes`` passed since its first failure."""
+    if not parks:
+        return False
+    if parks[-1].attempt >= config.max_attempts:
+        return True
+    return now_ms - parks[0].first_failure_ms >= config.deadline_minutes * MINUTE_MS

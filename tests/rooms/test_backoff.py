@@ -1,0 +1,146 @@
+"""The route breaker and the failure classification behind the provider backoff
+(docs/design/retention.md PB1-PB4), on virtual time: pure rules, no worker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from runtime._boundary._gateway import UpstreamFailure, retry_after_seconds
+from runtime._clock import Clocks, MockSilenceClock, MockWallClock
+from runtime._config import BackoffConfig
+from runtime._records import Parked
+from runtime._rooms._backoff import RouteBreaker, past_bounds
+
+CONFIG = BackoffConfig(first_seconds=5, max_seconds=300, deadline_minutes=30, max_attempts=12)
+
+
+def breaker(seed: int = 1) -> tuple[RouteBreaker, MockWallClock]:
+    wall = MockWallClock()
+    clocks = Clocks(silence=MockSilenceClock(), wall=wall)
+    return RouteBreaker(CONFIG, clocks, rng=random.Random(seed)), wall
+
+
+@pytest.mark.parametrize(
+    ("failure", "unavailable"),
+    [
+        (UpstreamFailure(None), True),
+        (UpstreamFailure(503), True),
+        (UpstreamFailure(500), True),
+        (UpstreamFailure(429), True),
+        (UpstreamFailure(408), True),
+        (UpstreamFailure(400), False),
+        (UpstreamFailure(401), False),
+        (UpstreamFailure(403), False),
+        (UpstreamFailure(404), False),
+        (UpstreamFailure(429, account_limit=True), False),  # a quota: waiting will not help
+        (UpstreamFailure(429, retry_after=60, account_limit=True), True),  # it resets
+    ],
+)
+def test_pb1_pb3_which_failures_park(failure: UpstreamFailure, unavailable: bool) -> None:
+    assert failure.unavailable is unavailable
+
+
+def test_retry_after_reads_seconds_only() -> None:
+    assert retry_after_seconds("30") == 30.0
+    assert retry_after_seconds(" 1.5 ") == 1.5
+    assert retry_after_seconds("Wed, 21 Oct 2026 07:28:00 GMT") is None
+    assert retry_after_seconds("-3") is None
+    assert retry_after_seconds("nan") is None
+    assert retry_after_seconds("1e9") == 86_400.0
+    assert retry_after_seconds(None) is None
+
+
+async def test_pb2_pb4_the_breaker_opens_waits_lets_one_probe_and_closes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Closed: go. A failure opens it for half to all of ``first_seconds`` (equal jitter),
+    never less than ``Retry-After``; at that time exactly one turn probes, the others wait;
+    the probe's failure doubles the wait, its success closes the breaker for all."""
+    route, wall = breaker()
+    assert route.admit().until_ms is None
+    opened = wall.time_ms()
+    until = route.failed(UpstreamFailure(503))
+    assert 2_500 <= until - opened <= 5_000
+    assert route.admit().until_ms == until  # open: everyone waits
+    assert route.failed(UpstreamFailure(503)) == until  # a second failure meanwhile: same
+    await trio.sleep((until - wall.time_ms()) / 1000 + 0.01)
+    probe = route.admit()
+    assert probe.probe is not None
+    assert probe.until_ms is None
+    waiting = route.admit()
+    assert waiting.until_ms is not None
+    assert waiting.probe is None
+    again = route.failed(UpstreamFailure(503))
+    assert 5_000 <= again - wall.time_ms() <= 10_000  # doubled
+    route.abandoned(probe.probe)  # that probe's token is spent: changes nothing
+    assert route.admit().until_ms == again
+    await trio.sleep((again - wall.time_ms()) / 1000 + 0.01)
+    second = route.admit()
+    assert second.probe is not None
+    route.succeeded()
+    assert route.admit().until_ms is None
+    assert route.failures == 0
+    hinted = route.failed(UpstreamFailure(429, retry_after=120))
+    assert hinted - wall.time_ms() >= 120_000  # never sooner than Retry-After
+
+
+async def test_pb4_an_abandoned_probe_lets_the_next_turn_probe(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    route, wall = breaker()
+    until = route.failed(UpstreamFailure(None))
+    await trio.sleep((until - wall.time_ms()) / 1000 + 0.01)
+    first = route.admit()
+    assert route.admit().probe is None
+    route.abandoned(first.probe)
+    assert route.admit().probe is not None
+
+
+async def test_pb2_a_resumed_schedule_holds_until_this_process_knows_better(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    route, wall = breaker()
+    recorded = Parked(
+        attempt=3,
+        first_failure_ms=wall.time_ms() - 60_000,
+        next_attempt_ms=wall.time_ms() + 40_000,
+        status=503,
+        code="model_failed",
+    )
+    route.resume(recorded)
+    assert route.admit().until_ms == recorded.next_attempt_ms
+    assert route.failures == 3
+    route.succeeded()
+    route.resume(recorded)  # a turn of this process has spoken since: the record is older
+    assert route.admit().until_ms is None
+
+
+async def test_wait_wakes_on_a_change_or_a_cancel(autojump_clock: trio.testing.MockClock) -> None:
+    route, wall = breaker()
+    until = route.failed(UpstreamFailure(503))
+    cancelled = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(route.wait, until + 10_000_000, cancelled)
+        await trio.sleep(1)
+        route.succeeded()
+    assert wall.time_ms() < until + 10_000  # woke at the change, not at the time
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(route.wait, wall.time_ms() + 10_000_000, cancelled)
+        await trio.sleep(1)
+        cancelled.set()
+
+
+def test_pb3_the_bounds() -> None:
+    def parked(attempt: int, first: int) -> Parked:
+        return Parked(
+            attempt=attempt, first_failure_ms=first, next_attempt_ms=0, code="model_failed"
+        )
+
+    assert not past_bounds(CONFIG, [], 10**12)
+    assert not past_bounds(CONFIG, [parked(11, 0)], 29 * 60_000)
+    assert past_bounds(CONFIG, [parked(12, 0)], 0)
+    assert past_bounds(CONFIG, [parked(1, 0)], 30 * 60_000)

@@ -1,0 +1,274 @@
+"""Durable backoff for an unavailable provider (docs/design/retention.md PB1-PB4): a real room
+worker with Fake-Pi workers, its model an upstream on loopback that answers 503 (or 401) until
+a given time, then answers as the scripted model does.
+
+A scale model of the outage: the room worker's lanes do not run under the virtual autojump
+clock (their worker launches are real), so the backoff's times are scaled down — a first
+wait of 0.1 s doubling to 0.8 s, outages of seconds, a deadline of 3 s — and the runtime
+waits them out on the real clock; no test sleeps itself. The rules are the same at 5 s, 5 min
+and 30 min."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import pytest
+import trio
+
+from fake_pi.model_server import ScriptedModel
+from runtime._boundary._http import Request, ResponseWriter, serve_http
+from runtime._clock import Clocks
+from runtime._config import BackoffConfig, ModelConfig, RoomWorkerConfig
+from runtime._records import Outcome, Parked, StepAbandoned
+from runtime._rooms._lane import Lane
+from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
+
+from .test_room_worker import message, next_results
+
+LIMIT: Final = 120.0
+FIRST: Final = 0.1
+MAX: Final = 0.8
+
+
+@dataclass
+class Outage:
+    """An upstream that answers ``status`` (and ``Retry-After``) for ``seconds`` from its
+    start (Trio's clock), then as a scripted model does: each request recorded with its time."""
+
+    seconds: float
+    status: int = 503
+    retry_after: str | None = None
+    message: str = "the service is overloaded"
+    model: ScriptedModel = field(default_factory=ScriptedModel)
+    down: list[float] = field(default_factory=list)
+    """When each request refused for the outage arrived."""
+    until: float = 0.0
+
+    @property
+    def up(self) -> int:
+        return self.model.request_count
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        if trio.current_time() < self.until:
+            self.down.append(trio.current_time())
+            headers = [("content-type", "application/json")]
+            if self.retry_after is not None:
+                headers.append(("retry-after", self.retry_after))
+            body = msgspec.json.encode({"error": {"message": self.message}})
+            await response.start(self.status, [*headers, ("content-length", str(len(body)))])
+            await response.send(body)
+            await response.end()
+            return
+        await self.model.handle(request, response)
+
+
+@contextlib.asynccontextmanager
+async def outage_upstream(outage: Outage) -> AsyncIterator[str]:
+    outage.until = trio.current_time() + outage.seconds
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve_http, outage.handle))
+        yield f"{server.url}/v1"
+        nursery.cancel_scope.cancel()
+
+
+BACKOFF: Final = BackoffConfig(first_seconds=FIRST, max_seconds=MAX, deadline_minutes=0.05)
+
+
+def clocks() -> Clocks:
+    return Clocks.system()
+
+
+def config(url: str, backoff: BackoffConfig = BACKOFF) -> RoomWorkerConfig:
+    return RoomWorkerConfig(model=ModelConfig(base_url=url), backoff=backoff)
+
+
+async def parks_of(worker: RoomWorker, delivery_id: str) -> list[Parked]:
+    if not await worker.store.exists(worker.store.delivery_rel(delivery_id)):
+        return []
+    records = (await worker.store.read_delivery_log(delivery_id)).records
+    return [r for r in records if isinstance(r, Parked)]
+
+
+def by_id(results: list[DeliveryResult]) -> dict[str, DeliveryResult]:
+    return {r.delivery_id: r for r in results}
+
+
+async def test_pb1_pb2_a_turn_meeting_an_outage_is_parked_and_answered_after_it(
+    tmp_path: Path,
+) -> None:
+    """PB1: a provider answering 503 for a while parks the turn — a ``Parked`` record with
+    the next attempt's time in its journal, the worker stopped — and the same turn is tried
+    again at that time, until the provider answers: one reply, no ``model_failed``. PB2: the
+    waits double from ``first_seconds`` up to ``max_seconds`` (equal jitter: at least half),
+    and each try is one request upstream (the worker adds no retries of its own)."""
+    outage = Outage(seconds=2.5)
+    backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(config(url, backoff), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+            parks = await parks_of(worker, "d1")
+            answered_at = trio.current_time()
+    assert (result.outcome, result.code) == (Outcome.REPLY, None)
+    assert answered_at >= outage.until
+    assert len(outage.down) == len(parks) >= 2  # one request per try
+    assert [p.attempt for p in parks] == list(range(1, len(parks) + 1))
+    assert all(p.status == 503 and not p.by_route for p in parks)
+    tries = outage.down
+    for n, (a, b) in enumerate(itertools.pairwise(tries), start=1):
+        full = min(MAX, FIRST * 2 ** (n - 1))
+        assert b - a >= full / 2, (n, tries)  # never sooner than the schedule
+    assert outage.up == 1
+
+
+async def test_pb3_an_outage_past_the_deadline_ends_as_before_and_a_refusal_at_once(
+    tmp_path: Path,
+) -> None:
+    """PB3: past ``deadline_minutes`` after its first failure (here 3 s, the outage longer)
+    the delivery ends ``model_failed`` as before; a ``Retry-After`` is honoured (no try
+    sooner); a definite refusal (401) is never parked and asked once."""
+    long = Outage(seconds=60, retry_after="0.5")
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(long) as url,
+            open_room_worker(config(url), base_dir=tmp_path / "a", clocks=clocks()) as worker,
+        ):
+            began = trio.current_time()
+            await worker.deliver(message("d1"))
+            (ended,) = await next_results(worker, 1)
+            took = trio.current_time() - began
+            parks = await parks_of(worker, "d1")
+        refused = Outage(seconds=60, status=401, message="Incorrect API key provided")
+        async with (
+            outage_upstream(refused) as url,
+            open_room_worker(config(url), base_dir=tmp_path / "b", clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (unauthorized,) = await next_results(worker, 1)
+            unparked = await parks_of(worker, "d1")
+    assert (ended.outcome, ended.code) == (Outcome.FAILED, "model_failed")
+    assert 3.0 <= took < 3.0 + 10
+    assert parks
+    assert all(b - a >= 0.5 for a, b in itertools.pairwise(long.down)), long.down
+    assert long.up == 0
+    assert (unauthorized.outcome, unauthorized.code) == (Outcome.FAILED, "model_failed")
+    assert unparked == []
+    assert len(refused.down) == 1
+
+
+async def test_pb4_an_outage_during_a_burst_on_three_rooms(tmp_path: Path) -> None:
+    """PB4: three rooms, two messages each, the provider down meanwhile: after the first
+    failures the route's breaker lets one turn probe per backoff step (the others park by
+    the route, asking nothing); once it is back every message is answered, exactly once,
+    and nothing answered is asked again."""
+    outage = Outage(seconds=4)
+    rooms = ("dm:1", "dm:2", "dm:3")
+    backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(config(url, backoff), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            for room in rooms:
+                for n in (1, 2):
+                    await worker.deliver(message(f"{room}-{n}", room=room))
+            results = await next_results(worker, 6)
+            parks = {r.delivery_id: await parks_of(worker, r.delivery_id) for r in results}
+    assert {r.delivery_id for r in results} == {f"{room}-{n}" for room in rooms for n in (1, 2)}
+    assert all(r.outcome in (Outcome.REPLY, Outcome.ABSORBED) for r in results), results
+    first_failure = min(outage.down)
+    probes = [t for t in outage.down if t > first_failure + FIRST / 2]
+    assert len(outage.down) - len(probes) <= len(rooms)  # before any failure was known
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert all(gap >= FIRST / 2 for gap in gaps), outage.down  # one probe per half-open
+    assert any(p.by_route for ps in parks.values() for p in ps)
+    assert outage.up <= 6  # each turn asked once when the provider was back
+
+
+async def test_pb2_the_schedule_survives_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PB2: a host stopped while a delivery is parked leaves its schedule in the journal;
+    the next host resumes it at that time — not before, not charged a recovery attempt —
+    and answers it once the provider is back."""
+    outage = Outage(seconds=4)
+    slow = BackoffConfig(first_seconds=2, max_seconds=2)  # a try every 1 to 2 s
+    parked = trio.Event()
+    park = Lane._park
+
+    async def parking(self: Lane, *args: Any, **kwargs: Any) -> bool:  # a barrier: durable
+        went = await park(self, *args, **kwargs)
+        if went:
+            parked.set()
+        return went
+
+    monkeypatch.setattr(Lane, "_park", parking)
+    with trio.fail_after(LIMIT):
+        async with outage_upstream(outage) as url:
+            worker_config = config(url, slow)
+            async with open_room_worker(worker_config, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await parked.wait()
+                (first,) = await parks_of(worker, "d1")
+            stopped_at = Clocks.system().wall.time_ms()
+            async with open_room_worker(worker_config, base_dir=tmp_path) as worker:
+                (result,) = await next_results(worker, 1)
+                records = (await worker.store.read_delivery_log("d1")).records
+    resumed = outage.down[1:]
+    assert stopped_at < first.next_attempt_ms
+    assert resumed  # the outage outlasted the first host; the next one tried again
+    assert resumed[0] >= outage.down[0] + (first.next_attempt_ms - first.first_failure_ms) / 1000
+    assert (result.outcome, result.code) == (Outcome.REPLY, None)
+    assert not any(isinstance(r, StepAbandoned) for r in records)  # not charged (L19)
+    assert sum(isinstance(r, Parked) for r in records) >= 2
+
+
+async def test_pb1_a_usage_limit_with_a_reset_time_is_waited_for(tmp_path: Path) -> None:
+    """PB1: a 429 account limit that says when it resets (``Retry-After``) parks the turn
+    until then — never sooner — and it is answered after; parked, it would end
+    ``usage_limit_reached`` (its recorded code). One without a reset time still ends
+    ``usage_limit_reached`` at once (``test_l7_provider_failures_carry_only_the_code``)."""
+    quota = "You exceeded your current quota, please check your plan and billing details."
+    limited = Outage(seconds=1.0, status=429, retry_after="0.6", message=quota)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(limited) as url,
+            open_room_worker(config(url), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+            parks = await parks_of(worker, "d1")
+    assert (result.outcome, result.code) == (Outcome.REPLY, None)
+    assert parks
+    assert {p.code for p in parks} == {"usage_limit_reached"}
+    assert all(b - a >= 0.6 for a, b in itertools.pairwise(limited.down)), limited.down
+
+
+async def test_pb1_a_provider_with_no_listener_is_an_outage_too(tmp_path: Path) -> None:
+    """PB1: nothing listening at the provider's address (connection refused) parks the turn
+    like a 503 — its ``Parked`` records carry no status — until the deadline (PB3, 3 s
+    here), when it ends ``model_failed``."""
+    probe = trio.socket.socket()
+    await probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    url = f"http://127.0.0.1:{port}/v1"
+    with trio.fail_after(LIMIT):
+        async with open_room_worker(config(url), base_dir=tmp_path, clocks=clocks()) as worker:
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+            parks = await parks_of(worker, "d1")
+    assert (result.outcome, result.code) == (Outcome.FAILED, "model_failed")
+    assert len(parks) >= 2
+    assert {p.status for p in parks} == {None}
