@@ -275,6 +275,11 @@ class BackoffConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     provider's failure code."""
     max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 12
     """A delivery's own failed tries before it ends with the provider's failure code."""
+    notify: bool = False
+    """PB5: send the room one ``text_update`` (:attr:`notify_text`) when a delivery parks."""
+    notify_text: Annotated[str, msgspec.Meta(min_length=1, max_length=600)] = (
+        "The model provider is unavailable right now; I will answer as soon as it is back."
+    )
 
 
 class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -552,9 +552,26 @@ class Lane:
                     by_route=True,
                     code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
                 )
-                await log.append(record)
-                parks.append(record)
+                await self._parked(pending, log, parks, record)
             await breaker.wait(admit.until_ms, self._cancelled)
+
+    async def _parked(
+        self, pending: Pending, log: Log, parks: list[Parked], record: Parked
+    ) -> None:
+        """Record a park, durably; on a delivery's first, tell the room when configured
+        (PB5: once — a restart finds the record and says nothing again)."""
+        await log.append(record)
+        parks.append(record)
+        breaker = self.host.breaker
+        if len(parks) == 1 and breaker is not None and breaker.config.notify:
+            self.host.emit(
+                TextUpdate(
+                    room=self.room,
+                    delivery_id=pending.delivery_id,
+                    reply_to=pending.delivery.message_id,
+                    text=breaker.config.notify_text,
+                )
+            )
 
     async def _park(
         self,
@@ -591,8 +608,7 @@ class Lane:
         )
         if pending.cancelled or past_bounds(breaker.config, [*parks, record], now):
             return False
-        await log.append(record)
-        parks.append(record)
+        await self._parked(pending, log, parks, record)
         await slot.fence()  # no worker is kept while parked; the next try is a new epoch
         return True
 
