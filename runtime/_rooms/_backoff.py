@@ -86,11 +86,15 @@ class RouteBreaker:
         self._probing = object()
         return Admit(probe=self._probing)
 
-    def failed(self, failure: UpstreamFailure) -> int:
+    def failed(self, failure: UpstreamFailure, probe: object | None = None) -> int:
         """A turn met the provider unavailable: the breaker opens (again); the time of the
-        next attempt. A failure while it is already open for longer changes nothing."""
+        next attempt. A failure while it is already open for longer changes nothing. Only
+        the probing turn (``probe``, its token) ends the probe: a turn that began before the
+        breaker opened and fails meanwhile leaves the probe running, so two never overlap."""
         now = self._clocks.wall.time_ms()
-        self._probing, self._seen = None, True
+        self._seen = True
+        if probe is not None and probe is self._probing:
+            self._probing = None
         if self.open_until_ms is not None and self.open_until_ms > now:
             self._wake()
             return self.open_until_ms

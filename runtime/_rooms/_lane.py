@@ -480,6 +480,7 @@ class Lane:
                         end,
                         gateway.upstream_failure,
                         answered=gateway.statistics().journaled > answered,
+                        probe=probe,
                     )
                 except _WorkerDied:
                     await slot.fence()
@@ -583,6 +584,7 @@ class Lane:
         failure: UpstreamFailure | None,
         *,
         answered: bool,
+        probe: object | None,
     ) -> bool:
         """After a turn: whether it met an unavailable provider and is parked (PB1) — its
         schedule durable in its journal, its worker stopped — instead of ending. A definite
@@ -597,7 +599,7 @@ class Lane:
             if answered or (failure is not None and not failure.unavailable):
                 breaker.succeeded()
             return False
-        next_attempt = breaker.failed(failure)
+        next_attempt = breaker.failed(failure, probe)
         now = self.host.clocks.wall.time_ms()
         record = Parked(
             attempt=(parks[-1].attempt if parks else 0) + 1,

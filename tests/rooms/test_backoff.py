@@ -144,3 +144,21 @@ def test_pb3_the_bounds() -> None:
     assert not past_bounds(CONFIG, [parked(11, 0)], 29 * 60_000)
     assert past_bounds(CONFIG, [parked(12, 0)], 0)
     assert past_bounds(CONFIG, [parked(1, 0)], 30 * 60_000)
+
+
+async def test_pb4_a_late_failure_of_another_turn_does_not_end_the_probe(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A turn that began before the breaker opened and fails while a probe runs re-opens
+    the breaker but leaves the probe running: when the new wait is over nobody else probes
+    until the probe has its answer (two probes never overlap)."""
+    route, wall = breaker()
+    until = route.failed(UpstreamFailure(503))
+    await trio.sleep((until - wall.time_ms()) / 1000 + 0.01)
+    probe = route.admit()
+    assert probe.probe is not None
+    later = route.failed(UpstreamFailure(503))  # not the probe: a turn already under way
+    await trio.sleep((later - wall.time_ms()) / 1000 + 0.01)
+    assert route.admit().probe is None  # the probe still runs
+    route.failed(UpstreamFailure(503), probe.probe)  # its answer
+    assert route.admit().until_ms is not None
