@@ -87,6 +87,20 @@ async def outage_upstream(outage: Outage) -> AsyncIterator[str]:
         nursery.cancel_scope.cancel()
 
 
+@pytest.fixture
+def parked(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """Set once a lane has made a delivery's park durable (a barrier in ``Lane._parked``)."""
+    event = trio.Event()
+    record = Lane._parked
+
+    async def parking(self: Lane, *args: Any) -> None:
+        await record(self, *args)
+        event.set()
+
+    monkeypatch.setattr(Lane, "_parked", parking)
+    return event
+
+
 BACKOFF: Final = BackoffConfig(first_seconds=FIRST, max_seconds=MAX, deadline_minutes=0.05)
 
 
@@ -216,24 +230,12 @@ async def test_pb4_an_outage_during_a_burst_on_three_rooms(tmp_path: Path) -> No
     assert outage.up <= 6  # each turn asked once when the provider was back
 
 
-async def test_pb2_the_schedule_survives_a_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_pb2_the_schedule_survives_a_restart(tmp_path: Path, parked: trio.Event) -> None:
     """PB2: a host stopped while a delivery is parked leaves its schedule in the journal;
     the next host resumes it at that time — not before, not charged a recovery attempt —
     and answers it once the provider is back."""
     outage = Outage(seconds=10)
     slow = BackoffConfig(first_seconds=2, max_seconds=2)  # a try every 1 to 2 s
-    parked = trio.Event()
-    park = Lane._park
-
-    async def parking(self: Lane, *args: Any, **kwargs: Any) -> bool:  # a barrier: durable
-        went = await park(self, *args, **kwargs)
-        if went:
-            parked.set()
-        return went
-
-    monkeypatch.setattr(Lane, "_park", parking)
     with trio.fail_after(LIMIT):
         async with outage_upstream(outage) as url:
             settings = config(url, slow)
@@ -316,3 +318,32 @@ async def test_pb5_the_room_is_told_once_and_typing_waits_for_the_answer(tmp_pat
     assert [(u.delivery_id, u.reply_to, u.text) for u in updates] == [("d1", "m-d1", notice)]
     first_typing = next(i for i, e in enumerate(events) if isinstance(e, Typing))
     assert events.index(updates[0]) < first_typing
+
+
+async def test_pb1_a_parked_delivery_is_cancelled_at_once_and_the_next_message_waits(
+    tmp_path: Path, parked: trio.Event
+) -> None:
+    """A ``cancel`` of a parked delivery ends it ``cancelled`` without waiting for its next
+    try; a message of the same room that arrived while it was parked was queued (there is
+    no live run to steer into) and is answered once the provider is back."""
+    outage = Outage(seconds=6)
+    backoff = BackoffConfig(first_seconds=2, max_seconds=2)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(config(url, backoff), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            while not await parks_of(worker, "d1"):
+                with trio.move_on_after(0.05):
+                    await parked.wait()  # (never set: looked at again every 50 ms)
+            queued = await worker.deliver(message("d2"))
+            began = trio.current_time()
+            await worker.cancel("d1")
+            (cancelled,) = await next_results(worker, 1)
+            took = trio.current_time() - began
+            (answered,) = await next_results(worker, 1, after=cancelled.seq)
+    assert queued.disposition == "queued"
+    assert (cancelled.delivery_id, cancelled.outcome) == ("d1", Outcome.CANCELLED)
+    assert took < 1.0  # not its next try, 1 to 2 s away
+    assert (answered.delivery_id, answered.outcome) == ("d2", Outcome.REPLY)

@@ -402,3 +402,75 @@ async def test_rt10_journal_compact_expires_on_demand_and_verify_checks_the_filt
     assert f"problem: {EXPIRED}: journal_corrupt: expired-id filter fails its checksum" in damaged
     assert refused.value.code is ReasonCode.JOURNAL_CORRUPT
     assert "'a1' finished longer ago than [retention] idempotency_days" in caplog.text
+
+
+async def test_rt7_admissions_during_a_compaction_are_neither_lost_nor_doubled(
+    tmp_path: Path,
+) -> None:
+    """RT7: deliveries admitted while compactions rewrite the admission log — twenty at once
+    on ten rooms, compactions back to back meanwhile, the first expiring five idle rooms'
+    old deliveries — are each accepted once, durably: all
+    are answered once, the compacted logs hold every one of them exactly once, and a restart
+    knows them (a repeat is ``duplicate``)."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    rooms = [f"dm:{n}" for n in range(10)]
+    idle = [f"dm:idle-{n}" for n in range(5)]  # nothing new there: compacted mid-burst
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([]) as (_model, url):
+            config = RoomWorkerConfig(model=ModelConfig(base_url=url))
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                for room in [*rooms, *idle]:  # an old history for the compactions to remove
+                    for n in (1, 2):
+                        await worker.deliver(message(f"old-{room}-{n}", room=room))
+                old = await next_results(worker, 30)
+                await worker.ack(max(r.seq for r in old))
+                wall.advance(40 * DAY)
+                accepted: dict[str, str] = {}
+                plans = []
+                missing: list[set[str]] = []
+
+                async def admit(delivery_id: str, room: str) -> None:
+                    accepted[delivery_id] = (
+                        await worker.deliver(message(delivery_id, room=room))
+                    ).disposition
+
+                async def compact_repeatedly() -> None:
+                    for _ in range(5):
+                        plans.append(await worker.compact())
+                        # L1 at every moment: what was accepted is in the log on disk
+                        durable = set(accepted)
+                        on_disk, _ = await trio.to_thread.run_sync(shared, tmp_path / "state")
+                        known = {
+                            r.delivery_id for r in on_disk if isinstance(r, Admission | Settled)
+                        }
+                        missing.append(durable - known)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(compact_repeatedly)
+                    for room in rooms:
+                        for n in (1, 2):
+                            nursery.start_soon(admit, f"new-{room}-{n}", room)
+                new = await next_results(worker, 20, after=max(r.seq for r in old))
+                await worker.ack(max(r.seq for r in new))
+                final = await worker.compact()  # the rooms idle again: the old ones go
+            admissions, results = shared(tmp_path / "state")
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                again = await worker.deliver(message("new-dm:3-2", room="dm:3"))
+    fresh = {f"new-{room}-{n}" for room in rooms for n in (1, 2)}
+    assert len(accepted) == 20
+    assert "duplicate" not in accepted.values()
+    assert missing == [set()] * 5
+    assert {r.delivery_id for r in new} == fresh
+    assert len(plans) == 5
+    assert {d for p in plans for d in p.expired} >= {f"old-{room}-1" for room in idle}
+    assert set(final.expired) | {d for p in plans for d in p.expired} == {
+        f"old-{room}-{n}" for room in rooms for n in (1, 2)
+    } | {f"old-{room}-1" for room in idle}
+    admitted = [r.delivery_id for r in admissions if isinstance(r, Admission | Settled)]
+    assert len(admitted) == len(set(admitted))
+    assert fresh <= set(admitted)
+    published = [r.delivery_id for r in results if isinstance(r, ResultPublished)]
+    assert len(published) == len(set(published))
+    assert fresh <= set(published)
+    assert again.disposition == "duplicate"
