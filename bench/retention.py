@@ -26,10 +26,12 @@ target (RT9): a compacted start ≤ 1 s and flat in N. Nothing asserts; CI does 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Final
 
@@ -51,7 +53,7 @@ from runtime._records import (
     ResultPublished,
 )
 from runtime._rooms._retention import compact_journals
-from runtime._rooms._worker import open_room_worker
+from runtime._rooms._worker import RoomWorker, open_room_worker
 
 ROOMS: Final = 100
 DAY_MS: Final = 86_400_000
@@ -68,10 +70,11 @@ def _write_log(path: Path, kind: LogKind, subject: str, records: list[Record]) -
             out.write(encode_frame(first, encoded[first : first + FRAME]))
 
 
-def build(state: Path, history: int) -> None:
-    """A state directory with ``history`` finished deliveries behind one live one."""
+def build(state: Path, history: int, *, days: int = 40) -> None:
+    """A state directory with ``history`` finished deliveries, their results published
+    ``days`` ago, behind one live one."""
     state.mkdir(mode=0o700, parents=True)
-    old = time.time_ns() // 1_000_000 - 40 * DAY_MS
+    old = time.time_ns() // 1_000_000 - days * DAY_MS
     prints = Fingerprints(request="r" * 64, authority="a" * 64, settings="s" * 64)
     admissions: list[Record] = []
     results: list[Record] = []
@@ -124,6 +127,31 @@ async def start(base: Path, retention: RetentionConfig) -> float:
     return took
 
 
+async def stall(base: Path) -> tuple[float, float]:
+    """How long compactions of this state directory hold admissions back (the longest an
+    admission can wait for one), in seconds: the one that rewrites the logs, and the next,
+    which finds nothing to change (0: it plans without holding anything back)."""
+    held: list[float] = []
+    pause = RoomWorker._admissions_paused
+
+    @contextlib.asynccontextmanager
+    async def timed(self: RoomWorker) -> AsyncIterator[None]:
+        began = time.perf_counter()
+        async with pause(self):
+            yield
+        held.append(time.perf_counter() - began)
+
+    RoomWorker._admissions_paused = timed  # type: ignore[method-assign]
+    try:
+        config = RoomWorkerConfig()
+        async with open_room_worker(config, base_dir=base, clocks=Clocks.system()) as worker:
+            await worker.compact()  # the first to run changes what is due; the next nothing
+            await worker.compact()
+    finally:
+        RoomWorker._admissions_paused = pause  # type: ignore[method-assign]
+    return (held[0] if held else 0.0), (held[1] if len(held) > 1 else 0.0)
+
+
 def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
@@ -139,6 +167,15 @@ async def main() -> None:
         sizes.insert(0, 0)  # the baseline
     args.dir.mkdir(exist_ok=True)
     rows = []
+    stalls: list[tuple[int, float, float]] = []
+
+    async def stall_of(base: Path, kept: int) -> tuple[float, float]:
+        build(base / "state", kept, days=10)  # past journal_days, within idempotency_days
+        try:
+            return await stall(base)
+        finally:
+            shutil.rmtree(base)
+
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-retention-") as tmp:
         for history in sizes:
             base = Path(tmp) / str(history)
@@ -159,6 +196,7 @@ async def main() -> None:
             )
             filter_bytes = _size(base / "state" / "expired.ids")
             compacted = [await start(base, RetentionConfig()) for _ in range(args.starts)]
+            stalls.append((history, *await stall_of(Path(tmp) / f"kept-{history}", history)))
             rows.append(
                 (
                     history,
@@ -185,6 +223,10 @@ async def main() -> None:
             f"{com:>15.3f} s {com / baseline:>5.2f}x {expired:>8} {before:>12} {after:>11} "
             f"{filt:>10}"
         )
+    print()
+    print(f"{'kept':>9} {'admissions held: rewrite':>25} {'plan only':>10}")
+    for kept, rewrite, plan_only in stalls:
+        print(f"{kept:>9} {rewrite * 1000:>22.1f} ms {plan_only * 1000:>7.1f} ms")
     print(
         f"baseline: the compacted start with no history, {baseline:.3f} s (median of "
         f"{args.starts}); target RT9: a compacted start <= 1 s, flat in the history"

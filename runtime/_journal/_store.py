@@ -220,8 +220,8 @@ class Store:
         same framing; written to a temp file, synced, renamed over the log, the directory
         synced — so the old file is whole until the new one is durable, and a crash leaves
         one or the other. The caller guarantees nothing appends to it meanwhile. What is
-        then the log: reopened from disk (read back and checked), so a failed rewrite
-        leaves the old one open."""
+        then the log: the new file; after a failed rewrite, whichever file is there, read
+        back from disk (the old one, unless only the directory sync failed)."""
         rel, contents = journal.rel, journal.contents
         kind = contents.header.kind
         marked = len(contents.records) > 1 and isinstance(contents.records[1], Compacted)
@@ -237,15 +237,31 @@ class Store:
             removed=max(0, before - len(records)),
             last_seq=last_seq,
         )
-        data = await trio.to_thread.run_sync(_framed, [header, mark, *records])
+        written = (header, mark, *records)
+        data = await trio.to_thread.run_sync(_framed, list(written))
         await self.close_log(journal)
+        reopened: Journal | None = None
         try:
             await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
+        except BaseException:
+            reopened = await self._open_existing(rel, kind)  # what is there now, read back
+            raise
+        else:  # the file holds exactly what was framed and synced: no need to read it back
+            path = self.path(rel)
+            target = LogTarget(
+                path=path,
+                rel=rel,
+                good_length=len(data),
+                next_seq=len(written),
+                poison_path=path + ".poison",
+                create=False,
+            )
+            reopened = Journal(self._pool, target, LogContents(rel, written, len(data), 0))
+            self._open[rel] = reopened
         finally:
-            reopened = await self._open_existing(rel, kind)
-            if kind is LogKind.ADMISSIONS:
+            if reopened is not None and kind is LogKind.ADMISSIONS:
                 self.admissions = reopened
-            else:
+            elif reopened is not None:
                 self.results = reopened
         return reopened
 

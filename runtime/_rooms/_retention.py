@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,12 +89,14 @@ def plan_compaction(
     latest: Mapping[str, DeliveryResult],
     journal_cutoff_ms: int,
     idempotency_cutoff_ms: int,
+    only: Collection[str] | None = None,
 ) -> Compaction:
     """Decide a compaction (pure). A delivery is touched only when its result is
     acknowledged (seq ≤ ``acked``), its room is not ``busy`` and the result is not its room's
     ``latest`` (RT1); then, by when it was published (its admission time for a result older
     than that field): before ``idempotency_cutoff_ms`` it expires, before
-    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled`."""
+    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled`. With ``only``,
+    a delivery not in it is kept as it is."""
     results = {r.delivery_id: r for r in published}
     kept: list[Admitted] = []
     plan = Compaction(admissions=kept)
@@ -104,6 +106,9 @@ def plan_compaction(
         room = room_of(record)
         if result is None or result.seq > acked or busy(room):
             kept.append(record)  # RT1: not finished, or its room is not idle
+            continue
+        if only is not None and delivery_id not in only:
+            kept.append(record)  # not prepared for (its journal, the filter): next time
             continue
         when = result.published_ms or record.admitted_ms
         last = latest.get(room)
@@ -140,14 +145,18 @@ async def compact_shared(
     retention: RetentionConfig,
     paused: Callable[[], AbstractAsyncContextManager[None]] = _nothing,
 ) -> Compaction:
-    """Compact the shared logs now (RT4-RT8): plan it (:func:`plan_compaction`) while
-    ``paused()`` holds every admission back, remove the step journals of what it slims or
-    expires, add what it expires to the expired-id filter, rewrite the admission log, then —
-    admissions flowing again, publication held by the outbox — the result log. Each step is
-    durable before the next begins (RT5). What it did (nothing, when nothing was due)."""
+    """Compact the shared logs now (RT4-RT8), in steps each durable before the next begins
+    (RT5): plan it (:func:`plan_compaction`); remove the step journals of what it slims or
+    expires; add what it expires to the expired-id filter; then, while ``paused()`` holds
+    every admission back, plan again — limited to what the first plan prepared, so that
+    what changed meanwhile (a room no longer idle) is left as it is — and rewrite the
+    admission log; then, admissions flowing again and publication held by the outbox, the
+    result log. Admissions wait for the second plan and the rewrite only. What it did
+    (nothing, when nothing was due)."""
     now = store.clocks.wall.time_ms()
-    async with paused():
-        plan = plan_compaction(
+
+    def decide(only: Collection[str] | None = None) -> Compaction:
+        return plan_compaction(
             admitted(),
             outbox.published(),
             acked=outbox.acked,
@@ -155,15 +164,22 @@ async def compact_shared(
             latest=outbox.last_of_room,
             journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
             idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
+            only=only,
         )
+
+    prepared = decide()
+    if not prepared.changes:
+        return prepared
+    going = [(s.delivery_id, s.room) for s in prepared.settled.values()]
+    going += [(d, e.room) for d, e in prepared.expired.items()]
+    await remove_step_journals(store, [(d, room) for d, room in going if not busy(room)])
+    if prepared.expired:
+        forget = int(retention.forget_days * DAY_MS)
+        await store.expire({d: e.published_ms + forget for d, e in prepared.expired.items()})
+    async with paused():
+        plan = decide(only={d for d, _ in going})
         if not plan.changes:
             return plan
-        going = [(s.delivery_id, s.room) for s in plan.settled.values()]
-        going += [(d, e.room) for d, e in plan.expired.items()]
-        await remove_step_journals(store, going)
-        if plan.expired:
-            forget = int(retention.forget_days * DAY_MS)
-            await store.expire({d: e.published_ms + forget for d, e in plan.expired.items()})
         await store.rewrite_shared(store.admissions, list(plan.admissions))
 
     async def replace(records: list[Record], last_seq: int) -> object:
