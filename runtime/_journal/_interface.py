@@ -136,6 +136,11 @@ class JournalStore(Protocol):
 
     async def close_log(self, journal: Log) -> None: ...
 
+    async def remove_logs(self, rels: Sequence[str]) -> int:
+        """Remove the logs ``rels`` durably, nothing else of them kept (retention of logs
+        nothing will read again, docs/design/retention.md RT2, RT11); how many were there."""
+        ...
+
     async def write_document(
         self, rel: str, data: bytes, *, fence: Fence | None = None
     ) -> None: ...

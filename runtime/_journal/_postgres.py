@@ -273,6 +273,11 @@ _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
 _DOCUMENTS: Final = f"SELECT name, data FROM {SCHEMA}.documents WHERE name LIKE %s ORDER BY name"
 _ANNOUNCE: Final = f"SELECT pg_notify('{CHANNEL}', 'documents')"
 _DELETE_DOCUMENTS: Final = f"DELETE FROM {SCHEMA}.documents WHERE name = ANY(%s::text[])"
+_DELETE_LOGS: Final = f"""
+WITH gone AS (DELETE FROM {SCHEMA}.log_records WHERE log = ANY(%s::text[]) RETURNING log, seq),
+     poison AS (DELETE FROM {SCHEMA}.log_poison WHERE log = ANY(%s::text[]) RETURNING log)
+SELECT count(*) FROM gone WHERE seq = 0
+"""
 _EXISTS: Final = f"""
 SELECT EXISTS (SELECT FROM {SCHEMA}.log_records WHERE log = %(log)s)
     OR EXISTS (SELECT FROM {SCHEMA}.log_poison WHERE log = %(log)s)"""
@@ -1296,6 +1301,19 @@ class PgStore:
             return {str(name): bytes(data) for name, data in rows}
 
         return await self._run(prefix, read)
+
+    async def remove_logs(self, rels: Sequence[str]) -> int:
+        """Remove the logs ``rels`` — their rows and any poison — in one statement (retention,
+        docs/design/retention.md RT11: logs nothing will read again); how many were there.
+        Idempotent: two hosts removing the same logs remove them once."""
+
+        def delete(conn: _Conn) -> int:
+            row = conn.execute(_DELETE_LOGS, [list(rels), list(rels)]).fetchone()
+            return int(row[0]) if row else 0
+
+        for rel in rels:
+            self._open.pop(rel, None)
+        return await self._run(rels[0], delete) if rels else 0
 
     async def delete_documents(self, names: Sequence[str]) -> None:
         """Remove the named documents (those absent are no matter): one statement."""

@@ -179,6 +179,10 @@ class Store:
             self._on_disk_failure(error)
             raise error from exc
 
+    async def remove_logs(self, rels: Sequence[str]) -> int:
+        """Remove the logs ``rels`` (retention, RT2), durably: :meth:`remove_files`."""
+        return await self.remove_files(rels)
+
     async def remove_files(self, rels: Sequence[str]) -> int:
         """Remove the files ``rels`` (logs nothing will read again, their sessions) durably —
         unlink, then one fsync of each directory they were in — in one trip off the loop:

@@ -25,16 +25,18 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, cast
 
 import trio
 
 from .._clock import Clocks
 from .._config import RetentionConfig
 from .._errors import ReasonCode, StateDirError
+from .._journal._interface import JournalStore, LeaseStore
 from .._journal._store import ADMISSIONS, Store, delivery_key, lane_key, open_store
 from .._records import Admission, Record, ResultPublished, Settled
 from .._wire import DeliveryResult
+from ._lane import SESSIONS
 from ._outbox import ResultOutbox
 
 __all__ = [
@@ -189,20 +191,28 @@ async def compact_shared(
     return plan
 
 
-async def remove_step_journals(store: Store, deliveries: Sequence[tuple[str, str]]) -> int:
+async def remove_step_journals(store: JournalStore, deliveries: Sequence[tuple[str, str]]) -> int:
     """Remove the step journal and one-shot session of each ``(delivery id, room)``, durably
-    and in one trip off the loop; how many had a journal left."""
-    journals = [store.delivery_rel(d) for d, _ in deliveries]
-    if not journals:
+    and in one trip to the store (on a shared store, the session's document too); how many
+    had a journal left."""
+    if not deliveries:
         return 0
-    removed = await store.remove_files(journals)
+    removed = await store.remove_logs([store.delivery_rel(d) for d, _ in deliveries])
     sessions = [f"lanes/{lane_key(room)}/oneshot/{delivery_key(d)}.jsonl" for d, room in deliveries]
-    await store.remove_files(sessions)
+    await trio.to_thread.run_sync(_unlink_all, [store.root / rel for rel in sessions])
+    if not isinstance(store, Store):  # S13: shared, a one-shot session travels as a document
+        await cast(LeaseStore, store).delete_documents([SESSIONS + rel for rel in sessions])
     return removed
 
 
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 async def expire_step_journals(
-    store: Store,
+    store: JournalStore,
     outbox: ResultOutbox,
     busy: Callable[[str], bool],
     *,
@@ -216,16 +226,24 @@ async def expire_step_journals(
     asked after the last await before the removal."""
     due: list[tuple[int, DeliveryResult, int | None]] = []
     for index, result, published_ms in outbox.acknowledged_since(start):
-        rel = store.delivery_rel(result.delivery_id)
-        when = published_ms or await _modified_ms(store.path(rel))
+        when: int | None = published_ms
+        if not when and isinstance(store, Store):  # older than the field: its log's time
+            when = await _modified_ms(store.path(store.delivery_rel(result.delivery_id)))
         if when is not None and when > cutoff_ms:
             break  # published in order: the rest are younger
         due.append((index, result, when))
     going: list[tuple[str, str]] = []
     position, settled = start, True
+    shared = not isinstance(store, Store)
     for index, result, when in due:
         if when is not None and busy(result.room):
             settled = False  # RT1: looked at again once the room is idle
+            continue
+        latest = outbox.last_of_room.get(result.room)
+        if shared and latest is not None and latest.delivery_id == result.delivery_id:
+            # RT11: another host may admit into the room before this one hears of it, and
+            # its recovery reads the room's latest owner's log: kept while it is the latest
+            settled = False
             continue
         if when is not None:
             going.append((result.delivery_id, result.room))

@@ -799,10 +799,9 @@ class RoomWorker:
         were removed. Kept whatever their age (RT1): unacknowledged results, and every
         delivery of a room that has one unfinished (a replay there may read its owners' logs).
         The delivery's admission and result stay in the shared logs, so a duplicate still gets
-        its result (RT3). On the file store only: a shared store's retention is not built."""
+        its result (RT3). On PostgreSQL too (RT11; there a room's latest result's journal is
+        kept while it is the latest, and the shared logs are not compacted)."""
         store = self.store
-        if not isinstance(store, Store):
-            return 0
         cutoff = self._host.clocks.wall.time_ms() - self.config.retention.journal_days * 86_400_000
         async with self._retaining:
             removed, self._expired_upto = await expire_step_journals(
@@ -861,9 +860,9 @@ class RoomWorker:
 
     async def _retain_periodically(self, sweep_hours: float, compact_hours: float) -> None:
         """:meth:`expire_journals` now and every ``sweep_hours``, :meth:`compact` now and
-        every ``compact_hours``; a failure is logged and the next look tries again (a fault
-        of retention stays in retention)."""
-        next_compaction = trio.current_time()
+        every ``compact_hours`` (on the file store); a failure is logged and the next look
+        tries again (a fault of retention stays in retention)."""
+        next_compaction = trio.current_time() if isinstance(self.store, Store) else math.inf
         while True:
             try:
                 removed = await self.expire_journals()
@@ -1196,6 +1195,10 @@ async def open_room_worker(
             nursery.start_soon(functools.partial(leased.watch_shared, worker._poke, poll=poll))
             nursery.start_soon(worker._follow_shared)
             nursery.start_soon(worker._claim_waiting, poll)
+            retention = config.retention
+            nursery.start_soon(
+                worker._retain_periodically, retention.sweep_hours, retention.compact_hours
+            )  # RT11: step journals only
         else:
             await worker._sweep_attachments(attachments)  # A8: before any lane runs
             await worker._recover()

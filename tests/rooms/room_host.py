@@ -52,6 +52,7 @@ from runtime._boundary._steps import DeliveryStepJournal
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
+from runtime._journal._interface import JournalStore
 from runtime._journal._store import Store, delivery_key
 from runtime._linux._fs import OsFileSystem
 from runtime._records import LogKind, Record, ToolIntent, ToolOutcome
@@ -147,7 +148,7 @@ def install_pause(point: str, nth: int) -> None:
     elif point == "compaction:journal":
         remove = _retention.remove_step_journals
 
-        async def after_removal(store: Store, deliveries: Any) -> int:
+        async def after_removal(store: JournalStore, deliveries: Any) -> int:
             removed = await remove(store, deliveries)
             if removed:
                 await barrier()
