@@ -30,6 +30,7 @@ import os
 import secrets
 import stat
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -52,7 +53,7 @@ from ._fence import Fence
 from ._frame import encode_frame
 from ._interface import Log
 from ._journal import Journal, LogContents, encode_record, read_log
-from ._writer import TMP_MARK, LogTarget, WriterPool, atomic_write, disk_error
+from ._writer import TMP_MARK, LogTarget, StagedFile, WriterPool, atomic_write, disk_error
 
 __all__ = [
     "OwnerRecord",
@@ -217,15 +218,23 @@ class Store:
         self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
 
     async def rewrite_shared(
-        self, journal: Journal, records: list[Record], *, last_seq: int = 0
+        self,
+        journal: Journal,
+        records: list[Record],
+        *,
+        last_seq: int = 0,
+        held: Callable[[], AbstractAsyncContextManager[list[Record]]] | None = None,
     ) -> Journal:
         """Replace the shared log ``journal`` (:attr:`admissions` or :attr:`results`) by a
         file holding ``records`` (RT7): a new header and a :class:`Compacted` record first,
-        same framing; written to a temp file, synced, renamed over the log, the directory
-        synced — so the old file is whole until the new one is durable, and a crash leaves
-        one or the other. The caller guarantees nothing appends to it meanwhile. What is
-        then the log: the new file; after a failed rewrite, whichever file is there, read
-        back from disk (the old one, unless only the directory sync failed)."""
+        same framing, written to a temp file beside it; then, while ``held()`` holds back
+        whatever appends to the log and yields what was appended since ``records`` was taken
+        (none without it: the caller guarantees nothing appends), those are written after
+        them, the file synced, renamed over the log, the directory synced — so the old file
+        is whole until the new one is durable, a crash leaves one or the other, and appends
+        wait only for the catch-up and the rename, not for the bulk of the file. What is
+        then the log: the new file; after a failed rewrite, whichever file is there (the old
+        one, unless only the directory sync failed), read back from disk."""
         rel, contents = journal.rel, journal.contents
         kind = contents.header.kind
         marked = len(contents.records) > 1 and isinstance(contents.records[1], Compacted)
@@ -241,33 +250,46 @@ class Store:
             removed=max(0, before - len(records)),
             last_seq=last_seq,
         )
-        written = (header, mark, *records)
-        data = await trio.to_thread.run_sync(_framed, list(written))
-        await self.close_log(journal)
-        reopened: Journal | None = None
+        written: list[Record] = [header, mark, *records]
+        data = await trio.to_thread.run_sync(_framed, written)
+        path = self.path(rel)
+        staged = await self._blocking(rel, StagedFile, self.fs, path)
         try:
-            await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
-        except BaseException:
-            reopened = await self._open_existing(rel, kind)  # what is there now, read back
-            raise
-        else:  # the file holds exactly what was framed and synced: no need to read it back
-            path = self.path(rel)
-            target = LogTarget(
-                path=path,
-                rel=rel,
-                good_length=len(data),
-                next_seq=len(written),
-                poison_path=path + ".poison",
-                create=False,
-            )
-            reopened = Journal(self._pool, target, LogContents(rel, written, len(data), 0))
-            self._open[rel] = reopened
+            await self._blocking(rel, staged.write, data)
+            async with held() if held is not None else _nothing_since() as since:
+                if since:
+                    tail = _framed(since, first=len(written))
+                    await self._blocking(rel, staged.write, tail)
+                    written += since
+                    data += tail
+                await self.close_log(journal)  # nothing appends to it now
+                try:
+                    await self._blocking(rel, staged.commit)
+                except BaseException:
+                    self._adopt(await self._open_existing(rel, kind))  # what is there now
+                    raise
+                # the file holds exactly what was framed and synced: not read back
+                target = LogTarget(
+                    path=path,
+                    rel=rel,
+                    good_length=len(data),
+                    next_seq=len(written),
+                    poison_path=path + ".poison",
+                    create=False,
+                )
+                contents = LogContents(rel, tuple(written), len(data), 0)
+                return self._adopt(Journal(self._pool, target, contents))
         finally:
-            if reopened is not None and kind is LogKind.ADMISSIONS:
-                self.admissions = reopened
-            elif reopened is not None:
-                self.results = reopened
-        return reopened
+            await trio.to_thread.run_sync(staged.discard)
+
+    def _adopt(self, journal: Journal) -> Journal:
+        """``journal`` is the shared log of its kind from now on."""
+        self._open[journal.rel] = journal
+        if journal.contents.header.kind is LogKind.ADMISSIONS:
+            self.admissions = journal
+        else:
+            self.results = journal
+        return journal
 
     # -- paths ---------------------------------------------------------------------
 
@@ -467,14 +489,19 @@ class Store:
         )
 
 
-def _framed(records: list[Record]) -> bytes:
-    """``records`` as a log file's bytes, numbered from 0, in frames of
+def _framed(records: list[Record], *, first: int = 0) -> bytes:
+    """``records`` as a log file's bytes, numbered from ``first``, in frames of
     :data:`_FRAME_RECORDS`."""
     encoded = [encode_record(r) for r in records]
     return b"".join(
-        encode_frame(first, encoded[first : first + _FRAME_RECORDS])
-        for first in range(0, len(encoded), _FRAME_RECORDS)
+        encode_frame(first + at, encoded[at : at + _FRAME_RECORDS])
+        for at in range(0, len(encoded), _FRAME_RECORDS)
     )
+
+
+@contextlib.asynccontextmanager
+async def _nothing_since() -> AsyncIterator[list[Record]]:
+    yield []
 
 
 # -- opening -------------------------------------------------------------------------

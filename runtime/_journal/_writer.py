@@ -42,6 +42,7 @@ from ._frame import encode_frame
 __all__ = [
     "TMP_MARK",
     "LogTarget",
+    "StagedFile",
     "WriterPool",
     "atomic_write",
     "disk_error",
@@ -346,36 +347,56 @@ TMP_MARK: Final = ".tmp-"
 """Temporary files of :func:`atomic_write` carry this in their name (swept at takeover)."""
 
 
-def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
-    """Exclusive temp file, write, fsync, rename over ``path``, directory fsync.
+class StagedFile:
+    """A replacement of ``path`` written in parts (blocking): an exclusive temp file beside
+    it (:data:`TMP_MARK` in its name, swept at takeover); :meth:`commit` syncs it, renames it
+    over ``path`` and syncs the directory, so ``path`` is the old file or the new one whole;
+    :meth:`discard` removes it (after any failure before the rename)."""
 
-    The temp name is unique (random), so a file left by a crash never blocks a
-    later replace; on any failure before the rename the temp file is removed.
-    """
-    directory = os.path.dirname(path)
-    tmp = f"{path}{TMP_MARK}{secrets.token_hex(8)}"
-    handle = fs.open_exclusive(tmp)
-    renamed = False
-    try:
+    def __init__(self, fs: FileSystem, path: str) -> None:
+        self._fs = fs
+        self.path = path
+        self.tmp = f"{path}{TMP_MARK}{secrets.token_hex(8)}"
+        self._handle = fs.open_exclusive(self.tmp)
+        self.renamed = False
+
+    def write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            n = fs.write(handle, bytes(view))
+            n = self._fs.write(self._handle, bytes(view))
             if n <= 0:
                 raise OSError(errno.EIO, "write made no progress")
             view = view[n:]
-        fs.fsync(handle)
-        fs.close(handle)
-        handle = -1
-        fs.rename(tmp, path)
-        renamed = True
-        fs.fsync_dir(directory)
+
+    def commit(self) -> None:
+        fs = self._fs
+        fs.fsync(self._handle)
+        fs.close(self._handle)
+        self._handle = -1
+        fs.rename(self.tmp, self.path)
+        self.renamed = True
+        fs.fsync_dir(os.path.dirname(self.path))
+
+    def discard(self) -> None:
+        if self._handle != -1:
+            with contextlib.suppress(OSError):
+                self._fs.close(self._handle)
+            self._handle = -1
+        if not self.renamed:
+            with contextlib.suppress(OSError):
+                self._fs.unlink(self.tmp)
+
+
+def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
+    """Exclusive temp file, write, fsync, rename over ``path``, directory fsync
+    (:class:`StagedFile`). The temp name is unique (random), so a file left by a crash never
+    blocks a later replace; on any failure before the rename the temp file is removed."""
+    staged = StagedFile(fs, path)
+    try:
+        staged.write(data)
+        staged.commit()
     finally:
-        if handle != -1:
-            with contextlib.suppress(OSError):
-                fs.close(handle)
-        if not renamed:
-            with contextlib.suppress(OSError):
-                fs.unlink(tmp)
+        staged.discard()
 
 
 def disk_error(exc: OSError, rel: str) -> DiskFailedError | None:

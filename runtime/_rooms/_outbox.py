@@ -20,8 +20,10 @@ of readers.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager
 from typing import Final
 
 import trio
@@ -196,28 +198,40 @@ class ResultOutbox:
     async def rewrite(
         self,
         drop: set[str],
-        replace: Callable[[list[Record], int], Awaitable[object]],
+        replace: Callable[
+            [list[Record], int, Callable[[], AbstractAsyncContextManager[list[Record]]]],
+            Awaitable[object],
+        ],
         current: Callable[[], Log],
     ) -> int:
-        """Compact the log (docs/design/retention.md RT7, RT8): ``replace(records,
-        last_seq)`` rewrites it holding every published result but those of ``drop`` and
-        the acknowledged seq; nothing is published or acknowledged meanwhile. ``current()``
-        is the log afterwards, whether the rewrite succeeded or not. Seqs are kept as they
-        were, and the next one still follows the last ever published. How many results were
-        left out."""
-        async with self._lock:
-            kept: list[Record] = [r for r in self._records if r.delivery_id not in drop]
-            removed = len(self._records) - len(kept)
-            if self.acked:
-                kept.append(ResultAcked(seq=self.acked))
-            last = self.last_seq
-            try:
-                await replace(kept, last)
-            finally:
-                self._log = current()
-            self._forget()
-            self._learn([Compacted(compacted_ms=0, removed=0, last_seq=last), *kept])
-            return removed
+        """Compact the log (docs/design/retention.md RT7, RT8): ``replace(records, last_seq,
+        held)`` rewrites it holding every published result but those of ``drop`` and the
+        acknowledged seq; ``held()`` holds publication and acknowledgement back — only for
+        the end of the rewrite — and yields what was appended meanwhile, carried over as it
+        is. ``current()`` is the log afterwards, whether the rewrite succeeded or not. Seqs
+        are kept as they were, and the next one still follows the last ever published. How
+        many results were left out."""
+        taken, acked, last = len(self._records), self.acked, self.last_seq
+        kept: list[Record] = [r for r in self._records[:taken] if r.delivery_id not in drop]
+        removed = taken - len(kept)
+        if acked:
+            kept.append(ResultAcked(seq=acked))
+
+        @contextlib.asynccontextmanager
+        async def held() -> AsyncIterator[list[Record]]:
+            async with self._lock:
+                since: list[Record] = list(self._records[taken:])
+                if self.acked > acked:
+                    since.append(ResultAcked(seq=self.acked))
+                try:
+                    yield since
+                finally:
+                    self._log = current()  # the new file, or after a failure what is there
+                self._forget()
+                self._learn([Compacted(compacted_ms=0, removed=0, last_seq=last), *kept, *since])
+
+        await replace(kept, last, held)
+        return removed
 
     async def follow(self, after: int | None = None) -> AsyncIterator[DeliveryResult]:
         """Every result with a seq above ``after`` (default: the acknowledged seq), in seq

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,14 +91,12 @@ def plan_compaction(
     latest: Mapping[str, DeliveryResult],
     journal_cutoff_ms: int,
     idempotency_cutoff_ms: int,
-    only: Collection[str] | None = None,
 ) -> Compaction:
     """Decide a compaction (pure). A delivery is touched only when its result is
     acknowledged (seq ≤ ``acked``), its room is not ``busy`` and the result is not its room's
     ``latest`` (RT1); then, by when it was published (its admission time for a result older
     than that field): before ``idempotency_cutoff_ms`` it expires, before
-    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled`. With ``only``,
-    a delivery not in it is kept as it is."""
+    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled`."""
     results = {r.delivery_id: r for r in published}
     kept: list[Admitted] = []
     plan = Compaction(admissions=kept)
@@ -108,9 +106,6 @@ def plan_compaction(
         room = room_of(record)
         if result is None or result.seq > acked or busy(room):
             kept.append(record)  # RT1: not finished, or its room is not idle
-            continue
-        if only is not None and delivery_id not in only:
-            kept.append(record)  # not prepared for (its journal, the filter): next time
             continue
         when = result.published_ms or record.admitted_ms
         last = latest.get(room)
@@ -133,11 +128,6 @@ def _settled(record: Admission, room: str) -> Settled:
     )
 
 
-@contextlib.asynccontextmanager
-async def _nothing() -> AsyncIterator[None]:
-    yield
-
-
 async def compact_shared(
     store: Store,
     outbox: ResultOutbox,
@@ -145,47 +135,41 @@ async def compact_shared(
     *,
     busy: Callable[[str], bool],
     retention: RetentionConfig,
-    paused: Callable[[], AbstractAsyncContextManager[None]] = _nothing,
+    held: Callable[[], AbstractAsyncContextManager[list[Record]]] | None = None,
 ) -> Compaction:
     """Compact the shared logs now (RT4-RT8), in steps each durable before the next begins
-    (RT5): plan it (:func:`plan_compaction`); remove the step journals of what it slims or
-    expires; add what it expires to the expired-id filter; then, while ``paused()`` holds
-    every admission back, plan again — limited to what the first plan prepared, so that
-    what changed meanwhile (a room no longer idle) is left as it is — and rewrite the
-    admission log; then, admissions flowing again and publication held by the outbox, the
-    result log. Admissions wait for the second plan and the rewrite only. What it did
-    (nothing, when nothing was due)."""
+    (RT5): plan it (:func:`plan_compaction`) on what ``admitted()`` returns; remove the step
+    journals of what it slims or expires; add what it expires to the expired-id filter;
+    rewrite the admission log — ``held()`` holds admissions back only for the end of that,
+    yielding those admitted since ``admitted()`` was called, which are carried over as they
+    are (:meth:`Store.rewrite_shared`); then the result log, the same way under the outbox's
+    lock. What it did (nothing, when nothing was due)."""
     now = store.clocks.wall.time_ms()
-
-    def decide(only: Collection[str] | None = None) -> Compaction:
-        return plan_compaction(
-            admitted(),
-            outbox.published(),
-            acked=outbox.acked,
-            busy=busy,
-            latest=outbox.last_of_room,
-            journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
-            idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
-            only=only,
-        )
-
-    prepared = decide()
-    if not prepared.changes:
-        return prepared
-    going = [(s.delivery_id, s.room) for s in prepared.settled.values()]
-    going += [(d, e.room) for d, e in prepared.expired.items()]
-    await remove_step_journals(store, [(d, room) for d, room in going if not busy(room)])
-    if prepared.expired:
+    plan = plan_compaction(
+        admitted(),
+        outbox.published(),
+        acked=outbox.acked,
+        busy=busy,
+        latest=outbox.last_of_room,
+        journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
+        idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
+    )
+    if not plan.changes:
+        return plan
+    going = [(s.delivery_id, s.room) for s in plan.settled.values()]
+    going += [(d, e.room) for d, e in plan.expired.items()]
+    await remove_step_journals(store, going)
+    if plan.expired:
         forget = int(retention.forget_days * DAY_MS)
-        await store.expire({d: e.published_ms + forget for d, e in prepared.expired.items()})
-    async with paused():
-        plan = decide(only={d for d, _ in going})
-        if not plan.changes:
-            return plan
-        await store.rewrite_shared(store.admissions, list(plan.admissions))
+        await store.expire({d: e.published_ms + forget for d, e in plan.expired.items()})
+    await store.rewrite_shared(store.admissions, list(plan.admissions), held=held)
 
-    async def replace(records: list[Record], last_seq: int) -> object:
-        return await store.rewrite_shared(store.results, records, last_seq=last_seq)
+    async def replace(
+        records: list[Record],
+        last_seq: int,
+        held: Callable[[], AbstractAsyncContextManager[list[Record]]],
+    ) -> object:
+        return await store.rewrite_shared(store.results, records, last_seq=last_seq, held=held)
 
     await outbox.rewrite(set(plan.expired) | plan.orphaned, replace, lambda: store.results)
     return plan

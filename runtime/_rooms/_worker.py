@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import socket
@@ -820,19 +821,32 @@ class RoomWorker:
         """Compact the shared logs now (RT4-RT8, :func:`compact_shared`): slim the admissions
         of deliveries past ``journal_days`` to idempotency records, expire those past
         ``idempotency_days`` (a duplicate is then ``delivery_expired``), rewrite both logs
-        with what is left. Admissions wait while the admission log is rewritten; results
-        while the result log is. What it did. On the file store only."""
+        with what is left. Admissions wait only for the end of the admission log's rewrite
+        (those admitted meanwhile are carried over), results for the end of the result
+        log's. What it did. On the file store only."""
         store = self.store
         if not isinstance(store, Store):
             return Compaction()
+        taken = 0
+
+        def admitted() -> list[Admission | Settled]:
+            nonlocal taken
+            taken = len(self._admissions)
+            return [*self._settled.values(), *self._admissions.values()]
+
+        @contextlib.asynccontextmanager
+        async def held() -> AsyncIterator[list[Record]]:
+            async with self._admissions_paused():  # only admissions append to the log
+                yield list(itertools.islice(self._admissions.values(), taken, None))
+
         async with self._retaining:
             plan = await compact_shared(
                 store,
                 self._host.outbox,
-                lambda: [*self._settled.values(), *self._admissions.values()],
+                admitted,
                 busy=self._busy,
                 retention=self.config.retention,
-                paused=self._admissions_paused,
+                held=held,
             )
             if plan.changes:  # both logs are durable: what this host knows follows them
                 for delivery_id in plan.expired:

@@ -438,11 +438,21 @@ async def test_rt7_admissions_during_a_compaction_are_neither_lost_nor_doubled(
                 async def compact_repeatedly() -> None:
                     for _ in range(5):
                         plans.append(await worker.compact())
-                        # L1 at every moment: what was accepted is in the log on disk
+                        # L1, L5 at every moment: what was accepted, and every result
+                        # published, is in its log on disk
                         durable = set(accepted)
-                        on_disk, _ = await trio.to_thread.run_sync(shared, tmp_path / "state")
+                        outbox = worker._host.outbox
+                        durable |= {f"result:{r.delivery_id}" for r in outbox.published()}
+                        on_disk, on_disk_results = await trio.to_thread.run_sync(
+                            shared, tmp_path / "state"
+                        )
                         known = {
                             r.delivery_id for r in on_disk if isinstance(r, Admission | Settled)
+                        }
+                        known |= {
+                            f"result:{r.delivery_id}"
+                            for r in on_disk_results
+                            if isinstance(r, ResultPublished)
                         }
                         missing.append(durable - known)
 
@@ -474,3 +484,38 @@ async def test_rt7_admissions_during_a_compaction_are_neither_lost_nor_doubled(
     assert len(published) == len(set(published))
     assert fresh <= set(published)
     assert again.disposition == "duplicate"
+
+
+async def test_rt7_rt8_a_result_published_during_the_rewrite_is_carried_over(
+    tmp_path: Path,
+) -> None:
+    """RT7, RT8: a result published while the result log is being rewritten — after the
+    records to keep were taken, before the new file replaces the old — is in the new file
+    (with its seq, after the last one kept), and so is an acknowledgement made meanwhile; a
+    reopened store reads exactly that."""
+    root = tmp_path / "state"
+    async with open_store(root) as store:
+        outbox = ResultOutbox(store.results)
+        for n in (1, 2, 3):
+            await outbox.publish(delivery_id=f"d{n}", room="dm:1", outcome=Outcome.REPLY)
+        await outbox.ack(1)
+
+        async def replace(records: list[Any], last_seq: int, held: Any) -> object:
+            late = await outbox.publish(delivery_id="late", room="dm:1", outcome=Outcome.REPLY)
+            await outbox.ack(late.seq)
+            return await store.rewrite_shared(store.results, records, last_seq=last_seq, held=held)
+
+        removed = await outbox.rewrite({"d1"}, replace, lambda: store.results)
+        after = [(r.delivery_id, r.seq) for r in outbox.published()]
+        next_seq = (
+            await outbox.publish(delivery_id="next", room="dm:1", outcome=Outcome.REPLY)
+        ).seq
+    async with open_store(root) as store:
+        reopened = ResultOutbox(store.results)
+        on_disk = [(r.delivery_id, r.seq) for r in reopened.published()]
+        acked = reopened.acked
+    assert removed == 1
+    assert after == [("d2", 2), ("d3", 3), ("late", 4)]
+    assert next_seq == 5
+    assert on_disk == [("d2", 2), ("d3", 3), ("late", 4), ("next", 5)]
+    assert acked == 4
