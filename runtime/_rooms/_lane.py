@@ -472,7 +472,7 @@ class Lane:
                 answered = gateway.statistics().journaled
                 try:
                     end = await self._turn(nursery, slot, pending, log)
-                    parked = await self._park(
+                    ended = await self._park(
                         pending,
                         slot,
                         log,
@@ -504,9 +504,10 @@ class Lane:
                 if slot.failure is not None:  # L17: re-checked after the turn's last await
                     await slot.fence()
                     return await self._journal_lost(slot.failure)
-                if parked:
-                    branch = True  # PB1: the same turn again, from the journal
+                if ended is None:
+                    branch = True  # PB1: parked; the same turn again, from the journal
                     continue
+                end = ended
                 await self._fsync(slot.session)
                 if boundaries.steps.mismatch is not None:  # G13: the replay diverged
                     return self._refused("replay")
@@ -585,20 +586,22 @@ class Lane:
         *,
         answered: bool,
         probe: object | None,
-    ) -> bool:
-        """After a turn: whether it met an unavailable provider and is parked (PB1) — its
-        schedule durable in its journal, its worker stopped — instead of ending. A definite
-        refusal, a usage limit with no time to wait for, and a turn past its bounds (PB3)
-        end as they are. The provider answering (a response, or a definite refusal) closes
-        the route's breaker; a turn that never reached it (all replayed) says nothing."""
+    ) -> TurnEnd | None:
+        """After a turn: ``None`` when it met an unavailable provider and is parked (PB1) —
+        its schedule durable in its journal, its worker stopped — else how it ends: as it
+        did (a definite refusal, a usage limit with no time to wait for, any other end), or,
+        past its bounds (PB3), with the provider's failure code (``usage_limit_reached`` for
+        an account limit the gateway kept from the worker), or ``cancelled``. The provider
+        answering (a response, or a definite refusal) closes the route's breaker; a turn
+        that never reached it (all replayed) says nothing."""
         breaker = self.host.breaker
         if breaker is None:
-            return False
+            return end
         failed = end.outcome is Outcome.FAILED and end.code in _PROVIDER_CODES
         if not failed or failure is None or not failure.unavailable:
             if answered or (failure is not None and not failure.unavailable):
                 breaker.succeeded()
-            return False
+            return end
         next_attempt = breaker.failed(failure, probe)
         now = self.host.clocks.wall.time_ms()
         record = Parked(
@@ -608,11 +611,13 @@ class Lane:
             status=failure.status,
             code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else end.code),
         )
-        if pending.cancelled or past_bounds(breaker.config, [*parks, record], now):
-            return False
+        if pending.cancelled:
+            return TurnEnd(outcome=Outcome.CANCELLED)
+        if past_bounds(breaker.config, [*parks, record], now):
+            return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(record.code))
         await self._parked(pending, log, parks, record)
         await slot.fence()  # no worker is kept while parked; the next try is a new epoch
-        return True
+        return None
 
     async def _journal_lost(self, failure: PiRuntimeError) -> Result:
         """L17: the delivery's journal failed mid-turn and its worker is fenced. A journal

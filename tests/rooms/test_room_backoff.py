@@ -347,3 +347,22 @@ async def test_pb1_a_parked_delivery_is_cancelled_at_once_and_the_next_message_w
     assert (cancelled.delivery_id, cancelled.outcome) == ("d1", Outcome.CANCELLED)
     assert took < 1.0  # not its next try, 1 to 2 s away
     assert (answered.delivery_id, answered.outcome) == ("d2", Outcome.REPLY)
+
+
+async def test_pb3_a_usage_limit_past_the_deadline_ends_usage_limit_reached(
+    tmp_path: Path,
+) -> None:
+    """PB3: an account limit that resets later than the deadline ends the delivery with its
+    own code, ``usage_limit_reached`` — not the ``model_failed`` the worker saw while the
+    gateway kept the limit from it."""
+    quota = "You exceeded your current quota, please check your plan and billing details."
+    limited = Outage(seconds=60, status=429, retry_after="0.5", message=quota)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(limited) as url,
+            open_room_worker(config(url), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+    assert (result.outcome, result.code) == (Outcome.FAILED, "usage_limit_reached")
+    assert len(limited.down) >= 2
