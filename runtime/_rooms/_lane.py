@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 import trio
 
+from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
 from .._boundary._boundaries import BoundaryConfig
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
 from .._boundary._gateway import GatewayConfig, UpstreamFailure
@@ -82,7 +83,6 @@ from .._records import (
     StepAbandoned,
 )
 from .._wire import RoomEvent, TextUpdate
-from ._backoff import RouteBreaker, past_bounds
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd
 from ._pending import Absorbed, Pending
@@ -547,13 +547,7 @@ class Lane:
             if past_bounds(breaker.config, parks, wall.time_ms()):
                 return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
             if not parks or parks[-1].next_attempt_ms != admit.until_ms:
-                record = Parked(
-                    attempt=parks[-1].attempt if parks else 0,
-                    first_failure_ms=parks[0].first_failure_ms if parks else wall.time_ms(),
-                    next_attempt_ms=admit.until_ms,
-                    by_route=True,
-                    code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
-                )
+                record = route_park(parks, until_ms=admit.until_ms, now_ms=wall.time_ms())
                 await self._parked(pending, log, parks, record)
             await breaker.wait(admit.until_ms, self._cancelled)
 
@@ -604,12 +598,8 @@ class Lane:
             return end
         next_attempt = breaker.failed(failure, probe)
         now = self.host.clocks.wall.time_ms()
-        record = Parked(
-            attempt=(parks[-1].attempt if parks else 0) + 1,
-            first_failure_ms=parks[0].first_failure_ms if parks else now,
-            next_attempt_ms=next_attempt,
-            status=failure.status,
-            code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else end.code),
+        record = failure_park(
+            parks, failure, next_attempt_ms=next_attempt, now_ms=now, code=str(end.code)
         )
         if pending.cancelled:
             return TurnEnd(outcome=Outcome.CANCELLED)

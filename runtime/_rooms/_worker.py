@@ -44,6 +44,7 @@ from typing import Any, Final, Literal, cast
 import msgspec
 import trio
 
+from .._backoff import RouteBreaker
 from .._boundary._attach import AttachTool
 from .._boundary._gate import replay_class_of
 from .._boundary._gateway import GatewayConfig
@@ -90,7 +91,6 @@ from ._admission import (
     route_endpoint,
     settings_fingerprint,
 )
-from ._backoff import RouteBreaker
 from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending

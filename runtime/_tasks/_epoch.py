@@ -24,9 +24,10 @@ from typing import Any, Protocol, assert_never
 
 import trio
 
-from .._errors import RpcError
+from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
+from .._errors import ReasonCode, RpcError
 from .._pi._rpc_protocol import Event
-from .._records import ToolIntent
+from .._records import Parked, ToolIntent
 from ._guards import GuardEvidence, failed_guards
 from ._lifecycle import TaskState
 from ._session import marker_in_session, session_size
@@ -46,6 +47,7 @@ from ._watchdog import (
     Progress,
     PromptCompletion,
     Prompted,
+    ProviderParked,
     Settled,
     Tick,
     WatchdogPolicy,
@@ -59,6 +61,8 @@ WORKTREE_SCAN_TICKS = 6
 """The worktree progress scan runs every this many ticks (30 s at the production 5 s tick;
 scaled with the tick under the unsafe time scale): far inside the 300 s soft threshold."""
 
+PROVIDER_UNAVAILABLE = "provider_unavailable:"
+"""The hold of a task whose provider stayed unavailable past the backoff's bounds (PB6)."""
 MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
 """What an operator's resume must still prove (TL8): the look stands in for the rest."""
 
@@ -96,6 +100,7 @@ class EpochOwner(LaneFacts, Protocol):
 
     def changed(self) -> None: ...
     def readings(self) -> tuple[float, float]: ...
+    def wall_ms(self) -> int: ...
     def epoch_action_id(self, kind: str) -> str: ...
     def unsettled_effects(self) -> list[ToolIntent]: ...
     def prompted(self) -> None: ...
@@ -104,6 +109,15 @@ class EpochOwner(LaneFacts, Protocol):
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
     ) -> None: ...
     async def reserve(self) -> None: ...
+    @property
+    def breaker(self) -> RouteBreaker | None:
+        """The host's model route's breaker (PB6), or ``None``: no backoff."""
+
+    parks: list[Parked]
+    """The parks since the provider last answered (PB6)."""
+
+    async def park(self, record: Parked) -> None: ...
+    def answered(self) -> None: ...
     async def route_problem(self) -> str | None:
         """Why the session and route are not the attested ones (TL4), or None."""
 
@@ -133,6 +147,10 @@ class EpochWatch:
         self._eligible: tuple[int, int, int] | None = None
         """(progress sequence, session size, probe number) when the fence probe found
         nothing new."""
+        self._journaled = 0
+        """The gateway's journaled answers when the last turn ended (PB6)."""
+        self._probe_token: object | None = None
+        """This turn is the half-open breaker's one probe: its token (PB6)."""
 
     async def run(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
         """Prompt the epoch (``kind``: a task, a reply or a continuation ``action_id``) and
@@ -143,18 +161,26 @@ class EpochWatch:
             await lane.hold(f"prompt_marker_unknown:{action_id}")
         elif present:
             pass  # TL5: this continuation is already in the session; never a second copy
-        else:
+        elif await self._route_open():  # PB6: a restart while parked waits the rest first
             await self.worker.rpc.prompt(text)
             lane.kernel.reply_heard()  # the worker has every reply before it reports (LK8)
             if action_id is not None:
                 await lane.record_marker(action_id)
+        elif self.end is not None:
+            return self.end  # the operator ended the task while it waited
+        else:
+            present = None  # held past the backoff's bounds: not prompted
         if present is not None:
             lane.prompted()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._read_events)
-            nursery.start_soon(self._tick)
-            nursery.start_soon(self._operator_watch)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._read_events)
+                nursery.start_soon(self._tick)
+                nursery.start_soon(self._operator_watch)
+        finally:
+            if lane.breaker is not None and self._probe_token is not None:
+                lane.breaker.abandoned(self._probe_token)  # no word on the route: another probes
         return self.end or EpochEnd.EXITED
 
     def _finish(self, end: EpochEnd) -> None:
@@ -220,6 +246,8 @@ class EpochWatch:
                 lane.prompted()
                 lane.changed()
                 return None
+            if await self._provider_unavailable():
+                return None  # PB6: parked, then prompted again (or held past the bounds)
             actions = wd.feed(Settled())
             await lane.note_hold()  # a second settle without a terminal holds (WD8, WD12)
             lane.changed()
@@ -241,6 +269,91 @@ class EpochWatch:
             await lane.note_hold()  # progress may have lifted a hold (WD12)
             lane.changed()
         return None
+
+    # -- an unavailable provider (docs/design/retention.md PB6) --------------------------------
+
+    async def _provider_unavailable(self) -> bool:
+        """At a settle: whether the turn ended on an unavailable provider (the gateway's
+        :attr:`~runtime._boundary._gateway.Gateway.upstream_failure`) and was parked — the
+        schedule recorded in the lane log, the watchdog's classification ``Parked`` (no clock
+        runs, nothing is probed, charged or fenced), the same worker prompted again in the same
+        session once the route's breaker lets it — or held past the backoff's bounds
+        (``provider_unavailable:<code>``). An answer, or a definite refusal, closes the
+        breaker; a turn that asked nothing says nothing of the route."""
+        lane, gateway, breaker = self.lane, self.worker.gateway, self.lane.breaker
+        if breaker is None or gateway is None:
+            return False
+        journaled = gateway.statistics().journaled
+        answered, self._journaled = journaled > self._journaled, journaled
+        failure, probe, self._probe_token = gateway.upstream_failure, self._probe_token, None
+        if failure is None or not failure.unavailable:
+            if answered or failure is not None:
+                breaker.succeeded()
+                lane.answered()
+            elif probe is not None:
+                breaker.abandoned(probe)
+            return False
+        now = lane.wall_ms()
+        record = failure_park(
+            lane.parks,
+            failure,
+            next_attempt_ms=breaker.failed(failure, probe),
+            now_ms=now,
+            code=str(ReasonCode.MODEL_FAILED),
+        )
+        if past_bounds(breaker.config, [*lane.parks, record], now):
+            await lane.hold(f"{PROVIDER_UNAVAILABLE}{record.code}")
+            return True
+        lane.watchdog.feed(ProviderParked())
+        await lane.park(record)
+        if not await self._wait_for_route():
+            return True
+        gateway.upstream_failure = None
+        status = "no response" if failure.status is None else f"HTTP {failure.status}"
+        await self._send_continuation(
+            lane.epoch_action_id(f"unpark{record.attempt}"),
+            f"the model provider was unavailable ({status}); the runtime waited it out",
+        )
+        lane.changed()
+        return True
+
+    async def _route_open(self) -> bool:
+        """Before the epoch's first prompt: a lane whose log ends parked (a restart while it
+        waited, PB6) waits out the recorded schedule first. False: held past the bounds."""
+        lane, breaker = self.lane, self.lane.breaker
+        if breaker is None or not lane.parks:
+            return True
+        breaker.resume(lane.parks[-1])
+        lane.watchdog.feed(ProviderParked())
+        lane.changed()
+        go = False
+        async with trio.open_nursery() as nursery:  # an operator may end the task meanwhile
+            self._nursery = nursery
+            nursery.start_soon(self._operator_watch)
+            go = await self._wait_for_route()
+            nursery.cancel_scope.cancel()
+        return go and self.end is None
+
+    async def _wait_for_route(self) -> bool:
+        """Wait while the route's breaker is open (PB4, PB6), each new wait recorded (a park
+        by the route: no try of its own); the next turn may be the half-open breaker's probe.
+        False when the bounds ran out meanwhile: the task is held."""
+        lane, breaker = self.lane, self.lane.breaker
+        assert breaker is not None
+        never = trio.Event()  # the epoch's own cancellation ends the wait (abort, fail)
+        while True:
+            admit = breaker.admit()
+            if admit.until_ms is None:
+                self._probe_token = admit.probe
+                return True
+            if past_bounds(breaker.config, lane.parks, lane.wall_ms()):
+                await lane.hold(f"{PROVIDER_UNAVAILABLE}{lane.parks[-1].code}")
+                return False
+            if lane.parks[-1].next_attempt_ms != admit.until_ms:
+                await lane.park(
+                    route_park(lane.parks, until_ms=admit.until_ms, now_ms=lane.wall_ms())
+                )
+            await breaker.wait(admit.until_ms, never)
 
     async def _tick(self) -> None:
         """Re-read the suspend-aware clock every tick (WD6) and act on what the core says."""

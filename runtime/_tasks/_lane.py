@@ -22,7 +22,7 @@ watch (``_epoch.py``, through the ``EpochOwner`` protocol).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import trio
 
+from .._backoff import RouteBreaker
 from .._boundary._boundaries import BoundaryConfig, make_journals
 from .._boundary._calls import RuntimeTool
 from .._boundary._gate import RecordingGateJournal
@@ -52,7 +53,9 @@ from .._records import (
     EpochFenced,
     EpochStarted,
     LifecycleKind,
+    ModelResponse,
     OutboxAction,
+    Parked,
     Record,
     ReplayClass,
     TaskEnded,
@@ -118,6 +121,9 @@ class TaskHost:
     shared_worktrees: bool = False
     """On a shared store: task worktrees and lane directories are on storage every host sees
     at the same paths, so a task claimed from a lost host resumes here (S32)."""
+    breaker: RouteBreaker | None = None
+    """The host's model route's breaker (PB6): ``None`` when the backoff is off (a turn
+    meeting an unavailable provider settles as any other, with the worker's own retries)."""
 
 
 class TaskLane:
@@ -151,6 +157,7 @@ class TaskLane:
         "key",
         "markers",
         "moved_from",
+        "parks",
         "pending_action",
         "policy",
         "probe_result",
@@ -230,6 +237,8 @@ class TaskLane:
         """The host whose lease on this lane ran out before this host claimed it (S32)."""
         self._lost: str | None = None
         """``host_lost:<host>`` when the lane cannot resume here (S32)."""
+        self.parks: list[Parked] = []
+        """The parks since the provider last answered (PB6): the backoff's episode."""
 
     # -- the runner's view ---------------------------------------------------------------
 
@@ -426,6 +435,7 @@ class TaskLane:
         self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
         self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
         self.kernel, self.attestation = state.kernel, state.attestation
+        self.parks = _open_parks(self._log.journal.contents.records)
         self.recovery = Recovery(
             state.budget, state.continuations, state.recoveries, state.recovery_started_ms
         )
@@ -744,6 +754,21 @@ class TaskLane:
         await self.note_hold()  # the operator lifted the hold (WD12)
         await self._replace("an operator resumed the task after a hold", forced=True)
 
+    @property
+    def breaker(self) -> RouteBreaker | None:
+        return self.host.breaker
+
+    async def park(self, record: Parked) -> None:
+        """A turn waits out an unavailable provider (PB6), durably: a restart finds the
+        schedule in the lane log and waits for the rest of it."""
+        await self.append(record)
+        self.parks.append(record)
+        self.changed()
+
+    def answered(self) -> None:
+        """The provider answered: the backoff's episode is over (PB6)."""
+        self.parks.clear()
+
     async def record_marker(self, action_id: str) -> None:
         """The continuation ``action_id`` is in the session (TL5)."""
         record = ContinuationSent(
@@ -847,6 +872,9 @@ class TaskLane:
     def now(self) -> float:
         return self.host.clocks.silence.read().boottime
 
+    def wall_ms(self) -> int:
+        return self.host.clocks.wall.time_ms()
+
     def readings(self) -> tuple[float, float]:
         reading = self.host.clocks.silence.read()
         return reading.boottime, reading.monotonic
@@ -859,6 +887,18 @@ UNFINISHED = "finalization_incomplete:"
 HOST_LOST = "host_lost:"
 """The hold of a task claimed from a host whose lease ran out, that cannot resume here (S32)."""
 """The prefix of the hold an incomplete Done takes (LK10)."""
+
+
+def _open_parks(records: Sequence[Record]) -> list[Parked]:
+    """The parks after the last model response a lane log holds (PB6): the episode a restart
+    resumes (an answer since ended the one before)."""
+    parks: list[Parked] = []
+    for record in records:
+        if isinstance(record, ModelResponse):
+            parks.clear()
+        elif isinstance(record, Parked):
+            parks.append(record)
+    return parks
 
 
 def _survivors(pids: tuple[int, ...]) -> str:

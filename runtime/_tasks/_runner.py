@@ -20,9 +20,11 @@ from typing import Any, NoReturn
 import msgspec
 import trio
 
+from .._backoff import RouteBreaker
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
+from .._config import BackoffConfig
 from .._errors import JournalError, ReasonCode, TaskError
 from .._journal._fence import Fence, Lease
 from .._journal._interface import JournalStore, LeaseStore, Log
@@ -626,8 +628,12 @@ async def open_task_runner(
     work_root: Path | None = None,
     log: Callable[[str], None] | None = None,
     shared: SharedTasks | None = None,
+    backoff: BackoffConfig | None = None,
 ) -> AsyncIterator[TaskRunner]:
     """Run task lanes on ``store`` until the block ends; unfinished tasks are resumed first.
+
+    ``backoff``: a turn meeting an unavailable provider is parked and prompted again after
+    the route's backoff (PB6; its gateway must park, ``GatewayConfig.park_unavailable``).
 
     ``policy`` is checked (WD9): a breach raises ``TaskError(watchdog_config_invalid)``
     naming the setting. On exit every lane is cancelled: its epoch's tree is stopped, and the
@@ -656,6 +662,8 @@ async def open_task_runner(
         owner=shared.store.owner if shared is not None else None,
         shared_worktrees=shared.shared_worktrees if shared is not None else False,
     )
+    if backoff is not None and backoff.enabled:
+        host.breaker = RouteBreaker(backoff, host.clocks)
     async with trio.open_nursery() as nursery:
         runner = TaskRunner(host, nursery, shared)
         host.leaseholder = runner.leaseholder

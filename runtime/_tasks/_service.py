@@ -337,6 +337,7 @@ async def open_task_service(
             keepalive_interval=min(config.thresholds.keepalive_seconds, inactivity / 2),
             upstream_inactivity=inactivity,
             upstream_data_inactivity=inactivity,
+            park_unavailable=config.backoff.enabled,  # PB6
         )
         workers = ProcessWorkers(  # one gate socket per lane, named by its key
             program=program,
@@ -359,6 +360,7 @@ async def open_task_service(
             work_root=work_root,
             log=line,
             shared=shared,
+            backoff=config.backoff,
         ) as runner:
             service = TaskService(runner, policy, production)
             await nursery.start(service._collect)

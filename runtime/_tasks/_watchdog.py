@@ -49,6 +49,7 @@ __all__ = [
     "Progress",
     "PromptCompletion",
     "Prompted",
+    "ProviderParked",
     "Relaunched",
     "Settled",
     "TerminalAccepted",
@@ -80,6 +81,9 @@ class Classification(enum.StrEnum):
     FENCING = "Fencing"
     RESUMING = "Resuming"
     STALLED_OPERATOR_REQUIRED = "StalledOperatorRequired"
+    PARKED = "Parked"
+    """The model provider is unavailable: the turn waits out its backoff (PB6). Not
+    silence: no clock runs, nothing is probed, charged or fenced."""
 
 
 class Phase(enum.StrEnum):
@@ -109,6 +113,8 @@ ACTION_TABLE: Final[Mapping[Classification, str]] = {
     Classification.RESUMING: "none: the same session is being resumed",
     Classification.STALLED_OPERATOR_REQUIRED: "inspect, then pi-runtime task resume | grant | "
     "abort | fail",
+    Classification.PARKED: "none: the model provider is unavailable; the same session is "
+    "prompted again after the backoff (pi-runtime task abort | fail to give up)",
 }
 """The next safe operator action for each classification (docs/design/watchdog.md's action
 table)."""
@@ -330,6 +336,12 @@ class Prompted:
 
 
 @dataclass(frozen=True, slots=True)
+class ProviderParked:
+    """The worker's turn ended on an unavailable model provider and waits out its backoff
+    (PB6): no clock runs until the next prompt (:class:`Prompted`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GuardsFailed:
     reasons: tuple[str, ...]
 
@@ -356,7 +368,7 @@ class Hold:
 
 Event = (
     Progress | Lease | LeaseEnded | Tick | ProbeAnswered | Settled | Exited | TerminalAccepted
-    | Woken | Prompted | GuardsFailed | FenceStarted | Relaunched | Hold
+    | Woken | Prompted | GuardsFailed | FenceStarted | Relaunched | Hold | ProviderParked
 )  # fmt: skip
 
 
@@ -453,6 +465,8 @@ class Watchdog:
                 return self._on_fence(event)
             case Relaunched():
                 return self._on_relaunched(event)
+            case ProviderParked():
+                return self._on_parked(event)
             case _:
                 assert_never(event)
 
@@ -649,6 +663,18 @@ class Watchdog:
     def _on_fence(self, event: FenceStarted) -> list[Action]:
         self.classification = Classification.FENCING
         self.armed = False
+        return []
+
+    def _on_parked(self, event: ProviderParked) -> list[Action]:
+        """PB6: an outage is not silence. Disarmed, nothing the clocks could count: no probe,
+        no eligibility, no fence until the next prompt arms them again."""
+        self.classification = Classification.PARKED
+        self.armed = False
+        self.phase = Phase.PROVIDER
+        self.hold_reason = None
+        self.leases.clear()
+        self.probes.clear()
+        self.grace_started_awake = None
         return []
 
     def _on_relaunched(self, event: Relaunched) -> list[Action]:

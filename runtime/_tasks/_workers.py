@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from .._boundary._boundaries import BoundaryConfig, open_boundaries
 from .._boundary._gate import RecordingGateJournal
-from .._boundary._gateway import GatewayConfig
+from .._boundary._gateway import Gateway, GatewayConfig
 from .._boundary._steps import DeliveryStepJournal
 from .._errors import ReasonCode, WorkerError
 from .._journal._interface import Log
@@ -70,6 +70,9 @@ class TaskWorker(Protocol):
     rpc: RpcChannel
     record: EpochStarted | None
     """The lane-log record that identifies the process tree (``None`` in-process)."""
+    gateway: Gateway | None
+    """The epoch's model gateway, whose :attr:`~Gateway.upstream_failure` says whether a
+    turn met an unavailable provider (PB6); ``None`` when the worker calls its model directly."""
 
     def identity_holds(self) -> bool | None:
         """Whether the live process is exactly the recorded one (WD10); ``None``: unknown."""
@@ -97,6 +100,7 @@ class _ProcessWorker:
     epoch: Epoch
     rpc: RpcChannel
     record: EpochStarted | None
+    gateway: Gateway | None
     stopped: bool = False
     """``stop()`` was called: its caller has the report (clean or not)."""
 
@@ -191,7 +195,7 @@ class ProcessWorkers:
                         async with open_rpc_channel(
                             epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail
                         ) as rpc:
-                            worker = _ProcessWorker(epoch, rpc, record)
+                            worker = _ProcessWorker(epoch, rpc, record, boundaries.gateway)
                             yield worker
                     finally:
                         self.reports[request.number] = await epoch.stop()

@@ -23,6 +23,7 @@ from fake_pi.model_server import ScriptedModel
 
 from .._boundary._calls import GateCall, GateResult, Refuse, RunTool, Saved
 from .._boundary._gate import RecordingGateJournal
+from .._boundary._gateway import Gateway
 from .._boundary._tools import tools_environment
 from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._records import EpochStarted
@@ -62,6 +63,8 @@ class _InProcessWorker:
     rpc: RpcChannel
     fake: FakePi
     record: EpochStarted | None = None
+    gateway: Gateway | None = None
+    """Fake-Pi calls the scripted model directly: no gateway sees an outage."""
     identity: bool | None = True
     survivors: tuple[int, ...] = ()
 

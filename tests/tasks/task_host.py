@@ -23,7 +23,8 @@ model request), ``pause`` (``{"point": P, "nth": N}``: stop right after the N-th
 resume it, as an operator would), ``term_grace`` (seconds from TERM to KILL of a fenced tree;
 a wedged Fake-Pi ignores TERM), ``probe_timeout`` (how long a probe waits for its answer: a
 real process on a loaded machine, not a threshold of the clocks; a quick answer ends the wait),
-``recovery_seconds`` (the recovery-time budget in real seconds instead of the scaled 6 s).
+``recovery_seconds`` (the recovery-time budget in real seconds instead of the scaled 6 s),
+``backoff`` (a ``[backoff]`` table: an unavailable provider parks the turn, PB6).
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said):
 
@@ -60,6 +61,7 @@ from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gateway import GatewayConfig
 from runtime._boundary._receipts import receipt_store
 from runtime._boundary._tools import EffectLedger
+from runtime._config import BackoffConfig
 from runtime._journal._fence import Fence
 from runtime._journal._journal import Journal
 from runtime._journal._store import open_store, runtime_dir
@@ -260,7 +262,8 @@ async def main(spec: dict[str, Any]) -> None:
     if "pause" in spec:
         install_pause(spec["pause"]["point"], spec["pause"].get("nth", 1))
     state = base / "state"
-    upstream = GatewayConfig(upstream_url=spec["upstream"])
+    backoff = msgspec.convert(spec["backoff"], BackoffConfig) if "backoff" in spec else None
+    upstream = GatewayConfig(upstream_url=spec["upstream"], park_unavailable=backoff is not None)
     policy = replace(  # the clocks on the test scale; the two bounds on the real machine
         WatchdogPolicy().scaled(float(spec.get("scale", 300))),
         term_grace_seconds=float(spec.get("term_grace", 5.0)),
@@ -294,6 +297,7 @@ async def main(spec: dict[str, Any]) -> None:
                 ledger=base / "effects.jsonl",
                 work_root=base / "work",
                 log=log,
+                backoff=backoff,
             ) as runner,
             runner.events(buffer=10_000) as events,
             trio.open_nursery() as nursery,

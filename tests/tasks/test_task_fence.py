@@ -45,8 +45,9 @@ from fake_pi._behaviours import Behaviours, FakeConfig
 from fake_pi.model_server import ReceivedRequest, ScriptedModel, body_digest
 from fake_pi.scenario import Call, Hang, Scenario, Step, Text, ToolCalls
 from runtime._boundary._gateway import GatewayConfig
-from runtime._boundary._http import serve_http
+from runtime._boundary._http import Handler, serve_http
 from runtime._clock import Clocks
+from runtime._config import BackoffConfig
 from runtime._journal._store import Store, open_store, runtime_dir
 from runtime._linux._proc import process_start_time
 from runtime._linux._proctree import is_alive_pid, new_nonce
@@ -207,10 +208,13 @@ async def open_fence_rig(
     *,
     behaviours: Mapping[int, Behaviours] | None = None,
     identity_override: Callable[[EpochStarted], EpochStarted] | None = None,
+    handler: Handler | None = None,
+    backoff: BackoffConfig | None = None,
 ) -> AsyncIterator[FenceRig]:
     """A runner whose lanes run the real Pi (``kind == "pi"``) or Fake-Pi as subprocesses,
     the scripted model ``steps`` (or a given model) upstream; ``behaviours`` per epoch number
-    (Fake-Pi only)."""
+    (Fake-Pi only). ``handler``: what serves the upstream instead of the model's own handler
+    (an outage in front of it); ``backoff``: an unavailable provider parks the turn (PB6)."""
     epoch_env: dict[int, dict[str, str]] = {}
     for number, wanted in (behaviours or {}).items():
         assert kind == "fake", "behaviour barriers are Fake-Pi's"
@@ -226,12 +230,15 @@ async def open_fence_rig(
     state = tmp_path / "state"
     model = steps if isinstance(steps, Upstream) else Upstream(scenario=Scenario(steps=list(steps)))
     async with open_store(state, clocks=clocks) as store, trio.open_nursery() as servers:
-        server = await servers.start(functools.partial(serve_http, model.handle))
+        server = await servers.start(functools.partial(serve_http, handler or model.handle))
         url = f"{server.url}/v1"
+        upstream = GatewayConfig(
+            upstream_url=url, upstream_inactivity=600.0, park_unavailable=backoff is not None
+        )
         workers = ProcessWorkers(
             program=program,
             route=ROUTE,
-            upstream=GatewayConfig(upstream_url=url, upstream_inactivity=600.0),
+            upstream=upstream,
             socket_dir=runtime_dir(state),
             state_dir=state,
             retry=RetrySettings(max_retries=0),
@@ -245,6 +252,7 @@ async def open_fence_rig(
             policy=POLICY,
             clocks=clocks,
             work_root=tmp_path / "work",
+            backoff=backoff,
         ) as runner:
             rig = FenceRig(runner, store, workers, model, worktree)
             runner.host.log = rig.lines.append

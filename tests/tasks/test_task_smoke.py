@@ -42,7 +42,8 @@ each in a worktree of its own (TL13):
 * ``long`` (WD1, WD3): ``smoke-long``'s model streams its answer half a second a chunk for
   longer than hard + grace (a progressing run the watchdog leaves alone: not even a Suspect)
   and ends it with ``task_done``;
-* ``retry`` (WD1, WD2, WD4): ``smoke-retry``'s provider answers 500 once; Pi retries by itself
+* ``retry`` (WD1, WD2, WD4): ``smoke-retry``'s provider cuts its first answer's stream after
+  its first data once (a 5xx would be parked by the runtime, PB6); Pi retries by itself
   (``auto_retry_start`` is provider progress, its ``agent_end`` with ``willRetry`` no settle)
   and the retried request's first token comes after the soft threshold: Suspect and one
   read-only probe, nothing else (a request in flight is no stall before hard + grace) → done;
@@ -140,7 +141,7 @@ import pexpect
 import trio
 
 from fake_pi.model_server import ReceivedRequest, ScriptedModel, body_digest, serve_model
-from fake_pi.scenario import Call, HttpError, Step, Text, ToolCalls
+from fake_pi.scenario import Call, Cut, HttpError, Step, Text, ToolCalls
 from runtime._boundary._http import Request, ResponseWriter
 from runtime._journal._journal import read_log
 from runtime._journal._store import Store
@@ -327,7 +328,9 @@ class SmokeModel(ScriptedModel):
                 words = " ".join(f"step{i}" for i in range(LONG_CHUNKS))
                 return Plan(mode, "prompt", ToolCalls(text=words, calls=done().calls), LONG_GAP)
             case "retry" if (mode, "error") not in self.seen:
-                return Plan(mode, "error", HttpError(status=500))  # Pi retries it itself
+                # a stream cut after its first data: not an outage the runtime parks
+                # (PB6 parks a 5xx), an error Pi retries itself ("terminated")
+                return Plan(mode, "error", Cut())
             case "retry":
                 return Plan(mode, "retried", ToolCalls(calls=done().calls,
                                                        first_token_delay=RETRY_TTFT))  # fmt: skip
@@ -357,7 +360,7 @@ class SmokeModel(ScriptedModel):
         plan = self.plan(body)
         assert plan.step is not None
         self.requests.append(ReceivedRequest(body, body_digest(body), plan.step))
-        if not plan.gap and not isinstance(plan.step, HttpError):
+        if not plan.gap and not isinstance(plan.step, HttpError | Cut):
             self.answered[plan.mode] += 1  # a paced answer counts once it is complete
         self.note(plan.mode, plan.stage)
         return plan.step
@@ -931,7 +934,7 @@ def progressing_untouched(smoke: Smoke, followers: Mapping[str, Terminal], views
             assert path == ["Active"], path
             assert telemetry["suspicions"] == 0, telemetry
             assert 0 < telemetry["max_inter_token_gap_seconds"] < SOFT, telemetry
-        elif task_id == "smoke-retry":  # a 500 retried by Pi, then a slow first token
+        elif task_id == "smoke-retry":  # a cut stream retried by Pi, then a slow first token
             assert set(path) == {"Active", "Suspect"}, path  # observed, never acted on
             assert path[-1] == "Active", path
             assert telemetry["probes"] >= 1, telemetry

@@ -37,6 +37,7 @@ from runtime._tasks._watchdog import (
     Progress,
     PromptCompletion,
     Prompted,
+    ProviderParked,
     Relaunched,
     Settled,
     TerminalAccepted,
@@ -1126,3 +1127,27 @@ def test_wd14_a_snapshot_reads_back_as_the_same_policy_and_refuses_a_damaged_one
     ):
         with pytest.raises(ValueError, match=f"^{setting}"):
             WatchdogPolicy.from_snapshot({**WatchdogPolicy().snapshot(), **damage})
+
+
+# ------------------------------------------------------------------ PB6 an outage is not silence
+
+
+@pytest.mark.parametrize("when", ["active", "suspect", "eligible"])
+def test_pb6_a_parked_lane_is_never_probed_charged_or_fenced(when: str) -> None:
+    """docs/design/retention.md PB6: a turn parked for an unavailable provider disarms the
+    clocks — hours of waiting bring no probe, no eligibility, no guard check — whatever the
+    watchdog thought before (a suspicion episode ends with the park); the next prompt arms
+    them again, from its own time."""
+    wd = {"active": prompted, "suspect": suspect_at_300, "eligible": eligible_at_1020}[when]()
+    assert wd.feed(ProviderParked()) == []
+    assert view(wd) is C.PARKED
+    assert not wd.armed
+    assert wd.probes == {}
+    assert drive(wd, 1025.0, 1025.0 + 6 * HOUR, step=MINUTE) == []
+    assert view(wd) is C.PARKED
+    assert "abort" in ACTION_TABLE[C.PARKED]
+    at = 1025.0 + 6 * HOUR
+    assert wd.feed(Prompted(at, at)) == []
+    assert view(wd) is C.ACTIVE
+    assert drive(wd, at + 5.0, at + 295.0) == []
+    assert tick(wd, at + 300.0) == [SOFT]  # the clocks run again, from the new prompt

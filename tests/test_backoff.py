@@ -9,11 +9,11 @@ import pytest
 import trio
 import trio.testing
 
+from runtime._backoff import RouteBreaker, past_bounds
 from runtime._boundary._gateway import UpstreamFailure, retry_after_seconds
 from runtime._clock import Clocks, MockSilenceClock, MockWallClock
 from runtime._config import BackoffConfig
 from runtime._records import Parked
-from runtime._rooms._backoff import RouteBreaker, past_bounds
 
 CONFIG = BackoffConfig(first_seconds=5, max_seconds=300, deadline_minutes=30, max_attempts=12)
 

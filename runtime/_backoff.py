@@ -26,12 +26,13 @@ from typing import Final
 
 import trio
 
-from .._boundary._gateway import UpstreamFailure
-from .._clock import Clocks
-from .._config import BackoffConfig
-from .._records import Parked
+from ._boundary._gateway import UpstreamFailure
+from ._clock import Clocks
+from ._config import BackoffConfig
+from ._errors import ReasonCode
+from ._records import Parked
 
-__all__ = ["Admit", "RouteBreaker", "past_bounds"]
+__all__ = ["Admit", "RouteBreaker", "failure_park", "past_bounds", "route_park"]
 
 MINUTE_MS: Final = 60_000
 
@@ -151,3 +152,30 @@ def past_bounds(config: BackoffConfig, parks: list[Parked], now_ms: int) -> bool
     if parks[-1].attempt >= config.max_attempts:
         return True
     return now_ms - parks[0].first_failure_ms >= config.deadline_minutes * MINUTE_MS
+
+
+def failure_park(
+    parks: list[Parked], failure: UpstreamFailure, *, next_attempt_ms: int, now_ms: int, code: str
+) -> Parked:
+    """The park of a try that met ``failure`` after ``parks`` (PB1): its own try counted, the
+    deadline running from the first failure; ``code`` what it ends with past its bounds
+    (``usage_limit_reached`` instead for an account limit)."""
+    return Parked(
+        attempt=(parks[-1].attempt if parks else 0) + 1,
+        first_failure_ms=parks[0].first_failure_ms if parks else now_ms,
+        next_attempt_ms=next_attempt_ms,
+        status=failure.status,
+        code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else code),
+    )
+
+
+def route_park(parks: list[Parked], *, until_ms: int, now_ms: int) -> Parked:
+    """A park the route's open breaker decided (PB4): no try of its own, so the count
+    repeats; ``model_failed`` past its bounds unless a park of its own said otherwise."""
+    return Parked(
+        attempt=parks[-1].attempt if parks else 0,
+        first_failure_ms=parks[0].first_failure_ms if parks else now_ms,
+        next_attempt_ms=until_ms,
+        by_route=True,
+        code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
+    )

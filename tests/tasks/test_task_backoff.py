@@ -1,0 +1,188 @@
+"""Task lanes meeting an unavailable provider (docs/design/retention.md PB6): an outage is not
+silence. Real worker processes (Fake-Pi and the real Pi 1.6.0) behind the lane's gateway, the
+scripted model behind an upstream on loopback that answers 503 (or 401) for a while, the
+production policy scaled down as in ``test_task_fence.py`` (soft 1.5 s, hard 4.5 s, grace
+0.6 s) and the backoff scaled the same way (a first wait of 0.1 s doubling to 0.8 s): the
+outages outlast the soft threshold, so a watchdog that counted them as silence would suspect
+the worker, and one that let the worker's own turn fail would end in a completion prompt and a
+hold. Nothing sleeps on the real clock to wait: a test waits for the lane's events."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+
+from runtime._boundary._http import Request, ResponseWriter, serve_http
+from runtime._config import BackoffConfig
+from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Parked
+
+from ..rooms.test_room_backoff import Outage
+from .test_task_crash import kill_when_paused, make_worktree, outcome, records, recover, task_spec
+from .test_task_fence import (
+    KINDS,
+    LIMIT,
+    TASK,
+    DoneOnEveryPrompt,
+    FenceRig,
+    open_fence_rig,
+    until_ended,
+)
+
+pytestmark = pytest.mark.slow
+
+BACKOFF: Final = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.5)
+NEVER_SILENT: Final = ("Suspect", "HardResumeEligible", "Fencing", "Resuming")
+
+
+async def parks_of(rig: FenceRig) -> list[Parked]:
+    return [r for r in await rig.records() if isinstance(r, Parked)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_pb6_an_outage_parks_the_task_it_is_not_silence(kind: str, tmp_path: Path) -> None:
+    """PB6: a task whose provider answers 503 for three seconds — twice the soft threshold —
+    is parked, not suspected: its classification is ``Parked`` while it waits (no probe, no
+    eligibility, no fence, no replacement epoch charged), each wait is recorded in its lane
+    log (``Parked``, its own tries counted), and the same worker is prompted again in the same
+    session after each wait (one continuation per try, idempotent by its marker) until the
+    provider answers; then the task ends done. Each try is one request upstream: the worker
+    does not retry the gateway's parked answer by itself."""
+    model = DoneOnEveryPrompt()
+    outage = Outage(seconds=3.0, model=model)
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path, kind, model, handler=outage.handle, backoff=BACKOFF
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            ended = await until_ended(rig)
+            records = await rig.records()
+            view = rig.runner.show(TASK)
+    assert ended.state == "done", ended
+    seen = rig.classifications()
+    assert "Parked" in seen, seen
+    assert not set(seen) & set(NEVER_SILENT), seen
+    parks = [r for r in records if isinstance(r, Parked)]
+    assert len(parks) == len(outage.down) >= 3  # one try, one request, one park
+    assert [p.attempt for p in parks] == list(range(1, len(parks) + 1))
+    assert all(p.status == 503 and not p.by_route for p in parks)
+    assert len({p.first_failure_ms for p in parks}) == 1
+    for park, before in zip(parks[1:], parks, strict=False):  # the waits double (equal jitter)
+        assert park.next_attempt_ms > before.next_attempt_ms
+    actions = [r for r in records if isinstance(r, OutboxAction)]
+    assert not [a for a in actions if a.kind in ("probe", "fence", "reserve")]
+    assert [r.epoch for r in records if isinstance(r, EpochStarted)] == [1]
+    sent = [r for r in records if isinstance(r, ContinuationSent)]
+    assert [s.action_id.rsplit("/", 1)[-1] for s in sent] == [f"unpark{p.attempt}" for p in parks]
+    data = await trio.Path(rig.session).read_text()
+    for continuation in sent:
+        assert data.count(continuation.marker) == 1
+    assert view.budget["epochs_used"] == 0
+    assert rig.model.request_count >= 2  # after the outage: the task's answer and its reply
+
+
+@pytest.mark.parametrize("kind", ["fake"])
+async def test_pb6_past_its_bounds_the_task_is_held_for_the_operator(
+    kind: str, tmp_path: Path
+) -> None:
+    """PB3 for task lanes: past ``deadline_minutes`` since the first failure the task is held
+    (``provider_unavailable:model_failed``) — a task ends only by its agent or its operator —
+    never fenced or charged; the operator's abort ends it. A definite refusal is no outage:
+    a 401 is not parked, and the task settles as before (its completion prompt, then a hold
+    for the missing lifecycle call)."""
+    short = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.02)
+    outage = Outage(seconds=3600.0, model=DoneOnEveryPrompt())
+    for name in ("outage", "refusal"):
+        (tmp_path / name).mkdir()
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path / "outage", kind, outage.model, handler=outage.handle, backoff=short
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            await rig.until(lambda: rig.runner.show(TASK).hold_reason is not None)
+            view = rig.runner.show(TASK)
+            assert view.hold_reason == "provider_unavailable:model_failed"
+            assert view.classification == "StalledOperatorRequired"
+            parks = await parks_of(rig)
+            assert parks
+            assert len(parks) == len(outage.down) - 1  # the last try: past them
+            records = await rig.records()
+            assert not [
+                r for r in records if isinstance(r, OutboxAction) and r.kind in ("fence", "reserve")
+            ]
+            await rig.runner.abort(TASK, "the provider is gone")
+            ended = await rig.runner.wait(TASK)
+    assert ended.state == "aborted"
+    assert "Suspect" not in rig.classifications()
+
+    refusal = Outage(seconds=3600.0, status=401, message="invalid api key")
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path / "refusal", kind, DoneOnEveryPrompt(), handler=refusal.handle, backoff=BACKOFF
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            await rig.until(lambda: rig.runner.show(TASK).hold_reason is not None)
+            view = rig.runner.show(TASK)
+            assert view.hold_reason == "no_terminal_after_completion_prompt:settled"
+            assert await parks_of(rig) == []
+            assert len(refusal.down) == 2  # the task's prompt and its completion prompt
+            await rig.runner.abort(TASK)
+
+
+@dataclass
+class WallOutage(Outage):
+    """An :class:`Outage` that also notes the wall-clock time of every request (a restarted
+    host's schedule is wall-clock time, ``Parked.next_attempt_ms``)."""
+
+    asked_ms: list[int] = field(default_factory=list)
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        self.asked_ms.append(time.time_ns() // 1_000_000)
+        await super().handle(request, response)
+
+
+@contextlib.asynccontextmanager
+async def serving(outage: Outage) -> AsyncIterator[str]:
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(functools.partial(serve_http, outage.handle))
+        yield f"{server.url}/v1"
+        nursery.cancel_scope.cancel()
+
+
+async def test_pb6_a_host_killed_while_parked_waits_out_the_schedule_after_its_restart(
+    tmp_path: Path,
+) -> None:
+    """PB2 for task lanes: a host SIGKILLed right after a task's park is durable; the next
+    host finds the park in the lane log and asks the provider nothing before the recorded
+    time (the breaker resumes the schedule), counts the next try as the task's second (the
+    same first failure: the deadline runs on), and the task ends done once the provider is
+    back. The restart itself is charged as any restart is (TL7) — the outage is not."""
+    make_worktree(tmp_path)
+    outage = WallOutage(seconds=8.0, model=DoneOnEveryPrompt())
+    backoff = {"first_seconds": 6.0, "max_seconds": 6.0, "deadline_minutes": 1.0}
+    with trio.fail_after(LIMIT):
+        async with serving(outage) as url:
+            spec = {**task_spec(url), "backoff": backoff}
+            await kill_when_paused(tmp_path, spec, "record:parked")
+            (first,) = [r for r in records(tmp_path) if isinstance(r, Parked)]
+            asked_before = len(outage.asked_ms)
+            facts = await recover(tmp_path, spec)
+    assert outcome(facts)["ended"]["state"] == "done", facts
+    assert first.attempt == 1
+    after_restart = outage.asked_ms[asked_before:]
+    assert after_restart
+    assert after_restart[0] >= first.next_attempt_ms
+    found = records(tmp_path)
+    parks = [r for r in found if isinstance(r, Parked)]
+    assert [p.attempt for p in parks] == list(range(1, len(parks) + 1))
+    assert {p.first_failure_ms for p in parks} == {first.first_failure_ms}
+    charged = [r for r in found if isinstance(r, OutboxAction) and r.kind == "reserve"]
+    assert len(charged) == 1  # the restart's replacement, once; never the outage's
+    assert not [r for r in found if isinstance(r, OutboxAction) and r.kind == "fence"]
