@@ -98,12 +98,13 @@ async def test_pb6_past_its_bounds_the_task_is_held_for_the_operator(
     a 401 is not parked, and the task settles as before (its completion prompt, then a hold
     for the missing lifecycle call)."""
     short = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.02)
-    outage = Outage(seconds=3600.0, model=DoneOnEveryPrompt())
+    model = DoneOnEveryPrompt()
+    outage = Outage(seconds=3600.0, model=model)
     for name in ("outage", "refusal"):
         (tmp_path / name).mkdir()
     with trio.fail_after(LIMIT):
         async with open_fence_rig(
-            tmp_path / "outage", kind, outage.model, handler=outage.handle, backoff=short
+            tmp_path / "outage", kind, model, handler=outage.handle, backoff=short
         ) as rig:
             await rig.runner.submit(rig.spec())
             await rig.until(lambda: rig.runner.show(TASK).hold_reason is not None)
