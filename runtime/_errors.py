@@ -188,6 +188,8 @@ class ReasonCode(enum.StrEnum):
     TASK_NOT_WAITING = "task_not_waiting"
     TASK_NOT_HELD = "task_not_held"
     TASK_ENDED = "task_ended"
+    TASK_NOT_ENDED = "task_not_ended"  # forget: only an ended task is forgotten (RT12)
+    TASK_EXPIRED = "task_expired"  # its id was retained past idempotency_days (RT12)
     TASK_LATE = "task_late"
     TASK_LANE_FAILED = "task_lane_failed"
     # the public entry points (docs/design/lanes.md L16: one typed error, never a group)

@@ -6,8 +6,9 @@ directory and ``cancel`` records the request there for the next start) and ``tok
 (``_status.py``); ``journal verify`` and ``journal show`` (``_journal.py``); ``pi install`` and
 ``doctor`` (``_doctor.py``); task lanes (``_tasks.py``): ``task run`` (through the server, or
 standalone), ``tasks`` and ``task show`` (through the server, or read from the lane logs),
-``task reply|resume|abort|fail|grant`` (through the server); ``db migrate`` (the PostgreSQL
-store's schema, ``_db.py``). Every command and subcommand has ``--help``.
+``task reply|resume|abort|fail|grant`` (through the server), ``task forget`` (through the
+server, or on the state directory); ``db migrate`` (the PostgreSQL store's schema,
+``_db.py``). Every command and subcommand has ``--help``.
 
 Each module registers its commands with :class:`~runtime._cli._base.Commands`, which ties
 each to the function that runs it (``set_defaults(run=…)``): :func:`main` parses and calls

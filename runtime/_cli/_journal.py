@@ -18,6 +18,7 @@ from .._journal._inspect import (
     verify_journal,
 )
 from .._rooms._retention import compact_journals
+from .._tasks._retention import retain_offline
 from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option, store_option
 
 
@@ -99,8 +100,22 @@ def _journal_compact(args: argparse.Namespace) -> int:
             compact_journals, Path(config.state_dir), retention=retention, clocks=Clocks.system()
         )
     )
+    tasks = trio.run(
+        functools.partial(
+            retain_offline,
+            Path(config.state_dir),
+            retention=retention,
+            work_root=Path(config.work_root) / "tasks",
+            clocks=Clocks.system(),
+        )
+    )
     days = retention.journal_days
     print(f"removed {removed} step journal{'s' if removed != 1 else ''} older than {days:g} days")
+    print(
+        f"slimmed {len(tasks.slimmed)} ended task{'s' if len(tasks.slimmed) != 1 else ''} to "
+        f"their idempotency record; expired {len(tasks.expired)} older than "
+        f"{retention.idempotency_days:g} days (a resubmission of one is task_expired)"
+    )
     settled, expired = len(plan.settled), len(plan.expired)
     print(
         f"kept {settled} idempotency record{'s' if settled != 1 else ''} in place of admissions; "

@@ -24,6 +24,7 @@ from .._errors import AdminError, DeliveryError, PiRuntimeError, ReasonCode
 from .._journal._store import open_store
 from .._server._admin import admin_request, serve_admin
 from .._tasks._policy import loud_logging, policy_dict, watchdog_policy
+from .._tasks._retention import forget_offline
 from .._tasks._service import TaskService, open_task_service
 from .._tasks._view import database_views, offline_view, offline_views
 from ._base import (
@@ -144,6 +145,19 @@ def register(commands: Commands) -> None:
         control.add_argument("task_id", metavar="ID", help="the task's id")
         control.add_argument("--reason", help="why (recorded)")
         state_dir_option(control)
+    forget = task.add(
+        "forget",
+        "remove what is left of an ended task",
+        "Remove what is left of an ended task now — its candidate (the archive, or the git "
+        "ref refs/pi-runtime/candidates/ID in its worktree), its lane log, session and work "
+        "directories (docs/design/retention.md RT12). A later submission under its id is "
+        "refused task_expired. Through the running server, or on the state directory when "
+        "none runs.",
+        _task_forget,
+    )
+    forget.add_argument("task_id", metavar="ID", help="the task's id")
+    state_dir_option(forget)
+    config_option(forget)
     grant = task.add(
         "grant",
         "grant a task more recovery budget",
@@ -310,6 +324,31 @@ def _task_control(command: str, args: argparse.Namespace) -> int:
         f"task {args.task_id}: {command} accepted; state {view.get('state')}, "
         f"{short_class(view.get('classification'))}"
     )
+    return EXIT_OK
+
+
+def _task_forget(args: argparse.Namespace) -> int:
+    request = {"command": "task_forget", "task_id": args.task_id}
+    response = trio.run(admin_request, args.state_dir, request)
+    if response is None:  # no server: the state directory itself, its lock taken
+        config = load_room_config(args.config)
+        removed = trio.run(
+            functools.partial(
+                forget_offline,
+                args.state_dir,
+                args.task_id,
+                retention=config.retention,
+                work_root=Path(config.work_root) / "tasks",
+                clocks=Clocks.system(),
+            )
+        )
+    elif not response.get("ok"):
+        return refused(response)
+    else:
+        removed = list(response.get("removed") or [])
+    print(f"task {args.task_id} forgotten; removed:")
+    for item in removed:
+        print(f"  {item}")
     return EXIT_OK
 
 

@@ -13,6 +13,7 @@ Layout (docs/design/journal.md)::
       lanes/<hash>/session.jsonl    the lane's Pi session
       results.log              the numbered result outbox (shared)
       expired.ids              the expired-id filter (docs/design/retention.md RT4)
+      tasks-expired.ids        the expired task ids, the same format (RT12)
       receipts.sqlite          the receipt store
 
 File names derive from hashes of client-chosen ids, never the raw ids, and
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -68,6 +71,8 @@ _T = TypeVar("_T")
 
 ADMISSIONS: Final = "admissions/admissions.log"
 RESULTS: Final = "results.log"
+TASKS_EXPIRED: Final = "tasks-expired.ids"
+"""The expired task ids (docs/design/retention.md RT12), in the expired-id filter's format."""
 OWNER: Final = "owner.json"
 _FRAME_RECORDS: Final = 1024
 """Records per frame of a compacted log."""
@@ -157,6 +162,8 @@ class Store:
         self.results: Journal
         self.expired = ExpiredIds()
         """The expired-id filter (RT4): ``delivery_key(id) in store.expired``."""
+        self.expired_tasks = ExpiredIds()
+        """The expired task ids (RT12): ``lane_key(f"task:{id}") in store.expired_tasks``."""
 
     # -- health --------------------------------------------------------------------
 
@@ -216,6 +223,52 @@ class Store:
         await self._blocking(EXPIRED, atomic_write, self.fs, self.path(EXPIRED), data)
         # what is on disk now, checked as a start would check it
         self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
+
+    async def expire_tasks(self, forget_after_ms: Mapping[str, int]) -> None:
+        """Add tasks (by id) to the expired-task filter (``tasks-expired.ids``, RT12), each
+        until its forget-after time, durably; the entries past theirs are dropped. A filter of
+        its own: the room compaction replaces ``expired.ids`` on its own schedule."""
+        now = self.clocks.wall.time_ms()
+        keyed = {lane_key(f"task:{t}"): when for t, when in forget_after_ms.items()}
+        data = self.expired_tasks.merged(keyed, now_ms=now)
+        path = self.path(TASKS_EXPIRED)
+        await self._blocking(TASKS_EXPIRED, atomic_write, self.fs, path, data)
+        self.expired_tasks = await trio.to_thread.run_sync(
+            functools.partial(read_expired, self.fs, path, rel=TASKS_EXPIRED)
+        )
+
+    async def slim_log(self, rel: str, records: list[Record]) -> None:
+        """Replace the log ``rel`` — one nothing appends to any more (an ended task's lane
+        log, RT12) — by a file holding a new header, a :class:`Compacted` record and
+        ``records``, atomically (temp file, fsync, rename, directory fsync)."""
+        journal = self._open.get(rel)
+        if journal is not None:
+            await self.close_log(journal)
+        contents = await self.read(rel)
+        header = Header(
+            schema_version=SCHEMA_VERSION,
+            kind=contents.header.kind,
+            subject=contents.header.subject,
+            created_ms=self.clocks.wall.time_ms(),
+        )
+        kept = [r for r in contents.records[1:] if not isinstance(r, Compacted)]
+        mark = Compacted(compacted_ms=header.created_ms, removed=max(0, len(kept) - len(records)))
+        data = await trio.to_thread.run_sync(_framed, [header, mark, *records])
+        await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
+
+    async def remove_tree(self, rel: str) -> bool:
+        """Remove the directory ``rel`` and everything in it (an expired task's lane
+        directory, RT12), then fsync its parent: whether it was there."""
+
+        def remove() -> bool:
+            path = self.path(rel)
+            if not os.path.isdir(path):
+                return False
+            shutil.rmtree(path)
+            self.fs.fsync_dir(os.path.dirname(path))
+            return True
+
+        return await self._blocking(rel, remove)
 
     async def rewrite_shared(
         self,
@@ -644,6 +697,11 @@ async def open_store(
             store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
             store.expired = await trio.to_thread.run_sync(
                 read_expired, store.fs, store.path(EXPIRED)
+            )
+            store.expired_tasks = await trio.to_thread.run_sync(
+                functools.partial(
+                    read_expired, store.fs, store.path(TASKS_EXPIRED), rel=TASKS_EXPIRED
+                )
             )
             yield store
         finally:

@@ -116,6 +116,8 @@ class TaskAdminHandler(Protocol):
         self, task_id: str, after: int = 0, seconds: float = 10.0
     ) -> dict[str, Any]: ...
 
+    async def task_forget(self, task_id: str) -> dict[str, Any]: ...
+
 
 # -- requests ----------------------------------------------------------------------------
 
@@ -173,6 +175,12 @@ class TaskFailRequest(TaskResumeRequest, tag="task_fail", frozen=True, kw_only=T
     pass
 
 
+class TaskForgetRequest(_Request, tag="task_forget", frozen=True, kw_only=True):
+    """Remove what is left of an ended task, its candidate too (RT12)."""
+
+    task_id: str
+
+
 class TaskGrantRequest(_Request, tag="task_grant", frozen=True, kw_only=True):
     task_id: str
     epochs: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -200,6 +208,7 @@ _TaskRequest = (
     | TaskFailRequest
     | TaskGrantRequest
     | TaskWaitRequest
+    | TaskForgetRequest
 )
 _AnyRequest = StatusRequest | CancelRequest | _TaskRequest
 _TASK_TYPES: Final[tuple[type[_Request], ...]] = get_args(_TaskRequest)
@@ -455,6 +464,8 @@ async def _call(
         )
     if isinstance(request, TaskWaitRequest):
         return await tasks.task_wait(request.task_id, request.after, request.seconds)
+    if isinstance(request, TaskForgetRequest):
+        return await tasks.task_forget(request.task_id)
     action: Literal["resume", "abort", "fail"] = (
         "abort"
         if isinstance(request, TaskAbortRequest)

@@ -24,17 +24,18 @@ from .._backoff import RouteBreaker
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
-from .._config import BackoffConfig
+from .._config import BackoffConfig, RetentionConfig
 from .._errors import JournalError, ReasonCode, TaskError
 from .._journal._fence import Fence, Lease
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import LaneLeases, fenced_out
-from .._journal._store import lane_key
+from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
 from .._records import Record, TaskEnded, TaskSubmitted
 from .._wire import TaskEvent, TaskSpec, TaskView
 from ._lane import TaskHost, TaskLane
 from ._lifecycle import Verdict
+from ._retention import TaskRetention, forget_task, retain_ended_tasks
 from ._state import check_spec, submitted_record
 from ._view import records_view
 from ._watchdog import WatchdogPolicy
@@ -143,6 +144,8 @@ class TaskRunner:
                 if not _same_task(record, existing.task):
                     raise _conflict(spec.task_id)
                 return self.show(spec.task_id)
+            if self._expired(spec.task_id):  # RT12: never run again as new
+                raise self._expired_error(spec.task_id)
             record = submitted_record(
                 spec,
                 route=self.host.route,
@@ -248,8 +251,74 @@ class TaskRunner:
                 raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
             if task_id in self.elsewhere:
                 raise self._elsewhere_error(task_id)
+            if self._expired(task_id):
+                raise self._expired_error(task_id)
             raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r}")
         return lane
+
+    def _expired(self, task_id: str) -> bool:
+        """Whether retention expired the task (RT12): its id is in the expired-task filter."""
+        store = self.host.store
+        return isinstance(store, Store) and lane_key(_lane_name(task_id)) in store.expired_tasks
+
+    @staticmethod
+    def _expired_error(task_id: str) -> TaskError:
+        return TaskError(
+            ReasonCode.TASK_EXPIRED,
+            f"task {task_id!r} ended longer ago than [retention] idempotency_days and was "
+            "let go (or forgotten by an operator); submit it under a new id",
+        )
+
+    # -- retention (docs/design/retention.md RT12) ---------------------------------------
+
+    def _work_root(self) -> Path:
+        return self.host.work_root or self.host.store.root / "work"
+
+    async def retain(self, retention: RetentionConfig) -> TaskRetention:
+        """One retention pass over the ended tasks (RT12): lane logs past ``journal_days``
+        slimmed to their idempotency record, tasks past ``idempotency_days`` expired and let
+        go here too. File store, one host only (a shared store keeps its task lanes)."""
+        store = self.host.store
+        if not isinstance(store, Store) or self.shared is not None:
+            return TaskRetention()
+        ended = {task_id: e.ended.ended_ms for task_id, e in self.ended.items()}
+        done = await retain_ended_tasks(
+            store,
+            ended,
+            now_ms=self.host.clocks.wall.time_ms(),
+            retention=retention,
+            work_root=self._work_root(),
+        )
+        for task_id in done.expired:  # the filter is durable: a duplicate is task_expired
+            self.ended.pop(task_id, None)
+        return done
+
+    async def forget(self, task_id: str, retention: RetentionConfig) -> list[str]:
+        """``pi-runtime task forget``: remove what is left of an ended task now, its
+        candidate too (RT12); refused ``task_not_ended`` for a live task. What was removed."""
+        store = self.host.store
+        if not isinstance(store, Store) or self.shared is not None:
+            raise TaskError(ReasonCode.TASK_INVALID, "task forget is for the file store only")
+        ended = self.ended.get(task_id)
+        if ended is None:
+            if task_id in self.lanes:
+                raise TaskError(
+                    ReasonCode.TASK_NOT_ENDED,
+                    f"task {task_id!r} has not ended: abort or fail it first",
+                )
+            self.lane(task_id)  # task_expired, task_elsewhere or task_unknown
+            raise AssertionError("unreachable")
+        removed = await forget_task(
+            store,
+            ended.ended,
+            ended.task,
+            now_ms=self.host.clocks.wall.time_ms(),
+            retention=retention,
+            work_root=self._work_root(),
+        )
+        self.ended.pop(task_id, None)
+        self.host.log(f"task {task_id}: forgotten by the operator ({len(removed)} removed)")
+        return removed
 
     def known(self, task_id: str) -> bool:
         return task_id in self.lanes or task_id in self.ended

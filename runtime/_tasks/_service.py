@@ -37,7 +37,7 @@ import trio
 from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
-from .._config import RoomWorkerConfig, validate_config
+from .._config import RetentionConfig, RoomWorkerConfig, validate_config
 from .._errors import ReasonCode, TaskError, raises_one_error
 from .._hosting import start_model, worker_program
 from .._journal._interface import JournalStore
@@ -86,9 +86,15 @@ class TaskService:
     :func:`open_task_service`."""
 
     def __init__(
-        self, runner: TaskRunner, policy: WatchdogPolicy, production: WatchdogPolicy
+        self,
+        runner: TaskRunner,
+        policy: WatchdogPolicy,
+        production: WatchdogPolicy,
+        retention: RetentionConfig | None = None,
     ) -> None:
         self.runner = runner
+        self.retention = retention or RetentionConfig()
+        """What ``[retention]`` keeps of ended tasks (RT12)."""
         self.policy = policy
         """The policy in effect (scaled under the unsafe time scale)."""
         self.production = production
@@ -169,6 +175,31 @@ class TaskService:
             raise TaskError(ReasonCode.TASK_INVALID, f"unknown action {action!r}")
         return self.show(task_id)
 
+    async def forget(self, task_id: str) -> list[str]:
+        """Remove what is left of an ended task now, its candidate too (RT12): a later
+        submission under its id is ``task_expired``. Refused ``task_not_ended``,
+        ``task_unknown``, ``task_expired``. What was removed."""
+        removed = await self.runner.forget(task_id, self.retention)
+        logger.info("task %s: forgotten by the operator", task_id)
+        return removed
+
+    async def _retain_periodically(self) -> None:
+        """Retention of ended tasks (RT12) now and every ``[retention] sweep_hours``; a
+        failure is logged and the next look tries again."""
+        while True:
+            try:
+                done = await self.runner.retain(self.retention)
+            except Exception:
+                logger.exception("task retention failed; the next pass tries again")
+            else:
+                if done.slimmed or done.expired:
+                    logger.info(
+                        "task retention: %d ended tasks slimmed, %d expired",
+                        len(done.slimmed),
+                        len(done.expired),
+                    )
+            await trio.sleep(self.retention.sweep_hours * 3600)
+
     def events_of(self, task_id: str, after: int = 0) -> tuple[list[TaskEvent], int]:
         """The task's events numbered above ``after`` (1-based, as counted since the service
         started), and the number of the last one."""
@@ -238,6 +269,9 @@ class TaskService:
     ) -> dict[str, Any]:
         view = await self.control(task_id, action, reason=reason, epochs=epochs, seconds=seconds)
         return {"task": self._view(view), "action": action}
+
+    async def task_forget(self, task_id: str) -> dict[str, Any]:
+        return {"task_id": task_id, "removed": await self.forget(task_id)}
 
     async def task_wait(
         self, task_id: str, after: int = 0, seconds: float = 10.0
@@ -362,8 +396,9 @@ async def open_task_service(
             shared=shared,
             backoff=config.backoff,
         ) as runner:
-            service = TaskService(runner, policy, production)
+            service = TaskService(runner, policy, production, config.retention)
             await nursery.start(service._collect)
+            nursery.start_soon(service._retain_periodically)
             try:
                 yield service
             finally:

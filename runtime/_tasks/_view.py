@@ -123,7 +123,7 @@ def task_view(lane: Viewed) -> TaskView:
     ended = lane.ended
     return TaskView(
         task_id=lane.task.task_id,
-        state=str(kernel.state),
+        state=ended.state if ended is not None else str(kernel.state),  # RT12: a slim log
         generation=kernel.generation,
         attempt=kernel.attempt,
         fence=kernel.fence,

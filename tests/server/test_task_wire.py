@@ -20,6 +20,7 @@ from trio_websocket import open_websocket_url
 
 from fake_pi.scenario import Step
 from runtime._config import config_from_dict
+from runtime._server._admin import admin_request
 from runtime._server._protocol import TaskViewFrame, decode_server_frame, encode_server_frame
 from runtime._server._serve import RoomServer, ServeOptions, open_server
 from runtime._wire import TaskEvent, TaskView
@@ -291,3 +292,32 @@ async def test_p12_the_unsafe_time_scale_is_in_every_view_and_the_status(
                 status = await server.status()
                 assert status["unsafe_test_timescale"] == timescale
                 assert status["warning"].startswith("UNSAFE TEST TIMESCALE x60: thresholds divided")
+
+
+async def test_rt12_task_forget_through_the_running_server(tmp_path: Path) -> None:
+    """``task forget`` on the admin socket of a running server (docs/design/retention.md
+    RT12): an ended task's candidate archive and lane go, and a submission under its id is
+    then refused ``task_expired`` on the wire; a live task is ``task_not_ended``."""
+    with trio.fail_after(LIMIT):
+        steps: list[Step] = [done("fixed it"), say("finished"), wait("which one?")]
+        async with rig(tmp_path, steps) as r, r.connect() as client:
+            await answer(client, r.submit())
+            await ended(client)
+            view = await answer(client, {"type": "task_show", "task_id": "t1"})
+            archive = trio.Path(view["ended"]["candidate"]["ref"])
+            assert await archive.exists()
+            live_tree = tmp_path / "live"
+            live_tree.mkdir()
+            await answer(client, r.submit("t2", worktree=str(live_tree)))
+            await client.until(lambda f: f["type"] == "task_event" and f["state"] == "waiting")
+            state = tmp_path / "state"
+            live = await admin_request(state, {"command": "task_forget", "task_id": "t2"})
+            assert live is not None
+            assert (live["ok"], live["code"]) == (False, "task_not_ended")
+            forgot = await admin_request(state, {"command": "task_forget", "task_id": "t1"})
+            assert forgot is not None
+            assert forgot["ok"], forgot
+            assert str(archive) in forgot["removed"]
+            assert not await archive.exists()
+            again = await answer(client, r.submit())
+            assert error(again) == ("task_expired", "t1")

@@ -1,0 +1,257 @@
+"""Retention of ended tasks (docs/design/retention.md RT12): the task lanes' share of what
+``[retention]`` keeps, on the file store.
+
+An ended task — its ``TaskEnded`` recorded — passes through the same stages as a finished
+room delivery (RT2-RT4), on the host's wall clock from its end (``TaskEnded.ended_ms``):
+
+* ``journal_days`` after its end its lane log is slimmed to its **idempotency record** — the
+  submission (what a duplicate must repeat) and the end record (state, code, the manifest's
+  digest, the candidate, the validation) — and its session, home and temporary directory
+  are removed: a duplicate submission still gets the same answer, ``task show`` its end;
+* ``idempotency_days`` after its end the task id goes into the expired-task filter
+  (``tasks-expired.ids``, the expired-id filter's format), then its lane directory goes: a
+  submission under the id is then ``task_expired``, never run again as new, until
+  ``forget_days`` after its end;
+* **candidates stay** (the ``tar`` archive under ``candidates/``, the git ref
+  ``refs/pi-runtime/candidates/<task>`` in its worktree): they are the task's work, removed
+  only by an operator (``pi-runtime task forget``, :func:`forget_task`).
+
+What has not ended is never touched, whatever its age (RT1). Removal is ordered so a crash
+between two steps leaves more, never less (RT5): the log is slimmed before the session goes
+(the slimmed log names nothing the session held), the filter is durable before the lane
+directory goes, and each step is idempotent, so the next pass finishes what a crash left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import trio
+
+from .._clock import Clocks
+from .._config import RetentionConfig
+from .._errors import ReasonCode, TaskError
+from .._journal._store import Store, lane_key, open_store
+from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
+from ._candidate import CANDIDATE_REF_PREFIX
+from ._worktree import git, git_env
+
+__all__ = [
+    "TaskRetention",
+    "ended_tasks",
+    "forget_offline",
+    "forget_task",
+    "retain_ended_tasks",
+    "retain_offline",
+    "work_dirs",
+]
+
+DAY_MS: Final = 86_400_000
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRetention:
+    """What one pass did: the tasks slimmed to their idempotency record, and those expired."""
+
+    slimmed: tuple[str, ...] = ()
+    expired: tuple[str, ...] = ()
+
+
+def work_dirs(work_root: Path, task_id: str) -> tuple[Path, Path]:
+    """The task's home and temporary directory (``TaskLane.home``, ``TaskLane.tmp``)."""
+    key = lane_key(f"task:{task_id}")
+    return work_root / "homes" / key, work_root / "tmp" / key
+
+
+def _lane_dir(task_id: str) -> str:
+    return f"lanes/{lane_key(f'task:{task_id}')}"
+
+
+async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
+    """Every ended task whose lane log the state directory holds, by id (what
+    ``pi-runtime journal compact`` retains with no server running; a server's runner knows
+    them already). A log that cannot be read is left alone: retention never removes what it
+    cannot read."""
+    lanes = store.root / "lanes"
+    found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
+    ended: dict[str, TaskEnded] = {}
+    for path in found:
+        rel = str(path.relative_to(store.root))
+        try:
+            contents = await store.read(rel)
+        except Exception:  # a damaged log is journal verify's to report, not ours to remove
+            continue
+        if not contents.header.subject.startswith("task:"):
+            continue
+        submitted = next((r for r in contents.records if isinstance(r, TaskSubmitted)), None)
+        end = next((r for r in contents.records if isinstance(r, TaskEnded)), None)
+        if submitted is not None and end is not None:
+            ended[submitted.task_id] = end
+    return ended
+
+
+async def retain_ended_tasks(
+    store: Store,
+    ended: Mapping[str, int],
+    *,
+    now_ms: int,
+    retention: RetentionConfig,
+    work_root: Path,
+) -> TaskRetention:
+    """One retention pass over the ended tasks ``ended`` (task id → its end's wall-clock
+    ms): slim those past ``journal_days``, expire those past ``idempotency_days``. An end
+    time of 0 (a log written before ends were timed) is not aged: it is kept."""
+    journal_cut = now_ms - retention.journal_days * DAY_MS
+    expiry_cut = now_ms - retention.idempotency_days * DAY_MS
+    slimmed: list[str] = []
+    expired: dict[str, int] = {}
+    for task_id, ended_ms in sorted(ended.items()):
+        if ended_ms <= 0 or ended_ms > journal_cut:
+            continue
+        if ended_ms <= expiry_cut:
+            expired[task_id] = ended_ms + int(retention.forget_days * DAY_MS)
+        elif await _slim(store, task_id, work_root):
+            slimmed.append(task_id)
+    if expired:
+        await store.expire_tasks(expired)  # RT5: the filter is durable first
+        for task_id in expired:
+            await _remove_lane(store, task_id, work_root)
+    return TaskRetention(tuple(slimmed), tuple(expired))
+
+
+async def _slim(store: Store, task_id: str, work_root: Path) -> bool:
+    """Slim one ended task's lane log to its idempotency record and remove its session and
+    work directories; whether the log was slimmed now (a slim log is not written again, but
+    what a crash left of the rest is removed)."""
+    rel = store.lane_rel(f"task:{task_id}")
+    contents = await store.read(rel)
+    kept: list[Record] = [r for r in contents.records if isinstance(r, TaskSubmitted | TaskEnded)]
+    rest = [r for r in contents.records if not isinstance(r, Header | Compacted)]
+    slim_now = len(rest) > len(kept)
+    if slim_now:
+        await store.slim_log(rel, kept)
+    submitted = next(r for r in kept if isinstance(r, TaskSubmitted))
+    session = store.root / submitted.session_path
+    await trio.to_thread.run_sync(_remove_paths, [session, *work_dirs(work_root, task_id)])
+    return slim_now
+
+
+async def _remove_lane(store: Store, task_id: str, work_root: Path) -> None:
+    await trio.to_thread.run_sync(_remove_paths, list(work_dirs(work_root, task_id)))
+    await store.remove_tree(_lane_dir(task_id))
+
+
+def _remove_paths(paths: list[Path]) -> None:
+    """Remove each file or directory tree that is there (blocking), then fsync each parent."""
+    parents: set[str] = set()
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        parents.add(str(path.parent))
+    for parent in sorted(parents):
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+async def forget_task(
+    store: Store,
+    ended: TaskEnded,
+    submitted: TaskSubmitted,
+    *,
+    now_ms: int,
+    retention: RetentionConfig,
+    work_root: Path,
+) -> list[str]:
+    """``pi-runtime task forget``: remove everything that is left of an ended task now —
+    its candidate (the archive, or the git ref that keeps its commit reachable), its lane
+    directory and work directories — the id expired first, so a later submission under it is
+    ``task_expired`` until ``forget_days`` after its end. What was removed, for the operator."""
+    removed: list[str] = []
+    candidate = ended.candidate or {}
+    if candidate.get("kind") == "archive":
+        archive = Path(str(candidate.get("ref", "")))
+        if not archive.is_absolute():
+            archive = store.root / archive
+        if await trio.to_thread.run_sync(archive.exists):
+            await trio.to_thread.run_sync(_remove_paths, [archive])
+            removed.append(str(archive))
+    elif candidate.get("kind") == "git_commit":
+        ref = str(candidate.get("git_ref") or CANDIDATE_REF_PREFIX + submitted.task_id)
+        if await trio.to_thread.run_sync(_delete_ref, submitted.worktree, ref):
+            removed.append(f"{ref} in {submitted.worktree}")
+    forget_after = max(ended.ended_ms, now_ms) + int(retention.forget_days * DAY_MS)
+    await store.expire_tasks({submitted.task_id: forget_after})
+    await _remove_lane(store, submitted.task_id, work_root)
+    removed.append(_lane_dir(submitted.task_id))
+    return removed
+
+
+def _delete_ref(worktree: str, ref: str) -> bool:
+    """``git update-ref -d`` of the candidate's ref (blocking); whether it was there. A
+    worktree that is gone has no ref left to remove."""
+    if not ref.startswith(CANDIDATE_REF_PREFIX) or not os.path.isdir(worktree):
+        return False  # never a ref the runtime did not make
+    env, code = git_env(), ReasonCode.WORKTREE_UNREADABLE
+    shown, _ = git(worktree, ["show-ref", "--verify", "--quiet", ref], env=env, code=code,
+                   ok_codes=(0, 1))  # fmt: skip
+    if shown != 0:
+        return False
+    git(worktree, ["update-ref", "-d", ref], env=env, code=code)
+    return True
+
+
+# -- with no server running (the CLI) -------------------------------------------------------
+
+
+async def retain_offline(
+    state_dir: Path, *, retention: RetentionConfig, work_root: Path, clocks: Clocks
+) -> TaskRetention:
+    """``pi-runtime journal compact``'s share for tasks: one pass over a state directory no
+    server holds (its lock is taken: ``state_dir_locked`` while one runs)."""
+    async with open_store(state_dir, clocks=clocks) as store:
+        ended = {task_id: end.ended_ms for task_id, end in (await ended_tasks(store)).items()}
+        return await retain_ended_tasks(
+            store, ended, now_ms=clocks.wall.time_ms(), retention=retention, work_root=work_root
+        )
+
+
+async def forget_offline(
+    state_dir: Path, task_id: str, *, retention: RetentionConfig, work_root: Path, clocks: Clocks
+) -> list[str]:
+    """``pi-runtime task forget`` with no server running: :func:`forget_task` from the lane
+    log; refused ``task_expired``, ``task_unknown``, ``task_not_ended``."""
+    async with open_store(state_dir, clocks=clocks) as store:
+        if lane_key(f"task:{task_id}") in store.expired_tasks:
+            raise TaskError(ReasonCode.TASK_EXPIRED, f"task {task_id!r} was let go already")
+        rel = store.lane_rel(f"task:{task_id}")
+        if not await store.exists(rel):
+            raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {state_dir}")
+        records = (await store.read(rel)).records
+        submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
+        end = next((r for r in records if isinstance(r, TaskEnded)), None)
+        if submitted is None:
+            raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {state_dir}")
+        if end is None:
+            raise TaskError(
+                ReasonCode.TASK_NOT_ENDED, f"task {task_id!r} has not ended: abort or fail it first"
+            )
+        return await forget_task(
+            store,
+            end,
+            submitted,
+            now_ms=clocks.wall.time_ms(),
+            retention=retention,
+            work_root=work_root,
+        )

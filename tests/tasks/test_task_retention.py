@@ -1,0 +1,208 @@
+"""Retention of ended tasks (docs/design/retention.md RT12), on a real file store with the
+in-process runner on virtual time; the wall clock (what retention ages by) is moved by days.
+
+An ended task is slimmed to its idempotency record (submission and end) ``journal_days``
+after its end — its session, home and temporary directory removed, its candidate kept — and
+expired ``idempotency_days`` after it (its id in ``tasks-expired.ids``, its lane directory
+gone: a resubmission is ``task_expired``, never run again). A task that has not ended is
+never touched. ``task forget`` removes the rest of an ended task now, its candidate too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+import trio.testing
+
+from fake_pi.scenario import Step
+from runtime._clock import Clocks, MockWallClock
+from runtime._config import RetentionConfig
+from runtime._errors import ReasonCode, TaskError
+from runtime._journal._inspect import verify_journal
+from runtime._journal._store import lane_key
+from runtime._records import Compacted, Header, TaskEnded, TaskSubmitted
+from runtime._tasks._retention import TaskRetention, forget_offline, retain_offline, work_dirs
+from runtime._wire import TaskSpec
+
+from ..task_harness import TASK, Rig, done, open_rig, say, wait
+from .test_worktree import commit_all, git, make_repo
+
+pytestmark = pytest.mark.trio
+
+DAY: Final = 86_400.0
+RETENTION: Final = RetentionConfig(journal_days=7, idempotency_days=30, forget_days=365)
+LIVE: Final = "task-live"
+STEPS: Final[list[Step]] = [done(), say("finished"), wait("which one?")]
+"""The ended task's answer and reply, then the live task's wait."""
+
+
+def lane_dir(rig: Rig, task_id: str = TASK) -> Path:
+    return rig.store.root / "lanes" / lane_key(f"task:{task_id}")
+
+
+class _Refused:
+    """``with _Refused(code):`` — the block raises a :class:`TaskError` with ``code``."""
+
+    def __init__(self, code: ReasonCode) -> None:
+        self.code = code
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> bool:
+        assert isinstance(error, TaskError), f"expected {self.code}, got {error!r}"
+        assert error.code == self.code, error
+        return True
+
+
+async def ended_and_live(rig: Rig) -> None:
+    """TASK ends done; LIVE waits for the user (open, never ended)."""
+    await rig.runner.submit(rig.spec())
+    await rig.ended(TASK)
+    live_tree = rig.worktree.parent / "live"
+    live_tree.mkdir(exist_ok=True)
+    spec = rig.spec()
+    await rig.runner.submit(
+        TaskSpec(task_id=LIVE, prompt=spec.prompt, worktree=str(live_tree), grants=spec.grants)
+    )
+    await rig.until(lambda: rig.runner.show(LIVE).state == "waiting")
+
+
+async def test_rt12_an_ended_task_is_slimmed_then_expired_its_candidate_kept(
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT12 (RT1-RT4 for tasks): day 6 nothing; day 8 the ended task's lane log holds only its
+    submission and end (after a new header and a ``Compacted`` mark), its session and work
+    directories are gone, its candidate archive is there, a duplicate gets the same view and
+    a changed one ``task_conflict`` — also after a restart, which reads the slim log; a second
+    pass changes nothing. Day 31 its lane directory is gone, the candidate still there, and
+    its id is ``task_expired`` for a submission and for ``task show``, after a restart too.
+    The waiting task of the same age is untouched throughout (RT1)."""
+    steps = STEPS
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await ended_and_live(rig)
+        ended = rig.runner.show(TASK)
+        candidate = rig.store.root / str((ended.ended or {})["candidate"]["ref"])
+        home, tmp = work_dirs(tmp_path / "work", TASK)
+        session = rig.store.root / ended.session_path
+        assert home.is_dir()
+        assert session.is_file()
+        assert candidate.is_file()
+        before = await rig.records()
+        live_before = await rig.records(LIVE)
+
+        wall_clock.advance(6 * DAY)
+        assert await rig.runner.retain(RETENTION) == TaskRetention()
+        assert await rig.records() == before
+
+        wall_clock.advance(2 * DAY)
+        done_ = await rig.runner.retain(RETENTION)
+        assert done_.slimmed == (TASK,)
+        assert done_.expired == ()
+        slim = await rig.records()
+        assert [type(r) for r in slim] == [Header, Compacted, TaskSubmitted, TaskEnded]
+        assert slim[2:] == [r for r in before if isinstance(r, TaskSubmitted | TaskEnded)]
+        assert not session.exists()
+        assert not home.exists()
+        assert not tmp.exists()
+        assert candidate.is_file()
+        assert (await rig.runner.retain(RETENTION)).slimmed == ()  # once
+        assert (await rig.runner.submit(rig.spec())).state == "done"  # a duplicate
+        with _Refused(ReasonCode.TASK_CONFLICT):
+            await rig.runner.submit(rig.spec(prompt="another task"))
+        assert await rig.records(LIVE) == live_before
+
+    wall_clock.advance(23 * DAY)  # day 31, after a restart on the same state
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        assert rig.runner.show(TASK).state == "done"  # restored from the slim log
+        assert rig.runner.show(TASK).ended is not None
+        done_ = await rig.runner.retain(RETENTION)
+        assert done_.expired == (TASK,)
+        assert not lane_dir(rig).exists()
+        assert candidate.is_file()  # the task's work: only an operator removes it
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.submit(rig.spec())
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            rig.runner.show(TASK)
+        assert TASK not in rig.runner.task_ids()
+        assert rig.runner.show(LIVE).state == "waiting"
+        assert lane_dir(rig, LIVE).is_dir()
+
+    async with open_rig(tmp_path, clocks, steps) as rig:  # the filter is durable
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.submit(rig.spec())
+        assert rig.runner.show(LIVE).state == "waiting"
+
+
+async def test_rt12_task_forget_removes_the_rest_of_an_ended_task_and_its_git_candidate(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """``task forget``: an ended task in a git worktree — its candidate the ref
+    ``refs/pi-runtime/candidates/<task>`` — is forgotten at once: the ref deleted (the
+    user's branches untouched), the lane directory and work directories gone, its id
+    ``task_expired``. A live task is refused ``task_not_ended``, an unknown one
+    ``task_unknown``, a forgotten one ``task_expired``."""
+    repo = make_repo(tmp_path / "worktree")
+    (repo / "README.md").write_text("a task's worktree\n")
+    commit_all(repo)
+    steps = STEPS
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await ended_and_live(rig)
+        ref = (rig.runner.show(TASK).ended or {})["candidate"]["git_ref"]
+        assert ref == f"refs/pi-runtime/candidates/{TASK}"
+        assert git(repo, "show-ref", ref)
+        with _Refused(ReasonCode.TASK_NOT_ENDED):
+            await rig.runner.forget(LIVE, RETENTION)
+        with _Refused(ReasonCode.TASK_UNKNOWN):
+            await rig.runner.forget("no-such-task", RETENTION)
+        removed = await rig.runner.forget(TASK, RETENTION)
+        assert any(ref in item for item in removed)
+        shown = await trio.run_process(
+            ["git", "-C", str(repo), "show-ref", ref], check=False, capture_stdout=True
+        )
+        assert shown.returncode != 0
+        assert git(repo, "rev-parse", "main")  # the user's branch is there
+        assert not lane_dir(rig).exists()
+        assert not work_dirs(tmp_path / "work", TASK)[0].exists()
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.submit(rig.spec())
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.forget(TASK, RETENTION)
+        assert rig.runner.show(LIVE).state == "waiting"
+
+
+async def test_rt12_with_no_server_journal_compact_and_task_forget_act_on_the_directory(
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The offline paths (``journal compact``, ``task forget`` with no server): the same
+    stages from the lane logs; a live task refused, an ended one forgotten with its archive."""
+    steps = STEPS
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await ended_and_live(rig)
+        archive = rig.store.root / str((rig.runner.show(TASK).ended or {})["candidate"]["ref"])
+    state, work = tmp_path / "state", tmp_path / "work"
+    wall_clock.advance(8 * DAY)
+    done_ = await retain_offline(state, retention=RETENTION, work_root=work, clocks=clocks)
+    assert done_.slimmed == (TASK,)
+    checked, findings = await trio.to_thread.run_sync(verify_journal, state)
+    assert checked >= 2
+    assert findings == []  # a slim lane log verifies
+    with _Refused(ReasonCode.TASK_NOT_ENDED):
+        await forget_offline(state, LIVE, retention=RETENTION, work_root=work, clocks=clocks)
+    removed = await forget_offline(state, TASK, retention=RETENTION, work_root=work, clocks=clocks)
+    assert str(archive) in removed
+    assert not archive.exists()
+    with _Refused(ReasonCode.TASK_EXPIRED):
+        await forget_offline(state, TASK, retention=RETENTION, work_root=work, clocks=clocks)
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.submit(rig.spec())
+        assert rig.runner.show(LIVE).state == "waiting"
