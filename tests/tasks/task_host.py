@@ -24,7 +24,10 @@ resume it, as an operator would), ``term_grace`` (seconds from TERM to KILL of a
 a wedged Fake-Pi ignores TERM), ``probe_timeout`` (how long a probe waits for its answer: a
 real process on a loaded machine, not a threshold of the clocks; a quick answer ends the wait),
 ``recovery_seconds`` (the recovery-time budget in real seconds instead of the scaled 6 s),
-``backoff`` (a ``[backoff]`` table: an unavailable provider parks the turn, PB6).
+``backoff`` (a ``[backoff]`` table: an unavailable provider parks the turn, PB6),
+``retention`` (a ``[retention]`` table) with ``retain_at_days`` (after the task ends, one
+retention pass with the wall clock moved on by each of these days, then a resubmission of
+the task: ``{"retained": …}`` and ``{"resubmitted": STATE_OR_CODE}`` facts, RT12).
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said):
 
@@ -39,6 +42,8 @@ Pause points (each wraps the runtime method named; the host stops *after* it unl
   record (the start of :meth:`TaskLane.record_marker`);
 * ``effect`` — the runtime's ``effect`` tool wrote its ledger line, before its outcome;
 * ``receipt_commit`` — ``write_document``'s receipt transaction committed, before its outcome;
+* ``retention:METHOD`` — after the store's ``METHOD`` (``slim_log``, ``expire_tasks``,
+  ``remove_tree``) in a retention pass (RT12);
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
   no end record yet).
 """
@@ -61,10 +66,12 @@ from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gateway import GatewayConfig
 from runtime._boundary._receipts import receipt_store
 from runtime._boundary._tools import EffectLedger
-from runtime._config import BackoffConfig
+from runtime._clock import Clocks
+from runtime._config import BackoffConfig, RetentionConfig
+from runtime._errors import TaskError
 from runtime._journal._fence import Fence
 from runtime._journal._journal import Journal
-from runtime._journal._store import open_store, runtime_dir
+from runtime._journal._store import Store, open_store, runtime_dir
 from runtime._pi._launch import ModelRoute, WorkerProgram
 from runtime._records import Record
 from runtime._tasks._epoch import EpochEnd, EpochWatch
@@ -121,6 +128,15 @@ def install_pause(point: str, nth: int) -> None:
                 await barrier()
 
         TaskLane.record_action = after_action  # type: ignore[method-assign]
+    elif name == "retention":  # after a step of a retention pass (RT12): Store.<rest>
+        method = getattr(Store, rest)
+
+        async def after_step(self: Store, *args: Any) -> Any:
+            done = await method(self, *args)
+            await barrier()
+            return done
+
+        setattr(Store, rest, after_step)
     elif name == "record":
         append = Journal.append
 
@@ -227,6 +243,9 @@ async def follow(runner: TaskRunner, spec: Mapping[str, Any], changes: Changes) 
     """Until the task ends or is held (after the one ``on_hold`` grant, if any)."""
     task_id = spec["task"]["task_id"]
     grant = spec.get("on_hold")
+    if runner._expired(task_id):  # let go by retention before this host started (RT12)
+        emit({"expired": task_id})
+        return
     if task_id in runner.ended:  # it had ended before this host started
         ended = runner.ended[task_id].ended
         emit({"ended": msgspec.to_builtins(ended), "view": view_of(runner, task_id)})
@@ -257,6 +276,39 @@ async def follow(runner: TaskRunner, spec: Mapping[str, Any], changes: Changes) 
         await changes.wait()
 
 
+@dataclass
+class ShiftedWall:
+    """The system's wall clock moved on by ``days`` (what retention ages by, RT12)."""
+
+    days: float = 0.0
+
+    def time_ms(self) -> int:
+        return time.time_ns() // 1_000_000 + int(self.days * 86_400_000)
+
+
+async def retain(runner: TaskRunner, spec: Mapping[str, Any], wall: ShiftedWall) -> None:
+    """The spec's retention passes (``retain_at_days``), each at that many days on, then a
+    resubmission of the task: each one fact."""
+    retention = msgspec.convert(spec["retention"], RetentionConfig)
+    for days in spec.get("retain_at_days", []):
+        wall.days = float(days)
+        done = await runner.retain(retention)
+        emit({"retained": {"days": days, "slimmed": done.slimmed, "expired": done.expired}})
+    task = spec["task"]
+    try:
+        view = await runner.submit(
+            TaskSpec(
+                task_id=task["task_id"],
+                prompt=task["prompt"],
+                worktree=str(Path(spec["base"]) / "worktree"),
+                grants=frozenset(task["grants"]),
+            )
+        )
+        emit({"resubmitted": view.state})
+    except TaskError as error:
+        emit({"resubmitted": str(error.code)})
+
+
 async def main(spec: dict[str, Any]) -> None:
     base = Path(spec["base"])
     if "pause" in spec:
@@ -278,7 +330,9 @@ async def main(spec: dict[str, Any]) -> None:
     def log(line: str) -> None:
         print(f"{time.monotonic():.3f} {line}", file=sys.stderr, flush=True)
 
-    async with open_store(state) as store, receipt_store(state) as receipts:
+    wall = ShiftedWall()
+    clocks = replace(Clocks.system(), wall=wall)
+    async with open_store(state, clocks=clocks) as store, receipt_store(state) as receipts:
         workers = ProcessWorkers(
             program=WorkerProgram.fake_pi(),
             route=ROUTE,
@@ -320,6 +374,8 @@ async def main(spec: dict[str, Any]) -> None:
                     )
                 )
             await follow(runner, spec, changes)
+            if "retention" in spec:
+                await retain(runner, spec, wall)
             nursery.cancel_scope.cancel()
 
 

@@ -27,6 +27,7 @@ from runtime._tasks._retention import TaskRetention, forget_offline, retain_offl
 from runtime._wire import TaskSpec
 
 from ..task_harness import TASK, Rig, done, open_rig, say, wait
+from .test_task_crash import crash_rig, kill_when_paused, recover, task_spec
 from .test_worktree import commit_all, git, make_repo
 
 pytestmark = pytest.mark.trio
@@ -36,6 +37,7 @@ RETENTION: Final = RetentionConfig(journal_days=7, idempotency_days=30, forget_d
 LIVE: Final = "task-live"
 STEPS: Final[list[Step]] = [done(), say("finished"), wait("which one?")]
 """The ended task's answer and reply, then the live task's wait."""
+CRASH_STEPS: Final[list[Step]] = [done(), say("finished")]
 
 
 def lane_dir(rig: Rig, task_id: str = TASK) -> Path:
@@ -206,3 +208,38 @@ async def test_rt12_with_no_server_journal_compact_and_task_forget_act_on_the_di
         with _Refused(ReasonCode.TASK_EXPIRED):
             await rig.runner.submit(rig.spec())
         assert rig.runner.show(LIVE).state == "waiting"
+
+
+# -- RT5 for tasks: a host killed in the middle of a retention pass ---------------------------
+
+
+@pytest.mark.parametrize("point", ["retention:slim_log", "retention:expire_tasks"])
+async def test_rt12_a_host_killed_in_a_retention_pass_loses_nothing_and_runs_nothing_again(
+    point: str, tmp_path: Path
+) -> None:
+    """A task-runner host (``tests/tasks/task_host.py``, real Fake-Pi workers, the real
+    clock moved on by days) is SIGKILLed right after a step of the retention pass — the lane
+    log slimmed (its session not yet removed), or the id expired (its lane directory not yet
+    removed) — and a new host on the same state directory runs the passes again: the task
+    ends up let go exactly as without the crash (its lane directory and session gone, its id
+    ``task_expired``, its candidate archive there), and the model is asked nothing more —
+    the task never ran again."""
+    async with crash_rig(tmp_path, CRASH_STEPS) as (model, url, _workers):
+        spec = {
+            **task_spec(url),
+            "retention": {"journal_days": 7, "idempotency_days": 30, "forget_days": 365},
+            "retain_at_days": [8, 31],
+        }
+        facts = await kill_when_paused(tmp_path, spec, point)
+        (ended,) = [f["ended"] for f in facts if "ended" in f]
+        asked = model.request_count
+        facts = await recover(tmp_path, spec)
+    assert model.request_count == asked
+    retained = [f["retained"] for f in facts if "retained" in f]
+    assert [r["days"] for r in retained] == [8, 31]
+    assert [f["resubmitted"] for f in facts if "resubmitted" in f] == ["task_expired"]
+    lanes = tmp_path / "state" / "lanes" / lane_key(f"task:{TASK}")
+    assert not lanes.exists()
+    archive = tmp_path / "state" / ended["candidate"]["ref"]
+    assert archive.is_file()
+    assert not work_dirs(tmp_path / "work", TASK)[0].exists()
