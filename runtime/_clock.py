@@ -12,6 +12,8 @@ Three different questions need three different clocks:
   real silence.
 * **What time is it, for a timestamp written into a session or record?** A wall
   clock, :class:`WallClock`.
+* **How long did that take, for a metric?** :func:`perf_seconds`, a measurement only:
+  nothing is decided on it (``runtime/_metrics.py``).
 
 No other module reads ``time.time()`` or ``time.monotonic()``: every later module
 takes a :class:`Clocks` and uses it.
@@ -45,6 +47,7 @@ __all__ = [
     "SystemSilenceClock",
     "SystemWallClock",
     "WallClock",
+    "perf_seconds",
 ]
 
 
@@ -185,3 +188,9 @@ class Backoff:
     def total_delay(self) -> float:
         """How long the waits take together when every try fails."""
         return sum(self.delays())
+
+
+def perf_seconds() -> float:
+    """A high-resolution reading for measuring how long something took (metrics): never a
+    deadline or a timestamp, so tests need not control it."""
+    return time.perf_counter()

@@ -43,6 +43,7 @@ __all__ = [
     "MAX_ACTOR_ID",
     "PERSONA_MAX_BYTES",
     "Caps",
+    "MetricsConfig",
     "ModelConfig",
     "RoomConfig",
     "RoomWorkerConfig",
@@ -53,6 +54,7 @@ __all__ = [
     "config_from_dict",
     "declared_class",
     "load_config",
+    "metrics_address",
     "validate_config",
 ]
 
@@ -262,6 +264,14 @@ class RetentionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """How often ``serve`` compacts the shared logs (RT6-RT10)."""
 
 
+class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where ``serve`` answers ``GET /metrics`` (docs/design/operations.md "Metrics")."""
+
+    listen: str | None = None
+    """``HOST:PORT`` (``127.0.0.1:9464``); ``None``: no metrics listener. A non-loopback
+    address needs ``serve --insecure-bind`` (the listener has no TLS and no token)."""
+
+
 class BackoffConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a turn waits out an unavailable provider (docs/design/retention.md PB1-PB4)."""
 
@@ -311,6 +321,7 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     attachments: AttachmentsConfig = AttachmentsConfig()
     retention: RetentionConfig = RetentionConfig()
     backoff: BackoffConfig = BackoffConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def attachment_root(self) -> Path:
         """The attachment root (A1): every part that writes or reads attachments asks here."""
@@ -705,6 +716,21 @@ def _check_backoff(config: RoomWorkerConfig) -> None:
         raise ConfigError("backoff.first_seconds", "must be at most backoff.max_seconds")
 
 
+def metrics_address(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as a host and a port; ``ConfigError`` naming
+    ``metrics.listen`` when it is not one."""
+    host, sep, port = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError("metrics.listen", f"{listen!r} is not HOST:PORT (127.0.0.1:9464)")
+    return host, int(port)
+
+
+def _check_metrics(config: RoomWorkerConfig) -> None:
+    if config.metrics.listen is not None:
+        metrics_address(config.metrics.listen)
+
+
 def _check_retention(config: RoomWorkerConfig) -> None:
     """RT3, RT4: an idempotency record outlives its step journal; an expired id its record."""
     retention = config.retention
@@ -727,4 +753,5 @@ _CHECKS: Final = (
     _check_caps,
     _check_retention,
     _check_backoff,
+    _check_metrics,
 )

@@ -65,6 +65,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-cert", type=Path, help="serve wss:// with this certificate (PEM)")
     serve.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     serve.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="answer GET /metrics (Prometheus) on this address, e.g. 127.0.0.1:9464 "
+        "(default: the configuration's [metrics] listen, else none)",
+    )
+    serve.add_argument(
         "--insecure-bind",
         action="store_true",
         help="allow binding a non-loopback address without TLS",
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         options = _options(args)
-        check_bind(options)
+        check_bind(options, config)
         trio.run(serve_until_signalled, config, options)
     except PiRuntimeError as error:  # O11: `pi-runtime: <code>: <message>`, as every command
         logger.error("%s", error.message, extra={"code": error.code})
@@ -114,6 +121,8 @@ def _config(args: argparse.Namespace) -> RoomWorkerConfig:
         changes["agent"] = args.agent
     if getattr(args, "store", None) is not None:
         changes["store"] = msgspec.structs.replace(config.store, url=args.store)
+    if getattr(args, "metrics", None) is not None:
+        changes["metrics"] = msgspec.structs.replace(config.metrics, listen=args.metrics)
     if args.drain_timeout is not None:
         thresholds = msgspec.structs.replace(
             config.thresholds, drain_timeout_seconds=args.drain_timeout

@@ -35,8 +35,10 @@ from typing import Final
 
 import trio
 
+from .._clock import perf_seconds
 from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._linux._fs import FileSystem
+from .._metrics import JOURNAL_APPEND_SECONDS, JOURNAL_BATCH_RECORDS, JOURNAL_FDATASYNC_SECONDS
 from ._frame import encode_frame
 
 __all__ = [
@@ -192,7 +194,9 @@ class WriterPool:
             raise target.poisoned
         item = _Append(target, target.next_seq, payload)
         target.next_seq += 1
+        handed = perf_seconds()
         await self._handoff(item)
+        JOURNAL_APPEND_SECONDS.observe(perf_seconds() - handed)
         return item.seq
 
     async def _handoff(self, item: _Append | _Close) -> None:
@@ -294,7 +298,10 @@ class WriterPool:
             written = fs.write(target._handle, frame)
             if written != len(frame):
                 raise OSError(errno.EIO, f"short write: {written} of {len(frame)} bytes")
+            synced = perf_seconds()
             fs.fdatasync(target._handle)
+            JOURNAL_FDATASYNC_SECONDS.observe(perf_seconds() - synced)
+            JOURNAL_BATCH_RECORDS.observe(len(group))
             if target._create:
                 fs.fsync_dir(os.path.dirname(target.path))
                 target._create = False

@@ -64,6 +64,7 @@ from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
+from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._session_files import (
     aread_session,
@@ -439,6 +440,7 @@ class Lane:
         if pending.recovering and not resting:  # the host died during its turn: charged (L19)
             await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
             attempts += 1
+            RECOVERY_ATTEMPTS.inc()
         self._cancelled = trio.Event()
         if resting and self.host.breaker is not None:  # PB2: the recorded schedule holds
             self.host.breaker.resume(parks[-1])
@@ -461,6 +463,7 @@ class Lane:
         try:
             while True:
                 if attempts > self.host.recovery_attempts:  # L19: that many replays
+                    RECOVERY_REFUSALS.labels(str(ReasonCode.RECOVERY_EXHAUSTED)).inc()
                     return self._result(EXHAUSTED)
                 probe = await self._wait_for_route(pending, log, parks)
                 if isinstance(probe, TurnEnd):  # cancelled, or past its bounds, while parked
@@ -489,6 +492,7 @@ class Lane:
                     # the host stopping killed it: not charged here (the next start is, L19)
                     await trio.lowlevel.checkpoint()
                     attempts += 1
+                    RECOVERY_ATTEMPTS.inc()
                     branch = True
                     await log.append(
                         StepAbandoned(
@@ -649,6 +653,7 @@ class Lane:
         """A replay that cannot be trusted fails closed (docs/design/recovery.md):
         ``recovery_refused:what``."""
         code = ReasonCode.RECOVERY_REFUSED.at(what)
+        RECOVERY_REFUSALS.labels(code).inc()
         return Result(
             outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
         )

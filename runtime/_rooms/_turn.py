@@ -20,6 +20,7 @@ import trio
 from .._clock import Clocks
 from .._errors import ReasonCode, RpcError
 from .._journal._interface import Log
+from .._metrics import FIRST_TOKEN_SECONDS, TURN_SECONDS
 from .._pi._rpc import RpcChannel
 from .._pi._rpc_protocol import Event
 from .._records import AbsorbedInput, Outcome
@@ -95,6 +96,9 @@ class Turn:
         self.messages: list[dict[str, Any]] = []
         self.partial = ""
         self.typing = trio.Event()
+        self._started = 0.0
+        """When :meth:`run` began (Trio time): the turn metrics count from here."""
+        self._first_token = False
         self.stalled = False
         """The backstop fired: the turn is ``turn_stalled`` whatever the worker does next."""
         self._abort_scope = trio.CancelScope()
@@ -107,6 +111,8 @@ class Turn:
 
     async def run(self) -> TurnEnd:
         rpc = self.rpc
+        self._started = trio.current_time()
+        self._first_token = False
         self.watch.event(self._now())
         for item in self.pending.absorbed:
             item.sent = False
@@ -129,6 +135,7 @@ class Turn:
                         self.watch.event(self._now())
                         if self._see(event):
                             settled = True
+                            TURN_SECONDS.observe(trio.current_time() - self._started)
                             break
                 except RpcError as error:  # raised here, not from the nursery: no group
                     died = error
@@ -206,6 +213,9 @@ class Turn:
         elif kind == "message_update":
             delta = record.get("assistantMessageEvent") or {}
             if delta.get("type") == "text_delta":
+                if not self._first_token:
+                    self._first_token = True
+                    FIRST_TOKEN_SECONDS.observe(trio.current_time() - self._started)
                 self.partial += str(delta.get("delta", ""))
                 if not self.typing.is_set() and not could_still_be_silent(self.partial):
                     self.typing.set()

@@ -67,6 +67,7 @@ from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
 from .._journal._store import Store, delivery_key, lane_key, open_store, runtime_dir
 from .._linux._fs import FileSystem
+from .._metrics import DELIVERIES_ADMITTED
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
     AbsorbedInput,
@@ -236,6 +237,7 @@ class RoomWorker:
                     f"delivery {delivery.delivery_id} was admitted with a different request",
                 )
             return Accepted(delivery_id=delivery.delivery_id, room=room, disposition="duplicate")
+        DELIVERIES_ADMITTED.inc()
         if self.leases is not None:
             return await self._admitted_shared(admission)
         assert lane is not None
@@ -358,6 +360,13 @@ class RoomWorker:
     def last_seq(self) -> int:
         """The seq of the latest published result (0 before the first)."""
         return self._host.outbox.last_seq
+
+    @property
+    def unacknowledged(self) -> int:
+        """Published results no client has acknowledged yet (seqs above the acknowledged
+        one are never compacted away, so the difference counts them exactly)."""
+        outbox = self._host.outbox
+        return max(0, outbox.last_seq - outbox.acked)
 
     def result_of(self, delivery_id: str) -> DeliveryResult | None:
         return self._host.outbox.result_of(delivery_id)

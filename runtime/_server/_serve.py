@@ -56,7 +56,7 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from .._config import RoomWorkerConfig, validate_config
+from .._config import RoomWorkerConfig, metrics_address, validate_config
 from .._errors import (
     AttachmentError,
     ConfigError,
@@ -72,6 +72,7 @@ from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
 from .._wire import DeliveryResult, RoomEvent, TaskEvent
+from ._metrics import open_metrics
 from ._protocol import (
     Ack,
     AttachmentData,
@@ -128,8 +129,17 @@ class ServeOptions:
     """Tests only: divide every task-lane watchdog threshold by this (WD9); said loudly."""
 
 
-def check_bind(options: ServeOptions) -> None:
-    """Refuse a non-loopback bind without TLS unless ``insecure_bind`` (S6)."""
+def check_bind(options: ServeOptions, config: RoomWorkerConfig | None = None) -> None:
+    """Refuse a non-loopback bind without TLS unless ``insecure_bind`` (S6); the same for
+    the metrics listener, which has neither TLS nor a token."""
+    if config is not None and config.metrics.listen is not None and not options.insecure_bind:
+        host, _port = metrics_address(config.metrics.listen)
+        if not _is_loopback(host):
+            raise ConfigError(
+                "metrics.listen",
+                f"{host} is not a loopback address: the metrics listener has no TLS and no "
+                "token; pass --insecure-bind to serve it to the network",
+            )
     if options.ssl_context is not None or options.insecure_bind or _is_loopback(options.host):
         return
     raise ConfigError(
@@ -198,6 +208,8 @@ class RoomServer:
         self.new_token: str | None = None
         """The token, when this start created it (the command line prints it once, O1)."""
         self.attachments = AttachmentStore(worker.config.attachment_root())  # A1
+        self.metrics_port: int | None = None
+        """The metrics listener's bound port, when ``[metrics] listen`` is set."""
         self.fetch_rate = worker.config.attachments.fetch_bytes_per_second
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
@@ -551,8 +563,8 @@ async def open_server(
     """
     from ._admin import serve_admin
 
-    check_bind(options)
     config = validate_config(config, base=base_dir)
+    check_bind(options, config)
     watchdog_policy(config, timescale=options.unsafe_test_timescale)
     state_dir = Path(config.state_dir)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -595,10 +607,17 @@ async def open_server(
                 )
             )
             server.port = listener.port
-            try:
-                yield server
-            finally:
-                nursery.cancel_scope.cancel()
+            async with contextlib.AsyncExitStack() as metrics:
+                if config.metrics.listen is not None:
+                    host, port = metrics_address(config.metrics.listen)
+                    bound = await metrics.enter_async_context(
+                        open_metrics(server, host, port, nursery)
+                    )
+                    server.metrics_port = bound.port
+                try:
+                    yield server
+                finally:
+                    nursery.cancel_scope.cancel()
 
 
 async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
@@ -628,6 +647,12 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
                 + (f" [{warning}]" if warning is not None else ""),
                 flush=True,
             )
+            if server.metrics_port is not None:
+                host, _port = metrics_address(config.metrics.listen or "")
+                print(
+                    f"pi-runtime serve: metrics on http://{host}:{server.metrics_port}/metrics",
+                    flush=True,
+                )
             async for signum in signals:
                 name = signal.Signals(signum).name
                 break

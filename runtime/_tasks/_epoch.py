@@ -26,6 +26,7 @@ import trio
 
 from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
 from .._errors import ReasonCode, RpcError
+from .._metrics import TASK_FENCES, TASK_PROBES
 from .._pi._rpc_protocol import Event
 from .._records import Parked, ToolIntent
 from ._guards import GuardEvidence, failed_guards
@@ -445,6 +446,7 @@ class EpochWatch:
         self._probes += 1
         action_id = lane.epoch_action_id(f"probe{self._probes}")
         lane.telemetry.probes += 1
+        TASK_PROBES.labels(purpose).inc()
         seq_before = wd.progress_seq
         size_before = await session_size(lane.session)
         answered = False
@@ -483,6 +485,7 @@ class EpochWatch:
             await lane.reserve()
             if await self._guards_hold(reserved=True):  # re-read after the reserve's await
                 lane.watchdog.feed(FenceStarted())
+                TASK_FENCES.inc()
                 await lane.record_action(lane.epoch_action_id("fence"), "fence", "done")
                 lane.changed()
                 self._finish(EpochEnd.FENCE)

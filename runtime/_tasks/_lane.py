@@ -44,6 +44,7 @@ from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
 from .._linux._proc import boot_id
+from .._metrics import TASK_BUDGET_CHARGES, TASK_CONTINUATIONS
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest
 from .._pi._session_files import aread_session, create_session
@@ -681,6 +682,7 @@ class TaskLane:
             return
         detail = self.recovery.charge_epoch(self.host.clocks.wall.time_ms())
         await self.record_action(action_id, "reserve", "done", detail)
+        TASK_BUDGET_CHARGES.inc()
 
     def unsettled_effects(self) -> list[ToolIntent]:
         """Tools let run whose outcome is not recorded and whose running again is not proven
@@ -779,6 +781,7 @@ class TaskLane:
         )
         await self.append(record)
         self.markers[action_id] = record
+        TASK_CONTINUATIONS.inc()
 
     # -- the end: Done needs the whole tuple (LK4) ----------------------------------------------
 

@@ -1,0 +1,141 @@
+"""The runtime's Prometheus metrics (docs/design/operations.md "Metrics"; issue #22).
+
+One registry, :data:`REGISTRY` — the runtime's own, not ``prometheus_client``'s global one, so
+an application embedding the runtime keeps its registry to itself — holding the metrics the
+runtime's parts record into where the thing happens (a delivery admitted, a model answer
+replayed, a record made durable), plus the process collector (CPU, memory, descriptors).
+What is a state rather than an event — live lanes, connections, unacknowledged results, task
+lanes by classification — is read when scraped, by the collector ``serve`` registers
+(``runtime/_server/_metrics.py``); the exposition is ``prometheus_client``'s.
+
+**Labels are bounded.** Every label value comes from a closed set: an outcome, a reason code,
+a replay class, a classification, a tool name of the configuration's tools. Never a delivery
+id, a room, a task id, message text or anything secret.
+
+**Cheap where it is hot.** An increment or an observation is a lock and an add
+(``prometheus_client``'s thread-safe value); the journal's writer threads observe their own
+``fdatasync`` and batch sizes. Measurements read :func:`~runtime._clock.perf_seconds`, never
+a clock a decision depends on.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+
+__all__ = [
+    "DELIVERIES_ADMITTED",
+    "DELIVERIES_FINISHED",
+    "FIRST_TOKEN_SECONDS",
+    "JOURNAL_APPEND_SECONDS",
+    "JOURNAL_BATCH_RECORDS",
+    "JOURNAL_FDATASYNC_SECONDS",
+    "MODEL_REQUESTS",
+    "RECOVERY_ATTEMPTS",
+    "RECOVERY_REFUSALS",
+    "REGISTRY",
+    "TASK_BUDGET_CHARGES",
+    "TASK_CONTINUATIONS",
+    "TASK_FENCES",
+    "TASK_PROBES",
+    "TOOL_CALLS",
+    "TURN_SECONDS",
+]
+
+REGISTRY: Final = CollectorRegistry(auto_describe=True)
+"""The runtime's registry: what ``GET /metrics`` exposes."""
+ProcessCollector(registry=REGISTRY)
+
+_TURN_BUCKETS: Final = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_DISK_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1,
+)  # fmt: skip
+_BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+DELIVERIES_ADMITTED: Final = Counter(
+    "pi_runtime_deliveries_admitted",
+    "Room deliveries admitted (durable) by this host; a duplicate is not counted.",
+    registry=REGISTRY,
+)
+DELIVERIES_FINISHED: Final = Counter(
+    "pi_runtime_deliveries_finished",
+    "Room deliveries whose result this host published, by outcome.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+TURN_SECONDS: Final = Histogram(
+    "pi_runtime_turn_seconds",
+    "A room turn, from its prompt to the worker's settle (Trio time).",
+    buckets=_TURN_BUCKETS,
+    registry=REGISTRY,
+)
+FIRST_TOKEN_SECONDS: Final = Histogram(
+    "pi_runtime_first_token_seconds",
+    "A room turn's time to its first streamed text (Trio time).",
+    buckets=_TURN_BUCKETS,
+    registry=REGISTRY,
+)
+MODEL_REQUESTS: Final = Counter(
+    "pi_runtime_model_requests",
+    "Model requests the gateway answered: from the upstream (source=upstream, paid) or "
+    "from the step journal (source=journal, not asked again).",
+    ["source"],
+    registry=REGISTRY,
+)
+TOOL_CALLS: Final = Counter(
+    "pi_runtime_tool_calls",
+    "Tool intents the gate recorded, by tool and replay class.",
+    ["tool", "replay_class"],
+    registry=REGISTRY,
+)
+JOURNAL_APPEND_SECONDS: Final = Histogram(
+    "pi_runtime_journal_append_seconds",
+    "A journal append, from its hand-over to the writer until it is durable.",
+    buckets=_DISK_BUCKETS,
+    registry=REGISTRY,
+)
+JOURNAL_FDATASYNC_SECONDS: Final = Histogram(
+    "pi_runtime_journal_fdatasync_seconds",
+    "One fdatasync of a journal file by a writer thread.",
+    buckets=_DISK_BUCKETS,
+    registry=REGISTRY,
+)
+JOURNAL_BATCH_RECORDS: Final = Histogram(
+    "pi_runtime_journal_batch_records",
+    "Records made durable by one group commit (one write and fdatasync).",
+    buckets=_BATCH_BUCKETS,
+    registry=REGISTRY,
+)
+RECOVERY_ATTEMPTS: Final = Counter(
+    "pi_runtime_recovery_attempts",
+    "Room turns replayed after a worker or host died (each charged to its delivery).",
+    registry=REGISTRY,
+)
+RECOVERY_REFUSALS: Final = Counter(
+    "pi_runtime_recovery_refusals",
+    "Room deliveries whose replay failed closed, by code.",
+    ["code"],
+    registry=REGISTRY,
+)
+TASK_PROBES: Final = Counter(
+    "pi_runtime_task_probes",
+    "Read-only probes the task watchdog sent, by purpose.",
+    ["purpose"],
+    registry=REGISTRY,
+)
+TASK_FENCES: Final = Counter(
+    "pi_runtime_task_fences",
+    "Task worker epochs fenced (every guard held past the hard threshold and its grace).",
+    registry=REGISTRY,
+)
+TASK_CONTINUATIONS: Final = Counter(
+    "pi_runtime_task_continuations",
+    "Continuation prompts sent to task workers (completion, replacement, reply, unpark).",
+    registry=REGISTRY,
+)
+TASK_BUDGET_CHARGES: Final = Counter(
+    "pi_runtime_task_budget_charges",
+    "Replacement epochs charged to task recovery budgets.",
+    registry=REGISTRY,
+)

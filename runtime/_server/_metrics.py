@@ -1,0 +1,179 @@
+"""``GET /metrics``: the runtime's Prometheus metrics on a listener of their own
+(docs/design/operations.md "Metrics"; ``[metrics] listen``, ``serve --metrics ADDR``).
+
+The events are counted where they happen (``runtime/_metrics.py``); what is a state — the
+room lanes, their live workers and queues, the connections, the results not acknowledged, the
+task lanes by classification — is read from the running server when scraped, by
+:class:`ServerCollector`, registered for the server's life. The exposition is
+``prometheus_client``'s (``generate_latest``), in the text format a Prometheus scrape asks for.
+Nothing here carries a room id, a delivery or task id, message text or a secret: every label
+comes from a closed set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Sized
+from typing import TYPE_CHECKING, Final, Protocol
+
+import trio
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
+from .._metrics import REGISTRY
+from .._tasks._watchdog import Classification
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from .._rooms._worker import RoomWorker
+    from .._tasks._service import TaskService
+
+__all__ = ["ServerCollector", "open_metrics", "serve_metrics"]
+
+PATH: Final = "/metrics"
+_TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
+
+
+class Observed(Protocol):
+    """What the collector reads of the running server (``RoomServer``)."""
+
+    @property
+    def worker(self) -> RoomWorker: ...
+    @property
+    def tasks(self) -> TaskService: ...
+    @property
+    def connections(self) -> Sized: ...
+
+
+class ServerCollector(Collector):
+    """The running server's state, read at each scrape (never stored)."""
+
+    def __init__(self, server: Observed) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.server
+        worker = server.worker
+        rooms = worker.status()
+        yield _gauge("pi_runtime_room_lanes", "Room lanes this host has.", len(rooms))
+        yield _gauge(
+            "pi_runtime_room_lanes_running",
+            "Room lanes with a turn running.",
+            sum(r.state == "running" for r in rooms),
+        )
+        yield _gauge(
+            "pi_runtime_room_workers_live",
+            "Room lanes with a live worker process.",
+            sum(r.live_worker for r in rooms),
+        )
+        yield _gauge(
+            "pi_runtime_deliveries_queued",
+            "Room deliveries admitted and waiting behind a running turn.",
+            sum(r.queued for r in rooms),
+        )
+        yield _gauge(
+            "pi_runtime_deliveries_pending",
+            "Room deliveries admitted and not finished.",
+            len(worker.pending()),
+        )
+        yield _gauge(
+            "pi_runtime_results_unacknowledged",
+            "Published results no client has acknowledged.",
+            worker.unacknowledged,
+        )
+        yield _gauge("pi_runtime_admitting", "1 while this host admits.", int(worker.admitting))
+        yield _gauge(
+            "pi_runtime_connections",
+            "Authenticated websocket connections.",
+            len(server.connections),
+        )
+        views = server.tasks.tasks()
+        live = [v for v in views if v.ended is None]
+        by_class = Counter(v.classification for v in live)
+        family = GaugeMetricFamily(
+            "pi_runtime_task_lanes",
+            "Live task lanes by the watchdog's classification.",
+            labels=["classification"],
+        )
+        for classification in Classification:
+            family.add_metric([str(classification)], by_class.get(str(classification), 0))
+        yield family
+        by_state = Counter(v.state for v in views)
+        tasks = GaugeMetricFamily(
+            "pi_runtime_tasks", "Tasks this host knows, by state.", labels=["state"]
+        )
+        for state in _TASK_STATES:
+            tasks.add_metric([state], by_state.get(state, 0))
+        yield tasks
+        yield _gauge(
+            "pi_runtime_task_workers_live",
+            "Task lanes with a live worker process.",
+            sum(v.process is not None for v in live),
+        )
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+async def _handle(request: Request, response: ResponseWriter) -> None:
+    path = request.target.split("?", 1)[0]
+    if request.method not in ("GET", "HEAD"):
+        await _plain(response, 405, b"only GET /metrics\n", [("allow", "GET, HEAD")])
+        return
+    if path != PATH:
+        await _plain(response, 404, b"not found: the metrics are at /metrics\n")
+        return
+    # the format the scraper asks for (Prometheus text, or OpenMetrics), as the library
+    # negotiates it; encoded on the Trio thread: the collector reads live state
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    body = encoder(REGISTRY)
+    await trio.lowlevel.checkpoint()
+    headers = [("content-type", content_type), ("content-length", str(len(body)))]
+    await response.start(200, headers)
+    if request.method == "GET":
+        await response.send(body)
+    await response.end()
+
+
+async def _plain(
+    response: ResponseWriter,
+    status: int,
+    body: bytes,
+    extra: list[tuple[str, str]] | None = None,
+) -> None:
+    headers = [("content-type", "text/plain; charset=utf-8"), ("content-length", str(len(body)))]
+    await response.start(status, headers + (extra or []))
+    await response.send(body)
+    await response.end()
+
+
+async def serve_metrics(
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``GET /metrics`` on ``host``:``port`` until cancelled; ``task_status`` gets the
+    bound address once listening."""
+    await serve_http(_handle, host=host, port=port, task_status=task_status)
+
+
+@contextlib.asynccontextmanager
+async def open_metrics(
+    server: Observed, host: str, port: int, nursery: trio.Nursery
+) -> AsyncIterator[HttpServer]:
+    """The server's collector registered and the listener serving in ``nursery`` for the
+    block; the collector is unregistered after it (a test may open several servers)."""
+    collector = ServerCollector(server)
+    REGISTRY.register(collector)
+    try:
+        bound = await nursery.start(functools.partial(serve_metrics, host, port))
+        yield bound
+    finally:
+        REGISTRY.unregister(collector)

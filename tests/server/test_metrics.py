@@ -1,0 +1,192 @@
+"""``GET /metrics`` (docs/design/operations.md "Metrics", M1-M4): a real server on 127.0.0.1
+with ``[metrics] listen``, a real websocket client and a real Fake-Pi worker; the scrape is a
+real HTTP request, parsed with ``prometheus_client``'s own parser of the text format. The
+runtime's registry is the process's, so the tests compare a scrape before with one after."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from fake_pi.scenario import Text
+from runtime._boundary._http import open_request
+from runtime._cli._serve import _config
+from runtime._config import config_from_dict
+from runtime._errors import ConfigError
+from runtime._records import Outcome, ReplayClass
+from runtime._server._serve import ServeOptions, check_bind
+from runtime._tasks._watchdog import Classification
+
+from .._wire import message
+from .test_serve import rig
+
+LIMIT: Final = 60.0
+SECRET_WORDS: Final = "the quartermaster's parrot"
+"""The message's text: never in a scrape."""
+
+
+async def scrape(
+    port: int, path: str = "/metrics", method: str = "GET", accept: str | None = None
+) -> tuple[int, str, str]:
+    headers = [("accept", accept)] if accept is not None else None
+    url = f"http://127.0.0.1:{port}{path}"
+    async with open_request(method, url, headers=headers) as response:
+        body = await response.read()
+        return response.status, response.headers.get("content-type", ""), body.decode()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[_key(sample)] = sample.value
+    return found
+
+
+def _key(sample: Sample) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return sample.name, tuple(sorted(sample.labels.items()))
+
+
+def value(
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+BOUNDED: Final[dict[str, set[str] | None]] = {
+    "outcome": {str(o) for o in Outcome},
+    "source": {"upstream", "journal"},
+    "replay_class": {str(c) for c in ReplayClass},
+    "classification": {str(c) for c in Classification},
+    "state": {"open", "waiting", "success_intent", "done", "failed", "aborted"},
+    "purpose": {"soft", "fence"},
+    "tool": None,  # a tool of the configuration: checked against the grants below
+    "code": None,  # a reason code: checked against the stable list below
+    "le": None,  # a histogram bucket
+}
+
+
+def label_values(text: str) -> Iterable[tuple[str, str, str]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name, label in sample.labels.items():
+                yield sample.name, name, label
+
+
+async def test_m1_m2_a_scrape_counts_a_delivery_and_shows_the_live_state(tmp_path: Path) -> None:
+    """M1: one delivery answered moves the counters by exactly what happened — one admission,
+    one result of outcome ``reply``, one upstream model request, one turn, journal appends
+    and fdatasyncs — and the gauges read the live server: one room lane, one connection, one
+    result unacknowledged until the client acknowledges it, every task classification
+    present (zero). M2: every label value is from a closed set, and neither the message's
+    text nor its room, delivery id or the access token appears in the scrape."""
+    settings = {"metrics": {"listen": "127.0.0.1:0"}}
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, settings, steps=[Text(text="aye")]) as r, r.connect() as client:
+            port = r.server.metrics_port
+            assert port is not None
+            status, kind, before_text = await scrape(port)
+            assert status == 200
+            assert kind.startswith("text/plain; version=")  # the Prometheus text format
+            before = samples(before_text)
+            await client.send(message("d-metrics", text=SECRET_WORDS, room="guild:7:42"))
+            result = await client.until(lambda f: f["type"] == "result")
+            assert result["outcome"] == "reply"
+            _, _, during_text = await scrape(port)
+            await client.send({"type": "ack", "seq": result["seq"]})
+            await client.send({"type": "status"})  # answered after the ack (frames in order)
+            await client.until(lambda f: f["type"] == "status")
+            _, _, after_text = await scrape(port)
+    during, after = samples(during_text), samples(after_text)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(during, name, **labels) - value(before, name, **labels)
+
+    assert moved("pi_runtime_deliveries_admitted_total") == 1
+    assert moved("pi_runtime_deliveries_finished_total", outcome="reply") == 1
+    assert moved("pi_runtime_model_requests_total", source="upstream") == 1
+    assert moved("pi_runtime_model_requests_total", source="journal") == 0
+    assert moved("pi_runtime_turn_seconds_count") == 1
+    assert moved("pi_runtime_first_token_seconds_count") == 1
+    assert moved("pi_runtime_journal_append_seconds_count") >= 3  # admission, steps, result
+    assert moved("pi_runtime_journal_fdatasync_seconds_count") >= 1
+    assert moved("pi_runtime_journal_batch_records_count") >= 1
+    assert value(during, "pi_runtime_room_lanes") == 1
+    assert value(during, "pi_runtime_connections") == 1
+    assert value(during, "pi_runtime_results_unacknowledged") == 1
+    assert value(after, "pi_runtime_results_unacknowledged") == 0
+    assert value(during, "pi_runtime_admitting") == 1
+    for classification in Classification:
+        assert ("pi_runtime_task_lanes", (("classification", str(classification)),)) in during
+    assert value(during, "process_resident_memory_bytes") > 0
+
+    codes = set((Path(__file__).parents[1] / "data" / "reason_codes.txt").read_text().split())
+    token = (tmp_path / "state" / "token").read_text().strip()
+    for text in (during_text, after_text):
+        for secretish in (SECRET_WORDS, "guild:7:42", "d-metrics", "m-d-metrics", token):
+            assert secretish not in text
+        for sample_name, label, label_value in label_values(text):
+            allowed = BOUNDED.get(label, set())
+            assert label in BOUNDED, (sample_name, label)
+            if label == "code":
+                assert label_value.split(":")[0] in codes, (sample_name, label_value)
+            elif allowed is not None:
+                assert label_value in allowed, (sample_name, label, label_value)
+
+
+async def test_m3_the_metrics_listener_answers_only_get_metrics(tmp_path: Path) -> None:
+    """M3: another path is 404, another method 405; the websocket server is not on it."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+            port = r.server.metrics_port
+            assert port is not None
+            assert (await scrape(port, "/"))[0] == 404
+            assert (await scrape(port, "/metrics", method="POST"))[0] == 405
+            assert (await scrape(port, "/metrics?name[]=x"))[0] == 200
+            openmetrics = "application/openmetrics-text; version=1.0.0"
+            status, kind, text = await scrape(port, accept=openmetrics)
+            assert (status, kind.split(";")[0]) == (200, "application/openmetrics-text")
+            assert text.rstrip().endswith("# EOF")
+            assert port != r.server.port
+
+
+@pytest.mark.parametrize(
+    ("listen", "setting"),
+    [("0.0.0.0:9464", "metrics.listen"), ("9464", "metrics.listen"), ("h:port", "metrics.listen")],
+)
+def test_m4_a_network_or_malformed_metrics_address_is_refused(
+    tmp_path: Path, listen: str, setting: str
+) -> None:
+    """M4: the listener has no TLS and no token: a non-loopback address is refused unless
+    ``--insecure-bind``; an address that is not HOST:PORT is refused naming the setting."""
+
+    def build_and_check() -> None:
+        config = config_from_dict({"metrics": {"listen": listen}}, base=tmp_path)
+        check_bind(ServeOptions(), config)
+
+    with pytest.raises(ConfigError) as refused:
+        build_and_check()
+    assert refused.value.setting == setting
+    if listen.startswith("0.0.0.0"):
+        config = config_from_dict({"metrics": {"listen": listen}}, base=tmp_path)
+        check_bind(ServeOptions(insecure_bind=True), config)  # said so: allowed
+
+
+def test_m4_serve_metrics_sets_the_listener(tmp_path: Path) -> None:
+    """``serve --metrics HOST:PORT`` is ``[metrics] listen`` (the flag wins)."""
+    args = argparse.Namespace(
+        config=None,
+        state_dir=tmp_path / "state",
+        agent=None,
+        store=None,
+        metrics="127.0.0.1:9464",
+        drain_timeout=None,
+    )
+    assert _config(args).metrics.listen == "127.0.0.1:9464"
