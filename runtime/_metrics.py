@@ -20,7 +20,8 @@ a clock a decision depends on.
 
 from __future__ import annotations
 
-from typing import Final
+import functools
+from typing import Final, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
@@ -41,6 +42,7 @@ __all__ = [
     "TASK_PROBES",
     "TOOL_CALLS",
     "TURN_SECONDS",
+    "labelled",
 ]
 
 REGISTRY: Final = CollectorRegistry(auto_describe=True)
@@ -139,3 +141,13 @@ TASK_BUDGET_CHARGES: Final = Counter(
     "Replacement epochs charged to task recovery budgets.",
     registry=REGISTRY,
 )
+
+
+_M = TypeVar("_M", Counter, Histogram)
+
+
+@functools.lru_cache(maxsize=4096)
+def labelled(metric: _M, *values: str) -> _M:
+    """``metric.labels(*values)``, looked up once (the library's lookup takes a lock and
+    builds a key each time; label sets are few and bounded, so they are kept)."""
+    return metric.labels(*values)

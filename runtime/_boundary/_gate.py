@@ -42,7 +42,7 @@ import msgspec
 import trio
 
 from .._errors import GateError, PiRuntimeError, ReasonCode
-from .._metrics import TOOL_CALLS
+from .._metrics import TOOL_CALLS, labelled
 from .._pi._session_settle import interrupted_text, not_started_text
 from .._records import AttachmentRef, Record, ReplayClass, ToolIntent, ToolOutcome
 from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
@@ -281,7 +281,7 @@ class RecordingGateJournal:
                 epoch=self.epoch,
             )
             seq = await self._append(intent)  # T2: durable before "run" is answered
-            TOOL_CALLS.labels(call.name, str(declared)).inc()
+            labelled(TOOL_CALLS, call.name, str(declared)).inc()
             if f"{self.key}:{seq}" != intent_id:  # pragma: no cover - a second appender raced
                 raise GateError(
                     ReasonCode.GATE_JOURNAL_FAILED,

@@ -48,7 +48,7 @@ import msgspec
 import trio
 
 from .._errors import PiRuntimeError, ReasonCode, StepRefused
-from .._metrics import MODEL_REQUESTS
+from .._metrics import MODEL_REQUESTS, labelled
 from .._pi._provider_errors import USAGE_LIMIT_PATTERN
 from ._http import (
     HttpClientError,
@@ -469,7 +469,7 @@ class Gateway:
         recorded = await journal.lookup(digest)
         if recorded is not None:  # G6: replay, upstream untouched
             self._stats["replayed"] += 1
-            MODEL_REQUESTS.labels("journal").inc()
+            labelled(MODEL_REQUESTS, "journal").inc()
             if not await self._announce(body, digest, replayed=True):
                 return
             for payload in recorded[:-1]:
@@ -501,7 +501,7 @@ class Gateway:
         if not await self._announce(body, digest, replayed=False):
             return
         self._stats["upstream_calls"] += 1
-        MODEL_REQUESTS.labels("upstream").inc()
+        labelled(MODEL_REQUESTS, "upstream").inc()
         await self._relay(body, digest, key, downstream, journal)
 
     async def _announce(self, body: dict[str, Any], digest: str, *, replayed: bool) -> bool:

@@ -30,7 +30,7 @@ import trio
 
 from .._journal._fence import Fence
 from .._journal._interface import Log
-from .._metrics import DELIVERIES_FINISHED
+from .._metrics import DELIVERIES_FINISHED, labelled
 from .._records import (
     AttachmentRef,
     Compacted,
@@ -179,7 +179,7 @@ class ResultOutbox:
                 if await self._log.try_append(record, fence=fence) is not None:
                     self._learn([record])
                     self._wake()
-                    DELIVERIES_FINISHED.labels(str(outcome)).inc()
+                    labelled(DELIVERIES_FINISHED, str(outcome)).inc()
                     return DeliveryResult.of(record)
                 self._sync_locked(await self._log.refresh())  # another host's number
 
