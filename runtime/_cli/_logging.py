@@ -7,11 +7,15 @@ import logging
 import sys
 from typing import Any
 
+from .._logs import FIELDS
 from ._base import JSON, logger
 
 
 class _JsonLines(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, and ``code`` when given."""
+    """One JSON object per record: time, level, logger, message, and the stable fields the
+    record carries (``event``, ``delivery``, ``room``, ``lane``, ``task``, ``epoch``,
+    ``code``, ``outcome``, ``seq``: ``runtime/_logs.py``). A line of the command's own
+    (``pi-runtime: …``) is the event ``command``; one of a library that gave none, ``log``."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -20,9 +24,11 @@ class _JsonLines(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        code = getattr(record, "code", None)
-        if code is not None:
-            entry["code"] = str(code)
+        for name in FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                entry[name] = value if isinstance(value, int | str) else str(value)
+        entry.setdefault("event", "command" if record.name == logger.name else "log")
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return JSON.encode(entry).decode()

@@ -21,6 +21,7 @@ of readers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
@@ -30,6 +31,7 @@ import trio
 
 from .._journal._fence import Fence
 from .._journal._interface import Log
+from .._logs import fields
 from .._metrics import DELIVERIES_FINISHED, labelled
 from .._records import (
     AttachmentRef,
@@ -42,6 +44,8 @@ from .._records import (
 from .._wire import DeliveryResult
 
 __all__ = ["DeliveryResult", "ResultOutbox"]
+
+logger = logging.getLogger("runtime.rooms")
 
 
 _NOT_PUBLISHED: Final = 0
@@ -180,6 +184,20 @@ class ResultOutbox:
                     self._learn([record])
                     self._wake()
                     labelled(DELIVERIES_FINISHED, str(outcome)).inc()
+                    logger.info(
+                        "published result %d (%s) in %s",
+                        record.seq,
+                        outcome,
+                        room,
+                        extra=fields(
+                            "result_published",
+                            delivery_id=delivery_id,
+                            room=room,
+                            outcome=outcome,
+                            code=code,
+                            seq=record.seq,
+                        ),
+                    )
                     return DeliveryResult.of(record)
                 self._sync_locked(await self._log.refresh())  # another host's number
 

@@ -67,6 +67,7 @@ from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
 from .._journal._store import Store, delivery_key, lane_key, open_store, runtime_dir
 from .._linux._fs import FileSystem
+from .._logs import fields
 from .._metrics import DELIVERIES_ADMITTED
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
@@ -238,6 +239,11 @@ class RoomWorker:
                 )
             return Accepted(delivery_id=delivery.delivery_id, room=room, disposition="duplicate")
         DELIVERIES_ADMITTED.inc()
+        logger.debug(
+            "admitted a delivery in %s",
+            room,
+            extra=fields("delivery_admitted", delivery_id=delivery.delivery_id, room=room),
+        )
         if self.leases is not None:
             return await self._admitted_shared(admission)
         assert lane is not None
@@ -523,7 +529,12 @@ class RoomWorker:
             await self._sync()  # everything admitted before the claim is known now
             if self.leases.fence(room) != fence:
                 return None  # lost again meanwhile
-            logger.info("lane %s claimed at epoch %d", room, fence.epoch)
+            logger.info(
+                "lane %s claimed at epoch %d",
+                room,
+                fence.epoch,
+                extra=fields("lane_claimed", room=room, epoch=fence.epoch),
+            )
             lane = self._lane(room, fence)
             await self._recover({room})
             if self._lanes.get(room) is not lane or lane.lost:
@@ -662,6 +673,7 @@ class RoomWorker:
                 lane.room,
                 lane.fence.epoch,
                 lane.lost_why,
+                extra=fields("lane_given_up", room=lane.room, epoch=lane.fence.epoch),
             )
         self._idle.set()
 
@@ -890,7 +902,11 @@ class RoomWorker:
             try:
                 removed = await self.expire_journals()
                 if removed:
-                    logger.info("retention: removed %d expired step journal(s)", removed)
+                    logger.info(
+                        "retention: removed %d expired step journal(s)",
+                        removed,
+                        extra=fields("retention_journals_removed"),
+                    )
                 if trio.current_time() >= next_compaction:
                     next_compaction = trio.current_time() + compact_hours * 3600
                     plan = await self.compact()
@@ -900,9 +916,11 @@ class RoomWorker:
                             "kept in place of admissions, %d delivery id(s) expired",
                             len(plan.settled),
                             len(plan.expired),
+                            extra=fields("retention_compacted"),
                         )
             except (OSError, JournalError) as error:
-                logger.warning("retention: %s", error)
+                code = error.code if isinstance(error, JournalError) else None
+                logger.warning("retention: %s", error, extra=fields("retention_failed", code=code))
             await trio.sleep(min(sweep_hours, compact_hours) * 3600)
 
     async def _sweep_attachments(self, attachments: AttachmentStore) -> None:
@@ -918,10 +936,19 @@ class RoomWorker:
         try:
             removed = await trio.to_thread.run_sync(attachments.sweep, referenced)
         except OSError as error:  # the root cannot be swept: the orphans wait, nothing else does
-            logger.warning("cannot sweep the attachment root %s: %s", attachments.root, error)
+            logger.warning(
+                "cannot sweep the attachment root %s: %s",
+                attachments.root,
+                error,
+                extra=fields("attachments_sweep_failed"),
+            )
             return
         if removed:
-            logger.info("removed %d orphaned attachment file(s)", len(removed))
+            logger.info(
+                "removed %d orphaned attachment file(s)",
+                len(removed),
+                extra=fields("attachments_swept"),
+            )
 
     async def _steered(self, owners: list[str]) -> dict[str, tuple[str, str, int | None]]:
         """For each delivery steered into one of ``owners``: (owner, text, first step), from

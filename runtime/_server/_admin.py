@@ -49,6 +49,7 @@ import trio
 from .._errors import AdminError, PiRuntimeError, ReasonCode, StateDirError
 from .._journal._store import _check_private
 from .._journal._writer import TMP_MARK
+from .._logs import fields
 
 __all__ = [
     "ADMIN_SOCKET",
@@ -407,7 +408,7 @@ async def _serve_connection(
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the client went away: nothing to answer
     except Exception:
-        logger.exception("admin connection failed")
+        logger.exception("admin connection failed", extra=fields("admin_connection_failed"))
 
 
 async def _answer(
@@ -486,14 +487,21 @@ async def _dispatch(
     except PiRuntimeError as error:
         return _refusal(error.code, error.message)
     except Exception:
-        logger.exception("admin handler failed on %s", type(request).__name__)
+        logger.exception(
+            "admin handler failed on %s",
+            type(request).__name__,
+            extra=fields("admin_failed", code=ReasonCode.ADMIN_FAILED),
+        )
         return _refusal(ReasonCode.ADMIN_FAILED, "the server failed to answer; see its log")
     if result is None:
         return _refusal(ReasonCode.ADMIN_TIMEOUT, f"no answer within {HANDLER_TIMEOUT} s")
     try:
         msgspec.json.encode(result)
     except (TypeError, msgspec.EncodeError):
-        logger.exception("admin handler answered with data that is not JSON")
+        logger.exception(
+            "admin handler answered with data that is not JSON",
+            extra=fields("admin_failed", code=ReasonCode.ADMIN_FAILED),
+        )
         return _refusal(ReasonCode.ADMIN_FAILED, "the server failed to answer; see its log")
     return {**result, "ok": True}
 

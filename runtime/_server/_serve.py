@@ -67,6 +67,7 @@ from .._errors import (
     raises_one_error,
 )
 from .._journal._attachments import SHARED_ATTACHMENTS, AttachmentStore
+from .._logs import fields
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
@@ -263,7 +264,11 @@ class RoomServer:
         """The websocket handler: the ``Origin`` check, then the connection's life."""
         origin = _header(request, b"origin")
         if origin is not None and origin not in self.server.allowed_origins:
-            logger.warning("refused a handshake from origin %r", origin)
+            logger.warning(
+                "refused a handshake from origin %r",
+                origin,
+                extra=fields("handshake_refused", code=ReasonCode.ORIGIN_REFUSED),
+            )
             body = msgspec.json.encode(
                 {"code": ReasonCode.ORIGIN_REFUSED, "message": "this Origin is not allowed"}
             )
@@ -278,7 +283,7 @@ class RoomServer:
         except ConnectionClosed:
             pass  # the client went away: what it admitted goes on (S3)
         finally:
-            logger.info("connection from %s closed", peer)
+            logger.info("connection from %s closed", peer, extra=fields("connection_closed"))
 
     async def _serve(self, ws: WebSocketConnection, peer: str) -> None:
         connection = _Connection(ws, peer)
@@ -342,7 +347,12 @@ class RoomServer:
                 await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
                 return None
             await connection.send(Welcome(protocol=version, worker_id=self.worker_id))
-            logger.info("connection from %s: hello from %r", connection.peer, hello.client)
+            logger.info(
+                "connection from %s: hello from %r",
+                connection.peer,
+                hello.client,
+                extra=fields("connection_opened"),
+            )
             return hello
 
     async def _next_frame(self, connection: _Connection) -> ClientFrame | None:
@@ -469,7 +479,11 @@ class RoomServer:
             problem = await self._bytes_of(attachment.sha256, attachment.size)
             if isinstance(problem, ReasonCode):
                 logger.warning(
-                    "result %d: attachment %s is lost (%s)", result.seq, attachment.id, problem
+                    "result %d: attachment %s is lost (%s)",
+                    result.seq,
+                    attachment.id,
+                    problem,
+                    extra=fields("attachment_lost", code=problem, seq=result.seq),
                 )
                 attachment = msgspec.structs.replace(attachment, lost=True, code=str(problem))
             shown.append(attachment)
@@ -485,7 +499,12 @@ class RoomServer:
         try:
             shared = await self.worker.store.read_document(SHARED_ATTACHMENTS + sha256)
         except PiRuntimeError as error:
-            logger.warning("attachment %s: the store cannot give it: %s", sha256, error)
+            logger.warning(
+                "attachment %s: the store cannot give it: %s",
+                sha256,
+                error,
+                extra=fields("attachment_unavailable", code=error.code),
+            )
             return found
         if shared is None or len(shared) != size or hashlib.sha256(shared).hexdigest() != sha256:
             return found
@@ -666,4 +685,8 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
             await server.worker.drain()
             await server.flush(FLUSH_SECONDS)
             left = server.worker.pending()
-            logger.info("stopping; %d deliveries stay pending for the next start", len(left))
+            logger.info(
+                "stopping; %d deliveries stay pending for the next start",
+                len(left),
+                extra=fields("stopping"),
+            )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -42,6 +43,7 @@ from .._errors import ReasonCode, TaskError, raises_one_error
 from .._hosting import start_model, worker_program
 from .._journal._interface import JournalStore
 from .._journal._store import runtime_dir
+from .._logs import fields
 from .._records import TaskEnded
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
@@ -162,7 +164,12 @@ class TaskService:
         ``task_not_held``, ``task_late``, ``task_invalid``)."""
         if action == "resume":
             self.runner.resume(task_id)
-            logger.info("task %s: resumed by the operator (%s)", task_id, reason or "no reason")
+            logger.info(
+                "task %s: resumed by the operator (%s)",
+                task_id,
+                reason or "no reason",
+                extra=fields("task_resumed", task=task_id),
+            )
         elif action == "abort":
             await self.runner.abort(task_id, reason or "aborted by the operator")
         elif action == "fail":
@@ -180,7 +187,11 @@ class TaskService:
         submission under its id is ``task_expired``. Refused ``task_not_ended``,
         ``task_unknown``, ``task_expired``. What was removed."""
         removed = await self.runner.forget(task_id, self.retention)
-        logger.info("task %s: forgotten by the operator", task_id)
+        logger.info(
+            "task %s: forgotten by the operator",
+            task_id,
+            extra=fields("task_forgotten", task=task_id),
+        )
         return removed
 
     async def _retain_periodically(self) -> None:
@@ -190,13 +201,17 @@ class TaskService:
             try:
                 done = await self.runner.retain(self.retention)
             except Exception:
-                logger.exception("task retention failed; the next pass tries again")
+                logger.exception(
+                    "task retention failed; the next pass tries again",
+                    extra=fields("task_retention_failed"),
+                )
             else:
                 if done.slimmed or done.expired:
                     logger.info(
                         "task retention: %d ended tasks slimmed, %d expired",
                         len(done.slimmed),
                         len(done.expired),
+                        extra=fields("task_retention"),
                     )
             await trio.sleep(self.retention.sweep_hours * 3600)
 
@@ -312,6 +327,15 @@ class TaskService:
                 self._changed = trio.Event()
 
 
+_TASK_OF: Final = re.compile(r"^task (\S+?):? ")
+
+
+def _log_line(text: str) -> None:
+    """A task lane's line (``TaskHost.log``) as a log event ``task_lane``, with its task."""
+    found = _TASK_OF.match(text)
+    logger.info("%s", text, extra=fields("task_lane", task=found[1] if found else None))
+
+
 def _summary(view: TaskView) -> dict[str, Any]:
     return {
         "task_id": view.task_id,
@@ -355,7 +379,7 @@ async def open_task_service(
     model = config.model
     work_root = Path(config.work_root) / "tasks"
     state_dir = store.root
-    say = log or logger.info
+    say = log or _log_line
     warning = timescale_warning(policy)
 
     def line(text: str) -> None:

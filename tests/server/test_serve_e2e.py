@@ -23,6 +23,8 @@ import trio
 from trio_websocket import open_websocket_url
 
 from fake_pi.scenario import Step, Text
+from runtime._boundary._http import open_request
+from runtime._journal._store import delivery_key
 
 from .._wire import Client, Frame, message
 from .._workers import scripted_upstream, waiting_bash
@@ -282,3 +284,44 @@ async def test_sigterm_past_the_drain_timeout_leaves_the_turn_pending_for_the_ne
     pending = json.loads(status.stdout)["pending_deliveries"]
     assert [p["delivery_id"] for p in pending] == ["d1"]
     assert (result["outcome"], result["text"]) == ("reply", "after the restart")
+
+
+async def test_log_json_lines_are_events_and_the_metrics_listener_answers(tmp_path: Path) -> None:
+    """``serve --log-json --metrics 127.0.0.1:0`` (docs/design/operations.md "Logs" L1, M1):
+    every line on standard error is one JSON object with a stable ``event``; the published
+    result's line names the delivery by its journal key (never the client's id), its room,
+    outcome and seq; no line holds the message's text, the reply or the token. The metrics
+    listener the process prints answers a scrape counting the delivery."""
+    words = "the quartermaster's parrot"
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="aye aye")]) as (_, url):
+            config = write_config(tmp_path, url)
+            args = ("--log-json", "--metrics", "127.0.0.1:0")
+            async with serve(tmp_path, config, *args) as server:
+                await server.printed(rb"metrics on http://127\.0\.0\.1:\d+/metrics")
+                found = re.search(rb"metrics on http://127\.0\.0\.1:(\d+)/metrics", server.output)
+                assert found is not None
+                async with server.connect() as client:
+                    await client.send(message("d-logs", text=words))
+                    result = await client.result("d-logs")
+                url = f"http://127.0.0.1:{int(found.group(1))}/metrics"
+                async with open_request("GET", url) as response:
+                    scraped = (await response.read()).decode()
+                server.process.send_signal(signal.SIGTERM)
+                assert await server.process.wait() == 0
+    assert result["outcome"] == "reply"
+    assert 'pi_runtime_deliveries_finished_total{outcome="reply"} 1.0' in scraped
+    token = (tmp_path / "state" / "token").read_text().strip()
+    lines = (tmp_path / "serve.stderr").read_text().splitlines()
+    assert lines
+    entries = [json.loads(line) for line in lines]  # every line one JSON object
+    for entry in entries:
+        assert {"time", "level", "logger", "message", "event"} <= set(entry), entry
+    published = [e for e in entries if e["event"] == "result_published"]
+    assert len(published) == 1
+    (line,) = published
+    assert line["delivery"] == delivery_key("d-logs")
+    assert (line["room"], line["outcome"], line["seq"]) == ("dm:1", "reply", result["seq"])
+    text = "\n".join(lines)
+    for secretish in (words, "aye aye", token, '"d-logs"'):
+        assert secretish not in text
