@@ -187,3 +187,28 @@ async def test_pb6_a_host_killed_while_parked_waits_out_the_schedule_after_its_r
     charged = [r for r in found if isinstance(r, OutboxAction) and r.kind == "reserve"]
     assert len(charged) == 1  # the restart's replacement, once; never the outage's
     assert not [r for r in found if isinstance(r, OutboxAction) and r.kind == "fence"]
+
+
+async def test_pb6_an_operator_abort_ends_a_parked_task_at_once(tmp_path: Path) -> None:
+    """Adversarial PB6: the operator aborts a task while it waits out a long backoff (a
+    first wait of 30-60 s): it ends ``aborted`` at once, the provider is asked nothing more,
+    and nothing was charged or fenced on the way."""
+    model = DoneOnEveryPrompt()
+    outage = Outage(seconds=3600.0, model=model)
+    slow = BackoffConfig(first_seconds=60.0, max_seconds=60.0, deadline_minutes=30.0)
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path, "fake", model, handler=outage.handle, backoff=slow
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            await rig.until_classification("Parked")
+            await rig.runner.abort(TASK, "the operator gave up on the provider")
+            ended = await rig.runner.wait(TASK)
+            records = await rig.records()
+    assert ended.state == "aborted"
+    assert len(outage.down) == 1
+    parks = [r for r in records if isinstance(r, Parked)]
+    assert [p.attempt for p in parks] == [1]
+    assert not [
+        r for r in records if isinstance(r, OutboxAction) and r.kind in ("fence", "reserve")
+    ]
