@@ -12,8 +12,8 @@ Two questions, each answered against a baseline measured in the same run:
   idle room lanes (made as an admission makes them, no turn run) and a real task runner holding
   ``--lanes`` task lanes parked waiting for the user (in-process Fake-Pi, each in a worktree of
   its own, on a real file store): milliseconds and CPU per scrape, and the share of one core a
-  scrape every second takes. Baseline: the same registry without the server's collector (the
-  event metrics and the process collector alone).
+  scrape every second takes. Baseline: the same registry with the servers' collector reading
+  no server (the event metrics and the process collector alone).
 * **The hot path**: the cost of one counter increment, one labelled increment and one histogram
   observation, against one durable journal append (a lane log on this machine's disk, p50)
   measured in the same run: an append records three observations (its latency, the writer's
@@ -51,7 +51,7 @@ from runtime._metrics import labelled as child
 from runtime._pi._launch import ModelRoute
 from runtime._records import TaskReply
 from runtime._rooms._worker import RoomWorker, open_room_worker
-from runtime._server._metrics import ServerCollector
+from runtime._server._metrics import COLLECTOR
 from runtime._tasks._runner import open_task_runner
 from runtime._tasks._service import TaskService
 from runtime._tasks._watchdog import WatchdogPolicy
@@ -133,14 +133,13 @@ async def scrape_bench(root: Path, lanes: int) -> dict[str, float]:
         for i in range(lanes):
             worker._lane(f"dm:{i}")  # an idle lane, as an admission makes it
         await trio.sleep(0.1)
-        base_wall, base_cpu = scrape_cost(REGISTRY)
-        collector = ServerCollector(Observed(worker, tasks))
-        REGISTRY.register(collector)
+        base_wall, base_cpu = scrape_cost(REGISTRY)  # the collector reads no server yet
+        COLLECTOR.servers.append(Observed(worker, tasks))
         try:
             wall, cpu = scrape_cost(REGISTRY)
             size = len(generate_latest(REGISTRY))
         finally:
-            REGISTRY.unregister(collector)
+            COLLECTOR.servers.clear()
         assert len(worker.status()) == lanes
         assert sum(v.state == "waiting" for v in tasks.tasks()) == lanes
     return {

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .._rooms._worker import RoomWorker
     from .._tasks._service import TaskService
 
-__all__ = ["ServerCollector", "open_metrics", "serve_metrics"]
+__all__ = ["COLLECTOR", "ServerCollector", "open_metrics", "serve_metrics"]
 
 PATH: Final = "/metrics"
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
@@ -51,15 +51,15 @@ class Observed(Protocol):
 
 
 class ServerCollector(Collector):
-    """The running server's state, read at each scrape (never stored)."""
+    """The running servers' state, read at each scrape (never stored): every server of this
+    process that serves its metrics (one, but for tests and embedders), summed."""
 
-    def __init__(self, server: Observed) -> None:
-        self.server = server
+    def __init__(self) -> None:
+        self.servers: list[Observed] = []
 
     def collect(self) -> Iterator[Metric]:
-        server = self.server
-        worker = server.worker
-        rooms = worker.status()
+        rooms = [status for server in self.servers for status in server.worker.status()]
+        workers = [server.worker for server in self.servers]
         yield _gauge("pi_runtime_room_lanes", "Room lanes this host has.", len(rooms))
         yield _gauge(
             "pi_runtime_room_lanes_running",
@@ -79,20 +79,25 @@ class ServerCollector(Collector):
         yield _gauge(
             "pi_runtime_deliveries_pending",
             "Room deliveries admitted and not finished.",
-            len(worker.pending()),
+            sum(len(w.pending()) for w in workers),
         )
         yield _gauge(
             "pi_runtime_results_unacknowledged",
             "Published results no client has acknowledged.",
-            worker.unacknowledged,
+            sum(w.unacknowledged for w in workers),
         )
-        yield _gauge("pi_runtime_admitting", "1 while this host admits.", int(worker.admitting))
+        yield _gauge(
+            "pi_runtime_admitting",
+            "1 while this host admits.",
+            int(any(w.admitting for w in workers)),
+        )
         yield _gauge(
             "pi_runtime_connections",
             "Authenticated websocket connections.",
-            len(server.connections),
+            sum(len(server.connections) for server in self.servers),
         )
-        census = server.tasks.runner.census()  # no views built: a thousand tasks are cheap
+        # no views built: a thousand tasks are cheap
+        census = [t for server in self.servers for t in server.tasks.runner.census()]
         live = [t for t in census if not t.ended]
         by_class = Counter(t.classification for t in live)
         family = GaugeMetricFamily(
@@ -119,6 +124,11 @@ class ServerCollector(Collector):
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+COLLECTOR: Final = ServerCollector()
+"""The one collector of the servers' state, registered once in the runtime's registry."""
+REGISTRY.register(COLLECTOR)
 
 
 async def _handle(request: Request, response: ResponseWriter) -> None:
@@ -168,12 +178,11 @@ async def serve_metrics(
 async def open_metrics(
     server: Observed, host: str, port: int, nursery: trio.Nursery
 ) -> AsyncIterator[HttpServer]:
-    """The server's collector registered and the listener serving in ``nursery`` for the
-    block; the collector is unregistered after it (a test may open several servers)."""
-    collector = ServerCollector(server)
-    REGISTRY.register(collector)
+    """The server's state in the scrapes and the listener serving in ``nursery`` for the
+    block; the state is let go after it."""
+    COLLECTOR.servers.append(server)
     try:
         bound = await nursery.start(functools.partial(serve_metrics, host, port))
         yield bound
     finally:
-        REGISTRY.unregister(collector)
+        COLLECTOR.servers.remove(server)

@@ -190,3 +190,23 @@ def test_m4_serve_metrics_sets_the_listener(tmp_path: Path) -> None:
         drain_timeout=None,
     )
     assert _config(args).metrics.listen == "127.0.0.1:9464"
+
+
+async def test_m1_two_servers_in_one_process_both_answer(tmp_path: Path) -> None:
+    """M1 for embedders (and tests): two servers of one process serve their metrics at once —
+    one collector of the servers' state, summed — and the second going away leaves the
+    first's scrape working."""
+    with trio.fail_after(LIMIT):
+        settings = {"metrics": {"listen": "127.0.0.1:0"}}
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        async with rig(tmp_path / "a", settings) as a, a.connect():
+            async with rig(tmp_path / "b", settings) as b, b.connect():
+                assert a.server.metrics_port is not None
+                assert b.server.metrics_port is not None
+                status, _, text = await scrape(b.server.metrics_port)
+                assert status == 200
+                assert value(samples(text), "pi_runtime_connections") == 2
+            status, _, text = await scrape(a.server.metrics_port)
+            assert status == 200
+            assert value(samples(text), "pi_runtime_connections") == 1
