@@ -13,8 +13,9 @@ never in a message at info level.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Final
+
+from ._journal._store import delivery_key
 
 __all__ = ["FIELDS", "delivery_ref", "fields"]
 
@@ -24,9 +25,9 @@ FIELDS: Final = ("event", "delivery", "room", "lane", "task", "epoch", "code", "
 
 def delivery_ref(delivery_id: str) -> str:
     """A delivery as logs name it: the key of its step journal (``deliveries/<key>.log``,
-    ``runtime._journal._store.delivery_key``), so an operator can find it without the log
-    holding the client's id."""
-    return hashlib.sha256(f"delivery\0{delivery_id}".encode()).hexdigest()[:32]
+    :func:`~runtime._journal._store.delivery_key`), so an operator can find it without the
+    log holding the client's id."""
+    return delivery_key(delivery_id)
 
 
 def fields(

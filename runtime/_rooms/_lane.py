@@ -64,7 +64,7 @@ from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
-from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS
+from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS, labelled
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._session_files import (
     aread_session,
@@ -463,7 +463,7 @@ class Lane:
         try:
             while True:
                 if attempts > self.host.recovery_attempts:  # L19: that many replays
-                    RECOVERY_REFUSALS.labels(str(ReasonCode.RECOVERY_EXHAUSTED)).inc()
+                    labelled(RECOVERY_REFUSALS, str(ReasonCode.RECOVERY_EXHAUSTED)).inc()
                     return self._result(EXHAUSTED)
                 probe = await self._wait_for_route(pending, log, parks)
                 if isinstance(probe, TurnEnd):  # cancelled, or past its bounds, while parked
@@ -653,7 +653,7 @@ class Lane:
         """A replay that cannot be trusted fails closed (docs/design/recovery.md):
         ``recovery_refused:what``."""
         code = ReasonCode.RECOVERY_REFUSED.at(what)
-        RECOVERY_REFUSALS.labels(code).inc()
+        labelled(RECOVERY_REFUSALS, code).inc()
         return Result(
             outcome=Outcome.FAILED, code=code, finished_ms=self.host.clocks.wall.time_ms()
         )

@@ -26,7 +26,7 @@ import trio
 
 from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
 from .._errors import ReasonCode, RpcError
-from .._metrics import TASK_FENCES, TASK_PROBES
+from .._metrics import TASK_FENCES, TASK_PROBES, labelled
 from .._pi._rpc_protocol import Event
 from .._records import Parked, ToolIntent
 from ._guards import GuardEvidence, failed_guards
@@ -158,20 +158,21 @@ class EpochWatch:
         watch it until it must end (TL2)."""
         lane = self.lane
         present = False if action_id is None else await marker_in_session(lane.session, action_id)
+        prompted = False
         if present is None:  # the session cannot say whether it was sent: hold, never guess
             await lane.hold(f"prompt_marker_unknown:{action_id}")
         elif present:
-            pass  # TL5: this continuation is already in the session; never a second copy
+            prompted = True  # TL5: this continuation is already in the session; never twice
         elif await self._route_open():  # PB6: a restart while parked waits the rest first
             await self.worker.rpc.prompt(text)
             lane.kernel.reply_heard()  # the worker has every reply before it reports (LK8)
             if action_id is not None:
                 await lane.record_marker(action_id)
+            prompted = True
         elif self.end is not None:
             return self.end  # the operator ended the task while it waited
-        else:
-            present = None  # held past the backoff's bounds: not prompted
-        if present is not None:
+        # else: held past the backoff's bounds, not prompted
+        if prompted:
             lane.prompted()
         try:
             async with trio.open_nursery() as nursery:
@@ -446,7 +447,7 @@ class EpochWatch:
         self._probes += 1
         action_id = lane.epoch_action_id(f"probe{self._probes}")
         lane.telemetry.probes += 1
-        TASK_PROBES.labels(purpose).inc()
+        labelled(TASK_PROBES, purpose).inc()
         seq_before = wd.progress_seq
         size_before = await session_size(lane.session)
         answered = False

@@ -37,6 +37,7 @@ from .._clock import Clocks
 from .._config import RetentionConfig
 from .._errors import ReasonCode, TaskError
 from .._journal._store import Store, lane_key, open_store
+from .._linux._fs import OsFileSystem
 from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
 from ._candidate import CANDIDATE_REF_PREFIX
 from ._worktree import git, git_env
@@ -157,12 +158,9 @@ def _remove_paths(paths: list[Path]) -> None:
         else:
             continue
         parents.add(str(path.parent))
+    fs = OsFileSystem()
     for parent in sorted(parents):
-        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fs.fsync_dir(parent)
 
 
 async def forget_task(

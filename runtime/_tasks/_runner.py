@@ -256,14 +256,19 @@ class TaskRunner:
         ``task_unknown``."""
         lane = self.lanes.get(task_id)
         if lane is None:
-            if task_id in self.ended:
-                raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
-            if task_id in self.elsewhere:
-                raise self._elsewhere_error(task_id)
-            if self._expired(task_id):
-                raise self._expired_error(task_id)
-            raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r}")
+            raise self._not_live(task_id)
         return lane
+
+    def _not_live(self, task_id: str) -> TaskError:
+        """Why ``task_id`` has no live lane here: ``task_ended``, ``task_elsewhere``,
+        ``task_expired`` or ``task_unknown``."""
+        if task_id in self.ended:
+            return TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
+        if task_id in self.elsewhere:
+            return self._elsewhere_error(task_id)
+        if self._expired(task_id):
+            return self._expired_error(task_id)
+        return TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r}")
 
     def _expired(self, task_id: str) -> bool:
         """Whether retention expired the task (RT12): its id is in the expired-task filter."""
@@ -315,8 +320,7 @@ class TaskRunner:
                     ReasonCode.TASK_NOT_ENDED,
                     f"task {task_id!r} has not ended: abort or fail it first",
                 )
-            self.lane(task_id)  # task_expired, task_elsewhere or task_unknown
-            raise AssertionError("unreachable")
+            raise self._not_live(task_id)
         removed = await forget_task(
             store,
             ended.ended,
