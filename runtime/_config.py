@@ -269,7 +269,11 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     listen: str | None = None
     """``HOST:PORT`` (``127.0.0.1:9464``); ``None``: no metrics listener. A non-loopback
-    address needs ``serve --insecure-bind`` (the listener has no TLS and no token)."""
+    address needs TLS (``serve --tls-cert``, which this listener then speaks too) or
+    ``serve --insecure-bind`` (the metrics have no token)."""
+    page: bool = True
+    """Serve the operator page at ``/`` of the same listener (docs/design/operations.md "The
+    operator page"): behind the access token, on loopback or over TLS only."""
 
 
 class BackoffConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

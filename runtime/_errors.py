@@ -172,6 +172,16 @@ class ReasonCode(enum.StrEnum):
     HELLO_REQUIRED = "hello_required"
     ORIGIN_REFUSED = "origin_refused"
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
+    # the operator page (docs/design/operations.md "The operator page")
+    LOGIN_REQUIRED = "login_required"
+    LOGIN_THROTTLED = "login_throttled"
+    CSRF_REFUSED = "csrf_refused"
+    PAGE_INSECURE = "page_insecure"
+    PAGE_HOST_REFUSED = "page_host_refused"
+    PAGE_NOT_FOUND = "page_not_found"
+    PAGE_METHOD = "page_method"
+    PAGE_BUSY = "page_busy"
+    PAGE_FAILED = "page_failed"
     # a task lane's worktree evidence: manifest and candidate checkpoint (docs/design/watchdog.md)
     WORKTREE_MISSING = "worktree_missing"
     WORKTREE_LEASED = "worktree_leased"

@@ -159,9 +159,11 @@ async def serve_http(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``handler`` until cancelled; ``task_status.started`` once listening.
+    """Serve ``handler`` until cancelled; ``task_status.started`` once listening; HTTPS
+    with ``ssl_context``.
 
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
@@ -172,7 +174,16 @@ async def serve_http(
         task_status.started(HttpServer(host=bound[0], port=bound[1]))
 
         async def serve(stream: trio.SocketStream) -> None:
-            await _serve_connection(stream, handler)
+            if ssl_context is None:
+                await _serve_connection(stream, handler)
+                return
+            tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
+            try:
+                await tls.do_handshake()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await trio.aclose_forcefully(stream)  # a failed handshake: nothing to answer
+                return
+            await _serve_connection(tls, handler)
 
         await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
 

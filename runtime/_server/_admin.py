@@ -53,11 +53,13 @@ from .._logs import fields
 
 __all__ = [
     "ADMIN_SOCKET",
+    "COMMANDS",
     "MAX_REQUEST",
     "AdminHandler",
     "TaskAdminHandler",
     "admin_request",
     "admin_socket_path",
+    "answer",
     "serve_admin",
 ]
 
@@ -214,7 +216,8 @@ _TaskRequest = (
 _AnyRequest = StatusRequest | CancelRequest | _TaskRequest
 _TASK_TYPES: Final[tuple[type[_Request], ...]] = get_args(_TaskRequest)
 _TASK_COMMANDS: Final = frozenset(str(t.__struct_config__.tag) for t in _TASK_TYPES)
-_COMMANDS: Final = frozenset({"status", "cancel"}) | _TASK_COMMANDS
+COMMANDS: Final = frozenset({"status", "cancel"}) | _TASK_COMMANDS
+"""Every command the admin socket answers."""
 _REQUEST: Final = msgspec.json.Decoder(_AnyRequest)
 _LOOSE: Final = msgspec.json.Decoder(Any)
 _ENCODER: Final = msgspec.json.Encoder()
@@ -224,7 +227,7 @@ def _refusal(code: ReasonCode | str, message: str) -> dict[str, Any]:
     return {"ok": False, "code": str(code), "message": message}
 
 
-def _parse(line: bytes) -> _AnyRequest | dict[str, Any]:
+def _parse(line: bytes, commands: frozenset[str] = COMMANDS) -> _AnyRequest | dict[str, Any]:
     """The request, or the refusal to answer with (O7)."""
     try:
         loose = _LOOSE.decode(line)
@@ -233,10 +236,10 @@ def _parse(line: bytes) -> _AnyRequest | dict[str, Any]:
     if not isinstance(loose, dict):
         return _refusal(ReasonCode.ADMIN_BAD_REQUEST, "a request is a JSON object")
     command = loose.get("command")
-    if not isinstance(command, str) or command not in _COMMANDS:
+    if not isinstance(command, str) or command not in commands:
         return _refusal(
             ReasonCode.ADMIN_UNKNOWN_COMMAND,
-            f"unknown command {command!r}; known: {', '.join(sorted(_COMMANDS))}",
+            f"unknown command {command!r}; known: {', '.join(sorted(commands))}",
         )
     try:
         request = _REQUEST.decode(line)
@@ -428,7 +431,20 @@ async def _answer(
         )
     if not line.strip():
         return None
-    request = _parse(line)
+    return await answer(handler, tasks, line)
+
+
+async def answer(
+    handler: AdminHandler,
+    tasks: TaskAdminHandler | None,
+    line: bytes,
+    *,
+    commands: frozenset[str] = COMMANDS,
+) -> dict[str, Any]:
+    """The response to one request ``line`` (a JSON object): checked (O7), then answered by
+    the handlers — what the command line's requests and the operator page's controls both go
+    through. A command not in ``commands`` is ``admin_unknown_command``."""
+    request = _parse(line, commands)
     if isinstance(request, dict):
         return request
     if isinstance(request, _TASK_TYPES) and tasks is None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
+import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sized
+from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from typing import TYPE_CHECKING, Final, Protocol
 
 import trio
@@ -26,6 +28,7 @@ from prometheus_client.registry import Collector
 from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
 from .._metrics import REGISTRY
 from .._tasks._watchdog import Classification
+from ._page import OperatorPage, Served
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -33,7 +36,14 @@ if TYPE_CHECKING:
     from .._rooms._worker import RoomWorker
     from .._tasks._service import TaskService
 
-__all__ = ["COLLECTOR", "ServerCollector", "open_metrics", "serve_metrics"]
+__all__ = [
+    "COLLECTOR",
+    "ServerCollector",
+    "allowed_hosts",
+    "is_loopback",
+    "open_metrics",
+    "serve_metrics",
+]
 
 PATH: Final = "/metrics"
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
@@ -122,6 +132,16 @@ class ServerCollector(Collector):
         )
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
@@ -131,8 +151,18 @@ COLLECTOR: Final = ServerCollector()
 REGISTRY.register(COLLECTOR)
 
 
-async def _handle(request: Request, response: ResponseWriter) -> None:
+async def _handle(
+    page: OperatorPage | None, insecure: bool, request: Request, response: ResponseWriter
+) -> None:
     path = request.target.split("?", 1)[0]
+    if path != PATH and page is not None:
+        if insecure:  # OP4: the page needs loopback or TLS; the metrics are served anyway
+            body = b'{"ok":false,"code":"page_insecure","message":"the operator page is served '
+            body += b'on loopback or over TLS only"}'
+            await _plain(response, 403, body, content_type="application/json")
+            return
+        await page.handle(request, response)
+        return
     if request.method not in ("GET", "HEAD"):
         await _plain(response, 405, b"only GET /metrics\n", [("allow", "GET, HEAD")])
         return
@@ -156,8 +186,10 @@ async def _plain(
     status: int,
     body: bytes,
     extra: list[tuple[str, str]] | None = None,
+    *,
+    content_type: str = "text/plain; charset=utf-8",
 ) -> None:
-    headers = [("content-type", "text/plain; charset=utf-8"), ("content-length", str(len(body)))]
+    headers = [("content-type", content_type), ("content-length", str(len(body)))]
     await response.start(status, headers + (extra or []))
     await response.send(body)
     await response.end()
@@ -167,22 +199,76 @@ async def serve_metrics(
     host: str,
     port: int,
     *,
+    page: Callable[[HttpServer], OperatorPage] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``GET /metrics`` on ``host``:``port`` until cancelled; ``task_status`` gets the
-    bound address once listening."""
-    await serve_http(_handle, host=host, port=port, task_status=task_status)
+    """Serve ``GET /metrics`` on ``host``:``port`` until cancelled, and the operator page
+    ``page`` makes for the bound address at every other path; over TLS with ``ssl_context``.
+    ``task_status`` gets the bound address once listening."""
+    async with trio.open_nursery() as nursery:
+        holder: list[OperatorPage] = []
+
+        async def handle(request: Request, response: ResponseWriter) -> None:
+            shown = holder[0] if holder else None
+            await _handle(
+                shown, shown is not None and _insecure(host, ssl_context), request, response
+            )
+
+        bound: HttpServer = await nursery.start(
+            functools.partial(serve_http, handle, host=host, port=port, ssl_context=ssl_context)
+        )
+        if page is not None:
+            holder.append(made := page(bound))
+            await nursery.start(made.follow)
+        task_status.started(bound)
+
+
+def _insecure(host: str, ssl_context: ssl.SSLContext | None) -> bool:
+    return ssl_context is None and not is_loopback(host)
+
+
+def allowed_hosts(host: str, port: int, ssl_context: ssl.SSLContext | None) -> frozenset[str]:
+    """The ``Host`` values the page answers on a loopback listener (OP4): its own address and
+    ``localhost``; any on a TLS listener elsewhere (its certificate names it)."""
+    if not is_loopback(host):
+        return frozenset()
+    shown = f"[{host}]" if ":" in host else host
+    return frozenset({f"{shown}:{port}", f"localhost:{port}"})
 
 
 @contextlib.asynccontextmanager
 async def open_metrics(
-    server: Observed, host: str, port: int, nursery: trio.Nursery
+    server: Observed,
+    host: str,
+    port: int,
+    nursery: trio.Nursery,
+    *,
+    page: Served | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[HttpServer]:
     """The server's state in the scrapes and the listener serving in ``nursery`` for the
-    block; the state is let go after it."""
+    block (the operator page of ``page`` beside the metrics); the state is let go after it."""
+
+    def make(bound: HttpServer) -> OperatorPage:
+        assert page is not None
+        return OperatorPage(
+            page,
+            secure=ssl_context is not None,
+            allowed_hosts=allowed_hosts(bound.host, bound.port, ssl_context),
+        )
+
     COLLECTOR.servers.append(server)
     try:
-        bound = await nursery.start(functools.partial(serve_metrics, host, port))
+        bound = await nursery.start(
+            functools.partial(
+                serve_metrics,
+                host,
+                port,
+                page=make if page is not None else None,
+                ssl_context=ssl_context,
+            )
+        )
         yield bound
     finally:
         COLLECTOR.servers.remove(server)

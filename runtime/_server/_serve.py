@@ -37,7 +37,6 @@ import base64
 import contextlib
 import functools
 import hashlib
-import ipaddress
 import logging
 import os
 import socket
@@ -73,7 +72,7 @@ from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
 from .._wire import DeliveryResult, RoomEvent, TaskEvent
-from ._metrics import open_metrics
+from ._metrics import is_loopback, open_metrics
 from ._protocol import (
     Ack,
     AttachmentData,
@@ -131,32 +130,25 @@ class ServeOptions:
 
 
 def check_bind(options: ServeOptions, config: RoomWorkerConfig | None = None) -> None:
-    """Refuse a non-loopback bind without TLS unless ``insecure_bind`` (S6); the same for
-    the metrics listener, which has neither TLS nor a token."""
+    """Refuse a non-loopback bind without TLS unless ``insecure_bind`` (S6); the metrics
+    listener's non-loopback bind needs ``insecure_bind`` whatever its TLS (the metrics have no
+    token; its operator page answers there only over TLS, OP4)."""
     if config is not None and config.metrics.listen is not None and not options.insecure_bind:
         host, _port = metrics_address(config.metrics.listen)
-        if not _is_loopback(host):
+        if not is_loopback(host):
             raise ConfigError(
                 "metrics.listen",
-                f"{host} is not a loopback address: the metrics listener has no TLS and no "
-                "token; pass --insecure-bind to serve it to the network",
+                f"{host} is not a loopback address: the metrics have no token; pass "
+                "--insecure-bind to serve them to the network (the operator page is then "
+                "served only over TLS)",
             )
-    if options.ssl_context is not None or options.insecure_bind or _is_loopback(options.host):
+    if options.ssl_context is not None or options.insecure_bind or is_loopback(options.host):
         return
     raise ConfigError(
         "host",
         f"{options.host} is not a loopback address: serve it with TLS (--tls-cert, --tls-key) "
         "or pass --insecure-bind to accept plain websockets from the network",
     )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(eq=False)
@@ -630,7 +622,14 @@ async def open_server(
                 if config.metrics.listen is not None:
                     host, port = metrics_address(config.metrics.listen)
                     bound = await metrics.enter_async_context(
-                        open_metrics(server, host, port, nursery)
+                        open_metrics(
+                            server,
+                            host,
+                            port,
+                            nursery,
+                            page=server if config.metrics.page else None,
+                            ssl_context=options.ssl_context,
+                        )
                     )
                     server.metrics_port = bound.port
                 try:
@@ -668,10 +667,17 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
             )
             if server.metrics_port is not None:
                 host, _port = metrics_address(config.metrics.listen or "")
+                web = "https" if options.ssl_context is not None else "http"
                 print(
-                    f"pi-runtime serve: metrics on http://{host}:{server.metrics_port}/metrics",
+                    f"pi-runtime serve: metrics on {web}://{host}:{server.metrics_port}/metrics",
                     flush=True,
                 )
+                if config.metrics.page:
+                    print(
+                        f"pi-runtime serve: the operator page on {web}://{host}:"
+                        f"{server.metrics_port}/ (log in with the access token)",
+                        flush=True,
+                    )
             async for signum in signals:
                 name = signal.Signals(signum).name
                 break

@@ -144,7 +144,7 @@ async def test_m1_m2_a_scrape_counts_a_delivery_and_shows_the_live_state(tmp_pat
 async def test_m3_the_metrics_listener_answers_only_get_metrics(tmp_path: Path) -> None:
     """M3: another path is 404, another method 405; the websocket server is not on it."""
     with trio.fail_after(LIMIT):
-        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0", "page": False}}) as r:
             port = r.server.metrics_port
             assert port is not None
             assert (await scrape(port, "/"))[0] == 404

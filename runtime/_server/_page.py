@@ -1,0 +1,567 @@
+"""The operator page: ``/`` of the metrics listener (docs/design/operations.md "The operator
+page", OP1-OP9).
+
+What it serves, all of it behind a session (OP2) but the login form and the two static files:
+
+* ``GET /`` the page (``page/index.html``, its script and style are package data: no build
+  step, no external resource, OP1), or the login form when there is no session;
+* ``POST /login`` (a form with the state directory's access token, compared in constant time;
+  a session cookie back, ``HttpOnly; SameSite=Strict``) and ``POST /logout``;
+* ``GET /api/state`` the state the page shows, ``GET /api/events`` the same as server-sent
+  events, pushed when a task changes and otherwise when it differs, once a second (OP6);
+* ``GET /api/tasks/<id>`` what ``task show`` shows and the task's timeline of
+  classifications since this server started; ``GET /api/journal/<delivery id>`` the records
+  ``journal show`` prints;
+* ``POST /api/command`` one control (task resume / abort / fail / grant / reply, delivery
+  cancel) through the admin socket's own parser and handlers (:func:`~._admin.answer`), so its
+  answers and stable codes are the command line's (OP5), behind the session's CSRF token and an
+  ``Origin`` check (OP3).
+
+``Authorization: Bearer <token>`` works in place of a session for scripts (no CSRF check: a
+browser never sends that header across sites). A fault in one request is its 500 (OP8).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import hashlib
+import html
+import logging
+import secrets
+from collections.abc import Sized
+from dataclasses import dataclass
+from http.cookies import CookieError, SimpleCookie
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Protocol
+from urllib.parse import parse_qs, unquote
+
+import msgspec
+import trio
+
+from .._boundary._http import Request, ResponseWriter
+from .._errors import PiRuntimeError, ReasonCode
+from .._journal._inspect import delivery_records, delivery_records_in_database
+from .._logs import fields
+from ._admin import MAX_REQUEST, answer
+from ._token import read_token, token_matches
+
+if TYPE_CHECKING:
+    from .._rooms._worker import RoomWorker
+    from .._tasks._service import TaskService
+
+__all__ = ["CONTROLS", "OperatorPage"]
+
+logger = logging.getLogger("runtime.page")
+
+COOKIE: Final = "pi_runtime_page"
+CONTROLS: Final = frozenset(
+    {"cancel", "task_resume", "task_abort", "task_fail", "task_grant", "task_reply"}
+)
+"""The admin commands the page's controls may send (OP5)."""
+SESSION_SECONDS: Final = 12 * 3600.0
+MAX_SESSIONS: Final = 32
+MAX_STREAMS: Final = 16
+"""Open event streams at once (OP6); one more is ``page_busy``."""
+PUSH_SECONDS: Final = 1.0
+KEEPALIVE_SECONDS: Final = 15.0
+LOGIN_FAILURES: Final = 5
+LOGIN_WINDOW: Final = 60.0
+"""At most ``LOGIN_FAILURES`` refused tokens per ``LOGIN_WINDOW`` seconds (OP2)."""
+TIMELINE: Final = 256
+"""Classification changes kept per task (the oldest go first)."""
+ROOMS_SHOWN: Final = 500
+PENDING_SHOWN: Final = 200
+_FILES: Final = {
+    "/static/page.js": ("page.js", "text/javascript; charset=utf-8"),
+    "/static/page.css": ("page.css", "text/css; charset=utf-8"),
+}
+_SECURITY: Final = [
+    (
+        "content-security-policy",
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    ),
+    ("x-content-type-options", "nosniff"),
+    ("x-frame-options", "DENY"),
+    ("referrer-policy", "no-referrer"),
+    ("cache-control", "no-store"),
+]
+_JSON: Final = msgspec.json.Encoder()
+
+
+class Served(Protocol):
+    """What the page reads of the running server (``RoomServer``) and asks of it: its
+    ``status`` and ``cancel`` answer the admin socket too."""
+
+    @property
+    def worker(self) -> RoomWorker: ...
+    @property
+    def tasks(self) -> TaskService: ...
+    @property
+    def connections(self) -> Sized: ...
+    @property
+    def state_dir(self) -> Path: ...
+    @property
+    def worker_id(self) -> str: ...
+
+    async def status(self) -> dict[str, Any]: ...
+
+    async def cancel(self, delivery_id: str) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class _Session:
+    csrf: str
+    token_digest: bytes
+    """The token it logged in with: a rotated token ends the session (OP2)."""
+    expires: float
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+@functools.cache
+def _file(name: str) -> bytes:
+    return resources.files("runtime._server").joinpath("page", name).read_bytes()
+
+
+class OperatorPage:
+    """The page's handler on the metrics listener; :meth:`follow` keeps the timelines."""
+
+    def __init__(self, server: Served, *, secure: bool, allowed_hosts: frozenset[str]) -> None:
+        self.server = server
+        self.secure = secure
+        """Whether the listener speaks TLS (the cookie is then ``Secure``)."""
+        self.allowed_hosts = allowed_hosts
+        """``Host`` values answered (the listener's own names); empty: any (OP4)."""
+        self._sessions: dict[str, _Session] = {}
+        self._failures: collections.deque[float] = collections.deque()
+        self._streams = 0
+        self._timelines: dict[str, collections.deque[tuple[int, str, str]]] = {}
+        self._changed = trio.Event()
+
+    # -- the timelines -----------------------------------------------------------------
+
+    async def follow(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Record every task's classification changes (with the wall-clock time they were
+        seen) and wake the event streams; until cancelled."""
+        wall = self.server.worker.store.clocks.wall
+        for view in self.server.tasks.tasks():
+            self._mark(view.task_id, wall.time_ms(), view.classification, view.state)
+        async with self.server.tasks.events(buffer=4096) as events:
+            task_status.started()
+            async for event in events:
+                self._mark(event.task_id, wall.time_ms(), event.classification, event.state)
+                self._changed.set()
+                self._changed = trio.Event()
+
+    def _mark(self, task_id: str, at_ms: int, classification: str, state: str) -> None:
+        timeline = self._timelines.setdefault(task_id, collections.deque(maxlen=TIMELINE))
+        if not timeline or timeline[-1][1:] != (classification, state):
+            timeline.append((at_ms, classification, state))
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        """Answer one request; every refusal is a JSON body with its stable code, and a
+        failure stays in its request (OP8)."""
+        try:
+            self._check_host(request)
+            await self._route(request, response)
+        except _Refused as refused:
+            if not response.started:
+                await self._error(response, refused.status, refused.code, refused.message)
+        except PiRuntimeError as error:
+            if not response.started:
+                await self._error(
+                    response, 404 if error.code in _UNKNOWN else 409, error.code, error.message
+                )
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise
+        except Exception:
+            logger.exception(
+                "the operator page failed to answer %s", request.method, extra=fields("page_failed")
+            )
+            if not response.started:
+                await self._error(response, 500, ReasonCode.PAGE_FAILED, "see the server's log")
+
+    async def _route(self, request: Request, response: ResponseWriter) -> None:
+        path = request.target.split("?", 1)[0]
+        method = request.method
+        if path in _FILES:
+            self._only(method, "GET")
+            name, content_type = _FILES[path]
+            await self._send(response, 200, _file(name), content_type)
+        elif path == "/":
+            self._only(method, "GET")
+            session = await self._session_of(request)
+            if session is None:
+                await self._login_form(response, 200, "")
+            else:
+                page = _file("index.html").replace(
+                    b"{{csrf}}", html.escape(session.csrf).encode("ascii")
+                )
+                await self._send(response, 200, page, "text/html; charset=utf-8")
+        elif path == "/login":
+            self._only(method, "POST")
+            await self._login(request, response)
+        elif path == "/logout":
+            self._only(method, "POST")
+            await self._authorized(request, state_changing=True)
+            key = self._cookie(request)
+            if key is not None:
+                self._sessions.pop(key, None)
+            await self._send(response, 200, b'{"ok":true}', "application/json", clear=True)
+        elif path.startswith("/api/"):
+            await self._api(request, response, path[len("/api/") :], method)
+        else:
+            raise _Refused(404, ReasonCode.PAGE_NOT_FOUND, f"nothing at {path}")
+
+    async def _api(
+        self, request: Request, response: ResponseWriter, path: str, method: str
+    ) -> None:
+        if path == "command":
+            self._only(method, "POST")
+            await self._authorized(request, state_changing=True)
+            await self._command(request, response)
+            return
+        self._only(method, "GET")
+        await self._authorized(request, state_changing=False)
+        if path == "state":
+            await self._json(response, 200, await self.snapshot())
+        elif path == "events":
+            await self._events(request, response)
+        elif path.startswith("tasks/"):
+            task_id = unquote(path[len("tasks/") :])
+            shown = await self.server.tasks.task_show(task_id)
+            timeline = [
+                {"at_ms": at, "classification": c, "state": s}
+                for at, c, s in self._timelines.get(task_id, ())
+            ]
+            await self._json(response, 200, {**shown, "timeline": timeline})
+        elif path.startswith("journal/"):
+            delivery_id = unquote(path[len("journal/") :])
+            await self._json(response, 200, await self._journal(delivery_id))
+        else:
+            raise _Refused(404, ReasonCode.PAGE_NOT_FOUND, f"nothing at /api/{path}")
+
+    # -- what the page shows -----------------------------------------------------------
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The state the page shows: the server's, its rooms, the pending deliveries and every
+        task with its silence, thresholds, budget, hold and next safe action."""
+        await trio.lowlevel.checkpoint()
+        worker, tasks = self.server.worker, self.server.tasks
+        rooms = worker.status()
+        pending = sorted(worker.pending())
+        listed = await tasks.task_list()
+        return {
+            "worker_id": self.server.worker_id,
+            "admitting": worker.admitting,
+            "connections": len(self.server.connections),
+            "unacknowledged": worker.unacknowledged,
+            "rooms": msgspec.to_builtins(rooms[:ROOMS_SHOWN]),
+            "rooms_total": len(rooms),
+            "pending": pending[:PENDING_SHOWN],
+            "pending_total": len(pending),
+            "tasks": [_task_row(view) for view in listed["tasks"]],
+            "unsafe_test_timescale": listed["unsafe_test_timescale"],
+            "warning": listed.get("warning"),
+        }
+
+    async def _journal(self, delivery_id: str) -> dict[str, Any]:
+        if not 0 < len(delivery_id) <= 200 or not delivery_id.isprintable():
+            raise _Refused(
+                400, ReasonCode.ADMIN_BAD_REQUEST, "a delivery id is 1 to 200 printable characters"
+            )
+        url = self.server.worker.config.store.url
+        if url is not None:
+            records, note = await delivery_records_in_database(url, delivery_id)
+        else:
+            records, note = await trio.to_thread.run_sync(
+                delivery_records, self.server.state_dir, delivery_id
+            )
+        return {"delivery_id": delivery_id, "records": msgspec.to_builtins(records), "note": note}
+
+    async def _events(self, request: Request, response: ResponseWriter) -> None:
+        """The state as server-sent events (OP6): an ``event: state`` whenever it differs from
+        the last one sent, checked when a task changes and at least once a second; a comment
+        every 15 s of no change; an ``event: logout`` and the end once the session is gone."""
+        if self._streams >= MAX_STREAMS:
+            raise _Refused(503, ReasonCode.PAGE_BUSY, f"at most {MAX_STREAMS} open pages")
+        self._streams += 1
+        try:
+            headers = [("content-type", "text/event-stream"), *_SECURITY]
+            await response.start(200, headers)
+            last = b""
+            quiet = 0.0
+            while True:
+                if not await self._still_authorized(request):
+                    await response.send(b"event: logout\ndata: {}\n\n")
+                    break
+                body = _JSON.encode(await self.snapshot())
+                if body != last:
+                    await response.send(b"event: state\ndata: " + body + b"\n\n")
+                    last, quiet = body, 0.0
+                elif quiet >= KEEPALIVE_SECONDS:
+                    await response.send(b": still here\n\n")
+                    quiet = 0.0
+                changed = self._changed
+                started = trio.current_time()
+                with trio.move_on_after(PUSH_SECONDS):
+                    await changed.wait()
+                quiet += trio.current_time() - started
+            await response.end()
+        finally:
+            self._streams -= 1
+
+    async def _command(self, request: Request, response: ResponseWriter) -> None:
+        if len(request.body) > MAX_REQUEST:
+            raise _Refused(
+                413, ReasonCode.ADMIN_REQUEST_TOO_LARGE, f"a request is at most {MAX_REQUEST} bytes"
+            )
+        if b"\n" in request.body.strip():
+            raise _Refused(400, ReasonCode.ADMIN_BAD_REQUEST, "a request is one JSON object")
+        server = self.server
+        answered = await answer(server, server.tasks, request.body.strip(), commands=CONTROLS)
+        code = answered.get("code")
+        if answered.get("ok"):
+            status = 200
+        elif code in (ReasonCode.ADMIN_BAD_REQUEST, ReasonCode.ADMIN_UNKNOWN_COMMAND):
+            status = 400
+        else:
+            status = 404 if code in _UNKNOWN else 409
+        logger.info(
+            "operator page: %s %s",
+            _loose_command(request.body),
+            "done" if answered.get("ok") else f"refused {answered.get('code')}",
+            extra=fields("page_command", code=None if answered.get("ok") else answered.get("code")),
+        )
+        await self._json(response, status, answered)
+
+    # -- who may ask (OP2-OP4) -----------------------------------------------------------
+
+    def _check_host(self, request: Request) -> None:
+        """OP4: on a loopback listener only its own names are answered (a page reached by
+        another name, as a rebinding attack reaches it, is refused)."""
+        if self.allowed_hosts and request.headers.get("host", "") not in self.allowed_hosts:
+            raise _Refused(421, ReasonCode.PAGE_HOST_REFUSED, "this listener is not that host")
+
+    def _origin(self, request: Request) -> str:
+        scheme = "https" if self.secure else "http"
+        return f"{scheme}://{request.headers.get('host', '')}"
+
+    def _check_origin(self, request: Request) -> None:
+        origin = request.headers.get("origin")
+        if origin is not None and origin != self._origin(request):
+            raise _Refused(403, ReasonCode.CSRF_REFUSED, "a request from another site is refused")
+
+    @staticmethod
+    def _only(method: str, allowed: str) -> None:
+        if method != allowed:
+            raise _Refused(405, ReasonCode.PAGE_METHOD, f"only {allowed} here")
+
+    def _cookie(self, request: Request) -> str | None:
+        raw = request.headers.get("cookie")
+        if raw is None:
+            return None
+        try:
+            jar = SimpleCookie(raw)
+        except CookieError:
+            return None
+        morsel = jar.get(COOKIE)
+        return morsel.value if morsel is not None else None
+
+    async def _current_token(self) -> str | None:
+        return await trio.to_thread.run_sync(read_token, self.server.state_dir)
+
+    async def _session_of(self, request: Request) -> _Session | None:
+        """The request's live session: its cookie names one that has not expired and was
+        opened with the token the state directory holds now."""
+        key = self._cookie(request)
+        session = self._sessions.get(key) if key is not None else None
+        if session is None or key is None:
+            return None
+        token = await self._current_token()
+        if (
+            session.expires <= trio.current_time()
+            or token is None
+            or not secrets.compare_digest(session.token_digest, _digest(token))
+        ):
+            self._sessions.pop(key, None)
+            return None
+        return session
+
+    async def _bearer(self, request: Request) -> bool | None:
+        """``None``: no ``Authorization`` header; else whether it carries the token."""
+        value = request.headers.get("authorization")
+        if value is None:
+            return None
+        self._throttled()
+        scheme, _, presented = value.partition(" ")
+        token = await self._current_token()
+        ok = scheme.lower() == "bearer" and token is not None and token_matches(token, presented)
+        if not ok:
+            self._count_failure()
+        return ok
+
+    async def _authorized(self, request: Request, *, state_changing: bool) -> None:
+        """OP2/OP3: a bearer token, or a live session whose CSRF token a state-changing
+        request carries, from the page's own origin."""
+        bearer = await self._bearer(request)
+        if bearer is not None:
+            if not bearer:
+                raise _Refused(401, ReasonCode.TOKEN_INVALID, "the token is missing or wrong")
+            return
+        session = await self._session_of(request)
+        if session is None:
+            raise _Refused(401, ReasonCode.LOGIN_REQUIRED, "log in with the access token first")
+        if not state_changing:
+            return
+        self._check_origin(request)
+        presented = request.headers.get("x-csrf-token", "")
+        if not secrets.compare_digest(presented.encode(), session.csrf.encode()):
+            raise _Refused(403, ReasonCode.CSRF_REFUSED, "this request is not from the page")
+
+    async def _still_authorized(self, request: Request) -> bool:
+        try:
+            await self._authorized(request, state_changing=False)
+        except _Refused:
+            return False
+        return True
+
+    def _throttled(self) -> None:
+        now = trio.current_time()
+        while self._failures and self._failures[0] <= now - LOGIN_WINDOW:
+            self._failures.popleft()
+        if len(self._failures) >= LOGIN_FAILURES:
+            raise _Refused(
+                429,
+                ReasonCode.LOGIN_THROTTLED,
+                f"{LOGIN_FAILURES} wrong tokens in {LOGIN_WINDOW:g} s; wait before trying again",
+            )
+
+    def _count_failure(self) -> None:
+        self._failures.append(trio.current_time())
+        logger.warning("operator page: a wrong token", extra=fields("page_login_refused"))
+
+    async def _login(self, request: Request, response: ResponseWriter) -> None:
+        self._check_origin(request)
+        try:
+            self._throttled()
+        except _Refused as refused:
+            await self._login_form(response, refused.status, f"{refused.code}: {refused.message}")
+            return
+        form = parse_qs(request.body.decode("utf-8", "replace"), max_num_fields=4)
+        presented = (form.get("token") or [""])[0].strip()
+        token = await self._current_token()
+        if token is None or not token_matches(token, presented):
+            self._count_failure()
+            await self._login_form(response, 401, "token_invalid: the token is missing or wrong")
+            return
+        if len(self._sessions) >= MAX_SESSIONS:  # the oldest goes
+            del self._sessions[next(iter(self._sessions))]
+        key = secrets.token_urlsafe(32)
+        self._sessions[key] = _Session(
+            csrf=secrets.token_urlsafe(32),
+            token_digest=_digest(token),
+            expires=trio.current_time() + SESSION_SECONDS,
+        )
+        logger.info("operator page: a login", extra=fields("page_login"))
+        await response.start(
+            303, [("location", "/"), ("content-length", "0"), ("set-cookie", self._set_cookie(key))]
+        )
+        await response.end()
+
+    def _set_cookie(self, value: str, max_age: int | None = None) -> str:
+        parts = [f"{COOKIE}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]
+        if max_age is not None:
+            parts.append(f"Max-Age={max_age}")
+        if self.secure:
+            parts.append("Secure")
+        return "; ".join(parts)
+
+    # -- responses ----------------------------------------------------------------------
+
+    async def _login_form(self, response: ResponseWriter, status: int, message: str) -> None:
+        page = _file("login.html").replace(b"{{error}}", html.escape(message).encode("utf-8"))
+        await self._send(response, status, page, "text/html; charset=utf-8")
+
+    async def _send(
+        self,
+        response: ResponseWriter,
+        status: int,
+        body: bytes,
+        content_type: str,
+        *,
+        clear: bool = False,
+    ) -> None:
+        headers = [("content-type", content_type), ("content-length", str(len(body))), *_SECURITY]
+        if clear:
+            headers.append(("set-cookie", self._set_cookie("", max_age=0)))
+        await response.start(status, headers)
+        await response.send(body)
+        await response.end()
+
+    async def _json(self, response: ResponseWriter, status: int, body: dict[str, Any]) -> None:
+        await self._send(response, status, _JSON.encode(body), "application/json")
+
+    async def _error(self, response: ResponseWriter, status: int, code: str, message: str) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._json(response, status, {"ok": False, "code": str(code), "message": message})
+
+
+_UNKNOWN: Final = frozenset(
+    {
+        ReasonCode.TASK_UNKNOWN,
+        ReasonCode.DELIVERY_UNKNOWN,
+        ReasonCode.DELIVERY_EXPIRED,
+        ReasonCode.TASK_EXPIRED,
+    }
+)
+"""Codes answered 404: nothing of that id is here (any more)."""
+
+
+def _task_row(view: dict[str, Any]) -> dict[str, Any]:
+    """What the page's task table shows of ``task show``'s view."""
+    ended = view.get("ended")
+    return {
+        "task_id": view["task_id"],
+        "state": view["state"],
+        "classification": view["classification"],
+        "phase": view["phase"],
+        "process_epoch": view["process_epoch"],
+        "silence_seconds": view["silence_seconds"],
+        "soft_seconds": view["soft_seconds"],
+        "hard_seconds": view["hard_seconds"],
+        "grace_seconds": view["grace_seconds"],
+        "budget": view["budget"],
+        "hold_reason": view["hold_reason"],
+        "pending_action": view["pending_action"],
+        "next_action": view["next_action"],
+        "ended": ended.get("state") if isinstance(ended, dict) else None,
+    }
+
+
+def _loose_command(body: bytes) -> str:
+    """The command a control named, for the log (never its text or reason)."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return "?"
+    command = data.get("command") if isinstance(data, dict) else None
+    return command if isinstance(command, str) and command in CONTROLS else "?"

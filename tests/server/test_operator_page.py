@@ -1,0 +1,443 @@
+"""The operator page over real HTTP (docs/design/operations.md "The operator page", OP1-OP9):
+a real server on 127.0.0.1 with ``[metrics] listen``, real requests on real sockets, a real
+Fake-Pi worker behind a scripted model. What a browser does with it is
+``test_operator_browser.py``; here each test tries to break one rule of who may see and do
+what."""
+
+from __future__ import annotations
+
+import re
+import ssl
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import pytest
+import trio
+import trustme
+
+from fake_pi.scenario import Hang, Text
+from runtime._boundary._http import Request, ResponseWriter, open_request, serve_http
+from runtime._config import config_from_dict
+from runtime._errors import ReasonCode
+from runtime._journal._inspect import delivery_records
+from runtime._server import _page
+from runtime._server._admin import admin_request
+from runtime._server._metrics import _handle, allowed_hosts
+from runtime._server._page import OperatorPage
+from runtime._server._serve import ServeOptions, open_server
+from runtime._server._token import rotate_token
+
+from .._wire import message
+from .test_serve import Rig, rig
+
+LIMIT: Final = 60.0
+PAGE: Final = {"metrics": {"listen": "127.0.0.1:0"}}
+SECRET_WORDS: Final = "the quartermaster's parrot"
+
+
+class Answer(msgspec.Struct):
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return msgspec.json.decode(self.body)
+
+    @property
+    def code(self) -> str | None:
+        data = self.json()
+        return data.get("code") if isinstance(data, dict) else None
+
+
+async def ask(
+    port: int,
+    path: str,
+    method: str = "GET",
+    *,
+    headers: list[tuple[str, str]] | None = None,
+    body: bytes = b"",
+    scheme: str = "http",
+    ssl_context: Any = None,
+) -> Answer:
+    url = f"{scheme}://127.0.0.1:{port}{path}"
+    async with open_request(
+        method, url, headers=headers, body=body, ssl_context=ssl_context
+    ) as response:
+        return Answer(response.status, dict(response.headers), await response.read())
+
+
+def port_of(r: Rig) -> int:
+    assert r.server.metrics_port is not None
+    return r.server.metrics_port
+
+
+async def login(port: int, token: str) -> tuple[str, str]:
+    """Log in: the session cookie (``name=value``) and the page's CSRF token."""
+    answer = await ask(
+        port,
+        "/login",
+        "POST",
+        headers=[("content-type", "application/x-www-form-urlencoded")],
+        body=f"token={token}".encode(),
+    )
+    assert answer.status == 303, answer
+    cookie = answer.headers["set-cookie"].split(";", 1)[0]
+    page = await ask(port, "/", headers=[("cookie", cookie)])
+    found = re.search(rb'<meta name="csrf-token" content="([^"]+)">', page.body)
+    assert found is not None, page.body
+    return cookie, found[1].decode()
+
+
+def control(cookie: str, csrf: str | None, origin: str | None = None) -> list[tuple[str, str]]:
+    headers = [("cookie", cookie), ("content-type", "application/json")]
+    if csrf is not None:
+        headers.append(("x-csrf-token", csrf))
+    if origin is not None:
+        headers.append(("origin", origin))
+    return headers
+
+
+# -- OP1: package data, nothing from elsewhere ---------------------------------------------
+
+
+async def test_op1_the_page_and_its_script_are_package_data_with_no_outside_resource(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            form = await ask(port, "/")
+            assert form.status == 200
+            assert b'action="/login"' in form.body
+            policy = form.headers["content-security-policy"]
+            assert "default-src 'none'" in policy
+            assert "script-src 'self'" in policy
+            assert "frame-ancestors 'none'" in policy
+            for path in ("/static/page.js", "/static/page.css"):
+                file = await ask(port, path)
+                assert file.status == 200, path
+                # no address of another site: everything the page loads is its own
+                assert re.findall(rb"https?://(?!www\.w3\.org/2000/svg)", file.body) == []
+            assert (await ask(port, "/static/other.js")).code == "page_not_found"
+
+
+# -- OP2: the access token, sessions, throttling ----------------------------------------------
+
+
+async def test_op2_only_the_token_opens_a_session_and_a_rotated_token_ends_it(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            assert (await ask(port, "/api/state")).code == "login_required"
+            wrong = await ask(port, "/login", "POST", body=b"token=not-it")
+            assert wrong.status == 401
+            assert "set-cookie" not in wrong.headers
+            assert b"token_invalid" in wrong.body
+            cookie, _csrf = await login(port, r.token)
+            answer = await ask(port, "/login", "POST", body=f"token={r.token}".encode())
+            flags = answer.headers["set-cookie"]
+            assert "HttpOnly" in flags
+            assert "SameSite=Strict" in flags
+            assert "Secure" not in flags  # plain http on loopback
+            state = await ask(port, "/api/state", headers=[("cookie", cookie)])
+            assert state.status == 200
+            assert state.json()["worker_id"] == r.server.worker_id
+            assert r.token.encode() not in state.body
+            bearer = await ask(port, "/api/state", headers=[("authorization", f"Bearer {r.token}")])
+            assert bearer.status == 200
+            forged = await ask(port, "/api/state", headers=[("cookie", "pi_runtime_page=forged")])
+            assert forged.code == "login_required"
+            await trio.to_thread.run_sync(rotate_token, tmp_path / "state")
+            ended = await ask(port, "/api/state", headers=[("cookie", cookie)])
+            assert (ended.status, ended.code) == (401, "login_required")
+            old = await ask(port, "/api/state", headers=[("authorization", f"Bearer {cookie}")])
+            assert old.code == "token_invalid"
+
+
+async def test_op2_wrong_tokens_are_throttled_even_before_the_right_one(tmp_path: Path) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            cookie, _csrf = await login(port, r.token)
+            for _ in range(_page.LOGIN_FAILURES):
+                assert (await ask(port, "/login", "POST", body=b"token=guess")).status == 401
+            throttled = await ask(port, "/login", "POST", body=f"token={r.token}".encode())
+            assert throttled.status == 429
+            assert b"login_throttled" in throttled.body
+            bearer = await ask(port, "/api/state", headers=[("authorization", f"Bearer {r.token}")])
+            assert bearer.code == "login_throttled"
+            # a session opened before is not locked out by someone guessing
+            assert (await ask(port, "/api/state", headers=[("cookie", cookie)])).status == 200
+
+
+# -- OP3: cross-site requests ------------------------------------------------------------------
+
+
+async def test_op3_a_control_without_the_csrf_token_or_from_another_origin_does_nothing(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE, steps=[Hang(seconds=3600)]) as r:
+            port = port_of(r)
+            own = f"http://127.0.0.1:{port}"
+            async with r.connect() as client:
+                await client.send(message("d1", SECRET_WORDS))
+                await client.until(lambda f: f["type"] == "accepted")
+                cookie, csrf = await login(port, r.token)
+                cancel = b'{"command": "cancel", "delivery_id": "d1"}'
+                for headers in (
+                    control(cookie, None),  # a form from anywhere: no header
+                    control(cookie, "not-the-csrf-token"),
+                    control(cookie, csrf, origin="http://127.0.0.1:1"),  # another origin
+                    control(cookie, csrf, origin="null"),
+                ):
+                    refused = await ask(port, "/api/command", "POST", headers=headers, body=cancel)
+                    assert (refused.status, refused.code) == (403, "csrf_refused"), headers
+                assert r.server.worker.pending() == ["d1"]  # nothing acted
+                # a cross-site login is refused too (login CSRF)
+                forced = await ask(
+                    port, "/login", "POST", headers=[("origin", "http://evil.example")],
+                    body=f"token={r.token}".encode(),
+                )  # fmt: skip
+                assert forced.code == "csrf_refused"
+                done = await ask(
+                    port, "/api/command", "POST", headers=control(cookie, csrf, own), body=cancel
+                )
+                assert done.status == 200, done
+                assert done.json() == {"delivery_id": "d1", "cancelled": True, "ok": True}
+                result = await client.until(lambda f: f["type"] == "result")
+                assert result["outcome"] == "cancelled"
+                state = await ask(port, "/api/state", headers=[("cookie", cookie)])
+                assert SECRET_WORDS.encode() not in state.body  # OP7
+
+
+# -- OP4: loopback or TLS, and only its own names ---------------------------------------------
+
+
+async def test_op4_a_request_for_another_host_name_is_refused(tmp_path: Path) -> None:
+    """A page reached by another name (a DNS-rebinding page's ``Host``) answers nothing."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"GET /api/state HTTP/1.1\r\nhost: evil.example:%d\r\n" % port
+                    + f"authorization: Bearer {r.token}\r\n\r\n".encode()
+                )
+                data = b""
+                while b"}" not in data:
+                    data += await stream.receive_some(4096)
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 421")
+            assert msgspec.json.decode(body)["code"] == "page_host_refused"
+            assert allowed_hosts("127.0.0.1", port, None) == {
+                f"127.0.0.1:{port}",
+                f"localhost:{port}",
+            }
+
+
+async def test_op4_a_page_on_a_network_address_without_tls_is_not_served_but_metrics_are() -> None:
+    """The listener's own decision, over a real HTTP exchange in memory (no test binds a
+    network address): ``insecure`` answers ``page_insecure`` for the page, ``/metrics`` still."""
+
+    class Never(OperatorPage):
+        def __init__(self) -> None:
+            pass
+
+        async def handle(self, request: Request, response: ResponseWriter) -> None:
+            raise AssertionError("an insecure listener never reaches the page")
+
+    async def handler(request: Request, response: ResponseWriter) -> None:
+        await _handle(Never(), True, request, response)
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve_http, handler)
+        for path, status in (("/", 403), ("/api/state", 403), ("/metrics", 200)):
+            async with open_request("GET", f"{server.url}{path}") as response:
+                body = await response.read()
+            assert response.status == status, path
+            if status == 403:
+                assert msgspec.json.decode(body)["code"] == "page_insecure"
+        nursery.cancel_scope.cancel()
+
+
+async def test_op4_over_tls_the_page_answers_https_with_a_secure_cookie(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    config = config_from_dict(PAGE, base=tmp_path)
+    with trio.fail_after(LIMIT):
+        async with open_server(
+            config, ServeOptions(port=0, ssl_context=server_context), base_dir=tmp_path
+        ) as server:
+            port = server.metrics_port
+            assert port is not None
+            token = (tmp_path / "state" / "token").read_text()
+            answer = await ask(
+                port, "/login", "POST", body=f"token={token}".encode(), scheme="https",
+                ssl_context=client_context,
+            )  # fmt: skip
+            assert answer.status == 303
+            assert "Secure" in answer.headers["set-cookie"]
+            scrape = await ask(port, "/metrics", scheme="https", ssl_context=client_context)
+            assert scrape.status == 200
+
+
+# -- OP5: the controls are the command line's -------------------------------------------------
+
+
+async def test_op5_a_control_gets_the_admin_sockets_answer_and_only_controls_are_allowed(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            cookie, csrf = await login(port, r.token)
+            own = f"http://127.0.0.1:{port}"
+            for request in (
+                {"command": "task_resume", "task_id": "nope", "reason": "r"},
+                {"command": "task_grant", "task_id": "nope", "reason": "r", "epochs": -1},
+                {"command": "task_reply", "task_id": "nope", "text": "yes"},
+                {"command": "cancel", "delivery_id": "nope"},
+            ):
+                body = msgspec.json.encode(request)
+                page = await ask(
+                    port, "/api/command", "POST", headers=control(cookie, csrf, own), body=body
+                )
+                cli = await admin_request(tmp_path / "state", request)
+                assert page.json() == cli, request
+                assert page.status in (400, 404, 409)
+            for command in ("status", "task_submit", "task_forget", "tasks"):
+                body = msgspec.json.encode({"command": command, "task_id": "x"})
+                page = await ask(
+                    port, "/api/command", "POST", headers=control(cookie, csrf, own), body=body
+                )
+                assert (page.status, page.code) == (400, "admin_unknown_command"), command
+            junk = await ask(
+                port, "/api/command", "POST", headers=control(cookie, csrf, own), body=b"{not"
+            )
+            assert junk.code == "admin_bad_request"
+
+
+# -- OP6: live, bounded ----------------------------------------------------------------------
+
+
+async def test_op6_the_event_stream_pushes_a_new_state_when_something_changes(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE, steps=[Hang(seconds=3600)]) as r:
+            port = port_of(r)
+            cookie, _csrf = await login(port, r.token)
+            url = f"http://127.0.0.1:{port}/api/events"
+            async with open_request("GET", url, headers=[("cookie", cookie)]) as events:
+                assert events.status == 200
+                assert events.headers["content-type"] == "text/event-stream"
+                states = _states(events.iter_bytes())
+                first = await anext(states)
+                assert first["pending_total"] == 0
+                async with r.connect() as client:
+                    await client.send(message("d1", SECRET_WORDS))
+                    await client.until(lambda f: f["type"] == "accepted")
+                    while True:
+                        state = await anext(states)
+                        if state["pending"] == ["d1"]:
+                            break
+                    assert state["rooms"][0]["room"] == "dm:1"
+                    await trio.to_thread.run_sync(rotate_token, tmp_path / "state")
+                    # a rotated token ends the stream with a logout
+                    with pytest.raises(StopAsyncIteration):
+                        while True:
+                            await anext(states)
+
+
+async def _states(chunks: Any) -> Any:
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            if event.startswith(b"event: logout"):
+                return
+            if event.startswith(b"event: state\ndata: "):
+                yield msgspec.json.decode(event[len(b"event: state\ndata: ") :])
+
+
+async def test_op6_open_streams_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_page, "MAX_STREAMS", 2)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            cookie, _csrf = await login(port, r.token)
+            url = f"http://127.0.0.1:{port}/api/events"
+            async with (
+                open_request("GET", url, headers=[("cookie", cookie)]) as one,
+                open_request("GET", url, headers=[("cookie", cookie)]) as two,
+            ):
+                assert (one.status, two.status) == (200, 200)
+                busy = await ask(port, "/api/events", headers=[("cookie", cookie)])
+                assert (busy.status, busy.code) == (503, "page_busy")
+
+
+# -- OP7, OP8: what a view shows; a fault stays in its request ---------------------------------
+
+
+async def test_op7_a_deliverys_journal_is_what_journal_show_prints(tmp_path: Path) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE, steps=[Text(text="hello")]) as r:
+            port = port_of(r)
+            cookie, _csrf = await login(port, r.token)
+            async with r.connect() as client:
+                await client.send(message("d/1 x", SECRET_WORDS))
+                await client.until(lambda f: f["type"] == "result")
+            shown = await ask(port, "/api/journal/d%2F1%20x", headers=[("cookie", cookie)])
+            assert shown.status == 200
+            records, _note = delivery_records(tmp_path / "state", "d/1 x")
+            assert shown.json()["records"] == msgspec.to_builtins(records)
+            assert r.token.encode() not in shown.body
+            unknown = await ask(port, "/api/journal/nope", headers=[("cookie", cookie)])
+            assert (unknown.status, unknown.code) == (404, "delivery_unknown")
+            task = await ask(port, "/api/tasks/nope", headers=[("cookie", cookie)])
+            assert (task.status, task.code) == (404, "task_unknown")
+
+
+async def test_op8_a_failing_view_is_its_own_500_and_the_page_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    original = OperatorPage.snapshot
+
+    async def broken(self: OperatorPage) -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the view")
+        return await original(self)
+
+    monkeypatch.setattr(OperatorPage, "snapshot", broken)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            failed = await ask(port, "/api/state", headers=bearer)
+            assert (failed.status, failed.code) == (500, str(ReasonCode.PAGE_FAILED))
+            assert (await ask(port, "/api/state", headers=bearer)).status == 200
+            assert (await ask(port, "/metrics")).status == 200
+            assert r.server.worker.admitting
+
+
+async def test_op9_page_false_serves_the_metrics_alone(tmp_path: Path) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0", "page": False}}) as r:
+            port = port_of(r)
+            assert (await ask(port, "/")).status == 404
+            assert (await ask(port, "/login", "POST", body=b"token=x")).status == 405
+            assert (await ask(port, "/metrics")).status == 200
