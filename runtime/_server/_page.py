@@ -86,7 +86,7 @@ _SECURITY: Final = [
     ),
     ("x-content-type-options", "nosniff"),
     ("x-frame-options", "DENY"),
-    ("referrer-policy", "no-referrer"),
+    ("referrer-policy", "same-origin"),  # "no-referrer" makes a form's Origin "null"
     ("cache-control", "no-store"),
 ]
 _JSON: Final = msgspec.json.Encoder()
