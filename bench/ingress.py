@@ -220,11 +220,37 @@ async def echo_server() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def runtime_server(base: Path, rooms: int, capacity: int, profile: str | None) -> None:
-    """``open_server`` on a fresh state directory, its turns held back (module docstring)."""
+def instruments_off() -> None:
+    """Make every ``prometheus_client`` counter, gauge and histogram a no-op in this process:
+    the runtime with its metrics off (``bench.ingress_metrics``'s baseline)."""
+    import prometheus_client
+
+    def nothing(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    prometheus_client.Counter.inc = nothing  # type: ignore[method-assign]
+    prometheus_client.Histogram.observe = nothing  # type: ignore[method-assign]
+    prometheus_client.Gauge.set = nothing  # type: ignore[method-assign]
+    prometheus_client.Gauge.inc = nothing  # type: ignore[method-assign]
+    prometheus_client.Gauge.dec = nothing  # type: ignore[method-assign]
+
+
+async def runtime_server(
+    base: Path, rooms: int, capacity: int, profile: str | None, metrics: str = "default"
+) -> None:
+    """``open_server`` on a fresh state directory, its turns held back (module docstring).
+    ``metrics``: ``off`` every instrument a no-op, ``on`` the metrics listener and its page
+    served too (its port in ``READY``), ``default`` as ``serve`` runs by default."""
     from fake_pi.model_server import ScriptedModel, serve_model
     from fake_pi.scenario import Hang, Scenario
-    from runtime._config import Caps, ModelConfig, RoomWorkerConfig, ServerConfig, Thresholds
+    from runtime._config import (
+        Caps,
+        MetricsConfig,
+        ModelConfig,
+        RoomWorkerConfig,
+        ServerConfig,
+        Thresholds,
+    )
     from runtime._rooms._admission import Author, Delivery
     from runtime._server._serve import ServeOptions, open_server
 
@@ -245,7 +271,10 @@ async def runtime_server(base: Path, rooms: int, capacity: int, profile: str | N
             ),
             caps=Caps(max_live_workers=1, queue_limit=capacity),
             server=ServerConfig(max_in_flight=capacity),
+            metrics=MetricsConfig(listen="127.0.0.1:0" if metrics == "on" else None),
         )
+        if metrics == "off":
+            instruments_off()
         async with open_server(config, ServeOptions(port=0), base_dir=base) as server:
             worker = server.worker
 
@@ -296,7 +325,12 @@ async def runtime_server(base: Path, rooms: int, capacity: int, profile: str | N
 
             _say(
                 "READY",
-                {"port": server.port, "warmup_s": time.perf_counter() - started} | report(),
+                {
+                    "port": server.port,
+                    "metrics_port": server.metrics_port,
+                    "warmup_s": time.perf_counter() - started,
+                }
+                | report(),
             )
             await _until_stdin_closes(on_line)
         nursery.cancel_scope.cancel()
@@ -332,7 +366,9 @@ def server_main(args: argparse.Namespace) -> int:
     if args.role == "echo":
         trio.run(echo_server)
     else:
-        trio.run(runtime_server, Path(args.base), args.rooms, args.capacity, args.profile)
+        trio.run(
+            runtime_server, Path(args.base), args.rooms, args.capacity, args.profile, args.metrics
+        )
     return 0
 
 
@@ -1067,6 +1103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", help=argparse.SUPPRESS)
     parser.add_argument("--rooms", type=int, default=CONNECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--capacity", type=int, default=10_000, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--metrics", choices=("default", "off", "on"), default="default", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.role:
         return server_main(args)

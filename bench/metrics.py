@@ -14,6 +14,12 @@ Two questions, each answered against a baseline measured in the same run:
   its own, on a real file store): milliseconds and CPU per scrape, and the share of one core a
   scrape every second takes. Baseline: the same registry with the servers' collector reading
   no server (the event metrics and the process collector alone).
+* **An open operator page**: what its event stream does each second with the same server —
+  build the page's state (``OperatorPage.snapshot``: the rooms, the pending deliveries and every
+  task's view, as ``task show`` builds it), encode it, and re-read the token file (a rotated
+  token ends the session): CPU per push, and the share of one core at one push a second.
+  Baseline: the same with no room or task lane (what a push costs whatever the lanes: the
+  token re-read, the encoding, the loop).
 * **The hot path**: the cost of one counter increment, one labelled increment and one histogram
   observation, against one durable journal append (a lane log on this machine's disk, p50)
   measured in the same run: an append records three observations (its latency, the writer's
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
@@ -52,6 +59,8 @@ from runtime._pi._launch import ModelRoute
 from runtime._records import TaskReply
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._server._metrics import COLLECTOR
+from runtime._server._page import PUSH_SECONDS, OperatorPage
+from runtime._server._token import ensure_token, read_token
 from runtime._tasks._runner import open_task_runner
 from runtime._tasks._service import TaskService
 from runtime._tasks._watchdog import WatchdogPolicy
@@ -65,11 +74,35 @@ ROUTE: Final = ModelRoute(provider="fake", model="fake-model")
 
 @dataclass
 class Observed:
-    """What the collector reads (``RoomServer``'s three attributes)."""
+    """What the collector and the operator page read (``RoomServer``'s attributes)."""
 
     worker: RoomWorker
     tasks: TaskService
+    state_dir: Path
     connections: Sized = field(default_factory=set)
+    worker_id: str = "bench"
+
+    async def status(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def cancel(self, delivery_id: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+async def page_cost(server: Observed) -> float:
+    """Median CPU milliseconds of one push of an open page's event stream: the state built
+    and encoded, and the token re-read (which the page does in a worker thread), timed on
+    this thread alone (``thread_time``: the in-process workers' and the journal's threads
+    are not counted)."""
+    page = OperatorPage(server, secure=False, allowed_hosts=frozenset())
+    cpus = []
+    for _ in range(SCRAPES):
+        await trio.lowlevel.checkpoint()
+        cpu = time.thread_time()
+        msgspec.json.encode(page.state())
+        read_token(server.state_dir)
+        cpus.append(time.thread_time() - cpu)
+    return statistics.median(cpus) * 1000
 
 
 def scrape_cost(registry: CollectorRegistry) -> tuple[float, float]:
@@ -119,22 +152,28 @@ async def parked_tasks(root: Path, count: int) -> AsyncIterator[TaskService]:
                 )
                 await runner.submit(spec)
             waiting: set[str] = set()
-            async for event in events:  # until every task waits for its user
+            while len(waiting) < count:  # until every task waits for its user
+                event = await events.receive()
                 if event.state == "waiting":
                     waiting.add(event.task_id)
-                if len(waiting) == count:
-                    break
         yield TaskService(runner, policy, policy)
 
 
 async def scrape_bench(root: Path, lanes: int) -> dict[str, float]:
     config = RoomWorkerConfig(state_dir=str(root / "state"), work_root=str(root / "rwork"))
+    async with open_room_worker(config) as worker:
+        state = Path(config.state_dir)
+        await trio.to_thread.run_sync(ensure_token, state)
+        async with parked_tasks(root / "none", 0) as no_tasks:
+            page_base = await page_cost(Observed(worker, no_tasks, state))  # no lane at all
     async with open_room_worker(config) as worker, parked_tasks(root, lanes) as tasks:
         for i in range(lanes):
             worker._lane(f"dm:{i}")  # an idle lane, as an admission makes it
         await trio.sleep(0.1)
         base_wall, base_cpu = scrape_cost(REGISTRY)  # the collector reads no server yet
-        COLLECTOR.servers.append(Observed(worker, tasks))
+        observed = Observed(worker, tasks, state)
+        page_cpu = await page_cost(observed)
+        COLLECTOR.servers.append(observed)
         try:
             wall, cpu = scrape_cost(REGISTRY)
             size = len(generate_latest(REGISTRY))
@@ -148,6 +187,8 @@ async def scrape_bench(root: Path, lanes: int) -> dict[str, float]:
         "scrape_ms": wall,
         "scrape_cpu_ms": cpu,
         "bytes": float(size),
+        "page_cpu_ms": page_cpu,
+        "page_baseline_cpu_ms": page_base,
     }
 
 
@@ -204,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{scrape['baseline_ms']:.2f} ms; ratio {scrape['scrape_ms'] / scrape['baseline_ms']:.1f}x"
     )
     print(f"  one scrape a second: {scrape['scrape_cpu_ms'] / 10:.2f} % of a core")
+    print(
+        f"  one open operator page (a push a second): {scrape['page_cpu_ms']:.2f} ms CPU per "
+        f"push = {scrape['page_cpu_ms'] / 10:.2f} % of a core (a push each second; the page pushes "
+        f"every {PUSH_SECONDS:g} s and on a task's change); baseline (no lanes) "
+        f"{scrape['page_baseline_cpu_ms']:.2f} ms; scrape + page "
+        f"{(scrape['scrape_cpu_ms'] + scrape['page_cpu_ms']) / 10:.2f} % of a core"
+    )
     print(
         f"  ops: inc {ops['inc_ns']:.0f} ns, labels().inc {ops['labels_inc_ns']:.0f} ns, "
         f"labelled().inc (the runtime's cached child) {ops['cached_inc_ns']:.0f} ns, "

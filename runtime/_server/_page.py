@@ -72,6 +72,8 @@ LOGIN_WINDOW: Final = 60.0
 """At most ``LOGIN_FAILURES`` refused tokens per ``LOGIN_WINDOW`` seconds (OP2)."""
 TIMELINE: Final = 256
 """Classification changes kept per task (the oldest go first)."""
+TIMELINES: Final = 4096
+"""Tasks whose timeline is kept (the one that changed least recently goes first)."""
 ROOMS_SHOWN: Final = 500
 PENDING_SHOWN: Final = 200
 _FILES: Final = {
@@ -170,7 +172,10 @@ class OperatorPage:
                 self._changed = trio.Event()
 
     def _mark(self, task_id: str, at_ms: int, classification: str, state: str) -> None:
-        timeline = self._timelines.setdefault(task_id, collections.deque(maxlen=TIMELINE))
+        timeline = self._timelines.pop(task_id, None) or collections.deque(maxlen=TIMELINE)
+        self._timelines[task_id] = timeline  # the most recently changed last
+        if len(self._timelines) > TIMELINES:
+            del self._timelines[next(iter(self._timelines))]
         if not timeline or timeline[-1][1:] != (classification, state):
             timeline.append((at_ms, classification, state))
 
@@ -262,25 +267,29 @@ class OperatorPage:
     # -- what the page shows -----------------------------------------------------------
 
     async def snapshot(self) -> dict[str, Any]:
+        """:meth:`state`, after a checkpoint."""
+        await trio.lowlevel.checkpoint()
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
         """The state the page shows: the server's, its rooms, the pending deliveries and every
         task with its silence, thresholds, budget, hold and next safe action."""
-        await trio.lowlevel.checkpoint()
         worker, tasks = self.server.worker, self.server.tasks
         rooms = worker.status()
         pending = sorted(worker.pending())
-        listed = await tasks.task_list()
+        scale = tasks.policy.timescale
         return {
             "worker_id": self.server.worker_id,
             "admitting": worker.admitting,
             "connections": len(self.server.connections),
             "unacknowledged": worker.unacknowledged,
-            "rooms": msgspec.to_builtins(rooms[:ROOMS_SHOWN]),
+            "rooms": rooms[:ROOMS_SHOWN],  # Structs: encoded as they are
             "rooms_total": len(rooms),
             "pending": pending[:PENDING_SHOWN],
             "pending_total": len(pending),
-            "tasks": [_task_row(view) for view in listed["tasks"]],
-            "unsafe_test_timescale": listed["unsafe_test_timescale"],
-            "warning": listed.get("warning"),
+            "tasks": tasks.rows(),
+            "unsafe_test_timescale": scale,
+            "warning": tasks.warning,
         }
 
     async def _journal(self, delivery_id: str) -> dict[str, Any]:
@@ -466,7 +475,11 @@ class OperatorPage:
         except _Refused as refused:
             await self._login_form(response, refused.status, f"{refused.code}: {refused.message}")
             return
-        form = parse_qs(request.body.decode("utf-8", "replace"), max_num_fields=4)
+        try:
+            form = parse_qs(request.body.decode("utf-8", "replace"), max_num_fields=4)
+        except ValueError:
+            await self._login_form(response, 400, "admin_bad_request: send the token field alone")
+            return
         presented = (form.get("token") or [""])[0].strip()
         token = await self._current_token()
         if token is None or not token_matches(token, presented):
@@ -534,27 +547,6 @@ _UNKNOWN: Final = frozenset(
     }
 )
 """Codes answered 404: nothing of that id is here (any more)."""
-
-
-def _task_row(view: dict[str, Any]) -> dict[str, Any]:
-    """What the page's task table shows of ``task show``'s view."""
-    ended = view.get("ended")
-    return {
-        "task_id": view["task_id"],
-        "state": view["state"],
-        "classification": view["classification"],
-        "phase": view["phase"],
-        "process_epoch": view["process_epoch"],
-        "silence_seconds": view["silence_seconds"],
-        "soft_seconds": view["soft_seconds"],
-        "hard_seconds": view["hard_seconds"],
-        "grace_seconds": view["grace_seconds"],
-        "budget": view["budget"],
-        "hold_reason": view["hold_reason"],
-        "pending_action": view["pending_action"],
-        "next_action": view["next_action"],
-        "ended": ended.get("state") if isinstance(ended, dict) else None,
-    }
 
 
 def _loose_command(body: bytes) -> str:

@@ -37,7 +37,7 @@ from ._lane import TaskHost, TaskLane
 from ._lifecycle import Verdict
 from ._retention import TaskRetention, forget_task, retain_ended_tasks
 from ._state import check_spec, submitted_record
-from ._view import records_view
+from ._view import records_view, task_row, view_row
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
 
@@ -362,6 +362,17 @@ class TaskRunner:
 
     def tasks(self) -> list[TaskView]:
         return [self.show(task_id) for task_id in self.task_ids()]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Each task's overview (``_view.task_row``: the fields ``tasks`` shows), by id,
+        without building the views of the live ones."""
+        rows = []
+        for task_id in self.task_ids():
+            ended = self.ended.get(task_id)
+            rows.append(
+                view_row(ended.view) if ended is not None else task_row(self.lanes[task_id])
+            )
+        return rows
 
     def census(self) -> list[TaskCensus]:
         """Each task's state, classification and whether a worker lives, read without

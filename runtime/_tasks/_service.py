@@ -133,6 +133,11 @@ class TaskService:
         """Every task of the state directory, ended ones too, by id."""
         return self.runner.tasks()
 
+    def rows(self) -> list[dict[str, Any]]:
+        """Every task's overview, by id: what the operator page's task table shows (the
+        fields of ``tasks()``'s views, built without them)."""
+        return self.runner.rows()
+
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> TaskView:
         """Answer the task's ``task_wait`` (its correlation, default: the open one); refused
         ``task_not_waiting`` when it waits for nothing or for another correlation."""

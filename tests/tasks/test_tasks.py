@@ -37,6 +37,7 @@ from runtime._tasks._lane import TaskLane
 from runtime._tasks._lifecycle import TaskState
 from runtime._tasks._session import session_size
 from runtime._tasks._state import inference_costs, read_lane, submitted_record
+from runtime._tasks._view import view_row
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._wire import TaskSpec
 
@@ -571,3 +572,26 @@ async def test_tl1_submission_is_idempotent_and_refuses_bad_input(
         with pytest.raises(TaskError) as unknown:
             rig.runner.show("nobody")
         assert unknown.value.code == ReasonCode.TASK_UNKNOWN
+
+
+async def test_a_task_row_is_its_views_overview_at_every_stage(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """``TaskRunner.rows()`` (the operator page's table, built without the views) says what
+    ``view_row(show())`` says — silent and suspect, waiting, held by an operator's abort."""
+
+    def same() -> None:  # no await between the two: the clocks stand still
+        assert rig.runner.rows() == [view_row(view) for view in rig.runner.tasks()]
+
+    async with open_rig(tmp_path, clocks, [Hang(seconds=3600), wait(), say("asked")]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == "Suspect")
+        row = rig.runner.rows()[0]
+        assert row["silence_seconds"] >= row["soft_seconds"] > 0
+        same()
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        same()
+        await rig.runner.abort(TASK, "enough")
+        await rig.ended(TASK)
+        same()
+        assert rig.runner.rows()[0]["ended"] == "aborted"
