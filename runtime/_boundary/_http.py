@@ -100,7 +100,9 @@ class HttpServer:
         return f"http://{self.host}:{self.port}"
 
 
-async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> Request | None:
+async def _read_request(
+    stream: trio.abc.Stream, conn: h11.Connection, limit: int = _MAX_REQUEST
+) -> Request | None:
     head: h11.Request | None = None
     body = bytearray()
     while True:
@@ -112,7 +114,7 @@ async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> Reques
             head = event
         elif isinstance(event, h11.Data):
             body += event.data
-            if len(body) > _MAX_REQUEST:
+            if len(body) > limit:
                 raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
         elif isinstance(event, h11.EndOfMessage):
             assert head is not None
@@ -124,12 +126,14 @@ async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> Reques
             return None
 
 
-async def _serve_connection(stream: trio.abc.Stream, handler: Handler) -> None:
+async def _serve_connection(
+    stream: trio.abc.Stream, handler: Handler, limit: int = _MAX_REQUEST
+) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
         while True:
             try:
-                request = await _read_request(stream, conn)
+                request = await _read_request(stream, conn, limit)
             except h11.RemoteProtocolError as exc:
                 with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
                     writer = ResponseWriter(stream, conn)
@@ -160,10 +164,11 @@ async def serve_http(
     host: str = "127.0.0.1",
     port: int = 0,
     ssl_context: ssl.SSLContext | None = None,
+    max_request: int = _MAX_REQUEST,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` until cancelled; ``task_status.started`` once listening; HTTPS
-    with ``ssl_context``.
+    with ``ssl_context``; a request body over ``max_request`` bytes is answered 413.
 
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
@@ -175,7 +180,7 @@ async def serve_http(
 
         async def serve(stream: trio.SocketStream) -> None:
             if ssl_context is None:
-                await _serve_connection(stream, handler)
+                await _serve_connection(stream, handler, max_request)
                 return
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
@@ -183,7 +188,7 @@ async def serve_http(
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.aclose_forcefully(stream)  # a failed handshake: nothing to answer
                 return
-            await _serve_connection(tls, handler)
+            await _serve_connection(tls, handler, max_request)
 
         await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
 

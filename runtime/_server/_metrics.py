@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 PATH: Final = "/metrics"
+MAX_BODY: Final = 256 * 1024
+"""The largest request body the listener reads (a control is at most 64 KiB): more is 413."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
 
 
@@ -216,7 +218,14 @@ async def serve_metrics(
             )
 
         bound: HttpServer = await nursery.start(
-            functools.partial(serve_http, handle, host=host, port=port, ssl_context=ssl_context)
+            functools.partial(
+                serve_http,
+                handle,
+                host=host,
+                port=port,
+                ssl_context=ssl_context,
+                max_request=MAX_BODY,
+            )
         )
         if page is not None:
             holder.append(made := page(bound))

@@ -66,7 +66,9 @@ MAX_SESSIONS: Final = 32
 MAX_STREAMS: Final = 16
 """Open event streams at once (OP6); one more is ``page_busy``."""
 PUSH_SECONDS: Final = 1.0
-KEEPALIVE_SECONDS: Final = 15.0
+KEEPALIVE_SECONDS: Final = 5.0
+"""A comment on a quiet stream this often: a closed page's stream is noticed (its send fails)
+and its slot given back within this long."""
 LOGIN_FAILURES: Final = 5
 LOGIN_WINDOW: Final = 60.0
 """At most ``LOGIN_FAILURES`` refused tokens per ``LOGIN_WINDOW`` seconds (OP2)."""

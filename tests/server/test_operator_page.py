@@ -440,3 +440,12 @@ async def test_op9_page_false_serves_the_metrics_alone(tmp_path: Path) -> None:
             assert (await ask(port, "/")).status == 404
             assert (await ask(port, "/login", "POST", body=b"token=x")).status == 405
             assert (await ask(port, "/metrics")).status == 200
+
+
+async def test_op6_a_body_over_the_bound_is_413_before_anything_reads_it(tmp_path: Path) -> None:
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            big = await ask(port, "/login", "POST", body=b"token=" + b"x" * 300_000)
+            assert big.status == 413
+            assert (await ask(port, "/")).status == 200  # the listener goes on
