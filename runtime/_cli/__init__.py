@@ -96,3 +96,4 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     finally:
         logging.getLogger().removeHandler(handler)
+        handler.close()  # every line still waiting is written first

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import sys
-from typing import Any
+import threading
+from typing import Any, Final, TextIO
 
 from .._logs import FIELDS
 from ._base import JSON, logger
@@ -52,11 +54,82 @@ class _Plain(logging.Formatter):
         return super().format(record)
 
 
+LOG_QUEUE: Final = 10_000
+"""Lines waiting for standard error at most; beyond it a line is dropped and counted."""
+
+
+class OffloadedHandler(logging.Handler):
+    """Formats a record on the thread that logs it and hands the line to a thread of its own
+    that writes it: a slow or blocked standard error (a full pipe nobody reads) never stalls
+    the Trio loop. Bounded: past :data:`LOG_QUEUE` lines waiting, lines are dropped and counted,
+    and the writer says how many once it catches up (the event ``log_lines_dropped``).
+    :meth:`close` writes every line still waiting, then stops the thread."""
+
+    def __init__(self, stream: TextIO, formatter: logging.Formatter) -> None:
+        super().__init__()
+        self.setFormatter(formatter)
+        self._stream = stream
+        self._lines: queue.Queue[str | None] = queue.Queue(LOG_QUEUE)
+        self._dropped = 0
+        self._count_lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write, name="pi-runtime-log", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            with self._count_lock:
+                self._dropped += 1
+
+    def _write(self) -> None:
+        while True:
+            line = self._lines.get()
+            with self._count_lock:
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                self._out(self._dropped_line(dropped))
+            if line is None:
+                return
+            self._out(line)
+
+    def _dropped_line(self, count: int) -> str:
+        record = logging.makeLogRecord(
+            {
+                "name": "runtime.log",
+                "levelno": logging.WARNING,
+                "levelname": "WARNING",
+                "msg": "%d log lines dropped: standard error was not read fast enough",
+                "args": (count,),
+                "event": "log_lines_dropped",
+            }
+        )
+        return self.format(record)
+
+    def _out(self, line: str) -> None:
+        try:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # standard error is gone: nothing is left to tell
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._lines.put(None)  # after every line already waiting
+            self._writer.join(timeout=10.0)
+        super().close()
+
+
 def configure_logging(*, json_lines: bool, level: int = logging.INFO) -> logging.Handler:
-    """Send every log record to standard error, as JSON lines or plain text (O11); the
-    handler installed on the root logger (remove it to undo)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonLines() if json_lines else _Plain())
+    """Send every log record to standard error, as JSON lines or plain text (O11), written by
+    a thread of its own (:class:`OffloadedHandler`); the handler installed on the root logger
+    (remove and close it to undo: closing writes what is still waiting)."""
+    handler = OffloadedHandler(sys.stderr, _JsonLines() if json_lines else _Plain())
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(level)
