@@ -252,7 +252,7 @@ async def runtime_server(
         Thresholds,
     )
     from runtime._rooms._admission import Author, Delivery
-    from runtime._server._serve import ServeOptions, open_server
+    from runtime._server._serve import ServeOptions, open_server, settle_heap
 
     hour = 3600.0
     model = ScriptedModel(scenario=Scenario(steps=[Hang(seconds=hour)]))
@@ -276,6 +276,7 @@ async def runtime_server(
         if metrics == "off":
             instruments_off()
         async with open_server(config, ServeOptions(port=0), base_dir=base) as server:
+            settle_heap()  # as serve does once started
             worker = server.worker
 
             def delivery(room: str, delivery_id: str) -> Delivery:
@@ -307,6 +308,9 @@ async def runtime_server(
                     "pending": len(worker.pending()),
                     "results": worker.last_seq,
                     "model_requests": model.request_count,
+                    "gc_tracked": len(gc.get_objects()),
+                    "gc_types": Counter(type(o).__name__ for o in gc.get_objects()).most_common(8),
+                    "gc_frozen": gc.get_freeze_count(),
                 }
 
             async def on_line(line: str) -> None:
@@ -1075,7 +1079,9 @@ async def run(
             f"  round {i}: runtime warm-up {fact['warmup_s']:.1f}s; after the last phase: "
             f"{fact['after']['pending']} pending, {fact['after']['results']} results, "
             f"hold turn running={fact['after']['hold_busy']}, "
-            f"model requests {fact['after']['model_requests']}"
+            f"model requests {fact['after']['model_requests']}; objects the collector tracks "
+            f"{fact['gc_tracked']:,} at start, {fact['after']['gc_tracked']:,} at the end "
+            f"({fact['after']['gc_frozen']:,} frozen; most: {fact['after']['gc_types']})"
         )
     print()
     if not rounds:

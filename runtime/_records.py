@@ -111,8 +111,13 @@ class LifecycleKind(enum.StrEnum):
     """An operator's ``task fail``."""
 
 
-class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
-    """Base of every journal record (not itself a record)."""
+class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
+    """Base of every journal record (not itself a record).
+
+    ``gc=False`` (inherited): a record is immutable data decoded or built from plain values and
+    never refers to itself, so it can be in no reference cycle; the cycle collector need not
+    track it. Tens of thousands stay alive while deliveries are pending, and a full collection
+    walks every tracked object (docs/design/performance.md "Garbage collection")."""
 
 
 class Header(_Record, tag="header", frozen=True, kw_only=True):
@@ -125,7 +130,7 @@ class Header(_Record, tag="header", frozen=True, kw_only=True):
     created_ms: int
 
 
-class Fingerprints(msgspec.Struct, frozen=True, kw_only=True):
+class Fingerprints(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The three fingerprints an admission pins (docs/design/journal.md)."""
 
     request: str
@@ -186,7 +191,7 @@ class ToolIntent(_Record, tag="tool_intent", frozen=True, kw_only=True):
     epoch: int
 
 
-class AttachmentRef(msgspec.Struct, frozen=True, kw_only=True):
+class AttachmentRef(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A file the agent attached to its reply (docs/design/attachments.md): its bytes are in
     the attachment root under ``sha256``, durable before any record names them (A2)."""
 

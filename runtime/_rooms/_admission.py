@@ -47,12 +47,12 @@ MAX_ID: Final = 200
 _sorted: Final = msgspec.json.Encoder(order="sorted")
 
 
-class Author(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Author(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     id: str
     name: str = ""
 
 
-class HistoryItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class HistoryItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One message of the client's backlog (what a cold lane needs to know where it is)."""
 
     author: Author
@@ -60,7 +60,7 @@ class HistoryItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     text: str
 
 
-class Delivery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Delivery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One room message to answer; ``delivery_id`` is the client's idempotency key."""
 
     delivery_id: str

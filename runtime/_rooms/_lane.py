@@ -244,7 +244,7 @@ class Lane:
                 if self._room is not None:
                     self._room.fail(error)
                 return False
-            owner.absorbed.append(item)
+            owner.absorbed += (item,)
             pending.absorbed_into = owner.delivery_id
             await turn.send_steer(item)
             return True
@@ -424,7 +424,7 @@ class Lane:
             else:
                 item.pending.absorbed_into = None
                 retry.append(item.pending)
-        owner.absorbed.clear()
+        owner.absorbed = ()
         for pending in reversed(retry):
             self.submit(pending, front=True)
 

@@ -3,7 +3,7 @@ into another's run (:class:`Absorbed`, docs/design/lanes.md L10)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .._records import Admission
 from ._admission import Delivery
@@ -11,7 +11,7 @@ from ._admission import Delivery
 __all__ = ["Absorbed", "Pending"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """An admitted delivery the host has not finished."""
 
@@ -21,8 +21,9 @@ class Pending:
     privileged: bool
     recovering: bool = False
     cancelled: bool = False
-    absorbed: list[Absorbed] = field(default_factory=list)
-    """Deliveries steered into this one's run (it is their owner)."""
+    absorbed: tuple[Absorbed, ...] = ()
+    """Deliveries steered into this one's run (it is their owner); a tuple, so a delivery
+    nothing was steered into holds no container of its own for the collector to track."""
     absorbed_into: str | None = None
     """The owner this delivery was steered into, while it is."""
 
@@ -31,7 +32,7 @@ class Pending:
         return self.delivery.delivery_id
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Absorbed:
     """A delivery steered into an owner's run (docs/design/lanes.md): its text, and the step
     whose model request first carried it (``None`` until seen)."""

@@ -37,7 +37,6 @@ import logging
 import math
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal, cast
 
@@ -106,12 +105,10 @@ EVENT_BUFFER = 1024
 """Signals kept for a slow events reader; older ones are dropped (they are not durable)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Known:
-    """A delivery this host knows was admitted: its request fingerprint and its room."""
-
-    request: str
-    room: str
+Known = tuple[str, str]
+"""A delivery this host knows was admitted: ``(its request fingerprint, its room)``. A plain
+tuple of two strings, one per delivery admitted: the collector stops tracking an exact tuple
+of untracked values at its first pass (not a NamedTuple, which it always tracks)."""
 
 
 class RoomWorker:
@@ -129,7 +126,7 @@ class RoomWorker:
         self._host = host
         self._nursery = nursery
         self._lanes: dict[str, Lane] = {}
-        self._known: dict[str, _Known] = {}
+        self._known: dict[str, Known] = {}
         self._pending: dict[str, Pending] = {}
         self._admitting = True
         self._events_in, self._events_out = trio.open_memory_channel[RoomEvent](EVENT_BUFFER)
@@ -198,13 +195,13 @@ class RoomWorker:
         if known is None:
             self._check_not_expired(delivery.delivery_id)
         else:
-            if known.request != prints.request:
+            if known[0] != prints.request:
                 raise DeliveryError(
                     ReasonCode.DELIVERY_CONFLICT,
                     f"delivery {delivery.delivery_id} was admitted with a different request",
                 )
             return Accepted(
-                delivery_id=delivery.delivery_id, room=known.room, disposition="duplicate"
+                delivery_id=delivery.delivery_id, room=known[1], disposition="duplicate"
             )
         room = delivery.room
         lane = self._lanes.get(room) if self.leases is not None else self._lane(room)
@@ -224,7 +221,7 @@ class RoomWorker:
             rendered_prompt=render_prompt(delivery, cold=cold),
             admitted_ms=self._host.clocks.wall.time_ms(),
         )
-        self._known[delivery.delivery_id] = _Known(prints.request, delivery.room)
+        self._known[delivery.delivery_id] = (prints.request, delivery.room)
         try:
             first = await self._append_admission(admission)
         except BaseException:
@@ -688,7 +685,7 @@ class RoomWorker:
         for record in records:
             if isinstance(record, Settled):  # a finished delivery's idempotency record
                 self._settled[record.delivery_id] = record
-                self._known[record.delivery_id] = _Known(record.request, record.room)
+                self._known[record.delivery_id] = (record.request, record.room)
                 self._warm.add(record.room)
                 continue
             if not isinstance(record, Admission) or record.delivery_id in self._admissions:
@@ -696,7 +693,7 @@ class RoomWorker:
             delivery = msgspec.convert(record.request, Delivery)
             room = delivery.room
             self._admissions[record.delivery_id] = record
-            self._known[record.delivery_id] = _Known(record.fingerprints.request, room)
+            self._known[record.delivery_id] = (record.fingerprints.request, room)
             if outbox.result_of(record.delivery_id) is None:
                 self._unfinished.setdefault(room, {})[record.delivery_id] = None
                 if not self.config.is_privileged(room, delivery.author.id):
@@ -767,7 +764,7 @@ class RoomWorker:
             if owner is not None and owner_id is not None and owner_id[0] in replaying:
                 self._pending[record.delivery_id] = pending  # it rides its owner's replay
                 pending.absorbed_into = owner.delivery_id
-                owner.absorbed.append(Absorbed(pending, owner_id[1], owner_id[2]))
+                owner.absorbed += (Absorbed(pending, owner_id[1], owner_id[2]),)
                 continue
             replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import gc
 import hashlib
 import logging
 import os
@@ -101,7 +102,14 @@ from ._protocol import (
 )
 from ._token import ensure_token, read_token, token_matches
 
-__all__ = ["RoomServer", "ServeOptions", "check_bind", "open_server", "serve_until_signalled"]
+__all__ = [
+    "RoomServer",
+    "ServeOptions",
+    "check_bind",
+    "open_server",
+    "serve_until_signalled",
+    "settle_heap",
+]
 
 logger = logging.getLogger("runtime.serve")
 
@@ -638,6 +646,14 @@ async def open_server(
                     nursery.cancel_scope.cancel()
 
 
+def settle_heap() -> None:
+    """Once started (recovery done): collect once, then freeze what is alive — the modules,
+    the configuration, what recovery rebuilt — so later collections walk only what is new
+    (``gc.freeze``; docs/design/performance.md "Garbage collection")."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
     """Serve until SIGINT or SIGTERM, then drain (S5) and stop."""
     import signal
@@ -648,6 +664,7 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
         loud_logging(policy),
     ):
         async with open_server(config, options) as server:
+            settle_heap()
             scheme = "wss" if options.ssl_context is not None else "ws"
             warning = server.tasks.warning
             if warning is not None:
