@@ -262,6 +262,10 @@ class RetentionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     After it, the same id would be admitted as new."""
     compact_hours: Annotated[float, msgspec.Meta(gt=0)] = 6.0
     """How often ``serve`` compacts the shared logs (RT6-RT10)."""
+    compact_bytes_per_second: Annotated[int, msgspec.Meta(ge=0)] = 32 * 1024 * 1024
+    """How fast a running server's compaction writes the new logs (RT10's byte budget), so a
+    compaction never takes the disk from the journal's own appends; ``0``: as fast as it can
+    (what ``pi-runtime journal compact`` does, with no server running)."""
 
 
 class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -79,6 +79,10 @@ _FRAME_RECORDS: Final = 1024
 LOCK: Final = "LOCK"
 
 
+COMPACT_CHUNK: Final = 1024 * 1024
+"""The piece a compaction writes at a time (:meth:`Store.rewrite_shared`)."""
+
+
 class OwnerRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Who holds the state directory: an exact process plus a random nonce."""
 
@@ -277,6 +281,7 @@ class Store:
         *,
         last_seq: int = 0,
         held: Callable[[], AbstractAsyncContextManager[list[Record]]] | None = None,
+        bytes_per_second: int = 0,
     ) -> Journal:
         """Replace the shared log ``journal`` (:attr:`admissions` or :attr:`results`) by a
         file holding ``records`` (RT7): a new header and a :class:`Compacted` record first,
@@ -287,7 +292,11 @@ class Store:
         is whole until the new one is durable, a crash leaves one or the other, and appends
         wait only for the catch-up and the rename, not for the bulk of the file. What is
         then the log: the new file; after a failed rewrite, whichever file is there (the old
-        one, unless only the directory sync failed), read back from disk."""
+        one, unless only the directory sync failed), read back from disk.
+
+        With ``bytes_per_second``, the bulk is written in :data:`COMPACT_CHUNK` pieces at no
+        more than that rate (RT10's byte budget: a sleep after each piece, nothing held
+        meanwhile); the catch-up, while appends wait, is written at once."""
         rel, contents = journal.rel, journal.contents
         kind = contents.header.kind
         marked = len(contents.records) > 1 and isinstance(contents.records[1], Compacted)
@@ -308,7 +317,11 @@ class Store:
         path = self.path(rel)
         staged = await self._blocking(rel, StagedFile, self.fs, path)
         try:
-            await self._blocking(rel, staged.write, data)
+            for start in range(0, len(data), COMPACT_CHUNK):
+                piece = data[start : start + COMPACT_CHUNK]
+                await self._blocking(rel, staged.write, piece)
+                if bytes_per_second:
+                    await trio.sleep(len(piece) / bytes_per_second)
             async with held() if held is not None else _nothing_since() as since:
                 if since:
                     tail = _framed(since, first=len(written))

@@ -136,6 +136,7 @@ async def compact_shared(
     busy: Callable[[str], bool],
     retention: RetentionConfig,
     held: Callable[[], AbstractAsyncContextManager[list[Record]]] | None = None,
+    bytes_per_second: int = 0,
 ) -> Compaction:
     """Compact the shared logs now (RT4-RT8), in steps each durable before the next begins
     (RT5): plan it (:func:`plan_compaction`) on what ``admitted()`` returns; remove the step
@@ -143,7 +144,8 @@ async def compact_shared(
     rewrite the admission log — ``held()`` holds admissions back only for the end of that,
     yielding those admitted since ``admitted()`` was called, which are carried over as they
     are (:meth:`Store.rewrite_shared`); then the result log, the same way under the outbox's
-    lock. What it did (nothing, when nothing was due)."""
+    lock. Both rewrites write at most ``bytes_per_second`` (``0``: at once; RT10). What it did
+    (nothing, when nothing was due)."""
     now = store.clocks.wall.time_ms()
     plan = plan_compaction(
         admitted(),
@@ -162,14 +164,22 @@ async def compact_shared(
     if plan.expired:
         forget = int(retention.forget_days * DAY_MS)
         await store.expire({d: e.published_ms + forget for d, e in plan.expired.items()})
-    await store.rewrite_shared(store.admissions, list(plan.admissions), held=held)
+    await store.rewrite_shared(
+        store.admissions, list(plan.admissions), held=held, bytes_per_second=bytes_per_second
+    )
 
     async def replace(
         records: list[Record],
         last_seq: int,
         held: Callable[[], AbstractAsyncContextManager[list[Record]]],
     ) -> object:
-        return await store.rewrite_shared(store.results, records, last_seq=last_seq, held=held)
+        return await store.rewrite_shared(
+            store.results,
+            records,
+            last_seq=last_seq,
+            held=held,
+            bytes_per_second=bytes_per_second,
+        )
 
     await outbox.rewrite(set(plan.expired) | plan.orphaned, replace, lambda: store.results)
     return plan

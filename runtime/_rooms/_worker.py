@@ -865,6 +865,7 @@ class RoomWorker:
                 busy=self._busy,
                 retention=self.config.retention,
                 held=held,
+                bytes_per_second=self.config.retention.compact_bytes_per_second,
             )
             if plan.changes:  # both logs are durable: what this host knows follows them
                 for delivery_id in plan.expired:

@@ -22,7 +22,7 @@ from runtime._errors import DeliveryError, JournalError, ReasonCode
 from runtime._journal._expired import EXPIRED, read_expired
 from runtime._journal._inspect import verify_journal
 from runtime._journal._journal import read_log
-from runtime._journal._store import ADMISSIONS, RESULTS, delivery_key, open_store
+from runtime._journal._store import ADMISSIONS, COMPACT_CHUNK, RESULTS, delivery_key, open_store
 from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import (
     Admission,
@@ -519,3 +519,45 @@ async def test_rt7_rt8_a_result_published_during_the_rewrite_is_carried_over(
     assert next_seq == 5
     assert on_disk == [("d2", 2), ("d3", 3), ("late", 4), ("next", 5)]
     assert acked == 4
+
+
+async def test_rt10_a_servers_compaction_keeps_to_its_byte_budget(
+    tmp_path: Path, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """RT10's byte budget: the same rewrite of a 3 MiB admission log at 512 KiB/s takes the
+    (virtual) seconds its size asks — a sleep after each 1 MiB piece — and writes the very
+    bytes the unbounded one writes, which sleeps not at all."""
+    clocks = Clocks(silence=SystemSilenceClock(), wall=MockWallClock())
+    prints = Fingerprints(request="r", authority="a", settings="s")
+    records = [
+        Admission(
+            delivery_id=f"d{n}",
+            lane=f"dm:{n % 7}",
+            request={"delivery_id": f"d{n}", "text": "x"},
+            fingerprints=prints,
+            rendered_prompt="p" * 1000,
+            admitted_ms=n,
+        )
+        for n in range(3000)
+    ]
+    rate = 512 * 1024
+    took, files = [], []
+    for name, budget in (("paced", rate), ("unbounded", 0)):
+        async with open_store(tmp_path / name, clocks=clocks) as store:
+            async with trio.open_nursery() as nursery:
+                for record in records:
+                    nursery.start_soon(store.admissions.append, record)
+            started = trio.current_time()
+            await store.rewrite_shared(store.admissions, records, bytes_per_second=budget)
+            took.append(trio.current_time() - started)
+        files.append((tmp_path / name / ADMISSIONS).read_bytes())
+    size = len(files[0])
+    assert size > 3 * COMPACT_CHUNK
+    assert took[0] == pytest.approx(size / rate, rel=0.01)
+    assert took[1] < 0.01
+    assert len(files[1]) == size
+    paced, unbounded = (shared(tmp_path / name)[0] for name in ("paced", "unbounded"))
+    compacted = [r for r in paced if isinstance(r, Compacted)]
+    assert len(compacted) == 1
+    rest = [r for r in paced if isinstance(r, Admission)]
+    assert rest == [r for r in unbounded if isinstance(r, Admission)] == records  # whole, in order
