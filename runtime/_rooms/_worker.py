@@ -374,6 +374,10 @@ class RoomWorker:
     def result_of(self, delivery_id: str) -> DeliveryResult | None:
         return self._host.outbox.result_of(delivery_id)
 
+    def last_result(self, room: str) -> DeliveryResult | None:
+        """The room's latest published result, if it has one."""
+        return self._host.outbox.last_of_room.get(room)
+
     def attachment(self, attachment_id: str) -> AttachmentRef | None:
         """The attachment ``attachment_id`` when a published result names it (what a client
         may fetch); ``None`` otherwise."""

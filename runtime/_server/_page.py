@@ -51,6 +51,7 @@ from ._token import read_token, token_matches
 if TYPE_CHECKING:
     from .._rooms._worker import RoomWorker
     from .._tasks._service import TaskService
+    from .._wire import DeliveryResult, RoomStatus
 
 __all__ = ["CONTROLS", "OperatorPage"]
 
@@ -285,7 +286,9 @@ class OperatorPage:
             "admitting": worker.admitting,
             "connections": len(self.server.connections),
             "unacknowledged": worker.unacknowledged,
-            "rooms": rooms[:ROOMS_SHOWN],  # Structs: encoded as they are
+            "rooms": [
+                _room_row(room, worker.last_result(room.room)) for room in rooms[:ROOMS_SHOWN]
+            ],
             "rooms_total": len(rooms),
             "pending": pending[:PENDING_SHOWN],
             "pending_total": len(pending),
@@ -549,6 +552,28 @@ _UNKNOWN: Final = frozenset(
     }
 )
 """Codes answered 404: nothing of that id is here (any more)."""
+
+
+def _room_row(room: RoomStatus, last: DeliveryResult | None) -> dict[str, Any]:
+    """A room as ``status`` reports it, and how its latest result ended (its outcome, code
+    and delivery — never its text: OP7)."""
+    row: dict[str, Any] = {
+        "room": room.room,
+        "state": room.state,
+        "queued": room.queued,
+        "live_worker": room.live_worker,
+        "last_result_seq": room.last_result_seq,
+        "last_outcome": None,
+        "last_code": None,
+        "last_delivery": None,
+    }
+    if last is not None:
+        row |= {
+            "last_outcome": str(last.outcome),
+            "last_code": last.code,
+            "last_delivery": last.delivery_id,
+        }
+    return row
 
 
 def _loose_command(body: bytes) -> str:

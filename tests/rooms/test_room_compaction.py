@@ -30,6 +30,7 @@ from runtime._records import (
     Fingerprints,
     LogKind,
     Outcome,
+    Record,
     ResultAcked,
     ResultPublished,
     Settled,
@@ -529,7 +530,7 @@ async def test_rt10_a_servers_compaction_keeps_to_its_byte_budget(
     bytes the unbounded one writes, which sleeps not at all."""
     clocks = Clocks(silence=SystemSilenceClock(), wall=MockWallClock())
     prints = Fingerprints(request="r", authority="a", settings="s")
-    records = [
+    records: list[Record] = [
         Admission(
             delivery_id=f"d{n}",
             lane=f"dm:{n % 7}",

@@ -397,6 +397,11 @@ async def test_op7_a_deliverys_journal_is_what_journal_show_prints(tmp_path: Pat
             async with r.connect() as client:
                 await client.send(message("d/1 x", SECRET_WORDS))
                 await client.until(lambda f: f["type"] == "result")
+            state = await ask(port, "/api/state", headers=[("cookie", cookie)])
+            room = state.json()["rooms"][0]
+            assert (room["last_outcome"], room["last_delivery"]) == ("reply", "d/1 x")
+            assert room["last_result_seq"] == 1
+            assert b"hello" not in state.body  # the reply's text is not on the page (OP7)
             shown = await ask(port, "/api/journal/d%2F1%20x", headers=[("cookie", cookie)])
             assert shown.status == 200
             records, _note = delivery_records(tmp_path / "state", "d/1 x")

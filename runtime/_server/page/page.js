@@ -107,7 +107,10 @@ function render(state) {
   document.getElementById("rooms-total").textContent = `(${state.rooms_total})`;
   document.querySelector("#rooms tbody").replaceChildren(...state.rooms.map((room) => el("tr", {},
     el("td", {}, room.room), el("td", {}, room.state), el("td", {}, room.queued),
-    el("td", {}, room.live_worker ? "live" : "—"), el("td", {}, room.last_result_seq || "—"),
+    el("td", {}, room.live_worker ? "live" : "—"),
+    el("td", { class: "last" }, room.last_result_seq
+      ? `#${room.last_result_seq} ${room.last_outcome ?? ""}${room.last_code ? ` (${room.last_code})` : ""}`
+      : "—"),
   )));
   document.getElementById("pending-total").textContent = `(${state.pending_total})`;
   document.querySelector("#pending tbody").replaceChildren(...state.pending.map((id) => el("tr", {},
