@@ -18,6 +18,7 @@ cold and warm lanes). Everything here is pure: no I/O, no clock, no Trio.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
@@ -124,9 +125,15 @@ def fingerprints(delivery: Delivery, *, grants: Iterable[str], settings: str) ->
     :func:`settings_fingerprint` (the same for every delivery with these grants)."""
     return Fingerprints(
         request=digest(_canonical_request(delivery)),
-        authority=digest(sorted(set(grants))),
+        authority=_authority(frozenset(grants)),
         settings=settings,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _authority(grants: frozenset[str]) -> str:
+    """The authority fingerprint of a grant set (a few sets per configuration: cached)."""
+    return digest(sorted(grants))
 
 
 def settings_fingerprint(settings: Mapping[str, Any]) -> str:
