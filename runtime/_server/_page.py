@@ -165,14 +165,20 @@ class OperatorPage:
         """Record every task's classification changes (with the wall-clock time they were
         seen) and wake the event streams; until cancelled."""
         wall = self.server.worker.store.clocks.wall
-        for view in self.server.tasks.tasks():
-            self._mark(view.task_id, wall.time_ms(), view.classification, view.state)
         async with self.server.tasks.events(buffer=4096) as events:
             task_status.started()
-            async for event in events:
-                self._mark(event.task_id, wall.time_ms(), event.classification, event.state)
-                self._changed.set()
-                self._changed = trio.Event()
+            try:
+                for row in self.server.tasks.rows():
+                    self._mark(row["task_id"], wall.time_ms(), row["classification"], row["state"])
+                async for event in events:
+                    self._mark(event.task_id, wall.time_ms(), event.classification, event.state)
+                    self._changed.set()
+                    self._changed = trio.Event()
+            except Exception:  # OP8: the page's fault stays the page's; the server goes on
+                logger.exception(
+                    "the operator page stopped following the tasks; the timelines stop here",
+                    extra=fields("page_failed", code=ReasonCode.PAGE_FAILED),
+                )
 
     def _mark(self, task_id: str, at_ms: int, classification: str, state: str) -> None:
         timeline = self._timelines.pop(task_id, None) or collections.deque(maxlen=TIMELINE)

@@ -454,3 +454,34 @@ async def test_op6_a_body_over_the_bound_is_413_before_anything_reads_it(tmp_pat
             big = await ask(port, "/login", "POST", body=b"token=" + b"x" * 300_000)
             assert big.status == 413
             assert (await ask(port, "/")).status == 200  # the listener goes on
+
+
+async def test_op8_a_fault_in_following_the_tasks_stays_in_the_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timelines' follower fails (its first read of the tasks raises): it is logged, the
+    server goes on serving its websocket, the metrics and the page."""
+    from runtime._tasks._service import TaskService
+
+    calls = 0
+    original = TaskService.rows
+
+    def broken(self: TaskService) -> list[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the follower")
+        return original(self)
+
+    monkeypatch.setattr(TaskService, "rows", broken)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE, steps=[Text(text="still here")]) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            assert (await ask(port, "/api/state", headers=bearer)).status == 200
+            assert (await ask(port, "/metrics")).status == 200
+            async with r.connect() as client:
+                await client.send(message("d1", "hello"))
+                result = await client.until(lambda f: f["type"] == "result")
+            assert result["outcome"] == "reply"
+            assert calls >= 2
