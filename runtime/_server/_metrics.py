@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import ipaddress
+import logging
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
@@ -26,6 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
+from .._logs import fields
 from .._metrics import REGISTRY
 from .._tasks._watchdog import Classification
 from ._page import OperatorPage, Served
@@ -44,6 +46,8 @@ __all__ = [
     "open_metrics",
     "serve_metrics",
 ]
+
+logger = logging.getLogger("runtime.metrics")
 
 PATH: Final = "/metrics"
 MAX_BODY: Final = 256 * 1024
@@ -213,9 +217,18 @@ async def serve_metrics(
 
         async def handle(request: Request, response: ResponseWriter) -> None:
             shown = holder[0] if holder else None
-            await _handle(
-                shown, shown is not None and _insecure(host, ssl_context), request, response
-            )
+            try:
+                await _handle(
+                    shown, shown is not None and _insecure(host, ssl_context), request, response
+                )
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise  # the client went away: its connection ends
+            except Exception:  # a fault stays in its request: the listener and server go on
+                logger.exception(
+                    "the metrics listener failed to answer", extra=fields("metrics_failed")
+                )
+                if not response.started:
+                    await _plain(response, 500, b"metrics_failed: see the server's log\n")
 
         bound: HttpServer = await nursery.start(
             functools.partial(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 import trio
@@ -21,6 +21,7 @@ from runtime._cli._serve import _config
 from runtime._config import config_from_dict
 from runtime._errors import ConfigError
 from runtime._records import Outcome, ReplayClass
+from runtime._server._metrics import ServerCollector
 from runtime._server._serve import ServeOptions, check_bind
 from runtime._tasks._watchdog import Classification
 
@@ -210,3 +211,31 @@ async def test_m1_two_servers_in_one_process_both_answer(tmp_path: Path) -> None
             status, _, text = await scrape(a.server.metrics_port)
             assert status == 200
             assert value(samples(text), "pi_runtime_connections") == 1
+
+
+async def test_m3_a_failing_scrape_is_its_own_500_and_the_server_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the collector (its first read of the server raises) answers that scrape 500
+    ``metrics_failed``; the next scrape, the websocket and the server go on."""
+    calls = 0
+    original = ServerCollector.collect
+
+    def broken(self: ServerCollector) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the collector")
+        return original(self)
+
+    monkeypatch.setattr(ServerCollector, "collect", broken)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+            port = r.server.metrics_port
+            assert port is not None
+            status, _kind, text = await scrape(port)
+            assert (status, text) == (500, "metrics_failed: see the server's log\n")
+            assert (await scrape(port))[0] == 200
+            async with r.connect() as client:
+                await client.send({"type": "status"})
+                assert (await client.until(lambda f: f["type"] == "status"))["pending"] == 0
