@@ -126,6 +126,10 @@ class Turn:
                 nursery.start_soon(self._keep_typing)
                 try:
                     await rpc.prompt(self.pending.admission.rendered_prompt)
+                    if self.pending.cancelled:
+                        # cancelled before its worker was live (launching, or before the
+                        # prompt): no abort could be sent then, so the turn sends it now
+                        nursery.start_soon(self._abort)
                     async with self.steer_lock:
                         self.steerable = True
                         for item in self.pending.absorbed:

@@ -658,3 +658,33 @@ async def test_l17_a_receipt_store_locked_past_its_retries_fails_only_that_deliv
     assert len(revisions) == 1  # applied once, by a2
     fenced = [(r.epoch, r.reason) for r in lane.records if isinstance(r, EpochFenced)]
     assert fenced[0] == (1, "fenced")
+
+
+async def test_l13_a_cancel_while_its_worker_is_launching_ends_it_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L13: a delivery cancelled after its lane took it up but before its worker is live —
+    no abort can be sent then — still ends ``cancelled`` once the worker runs its prompt (the
+    model never answers, so nothing else would end it). Found by the operator page's test on a
+    slow machine; made deterministic here by holding the launch until the cancel is in."""
+    from runtime._rooms._slot import Slot
+
+    launching, go = trio.Event(), trio.Event()
+    original = Slot.ensure_live
+
+    async def held(self: Slot, nursery: trio.Nursery) -> Any:
+        launching.set()
+        await go.wait()
+        return await original(self, nursery)
+
+    monkeypatch.setattr(Slot, "ensure_live", held)
+    with trio.fail_after(60):
+        async with scripted_upstream([Hang(seconds=3600)]) as (_model, url):
+            cfg = config("fake", url)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await launching.wait()
+                await worker.cancel("d1")
+                go.set()
+                (result,) = await next_results(worker, 1)
+    assert (result.delivery_id, result.outcome) == ("d1", Outcome.CANCELLED)
