@@ -18,8 +18,8 @@ import ipaddress
 import logging
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sized
-from typing import TYPE_CHECKING, Final, Protocol
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Final
 
 import trio
 from prometheus_client.core import GaugeMetricFamily
@@ -30,13 +30,11 @@ from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
 from .._logs import fields
 from .._metrics import REGISTRY
 from .._tasks._watchdog import Classification
-from ._page import OperatorPage, Served
+from ._page import Observed, OperatorPage, Served
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from .._rooms._worker import RoomWorker
-    from .._tasks._service import TaskService
 
 __all__ = [
     "COLLECTOR",
@@ -53,17 +51,6 @@ PATH: Final = "/metrics"
 MAX_BODY: Final = 256 * 1024
 """The largest request body the listener reads (a control is at most 64 KiB): more is 413."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
-
-
-class Observed(Protocol):
-    """What the collector reads of the running server (``RoomServer``)."""
-
-    @property
-    def worker(self) -> RoomWorker: ...
-    @property
-    def tasks(self) -> TaskService: ...
-    @property
-    def connections(self) -> Sized: ...
 
 
 class ServerCollector(Collector):

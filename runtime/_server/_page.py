@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .._tasks._service import TaskService
     from .._wire import DeliveryResult, RoomStatus
 
-__all__ = ["CONTROLS", "OperatorPage"]
+__all__ = ["CONTROLS", "Observed", "OperatorPage", "Served"]
 
 logger = logging.getLogger("runtime.page")
 
@@ -97,9 +97,8 @@ _SECURITY: Final = [
 _JSON: Final = msgspec.json.Encoder()
 
 
-class Served(Protocol):
-    """What the page reads of the running server (``RoomServer``) and asks of it: its
-    ``status`` and ``cancel`` answer the admin socket too."""
+class Observed(Protocol):
+    """What the metrics collector reads of the running server (``RoomServer``)."""
 
     @property
     def worker(self) -> RoomWorker: ...
@@ -107,6 +106,12 @@ class Served(Protocol):
     def tasks(self) -> TaskService: ...
     @property
     def connections(self) -> Sized: ...
+
+
+class Served(Observed, Protocol):
+    """What the page reads of the running server besides, and asks of it: its ``status``
+    and ``cancel`` answer the admin socket too."""
+
     @property
     def state_dir(self) -> Path: ...
     @property
@@ -417,6 +422,8 @@ class OperatorPage:
         if session is None or key is None:
             return None
         token = await self._current_token()
+        if self._sessions.get(key) is not session:  # logged out while the token was read
+            return None
         if (
             session.expires <= trio.current_time()
             or token is None

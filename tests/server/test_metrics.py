@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import pytest
 import trio
@@ -25,6 +25,7 @@ from runtime._server._metrics import ServerCollector
 from runtime._server._serve import ServeOptions, check_bind
 from runtime._tasks._watchdog import Classification
 
+from .._failing import fails_once
 from .._wire import message
 from .test_serve import rig
 
@@ -218,17 +219,7 @@ async def test_m3_a_failing_scrape_is_its_own_500_and_the_server_goes_on(
 ) -> None:
     """A bug in the collector (its first read of the server raises) answers that scrape 500
     ``metrics_failed``; the next scrape, the websocket and the server go on."""
-    calls = 0
-    original = ServerCollector.collect
-
-    def broken(self: ServerCollector) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("a bug in the collector")
-        return original(self)
-
-    monkeypatch.setattr(ServerCollector, "collect", broken)
+    fails_once(monkeypatch, ServerCollector, "collect")
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
             port = r.server.metrics_port

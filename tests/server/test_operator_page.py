@@ -27,7 +27,9 @@ from runtime._server._metrics import _handle, allowed_hosts
 from runtime._server._page import OperatorPage
 from runtime._server._serve import ServeOptions, open_server
 from runtime._server._token import rotate_token
+from runtime._tasks._service import TaskService
 
+from .._failing import fails_once
 from .._wire import message
 from .test_serve import Rig, rig
 
@@ -461,19 +463,7 @@ async def test_op8_a_fault_in_following_the_tasks_stays_in_the_page(
 ) -> None:
     """The timelines' follower fails (its first read of the tasks raises): it is logged, the
     server goes on serving its websocket, the metrics and the page."""
-    from runtime._tasks._service import TaskService
-
-    calls = 0
-    original = TaskService.rows
-
-    def broken(self: TaskService) -> list[dict[str, Any]]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("a bug in the follower")
-        return original(self)
-
-    monkeypatch.setattr(TaskService, "rows", broken)
+    calls = fails_once(monkeypatch, TaskService, "rows")
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE, steps=[Text(text="still here")]) as r:
             port = port_of(r)
@@ -484,4 +474,4 @@ async def test_op8_a_fault_in_following_the_tasks_stays_in_the_page(
                 await client.send(message("d1", "hello"))
                 result = await client.until(lambda f: f["type"] == "result")
             assert result["outcome"] == "reply"
-            assert calls >= 2
+            assert calls[0] >= 2
