@@ -73,7 +73,7 @@ class RouteBreaker:
         if self._seen or parked.next_attempt_ms <= (self.open_until_ms or 0):
             return
         self.open_until_ms = parked.next_attempt_ms
-        self.failures = max(self.failures, parked.attempt)
+        self.failures = max(self.failures, parked.route_failures or parked.attempt)
 
     def admit(self) -> Admit:
         """Whether a turn may start now (and ask the provider)."""
@@ -155,7 +155,13 @@ def past_bounds(config: BackoffConfig, parks: list[Parked], now_ms: int) -> bool
 
 
 def failure_park(
-    parks: list[Parked], failure: UpstreamFailure, *, next_attempt_ms: int, now_ms: int, code: str
+    parks: list[Parked],
+    failure: UpstreamFailure,
+    *,
+    next_attempt_ms: int,
+    now_ms: int,
+    code: str,
+    route_failures: int,
 ) -> Parked:
     """The park of a try that met ``failure`` after ``parks`` (PB1): its own try counted, the
     deadline running from the first failure; ``code`` what it ends with past its bounds
@@ -166,10 +172,11 @@ def failure_park(
         next_attempt_ms=next_attempt_ms,
         status=failure.status,
         code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else code),
+        route_failures=route_failures,
     )
 
 
-def route_park(parks: list[Parked], *, until_ms: int, now_ms: int) -> Parked:
+def route_park(parks: list[Parked], *, until_ms: int, now_ms: int, route_failures: int) -> Parked:
     """A park the route's open breaker decided (PB4): no try of its own, so the count
     repeats; ``model_failed`` past its bounds unless a park of its own said otherwise."""
     return Parked(
@@ -178,4 +185,5 @@ def route_park(parks: list[Parked], *, until_ms: int, now_ms: int) -> Parked:
         next_attempt_ms=until_ms,
         by_route=True,
         code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
+        route_failures=route_failures,
     )

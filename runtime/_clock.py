@@ -22,6 +22,11 @@ takes a :class:`Clocks` and uses it.
 receipt store's transient SQLite errors, receipts R8; the PostgreSQL store's broken
 connections, postgres-store PG12); its waits are Trio time.
 
+:func:`own_limiter` gives a store its own ``trio.to_thread`` capacity limiter (the receipt
+store's and the PostgreSQL store's, one call at a time), registered in :data:`OWN_LIMITERS`
+so that virtual time in a test (``runtime.testing.io_aware_autojump_clock``) does not jump
+while a call on one is in flight, as it does not for the default limiter's.
+
 The test doubles :class:`MockSilenceClock` and :class:`MockWallClock` derive
 their readings from Trio's clock, so a :class:`trio.testing.MockClock` (with or
 without autojump) drives them; ``MockSilenceClock.suspend()`` simulates a host
@@ -31,6 +36,7 @@ sleep (boot time jumps, monotonic time does not).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -38,6 +44,7 @@ from typing import Protocol, runtime_checkable
 import trio
 
 __all__ = [
+    "OWN_LIMITERS",
     "Backoff",
     "Clocks",
     "MockSilenceClock",
@@ -47,8 +54,20 @@ __all__ = [
     "SystemSilenceClock",
     "SystemWallClock",
     "WallClock",
+    "own_limiter",
     "perf_seconds",
 ]
+
+OWN_LIMITERS: weakref.WeakSet[trio.CapacityLimiter] = weakref.WeakSet()
+"""Every live capacity limiter :func:`own_limiter` made."""
+
+
+def own_limiter(total_tokens: int = 1) -> trio.CapacityLimiter:
+    """A capacity limiter of a store's own for ``trio.to_thread.run_sync``, registered in
+    :data:`OWN_LIMITERS` (the virtual test clock's view of work off the loop)."""
+    limiter = trio.CapacityLimiter(total_tokens)
+    OWN_LIMITERS.add(limiter)
+    return limiter
 
 
 @dataclass(frozen=True, slots=True)

@@ -360,6 +360,10 @@ class Parked(_Record, tag="parked", frozen=True, kw_only=True):
     code: str
     """What it ends with past the deadline or the attempts (``model_failed``,
     ``usage_limit_reached``)."""
+    route_failures: int = 0
+    """The route's failures in a row when this was recorded — the exponent of the breaker's
+    next wait — so a restart's breaker goes on from there instead of from 5 s (PB2); 0 in a
+    record written before it was kept (the delivery's ``attempt`` stands in)."""
 
 
 class Compacted(_Record, tag="compacted", frozen=True, kw_only=True):

@@ -119,6 +119,32 @@ async def test_pb2_a_resumed_schedule_holds_until_this_process_knows_better(
     assert route.admit().until_ms is None
 
 
+async def test_pb2_a_resumed_breaker_goes_on_from_the_routes_recorded_failures(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """PB2: the route's failures in a row are in the park (``route_failures``), so the next
+    host's breaker waits as long after its next failure as this one's would have — not the
+    delivery's own (smaller) try count, not a fresh first wait."""
+    route, wall = breaker()
+    recorded = Parked(
+        attempt=2,  # this delivery tried twice; the route failed four times in a row
+        first_failure_ms=wall.time_ms() - 600_000,
+        next_attempt_ms=wall.time_ms() + 1_000,
+        status=503,
+        code="model_failed",
+        route_failures=4,
+    )
+    route.resume(recorded)
+    assert route.failures == 4
+    await trio.sleep(1.0)
+    probe = route.admit().probe
+    assert probe is not None
+    before = wall.time_ms()
+    until = route.failed(UpstreamFailure(503), probe)
+    full = min(CONFIG.max_seconds, CONFIG.first_seconds * 2**4) * 1000  # 80 s, not 20
+    assert full / 2 <= until - before <= full
+
+
 async def test_wait_wakes_on_a_change_or_a_cancel(autojump_clock: trio.testing.MockClock) -> None:
     route, wall = breaker()
     until = route.failed(UpstreamFailure(503))

@@ -36,7 +36,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import trio
 
-from .._clock import Backoff, Clocks
+from .._clock import Backoff, Clocks, own_limiter
 from .._errors import ReasonCode, ReceiptRefusal
 
 __all__ = [
@@ -306,7 +306,7 @@ class SqliteReceiptStore(ReceiptStore):
         super().__init__(now_ms=now_ms)
         self._db = connection
         self._retry = retry if retry is not None else STORE_RETRY
-        self._limiter = trio.CapacityLimiter(1)  # R6: one statement sequence at a time
+        self._limiter = own_limiter()  # R6: one statement sequence at a time
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
         """``fn`` (one whole statement sequence) off the loop; a transient error runs it again

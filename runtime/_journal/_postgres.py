@@ -59,7 +59,7 @@ import trio
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 
-from .._clock import Backoff, Clocks
+from .._clock import Backoff, Clocks, own_limiter
 from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
 from ._fence import Fence, Lease
@@ -418,7 +418,7 @@ class _Connection:
 
     def __init__(self, params: Mapping[str, Any]) -> None:
         self._params = params
-        self._limiter = trio.CapacityLimiter(1)
+        self._limiter = own_limiter()
         self._conn: _Conn | None = None
         """Touched only by the thread that holds the limiter."""
         self._closed = False

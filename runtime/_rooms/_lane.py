@@ -551,7 +551,12 @@ class Lane:
             if past_bounds(breaker.config, parks, wall.time_ms()):
                 return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
             if not parks or parks[-1].next_attempt_ms != admit.until_ms:
-                record = route_park(parks, until_ms=admit.until_ms, now_ms=wall.time_ms())
+                record = route_park(
+                    parks,
+                    until_ms=admit.until_ms,
+                    now_ms=wall.time_ms(),
+                    route_failures=breaker.failures,
+                )
                 await self._parked(pending, log, parks, record)
             await breaker.wait(admit.until_ms, self._cancelled)
 
@@ -603,7 +608,12 @@ class Lane:
         next_attempt = breaker.failed(failure, probe)
         now = self.host.clocks.wall.time_ms()
         record = failure_park(
-            parks, failure, next_attempt_ms=next_attempt, now_ms=now, code=str(end.code)
+            parks,
+            failure,
+            next_attempt_ms=next_attempt,
+            now_ms=now,
+            code=str(end.code),
+            route_failures=breaker.failures,
         )
         if pending.cancelled:
             return TurnEnd(outcome=Outcome.CANCELLED)

@@ -295,13 +295,15 @@ class EpochWatch:
             elif probe is not None:
                 breaker.abandoned(probe)
             return False
+        next_attempt = breaker.failed(failure, probe)
         now = lane.wall_ms()
         record = failure_park(
             lane.parks,
             failure,
-            next_attempt_ms=breaker.failed(failure, probe),
+            next_attempt_ms=next_attempt,
             now_ms=now,
             code=str(ReasonCode.MODEL_FAILED),
+            route_failures=breaker.failures,
         )
         if past_bounds(breaker.config, [*lane.parks, record], now):
             await lane.hold(f"{PROVIDER_UNAVAILABLE}{record.code}")
@@ -352,9 +354,13 @@ class EpochWatch:
                 await lane.hold(f"{PROVIDER_UNAVAILABLE}{lane.parks[-1].code}")
                 return False
             if lane.parks[-1].next_attempt_ms != admit.until_ms:
-                await lane.park(
-                    route_park(lane.parks, until_ms=admit.until_ms, now_ms=lane.wall_ms())
+                record = route_park(
+                    lane.parks,
+                    until_ms=admit.until_ms,
+                    now_ms=lane.wall_ms(),
+                    route_failures=breaker.failures,
                 )
+                await lane.park(record)
             await breaker.wait(admit.until_ms, never)
 
     async def _tick(self) -> None:

@@ -7,12 +7,15 @@ import os
 import trio
 import trio.testing
 
+from .._clock import OWN_LIMITERS
 from .._journal._writer import handoffs_in_flight
 
 __all__ = ["io_aware_autojump_clock"]
 
 
-def io_aware_autojump_clock(autojump_threshold: float = 0.0) -> trio.testing.MockClock:
+def io_aware_autojump_clock(
+    autojump_threshold: float = 0.0, *, follow_children: bool = False
+) -> trio.testing.MockClock:
     """A :class:`~trio.testing.MockClock` with autojump, except while work is off the loop.
 
     Plain autojump jumps to the next deadline as soon as every task is blocked — also when a
@@ -20,10 +23,21 @@ def io_aware_autojump_clock(autojump_threshold: float = 0.0) -> trio.testing.Moc
     races ahead a timer per jump while real I/O completes, and a test of a 300 s threshold
     sees timers fire that the worker never had a chance to beat. The clock returned here
     puts a jump off while a journal hand-off to a writer thread or a ``trio.to_thread`` call
-    on the default limiter is in flight, or a child process of this process runs (a
-    validation command, git), and jumps once they settle (``clock.skipped_jumps`` counts the
-    put-off jumps). Work on other capacity limiters (the receipt store's) is not seen. A
-    child that never exits holds virtual time still: such a test hangs rather than lies.
+    (on any capacity limiter: the receipt store's too) is in flight, or a child process of
+    this process runs (a validation command, git, a worker), and jumps once they settle
+    (``clock.skipped_jumps`` counts the put-off jumps).
+
+    While a child process runs, virtual time by default holds still: a child that never
+    exits holds it still for good, and such a test hangs rather than lies. That suits a
+    command that runs to its end; it does not suit a worker process the runtime talks to,
+    whose launch, stop and turn wait on short timers of their own (a launch's proof polls
+    every millisecond, a stop's grace is timed). With ``follow_children=True`` virtual time
+    instead runs at the real clock's rate while a child process lives (the clock's ``rate``
+    is 1 then; the loop looks again every ``FOLLOW_POLL`` seconds of real time) — what
+    passes in virtual time is what really passed — and only once none lives, and no
+    hand-off or thread is in flight, does it jump again. A test of a room worker with real
+    Fake-Pi processes waits out a 20-minute provider outage this way in seconds: while every
+    delivery is parked no worker lives.
 
     It wraps the instance's own autojump hook (``_autojump``, which Trio's run loop calls
     once every task has been blocked for ``autojump_threshold`` seconds of real time):
@@ -33,14 +47,27 @@ def io_aware_autojump_clock(autojump_threshold: float = 0.0) -> trio.testing.Moc
     jump = clock._autojump
     clock.skipped_jumps = 0  # type: ignore[attr-defined]
 
+    def follow(following: bool) -> None:
+        if following != (clock.rate > 0):
+            clock.rate = 1.0 if following else 0.0
+            clock.autojump_threshold = FOLLOW_POLL if following else autojump_threshold
+
     def autojump() -> None:
-        if handoffs_in_flight() or _threads_in_flight() or _children_running():
+        children = _children_running()
+        if follow_children:
+            follow(children)
+        if handoffs_in_flight() or _threads_in_flight() or children:
             clock.skipped_jumps += 1  # type: ignore[attr-defined]
             return
         jump()
 
     clock._autojump = autojump  # type: ignore[method-assign]
     return clock
+
+
+FOLLOW_POLL = 0.005
+"""How often (real seconds) a clock following its children's real time looks whether they
+have all ended, when nothing else wakes the loop."""
 
 
 def _children_running() -> bool:
@@ -61,5 +88,9 @@ def _children_running() -> bool:
 
 
 def _threads_in_flight() -> int:
-    limiter = trio.to_thread.current_default_thread_limiter()
-    return int(limiter.statistics().borrowed_tokens)
+    """Calls of ``trio.to_thread`` not yet back in Trio: on the default limiter, or on a
+    store's own (:func:`runtime._clock.own_limiter`: the receipt store's, the PostgreSQL
+    store's). A limiter's token is given back only once its caller runs again, so a call
+    whose thread has finished but whose result Trio has not yet taken in still counts."""
+    limiters = [trio.to_thread.current_default_thread_limiter(), *OWN_LIMITERS]
+    return sum(int(limiter.statistics().borrowed_tokens) for limiter in limiters)
