@@ -6,7 +6,7 @@ A scale model of the outage: the room worker's lanes do not run under the virtua
 clock (their worker launches are real), so the backoff's times are scaled down — a first
 wait of 0.1 s doubling to 0.8 s, outages of seconds, a deadline of 3 s — and the runtime
 waits them out on the real clock; no test sleeps itself. The rules are the same at 5 s, 5 min
-and 30 min."""
+and 30 min: ``test_room_outage_virtual.py`` runs them at the shipped sizes, on virtual time."""
 
 from __future__ import annotations
 
