@@ -159,6 +159,14 @@ class MockWallClock:
     start_ms: int = 1_795_000_000_000
     _offset_ms: int = 0
 
+    @classmethod
+    def reading(cls, now_ms: int) -> MockWallClock:
+        """One that reads ``now_ms`` at this instant and follows Trio's clock from here (call
+        it inside a Trio run). ``start_ms`` is the reading at Trio time 0, and Trio's real
+        clock is far from 0 (an uptime plus a random offset of up to 200,000 s), so a clock
+        "set back ten days" is ``reading(system_ms - 10 days)``, not ``start_ms=…``."""
+        return cls(start_ms=now_ms - int(_trio_now() * 1000))
+
     def time_ms(self) -> int:
         return self.start_ms + self._offset_ms + int(_trio_now() * 1000)
 

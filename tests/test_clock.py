@@ -57,6 +57,17 @@ async def test_mock_wall_clock(autojump_clock: trio.testing.MockClock) -> None:
     assert wall.time_ms() == 1_012_500
 
 
+async def test_a_mock_wall_clock_set_back_on_trios_real_clock_reads_what_it_was_set_to() -> None:
+    """On Trio's real clock (an uptime plus a random offset of up to 200,000 s from 0) a
+    clock built with ``start_ms`` reads days more than that; ``reading(ms)`` reads ``ms`` now.
+    Two retention tests set the wall clock back ten and forty days with ``start_ms`` and
+    failed about one run in eight when the offset pushed the results under their cutoff."""
+    ten_days_ago = SystemWallClock().time_ms() - 10 * 86_400_000
+    wall = MockWallClock.reading(ten_days_ago)
+    assert abs(wall.time_ms() - ten_days_ago) < 60_000  # a minute: a slow machine, no more
+    assert MockWallClock(start_ms=ten_days_ago).time_ms() - ten_days_ago > 9_000_000
+
+
 def test_backoff_waits_grow_by_the_factor_up_to_the_cap_and_are_bounded() -> None:
     """``Backoff``, the one bounded backoff of the stores (receipts R8, postgres-store PG12):
     ``attempts - 1`` waits, growing by ``factor`` up to ``max_delay``; a backoff that would

@@ -99,7 +99,7 @@ async def test_s10_a_lane_has_one_owner_until_its_lease_runs_out(
 async def test_s10_a_lease_runs_on_the_databases_clock(pg_dsn: str, tmp_path: Path) -> None:
     """S10: the lease's expiry is the database's ``now()`` plus the TTL, whatever the host's
     wall clock says (here: a year ahead)."""
-    wall = MockWallClock(start_ms=Clocks.system().wall.time_ms() + 365 * 86_400_000)
+    wall = MockWallClock.reading(Clocks.system().wall.time_ms() + 365 * 86_400_000)
     with trio.fail_after(LIMIT):
         async with open_pg_store(
             pg_dsn, root=tmp_path / "a", owner="a", clocks=Clocks(wall=wall)

@@ -198,7 +198,7 @@ async def main(spec: dict[str, Any]) -> None:
     clocks = None
     if "wall_days" in spec:
         start = time.time_ns() // 1_000_000 + int(spec["wall_days"] * 86_400_000)
-        clocks = Clocks(silence=SystemSilenceClock(), wall=MockWallClock(start_ms=start))
+        clocks = Clocks(silence=SystemSilenceClock(), wall=MockWallClock.reading(start))
     async with (
         open_room_worker(config, base_dir=base, fs=fs, clocks=clocks) as worker,
         trio.open_nursery() as nursery,

@@ -263,7 +263,7 @@ HISTORY: Final = {  # delivery: (room, days since its result, acknowledged); Non
 async def _history(root: Path, fs: Any, now_ms: int) -> None:
     """The deliveries of :data:`HISTORY`, each with a step journal, their results published
     when it says, the acknowledged ones acknowledged."""
-    wall = MockWallClock(start_ms=now_ms)
+    wall = MockWallClock.reading(now_ms)
     async with open_store(
         root, fs=fs, clocks=Clocks(silence=SystemSilenceClock(), wall=wall)
     ) as store:
@@ -320,7 +320,7 @@ async def _compaction(
     root: Path, fs: PowerLossFileSystem, now_ms: int, cut: int | None = None
 ) -> None:
     """A compaction at ``now_ms``; ``cut``: the power goes after that many operations of it."""
-    wall = MockWallClock(start_ms=now_ms)
+    wall = MockWallClock.reading(now_ms)
     clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
     async with open_store(root, fs=fs, clocks=clocks) as store:
         if cut is not None:
@@ -369,7 +369,7 @@ async def test_rt10_journal_compact_expires_on_demand_and_verify_checks_the_filt
     verify`` passes on the compacted logs, and a flipped
     bit in the expired-id filter is a ``journal_corrupt`` problem there — and a start refuses
     the directory with that code rather than take an expired delivery for a new one (RT4)."""
-    forty_days_ago = MockWallClock(start_ms=time.time_ns() // 1_000_000 - int(40 * DAY * 1000))
+    forty_days_ago = MockWallClock.reading(time.time_ns() // 1_000_000 - int(40 * DAY * 1000))
     clocks = Clocks(silence=SystemSilenceClock(), wall=forty_days_ago)
     root = tmp_path / "state"
     with trio.fail_after(LIMIT):

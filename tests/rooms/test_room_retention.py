@@ -92,7 +92,7 @@ async def test_rt10_journal_compact_removes_them_on_demand_and_waits_for_no_serv
     ``journal_days`` of a state directory no server holds — here, results published ten days
     ago (the host's wall clock was set back) — and is refused ``state_dir_locked`` while a
     room worker holds it."""
-    ten_days_ago = MockWallClock(start_ms=time.time_ns() // 1_000_000 - int(10 * DAY * 1000))
+    ten_days_ago = MockWallClock.reading(time.time_ns() // 1_000_000 - int(10 * DAY * 1000))
     clocks = Clocks(silence=SystemSilenceClock(), wall=ten_days_ago)
     compact = ["journal", "compact", "--state-dir", str(tmp_path / "state")]
     with trio.fail_after(LIMIT):
