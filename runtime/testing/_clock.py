@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Final
 
 import trio
 import trio.testing
@@ -65,7 +66,7 @@ def io_aware_autojump_clock(
     return clock
 
 
-FOLLOW_POLL = 0.005
+FOLLOW_POLL: Final = 0.005
 """How often (real seconds) a clock following its children's real time looks whether they
 have all ended, when nothing else wakes the loop."""
 

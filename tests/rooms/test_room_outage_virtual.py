@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from runtime._clock import Clocks, MockSilenceClock, MockWallClock
+from runtime._clock import Clocks, MockWallClock
 from runtime._config import BackoffConfig, ModelConfig, RoomWorkerConfig
 from runtime._records import Outcome, StepAbandoned
 from runtime._rooms._worker import open_room_worker
@@ -39,10 +39,6 @@ ROOMS: Final = ("dm:1", "dm:2", "dm:3")
 @pytest.fixture
 def clock() -> trio.testing.MockClock:
     return io_aware_autojump_clock(follow_children=True)
-
-
-def clocks() -> Clocks:
-    return Clocks(silence=MockSilenceClock(), wall=MockWallClock())
 
 
 def settings(url: str) -> RoomWorkerConfig:
@@ -86,7 +82,7 @@ def check_one_probe_per_step(outage: Outage) -> list[float]:
 
 
 async def test_pb4_a_twenty_minute_outage_during_a_burst_on_three_rooms(
-    tmp_path: Path, clock: trio.testing.MockClock
+    tmp_path: Path, clock: trio.testing.MockClock, clocks: Clocks
 ) -> None:
     """PB1-PB4 at the shipped defaults: three rooms, two messages each, the provider down
     for 20 minutes from the first request. Every message is answered after it, exactly once;
@@ -97,7 +93,7 @@ async def test_pb4_a_twenty_minute_outage_during_a_burst_on_three_rooms(
     with trio.fail_after(MINUTES * 60 * 2):  # virtual: a hang fails, it does not wait
         async with (
             outage_upstream(outage) as url,
-            open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks()) as worker,
+            open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as worker,
         ):
             for room in ROOMS:
                 for n in (1, 2):
@@ -119,7 +115,7 @@ async def test_pb4_a_twenty_minute_outage_during_a_burst_on_three_rooms(
 
 
 async def test_pb2_a_host_restarted_during_a_twenty_minute_outage_keeps_its_schedule(
-    tmp_path: Path, clock: trio.testing.MockClock
+    tmp_path: Path, clock: trio.testing.MockClock, clocks: Clocks
 ) -> None:
     """PB2 at the shipped defaults: the host is stopped 7 minutes into a 20-minute outage,
     with every delivery parked, and a new one started on the same state directory a minute
@@ -128,10 +124,9 @@ async def test_pb2_a_host_restarted_during_a_twenty_minute_outage_keeps_its_sche
     fresh 5 s), answers every message once after the outage, and charges no delivery a
     recovery attempt (nothing ran since its park)."""
     outage = Outage(seconds=MINUTES * 60)
-    shared = clocks()
     with trio.fail_after(MINUTES * 60 * 2):
         async with outage_upstream(outage) as url:
-            async with open_room_worker(settings(url), base_dir=tmp_path, clocks=shared) as first:
+            async with open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as first:
                 for room in ROOMS:
                     await first.deliver(message(f"{room}-1", room=room))
                 await trio.sleep(7 * 60)  # virtual time: the outage goes on
@@ -140,9 +135,9 @@ async def test_pb2_a_host_restarted_during_a_twenty_minute_outage_keeps_its_sche
                 # time: a wait for a probe's outcome, which the probe's failure replaced)
                 parks = [(await parks_of(first, f"{room}-1"))[-1] for room in ROOMS]
                 schedule = max(p.next_attempt_ms for p in parks)
-            stopped_ms = shared.wall.time_ms()
+            stopped_ms = clocks.wall.time_ms()
             await trio.sleep(60)
-            async with open_room_worker(settings(url), base_dir=tmp_path, clocks=shared) as second:
+            async with open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as second:
                 results = await next_results(second, 3)
                 logs = [
                     (await second.store.read_delivery_log(f"{room}-1")).records for room in ROOMS
@@ -150,7 +145,7 @@ async def test_pb2_a_host_restarted_during_a_twenty_minute_outage_keeps_its_sche
     assert stopped_ms < schedule  # the first host stopped with a try still to come
     later = outage.down[before:]
     assert later, outage.down  # the outage outlasted the first host; the second tried again
-    wall = shared.wall
+    wall = clocks.wall
     assert isinstance(wall, MockWallClock)
     first_try_ms = wall.start_ms + int(later[0] * 1000)
     assert first_try_ms >= schedule - 1, (first_try_ms, schedule)  # not before the record
