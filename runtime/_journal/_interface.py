@@ -14,9 +14,9 @@ same thing on both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn, Protocol
+from typing import NamedTuple, NoReturn, Protocol
 
 from .._clock import Clocks
 from .._errors import DiskFailedError
@@ -148,6 +148,13 @@ class JournalStore(Protocol):
     async def read_document(self, rel: str) -> bytes | None: ...
 
 
+class SharedRows(NamedTuple):
+    """The shared logs' records, each with its number (:meth:`LeaseStore.read_shared`)."""
+
+    admissions: list[tuple[int, Record]]
+    results: list[tuple[int, Record]]
+
+
 class LeaseStore(JournalStore, Protocol):
     """A journal store several hosts share, whose lanes are owned under leases (the
     PostgreSQL store; docs/design/scale-out.md S10-S12, S23)."""
@@ -181,6 +188,36 @@ class LeaseStore(JournalStore, Protocol):
     async def announce(self) -> None:
         """Make every host's :meth:`watch_shared` call its ``changed`` (a document written
         for the others to read)."""
+        ...
+
+    # the shared logs' retention (docs/design/retention.md RT11)
+
+    generation: int
+    """The compaction generation whose expired deliveries this store has learned."""
+    expired: dict[str, int]
+    """The expired deliveries (id to the time a duplicate is no longer refused for it)."""
+    on_expired: Callable[[Mapping[str, int]], object] | None
+    """Told the deliveries each :meth:`sync_expired` learned."""
+
+    async def sync_expired(self) -> dict[str, int]:
+        """Learn the deliveries expired since :attr:`generation`; the new ones."""
+        ...
+
+    async def read_shared(self) -> SharedRows:
+        """The shared logs' records with their numbers, the result log read first."""
+        ...
+
+    async def compact_shared(
+        self,
+        fence: Fence,
+        *,
+        slim: Mapping[int, Record],
+        admissions: Sequence[int],
+        results: Sequence[int],
+        expire: Mapping[str, int],
+    ) -> int | None:
+        """One compaction in one transaction under ``fence``: its generation, or ``None``
+        when the fence no longer held (nothing changed)."""
         ...
 
     async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:

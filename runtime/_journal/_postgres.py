@@ -64,7 +64,7 @@ from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
 from ._fence import Fence, Lease
 from ._frame import encode_frame
-from ._interface import JournalStore, LeaseStore, Log
+from ._interface import JournalStore, LeaseStore, Log, SharedRows
 from ._journal import LogContents, decode_frames, decode_log, decode_poison, encode_record
 from ._store import ADMISSIONS, RESULTS, Store, _prepare_root
 
@@ -159,6 +159,21 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             result            text NOT NULL
         )""",
     ),
+    # 4: the shared logs' compaction and the expired deliveries (retention.md RT11)
+    (
+        f"""CREATE TABLE {SCHEMA}.compaction (
+            singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+            generation bigint  NOT NULL CHECK (generation >= 0)
+        )""",
+        f"INSERT INTO {SCHEMA}.compaction (generation) VALUES (0)",
+        f"""CREATE TABLE {SCHEMA}.expired_deliveries (
+            delivery_id     text COLLATE "C" PRIMARY KEY,
+            forget_after_ms bigint NOT NULL,
+            generation      bigint NOT NULL
+        )""",
+        f"""CREATE INDEX expired_deliveries_by_generation
+            ON {SCHEMA}.expired_deliveries (generation)""",
+    ),
 )
 """``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
 never edited: a database migrated once must mean the same thing to every later version."""
@@ -178,6 +193,8 @@ _DEFAULTS: Final = {
 or the environment names them: a connection attempt never waits forever."""
 
 _NEVER: Final = 2**63 - 1
+_SHARED: Final = (ADMISSIONS, RESULTS)
+"""The logs every host appends to (S21), the only ones a compaction leaves holes in."""
 
 _INSERT: Final = f"INSERT INTO {SCHEMA}.log_records (log, seq, frame) VALUES (%s, %s, %s)"
 _INSERT_IF_ABSENT: Final = f"""
@@ -202,6 +219,40 @@ SELECT %s, %s + t.ord - 1, t.frame FROM unnest(%s::bytea[]) WITH ORDINALITY AS t
 """A group of consecutive records in one statement, so one transaction: all or none (S22)."""
 _INSERT_MANY_IF_ABSENT: Final = f"""{_INSERT_MANY}
 ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
+_GUARD: Final = f"""
+ WHERE EXISTS (SELECT FROM {SCHEMA}.compaction WHERE generation = %s FOR SHARE)"""
+"""RT11: an admission is written only while no compaction committed since the writer last
+learned the expired deliveries (the generation it names): the row locked for share until the
+write commits, so a compaction (an ``UPDATE`` of the row) waits for the write, or the write,
+waiting for the compaction, finds the generation changed and writes nothing — a host that has
+not yet heard of a delivery's expiry can never admit it again as new."""
+_INSERT_GUARDED: Final = f"{_INSERT_MANY}{_GUARD}"
+_INSERT_GUARDED_IF_ABSENT: Final = f"""{_INSERT_MANY}{_GUARD}
+ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
+_COMPACT_BEGIN: Final = f"""
+UPDATE {SCHEMA}.compaction SET generation = generation + 1
+ WHERE EXISTS (SELECT {_LEASED})
+RETURNING generation"""
+"""A compaction's first statement: the next generation, taken while the compaction's lease
+holds (no row comes back when it does not), the row locked until the compaction commits."""
+_COMPACT_SLIM: Final = f"""
+UPDATE {SCHEMA}.log_records AS r SET frame = t.frame
+  FROM unnest(%s::bigint[], %s::bytea[]) AS t (seq, frame)
+ WHERE r.log = %s AND r.seq = t.seq"""
+_COMPACT_DELETE: Final = f"""
+DELETE FROM {SCHEMA}.log_records WHERE log = %s AND seq = ANY(%s::bigint[]) AND seq > 0"""
+_COMPACT_EXPIRE: Final = f"""
+INSERT INTO {SCHEMA}.expired_deliveries (delivery_id, forget_after_ms, generation)
+SELECT t.id, t.until, %s FROM unnest(%s::text[], %s::bigint[]) AS t (id, until)
+ON CONFLICT (delivery_id) DO NOTHING"""
+_COMPACT_FORGET: Final = f"DELETE FROM {SCHEMA}.expired_deliveries WHERE forget_after_ms <= %s"
+_COMPACT_END: Final = f"SELECT pg_notify('{CHANNEL}', 'compaction')"
+_EXPIRED_SINCE: Final = f"""
+SELECT NULL, NULL, generation FROM {SCHEMA}.compaction
+UNION ALL
+SELECT delivery_id, forget_after_ms, generation FROM {SCHEMA}.expired_deliveries
+ WHERE generation > %s"""
+"""The generation now and every delivery expired after the one named, in one snapshot."""
 _FRAMES: Final = f"""
 SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq >= %s AND seq < %s ORDER BY seq"""
 _FRAME: Final = f"SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq = %s"
@@ -557,12 +608,18 @@ class _Mixed(Exception):
     rolled back (it is all or none)."""
 
 
-def _insert_many(rel: str, seq: int, frames: list[bytes]) -> Callable[[_Conn], _Landed]:
-    """A group's first attempt (unfenced: the admission log, S22)."""
+def _insert_many(
+    rel: str, seq: int, frames: list[bytes], guard: int | None = None
+) -> Callable[[_Conn], _Landed]:
+    """A group's first attempt (unfenced: the admission log, S22); with ``guard``, written
+    only while the compaction generation is that one (:data:`_GUARD`; ``THEIRS`` if not)."""
 
     def insert(conn: _Conn) -> _Landed:
         try:
-            conn.execute(_INSERT_MANY, [rel, seq, frames])
+            if guard is None:
+                conn.execute(_INSERT_MANY, [rel, seq, frames])
+            elif conn.execute(_INSERT_GUARDED, [rel, seq, frames, guard]).rowcount == 0:
+                return _Landed.THEIRS  # a compaction committed since: learn it, decide again
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != _KEY:
                 raise
@@ -572,17 +629,23 @@ def _insert_many(rel: str, seq: int, frames: list[bytes]) -> Callable[[_Conn], _
     return insert
 
 
-def _resolve_many(rel: str, seq: int, frames: list[bytes]) -> Callable[[_Conn], _Landed]:
+def _resolve_many(
+    rel: str, seq: int, frames: list[bytes], guard: int | None = None
+) -> Callable[[_Conn], _Landed]:
     """A group after an attempt whose outcome is unknown. The earlier attempt committed all
     of it or none: ``OURS`` if the rows hold exactly these frames now (inserted here, or by
     that attempt), ``THEIRS`` if another writer holds any of the numbers (nothing of this
-    group is then written: a partial insert is rolled back)."""
+    group is then written: a partial insert is rolled back) — or, with ``guard``, when
+    nothing is there and the guard refused the insert."""
 
     def resolve(conn: _Conn) -> _Landed:
         try:
             with conn.transaction():
-                params = [rel, seq, frames]
-                inserted = conn.execute(_INSERT_MANY_IF_ABSENT, params).fetchall()
+                if guard is None:
+                    inserted = conn.execute(_INSERT_MANY_IF_ABSENT, [rel, seq, frames]).fetchall()
+                else:
+                    params = [rel, seq, frames, guard]
+                    inserted = conn.execute(_INSERT_GUARDED_IF_ABSENT, params).fetchall()
                 if len(inserted) == len(frames):
                     return _Landed.OURS  # it had not committed: it has now
                 if inserted:
@@ -590,6 +653,8 @@ def _resolve_many(rel: str, seq: int, frames: list[bytes]) -> Callable[[_Conn], 
         except _Mixed:
             return _Landed.THEIRS
         rows = conn.execute(_FRAMES, [rel, seq, seq + len(frames)], binary=True).fetchall()
+        if not rows and guard is not None:
+            return _Landed.THEIRS  # not written, and the guard refused it now: decide again
         if not rows:
             raise _Vanished(
                 f"records {seq}…{seq + len(frames) - 1} were neither inserted nor found"
@@ -721,6 +786,9 @@ class PgLog:
         the others' admissions before its next ``try_append`` decides, S21)."""
         self.commits = 0
         """Commits this process made on the log (a group is one): for tests and benchmarks."""
+        self._guarded = self._rel == ADMISSIONS
+        """RT11: an admission is written only under the compaction generation this host has
+        learned (:data:`_GUARD`); refused, it is decided again as a lost number is."""
 
     @property
     def rel(self) -> str:
@@ -790,13 +858,19 @@ class PgLog:
                     f"the log was poisoned ({poison.reason}); it accepts no more records",
                     path=self._rel,
                 )
-            records = _decode_tail(
-                rows, rel=self._rel, first_seq=self._next_seq, offset=self._good_length
-            )
-            self._next_seq += len(records)
+            if self._rel in _SHARED:  # RT11: a compaction may have left holes
+                records, _ = _decode_runs(rows, rel=self._rel, offset=self._good_length)
+            else:
+                records = _decode_tail(
+                    rows, rel=self._rel, first_seq=self._next_seq, offset=self._good_length
+                )
+            if rows:
+                self._next_seq = rows[-1][0] + 1
             self._good_length += sum(len(frame) for _seq, frame in rows)
             if records and self.on_records is not None:
                 self.on_records(records)  # under the lock: before any later append decides
+            if self._guarded:  # RT11: and what compactions removed, before it decides too
+                await self._store.sync_expired()
             return records
 
     async def _append(
@@ -908,17 +982,19 @@ class PgLog:
         cancellation: the log's next number depends on it. Raises :class:`_Unsettled` when
         the bound is spent, the driver's error on a definite refusal."""
         policy = self._store.retry
+        guard = self._store.generation if self._guarded else None  # what the decision knew
         sent = False
         problem = ""
         for attempt in range(policy.attempts):
             with trio.CancelScope(shield=sent):
                 if attempt:
                     await trio.sleep(policy.delay(attempt))
-                if len(frames) == 1:
+                if len(frames) == 1 and not self._guarded:
                     work = (_resolve if sent else _insert)(self._rel, seq, frames[0], fence)
                 else:
                     assert fence is None
-                    work = (_resolve_many if sent else _insert_many)(self._rel, seq, frames)
+                    many = _resolve_many if sent else _insert_many
+                    work = many(self._rel, seq, frames, guard)
                 try:
                     return await self._connection.run(work)
                 except _Unreachable as exc:  # nothing sent this time
@@ -1058,6 +1134,15 @@ class PgStore:
         self._closed = False
         self.admissions: PgLog
         self.results: PgLog
+        self.generation = 0
+        """The compaction generation this store has learned the expired deliveries of (RT11):
+        every admission is written under it (:data:`_GUARD`)."""
+        self.expired: dict[str, int] = {}
+        """RT4, RT11: the expired deliveries — id to the time a duplicate is no longer refused
+        (``delivery_expired``) for it — as of :attr:`generation`."""
+        self.on_expired: Callable[[Mapping[str, int]], object] | None = None
+        """Called with the deliveries each :meth:`sync_expired` learned (a host forgetting
+        what it knows of them)."""
 
     # -- health --------------------------------------------------------------------------
 
@@ -1158,11 +1243,21 @@ class PgStore:
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
         """What a log holds (its acknowledged records; up to its poison, if poisoned).
         ``FileNotFoundError`` if it holds nothing; :class:`JournalError` on any damage."""
+        contents, _next_seq = await self._read(rel, kind)
+        return contents
+
+    async def _read(self, rel: str, kind: LogKind | None) -> tuple[LogContents, int]:
+        """:meth:`read`, and the log's next number (past its records on every log but a
+        shared one, whose compaction leaves holes: RT11)."""
         rows, document = await self._run(rel, _read_rows(rel))
         if not rows and document is None:
             raise FileNotFoundError(f"{rel} holds no record")
         poison = None if document is None else decode_poison(document, path=rel, what="poison row")
-        return _decode_rows(rows, rel=rel, kind=kind, poison=poison)
+        if rel in _SHARED and rows:
+            contents, _numbers = _decode_shared_rows(rows, rel=rel, kind=kind, poison=poison)
+            return contents, rows[-1][0] + 1
+        contents = _decode_rows(rows, rel=rel, kind=kind, poison=poison)
+        return contents, contents.next_seq
 
     async def _open_or_create(
         self, rel: str, kind: LogKind, subject: str, fence: Fence | None = None
@@ -1188,7 +1283,7 @@ class PgStore:
     async def _open_existing(self, rel: str, kind: LogKind, fence: Fence | None = None) -> PgLog:
         if (cached := self._cached(rel, fence)) is not None:
             return cached
-        contents = await self.read(rel, kind)
+        contents, next_seq = await self._read(rel, kind)
         if contents.poison is not None:
             raise JournalError(
                 ReasonCode.JOURNAL_POISONED,
@@ -1201,7 +1296,7 @@ class PgStore:
             self,
             self._connection(rel),
             contents,
-            next_seq=contents.next_seq,
+            next_seq=next_seq,
             good_length=contents.good_length,
             fence=fence,
         )
@@ -1323,6 +1418,86 @@ class PgStore:
 
         if names:
             await self._run(names[0], delete)
+
+    # -- the shared logs' retention (retention.md RT11) ---------------------------------
+
+    async def sync_expired(self) -> dict[str, int]:
+        """Learn the deliveries compactions expired since :attr:`generation` (one statement,
+        one snapshot: the generation now and what was expired up to it); the new ones, also
+        handed to :attr:`on_expired`. Those past their forget-after time are let go."""
+
+        def read(conn: _Conn) -> list[tuple[str | None, int | None, int]]:
+            return conn.execute(_EXPIRED_SINCE, [self.generation]).fetchall()
+
+        rows = await self._run(None, read)
+        now = self.clocks.wall.time_ms()
+        learned = {d: until for d, until, _g in rows if d is not None and until is not None}
+        generation = max(g for d, _u, g in rows if d is None)
+        if generation <= self.generation:
+            return {}
+        self.expired = {d: u for d, u in (self.expired | learned).items() if u > now}
+        self.generation = generation
+        if learned and self.on_expired is not None:
+            self.on_expired(learned)
+        return learned
+
+    async def read_shared(self) -> SharedRows:
+        """The shared logs as a compaction plans on them (RT11): the result log's records
+        first, then the admission log's, each with its number — so every result read has
+        its admission among those read (an admission commits before its result)."""
+        results = await self._read_numbered(RESULTS, LogKind.RESULTS)
+        admissions = await self._read_numbered(ADMISSIONS, LogKind.ADMISSIONS)
+        return SharedRows(admissions=admissions, results=results)
+
+    async def _read_numbered(self, rel: str, kind: LogKind) -> list[tuple[int, Record]]:
+        rows, document = await self._run(rel, _read_rows(rel))
+        if document is not None:
+            raise JournalError(
+                ReasonCode.JOURNAL_POISONED, "the log was poisoned; not compacted", path=rel
+            )
+        contents, numbers = _decode_shared_rows(rows, rel=rel, kind=kind, poison=None)
+        return list(zip(numbers, contents.records, strict=True))
+
+    async def compact_shared(
+        self,
+        fence: Fence,
+        *,
+        slim: Mapping[int, Record],
+        admissions: Sequence[int],
+        results: Sequence[int],
+        expire: Mapping[str, int],
+    ) -> int | None:
+        """One compaction of the shared logs (RT11), in one transaction, while ``fence`` (the
+        compaction's lease) holds: the admission rows numbered in ``slim`` rewritten as those
+        records (each framed under its own number), the rows numbered ``admissions`` and
+        ``results`` deleted from their logs (never a header, nor a log's last row: the caller
+        leaves it out), ``expire``'s deliveries recorded as expired until their times, those
+        expired before past theirs let go, and every host told. The compaction's generation,
+        or ``None`` when the fence no longer held (nothing changed). Idempotent: done again
+        it changes nothing more than a first time would."""
+        now = self.clocks.wall.time_ms()
+        seqs = list(slim)
+        frames = [encode_frame(seq, [encode_record(slim[seq])]) for seq in seqs]
+
+        def compact(conn: _Conn) -> int | None:
+            with conn.transaction():
+                row = conn.execute(_COMPACT_BEGIN, _fence_params(fence)).fetchone()
+                if row is None:
+                    return None
+                generation = int(row[0])
+                if seqs:
+                    conn.execute(_COMPACT_SLIM, [seqs, frames, ADMISSIONS])
+                for rel, numbers in ((ADMISSIONS, admissions), (RESULTS, results)):
+                    if numbers:
+                        conn.execute(_COMPACT_DELETE, [rel, list(numbers)])
+                if expire:
+                    params = [generation, list(expire), list(expire.values())]
+                    conn.execute(_COMPACT_EXPIRE, params)
+                conn.execute(_COMPACT_FORGET, [now])
+                conn.execute(_COMPACT_END)
+                return generation
+
+        return await self._run(None, compact)
 
     async def announce(self) -> None:
         """Tell every host watching the shared logs to look again (S23, S26): sent at once."""
@@ -1526,6 +1701,45 @@ def _decode_rows(
     return contents
 
 
+def _decode_shared_rows(
+    rows: list[tuple[int, bytes]], *, rel: str, kind: LogKind | None, poison: Poison | None
+) -> tuple[LogContents, list[int]]:
+    """A shared log's rows decoded as :func:`_decode_rows` decodes a log's, but for the holes
+    a compaction leaves (RT11: it deletes finished deliveries' rows, never the header nor the
+    last row, so the next number stays where every host expects it): the log's live records
+    (``records[0]`` the header; not indexed by number) and the number of each."""
+    if not rows or rows[0][0] != 0:
+        raise JournalError(
+            ReasonCode.JOURNAL_HEADER_MISSING, "the header row (0) is missing", path=rel, offset=0
+        )
+    head = decode_log(rows[0][1], rel=rel, kind=kind)
+    records, numbers = _decode_runs(rows[1:], rel=rel, offset=head.good_length)
+    good_length = head.good_length + sum(len(frame) for _seq, frame in rows[1:])
+    contents = LogContents(rel, (*head.records, *records), good_length, 0, poison)
+    return contents, [0, *numbers]
+
+
+def _decode_runs(
+    rows: list[tuple[int, bytes]], *, rel: str, offset: int
+) -> tuple[list[Record], list[int]]:
+    """Rows of a shared log, holes allowed (:func:`_decode_shared_rows`), decoded a run of
+    consecutive numbers at a time, each as :func:`_decode_tail` checks it (every row holds
+    the record of its own number, alone): the records and the number of each."""
+    records: list[Record] = []
+    numbers: list[int] = []
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and rows[end][0] == rows[end - 1][0] + 1:
+            end += 1
+        first = rows[start][0]
+        records += _decode_tail(rows[start:end], rel=rel, first_seq=first, offset=offset)
+        numbers += range(first, first + end - start)
+        offset += sum(len(frame) for _seq, frame in rows[start:end])
+        start = end
+    return records, numbers
+
+
 def _decode_tail(
     rows: list[tuple[int, bytes]], *, rel: str, first_seq: int, offset: int
 ) -> list[Record]:
@@ -1595,6 +1809,7 @@ async def open_pg_store(
         await store._check_schema()
         store.admissions = await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions")
         store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
+        await store.sync_expired()  # after the logs: what they no longer hold is known
         yield store
     finally:
         with trio.CancelScope(shield=True):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Final
 
@@ -252,6 +252,25 @@ class ResultOutbox:
 
         await replace(kept, last, held)
         return removed
+
+    def forget(self, delivery_ids: Collection[str]) -> None:
+        """Let go of the results of ``delivery_ids`` — deliveries a compaction of the shared
+        store expired, by this host or another (RT11): they are no longer in the log. A
+        room's latest result is never among them; the next seq still follows the last one
+        ever published."""
+        if not any(d in self._by_delivery for d in delivery_ids):
+            return
+        self._floor = self.last_seq
+        kept = [(r, rec) for r, rec in zip(self._ordered, self._records, strict=True)]
+        kept = [(r, rec) for r, rec in kept if r.delivery_id not in delivery_ids]
+        self._ordered = [r for r, _rec in kept]
+        self._records = [rec for _r, rec in kept]
+        for delivery_id in delivery_ids:
+            self._by_delivery.pop(delivery_id, None)
+        self._attachments = {}
+        for record in self._records:
+            for ref in record.attachments:
+                self._attachments.setdefault(ref.id, ref)
 
     async def follow(self, after: int | None = None) -> AsyncIterator[DeliveryResult]:
         """Every result with a seq above ``after`` (default: the acknowledged seq), in seq

@@ -32,20 +32,22 @@ import trio
 from .._clock import Clocks
 from .._config import RetentionConfig
 from .._errors import ReasonCode, StateDirError
-from .._journal._interface import JournalStore, LeaseStore
+from .._journal._interface import JournalStore, LeaseStore, SharedRows
 from .._journal._store import ADMISSIONS, Store, delivery_key, lane_key, open_store
-from .._records import Admission, Record, ResultPublished, Settled
+from .._records import Admission, Record, ResultAcked, ResultPublished, Settled
 from .._wire import DeliveryResult
 from ._lane import SESSIONS
 from ._outbox import ResultOutbox
 
 __all__ = [
     "Compaction",
+    "SharedCompaction",
     "compact_journals",
     "compact_shared",
     "compact_store",
     "expire_step_journals",
     "plan_compaction",
+    "plan_shared_compaction",
 ]
 
 DAY_MS: Final = 86_400_000
@@ -91,12 +93,14 @@ def plan_compaction(
     latest: Mapping[str, DeliveryResult],
     journal_cutoff_ms: int,
     idempotency_cutoff_ms: int,
+    slim_latest: bool = True,
 ) -> Compaction:
     """Decide a compaction (pure). A delivery is touched only when its result is
     acknowledged (seq ≤ ``acked``), its room is not ``busy`` and the result is not its room's
     ``latest`` (RT1); then, by when it was published (its admission time for a result older
     than that field): before ``idempotency_cutoff_ms`` it expires, before
-    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled`."""
+    ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled` — a room's latest
+    too unless ``slim_latest`` is false (a shared store keeps its journal, RT11)."""
     results = {r.delivery_id: r for r in published}
     kept: list[Admitted] = []
     plan = Compaction(admissions=kept)
@@ -112,7 +116,12 @@ def plan_compaction(
         if when <= idempotency_cutoff_ms and (last is None or last.delivery_id != delivery_id):
             plan.expired[delivery_id] = Expiry(room, when)
             continue
-        if when <= journal_cutoff_ms and isinstance(record, Admission):
+        latest_here = last is not None and last.delivery_id == delivery_id
+        if (
+            when <= journal_cutoff_ms
+            and isinstance(record, Admission)
+            and (slim_latest or not latest_here)
+        ):
             record = plan.settled[delivery_id] = _settled(record, room)
         kept.append(record)
     plan.orphaned.update(results)  # a result no record of the admission log names
@@ -183,6 +192,77 @@ async def compact_shared(
 
     await outbox.rewrite(set(plan.expired) | plan.orphaned, replace, lambda: store.results)
     return plan
+
+
+@dataclass(frozen=True, slots=True)
+class SharedCompaction:
+    """One compaction of a shared store's logs, row by row (:func:`plan_shared_compaction`)."""
+
+    plan: Compaction
+    slim: dict[int, Settled] = field(default_factory=dict)
+    """The admission rows to rewrite as idempotency records, by number."""
+    admissions: list[int] = field(default_factory=list)
+    """The admission rows to delete (the expired deliveries')."""
+    results: list[int] = field(default_factory=list)
+    """The result rows to delete: the expired deliveries' results, and every acknowledgement
+    but the last."""
+    expire: dict[str, int] = field(default_factory=dict)
+    """The deliveries to record as expired, each until its forget-after time."""
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.slim or self.admissions or self.results)
+
+
+def plan_shared_compaction(
+    rows: SharedRows,
+    *,
+    busy: Callable[[str], bool],
+    retention: RetentionConfig,
+    now_ms: int,
+) -> SharedCompaction:
+    """Decide a compaction of a shared store's logs (RT11; pure) on what
+    :meth:`~runtime._journal._interface.LeaseStore.read_shared` read — results first, so
+    every result has its admission among the rows. :func:`plan_compaction` decides, with a
+    room busy when ``busy`` says so or the rows hold an admission of it with no result (it
+    may run on another host), and a room's latest delivery's admission never slimmed (its
+    journal is kept: another host's recovery may read it). A log's last row is never
+    deleted: its number is where every host appends next."""
+    published = [(n, r) for n, r in rows.results if isinstance(r, ResultPublished)]
+    acks = [(n, r.seq) for n, r in rows.results if isinstance(r, ResultAcked)]
+    admitted = [(n, r) for n, r in rows.admissions if isinstance(r, Admitted)]
+    finished = {r.delivery_id for _n, r in published}
+    running = {room_of(r) for _n, r in admitted if r.delivery_id not in finished}
+    latest: dict[str, DeliveryResult] = {}
+    for _n, record in published:
+        latest[record.room] = DeliveryResult.of(record)
+    plan = plan_compaction(
+        (r for _n, r in admitted),
+        [r for _n, r in published],
+        acked=max((seq for _n, seq in acks), default=0),
+        busy=lambda room: room in running or busy(room),
+        latest=latest,
+        journal_cutoff_ms=int(now_ms - retention.journal_days * DAY_MS),
+        idempotency_cutoff_ms=int(now_ms - retention.idempotency_days * DAY_MS),
+        slim_latest=False,
+    )
+    at = {r.delivery_id: n for n, r in admitted}
+    last_admission = rows.admissions[-1][0] if rows.admissions else 0
+    last_result = rows.results[-1][0] if rows.results else 0
+    # the log's last row stays: a delivery admitted there expires at a later compaction
+    expired = {d: e for d, e in plan.expired.items() if at[d] != last_admission}
+    plan = Compaction(settled=plan.settled, expired=expired)
+    gone = [n for n, r in published if r.delivery_id in expired]
+    last_ack = max(acks, default=(0, 0))[0]
+    acked_before = [n for n, _seq in acks if n != last_ack]
+    forget = int(retention.forget_days * DAY_MS)
+    return SharedCompaction(
+        plan=plan,
+        slim={at[d]: settled for d, settled in plan.settled.items()},
+        admissions=sorted(at[d] for d in expired),
+        results=sorted(n for n in [*gone, *acked_before] if n != last_result),
+        expire={d: e.published_ms + forget for d, e in expired.items()},
+    )
 
 
 async def remove_step_journals(store: JournalStore, deliveries: Sequence[tuple[str, str]]) -> int:

@@ -36,7 +36,7 @@ import itertools
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, cast
 
@@ -95,7 +95,13 @@ from ._admission import (
 from ._lane import Lane, LaneHost
 from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
-from ._retention import Compaction, compact_shared, expire_step_journals
+from ._retention import (
+    Compaction,
+    compact_shared,
+    expire_step_journals,
+    plan_shared_compaction,
+    remove_step_journals,
+)
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 
@@ -150,10 +156,12 @@ class RoomWorker:
         self._retaining = trio.Lock()
         """One retention pass at a time (step journals or compaction)."""
         self._unfinished: dict[str, dict[str, None]] = {}
+        """Per room, the deliveries admitted (anywhere) without a published result, in order."""
         self._expired_upto = 0
         """Retention (RT2): every result before this index of the publication order has no
         step journal left."""
-        """Per room, the deliveries admitted (anywhere) without a published result, in order."""
+        self._renumbered = 0
+        """How often the publication order was renumbered (a compaction, RT11)."""
         self.leases: LaneLeases | None = None
         """This host's lane leases; ``None`` where it owns every lane (one host per store)."""
         self._ready: set[str] = set()
@@ -272,7 +280,7 @@ class RoomWorker:
         delivery_id = admission.delivery_id
 
         def learned() -> bool:  # another host's admission of it, taken in by any refresh
-            return delivery_id in self._admissions
+            return delivery_id in self._admissions or self._expired(delivery_id)
 
         while self._paused is not None:  # a compaction rewrites the log (RT7)
             await self._paused.wait()
@@ -280,9 +288,10 @@ class RoomWorker:
         try:
             log = self.store.admissions
             while await log.try_append(admission, unless=learned) is None:  # lost the number
-                self._learn_admissions(await log.refresh())
+                self._learn_admissions(await log.refresh())  # (or a compaction came first)
                 if (first := self._admissions.get(delivery_id)) is not None:
                     return first
+                self._check_not_expired(delivery_id)
         finally:
             self._appending -= 1
             if not self._appending:
@@ -290,10 +299,16 @@ class RoomWorker:
         self._learn_admissions([admission])
         return admission
 
+    def _expired(self, delivery_id: str) -> bool:
+        """RT4, RT11: whether retention removed the delivery's idempotency record."""
+        if self.leases is not None:  # a shared store: by id, as of its last look (RT11)
+            return delivery_id in self.leases.store.expired
+        expired = self.store.expired if isinstance(self.store, Store) else None
+        return expired is not None and bool(expired) and delivery_key(delivery_id) in expired
+
     def _check_not_expired(self, delivery_id: str) -> None:
         """RT4: a delivery whose idempotency record retention removed is never run again."""
-        expired = self.store.expired if isinstance(self.store, Store) else None
-        if expired and delivery_key(delivery_id) in expired:  # no id hashed while none expired
+        if self._expired(delivery_id):
             raise DeliveryError(
                 ReasonCode.DELIVERY_EXPIRED,
                 f"delivery {delivery_id} finished longer ago than [retention] "
@@ -592,6 +607,8 @@ class RoomWorker:
         of the rooms this host holds to their lanes."""
         self._learn_admissions(await self.store.admissions.refresh())  # handed over there
         self._learn_results(await self._host.outbox.sync())
+        if self.leases is not None:  # RT11: after the results, so a result a compaction
+            await self.leases.store.sync_expired()  # removed unread is known as expired
         await self._learn_cancels()
 
     async def _learn_cancels(self) -> None:
@@ -712,6 +729,22 @@ class RoomWorker:
                 self._nursery.start_soon(self._reconcile, room)
         return new
 
+    def _forget_expired(self, expired: Iterable[str]) -> None:
+        """RT11: let go of what this host knows of deliveries a compaction expired (here or on
+        another host): they finished, were acknowledged, and are no longer in the shared logs
+        — a duplicate of one is ``delivery_expired`` from now on."""
+        gone = [d for d in expired if d in self._known]
+        for delivery_id in gone:
+            room = self._known.pop(delivery_id)[1]
+            self._admissions.pop(delivery_id, None)
+            self._settled.pop(delivery_id, None)
+            if (unfinished := self._unfinished.get(room)) is not None:
+                unfinished.pop(delivery_id, None)
+        if gone:
+            self._host.outbox.forget(set(gone))
+            self._expired_upto = 0  # the publication order was renumbered
+            self._renumbered += 1
+
     def _learn_results(self, results: list[DeliveryResult]) -> None:
         for result in results:
             self._unfinished.get(result.room, {}).pop(result.delivery_id, None)
@@ -826,17 +859,20 @@ class RoomWorker:
         delivery of a room that has one unfinished (a replay there may read its owners' logs).
         The delivery's admission and result stay in the shared logs, so a duplicate still gets
         its result (RT3). On PostgreSQL too (RT11; there a room's latest result's journal is
-        kept while it is the latest, and the shared logs are not compacted)."""
+        kept while it is the latest)."""
         store = self.store
         cutoff = self._host.clocks.wall.time_ms() - self.config.retention.journal_days * 86_400_000
         async with self._retaining:
-            removed, self._expired_upto = await expire_step_journals(
+            renumbered = self._renumbered
+            removed, upto = await expire_step_journals(
                 store,
                 self._host.outbox,
                 self._busy,
                 cutoff_ms=int(cutoff),
                 start=self._expired_upto,
             )
+            if renumbered == self._renumbered:  # else the next look starts over
+                self._expired_upto = upto
         return removed
 
     def _busy(self, room: str) -> bool:
@@ -848,8 +884,10 @@ class RoomWorker:
         ``idempotency_days`` (a duplicate is then ``delivery_expired``), rewrite both logs
         with what is left. Admissions wait only for the end of the admission log's rewrite
         (those admitted meanwhile are carried over), results for the end of the result
-        log's. What it did. On the file store only."""
+        log's. What it did. On a shared store: :meth:`_compact_rows`."""
         store = self.store
+        if self.leases is not None:
+            return await self._compact_rows()
         if not isinstance(store, Store):
             return Compaction()
         taken = 0
@@ -885,6 +923,52 @@ class RoomWorker:
                 self._expired_upto = 0  # the publication order was renumbered
         return plan
 
+    async def _compact_rows(self) -> Compaction:
+        """RT11: compact a shared store's logs — one host at a time, under the compaction's
+        own lease (another host holding it: nothing done here). On the logs as the database
+        holds them now (:func:`plan_shared_compaction`): the step journals of what is
+        slimmed or expired removed first, then one transaction rewrites and deletes the rows
+        and records the expired deliveries, and every host — this one too, by the same
+        :meth:`~runtime._journal._interface.LeaseStore.sync_expired` — forgets them. No
+        admission or result waits for it. What it did."""
+        assert self.leases is not None
+        leased = self.leases.store
+        async with self._retaining:  # one here at a time: a second claim would fence the first
+            fence = await leased.claim(COMPACTION_LEASE, self.config.store.lease_seconds)
+            if fence is None:
+                return Compaction()
+            try:
+                await self._sync()  # what this host knows is busy, as of now
+                planned = plan_shared_compaction(
+                    await leased.read_shared(),
+                    busy=self._busy,
+                    retention=self.config.retention,
+                    now_ms=self._host.clocks.wall.time_ms(),
+                )
+                if not planned.changes:
+                    return Compaction()
+                plan = planned.plan
+                going = [(s.delivery_id, s.room) for s in plan.settled.values()]
+                going += [(d, e.room) for d, e in plan.expired.items()]
+                await remove_step_journals(leased, going)
+                done = await leased.compact_shared(
+                    fence,
+                    slim=planned.slim,
+                    admissions=planned.admissions,
+                    results=planned.results,
+                    expire=planned.expire,
+                )
+                if done is None:  # the lease was lost meanwhile: the next holder does it
+                    return Compaction()
+                await leased.sync_expired()  # forgets what expired, as every host does
+                for delivery_id, settled in plan.settled.items():
+                    if self._admissions.pop(delivery_id, None) is not None:
+                        self._settled[delivery_id] = settled
+                return plan
+            finally:
+                with trio.CancelScope(shield=True):
+                    await leased.release(fence)
+
     @contextlib.asynccontextmanager
     async def _admissions_paused(self) -> AsyncIterator[None]:
         """Hold every admission append back, once those under way are durable."""
@@ -900,9 +984,9 @@ class RoomWorker:
 
     async def _retain_periodically(self, sweep_hours: float, compact_hours: float) -> None:
         """:meth:`expire_journals` now and every ``sweep_hours``, :meth:`compact` now and
-        every ``compact_hours`` (on the file store); a failure is logged and the next look
+        every ``compact_hours``; a failure is logged and the next look
         tries again (a fault of retention stays in retention)."""
-        next_compaction = trio.current_time() if isinstance(self.store, Store) else math.inf
+        next_compaction = trio.current_time()
         while True:
             try:
                 removed = await self.expire_journals()
@@ -1038,6 +1122,10 @@ ran; the next start ends each ``cancelled`` before anything runs (docs/design/pr
 CANCELS: Final = "cancels/"
 """On a shared store, one document per cancel a host took for a delivery it does not run
 (S26): ``cancels/<delivery key>``, holding the delivery id."""
+
+COMPACTION_LEASE: Final = "retention:shared"
+"""The lease a host holds while it compacts a shared store's logs (RT11): one at a time. No
+room is named so (a room id is ``dm:…`` or ``guild:…:…``), nor a task lane (``task:…``)."""
 
 
 def _cancel_rel(delivery_id: str) -> str:
@@ -1240,6 +1328,8 @@ async def open_room_worker(
         worker._learn_admissions(list(store.admissions.contents.records))
         if shared:  # one host of many: lanes under leases (docs/design/scale-out.md)
             leased = cast(LeaseStore, store)
+            worker._forget_expired(leased.expired)  # RT11: read after the logs were
+            leased.on_expired = worker._forget_expired
             # S21: what any refresh reads is taken in under the log's lock, so an admission
             # decides against it (``unless``) before its record could be written a second time
             store.admissions.on_records = worker._learn_admissions  # type: ignore[attr-defined]
@@ -1253,7 +1343,7 @@ async def open_room_worker(
             retention = config.retention
             nursery.start_soon(
                 worker._retain_periodically, retention.sweep_hours, retention.compact_hours
-            )  # RT11: step journals only
+            )  # RT11
         else:
             await worker._sweep_attachments(attachments)  # A8: before any lane runs
             await worker._recover()

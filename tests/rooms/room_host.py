@@ -23,7 +23,8 @@ root, its outcome not yet recorded; ``"attachment_outcome"`` — the outcome nam
 before a ``journal_poisoned`` result is published; ``"compaction:journal"`` — a compaction
 removed step journals; ``"compaction:expired"`` — the expired-id filter is durable;
 ``"compaction:admissions"`` — the admission log was rewritten, the result log not yet
-(docs/design/retention.md RT5).
+(docs/design/retention.md RT5); ``"compaction:rows"`` — on PostgreSQL, the compaction's
+transaction committed, the host not yet told (RT11).
 
 ``wall_days`` sets the host's wall clock that many days from now (negative: the past; it then
 stands still), so its results are published that long ago. ``compact`` compacts the shared
@@ -53,10 +54,11 @@ from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import config_from_dict
 from runtime._errors import DeliveryError
 from runtime._journal._interface import JournalStore
+from runtime._journal._postgres import PgStore
 from runtime._journal._store import Store, delivery_key
 from runtime._linux._fs import OsFileSystem
 from runtime._records import LogKind, Record, ToolIntent, ToolOutcome
-from runtime._rooms import _retention
+from runtime._rooms import _retention, _worker
 from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
@@ -155,6 +157,16 @@ def install_pause(point: str, nth: int) -> None:
             return removed
 
         _retention.remove_step_journals = after_removal
+        _worker.__dict__["remove_step_journals"] = after_removal  # a shared store's (RT11)
+    elif point == "compaction:rows":
+        compact_rows = PgStore.compact_shared
+
+        async def after_rows(self: PgStore, fence: Any, **kw: Any) -> int | None:
+            generation = await compact_rows(self, fence, **kw)
+            await barrier()
+            return generation
+
+        PgStore.compact_shared = after_rows  # type: ignore[method-assign]
     elif point == "compaction:expired":
         expire = Store.expire
 
