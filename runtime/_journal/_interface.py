@@ -185,6 +185,13 @@ class LeaseStore(JournalStore, Protocol):
         """Remove the named documents (those absent are no matter)."""
         ...
 
+    async def sweep_documents(
+        self, prefix: str, *, keep: Sequence[str], idle_seconds: float
+    ) -> int:
+        """Remove the documents named ``prefix…`` but ``keep``'s and those written in the last
+        ``idle_seconds``; how many went."""
+        ...
+
     async def announce(self) -> None:
         """Make every host's :meth:`watch_shared` call its ``changed`` (a document written
         for the others to read)."""

@@ -323,6 +323,10 @@ SELECT owner, epoch, lease_until > now(),
 _READ_DOCUMENT: Final = f"SELECT data FROM {SCHEMA}.documents WHERE name = %s"
 _DOCUMENTS: Final = f"SELECT name, data FROM {SCHEMA}.documents WHERE name LIKE %s ORDER BY name"
 _ANNOUNCE: Final = f"SELECT pg_notify('{CHANNEL}', 'documents')"
+_SWEEP_DOCUMENTS: Final = f"""
+DELETE FROM {SCHEMA}.documents
+ WHERE name LIKE %s AND name <> ALL(%s::text[])
+   AND updated_at < now() - make_interval(secs => %s)"""
 _DELETE_DOCUMENTS: Final = f"DELETE FROM {SCHEMA}.documents WHERE name = ANY(%s::text[])"
 _DELETE_LOGS: Final = f"""
 WITH gone AS (DELETE FROM {SCHEMA}.log_records WHERE log = ANY(%s::text[]) RETURNING log, seq),
@@ -552,6 +556,11 @@ class _Landed(enum.Enum):
     """Another writer holds ``(log, seq)``: this record is not in the log."""
     FENCED = "fenced"
     """The fence no longer holds (another owner claimed the lane): nothing was written."""
+
+
+def _like(prefix: str) -> str:
+    """A ``LIKE`` pattern for the names that start with ``prefix``."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def _fence_params(fence: Fence | None) -> list[Any]:
@@ -1391,7 +1400,7 @@ class PgStore:
         """Every document whose name starts with ``prefix``, by name (S26)."""
 
         def read(conn: _Conn) -> dict[str, bytes]:
-            pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            pattern = _like(prefix)
             rows = conn.execute(_DOCUMENTS, [pattern], binary=True).fetchall()
             return {str(name): bytes(data) for name, data in rows}
 
@@ -1409,6 +1418,19 @@ class PgStore:
         for rel in rels:
             self._open.pop(rel, None)
         return await self._run(rels[0], delete) if rels else 0
+
+    async def sweep_documents(
+        self, prefix: str, *, keep: Sequence[str], idle_seconds: float
+    ) -> int:
+        """Remove every document named ``prefix…`` but those of ``keep`` and those written
+        in the last ``idle_seconds`` of the database's clock (RT11: an attachment another
+        host may be writing again now stays); how many went. One statement."""
+
+        def delete(conn: _Conn) -> int:
+            params = [_like(prefix), list(keep), idle_seconds]
+            return conn.execute(_SWEEP_DOCUMENTS, params).rowcount
+
+        return await self._run(prefix, delete)
 
     async def delete_documents(self, names: Sequence[str]) -> None:
         """Remove the named documents (those absent are no matter): one statement."""

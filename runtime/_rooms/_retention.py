@@ -208,6 +208,11 @@ class SharedCompaction:
     but the last."""
     expire: dict[str, int] = field(default_factory=dict)
     """The deliveries to record as expired, each until its forget-after time."""
+    named: set[str] = field(default_factory=set)
+    """The sha256 of every attachment a result that stays names (their documents stay, and
+    those an unfinished delivery's log names: :attr:`unfinished`)."""
+    unfinished: list[str] = field(default_factory=list)
+    """The deliveries the rows hold without a result."""
 
     @property
     def changes(self) -> bool:
@@ -256,12 +261,20 @@ def plan_shared_compaction(
     last_ack = max(acks, default=(0, 0))[0]
     acked_before = [n for n, _seq in acks if n != last_ack]
     forget = int(retention.forget_days * DAY_MS)
+    named = {
+        ref.sha256
+        for _n, record in published
+        if record.delivery_id not in expired
+        for ref in record.attachments
+    }
     return SharedCompaction(
         plan=plan,
         slim={at[d]: settled for d, settled in plan.settled.items()},
         admissions=sorted(at[d] for d in expired),
         results=sorted(n for n in [*gone, *acked_before] if n != last_result),
         expire={d: e.published_ms + forget for d, e in expired.items()},
+        named=named,
+        unfinished=[r.delivery_id for _n, r in admitted if r.delivery_id not in finished],
     )
 
 

@@ -60,7 +60,7 @@ from .._errors import (
     raises_one_error,
 )
 from .._hosting import start_model, worker_program
-from .._journal._attachments import AttachmentStore
+from .._journal._attachments import SHARED_ATTACHMENTS, AttachmentStore
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
@@ -97,6 +97,7 @@ from ._outbox import ResultOutbox
 from ._pending import Absorbed, Pending
 from ._retention import (
     Compaction,
+    SharedCompaction,
     compact_shared,
     expire_step_journals,
     plan_shared_compaction,
@@ -946,6 +947,7 @@ class RoomWorker:
                     now_ms=self._host.clocks.wall.time_ms(),
                 )
                 if not planned.changes:
+                    await self._drop_attachment_documents(planned)  # left by earlier ones
                     return Compaction()
                 plan = planned.plan
                 going = [(s.delivery_id, s.room) for s in plan.settled.values()]
@@ -961,6 +963,7 @@ class RoomWorker:
                 if done is None:  # the lease was lost meanwhile: the next holder does it
                     return Compaction()
                 await leased.sync_expired()  # forgets what expired, as every host does
+                await self._drop_attachment_documents(planned)
                 for delivery_id, settled in plan.settled.items():
                     if self._admissions.pop(delivery_id, None) is not None:
                         self._settled[delivery_id] = settled
@@ -968,6 +971,23 @@ class RoomWorker:
             finally:
                 with trio.CancelScope(shield=True):
                     await leased.release(fence)
+
+    async def _drop_attachment_documents(self, planned: SharedCompaction) -> int:
+        """RT11, A11: remove every attachment document no result that stays names, nor an
+        unfinished delivery's log (its result will carry it), and that was not written in
+        the last ``idempotency_days`` (an ``attach`` writes its document again, so one on
+        another host now, its outcome not yet recorded, keeps it): those of expired results,
+        and any an ``attach`` left when its host died before the outcome. How many went."""
+        assert self.leases is not None
+        keep = set(planned.named)
+        for delivery_id in planned.unfinished:
+            for record in await self._log_records(delivery_id):
+                if isinstance(record, ToolOutcome):
+                    keep.update(ref.sha256 for ref in record.attachments)
+        idle = self.config.retention.idempotency_days * 86_400
+        return await self.leases.store.sweep_documents(
+            SHARED_ATTACHMENTS, keep=[SHARED_ATTACHMENTS + sha for sha in keep], idle_seconds=idle
+        )
 
     @contextlib.asynccontextmanager
     async def _admissions_paused(self) -> AsyncIterator[None]:

@@ -4,6 +4,8 @@ worker on a real PostgreSQL (``pgserver``), its wall clock a virtual one moved o
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Final
@@ -11,9 +13,15 @@ from typing import Any, Final
 import pytest
 import trio
 
-from fake_pi.scenario import Hang, Step, Text
+from fake_pi.scenario import TINY_PNG, Attach, Hang, Step, Text
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
-from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig, StoreConfig
+from runtime._config import (
+    ModelConfig,
+    RetentionConfig,
+    RoomConfig,
+    RoomWorkerConfig,
+    StoreConfig,
+)
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._store import ADMISSIONS
 from runtime._rooms._worker import open_room_worker
@@ -88,13 +96,14 @@ async def test_rt11_step_journals_leave_the_database_after_their_days(
     assert sum("(message m-a1)" in str(r.body["messages"][-1]) for r in model.requests) == 1
 
 
-def _host(root: Path, name: str, dsn: str, url: str, clocks: Clocks) -> Any:
+def _host(root: Path, name: str, dsn: str, url: str, clocks: Clocks, **extra: Any) -> Any:
     config = RoomWorkerConfig(
         state_dir=str(root / name / "state"),
         work_root=str(root / name / "work"),
         model=ModelConfig(base_url=url),
         store=StoreConfig(url=dsn, lease_seconds=60, poll_seconds=0.05, host_name=name),
         retention=RetentionConfig(journal_days=7, idempotency_days=30),
+        **extra,
     )
     return open_room_worker(config, clocks=clocks)
 
@@ -248,3 +257,70 @@ async def _kinds(dsn: str) -> list[tuple[str, str]]:
     )
     records = [json.loads(bytes(frame)[20:])[0] for (frame,) in rows]
     return [(r["delivery_id"], r["type"]) for r in records]
+
+
+async def test_rt11_an_attachments_document_goes_once_no_result_that_stays_names_it(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """RT11, A11: a1 and b1 attach the same picture (one document, ``attachments/<sha>``).
+    When a1 expires the document stays — b1, room B's latest, still names it; when b1
+    expires too it stays while it was written in the last ``idempotency_days`` (an attach on
+    another host may have just written it again), and goes at the next compaction after."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [
+        Attach(path="out/chart.png"),
+        Text(text="a1's chart"),
+        Attach(path="out/chart.png"),
+        Text(text="b1's chart"),
+        Text(text="a2"),
+        Text(text="b2"),
+    ]
+    name = "attachments/" + hashlib.sha256(base64.b64decode(TINY_PNG)).hexdigest()
+    grants = frozenset({"bash", "attach"})
+    rooms = {A: RoomConfig(grants=grants), B: RoomConfig(grants=grants)}
+
+    async def documents() -> list[str]:
+        found = await execute(
+            pg_dsn, "SELECT name FROM pi_runtime.documents WHERE name = %s", [name]
+        )
+        return [n for (n,) in found]
+
+    async def age_documents() -> None:
+        await execute(
+            pg_dsn, "UPDATE pi_runtime.documents SET updated_at = now() - '40 days'::interval"
+        )
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            _host(tmp_path, "h1", pg_dsn, url, clocks, rooms=rooms) as h1,
+        ):
+            seen = 0
+            for delivery_id, room in (("a1", A), ("b1", B), ("a2", A)):
+                await h1.deliver(message(delivery_id, room=room))
+                (result,) = await next_results(h1, 1, after=seen)
+                seen = result.seq
+            await h1.ack(seen)
+            wall.advance(31 * DAY)
+            await age_documents()
+            first = await h1.compact()
+            after_a1 = await documents()
+            await h1.deliver(message("b2", room=B))
+            (result,) = await next_results(h1, 1, after=seen)
+            await h1.ack(result.seq)
+            wall.advance(31 * DAY)
+            # an attach of the same bytes on another host writes the document again now
+            await execute(pg_dsn, "UPDATE pi_runtime.documents SET updated_at = now()")
+            second = await h1.compact()
+            after_b1_fresh = await documents()
+            await age_documents()
+            wall.advance(1 * DAY)
+            third = await h1.compact()
+            after_b1 = await documents()
+    assert set(first.expired) == {"a1"}
+    assert after_a1 == [name]
+    assert set(second.expired) == {"b1"}  # a2: room A's latest
+    assert after_b1_fresh == [name]
+    assert not third.changes
+    assert after_b1 == []
