@@ -1,6 +1,7 @@
 """Retention of room deliveries (docs/design/retention.md RT1-RT8), shared by the room worker
 (at its start, every ``[retention] sweep_hours`` and ``compact_hours``) and ``pi-runtime
-journal compact`` (on demand, with no server running). File store only.
+journal compact`` (on demand, with no server running) — and, on a shared store (RT11), the
+row-by-row plan of :func:`plan_shared_compaction` the room worker carries out.
 
 A finished delivery — its result acknowledged, its room idle — passes through three stages:
 
