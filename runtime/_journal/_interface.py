@@ -202,12 +202,23 @@ class LeaseStore(JournalStore, Protocol):
     generation: int
     """The compaction generation whose expired deliveries this store has learned."""
     expired: dict[str, int]
-    """The expired deliveries (id to the time a duplicate is no longer refused for it)."""
+    """The deliveries expired since the store was opened (id to the time a duplicate is no
+    longer refused for it); those before: :meth:`expired_among`."""
     on_expired: Callable[[Mapping[str, int]], object] | None
     """Told the deliveries each :meth:`sync_expired` learned."""
 
     async def sync_expired(self) -> dict[str, int]:
         """Learn the deliveries expired since :attr:`generation`; the new ones."""
+        ...
+
+    async def expired_among(self, delivery_ids: Sequence[str]) -> dict[str, int]:
+        """Which of ``delivery_ids`` the database holds as expired now (with their
+        forget-after times)."""
+        ...
+
+    async def learn_expired(self, delivery_ids: Sequence[str]) -> dict[str, int]:
+        """:meth:`sync_expired`, and those of ``delivery_ids`` the database holds as expired
+        from before, now in :attr:`expired`; what was learned."""
         ...
 
     async def read_shared(self) -> SharedRows:

@@ -61,7 +61,7 @@ from psycopg.rows import TupleRow
 
 from .._clock import Backoff, Clocks, own_limiter
 from .._errors import DiskFailedError, JournalError, ReasonCode
-from .._records import SCHEMA_VERSION, Header, LogKind, Poison, Record
+from .._records import SCHEMA_VERSION, Admission, Header, LogKind, Poison, Record
 from ._fence import Fence, Lease
 from ._frame import encode_frame
 from ._interface import JournalStore, LeaseStore, Log, SharedRows
@@ -220,12 +220,14 @@ SELECT %s, %s + t.ord - 1, t.frame FROM unnest(%s::bytea[]) WITH ORDINALITY AS t
 _INSERT_MANY_IF_ABSENT: Final = f"""{_INSERT_MANY}
 ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
 _GUARD: Final = f"""
- WHERE EXISTS (SELECT FROM {SCHEMA}.compaction WHERE generation = %s FOR SHARE)"""
-"""RT11: an admission is written only while no compaction committed since the writer last
-learned the expired deliveries (the generation it names): the row locked for share until the
+ WHERE EXISTS (SELECT FROM {SCHEMA}.compaction WHERE generation = %s FOR SHARE)
+   AND NOT EXISTS (SELECT FROM {SCHEMA}.expired_deliveries WHERE delivery_id = ANY(%s::text[]))"""
+"""RT11: admissions are written only while no compaction committed since the writer last
+learned the expired deliveries (the generation it names) — the row locked for share until the
 write commits, so a compaction (an ``UPDATE`` of the row) waits for the write, or the write,
-waiting for the compaction, finds the generation changed and writes nothing — a host that has
-not yet heard of a delivery's expiry can never admit it again as new."""
+waiting for the compaction, finds the generation changed and writes nothing — and only when
+none of them is an expired delivery (those expired before this host started, which it does not
+hold in memory): a host can never admit an expired delivery again as new."""
 _INSERT_GUARDED: Final = f"{_INSERT_MANY}{_GUARD}"
 _INSERT_GUARDED_IF_ABSENT: Final = f"""{_INSERT_MANY}{_GUARD}
 ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
@@ -247,6 +249,9 @@ SELECT t.id, t.until, %s FROM unnest(%s::text[], %s::bigint[]) AS t (id, until)
 ON CONFLICT (delivery_id) DO NOTHING"""
 _COMPACT_FORGET: Final = f"DELETE FROM {SCHEMA}.expired_deliveries WHERE forget_after_ms <= %s"
 _COMPACT_END: Final = f"SELECT pg_notify('{CHANNEL}', 'compaction')"
+_EXPIRED_AMONG: Final = f"""
+SELECT delivery_id, forget_after_ms FROM {SCHEMA}.expired_deliveries
+ WHERE delivery_id = ANY(%s::text[])"""
 _EXPIRED_SINCE: Final = f"""
 SELECT NULL, NULL, generation FROM {SCHEMA}.compaction
 UNION ALL
@@ -556,6 +561,14 @@ class _Landed(enum.Enum):
     """Another writer holds ``(log, seq)``: this record is not in the log."""
     FENCED = "fenced"
     """The fence no longer holds (another owner claimed the lane): nothing was written."""
+    REFUSED = "refused"
+    """The admission guard refused it (:data:`_GUARD`): nothing was written."""
+
+
+def _generation(conn: _Conn) -> int:
+    row = conn.execute(f"SELECT generation FROM {SCHEMA}.compaction").fetchone()
+    assert row is not None, "migration 4 inserts the row"
+    return int(row[0])
 
 
 def _like(prefix: str) -> str:
@@ -617,18 +630,23 @@ class _Mixed(Exception):
     rolled back (it is all or none)."""
 
 
+_Guard = tuple[int, list[str]]
+"""An admission group's guard (:data:`_GUARD`): the compaction generation its writer knows, and
+the delivery ids it admits."""
+
+
 def _insert_many(
-    rel: str, seq: int, frames: list[bytes], guard: int | None = None
+    rel: str, seq: int, frames: list[bytes], guard: _Guard | None = None
 ) -> Callable[[_Conn], _Landed]:
     """A group's first attempt (unfenced: the admission log, S22); with ``guard``, written
-    only while the compaction generation is that one (:data:`_GUARD`; ``THEIRS`` if not)."""
+    only while it holds (:data:`_GUARD`; ``THEIRS`` if not)."""
 
     def insert(conn: _Conn) -> _Landed:
         try:
             if guard is None:
                 conn.execute(_INSERT_MANY, [rel, seq, frames])
-            elif conn.execute(_INSERT_GUARDED, [rel, seq, frames, guard]).rowcount == 0:
-                return _Landed.THEIRS  # a compaction committed since: learn it, decide again
+            elif conn.execute(_INSERT_GUARDED, [rel, seq, frames, *guard]).rowcount == 0:
+                return _Landed.REFUSED  # a compaction since, or an expired one: decide again
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != _KEY:
                 raise
@@ -639,7 +657,7 @@ def _insert_many(
 
 
 def _resolve_many(
-    rel: str, seq: int, frames: list[bytes], guard: int | None = None
+    rel: str, seq: int, frames: list[bytes], guard: _Guard | None = None
 ) -> Callable[[_Conn], _Landed]:
     """A group after an attempt whose outcome is unknown. The earlier attempt committed all
     of it or none: ``OURS`` if the rows hold exactly these frames now (inserted here, or by
@@ -653,7 +671,7 @@ def _resolve_many(
                 if guard is None:
                     inserted = conn.execute(_INSERT_MANY_IF_ABSENT, [rel, seq, frames]).fetchall()
                 else:
-                    params = [rel, seq, frames, guard]
+                    params = [rel, seq, frames, *guard]
                     inserted = conn.execute(_INSERT_GUARDED_IF_ABSENT, params).fetchall()
                 if len(inserted) == len(frames):
                     return _Landed.OURS  # it had not committed: it has now
@@ -663,7 +681,7 @@ def _resolve_many(
             return _Landed.THEIRS
         rows = conn.execute(_FRAMES, [rel, seq, seq + len(frames)], binary=True).fetchall()
         if not rows and guard is not None:
-            return _Landed.THEIRS  # not written, and the guard refused it now: decide again
+            return _Landed.REFUSED  # not written, and the guard refused it now: decide again
         if not rows:
             raise _Vanished(
                 f"records {seq}…{seq + len(frames) - 1} were neither inserted nor found"
@@ -743,11 +761,12 @@ GROUP_MAX: Final = 256
 class _Queued:
     """One record waiting for its group (S22), and its fate once the group is written."""
 
-    __slots__ = ("done", "error", "payload", "seq", "unless")
+    __slots__ = ("done", "error", "key", "payload", "seq", "unless")
 
-    def __init__(self, payload: bytes, unless: Callable[[], bool] | None) -> None:
+    def __init__(self, payload: bytes, unless: Callable[[], bool] | None, key: str) -> None:
         self.payload = payload
         self.unless = unless
+        self.key = key
         self.done = trio.Event()
         self.seq: int | None = None
         self.error: Exception | None = None
@@ -892,21 +911,24 @@ class PgLog:
     ) -> int | None:
         payload = encode_record(record)
         fence = fence or self.fence
+        key = record.delivery_id if isinstance(record, Admission) else ""
         if shared and fence is None:
-            return await self._grouped(payload, unless)
+            return await self._grouped(payload, unless, key)
         async with self._lock:
             if unless is not None and unless():
                 return None
-            first = await self._append_locked([payload], fence, shared=shared)
+            first = await self._append_locked([payload], fence, shared=shared, keys=[key])
         return first
 
-    async def _grouped(self, payload: bytes, unless: Callable[[], bool] | None) -> int | None:
+    async def _grouped(
+        self, payload: bytes, unless: Callable[[], bool] | None, key: str
+    ) -> int | None:
         """S22: an unfenced append to a shared log (an admission) joins the next group; the
         first caller to find no group being written writes every queued one, in call order,
         each group one statement (``GROUP_MAX`` records at most), while later callers queue
         behind it. Once queued, a record's fate is waited for shielded (its group may commit),
         bounded by the store's retry policy, as a single append's is once sent."""
-        queued = _Queued(payload, unless)
+        queued = _Queued(payload, unless, key)
         self._queued.append(queued)
         with trio.CancelScope(shield=True):
             if not self._flushing:
@@ -931,7 +953,8 @@ class PgLog:
                 if not group:
                     continue
                 try:
-                    first = await self._append_locked([q.payload for q in group], None, shared=True)
+                    payloads, keys = [q.payload for q in group], [q.key for q in group]
+                    first = await self._append_locked(payloads, None, shared=True, keys=keys)
                 except Exception as error:  # every record of the group shares its fate
                     for q in group:
                         q.error = error
@@ -942,16 +965,17 @@ class PgLog:
                     q.done.set()
 
     async def _append_locked(
-        self, payloads: list[bytes], fence: Fence | None, *, shared: bool
+        self, payloads: list[bytes], fence: Fence | None, *, shared: bool, keys: list[str]
     ) -> int | None:
         """Append ``payloads`` as consecutive records, all or none, holding the lock: the
         first one's number, or ``None`` when another writer took one of the numbers first
-        on a shared log (nothing written)."""
+        on a shared log (nothing written) — or, on the admission log, when the guard
+        refused them (:data:`_GUARD`; ``keys``: the delivery id each admits)."""
         self._check_open()
         seq = self._next_seq
         frames = [encode_frame(seq + i, [payload]) for i, payload in enumerate(payloads)]
         try:
-            landed = await self._commit(seq, frames, fence)
+            landed = await self._commit(seq, frames, fence, keys)
         except _Unsettled as unsettled:
             self._refuse(unsettled.why)
             raise self._store._unavailable(unsettled.why, self._rel) from None
@@ -974,6 +998,9 @@ class PgLog:
         if landed is _Landed.FENCED:
             assert fence is not None
             raise self._fenced(fence)
+        if landed is _Landed.REFUSED:  # RT11: learn why before anything decides again
+            await self._store.learn_expired([k for k in keys if k])
+            return None
         if landed is _Landed.THEIRS:
             if shared:
                 return None
@@ -983,7 +1010,9 @@ class PgLog:
         self._good_length += sum(len(frame) for frame in frames)
         return seq
 
-    async def _commit(self, seq: int, frames: list[bytes], fence: Fence | None) -> _Landed:
+    async def _commit(
+        self, seq: int, frames: list[bytes], fence: Fence | None, keys: list[str]
+    ) -> _Landed:
         """Commit the rows ``(rel, seq…, frames)`` under ``fence`` (a group of more than one:
         unfenced, in one statement). Retried under the store's
         policy while the connection breaks or cannot be made; once an attempt was sent (its
@@ -991,7 +1020,8 @@ class PgLog:
         cancellation: the log's next number depends on it. Raises :class:`_Unsettled` when
         the bound is spent, the driver's error on a definite refusal."""
         policy = self._store.retry
-        guard = self._store.generation if self._guarded else None  # what the decision knew
+        # what the decision knew: the generation, and the deliveries it admits
+        guard = (self._store.generation, [k for k in keys if k]) if self._guarded else None
         sent = False
         problem = ""
         for attempt in range(policy.attempts):
@@ -1147,8 +1177,11 @@ class PgStore:
         """The compaction generation this store has learned the expired deliveries of (RT11):
         every admission is written under it (:data:`_GUARD`)."""
         self.expired: dict[str, int] = {}
-        """RT4, RT11: the expired deliveries — id to the time a duplicate is no longer refused
-        (``delivery_expired``) for it — as of :attr:`generation`."""
+        """RT4, RT11: the deliveries expired since this store was opened — id to the time a
+        duplicate is no longer refused (``delivery_expired``) for it — as of
+        :attr:`generation`. Those expired before are not held (a year of them would be
+        millions): :meth:`expired_among` asks the database, and an admission of one is
+        refused by the database itself (:data:`_GUARD`)."""
         self.on_expired: Callable[[Mapping[str, int]], object] | None = None
         """Called with the deliveries each :meth:`sync_expired` learned (a host forgetting
         what it knows of them)."""
@@ -1462,6 +1495,29 @@ class PgStore:
         if learned and self.on_expired is not None:
             self.on_expired(learned)
         return learned
+
+    async def expired_among(self, delivery_ids: Sequence[str]) -> dict[str, int]:
+        """Which of ``delivery_ids`` the database holds as expired (RT11) now, each with
+        its forget-after time."""
+
+        def read(conn: _Conn) -> dict[str, int]:
+            rows = conn.execute(_EXPIRED_AMONG, [list(delivery_ids)]).fetchall()
+            return {str(d): int(until) for d, until in rows}
+
+        return await self._run(None, read) if delivery_ids else {}
+
+    async def learn_expired(self, delivery_ids: Sequence[str]) -> dict[str, int]:
+        """:meth:`sync_expired`, and those of ``delivery_ids`` that expired before this
+        store was opened (an admission the guard refused: :data:`_GUARD`), now in
+        :attr:`expired` too; what was learned."""
+        learned = await self.sync_expired()
+        found = await self.expired_among(delivery_ids)
+        older = {d: u for d, u in found.items() if d not in self.expired}
+        if older:
+            self.expired.update(older)
+            if self.on_expired is not None:
+                self.on_expired(older)
+        return learned | older
 
     async def read_shared(self) -> SharedRows:
         """The shared logs as a compaction plans on them (RT11): the result log's records
@@ -1829,9 +1885,12 @@ async def open_pg_store(
         if exclusive:
             holder = await trio.to_thread.run_sync(_own, params)
         await store._check_schema()
+        # RT11: the generation before the logs are read, what was expired since after: so
+        # what the logs no longer hold is known, and nothing expired before is held in memory
+        store.generation = await store._run(None, _generation)
         store.admissions = await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions")
         store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
-        await store.sync_expired()  # after the logs: what they no longer hold is known
+        await store.sync_expired()
         yield store
     finally:
         with trio.CancelScope(shield=True):

@@ -235,8 +235,8 @@ class RoomWorker:
         try:
             first = await self._append_admission(admission)
         except BaseException:
-            if delivery.delivery_id not in self._admissions:
-                del self._known[delivery.delivery_id]
+            if delivery.delivery_id not in self._admissions:  # (RT11: or forgotten as expired)
+                self._known.pop(delivery.delivery_id, None)
             raise
         if first is not admission:  # another host admitted it first (S21)
             if first.fingerprints.request != prints.request:
@@ -322,6 +322,8 @@ class RoomWorker:
         pending = self._pending.get(delivery_id)
         if pending is None:
             if delivery_id not in self._known:
+                if self.leases is not None:  # RT11: one that expired before this host began
+                    await self.leases.store.learn_expired([delivery_id])
                 self._check_not_expired(delivery_id)
                 raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
             if self._host.outbox.result_of(delivery_id) is not None or self.leases is None:

@@ -13,7 +13,7 @@ import trio
 
 from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._journal._store import ADMISSIONS, RESULTS
-from runtime._records import Header, ResultAcked, Settled
+from runtime._records import Admission, Fingerprints, Header, ResultAcked, Settled
 
 from .pg_fixtures import execute
 
@@ -86,7 +86,9 @@ async def test_rt11_a_compaction_leaves_holes_every_host_reads_through(
                 "d5",
             ]
             assert (c.admissions.next_seq, c.results.next_seq) == (6, 5)
-            assert (set(c.expired), c.generation) == ({"d0", "d2"}, 1)
+            # what expired before it opened is not held in memory: the database answers
+            assert (c.expired, c.generation) == ({}, 1)
+            assert await c.expired_among(["d0", "d1", "d2"]) == {"d0": FAR, "d2": FAR}
             assert await c.results.try_append(ResultAcked(seq=9)) == 5
 
 
@@ -94,8 +96,8 @@ async def test_rt11_an_admission_under_a_stale_generation_writes_nothing(
     tmp_path: Path, pg_dsn: str
 ) -> None:
     """RT11: a host that has not learned the latest compaction cannot admit: its append is
-    refused as a lost number is (nothing written), and the refresh its caller then makes
-    teaches it the expired deliveries — so it decides again knowing them."""
+    refused as a lost number is (nothing written), and the refusal teaches it the expired
+    deliveries — so it decides again knowing them."""
     with trio.fail_after(LIMIT):
         async with (
             open_pg_store(pg_dsn, root=tmp_path / "a") as a,
@@ -111,9 +113,8 @@ async def test_rt11_an_admission_under_a_stale_generation_writes_nothing(
             before = await _rows(pg_dsn, ADMISSIONS)
             assert await b.admissions.try_append(_settled("d0")) is None
             assert await _rows(pg_dsn, ADMISSIONS) == before
-            assert b.generation == 0  # it has not looked yet
-            await b.admissions.refresh()
-            assert "d0" in b.expired
+            # the refusal taught it what the compaction expired: it decides again knowing it
+            assert (b.generation, b.expired) == (1, {"d0": FAR})
             assert await b.admissions.try_append(_settled("new")) == 3
 
 
@@ -144,3 +145,43 @@ async def test_rt11_a_compaction_whose_lease_was_taken_over_changes_nothing(
             assert await execute(pg_dsn, "SELECT count(*) FROM pi_runtime.expired_deliveries") == [
                 (0,)
             ]
+
+
+def _admission(delivery_id: str) -> Admission:
+    return Admission(
+        delivery_id=delivery_id,
+        lane="dm:1",
+        request={"delivery_id": delivery_id, "room": "dm:1"},
+        fingerprints=Fingerprints(request="r", authority="a", settings="s"),
+        rendered_prompt="hi",
+        admitted_ms=1,
+    )
+
+
+async def test_rt11_a_host_started_after_an_expiry_cannot_admit_the_expired_delivery(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """RT11: a host opened after a compaction holds none of the deliveries expired before
+    (a year of them would be millions); its admission of one is refused by the database in
+    the insert itself, and the refusal teaches it the expiry."""
+    with trio.fail_after(LIMIT):
+        async with open_pg_store(pg_dsn, root=tmp_path / "a") as a:
+            assert await a.admissions.try_append(_admission("old")) == 1
+            assert await a.admissions.try_append(_admission("keep")) == 2
+            fence = await a.claim(LEASE, 60)
+            assert fence is not None
+            assert await a.compact_shared(
+                fence, slim={}, admissions=[1], results=[], expire={"old": FAR}
+            )
+        async with open_pg_store(pg_dsn, root=tmp_path / "b") as b:
+            assert b.expired == {}
+            told: list[dict[str, int]] = []
+            b.on_expired = lambda learned: told.append(dict(learned))
+            refused = await b.admissions.try_append(_admission("old"))
+            rows = await _rows(pg_dsn, ADMISSIONS)
+            fresh = await b.admissions.try_append(_admission("new"))
+    assert refused is None
+    assert told == [{"old": FAR}]
+    assert b.expired == {"old": FAR}
+    assert rows == [0, 2]  # nothing was written
+    assert fresh == 3
