@@ -129,6 +129,7 @@ class ReasonCode(enum.StrEnum):
     USAGE_LIMIT_REACHED = "usage_limit_reached"
     MODEL_FAILED = "model_failed"
     RESPONSE_MISSING = "response_missing"
+    SILENCE_AFTER_TYPING = "silence_after_typing"
     RECOVERY_REFUSED = "recovery_refused"
     RECOVERY_EXHAUSTED = "recovery_exhausted"
     # the access token and the admin socket (docs/design/operations.md)

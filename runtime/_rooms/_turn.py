@@ -167,6 +167,10 @@ class Turn:
             return TurnEnd(outcome=Outcome.FAILED, code=code)
         if self.pending.cancelled and end.outcome is not Outcome.REPLY:
             return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
+        if end.outcome is Outcome.SILENT and self.typing.is_set():
+            # L12: the room was shown typing — words that could no longer be the marker (a
+            # tool round's preamble) — so the turn has spoken: it cannot end in silence
+            return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.SILENCE_AFTER_TYPING)
         return end
 
     def _stalled_end(self) -> TurnEnd:

@@ -227,6 +227,45 @@ async def test_l7_l12_silent_turn_never_types_and_updates_do_not_settle(tmp_path
     assert Typing(room=ROOM, delivery_id="d2") in loud
 
 
+async def test_l12_a_turn_that_lit_typing_never_ends_silent(tmp_path: Path) -> None:
+    """L12 (issue #18 item 11): a tool round's preamble ("Let me check.") is words that can
+    no longer become ``[[stay-silent]]``, so the room is shown ``typing`` while the tools run;
+    the turn has then spoken, and a final ``[[stay-silent]]`` ends it ``failed
+    silence_after_typing`` — never ``silent`` after the room was lit. A turn whose only words
+    are the marker stays ``silent`` and never types."""
+    steps: list[Step] = [
+        ToolCalls(
+            text="Let me check.",
+            calls=[Call(name="send_text_update", arguments={"text": "looking"})],
+        ),
+        Text(text="[[stay-silent]]"),
+        ToolCalls(calls=[Call(name="send_text_update", arguments={"text": "hm"})]),
+        Text(text="[[stay-silent]]"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+            collecting(worker) as events,
+        ):
+            await worker.deliver(message("d1"))
+            (spoken,) = await next_results(worker, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            lit = list(events)
+            await worker.deliver(message("d2"))
+            (silent,) = await next_results(worker, 1, after=spoken.seq)
+            await trio.testing.wait_all_tasks_blocked()
+            quiet = events[len(lit) :]
+    assert Typing(room=ROOM, delivery_id="d1") in lit
+    assert (spoken.outcome, spoken.code, spoken.text) == (
+        Outcome.FAILED,
+        "silence_after_typing",
+        None,
+    )
+    assert (silent.outcome, silent.text) == (Outcome.SILENT, None)
+    assert not any(isinstance(e, Typing) for e in quiet)
+
+
 # ------------------------------------------------------------------------------- workers
 
 
