@@ -272,7 +272,7 @@ async def verify_database(dsn: str) -> tuple[int, list[Finding]]:
             except JournalError as error:
                 findings.append(Finding(rel, error.message, problem=True, code=str(error.code)))
                 continue
-            findings += _check_contents(rel, kind, contents)
+            findings += _check_contents(rel, kind, contents, compacted=store.generation > 0)
     return len(names), findings
 
 
@@ -304,7 +304,11 @@ def pg_reader(dsn: str) -> AbstractAsyncContextManager[PgStore]:
     return open_pg_reader(dsn)
 
 
-def _check_contents(rel: str, kind: LogKind, contents: LogContents) -> list[Finding]:
+def _check_contents(
+    rel: str, kind: LogKind, contents: LogContents, *, compacted: bool = False
+) -> list[Finding]:
+    """What is wrong with a log's contents; ``compacted``: a shared store's result log that
+    a compaction left holes in (RT11: the seqs must only increase)."""
     found: list[Finding] = []
     if contents.torn_bytes:
         found.append(
@@ -350,6 +354,9 @@ def _check_contents(rel: str, kind: LogKind, contents: LogContents) -> list[Find
                 seqs[-1] < mark.last_seq if seqs else False
             )
             shape = "increasing, and through the last seq before the compaction"
+        elif compacted:  # RT11: rows deleted in place; the last one never is
+            bad = any(b <= a for a, b in itertools.pairwise([0, *seqs]))
+            shape = "increasing"
         else:
             bad, shape = seqs != list(range(1, len(seqs) + 1)), "1, 2, 3, …"
         if bad:
