@@ -37,7 +37,7 @@ from .._records import (
 )
 from .._wire import DeliveryResult
 from ._attachments import AttachmentStore, attachment_root
-from ._expired import EXPIRED, ExpiredIds, read_expired
+from ._expired import EXPIRED, read_expired
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
 
@@ -286,7 +286,8 @@ async def delivery_records_in_database(
             contents = await store.read_delivery_log(delivery_id)
         admissions = store.admissions.contents.records
         results = store.results.contents.records
-    return _records_of(contents, admissions, results, delivery_id, "the database")
+        expired = bool(await store.expired_among([delivery_id]))  # RT11
+    return _records_of(contents, admissions, results, delivery_id, "the database", expired=expired)
 
 
 def _kind_of(rel: str) -> LogKind:
@@ -383,7 +384,8 @@ def delivery_records(state_dir: Path, delivery_id: str) -> tuple[list[Record], s
     admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)
     results = _read_shared(root, RESULTS, LogKind.RESULTS)
     expired = read_expired(OsFileSystem(), str(root / EXPIRED))
-    return _records_of(contents, admissions, results, delivery_id, str(root), expired)
+    gone = bool(expired) and delivery_key(delivery_id) in expired
+    return _records_of(contents, admissions, results, delivery_id, str(root), expired=gone)
 
 
 def _records_of(
@@ -392,7 +394,8 @@ def _records_of(
     results: Sequence[Record],
     delivery_id: str,
     where: str,
-    expired: ExpiredIds | None = None,
+    *,
+    expired: bool = False,
 ) -> tuple[list[Record], str | None]:
     if contents is not None and contents.records:
         note = None
@@ -403,7 +406,7 @@ def _records_of(
         r for r in admissions if isinstance(r, Admission | Settled) and r.delivery_id == delivery_id
     ]
     if not found:
-        if expired is not None and delivery_key(delivery_id) in expired:
+        if expired:
             raise PiRuntimeError(
                 ReasonCode.DELIVERY_EXPIRED,
                 f"delivery {delivery_id!r} finished longer ago than [retention] "

@@ -22,8 +22,8 @@ from runtime._config import (
     RoomWorkerConfig,
     StoreConfig,
 )
-from runtime._errors import DeliveryError, ReasonCode
-from runtime._journal._inspect import verify_database
+from runtime._errors import DeliveryError, PiRuntimeError, ReasonCode
+from runtime._journal._inspect import delivery_records_in_database, verify_database
 from runtime._journal._store import ADMISSIONS
 from runtime._rooms._worker import open_room_worker
 
@@ -185,6 +185,9 @@ async def test_rt11_the_shared_rows_are_compacted_and_every_host_forgets_what_ex
     assert refused_later.value.code is ReasonCode.DELIVERY_EXPIRED
     _, findings = await verify_database(pg_dsn)  # the holes are no damage to journal verify
     assert [f for f in findings if f.problem] == []
+    with pytest.raises(PiRuntimeError) as shown:  # `journal show a1 --store …`
+        await delivery_records_in_database(pg_dsn, "a1")
+    assert shown.value.code is ReasonCode.DELIVERY_EXPIRED
     assert later[0] is None
     assert later[1] is not None
     assert later[2] == c1
