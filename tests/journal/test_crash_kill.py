@@ -94,6 +94,11 @@ class Stats:
     logs_checked: int = 0
     empty_logs: int = 0
     """Logs left holding no acknowledged record by a kill (empty or torn header)."""
+    no_fork: trio.Lock = field(default_factory=trio.Lock)
+    """Held while this process holds a state directory's lock (a verification) and while it
+    starts a process: a child forked meanwhile holds a copy of the lock's descriptor until it
+    execs, and a writer of that directory started then found it locked (a flake seen once in
+    a few thousand kills)."""
 
 
 @dataclass
@@ -226,15 +231,16 @@ class ForkServer:
 
 
 @contextlib.asynccontextmanager
-async def open_fork_server(tmp: Path) -> AsyncIterator[ForkServer]:
+async def open_fork_server(tmp: Path, stats: Stats) -> AsyncIterator[ForkServer]:
     errors = tmp / "fork-server.stderr"
-    with errors.open("wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, str(WRITER), "--fork-server"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-        )
+    async with stats.no_fork:
+        with errors.open("wb") as stderr:
+            process = await trio.lowlevel.open_process(
+                [sys.executable, str(WRITER), "--fork-server"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
     try:
         yield ForkServer(process, errors)
         assert process.stdin is not None
@@ -304,19 +310,20 @@ async def kill_forked(state: StateDir, server: ForkServer, rng: random.Random) -
     return run
 
 
-async def kill_spawned(state: StateDir, rng: random.Random, tmp: Path) -> Run:
+async def kill_spawned(state: StateDir, rng: random.Random, tmp: Path, stats: Stats) -> Run:
     """Start a fresh interpreter on the writer, SIGKILL it at a random point, reap it.
 
     The kill can land anywhere, interpreter start-up included.
     """
     phase, want = _choose_kill_point(rng, "spawn")
     errors = tmp / "writer.stderr"
-    with errors.open("wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, str(WRITER), str(state.root), state.seed, str(state.runs)],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-        )
+    async with stats.no_fork:
+        with errors.open("wb") as stderr:
+            process = await trio.lowlevel.open_process(
+                [sys.executable, str(WRITER), str(state.root), state.seed, str(state.runs)],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
     run = Run(state, phase)
     run.pid = process.pid
     try:
@@ -352,7 +359,7 @@ async def crash_once(
     state.runs += 1
     if rng.random() < SPAWNED_SHARE:
         stats.spawned += 1
-        run = await kill_spawned(state, rng, tmp)
+        run = await kill_spawned(state, rng, tmp, stats)
     else:
         run = await kill_forked(state, server, rng)
     stats.kills += 1
@@ -479,6 +486,11 @@ def _lock_is_free(root: Path) -> bool:
 
 async def verify(state: StateDir, run: Run, stats: Stats) -> None:
     """J1, J2, J3, J4 and J9 after one kill."""
+    async with stats.no_fork:
+        await _verify_locked(state, run, stats)
+
+
+async def _verify_locked(state: StateDir, run: Run, stats: Stats) -> None:
     root = state.root
     if not await trio.to_thread.run_sync(_lock_is_free, root):
         state.fail("the state-directory lock is still held after the writer was reaped")
@@ -513,7 +525,7 @@ async def verify(state: StateDir, run: Run, stats: Stats) -> None:
 async def _campaign(
     dirs: list[tuple[StateDir, int]], rng: random.Random, stats: Stats, tmp: Path
 ) -> None:
-    async with open_fork_server(tmp) as server:
+    async with open_fork_server(tmp, stats) as server:
         for state, kills in dirs:
             while kills:
                 await crash_once(state, server, rng, stats, tmp)

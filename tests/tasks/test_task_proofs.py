@@ -706,7 +706,10 @@ async def test_lk8_a_reply_whose_carrier_cannot_be_checked_holds_instead_of_rese
         await rig.runner.reply(TASK, "the blue one")  # the next epoch carries it, and hangs
         await rig.until_logged(lambda log: any(isinstance(r, ContinuationSent) for r in log))
         log = await rig.records()
-        assert not actions(log, "hold"), log  # the premise: nothing held before the host died
+        # the premise: nothing held before the host died
+        assert not actions(log, "hold"), [
+            (type(r).__name__, getattr(r, "epoch", None), getattr(r, "detail", None)) for r in log
+        ]
     (path,) = (tmp_path / "state" / "lanes").glob("*/session.jsonl")
     path.write_bytes(b"not a session header\n" + path.read_bytes())
     async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
