@@ -238,6 +238,27 @@ class LeaseStore(JournalStore, Protocol):
         when the fence no longer held (nothing changed)."""
         ...
 
+    # ended task lanes' retention (docs/design/retention.md RT13)
+
+    async def slim_log(self, rel: str, records: Sequence[Record], *, fence: Fence) -> bool:
+        """Rewrite an ended task's lane log as a header, a ``Compacted`` mark and ``records``
+        in one transaction under ``fence``; whether it was (the fence and the log held)."""
+        ...
+
+    async def expire_task(self, task_id: str, forget_after_ms: int, *, fence: Fence) -> bool:
+        """Record the task expired and remove its lane log in one transaction under
+        ``fence``; whether this call recorded it."""
+        ...
+
+    async def forget_expired_tasks(self) -> int:
+        """Let go of the expired tasks past their forget-after time; how many."""
+        ...
+
+    async def expired_task_keys(self, keys: Sequence[str]) -> dict[str, int]:
+        """Which of these task lane keys the database holds as expired, each with the time
+        it is let go."""
+        ...
+
     async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:
         """Call ``changed(released)`` when another host may have appended to a shared log,
         or given a lease up (``released``)."""

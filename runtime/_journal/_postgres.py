@@ -61,12 +61,12 @@ from psycopg.rows import TupleRow
 
 from .._clock import Backoff, Clocks, own_limiter
 from .._errors import DiskFailedError, JournalError, ReasonCode
-from .._records import SCHEMA_VERSION, Admission, Header, LogKind, Poison, Record
+from .._records import SCHEMA_VERSION, Admission, Compacted, Header, LogKind, Poison, Record
 from ._fence import Fence, Lease
 from ._frame import encode_frame
 from ._interface import JournalStore, LeaseStore, Log, SharedRows
 from ._journal import LogContents, decode_frames, decode_log, decode_poison, encode_record
-from ._store import ADMISSIONS, RESULTS, Store, _prepare_root
+from ._store import ADMISSIONS, RESULTS, Store, _prepare_root, lane_key
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -174,6 +174,14 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         f"""CREATE INDEX expired_deliveries_by_generation
             ON {SCHEMA}.expired_deliveries (generation)""",
     ),
+    # 5: the expired task lanes (retention.md RT13)
+    (
+        f"""CREATE TABLE {SCHEMA}.expired_tasks (
+            lane_key        text COLLATE "C" PRIMARY KEY,
+            task_id         text   NOT NULL,
+            forget_after_ms bigint NOT NULL
+        )""",
+    ),
 )
 """``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
 never edited: a database migrated once must mean the same thing to every later version."""
@@ -258,6 +266,17 @@ UNION ALL
 SELECT delivery_id, forget_after_ms, generation FROM {SCHEMA}.expired_deliveries
  WHERE generation > %s"""
 """The generation now and every delivery expired after the one named, in one snapshot."""
+_FENCE_HOLDS: Final = f"SELECT true {_LEASED}"
+_DELETE_LOG: Final = f"DELETE FROM {SCHEMA}.log_records WHERE log = %s RETURNING seq"
+_INSERT_LOG: Final = f"""
+INSERT INTO {SCHEMA}.log_records (log, seq, frame)
+SELECT %s, t.ord - 1, t.frame FROM unnest(%s::bytea[]) WITH ORDINALITY AS t (frame, ord)"""
+_EXPIRE_TASK: Final = f"""
+INSERT INTO {SCHEMA}.expired_tasks (lane_key, task_id, forget_after_ms) VALUES (%s, %s, %s)
+ON CONFLICT (lane_key) DO NOTHING"""
+_FORGET_TASKS: Final = f"DELETE FROM {SCHEMA}.expired_tasks WHERE forget_after_ms <= %s"
+_EXPIRED_TASKS_AMONG: Final = f"""
+SELECT lane_key, forget_after_ms FROM {SCHEMA}.expired_tasks WHERE lane_key = ANY(%s::text[])"""
 _FRAMES: Final = f"""
 SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq >= %s AND seq < %s ORDER BY seq"""
 _FRAME: Final = f"SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq = %s"
@@ -623,6 +642,11 @@ def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[
         return _Landed.OURS if bytes(row[0]) == frame else _Landed.THEIRS
 
     return resolve
+
+
+class _Changed(Exception):
+    """A log being rewritten (:meth:`PgStore.slim_log`) no longer ends where it was read:
+    the transaction is rolled back."""
 
 
 class _Mixed(Exception):
@@ -1576,6 +1600,82 @@ class PgStore:
                 return generation
 
         return await self._run(None, compact)
+
+    # -- ended task lanes' retention (retention.md RT13) ------------------------------------
+
+    async def slim_log(self, rel: str, records: Sequence[Record], *, fence: Fence) -> bool:
+        """Replace the log ``rel`` — an ended task's lane log, which nothing appends to — by
+        a new header, a :class:`Compacted` record and ``records`` (records of the log),
+        numbered from 0, in one transaction while ``fence`` holds (the claim of the lane a
+        retention pass made: a claim moves the epoch on, so no earlier holder can append
+        from then on) and only when the log still ends where this read found it. Whether it
+        was rewritten (``False``: the fence or the log changed; nothing was)."""
+        contents, next_seq = await self._read(rel, None)
+        stray = [r for r in records if r not in contents.records]
+        if stray:
+            raise ValueError(f"{rel}: a slim log keeps records of the log, not {stray[0]!r}")
+        header = Header(
+            schema_version=SCHEMA_VERSION,
+            kind=contents.header.kind,
+            subject=contents.header.subject,
+            created_ms=self.clocks.wall.time_ms(),
+        )
+        kept = [r for r in contents.records[1:] if not isinstance(r, Compacted)]
+        mark = Compacted(compacted_ms=header.created_ms, removed=max(0, len(kept) - len(records)))
+        new = [header, mark, *records]
+        frames = [encode_frame(seq, [encode_record(r)]) for seq, r in enumerate(new)]
+
+        def slim(conn: _Conn) -> bool:
+            with conn.transaction():
+                if conn.execute(_FENCE_HOLDS, _fence_params(fence)).fetchone() is None:
+                    return False
+                gone = [int(row[0]) for row in conn.execute(_DELETE_LOG, [rel]).fetchall()]
+                if max(gone, default=-1) != next_seq - 1 or len(gone) != next_seq:
+                    raise _Changed  # rolled back: a later pass reads it again
+                conn.execute(_INSERT_LOG, [rel, frames])
+                return True
+
+        self._open.pop(rel, None)
+        try:
+            return await self._run(rel, slim)
+        except _Changed:
+            return False
+
+    async def expire_task(self, task_id: str, forget_after_ms: int, *, fence: Fence) -> bool:
+        """Record the task ``task_id`` expired until ``forget_after_ms`` and remove its lane
+        log (its rows and any poison) in one transaction while ``fence`` — the claim of its
+        lane a retention pass made — holds. Whether this call recorded it (``False``: the
+        fence no longer held, or it was expired already). Idempotent."""
+        subject = f"task:{task_id}"
+        rel = self.lane_rel(subject)
+
+        def expire(conn: _Conn) -> bool:
+            with conn.transaction():
+                if conn.execute(_FENCE_HOLDS, _fence_params(fence)).fetchone() is None:
+                    return False
+                params = [lane_key(subject), task_id, forget_after_ms]
+                recorded = conn.execute(_EXPIRE_TASK, params).rowcount == 1
+                conn.execute(_DELETE_LOGS, [[rel], [rel]])
+                return recorded
+
+        self._open.pop(rel, None)
+        return await self._run(rel, expire)
+
+    async def forget_expired_tasks(self) -> int:
+        """Let go of the expired tasks past their forget-after time (on this host's wall
+        clock, as it set them): a submission under such an id is new again. How many."""
+        now = self.clocks.wall.time_ms()
+        return await self._run(None, lambda conn: conn.execute(_FORGET_TASKS, [now]).rowcount)
+
+    async def expired_task_keys(self, keys: Sequence[str]) -> dict[str, int]:
+        """Which of the lane keys ``keys`` (``lane_key(f"task:{id}")``) name a task the
+        database holds as expired now (RT13), each with the time it is let go."""
+
+        def read(conn: _Conn) -> dict[str, int]:
+            rows = conn.execute(_EXPIRED_TASKS_AMONG, [list(keys)]).fetchall()
+            return {str(key): int(until) for key, until in rows}
+
+        return await self._run(None, read) if keys else {}
 
     async def announce(self) -> None:
         """Tell every host watching the shared logs to look again (S23, S26): sent at once."""

@@ -1,5 +1,5 @@
-"""Retention of ended tasks (docs/design/retention.md RT12): the task lanes' share of what
-``[retention]`` keeps, on the file store.
+"""Retention of ended tasks (docs/design/retention.md RT12, RT13): the task lanes' share of
+what ``[retention]`` keeps, on the file store and on a shared store.
 
 An ended task — its ``TaskEnded`` recorded — passes through the same stages as a finished
 room delivery (RT2-RT4), on the host's wall clock from its end (``TaskEnded.ended_ms``):
@@ -24,10 +24,11 @@ directory goes, and each step is idempotent, so the next pass finishes what a cr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -36,19 +37,23 @@ import trio
 from .._clock import Clocks
 from .._config import RetentionConfig
 from .._errors import ReasonCode, TaskError
+from .._journal._interface import LeaseStore
 from .._journal._store import Store, lane_key, open_store
 from .._linux._fs import OsFileSystem
 from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
 from ._candidate import CANDIDATE_REF_PREFIX
+from ._state import session_rel
 from ._worktree import git, git_env
 
 __all__ = [
+    "SeenHere",
     "TaskRetention",
     "ended_tasks",
     "forget_offline",
     "forget_task",
     "retain_ended_tasks",
     "retain_offline",
+    "retain_shared_tasks",
     "work_dirs",
 ]
 
@@ -63,14 +68,31 @@ class TaskRetention:
     expired: tuple[str, ...] = ()
 
 
+@dataclass(slots=True)
+class SeenHere:
+    """What this process's passes on a shared store did already (RT13): the ended tasks it
+    found slim, and those whose session and work directories it removed here."""
+
+    slim: set[str] = field(default_factory=set)
+    cleaned: set[str] = field(default_factory=set)
+
+    def forget(self, task_id: str) -> None:
+        self.slim.discard(task_id)
+        self.cleaned.discard(task_id)
+
+
 def work_dirs(work_root: Path, task_id: str) -> tuple[Path, Path]:
     """The task's home and temporary directory (``TaskLane.home``, ``TaskLane.tmp``)."""
-    key = lane_key(f"task:{task_id}")
+    key = lane_key(_lane_name(task_id))
     return work_root / "homes" / key, work_root / "tmp" / key
 
 
+def _lane_name(task_id: str) -> str:
+    return f"task:{task_id}"
+
+
 def _lane_dir(task_id: str) -> str:
-    return f"lanes/{lane_key(f'task:{task_id}')}"
+    return f"lanes/{lane_key(_lane_name(task_id))}"
 
 
 async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
@@ -122,6 +144,75 @@ async def retain_ended_tasks(
         await store.expire_tasks(expired)  # RT5: the filter is durable first
         for task_id in expired:
             await _remove_lane(store, task_id, work_root)
+    return TaskRetention(tuple(slimmed), tuple(expired))
+
+
+async def retain_shared_tasks(
+    store: LeaseStore,
+    ended: Mapping[str, int],
+    *,
+    now_ms: int,
+    retention: RetentionConfig,
+    work_root: Path,
+    lease_seconds: float,
+    seen: SeenHere,
+) -> TaskRetention:
+    """One retention pass over the ended tasks of a deployment on a shared store (RT13):
+    ``ended`` (task id → its end's wall-clock ms) as this host knows them.
+
+    The database's part: each task past ``journal_days`` is slimmed, each past
+    ``idempotency_days`` expired, by the host whose pass first claims the task's lane — the
+    claim moves the lane's epoch on, so nothing an earlier holder still tries to append can
+    land — in one transaction under that claim, released after; a lane whose lease runs (a
+    holder) is left for a later pass. This host's part: the session, home and temporary
+    directory of every task past ``journal_days`` it has here, and every task lane directory
+    here whose task the database holds as expired. ``seen`` keeps what this process did
+    already, so a task is slimmed and cleaned here once, not at every pass."""
+    journal_cut = now_ms - retention.journal_days * DAY_MS
+    expiry_cut = now_ms - retention.idempotency_days * DAY_MS
+    slimmed: list[str] = []
+    expired: list[str] = []
+    for task_id, ended_ms in sorted(ended.items()):
+        if ended_ms <= 0 or ended_ms > journal_cut:
+            continue
+        if ended_ms > expiry_cut and task_id in seen.slim:
+            continue
+        subject = _lane_name(task_id)
+        rel = store.lane_rel(subject)
+        fence = await store.claim(subject, lease_seconds)
+        if fence is None:
+            continue  # held (a holder still at it): a later pass
+        try:
+            if ended_ms <= expiry_cut:
+                forget_after = ended_ms + int(retention.forget_days * DAY_MS)
+                if await store.expire_task(task_id, forget_after, fence=fence):
+                    expired.append(task_id)
+            else:
+                with contextlib.suppress(FileNotFoundError):  # expired by another host
+                    records = (await store.read(rel)).records  # read after the claim
+                    kept = [r for r in records if isinstance(r, TaskSubmitted | TaskEnded)]
+                    rest = [r for r in records if not isinstance(r, Header | Compacted)]
+                    if len(rest) == len(kept):
+                        seen.slim.add(task_id)  # slim already (another host's pass)
+                    elif await store.slim_log(rel, kept, fence=fence):
+                        seen.slim.add(task_id)
+                        slimmed.append(task_id)
+        finally:
+            with trio.CancelScope(shield=True):
+                await store.release(fence)
+    await store.forget_expired_tasks()  # past forget_days: an id that may be used again
+    going = [t for t in sorted(ended) if 0 < ended[t] <= journal_cut and t not in seen.cleaned]
+    for task_id in going:  # this host's copies: its session and work directories
+        session = store.root / session_rel(task_id)
+        await trio.to_thread.run_sync(_remove_paths, [session, *work_dirs(work_root, task_id)])
+        seen.cleaned.add(task_id)
+    lanes = store.root / "lanes"
+    here = await trio.to_thread.run_sync(
+        lambda: sorted(p.name for p in lanes.iterdir() if p.is_dir()) if lanes.is_dir() else []
+    )
+    for key in sorted(await store.expired_task_keys(here)):  # on the database's word only
+        gone = [lanes / key, work_root / "homes" / key, work_root / "tmp" / key]
+        await trio.to_thread.run_sync(_remove_paths, gone)
     return TaskRetention(tuple(slimmed), tuple(expired))
 
 

@@ -35,7 +35,14 @@ from .._records import Record, TaskEnded, TaskSubmitted
 from .._wire import TaskEvent, TaskSpec, TaskView
 from ._lane import TaskHost, TaskLane
 from ._lifecycle import Verdict
-from ._retention import TaskRetention, forget_task, retain_ended_tasks
+from ._retention import (
+    DAY_MS,
+    SeenHere,
+    TaskRetention,
+    forget_task,
+    retain_ended_tasks,
+    retain_shared_tasks,
+)
 from ._state import check_spec, submitted_record
 from ._view import records_view, task_row, view_row
 from ._watchdog import WatchdogPolicy
@@ -135,6 +142,14 @@ class TaskRunner:
         """Each lane log's subject, by name (it never changes)."""
         self._not_tasks: set[str] = set()
         """Lane logs found to be a room's or an ended task's (looked at no more, S32)."""
+        self._ended_elsewhere: dict[str, int] = {}
+        """On a shared store: tasks found ended in the database that this runner did not
+        end itself, by id: their end's wall-clock ms (what retention ages, RT13)."""
+        self._seen = SeenHere()
+        """What retention did here already (RT13)."""
+        self._expired_here: dict[str, int] = {}
+        """On a shared store: the tasks this runner learned had expired (RT13), by id: until
+        when a submission under the id is refused."""
 
     async def submit(self, spec: TaskSpec | dict[str, Any]) -> TaskView:
         """Admit a task durably and start it (TL1); the same task again returns its view."""
@@ -197,10 +212,17 @@ class TaskRunner:
         submitted already is its duplicate (``DuplicateElsewhere``) or ``task_conflict``."""
         store, leases = self._shared_parts()
         name = _lane_name(record.task_id)
+        records: list[Record] | None = None
         if await store.exists(store.lane_rel(name)):
-            records = list((await store.read(store.lane_rel(name))).records)
-            if _submitted(records) is not None:
-                self._answer_existing(record, records)
+            with contextlib.suppress(FileNotFoundError):  # expired meanwhile: asked below
+                records = list((await store.read(store.lane_rel(name))).records)
+        if records is None:  # RT13: an expiry removes the log and records the id at once,
+            found = await store.expired_task_keys([lane_key(name)])  # so asked after the log
+            if found:
+                self._expired_here[record.task_id] = found[lane_key(name)]
+                raise self._expired_error(record.task_id)
+        elif _submitted(records) is not None:
+            self._answer_existing(record, records)
         fence = await leases.claim(name)
         if fence is None:  # being submitted (or run) by another host right now
             raise self._elsewhere_error(record.task_id)
@@ -271,8 +293,11 @@ class TaskRunner:
         return TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r}")
 
     def _expired(self, task_id: str) -> bool:
-        """Whether retention expired the task (RT12): its id is in the expired-task filter."""
+        """Whether retention expired the task (RT12): its id is in the expired-task filter
+        (on a shared store: among those this runner learned had expired, RT13)."""
         store = self.host.store
+        if self.shared is not None:
+            return task_id in self._expired_here
         return isinstance(store, Store) and lane_key(_lane_name(task_id)) in store.expired_tasks
 
     @staticmethod
@@ -291,9 +316,11 @@ class TaskRunner:
     async def retain(self, retention: RetentionConfig) -> TaskRetention:
         """One retention pass over the ended tasks (RT12): lane logs past ``journal_days``
         slimmed to their idempotency record, tasks past ``idempotency_days`` expired and let
-        go here too. File store, one host only (a shared store keeps its task lanes)."""
+        go here too. On a shared store: :meth:`_retain_shared` (RT13)."""
         store = self.host.store
-        if not isinstance(store, Store) or self.shared is not None:
+        if self.shared is not None:
+            return await self._retain_shared(retention)
+        if not isinstance(store, Store):
             return TaskRetention()
         ended = {task_id: e.ended.ended_ms for task_id, e in self.ended.items()}
         done = await retain_ended_tasks(
@@ -305,6 +332,39 @@ class TaskRunner:
         )
         for task_id in done.expired:  # the filter is durable: a duplicate is task_expired
             self.ended.pop(task_id, None)
+        return done
+
+    async def _retain_shared(self, retention: RetentionConfig) -> TaskRetention:
+        """RT13: one pass over the deployment's ended tasks this host knows (those it ended,
+        and those :meth:`claim_orphans` found ended in the database); then every one of them
+        past ``idempotency_days`` that the database holds as expired — by this pass or
+        another host's — is forgotten here, and a submission under its id is
+        ``task_expired`` until ``forget_days`` after its end."""
+        assert self.shared is not None
+        store = self.shared.store
+        ended = self._ended_elsewhere | {t: e.ended.ended_ms for t, e in self.ended.items()}
+        now = self.host.clocks.wall.time_ms()
+        done = await retain_shared_tasks(
+            store,
+            ended,
+            now_ms=now,
+            retention=retention,
+            work_root=self._work_root(),
+            lease_seconds=self.shared.lease_seconds,
+            seen=self._seen,
+        )
+        cut = now - retention.idempotency_days * DAY_MS
+        due = {lane_key(_lane_name(t)): t for t, ms in ended.items() if 0 < ms <= cut}
+        for key, until in (await store.expired_task_keys(list(due))).items():
+            task_id = due[key]
+            self.ended.pop(task_id, None)
+            self._ended_elsewhere.pop(task_id, None)
+            self._seen.forget(task_id)
+            self._expired_here[task_id] = until
+            rel = store.lane_rel(_lane_name(task_id))
+            self._subjects.pop(rel, None)
+            self._not_tasks.discard(rel)
+        self._expired_here = {t: u for t, u in self._expired_here.items() if u > now}
         return done
 
     async def forget(self, task_id: str, retention: RetentionConfig) -> list[str]:
@@ -589,9 +649,11 @@ class TaskRunner:
             except (FileNotFoundError, JournalError) as error:
                 self.host.log(f"lane log {rel} not read: {error}")
                 continue
-            if any(isinstance(r, TaskEnded) for r in records):
+            end = next((r for r in records if isinstance(r, TaskEnded)), None)
+            if end is not None:
                 self._not_tasks.add(rel)
                 self.elsewhere.pop(task_id, None)
+                self._ended_elsewhere[task_id] = end.ended_ms  # retention ages it (RT13)
                 continue
             if _submitted(records) is None:
                 continue  # a submission not written (yet, or ever): nothing to run

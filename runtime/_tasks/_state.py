@@ -56,6 +56,7 @@ __all__ = [
     "reply_prompt",
     "route_change",
     "route_snapshot",
+    "session_rel",
     "session_route_change",
     "submitted_record",
     "task_policy",
@@ -312,16 +313,20 @@ def check_spec(spec: TaskSpec) -> None:
         raise TaskError(ReasonCode.TASK_INVALID, f"grants: unknown tools {', '.join(unknown)}")
 
 
+def session_rel(task_id: str) -> str:
+    """Where a task's session lives under the state directory (its lane directory)."""
+    return f"lanes/{lane_key(f'task:{task_id}')}/session.jsonl"
+
+
 def submitted_record(
     spec: TaskSpec, *, route: ModelRoute, policy: WatchdogPolicy, now_ms: int
 ) -> TaskSubmitted:
-    key = lane_key(f"task:{spec.task_id}")
     return TaskSubmitted(
         task_id=spec.task_id,
         prompt=spec.prompt,
         worktree=os.path.realpath(spec.worktree),
         grants=sorted(spec.grants),
-        session_path=f"lanes/{key}/session.jsonl",
+        session_path=session_rel(spec.task_id),
         route=route_snapshot(route),
         validation=list(spec.validation),
         validation_timeout=spec.validation_timeout,

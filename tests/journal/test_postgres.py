@@ -99,7 +99,7 @@ async def test_migrate_is_idempotent_and_versioned(pg_blank_dsn: str) -> None:
     """``migrate`` creates the schema and records its version in a one-row table; run again
     (also by several processes at once) it changes nothing and answers the same version."""
     with trio.fail_after(LIMIT):
-        assert await migrate(pg_blank_dsn) == STORE_SCHEMA_VERSION == 4
+        assert await migrate(pg_blank_dsn) == STORE_SCHEMA_VERSION == 5
         async with trio.open_nursery() as nursery:
             for _ in range(3):
                 nursery.start_soon(migrate, pg_blank_dsn)
@@ -115,6 +115,7 @@ async def test_migrate_is_idempotent_and_versioned(pg_blank_dsn: str) -> None:
             ("compaction",),
             ("documents",),
             ("expired_deliveries",),
+            ("expired_tasks",),
             ("lanes",),
             ("log_poison",),
             ("log_records",),

@@ -27,7 +27,9 @@ real process on a loaded machine, not a threshold of the clocks; a quick answer 
 ``backoff`` (a ``[backoff]`` table: an unavailable provider parks the turn, PB6),
 ``retention`` (a ``[retention]`` table) with ``retain_at_days`` (after the task ends, one
 retention pass with the wall clock moved on by each of these days, then a resubmission of
-the task: ``{"retained": …}`` and ``{"resubmitted": STATE_OR_CODE}`` facts, RT12).
+the task: ``{"retained": …}`` and ``{"resubmitted": STATE_OR_CODE}`` facts, RT12),
+``store`` (a PostgreSQL DSN: the host is one of a deployment on it, its lease owner ``owner``,
+default ``a``, the same across its restarts, RT13).
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said):
 
@@ -43,7 +45,8 @@ Pause points (each wraps the runtime method named; the host stops *after* it unl
 * ``effect`` — the runtime's ``effect`` tool wrote its ledger line, before its outcome;
 * ``receipt_commit`` — ``write_document``'s receipt transaction committed, before its outcome;
 * ``retention:METHOD`` — after the store's ``METHOD`` (``slim_log``, ``expire_tasks``,
-  ``remove_tree``) in a retention pass (RT12);
+  ``remove_tree``; on PostgreSQL ``slim_log``, ``expire_task``) in a retention pass (RT12,
+  RT13);
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
   no end record yet).
 """
@@ -54,7 +57,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,15 +71,22 @@ from runtime._boundary._receipts import receipt_store
 from runtime._boundary._tools import EffectLedger
 from runtime._clock import Clocks
 from runtime._config import BackoffConfig, RetentionConfig
-from runtime._errors import TaskError
+from runtime._errors import ReasonCode, TaskError
 from runtime._journal._fence import Fence
+from runtime._journal._interface import JournalStore
 from runtime._journal._journal import Journal
+from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._journal._store import Store, open_store, runtime_dir
 from runtime._pi._launch import ModelRoute, WorkerProgram
 from runtime._records import Record
 from runtime._tasks._epoch import EpochEnd, EpochWatch
 from runtime._tasks._lane import TaskLane
-from runtime._tasks._runner import TaskRunner, open_task_runner
+from runtime._tasks._runner import (
+    DuplicateElsewhere,
+    SharedTasks,
+    TaskRunner,
+    open_task_runner,
+)
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._tasks._workers import EpochRequest, ProcessWorkers, TaskWorker
 from runtime._wire import TaskSpec
@@ -128,15 +138,16 @@ def install_pause(point: str, nth: int) -> None:
                 await barrier()
 
         TaskLane.record_action = after_action  # type: ignore[method-assign]
-    elif name == "retention":  # after a step of a retention pass (RT12): Store.<rest>
-        method = getattr(Store, rest)
+    elif name == "retention":  # after a step of a retention pass (RT12, RT13): <store>.<rest>
+        owner: type[Any] = PgStore if "store" in SPEC else Store
+        method = getattr(owner, rest)
 
-        async def after_step(self: Store, *args: Any) -> Any:
-            done = await method(self, *args)
+        async def after_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            done = await method(self, *args, **kwargs)
             await barrier()
             return done
 
-        setattr(Store, rest, after_step)
+        setattr(owner, rest, after_step)
     elif name == "record":
         append = Journal.append
 
@@ -309,7 +320,28 @@ async def retain(runner: TaskRunner, spec: Mapping[str, Any], wall: ShiftedWall)
         emit({"resubmitted": str(error.code)})
 
 
+SPEC: dict[str, Any] = {}
+"""The spec this process runs (what a pause point needs to know of it)."""
+
+
+@contextlib.asynccontextmanager
+async def journal_store(
+    spec: Mapping[str, Any], state: Path, clocks: Clocks
+) -> AsyncIterator[tuple[JournalStore, SharedTasks | None]]:
+    """The spec's store: the file store in ``state``, or with ``store`` (a DSN) the
+    PostgreSQL store, this host one of a deployment (its owner ``owner``, the same across its
+    restarts; its lanes' own files still under ``state``)."""
+    if "store" not in spec:
+        async with open_store(state, clocks=clocks) as store:
+            yield store, None
+        return
+    owner = str(spec.get("owner", "a"))
+    async with open_pg_store(spec["store"], root=state, clocks=clocks, owner=owner) as pg:
+        yield pg, SharedTasks(store=pg, lease_seconds=60.0, poll_seconds=3600.0)
+
+
 async def main(spec: dict[str, Any]) -> None:
+    SPEC.update(spec)
     base = Path(spec["base"])
     if "pause" in spec:
         install_pause(spec["pause"]["point"], spec["pause"].get("nth", 1))
@@ -332,7 +364,10 @@ async def main(spec: dict[str, Any]) -> None:
 
     wall = ShiftedWall()
     clocks = replace(Clocks.system(), wall=wall)
-    async with open_store(state, clocks=clocks) as store, receipt_store(state) as receipts:
+    async with (
+        journal_store(spec, state, clocks) as (store, shared),
+        receipt_store(state) as receipts,
+    ):
         workers = ProcessWorkers(
             program=WorkerProgram.fake_pi(),
             route=ROUTE,
@@ -352,6 +387,7 @@ async def main(spec: dict[str, Any]) -> None:
                 work_root=base / "work",
                 log=log,
                 backoff=backoff,
+                shared=shared,
             ) as runner,
             runner.events(buffer=10_000) as events,
             trio.open_nursery() as nursery,
@@ -364,16 +400,27 @@ async def main(spec: dict[str, Any]) -> None:
                     changes.pulse()
 
             nursery.start_soon(report)
+            elsewhere = None
             if not runner.known(task["task_id"]):
-                await runner.submit(
-                    TaskSpec(
-                        task_id=task["task_id"],
-                        prompt=task["prompt"],
-                        worktree=str(base / "worktree"),
-                        grants=frozenset(task["grants"]),
+                try:
+                    await runner.submit(
+                        TaskSpec(
+                            task_id=task["task_id"],
+                            prompt=task["prompt"],
+                            worktree=str(base / "worktree"),
+                            grants=frozenset(task["grants"]),
+                        )
                     )
-                )
-            await follow(runner, spec, changes)
+                except DuplicateElsewhere as duplicate:  # on PostgreSQL: the task had ended
+                    elsewhere = duplicate.view  # before this host started (S30)
+                except TaskError as error:  # ... and retention let it go (RT13)
+                    if error.code is not ReasonCode.TASK_EXPIRED:
+                        raise
+                    emit({"expired": task["task_id"]})
+            if elsewhere is not None:
+                emit({"ended": elsewhere.ended, "view": msgspec.to_builtins(elsewhere)})
+            elif not runner._expired(task["task_id"]):
+                await follow(runner, spec, changes)
             if "retention" in spec:
                 await retain(runner, spec, wall)
             nursery.cancel_scope.cancel()

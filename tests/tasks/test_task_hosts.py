@@ -23,6 +23,7 @@ import trio
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Scenario, Step
 from runtime._cli import EXIT_FAILED, EXIT_OK, main
+from runtime._clock import Clocks
 from runtime._errors import ReasonCode, TaskError
 from runtime._journal._postgres import open_pg_store
 from runtime._records import OutboxAction, Record, TaskEnded
@@ -63,15 +64,19 @@ async def task_host(
     shared_worktrees: bool = False,
     takeover: float = 0.0,
     state: str | None = None,
+    clocks: Clocks | None = None,
 ) -> AsyncIterator[TaskHost]:
     """A host ``name`` of the deployment: its own state directory (``state`` names one the
-    hosts share, standing for shared storage), the lease owner ``name``."""
+    hosts share, standing for shared storage), the lease owner ``name``; ``clocks`` (its
+    wall clock: what retention ages by) the system's by default."""
     model = ScriptedModel(
         scenario=Scenario(steps=list(steps)), call_id_prefix=f"call_{secrets.token_hex(4)}"
     )
     workers = InProcessWorkers(model=model)
     lines: list[str] = []
-    async with open_pg_store(dsn, root=root / (state or name) / "state", owner=name) as store:
+    async with open_pg_store(
+        dsn, root=root / (state or name) / "state", owner=name, clocks=clocks
+    ) as store:
         shared = SharedTasks(
             store=store,
             lease_seconds=lease,
