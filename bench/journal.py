@@ -34,7 +34,9 @@ What is measured:
   ``os.write`` without sync, record encoding, and the CPU time of the process
   per operation;
 * prototypes of a faster one-lane append (benchmark code, not the runtime):
-  acknowledging through a per-log eventfd, or syncing inline on the Trio thread;
+  acknowledging through a per-log eventfd, syncing inline on the Trio thread, or
+  syncing through Linux AIO (``IOCB_CMD_FDSYNC``: the kernel's own worker, no thread
+  of ours, the task waiting on an eventfd);
 * the peer: DBOS Transact 3.x with a SQLite system database in WAL mode, one
   workflow per lane running two ``@DBOS.step()`` calls per durable step, at 1
   and 16 concurrent workflows (in a subprocess, so its threads never overlap
@@ -73,6 +75,8 @@ from runtime._journal._journal import Journal, encode_record
 from runtime._journal._store import delivery_key, open_store
 from runtime._linux._fs import OsFileSystem
 from runtime._records import Admission, Fingerprints, ReplayClass, ToolIntent, ToolOutcome
+
+from ._aio import open_aio
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULT_MARK: Final = "BENCH-JSON "
@@ -202,6 +206,7 @@ CASES: Final = (
     Case("proto_token_1", "prototype: thread + run_sync_soon ack, 1 lane", "steps/s"),
     Case("proto_eventfd_1", "prototype: thread + per-log eventfd ack, 1 lane", "steps/s"),
     Case("proto_inline_1", "prototype: inline fdatasync on Trio, 1 lane", "steps/s"),
+    Case("proto_aio_1", "prototype: write on Trio + AIO fdatasync, 1 lane", "steps/s"),
     Case("handoff", "Trio->writer thread->Trio hand-off alone", "round trips/s"),
     Case("to_thread", "trio.to_thread.run_sync(no-op)", "round trips/s"),
     Case("write_only", "raw os.write without sync", "records/s"),
@@ -700,10 +705,31 @@ async def proto_inline_case(directory: Path, seconds: float) -> Sample:
         os.close(fd)
 
 
+async def proto_aio_case(directory: Path, seconds: float) -> Sample:
+    """No thread of ours: the frame written on the Trio thread (page cache), its
+    ``fdatasync`` run by the kernel's AIO worker, the task waiting on an eventfd
+    (``bench/_aio.py``). ``nan`` where the kernel gives no AIO context."""
+    aio = open_aio()
+    if aio is None:
+        return Sample(0, 0.0)
+    fd = os.open(directory / "proto-aio.log", _LOG_FLAGS, 0o600)
+
+    async def append(seq: int, payload: bytes) -> None:
+        os.write(fd, encode_frame(seq, [payload]))
+        await aio.fdatasync(fd)
+
+    try:
+        return await _proto_steps(seconds, append)
+    finally:
+        aio.close()
+        os.close(fd)
+
+
 PROTOTYPES: Final[dict[str, Callable[[Path, float], Awaitable[Sample]]]] = {
     "proto_token_1": proto_token_case,
     "proto_eventfd_1": proto_eventfd_case,
     "proto_inline_1": proto_inline_case,
+    "proto_aio_1": proto_aio_case,
 }
 
 
@@ -1083,6 +1109,7 @@ VS_RAW: Final = (
     ("prototype: thread + run_sync_soon ack", "proto_token_1"),
     ("prototype: thread + per-log eventfd ack", "proto_eventfd_1"),
     ("prototype: inline fdatasync on Trio", "proto_inline_1"),
+    ("prototype: write on Trio + AIO fdatasync", "proto_aio_1"),
 )
 
 INFO_RATIOS: Final = (
