@@ -15,7 +15,7 @@ gap, an unknown record tag or a header from a newer schema raise
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -23,7 +23,7 @@ import msgspec
 
 from .._errors import JournalError, ReasonCode
 from .._linux._fs import FileSystem
-from .._records import KNOWN_TAGS, SCHEMA_VERSION, Header, LogKind, Poison, Record
+from .._records import KNOWN_TAGS, SCHEMA_VERSION, Compacted, Header, LogKind, Poison, Record
 from ._fence import Fence
 from ._frame import Frame, FrameDamage, scan
 from ._writer import LogTarget, WriterPool
@@ -60,6 +60,20 @@ class LogContents:
     @property
     def next_seq(self) -> int:
         return len(self.records)
+
+
+def slimmed(contents: LogContents, records: Sequence[Record], *, now_ms: int) -> list[Record]:
+    """What a slimmed log holds (RT12, RT13): a new header (the log's kind and subject, made
+    ``now_ms``), a :class:`Compacted` mark counting what was left out, then ``records``."""
+    header = Header(
+        schema_version=SCHEMA_VERSION,
+        kind=contents.header.kind,
+        subject=contents.header.subject,
+        created_ms=now_ms,
+    )
+    kept = [r for r in contents.records[1:] if not isinstance(r, Compacted)]
+    mark = Compacted(compacted_ms=now_ms, removed=max(0, len(kept) - len(records)))
+    return [header, mark, *records]
 
 
 def _decode_frame(frame: Frame, rel: str) -> list[Record]:

@@ -61,11 +61,18 @@ from psycopg.rows import TupleRow
 
 from .._clock import Backoff, Clocks, own_limiter
 from .._errors import DiskFailedError, JournalError, ReasonCode
-from .._records import SCHEMA_VERSION, Admission, Compacted, Header, LogKind, Poison, Record
+from .._records import SCHEMA_VERSION, Admission, Header, LogKind, Poison, Record
 from ._fence import Fence, Lease
 from ._frame import encode_frame
 from ._interface import JournalStore, LeaseStore, Log, SharedRows
-from ._journal import LogContents, decode_frames, decode_log, decode_poison, encode_record
+from ._journal import (
+    LogContents,
+    decode_frames,
+    decode_log,
+    decode_poison,
+    encode_record,
+    slimmed,
+)
 from ._store import ADMISSIONS, RESULTS, Store, _prepare_root, lane_key
 
 __all__ = [
@@ -1614,15 +1621,7 @@ class PgStore:
         stray = [r for r in records if r not in contents.records]
         if stray:
             raise ValueError(f"{rel}: a slim log keeps records of the log, not {stray[0]!r}")
-        header = Header(
-            schema_version=SCHEMA_VERSION,
-            kind=contents.header.kind,
-            subject=contents.header.subject,
-            created_ms=self.clocks.wall.time_ms(),
-        )
-        kept = [r for r in contents.records[1:] if not isinstance(r, Compacted)]
-        mark = Compacted(compacted_ms=header.created_ms, removed=max(0, len(kept) - len(records)))
-        new = [header, mark, *records]
+        new = slimmed(contents, records, now_ms=self.clocks.wall.time_ms())
         frames = [encode_frame(seq, [encode_record(r)]) for seq, r in enumerate(new)]
 
         def slim(conn: _Conn) -> bool:

@@ -55,7 +55,7 @@ from ._expired import EXPIRED, ExpiredIds, read_expired
 from ._fence import Fence
 from ._frame import encode_frame
 from ._interface import Log
-from ._journal import Journal, LogContents, encode_record, read_log
+from ._journal import Journal, LogContents, encode_record, read_log, slimmed
 from ._writer import TMP_MARK, LogTarget, StagedFile, WriterPool, atomic_write, disk_error
 
 __all__ = [
@@ -249,15 +249,8 @@ class Store:
         if journal is not None:
             await self.close_log(journal)
         contents = await self.read(rel)
-        header = Header(
-            schema_version=SCHEMA_VERSION,
-            kind=contents.header.kind,
-            subject=contents.header.subject,
-            created_ms=self.clocks.wall.time_ms(),
-        )
-        kept = [r for r in contents.records[1:] if not isinstance(r, Compacted)]
-        mark = Compacted(compacted_ms=header.created_ms, removed=max(0, len(kept) - len(records)))
-        data = await trio.to_thread.run_sync(_framed, [header, mark, *records])
+        new = slimmed(contents, records, now_ms=self.clocks.wall.time_ms())
+        data = await trio.to_thread.run_sync(_framed, new)
         await self._blocking(rel, atomic_write, self.fs, self.path(rel), data)
 
     async def remove_tree(self, rel: str) -> bool:

@@ -18,6 +18,7 @@ from typing import Final
 import pytest
 import trio
 
+from fake_pi.scenario import Step
 from runtime._clock import Clocks, MockWallClock
 from runtime._config import RetentionConfig
 from runtime._errors import JournalError, ReasonCode, TaskError
@@ -31,6 +32,7 @@ from runtime._wire import TaskSpec
 from ..journal.pg_fixtures import execute, pg_dsn, pg_server
 from ..task_harness import TASK, done, say, wait
 from .test_task_hosts import LIMIT, TaskHost, spec, task_host
+from .test_task_retention import _Refused
 
 __all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
 
@@ -40,26 +42,13 @@ DAY: Final = 86_400.0
 RETENTION: Final = RetentionConfig(journal_days=7, idempotency_days=30, forget_days=40)
 LIVE: Final = "task-live"
 SUBJECT: Final = f"task:{TASK}"
+A_STEPS: Final[list[Step]] = [done(), say("finished"), wait()]
+"""A's model: the ended task's answer and reply, then the live task's wait."""
 
 
 async def records_of(host: TaskHost, task_id: str = TASK) -> list[Record]:
     store = host.runner.host.store
     return list((await store.read(store.lane_rel(f"task:{task_id}"))).records)
-
-
-class _Refused:
-    """``with _Refused(code):`` — the block raises a :class:`TaskError` with ``code``."""
-
-    def __init__(self, code: ReasonCode) -> None:
-        self.code = code
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> bool:
-        assert isinstance(error, TaskError), f"expected {self.code}, got {error!r}"
-        assert error.code == self.code, error
-        return True
 
 
 async def ended_and_live(tmp_path: Path, a: TaskHost) -> None:
@@ -90,8 +79,7 @@ async def test_rt13_an_ended_task_is_slimmed_then_expired_for_the_whole_deployme
     clocks = Clocks(wall=wall)
     with trio.fail_after(LIMIT):
         async with (
-            task_host(tmp_path, "a", pg_dsn, [done(), say("finished"), wait()], clocks=clocks)
-            as a,
+            task_host(tmp_path, "a", pg_dsn, A_STEPS, clocks=clocks) as a,
             task_host(tmp_path, "b", pg_dsn, [done(), say("again")], clocks=clocks) as b,
         ):  # fmt: skip
             await ended_and_live(tmp_path, a)
@@ -169,8 +157,7 @@ async def test_rt13_a_held_lane_is_left_and_a_late_writer_is_fenced_out(
     clocks = Clocks(wall=wall)
     with trio.fail_after(LIMIT):
         async with (
-            task_host(tmp_path, "a", pg_dsn, [done(), say("finished"), wait()], clocks=clocks)
-            as a,
+            task_host(tmp_path, "a", pg_dsn, A_STEPS, clocks=clocks) as a,
             open_pg_store(pg_dsn, root=tmp_path / "z" / "state", owner="z", clocks=clocks) as z,
         ):  # fmt: skip
             await ended_and_live(tmp_path, a)
