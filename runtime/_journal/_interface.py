@@ -259,6 +259,17 @@ class LeaseStore(JournalStore, Protocol):
         it is let go."""
         ...
 
+    # task worktrees across hosts (docs/design/scale-out.md S33)
+
+    async def lease_worktree(self, task_id: str, worktree: str) -> list[str]:
+        """Record the task's worktree, unless other tasks hold it, one around it or one in
+        it: their ids (nothing recorded)."""
+        ...
+
+    async def release_worktree(self, task_id: str) -> None:
+        """The task holds no worktree any more."""
+        ...
+
     async def watch_shared(self, changed: Callable[[bool], None], *, poll: float) -> NoReturn:
         """Call ``changed(released)`` when another host may have appended to a shared log,
         or given a lease up (``released``)."""

@@ -50,7 +50,7 @@ import socket
 import tempfile
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
 import psycopg
@@ -189,6 +189,14 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             forget_after_ms bigint NOT NULL
         )""",
     ),
+    # 6: the worktree each live task holds, across hosts (scale-out.md S33, watchdog.md TL13)
+    (
+        f"""CREATE TABLE {SCHEMA}.task_worktrees (
+            task_id  text COLLATE "C" PRIMARY KEY,
+            worktree text COLLATE "C" NOT NULL
+        )""",
+        f"CREATE INDEX task_worktrees_by_path ON {SCHEMA}.task_worktrees (worktree)",
+    ),
 )
 """``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
 never edited: a database migrated once must mean the same thing to every later version."""
@@ -284,6 +292,17 @@ ON CONFLICT (lane_key) DO NOTHING"""
 _FORGET_TASKS: Final = f"DELETE FROM {SCHEMA}.expired_tasks WHERE forget_after_ms <= %s"
 _EXPIRED_TASKS_AMONG: Final = f"""
 SELECT lane_key, forget_after_ms FROM {SCHEMA}.expired_tasks WHERE lane_key = ANY(%s::text[])"""
+_WORKTREE_LOCK: Final = zlib.crc32(b"pi-runtime task worktrees")
+"""The transaction-level advisory lock that serialises worktree leases (S33)."""
+_WORKTREE_HOLDERS: Final = f"""
+SELECT task_id FROM {SCHEMA}.task_worktrees
+ WHERE task_id <> %s AND (worktree = ANY(%s::text[]) OR worktree LIKE %s)
+ ORDER BY task_id"""
+"""The other tasks holding the worktree, a directory around it or one inside it."""
+_LEASE_WORKTREE: Final = f"""
+INSERT INTO {SCHEMA}.task_worktrees (task_id, worktree) VALUES (%s, %s)
+ON CONFLICT (task_id) DO UPDATE SET worktree = EXCLUDED.worktree"""
+_RELEASE_WORKTREE: Final = f"DELETE FROM {SCHEMA}.task_worktrees WHERE task_id = %s"
 _FRAMES: Final = f"""
 SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq >= %s AND seq < %s ORDER BY seq"""
 _FRAME: Final = f"SELECT frame FROM {SCHEMA}.log_records WHERE log = %s AND seq = %s"
@@ -1655,10 +1674,38 @@ class PgStore:
                 params = [lane_key(subject), task_id, forget_after_ms]
                 recorded = conn.execute(_EXPIRE_TASK, params).rowcount == 1
                 conn.execute(_DELETE_LOGS, [[rel], [rel]])
+                conn.execute(_RELEASE_WORKTREE, [task_id])  # S33: ended long ago
                 return recorded
 
         self._open.pop(rel, None)
         return await self._run(rel, expire)
+
+    # -- task worktrees across hosts (scale-out.md S33) ----------------------------------
+
+    async def lease_worktree(self, task_id: str, worktree: str) -> list[str]:
+        """Record ``worktree`` (an absolute real path) as held by the task ``task_id`` —
+        unless another task holds it, a directory around it or one inside it: then nothing
+        is recorded and their ids come back (the caller checks they still live, S33). One
+        transaction under an advisory lock, so two hosts leasing overlapping worktrees at
+        once are served one after the other. Idempotent."""
+        path = worktree.rstrip("/") or "/"
+        around = [path, *(str(parent) for parent in PurePosixPath(path).parents)]
+        inside = _like(path.rstrip("/") + "/")
+
+        def lease(conn: _Conn) -> list[str]:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [_WORKTREE_LOCK])
+                rows = conn.execute(_WORKTREE_HOLDERS, [task_id, around, inside]).fetchall()
+                if rows:
+                    return [str(row[0]) for row in rows]
+                conn.execute(_LEASE_WORKTREE, [task_id, path])
+                return []
+
+        return await self._run(None, lease)
+
+    async def release_worktree(self, task_id: str) -> None:
+        """The task ``task_id`` holds no worktree any more (it ended, S33). Idempotent."""
+        await self._run(None, lambda conn: conn.execute(_RELEASE_WORKTREE, [task_id]))
 
     async def forget_expired_tasks(self) -> int:
         """Let go of the expired tasks past their forget-after time (on this host's wall

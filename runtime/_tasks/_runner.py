@@ -110,6 +110,14 @@ def _conflict(task_id: str) -> TaskError:
     )
 
 
+def _worktree_leased(worktree: str, holder: str) -> TaskError:
+    return TaskError(
+        ReasonCode.WORKTREE_LEASED,
+        f"worktree {worktree} is leased to live task {holder!r} "
+        "(it, or a directory inside it or around it): one live task per worktree",
+    )
+
+
 def _submitted(records: list[Record]) -> TaskSubmitted | None:
     return next((r for r in records if isinstance(r, TaskSubmitted)), None)
 
@@ -185,11 +193,7 @@ class TaskRunner:
                 None,
             )
             if holder is not None:  # TL13: one live task per worktree
-                raise TaskError(
-                    ReasonCode.WORKTREE_LEASED,
-                    f"worktree {record.worktree} is leased to live task {holder!r} "
-                    "(it, or a directory inside it or around it): one live task per worktree",
-                )
+                raise _worktree_leased(record.worktree, holder)
             if self.leases is None:
                 log = await self.host.store.open_lane_log(_lane_name(spec.task_id))
                 fence = None
@@ -231,7 +235,42 @@ class TaskRunner:
             await store.close_log(log)
             await leases.release(fence)
             self._answer_existing(record, list(log.contents.records))
+        holder = await self._lease_worktree(store, record)  # S33: the deployment's TL13
+        if holder is not None:
+            await store.close_log(log)
+            await leases.release(fence)
+            raise _worktree_leased(record.worktree, holder)
         return log, fence  # a log a submitter died before writing to is this one's
+
+    async def _lease_worktree(self, store: LeaseStore, record: TaskSubmitted) -> str | None:
+        """S33: lease the new task's worktree in the database — the task holding it, one
+        around it or one inside it on any host, if one still lives (its lane log has no end:
+        ``None`` when the lease is now this task's). A holder whose task ended (its host died
+        before it let the worktree go) or was let go is struck out, and the lease asked
+        again."""
+        holders: list[str] = []
+        for _ in range(4):  # a holder struck out does not come back but by a resubmission
+            holders = await store.lease_worktree(record.task_id, record.worktree)
+            if not holders:
+                return None
+            for holder in holders:
+                if await self._lives(store, holder):
+                    return holder
+            for holder in holders:  # each proven ended or gone
+                await store.release_worktree(holder)
+        return holders[0]  # never a lease taken on a guess
+
+    @staticmethod
+    async def _lives(store: LeaseStore, task_id: str) -> bool:
+        """Whether the task ``task_id`` has not ended, as its lane log in the database says
+        (a log that cannot be read proves nothing: it lives)."""
+        try:
+            records = (await store.read(store.lane_rel(_lane_name(task_id)))).records
+        except FileNotFoundError:
+            return False  # let go by retention (RT13)
+        except JournalError:
+            return True
+        return not any(isinstance(r, TaskEnded) for r in records)
 
     def _shared_parts(self) -> tuple[LeaseStore, LaneLeases]:
         if self.shared is None or self.leases is None:
@@ -769,7 +808,18 @@ class TaskRunner:
                 self._changed(lane)  # its followers learn it is gone from here
             elif fence is not None and lane.ended is not None and self.leases is not None:
                 with trio.CancelScope(shield=True):
+                    await self._release_worktree(lane.task_id)
                     await self.leases.release(fence)  # an ended task needs no holder
+
+    async def _release_worktree(self, task_id: str) -> None:
+        """S33: an ended task lets its worktree go; a database that does not answer leaves
+        it held — a later submission proves it ended (its lane log) and strikes it out."""
+        if self.shared is None:
+            return
+        try:
+            await self.shared.store.release_worktree(task_id)
+        except (JournalError, OSError) as error:
+            self.host.log(f"task {task_id}: its worktree lease not let go now: {error}")
 
 
 class DuplicateElsewhere(TaskError):

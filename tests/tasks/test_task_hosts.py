@@ -353,3 +353,94 @@ def test_s30_tasks_store_lists_the_deployments_tasks_and_their_hosts(
     assert "held by a (epoch 1, its lease runs)" in capsys.readouterr().out
     assert main(["task", "show", "nobody", "--store", pg_dsn]) == EXIT_FAILED
     assert "task_unknown" in capsys.readouterr().err
+
+
+def other_task(task_id: str, worktree: Path) -> TaskSpec:
+    worktree.mkdir(parents=True, exist_ok=True)
+    return TaskSpec(task_id=task_id, prompt="another task", worktree=str(worktree),
+                    grants=frozenset({"read"}))  # fmt: skip
+
+
+def refused_leased(error: pytest.ExceptionInfo[TaskError], holder: str) -> None:
+    assert error.value.code is ReasonCode.WORKTREE_LEASED, error.value
+    assert repr(holder) in str(error.value)
+
+
+async def test_s33_one_live_task_per_worktree_across_hosts(tmp_path: Path, pg_dsn: str) -> None:
+    """S33 (TL13 for the deployment): A's task waits for its user on the worktree; B is
+    refused ``worktree_leased`` naming it for a task on a directory inside it and on one
+    around it — also after B looked at the deployment's lanes —, takes one on a directory
+    beside it; once A's task ended, B takes a task on the worktree itself."""
+    worktree = make_worktree(tmp_path)
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked"), done(), say()]) as a,
+            task_host(tmp_path, "b", pg_dsn, [wait(), wait()]) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            with pytest.raises(TaskError) as inside:
+                await b.runner.submit(other_task("inside", worktree / "sub"))
+            refused_leased(inside, TASK)
+            await b.runner.claim_orphans()
+            with pytest.raises(TaskError) as around:
+                await b.runner.submit(other_task("around", tmp_path))
+            refused_leased(around, TASK)
+            beside = await b.runner.submit(other_task("beside", tmp_path / "beside"))
+            assert beside.task_id == "beside"
+            await a.runner.reply(TASK, "the blue one")
+            assert (await a.runner.wait(TASK)).state == "done"
+            after = await b.runner.submit(other_task("after", worktree))
+            assert after.task_id == "after"
+    rows = await execute(pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees ORDER BY 1")
+    assert rows == [("after",), ("beside",)]  # live (waiting) when the hosts stopped
+
+
+async def test_s33_two_hosts_leasing_one_worktree_at_once_one_is_refused(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S33: two new tasks on one worktree sent to two hosts at the same moment: the database
+    serialises the two leases, so one task runs and the other is refused ``worktree_leased``
+    naming it."""
+    worktree = make_worktree(tmp_path)
+    outcomes: dict[str, str] = {}
+
+    async def submit(host: TaskHost, task_id: str) -> None:
+        try:
+            await host.runner.submit(other_task(task_id, worktree))
+            outcomes[task_id] = "accepted"
+        except TaskError as error:
+            outcomes[task_id] = str(error.code)
+
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait()]) as a,
+            task_host(tmp_path, "b", pg_dsn, [wait()]) as b,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(submit, a, "from-a")
+            nursery.start_soon(submit, b, "from-b")
+    assert sorted(outcomes.values()) == ["accepted", "worktree_leased"], outcomes
+
+
+async def test_s33_a_lease_left_by_an_ended_task_is_struck_out(tmp_path: Path, pg_dsn: str) -> None:
+    """S33: a task ended on A, but its worktree lease is still in the database (A died
+    between its end record and letting the worktree go): B, asked for a task there, reads the
+    holder's lane log, finds it ended, strikes the lease out and takes the task."""
+    worktree = make_worktree(tmp_path)
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a,
+            task_host(tmp_path, "b", pg_dsn, [wait()]) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            assert (await a.runner.wait(TASK)).state == "done"
+            await execute(
+                pg_dsn,
+                "INSERT INTO pi_runtime.task_worktrees VALUES (%s, %s)",
+                [TASK, str(worktree)],
+            )
+            taken = await b.runner.submit(other_task("next", worktree / "sub"))
+            assert taken.task_id == "next"
+    rows = await execute(pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees ORDER BY 1")
+    assert rows == [("next",)]
