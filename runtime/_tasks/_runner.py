@@ -201,7 +201,8 @@ class TaskRunner:
                 log, fence = await self._claim_new(record)
             try:
                 await log.append(record)  # durable before anything runs
-            except JournalError as error:
+            except JournalError as error:  # its worktree lease, if any, stays until a
+                # submission proves it abandoned (S33: no record, its lane's lease run out)
                 if fence is not None and fenced_out(error):  # S31: another host's now
                     self.leases_drop(spec.task_id, fence)
                     raise self._elsewhere_error(spec.task_id) from error
@@ -262,15 +263,22 @@ class TaskRunner:
 
     @staticmethod
     async def _lives(store: LeaseStore, task_id: str) -> bool:
-        """Whether the task ``task_id`` has not ended, as its lane log in the database says
-        (a log that cannot be read proves nothing: it lives)."""
+        """Whether the task ``task_id`` holding a worktree lease still may (S33): its lane
+        log in the database has its submission and no end — or no submission yet while its
+        submitter's lease on the lane runs (a submission under way). A log that cannot be
+        read proves nothing: it lives."""
         try:
             records = (await store.read(store.lane_rel(_lane_name(task_id)))).records
         except FileNotFoundError:
-            return False  # let go by retention (RT13)
+            records = ()  # let go by retention (RT13), or a submitter that died early
         except JournalError:
             return True
-        return not any(isinstance(r, TaskEnded) for r in records)
+        if any(isinstance(r, TaskEnded) for r in records):
+            return False
+        if any(isinstance(r, TaskSubmitted) for r in records):
+            return True
+        lease = await store.lease(_lane_name(task_id))
+        return lease is not None and lease.live
 
     def _shared_parts(self) -> tuple[LeaseStore, LaneLeases]:
         if self.shared is None or self.leases is None:

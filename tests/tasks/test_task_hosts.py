@@ -444,3 +444,32 @@ async def test_s33_a_lease_left_by_an_ended_task_is_struck_out(tmp_path: Path, p
             assert taken.task_id == "next"
     rows = await execute(pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees ORDER BY 1")
     assert rows == [("next",)]
+
+
+async def test_s33_a_submission_under_way_holds_the_worktree_an_abandoned_one_does_not(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S33: a worktree lease whose task has no submission record yet holds while that
+    task's submitter holds its lane (a submission under way on Z): B is refused
+    ``worktree_leased``; once Z's lease ran out (Z died before its record) the lease is
+    proven abandoned, struck out, and B's task takes the worktree."""
+    worktree = make_worktree(tmp_path)
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "b", pg_dsn, [wait()]) as b,
+            open_pg_store(pg_dsn, root=tmp_path / "z" / "state", owner="z") as z,
+        ):
+            assert await z.claim("task:ghost", 600.0) is not None
+            await execute(
+                pg_dsn,
+                "INSERT INTO pi_runtime.task_worktrees VALUES ('ghost', %s)",
+                [str(worktree)],
+            )
+            with pytest.raises(TaskError) as under_way:
+                await b.runner.submit(other_task("next", worktree))
+            refused_leased(under_way, "ghost")
+            await expire_leases(pg_dsn)
+            taken = await b.runner.submit(other_task("next", worktree))
+            assert taken.task_id == "next"
+    rows = await execute(pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees ORDER BY 1")
+    assert rows == [("next",)]
