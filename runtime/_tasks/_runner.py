@@ -133,7 +133,8 @@ class TaskRunner:
         self.lanes: dict[str, TaskLane] = {}
         """The live lanes (not ended) by task id."""
         self.ended: dict[str, EndedTask] = {}
-        """The tasks that have ended, by task id."""
+        """The tasks that have ended, by task id (on a shared store: also those found ended
+        in the database, whichever host ended them)."""
         self._listeners: list[trio.MemorySendChannel[TaskEvent]] = []
         self._lock = trio.Lock()
         self.shared = shared
@@ -150,9 +151,6 @@ class TaskRunner:
         """Each lane log's subject, by name (it never changes)."""
         self._not_tasks: set[str] = set()
         """Lane logs found to be a room's or an ended task's (looked at no more, S32)."""
-        self._ended_elsewhere: dict[str, int] = {}
-        """On a shared store: tasks found ended in the database that this runner did not
-        end itself, by id: their end's wall-clock ms (what retention ages, RT13)."""
         self._seen = SeenHere()
         """What retention did here already (RT13)."""
         self._expired_here: dict[str, int] = {}
@@ -383,13 +381,14 @@ class TaskRunner:
 
     async def _retain_shared(self, retention: RetentionConfig) -> TaskRetention:
         """RT13: one pass over the deployment's ended tasks this host knows (those it ended,
-        and those :meth:`claim_orphans` found ended in the database); then every one of them
+        and those :meth:`claim_orphans` found ended in the database, :meth:`_learn_ended`);
+        then every one of them
         past ``idempotency_days`` that the database holds as expired — by this pass or
         another host's — is forgotten here, and a submission under its id is
         ``task_expired`` until ``forget_days`` after its end."""
         assert self.shared is not None
         store = self.shared.store
-        ended = self._ended_elsewhere | {t: e.ended.ended_ms for t, e in self.ended.items()}
+        ended = {task_id: e.ended.ended_ms for task_id, e in self.ended.items()}
         now = self.host.clocks.wall.time_ms()
         done = await retain_shared_tasks(
             store,
@@ -405,7 +404,6 @@ class TaskRunner:
         for key, until in (await store.expired_task_keys(list(due))).items():
             task_id = due[key]
             self.ended.pop(task_id, None)
-            self._ended_elsewhere.pop(task_id, None)
             self._seen.forget(task_id)
             self._expired_here[task_id] = until
             rel = store.lane_rel(_lane_name(task_id))
@@ -700,7 +698,7 @@ class TaskRunner:
             if end is not None:
                 self._not_tasks.add(rel)
                 self.elsewhere.pop(task_id, None)
-                self._ended_elsewhere[task_id] = end.ended_ms  # retention ages it (RT13)
+                self._learn_ended(records, end)
                 continue
             if _submitted(records) is None:
                 continue  # a submission not written (yet, or ever): nothing to run
@@ -715,6 +713,15 @@ class TaskRunner:
             if lane is not None:
                 claimed.append(lane)
         await self._open_and_run(claimed)
+
+    def _learn_ended(self, records: list[Record], end: TaskEnded) -> None:
+        """An ended task found in the database (S30): kept as one this runner ended is, so
+        any host shows it, answers its duplicate and ages it for retention (RT13) — after a
+        restart too."""
+        submitted = _submitted(records)
+        view = records_view(records, self.host.policy)
+        if submitted is not None and view is not None:
+            self.ended.setdefault(submitted.task_id, EndedTask(submitted, view, end))
 
     async def _subject(self, rel: str) -> str | None:
         """The lane log ``rel``'s subject (a room, ``task:<id>``), read once and kept."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import pytest
 import trio
 
@@ -473,3 +474,25 @@ async def test_s33_a_submission_under_way_holds_the_worktree_an_abandoned_one_do
             assert taken.task_id == "next"
     rows = await execute(pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees ORDER BY 1")
     assert rows == [("next",)]
+
+
+async def test_s30_an_ended_task_is_shown_by_any_host_after_a_restart(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S30: a task A ran to its end is shown by A started again and by a host that started
+    after — its view as the database says — and sent again to either it is a duplicate with
+    that view, never run again; before, a host knew only the tasks it had ended itself since
+    it started (``task_unknown``)."""
+    with trio.fail_after(LIMIT):
+        async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
+            await a.runner.submit(spec(tmp_path))
+            ended = await a.runner.wait(TASK)
+        async with (
+            task_host(tmp_path, "a", pg_dsn, []) as again,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            for host in (again, b):
+                view = host.runner.show(TASK)
+                assert (view.state, view.ended) == ("done", msgspec.to_builtins(ended))
+                assert (await host.runner.submit(spec(tmp_path))).state == "done"
+                assert host.workers.launched == []
