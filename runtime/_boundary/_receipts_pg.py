@@ -32,7 +32,8 @@ from psycopg import Connection
 from psycopg.rows import TupleRow
 
 from .._errors import PiRuntimeError, ReceiptRefusal
-from .._journal._postgres import SCHEMA, PgStore
+from .._journal._pg_schema import SCHEMA
+from .._journal._postgres import PgStore
 from ._receipts import ReceiptStore, Tables, WriteRequest, apply_write, read_head
 
 __all__ = ["PgReceiptStore", "ReceiptStoreFailed"]

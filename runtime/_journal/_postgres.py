@@ -56,10 +56,8 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 import psycopg
 import psycopg.errors
 import trio
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg.rows import TupleRow
 
-from .._clock import Backoff, Clocks, own_limiter
+from .._clock import Backoff, Clocks
 from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._records import SCHEMA_VERSION, Admission, Header, LogKind, Poison, Record
 from ._fence import Fence, Lease
@@ -72,6 +70,30 @@ from ._journal import (
     decode_poison,
     encode_record,
     slimmed,
+)
+from ._pg_connection import (
+    DEFAULT_RETRY,
+    Broken,
+    Closed,
+    Conn,
+    Connection,
+    Unreachable,
+    Unsettled,
+    Vanished,
+    connect,
+    describe,
+    parse_dsn,
+    redact_dsn,
+    server_reason,
+)
+from ._pg_schema import (
+    CHANNEL,
+    RELEASED,
+    SCHEMA,
+    STORE_SCHEMA_VERSION,
+    migrate,
+    newer_schema,
+    schema_version,
 )
 from ._store import ADMISSIONS, RESULTS, Store, _prepare_root, lane_key
 
@@ -87,133 +109,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-_Conn = psycopg.Connection[TupleRow]
-
-SCHEMA: Final = "pi_runtime"
-"""The PostgreSQL schema (namespace) every table of the store lives in."""
-
-CHANNEL: Final = "pi_runtime_shared_logs"
-"""The ``NOTIFY`` channel an append to a shared log is announced on (its payload: the log's
-name), and a released lease (:data:`RELEASED`), at its commit (scale-out.md S23)."""
-RELEASED: Final = "released"
-"""The announcement of a lease given up: a lane may be claimed now."""
-
-_VERSION_TABLE: Final = f"""
-CREATE TABLE IF NOT EXISTS {SCHEMA}.schema_version (
-    singleton   boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
-    version     integer     NOT NULL CHECK (version >= 0),
-    migrated_at timestamptz NOT NULL DEFAULT now()
-)"""
-
-MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
-    # 1: the logs, their poison, the documents (issue #19)
-    (
-        f"""CREATE TABLE {SCHEMA}.log_records (
-            log   text COLLATE "C" NOT NULL,
-            seq   bigint NOT NULL CHECK (seq >= 0),
-            frame bytea  NOT NULL,
-            PRIMARY KEY (log, seq)
-        )""",
-        f"""CREATE TABLE {SCHEMA}.log_poison (
-            log         text COLLATE "C" PRIMARY KEY,
-            good_seq    bigint      NOT NULL CHECK (good_seq >= 0),
-            reason      text        NOT NULL,
-            document    bytea       NOT NULL,
-            poisoned_at timestamptz NOT NULL DEFAULT now()
-        )""",
-        f"""CREATE TABLE {SCHEMA}.documents (
-            name       text COLLATE "C" PRIMARY KEY,
-            data       bytea       NOT NULL,
-            updated_at timestamptz NOT NULL DEFAULT now()
-        )""",
-    ),
-    # 2: lane leases and their epochs; appends to the shared logs announced (scale-out.md)
-    (
-        f"""CREATE TABLE {SCHEMA}.lanes (
-            lane        text COLLATE "C" PRIMARY KEY,
-            owner       text        NOT NULL,
-            epoch       bigint      NOT NULL CHECK (epoch > 0),
-            lease_until timestamptz NOT NULL,
-            claimed_at  timestamptz NOT NULL DEFAULT now()
-        )""",
-        f"""CREATE FUNCTION {SCHEMA}.announce_shared_append() RETURNS trigger
-            LANGUAGE plpgsql AS $$
-            BEGIN PERFORM pg_notify('{CHANNEL}', NEW.log); RETURN NULL; END $$""",
-        f"""CREATE TRIGGER shared_append AFTER INSERT ON {SCHEMA}.log_records FOR EACH ROW
-            WHEN (NEW.log IN ('{ADMISSIONS}', '{RESULTS}'))
-            EXECUTE FUNCTION {SCHEMA}.announce_shared_append()""",
-    ),
-    # 3: the receipt and document store of write_document / read_document (receipts.md R9)
-    (
-        f"""CREATE TABLE {SCHEMA}.receipt_documents (
-            document_id      text COLLATE "C" PRIMARY KEY,
-            head_revision_id text NOT NULL
-        )""",
-        f"""CREATE TABLE {SCHEMA}.receipt_revisions (
-            revision_id      text COLLATE "C" PRIMARY KEY,
-            document_id      text COLLATE "C" NOT NULL,
-            base_revision_id text,
-            content          text   NOT NULL,
-            created_ms       bigint NOT NULL,
-            made             bigint GENERATED ALWAYS AS IDENTITY
-        )""",
-        f"""CREATE INDEX receipt_revisions_by_document
-            ON {SCHEMA}.receipt_revisions (document_id, made)""",
-        f"""CREATE TABLE {SCHEMA}.receipts (
-            intent_id         text COLLATE "C" PRIMARY KEY,
-            operation         text NOT NULL,
-            input_fingerprint text NOT NULL,
-            result            text NOT NULL
-        )""",
-    ),
-    # 4: the shared logs' compaction and the expired deliveries (retention.md RT11)
-    (
-        f"""CREATE TABLE {SCHEMA}.compaction (
-            singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-            generation bigint  NOT NULL CHECK (generation >= 0)
-        )""",
-        f"INSERT INTO {SCHEMA}.compaction (generation) VALUES (0)",
-        f"""CREATE TABLE {SCHEMA}.expired_deliveries (
-            delivery_id     text COLLATE "C" PRIMARY KEY,
-            forget_after_ms bigint NOT NULL,
-            generation      bigint NOT NULL
-        )""",
-        f"""CREATE INDEX expired_deliveries_by_generation
-            ON {SCHEMA}.expired_deliveries (generation)""",
-    ),
-    # 5: the expired task lanes (retention.md RT13)
-    (
-        f"""CREATE TABLE {SCHEMA}.expired_tasks (
-            lane_key        text COLLATE "C" PRIMARY KEY,
-            task_id         text   NOT NULL,
-            forget_after_ms bigint NOT NULL
-        )""",
-    ),
-    # 6: the worktree each live task holds, across hosts (scale-out.md S33, watchdog.md TL13)
-    (
-        f"""CREATE TABLE {SCHEMA}.task_worktrees (
-            task_id  text COLLATE "C" PRIMARY KEY,
-            worktree text COLLATE "C" NOT NULL
-        )""",
-        f"CREATE INDEX task_worktrees_by_path ON {SCHEMA}.task_worktrees (worktree)",
-    ),
-)
-"""``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
-never edited: a database migrated once must mean the same thing to every later version."""
-
-STORE_SCHEMA_VERSION: Final = len(MIGRATIONS)
-"""The database schema this code creates and the only one it opens."""
-
-_MIGRATION_LOCK: Final = zlib.crc32(b"pi-runtime db migrate")
-"""The transaction-level advisory lock that serialises concurrent migrations."""
-
-_SECRET_KEYS: Final = ("password", "sslpassword")
-_DEFAULTS: Final = {
-    "application_name": ("PGAPPNAME", "pi-runtime"),
-    "connect_timeout": ("PGCONNECT_TIMEOUT", "10"),
-}
-"""Connection parameters (and the libpq variable that also sets them) given unless the DSN
-or the environment names them: a connection attempt never waits forever."""
 
 _NEVER: Final = 2**63 - 1
 _SHARED: Final = (ADMISSIONS, RESULTS)
@@ -400,175 +295,6 @@ ORDER BY 1"""
 orders names as Python's ``sorted`` does."""
 
 
-# -- credentials ------------------------------------------------------------------------------
-
-
-def redact_dsn(dsn: str) -> str:
-    """``dsn`` without its password (nor ``sslpassword``), fit for an error or a log line:
-    ``postgresql://ann:secret@db/x`` becomes ``user=ann dbname=x host=db``. A DSN that does
-    not parse is not shown at all (where its password begins cannot be known)."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.Error:
-        return "<a DSN that does not parse>"
-    return _describe(params)
-
-
-def _describe(params: Mapping[str, Any]) -> str:
-    shown = {k: v for k, v in params.items() if k not in _SECRET_KEYS and k not in _DEFAULTS}
-    return make_conninfo("", **shown) or "<the default of the PG* environment>"
-
-
-def _scrub(text: str, params: Mapping[str, Any]) -> str:
-    """``text`` (a server's or libpq's message) with every secret of ``params`` and of the
-    environment replaced by ``***``."""
-    secrets = [params.get(key) for key in _SECRET_KEYS]
-    secrets += [os.environ.get("PGPASSWORD"), os.environ.get("PGSSLPASSWORD")]
-    for secret in secrets:
-        if secret:
-            text = text.replace(str(secret), "***")
-    return text
-
-
-def _parse(dsn: str) -> dict[str, Any]:
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.Error:
-        problem = "the DSN does not parse (it is not shown: it may hold a password)"
-    else:
-        defaults = {k: v for k, (env, v) in _DEFAULTS.items() if not os.environ.get(env)}
-        return {**defaults, **params}
-    raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem)
-
-
-def _reason(exc: psycopg.Error, params: Mapping[str, Any]) -> str:
-    """A short, scrubbed account of a driver error: its class, SQLSTATE and first line."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    state = f" [{exc.sqlstate}]" if exc.sqlstate else ""
-    return _scrub(f"{type(exc).__name__}{state}: {first}", params)
-
-
-class _Unreachable(Exception):
-    """No connection could be made (raised in a worker thread; its text is scrubbed), or no
-    call went through within the retry policy's bound."""
-
-
-class _Broken(Exception):
-    """The connection broke during a call (the server ended the session or went away, the
-    network or a proxy cut it): what the call sent may or may not have taken effect. Its text
-    is scrubbed."""
-
-
-class _Closed(Exception):
-    """The store is closed: no connection is made any more."""
-
-
-class _Vanished(Exception):
-    """An append's row was neither inserted nor found (deleted under the store)."""
-
-
-class _Unsettled(Exception):
-    """An append neither committed nor was refused within the retry policy's bound."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-
-
-DEFAULT_RETRY: Final = Backoff(attempts=10, first_delay=0.1, max_delay=5.0)
-"""How long the store keeps trying work whose connection broke or could not be made, unless
-:func:`open_pg_store` is given another backoff: 10 tries, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5, 5,
-5 s apart (21.3 s of waiting). It replaces a connection cut while idle at the first retry
-(0.1 s) and bridges a database restart (a fast restart takes well under a second to a few
-seconds, a busy server's shutdown checkpoint or a short crash recovery some more) with margin;
-an outage longer than that stops admissions within half a minute instead of holding every
-caller. Each try may also wait up to ``connect_timeout`` (10 s unless the DSN says otherwise)
-for its connection."""
-
-_SESSION_ENDED: Final = "57P"
-"""SQLSTATE ``57P01`` to ``57P05``: the server ended the session (an administrator, a shutdown, a
-crash, a dropped database, an idle-session timeout) — the call's outcome is not its answer."""
-
-
-def _lost(conn: _Conn, exc: psycopg.Error) -> bool:
-    """Whether ``exc`` means the session is gone (not a refusal of what was sent)."""
-    state = exc.sqlstate or ""
-    return conn.closed or state.startswith("08") or state.startswith(_SESSION_ENDED)
-
-
-# -- connections ------------------------------------------------------------------------------
-
-
-def _connect(params: Mapping[str, Any]) -> _Conn:
-    """A new autocommit connection whose commits are synchronous (blocking)."""
-    try:
-        conn = psycopg.connect(autocommit=True, **params)
-        try:
-            row = conn.execute("SHOW synchronous_commit").fetchone()
-            if row is not None and row[0] == "off":  # COMMIT must mean durable (J1)
-                conn.execute("SET synchronous_commit TO on")
-        except BaseException:
-            conn.close()
-            raise
-    except psycopg.Error as exc:
-        problem = f"cannot reach the database {_describe(params)}: {_reason(exc, params)}"
-    else:
-        return conn
-    raise _Unreachable(problem)  # outside the handler: no driver text rides along as context
-
-
-class _Connection:
-    """One database connection, used by one worker thread at a time; (re)connected on use,
-    and dropped as soon as a call finds it broken (the next call makes a new one)."""
-
-    def __init__(self, params: Mapping[str, Any]) -> None:
-        self._params = params
-        self._limiter = own_limiter()
-        self._conn: _Conn | None = None
-        """Touched only by the thread that holds the limiter."""
-        self._closed = False
-
-    async def run(self, fn: Callable[[_Conn], _T]) -> _T:
-        """Run ``fn(connection)`` once, in a worker thread. Raises :class:`_Unreachable` when
-        no connection can be made (nothing was sent), :class:`_Broken` when the connection
-        broke during the call (what it sent may have taken effect), :class:`_Closed` once
-        closed, and the driver's error when the server refused (a definite answer)."""
-        return await trio.to_thread.run_sync(self._call, fn, limiter=self._limiter)
-
-    def _live(self) -> _Conn:
-        if self._closed:
-            raise _Closed("the store is closed")
-        if self._conn is None or self._conn.closed:
-            self._conn = None
-            self._conn = _connect(self._params)
-        return self._conn
-
-    def _call(self, fn: Callable[[_Conn], _T]) -> _T:
-        conn = self._live()
-        try:
-            return fn(conn)
-        except psycopg.Error as exc:
-            if not _lost(conn, exc):
-                raise
-            problem = (
-                f"the connection to the database {_describe(self._params)} broke: "
-                f"{_reason(exc, self._params)}"
-            )
-        self._conn = None
-        conn.close()
-        raise _Broken(problem)  # outside the handler: no driver text rides along as context
-
-    async def aclose(self) -> None:
-        """Close the connection, after the call in flight (which holds the limiter)."""
-        await trio.to_thread.run_sync(self._close, limiter=self._limiter)
-
-    def _close(self) -> None:
-        self._closed = True
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-
 # -- the blocking halves ----------------------------------------------------------------------
 
 
@@ -576,10 +302,10 @@ _Rows = tuple[list[tuple[int, bytes]], bytes | None]
 """A log's rows ``(seq, frame)`` in order, and its poison document if it has one."""
 
 
-def _read_rows(rel: str, *, after: int | None = None) -> Callable[[_Conn], _Rows]:
+def _read_rows(rel: str, *, after: int | None = None) -> Callable[[Conn], _Rows]:
     """The whole log, or its rows from ``after`` on."""
 
-    def read(conn: _Conn) -> _Rows:
+    def read(conn: Conn) -> _Rows:
         if after is None:
             rows = conn.execute(_READ, {"log": rel}, binary=True).fetchall()
         else:
@@ -610,7 +336,7 @@ class _Landed(enum.Enum):
     """The admission guard refused it (:data:`_GUARD`): nothing was written."""
 
 
-def _generation(conn: _Conn) -> int:
+def _generation(conn: Conn) -> int:
     row = conn.execute(f"SELECT generation FROM {SCHEMA}.compaction").fetchone()
     assert row is not None, "migration 4 inserts the row"
     return int(row[0])
@@ -625,11 +351,11 @@ def _fence_params(fence: Fence | None) -> list[Any]:
     return [] if fence is None else [fence.lane, fence.owner, fence.epoch]
 
 
-def _insert(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[_Conn], _Landed]:
+def _insert(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[Conn], _Landed]:
     """An append's first attempt (a definite answer: nothing of this process was sent
     before), fenced by ``fence`` when one is given (S11)."""
 
-    def insert(conn: _Conn) -> _Landed:
+    def insert(conn: Conn) -> _Landed:
         try:
             if fence is None:
                 conn.execute(_INSERT, [rel, seq, frame])
@@ -646,13 +372,13 @@ def _insert(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[
     return insert
 
 
-def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[_Conn], _Landed]:
+def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[Conn], _Landed]:
     """An append after an attempt whose outcome is unknown: ``OURS`` if the row is there now
     with exactly ``frame`` (inserted by this call, or committed by the earlier attempt),
     ``THEIRS`` if it holds other bytes (another writer's record), ``FENCED`` if it is absent
     and the fence no longer holds."""
 
-    def resolve(conn: _Conn) -> _Landed:
+    def resolve(conn: Conn) -> _Landed:
         if fence is None:
             inserted = conn.execute(_INSERT_IF_ABSENT, [rel, seq, frame]).fetchone()
         else:
@@ -664,7 +390,7 @@ def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[
         if row is None:
             if fence is not None:
                 return _Landed.FENCED
-            raise _Vanished(f"record {seq} was neither inserted nor found")
+            raise Vanished(f"record {seq} was neither inserted nor found")
         return _Landed.OURS if bytes(row[0]) == frame else _Landed.THEIRS
 
     return resolve
@@ -687,11 +413,11 @@ the delivery ids it admits."""
 
 def _insert_many(
     rel: str, seq: int, frames: list[bytes], guard: _Guard | None = None
-) -> Callable[[_Conn], _Landed]:
+) -> Callable[[Conn], _Landed]:
     """A group's first attempt (unfenced: the admission log, S22); with ``guard``, written
     only while it holds (:data:`_GUARD`; ``THEIRS`` if not)."""
 
-    def insert(conn: _Conn) -> _Landed:
+    def insert(conn: Conn) -> _Landed:
         try:
             if guard is None:
                 conn.execute(_INSERT_MANY, [rel, seq, frames])
@@ -708,14 +434,14 @@ def _insert_many(
 
 def _resolve_many(
     rel: str, seq: int, frames: list[bytes], guard: _Guard | None = None
-) -> Callable[[_Conn], _Landed]:
+) -> Callable[[Conn], _Landed]:
     """A group after an attempt whose outcome is unknown. The earlier attempt committed all
     of it or none: ``OURS`` if the rows hold exactly these frames now (inserted here, or by
     that attempt), ``THEIRS`` if another writer holds any of the numbers (nothing of this
     group is then written: a partial insert is rolled back) — or, with ``guard``, when
     nothing is there and the guard refused the insert."""
 
-    def resolve(conn: _Conn) -> _Landed:
+    def resolve(conn: Conn) -> _Landed:
         try:
             with conn.transaction():
                 if guard is None:
@@ -733,72 +459,10 @@ def _resolve_many(
         if not rows and guard is not None:
             return _Landed.REFUSED  # not written, and the guard refused it now: decide again
         if not rows:
-            raise _Vanished(
-                f"records {seq}…{seq + len(frames) - 1} were neither inserted nor found"
-            )
+            raise Vanished(f"records {seq}…{seq + len(frames) - 1} were neither inserted nor found")
         return _Landed.OURS if [bytes(r[0]) for r in rows] == frames else _Landed.THEIRS
 
     return resolve
-
-
-def _schema_version(conn: _Conn) -> int:
-    row = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL", [f"{SCHEMA}.schema_version"]
-    ).fetchone()
-    if row is None or not row[0]:
-        return 0
-    version = conn.execute(f"SELECT version FROM {SCHEMA}.schema_version").fetchone()
-    return int(version[0]) if version else 0
-
-
-def _newer(version: int, params: Mapping[str, Any]) -> JournalError:
-    return JournalError(
-        ReasonCode.STORE_SCHEMA_NEWER,
-        f"the database {_describe(params)} has store schema version {version}, newer than "
-        f"this pi-runtime's {STORE_SCHEMA_VERSION}; upgrade pi-runtime to use it",
-    )
-
-
-def _migrate(params: Mapping[str, Any]) -> int:
-    conn = _connect(params)
-    try:
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", [_MIGRATION_LOCK])
-            version = _schema_version(conn)
-            if version > STORE_SCHEMA_VERSION:
-                raise _newer(version, params)
-            if version == STORE_SCHEMA_VERSION:
-                return version  # no DDL: a role without CREATE may run it on a current one
-            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
-            conn.execute(_VERSION_TABLE)
-            for statements in MIGRATIONS[version:]:
-                for statement in statements:
-                    conn.execute(statement)
-            conn.execute(
-                f"INSERT INTO {SCHEMA}.schema_version (version) VALUES (%s) "
-                "ON CONFLICT (singleton) DO UPDATE SET version = EXCLUDED.version, "
-                "migrated_at = now()",
-                [STORE_SCHEMA_VERSION],
-            )
-    finally:
-        conn.close()
-    return STORE_SCHEMA_VERSION
-
-
-async def migrate(dsn: str) -> int:
-    """Create the store's schema in the database ``dsn`` names, or upgrade it; return the
-    version now in place (:data:`STORE_SCHEMA_VERSION`). Idempotent, and safe to run from
-    several processes at once (an advisory lock serialises them; each migration is one
-    transaction with its version bump). Refuses a schema newer than this code knows
-    (``store_schema_newer``) and leaves it untouched."""
-    params = _parse(dsn)
-    try:
-        return await trio.to_thread.run_sync(_migrate, params)
-    except _Unreachable as exc:
-        problem = str(exc)
-    except psycopg.Error as exc:
-        problem = f"migrating the database {_describe(params)} failed: {_reason(exc, params)}"
-    raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem)
 
 
 # -- logs -------------------------------------------------------------------------------------
@@ -829,7 +493,7 @@ class PgLog:
     def __init__(
         self,
         store: PgStore,
-        connection: _Connection,
+        connection: Connection,
         contents: LogContents,
         *,
         next_seq: int,
@@ -1026,16 +690,16 @@ class PgLog:
         frames = [encode_frame(seq + i, [payload]) for i, payload in enumerate(payloads)]
         try:
             landed = await self._commit(seq, frames, fence, keys)
-        except _Unsettled as unsettled:
+        except Unsettled as unsettled:
             self._refuse(unsettled.why)
             raise self._store._unavailable(unsettled.why, self._rel) from None
-        except _Closed:
+        except Closed:
             raise JournalError(
                 ReasonCode.JOURNAL_CLOSED, "the store is closed", path=self._rel
             ) from None
-        except (psycopg.Error, _Vanished) as exc:  # the server's definite refusal
+        except (psycopg.Error, Vanished) as exc:  # the server's definite refusal
             if isinstance(exc, psycopg.Error):
-                reason = _reason(exc, self._store._params)
+                reason = server_reason(exc, self._store._params)
             else:
                 reason = str(exc)
             with trio.CancelScope(shield=True):
@@ -1067,7 +731,7 @@ class PgLog:
         unfenced, in one statement). Retried under the store's
         policy while the connection breaks or cannot be made; once an attempt was sent (its
         outcome unknown) every later one resolves it (:func:`_resolve`), shielded from
-        cancellation: the log's next number depends on it. Raises :class:`_Unsettled` when
+        cancellation: the log's next number depends on it. Raises :class:`Unsettled` when
         the bound is spent, the driver's error on a definite refusal."""
         policy = self._store.retry
         # what the decision knew: the generation, and the deliveries it admits
@@ -1086,9 +750,9 @@ class PgLog:
                     work = many(self._rel, seq, frames, guard)
                 try:
                     return await self._connection.run(work)
-                except _Unreachable as exc:  # nothing sent this time
+                except Unreachable as exc:  # nothing sent this time
                     problem = str(exc)
-                except _Broken as exc:
+                except Broken as exc:
                     sent = True
                     problem = str(exc)
         if sent:
@@ -1099,7 +763,7 @@ class PgLog:
             )
         else:
             why = f"record {seq} could not be sent in {policy.attempts} attempts ({problem})"
-        raise _Unsettled(why)
+        raise Unsettled(why)
 
     def _fenced(self, fence: Fence) -> JournalError:
         """The lease ``fence`` was taken over: a log fenced by it is this host's no more —
@@ -1165,17 +829,17 @@ class PgLog:
         document = encode_record(poison)
         good_seq = self._next_seq
 
-        def record(conn: _Conn) -> None:
+        def record(conn: Conn) -> None:
             conn.execute(_POISON, [self._rel, good_seq, reason, document])
 
         try:
             await self._store._retrying(self._connection, record)
-        except (_Unreachable, _Closed) as exc:
+        except (Unreachable, Closed) as exc:
             self._store._unavailable(f"the poison of {self._rel} could not be recorded: {exc}")
         except psycopg.Error as exc:
             self._store._unavailable(
                 f"the poison of {self._rel} could not be recorded: "
-                f"{_reason(exc, self._store._params)}"
+                f"{server_reason(exc, self._store._params)}"
             )
 
     async def aclose(self) -> None:
@@ -1212,11 +876,11 @@ class PgStore:
         """This host's name in the lease rows (S10): unique to this process's life, so a host
         started again claims its lanes anew, under new epochs."""
         self._params = params
-        self._shared = _Connection(params)
+        self._shared = Connection(params)
         """Appends and reads of the shared logs (admissions, results)."""
-        self._leases = _Connection(params)
+        self._leases = Connection(params)
         """Claims, renewals and releases: never queued behind an append (S12)."""
-        self._pool = [_Connection(params) for _ in range(pool)]
+        self._pool = [Connection(params) for _ in range(pool)]
         """Every other log, reads and documents, chosen by name."""
         self._open: dict[str, PgLog] = {}
         self._disk_failure: DiskFailedError | None = None
@@ -1250,14 +914,14 @@ class PgStore:
             self._disk_failure = error
         return error
 
-    def _connection(self, rel: str) -> _Connection:
+    def _connection(self, rel: str) -> Connection:
         if rel in (ADMISSIONS, RESULTS):
             return self._shared
         return self._pool[zlib.crc32(rel.encode()) % len(self._pool)]
 
-    async def _retrying(self, connection: _Connection, fn: Callable[[_Conn], _T]) -> _T:
+    async def _retrying(self, connection: Connection, fn: Callable[[Conn], _T]) -> _T:
         """Idempotent work (a read, an upsert) on ``connection``, run again under the retry
-        policy while the connection breaks or cannot be made; :class:`_Unreachable` when the
+        policy while the connection breaks or cannot be made; :class:`Unreachable` when the
         bound is spent. A definite refusal (the driver's error) is not retried."""
         problem = ""
         for attempt in range(self.retry.attempts):
@@ -1265,16 +929,16 @@ class PgStore:
                 await trio.sleep(self.retry.delay(attempt))
             try:
                 return await connection.run(fn)
-            except (_Unreachable, _Broken) as exc:
+            except (Unreachable, Broken) as exc:
                 problem = str(exc)
-        raise _Unreachable(f"{problem} (in {self.retry.attempts} attempts)")
+        raise Unreachable(f"{problem} (in {self.retry.attempts} attempts)")
 
     async def _run(
         self,
         rel: str | None,
-        fn: Callable[[_Conn], _T],
+        fn: Callable[[Conn], _T],
         *,
-        connection: _Connection | None = None,
+        connection: Connection | None = None,
         store_failure: bool = True,
     ) -> _T:
         """Idempotent work (a read, an upsert) on ``rel``'s connection (the shared one for
@@ -1287,12 +951,12 @@ class PgStore:
             connection = self._shared if rel is None else self._connection(rel)
         try:
             return await self._retrying(connection, fn)
-        except _Closed:
+        except Closed:
             raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=rel) from None
-        except _Unreachable as exc:
+        except Unreachable as exc:
             problem = str(exc)
         except psycopg.Error as exc:
-            problem = f"the database failed: {_reason(exc, self._params)}"
+            problem = f"the database failed: {server_reason(exc, self._params)}"
         if store_failure:
             raise self._unavailable(problem, rel)
         raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, problem, path=rel)
@@ -1430,7 +1094,7 @@ class PgStore:
     async def exists(self, rel: str) -> bool:
         """Whether the log ``rel`` was ever created (it holds a record or a poison)."""
 
-        def exists(conn: _Conn) -> bool:
+        def exists(conn: Conn) -> bool:
             row = conn.execute(_EXISTS, {"log": rel}).fetchone()
             return bool(row and row[0])
 
@@ -1439,7 +1103,7 @@ class PgStore:
     async def log_names(self) -> list[str]:
         """The names of every log (its header row, or its poison), sorted."""
 
-        def names(conn: _Conn) -> list[str]:
+        def names(conn: Conn) -> list[str]:
             return [str(row[0]) for row in conn.execute(_LOG_NAMES).fetchall()]
 
         return await self._run(None, names)
@@ -1447,7 +1111,7 @@ class PgStore:
     async def lane_logs(self) -> list[str]:
         """The names of every lane log, sorted."""
 
-        def names(conn: _Conn) -> list[str]:
+        def names(conn: Conn) -> list[str]:
             return [str(row[0]) for row in conn.execute(_LANE_LOGS).fetchall()]
 
         return await self._run("lanes", names)
@@ -1463,7 +1127,7 @@ class PgStore:
         ``fence``: only while that lease holds (S11), else ``lane_fenced`` and nothing is
         written."""
 
-        def write(conn: _Conn) -> bool:
+        def write(conn: Conn) -> bool:
             if fence is None:
                 conn.execute(_WRITE_DOCUMENT, [rel, data])
                 return True
@@ -1482,7 +1146,7 @@ class PgStore:
     async def documents(self, prefix: str) -> dict[str, bytes]:
         """Every document whose name starts with ``prefix``, by name (S26)."""
 
-        def read(conn: _Conn) -> dict[str, bytes]:
+        def read(conn: Conn) -> dict[str, bytes]:
             pattern = _like(prefix)
             rows = conn.execute(_DOCUMENTS, [pattern], binary=True).fetchall()
             return {str(name): bytes(data) for name, data in rows}
@@ -1494,7 +1158,7 @@ class PgStore:
         docs/design/retention.md RT11: logs nothing will read again); how many were there.
         Idempotent: two hosts removing the same logs remove them once."""
 
-        def delete(conn: _Conn) -> int:
+        def delete(conn: Conn) -> int:
             row = conn.execute(_DELETE_LOGS, [list(rels), list(rels)]).fetchone()
             return int(row[0]) if row else 0
 
@@ -1509,7 +1173,7 @@ class PgStore:
         in the last ``idle_seconds`` of the database's clock (RT11: an attachment another
         host may be writing again now stays); how many went. One statement."""
 
-        def delete(conn: _Conn) -> int:
+        def delete(conn: Conn) -> int:
             params = [_like(prefix), list(keep), idle_seconds]
             return conn.execute(_SWEEP_DOCUMENTS, params).rowcount
 
@@ -1518,7 +1182,7 @@ class PgStore:
     async def delete_documents(self, names: Sequence[str]) -> None:
         """Remove the named documents (those absent are no matter): one statement."""
 
-        def delete(conn: _Conn) -> None:
+        def delete(conn: Conn) -> None:
             conn.execute(_DELETE_DOCUMENTS, [list(names)])
 
         if names:
@@ -1531,7 +1195,7 @@ class PgStore:
         one snapshot: the generation now and what was expired up to it); the new ones, also
         handed to :attr:`on_expired`. Those past their forget-after time are let go."""
 
-        def read(conn: _Conn) -> list[tuple[str | None, int | None, int]]:
+        def read(conn: Conn) -> list[tuple[str | None, int | None, int]]:
             return conn.execute(_EXPIRED_SINCE, [self.generation]).fetchall()
 
         rows = await self._run(None, read)
@@ -1550,7 +1214,7 @@ class PgStore:
         """Which of ``delivery_ids`` the database holds as expired (RT11) now, each with
         its forget-after time."""
 
-        def read(conn: _Conn) -> dict[str, int]:
+        def read(conn: Conn) -> dict[str, int]:
             rows = conn.execute(_EXPIRED_AMONG, [list(delivery_ids)]).fetchall()
             return {str(d): int(until) for d, until in rows}
 
@@ -1607,7 +1271,7 @@ class PgStore:
         seqs = list(slim)
         frames = [encode_frame(seq, [encode_record(slim[seq])]) for seq in seqs]
 
-        def compact(conn: _Conn) -> int | None:
+        def compact(conn: Conn) -> int | None:
             with conn.transaction():
                 row = conn.execute(_COMPACT_BEGIN, _fence_params(fence)).fetchone()
                 if row is None:
@@ -1643,7 +1307,7 @@ class PgStore:
         new = slimmed(contents, records, now_ms=self.clocks.wall.time_ms())
         frames = [encode_frame(seq, [encode_record(r)]) for seq, r in enumerate(new)]
 
-        def slim(conn: _Conn) -> bool:
+        def slim(conn: Conn) -> bool:
             with conn.transaction():
                 if conn.execute(_FENCE_HOLDS, _fence_params(fence)).fetchone() is None:
                     return False
@@ -1667,7 +1331,7 @@ class PgStore:
         subject = f"task:{task_id}"
         rel = self.lane_rel(subject)
 
-        def expire(conn: _Conn) -> bool:
+        def expire(conn: Conn) -> bool:
             with conn.transaction():
                 if conn.execute(_FENCE_HOLDS, _fence_params(fence)).fetchone() is None:
                     return False
@@ -1692,7 +1356,7 @@ class PgStore:
         around = [path, *(str(parent) for parent in PurePosixPath(path).parents)]
         inside = _like(path.rstrip("/") + "/")
 
-        def lease(conn: _Conn) -> list[str]:
+        def lease(conn: Conn) -> list[str]:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", [_WORKTREE_LOCK])
                 rows = conn.execute(_WORKTREE_HOLDERS, [task_id, around, inside]).fetchall()
@@ -1717,7 +1381,7 @@ class PgStore:
         """Which of the lane keys ``keys`` (``lane_key(f"task:{id}")``) name a task the
         database holds as expired now (RT13), each with the time it is let go."""
 
-        def read(conn: _Conn) -> dict[str, int]:
+        def read(conn: Conn) -> dict[str, int]:
             rows = conn.execute(_EXPIRED_TASKS_AMONG, [list(keys)]).fetchall()
             return {str(key): int(until) for key, until in rows}
 
@@ -1728,7 +1392,7 @@ class PgStore:
         await self._run(None, lambda conn: conn.execute(_ANNOUNCE))
 
     async def read_document(self, rel: str) -> bytes | None:
-        def read(conn: _Conn) -> bytes | None:
+        def read(conn: Conn) -> bytes | None:
             row = conn.execute(_READ_DOCUMENT, [rel], binary=True).fetchone()
             return None if row is None else bytes(row[0])
 
@@ -1736,7 +1400,7 @@ class PgStore:
 
     # -- transactions of other parts ------------------------------------------------------
 
-    async def transaction(self, key: str, fn: Callable[[_Conn], _T]) -> _T:
+    async def transaction(self, key: str, fn: Callable[[Conn], _T]) -> _T:
         """``fn(connection)`` inside one transaction on ``key``'s pooled connection, committed
         when it returns and rolled back when it raises (its exception then passes through).
         When the connection breaks or cannot be made the whole transaction runs again, under
@@ -1745,7 +1409,7 @@ class PgStore:
         receipt says so). A failure is ``store_unavailable`` for the caller, not the host's
         :attr:`disk_failure`."""
 
-        def run(conn: _Conn) -> _T:
+        def run(conn: Conn) -> _T:
             with conn.transaction():
                 return fn(conn)
 
@@ -1753,7 +1417,7 @@ class PgStore:
 
     # -- leases (S10-S12) -----------------------------------------------------------------
 
-    async def _on_leases(self, fn: Callable[[_Conn], _T]) -> _T:
+    async def _on_leases(self, fn: Callable[[Conn], _T]) -> _T:
         """Lease work on its own connection, retried under the policy; a database that
         cannot be reached is ``store_unavailable`` here, not the host's :attr:`disk_failure`:
         the lease keeper decides what losing its leases means (S12)."""
@@ -1766,7 +1430,7 @@ class PgStore:
         holds claims it anew (its earlier epoch's writes are refused from now on)."""
         key = self.lane_rel(lane)
 
-        def claim(conn: _Conn) -> int | None:
+        def claim(conn: Conn) -> int | None:
             params = {"lane": key, "owner": self.owner, "ttl": ttl}
             row = conn.execute(_CLAIM, params).fetchone()
             return None if row is None else int(row[0])
@@ -1782,7 +1446,7 @@ class PgStore:
         if not mine:
             return set()
 
-        def renew(conn: _Conn) -> set[str]:
+        def renew(conn: Conn) -> set[str]:
             params = {
                 "lanes": [fence.lane for fence in mine],
                 "epochs": [fence.epoch for fence in mine],
@@ -1797,7 +1461,7 @@ class PgStore:
     async def release(self, fence: Fence) -> None:
         """Give ``fence``'s lease up (it runs out now; its epoch stays spent)."""
 
-        def release(conn: _Conn) -> None:
+        def release(conn: Conn) -> None:
             conn.execute(_RELEASE, [fence.lane, fence.owner, fence.epoch])
 
         await self._on_leases(release)
@@ -1807,7 +1471,7 @@ class PgStore:
         claimed)."""
         key = self.lane_rel(lane)
 
-        def lease(conn: _Conn) -> Lease | None:
+        def lease(conn: Conn) -> Lease | None:
             row = conn.execute(_LEASE, [key]).fetchone()
             if row is None:
                 return None
@@ -1822,7 +1486,7 @@ class PgStore:
         a reconnect (one may have been missed: ``released`` too) and every ``poll`` seconds
         whatever happens, so a lost announcement delays, never loses. Runs until cancelled,
         on a connection of its own."""
-        listener: _Conn | None = None
+        listener: Conn | None = None
         fd = -1  # the listener's socket, taken once: a lost connection no longer names it
         failures = 0
 
@@ -1840,7 +1504,7 @@ class PgStore:
                         listener = await trio.to_thread.run_sync(_listen, self._params)
                         fd = listener.fileno()
                         failures = 0
-                    except (_Unreachable, psycopg.Error):
+                    except (Unreachable, psycopg.Error):
                         failures += 1
                         await trio.sleep(self.retry.delay(min(failures, self.retry.attempts)))
                     changed(True)
@@ -1863,14 +1527,14 @@ class PgStore:
     # -- opening and closing -------------------------------------------------------------
 
     async def _check_schema(self) -> None:
-        version = await self._run(None, _schema_version)
+        version = await self._run(None, schema_version)
         if version > STORE_SCHEMA_VERSION:
-            raise _newer(version, self._params)
+            raise newer_schema(version, self._params)
         if version < STORE_SCHEMA_VERSION:
             found = "no pi-runtime schema" if version == 0 else f"store schema {version}"
             raise JournalError(
                 ReasonCode.STORE_SCHEMA_MISSING,
-                f"the database {_describe(self._params)} has {found}; this pi-runtime needs "
+                f"the database {describe(self._params)} has {found}; this pi-runtime needs "
                 f"version {STORE_SCHEMA_VERSION}: run `pi-runtime db migrate` first",
             )
 
@@ -2023,10 +1687,10 @@ async def open_pg_store(
     all of it ran.
     """
     clocks = clocks or Clocks.system()
-    params = _parse(dsn)
+    params = parse_dsn(dsn)
     path = await trio.to_thread.run_sync(_local_root, root)
     store = PgStore(params, path, clocks, connections, retry, owner)
-    holder: _Conn | None = None
+    holder: Conn | None = None
     try:
         if exclusive:
             holder = await trio.to_thread.run_sync(_own, params)
@@ -2059,8 +1723,8 @@ async def open_pg_reader(dsn: str) -> AsyncIterator[PgStore]:
         await trio.to_thread.run_sync(lambda: shutil.rmtree(root, ignore_errors=True))
 
 
-def _listen(params: Mapping[str, Any]) -> _Conn:
-    conn = _connect(params)
+def _listen(params: Mapping[str, Any]) -> Conn:
+    conn = connect(params)
     try:
         conn.execute(f"LISTEN {CHANNEL}")
     except BaseException:
@@ -2069,7 +1733,7 @@ def _listen(params: Mapping[str, Any]) -> _Conn:
     return conn
 
 
-def _drain_notifications(conn: _Conn) -> set[str]:
+def _drain_notifications(conn: Conn) -> set[str]:
     """Read what the server sent the listener (without waiting); the announcements'
     payloads. A broken connection raises the driver's error."""
     return {notify.payload for notify in conn.notifies(timeout=0)}
@@ -2085,9 +1749,9 @@ OWNER_LOCK: Final = 0x70692D72756E  # "pi-run": the database-wide lock of PG14
 """The key of the session advisory lock an exclusive store holds for its whole life (PG14)."""
 
 
-def _own(params: Mapping[str, Any]) -> _Conn:
+def _own(params: Mapping[str, Any]) -> Conn:
     """A connection holding the store's owner lock (PG14), or ``store_locked``."""
-    conn = _connect(params)
+    conn = connect(params)
     try:
         row = conn.execute("SELECT pg_try_advisory_lock(%s)", [OWNER_LOCK]).fetchone()
     except BaseException:
@@ -2097,7 +1761,7 @@ def _own(params: Mapping[str, Any]) -> _Conn:
         conn.close()
         raise JournalError(
             ReasonCode.STORE_LOCKED,
-            f"another host holds the database {_describe(params)}; until lanes are leased "
+            f"another host holds the database {describe(params)}; until lanes are leased "
             "(docs/design/scale-out.md S10) one host serves one database",
         )
     return conn
