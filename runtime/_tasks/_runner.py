@@ -234,7 +234,13 @@ class TaskRunner:
             await store.close_log(log)
             await leases.release(fence)
             self._answer_existing(record, list(log.contents.records))
-        holder = await self._lease_worktree(store, record)  # S33: the deployment's TL13
+        try:
+            holder = await self._lease_worktree(store, record)  # S33: the deployment's TL13
+        except BaseException:
+            with trio.CancelScope(shield=True):  # never a lease held on a lane nobody runs
+                await store.close_log(log)
+                await leases.release(fence)
+            raise
         if holder is not None:
             await store.close_log(log)
             await leases.release(fence)
