@@ -109,6 +109,17 @@ async def lane_records(host: TaskHost) -> list[Record]:
     return list((await store.read(store.lane_rel(f"task:{TASK}"))).records)
 
 
+async def durable_holds(host: TaskHost) -> list[Record]:
+    """The lane log once it holds a hold record: a claimed lane's view says it is held as
+    soon as it is restored, and the lane records the hold (WD12) before it parks and tells
+    its followers — so each look that finds none waits for the runner's next event."""
+    while True:
+        records = await lane_records(host)
+        if any(isinstance(r, OutboxAction) and r.kind == "hold" for r in records):
+            return records
+        await host.events.receive()
+
+
 def launch_hosts(records: list[Record]) -> list[str]:
     return [
         str(r.detail.get("host"))
@@ -191,9 +202,9 @@ async def test_s31_s32_a_task_claimed_from_a_host_whose_lease_ran_out_is_held_ho
             with pytest.raises(TaskError) as elsewhere:
                 await a.runner.reply(TASK, "the blue one")
             assert elsewhere.value.code is ReasonCode.TASK_ELSEWHERE
+            records = await durable_holds(b)  # the view holds at once; the record follows
             assert b.workers.launched == []
             assert not (tmp_path / "b" / "state" / view.session_path).exists()
-            records = await lane_records(b)
     holds = [r for r in records if isinstance(r, OutboxAction) and r.kind == "hold"]
     assert [h.detail["reason"] for h in holds] == ["host_lost:a"]
     assert launch_hosts(records) == ["a"]
