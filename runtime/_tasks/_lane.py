@@ -133,6 +133,7 @@ class TaskLane:
     __slots__ = (
         "_fenced",
         "_finished",
+        "_holds_in_flight",
         "_log",
         "_lost",
         "_next",
@@ -227,6 +228,8 @@ class TaskLane:
         """The user's reply the worker has not been sent yet (LK8)."""
         self._recorded_hold: str | None = None
         """The hold the log says stands (WD12)."""
+        self._holds_in_flight = 0
+        """Hold records being appended now: their numbers are taken (:meth:`note_hold`)."""
         self._fenced = False
         self._next: tuple[str, str, str | None] = ("task", submitted.prompt, None)
         """(kind, text, continuation action id) of the next prompt."""
@@ -851,10 +854,15 @@ class TaskLane:
         reason = self.watchdog.hold_reason if self._held() else None
         if reason == self._recorded_hold:
             return
-        number = 1 + sum(a.kind in ("hold", "unhold") for a in self.actions.values())
+        recorded = sum(a.kind in ("hold", "unhold") for a in self.actions.values())
+        number = 1 + recorded + self._holds_in_flight  # one in flight has its number already
         kind, shown = ("hold", reason) if reason is not None else ("unhold", self._recorded_hold)
         self._recorded_hold = reason
-        await self.record_action(self.ids.hold(number), kind, "done", {"reason": shown})
+        self._holds_in_flight += 1
+        try:
+            await self.record_action(self.ids.hold(number), kind, "done", {"reason": shown})
+        finally:
+            self._holds_in_flight -= 1
 
     async def record_action(
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
