@@ -441,17 +441,17 @@ async def test_s33_a_lease_left_by_an_ended_task_is_struck_out(tmp_path: Path, p
     holder's lane log, finds it ended, strikes the lease out and takes the task."""
     worktree = make_worktree(tmp_path)
     with trio.fail_after(LIMIT):
-        async with (
-            task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a,
-            task_host(tmp_path, "b", pg_dsn, [wait()]) as b,
-        ):
+        async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
             await a.runner.submit(spec(tmp_path))
             assert (await a.runner.wait(TASK)).state == "done"
-            await execute(
-                pg_dsn,
-                "INSERT INTO pi_runtime.task_worktrees VALUES (%s, %s)",
-                [TASK, str(worktree)],
-            )
+        # A stopped: its lane let the worktree go; the lease A would have left if it had died
+        # between its end record and that, put back
+        await execute(
+            pg_dsn,
+            "INSERT INTO pi_runtime.task_worktrees VALUES (%s, %s)",
+            [TASK, str(worktree)],
+        )
+        async with task_host(tmp_path, "b", pg_dsn, [wait()]) as b:
             taken = await b.runner.submit(other_task("next", worktree / "sub"))
             assert taken.task_id == "next"
     rows = await execute(pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees ORDER BY 1")
