@@ -43,10 +43,14 @@ MAX: Final = 0.8
 @dataclass
 class Outage:
     """An upstream that answers ``status`` (and ``Retry-After``) for ``seconds`` from the
-    first request it gets (Trio's clock), then as a scripted model does: each refused
-    request recorded with its time and the message it carried."""
+    first request it gets (Trio's clock) and until it has refused ``at_least`` requests,
+    then as a scripted model does: each refused request recorded with its time and the
+    message it carried. (A count, not only a time: each try launches a worker, and on a
+    loaded machine one launch can outlast a short outage — a test that needs the turn
+    parked twice says so by count.)"""
 
     seconds: float
+    at_least: int = 0
     status: int = 503
     retry_after: str | None = None
     message: str = "the service is overloaded"
@@ -64,7 +68,7 @@ class Outage:
     async def handle(self, request: Request, response: ResponseWriter) -> None:
         if self.until is None:
             self.until = trio.current_time() + self.seconds
-        if trio.current_time() < self.until:
+        if trio.current_time() < self.until or len(self.down) < self.at_least:
             self.down.append(trio.current_time())
             found = re.findall(rb"\(message (m-[^)]*)\)", request.body)  # the last: its own
             self.asked.append(found[-1].decode() if found else "")
@@ -133,7 +137,7 @@ async def test_pb1_pb2_a_turn_meeting_an_outage_is_parked_and_answered_after_it(
     waits double from ``first_seconds`` up to ``max_seconds`` (equal jitter: at least half),
     and each try is one request upstream (the worker adds no retries of its own: the real
     Pi 1.6.0 does not retry the gateway's parked message either)."""
-    outage = Outage(seconds=3)
+    outage = Outage(seconds=3, at_least=2)
     backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
     with trio.fail_after(LIMIT):
         async with (
@@ -199,7 +203,9 @@ async def test_pb4_an_outage_during_a_burst_on_three_rooms(tmp_path: Path) -> No
     failures the route's breaker lets one turn probe per backoff step (the others park by
     the route, asking nothing); once it is back every message is answered, exactly once,
     and nothing answered is asked again."""
-    outage = Outage(seconds=8)  # long enough for several probes, each a worker launch
+    # long enough for several probes, each a worker launch; at least two more refusals than
+    # there are messages, so that two of them are a turn tried again
+    outage = Outage(seconds=8, at_least=8)
     rooms = ("dm:1", "dm:2", "dm:3")
     backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
     with trio.fail_after(LIMIT):
@@ -234,7 +240,7 @@ async def test_pb2_the_schedule_survives_a_restart(tmp_path: Path, parked: trio.
     """PB2: a host stopped while a delivery is parked leaves its schedule in the journal;
     the next host resumes it at that time — not before, not charged a recovery attempt —
     and answers it once the provider is back."""
-    outage = Outage(seconds=10)
+    outage = Outage(seconds=10, at_least=2)  # the next host is refused at least once
     slow = BackoffConfig(first_seconds=2, max_seconds=2)  # a try every 1 to 2 s
     with trio.fail_after(LIMIT):
         async with outage_upstream(outage) as url:
@@ -279,20 +285,24 @@ async def test_pb1_a_usage_limit_with_a_reset_time_is_waited_for(tmp_path: Path)
 
 async def test_pb1_a_provider_with_no_listener_is_an_outage_too(tmp_path: Path) -> None:
     """PB1: nothing listening at the provider's address (connection refused) parks the turn
-    like a 503 — its ``Parked`` records carry no status — until the deadline (PB3, 3 s
-    here), when it ends ``model_failed``."""
+    like a 503 — its ``Parked`` records carry no status — until its tries are spent (PB3:
+    ``max_attempts``, three tries here, rather than a deadline of seconds a slow worker launch could
+    outlast), when it ends ``model_failed``."""
     probe = trio.socket.socket()
     await probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()  # nothing listens there now
     url = f"http://127.0.0.1:{port}/v1"
+    tries = BackoffConfig(first_seconds=FIRST, max_seconds=MAX, max_attempts=3)
     with trio.fail_after(LIMIT):
-        async with open_room_worker(config(url), base_dir=tmp_path, clocks=clocks()) as worker:
+        async with open_room_worker(
+            config(url, tries), base_dir=tmp_path, clocks=clocks()
+        ) as worker:
             await worker.deliver(message("d1"))
             (result,) = await next_results(worker, 1)
             parks = await parks_of(worker, "d1")
     assert (result.outcome, result.code) == (Outcome.FAILED, "model_failed")
-    assert len(parks) >= 2
+    assert [p.attempt for p in parks] == [1, 2]  # three tries: two parked, the last ends it
     assert {p.status for p in parks} == {None}
 
 
@@ -300,7 +310,7 @@ async def test_pb5_the_room_is_told_once_and_typing_waits_for_the_answer(tmp_pat
     """PB5: with ``[backoff] notify`` the room gets one ``text_update`` (threaded on the
     message) when the delivery first parks, however often it parks; no ``typing`` is sent
     while it is parked — the first comes with the answer's text."""
-    outage = Outage(seconds=2)
+    outage = Outage(seconds=0, at_least=3)  # parked three times, however long tries take
     notice = "Our model provider is down; hold on."
     backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX, notify=True, notify_text=notice)
     with trio.fail_after(LIMIT):
@@ -314,7 +324,7 @@ async def test_pb5_the_room_is_told_once_and_typing_waits_for_the_answer(tmp_pat
             parks = await parks_of(worker, "d1")
     updates = [e for e in events if isinstance(e, TextUpdate)]
     assert result.outcome is Outcome.REPLY
-    assert len(parks) >= 2
+    assert len(parks) == 3
     assert [(u.delivery_id, u.reply_to, u.text) for u in updates] == [("d1", "m-d1", notice)]
     first_typing = next(i for i, e in enumerate(events) if isinstance(e, Typing))
     assert events.index(updates[0]) < first_typing
