@@ -23,9 +23,11 @@ Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
 :class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
 :func:`serve_gateway` are the Trio shell.
 
-Resource handling: :func:`serve_gateway` runs until cancelled. Each request's
-upstream connection lives inside the request's handler and is closed when it
-returns, however it returns.
+Resource handling: :func:`serve_gateway` runs until cancelled. Upstream connections are
+kept alive in the gateway's :class:`~runtime._boundary._http.ConnectionPool` (a lane's
+requests are sequential: one connection serves them all); a request's connection goes back
+to the pool only when its response was read to its end, and is closed otherwise however the
+handler returns; :func:`serve_gateway` closes the idle ones when it ends.
 
 Error handling: protocol problems are answered to the worker (401, 400, an SSE
 ``error`` event, or a cut connection — each with a ``gateway_*`` reason code in
@@ -51,12 +53,12 @@ from .._errors import PiRuntimeError, ReasonCode, StepRefused
 from .._metrics import MODEL_REQUESTS, labelled
 from .._pi._provider_errors import USAGE_LIMIT_PATTERN
 from ._http import (
+    ConnectionPool,
     HttpClientError,
     HttpServer,
     Request,
     ResponseWriter,
     iter_sse,
-    open_request,
     serve_http,
 )
 from ._steps import StepJournal
@@ -294,6 +296,8 @@ class GatewayStatistics:
     """Upstream responses that finished after their delivery was detached (G14)."""
     incomplete_streams: int
     """Upstream streams that ended with no terminal part, cut instead of finished (G16)."""
+    upstream_connections: int = 0
+    """Connections opened upstream (G17: requests in turn share one kept-alive connection)."""
 
 
 class _Downstream:
@@ -383,6 +387,7 @@ class Gateway:
         self._failed = trio.Event()
         self.upstream_failure: UpstreamFailure | None = None
         """How the last call upstream failed; ``None`` once one is answered (PB1)."""
+        self._upstream = ConnectionPool()
         self._stats = dict.fromkeys(
             (
                 "requests",
@@ -409,7 +414,11 @@ class Gateway:
         return self._secret
 
     def statistics(self) -> GatewayStatistics:
-        return GatewayStatistics(**self._stats)
+        return GatewayStatistics(**self._stats, upstream_connections=self._upstream.opened)
+
+    async def aclose(self) -> None:
+        """Close the kept-alive upstream connections (:func:`serve_gateway` does, at its end)."""
+        await self._upstream.aclose()
 
     def _authorized(self, request: Request) -> bool:
         given = request.headers.get("authorization", "")
@@ -548,7 +557,7 @@ class Gateway:
                     yield data
 
             try:
-                async with open_request(
+                async with self._upstream.request(
                     "POST", url, headers=headers, body=_json.encode(body)
                 ) as upstream:
                     silence.deadline = trio.current_time() + limit
@@ -659,15 +668,19 @@ async def serve_gateway(
     Raises the journal's error (e.g. ``journal_poisoned``) if an append failed.
     """
     failure: PiRuntimeError | None = None
-    with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-            server: HttpServer = await nursery.start(
-                lambda task_status: serve_http(
-                    gateway.handle, host=host, port=port, task_status=task_status
+    try:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                server: HttpServer = await nursery.start(
+                    lambda task_status: serve_http(
+                        gateway.handle, host=host, port=port, task_status=task_status
+                    )
                 )
-            )
-            task_status.started(server)
-            failure = await gateway.wait_failed()
-            scope.cancel()
+                task_status.started(server)
+                failure = await gateway.wait_failed()
+                scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await gateway.aclose()
     if failure is not None:
         raise failure

@@ -8,7 +8,8 @@ chunk as it is produced, hold one back, go silent, or cut the connection in the
 middle. A sans-I/O protocol core (h11) with a thin Trio shell gives exactly that.
 
 Server: :func:`serve_http` runs ``handler(request, response)`` per request.
-Client: :func:`open_request` returns a streamed response.
+Client: :func:`open_request` returns a streamed response on a fresh connection;
+:class:`ConnectionPool` does the same on kept-alive ones (the gateway's upstream).
 SSE: :func:`iter_sse` turns a byte stream into events (data payloads and comments).
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import select
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ import h11
 import trio
 
 __all__ = [
+    "ConnectionPool",
     "HttpClientError",
     "HttpServer",
     "Request",
@@ -48,6 +52,8 @@ class Request:
     headers: dict[str, str]
     """Lower-cased names; the last value of a repeated header wins."""
     body: bytes
+    connection: int = 0
+    """Which connection of its server it came on: 1, 2, … in the order they were accepted."""
 
 
 class ResponseWriter:
@@ -101,7 +107,7 @@ class HttpServer:
 
 
 async def _read_request(
-    stream: trio.abc.Stream, conn: h11.Connection, limit: int = _MAX_REQUEST
+    stream: trio.abc.Stream, conn: h11.Connection, limit: int = _MAX_REQUEST, connection: int = 0
 ) -> Request | None:
     head: h11.Request | None = None
     body = bytearray()
@@ -119,7 +125,8 @@ async def _read_request(
         elif isinstance(event, h11.EndOfMessage):
             assert head is not None
             headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
-            return Request(head.method.decode(), head.target.decode(), headers, bytes(body))
+            method, target = head.method.decode(), head.target.decode()
+            return Request(method, target, headers, bytes(body), connection)
         elif isinstance(event, h11.ConnectionClosed):
             return None
         else:  # pragma: no cover - h11 yields nothing else for a server
@@ -127,13 +134,13 @@ async def _read_request(
 
 
 async def _serve_connection(
-    stream: trio.abc.Stream, handler: Handler, limit: int = _MAX_REQUEST
+    stream: trio.abc.Stream, handler: Handler, limit: int = _MAX_REQUEST, connection: int = 0
 ) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
         while True:
             try:
-                request = await _read_request(stream, conn, limit)
+                request = await _read_request(stream, conn, limit, connection)
             except h11.RemoteProtocolError as exc:
                 with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
                     writer = ResponseWriter(stream, conn)
@@ -175,12 +182,14 @@ async def serve_http(
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
+    accepted = itertools.count(1)
     async with trio.open_nursery() as nursery:
         task_status.started(HttpServer(host=bound[0], port=bound[1]))
 
         async def serve(stream: trio.SocketStream) -> None:
+            connection = next(accepted)
             if ssl_context is None:
-                await _serve_connection(stream, handler, max_request)
+                await _serve_connection(stream, handler, max_request, connection)
                 return
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
@@ -188,7 +197,7 @@ async def serve_http(
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.aclose_forcefully(stream)  # a failed handshake: nothing to answer
                 return
-            await _serve_connection(tls, handler, max_request)
+            await _serve_connection(tls, handler, max_request, connection)
 
         await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
 
@@ -237,6 +246,62 @@ def _default_ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+def _origin(url: str) -> tuple[str, str, int, str, str]:
+    """``(scheme, hostname, port, host header, target)`` of an http(s) URL."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"unsupported URL {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+    return parts.scheme, parts.hostname, port, host, target
+
+
+async def _connect(
+    scheme: str, hostname: str, port: int, ssl_context: ssl.SSLContext | None
+) -> trio.abc.Stream:
+    try:
+        tcp = await trio.open_tcp_stream(hostname, port)
+    except OSError as exc:
+        raise HttpClientError(f"cannot connect to {hostname}:{port}: {exc}") from exc
+    if scheme == "https":
+        return trio.SSLStream(tcp, ssl_context or _default_ssl_context(), server_hostname=hostname)
+    return tcp
+
+
+async def _exchange(
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    method: str,
+    url: str,
+    headers: list[tuple[str, str]],
+    body: bytes,
+) -> Response:
+    """Send one request on ``stream`` and read its response head."""
+    _, _, _, host, target = _origin(url)
+    all_headers = [("host", host), ("content-length", str(len(body))), *headers]
+    try:
+        await stream.send_all(
+            conn.send(h11.Request(method=method, target=target, headers=all_headers))
+            + conn.send(h11.Data(data=body))
+            + conn.send(h11.EndOfMessage())
+        )
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(bytes(await stream.receive_some(_READ)))
+                continue
+            if isinstance(event, h11.Response):
+                break
+            if isinstance(event, h11.InformationalResponse):
+                continue
+            raise HttpClientError(f"no response head (got {type(event).__name__})")
+    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+        raise HttpClientError(f"request to {url} failed: {exc}") from exc
+    response_headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
+    return Response(event.status_code, response_headers, stream, conn)
+
+
 @contextlib.asynccontextmanager
 async def open_request(
     method: str,
@@ -251,44 +316,120 @@ async def open_request(
     Raises :class:`HttpClientError` if the server cannot be reached or the
     response head never arrives.
     """
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"unsupported URL {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        tcp = await trio.open_tcp_stream(parts.hostname, port)
-    except OSError as exc:
-        raise HttpClientError(f"cannot connect to {parts.hostname}:{port}: {exc}") from exc
-    stream: trio.abc.Stream = tcp
-    if parts.scheme == "https":
-        stream = trio.SSLStream(
-            tcp, ssl_context or _default_ssl_context(), server_hostname=parts.hostname
-        )
+    scheme, hostname, port, _, _ = _origin(url)
+    stream = await _connect(scheme, hostname, port, ssl_context)
     async with stream:
         conn = h11.Connection(h11.CLIENT)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-        all_headers = [("host", host), ("content-length", str(len(body))), *(headers or [])]
+        yield await _exchange(stream, conn, method, url, headers or [], body)
+
+
+def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    assert isinstance(stream, trio.SocketStream)
+    return stream.socket
+
+
+def _dropped(stream: trio.abc.Stream) -> bool:
+    """Whether an idle kept-alive connection has something to read: the server closed it
+    (or sent what no request asked for) — either way it cannot carry the next request."""
+    readable, _, _ = select.select([_socket_of(stream).fileno()], [], [], 0)
+    return bool(readable)
+
+
+@dataclass(slots=True)
+class _Idle:
+    stream: trio.abc.Stream
+    conn: h11.Connection
+    since: float
+
+
+class ConnectionPool:
+    """Kept-alive connections for a sequence of requests to one or a few origins — a lane's
+    model requests, one after another: each :meth:`request` takes an idle connection to the
+    URL's origin or opens one, and gives it back once its response was read to its end
+    (never one whose response was cut, left unread or ended ``connection: close``).
+
+    An idle connection is used again only while it has been idle under ``idle_seconds``
+    (below the keep-alive timeouts servers commonly use, so that the server does not drop it
+    just as a request goes out) and only if nothing is readable on it (a server that closed
+    it: its end of file is waiting). A request that fails on a used connection fails as on a
+    fresh one — :class:`HttpClientError` — and is never sent again by the pool: whether the
+    server acted on it is not known here. At most ``max_idle`` idle connections are kept
+    per origin. :meth:`aclose` closes the idle ones."""
+
+    def __init__(
+        self,
+        *,
+        idle_seconds: float = 4.0,
+        max_idle: int = 2,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.idle_seconds = idle_seconds
+        self.max_idle = max_idle
+        self._ssl_context = ssl_context
+        self._idle: dict[tuple[str, str, int], list[_Idle]] = {}
+        self.opened = 0
+        """Connections opened so far."""
+        self.reused = 0
+        """Requests sent on a connection used before."""
+
+    def _take(self, origin: tuple[str, str, int]) -> _Idle | None:
+        idle = self._idle.get(origin, [])
+        now = trio.current_time()
+        while idle:
+            found = idle.pop()
+            if now - found.since < self.idle_seconds and not _dropped(found.stream):
+                return found
+            _close_now(found.stream)
+        return None
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: list[tuple[str, str]] | None = None,
+        body: bytes = b"",
+    ) -> AsyncIterator[Response]:
+        """As :func:`open_request`, on a kept-alive connection when there is one."""
+        scheme, hostname, port, _, _ = _origin(url)
+        origin = (scheme, hostname, port)
+        found = self._take(origin)
+        if found is None:
+            stream = await _connect(scheme, hostname, port, self._ssl_context)
+            conn = h11.Connection(h11.CLIENT)
+            self.opened += 1
+        else:
+            stream, conn = found.stream, found.conn
+            self.reused += 1
+        kept = False
         try:
-            await stream.send_all(
-                conn.send(h11.Request(method=method, target=target, headers=all_headers))
-                + conn.send(h11.Data(data=body))
-                + conn.send(h11.EndOfMessage())
-            )
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(bytes(await stream.receive_some(_READ)))
-                    continue
-                if isinstance(event, h11.Response):
-                    break
-                if isinstance(event, h11.InformationalResponse):
-                    continue
-                raise HttpClientError(f"no response head (got {type(event).__name__})")
-        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
-            raise HttpClientError(f"request to {url} failed: {exc}") from exc
-        response_headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
-        yield Response(event.status_code, response_headers, stream, conn)
+            yield await _exchange(stream, conn, method, url, headers or [], body)
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+                idle = self._idle.setdefault(origin, [])
+                if len(idle) < self.max_idle:
+                    idle.append(_Idle(stream, conn, trio.current_time()))
+                    kept = True
+        finally:
+            if not kept:
+                _close_now(stream)
+
+    async def aclose(self) -> None:
+        """Close every idle connection (those in use close when their request ends)."""
+        idle = [found for kept in self._idle.values() for found in kept]
+        self._idle.clear()
+        for found in idle:
+            _close_now(found.stream)
+        await trio.lowlevel.checkpoint()
+
+
+def _close_now(stream: trio.abc.Stream) -> None:
+    """Close a client connection without waiting: its socket (no TLS close_notify — a
+    connection given up on needs none, and a client may drop one it will not use again)."""
+    _socket_of(stream).close()
 
 
 # -- server-sent events ----------------------------------------------------------------

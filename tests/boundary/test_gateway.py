@@ -156,6 +156,8 @@ class Rig:
     journal: MemoryStepJournal
     upstream_auth: list[str | None] = field(default_factory=list)
     intents_when_upstream_called: list[list[str]] = field(default_factory=list)
+    upstream_connections: list[int] = field(default_factory=list)
+    """The upstream server's connection number for each request it got (G17)."""
 
     @property
     def url(self) -> str:
@@ -182,6 +184,7 @@ async def rig(
         assert this is not None
         this.upstream_auth.append(request.headers.get("authorization"))
         this.intents_when_upstream_called.append(list(journal.requests))
+        this.upstream_connections.append(request.connection)
         await (upstream or model.handle)(request, response)
 
     async with trio.open_nursery() as nursery:
@@ -423,6 +426,51 @@ async def test_g10_upstream_silence_mid_stream_is_a_retryable_error() -> None:
     assert any(e.comment == "keepalive" for e in events)  # G5: while the upstream was silent
     assert r.journal.responses == {}
     assert r.gateway.statistics().inactivity_aborts == 1
+
+
+def numbered(n: int) -> dict[str, Any]:
+    return {**BODY, "messages": [{"role": "user", "content": f"request {n}"}]}
+
+
+async def test_g17_a_lanes_requests_share_one_kept_alive_upstream_connection() -> None:
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text=f"answer {n}") for n in range(3)]) as r:
+            for n in range(3):
+                status, _ = await exchange(r, numbered(n))
+                assert status == 200
+            stats = r.gateway.statistics()
+    assert r.upstream_connections == [1, 1, 1]
+    assert (stats.upstream_calls, stats.upstream_connections) == (3, 1)
+
+
+async def test_g17_a_stream_aborted_for_silence_does_not_leave_its_connection() -> None:
+    """G10 cut the first response mid-stream: its connection is closed, never given to the
+    next request (which would read the rest of the old answer as its own)."""
+    with trio.fail_after(LIMIT):
+        async with rig(
+            [Text(text="late words", delay=60), Text(text="on time")],
+            upstream_inactivity=0.3,
+            keepalive_interval=60,
+        ) as r:
+            cut: list[SseEvent] = []
+
+            async def read_until_cut() -> None:
+                async with open_request(
+                    "POST", r.url, headers=r.headers(), body=json.dumps(numbered(1)).encode()
+                ) as response:
+                    async for event in iter_sse(response.iter_bytes()):
+                        cut.append(event)
+
+            with pytest.raises(HttpClientError):  # the worker's stream is cut after the error
+                await read_until_cut()
+            status, answered = await exchange(r, numbered(2))
+            stats = r.gateway.statistics()
+    assert "gateway_upstream_inactive" in error_message(cut)
+    assert status == 200
+    text = [json.loads(p)["choices"] for p in data(answered) if p != DONE]
+    assert "".join(c[0]["delta"].get("content", "") for c in text if c) == "on time"
+    assert r.upstream_connections == [1, 2]
+    assert (stats.inactivity_aborts, stats.upstream_connections) == (1, 2)
 
 
 async def test_g10_upstream_silence_before_headers_is_a_504() -> None:

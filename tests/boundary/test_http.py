@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+import h11
 import pytest
 import trio
 
 from runtime._boundary._http import (
+    ConnectionPool,
     HttpClientError,
+    HttpServer,
     Request,
     ResponseWriter,
     SseEvent,
@@ -21,6 +26,12 @@ from runtime._boundary._http import (
 async def _handler(request: Request, response: ResponseWriter) -> None:
     if request.target == "/echo":
         await response.respond(200, request.body)
+    elif request.target == "/connection":
+        await response.respond(200, str(request.connection).encode())
+    elif request.target == "/close":
+        await response.start(200, [("content-length", "2"), ("connection", "close")])
+        await response.send(b"ok")
+        await response.end()
     elif request.target == "/stream":
         await response.start(200, [("content-type", "text/event-stream")])
         for i in range(3):
@@ -87,3 +98,140 @@ async def test_sse_parser_handles_split_lines() -> None:
 
     events = [event async for event in iter_sse(chunks())]
     assert events == [SseEvent(data='{"a":1}'), SseEvent(comment="ping"), SseEvent(data="x\ny")]
+
+
+# -- kept-alive connections (docs/design/gateway.md G17) ---------------------------------
+
+
+async def _connections(pool: ConnectionPool, url: str, n: int) -> list[int]:
+    """The server's connection number for each of ``n`` requests in turn."""
+    seen = []
+    for _ in range(n):
+        async with pool.request("POST", f"{url}/connection") as response:
+            seen.append(int(await response.read()))
+    return seen
+
+
+async def test_g17_requests_in_turn_share_one_kept_alive_connection() -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(functools.partial(serve_http, _handler))
+            pool = ConnectionPool()
+            seen = await _connections(pool, server.url, 3)
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+    assert seen == [1, 1, 1]
+    assert (pool.opened, pool.reused) == (1, 2)
+
+
+async def test_g17_a_cut_unread_closing_or_stale_connection_is_never_taken_again() -> None:
+    """A connection goes back only when its response was read to its end and left it open;
+    an idle one only while idle under ``idle_seconds``."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(functools.partial(serve_http, _handler))
+            pool = ConnectionPool()
+            with pytest.raises(HttpClientError):
+                async with pool.request("GET", f"{server.url}/cut") as response:
+                    await response.read()
+            after_cut = await _connections(pool, server.url, 1)
+            async with pool.request("GET", f"{server.url}/stream") as response:
+                pass  # the body left unread
+            after_unread = await _connections(pool, server.url, 1)
+            async with pool.request("GET", f"{server.url}/close") as response:
+                assert await response.read() == b"ok"
+            after_close = await _connections(pool, server.url, 1)
+            stale = ConnectionPool(idle_seconds=0.0)
+            stale_seen = await _connections(stale, server.url, 2)
+            nursery.cancel_scope.cancel()
+    # each of cut / unread / closing ran on the connection kept before it, and was its last
+    assert after_cut == [2]
+    assert after_unread == [3]
+    assert after_close == [4]
+    assert stale_seen == [5, 6]
+
+
+@dataclass
+class _DroppingServer:
+    """A raw HTTP/1.1 server on loopback: each connection answers ``answers`` requests
+    (``content-length``, no ``connection: close``), then — with ``read_one_more`` — reads
+    one more request, and closes without a word: a server dropping a kept-alive
+    connection, idle or with a request in it."""
+
+    answers: int
+    read_one_more: bool = False
+    requests: list[bytes] = field(default_factory=list)
+    dropped: trio.Event = field(default_factory=trio.Event)
+
+    async def _read(self, stream: trio.SocketStream, conn: h11.Connection) -> bool:
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return False
+                conn.receive_data(data)
+            elif isinstance(event, h11.Request):
+                self.requests.append(bytes(event.target))
+            elif isinstance(event, h11.EndOfMessage):
+                return True
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        answers, read_one_more = self.answers, self.read_one_more
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            for _ in range(answers):
+                if not await self._read(stream, conn):
+                    break
+                await stream.send_all(
+                    conn.send(h11.Response(status_code=200, headers=[("content-length", "2")]))
+                    + conn.send(h11.Data(data=b"ok"))
+                    + conn.send(h11.EndOfMessage())
+                )
+                conn.start_next_cycle()
+            else:
+                if read_one_more:
+                    await self._read(stream, conn)
+        self.dropped.set()
+
+
+async def test_g17_a_connection_the_server_dropped_while_idle_is_not_used() -> None:
+    """The server closed the idle connection: its end of file is waiting, so the pool
+    opens a new one instead of sending the request into a closed connection."""
+    server = _DroppingServer(answers=1)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(
+                functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
+            )
+            url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+            pool = ConnectionPool()
+            for n in range(3):
+                async with pool.request("POST", f"{url}/{n}") as response:
+                    assert await response.read() == b"ok"
+                await server.dropped.wait()
+                server.dropped = trio.Event()
+            nursery.cancel_scope.cancel()
+    assert server.requests == [b"/0", b"/1", b"/2"]
+    assert (pool.opened, pool.reused) == (3, 0)
+
+
+async def test_g17_a_request_lost_on_a_kept_alive_connection_is_not_sent_again() -> None:
+    """A request that fails on a used connection fails — whether the server acted on it is
+    not known — and the pool never sends it a second time."""
+    server = _DroppingServer(answers=1, read_one_more=True)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(
+                functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
+            )
+            url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+            pool = ConnectionPool()
+            async with pool.request("POST", f"{url}/first") as response:
+                assert await response.read() == b"ok"
+            with pytest.raises(HttpClientError):
+                async with pool.request("POST", f"{url}/second") as response:
+                    await response.read()
+            nursery.cancel_scope.cancel()
+    assert server.requests == [b"/first", b"/second"]
+    assert (pool.opened, pool.reused) == (1, 1)
