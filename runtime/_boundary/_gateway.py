@@ -466,14 +466,16 @@ class Gateway:
                 lock = self._locks.setdefault(digest, trio.Lock())
                 try:
                     async with lock:  # an identical request in flight: wait, then replay
-                        await self._answer(body, digest, downstream)
+                        await self._answer(body, request.body, digest, downstream)
                 finally:
                     if not lock.locked() and lock.statistics().tasks_waiting == 0:
                         self._locks.pop(digest, None)  # only requests in flight keep one
             finally:
                 nursery.cancel_scope.cancel()
 
-    async def _answer(self, body: dict[str, Any], digest: str, downstream: _Downstream) -> None:
+    async def _answer(
+        self, body: dict[str, Any], raw: bytes, digest: str, downstream: _Downstream
+    ) -> None:
         journal = self.journal  # G14: this request's delivery, even if another is attached later
         recorded = await journal.lookup(digest)
         if recorded is not None:  # G6: replay, upstream untouched
@@ -511,7 +513,7 @@ class Gateway:
             return
         self._stats["upstream_calls"] += 1
         labelled(MODEL_REQUESTS, "upstream").inc()
-        await self._relay(body, digest, key, downstream, journal)
+        await self._relay(raw, digest, key, downstream, journal)
 
     async def _announce(self, body: dict[str, Any], digest: str, *, replayed: bool) -> bool:
         """Tell the owner (``on_answer``) a request is about to be answered; False when
@@ -527,7 +529,7 @@ class Gateway:
 
     async def _relay(
         self,
-        body: dict[str, Any],
+        raw: bytes,
         digest: str,
         key: str | None,
         downstream: _Downstream,
@@ -558,7 +560,10 @@ class Gateway:
 
             try:
                 async with self._upstream.request(
-                    "POST", url, headers=headers, body=_json.encode(body)
+                    "POST",
+                    url,
+                    headers=headers,
+                    body=raw,  # the worker's bytes, as they came
                 ) as upstream:
                     silence.deadline = trio.current_time() + limit
                     if upstream.status != 200:

@@ -158,6 +158,7 @@ class Rig:
     intents_when_upstream_called: list[list[str]] = field(default_factory=list)
     upstream_connections: list[int] = field(default_factory=list)
     """The upstream server's connection number for each request it got (G17)."""
+    upstream_bodies: list[bytes] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -185,6 +186,7 @@ async def rig(
         this.upstream_auth.append(request.headers.get("authorization"))
         this.intents_when_upstream_called.append(list(journal.requests))
         this.upstream_connections.append(request.connection)
+        this.upstream_bodies.append(request.body)
         await (upstream or model.handle)(request, response)
 
     async with trio.open_nursery() as nursery:
@@ -430,6 +432,21 @@ async def test_g10_upstream_silence_mid_stream_is_a_retryable_error() -> None:
 
 def numbered(n: int) -> dict[str, Any]:
     return {**BODY, "messages": [{"role": "user", "content": f"request {n}"}]}
+
+
+async def test_g1_upstream_gets_the_workers_body_bytes_as_they_came() -> None:
+    """The digest is over the canonical body; the bytes sent upstream are the worker's own
+    (its key order and spacing), not a re-encoding."""
+    sent = json.dumps({"stream": True, **BODY}, indent=1, ensure_ascii=True).encode()
+    with trio.fail_after(LIMIT):
+        async with (
+            rig([Text(text="as sent")]) as r,
+            open_request("POST", r.url, headers=r.headers(), body=sent) as response,
+        ):
+            assert response.status == 200
+            await response.read()
+    assert r.upstream_bodies == [sent]
+    assert r.journal.requests == [request_digest(json.loads(sent))]
 
 
 async def test_g17_a_lanes_requests_share_one_kept_alive_upstream_connection() -> None:
