@@ -483,9 +483,7 @@ class Gateway:
             labelled(MODEL_REQUESTS, "journal").inc()
             if not await self._announce(body, digest, replayed=True):
                 return
-            for payload in recorded[:-1]:
-                await downstream.send(sse_data(payload))
-            await downstream.finish(sse_data(recorded[-1]) if recorded else b"")
+            await downstream.finish(b"".join(map(sse_data, recorded)))  # one write
             return
         key: str | None = None
         if self.config.upstream_key_env is not None:
@@ -624,9 +622,7 @@ class Gateway:
             return
         self._stats["journaled"] += 1
         self.upstream_failure = None
-        for payload in held[:-1]:
-            await downstream.send(sse_data(payload))
-        await downstream.finish(sse_data(held[-1]))
+        await downstream.finish(b"".join(map(sse_data, held)))  # the terminal part, one write
 
     async def _relay_status(self, status: int, body: bytes, downstream: _Downstream) -> None:
         """An upstream HTTP error: the same status, or an SSE error once streaming."""
