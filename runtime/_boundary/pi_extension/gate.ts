@@ -140,6 +140,16 @@ export default function (pi: ExtensionAPI) {
 	const cwd = process.cwd();
 	for (const [name, factory, optionKey] of FACTORIES) {
 		const builtin = factory(cwd, options[optionKey]);
+		// the tool as Pi would build it for a call's cwd: built once per cwd, not per call
+		const built = new Map<string, any>([[cwd, builtin]]);
+		const implFor = (at: string) => {
+			let impl = built.get(at);
+			if (impl === undefined) {
+				impl = factory(at, options[optionKey]);
+				built.set(at, impl);
+			}
+			return impl;
+		};
 		pi.registerTool({
 			...builtin,
 			executionMode: "sequential" as const,
@@ -148,7 +158,7 @@ export default function (pi: ExtensionAPI) {
 				if (decision?.decision === "saved") return asResult(decision.result);
 				if (decision?.decision === "refused") return { ...asResult(decision.result), isError: true };
 				if (decision?.decision !== "run") throw new Error(`tool gate: unknown decision ${JSON.stringify(decision)}`);
-				const impl = factory(ctx?.cwd ?? cwd, options[optionKey]);
+				const impl = implFor(ctx?.cwd ?? cwd);
 				let result: any;
 				try {
 					result = await impl.execute(toolCallId, params, signal, onUpdate, ctx);
