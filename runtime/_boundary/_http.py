@@ -22,7 +22,7 @@ import select
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import h11
@@ -106,16 +106,24 @@ class HttpServer:
         return f"http://{self.host}:{self.port}"
 
 
+async def _next_event(
+    stream: trio.abc.Stream, conn: h11.Connection
+) -> h11.Event | type[h11.PAUSED]:
+    """The connection's next event, reading from ``stream`` as long as h11 needs data."""
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return cast("h11.Event | type[h11.PAUSED]", event)  # (mypy cannot narrow `is not`)
+        conn.receive_data(bytes(await stream.receive_some(_READ)))
+
+
 async def _read_request(
     stream: trio.abc.Stream, conn: h11.Connection, limit: int = _MAX_REQUEST, connection: int = 0
 ) -> Request | None:
     head: h11.Request | None = None
     body = bytearray()
     while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some(_READ)))
-            continue
+        event = await _next_event(stream, conn)
         if isinstance(event, h11.Request):
             head = event
         elif isinstance(event, h11.Data):
@@ -220,10 +228,7 @@ class Response:
         """The body as it arrives; :class:`HttpClientError` if it is cut short."""
         while True:
             try:
-                event = self._conn.next_event()
-                if event is h11.NEED_DATA:
-                    self._conn.receive_data(bytes(await self._stream.receive_some(_READ)))
-                    continue
+                event = await _next_event(self._stream, self._conn)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise HttpClientError(f"connection lost: {exc}") from exc
             except h11.RemoteProtocolError as exc:
@@ -287,10 +292,7 @@ async def _exchange(
             + conn.send(h11.EndOfMessage())
         )
         while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(bytes(await stream.receive_some(_READ)))
-                continue
+            event = await _next_event(stream, conn)
             if isinstance(event, h11.Response):
                 break
             if isinstance(event, h11.InformationalResponse):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -195,23 +196,29 @@ class _DroppingServer:
         self.dropped.set()
 
 
+@contextlib.asynccontextmanager
+async def serving(server: _DroppingServer) -> AsyncIterator[str]:
+    """``server`` on a loopback port: its base URL."""
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(
+            functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
+        )
+        yield f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+        nursery.cancel_scope.cancel()
+
+
 async def test_g17_a_connection_the_server_dropped_while_idle_is_not_used() -> None:
     """The server closed the idle connection: its end of file is waiting, so the pool
     opens a new one instead of sending the request into a closed connection."""
     server = _DroppingServer(answers=1)
     with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            (listener,) = await nursery.start(
-                functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
-            )
-            url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+        async with serving(server) as url:
             pool = ConnectionPool()
             for n in range(3):
                 async with pool.request("POST", f"{url}/{n}") as response:
                     assert await response.read() == b"ok"
                 await server.dropped.wait()
                 server.dropped = trio.Event()
-            nursery.cancel_scope.cancel()
     assert server.requests == [b"/0", b"/1", b"/2"]
     assert (pool.opened, pool.reused) == (3, 0)
 
@@ -221,17 +228,12 @@ async def test_g17_a_request_lost_on_a_kept_alive_connection_is_not_sent_again()
     not known — and the pool never sends it a second time."""
     server = _DroppingServer(answers=1, read_one_more=True)
     with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            (listener,) = await nursery.start(
-                functools.partial(trio.serve_tcp, server.serve, 0, host="127.0.0.1")
-            )
-            url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+        async with serving(server) as url:
             pool = ConnectionPool()
             async with pool.request("POST", f"{url}/first") as response:
                 assert await response.read() == b"ok"
             with pytest.raises(HttpClientError):
                 async with pool.request("POST", f"{url}/second") as response:
                     await response.read()
-            nursery.cancel_scope.cancel()
     assert server.requests == [b"/first", b"/second"]
     assert (pool.opened, pool.reused) == (1, 1)
