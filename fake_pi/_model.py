@@ -14,11 +14,12 @@ mirroring Pi's ``openai-completions`` provider.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
+import trio
 
-from runtime.worker_kit import HttpClientError, iter_sse, open_request
+from runtime.worker_kit import ConnectionPool, HttpClientError, iter_sse
 
 from ._messages import usage
 from .model_server import ModelHttpError, ScriptedModel, StreamCut
@@ -73,19 +74,26 @@ class InProcessModelClient:
             await chunks.aclose()
 
 
+_DRAIN_SECONDS: Final = 1.0
+"""How long a stream may take to end after its ``[DONE]`` for its connection to be kept."""
+
+
 class HttpModelClient:
-    """POSTs to ``{base_url}/chat/completions`` and parses the SSE stream."""
+    """POSTs to ``{base_url}/chat/completions`` and parses the SSE stream, on one kept-alive
+    connection as Pi's (Node's) HTTP agent does: a stream read to its end leaves its
+    connection for the next request."""
 
     def __init__(self, base_url: str, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self._connections = ConnectionPool()
 
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         headers = [("content-type", "application/json"), ("accept", "application/json")]
         if self.api_key:
             headers.append(("authorization", f"Bearer {self.api_key}"))
         try:
-            async with open_request(
+            async with self._connections.request(
                 "POST",
                 f"{self.base_url}/chat/completions",
                 headers=headers,
@@ -93,12 +101,18 @@ class HttpModelClient:
             ) as response:
                 if response.status != 200:
                     raise ModelError(_http_error_message(response.status, await response.read()))
-                async for event in iter_sse(response.iter_bytes()):
-                    if event.data is None:
-                        continue  # keepalive comment
-                    if event.data == "[DONE]":
-                        return
-                    yield msgspec.json.decode(event.data)
+                events = iter_sse(response.iter_bytes())
+                try:
+                    async for event in events:
+                        if event.data is None:
+                            continue  # keepalive comment
+                        if event.data == "[DONE]":
+                            break
+                        yield msgspec.json.decode(event.data)
+                finally:
+                    await events.aclose()
+                with trio.move_on_after(_DRAIN_SECONDS):
+                    await response.read()  # what follows [DONE]: kept only if it ends
         except HttpClientError as exc:
             raise ModelError(CUT_MESSAGE) from exc
 

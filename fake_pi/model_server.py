@@ -120,6 +120,8 @@ class ScriptedModel:
     test that restarts a host on the same session with a new model gives it another prefix,
     as a real provider's ids never repeat."""
     requests: list[ReceivedRequest] = field(default_factory=list)
+    connections: list[int] = field(default_factory=list)
+    """Over HTTP: the server's connection number each chat request came on (1, 2, …)."""
     _next: int = 0
     _call_counter: int = 0
     _directed: set[tuple[int, str]] = field(default_factory=set)
@@ -288,6 +290,7 @@ class ScriptedModel:
         if not isinstance(body, dict):
             await response.respond(400, b'{"error":{"message":"request body is not an object"}}')
             return
+        self.connections.append(request.connection)
         chunks = self.stream(body)
         try:
             try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ._boundary._gateway import GATEWAY_SECRET_ENV, request_digest
 from ._boundary._http import (
+    ConnectionPool,
     HttpClientError,
     HttpServer,
     Request,
@@ -32,6 +33,7 @@ __all__ = [
     "PROVIDER_LIMIT_PATTERNS",
     "RUNTIME_TOOLS",
     "TOOLS_ENV",
+    "ConnectionPool",
     "HttpClientError",
     "HttpServer",
     "Request",

@@ -20,7 +20,7 @@ import functools
 import itertools
 import select
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, cast
 from urllib.parse import urlsplit
@@ -445,7 +445,7 @@ class SseEvent:
     comment: str | None = None
 
 
-async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
+async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncGenerator[SseEvent, None]:
     """Parse an SSE byte stream into events (data and comments), as they complete."""
     buffer = b""
     data_lines: list[str] = []

@@ -24,6 +24,7 @@ import pytest
 import trio
 import trio.testing
 
+from fake_pi._model import HttpModelClient, ModelError
 from fake_pi.model_server import (
     ModelHttpError,
     ScriptedModel,
@@ -883,3 +884,20 @@ async def test_cli_serves_with_port_file_and_stops_after_max_seconds(tmp_path: P
             process.kill()
             with trio.CancelScope(shield=True), trio.move_on_after(LIMIT):
                 await process.wait()
+
+
+async def test_fake_pis_model_client_keeps_its_connection_alive_as_pis_agent_does() -> None:
+    """Fake-Pi's model client, like Pi's HTTP agent, sends a turn's requests on one kept-alive
+    connection (docs/design/gateway.md G17); a cut stream's connection is not used again."""
+    model = model_with(Text(text="one"), Text(text="two"), Cut(), Text(text="four"))
+    with trio.fail_after(10):
+        async with served(model) as server:
+            client = HttpModelClient(f"{server.url}/v1")
+            answers = []
+            for n in range(4):
+                try:
+                    answers.append([c async for c in client.stream(request_body(f"q{n}"))])
+                except ModelError:
+                    answers.append([])
+    assert [bool(a) for a in answers] == [True, True, False, True]
+    assert model.connections == [1, 1, 1, 2]
