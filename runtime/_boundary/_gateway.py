@@ -42,7 +42,7 @@ import contextlib
 import hashlib
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -58,7 +58,8 @@ from ._http import (
     HttpServer,
     Request,
     ResponseWriter,
-    iter_sse,
+    SseEvent,
+    SseParser,
     serve_http,
 )
 from ._steps import StepJournal
@@ -551,10 +552,21 @@ class Gateway:
                 if data_limit is not None:
                     no_data.deadline = trio.current_time() + data_limit
 
-            async def activity(received: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-                async for data in received:
-                    silence.deadline = trio.current_time() + limit
-                    yield data
+            def take(events: list[SseEvent]) -> bytes:
+                """Journal-bound chunks of ``events``; the bytes to pass on at once (G3):
+                every data payload before the terminal part, which is held (G4)."""
+                passed: list[bytes] = []
+                for event in events:
+                    if event.data is None:
+                        continue  # upstream comments count as activity only (G10, G15)
+                    data_arrived()
+                    payload = ids.apply(event.data)  # G7
+                    chunks.append(payload)
+                    if held or is_terminal(payload):
+                        held.append(payload)
+                    else:
+                        passed.append(sse_data(payload))
+                return b"".join(passed)
 
             try:
                 async with self._upstream.request(
@@ -578,16 +590,13 @@ class Gateway:
                         await self._relay_status(upstream.status, error, downstream)
                         return
                     data_arrived()  # the data deadline runs from the headers
-                    async for event in iter_sse(activity(upstream.iter_bytes())):
-                        if event.data is None:
-                            continue  # upstream comments count as activity only (G10, G15)
-                        data_arrived()
-                        payload = ids.apply(event.data)  # G7
-                        chunks.append(payload)
-                        if held or is_terminal(payload):
-                            held.append(payload)  # G4
-                        else:
-                            await downstream.send(sse_data(payload))  # G3
+                    events = SseParser()
+                    async for received in upstream.iter_bytes():
+                        silence.deadline = trio.current_time() + limit  # any byte (G10)
+                        if passed := take(events.feed(received)):
+                            await downstream.send(passed)  # one read, one write (G3)
+                    if passed := take(events.end()):
+                        await downstream.send(passed)
             except HttpClientError:
                 if not chunks:  # no answer at all: refused, unreachable, cut before any data
                     self.upstream_failure = UpstreamFailure(None)

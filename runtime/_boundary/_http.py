@@ -36,6 +36,7 @@ __all__ = [
     "Response",
     "ResponseWriter",
     "SseEvent",
+    "SseParser",
     "iter_sse",
     "open_request",
     "serve_http",
@@ -445,26 +446,44 @@ class SseEvent:
     comment: str | None = None
 
 
+class SseParser:
+    """An SSE byte stream, fed as it arrives, into events (data and comments): each
+    :meth:`feed` returns the events its bytes completed, in order."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data_lines: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        events: list[SseEvent] = []
+        buffer = self._buffer + chunk
+        start = 0
+        while (newline := buffer.find(b"\n", start)) >= 0:
+            line = buffer[start:newline].rstrip(b"\r").decode()
+            start = newline + 1
+            if not line:
+                if self._data_lines:
+                    events.append(SseEvent(data="\n".join(self._data_lines)))
+                    self._data_lines = []
+            elif line.startswith(":"):
+                events.append(SseEvent(comment=line[1:].strip()))
+            elif line.startswith("data:"):
+                self._data_lines.append(line[5:].removeprefix(" "))
+            # other fields (event:, id:, retry:) are not used by chat completions
+        self._buffer = buffer[start:]
+        return events
+
+    def end(self) -> list[SseEvent]:
+        """The event the stream's end completed (data lines with no blank line after)."""
+        lines, self._data_lines = self._data_lines, []
+        return [SseEvent(data="\n".join(lines))] if lines else []
+
+
 async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncGenerator[SseEvent, None]:
     """Parse an SSE byte stream into events (data and comments), as they complete."""
-    buffer = b""
-    data_lines: list[str] = []
+    parser = SseParser()
     async for chunk in chunks:
-        buffer += chunk
-        while True:
-            newline = buffer.find(b"\n")
-            if newline < 0:
-                break
-            line = buffer[:newline].rstrip(b"\r").decode()
-            buffer = buffer[newline + 1 :]
-            if not line:
-                if data_lines:
-                    yield SseEvent(data="\n".join(data_lines))
-                    data_lines = []
-            elif line.startswith(":"):
-                yield SseEvent(comment=line[1:].strip())
-            elif line.startswith("data:"):
-                data_lines.append(line[5:].removeprefix(" "))
-            # other fields (event:, id:, retry:) are not used by chat completions
-    if data_lines:
-        yield SseEvent(data="\n".join(data_lines))
+        for event in parser.feed(chunk):
+            yield event
+    for event in parser.end():
+        yield event

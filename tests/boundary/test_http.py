@@ -18,6 +18,7 @@ from runtime._boundary._http import (
     Request,
     ResponseWriter,
     SseEvent,
+    SseParser,
     iter_sse,
     open_request,
     serve_http,
@@ -237,3 +238,18 @@ async def test_g17_a_request_lost_on_a_kept_alive_connection_is_not_sent_again()
                     await response.read()
     assert server.requests == [b"/first", b"/second"]
     assert (pool.opened, pool.reused) == (1, 1)
+
+
+def test_the_sse_parser_returns_what_each_read_completed() -> None:
+    """What one read completed comes back from its ``feed``, in order (the gateway passes it
+    on in one write); a partial line waits for the next read; the end completes the rest."""
+    parser = SseParser()
+    assert parser.feed(b"data: 1\n\n: ping\ndata: 2\n\ndata: 3") == [
+        SseEvent(data="1"),
+        SseEvent(comment="ping"),
+        SseEvent(data="2"),
+    ]
+    assert parser.feed(b"\r\n") == []
+    assert parser.feed(b"data: 4\n\n") == [SseEvent(data="3\n4")]
+    assert parser.feed(b"data: 5\n") == []
+    assert parser.end() == [SseEvent(data="5")]
