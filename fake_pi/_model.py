@@ -13,6 +13,7 @@ mirroring Pi's ``openai-completions`` provider.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any, Final, Protocol
 
@@ -111,8 +112,10 @@ class HttpModelClient:
                         yield msgspec.json.decode(event.data)
                 finally:
                     await events.aclose()
-                with trio.move_on_after(_DRAIN_SECONDS):
-                    await response.read()  # what follows [DONE]: kept only if it ends
+                # what follows [DONE] is read only to keep the connection: the answer is
+                # whole, so a stream cut or slow here just closes the connection
+                with trio.move_on_after(_DRAIN_SECONDS), contextlib.suppress(HttpClientError):
+                    await response.read()
         except HttpClientError as exc:
             raise ModelError(CUT_MESSAGE) from exc
 

@@ -47,7 +47,15 @@ from fake_pi.scenario import (
     ToolCalls,
     UsageLimit,
 )
-from runtime._boundary._http import HttpClientError, HttpServer, iter_sse, open_request
+from runtime._boundary._http import (
+    HttpClientError,
+    HttpServer,
+    Request,
+    ResponseWriter,
+    iter_sse,
+    open_request,
+    serve_http,
+)
 
 LIMIT = 20.0
 """Bound on every real-clock wait."""
@@ -901,3 +909,22 @@ async def test_fake_pis_model_client_keeps_its_connection_alive_as_pis_agent_doe
                     answers.append([])
     assert [bool(a) for a in answers] == [True, True, False, True]
     assert model.connections == [1, 1, 1, 2]
+
+
+async def test_fake_pis_model_client_a_cut_after_done_is_a_whole_answer() -> None:
+    """A stream cut after its ``[DONE]`` was a whole answer: the client returns it (no
+    error, no retry) and only gives up the connection."""
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+
+    async def done_then_cut(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, [("content-type", "text/event-stream")])
+        await response.send(b"data: " + json.dumps(finish).encode() + b"\n\ndata: [DONE]\n\n")
+        # returns without end(): the server drops the connection
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(serve_http, done_then_cut)
+            client = HttpModelClient(f"{server.url}/v1")
+            chunks = [c async for c in client.stream(request_body("q"))]
+            nursery.cancel_scope.cancel()
+    assert chunks == [finish]
