@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, Final, NamedTuple, NoReturn
 
 import msgspec
 import trio
@@ -47,6 +47,13 @@ from ._state import check_spec, submitted_record
 from ._view import records_view, task_row, view_row
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
+
+SUBMISSION_WAIT: Final = 2.0
+"""S34: how long a submission that lost its lane's claim to another host waits for that host's
+submission record before answering ``task_elsewhere`` (seconds)."""
+SUBMISSION_POLL: Final = 0.02
+SUBMISSION_TRIES: Final = 3
+"""S34: claims a submission makes of a new task's lane that other hosts took and let go."""
 
 __all__ = ["EndedTask", "SharedTasks", "TaskEvent", "TaskRunner", "open_task_runner"]
 
@@ -165,6 +172,18 @@ class TaskRunner:
             except msgspec.ValidationError as error:
                 raise TaskError(ReasonCode.TASK_INVALID, str(error)) from error
         check_spec(spec)
+        for _ in range(SUBMISSION_TRIES):
+            try:
+                return await self._submit(spec)
+            except _SubmittedElsewhere as elsewhere:  # waited for outside the lock (S34)
+                records, let_go = await self._submission_elsewhere(_lane_name(spec.task_id))
+                if records is not None:
+                    self._answer_existing(elsewhere.record, records)
+                if not let_go:
+                    break
+        raise self._elsewhere_error(spec.task_id)
+
+    async def _submit(self, spec: TaskSpec) -> TaskView:
         async with self._lock:
             existing = self.lanes.get(spec.task_id) or self.ended.get(spec.task_id)
             if existing is not None:
@@ -228,7 +247,7 @@ class TaskRunner:
             self._answer_existing(record, records)
         fence = await leases.claim(name)
         if fence is None:  # being submitted (or run) by another host right now
-            raise self._elsewhere_error(record.task_id)
+            raise _SubmittedElsewhere(record)
         log = await store.open_lane_log(name, fence=fence)
         if _submitted(list(log.contents.records)) is not None:  # submitted elsewhere meanwhile
             await store.close_log(log)
@@ -246,6 +265,28 @@ class TaskRunner:
             await leases.release(fence)
             raise _worktree_leased(record.worktree, holder)
         return log, fence  # a log a submitter died before writing to is this one's
+
+    async def _submission_elsewhere(self, name: str) -> tuple[list[Record] | None, bool]:
+        """S34: the lane log of a task another host holds the lane of, once it has the task's
+        submission — looked for every :data:`SUBMISSION_POLL` s while that host's lease runs,
+        for at most :data:`SUBMISSION_WAIT` s (the same task sent to two hosts at once: the
+        one that lost the claim answers as for a duplicate once the winner's record is
+        durable). ``(None, True)`` when that host let the lane go with no record (its
+        submission refused, or it died): the task is nobody's, this host may claim it;
+        ``(None, False)`` when the wait ran out."""
+        store, _ = self._shared_parts()
+        deadline = trio.current_time() + SUBMISSION_WAIT
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                records = list((await store.read(store.lane_rel(name))).records)
+                if _submitted(records) is not None:
+                    return records, False
+            lease = await store.lease(name)
+            if lease is None or not lease.live:
+                return None, True
+            if trio.current_time() >= deadline:
+                return None, False
+            await trio.sleep(SUBMISSION_POLL)
 
     async def _lease_worktree(self, store: LeaseStore, record: TaskSubmitted) -> str | None:
         """S33: lease the new task's worktree in the database — the task holding it, one
@@ -841,6 +882,15 @@ class TaskRunner:
             await self.shared.store.release_worktree(task_id)
         except (JournalError, OSError) as error:
             self.host.log(f"task {task_id}: its worktree lease not let go now: {error}")
+
+
+class _SubmittedElsewhere(Exception):
+    """Inside :meth:`TaskRunner._submit`: another host holds the lane of the new task
+    ``record`` (a submission under way there, or its task running)."""
+
+    def __init__(self, record: TaskSubmitted) -> None:
+        super().__init__(record.task_id)
+        self.record = record
 
 
 class DuplicateElsewhere(TaskError):

@@ -435,6 +435,93 @@ async def test_s33_two_hosts_leasing_one_worktree_at_once_one_is_refused(
     assert sorted(outcomes.values()) == ["accepted", "worktree_leased"], outcomes
 
 
+@contextlib.asynccontextmanager
+async def racing_submissions(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch, *, a_fails: bool = False
+) -> AsyncIterator[tuple[TaskHost, TaskHost, dict[str, object]]]:
+    """The same new task sent to A and B at once, the order forced: A stops between its
+    claim of the lane and its record until B's claim has lost — then goes on, or (with
+    ``a_fails``) is refused and lets the lane go. Yields once both answered, with what each
+    answered (a view or a :class:`TaskError`)."""
+    a_claimed, b_lost = trio.Event(), trio.Event()
+    outcomes: dict[str, object] = {}
+
+    async def submit(host: TaskHost) -> None:
+        try:
+            outcomes[host.name] = await host.runner.submit(spec(tmp_path))
+        except TaskError as error:
+            outcomes[host.name] = error
+
+    async with (
+        task_host(tmp_path, "a", pg_dsn, [wait()]) as a,
+        task_host(tmp_path, "b", pg_dsn, [wait()]) as b,
+    ):
+        lease_worktree = a.runner._lease_worktree
+
+        async def held_at_the_claim(*args: object) -> str | None:
+            a_claimed.set()
+            await b_lost.wait()
+            if a_fails:
+                raise TaskError(ReasonCode.WORKTREE_LEASED, "refused (the test)")
+            return await lease_worktree(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(a.runner, "_lease_worktree", held_at_the_claim)
+        assert b.runner.leases is not None
+        claim = b.runner.leases.claim
+
+        async def losing(*args: object, **kwargs: object) -> object:
+            fence = await claim(*args, **kwargs)  # type: ignore[arg-type]
+            if fence is None:
+                b_lost.set()
+            return fence
+
+        monkeypatch.setattr(b.runner.leases, "claim", losing)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit, a)
+            await a_claimed.wait()
+            nursery.start_soon(submit, b)
+        yield a, b, outcomes
+
+
+async def test_s34_one_task_sent_to_two_hosts_at_once_is_a_duplicate_on_the_one_that_lost(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S34: A claims the lane; B, whose claim lost while A's submission record was not yet
+    written, waits for that record and answers as for a duplicate — the task's view, held
+    by A — not a bare ``task_elsewhere``."""
+    with trio.fail_after(LIMIT):
+        async with racing_submissions(tmp_path, pg_dsn, monkeypatch) as (a, b, outcomes):
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            assert TASK not in b.runner.lanes
+    view_on_a, on_b = outcomes["a"], outcomes["b"]
+    assert getattr(view_on_a, "task_id", None) == TASK, view_on_a
+    assert isinstance(on_b, DuplicateElsewhere), on_b
+    assert on_b.view is not None
+    assert on_b.view.task_id == TASK
+
+
+async def test_s34_a_lane_the_winner_let_go_without_its_record_is_claimed_by_the_other(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S34: A claimed the lane, then its submission was refused and it let the lane go with
+    no record: the task is nobody's, so B — waiting for A's record — claims it itself and
+    runs it (not ``task_elsewhere`` for a task no host has)."""
+    with trio.fail_after(LIMIT):
+        async with racing_submissions(tmp_path, pg_dsn, monkeypatch, a_fails=True) as (
+            a,
+            b,
+            outcomes,
+        ):
+            await b.until(lambda: b.runner.show(TASK).state == "waiting")
+            records = await lane_records(b)
+    on_a, view_on_b = outcomes["a"], outcomes["b"]
+    assert isinstance(on_a, TaskError), on_a
+    assert on_a.code is ReasonCode.WORKTREE_LEASED
+    assert getattr(view_on_b, "task_id", None) == TASK, view_on_b
+    assert launch_hosts(records) == ["b"]
+    assert a.workers.launched == []
+
+
 async def test_s33_a_lease_left_by_an_ended_task_is_struck_out(tmp_path: Path, pg_dsn: str) -> None:
     """S33: a task ended on A, but its worktree lease is still in the database (A died
     between its end record and letting the worktree go): B, asked for a task there, reads the
