@@ -131,6 +131,7 @@ class TaskLane:
     """One task; the runner starts :meth:`run` in its own task."""
 
     __slots__ = (
+        "_came_home",
         "_fenced",
         "_finished",
         "_holds_in_flight",
@@ -239,6 +240,8 @@ class TaskLane:
         """A host that died left the last epoch's session: settle it before the next launch."""
         self.moved_from: str | None = None
         """The host whose lease on this lane ran out before this host claimed it (S32)."""
+        self._came_home = False
+        """S35: opened on the host a ``host_lost`` hold named: the hold is void here."""
         self._lost: str | None = None
         """``host_lost:<host>`` when the lane cannot resume here (S32)."""
         self.parks: list[Parked] = []
@@ -316,6 +319,14 @@ class TaskLane:
         self._wake.set()
         return granted
 
+    def lost_to(self) -> str | None:
+        """The host this lane is held ``host_lost`` for — the one its worktree and session are
+        on (S32) — while it is held so; ``None`` otherwise."""
+        reason = self.watchdog.hold_reason or ""
+        if not self._held() or not reason.startswith(HOST_LOST):
+            return None
+        return reason.removeprefix(HOST_LOST)
+
     def session_missing(self) -> bool:
         """Held ``host_lost`` and the task's session is not on this host (S32)."""
         reason = self.watchdog.hold_reason or ""
@@ -341,10 +352,19 @@ class TaskLane:
         waits, a held one is held)."""
         if self._opened:
             return
-        self.moved_from = self.moved_from or self._last_launch_elsewhere()
+        records = self._log.journal.contents.records
+        self._came_home = self.host.owner is not None and recorded_hold(records) == (
+            f"{HOST_LOST}{self.host.owner}"
+        )
+        if self._came_home:  # S35: held elsewhere because this host was lost; it is back
+            self.moved_from = None
+        else:
+            self.moved_from = self.moved_from or self._last_launch_elsewhere()
         self._lost = await self._host_lost()  # before a session could be made here
         await self._prepare()
         await self._restore()
+        if self._came_home:
+            await self.note_hold()  # S35: the void host_lost hold lifted, durably, first
         self._opened = True
 
     async def run(self) -> None:
@@ -474,6 +494,8 @@ class TaskLane:
         hold = state.hold or self._policy_problem  # WD14: never a task on a guessed policy
         if undelivered is None:  # LK8: nobody knows whether the worker kept the reply
             hold = hold or f"prompt_marker_unknown:{state.reply_carrier}"
+        if self._came_home and state.hold == f"{HOST_LOST}{self.host.owner}":
+            hold = self._policy_problem  # S35: home again, that hold is void (open lifts it)
         if lost is not None:
             hold = lost  # S32: first of all, the host it lived on is gone
         open_ = self.ended is None and not self.kernel.state.terminal
@@ -896,6 +918,17 @@ class TaskLane:
 
 UNFINISHED = "finalization_incomplete:"
 HOST_LOST = "host_lost:"
+
+
+def recorded_hold(records: Sequence[Record]) -> str | None:
+    """The hold a lane log says stands: the reason of its last ``hold`` action, unless an
+    ``unhold`` came after it (WD12)."""
+    for record in reversed(records):
+        if isinstance(record, OutboxAction) and record.kind in ("hold", "unhold"):
+            return str(record.detail.get("reason")) if record.kind == "hold" else None
+    return None
+
+
 """The hold of a task claimed from a host whose lease ran out, that cannot resume here (S32)."""
 """The prefix of the hold an incomplete Done takes (LK10)."""
 

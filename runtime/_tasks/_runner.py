@@ -33,7 +33,7 @@ from .._journal._store import Store, lane_key
 from .._pi._launch import ModelRoute
 from .._records import Record, TaskEnded, TaskSubmitted
 from .._wire import TaskEvent, TaskSpec, TaskView
-from ._lane import TaskHost, TaskLane
+from ._lane import HOST_LOST, TaskHost, TaskLane, recorded_hold
 from ._lifecycle import Verdict
 from ._retention import (
     DAY_MS,
@@ -100,6 +100,11 @@ def _lane_name(task_id: str) -> str:
     return f"task:{task_id}"
 
 
+def _host_lane(owner: str) -> str:
+    """The lease a host holds on itself while it runs (S35); never a log."""
+    return f"host:{owner}"
+
+
 def _same_task(a: TaskSubmitted, b: TaskSubmitted) -> bool:
     """Whether two submissions are one task (what a duplicate must repeat)."""
 
@@ -158,6 +163,10 @@ class TaskRunner:
         """Each lane log's subject, by name (it never changes)."""
         self._not_tasks: set[str] = set()
         """Lane logs found to be a room's or an ended task's (looked at no more, S32)."""
+        self._handed_back: dict[str, str] = {}
+        """Tasks held ``host_lost`` here whose host is back, being given back to it (S35)."""
+        self.alive: Fence | None = None
+        """This host's own lease, ``host:<owner>``, held while it runs (S35)."""
         self._seen = SeenHere()
         """What retention did here already (RT13)."""
         self._expired_here: dict[str, int] = {}
@@ -708,11 +717,44 @@ class TaskRunner:
                 epoch = lane.lease.epoch
                 self.host.log(f"task {lane.task_id}: lane claimed at epoch {epoch}")
 
+    async def announce_alive(self) -> None:
+        """S35: hold this host's own lease (``host:<owner>``, renewed with its lanes' leases)
+        while it runs, so that a host holding one of its tasks ``host_lost`` sees it is
+        back."""
+        _, leases = self._shared_parts()
+        self.alive = await leases.claim(_host_lane(self.host.owner or ""))
+
+    async def _alive(self, host: str) -> bool:
+        """S35: whether ``host`` runs now: its own lease is live (the database's clock)."""
+        store, _ = self._shared_parts()
+        lease = await store.lease(_host_lane(host))
+        return lease is not None and lease.live and lease.fence.owner == host
+
+    async def _hand_back(self) -> None:
+        """S35: every lane held here ``host_lost:<X>`` whose host X is back is given back to
+        it: its scope cancelled (it is parked: nothing runs), its lease given up — never its
+        task ended — so that X, whose worktree and session it is, claims it at its next look
+        and goes on with it as after its own restart."""
+        for lane in list(self.lanes.values()):
+            home = lane.lost_to()
+            if home is None or home == self.host.owner or not await self._alive(home):
+                continue
+            if lane.lost_to() != home or lane.task_id in self._handed_back:
+                continue  # (resumed or ended meanwhile, or on its way already)
+            self.host.log(f"task {lane.task_id}: host {home!r} is back; given back to it")
+            self._handed_back[lane.task_id] = home
+            self.elsewhere[lane.task_id] = home
+            scope = self._scopes.get(lane.task_id)
+            if scope is not None:
+                scope.cancel()
+
     async def claim_orphans(self) -> None:
         """S32: claim every task lane with no end whose holder's lease ran out (or that
         nobody holds), restore it — held ``host_lost`` when it cannot resume here — and run
-        it; note which live tasks other hosts hold."""
+        it; note which live tasks other hosts hold. S35: first give back the tasks held
+        ``host_lost`` here whose host is back; never claim one whose host is back."""
         store, _ = self._shared_parts()
+        await self._hand_back()
         claimed: list[TaskLane] = []
         for rel in await store.lane_logs():
             if rel in self._not_tasks:
@@ -749,6 +791,11 @@ class TaskRunner:
                 continue
             if _submitted(records) is None:
                 continue  # a submission not written (yet, or ever): nothing to run
+            held_for = recorded_hold(records) or ""
+            home = held_for.removeprefix(HOST_LOST) if held_for.startswith(HOST_LOST) else None
+            if home is not None and home != store.owner and await self._alive(home):
+                self.elsewhere[task_id] = home  # S35: its host is back: it is that host's
+                continue
             async with self._lock:  # never beside a submission's claim of the same task
                 if task_id in self.lanes or task_id in self._claiming:
                     continue
@@ -867,6 +914,9 @@ class TaskRunner:
             if fence is not None and lane.task_id in self.elsewhere:  # lost (S31)
                 self.lanes.pop(lane.task_id, None)
                 self.leases_drop(lane.task_id, fence)
+                if self._handed_back.pop(lane.task_id, None) is not None and self.leases:
+                    with trio.CancelScope(shield=True):  # S35: its host claims it at once
+                        await self.leases.release(fence)
                 self._changed(lane)  # its followers learn it is gone from here
             elif fence is not None and lane.ended is not None and self.leases is not None:
                 with trio.CancelScope(shield=True):
@@ -964,6 +1014,7 @@ async def open_task_runner(
         host.leaseholder = runner.leaseholder
         if runner.leases is not None:
             nursery.start_soon(runner.leases.run)
+            await runner.announce_alive()
         await runner._recover()
         if shared is not None:
             nursery.start_soon(runner.watch_orphans)
@@ -971,6 +1022,9 @@ async def open_task_runner(
             yield runner
         finally:
             nursery.cancel_scope.cancel()
+    if runner.leases is not None and runner.alive is not None:
+        with trio.CancelScope(shield=True):  # S35: gone, as far as other hosts can tell
+            await runner.leases.release(runner.alive)
     if runner.leases is not None and shared is not None and shared.shared_worktrees:
         with trio.CancelScope(shield=True):  # stopped, every lane's tree too: hand them over
             for fence in runner.leases.held.values():  # (a local worktree waits for its

@@ -10,7 +10,6 @@ import trio
 
 from fake_pi.scenario import Step, Text
 from runtime._journal._postgres import PgStore
-from runtime._rooms._worker import COMPACTION_LEASE
 
 from .._wire import message
 from .._workers import scripted_upstream
@@ -62,9 +61,8 @@ async def test_serve_on_postgresql_survives_sigkill_mid_turn_with_one_result_eac
     assert second["seq"] == 2
     assert rest["type"] == "status"  # no other result came: d1 was acknowledged
     assert model.request_count == 3
-    compaction = PgStore.lane_rel(COMPACTION_LEASE)  # each life's start compacted too (RT11)
     epochs = await execute(
-        pg_dsn, "SELECT epoch FROM pi_runtime.lanes WHERE lane <> %s", [compaction]
+        pg_dsn, "SELECT epoch FROM pi_runtime.lanes WHERE lane = %s", [PgStore.lane_rel("dm:1")]
     )
     assert epochs == [(2,)]  # claimed by the first life, then again by the second
     logs = {

@@ -298,6 +298,77 @@ async def test_s32_a_host_back_within_the_takeover_time_takes_its_task_back(
     assert b.workers.launched == []
 
 
+async def test_s35_a_host_lost_task_goes_back_to_its_host_when_it_is_back(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S35: A stopped while its task waited, and stayed away past the takeover time: B
+    claimed the task and holds it ``host_lost:a``. A starts again: B, at its next look, sees
+    A's own lease live and gives the task back (its lease given up, the task not ended); a
+    third host C, looking too, leaves it to A; A claims it and goes on as after its own
+    restart — the hold lifted durably, the user's reply answered on A, one end."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+            task_host(tmp_path, "c", pg_dsn, []) as c,
+        ):
+            async with task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a:
+                await a.runner.submit(spec(tmp_path))
+                await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            assert b.runner.show(TASK).hold_reason == "host_lost:a"
+            await durable_holds(b)
+            await c.runner.claim_orphans()
+            assert c.runner.lanes == {}
+            async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
+                assert a.runner.lanes == {}  # B holds it: not A's to take at its start
+                await b.runner.claim_orphans()
+                await b.until(lambda: TASK not in b.runner.lanes)
+                await c.runner.claim_orphans()
+                assert c.runner.lanes == {}
+                assert c.runner.elsewhere == {TASK: "a"}
+                await a.runner.claim_orphans()
+                assert a.runner.show(TASK).state == "waiting"
+                assert a.runner.show(TASK).hold_reason is None
+                await a.runner.reply(TASK, "the blue one")
+                ended = await a.runner.wait(TASK)
+                records = await lane_records(a)
+    assert ended.state == "done"
+    holds = [(r.kind, r.detail["reason"]) for r in records if isinstance(r, OutboxAction)
+             and r.kind in ("hold", "unhold")]  # fmt: skip
+    assert holds == [("hold", "host_lost:a"), ("unhold", "host_lost:a")]
+    assert launch_hosts(records) == ["a", "a"]
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert b.workers.launched == []
+    assert c.workers.launched == []
+
+
+async def test_s35_a_task_is_not_given_back_to_a_host_that_is_not_running(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S35: a hand-back needs the proof that the host runs now — its own lease live. A
+    stopped (giving its lease up) or died (its lease run out): B, holding its task
+    ``host_lost:a``, keeps holding it."""
+    with trio.fail_after(LIMIT):
+        async with task_host(tmp_path, "b", pg_dsn, []) as b:
+            async with task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a:
+                await a.runner.submit(spec(tmp_path))
+                await a.until(lambda: a.runner.show(TASK).state == "waiting")
+                assert a.runner.alive is not None
+            await expire_leases(pg_dsn)
+            await b.runner.claim_orphans()
+            await durable_holds(b)
+            await b.runner.claim_orphans()  # A stopped: its own lease was given up
+            assert b.runner.show(TASK).hold_reason == "host_lost:a"
+            async with open_pg_store(pg_dsn, root=tmp_path / "z", owner="a") as dead_a:
+                assert await dead_a.claim("host:a", 60.0) is not None  # A back, then dead
+            await expire_leases(pg_dsn)  # (every lease run out: A's own too)
+            await b.runner.claim_orphans()
+            assert b.runner.show(TASK).hold_reason == "host_lost:a"
+            assert TASK in b.runner.lanes
+    assert b.workers.launched == []
+
+
 async def test_s32_a_host_lost_task_is_not_resumed_without_its_session(
     tmp_path: Path, pg_dsn: str
 ) -> None:
