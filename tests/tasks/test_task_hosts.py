@@ -272,6 +272,16 @@ async def test_s31_a_write_after_the_lease_was_taken_is_refused_and_nothing_is_w
     assert not [r for r in records if type(r).__name__ == "TaskReply"]
 
 
+async def answered_on(host: TaskHost) -> tuple[TaskEnded, list[Record]]:
+    """The task, waiting on ``host`` and held for nothing, answered there and run to its end:
+    its end record and its lane log."""
+    assert host.runner.show(TASK).state == "waiting"
+    assert host.runner.show(TASK).hold_reason is None
+    await host.runner.reply(TASK, "the blue one")
+    ended = await host.runner.wait(TASK)
+    return ended, await lane_records(host)
+
+
 async def test_s32_a_host_back_within_the_takeover_time_takes_its_task_back(
     tmp_path: Path, pg_dsn: str
 ) -> None:
@@ -288,11 +298,7 @@ async def test_s32_a_host_back_within_the_takeover_time_takes_its_task_back(
             assert b.runner.lanes == {}
             assert b.runner.elsewhere == {TASK: "a"}
             async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
-                assert a.runner.show(TASK).state == "waiting"
-                assert a.runner.show(TASK).hold_reason is None
-                await a.runner.reply(TASK, "the blue one")
-                ended = await a.runner.wait(TASK)
-                records = await lane_records(a)
+                ended, records = await answered_on(a)
     assert ended.state == "done"
     assert not [r for r in records if isinstance(r, OutboxAction) and r.kind == "hold"]
     assert b.workers.launched == []
@@ -328,11 +334,7 @@ async def test_s35_a_host_lost_task_goes_back_to_its_host_when_it_is_back(
                 assert c.runner.lanes == {}
                 assert c.runner.elsewhere == {TASK: "a"}
                 await a.runner.claim_orphans()
-                assert a.runner.show(TASK).state == "waiting"
-                assert a.runner.show(TASK).hold_reason is None
-                await a.runner.reply(TASK, "the blue one")
-                ended = await a.runner.wait(TASK)
-                records = await lane_records(a)
+                ended, records = await answered_on(a)
     assert ended.state == "done"
     holds = [(r.kind, r.detail["reason"]) for r in records if isinstance(r, OutboxAction)
              and r.kind in ("hold", "unhold")]  # fmt: skip
