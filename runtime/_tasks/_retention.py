@@ -83,16 +83,17 @@ class SeenHere:
 
 def work_dirs(work_root: Path, task_id: str) -> tuple[Path, Path]:
     """The task's home and temporary directory (``TaskLane.home``, ``TaskLane.tmp``)."""
-    key = lane_key(_lane_name(task_id))
+    key = lane_key(lane_name(task_id))
     return work_root / "homes" / key, work_root / "tmp" / key
 
 
-def _lane_name(task_id: str) -> str:
+def lane_name(task_id: str) -> str:
+    """The lane (and lease) name of the task ``task_id``."""
     return f"task:{task_id}"
 
 
 def _lane_dir(task_id: str) -> str:
-    return f"lanes/{lane_key(_lane_name(task_id))}"
+    return f"lanes/{lane_key(lane_name(task_id))}"
 
 
 async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
@@ -177,7 +178,7 @@ async def retain_shared_tasks(
             continue
         if ended_ms > expiry_cut and task_id in seen.slim:
             continue
-        subject = _lane_name(task_id)
+        subject = lane_name(task_id)
         rel = store.lane_rel(subject)
         fence = await store.claim(subject, lease_seconds)
         if fence is None:

@@ -40,6 +40,7 @@ from ._retention import (
     SeenHere,
     TaskRetention,
     forget_task,
+    lane_name,
     retain_ended_tasks,
     retain_shared_tasks,
 )
@@ -94,10 +95,6 @@ class SharedTasks:
     """Without ``shared_worktrees``: how long another host's lease must have run out before
     its task is claimed here (and held ``host_lost``); a host back sooner (a restart, a
     deploy) takes its tasks back itself (S32)."""
-
-
-def _lane_name(task_id: str) -> str:
-    return f"task:{task_id}"
 
 
 def _host_lane(owner: str) -> str:
@@ -185,7 +182,7 @@ class TaskRunner:
             try:
                 return await self._submit(spec)
             except _SubmittedElsewhere as elsewhere:  # waited for outside the lock (S34)
-                records, let_go = await self._submission_elsewhere(_lane_name(spec.task_id))
+                records, let_go = await self._submission_elsewhere(lane_name(spec.task_id))
                 if records is not None:
                     self._answer_existing(elsewhere.record, records)
                 if not let_go:
@@ -221,7 +218,7 @@ class TaskRunner:
             if holder is not None:  # TL13: one live task per worktree
                 raise _worktree_leased(record.worktree, holder)
             if self.leases is None:
-                log = await self.host.store.open_lane_log(_lane_name(spec.task_id))
+                log = await self.host.store.open_lane_log(lane_name(spec.task_id))
                 fence = None
             else:
                 log, fence = await self._claim_new(record)
@@ -242,7 +239,7 @@ class TaskRunner:
         """S30: the lease of a new task's lane, and its log, empty; a task any host
         submitted already is its duplicate (``DuplicateElsewhere``) or ``task_conflict``."""
         store, leases = self._shared_parts()
-        name = _lane_name(record.task_id)
+        name = lane_name(record.task_id)
         records: list[Record] | None = None
         if await store.exists(store.lane_rel(name)):
             with contextlib.suppress(FileNotFoundError):  # expired meanwhile: asked below
@@ -322,7 +319,7 @@ class TaskRunner:
         submitter's lease on the lane runs (a submission under way). A log that cannot be
         read proves nothing: it lives."""
         try:
-            records = (await store.read(store.lane_rel(_lane_name(task_id)))).records
+            records = (await store.read(store.lane_rel(lane_name(task_id)))).records
         except FileNotFoundError:
             records = ()  # let go by retention (RT13), or a submitter that died early
         except JournalError:
@@ -331,7 +328,7 @@ class TaskRunner:
             return False
         if any(isinstance(r, TaskSubmitted) for r in records):
             return True
-        lease = await store.lease(_lane_name(task_id))
+        lease = await store.lease(lane_name(task_id))
         return lease is not None and lease.live
 
     def _shared_parts(self) -> tuple[LeaseStore, LaneLeases]:
@@ -359,7 +356,7 @@ class TaskRunner:
 
     def leases_drop(self, task_id: str, fence: Fence) -> None:
         if self.leases is not None:
-            self.leases.drop(_lane_name(task_id), fence)
+            self.leases.drop(lane_name(task_id), fence)
 
     def leaseholder(self, task: TaskSubmitted) -> str | None:
         """The live task holding the worktree lease ``task`` needs (TL13): one not ended
@@ -399,7 +396,7 @@ class TaskRunner:
         store = self.host.store
         if self.shared is not None:
             return task_id in self._expired_here
-        return isinstance(store, Store) and lane_key(_lane_name(task_id)) in store.expired_tasks
+        return isinstance(store, Store) and lane_key(lane_name(task_id)) in store.expired_tasks
 
     @staticmethod
     def _expired_error(task_id: str) -> TaskError:
@@ -456,13 +453,13 @@ class TaskRunner:
             seen=self._seen,
         )
         cut = now - retention.idempotency_days * DAY_MS
-        due = {lane_key(_lane_name(t)): t for t, ms in ended.items() if 0 < ms <= cut}
+        due = {lane_key(lane_name(t)): t for t, ms in ended.items() if 0 < ms <= cut}
         for key, until in (await store.expired_task_keys(list(due))).items():
             task_id = due[key]
             self.ended.pop(task_id, None)
             self._seen.forget(task_id)
             self._expired_here[task_id] = until
-            rel = store.lane_rel(_lane_name(task_id))
+            rel = store.lane_rel(lane_name(task_id))
             self._subjects.pop(rel, None)
             self._not_tasks.discard(rel)
         self._expired_here = {t: u for t, u in self._expired_here.items() if u > now}
@@ -563,7 +560,7 @@ class TaskRunner:
         except JournalError as error:
             if lane.lease is None or not fenced_out(error):
                 raise
-            self._lost(_lane_name(lane.task_id), lane.lease, "a write was refused by its fence")
+            self._lost(lane_name(lane.task_id), lane.lease, "a write was refused by its fence")
             raise self._elsewhere_error(lane.task_id) from error
 
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> None:
