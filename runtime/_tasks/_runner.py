@@ -736,14 +736,14 @@ class TaskRunner:
             home = lane.lost_to()
             if home is None or home == self.host.owner or not await self._alive(home):
                 continue
-            if lane.lost_to() != home or lane.task_id in self._handed_back:
-                continue  # (resumed or ended meanwhile, or on its way already)
-            self.host.log(f"task {lane.task_id}: host {home!r} is back; given back to it")
-            self._handed_back[lane.task_id] = home
-            self.elsewhere[lane.task_id] = home
             scope = self._scopes.get(lane.task_id)
-            if scope is not None:
-                scope.cancel()
+            if lane.lost_to() != home or lane.task_id in self._handed_back or scope is None:
+                continue  # (resumed or ended meanwhile, on its way already, or not running
+                # yet: the next look gives it back)
+            self.host.log(f"task {lane.task_id}: host {home!r} is back; given back to it")
+            self._handed_back[lane.task_id] = home  # (its lane's end lets the lease go)
+            self.elsewhere[lane.task_id] = home
+            scope.cancel()
 
     async def claim_orphans(self) -> None:
         """S32: claim every task lane with no end whose holder's lease ran out (or that
@@ -908,10 +908,13 @@ class TaskRunner:
         finally:
             self._scopes.pop(lane.task_id, None)
             fence = lane.lease
+            handed_back = self._handed_back.pop(lane.task_id, None) is not None
+            if handed_back and lane.ended is not None:  # it ended here first (an abort):
+                self.elsewhere.pop(lane.task_id, None)  # an ended task, let go as any is
             if fence is not None and lane.task_id in self.elsewhere:  # lost (S31)
                 self.lanes.pop(lane.task_id, None)
                 self.leases_drop(lane.task_id, fence)
-                if self._handed_back.pop(lane.task_id, None) is not None and self.leases:
+                if handed_back and self.leases is not None:
                     with trio.CancelScope(shield=True):  # S35: its host claims it at once
                         await self.leases.release(fence)
                 self._changed(lane)  # its followers learn it is gone from here
