@@ -430,3 +430,51 @@ async def test_s30_s32_a_task_on_a_killed_host_is_claimed_and_held_host_lost(
     assert view["hold_reason"] == "host_lost:a", json.dumps(view)
     assert view["process_epoch"] == 1
     assert model.request_count == asked  # B asked nothing
+
+
+async def test_s35_a_killed_host_started_again_gets_its_task_back_and_ends_it(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S35 with real hosts: A's task waits for its user; A is SIGKILLed and B, once A's lease
+    ran out, holds the task ``host_lost:a``. A is started again on its own directory: B sees
+    A's own lease and gives the task back, A claims it, and the user's reply sent to A runs it
+    to its end there — in its own session, B having launched nothing."""
+    worktree = tmp_path / "worktree"
+    worktree.mkdir()
+    (worktree / "README.md").write_text("a task's worktree\n")
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="task_wait", arguments={"question": "which one?"})]),
+        Text(text="asked"),
+        ToolCalls(calls=[Call(name="task_done", arguments={"summary": "did it"})]),
+        Text(text="finished"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            deployment(tmp_path, pg_dsn, url) as start,
+        ):
+            a = await start("a")
+            b = await start("b")
+            async with a.connect() as client:
+                submit = {"type": "task_submit", "task_id": "t1", "prompt": "do the task",
+                          "worktree": str(worktree)}  # fmt: skip
+                await client.send(submit)
+                await client.until(lambda f: f["type"] == "task_accepted")
+                await client.until(lambda f: f["type"] == "task_event" and f["state"] == "waiting")
+            await a.kill()
+            await b.until("stderr", rb"task t1: lane claimed")
+            a = await start("a")
+            await b.until("stderr", rb"task t1: host 'a' is back; given back to it")
+            await a.until("stderr", rb"task t1: lane claimed")
+            async with a.connect() as client:
+                await client.send({"type": "task_show", "task_id": "t1"})
+                view = await client.until(lambda f: f["type"] == "task_view")
+                await client.send({"type": "task_reply", "task_id": "t1", "text": "the blue one"})
+                await client.until(lambda f: f["type"] == "task_view")
+                ended = await client.until(
+                    lambda f: f["type"] == "task_event" and f.get("ended") is not None
+                )
+    assert view["hold_reason"] is None, json.dumps(view)
+    assert view["state"] == "waiting"
+    assert ended["ended"] == "done", json.dumps(ended)
+    assert model.request_count == 4  # each step asked once: B asked nothing
