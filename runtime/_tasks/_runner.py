@@ -734,16 +734,20 @@ class TaskRunner:
         and goes on with it as after its own restart."""
         for lane in list(self.lanes.values()):
             home = lane.lost_to()
-            if home is None or home == self.host.owner or not await self._alive(home):
+            if home is None or home == self.host.owner or not self._stoppable(lane):
+                continue  # (on its way already, or not running yet: the next look)
+            if not await self._alive(home):
                 continue
-            scope = self._scopes.get(lane.task_id)
-            if lane.lost_to() != home or lane.task_id in self._handed_back or scope is None:
-                continue  # (resumed or ended meanwhile, on its way already, or not running
-                # yet: the next look gives it back)
+            if lane.lost_to() != home or not self._stoppable(lane):
+                continue  # resumed, ended or stopped meanwhile
             self.host.log(f"task {lane.task_id}: host {home!r} is back; given back to it")
             self._handed_back[lane.task_id] = home  # (its lane's end lets the lease go)
             self.elsewhere[lane.task_id] = home
-            scope.cancel()
+            self._scopes[lane.task_id].cancel()
+
+    def _stoppable(self, lane: TaskLane) -> bool:
+        """S35: the lane runs here and is not being given back already."""
+        return lane.task_id in self._scopes and lane.task_id not in self._handed_back
 
     async def claim_orphans(self) -> None:
         """S32: claim every task lane with no end whose holder's lease ran out (or that

@@ -49,6 +49,7 @@ from ..journal.pg_fixtures import (
     start_server,
     stop_server,
 )
+from ..task_harness import done, make_worktree, say, wait
 from .test_serve_e2e import LISTENING, REPO
 
 __all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
@@ -394,29 +395,31 @@ async def test_a_database_restart_under_two_hosts_loses_nothing(
     assert admitted == [(10,)]
 
 
+async def submitted_waiting(host: HostProcess, worktree: Path) -> None:
+    """Task ``t1`` on ``worktree`` submitted to ``host``, and waiting for its user there."""
+    async with host.connect() as client:
+        submit = {"type": "task_submit", "task_id": "t1", "prompt": "do the task",
+                  "worktree": str(worktree)}  # fmt: skip
+        await client.send(submit)
+        await client.until(lambda f: f["type"] == "task_accepted")
+        await client.until(lambda f: f["type"] == "task_event" and f["state"] == "waiting")
+
+
 async def test_s30_s32_a_task_on_a_killed_host_is_claimed_and_held_host_lost(
     tmp_path: Path, pg_dsn: str
 ) -> None:
     """S30-S32 with real hosts: a task submitted to A waits for its user; B, asked about it,
     answers ``task_elsewhere``. A is SIGKILLed; once its lease ran out B claims the task and —
     its worktree and session being A's alone — holds it ``host_lost:a``, launching nothing."""
-    worktree = tmp_path / "worktree"
-    worktree.mkdir()
-    (worktree / "README.md").write_text("a task's worktree\n")
-    wait = ToolCalls(calls=[Call(name="task_wait", arguments={"question": "which one?"})])
+    worktree = make_worktree(tmp_path)
     with trio.fail_after(LIMIT):
         async with (
-            scripted_upstream([wait]) as (model, url),
+            scripted_upstream([wait()]) as (model, url),
             deployment(tmp_path, pg_dsn, url) as start,
         ):
             a = await start("a")
             b = await start("b")
-            async with a.connect() as client:
-                submit = {"type": "task_submit", "task_id": "t1", "prompt": "do the task",
-                          "worktree": str(worktree)}  # fmt: skip
-                await client.send(submit)
-                await client.until(lambda f: f["type"] == "task_accepted")
-                await client.until(lambda f: f["type"] == "task_event" and f["state"] == "waiting")
+            await submitted_waiting(a, worktree)
             await b.until("stderr", rb"task t1: held by host 'a'")  # B looked
             async with b.connect() as client:
                 await client.send({"type": "task_show", "task_id": "t1"})
@@ -439,15 +442,8 @@ async def test_s35_a_killed_host_started_again_gets_its_task_back_and_ends_it(
     ran out, holds the task ``host_lost:a``. A is started again on its own directory: B sees
     A's own lease and gives the task back, A claims it, and the user's reply sent to A runs it
     to its end there — in its own session, B having launched nothing."""
-    worktree = tmp_path / "worktree"
-    worktree.mkdir()
-    (worktree / "README.md").write_text("a task's worktree\n")
-    steps: list[Step] = [
-        ToolCalls(calls=[Call(name="task_wait", arguments={"question": "which one?"})]),
-        Text(text="asked"),
-        ToolCalls(calls=[Call(name="task_done", arguments={"summary": "did it"})]),
-        Text(text="finished"),
-    ]
+    worktree = make_worktree(tmp_path)
+    steps: list[Step] = [wait(), say("asked"), done(), say("finished")]
     with trio.fail_after(LIMIT):
         async with (
             scripted_upstream(steps) as (model, url),
@@ -455,12 +451,7 @@ async def test_s35_a_killed_host_started_again_gets_its_task_back_and_ends_it(
         ):
             a = await start("a")
             b = await start("b")
-            async with a.connect() as client:
-                submit = {"type": "task_submit", "task_id": "t1", "prompt": "do the task",
-                          "worktree": str(worktree)}  # fmt: skip
-                await client.send(submit)
-                await client.until(lambda f: f["type"] == "task_accepted")
-                await client.until(lambda f: f["type"] == "task_event" and f["state"] == "waiting")
+            await submitted_waiting(a, worktree)
             await a.kill()
             await b.until("stderr", rb"task t1: lane claimed")
             a = await start("a")
