@@ -72,7 +72,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 from trio_websocket import (
@@ -82,6 +82,9 @@ from trio_websocket import (
     connect_websocket,
     serve_websocket,
 )
+
+if TYPE_CHECKING:
+    from runtime._server._heap import HeapKeeper
 
 from bench.journal import (
     background_load,
@@ -148,24 +151,32 @@ class GcWatch:
     def __init__(self) -> None:
         self.started = 0.0
         self.pauses: list[tuple[int, float]] = []
+        self.keeper: HeapKeeper | None = None
+        """The runtime's heap keeper, whose sweeps are counted apart (``generation`` 3)."""
         gc.callbacks.append(self)
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self.started = time.perf_counter()
         else:
-            self.pauses.append((info["generation"], time.perf_counter() - self.started))
+            sweeping = self.keeper is not None and self.keeper.sweeping
+            generation = 3 if sweeping else info["generation"]
+            self.pauses.append((generation, time.perf_counter() - self.started))
 
     def take(self) -> dict[str, Any]:
         """Pauses since the last call: all of them, and full (generation 2) collections."""
         pauses, self.pauses = self.pauses, []
         full = [seconds for generation, seconds in pauses if generation == 2]
+        sweeps = [seconds for generation, seconds in pauses if generation == 3]
         return {
             "collections": len(pauses),
             "all_ms": sum(seconds for _, seconds in pauses) * 1e3,
             "full": len(full),
             "full_ms": sum(full) * 1e3,
             "full_max_ms": max(full, default=0.0) * 1e3,
+            "max_ms": max((t for g, t in pauses if g != 3), default=0.0) * 1e3,
+            "sweeps": len(sweeps),
+            "sweep_max_ms": max(sweeps, default=0.0) * 1e3,
         }
 
 
@@ -236,11 +247,18 @@ def instruments_off() -> None:
 
 
 async def runtime_server(
-    base: Path, rooms: int, capacity: int, profile: str | None, metrics: str = "default"
+    base: Path,
+    rooms: int,
+    capacity: int,
+    profile: str | None,
+    metrics: str = "default",
+    heap_freeze: float | None = None,
 ) -> None:
     """``open_server`` on a fresh state directory, its turns held back (module docstring).
     ``metrics``: ``off`` every instrument a no-op, ``on`` the metrics listener and its page
-    served too (its port in ``READY``), ``default`` as ``serve`` runs by default."""
+    served too (its port in ``READY``), ``default`` as ``serve`` runs by default.
+    ``heap_freeze``: ``[server] heap_freeze_seconds`` (``None``: its default); the heap is
+    kept as ``serve`` keeps it (``keep_heap``)."""
     from fake_pi.model_server import ScriptedModel, serve_model
     from fake_pi.scenario import Hang, Scenario
     from runtime._config import (
@@ -252,7 +270,8 @@ async def runtime_server(
         Thresholds,
     )
     from runtime._rooms._admission import Author, Delivery
-    from runtime._server._serve import ServeOptions, open_server, settle_heap
+    from runtime._server._heap import keep_heap
+    from runtime._server._serve import ServeOptions, heap_policy, open_server
 
     hour = 3600.0
     model = ScriptedModel(scenario=Scenario(steps=[Hang(seconds=hour)]))
@@ -270,13 +289,18 @@ async def runtime_server(
                 drain_timeout_seconds=1.0,
             ),
             caps=Caps(max_live_workers=1, queue_limit=capacity),
-            server=ServerConfig(max_in_flight=capacity),
+            server=ServerConfig(max_in_flight=capacity)
+            if heap_freeze is None
+            else ServerConfig(max_in_flight=capacity, heap_freeze_seconds=heap_freeze),
             metrics=MetricsConfig(listen="127.0.0.1:0" if metrics == "on" else None),
         )
         if metrics == "off":
             instruments_off()
-        async with open_server(config, ServeOptions(port=0), base_dir=base) as server:
-            settle_heap()  # as serve does once started
+        async with (
+            open_server(config, ServeOptions(port=0), base_dir=base) as server,
+            keep_heap(heap_policy(config), lambda: server.frames_received) as keeper,
+        ):  # as serve keeps its heap once started
+            collections.keeper = keeper
             worker = server.worker
 
             def delivery(room: str, delivery_id: str) -> Delivery:
@@ -311,6 +335,8 @@ async def runtime_server(
                     "gc_tracked": len(gc.get_objects()),
                     "gc_types": Counter(type(o).__name__ for o in gc.get_objects()).most_common(8),
                     "gc_frozen": gc.get_freeze_count(),
+                    "gc_full_now_ms": timed_full_collection(),
+                    "gc_sweep_now_ms": timed_sweep(keeper),
                 }
 
             async def on_line(line: str) -> None:
@@ -348,6 +374,21 @@ async def poll(condition: Callable[[], bool]) -> None:
         await trio.sleep(0.05)
 
 
+def timed_full_collection() -> float:
+    """A full collection now, in ms: what the collector's walk costs in this state."""
+    started = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - started) * 1e3
+
+
+def timed_sweep(keeper: HeapKeeper | None) -> float | None:
+    """The heap keeper's sweep now, in ms (a full collection of the frozen heap too)."""
+    if keeper is None:
+        return None
+    keeper.sweep()
+    return keeper.sweeps[-1][0] * 1e3
+
+
 def parked(worker: Any, rooms: int) -> int:
     """How many measured rooms' lanes hold a delivery and wait for a worker slot."""
     count = 0
@@ -366,12 +407,23 @@ def parked(worker: Any, rooms: int) -> int:
     return count
 
 
+def server_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The options of the bench that its runtime servers take."""
+    return () if args.heap_freeze is None else ("--heap-freeze", str(args.heap_freeze))
+
+
 def server_main(args: argparse.Namespace) -> int:
     if args.role == "echo":
         trio.run(echo_server)
     else:
         trio.run(
-            runtime_server, Path(args.base), args.rooms, args.capacity, args.profile, args.metrics
+            runtime_server,
+            Path(args.base),
+            args.rooms,
+            args.capacity,
+            args.profile,
+            args.metrics,
+            args.heap_freeze,
         )
     return 0
 
@@ -468,6 +520,11 @@ class Phase:
     gc_full: int = 0
     gc_full_max_ms: float = 0.0
     """Full (generation 2) collections of the server meanwhile, and the longest."""
+    gc_max_ms: float = 0.0
+    """The longest collection of any generation meanwhile (not counting sweeps)."""
+    sweeps: int = 0
+    sweep_max_ms: float = 0.0
+    """The heap keeper's sweeps meanwhile (docs/design/serve.md S7), and the longest."""
     target_rate: float | None = None
     max_lag_ms: float = 0.0
     """Paced only: how late a frame went out against its schedule, at most."""
@@ -493,6 +550,9 @@ class Phase:
         self.gc_ms += part.gc_ms
         self.gc_full += part.gc_full
         self.gc_full_max_ms = max(self.gc_full_max_ms, part.gc_full_max_ms)
+        self.gc_max_ms = max(self.gc_max_ms, part.gc_max_ms)
+        self.sweeps += part.sweeps
+        self.sweep_max_ms = max(self.sweep_max_ms, part.sweep_max_ms)
         self.max_lag_ms = max(self.max_lag_ms, part.max_lag_ms)
         self.stall_cpu_s += part.stall_cpu_s
         self.stall_io_s += part.stall_io_s
@@ -621,7 +681,8 @@ async def drive(
     phase.ops = len(phase.latencies_ms)
     collected = await clients.server.command("gc", "GC")
     phase.gc_ms, phase.gc_full = collected["all_ms"], collected["full"]
-    phase.gc_full_max_ms = collected["full_max_ms"]
+    phase.gc_full_max_ms, phase.gc_max_ms = collected["full_max_ms"], collected["max_ms"]
+    phase.sweeps, phase.sweep_max_ms = collected["sweeps"], collected["sweep_max_ms"]
     return phase
 
 
@@ -699,6 +760,7 @@ async def run_round(
     log: Callable[[str], None],
     profile: str | None = None,
     py_spy: str | None = None,
+    server_args: tuple[str, ...] = (),
 ) -> Round:
     state_base = base / f"round-{round_no}"
     state_base.mkdir()
@@ -707,6 +769,7 @@ async def run_round(
     per_room += len(PACED_FRACTIONS) * paced_max
     capacity = per_room + 2 * WARMUP_FRAMES + 8
     extra = ["--base", str(state_base), "--rooms", str(CONNECTIONS), "--capacity", str(capacity)]
+    extra += server_args
     if profile and not py_spy:
         extra += ["--profile", profile]
     closed: dict[tuple[str, int], Phase] = {}
@@ -793,6 +856,9 @@ def _row(p: Phase) -> dict[str, Any]:
         "gc_ms": p.gc_ms,
         "gc_full": p.gc_full,
         "gc_full_max_ms": p.gc_full_max_ms,
+        "gc_max_ms": p.gc_max_ms,
+        "sweeps": p.sweeps,
+        "sweep_max_ms": p.sweep_max_ms,
         "target_rate": p.target_rate,
         "max_lag_ms": p.max_lag_ms,
     }
@@ -804,7 +870,8 @@ def report(rounds: list[Round], pipelines: list[int]) -> tuple[list[str], dict[s
     header = (
         f"{'round':>5}  {'case':<17} {'frames':>7} {'frames/s':>9} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'max ms':>7} {'srv us/op':>9} {'trio us/op':>10} {'srv cores':>9} {'cli cores':>9} "
-        f"{'cpu stall':>9} {'io stall':>8} {'gc ms':>6} {'full gc':>7} {'max':>5}  dispositions"
+        f"{'cpu stall':>9} {'io stall':>8} {'gc ms':>6} {'full gc':>7} {'max':>5} "
+        f"{'sweeps':>6}  dispositions"
     )
     lines += [header, "-" * len(header)]
     for i, one in enumerate(rounds, 1):
@@ -822,7 +889,7 @@ def report(rounds: list[Round], pipelines: list[int]) -> tuple[list[str], dict[s
                 f"{row['server_cores']:>9.2f} "
                 f"{row['client_cores']:>9.2f} {row['cpu_stall_pct']:>8.0f}% "
                 f"{row['io_stall_pct']:>7.0f}% {p.gc_ms:>6.0f} {p.gc_full:>7} "
-                f"{p.gc_full_max_ms:>5.0f}  "
+                f"{p.gc_max_ms:>5.1f} {p.sweeps:>6}  "
                 + ", ".join(f"{k} {v}" for k, v in sorted(p.dispositions.items()))
                 + (
                     f"  (target {p.target_rate:,.0f}/s, latest send {p.max_lag_ms:.1f} ms late)"
@@ -1044,6 +1111,7 @@ async def run(
                     log,
                     profile=args.profile,
                     py_spy=args.py_spy,
+                    server_args=server_args(args),
                 )
                 how = "py-spy sampling" if args.py_spy else "cProfile on, so slower"
                 for (kind, k), p in profiled.closed.items():
@@ -1065,7 +1133,10 @@ async def run(
                 return {}
             for round_no in range(1, settings.rounds + 1):
                 try:
-                    one = await run_round(base, echo, settings, pipelines, round_no, frames, log)
+                    one = await run_round(
+                        base, echo, settings, pipelines, round_no, frames, log,
+                        server_args=server_args(args),
+                    )  # fmt: skip
                 except Invalid as error:
                     log(f"round {round_no} discarded: {error}")
                     continue
@@ -1081,7 +1152,13 @@ async def run(
             f"hold turn running={fact['after']['hold_busy']}, "
             f"model requests {fact['after']['model_requests']}; objects the collector tracks "
             f"{fact['gc_tracked']:,} at start, {fact['after']['gc_tracked']:,} at the end "
-            f"({fact['after']['gc_frozen']:,} frozen; most: {fact['after']['gc_types']})"
+            f"({fact['after']['gc_frozen']:,} frozen; most: {fact['after']['gc_types']}); "
+            f"a full collection then took {fact['after']['gc_full_now_ms']:.1f} ms"
+            + (
+                f", a sweep {sweep:.1f} ms"
+                if (sweep := fact["after"].get("gc_sweep_now_ms")) is not None
+                else ""
+            )
         )
     print()
     if not rounds:
@@ -1105,6 +1182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write every figure to this JSON file")
     parser.add_argument("--profile", help="instead: one runtime case under cProfile, to FILE")
     parser.add_argument("--py-spy", help="with --profile: sample with this py-spy instead")
+    parser.add_argument(
+        "--heap-freeze",
+        type=float,
+        help="the runtime's [server] heap_freeze_seconds (default: its default; 0: Python's "
+        "collector as it is)",
+    )
     parser.add_argument("--role", choices=("echo", "runtime"), help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
     parser.add_argument("--rooms", type=int, default=CONNECTIONS, help=argparse.SUPPRESS)

@@ -29,6 +29,7 @@ __all__ = [
     "DELIVERIES_ADMITTED",
     "DELIVERIES_FINISHED",
     "FIRST_TOKEN_SECONDS",
+    "GC_PAUSE_SECONDS",
     "JOURNAL_APPEND_SECONDS",
     "JOURNAL_BATCH_RECORDS",
     "JOURNAL_FDATASYNC_SECONDS",
@@ -139,6 +140,14 @@ TASK_CONTINUATIONS: Final = Counter(
 TASK_BUDGET_CHARGES: Final = Counter(
     "pi_runtime_task_budget_charges",
     "Replacement epochs charged to task recovery budgets.",
+    registry=REGISTRY,
+)
+GC_PAUSE_SECONDS: Final = Histogram(
+    "pi_runtime_gc_pause_seconds",
+    "Garbage-collector pauses of the serve process, by kind: young (generations 0-1), full "
+    "(generation 2) or sweep (the frozen heap collected, docs/design/serve.md S7).",
+    ["kind"],
+    buckets=_DISK_BUCKETS,
     registry=REGISTRY,
 )
 

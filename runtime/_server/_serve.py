@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
-import gc
 import hashlib
 import logging
 import os
@@ -73,6 +72,7 @@ from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
 from .._wire import DeliveryResult, RoomEvent, TaskEvent
+from ._heap import HeapPolicy, keep_heap
 from ._metrics import is_loopback, open_metrics
 from ._protocol import (
     Ack,
@@ -106,9 +106,9 @@ __all__ = [
     "RoomServer",
     "ServeOptions",
     "check_bind",
+    "heap_policy",
     "open_server",
     "serve_until_signalled",
-    "settle_heap",
 ]
 
 logger = logging.getLogger("runtime.serve")
@@ -212,6 +212,8 @@ class RoomServer:
         self.metrics_port: int | None = None
         """The metrics listener's bound port, when ``[metrics] listen`` is set."""
         self.fetch_rate = worker.config.attachments.fetch_bytes_per_second
+        self.frames_received = 0
+        """Client frames received on every connection so far (the heap keeper's quiet, S7)."""
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
 
@@ -358,6 +360,7 @@ class RoomServer:
     async def _next_frame(self, connection: _Connection) -> ClientFrame | None:
         """The next client frame, or ``None`` after answering a bad one with its error (S2)."""
         message = await connection.ws.get_message()
+        self.frames_received += 1
         try:
             if isinstance(message, bytes):
                 reject_binary_frame(message)
@@ -646,12 +649,9 @@ async def open_server(
                     nursery.cancel_scope.cancel()
 
 
-def settle_heap() -> None:
-    """Once started (recovery done): collect once, then freeze what is alive — the modules,
-    the configuration, what recovery rebuilt — so later collections walk only what is new
-    (``gc.freeze``; docs/design/performance.md "Garbage collection")."""
-    gc.collect()
-    gc.freeze()
+def heap_policy(config: RoomWorkerConfig) -> HeapPolicy:
+    """How ``serve`` keeps its heap (S7)."""
+    return HeapPolicy(freeze_seconds=config.server.heap_freeze_seconds)
 
 
 async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions) -> None:
@@ -663,8 +663,10 @@ async def serve_until_signalled(config: RoomWorkerConfig, options: ServeOptions)
         trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
         loud_logging(policy),
     ):
-        async with open_server(config, options) as server:
-            settle_heap()
+        async with (
+            open_server(config, options) as server,
+            keep_heap(heap_policy(config), lambda: server.frames_received),
+        ):
             scheme = "wss" if options.ssl_context is not None else "ws"
             warning = server.tasks.warning
             if warning is not None:
