@@ -150,7 +150,11 @@ class GcWatch:
 
     def __init__(self) -> None:
         self.started = 0.0
+        self.started_cpu = 0.0
         self.pauses: list[tuple[int, float]] = []
+        self.cpu: list[float] = []
+        """Each pause's CPU time on the collecting thread (less than its wall time when the
+        machine took the CPU away meanwhile)."""
         self.keeper: HeapKeeper | None = None
         """The runtime's heap keeper, whose sweeps are counted apart (``generation`` 3)."""
         gc.callbacks.append(self)
@@ -158,14 +162,17 @@ class GcWatch:
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self.started = time.perf_counter()
+            self.started_cpu = time.thread_time()
         else:
             sweeping = self.keeper is not None and self.keeper.sweeping
             generation = 3 if sweeping else info["generation"]
             self.pauses.append((generation, time.perf_counter() - self.started))
+            self.cpu.append(0.0 if sweeping else time.thread_time() - self.started_cpu)
 
     def take(self) -> dict[str, Any]:
         """Pauses since the last call: all of them, and full (generation 2) collections."""
         pauses, self.pauses = self.pauses, []
+        cpu, self.cpu = self.cpu, []
         full = [seconds for generation, seconds in pauses if generation == 2]
         sweeps = [seconds for generation, seconds in pauses if generation == 3]
         return {
@@ -175,6 +182,7 @@ class GcWatch:
             "full_ms": sum(full) * 1e3,
             "full_max_ms": max(full, default=0.0) * 1e3,
             "max_ms": max((t for g, t in pauses if g != 3), default=0.0) * 1e3,
+            "max_cpu_ms": max(cpu, default=0.0) * 1e3,
             "sweeps": len(sweeps),
             "sweep_max_ms": max(sweeps, default=0.0) * 1e3,
         }
@@ -522,6 +530,8 @@ class Phase:
     """Full (generation 2) collections of the server meanwhile, and the longest."""
     gc_max_ms: float = 0.0
     """The longest collection of any generation meanwhile (not counting sweeps)."""
+    gc_max_cpu_ms: float = 0.0
+    """The most CPU one collection took meanwhile (its wall time less any preemption)."""
     sweeps: int = 0
     sweep_max_ms: float = 0.0
     """The heap keeper's sweeps meanwhile (docs/design/serve.md S7), and the longest."""
@@ -551,6 +561,7 @@ class Phase:
         self.gc_full += part.gc_full
         self.gc_full_max_ms = max(self.gc_full_max_ms, part.gc_full_max_ms)
         self.gc_max_ms = max(self.gc_max_ms, part.gc_max_ms)
+        self.gc_max_cpu_ms = max(self.gc_max_cpu_ms, part.gc_max_cpu_ms)
         self.sweeps += part.sweeps
         self.sweep_max_ms = max(self.sweep_max_ms, part.sweep_max_ms)
         self.max_lag_ms = max(self.max_lag_ms, part.max_lag_ms)
@@ -682,6 +693,7 @@ async def drive(
     collected = await clients.server.command("gc", "GC")
     phase.gc_ms, phase.gc_full = collected["all_ms"], collected["full"]
     phase.gc_full_max_ms, phase.gc_max_ms = collected["full_max_ms"], collected["max_ms"]
+    phase.gc_max_cpu_ms = collected["max_cpu_ms"]
     phase.sweeps, phase.sweep_max_ms = collected["sweeps"], collected["sweep_max_ms"]
     return phase
 
@@ -857,6 +869,7 @@ def _row(p: Phase) -> dict[str, Any]:
         "gc_full": p.gc_full,
         "gc_full_max_ms": p.gc_full_max_ms,
         "gc_max_ms": p.gc_max_ms,
+        "gc_max_cpu_ms": p.gc_max_cpu_ms,
         "sweeps": p.sweeps,
         "sweep_max_ms": p.sweep_max_ms,
         "target_rate": p.target_rate,
@@ -870,7 +883,7 @@ def report(rounds: list[Round], pipelines: list[int]) -> tuple[list[str], dict[s
     header = (
         f"{'round':>5}  {'case':<17} {'frames':>7} {'frames/s':>9} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'max ms':>7} {'srv us/op':>9} {'trio us/op':>10} {'srv cores':>9} {'cli cores':>9} "
-        f"{'cpu stall':>9} {'io stall':>8} {'gc ms':>6} {'full gc':>7} {'max':>5} "
+        f"{'cpu stall':>9} {'io stall':>8} {'gc ms':>6} {'full gc':>7} {'max':>5} {'cpu':>4} "
         f"{'sweeps':>6}  dispositions"
     )
     lines += [header, "-" * len(header)]
@@ -889,7 +902,7 @@ def report(rounds: list[Round], pipelines: list[int]) -> tuple[list[str], dict[s
                 f"{row['server_cores']:>9.2f} "
                 f"{row['client_cores']:>9.2f} {row['cpu_stall_pct']:>8.0f}% "
                 f"{row['io_stall_pct']:>7.0f}% {p.gc_ms:>6.0f} {p.gc_full:>7} "
-                f"{p.gc_max_ms:>5.1f} {p.sweeps:>6}  "
+                f"{p.gc_max_ms:>5.1f} {p.gc_max_cpu_ms:>4.1f} {p.sweeps:>6}  "
                 + ", ".join(f"{k} {v}" for k, v in sorted(p.dispositions.items()))
                 + (
                     f"  (target {p.target_rate:,.0f}/s, latest send {p.max_lag_ms:.1f} ms late)"

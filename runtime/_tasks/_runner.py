@@ -624,9 +624,14 @@ class TaskRunner:
         return lane.ended
 
     def _open_lane(self, task_id: str) -> TaskLane:
+        """The live lane a control acts on: ``task_ended`` once it ended; ``task_elsewhere``
+        naming its host once it is given back (S35: this host acts for it no more, its lane
+        only stopping)."""
         lane = self.lane(task_id)  # task_ended once retired
         if lane.ended is not None:
             raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
+        if task_id in self._handed_back:
+            raise self._elsewhere_error(task_id)
         return lane
 
     @contextlib.asynccontextmanager

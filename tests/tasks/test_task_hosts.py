@@ -371,6 +371,96 @@ async def test_s35_a_task_is_not_given_back_to_a_host_that_is_not_running(
     assert b.workers.launched == []
 
 
+@contextlib.asynccontextmanager
+async def held_for_a_who_is_back(
+    tmp_path: Path, pg_dsn: str
+) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
+    """A's task waits; A stops and stays away: B claims it and holds it ``host_lost:a``
+    (durably). A starts again (its own lease live): the task is B's to give back."""
+    async with task_host(tmp_path, "b", pg_dsn, []) as b:
+        async with task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a:
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+        await expire_leases(pg_dsn)
+        await b.runner.claim_orphans()
+        await durable_holds(b)
+        async with task_host(tmp_path, "a", pg_dsn, [done(), say()]) as a:
+            yield a, b
+
+
+async def lane_holder(pg_dsn: str) -> str | None:
+    """The host whose lease on the task's lane is live, if any."""
+    rows = await execute(
+        pg_dsn,
+        "SELECT owner FROM pi_runtime.lanes WHERE lane = %s AND lease_until > now()",
+        [f"task:{TASK}"],
+    )
+    return str(rows[0][0]) if rows else None
+
+
+async def worktree_holder(pg_dsn: str) -> str | None:
+    """The task holding the worktree lease of the task's id, if any (S33)."""
+    rows = await execute(
+        pg_dsn, "SELECT task_id FROM pi_runtime.task_worktrees WHERE task_id = %s", [TASK]
+    )
+    return str(rows[0][0]) if rows else None
+
+
+async def test_s35_an_abort_while_the_hand_back_asks_the_database_ends_the_task_once(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S35, an adversary's order: B holds A's task ``host_lost:a`` and, A being back, asks the
+    database whether A runs; the operator's abort reaches B during that await. The hand-back
+    re-checks after it: the task has ended, so it is not given back; its end lets its
+    worktree lease go; A launches nothing."""
+    with trio.fail_after(LIMIT):
+        async with held_for_a_who_is_back(tmp_path, pg_dsn) as (a, b):
+            asked = b.runner._alive
+
+            async def abort_meanwhile(host: str) -> bool:
+                answer = await asked(host)
+                await b.runner.abort(TASK, "no longer needed")
+                return answer
+
+            b.runner._alive = abort_meanwhile  # type: ignore[method-assign]
+            await b.runner.claim_orphans()
+            ended = await b.runner.wait(TASK)
+            assert b.runner.elsewhere == {}
+            await a.runner.claim_orphans()  # (B's lease given up or not yet: not A's to run)
+            assert a.runner.lanes == {}
+            records = await lane_records(a)
+    assert await worktree_holder(pg_dsn) is None  # an ended task's (B's lane let it go)
+    assert ended.state == "aborted"
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert a.workers.launched == []
+    assert b.workers.launched == []
+
+
+async def test_s35_an_abort_right_after_the_hand_back_is_answered_by_the_tasks_host(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S35, the other order: B has given the task back (its lane's scope cancelled, the lane
+    not stopped yet) when the operator's abort reaches B. B no longer acts for the task: the
+    abort is answered ``task_elsewhere`` naming A, writes nothing, and A — where the abort
+    is then sent — ends the task once."""
+    with trio.fail_after(LIMIT):
+        async with held_for_a_who_is_back(tmp_path, pg_dsn) as (a, b):
+            await b.runner._hand_back()
+            with pytest.raises(TaskError) as refused:
+                await b.runner.abort(TASK, "no longer needed")
+            assert refused.value.code is ReasonCode.TASK_ELSEWHERE
+            assert "'a'" in str(refused.value)
+            while await lane_holder(pg_dsn) == "b":  # given up once its lane has stopped
+                await b.events.receive()  # (its followers are told after)
+            await a.runner.claim_orphans()
+            await a.runner.abort(TASK, "no longer needed")
+            ended = await a.runner.wait(TASK)
+            records = await lane_records(a)
+    assert ended.state == "aborted"
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert b.workers.launched == []
+
+
 async def test_s32_a_host_lost_task_is_not_resumed_without_its_session(
     tmp_path: Path, pg_dsn: str
 ) -> None:
