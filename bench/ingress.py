@@ -4,6 +4,7 @@ Run it from the repository root::
 
     .venv/bin/python -m bench.ingress            # full run: 3 rounds, under two minutes
     .venv/bin/python -m bench.ingress --quick    # smoke run: 1 short round
+    .venv/bin/python -m bench.ingress --heap-freeze 0   # the server's collector left as it is
     .venv/bin/python -m bench.ingress --profile .cache/ingress.prof   # instead: a cProfile pass
     .venv/bin/python -m bench.ingress --profile .cache/ingress.txt --py-spy PATH/py-spy
 
@@ -43,6 +44,12 @@ per connection. Every ratio is taken per round and its median over rounds is rep
 time is read per case: the server process and its main (Trio) thread from ``/proc``, this
 process from ``getrusage``, so the report says which side was the bottleneck; so is the
 share of time some task of the machine stalled waiting for a CPU or for I/O.
+
+The runtime server keeps its heap as ``serve`` does (``keep_heap``, docs/design/serve.md S7;
+``--heap-freeze 0`` for Python's collector as it is). Each phase reports the server's
+collection pauses: their total, the full ones, the longest of any generation by wall time
+and by the collecting thread's CPU time (``max``, ``cpu``), and the keeper's sweeps; after a
+round, what the collector tracks, a forced full collection's time and a sweep's.
 
 Bounded: a fixed number of frames per case, the paced cases a fixed number of seconds, every
 case under a time limit. Everything binds 127.0.0.1, state directories go under the
@@ -344,7 +351,7 @@ async def runtime_server(
                     "gc_types": Counter(type(o).__name__ for o in gc.get_objects()).most_common(8),
                     "gc_frozen": gc.get_freeze_count(),
                     "gc_full_now_ms": timed_full_collection(),
-                    "gc_sweep_now_ms": timed_sweep(keeper),
+                    "gc_sweep_now": timed_sweep(keeper),
                 }
 
             async def on_line(line: str) -> None:
@@ -389,12 +396,14 @@ def timed_full_collection() -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def timed_sweep(keeper: HeapKeeper | None) -> float | None:
-    """The heap keeper's sweep now, in ms (a full collection of the frozen heap too)."""
+def timed_sweep(keeper: HeapKeeper | None) -> tuple[float, int] | None:
+    """The heap keeper's sweep now (a full collection of the frozen heap too): its ms, and
+    the unreachable objects it found (cycles frozen since the last sweep)."""
     if keeper is None:
         return None
     keeper.sweep()
-    return keeper.sweeps[-1][0] * 1e3
+    seconds, found = keeper.sweeps[-1]
+    return seconds * 1e3, found
 
 
 def parked(worker: Any, rooms: int) -> int:
@@ -1168,8 +1177,8 @@ async def run(
             f"({fact['after']['gc_frozen']:,} frozen; most: {fact['after']['gc_types']}); "
             f"a full collection then took {fact['after']['gc_full_now_ms']:.1f} ms"
             + (
-                f", a sweep {sweep:.1f} ms"
-                if (sweep := fact["after"].get("gc_sweep_now_ms")) is not None
+                f", a sweep {sweep[0]:.1f} ms ({sweep[1]:,} unreachable found)"
+                if (sweep := fact["after"].get("gc_sweep_now")) is not None
                 else ""
             )
         )
