@@ -133,7 +133,8 @@ async def test_s7_cyclic_garbage_the_keeper_froze_is_freed_by_a_sweep(
         alive = weakref.ref(cycle)
         await trio.sleep(1.5)  # a period passed: the cycle is frozen
         del cycle
-        assert gc.collect() == 0 and alive() is not None  # no collection walks it
+        gc.collect()
+        assert alive() is not None  # no collection walks it
         await trio.sleep(9.0)  # the period ending at 10 s is quiet and 10 s have passed
         assert len(keeper.sweeps) == 1
         assert alive() is None  # the sweep freed it
