@@ -224,13 +224,22 @@ def _print_tasks(listing: dict[str, Any], *, json: bool) -> int:
     if warning:
         print(f"!!! {warning} !!!")
     source = listing["source"]
-    if source == "server":
+    hosts = source == "database" or bool(listing.get("deployment"))
+    if source == "server" and hosts:
+        print(
+            "server: running (answered on its admin socket): every task of its deployment, "
+            "each run by the host holding it"
+        )
+    elif source == "server":
         print("server: running (answered on its admin socket)")
     elif source == "database":
         print("deployment: read from its database (each task runs on the host holding it)")
     else:
         print("server: not running; read from the lane logs")
-    head = ("TASK", "STATE", "HOST") if source == "database" else ("TASK", "STATE")
+    if listing.get("deployment_error"):
+        print(f"!!! the deployment's database not read now ({listing['deployment_error']}): "
+              "this host's tasks only !!!")  # fmt: skip
+    head = ("TASK", "STATE", "HOST") if hosts else ("TASK", "STATE")
     rows = [(*head, "CLASSIFICATION", "PHASE", "EPOCH", "SILENCE", "NEXT ACTION")]
     for view in listing["tasks"]:
         offline = str(view.get("classification", "")).startswith("unknown:")
@@ -244,7 +253,7 @@ def _print_tasks(listing: dict[str, Any], *, json: bool) -> int:
             (
                 str(view.get("task_id")),
                 str(view.get("state")),
-                *((host,) if source == "database" else ()),
+                *((host,) if hosts else ()),
                 short_class(view.get("classification")),
                 "-" if offline else str(view.get("phase")),
                 str(view.get("process_epoch")),

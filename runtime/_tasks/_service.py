@@ -39,7 +39,7 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import RetentionConfig, RoomWorkerConfig, validate_config
-from .._errors import ReasonCode, TaskError, raises_one_error
+from .._errors import JournalError, ReasonCode, TaskError, raises_one_error
 from .._hosting import start_model, worker_program
 from .._journal._interface import JournalStore
 from .._journal._store import runtime_dir
@@ -48,6 +48,7 @@ from .._records import TaskEnded
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
 from ._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
+from ._view import store_views
 from ._watchdog import WatchdogPolicy
 from ._workers import ProcessWorkers
 
@@ -266,8 +267,32 @@ class TaskService:
         return {"task": self._view(view), "disposition": "started" if new else "duplicate"}
 
     async def task_list(self) -> dict[str, Any]:
-        await trio.lowlevel.checkpoint()
-        return {"tasks": [self._view(v) for v in self.tasks()], **self._scale()}
+        """Every task of this host; on a shared store every task of the deployment (S30),
+        each with the host holding it (``holder``), ``deployment`` true — or, when the
+        database cannot be read now, this host's with ``deployment_error`` saying why."""
+        listed = [self._view(v) for v in self.tasks()]
+        shared = self.runner.shared
+        if shared is None:
+            await trio.lowlevel.checkpoint()
+            return {"tasks": listed, **self._scale()}
+        for data in listed:
+            lane = self.runner.lanes.get(data["task_id"])
+            lease = lane.lease if lane is not None else None
+            data["holder"] = (
+                None if lease is None else {"host": lease.owner, "epoch": lease.epoch, "live": True}
+            )
+        try:
+            found = await store_views(shared.store, self.policy)
+        except (JournalError, OSError) as error:
+            return {"tasks": listed, "deployment_error": str(error), **self._scale()}
+        here = {data["task_id"] for data in listed}
+        listed += [
+            self._view(view) | {"holder": holder}
+            for view, holder in found
+            if view.task_id not in here
+        ]
+        listed.sort(key=lambda data: str(data["task_id"]))
+        return {"tasks": listed, "deployment": True, **self._scale()}
 
     async def task_show(self, task_id: str) -> dict[str, Any]:
         await trio.lowlevel.checkpoint()

@@ -12,8 +12,9 @@ from typing import Any, Final, Protocol
 import msgspec
 
 from .._errors import ReasonCode, TaskError
+from .._journal._fence import Lease
 from .._journal._inspect import pg_reader
-from .._journal._journal import read_log
+from .._journal._journal import LogContents, read_log
 from .._journal._store import lane_key
 from .._linux._fs import OsFileSystem
 from .._pi._session import Attestation
@@ -41,6 +42,7 @@ __all__ = [
     "offline_view",
     "offline_views",
     "records_view",
+    "store_views",
     "task_view",
 ]
 
@@ -254,37 +256,53 @@ def offline_view(state_dir: Path, task_id: str, policy: WatchdogPolicy | None = 
     return view
 
 
+class _DeploymentReader(Protocol):
+    """What reading a deployment's task lanes needs of a PostgreSQL store: a host's own
+    (:class:`~runtime._journal._postgres.PgStore`) or a read-only one (``pg_reader``)."""
+
+    async def lane_logs(self) -> list[str]: ...
+    async def read(self, rel: str, kind: LogKind | None = None) -> LogContents: ...
+    async def lease(self, lane: str) -> Lease | None: ...
+
+
+async def store_views(
+    store: _DeploymentReader, policy: WatchdogPolicy
+) -> list[tuple[TaskView, dict[str, Any] | None]]:
+    """Every task of the deployment ``store`` reads, as its lane log says, with the host
+    holding its lane's lease (``host``, ``epoch``, ``live``; ``None``: never claimed), by
+    task id (S30)."""
+    found: list[tuple[TaskView, dict[str, Any] | None]] = []
+    for rel in await store.lane_logs():
+        contents = await store.read(rel, LogKind.LANE)
+        subject = contents.header.subject
+        if not subject.startswith("task:"):
+            continue
+        view = records_view(
+            contents.records,
+            policy,
+            classification="unknown: read from the database (the watchdog runs in its host)",
+            waiting_action=" (on the host that holds it)",
+            resume_action="the host that holds it runs it; if none does, start one",
+        )
+        if view is None:
+            continue
+        lease = await store.lease(subject)
+        holder = (
+            None
+            if lease is None
+            else {"host": lease.fence.owner, "epoch": lease.fence.epoch, "live": lease.live}
+        )
+        found.append((view, holder))
+    return sorted(found, key=lambda pair: pair[0].task_id)
+
+
 async def database_views(
     dsn: str, policy: WatchdogPolicy | None = None
 ) -> list[tuple[TaskView, dict[str, Any] | None]]:
-    """Every task of the deployment whose PostgreSQL store ``dsn`` names, as its lane log
-    says (read only, like :func:`offline_views`), with the host holding its lane's lease
-    (``host``, ``epoch``, ``live``; ``None``: never claimed), by task id (S30)."""
-    policy = policy or WatchdogPolicy()
-    found: list[tuple[TaskView, dict[str, Any] | None]] = []
+    """:func:`store_views` of the deployment whose PostgreSQL store ``dsn`` names, read only
+    (like :func:`offline_views`)."""
     async with pg_reader(dsn) as store:
-        for rel in await store.lane_logs():
-            contents = await store.read(rel, LogKind.LANE)
-            subject = contents.header.subject
-            if not subject.startswith("task:"):
-                continue
-            view = records_view(
-                contents.records,
-                policy,
-                classification="unknown: read from the database (the watchdog runs in its host)",
-                waiting_action=" (on the host that holds it)",
-                resume_action="the host that holds it runs it; if none does, start one",
-            )
-            if view is None:
-                continue
-            lease = await store.lease(subject)
-            holder = (
-                None
-                if lease is None
-                else {"host": lease.fence.owner, "epoch": lease.fence.epoch, "live": lease.live}
-            )
-            found.append((view, holder))
-    return sorted(found, key=lambda pair: pair[0].task_id)
+        return await store_views(store, policy or WatchdogPolicy())
 
 
 def _offline_lane(root: Path, name: str, policy: WatchdogPolicy) -> TaskView | None:

@@ -24,11 +24,14 @@ import trio
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Scenario, Step
 from runtime._cli import EXIT_FAILED, EXIT_OK, main
+from runtime._cli._tasks import _print_tasks
 from runtime._clock import Clocks
-from runtime._errors import ReasonCode, TaskError
+from runtime._errors import JournalError, ReasonCode, TaskError
 from runtime._journal._postgres import open_pg_store
 from runtime._records import OutboxAction, Record, TaskEnded
 from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
+from runtime._tasks._service import TaskService
+from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._wire import TaskEvent, TaskSpec
 from runtime.testing._in_process import InProcessWorkers
 
@@ -528,6 +531,44 @@ def test_s30_tasks_store_lists_the_deployments_tasks_and_their_hosts(
     assert "held by a (epoch 1, its lease runs)" in capsys.readouterr().out
     assert main(["task", "show", "nobody", "--store", pg_dsn]) == EXIT_FAILED
     assert "task_unknown" in capsys.readouterr().err
+
+
+async def test_s30_a_hosts_task_list_is_the_deployments(
+    tmp_path: Path, pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """S30: asked for its tasks (the admin socket's and the wire's ``tasks``), a host on the
+    shared store lists every task of the deployment — its own from its live lanes, the
+    others' as the database says — each with the host holding it; a database it cannot read
+    now leaves it listing its own, saying so."""
+    policy = WatchdogPolicy()
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            on_a = await TaskService(a.runner, policy, policy).task_list()
+            on_b = await TaskService(b.runner, policy, policy).task_list()
+
+            async def unreadable() -> list[str]:
+                raise JournalError(ReasonCode.STORE_UNAVAILABLE, "the database is away")
+
+            a.runner.host.store.lane_logs = unreadable  # type: ignore[method-assign]
+            degraded = await TaskService(a.runner, policy, policy).task_list()
+    for listing in (on_a, on_b):
+        assert listing["deployment"] is True
+        (task,) = listing["tasks"]
+        assert (task["task_id"], task["state"], task["holder"]["host"]) == (TASK, "waiting", "a")
+    assert not str(on_a["tasks"][0]["classification"]).startswith("unknown")  # A's live lane
+    assert str(on_b["tasks"][0]["classification"]).startswith("unknown: read from the database")
+    assert "deployment" not in degraded
+    assert "the database is away" in degraded["deployment_error"]
+    assert [t["task_id"] for t in degraded["tasks"]] == [TASK]
+    _print_tasks({"source": "server"} | on_b, json=False)
+    table = capsys.readouterr().out
+    assert "every task of its deployment" in table
+    assert f"{TASK}  waiting  a " in table
 
 
 def other_task(task_id: str, worktree: Path) -> TaskSpec:
