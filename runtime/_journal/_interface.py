@@ -181,8 +181,9 @@ class LeaseStore(JournalStore, Protocol):
         """Every document whose name starts with ``prefix``, by name."""
         ...
 
-    async def delete_documents(self, names: Sequence[str]) -> None:
-        """Remove the named documents (those absent are no matter)."""
+    async def delete_documents(self, names: Sequence[str], *, with_parts: bool = False) -> None:
+        """Remove the named documents (those absent are no matter); ``with_parts``: and the
+        parts of each (``<name>@…``, docs/design/scale-out.md S36)."""
         ...
 
     async def sweep_documents(

@@ -273,6 +273,10 @@ DELETE FROM {SCHEMA}.documents
  WHERE name LIKE %s AND name <> ALL(%s::text[])
    AND updated_at < now() - make_interval(secs => %s)"""
 _DELETE_DOCUMENTS: Final = f"DELETE FROM {SCHEMA}.documents WHERE name = ANY(%s::text[])"
+_DELETE_DOCUMENTS_AND_PARTS: Final = f"""
+DELETE FROM {SCHEMA}.documents AS d USING unnest(%s::text[]) AS named (name)
+ WHERE d.name = named.name OR starts_with(d.name, named.name || '@')"""
+"""A document and its parts (``<name>@…``, a session kept by difference: scale-out.md S36)."""
 _DELETE_LOGS: Final = f"""
 WITH gone AS (DELETE FROM {SCHEMA}.log_records WHERE log = ANY(%s::text[]) RETURNING log, seq),
      poison AS (DELETE FROM {SCHEMA}.log_poison WHERE log = ANY(%s::text[]) RETURNING log)
@@ -1179,11 +1183,14 @@ class PgStore:
 
         return await self._run(prefix, delete)
 
-    async def delete_documents(self, names: Sequence[str]) -> None:
-        """Remove the named documents (those absent are no matter): one statement."""
+    async def delete_documents(self, names: Sequence[str], *, with_parts: bool = False) -> None:
+        """Remove the named documents (those absent are no matter): one statement.
+        ``with_parts``: and every document named ``<name>@…`` (S36)."""
 
         def delete(conn: Conn) -> None:
-            conn.execute(_DELETE_DOCUMENTS, [list(names)])
+            conn.execute(
+                _DELETE_DOCUMENTS_AND_PARTS if with_parts else _DELETE_DOCUMENTS, [list(names)]
+            )
 
         if names:
             await self._run(names[0], delete)

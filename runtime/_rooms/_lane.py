@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 import trio
@@ -61,7 +61,7 @@ from .._errors import (
 )
 from .._journal._attachments import SHARED_ATTACHMENTS
 from .._journal._fence import Fence
-from .._journal._interface import JournalStore, Log
+from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
 from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS, labelled
@@ -87,6 +87,7 @@ from .._wire import RoomEvent, TextUpdate
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd
 from ._pending import Absorbed, Pending
+from ._session_copies import SessionCopies
 from ._slot import Slot
 from ._turn import Turn, WorkerWedged
 
@@ -170,6 +171,8 @@ class Lane:
         self.room = room
         self.fence = fence
         """The lane's lease on a shared store (S11); ``None`` where this host owns it all."""
+        self._session_copies: SessionCopies | None = None
+        """On a shared store, the lane's session files there (S36), made when first used."""
         self.lost = False
         """Another host claimed the lane: it stops, and publishes nothing more."""
         self.lost_why = ""
@@ -740,38 +743,23 @@ class Lane:
 
     async def _store_session(self, session: Path) -> None:
         """On a shared store, the session file's bytes into the database, under the lane's
-        lease (S13): written after the session is fsynced, before the record naming its
-        leaf, so a host that claims the lane finds at least what that record depends on."""
+        lease (S13) — the bytes past what is stored already (S36): written after the session
+        is fsynced, before the record naming its leaf, so a host that claims the lane finds at
+        least what that record depends on."""
         if not self.host.shared:
             return
-        data = await trio.to_thread.run_sync(session.read_bytes)
-        await self.host.store.write_document(SESSIONS + self._rel(session), data, fence=self.fence)
+        await self._copies().store_file(SESSIONS + self._rel(session), session, self.fence)
 
     async def _restore_session(self, session: Path) -> None:
         """On a shared store, the session file as the database holds it, written over this
         host's copy (which may be stale: another host may have run the lane since), at the
         same path (S13). None stored: the lane never started a turn, and starts fresh."""
-        data = await self.host.store.read_document(SESSIONS + self._rel(session))
+        await self._copies().restore_file(SESSIONS + self._rel(session), session)
 
-        def write() -> None:
-            session.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if data is None:
-                session.unlink(missing_ok=True)
-                return
-            temporary = session.with_name(session.name + ".restoring")
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, session)
-            directory = os.open(session.parent, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
-
-        await trio.to_thread.run_sync(write)
+    def _copies(self) -> SessionCopies:
+        if self._session_copies is None:
+            self._session_copies = SessionCopies(cast(LeaseStore, self.host.store))
+        return self._session_copies
 
     async def _leaf(self, session: Path) -> str | None:
         await trio.to_thread.run_sync(self._create_session, session)

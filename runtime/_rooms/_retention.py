@@ -289,7 +289,9 @@ async def remove_step_journals(store: JournalStore, deliveries: Sequence[tuple[s
     sessions = [f"lanes/{lane_key(room)}/oneshot/{delivery_key(d)}.jsonl" for d, room in deliveries]
     await trio.to_thread.run_sync(_unlink_all, [store.root / rel for rel in sessions])
     if not isinstance(store, Store):  # S13: shared, a one-shot session travels as a document
-        await cast(LeaseStore, store).delete_documents([SESSIONS + rel for rel in sessions])
+        await cast(LeaseStore, store).delete_documents(
+            [SESSIONS + rel for rel in sessions], with_parts=True
+        )
     return removed
 
 

@@ -69,6 +69,7 @@ BOUNDED: Final[dict[str, set[str] | None]] = {
     "classification": {str(c) for c in Classification},
     "state": {"open", "waiting", "success_intent", "done", "failed", "aborted"},
     "purpose": {"soft", "fence"},
+    "kind": {"young", "full", "sweep"},  # a collector pause (serve.md S7)
     "tool": None,  # a tool of the configuration: checked against the grants below
     "code": None,  # a reason code: checked against the stable list below
     "le": None,  # a histogram bucket

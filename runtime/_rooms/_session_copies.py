@@ -1,0 +1,183 @@
+"""A lane's session files in the shared store, by difference (docs/design/scale-out.md S13,
+S36).
+
+On a deployment on PostgreSQL a room lane's session travels with the lane: its bytes are
+stored in the database, under the lane's lease, at each point the journal depends on them,
+and a host that claims the lane rebuilds the file from there. Pi appends to a session; a
+long-lived room's file grows to megabytes. So a copy is kept as **parts**: documents named
+``<base>@<generation>.<offset>``, each holding the bytes from its offset on, their offsets
+contiguous from 0. A store writes only the bytes past what is stored, when what is stored is
+still the file's prefix (its digest, remembered); otherwise — the file rewritten, nothing
+known, or :data:`PART_LIMIT` parts — it writes the whole file as part 0 of the **next
+generation** (one upsert: a generation is whole from its first part on) and then deletes the
+older generation's parts. A rebuild joins the newest generation's parts; a gap between them
+is damage (``journal_corrupt``), never a shorter session. A document named ``<base>`` alone
+(a store from before S36) is generation 0.
+
+What is remembered is forgotten after any failed write (whether it reached the database is
+not known): the next store reads what the database holds first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import trio
+
+from .._errors import JournalError, ReasonCode
+from .._journal._fence import Fence
+from .._journal._interface import LeaseStore
+
+__all__ = ["PART_LIMIT", "SessionCopies", "assemble", "part_name"]
+
+PART_LIMIT: Final = 256
+"""Parts of one generation at most: the next store writes the whole file anew (bounding the
+rows a rebuild reads; the whole file once per 256 stores)."""
+
+
+def part_name(base: str, generation: int, offset: int) -> str:
+    """The document holding ``base``'s bytes from ``offset`` on, in ``generation``."""
+    return f"{base}@{generation:08d}.{offset:016d}"
+
+
+@dataclass(slots=True)
+class Stored:
+    """What the database holds of one session file, as this host last wrote or read it."""
+
+    generation: int
+    length: int
+    digest: bytes
+    """sha256 of the stored bytes."""
+    parts: list[str] = field(default_factory=list)
+    """The document names of ``generation``, by offset."""
+
+
+def _nothing() -> Stored:
+    return Stored(0, 0, hashlib.sha256(b"").digest())
+
+
+def assemble(base: str, documents: Mapping[str, bytes]) -> tuple[bytes, Stored, list[str]] | None:
+    """The session ``base`` as ``documents`` (every document named ``base…``) hold it: the
+    newest generation's parts joined, what that is, and the parts of older generations (left
+    over: to remove); ``None`` when nothing is stored. ``journal_corrupt`` when the newest
+    generation's parts are not contiguous from offset 0."""
+    generations: dict[int, list[tuple[int, str, bytes]]] = {}
+    for name, data in documents.items():
+        if name == base:  # stored whole, before S36
+            generations.setdefault(0, []).append((0, name, data))
+            continue
+        suffix = name[len(base) :]
+        if not name.startswith(base) or not suffix.startswith("@"):
+            continue  # another file whose name begins like this one
+        number, _, start = suffix[1:].partition(".")
+        if not (number.isdigit() and start.isdigit()):
+            raise JournalError(
+                ReasonCode.JOURNAL_CORRUPT, f"a session part named {name!r}", path=base
+            )
+        generations.setdefault(int(number), []).append((int(start), name, data))
+    if not generations:
+        return None
+    newest = max(generations)
+    joined = bytearray()
+    names: list[str] = []
+    for offset, name, data in sorted(generations[newest]):
+        if offset != len(joined):
+            raise JournalError(
+                ReasonCode.JOURNAL_CORRUPT,
+                f"session {base!r}: generation {newest} has a part at byte {offset} where "
+                f"{len(joined)} were expected",
+                path=base,
+            )
+        joined += data
+        names.append(name)
+    stored = Stored(newest, len(joined), hashlib.sha256(joined).digest(), names)
+    older = [name for g, parts in generations.items() if g != newest for _, name, _ in parts]
+    return bytes(joined), stored, older
+
+
+class SessionCopies:
+    """The copies in ``store`` of one lane's session files, each named by its ``base``."""
+
+    def __init__(self, store: LeaseStore, *, part_limit: int = PART_LIMIT) -> None:
+        self.store = store
+        self.part_limit = part_limit
+        self._stored: dict[str, Stored] = {}
+        self._stale: list[str] = []
+        """Parts of generations superseded whose removal has not succeeded yet."""
+
+    async def store_file(self, base: str, path: Path, fence: Fence | None) -> None:
+        """Make the database hold ``path``'s bytes now, under ``fence`` (``lane_fenced``
+        when another host holds the lane: nothing is written)."""
+        data = await trio.to_thread.run_sync(path.read_bytes)
+        stored = self._stored.pop(base, None)  # known again only once a write succeeded
+        if stored is None:
+            stored = self._learn(base, assemble(base, await self.store.documents(base)))
+        if (
+            stored.generation > 0
+            and len(stored.parts) < self.part_limit
+            and len(data) >= stored.length
+            and hashlib.sha256(data[: stored.length]).digest() == stored.digest
+        ):
+            if len(data) > stored.length:
+                name = part_name(base, stored.generation, stored.length)
+                await self.store.write_document(name, data[stored.length :], fence=fence)
+                stored.parts.append(name)
+            self._stored[base] = Stored(
+                stored.generation, len(data), hashlib.sha256(data).digest(), stored.parts
+            )
+            return
+        generation = stored.generation + 1
+        name = part_name(base, generation, 0)
+        await self.store.write_document(name, data, fence=fence)
+        self._stored[base] = Stored(generation, len(data), hashlib.sha256(data).digest(), [name])
+        self._stale += stored.parts
+        await self._remove_stale()
+
+    def _learn(self, base: str, found: tuple[bytes, Stored, list[str]] | None) -> Stored:
+        """What the database holds of ``base`` (read just now); older parts left over by a
+        host that stopped between a new generation and the removal of the old are removed
+        at the next new generation."""
+        if found is None:
+            return _nothing()
+        _data, stored, older = found
+        self._stale += [name for name in older if name not in self._stale]
+        return stored
+
+    async def _remove_stale(self) -> None:
+        stale, self._stale = self._stale, []
+        try:
+            await self.store.delete_documents(stale)
+        except (JournalError, OSError):  # left over: a rebuild reads the newest generation
+            self._stale = stale + self._stale
+
+    async def restore_file(self, base: str, path: Path) -> None:
+        """Write the stored session over ``path`` (fsynced, replaced atomically); nothing
+        stored: ``path`` removed (the lane never started a turn)."""
+        found = assemble(base, await self.store.documents(base))
+        self._stored[base] = self._learn(base, found)
+        data = found[0] if found is not None else None
+
+        def write() -> None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if data is None:
+                path.unlink(missing_ok=True)
+                return
+            temporary = path.with_name(path.name + ".restoring")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+            directory = os.open(path.parent, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+
+        await trio.to_thread.run_sync(write)
