@@ -40,6 +40,19 @@ PART_LIMIT: Final = 256
 rows a rebuild reads; the whole file once per 256 stores)."""
 
 
+KEPT: Final = 8
+"""Session files a lane remembers what it stored of (its room session, recent one-shots)."""
+
+
+def _read(path: Path, length: int) -> tuple[bytes, bytes | None, bytes]:
+    """``path``'s bytes, the sha256 of their first ``length`` (``None``: fewer), and of all
+    (in a worker thread: ``hashlib`` lets the loop run meanwhile)."""
+    data = path.read_bytes()
+    view = memoryview(data)
+    prefix = hashlib.sha256(view[:length]).digest() if len(data) >= length else None
+    return data, prefix, hashlib.sha256(view).digest()
+
+
 def part_name(base: str, generation: int, offset: int) -> str:
     """The document holding ``base``'s bytes from ``offset`` on, in ``generation``."""
     return f"{base}@{generation:08d}.{offset:016d}"
@@ -113,30 +126,40 @@ class SessionCopies:
     async def store_file(self, base: str, path: Path, fence: Fence | None) -> None:
         """Make the database hold ``path``'s bytes now, under ``fence`` (``lane_fenced``
         when another host holds the lane: nothing is written)."""
-        data = await trio.to_thread.run_sync(path.read_bytes)
         stored = self._stored.pop(base, None)  # known again only once a write succeeded
         if stored is None:
-            stored = self._learn(base, assemble(base, await self.store.documents(base)))
+            stored = self._learn(base, await self._assemble(base))
+        data, prefix, whole = await trio.to_thread.run_sync(_read, path, stored.length)
         if (
             stored.generation > 0
             and len(stored.parts) < self.part_limit
-            and len(data) >= stored.length
-            and hashlib.sha256(data[: stored.length]).digest() == stored.digest
+            and prefix == stored.digest
         ):
             if len(data) > stored.length:
                 name = part_name(base, stored.generation, stored.length)
                 await self.store.write_document(name, data[stored.length :], fence=fence)
                 stored.parts.append(name)
-            self._stored[base] = Stored(
-                stored.generation, len(data), hashlib.sha256(data).digest(), stored.parts
-            )
+            self._remember(base, Stored(stored.generation, len(data), whole, stored.parts))
             return
         generation = stored.generation + 1
         name = part_name(base, generation, 0)
         await self.store.write_document(name, data, fence=fence)
-        self._stored[base] = Stored(generation, len(data), hashlib.sha256(data).digest(), [name])
+        self._remember(base, Stored(generation, len(data), whole, [name]))
         self._stale += stored.parts
         await self._remove_stale()
+
+    async def _assemble(self, base: str) -> tuple[bytes, Stored, list[str]] | None:
+        """:func:`assemble` of what the database holds now (joined and hashed off the loop:
+        a session can be megabytes)."""
+        documents = await self.store.documents(base)
+        return await trio.to_thread.run_sync(assemble, base, documents)
+
+    def _remember(self, base: str, stored: Stored) -> None:
+        """Keep what is stored of ``base``, and of the :data:`KEPT` files stored last (a
+        lane's one-shot sessions come and go; one forgotten is read again if stored again)."""
+        self._stored[base] = stored
+        while len(self._stored) > KEPT:
+            del self._stored[next(iter(self._stored))]
 
     def _learn(self, base: str, found: tuple[bytes, Stored, list[str]] | None) -> Stored:
         """What the database holds of ``base`` (read just now); older parts left over by a
@@ -158,8 +181,8 @@ class SessionCopies:
     async def restore_file(self, base: str, path: Path) -> None:
         """Write the stored session over ``path`` (fsynced, replaced atomically); nothing
         stored: ``path`` removed (the lane never started a turn)."""
-        found = assemble(base, await self.store.documents(base))
-        self._stored[base] = self._learn(base, found)
+        found = await self._assemble(base)
+        self._remember(base, self._learn(base, found))
         data = found[0] if found is not None else None
 
         def write() -> None:

@@ -16,7 +16,7 @@ from runtime._journal._fence import Fence
 from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._journal._store import delivery_key, lane_key
 from runtime._rooms._retention import remove_step_journals
-from runtime._rooms._session_copies import SessionCopies, part_name
+from runtime._rooms._session_copies import KEPT, SessionCopies, part_name
 
 from ..journal.pg_fixtures import pg_dsn, pg_server
 
@@ -189,3 +189,24 @@ async def test_s36_retention_removes_a_one_shot_sessions_parts(tmp_path: Path, p
             await remove_step_journals(store, [(delivery, room)])
             left = sorted(await store.documents("sessions/"))
     assert left == [part_name(other, 1, 0), part_name(other, 1, 4)]
+
+
+async def test_s36_a_lane_remembers_its_last_files_and_reads_a_forgotten_one_again(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """A lane remembers what it stored of its last ``KEPT`` session files (its one-shot
+    sessions come and go); one it forgot is read from the database when stored again, and
+    still stored by its new bytes."""
+    session = tmp_path / "session.jsonl"
+    with trio.fail_after(LIMIT):
+        async with host(tmp_path, pg_dsn, "a") as (store, fence):
+            copies = SessionCopies(store)
+            session.write_bytes(b"one\n")
+            for i in range(KEPT + 1):
+                await copies.store_file(f"{BASE}.{i}", session, fence)
+            assert len(copies._stored) == KEPT
+            assert f"{BASE}.0" not in copies._stored
+            session.write_bytes(b"one\ntwo\n")
+            await copies.store_file(f"{BASE}.0", session, fence)
+            names = sorted(await store.documents(f"{BASE}.0"))
+    assert names == [part_name(f"{BASE}.0", 1, 0), part_name(f"{BASE}.0", 1, 4)]
