@@ -48,9 +48,13 @@ def _read(path: Path, length: int) -> tuple[bytes, bytes | None, bytes]:
     """``path``'s bytes, the sha256 of their first ``length`` (``None``: fewer), and of all
     (in a worker thread: ``hashlib`` lets the loop run meanwhile)."""
     data = path.read_bytes()
+    if len(data) < length:
+        return data, None, hashlib.sha256(data).digest()
     view = memoryview(data)
-    prefix = hashlib.sha256(view[:length]).digest() if len(data) >= length else None
-    return data, prefix, hashlib.sha256(view).digest()
+    running = hashlib.sha256(view[:length])  # one pass over the bytes for both digests
+    prefix = running.digest()
+    running.update(view[length:])
+    return data, prefix, running.digest()
 
 
 def part_name(base: str, generation: int, offset: int) -> str:
