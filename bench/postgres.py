@@ -31,6 +31,7 @@ PostgreSQL step against the file store's. Nothing asserts; the figures go into
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,7 +42,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -258,16 +259,42 @@ LABELS: Final = (
 )
 
 
-async def _main(rounds: int, seconds: float) -> None:
+@contextlib.asynccontextmanager
+async def throwaway_postgres(name: str) -> AsyncIterator[tuple[str, Path, Path]]:
+    """A throw-away PostgreSQL (``pgserver``), migrated, and a work directory, both under the
+    repository's ``.cache/`` (its disk, not tmpfs): ``(dsn, work directory, data directory)``;
+    stopped and removed when the block ends."""
     cache = REPO / ".cache"
     cache.mkdir(exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-pg-", dir=cache))
+    root = Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=cache))
     data = Path(tempfile.mkdtemp(prefix="bench-pgdata-", dir=cache))
     os.chmod(data, 0o755)  # as root PostgreSQL runs as the pgserver user
     server = await trio.to_thread.run_sync(lambda: get_server(data / "data", cleanup_mode="stop"))
     try:
         dsn = server.get_uri()
         await migrate(dsn)
+        yield dsn, root, data
+    finally:
+        server.cleanup()
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def print_medians(
+    found: Sequence[dict[str, float]], labels: Sequence[tuple[str, str, str]], width: int = 58
+) -> None:
+    """The median, min and max over rounds of each ``(key, label, unit)``."""
+    print(f"\n{'case':<{width}} {'median':>10} {'min':>10} {'max':>10}  unit")
+    for key, label, unit in labels:
+        values = [row[key] for row in found]
+        print(
+            f"{label:<{width}} {statistics.median(values):>10.3g} {min(values):>10.3g} "
+            f"{max(values):>10.3g}  {unit}"
+        )
+
+
+async def _main(rounds: int, seconds: float) -> None:
+    async with throwaway_postgres("pg") as (dsn, root, data):
         dbos_url = await trio.to_thread.run_sync(_dbos_database, dsn)
         with psycopg.connect(dsn) as conn:
             version = conn.execute("SHOW server_version").fetchone()
@@ -283,17 +310,7 @@ async def _main(rounds: int, seconds: float) -> None:
         for n in range(1, rounds + 1):
             found.append(await _round(dsn, dbos_url, root, seconds, n))
             print(f"round {n}: " + ", ".join(f"{k}={v:.3g}" for k, v in found[-1].items()))
-        print(f"\n{'case':<58} {'median':>10} {'min':>10} {'max':>10}  unit")
-        for key, label, unit in LABELS:
-            values = [row[key] for row in found]
-            print(
-                f"{label:<58} {statistics.median(values):>10.3g} {min(values):>10.3g} "
-                f"{max(values):>10.3g}  {unit}"
-            )
-    finally:
-        server.cleanup()
-        shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(root, ignore_errors=True)
+        print_medians(found, LABELS)
 
 
 def main(argv: list[str] | None = None) -> int:

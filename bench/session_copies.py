@@ -20,10 +20,7 @@ nothing asserts.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Final
@@ -31,13 +28,12 @@ from typing import Final
 import trio
 
 from runtime._journal._fence import Fence
-from runtime._journal._postgres import PgStore, migrate, open_pg_store
+from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._rooms._session_copies import SessionCopies
 
-from .postgres import get_server  # type: ignore[attr-defined]  # (pgserver's, filtered)
+from .postgres import print_medians, throwaway_postgres
 
 BASE: Final = "sessions/lanes/bench/session.jsonl"
-REPO: Final = Path(__file__).resolve().parents[1]
 
 
 async def _store_whole(store: PgStore, path: Path, fence: Fence) -> int:
@@ -122,15 +118,7 @@ LABELS: Final = (
 
 
 async def _main(rounds: int, stores: int, turn_bytes: int) -> None:
-    cache = REPO / ".cache"
-    cache.mkdir(exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-sessions-", dir=cache))
-    data = Path(tempfile.mkdtemp(prefix="bench-pgdata-", dir=cache))
-    os.chmod(data, 0o755)  # as root PostgreSQL runs as the pgserver user
-    server = await trio.to_thread.run_sync(lambda: get_server(data / "data", cleanup_mode="stop"))
-    try:
-        dsn = server.get_uri()
-        await migrate(dsn)
+    async with throwaway_postgres("sessions") as (dsn, root, _data):
         print(
             f"bench.session_copies: {rounds} rounds of {stores} stores, {turn_bytes} bytes a "
             f"turn; {time.strftime('%Y-%m-%d %H:%M %Z')}"
@@ -139,17 +127,7 @@ async def _main(rounds: int, stores: int, turn_bytes: int) -> None:
         for n in range(1, rounds + 1):
             found.append(await _round(dsn, root, stores, turn_bytes, n))
             print(f"round {n}: " + ", ".join(f"{k}={v:.3g}" for k, v in found[-1].items()))
-        print(f"\n{'case':<50} {'median':>10} {'min':>10} {'max':>10}  unit")
-        for key, label, unit in LABELS:
-            values = [row[key] for row in found]
-            print(
-                f"{label:<50} {statistics.median(values):>10.3g} {min(values):>10.3g} "
-                f"{max(values):>10.3g}  {unit}"
-            )
-    finally:
-        server.cleanup()
-        shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(root, ignore_errors=True)
+        print_medians(found, LABELS, width=50)
 
 
 def main(argv: list[str] | None = None) -> int:
