@@ -289,6 +289,8 @@ def _task_show(args: argparse.Namespace) -> int:
         print(JSON.encode({"source": source, "task": view}).decode())
         return EXIT_OK
     lines = task_lines(view, view.get("production"))
+    if "holder" in view:  # another host's task, read from the deployment's database
+        lines.insert(1, f"  (read from the database; its lane is held by {_held(view['holder'])})")
     if source == "state_dir":
         lines.insert(1, "  (no server runs: read from the lane log; the watchdog runs only in "
                         "the owner)")  # fmt: skip
@@ -306,13 +308,17 @@ def _task_show_in_database(args: argparse.Namespace, task_id: str) -> int:
         print(JSON.encode({"source": "database", "task": view}).decode())
         return EXIT_OK
     lines = task_lines(view, None)
-    holder = view["holder"]
-    held = "nobody" if holder is None else f"{holder['host']} (epoch {holder['epoch']}"
-    if holder is not None:
-        held += ", its lease runs)" if holder["live"] else ", its lease ran out)"
-    lines.insert(1, f"  (read from the database; its lane is held by {held})")
+    lines.insert(1, f"  (read from the database; its lane is held by {_held(view['holder'])})")
     print("\n".join(lines))
     return EXIT_OK
+
+
+def _held(holder: dict[str, Any] | None) -> str:
+    """Who holds a task's lane, as the database says."""
+    if holder is None:
+        return "nobody"
+    lease = "its lease runs" if holder["live"] else "its lease ran out"
+    return f"{holder['host']} (epoch {holder['epoch']}, {lease})"
 
 
 def _task_control(command: str, args: argparse.Namespace) -> int:

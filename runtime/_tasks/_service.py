@@ -48,7 +48,7 @@ from .._records import TaskEnded
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
 from ._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
-from ._view import store_views
+from ._view import store_view, store_views
 from ._watchdog import WatchdogPolicy
 from ._workers import ProcessWorkers
 
@@ -295,8 +295,26 @@ class TaskService:
         return {"tasks": listed, "deployment": True, **self._scale()}
 
     async def task_show(self, task_id: str) -> dict[str, Any]:
+        """One task's view; on a shared store one this host does not hold is read from the
+        database, with the host holding it (``holder``, S30)."""
+        try:
+            view = self.show(task_id)
+        except TaskError as error:
+            shared = self.runner.shared
+            if shared is None or error.code not in (
+                ReasonCode.TASK_ELSEWHERE,
+                ReasonCode.TASK_UNKNOWN,
+            ):
+                raise
+            try:
+                found = await store_view(shared.store, task_id, self.policy)
+            except (JournalError, OSError):
+                raise error from None  # (the host's own answer, naming the holder it knows)
+            if found is None:
+                raise
+            return {"task": self._view(found[0]) | {"holder": found[1]}, **self._scale()}
         await trio.lowlevel.checkpoint()
-        return {"task": self._view(self.show(task_id)), **self._scale()}
+        return {"task": self._view(view), **self._scale()}
 
     async def task_reply(
         self, task_id: str, text: str, correlation: str | None = None

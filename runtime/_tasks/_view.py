@@ -42,6 +42,7 @@ __all__ = [
     "offline_view",
     "offline_views",
     "records_view",
+    "store_view",
     "store_views",
     "task_view",
 ]
@@ -261,6 +262,7 @@ class _DeploymentReader(Protocol):
     (:class:`~runtime._journal._postgres.PgStore`) or a read-only one (``pg_reader``)."""
 
     async def lane_logs(self) -> list[str]: ...
+    def lane_rel(self, lane: str) -> str: ...
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents: ...
     async def lease(self, lane: str) -> Lease | None: ...
 
@@ -271,29 +273,43 @@ async def store_views(
     """Every task of the deployment ``store`` reads, as its lane log says, with the host
     holding its lane's lease (``host``, ``epoch``, ``live``; ``None``: never claimed), by
     task id (S30)."""
-    found: list[tuple[TaskView, dict[str, Any] | None]] = []
-    for rel in await store.lane_logs():
-        contents = await store.read(rel, LogKind.LANE)
-        subject = contents.header.subject
-        if not subject.startswith("task:"):
-            continue
-        view = records_view(
-            contents.records,
-            policy,
-            classification="unknown: read from the database (the watchdog runs in its host)",
-            waiting_action=" (on the host that holds it)",
-            resume_action="the host that holds it runs it; if none does, start one",
-        )
-        if view is None:
-            continue
-        lease = await store.lease(subject)
-        holder = (
-            None
-            if lease is None
-            else {"host": lease.fence.owner, "epoch": lease.fence.epoch, "live": lease.live}
-        )
-        found.append((view, holder))
-    return sorted(found, key=lambda pair: pair[0].task_id)
+    found = [await _lane_view(store, rel, policy) for rel in await store.lane_logs()]
+    return sorted((one for one in found if one is not None), key=lambda pair: pair[0].task_id)
+
+
+async def store_view(
+    store: _DeploymentReader, task_id: str, policy: WatchdogPolicy
+) -> tuple[TaskView, dict[str, Any] | None] | None:
+    """One task of :func:`store_views` (``None``: the database holds no such task)."""
+    try:
+        return await _lane_view(store, store.lane_rel(f"task:{task_id}"), policy)
+    except FileNotFoundError:
+        return None
+
+
+async def _lane_view(
+    store: _DeploymentReader, rel: str, policy: WatchdogPolicy
+) -> tuple[TaskView, dict[str, Any] | None] | None:
+    contents = await store.read(rel, LogKind.LANE)
+    subject = contents.header.subject
+    if not subject.startswith("task:"):
+        return None
+    view = records_view(
+        contents.records,
+        policy,
+        classification="unknown: read from the database (the watchdog runs in its host)",
+        waiting_action=" (on the host that holds it)",
+        resume_action="the host that holds it runs it; if none does, start one",
+    )
+    if view is None:
+        return None
+    lease = await store.lease(subject)
+    holder = (
+        None
+        if lease is None
+        else {"host": lease.fence.owner, "epoch": lease.fence.epoch, "live": lease.live}
+    )
+    return view, holder
 
 
 async def database_views(

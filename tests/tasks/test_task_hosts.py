@@ -538,8 +538,8 @@ async def test_s30_a_hosts_task_list_is_the_deployments(
 ) -> None:
     """S30: asked for its tasks (the admin socket's and the wire's ``tasks``), a host on the
     shared store lists every task of the deployment — its own from its live lanes, the
-    others' as the database says — each with the host holding it; a database it cannot read
-    now leaves it listing its own, saying so."""
+    others' as the database says — each with the host holding it, and shows one it does not
+    hold the same way; a database it cannot read now leaves it listing its own, saying so."""
     policy = WatchdogPolicy()
     with trio.fail_after(LIMIT):
         async with (
@@ -550,6 +550,9 @@ async def test_s30_a_hosts_task_list_is_the_deployments(
             await a.until(lambda: a.runner.show(TASK).state == "waiting")
             on_a = await TaskService(a.runner, policy, policy).task_list()
             on_b = await TaskService(b.runner, policy, policy).task_list()
+            shown = await TaskService(b.runner, policy, policy).task_show(TASK)
+            with pytest.raises(TaskError) as unknown:
+                await TaskService(b.runner, policy, policy).task_show("nobody")
 
             async def unreadable() -> list[str]:
                 raise JournalError(ReasonCode.STORE_UNAVAILABLE, "the database is away")
@@ -562,6 +565,8 @@ async def test_s30_a_hosts_task_list_is_the_deployments(
         assert (task["task_id"], task["state"], task["holder"]["host"]) == (TASK, "waiting", "a")
     assert not str(on_a["tasks"][0]["classification"]).startswith("unknown")  # A's live lane
     assert str(on_b["tasks"][0]["classification"]).startswith("unknown: read from the database")
+    assert (shown["task"]["state"], shown["task"]["holder"]["host"]) == ("waiting", "a")
+    assert unknown.value.code is ReasonCode.TASK_UNKNOWN
     assert "deployment" not in degraded
     assert "the database is away" in degraded["deployment_error"]
     assert [t["task_id"] for t in degraded["tasks"]] == [TASK]
