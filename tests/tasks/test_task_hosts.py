@@ -536,7 +536,7 @@ def test_s30_tasks_store_lists_the_deployments_tasks_and_their_hosts(
 async def test_s30_a_hosts_task_list_is_the_deployments(
     tmp_path: Path, pg_dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """S30: asked for its tasks (the admin socket's and the wire's ``tasks``), a host on the
+    """S30: asked for its tasks (the admin socket's ``tasks``), a host on the
     shared store lists every task of the deployment — its own from its live lanes, the
     others' as the database says — each with the host holding it, and shows one it does not
     hold the same way; a database it cannot read now leaves it listing its own, saying so."""
