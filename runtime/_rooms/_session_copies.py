@@ -21,7 +21,6 @@ not known): the next store reads what the database holds first.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,8 @@ import trio
 from .._errors import JournalError, ReasonCode
 from .._journal._fence import Fence
 from .._journal._interface import LeaseStore
+from .._journal._writer import atomic_write
+from .._linux._fs import OsFileSystem
 
 __all__ = ["PART_LIMIT", "SessionCopies", "assemble", "part_name"]
 
@@ -193,18 +194,7 @@ class SessionCopies:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             if data is None:
                 path.unlink(missing_ok=True)
-                return
-            temporary = path.with_name(path.name + ".restoring")
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, path)
-            directory = os.open(path.parent, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            else:
+                atomic_write(OsFileSystem(), str(path), data)
 
         await trio.to_thread.run_sync(write)
