@@ -228,6 +228,12 @@ class Journal:
     def next_seq(self) -> int:
         return self._target.next_seq
 
+    def group_handoffs(self) -> None:
+        """Many tasks append here at once (a shared log): gather their hand-offs per
+        scheduler pass (:class:`~runtime._journal._writer.LogTarget`'s ``grouped``). Only
+        while no append through it is in flight."""
+        self._target.grouped = True
+
     @property
     def poisoned(self) -> bool:
         return self._target.poisoned is not None

@@ -342,7 +342,8 @@ class Store:
             await trio.to_thread.run_sync(staged.discard)
 
     def _adopt(self, journal: Journal) -> Journal:
-        """``journal`` is the shared log of its kind from now on."""
+        """``journal`` is the shared log of its kind from now on (its hand-offs grouped)."""
+        journal.group_handoffs()
         self._open[journal.rel] = journal
         if journal.contents.header.kind is LogKind.ADMISSIONS:
             self.admissions = journal
@@ -697,10 +698,8 @@ async def open_store(
         )
         store = Store(path, fs, clocks, pool, owner, previous)
         try:
-            store.admissions = await store._open_or_create(
-                ADMISSIONS, LogKind.ADMISSIONS, "admissions"
-            )
-            store.results = await store._open_or_create(RESULTS, LogKind.RESULTS, "results")
+            store._adopt(await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions"))
+            store._adopt(await store._open_or_create(RESULTS, LogKind.RESULTS, "results"))
             store.expired = await trio.to_thread.run_sync(
                 read_expired, store.fs, store.path(EXPIRED)
             )

@@ -11,7 +11,11 @@ loop. So:
 * an append is acknowledged only once its record is durable;
 * many producers appending to one shared log (admissions) share one
   ``fdatasync`` per batch — group commit;
-* several lanes' logs on different shards sync concurrently.
+* several lanes' logs on different shards sync concurrently;
+* a *grouped* log's hand-offs (the shared admission and result logs, where many tasks append
+  at once) are gathered on the Trio side for one scheduler pass and handed over as one item:
+  one queue ``put`` and one writer wake-up for everything appended in that pass, instead of one
+  per record (the first task to stage one in a pass yields once, then hands over the lot).
 
 A failed write, short write or sync **poisons** the file: it is truncated back
 to its last good frame, a poison document is written beside it, and every
@@ -94,6 +98,10 @@ class LogTarget:
         """Next sequence number to assign (Trio side)."""
         self.poison_path = poison_path
         self.poisoned: JournalError | None = None
+        self.grouped = False
+        """Many tasks append at once (a shared log): hand-offs are gathered per scheduler pass.
+        Set before the first append of this target's pool, never changed after (the writer
+        assumes a target's records reach it in sequence order, so they all take one path)."""
         self._create = create
         self._handle: int | None = None
 
@@ -141,7 +149,11 @@ class _Close(_Handoff):
     __slots__ = ()
 
 
-_Item = _Append | _Close | None
+_end_of_pass = trio.lowlevel.cancel_shielded_checkpoint
+"""Yield once, uncancellably, so every task runnable in this scheduler pass runs first (a
+test may hold it longer)."""
+
+_Item = _Append | _Close | list[_Append | _Close] | None
 
 
 class WriterPool:
@@ -173,14 +185,18 @@ class WriterPool:
             )
             for i, q in enumerate(self._queues)
         ]
+        self._staged: list[list[_Append | _Close]] = [[] for _ in range(shards)]
+        """Grouped hand-offs of the current scheduler pass, per shard, not yet handed over:
+        only the pass's first stager (waiting for the pass to end) hands them over."""
+        self._handed_over = trio.lowlevel.ParkingLot()
         self._closed = False
         for thread in self._threads:
             thread.start()
 
     # -- Trio side -----------------------------------------------------------------
 
-    def _queue_for(self, target: LogTarget) -> queue.SimpleQueue[_Item]:
-        return self._queues[zlib.crc32(target.path.encode()) % len(self._queues)]
+    def _shard_of(self, target: LogTarget) -> int:
+        return zlib.crc32(target.path.encode()) % len(self._queues)
 
     async def append(self, target: LogTarget, payload: bytes) -> int:
         """Append one encoded record; return its sequence number once durable.
@@ -203,10 +219,28 @@ class WriterPool:
         global _in_flight
         _in_flight += 1
         try:
-            self._queue_for(item.target).put(item)
+            shard = self._shard_of(item.target)
+            if not item.target.grouped:
+                self._queues[shard].put(item)
+            else:
+                staged = self._staged[shard]
+                staged.append(item)
+                if len(staged) == 1:  # the first of this pass: let the pass's others join
+                    try:
+                        await _end_of_pass()
+                    finally:
+                        self._hand_over(shard)
+                        self._handed_over.unpark_all()
             await item.settled()
         finally:
             _in_flight -= 1
+
+    def _hand_over(self, shard: int) -> None:
+        """Hand the shard's staged items to its thread as one queue item (if any are left)."""
+        staged = self._staged[shard]
+        if staged:
+            self._staged[shard] = []
+            self._queues[shard].put(staged)
 
     async def close_target(self, target: LogTarget) -> None:
         """Close the file after every append handed over before this call."""
@@ -219,6 +253,8 @@ class WriterPool:
         if self._closed:
             return
         self._closed = True
+        while any(self._staged):  # a pass's staged items go before the stop, by their stager
+            await self._handed_over.park()
         for q in self._queues:
             q.put(None)
         for thread in self._threads:
@@ -241,7 +277,10 @@ class WriterPool:
                 if item is None:
                     stopping = True
                     break
-                batch.append(item)
+                if isinstance(item, list):
+                    batch.extend(item)
+                else:
+                    batch.append(item)
                 if len(batch) >= _MAX_BATCH:
                     break
                 try:

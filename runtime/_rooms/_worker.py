@@ -233,7 +233,7 @@ class RoomWorker:
         )
         self._known[delivery.delivery_id] = (prints.request, delivery.room)
         try:
-            first = await self._append_admission(admission)
+            first = await self._append_admission(admission, room, privileged)
         except BaseException:
             if delivery.delivery_id not in self._admissions:  # (RT11: or forgotten as expired)
                 self._known.pop(delivery.delivery_id, None)
@@ -275,9 +275,12 @@ class RoomWorker:
         self._enqueue(lane, pending)
         return "queued"
 
-    async def _append_admission(self, admission: Admission) -> Admission:
-        """Make ``admission`` durable in the shared admission log; what is then the
-        delivery's admission: ``admission``, or the one another host appended first (S21)."""
+    async def _append_admission(
+        self, admission: Admission, room: str, privileged: bool
+    ) -> Admission:
+        """Make ``admission`` (of ``room``, ``privileged`` or not) durable in the shared
+        admission log; what is then the delivery's admission: ``admission``, or the one another
+        host appended first (S21)."""
         delivery_id = admission.delivery_id
 
         def learned() -> bool:  # another host's admission of it, taken in by any refresh
@@ -297,7 +300,8 @@ class RoomWorker:
             self._appending -= 1
             if not self._appending:
                 self._drained.set()
-        self._learn_admissions([admission])
+        if delivery_id not in self._admissions:  # (or a refresh meanwhile took it in)
+            self._learn_admission(admission, room, privileged)
         return admission
 
     def _expired(self, delivery_id: str) -> bool:
@@ -708,7 +712,6 @@ class RoomWorker:
         any path: a sync, or an append that lost the race for a number); the new ones. A
         new one in a room whose lane this host holds is handed to it (:meth:`_reconcile`)."""
         new = []
-        outbox = self._host.outbox
         for record in records:
             if isinstance(record, Settled):  # a finished delivery's idempotency record
                 self._settled[record.delivery_id] = record
@@ -719,18 +722,23 @@ class RoomWorker:
                 continue
             delivery = msgspec.convert(record.request, Delivery)
             room = delivery.room
-            self._admissions[record.delivery_id] = record
-            self._known[record.delivery_id] = (record.fingerprints.request, room)
-            if outbox.result_of(record.delivery_id) is None:
-                self._unfinished.setdefault(room, {})[record.delivery_id] = None
-                if not self.config.is_privileged(room, delivery.author.id):
-                    self._warm.add(room)
-            else:
-                self._warm.add(room)
+            self._learn_admission(record, room, self.config.is_privileged(room, delivery.author.id))
             new.append(record)
-            if room in self._ready:  # another host admitted into a lane held here
-                self._nursery.start_soon(self._reconcile, room)
         return new
+
+    def _learn_admission(self, record: Admission, room: str, privileged: bool) -> None:
+        """Take in one new admission of ``room`` (:meth:`_learn_admissions`; an append of
+        this host's passes what it already knows of the delivery)."""
+        self._admissions[record.delivery_id] = record
+        self._known[record.delivery_id] = (record.fingerprints.request, room)
+        if self._host.outbox.result_of(record.delivery_id) is None:
+            self._unfinished.setdefault(room, {})[record.delivery_id] = None
+            if not privileged:
+                self._warm.add(room)
+        else:
+            self._warm.add(room)
+        if room in self._ready:  # another host admitted into a lane held here
+            self._nursery.start_soon(self._reconcile, room)
 
     def _forget_expired(self, expired: Iterable[str]) -> None:
         """RT11: let go of what this host knows of deliveries a compaction expired (here or on
