@@ -106,8 +106,10 @@ def delivery_key(delivery_id: str) -> str:
     return _key("delivery", delivery_id)
 
 
+@functools.lru_cache(maxsize=4096)
 def lane_key(lane: str) -> str:
-    """The directory key of a lane (a hash; never the raw room id)."""
+    """The directory key of a lane (a hash; never the raw room id). Remembered for the
+    rooms used most: every admission asks for its room's."""
     return _key("lane", lane)
 
 
