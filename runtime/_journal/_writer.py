@@ -100,8 +100,8 @@ class LogTarget:
         self.poisoned: JournalError | None = None
         self.grouped = False
         """Many tasks append at once (a shared log): hand-offs are gathered per scheduler pass.
-        Set before the first append of this target's pool, never changed after (the writer
-        assumes a target's records reach it in sequence order, so they all take one path)."""
+        Changed only while no append of this target is in flight (the writer assumes a
+        target's records reach it in sequence order, so they must all take one path)."""
         self._create = create
         self._handle: int | None = None
 
@@ -220,27 +220,27 @@ class WriterPool:
         _in_flight += 1
         try:
             shard = self._shard_of(item.target)
-            if not item.target.grouped:
-                self._queues[shard].put(item)
+            if item.target.grouped:
+                await self._stage(item, shard)
             else:
-                staged = self._staged[shard]
-                staged.append(item)
-                if len(staged) == 1:  # the first of this pass: let the pass's others join
-                    try:
-                        await _end_of_pass()
-                    finally:
-                        self._hand_over(shard)
-                        self._handed_over.unpark_all()
+                self._queues[shard].put(item)
             await item.settled()
         finally:
             _in_flight -= 1
 
-    def _hand_over(self, shard: int) -> None:
-        """Hand the shard's staged items to its thread as one queue item (if any are left)."""
+    async def _stage(self, item: _Append | _Close, shard: int) -> None:
+        """Add a grouped hand-off to this pass's for its shard. The pass's first stager waits
+        for the pass to end, then hands everything staged to the thread as one queue item."""
         staged = self._staged[shard]
-        if staged:
+        staged.append(item)
+        if len(staged) > 1:
+            return  # the pass's first stager hands it over
+        try:
+            await _end_of_pass()
+        finally:
             self._staged[shard] = []
             self._queues[shard].put(staged)
+            self._handed_over.unpark_all()
 
     async def close_target(self, target: LogTarget) -> None:
         """Close the file after every append handed over before this call."""
