@@ -36,8 +36,12 @@ def test_readme_example_test_passes(tmp_path: Path) -> None:
     """F8: the README's complete example test runs as written, with the plugin."""
     example = tmp_path / "test_example.py"
     example.write_text(_examples()["test_example.py"])
+    # A temp root of its own: pytest's default one (shared with this run and any other on the
+    # machine) would have the child delete older sessions' directories at its exit.
+    basetemp = tmp_path / "basetemp"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(example)],
+        [*command, "--basetemp", str(basetemp), str(example)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -27,7 +27,7 @@ from runtime._cli import EXIT_FAILED, EXIT_OK, main
 from runtime._cli._tasks import _print_tasks
 from runtime._clock import Clocks
 from runtime._errors import JournalError, ReasonCode, TaskError
-from runtime._journal._postgres import open_pg_store
+from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._records import OutboxAction, Record, TaskEnded
 from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
 from runtime._tasks._service import TaskService
@@ -396,7 +396,7 @@ async def lane_holder(pg_dsn: str) -> str | None:
     rows = await execute(
         pg_dsn,
         "SELECT owner FROM pi_runtime.lanes WHERE lane = %s AND lease_until > now()",
-        [f"task:{TASK}"],
+        [PgStore.lane_rel(f"task:{TASK}")],  # (a lease's row is keyed as its log is)
     )
     return str(rows[0][0]) if rows else None
 
@@ -448,6 +448,7 @@ async def test_s35_an_abort_right_after_the_hand_back_is_answered_by_the_tasks_h
     is then sent — ends the task once."""
     with trio.fail_after(LIMIT):
         async with held_for_a_who_is_back(tmp_path, pg_dsn) as (a, b):
+            assert await lane_holder(pg_dsn) == "b"
             await b.runner._hand_back()
             with pytest.raises(TaskError) as refused:
                 await b.runner.abort(TASK, "no longer needed")
