@@ -119,11 +119,15 @@ the workers' own tools take their time on purpose: that is the behaviour under t
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import errno
 import json
+import math
 import os
 import queue
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -503,6 +507,8 @@ class Terminal:
         self.status: int | None = None
         """Exit status (``-N`` for a signal) once it ended and was reaped."""
         self.ended = False
+        self.stopped_by = ""
+        """What ended pexpect's reading (then the terminal is read to its end directly)."""
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, name=f"pty {args[:2]}", daemon=True)
         self._reader.start()
@@ -513,11 +519,11 @@ class Terminal:
                 data = self.child.read_nonblocking(65536, timeout=1.0)
             except pexpect.TIMEOUT:
                 continue
-            except (pexpect.EOF, OSError, ValueError):
+            except (pexpect.EOF, OSError, ValueError) as error:
+                self.stopped_by = repr(error)
                 break
-            with self._changed:
-                self.text += data.replace("\r\n", "\n")
-                self._changed.notify_all()
+            self._add(data)
+        self._drain()
         with contextlib.suppress(Exception):
             self.child.wait()
         with contextlib.suppress(Exception):
@@ -529,6 +535,41 @@ class Terminal:
             self.status = status
             self.ended = True
             self._changed.notify_all()
+
+    def _add(self, data: str) -> None:
+        with self._changed:
+            self.text += data.replace("\r\n", "\n")
+            self._changed.notify_all()
+
+    def _drain(self) -> None:
+        """Read the terminal itself while the process runs, then what it still holds: once
+        pexpect's read reported an end (or failed), what the process wrote after — or had
+        written — would otherwise be lost, or leave the process blocked on a full terminal.
+        Not past the process's end: a worker it left behind may hold the terminal open."""
+        fd = self.child.child_fd
+        if fd < 0:
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        last_look = math.inf  # (once it ended: what it wrote is there within a second)
+        while time.monotonic() < last_look:
+            try:
+                if not poller.poll(200):
+                    if self.child.isalive():
+                        continue
+                    last_look = min(last_look, time.monotonic() + 1.0)
+                    if not poller.poll(0):
+                        break
+                chunk = os.read(fd, 65536)
+            except OSError as error:  # EIO: every writer has closed it
+                if error.errno != errno.EIO:
+                    self.stopped_by += f", then {error!r}"
+                break
+            if not chunk:
+                break
+            self._add(decoder.decode(chunk))
+        self._add(decoder.decode(b"", final=True))
 
     def expect(self, pattern: str, timeout: float = LIMIT) -> re.Match[str]:
         """The first match of ``pattern`` (a multi-line regex) after the previous match."""
@@ -549,7 +590,8 @@ class Terminal:
                     found.append(match)
             assert found, (
                 f"{' '.join(self.args[:2])}: no {pattern!r} within {timeout} s "
-                f"(ended: {self.ended}, status {self.status}); it printed:\n{self.text}"
+                f"(ended: {self.ended}, status {self.status}, reading stopped by "
+                f"{self.stopped_by or 'nothing yet'}); it printed:\n{self.text}"
             )
             self.cursor = found[0].end()
             return found[0]
