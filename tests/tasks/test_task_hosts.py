@@ -27,7 +27,7 @@ from runtime._cli import EXIT_FAILED, EXIT_OK, main
 from runtime._cli._tasks import _print_tasks
 from runtime._clock import Clocks
 from runtime._errors import JournalError, ReasonCode, TaskError
-from runtime._journal._postgres import PgStore, open_pg_store
+from runtime._journal._postgres import open_pg_store
 from runtime._records import OutboxAction, Record, TaskEnded
 from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
 from runtime._tasks._service import TaskService
@@ -391,14 +391,12 @@ async def held_for_a_who_is_back(
             yield a, b
 
 
-async def lane_holder(pg_dsn: str) -> str | None:
-    """The host whose lease on the task's lane is live, if any."""
-    rows = await execute(
-        pg_dsn,
-        "SELECT owner FROM pi_runtime.lanes WHERE lane = %s AND lease_until > now()",
-        [PgStore.lane_rel(f"task:{TASK}")],  # (a lease's row is keyed as its log is)
-    )
-    return str(rows[0][0]) if rows else None
+async def lane_holder(host: TaskHost) -> str | None:
+    """The host whose lease on the task's lane is live, if any (asked through ``host``'s
+    store, by the database's clock)."""
+    assert host.runner.shared is not None
+    lease = await host.runner.shared.store.lease(f"task:{TASK}")
+    return lease.fence.owner if lease is not None and lease.live else None
 
 
 async def worktree_holder(pg_dsn: str) -> str | None:
@@ -448,13 +446,13 @@ async def test_s35_an_abort_right_after_the_hand_back_is_answered_by_the_tasks_h
     is then sent — ends the task once."""
     with trio.fail_after(LIMIT):
         async with held_for_a_who_is_back(tmp_path, pg_dsn) as (a, b):
-            assert await lane_holder(pg_dsn) == "b"
+            assert await lane_holder(a) == "b"
             await b.runner._hand_back()
             with pytest.raises(TaskError) as refused:
                 await b.runner.abort(TASK, "no longer needed")
             assert refused.value.code is ReasonCode.TASK_ELSEWHERE
             assert "'a'" in str(refused.value)
-            while await lane_holder(pg_dsn) == "b":  # given up once its lane has stopped
+            while await lane_holder(a) == "b":  # given up once its lane has stopped
                 await b.events.receive()  # (its followers are told after)
             await a.runner.claim_orphans()
             await a.runner.abort(TASK, "no longer needed")

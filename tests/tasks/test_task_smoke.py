@@ -508,22 +508,38 @@ class Terminal:
         """Exit status (``-N`` for a signal) once it ended and was reaped."""
         self.ended = False
         self.stopped_by = ""
-        """What ended pexpect's reading (then the terminal is read to its end directly)."""
+        """An error other than the end that stopped reading the terminal, if any."""
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, name=f"pty {args[:2]}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        while True:
+        """Read the terminal until the process has closed it (``EIO``) — not past a second
+        after the process ended: a worker it left behind may hold the terminal open. Read
+        directly, not with pexpect's read, which may report an end while the process still
+        writes (its output then lost, or the process blocked on a full terminal)."""
+        fd = self.child.child_fd
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        last_look = math.inf  # (once it ended: what it wrote is there within a second)
+        while time.monotonic() < last_look:
             try:
-                data = self.child.read_nonblocking(65536, timeout=1.0)
-            except pexpect.TIMEOUT:
-                continue
-            except (pexpect.EOF, OSError, ValueError) as error:
-                self.stopped_by = repr(error)
+                if not poller.poll(200):
+                    if self.child.isalive():
+                        continue
+                    last_look = min(last_look, time.monotonic() + 1.0)
+                    if not poller.poll(0):
+                        break
+                chunk = os.read(fd, 65536)
+            except OSError as error:  # EIO: every writer has closed it
+                if error.errno != errno.EIO:
+                    self.stopped_by = repr(error)
                 break
-            self._add(data)
-        self._drain()
+            if not chunk:  # (an end reported as an empty read)
+                break
+            self._add(decoder.decode(chunk))
+        self._add(decoder.decode(b"", final=True))
         with contextlib.suppress(Exception):
             self.child.wait()
         with contextlib.suppress(Exception):
@@ -540,36 +556,6 @@ class Terminal:
         with self._changed:
             self.text += data.replace("\r\n", "\n")
             self._changed.notify_all()
-
-    def _drain(self) -> None:
-        """Read the terminal itself while the process runs, then what it still holds: once
-        pexpect's read reported an end (or failed), what the process wrote after — or had
-        written — would otherwise be lost, or leave the process blocked on a full terminal.
-        Not past the process's end: a worker it left behind may hold the terminal open."""
-        fd = self.child.child_fd
-        if fd < 0:
-            return
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        last_look = math.inf  # (once it ended: what it wrote is there within a second)
-        while time.monotonic() < last_look:
-            try:
-                if not poller.poll(200):
-                    if self.child.isalive():
-                        continue
-                    last_look = min(last_look, time.monotonic() + 1.0)
-                    if not poller.poll(0):
-                        break
-                chunk = os.read(fd, 65536)
-            except OSError as error:  # EIO: every writer has closed it
-                if error.errno != errno.EIO:
-                    self.stopped_by += f", then {error!r}"
-                break
-            if not chunk:
-                break
-            self._add(decoder.decode(chunk))
-        self._add(decoder.decode(b"", final=True))
 
     def expect(self, pattern: str, timeout: float = LIMIT) -> re.Match[str]:
         """The first match of ``pattern`` (a multi-line regex) after the previous match."""
@@ -591,7 +577,7 @@ class Terminal:
             assert found, (
                 f"{' '.join(self.args[:2])}: no {pattern!r} within {timeout} s "
                 f"(ended: {self.ended}, status {self.status}, reading stopped by "
-                f"{self.stopped_by or 'nothing yet'}); it printed:\n{self.text}"
+                f"{self.stopped_by or 'no error'}); it printed:\n{self.text}"
             )
             self.cursor = found[0].end()
             return found[0]
