@@ -192,6 +192,7 @@ CASES: Final = (
     Case("raw_step", "raw-limit step = two raw appends", "steps/s"),
     Case("lanes_1", "runtime: durable steps, 1 lane", "steps/s"),
     Case("lanes_16", "runtime: durable steps, 16 lanes", "steps/s"),
+    Case("lanes_16_per_file", "runtime: 16 lanes, each log synced alone (no sync log)", "steps/s"),
     Case("lanes_64", "runtime: durable steps, 64 lanes", "steps/s"),
     Case("raw_parallel_16", "raw append: 16 threads, 16 files", "records/s"),
     Case("raw_parallel_16_step", "raw-limit step, 16 threads", "steps/s"),
@@ -741,12 +742,16 @@ async def paired_case(root: Path, seconds: float, slices: int) -> dict[str, Samp
     same disk, the lanes in one state directory; each gets ``seconds`` in all.
     """
     part = seconds / slices
-    async with open_store(root / "state") as store:
+    async with contextlib.AsyncExitStack() as stack:
+        store = await stack.enter_async_context(open_store(root / "state"))
         one = [await store.create_delivery_log("bench-one")]
         many = [await store.create_delivery_log(f"bench-many-{i}") for i in range(16)]
         shared = [await store.create_delivery_log("bench-shared")] * 16
+        own = await stack.enter_async_context(open_store(root / "per-file", sync_log=False))
+        per_file = [await own.create_delivery_log(f"bench-many-{i}") for i in range(16)]
         fd = open_log(root / "raw.log")
-        keys = ("raw_fdatasync", "lanes_1", "lanes_16", "shared_16", *PROTOTYPES)
+        keys = ["raw_fdatasync", "lanes_1", "lanes_16", "lanes_16_per_file", "shared_16"]
+        keys += PROTOTYPES
         totals = {key: Sample(0, 0.0) for key in keys}
         try:
             for _ in range(slices):
@@ -754,6 +759,7 @@ async def paired_case(root: Path, seconds: float, slices: int) -> dict[str, Samp
                 _add(totals["raw_fdatasync"], raw_appends(fd, part))
                 _add(totals["lanes_1"], await drive_lanes(one, part))
                 _add(totals["lanes_16"], await drive_lanes(many, part))
+                _add(totals["lanes_16_per_file"], await drive_lanes(per_file, part))
                 _add(totals["shared_16"], await drive_lanes(shared, part))
                 for key, prototype in PROTOTYPES.items():
                     _add(totals[key], await prototype(root, part))
@@ -1099,6 +1105,7 @@ TARGETS: Final = (
     Target(
         "16 lanes steps/s / 1 lane steps/s", "t_scale", 2.5, True, _ratio("lanes_16", "lanes_1")
     ),
+    Target("16 lanes / 1 lane (issue #23)", "t_scale23", 6.0, True, _ratio("lanes_16", "lanes_1")),
     Target("admissions/s, 64 producers", "t_adm64", 20_000, True, _rate("admissions_64")),
     Target("admissions/s, 256 producers", "t_adm256", 20_000, True, _rate("admissions_256")),
 )
@@ -1121,6 +1128,8 @@ INFO_RATIOS: Final = (
     ("16 lanes shards=16 / shards=8 (default)", "lanes_16_shards_16", "lanes_16"),
     ("16 lanes sharing one log / 1 lane", "shared_16", "lanes_1"),
     ("16 lanes sharing one log / 16 lanes, own logs", "shared_16", "lanes_16"),
+    ("16 lanes, each log synced alone / 1 lane", "lanes_16_per_file", "lanes_1"),
+    ("16 lanes with the sync log / each log synced alone", "lanes_16", "lanes_16_per_file"),
     ("DBOS 16 / DBOS 1", "dbos_16", "dbos_1"),
 )
 

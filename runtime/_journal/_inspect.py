@@ -40,6 +40,7 @@ from ._attachments import AttachmentStore, attachment_root
 from ._expired import EXPIRED, read_expired
 from ._journal import LogContents, read_log
 from ._store import ADMISSIONS, RESULTS, _read_owner, delivery_key, lane_key
+from ._sync_log import SYNC_DIR, read_owed
 
 if TYPE_CHECKING:
     from ._postgres import PgStore
@@ -202,11 +203,26 @@ def verify_journal(state_dir: Path, attachments: Path | None = None) -> tuple[in
             f"{root} is not a state directory (no {ADMISSIONS}); check --state-dir",
         )
     findings: list[Finding] = []
+    try:  # before the logs: a record leaves the sync log only once it is in its file (J17)
+        owed = read_owed(OsFileSystem(), str(root))
+    except JournalError as error:
+        owed = {}
+        findings.append(
+            Finding(error.path or SYNC_DIR, error.message, problem=True, code=str(error.code))
+        )
+    if owed:
+        count = sum(len(records) for entries in owed.values() for _, records in entries)
+        message = (
+            f"{count} records of {len(owed)} delivery logs are durable in the sync log, not "
+            "yet in their files (read from there; written to the files soon, or at the next "
+            "start)"
+        )
+        findings.append(Finding(SYNC_DIR, message, problem=False))
     logs = _logs(root)
     named: dict[str, tuple[AttachmentRef, str]] = {}
     for rel, kind in logs:
         try:
-            contents = read_log(OsFileSystem(), str(root), rel, kind=kind)
+            contents = read_log(OsFileSystem(), str(root), rel, kind=kind, owed=owed)
         except FileNotFoundError:
             findings.append(Finding(rel, "missing", problem=True))
             continue
@@ -377,8 +393,9 @@ def delivery_records(state_dir: Path, delivery_id: str) -> tuple[list[Record], s
     (its turn never started: its admission and result from the shared logs)."""
     root = state_dir.absolute()
     rel = f"deliveries/{delivery_key(delivery_id)}.log"
+    owed = read_owed(OsFileSystem(), str(root))  # first (J17)
     try:
-        contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.DELIVERY)
+        contents = read_log(OsFileSystem(), str(root), rel, kind=LogKind.DELIVERY, owed=owed)
     except FileNotFoundError:
         contents = None
     admissions = _read_shared(root, ADMISSIONS, LogKind.ADMISSIONS)

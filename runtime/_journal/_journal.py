@@ -26,6 +26,7 @@ from .._linux._fs import FileSystem
 from .._records import KNOWN_TAGS, SCHEMA_VERSION, Compacted, Header, LogKind, Poison, Record
 from ._fence import Fence
 from ._frame import Frame, FrameDamage, scan
+from ._sync_log import Owed, with_owed
 from ._writer import LogTarget, WriterPool
 
 __all__ = ["Journal", "LogContents", "decode_frames", "decode_log", "encode_record", "read_log"]
@@ -201,11 +202,24 @@ def read_poison(fs: FileSystem, path: str) -> Poison | None:
     return decode_poison(data, path=path)
 
 
-def read_log(fs: FileSystem, root: str, rel: str, *, kind: LogKind | None = None) -> LogContents:
-    """Read and decode one log (blocking). ``FileNotFoundError`` if missing."""
+def read_log(
+    fs: FileSystem,
+    root: str,
+    rel: str,
+    *,
+    kind: LogKind | None = None,
+    owed: Owed | None = None,
+) -> LogContents:
+    """Read and decode one log (blocking). ``FileNotFoundError`` if missing. ``owed``, the
+    sync log as :func:`~runtime._journal._sync_log.read_owed` read it (before this call),
+    adds the records it holds for the log that its file does not hold yet (J12): what a
+    read-only view of a state directory must pass for its delivery logs."""
     path = os.path.join(root, rel)
     poison = read_poison(fs, path + ".poison")
-    return decode_log(fs.read(path), rel=rel, kind=kind, poison=poison)
+    data = fs.read(path)
+    if owed and poison is None and (entries := owed.get(rel)):
+        data = with_owed(data, entries)
+    return decode_log(data, rel=rel, kind=kind, poison=poison)
 
 
 class Journal:
@@ -263,6 +277,11 @@ class Journal:
     async def refresh(self) -> list[Record]:
         """Nothing: this process is the file's only writer."""
         return []
+
+    async def flush(self) -> None:
+        """Make the file hold every record acknowledged so far (a delivery's log may owe
+        some to it, made durable in the sync log: J12)."""
+        await self._pool.flush_target(self._target)
 
     async def aclose(self) -> None:
         """Close the file once earlier appends are settled. Idempotent."""

@@ -9,6 +9,8 @@ Layout (docs/design/journal.md)::
       admissions/admissions.log   group-committed admission log (shared)
       deliveries/<hash>.log    one append-only log per delivery
       deliveries/<hash>.log.poison   present only if that log was poisoned
+      sync/<generation>.log    the step sync log: delivery records made durable together,
+                               owed to their files (J12-J17; replayed at open)
       lanes/<hash>/lane.log    one log per lane (epochs, outbox, receipts)
       lanes/<hash>/session.jsonl    the lane's Pi session
       results.log              the numbered result outbox (shared)
@@ -56,6 +58,7 @@ from ._fence import Fence
 from ._frame import encode_frame
 from ._interface import Log
 from ._journal import Journal, LogContents, encode_record, read_log, slimmed
+from ._sync_log import SYNC_DIR, Redone, redo
 from ._writer import TMP_MARK, LogTarget, StagedFile, WriterPool, atomic_write, disk_error
 
 __all__ = [
@@ -170,6 +173,8 @@ class Store:
         """The expired-id filter (RT4): ``delivery_key(id) in store.expired``."""
         self.expired_tasks = ExpiredIds()
         """The expired task ids (RT12): ``lane_key(f"task:{id}") in store.expired_tasks``."""
+        self.redone = Redone(0, 0, (), ())
+        """What the open replayed from the sync log (J14)."""
 
     # -- health --------------------------------------------------------------------
 
@@ -416,6 +421,11 @@ class Store:
         return await trio.to_thread.run_sync(names)
 
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
+        """Read a log whole; an open delivery log's records still owed to its file are
+        written there first (J12)."""
+        journal = self._open.get(rel)
+        if journal is not None:
+            await journal.flush()
         root = str(self.root)
         return await trio.to_thread.run_sync(lambda: read_log(self.fs, root, rel, kind=kind))
 
@@ -443,6 +453,7 @@ class Store:
         target = LogTarget(
             path=path, rel=rel, good_length=0, next_seq=0, poison_path=path + ".poison", create=True
         )
+        target.deferred = kind is LogKind.DELIVERY
         journal = Journal(self._pool, target, LogContents(rel, (header,), 0, 0))
         self._open[rel] = journal
         try:
@@ -478,6 +489,7 @@ class Store:
             poison_path=path + ".poison",
             create=contents.next_seq == 0,
         )
+        target.deferred = kind is LogKind.DELIVERY
         journal = Journal(self._pool, target, contents)
         self._open[rel] = journal
         return journal
@@ -500,8 +512,13 @@ class Store:
             raise first
 
     async def close_log(self, journal: Log) -> None:
-        self._open.pop(journal.rel, None)
-        await journal.aclose()
+        """Close a log; a read meanwhile still finds it open, so it writes what the log owes
+        its file before reading it (J12)."""
+        try:
+            await journal.aclose()
+        finally:
+            if self._open.get(journal.rel) is journal:
+                del self._open[journal.rel]
 
     def _truncate_durably(self, rel: str, length: int) -> None:
         handle = self.fs.open_append(self.path(rel))
@@ -623,8 +640,9 @@ def _sweep_temporaries(fs: FileSystem, root: Path) -> None:
 
 def _take_over(
     root: Path | str, fs: FileSystem, clocks: Clocks
-) -> tuple[Path, int, OwnerRecord, OwnerRecord | None]:
-    """Lock the directory, prove the previous owner dead, write our owner record."""
+) -> tuple[Path, int, OwnerRecord, OwnerRecord | None, Redone]:
+    """Lock the directory, prove the previous owner dead, write our owner record, replay
+    the sync log (J14)."""
     root = Path(root).absolute()
     _prepare_root(root)
     fd = _acquire_lock(root)
@@ -645,16 +663,22 @@ def _take_over(
             started_ms=clocks.wall.time_ms(),
         )
         atomic_write(fs, str(root / OWNER), msgspec.json.encode(owner))
-        for sub in ("admissions", "deliveries", "lanes"):
+        for sub in ("admissions", "deliveries", "lanes", SYNC_DIR):
             path = str(root / sub)
             if not fs.exists(path):
                 fs.makedirs(path)
                 fs.fsync_dir(str(root))
         _sweep_temporaries(fs, root)
+        redone = redo(
+            fs,
+            str(root),
+            now_ms=clocks.wall.time_ms(),
+            write_document=functools.partial(atomic_write, fs),
+        )
     except BaseException:
         os.close(fd)
         raise
-    return root, fd, owner, previous
+    return root, fd, owner, previous, redone
 
 
 @contextlib.asynccontextmanager
@@ -664,6 +688,7 @@ async def open_store(
     clocks: Clocks | None = None,
     fs: FileSystem | None = None,
     writer_shards: int = 8,
+    sync_log: bool = True,
 ) -> AsyncIterator[Store]:
     """Own the state directory at ``root`` for the duration of the block.
 
@@ -677,10 +702,16 @@ async def open_store(
     closed, the writer threads stop, the owner record is removed (a clean
     release) and the lock is let go. The first error of that cleanup is
     raised after all of it ran.
+
+    ``sync_log=False`` makes every delivery log sync its own file, as before J12 (for
+    benchmarks and tests of the per-file path); the sync log a previous run left is still
+    replayed first (J14).
     """
     clocks = clocks or Clocks.system()
     fs = fs or OsFileSystem()
-    path, lock_fd, owner, previous = await trio.to_thread.run_sync(_take_over, root, fs, clocks)
+    path, lock_fd, owner, previous, redone = await trio.to_thread.run_sync(
+        _take_over, root, fs, clocks
+    )
     store: Store | None = None
 
     def poison_document(target: LogTarget, reason: str, errno: int | None) -> bytes:
@@ -697,8 +728,10 @@ async def open_store(
             shards=writer_shards,
             poison_document=poison_document,
             on_disk_failure=on_disk_failure,
+            sync_dir=str(path / SYNC_DIR) if sync_log else None,
         )
         store = Store(path, fs, clocks, pool, owner, previous)
+        store.redone = redone
         try:
             store._adopt(await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions"))
             store._adopt(await store._open_or_create(RESULTS, LogKind.RESULTS, "results"))

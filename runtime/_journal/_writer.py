@@ -44,6 +44,7 @@ from .._errors import DiskFailedError, JournalError, ReasonCode
 from .._linux._fs import FileSystem
 from .._metrics import JOURNAL_APPEND_SECONDS, JOURNAL_BATCH_RECORDS, JOURNAL_FDATASYNC_SECONDS
 from ._frame import encode_frame
+from ._sync_log import ROTATE_BYTES, SYNC_DIR, encode_entry, generation_name
 
 __all__ = [
     "TMP_MARK",
@@ -102,8 +103,15 @@ class LogTarget:
         """Many tasks append at once (a shared log): hand-offs are gathered per scheduler pass.
         Changed only while no append of this target is in flight (the writer assumes a
         target's records reach it in sequence order, so they must all take one path)."""
+        self.deferred = False
+        """A delivery's log: its records may be made durable through its shard's sync log and
+        written to the file later (J12). Set once, before the first append."""
         self._create = create
         self._handle: int | None = None
+        self._pending: list[bytes] = []
+        """Writer side: acknowledged records durable in the sync log, owed to the file."""
+        self._pending_first = 0
+        """The sequence number of ``_pending[0]``."""
 
     def __repr__(self) -> str:
         return f"<LogTarget {self.rel} length={self.good_length} next_seq={self.next_seq}>"
@@ -149,11 +157,37 @@ class _Close(_Handoff):
     __slots__ = ()
 
 
+class _Flush(_Handoff):
+    """Write a log's pending records to its file (and sync it) before it is read (J12)."""
+
+    __slots__ = ()
+
+
 _end_of_pass = trio.lowlevel.cancel_shielded_checkpoint
 """Yield once, uncancellably, so every task runnable in this scheduler pass runs first (a
 test may hold it longer)."""
 
-_Item = _Append | _Close | list[_Append | _Close] | None
+_Work = _Append | _Close | _Flush
+_Item = _Work | list[_Work] | None
+
+
+class _SyncLog:
+    """A writer shard's sync log (J12): the generation being appended, owned by the shard."""
+
+    __slots__ = ("directory", "generation", "handle", "next_seq", "owed", "size")
+
+    def __init__(self, directory: str, generation: int) -> None:
+        self.directory = directory
+        self.generation = generation
+        self.handle: int | None = None
+        self.size = 0
+        self.next_seq = 0
+        self.owed: dict[int, LogTarget] = {}
+        """The logs with pending records, by ``id``."""
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, generation_name(self.generation))
 
 
 class WriterPool:
@@ -161,7 +195,9 @@ class WriterPool:
 
     ``poison_document(target, good_length, reason, errno)`` must return the
     bytes of the poison document; ``on_disk_failure`` is called on the Trio
-    loop with the first disk-level failure.
+    loop with the first disk-level failure. With ``sync_dir`` (a directory :func:`redo`
+    emptied), the logs marked ``deferred`` all belong to shard 0, which makes a batch of
+    several of them durable with one frame and one ``fdatasync`` of its sync log there (J12).
     """
 
     def __init__(
@@ -171,6 +207,8 @@ class WriterPool:
         shards: int,
         poison_document: Callable[[LogTarget, str, int | None], bytes],
         on_disk_failure: Callable[[DiskFailedError], None],
+        sync_dir: str | None = None,
+        rotate_bytes: int = ROTATE_BYTES,
     ) -> None:
         if shards < 1:
             raise ValueError("a writer pool needs at least one shard")
@@ -179,13 +217,15 @@ class WriterPool:
         self._on_disk_failure = on_disk_failure
         self._token = trio.lowlevel.current_trio_token()
         self._queues: list[queue.SimpleQueue[_Item]] = [queue.SimpleQueue() for _ in range(shards)]
+        self._sync = _SyncLog(sync_dir, 0) if sync_dir is not None else None
+        self._rotate_bytes = rotate_bytes
         self._threads = [
             threading.Thread(
                 target=self._run, args=(q,), name=f"pi-runtime-writer-{i}", daemon=True
             )
             for i, q in enumerate(self._queues)
         ]
-        self._staged: list[list[_Append | _Close]] = [[] for _ in range(shards)]
+        self._staged: list[list[_Work]] = [[] for _ in range(shards)]
         """Grouped hand-offs of the current scheduler pass, per shard, not yet handed over:
         only the pass's first stager (waiting for the pass to end) hands them over."""
         self._handed_over = trio.lowlevel.ParkingLot()
@@ -196,7 +236,13 @@ class WriterPool:
     # -- Trio side -----------------------------------------------------------------
 
     def _shard_of(self, target: LogTarget) -> int:
-        return zlib.crc32(target.path.encode()) % len(self._queues)
+        shards = len(self._queues)
+        if self._sync is not None:
+            if target.deferred:
+                return 0
+            if shards > 1:
+                return 1 + zlib.crc32(target.path.encode()) % (shards - 1)
+        return zlib.crc32(target.path.encode()) % shards
 
     async def append(self, target: LogTarget, payload: bytes) -> int:
         """Append one encoded record; return its sequence number once durable.
@@ -215,7 +261,7 @@ class WriterPool:
         JOURNAL_APPEND_SECONDS.observe(perf_seconds() - handed)
         return item.seq
 
-    async def _handoff(self, item: _Append | _Close) -> None:
+    async def _handoff(self, item: _Work) -> None:
         global _in_flight
         _in_flight += 1
         try:
@@ -228,7 +274,7 @@ class WriterPool:
         finally:
             _in_flight -= 1
 
-    async def _stage(self, item: _Append | _Close, shard: int) -> None:
+    async def _stage(self, item: _Work, shard: int) -> None:
         """Add a grouped hand-off to this pass's for its shard. The pass's first stager waits
         for the pass to end, then hands everything staged to the thread as one queue item."""
         staged = self._staged[shard]
@@ -243,10 +289,18 @@ class WriterPool:
             self._handed_over.unpark_all()
 
     async def close_target(self, target: LogTarget) -> None:
-        """Close the file after every append handed over before this call."""
+        """Close the file after every append handed over before this call (its pending
+        records written and synced first, J12)."""
         if self._closed:
             return
         await self._handoff(_Close(target))
+
+    async def flush_target(self, target: LogTarget) -> None:
+        """Write the log's pending records to its file, synced, so that reading the file
+        finds every record acknowledged before this call (J12)."""
+        if self._closed or not target.deferred:
+            return
+        await self._handoff(_Flush(target))
 
     async def aclose(self) -> None:
         """Stop every thread after the work already queued. Idempotent."""
@@ -260,7 +314,7 @@ class WriterPool:
         for thread in self._threads:
             await trio.to_thread.run_sync(thread.join)
 
-    def _deliver(self, items: list[_Append | _Close], failure: DiskFailedError | None) -> None:
+    def _deliver(self, items: list[_Work], failure: DiskFailedError | None) -> None:
         for item in items:
             trio.lowlevel.reschedule(item.task)
         if failure is not None:
@@ -271,7 +325,7 @@ class WriterPool:
     def _run(self, q: queue.SimpleQueue[_Item]) -> None:
         stopping = False
         while not stopping:
-            batch: list[_Append | _Close] = []
+            batch: list[_Work] = []
             item = q.get()
             while True:
                 if item is None:
@@ -293,44 +347,61 @@ class WriterPool:
                     self._token.run_sync_soon(self._deliver, batch, failure)
                 except trio.RunFinishedError:  # pragma: no cover - the run ended first
                     return
-        # close whatever is still open on this shard
-        # (targets are closed individually by close_target; nothing else holds fds)
+        if self._sync is not None and q is self._queues[0]:
+            self._rotate(self._sync)  # every log is closed by now: removes the generation
 
-    def _commit(self, batch: list[_Append | _Close]) -> DiskFailedError | None:
+    def _commit(self, batch: list[_Work]) -> DiskFailedError | None:
         """Write, sync and settle a batch; return a disk failure to report."""
         failure: DiskFailedError | None = None
         pending: dict[int, list[_Append]] = {}
         order: list[LogTarget] = []
 
-        def flush() -> None:
+        def note(error: JournalError | None) -> None:
             nonlocal failure
+            if isinstance(error, DiskFailedError) and failure is None:
+                failure = error
+
+        def flush() -> None:
+            deferred = [t for t in order if t.deferred and t.poisoned is None]
+            if self._sync is not None and len(deferred) > 1:
+                order[:] = [t for t in order if not t.deferred or t.poisoned is not None]
+                note(self._sync_group(self._sync, [(t, pending[id(t)]) for t in deferred]))
             for target in order:
-                error = self._write_group(target, pending[id(target)])
-                if isinstance(error, DiskFailedError) and failure is None:
-                    failure = error
+                note(self._write_group(target, pending[id(target)]))
             pending.clear()
             order.clear()
 
         for item in batch:
-            if isinstance(item, _Close):
-                flush()
-                self._close(item)
+            if isinstance(item, _Append):
+                group = pending.get(id(item.target))
+                if group is None:
+                    group = pending[id(item.target)] = []
+                    order.append(item.target)
+                group.append(item)
                 continue
-            group = pending.get(id(item.target))
-            if group is None:
-                group = pending[id(item.target)] = []
-                order.append(item.target)
-            group.append(item)
+            flush()
+            if item.target._pending:  # a close or a flush: the file first gets its records
+                note(self._write_group(item.target, []))
+            if isinstance(item, _Close):
+                self._close(item)
         flush()
         return failure
 
     def _write_group(self, target: LogTarget, group: list[_Append]) -> JournalError | None:
+        """Write the log's pending records (J12) and ``group`` as one frame, and sync it."""
         if target.poisoned is not None:
             for item in group:
                 item.error = target.poisoned
             return None
         fs = self._fs
-        frame = encode_frame(group[0].seq, [item.payload for item in group])
+        owed = target._pending
+        if owed:
+            first = target._pending_first
+            payloads = [*owed, *(item.payload for item in group)]
+        else:
+            first = group[0].seq
+            payloads = [item.payload for item in group]
+        frame = encode_frame(first, payloads)
         try:
             if target._handle is None:
                 target._handle = fs.open_append(target.path)
@@ -340,7 +411,7 @@ class WriterPool:
             synced = perf_seconds()
             fs.fdatasync(target._handle)
             JOURNAL_FDATASYNC_SECONDS.observe(perf_seconds() - synced)
-            JOURNAL_BATCH_RECORDS.observe(len(group))
+            JOURNAL_BATCH_RECORDS.observe(len(payloads))
             if target._create:
                 fs.fsync_dir(os.path.dirname(target.path))
                 target._create = False
@@ -350,7 +421,87 @@ class WriterPool:
                 item.error = error
             return error
         target.good_length += len(frame)
+        if owed:
+            target._pending = []
+            if self._sync is not None:
+                self._sync.owed.pop(id(target), None)
         return None
+
+    def _sync_group(
+        self, sync: _SyncLog, groups: list[tuple[LogTarget, list[_Append]]]
+    ) -> JournalError | None:
+        """Make the records of several logs durable with one frame of the sync log and one
+        ``fdatasync`` (J12, J13); they stay owed to their files (``_pending``)."""
+        fs = self._fs
+        try:
+            entries: list[bytes] = []
+            for target, group in groups:
+                if target._handle is None:  # J13: the file exists durably before its records
+                    target._handle = fs.open_append(target.path)
+                if target._create:
+                    fs.fsync_dir(os.path.dirname(target.path))
+                    target._create = False
+                entries.append(
+                    encode_entry(target.rel, group[0].seq, [item.payload for item in group])
+                )
+            frame = encode_frame(sync.next_seq, entries)
+            if sync.handle is None:
+                sync.handle = fs.open_append(sync.path)
+                fs.fsync_dir(sync.directory)
+            written = fs.write(sync.handle, frame)
+            if written != len(frame):
+                raise OSError(errno.EIO, f"short write: {written} of {len(frame)} bytes")
+            synced = perf_seconds()
+            fs.fdatasync(sync.handle)
+            JOURNAL_FDATASYNC_SECONDS.observe(perf_seconds() - synced)
+            JOURNAL_BATCH_RECORDS.observe(sum(len(group) for _, group in groups))
+        except OSError as exc:
+            return self._sync_failed(sync, groups, exc)
+        sync.next_seq += len(entries)
+        sync.size += len(frame)
+        for target, group in groups:
+            if not target._pending:
+                target._pending_first = group[0].seq
+                sync.owed[id(target)] = target
+            target._pending.extend(item.payload for item in group)
+        if sync.size >= self._rotate_bytes:
+            self._rotate(sync)
+        return None
+
+    def _sync_failed(
+        self, sync: _SyncLog, groups: list[tuple[LogTarget, list[_Append]]], exc: OSError
+    ) -> JournalError | None:
+        """J15: the sync log's write or sync failed. Its generation is abandoned (after a
+        failed ``fdatasync`` its pages cannot be trusted) and every log of the batch takes
+        its own path instead — its owed and new records written to its file and synced —
+        so only a log whose own file then fails is poisoned. The sync log's error is still a
+        disk failure when its errno says so (J6)."""
+        rel = f"{SYNC_DIR}/{generation_name(sync.generation)}"
+        first: JournalError | None = disk_error(exc, rel)
+        for target, group in groups:
+            error = self._write_group(target, group)
+            if first is None and isinstance(error, DiskFailedError):
+                first = error
+        self._rotate(sync)
+        return first
+
+    def _rotate(self, sync: _SyncLog) -> None:
+        """Write every pending record to its file, synced, then remove the generation and
+        start the next one (J12). A log whose write fails is poisoned (J5)."""
+        for target in list(sync.owed.values()):
+            self._write_group(target, [])
+        sync.owed.clear()
+        fs = self._fs
+        if sync.handle is not None:
+            with contextlib.suppress(OSError):
+                fs.close(sync.handle)
+            sync.handle = None
+        with contextlib.suppress(OSError):  # if it stays, the next open's redo finds it done
+            fs.unlink(sync.path)
+            fs.fsync_dir(sync.directory)
+        sync.generation += 1
+        sync.size = 0
+        sync.next_seq = 0
 
     def _poison(self, target: LogTarget, exc: OSError) -> JournalError:
         """Truncate back to the last good frame, record the poison, refuse more."""
@@ -365,6 +516,9 @@ class WriterPool:
             f"an earlier append failed ({reason}); the log accepts no more records",
             path=target.rel,
         )
+        target._pending = []
+        if self._sync is not None:
+            self._sync.owed.pop(id(target), None)
         fs = self._fs
         try:
             if target._handle is not None:

@@ -52,6 +52,7 @@ import trio
 from runtime import JournalError, ReasonCode, open_store
 from runtime._journal._journal import LogContents, encode_record, read_log
 from runtime._journal._store import ADMISSIONS, LOCK, OWNER, RESULTS, delivery_key, lane_key
+from runtime._journal._sync_log import read_owed
 from runtime._linux._fs import OsFileSystem
 from runtime._linux._proc import ProcessIdentity, identity_of
 from runtime._records import Header, LogKind
@@ -441,16 +442,21 @@ def _read_all(state: StateDir, stats: Stats) -> dict[str, LogContents]:
     root = state.root
     fs = OsFileSystem()
     read: dict[str, LogContents] = {}
+    owed = read_owed(fs, str(root))  # before the logs, as a read-only view must (J17)
     for rel in sorted(_log_rels(root) | set(state.acked)):
         path = root / rel
         if not path.exists():
             state.fail(f"{rel} has acknowledged records but no file")
         info = path.stat()
         fingerprint = (info.st_ino, info.st_size, info.st_mtime_ns)
-        if state.verified.get(rel) == fingerprint and rel not in (ADMISSIONS, RESULTS):
+        if (
+            state.verified.get(rel) == fingerprint
+            and rel not in (ADMISSIONS, RESULTS)
+            and rel not in owed
+        ):
             continue
         try:
-            contents = read_log(fs, str(root), rel)
+            contents = read_log(fs, str(root), rel, owed=owed)
         except JournalError as exc:
             # J4 would fail closed with a stable code; after a SIGKILL nothing may.
             state.fail(f"{rel} does not read cleanly after a SIGKILL: {exc} (code {exc.code})")
@@ -460,7 +466,7 @@ def _read_all(state: StateDir, stats: Stats) -> dict[str, LogContents]:
         if contents.torn_bytes:
             stats.torn_tails += 1
             stats.torn_bytes += contents.torn_bytes
-            assert contents.good_length + contents.torn_bytes == info.st_size
+            assert rel in owed or contents.good_length + contents.torn_bytes == info.st_size
         _check_log(state, rel, contents)
         state.verified[rel] = fingerprint
         read[rel] = contents

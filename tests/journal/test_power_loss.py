@@ -24,6 +24,7 @@ from runtime import Journal, JournalError, ReasonCode, Store, open_store
 from runtime._errors import DiskFailedError
 from runtime._journal._journal import LogContents, decode_log, encode_record
 from runtime._journal._store import ADMISSIONS
+from runtime._journal._sync_log import SYNC_DIR, owed_in, with_owed
 from runtime._journal._writer import atomic_write
 from runtime._records import Admission, Fingerprints, OutboxAction, Record
 
@@ -86,14 +87,23 @@ async def _append_all(
         except (OSError, JournalError):
             return
         ledger.acked.setdefault(rel, {})[seq] = record
-        durable = _durable_records(fs, store.path(rel), rel)
+        durable = _durable_records(fs, store.root, rel)
         assert len(durable) > seq, f"seed {ledger.seed}: {rel}#{seq} acknowledged, not durable"
         assert durable[seq] == record, f"seed {ledger.seed}: {rel}#{seq} differs"
 
 
-def _durable_records(fs: PowerLossFileSystem, path: str, rel: str) -> tuple[Record, ...]:
-    """The records of ``path`` that survive any power loss (J1)."""
-    data = fs.durable_read(path)
+def _durable_records(fs: PowerLossFileSystem, root: Path, rel: str) -> tuple[Record, ...]:
+    """The records of ``rel`` that survive any power loss (J1): its file's, and those the
+    sync log holds for it (J12), which the next open writes to the file (J14)."""
+    data = fs.durable_read(str(root / rel)) or b""
+    sync = f"{root / SYNC_DIR}/"
+    generations = sorted(
+        (path.removeprefix(sync), content)
+        for path, content in fs.durable_snapshot().items()
+        if path.startswith(sync) and path.endswith(".log")
+    )
+    if entries := owed_in(generations).get(rel):
+        data = with_owed(data, entries)
     if not data:
         return ()
     try:

@@ -29,7 +29,8 @@ async def test_layout_and_private_modes(tmp_path: Path) -> None:
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     names = sorted(p.name for p in root.iterdir())
     # owner.json is there while the store is open and removed on a clean release (J9)
-    assert names == ["LOCK", "admissions", "deliveries", "lanes", "results.log"]
+    assert names == ["LOCK", "admissions", "deliveries", "lanes", "results.log", "sync"]
+    assert not list((root / "sync").iterdir())  # J12: a clean release leaves nothing owed
     assert stat.S_IMODE((root / "results.log").stat().st_mode) == 0o600
 
 

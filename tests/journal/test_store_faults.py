@@ -6,8 +6,10 @@ through a crash between sessions). Part two injects faults with
 :class:`tests.faultfs.FaultyFileSystem` over the real file system: the N-th
 write / sync / rename / truncate fails before, after or short, during a
 concurrent workload, and the store must poison exactly the log it hit, report
-the disk, and reopen to exactly the acknowledged records. Part three damages
-real log files byte by byte: only a torn final frame is forgiven.
+the disk, and reopen to exactly the acknowledged records. Part two runs the store with
+every log syncing its own file (``sync_log=False``): a fault aimed at one log's file must hit
+that file. What the sync log does with a fault (J15) is ``test_sync_log.py``'s. Part three
+damages real log files byte by byte: only a torn final frame is forgiven.
 """
 
 from __future__ import annotations
@@ -605,7 +607,7 @@ async def _run_fault(root: Path, fault: Fault) -> None:
     workload = Workload(root)
     code = _expected_code(fault.kind, fault.when, fault.errno)
     with trio.fail_after(20):
-        async with open_store(root, fs=faulty) as store:
+        async with open_store(root, fs=faulty, sync_log=False) as store:
             await workload.run(store, faulty)
             assert len(faulty.hits) == 1, faulty.hits
             hit = [name for name, run in workload.logs.items() if run.errors]
@@ -694,7 +696,7 @@ async def test_a_dying_disk_keeps_failing(tmp_path: Path, kind: OpKind) -> None:
     faulty = FaultyFileSystem(OsFileSystem(), Fault(kind, 3, "before", sticky=True), armed=False)
     workload = Workload(root)
     with trio.fail_after(20):
-        async with open_store(root, fs=faulty) as store:
+        async with open_store(root, fs=faulty, sync_log=False) as store:
             await workload.run(store, faulty)
             hit = {name for name, run in workload.logs.items() if run.errors}
             assert hit, faulty.hits
@@ -738,7 +740,7 @@ async def test_failed_truncate_is_bounded_by_the_poison_document(
         armed=False,
     )
     with trio.fail_after(10):
-        async with open_store(root, fs=faulty) as store:
+        async with open_store(root, fs=faulty, sync_log=False) as store:
             faulty.arm()
             log = await store.create_delivery_log("d0")  # write 1
             assert await log.append(_action("d0", 1)) == 1  # write 2
@@ -770,7 +772,7 @@ async def test_poison_document_that_cannot_be_renamed_in(tmp_path: Path) -> None
         armed=False,
     )
     with trio.fail_after(10):
-        async with open_store(root, fs=faulty) as store:
+        async with open_store(root, fs=faulty, sync_log=False) as store:
             faulty.arm()
             log = await store.create_delivery_log("d0")
             with pytest.raises(DiskFailedError):
@@ -805,7 +807,7 @@ async def test_document_replace_under_faults(
     versions = [f"version {v} ".encode() * (v + 1) for v in range(4)]
     faulty = FaultyFileSystem(OsFileSystem(), Fault(kind, nth, when), armed=False)
     with trio.fail_after(10):
-        async with open_store(root, fs=faulty) as store:
+        async with open_store(root, fs=faulty, sync_log=False) as store:
             await store.write_document(DOC, versions[0])
             faulty.arm()
             failed: int | None = None
@@ -834,7 +836,7 @@ async def test_document_disk_failure_is_a_disk_failure(tmp_path: Path) -> None:
     root = tmp_path / "state"
     faulty = FaultyFileSystem(OsFileSystem(), Fault("sync", 1, "before"), armed=False)
     with trio.fail_after(10):
-        async with open_store(root, fs=faulty) as store:
+        async with open_store(root, fs=faulty, sync_log=False) as store:
             faulty.arm()
             with pytest.raises((OSError, JournalError)):
                 await store.write_document(DOC, b"x")
@@ -854,7 +856,7 @@ async def test_store_releases_its_writers_when_a_close_fails(tmp_path: Path) -> 
     before = writers()
     with trio.fail_after(10):
         with pytest.raises(OSError, match="injected into close"):  # noqa: PT012
-            async with open_store(root, fs=faulty) as store:
+            async with open_store(root, fs=faulty, sync_log=False) as store:
                 for d in DELIVERIES:
                     log = await store.create_delivery_log(d)
                     await log.append(_action(d, 1))

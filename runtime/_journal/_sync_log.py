@@ -1,0 +1,276 @@
+"""The step sync log: one ``fdatasync`` for the step records of many deliveries (journal.md
+J12-J17, issue #23 item 3).
+
+A batch of a writer shard that holds records of two or more delivery logs is made durable by
+appending **one** frame to the shard's sync log, ``sync/<generation>.log``, and syncing that
+file alone. Each entry of the frame names a delivery log and the records it gained, in that
+log's own sequence::
+
+    ["deliveries/<key>.log", <first seq>, [<record>, <record>, ...]]
+
+The records stay in memory, owed to their delivery's file (the target's *pending* records),
+and reach the file — written and synced, as one frame — when the log is read or closed, when a
+single-log batch appends to it anyway, or when the sync log is rotated (it has grown past
+:data:`ROTATE_BYTES`: every pending record is written and synced, then the generation is
+removed). So a delivery's file always holds, durably, every acknowledged record but its
+pending ones, and those are in the sync log.
+
+After a crash (a power loss: a killed process leaves its writes in the page cache),
+:func:`redo` replays the sync log before anything reads a delivery log: an entry's records
+that its file lacks are appended to it, and the file is synced; then the generations are
+removed. This module is the frame's encoding and the redo; the writer thread
+(:mod:`runtime._journal._writer`) does the appending.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+
+from .._errors import JournalError, ReasonCode
+from .._linux._fs import FileSystem
+from .._records import Poison
+from ._frame import FrameDamage, encode_frame, scan
+
+__all__ = [
+    "ROTATE_BYTES",
+    "SYNC_DIR",
+    "Owed",
+    "Redone",
+    "encode_entry",
+    "generation_name",
+    "owed_in",
+    "read_owed",
+    "redo",
+    "with_owed",
+]
+
+Owed = dict[str, list[tuple[int, list[bytes]]]]
+"""What the sync log holds, by log: ``(first seq, records)`` in the order appended."""
+
+SYNC_DIR: Final = "sync"
+"""The sync log's directory, relative to the state directory."""
+ROTATE_BYTES: Final = 4 * 1024 * 1024
+"""A generation past this many bytes is rotated: its pending records written to their files."""
+
+_ENTRY: Final = msgspec.json.Decoder(tuple[str, int, list[msgspec.Raw]])
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+def generation_name(generation: int) -> str:
+    return f"{generation:016d}.log"
+
+
+def encode_entry(rel: str, first_seq: int, payloads: Sequence[bytes]) -> bytes:
+    """One entry of a sync log frame: ``rel`` gained ``payloads`` from ``first_seq`` on."""
+    return b"[%s,%d,[%s]]" % (_ENCODER.encode(rel), first_seq, b",".join(payloads))
+
+
+@dataclass(frozen=True, slots=True)
+class Redone:
+    """What :func:`redo` did."""
+
+    generations: int
+    """Sync log generations read (and removed)."""
+    records: int
+    """Records appended to delivery logs that lacked them."""
+    logs: tuple[str, ...]
+    """The logs that gained records, relative to the state directory."""
+    poisoned: tuple[str, ...]
+    """Logs that had a gap below the sync log's records (J16): poisoned, never replayed."""
+
+
+class _File:
+    """A delivery log as redo found it."""
+
+    __slots__ = ("changed", "good_length", "next_seq", "skip")
+
+    def __init__(self, good_length: int, next_seq: int, *, skip: bool) -> None:
+        self.good_length = good_length
+        self.next_seq = next_seq
+        self.skip = skip
+        """Missing, poisoned or damaged: left as it is (J15)."""
+        self.changed = False
+
+
+def redo(
+    fs: FileSystem, root: str, *, now_ms: int, write_document: Callable[[str, bytes], None]
+) -> Redone:
+    """Replay every sync log generation under ``root`` into the delivery logs (blocking; at
+    ``open_store``, before anything reads a log); ``write_document(path, data)`` replaces a
+    file atomically (a poison document, J16). Raises :class:`JournalError`
+    (``journal_corrupt``, ``journal_sequence_gap``) naming the generation and offset when one
+    is damaged other than by a torn tail: what it acknowledged cannot be known, so nothing
+    starts (J14)."""
+    directory = os.path.join(root, SYNC_DIR)
+    if not fs.exists(directory):
+        return Redone(0, 0, (), ())
+    names = _generations(fs, directory)
+    files: dict[str, _File] = {}
+    records = 0
+    poisoned: list[str] = []
+    generations = ((name, fs.read(os.path.join(directory, name))) for name in names)
+    for decoded in _entries(generations):
+        for rel, first, payloads in decoded:
+            file = files.get(rel)
+            if file is None:
+                file = files[rel] = _look(fs, root, rel)
+            if file.skip or first + len(payloads) <= file.next_seq:
+                continue  # the file holds them (or is left as it is)
+            if first > file.next_seq:  # J16: a gap no entry fills
+                write_document(
+                    os.path.join(root, rel) + ".poison", _poison(rel, file, first, now_ms=now_ms)
+                )
+                file.skip = True
+                poisoned.append(rel)
+                continue
+            owed = [bytes(p) for p in payloads[file.next_seq - first :]]
+            _append(fs, os.path.join(root, rel), file, encode_frame(file.next_seq, owed))
+            file.next_seq += len(owed)
+            records += len(owed)
+    for rel, file in files.items():
+        if file.changed and not file.skip:
+            _sync(fs, os.path.join(root, rel))
+    for name in names:
+        fs.unlink(os.path.join(directory, name))
+    if names:
+        fs.fsync_dir(directory)
+    changed = tuple(sorted(rel for rel, file in files.items() if file.changed))
+    return Redone(len(names), records, changed, tuple(poisoned))
+
+
+def read_owed(fs: FileSystem, root: str) -> Owed:
+    """What the sync log holds, by log, read without changing anything (a read-only view of
+    a state directory, perhaps while its server runs: read it **before** the logs, since a
+    record leaves the sync log only after it reached its file, J17). Raises like
+    :func:`redo`."""
+    directory = os.path.join(root, SYNC_DIR)
+    if not fs.exists(directory):
+        return {}
+    generations: list[tuple[str, bytes]] = []
+    for name in _generations(fs, directory):
+        try:
+            generations.append((name, fs.read(os.path.join(directory, name))))
+        except FileNotFoundError:  # rotated away meanwhile: its records reached their files
+            continue
+    return owed_in(generations)
+
+
+def owed_in(generations: Sequence[tuple[str, bytes]]) -> Owed:
+    """What the sync log generations ``(name, bytes)`` hold, by log (:func:`read_owed`)."""
+    owed: Owed = {}
+    for decoded in _entries(generations):
+        for rel, first, payloads in decoded:
+            owed.setdefault(rel, []).append((first, [bytes(p) for p in payloads]))
+    return owed
+
+
+def with_owed(data: bytes, owed: list[tuple[int, list[bytes]]]) -> bytes:
+    """A log file's bytes as :func:`redo` would leave them: the records of ``owed`` it lacks
+    appended as frames (its torn tail cut first). A file that does not scan is returned as it
+    is (reading it fails closed), and a gap is kept as a gap (reading it fails closed)."""
+    try:
+        found = scan(data)
+    except FrameDamage:
+        return data
+    next_seq, frames = found.next_seq, []
+    for first, payloads in owed:
+        if first + len(payloads) <= next_seq:
+            continue
+        start = max(first, next_seq)
+        frames.append(encode_frame(start, payloads[start - first :]))
+        next_seq = first + len(payloads)
+    if not frames:
+        return data
+    return data[: found.good_length] + b"".join(frames)
+
+
+def _generations(fs: FileSystem, directory: str) -> list[str]:
+    return [name for name in fs.listdir(directory) if name.endswith(".log")]
+
+
+def _entries(
+    generations: Iterable[tuple[str, bytes]],
+) -> Iterator[list[tuple[str, int, list[msgspec.Raw]]]]:
+    """The decoded entries of each frame of the generations ``(name, bytes)``, in order."""
+    for name, data in generations:
+        rel_name = f"{SYNC_DIR}/{name}"
+        try:
+            frames = scan(data).frames
+        except FrameDamage as damage:
+            raise JournalError(
+                damage.code, damage.detail, path=rel_name, offset=damage.offset
+            ) from damage
+        for frame in frames:
+            try:
+                entries = msgspec.json.decode(frame.body, type=list[msgspec.Raw])
+                yield [_ENTRY.decode(entry) for entry in entries]
+            except msgspec.DecodeError as error:
+                raise JournalError(
+                    ReasonCode.JOURNAL_CORRUPT,
+                    f"unreadable sync log entry: {error}",
+                    path=rel_name,
+                    offset=frame.offset,
+                ) from error
+
+
+def _look(fs: FileSystem, root: str, rel: str) -> _File:
+    path = os.path.join(root, rel)
+    if not fs.exists(path):
+        # Removed by retention after its records were synced to it: a log's file is made
+        # durable (directory entry included) before any record of it is acknowledged (J13).
+        return _File(0, 0, skip=True)
+    if fs.exists(path + ".poison"):
+        return _File(0, 0, skip=True)  # never replayed (J5)
+    try:
+        found = scan(fs.read(path))
+    except FrameDamage:
+        return _File(0, 0, skip=True)  # fails closed when its delivery is recovered (J4)
+    file = _File(found.good_length, found.next_seq, skip=False)
+    if found.torn_bytes:  # cut the torn tail before appending after it (J3)
+        handle = fs.open_append(path)
+        try:
+            fs.truncate(handle, found.good_length)
+        finally:
+            fs.close(handle)
+        file.changed = True
+    return file
+
+
+def _append(fs: FileSystem, path: str, file: _File, frame: bytes) -> None:
+    handle = fs.open_append(path)
+    try:
+        written = fs.write(handle, frame)
+        if written != len(frame):
+            raise OSError(5, f"short write: {written} of {len(frame)} bytes")
+    finally:
+        fs.close(handle)
+    file.good_length += len(frame)
+    file.changed = True
+
+
+def _sync(fs: FileSystem, path: str) -> None:
+    handle = fs.open_append(path)
+    try:
+        fs.fdatasync(handle)
+    finally:
+        fs.close(handle)
+
+
+def _poison(rel: str, file: _File, first: int, *, now_ms: int) -> bytes:
+    return _ENCODER.encode(
+        Poison(
+            log_path=rel,
+            good_length=file.good_length,
+            reason=(
+                f"the sync log holds this log's records from {first} on, but its file ends "
+                f"at record {file.next_seq}: the records between are lost; it is not replayed"
+            ),
+            errno=None,
+            poisoned_ms=now_ms,
+        )
+    )

@@ -1,0 +1,381 @@
+"""The step sync log (docs/design/journal.md J12-J17): the records of several delivery logs
+made durable by one frame and one ``fdatasync`` of ``sync/<generation>.log``, owed to their
+files until a read, a close or a rotation writes them there, and replayed after a crash.
+
+Each test makes the writer take one batch of several logs on purpose: the first append, to a
+log of its own, is held inside its ``write`` until the other appends are queued behind it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import trio
+import trio.testing
+
+from runtime import JournalError, ReasonCode, Store, open_store
+from runtime._journal._frame import encode_frame
+from runtime._journal._inspect import delivery_records, verify_journal
+from runtime._journal._journal import Journal, encode_record, read_log
+from runtime._journal._sync_log import SYNC_DIR, encode_entry, generation_name, read_owed
+from runtime._linux._fs import FileSystem, OsFileSystem
+from runtime._records import OutboxAction, Record
+from tests.faultfs import Fault, FaultyFileSystem, OpKind, PowerLossFileSystem, When
+
+LOGS = 4
+
+
+def _record(name: str) -> Record:
+    return OutboxAction(action_id=name, kind="step", state="done")
+
+
+class Holding:
+    """Wraps a file system; :meth:`hold` makes the next ``write`` to a path containing a
+    string wait (on the writer thread) until :meth:`release`. Counts ``fdatasync`` by path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.syncs: list[str] = []
+        self._paths: dict[int, str] = {}
+        self._hold: str | None = None
+        self.held = threading.Event()
+        self._released = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def open_append(self, path: str) -> int:
+        handle = int(self.inner.open_append(path))
+        self._paths[handle] = path
+        return handle
+
+    def write(self, handle: int, data: bytes) -> int:
+        path = self._paths.get(handle, "")
+        if self._hold is not None and self._hold in path:
+            self._hold = None
+            self.held.set()
+            self._released.wait(10)
+        return int(self.inner.write(handle, data))
+
+    def fdatasync(self, handle: int) -> None:
+        self.syncs.append(self._paths.get(handle, "?"))
+        self.inner.fdatasync(handle)
+
+    def hold(self, part: str) -> None:
+        self.held.clear()
+        self._released.clear()
+        self._hold = part
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def _fs(fs: Holding) -> FileSystem:
+    return cast(FileSystem, fs)
+
+
+async def _one_batch(fs: Holding, store: Store, logs: list[Journal], tag: str) -> list[int]:
+    """Append one record to each of ``logs`` so that the writer takes them as one batch:
+    behind an append to a log of its own (``hold-<tag>``) held in its ``write``."""
+    holder = await store.create_delivery_log(f"hold-{tag}")
+    fs.hold(holder.rel)
+    seqs: list[int] = [0] * len(logs)
+
+    async def append(i: int) -> None:
+        seqs[i] = await logs[i].append(_record(f"{tag}-{i}"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(holder.append, _record(f"{tag}-hold"))
+        await trio.to_thread.run_sync(fs.held.wait, 10)
+        for i in range(len(logs)):
+            nursery.start_soon(append, i)
+        await trio.testing.wait_all_tasks_blocked()
+        fs.syncs.clear()
+        fs.release()
+    return seqs
+
+
+def _file_records(root: Path, rel: str) -> int:
+    return read_log(OsFileSystem(), str(root), rel).next_seq
+
+
+async def test_j12_a_batch_of_several_logs_is_one_sync_and_its_records_owed_to_the_files(
+    tmp_path: Path,
+) -> None:
+    """J12: the batch costs one ``fdatasync`` (the sync log's) for every log in it; each
+    file lacks its new record until it is read (then it holds it), and a clean close leaves
+    every record in its file and nothing in ``sync/``."""
+    root = tmp_path / "state"
+    fs = Holding(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            assert await _one_batch(fs, store, logs, "a") == [1] * LOGS
+            synced = [path for path in fs.syncs if "/deliveries/" in path]
+            assert len(synced) == 1, fs.syncs  # the held log's own, not one per log
+            assert [p for p in fs.syncs if f"/{SYNC_DIR}/" in p] == [
+                str(root / SYNC_DIR / generation_name(0))
+            ]
+            for log in logs[1:]:
+                assert _file_records(root, log.rel) == 1  # the header only: owed
+            contents = await store.read(logs[0].rel)  # a read writes what is owed first
+            assert contents.records[1] == _record("a-0")
+            assert _file_records(root, logs[0].rel) == 2
+        assert not os.listdir(root / SYNC_DIR)
+        for i, log in enumerate(logs):
+            assert read_log(OsFileSystem(), str(root), log.rel).records[1] == _record(f"a-{i}")
+
+
+async def test_j14_after_a_power_loss_the_open_writes_the_owed_records_to_their_files(
+    tmp_path: Path,
+) -> None:
+    """J14, J1, J2: records acknowledged through the sync log survive a power loss that
+    takes every unsynced byte of their files: the next open appends them, syncs the files
+    and removes the generation; a second power loss right after loses nothing."""
+    root = tmp_path / "state"
+    power = PowerLossFileSystem(root)
+    fs = Holding(power)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "a")
+            rels = [log.rel for log in logs]
+            power.cut_after(0)  # the power goes: the store's exit writes nothing more
+        power.crash(random.Random(2))
+        async with open_store(root, fs=_fs(fs)) as store:
+            assert store.redone.records == LOGS
+            assert sorted(store.redone.logs) == sorted(rels)
+            assert not power.listdir(str(root / SYNC_DIR))
+        power.crash(random.Random(3))
+        async with open_store(root, fs=_fs(fs)) as store:
+            assert store.redone.generations == 0
+            for i, rel in enumerate(rels):
+                assert (await store.read(rel)).records[1:] == (_record(f"a-{i}"),)
+
+
+@pytest.mark.parametrize(
+    ("kind", "when"),
+    [
+        ("write", "before"),
+        ("write", "after"),
+        ("write", "short"),
+        ("sync", "before"),
+        ("sync", "after"),
+    ],
+)
+async def test_j15_a_failed_sync_log_append_poisons_no_log(
+    tmp_path: Path, kind: OpKind, when: When
+) -> None:
+    """J15, J6: when the sync log's write or sync fails, every log of the batch takes its own
+    path (its records written to its file and synced): each append is acknowledged, no log
+    is poisoned, the disk failure is reported (EIO), and the logs read whole after a
+    restart."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(
+        OsFileSystem(),
+        Fault(kind, 1, when, path_contains=f"/{SYNC_DIR}/"),
+        armed=False,
+    )
+    fs = Holding(faulty)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            faulty.arm()
+            assert await _one_batch(fs, store, logs, "a") == [1] * LOGS
+            assert len(faulty.hits) == 1, faulty.hits
+            assert store.disk_failure is not None
+            assert store.disk_failure.code is ReasonCode.DISK_FAILED
+            assert not any(log.poisoned for log in logs)
+            faulty.disarm()
+            for i, log in enumerate(logs):  # they go on appending
+                assert await log.append(_record(f"b-{i}")) == 2
+        assert not list((root / "deliveries").glob("*.poison"))
+        async with open_store(root) as store:
+            for i, log in enumerate(logs):
+                records = (await store.read(log.rel)).records[1:]
+                assert records == (_record(f"a-{i}"), _record(f"b-{i}"))
+
+
+async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alone_is_poisoned(
+    tmp_path: Path,
+) -> None:
+    """J15, J5: writing a log's owed records to its file fails: that log alone is poisoned
+    (its later appends refused, a poison document written), every other log of the same
+    sync log batch reads whole, now and after a restart."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = Holding(faulty)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "a")
+            faulty.arm(Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel))
+            await store.read(logs[0].rel)  # its owed record's write fails
+            assert logs[0].poisoned
+            with pytest.raises(JournalError) as refused:
+                await logs[0].append(_record("after"))
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            for i, log in enumerate(logs[1:], start=1):
+                assert (await store.read(log.rel)).records[1:] == (_record(f"a-{i}"),)
+        assert (root / (logs[0].rel + ".poison")).exists()
+        async with open_store(root) as store:
+            for i, log in enumerate(logs[1:], start=1):
+                assert (await store.read(log.rel)).records[1:] == (_record(f"a-{i}"),)
+            with pytest.raises(JournalError) as refused:
+                await store.open_delivery_log("d0")
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+
+
+async def test_j12_a_generation_past_its_size_is_rotated_into_the_files(tmp_path: Path) -> None:
+    """J12: once a generation passes its size, every owed record is written to its file and
+    synced, the generation is removed, and the next batch starts the next one."""
+    root = tmp_path / "state"
+    fs = Holding(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            store._pool._rotate_bytes = 1  # every batch rotates
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "a")
+            assert os.listdir(root / SYNC_DIR) == []
+            for i, log in enumerate(logs):
+                assert read_log(OsFileSystem(), str(root), log.rel).records[1] == _record(f"a-{i}")
+            await _one_batch(fs, store, logs, "b")
+            assert str(root / SYNC_DIR / generation_name(1)) in fs.syncs
+
+
+def _state_with_logs(root: Path, names: list[str]) -> list[str]:
+    """A closed state directory whose delivery logs ``names`` hold their header only."""
+
+    async def make() -> list[str]:
+        async with open_store(root) as store:
+            return [(await store.create_delivery_log(name)).rel for name in names]
+
+    return trio.run(make)
+
+
+def _generation(root: Path, frames: list[bytes], number: int = 0) -> None:
+    (root / SYNC_DIR / generation_name(number)).write_bytes(b"".join(frames))
+
+
+def _entry_frame(seq: int, entries: list[tuple[str, int, list[Record]]]) -> bytes:
+    return encode_frame(
+        seq,
+        [
+            encode_entry(rel, first, [encode_record(r) for r in records])
+            for rel, first, records in entries
+        ],
+    )
+
+
+def test_j14_a_torn_final_frame_of_the_sync_log_is_forgiven(tmp_path: Path) -> None:
+    """J14, J3: the sync log's torn final frame held nothing acknowledged: the open applies
+    the frames before it and drops it."""
+    root = tmp_path / "state"
+    rel0, rel1 = _state_with_logs(root, ["d0", "d1"])
+    good = _entry_frame(0, [(rel0, 1, [_record("x")])])
+    torn = _entry_frame(1, [(rel1, 1, [_record("y")])])
+    _generation(root, [good, torn[: len(torn) // 2]])
+
+    async def check() -> None:
+        async with open_store(root) as store:
+            assert store.redone.records == 1
+            assert (await store.read(rel0)).records[1:] == (_record("x"),)
+            assert (await store.read(rel1)).next_seq == 1
+
+    trio.run(check)
+
+
+def test_j14_damage_in_the_sync_log_stops_the_open(tmp_path: Path) -> None:
+    """J14, J4: a damaged frame followed by a good one: what the sync log acknowledged
+    cannot be known, so nothing starts; the error names the generation and the offset."""
+    root = tmp_path / "state"
+    rel0, rel1 = _state_with_logs(root, ["d0", "d1"])
+    first = bytearray(_entry_frame(0, [(rel0, 1, [_record("x")])]))
+    first[-3] ^= 0x01
+    _generation(root, [bytes(first), _entry_frame(1, [(rel1, 1, [_record("y")])])])
+
+    async def check() -> None:
+        async with open_store(root):
+            pass
+
+    with pytest.raises(JournalError) as refused:
+        trio.run(check)
+    assert refused.value.code is ReasonCode.JOURNAL_CORRUPT
+    assert refused.value.path == f"{SYNC_DIR}/{generation_name(0)}"
+    assert refused.value.offset == 0
+
+
+def test_j16_a_gap_below_the_sync_logs_records_poisons_that_log_alone(tmp_path: Path) -> None:
+    """J16: the sync log holds a log's records from seq 2 on, its file ends at 1: the records
+    between are lost, so the log is poisoned (never replayed, never read short as whole); the
+    other log's entry is applied; a log whose file is gone is left gone (J13)."""
+    root = tmp_path / "state"
+    rel0, rel1 = _state_with_logs(root, ["d0", "d1"])
+    gone = Store.delivery_rel("gone")
+    _generation(
+        root,
+        [
+            _entry_frame(
+                0,
+                [
+                    (rel0, 2, [_record("late")]),
+                    (rel1, 1, [_record("y")]),
+                    (gone, 1, [_record("z")]),
+                ],
+            )
+        ],
+    )
+
+    async def check() -> None:
+        async with open_store(root) as store:
+            assert store.redone.poisoned == (rel0,)
+            assert store.redone.logs == (rel1,)
+            assert (await store.read(rel1)).records[1:] == (_record("y"),)
+            with pytest.raises(JournalError) as refused:
+                await store.open_delivery_log("d0")
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            assert not await store.exists(gone)
+
+    trio.run(check)
+
+
+def test_j14_entries_a_file_already_holds_are_not_written_again(tmp_path: Path) -> None:
+    """J14: redo is idempotent: an entry whose records the file holds (a crash after they
+    were written, before the generation was removed) changes nothing; one that overlaps the
+    file's end adds only what it lacks."""
+    root = tmp_path / "state"
+    (rel0,) = _state_with_logs(root, ["d0"])
+    _generation(root, [_entry_frame(0, [(rel0, 1, [_record("x")])])], number=0)
+    _generation(root, [_entry_frame(0, [(rel0, 1, [_record("x"), _record("y")])])], number=1)
+
+    async def check() -> None:
+        async with open_store(root) as store:
+            assert store.redone.records == 2
+            assert (await store.read(rel0)).records[1:] == (_record("x"), _record("y"))
+
+    trio.run(check)
+
+
+async def test_j17_a_read_only_view_finds_the_owed_records(tmp_path: Path) -> None:
+    """J17: while the server runs (its records owed to their files), ``journal verify`` and
+    ``journal show`` read the sync log first and find every acknowledged record."""
+    root = tmp_path / "state"
+    fs = Holding(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "a")
+            assert _file_records(root, logs[1].rel) == 1
+            owed = read_owed(OsFileSystem(), str(root))
+            assert sorted(owed) == sorted(log.rel for log in logs)
+            _logs, findings = await trio.to_thread.run_sync(verify_journal, root)
+            assert not [f for f in findings if f.problem], findings
+            assert any(f.rel == SYNC_DIR and not f.problem for f in findings)
+            records, _note = await trio.to_thread.run_sync(delivery_records, root, "d1")
+            assert _record("a-1") in records
