@@ -433,18 +433,31 @@ class WriterPool:
         """Make the records of several logs durable with one frame of the sync log and one
         ``fdatasync`` (J12, J13); they stay owed to their files (``_pending``)."""
         fs = self._fs
-        try:
-            entries: list[bytes] = []
-            for target, group in groups:
-                if target._handle is None:  # J13: the file exists durably before its records
-                    target._handle = fs.open_append(target.path)
+        failure: JournalError | None = None
+        ready: list[tuple[LogTarget, list[_Append]]] = []
+        for target, group in groups:
+            try:
+                if target._handle is None:  # J13: the file is durable before its records
+                    target._handle = fs.open_append(target.path)  # (a new one: owes nothing)
                 if target._create:
                     fs.fsync_dir(os.path.dirname(target.path))
                     target._create = False
-                entries.append(
-                    encode_entry(target.rel, group[0].seq, [item.payload for item in group])
-                )
-            frame = encode_frame(sync.next_seq, entries)
+            except OSError as exc:  # this log's own fault (J15)
+                error = self._poison(target, exc)
+                for item in group:
+                    item.error = error
+                if failure is None and isinstance(error, DiskFailedError):
+                    failure = error
+                continue
+            ready.append((target, group))
+        if not ready:
+            return failure
+        entries = [
+            encode_entry(target.rel, group[0].seq, [item.payload for item in group])
+            for target, group in ready
+        ]
+        frame = encode_frame(sync.next_seq, entries)
+        try:
             if sync.handle is None:
                 sync.handle = fs.open_append(sync.path)
                 fs.fsync_dir(sync.directory)
@@ -454,19 +467,20 @@ class WriterPool:
             synced = perf_seconds()
             fs.fdatasync(sync.handle)
             JOURNAL_FDATASYNC_SECONDS.observe(perf_seconds() - synced)
-            JOURNAL_BATCH_RECORDS.observe(sum(len(group) for _, group in groups))
+            JOURNAL_BATCH_RECORDS.observe(sum(len(group) for _, group in ready))
         except OSError as exc:
-            return self._sync_failed(sync, groups, exc)
+            fallback = self._sync_failed(sync, ready, exc)
+            return failure or fallback
         sync.next_seq += len(entries)
         sync.size += len(frame)
-        for target, group in groups:
+        for target, group in ready:
             if not target._pending:
                 target._pending_first = group[0].seq
                 sync.owed[id(target)] = target
             target._pending.extend(item.payload for item in group)
         if sync.size >= self._rotate_bytes:
             self._rotate(sync)
-        return None
+        return failure
 
     def _sync_failed(
         self, sync: _SyncLog, groups: list[tuple[LogTarget, list[_Append]]], exc: OSError

@@ -379,3 +379,45 @@ async def test_j17_a_read_only_view_finds_the_owed_records(tmp_path: Path) -> No
             assert any(f.rel == SYNC_DIR and not f.problem for f in findings)
             records, _note = await trio.to_thread.run_sync(delivery_records, root, "d1")
             assert _record("a-1") in records
+
+
+async def test_j15_a_new_log_whose_file_cannot_be_made_durable_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """J15, J13: three logs are created in one sync log batch and the directory sync that
+    makes the first one's file durable fails: that creation fails (disk_failed), the other
+    two are acknowledged through the sync log and hold their headers after a restart."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = Holding(faulty)
+    names = ["n0", "n1", "n2"]
+    outcomes: dict[str, str] = {}
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            holder = await store.create_delivery_log("hold")
+            # sync #1: the held record's fdatasync; #2: the first new file's directory sync
+            faulty.arm(Fault("sync", 2, "before", errno.EIO, path_contains="/deliveries"))
+            fs.hold(holder.rel)
+
+            async def create(name: str) -> None:
+                try:
+                    await store.create_delivery_log(name)
+                    outcomes[name] = "created"
+                except JournalError as error:
+                    outcomes[name] = str(error.code)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(holder.append, _record("held"))
+                await trio.to_thread.run_sync(fs.held.wait, 10)
+                for name in names:
+                    nursery.start_soon(create, name)
+                await trio.testing.wait_all_tasks_blocked()
+                fs.release()
+            assert len(faulty.hits) == 1, faulty.hits
+            assert sorted(outcomes.values()) == ["created", "created", "disk_failed"], outcomes
+            assert any(f"/{SYNC_DIR}/" in path for path in fs.syncs)
+        async with open_store(root) as store:
+            for name in names:
+                rel = Store.delivery_rel(name)
+                if outcomes[name] == "created":
+                    assert (await store.read(rel)).header.subject == name
