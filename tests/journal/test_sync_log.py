@@ -421,3 +421,17 @@ async def test_j15_a_new_log_whose_file_cannot_be_made_durable_fails_alone(
                 rel = Store.delivery_rel(name)
                 if outcomes[name] == "created":
                     assert (await store.read(rel)).header.subject == name
+
+
+def test_j17_journal_verify_names_a_damaged_generation(tmp_path: Path) -> None:
+    """J17, J14: ``journal verify`` fails on a damaged sync log generation, naming it."""
+    root = tmp_path / "state"
+    rel0, rel1 = _state_with_logs(root, ["d0", "d1"])
+    first = bytearray(_entry_frame(0, [(rel0, 1, [_record("x")])]))
+    first[-3] ^= 0x01
+    _generation(root, [bytes(first), _entry_frame(1, [(rel1, 1, [_record("y")])])])
+    _logs, findings = verify_journal(root)
+    problems = [f for f in findings if f.problem]
+    assert [(f.rel, f.code) for f in problems] == [
+        (f"{SYNC_DIR}/{generation_name(0)}", str(ReasonCode.JOURNAL_CORRUPT))
+    ]
