@@ -166,6 +166,19 @@ class FaultyFileSystem:
             raise self._error(fault, "write", path)
         return self.inner.write(handle, data[: len(data) // 2]) if len(data) > 1 else 0
 
+    def pwrite(self, handle: int, data: bytes, offset: int) -> int:
+        path = self.path_of(handle)
+        fault = self._decide("write", "pwrite", path)
+        if fault is None:
+            return self.inner.pwrite(handle, data, offset)
+        if fault.when == "before":
+            raise self._error(fault, "pwrite", path)
+        if fault.when == "after":
+            self.inner.pwrite(handle, data, offset)
+            raise self._error(fault, "pwrite", path)
+        part = data[: len(data) // 2] if len(data) > 1 else b""
+        return self.inner.pwrite(handle, part, offset) if part else 0
+
     def _simple(self, kind: OpKind, op: str, path: str, call: Callable[[], object]) -> None:
         """An operation without a result: ``short`` behaves like ``after``."""
         fault = self._decide(kind, op, path)
@@ -516,6 +529,15 @@ class PowerLossFileSystem:
             h.position = offset + len(data)
             return len(data)
 
+    def pwrite(self, handle: int, data: bytes, offset: int) -> int:
+        with self._lock:
+            self._tick("pwrite")
+            h = self._handle(handle)
+            op = _Write(offset, bytes(data))
+            _apply(h.file.data, op)
+            h.file.pending.append(op)
+            return len(data)
+
     def fdatasync(self, handle: int) -> None:
         with self._lock:
             self._tick("fdatasync")
@@ -624,13 +646,15 @@ def _crash_content(file: _File, rng: random.Random) -> bytes:
         if isinstance(torn, _Write):
             prefix = rng.randint(0, len(torn.data))
             fill = rng.randint(0, len(torn.data) - prefix)
-            filler = bytearray(bytes(fill) if rng.random() < 0.5 else rng.randbytes(fill))
-            # Past the old end of the file a torn write reads as zeros, never as stale
-            # blocks: ext4 (data=ordered, the default), XFS and btrfs commit a file's new size
-            # only with its data, or read unwritten extents as zeros. Garbage can only be old
-            # bytes inside the old length, which an append never has.
-            old_end = len(content) - (torn.offset + prefix)
-            for i in range(max(old_end, 0), fill):
-                filler[i] = 0
+            start = torn.offset + prefix
+            # Inside the old length a torn overwrite leaves the old bytes (a sector not yet
+            # written), or zeros. Past the old end of the file it reads as zeros, never as
+            # stale blocks: ext4 (data=ordered, the default), XFS and btrfs commit a file's new
+            # size only with its data, or read unwritten extents as zeros. (An append has no
+            # old bytes; a positional write over a pre-zeroed sync log generation has zeros.)
+            filler = bytearray(fill)
+            if rng.random() >= 0.5:
+                for i in range(min(fill, max(len(content) - start, 0))):
+                    filler[i] = content[start + i]
             _apply(content, _Write(torn.offset, torn.data[:prefix] + bytes(filler)))
     return bytes(content)

@@ -118,8 +118,11 @@ def _complete_but_damaged(data: bytes, offset: int) -> bool:
 
 
 def _valid_frame_after(data: bytes, offset: int) -> int | None:
-    """Offset of the first valid frame that begins after ``offset``, if any."""
-    for candidate in range(offset + 1, len(data) - HEADER_SIZE + 1):
+    """Offset of the first valid frame that begins after ``offset``, if any. A frame's header
+    holds a non-zero byte (its length and count are not zero), so none begins in the zeros
+    that end a file (a zero-filled sync log generation's, journal.md J12): not searched."""
+    last = len(data.rstrip(b"\0"))
+    for candidate in range(offset + 1, min(last, len(data) - HEADER_SIZE + 1)):
         if _frame_at(data, candidate) is not None:
             return candidate
     return None
@@ -138,6 +141,10 @@ def scan(data: bytes, *, first_seq: int = 0) -> Scan:
     while offset < len(data):
         frame = _frame_at(data, offset)
         if frame is None:
+            if data.count(0, offset) == len(data) - offset:
+                # only zeros to the end: no frame can follow (a sync log generation is
+                # zero-filled ahead, journal.md J12), so skip the search below
+                return Scan(frames, offset, len(data) - offset)
             later = _valid_frame_after(data, offset)
             if later is not None:
                 raise FrameDamage(

@@ -67,6 +67,8 @@ def handoffs_in_flight() -> int:
 
 
 _MAX_BATCH: Final = 4096
+_SLACK: Final = 64 * 1024
+"""A sync log generation's room past the size that rotates it (one more batch fits)."""
 _DISK_ERRNOS: Final = {
     errno.EIO: ReasonCode.DISK_FAILED,
     errno.ENOSPC: ReasonCode.DISK_FULL,
@@ -174,13 +176,16 @@ _Item = _Work | list[_Work] | None
 class _SyncLog:
     """A writer shard's sync log (J12): the generation being appended, owned by the shard."""
 
-    __slots__ = ("directory", "generation", "handle", "next_seq", "owed", "size")
+    __slots__ = ("capacity", "directory", "generation", "handle", "next_seq", "owed", "size")
 
     def __init__(self, directory: str, generation: int) -> None:
         self.directory = directory
         self.generation = generation
         self.handle: int | None = None
+        self.capacity = 0
+        """Bytes zero-filled and synced when the generation began (J12)."""
         self.size = 0
+        """Bytes written: where the next frame goes."""
         self.next_seq = 0
         self.owed: dict[int, LogTarget] = {}
         """The logs with pending records, by ``id``."""
@@ -456,12 +461,14 @@ class WriterPool:
             encode_entry(target.rel, group[0].seq, [item.payload for item in group])
             for target, group in ready
         ]
-        frame = encode_frame(sync.next_seq, entries)
         try:
+            if sync.handle is not None and sync.size + sum(map(len, entries)) > sync.capacity:
+                self._rotate(sync)  # (a frame may outgrow a fresh generation: it extends it)
             if sync.handle is None:
-                sync.handle = fs.open_append(sync.path)
-                fs.fsync_dir(sync.directory)
-            written = fs.write(sync.handle, frame)
+                self._begin(sync)
+                assert sync.handle is not None
+            frame = encode_frame(sync.next_seq, entries)
+            written = fs.pwrite(sync.handle, frame, sync.size)
             if written != len(frame):
                 raise OSError(errno.EIO, f"short write: {written} of {len(frame)} bytes")
             synced = perf_seconds()
@@ -499,6 +506,31 @@ class WriterPool:
         self._rotate(sync)
         return first
 
+    def _begin(self, sync: _SyncLog) -> None:
+        """Start a generation: a new file zero-filled to its capacity and synced, with its
+        directory entry, so that each frame then overwrites zeros in place and its
+        ``fdatasync`` carries no size change (J12: 25-40 % cheaper on this disk than a sync
+        after an append). A name a failed removal left is skipped."""
+        fs = self._fs
+        while True:
+            try:
+                handle = fs.open_exclusive(sync.path)
+                break
+            except FileExistsError:
+                sync.generation += 1
+        sync.handle = handle
+        capacity = self._rotate_bytes + _SLACK
+        zeros = bytes(min(capacity, 1 << 20))
+        filled = 0
+        while filled < capacity:
+            written = fs.write(handle, zeros[: capacity - filled])
+            if written <= 0:
+                raise OSError(errno.EIO, "a zero fill made no progress")
+            filled += written
+        fs.fsync(handle)
+        fs.fsync_dir(sync.directory)
+        sync.capacity = capacity
+
     def _rotate(self, sync: _SyncLog) -> None:
         """Write every pending record to its file, synced, then remove the generation and
         start the next one (J12). A log whose write fails is poisoned (J5)."""
@@ -514,6 +546,7 @@ class WriterPool:
             fs.unlink(sync.path)
             fs.fsync_dir(sync.directory)
         sync.generation += 1
+        sync.capacity = 0
         sync.size = 0
         sync.next_seq = 0
 

@@ -33,6 +33,10 @@ class FileSystem(Protocol):
         """Write at the end (append) or the current position; may be short."""
         ...
 
+    def pwrite(self, handle: int, data: bytes, offset: int) -> int:
+        """Write at ``offset`` of a handle not opened for appending; may be short."""
+        ...
+
     def fdatasync(self, handle: int) -> None: ...
 
     def fsync(self, handle: int) -> None: ...
@@ -77,6 +81,9 @@ class OsFileSystem:
 
     def write(self, handle: int, data: bytes) -> int:
         return os.write(handle, data)
+
+    def pwrite(self, handle: int, data: bytes, offset: int) -> int:
+        return os.pwrite(handle, data, offset)
 
     def fdatasync(self, handle: int) -> None:
         os.fdatasync(handle)

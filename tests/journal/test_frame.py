@@ -124,3 +124,19 @@ def test_sequence_gap_fails_closed() -> None:
 def test_empty_frame_is_refused_by_the_encoder() -> None:
     with pytest.raises(ValueError, match="at least one"):
         encode_frame(0, [])
+
+
+def test_j3_j12_a_zero_filled_remainder_after_a_cut_frame_is_a_torn_tail() -> None:
+    """J3, J12: a sync log generation is zero-filled ahead; a frame cut in it, followed by
+    megabytes of zeros, is a torn tail — and a valid frame after the zeros is still found,
+    which makes the cut frame damage (J4)."""
+    good = encode_frame(0, [b'{"a":1}'])
+    cut = encode_frame(1, [b'{"b":"' + b"x" * 300 + b'"}'])[:200]
+    zeros = bytes(4 * 1024 * 1024)
+    found = scan(good + cut + zeros)
+    assert [f.first_seq for f in found.frames] == [0]
+    assert found.torn_bytes == len(cut) + len(zeros)
+    later = encode_frame(1, [b'{"c":2}'])
+    with pytest.raises(FrameDamage) as damage:
+        scan(good + cut + zeros + later)
+    assert damage.value.code is ReasonCode.JOURNAL_CORRUPT

@@ -55,6 +55,11 @@ class Holding:
         self._paths[handle] = path
         return handle
 
+    def open_exclusive(self, path: str) -> int:
+        handle = int(self.inner.open_exclusive(path))
+        self._paths[handle] = path
+        return handle
+
     def write(self, handle: int, data: bytes) -> int:
         path = self._paths.get(handle, "")
         if self._hold is not None and self._hold in path:
@@ -160,31 +165,34 @@ async def test_j14_after_a_power_loss_the_open_writes_the_owed_records_to_their_
 
 
 @pytest.mark.parametrize(
-    ("kind", "when"),
+    ("kind", "when", "nth"),
     [
-        ("write", "before"),
-        ("write", "after"),
-        ("write", "short"),
-        ("sync", "before"),
-        ("sync", "after"),
+        ("write", "before", 1),  # the new generation's zero fill
+        ("sync", "before", 1),  # its sync
+        ("write", "before", 2),  # the frame
+        ("write", "after", 2),
+        ("write", "short", 2),
+        ("sync", "before", 2),  # the frame's fdatasync
+        ("sync", "after", 2),
     ],
 )
 async def test_j15_a_failed_sync_log_append_poisons_no_log(
-    tmp_path: Path, kind: OpKind, when: When
+    tmp_path: Path, kind: OpKind, when: When, nth: int
 ) -> None:
-    """J15, J6: when the sync log's write or sync fails, every log of the batch takes its own
-    path (its records written to its file and synced): each append is acknowledged, no log
-    is poisoned, the disk failure is reported (EIO), and the logs read whole after a
-    restart."""
+    """J15, J6: when the sync log's write or sync fails — beginning a generation or
+    appending a frame — every log of the batch takes its own path (its records written to
+    its file and synced): each append is acknowledged, no log is poisoned, the disk failure
+    is reported (EIO), and the logs read whole after a restart."""
     root = tmp_path / "state"
     faulty = FaultyFileSystem(
         OsFileSystem(),
-        Fault(kind, 1, when, path_contains=f"/{SYNC_DIR}/"),
+        Fault(kind, nth, when, path_contains=f"/{SYNC_DIR}/"),
         armed=False,
     )
     fs = Holding(faulty)
     with trio.fail_after(20):
         async with open_store(root, fs=_fs(fs)) as store:
+            store._pool._rotate_bytes = 1000  # a generation's zero fill is one write
             logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
             faulty.arm()
             assert await _one_batch(fs, store, logs, "a") == [1] * LOGS
