@@ -353,7 +353,9 @@ class WriterPool:
                 except trio.RunFinishedError:  # pragma: no cover - the run ended first
                     return
         if self._sync is not None and q is self._queues[0]:
-            self._rotate(self._sync)  # every log is closed by now: removes the generation
+            # every log is closed by now: this removes the generation (the run has ended, so
+            # a disk failure here is the next open's to find, J14)
+            self._rotate(self._sync)
 
     def _commit(self, batch: list[_Work]) -> DiskFailedError | None:
         """Write, sync and settle a batch; return a disk failure to report."""
@@ -463,7 +465,8 @@ class WriterPool:
         ]
         try:
             if sync.handle is not None and sync.size + sum(map(len, entries)) > sync.capacity:
-                self._rotate(sync)  # (a frame may outgrow a fresh generation: it extends it)
+                rotated = self._rotate(sync)  # (a frame may outgrow a fresh one: it grows)
+                failure = failure or rotated
             if sync.handle is None:
                 self._begin(sync)
                 assert sync.handle is not None
@@ -486,7 +489,8 @@ class WriterPool:
                 sync.owed[id(target)] = target
             target._pending.extend(item.payload for item in group)
         if sync.size >= self._rotate_bytes:
-            self._rotate(sync)
+            rotated = self._rotate(sync)
+            failure = failure or rotated
         return failure
 
     def _sync_failed(
@@ -503,8 +507,8 @@ class WriterPool:
             error = self._write_group(target, group)
             if first is None and isinstance(error, DiskFailedError):
                 first = error
-        self._rotate(sync)
-        return first
+        rotated = self._rotate(sync)
+        return first or rotated
 
     def _begin(self, sync: _SyncLog) -> None:
         """Start a generation: a new file zero-filled to its capacity and synced, with its
@@ -531,11 +535,15 @@ class WriterPool:
         fs.fsync_dir(sync.directory)
         sync.capacity = capacity
 
-    def _rotate(self, sync: _SyncLog) -> None:
+    def _rotate(self, sync: _SyncLog) -> DiskFailedError | None:
         """Write every pending record to its file, synced, then remove the generation and
-        start the next one (J12). A log whose write fails is poisoned (J5)."""
+        start the next one (J12). A log whose write fails is poisoned (J5); the first disk
+        failure among them is returned, to be reported (J6)."""
+        failure: DiskFailedError | None = None
         for target in list(sync.owed.values()):
-            self._write_group(target, [])
+            error = self._write_group(target, [])
+            if failure is None and isinstance(error, DiskFailedError):
+                failure = error
         sync.owed.clear()
         fs = self._fs
         if sync.handle is not None:
@@ -549,6 +557,7 @@ class WriterPool:
         sync.capacity = 0
         sync.size = 0
         sync.next_seq = 0
+        return failure
 
     def _poison(self, target: LogTarget, exc: OSError) -> JournalError:
         """Truncate back to the last good frame, record the poison, refuse more."""

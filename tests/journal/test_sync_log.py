@@ -443,3 +443,24 @@ def test_j17_journal_verify_names_a_damaged_generation(tmp_path: Path) -> None:
     assert [(f.rel, f.code) for f in problems] == [
         (f"{SYNC_DIR}/{generation_name(0)}", str(ReasonCode.JOURNAL_CORRUPT))
     ]
+
+
+async def test_j15_j6_a_disk_failure_while_rotating_is_reported(tmp_path: Path) -> None:
+    """J15, J6: the rotation right after a batch writes every owed record to its file; the
+    write of one fails (EIO): that log alone is poisoned and the store reports the disk
+    failure, so the host stops admitting."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = Holding(faulty)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            store._pool._rotate_bytes = 1  # every batch rotates
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            faulty.arm(Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel))
+            assert await _one_batch(fs, store, logs, "a") == [1] * LOGS
+            assert len(faulty.hits) == 1, faulty.hits
+            assert logs[0].poisoned
+            assert not any(log.poisoned for log in logs[1:])
+            assert store.disk_failure is not None
+            assert store.disk_failure.code is ReasonCode.DISK_FAILED
+            assert store.disk_failure.path == logs[0].rel
