@@ -2,9 +2,10 @@
 J12-J17, issue #23 item 3).
 
 A batch of a writer shard that holds records of two or more delivery logs is made durable by
-appending **one** frame to the shard's sync log, ``sync/<generation>.log``, and syncing that
-file alone. Each entry of the frame names a delivery log and the records it gained, in that
-log's own sequence::
+writing **one** frame to the shard's sync log, ``sync/<generation>.log``, and syncing that
+file alone (a generation is zero-filled when it begins, so a frame overwrites zeros and its
+sync changes no file size; the zeros after the last frame read as a torn tail). Each entry of
+the frame names a delivery log and the records it gained, in that log's own sequence::
 
     ["deliveries/<key>.log", <first seq>, [<record>, <record>, ...]]
 
@@ -15,8 +16,9 @@ single-log batch appends to it anyway, or when the sync log is rotated (it has g
 removed). So a delivery's file always holds, durably, every acknowledged record but its
 pending ones, and those are in the sync log.
 
-After a crash (a power loss: a killed process leaves its writes in the page cache),
-:func:`redo` replays the sync log before anything reads a delivery log: an entry's records
+After a crash — a killed process never wrote its owed records to their files; a power loss
+may also have dropped what was written and not yet synced — :func:`redo` replays the sync log
+before anything reads a delivery log: an entry's records
 that its file lacks are appended to it, and the file is synced; then the generations are
 removed. This module is the frame's encoding and the redo; the writer thread
 (:mod:`runtime._journal._writer`) does the appending.
