@@ -18,9 +18,8 @@ pending ones, and those are in the sync log.
 
 After a crash — a killed process never wrote its owed records to their files; a power loss
 may also have dropped what was written and not yet synced — :func:`redo` replays the sync log
-before anything reads a delivery log: an entry's records
-that its file lacks are appended to it, and the file is synced; then the generations are
-removed. This module is the frame's encoding and the redo; the writer thread
+before anything reads a delivery log: an entry's records that its file lacks are appended
+to it, and the file is synced; then the generations are removed. This module is the frame's encoding and the redo; the writer thread
 (:mod:`runtime._journal._writer`) does the appending.
 """
 
