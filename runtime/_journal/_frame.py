@@ -141,10 +141,6 @@ def scan(data: bytes, *, first_seq: int = 0) -> Scan:
     while offset < len(data):
         frame = _frame_at(data, offset)
         if frame is None:
-            if data.count(0, offset) == len(data) - offset:
-                # only zeros to the end: no frame can follow (a sync log generation is
-                # zero-filled ahead, journal.md J12), so skip the search below
-                return Scan(frames, offset, len(data) - offset)
             later = _valid_frame_after(data, offset)
             if later is not None:
                 raise FrameDamage(

@@ -19,8 +19,8 @@ pending ones, and those are in the sync log.
 After a crash — a killed process never wrote its owed records to their files; a power loss
 may also have dropped what was written and not yet synced — :func:`redo` replays the sync log
 before anything reads a delivery log: an entry's records that its file lacks are appended
-to it, and the file is synced; then the generations are removed. This module is the frame's encoding and the redo; the writer thread
-(:mod:`runtime._journal._writer`) does the appending.
+to it, and the file is synced; then the generations are removed. This module is the frame's
+encoding and the redo; the writer thread (:mod:`runtime._journal._writer`) does the appending.
 """
 
 from __future__ import annotations
@@ -111,37 +111,33 @@ def redo(
     if not fs.exists(directory):
         return Redone(0, 0, (), ())
     names = _generations(fs, directory)
-    files: dict[str, _File] = {}
+    owed = owed_in([(name, fs.read(os.path.join(directory, name))) for name in names])
     records = 0
+    changed: list[str] = []
     poisoned: list[str] = []
-    generations = ((name, fs.read(os.path.join(directory, name))) for name in names)
-    for decoded in _entries(generations):
-        for rel, first, payloads in decoded:
-            file = files.get(rel)
-            if file is None:
-                file = files[rel] = _look(fs, root, rel)
-            if file.skip or first + len(payloads) <= file.next_seq:
-                continue  # the file holds them (or is left as it is)
-            if first > file.next_seq:  # J16: a gap no entry fills
-                write_document(
-                    os.path.join(root, rel) + ".poison", _poison(rel, file, first, now_ms=now_ms)
-                )
-                file.skip = True
-                poisoned.append(rel)
-                continue
-            owed = [bytes(p) for p in payloads[file.next_seq - first :]]
-            _append(fs, os.path.join(root, rel), file, encode_frame(file.next_seq, owed))
-            file.next_seq += len(owed)
-            records += len(owed)
-    for rel, file in files.items():
-        if file.changed and not file.skip:
+    for rel, entries in owed.items():
+        file = _look(fs, root, rel)
+        if file.skip:
+            continue
+        lacking = _lacking(file.next_seq, entries)
+        if lacking and lacking[0][0] == file.next_seq:
+            start, missing = lacking.pop(0)
+            _append(fs, os.path.join(root, rel), file, encode_frame(start, missing))
+            file.next_seq += len(missing)
+            records += len(missing)
+        if lacking:  # J16: a gap no entry fills
+            path = os.path.join(root, rel) + ".poison"
+            write_document(path, _poison(rel, file, lacking[0][0], now_ms=now_ms))
+            poisoned.append(rel)
+        elif file.changed:
             _sync(fs, os.path.join(root, rel))
+        if file.changed:
+            changed.append(rel)
     for name in names:
         fs.unlink(os.path.join(directory, name))
     if names:
         fs.fsync_dir(directory)
-    changed = tuple(sorted(rel for rel, file in files.items() if file.changed))
-    return Redone(len(names), records, changed, tuple(poisoned))
+    return Redone(len(names), records, tuple(sorted(changed)), tuple(poisoned))
 
 
 def read_owed(fs: FileSystem, root: str) -> Owed:
@@ -161,7 +157,7 @@ def read_owed(fs: FileSystem, root: str) -> Owed:
     return owed_in(generations)
 
 
-def owed_in(generations: Sequence[tuple[str, bytes]]) -> Owed:
+def owed_in(generations: Iterable[tuple[str, bytes]]) -> Owed:
     """What the sync log generations ``(name, bytes)`` hold, by log (:func:`read_owed`)."""
     owed: Owed = {}
     for decoded in _entries(generations):
@@ -178,16 +174,28 @@ def with_owed(data: bytes, owed: list[tuple[int, list[bytes]]]) -> bytes:
         found = scan(data)
     except FrameDamage:
         return data
-    next_seq, frames = found.next_seq, []
+    lacking = _lacking(found.next_seq, owed)
+    if not lacking:
+        return data
+    frames = [encode_frame(start, records) for start, records in lacking]
+    return data[: found.good_length] + b"".join(frames)
+
+
+def _lacking(next_seq: int, owed: list[tuple[int, list[bytes]]]) -> list[tuple[int, list[bytes]]]:
+    """The runs of ``owed`` records that a log ending before record ``next_seq`` lacks, in
+    order, each run ``(first seq, records)`` as long as it continues the one before: a run
+    beginning past the end of the one before (or past ``next_seq``) is a gap."""
+    runs: list[tuple[int, list[bytes]]] = []
     for first, payloads in owed:
         if first + len(payloads) <= next_seq:
-            continue
+            continue  # held already
         start = max(first, next_seq)
-        frames.append(encode_frame(start, payloads[start - first :]))
+        if runs and start == next_seq:
+            runs[-1][1].extend(payloads[start - first :])
+        else:
+            runs.append((start, list(payloads[start - first :])))
         next_seq = first + len(payloads)
-    if not frames:
-        return data
-    return data[: found.good_length] + b"".join(frames)
+    return runs
 
 
 def _generations(fs: FileSystem, directory: str) -> list[str]:
