@@ -10,7 +10,7 @@ Layout (docs/design/journal.md)::
       deliveries/<hash>.log    one append-only log per delivery
       deliveries/<hash>.log.poison   present only if that log was poisoned
       sync/<generation>.log    the step sync log: delivery records made durable together,
-                               owed to their files (J12-J17; replayed at open)
+                               owed to their files (J12-J18; replayed at open)
       lanes/<hash>/lane.log    one log per lane (epochs, outbox, receipts)
       lanes/<hash>/session.jsonl    the lane's Pi session
       results.log              the numbered result outbox (shared)
@@ -205,7 +205,10 @@ class Store:
     async def remove_files(self, rels: Sequence[str]) -> int:
         """Remove the files ``rels`` (logs nothing will read again, their sessions) durably —
         unlink, then one fsync of each directory they were in — in one trip off the loop:
-        retention (RT2). How many were there."""
+        retention (RT2). How many were there. A sync log generation holding records of any
+        of them is rotated first (J18: a log made again under a removed one's name must not
+        gain its records at the next open)."""
+        await self._pool.retire(rels)
 
         def remove() -> int:
             removed, directories = 0, set()

@@ -1,5 +1,5 @@
 """The step sync log: one ``fdatasync`` for the step records of many deliveries (journal.md
-J12-J17, issue #23 item 3).
+J12-J18, issue #23 item 3).
 
 A batch of a writer shard that holds records of two or more delivery logs is made durable by
 writing **one** frame to the shard's sync log, ``sync/<generation>.log``, and syncing that

@@ -34,7 +34,7 @@ import queue
 import secrets
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import trio
@@ -119,13 +119,12 @@ class LogTarget:
         return f"<LogTarget {self.rel} length={self.good_length} next_seq={self.next_seq}>"
 
 
-class _Handoff:
+class _Settled:
     """One unit of work handed to a writer thread by one waiting Trio task."""
 
-    __slots__ = ("error", "target", "task")
+    __slots__ = ("error", "task")
 
-    def __init__(self, target: LogTarget) -> None:
-        self.target = target
+    def __init__(self) -> None:
         self.task = trio.lowlevel.current_task()
         self.error: BaseException | None = None
 
@@ -144,6 +143,16 @@ class _Handoff:
 
 def _refuse_abort(_: object) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
+
+
+class _Handoff(_Settled):
+    """Work on one log."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: LogTarget) -> None:
+        super().__init__()
+        self.target = target
 
 
 class _Append(_Handoff):
@@ -165,18 +174,42 @@ class _Flush(_Handoff):
     __slots__ = ()
 
 
+class _Retire(_Settled):
+    """Logs about to be removed: no sync log generation may go on holding records of theirs
+    (J18), so a generation that does is rotated first."""
+
+    __slots__ = ("failure", "rels")
+
+    def __init__(self, rels: frozenset[str]) -> None:
+        super().__init__()
+        self.rels = rels
+        self.failure: DiskFailedError | None = None
+
+
 _end_of_pass = trio.lowlevel.cancel_shielded_checkpoint
 """Yield once, uncancellably, so every task runnable in this scheduler pass runs first (a
 test may hold it longer)."""
 
-_Work = _Append | _Close | _Flush
+_LogWork = _Append | _Close | _Flush
+_Work = _LogWork | _Retire
 _Item = _Work | list[_Work] | None
 
 
 class _SyncLog:
     """A writer shard's sync log (J12): the generation being appended, owned by the shard."""
 
-    __slots__ = ("capacity", "directory", "generation", "handle", "next_seq", "owed", "size")
+    __slots__ = (
+        "capacity",
+        "directory",
+        "generation",
+        "handle",
+        "left",
+        "left_error",
+        "next_seq",
+        "owed",
+        "rels",
+        "size",
+    )
 
     def __init__(self, directory: str, generation: int) -> None:
         self.directory = directory
@@ -189,10 +222,18 @@ class _SyncLog:
         self.next_seq = 0
         self.owed: dict[int, LogTarget] = {}
         """The logs with pending records, by ``id``."""
+        self.rels: set[str] = set()
+        """Every log with an entry in this generation or one in ``left``, owed or not (J18)."""
+        self.left: list[str] = []
+        """Earlier generations whose removal failed (or was not made durable)."""
+        self.left_error: OSError | None = None
 
     @property
     def path(self) -> str:
         return os.path.join(self.directory, generation_name(self.generation))
+
+
+SYNC_FROM = 2
 
 
 class WriterPool:
@@ -266,12 +307,17 @@ class WriterPool:
         JOURNAL_APPEND_SECONDS.observe(perf_seconds() - handed)
         return item.seq
 
-    async def _handoff(self, item: _Work) -> None:
+    async def _handoff(self, item: _LogWork) -> None:
+        target = item.target
+        await self._settle(item, self._shard_of(target), staged=target.grouped)
+
+    async def _settle(self, item: _Work, shard: int, *, staged: bool) -> None:
+        """Hand ``item`` to ``shard`` (``staged``: with its scheduler pass's) and wait until
+        it is settled."""
         global _in_flight
         _in_flight += 1
         try:
-            shard = self._shard_of(item.target)
-            if item.target.grouped:
+            if staged:
                 await self._stage(item, shard)
             else:
                 self._queues[shard].put(item)
@@ -306,6 +352,18 @@ class WriterPool:
         if self._closed or not target.deferred:
             return
         await self._handoff(_Flush(target))
+
+    async def retire(self, rels: Iterable[str]) -> DiskFailedError | None:
+        """Before the logs ``rels`` are removed: if the sync log's generation holds records
+        of any of them, rotate it (every owed record written to its file, the generation
+        removed), so that no sync log outlives a file it has records of — a log made again
+        under the same name would otherwise gain the old one's records at the next redo
+        (J18). Returns a disk failure met while rotating (it is reported, too)."""
+        if self._closed or self._sync is None:
+            return None
+        item = _Retire(frozenset(rels))
+        await self._settle(item, 0, staged=False)
+        return item.failure
 
     async def aclose(self) -> None:
         """Stop every thread after the work already queued. Idempotent."""
@@ -370,7 +428,7 @@ class WriterPool:
 
         def flush() -> None:
             deferred = [t for t in order if t.deferred and t.poisoned is None]
-            if self._sync is not None and len(deferred) > 1:
+            if self._sync is not None and len(deferred) >= SYNC_FROM:
                 order[:] = [t for t in order if not t.deferred or t.poisoned is not None]
                 note(self._sync_group(self._sync, [(t, pending[id(t)]) for t in deferred]))
             for target in order:
@@ -387,12 +445,32 @@ class WriterPool:
                 group.append(item)
                 continue
             flush()
+            if isinstance(item, _Retire):
+                self._retire(item)
+                note(item.failure)
+                continue
             if item.target._pending:  # a close or a flush: the file first gets its records
                 note(self._write_group(item.target, []))
             if isinstance(item, _Close):
                 self._close(item)
         flush()
         return failure
+
+    def _retire(self, item: _Retire) -> None:
+        """J18: rotate the generation if it names any of ``item.rels``; if one that does
+        cannot be removed, the removal of those logs is refused."""
+        sync = self._sync
+        if sync is None or sync.rels.isdisjoint(item.rels):
+            return
+        item.failure = self._rotate(sync)
+        if not sync.rels.isdisjoint(item.rels):
+            exc = sync.left_error or OSError(errno.EIO, "a sync log generation stays")
+            rel = os.path.relpath(sync.left[0], os.path.dirname(sync.directory))
+            item.error = disk_error(exc, rel) or DiskFailedError(
+                ReasonCode.DISK_FAILED,
+                f"a sync log generation holding these logs' records cannot be removed: {exc}",
+                path=rel,
+            )
 
     def _write_group(self, target: LogTarget, group: list[_Append]) -> JournalError | None:
         """Write the log's pending records (J12) and ``group`` as one frame, and sync it."""
@@ -484,6 +562,7 @@ class WriterPool:
         sync.next_seq += len(entries)
         sync.size += len(frame)
         for target, group in ready:
+            sync.rels.add(target.rel)
             if not target._pending:
                 target._pending_first = group[0].seq
                 sync.owed[id(target)] = target
@@ -550,9 +629,25 @@ class WriterPool:
             with contextlib.suppress(OSError):
                 fs.close(sync.handle)
             sync.handle = None
-        with contextlib.suppress(OSError):  # if it stays, the next open's redo finds it done
-            fs.unlink(sync.path)
+        # A generation that stays (its removal failed) holds nothing a file lacks, so the next
+        # open's redo finds it done, but it still names its logs: until it is gone, none of
+        # them may be removed (J18), and each rotation tries to remove it again.
+        leftover, sync.left = [*sync.left, sync.path], []
+        for path in leftover:
+            try:
+                fs.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                sync.left.append(path)
+                sync.left_error = exc
+        try:
             fs.fsync_dir(sync.directory)
+        except OSError as exc:  # removed, but not durably
+            sync.left = leftover
+            sync.left_error = exc
+        if not sync.left:
+            sync.rels.clear()
         sync.generation += 1
         sync.capacity = 0
         sync.size = 0

@@ -464,3 +464,70 @@ async def test_j15_j6_a_disk_failure_while_rotating_is_reported(tmp_path: Path) 
             assert store.disk_failure is not None
             assert store.disk_failure.code is ReasonCode.DISK_FAILED
             assert store.disk_failure.path == logs[0].rel
+
+
+async def test_j18_a_log_removed_and_made_again_never_gains_its_old_records(
+    tmp_path: Path,
+) -> None:
+    """J18: retention removes a delivery's log while the sync log's generation still holds
+    that log's old entries, and the same delivery id later makes a log of the same name
+    (a re-admission after its id was forgotten). After a crash, the new file gains nothing
+    of the old one's: its records are its own."""
+    root = tmp_path / "state"
+    power = PowerLossFileSystem(root)
+    fs = Holding(power)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "old")
+            rel = logs[0].rel
+            await store.close_log(logs[0])  # its owed record written to its file
+            assert await store.remove_logs([rel]) == 1
+            again = await store.create_delivery_log("d0")
+            assert again.rel == rel
+            power.cut_after(0)  # the power goes: the store's exit writes nothing more
+        power.crash(random.Random(5))
+        async with open_store(root, fs=_fs(fs)) as store:
+            assert rel not in store.redone.logs
+            assert (await store.read(rel)).records[1:] == ()
+            assert not power.listdir(str(root / SYNC_DIR))
+
+
+class FailingUnlink(Holding):
+    """Removing a sync log generation fails with EIO while :attr:`failing`."""
+
+    failing = False
+
+    def unlink(self, path: str) -> None:
+        if self.failing and f"/{SYNC_DIR}/" in path:
+            raise OSError(errno.EIO, "injected: the unlink failed")
+        self.inner.unlink(path)
+
+
+async def test_j18_a_log_is_not_removed_while_a_generation_holding_it_stays(
+    tmp_path: Path,
+) -> None:
+    """J18: when the generation holding a log's records cannot be removed, the log's
+    removal is refused (a disk failure, the file left in place); once the generation can be
+    removed, the next removal removes both."""
+    root = tmp_path / "state"
+    fs = FailingUnlink(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "old")
+            rel = logs[0].rel
+            await store.close_log(logs[0])
+            fs.failing = True
+            with pytest.raises(JournalError) as refused:
+                await store.remove_logs([rel])
+            assert refused.value.code is ReasonCode.DISK_FAILED
+            assert refused.value.path == f"{SYNC_DIR}/{generation_name(0)}"
+            assert (root / rel).exists()
+            assert (root / SYNC_DIR / generation_name(0)).exists()
+            fs.failing = False
+            assert await store.remove_logs([rel]) == 1
+            assert not (root / SYNC_DIR / generation_name(0)).exists()
+            for i, log in enumerate(logs[1:], 1):  # the others' records reached their files
+                assert _file_records(root, log.rel) == 2
+                assert (await store.read(log.rel)).records[1:] == (_record(f"old-{i}"),)
