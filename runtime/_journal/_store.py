@@ -446,6 +446,7 @@ class Store:
             existing = await self.read(rel, kind)
             if existing.next_seq > 0 or existing.poison is not None:
                 raise FileExistsError(f"{rel} already exists")
+            await self._pool.retire([rel])  # J18, as for every removal of a log's file
             await self._blocking(rel, self._unlink_durably, rel)
         header = Header(
             schema_version=SCHEMA_VERSION,
