@@ -11,10 +11,12 @@ the frame names a delivery log and the records it gained, in that log's own sequ
 
 The records stay in memory, owed to their delivery's file (the target's *pending* records),
 and reach the file — written and synced, as one frame — when the log is read or closed, when a
-single-log batch appends to it anyway, or when the sync log is rotated (it has grown past
-:data:`ROTATE_BYTES`: every pending record is written and synced, then the generation is
-removed). So a delivery's file always holds, durably, every acknowledged record but its
-pending ones, and those are in the sync log.
+single-log batch appends to it anyway, or after its generation is full (it has grown past
+:data:`ROTATE_BYTES`: the next batch begins the next generation, and the full one's logs are
+written a log at a time between batches; it is removed once none owes records it holds). So a
+delivery's file always holds, durably, every acknowledged record but its pending ones, and
+those are in the sync log — in one generation or several, which :func:`redo` reads oldest
+first.
 
 After a crash — a killed process never wrote its owed records to their files; a power loss
 may also have dropped what was written and not yet synced — :func:`redo` replays the sync log
@@ -56,7 +58,7 @@ Owed = dict[str, list[tuple[int, list[bytes]]]]
 SYNC_DIR: Final = "sync"
 """The sync log's directory, relative to the state directory."""
 ROTATE_BYTES: Final = 4 * 1024 * 1024
-"""A generation past this many bytes is rotated: its pending records written to their files."""
+"""A generation past this many bytes is full: the next batch begins the next one (J12)."""
 
 _ENTRY: Final = msgspec.json.Decoder(tuple[str, int, list[msgspec.Raw]])
 _ENCODER: Final = msgspec.json.Encoder()

@@ -67,8 +67,10 @@ def handoffs_in_flight() -> int:
 
 
 _MAX_BATCH: Final = 4096
+_RETIRING: Final = 2
+"""Full generations waiting for their logs at most; a switch past it catches up at once."""
 _SLACK: Final = 64 * 1024
-"""A sync log generation's room past the size that rotates it (one more batch fits)."""
+"""A sync log generation's room past the size that fills it (one more batch fits)."""
 _DISK_ERRNOS: Final = {
     errno.EIO: ReasonCode.DISK_FAILED,
     errno.ENOSPC: ReasonCode.DISK_FULL,
@@ -176,7 +178,8 @@ class _Flush(_Handoff):
 
 class _Retire(_Settled):
     """Logs about to be removed: no sync log generation may go on holding records of theirs
-    (J18), so a generation that does is rotated first."""
+    (J18), so while a generation does, every owed record is written and the generations
+    removed first."""
 
     __slots__ = ("failure", "rels")
 
@@ -195,45 +198,70 @@ _Work = _LogWork | _Retire
 _Item = _Work | list[_Work] | None
 
 
+class _Generation:
+    """One sync log file (J12) and what its removal waits for."""
+
+    __slots__ = ("path", "rels", "waiting")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.rels: set[str] = set()
+        """Every log with an entry in it, owed or not (J18)."""
+        self.waiting: dict[int, LogTarget] = {}
+        """The logs, by ``id``, that still owe their files records it holds: it is removed
+        once none is left."""
+
+
 class _SyncLog:
-    """A writer shard's sync log (J12): the generation being appended, owned by the shard."""
+    """A writer shard's sync log (J12): the generation being appended, and the earlier ones
+    not yet removed, owned by the shard."""
 
     __slots__ = (
         "capacity",
+        "current",
         "directory",
         "generation",
         "handle",
-        "left",
         "left_error",
         "next_seq",
         "owed",
-        "rels",
+        "retiring",
         "size",
     )
 
     def __init__(self, directory: str, generation: int) -> None:
         self.directory = directory
         self.generation = generation
+        """The number of the generation being appended, or of the next one to begin."""
+        self.current: _Generation | None = None
+        """The generation being appended (``None`` until a batch begins one)."""
         self.handle: int | None = None
         self.capacity = 0
         """Bytes zero-filled and synced when the generation began (J12)."""
         self.size = 0
         """Bytes written: where the next frame goes."""
         self.next_seq = 0
+        self.retiring: list[_Generation] = []
+        """Earlier generations, oldest first: waiting for their logs' records to reach their
+        files (written a log at a time between batches), or left by a removal that failed."""
         self.owed: dict[int, LogTarget] = {}
         """The logs with pending records, by ``id``."""
-        self.rels: set[str] = set()
-        """Every log with an entry in this generation or one in ``left``, owed or not (J18)."""
-        self.left: list[str] = []
-        """Earlier generations whose removal failed (or was not made durable)."""
         self.left_error: OSError | None = None
+        """Why the last removal of a generation failed."""
 
     @property
     def path(self) -> str:
         return os.path.join(self.directory, generation_name(self.generation))
 
+    def generations(self) -> list[_Generation]:
+        return [*self.retiring, self.current] if self.current is not None else self.retiring
 
-SYNC_FROM = 2
+    def written(self, target: LogTarget) -> None:
+        """``target`` owes nothing any more (its records reached its file, or it was
+        poisoned and is never replayed)."""
+        self.owed.pop(id(target), None)
+        for generation in self.generations():
+            generation.waiting.pop(id(target), None)
 
 
 class WriterPool:
@@ -355,10 +383,10 @@ class WriterPool:
 
     async def retire(self, rels: Iterable[str]) -> DiskFailedError | None:
         """Before the logs ``rels`` are removed: if the sync log's generation holds records
-        of any of them, rotate it (every owed record written to its file, the generation
+        of any of them, drain it (every owed record written to its file, the generations
         removed), so that no sync log outlives a file it has records of — a log made again
         under the same name would otherwise gain the old one's records at the next redo
-        (J18). Returns a disk failure met while rotating (it is reported, too)."""
+        (J18). Returns a disk failure met while draining (it is reported, too)."""
         if self._closed or self._sync is None:
             return None
         item = _Retire(frozenset(rels))
@@ -386,6 +414,7 @@ class WriterPool:
     # -- writer threads ------------------------------------------------------------
 
     def _run(self, q: queue.SimpleQueue[_Item]) -> None:
+        sync = self._sync if q is self._queues[0] else None
         stopping = False
         while not stopping:
             batch: list[_Work] = []
@@ -410,10 +439,14 @@ class WriterPool:
                     self._token.run_sync_soon(self._deliver, batch, failure)
                 except trio.RunFinishedError:  # pragma: no cover - the run ended first
                     return
-        if self._sync is not None and q is self._queues[0]:
-            # every log is closed by now: this removes the generation (the run has ended, so
-            # a disk failure here is the next open's to find, J14)
-            self._rotate(self._sync)
+            # a full generation's logs get their records after the batch is acknowledged:
+            # one log per batch, and more while nothing is queued
+            while sync is not None and self._trickle(sync) and q.empty():
+                pass
+        if sync is not None:
+            # every log is closed by now: this removes the generations (the run has ended,
+            # so a disk failure here is the next open's to find, J14)
+            self._drain(sync)
 
     def _commit(self, batch: list[_Work]) -> DiskFailedError | None:
         """Write, sync and settle a batch; return a disk failure to report."""
@@ -428,7 +461,7 @@ class WriterPool:
 
         def flush() -> None:
             deferred = [t for t in order if t.deferred and t.poisoned is None]
-            if self._sync is not None and len(deferred) >= SYNC_FROM:
+            if self._sync is not None and len(deferred) > 1:
                 order[:] = [t for t in order if not t.deferred or t.poisoned is not None]
                 note(self._sync_group(self._sync, [(t, pending[id(t)]) for t in deferred]))
             for target in order:
@@ -457,15 +490,16 @@ class WriterPool:
         return failure
 
     def _retire(self, item: _Retire) -> None:
-        """J18: rotate the generation if it names any of ``item.rels``; if one that does
+        """J18: drain the sync log if a generation names any of ``item.rels``; if one that does
         cannot be removed, the removal of those logs is refused."""
         sync = self._sync
-        if sync is None or sync.rels.isdisjoint(item.rels):
+        if sync is None or all(g.rels.isdisjoint(item.rels) for g in sync.generations()):
             return
-        item.failure = self._rotate(sync)
-        if not sync.rels.isdisjoint(item.rels):
+        item.failure = self._drain(sync)
+        stays = [g for g in sync.retiring if not g.rels.isdisjoint(item.rels)]
+        if stays:
             exc = sync.left_error or OSError(errno.EIO, "a sync log generation stays")
-            rel = os.path.relpath(sync.left[0], os.path.dirname(sync.directory))
+            rel = os.path.relpath(stays[0].path, os.path.dirname(sync.directory))
             item.error = disk_error(exc, rel) or DiskFailedError(
                 ReasonCode.DISK_FAILED,
                 f"a sync log generation holding these logs' records cannot be removed: {exc}",
@@ -509,7 +543,7 @@ class WriterPool:
         if owed:
             target._pending = []
             if self._sync is not None:
-                self._sync.owed.pop(id(target), None)
+                self._sync.written(target)
         return None
 
     def _sync_group(
@@ -543,11 +577,11 @@ class WriterPool:
         ]
         try:
             if sync.handle is not None and sync.size + sum(map(len, entries)) > sync.capacity:
-                rotated = self._rotate(sync)  # (a frame may outgrow a fresh one: it grows)
-                failure = failure or rotated
+                self._switch(sync)  # (a frame may outgrow a fresh one: it grows)
             if sync.handle is None:
                 self._begin(sync)
-                assert sync.handle is not None
+            assert sync.handle is not None
+            assert sync.current is not None
             frame = encode_frame(sync.next_seq, entries)
             written = fs.pwrite(sync.handle, frame, sync.size)
             if written != len(frame):
@@ -561,15 +595,16 @@ class WriterPool:
             return failure or fallback
         sync.next_seq += len(entries)
         sync.size += len(frame)
+        current = sync.current
         for target, group in ready:
-            sync.rels.add(target.rel)
+            current.rels.add(target.rel)
+            current.waiting[id(target)] = target
             if not target._pending:
                 target._pending_first = group[0].seq
                 sync.owed[id(target)] = target
             target._pending.extend(item.payload for item in group)
         if sync.size >= self._rotate_bytes:
-            rotated = self._rotate(sync)
-            failure = failure or rotated
+            self._switch(sync)
         return failure
 
     def _sync_failed(
@@ -586,8 +621,8 @@ class WriterPool:
             error = self._write_group(target, group)
             if first is None and isinstance(error, DiskFailedError):
                 first = error
-        rotated = self._rotate(sync)
-        return first or rotated
+        drained = self._drain(sync)
+        return first or drained
 
     def _begin(self, sync: _SyncLog) -> None:
         """Start a generation: a new file zero-filled to its capacity and synced, with its
@@ -602,6 +637,7 @@ class WriterPool:
             except FileExistsError:
                 sync.generation += 1
         sync.handle = handle
+        sync.current = _Generation(sync.path)
         capacity = self._rotate_bytes + _SLACK
         zeros = bytes(min(capacity, 1 << 20))
         filled = 0
@@ -614,45 +650,90 @@ class WriterPool:
         fs.fsync_dir(sync.directory)
         sync.capacity = capacity
 
-    def _rotate(self, sync: _SyncLog) -> DiskFailedError | None:
-        """Write every pending record to its file, synced, then remove the generation and
-        start the next one (J12). A log whose write fails is poisoned (J5); the first disk
-        failure among them is returned, to be reported (J6)."""
+    def _switch(self, sync: _SyncLog) -> None:
+        """The generation is full: the next batch begins the next one. Its logs' owed
+        records reach their files a log at a time between batches (:meth:`_trickle`), or
+        sooner by a read, a close or a single-log append; it is removed once none is left
+        (J12). So a full generation costs no batch a stall of a sync per owed log."""
+        current = sync.current
+        if current is None:
+            return
+        if sync.handle is not None:
+            with contextlib.suppress(OSError):
+                self._fs.close(sync.handle)
+            sync.handle = None
+        sync.current = None
+        sync.retiring.append(current)
+        sync.generation += 1
+        sync.capacity = 0
+        sync.size = 0
+        sync.next_seq = 0
+        if len(sync.retiring) > _RETIRING:  # the trickle fell behind: catch up now
+            oldest = sync.retiring[0]
+            for target in list(oldest.waiting.values()):
+                self._report(self._write_group(target, []))
+            oldest.waiting.clear()
+        self._remove_done(sync)
+
+    def _trickle(self, sync: _SyncLog) -> bool:
+        """Write one log's owed records to its file, for the oldest generation that waits
+        for any, and remove what no longer waits; whether there is more to do."""
+        for generation in sync.retiring:
+            if generation.waiting:
+                target = next(iter(generation.waiting.values()))
+                self._report(self._write_group(target, []))
+                generation.waiting.pop(id(target), None)  # (a poisoned log is never replayed)
+                self._remove_done(sync)
+                return any(generation.waiting for generation in sync.retiring)
+        return False
+
+    def _drain(self, sync: _SyncLog) -> DiskFailedError | None:
+        """Write every owed record to its file, synced, then remove every generation (a
+        clean close, a failed sync log, J18). A log whose write fails is poisoned (J5); the
+        first disk failure among them is returned, to be reported (J6)."""
         failure: DiskFailedError | None = None
         for target in list(sync.owed.values()):
             error = self._write_group(target, [])
             if failure is None and isinstance(error, DiskFailedError):
                 failure = error
         sync.owed.clear()
+        self._switch(sync)
+        for generation in sync.retiring:
+            generation.waiting.clear()
+        self._remove_done(sync)
+        return failure
+
+    def _remove_done(self, sync: _SyncLog) -> None:
+        """Remove the earlier generations no log waits for, durably. A generation that
+        stays (its removal failed) holds nothing a file lacks, so the next open's redo finds
+        it done; but it still names its logs, so until it is gone none of them may be
+        removed (J18), and each call tries to remove it again."""
+        done = [generation for generation in sync.retiring if not generation.waiting]
+        if not done:
+            return
         fs = self._fs
-        if sync.handle is not None:
-            with contextlib.suppress(OSError):
-                fs.close(sync.handle)
-            sync.handle = None
-        # A generation that stays (its removal failed) holds nothing a file lacks, so the next
-        # open's redo finds it done, but it still names its logs: until it is gone, none of
-        # them may be removed (J18), and each rotation tries to remove it again.
-        leftover, sync.left = [*sync.left, sync.path], []
-        for path in leftover:
+        kept: list[_Generation] = []
+        for generation in done:
             try:
-                fs.unlink(path)
+                fs.unlink(generation.path)
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                sync.left.append(path)
+                kept.append(generation)
                 sync.left_error = exc
         try:
             fs.fsync_dir(sync.directory)
         except OSError as exc:  # removed, but not durably
-            sync.left = leftover
+            kept = done
             sync.left_error = exc
-        if not sync.left:
-            sync.rels.clear()
-        sync.generation += 1
-        sync.capacity = 0
-        sync.size = 0
-        sync.next_seq = 0
-        return failure
+        sync.retiring = [g for g in sync.retiring if g.waiting or g in kept]
+
+    def _report(self, error: JournalError | None) -> None:
+        """Report a disk failure met outside a batch (writing owed records between
+        batches) on the Trio loop."""
+        if isinstance(error, DiskFailedError):
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._on_disk_failure, error)
 
     def _poison(self, target: LogTarget, exc: OSError) -> JournalError:
         """Truncate back to the last good frame, record the poison, refuse more."""
@@ -669,7 +750,7 @@ class WriterPool:
         )
         target._pending = []
         if self._sync is not None:
-            self._sync.owed.pop(id(target), None)
+            self._sync.written(target)
         fs = self._fs
         try:
             if target._handle is not None:

@@ -31,6 +31,8 @@ from runtime._records import Admission, Fingerprints, OutboxAction, Record
 from ..faultfs import PowerLossFileSystem
 
 SEEDS: Final = 200
+ROTATING_SEEDS: Final = 150
+"""Seeds of the same test with sync log generations turning over every batch or few."""
 LANE: Final = "dm:42"
 DELIVERIES: Final = ("d0", "d1", "d2")
 DOCUMENTS: Final = ("outbox.json", "lanes/state.json")
@@ -226,18 +228,20 @@ async def _continue(store: Store, ledger: Ledger, writable: list[str]) -> dict[s
     return appended
 
 
-_OPS_BUDGET: dict[str, int] = {}
+_OPS_BUDGET: dict[int | None, int] = {}
 
 
-async def _workload_ops(root: Path) -> int:
+async def _workload_ops(root: Path, rotate_bytes: int | None = None) -> int:
     """How many file-system operations one uncut run of the workload takes."""
-    if "ops" not in _OPS_BUDGET:
+    if rotate_bytes not in _OPS_BUDGET:
         fs = PowerLossFileSystem(root)
         async with open_store(root, fs=fs) as store:
+            if rotate_bytes is not None:
+                store._pool._rotate_bytes = rotate_bytes
             start = fs.ops
             await _workload(store, fs, Ledger(seed=0))
-        _OPS_BUDGET["ops"] = fs.ops - start
-    return _OPS_BUDGET["ops"]
+        _OPS_BUDGET[rotate_bytes] = fs.ops - start
+    return _OPS_BUDGET[rotate_bytes]
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed-{s}") for s in range(SEEDS)])
@@ -249,13 +253,28 @@ async def test_power_loss_at_a_random_point(tmp_path: Path, seed: int) -> None:
     forgiven, garbage never accepted), a log whose creation was not acknowledged
     is missing or refused with a reason code, documents are the old or the new
     version, and every log continues appending at its next seq."""
+    await _power_loss(tmp_path, seed)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed-{s}") for s in range(ROTATING_SEEDS)])
+async def test_power_loss_while_sync_log_generations_turn_over(tmp_path: Path, seed: int) -> None:
+    """J12, J14, J18 with the rest: the same, with sync log generations so small that they
+    fill every batch or few, so the power is cut while full generations wait for their logs'
+    records to reach their files, a log at a time between batches (and while one is
+    removed)."""
+    await _power_loss(tmp_path, seed, rotate_bytes=random.Random(seed).choice([1, 700, 3000]))
+
+
+async def _power_loss(tmp_path: Path, seed: int, rotate_bytes: int | None = None) -> None:
     rng = random.Random(seed)
-    budget = await _workload_ops(tmp_path / "calibration")
+    budget = await _workload_ops(tmp_path / "calibration", rotate_bytes)
     root = tmp_path / "state"
     fs = PowerLossFileSystem(root)
     ledger = Ledger(seed)
     with trio.fail_after(20):
         async with open_store(root, fs=fs) as store:
+            if rotate_bytes is not None:
+                store._pool._rotate_bytes = rotate_bytes
             fs.cut_after(rng.randrange(budget + 1))
             await _workload(store, fs, ledger)
         fs.crash(rng)

@@ -46,6 +46,8 @@ class Holding:
         self._hold: str | None = None
         self.held = threading.Event()
         self._released = threading.Event()
+        self.removed = threading.Event()
+        """Set when a sync log generation is removed."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -71,6 +73,11 @@ class Holding:
     def fdatasync(self, handle: int) -> None:
         self.syncs.append(self._paths.get(handle, "?"))
         self.inner.fdatasync(handle)
+
+    def unlink(self, path: str) -> None:
+        self.inner.unlink(path)
+        if f"/{SYNC_DIR}/" in path:
+            self.removed.set()
 
     def hold(self, part: str) -> None:
         self.held.clear()
@@ -240,21 +247,46 @@ async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alon
             assert refused.value.code is ReasonCode.JOURNAL_POISONED
 
 
-async def test_j12_a_generation_past_its_size_is_rotated_into_the_files(tmp_path: Path) -> None:
-    """J12: once a generation passes its size, every owed record is written to its file and
-    synced, the generation is removed, and the next batch starts the next one."""
+async def test_j12_a_full_generation_is_written_into_the_files_then_removed(
+    tmp_path: Path,
+) -> None:
+    """J12: once a generation passes its size, the batch is acknowledged and the next batch
+    starts the next generation; the full one's owed records are written to their files and
+    synced, a log at a time, and then it is removed."""
     root = tmp_path / "state"
     fs = Holding(OsFileSystem())
     with trio.fail_after(20):
         async with open_store(root, fs=_fs(fs)) as store:
-            store._pool._rotate_bytes = 1  # every batch rotates
+            store._pool._rotate_bytes = 1  # every batch fills its generation
             logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            fs.removed.clear()
             await _one_batch(fs, store, logs, "a")
+            await trio.to_thread.run_sync(fs.removed.wait, 10)
             assert os.listdir(root / SYNC_DIR) == []
             for i, log in enumerate(logs):
                 assert read_log(OsFileSystem(), str(root), log.rel).records[1] == _record(f"a-{i}")
             await _one_batch(fs, store, logs, "b")
             assert str(root / SYNC_DIR / generation_name(1)) in fs.syncs
+
+
+async def test_j12_full_generations_waiting_are_bounded(tmp_path: Path) -> None:
+    """J12: when the logs' records do not trickle out as fast as generations fill, a switch
+    past two full generations writes the oldest one's logs at once and removes it: the sync
+    log stays bounded, and every record is still read back."""
+    root = tmp_path / "state"
+    fs = Holding(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            store._pool._rotate_bytes = 1
+            store._pool._trickle = lambda sync: False  # type: ignore[method-assign]
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            for tag in "abcdef":
+                await _one_batch(fs, store, logs, tag)
+                assert len(os.listdir(root / SYNC_DIR)) <= 2
+            assert _file_records(root, logs[0].rel) >= 4  # the oldest were written at once
+            for i, log in enumerate(logs):
+                records = (await store.read(log.rel)).records[1:]
+                assert records == tuple(_record(f"{tag}-{i}") for tag in "abcdef")
 
 
 def _state_with_logs(root: Path, names: list[str]) -> list[str]:
@@ -446,9 +478,9 @@ def test_j17_journal_verify_names_a_damaged_generation(tmp_path: Path) -> None:
 
 
 async def test_j15_j6_a_disk_failure_while_rotating_is_reported(tmp_path: Path) -> None:
-    """J15, J6: the rotation right after a batch writes every owed record to its file; the
-    write of one fails (EIO): that log alone is poisoned and the store reports the disk
-    failure, so the host stops admitting."""
+    """J15, J6: after a batch that fills its generation, each owed record is written to its
+    file; the write of one fails (EIO): that log alone is poisoned and the store reports the
+    disk failure, so the host stops admitting."""
     root = tmp_path / "state"
     faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
     fs = Holding(faulty)
@@ -457,7 +489,9 @@ async def test_j15_j6_a_disk_failure_while_rotating_is_reported(tmp_path: Path) 
             store._pool._rotate_bytes = 1  # every batch rotates
             logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
             faulty.arm(Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel))
+            fs.removed.clear()
             assert await _one_batch(fs, store, logs, "a") == [1] * LOGS
+            await trio.to_thread.run_sync(fs.removed.wait, 10)  # (its report came before)
             assert len(faulty.hits) == 1, faulty.hits
             assert logs[0].poisoned
             assert not any(log.poisoned for log in logs[1:])
@@ -466,11 +500,13 @@ async def test_j15_j6_a_disk_failure_while_rotating_is_reported(tmp_path: Path) 
             assert store.disk_failure.path == logs[0].rel
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["current", "full"])
 async def test_j18_a_log_removed_and_made_again_never_gains_its_old_records(
-    tmp_path: Path,
+    tmp_path: Path, full: bool
 ) -> None:
-    """J18: retention removes a delivery's log while the sync log's generation still holds
-    that log's old entries, and the same delivery id later makes a log of the same name
+    """J18: retention removes a delivery's log while a sync log generation still holds
+    that log's old entries — the one being appended, or a full one whose other logs still
+    owe their files records — and the same delivery id later makes a log of the same name
     (a re-admission after its id was forgotten). After a crash, the new file gains nothing
     of the old one's: its records are its own."""
     root = tmp_path / "state"
@@ -478,6 +514,9 @@ async def test_j18_a_log_removed_and_made_again_never_gains_its_old_records(
     fs = Holding(power)
     with trio.fail_after(20):
         async with open_store(root, fs=_fs(fs)) as store:
+            if full:  # every batch fills its generation, and no log's records trickle out
+                store._pool._rotate_bytes = 1
+                store._pool._trickle = lambda sync: False  # type: ignore[method-assign]
             logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
             await _one_batch(fs, store, logs, "old")
             rel = logs[0].rel
