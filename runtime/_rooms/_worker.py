@@ -1163,7 +1163,7 @@ def _cancel_rel(delivery_id: str) -> str:
 
 
 def _open_journal_store(
-    config: RoomWorkerConfig, *, clocks: Clocks, fs: FileSystem | None
+    config: RoomWorkerConfig, *, clocks: Clocks, fs: FileSystem | None, sync_log: bool = True
 ) -> contextlib.AbstractAsyncContextManager[JournalStore]:
     """The configured journal store: the file store in ``state_dir`` (the default), or the
     PostgreSQL store when ``[store] url`` names a database (``docs/design/scale-out.md``),
@@ -1171,7 +1171,7 @@ def _open_journal_store(
     (copies of sessions, sockets, the token, the receipt store)."""
     state_dir = Path(config.state_dir)
     if config.store.url is None:
-        return open_store(state_dir, clocks=clocks, fs=fs)
+        return open_store(state_dir, clocks=clocks, fs=fs, sync_log=sync_log)
     if fs is not None:
         raise ConfigError("store.url", "a file system is given to the file store only")
     try:  # the optional extra pi-runtime[postgres]
@@ -1260,12 +1260,15 @@ async def open_room_worker(
     clocks: Clocks | None = None,
     base_dir: Path | None = None,
     fs: FileSystem | None = None,
+    sync_log: bool = True,
 ) -> AsyncIterator[RoomWorker]:
     """Run a room worker on ``config`` until the block ends (see the module docstring).
 
     Relative ``state_dir`` and ``work_root`` resolve against ``base_dir`` (default: the
     current directory). ``fs`` is the journal store's file system (tests pass one that
     fails or loses power on purpose); sessions and work directories are always on disk.
+    ``sync_log=False`` makes the file store sync each delivery's log on its own
+    (:func:`~runtime.open_store`; a test that fails the n-th write of one delivery's file).
     """
     config = validate_config(config, base=base_dir)
     state_dir = Path(config.state_dir)
@@ -1275,7 +1278,7 @@ async def open_room_worker(
     worker: RoomWorker | None = None
     attachments = AttachmentStore(config.attachment_root())  # A1
     async with (
-        _open_journal_store(config, clocks=clocks, fs=fs) as store,
+        _open_journal_store(config, clocks=clocks, fs=fs, sync_log=sync_log) as store,
         _open_receipt_store(config, store, clocks=clocks) as receipts,
         _releasing_leases(lambda: worker),
         trio.open_nursery() as nursery,

@@ -73,6 +73,8 @@ DOCUMENTS: Final = ("doc-0.json", "doc-1.json")
 DELIVERY_TASKS: Final = 3
 _PR_SET_PDEATHSIG: Final = 1
 ADMISSION_PRODUCERS: Final = 4
+SMALL_GENERATION: Final = 4096
+"""The sync log size past which a generation is full, in every other run (default 4 MiB)."""
 
 
 def inflight_document(task: int) -> str:
@@ -320,6 +322,9 @@ async def main(state_dir: str, seed: str, run: int, hold: bool) -> None:
         )
         if hold:
             await trio.sleep_forever()
+        if run % 2:  # every other run: sync log generations that fill every few batches, so
+            # kills land while full ones wait for their logs' records (J12) and are removed
+            store._pool._rotate_bytes = SMALL_GENERATION
         ack_header(store.admissions)
         ack_header(store.results)
         await Workload(store, seed, run).run_forever()

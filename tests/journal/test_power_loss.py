@@ -97,13 +97,13 @@ async def _append_all(
 def _durable_records(fs: PowerLossFileSystem, root: Path, rel: str) -> tuple[Record, ...]:
     """The records of ``rel`` that survive any power loss (J1): its file's, and those the
     sync log holds for it (J12), which the next open writes to the file (J14)."""
-    data = fs.durable_read(str(root / rel)) or b""
-    sync = f"{root / SYNC_DIR}/"
-    generations = sorted(
+    sync = f"{root / SYNC_DIR}/"  # read before the file (J17): the writer may meanwhile
+    generations = sorted(  # write a record to the file and then remove its generation
         (path.removeprefix(sync), content)
         for path, content in fs.durable_snapshot().items()
         if path.startswith(sync) and path.endswith(".log")
     )
+    data = fs.durable_read(str(root / rel)) or b""
     if entries := owed_in(generations).get(rel):
         data = with_owed(data, entries)
     if not data:

@@ -570,7 +570,9 @@ async def test_l17_a_failed_journal_write_mid_turn_poisons_only_that_delivery(
     with trio.fail_after(LIMIT):
         async with (
             scripted_upstream(steps) as (_model, url),
-            open_room_worker(config("fake", url, rooms=rooms), base_dir=tmp_path, fs=faulty) as w,
+            open_room_worker(
+                config("fake", url, rooms=rooms), base_dir=tmp_path, fs=faulty, sync_log=False
+            ) as w,  # (the n-th write of a1's file: each record written as appended, J12)
         ):
             await w.deliver(message("b1", room=OTHER))
             await trio.to_thread.run_sync(started.read_bytes)  # the other room's tool runs
