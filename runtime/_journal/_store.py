@@ -206,7 +206,7 @@ class Store:
         """Remove the files ``rels`` (logs nothing will read again, their sessions) durably —
         unlink, then one fsync of each directory they were in — in one trip off the loop:
         retention (RT2). How many were there. A sync log generation holding records of any
-        of them is rotated first (J18: a log made again under a removed one's name must not
+        of them is drained first (J18: a log made again under a removed one's name must not
         gain its records at the next open)."""
         await self._pool.retire(rels)
 

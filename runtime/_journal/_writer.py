@@ -181,12 +181,11 @@ class _Retire(_Settled):
     (J18), so while a generation does, every owed record is written and the generations
     removed first."""
 
-    __slots__ = ("failure", "rels")
+    __slots__ = ("rels",)
 
     def __init__(self, rels: frozenset[str]) -> None:
         super().__init__()
         self.rels = rels
-        self.failure: DiskFailedError | None = None
 
 
 _end_of_pass = trio.lowlevel.cancel_shielded_checkpoint
@@ -381,17 +380,15 @@ class WriterPool:
             return
         await self._handoff(_Flush(target))
 
-    async def retire(self, rels: Iterable[str]) -> DiskFailedError | None:
-        """Before the logs ``rels`` are removed: if the sync log's generation holds records
-        of any of them, drain it (every owed record written to its file, the generations
-        removed), so that no sync log outlives a file it has records of — a log made again
-        under the same name would otherwise gain the old one's records at the next redo
-        (J18). Returns a disk failure met while draining (it is reported, too)."""
+    async def retire(self, rels: Iterable[str]) -> None:
+        """Before the logs ``rels`` are removed: if a sync log generation holds records of
+        any of them, drain the sync log (every owed record written to its file, the
+        generations removed), so that no sync log outlives a file it has records of — a log
+        made again under the same name would otherwise gain the old one's records at the
+        next redo (J18). A disk failure met while draining is reported as any other."""
         if self._closed or self._sync is None:
-            return None
-        item = _Retire(frozenset(rels))
-        await self._settle(item, 0, staged=False)
-        return item.failure
+            return
+        await self._settle(_Retire(frozenset(rels)), 0, staged=False)
 
     async def aclose(self) -> None:
         """Stop every thread after the work already queued. Idempotent."""
@@ -479,8 +476,7 @@ class WriterPool:
                 continue
             flush()
             if isinstance(item, _Retire):
-                self._retire(item)
-                note(item.failure)
+                note(self._retire(item))
                 continue
             if item.target._pending:  # a close or a flush: the file first gets its records
                 note(self._write_group(item.target, []))
@@ -489,13 +485,14 @@ class WriterPool:
         flush()
         return failure
 
-    def _retire(self, item: _Retire) -> None:
+    def _retire(self, item: _Retire) -> DiskFailedError | None:
         """J18: drain the sync log if a generation names any of ``item.rels``; if one that does
-        cannot be removed, the removal of those logs is refused."""
+        cannot be removed, the removal of those logs is refused. Returns a disk failure met
+        while draining, to be reported."""
         sync = self._sync
         if sync is None or all(g.rels.isdisjoint(item.rels) for g in sync.generations()):
-            return
-        item.failure = self._drain(sync)
+            return None
+        failure = self._drain(sync)
         stays = [g for g in sync.retiring if not g.rels.isdisjoint(item.rels)]
         if stays:
             exc = sync.left_error or OSError(errno.EIO, "a sync log generation stays")
@@ -505,6 +502,7 @@ class WriterPool:
                 f"a sync log generation holding these logs' records cannot be removed: {exc}",
                 path=rel,
             )
+        return failure
 
     def _write_group(self, target: LogTarget, group: list[_Append]) -> JournalError | None:
         """Write the log's pending records (J12) and ``group`` as one frame, and sync it."""
