@@ -65,6 +65,22 @@ async def host(
         yield worker
 
 
+async def hosting(
+    root: Path,
+    name: str,
+    dsn: str,
+    url: str,
+    lease: float,
+    *,
+    task_status: trio.TaskStatus[RoomWorker] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """:func:`host` in a task of its own (``nursery.start``): it runs until cancelled, so
+    it can start inside another host's block and outlive it."""
+    async with host(root, name, dsn, url, lease=lease) as worker:
+        task_status.started(worker)
+        await trio.sleep_forever()
+
+
 def held_request(nth: int) -> tuple[trio.Event, Callable[[int], Awaitable[None]]]:
     """An ``on_request`` for the scripted model that holds the ``nth`` model request open
     (never answered), and the event set when it arrives."""
@@ -129,25 +145,27 @@ async def test_s20_any_host_takes_any_client_and_the_lanes_holder_runs_it(
     """S20, S21: A holds dm:1 (it admitted d1 there); d2 for dm:1 sent to B is admitted by B
     (``queued``: A runs it, told by the announcement) and answered once; the same delivery
     sent again to either host is a duplicate, with another text a conflict; results are one
-    seq order on both hosts, and an acknowledgement made on one is the deployment's."""
+    seq order on both hosts, and an acknowledgement made on one is the deployment's. B starts
+    once A holds dm:1: a host already up could claim it between A's admission and A's
+    claim (S10)."""
     with trio.fail_after(LIMIT):
         async with (
             scripted_upstream([]) as (model, url),
             host(tmp_path, "a", pg_dsn, url) as a,
-            host(tmp_path, "b", pg_dsn, url) as b,
         ):
             first = await a.deliver(message("d1", "one", room="dm:1"))
             await result_of(a, "d1")
-            second = await b.deliver(message("d2", "two", room="dm:1"))
-            on_b = await result_of(b, "d2")
-            on_a = await result_of(a, "d2")
-            duplicate = await a.deliver(message("d2", "two", room="dm:1"))
-            with pytest.raises(DeliveryError) as conflict:
-                await b.deliver(message("d1", "not one", room="dm:1"))
-            await b.ack(on_b.seq)
-            await a._sync()
-            acked = a._host.outbox.acked
-            status_b = b.status()
+            async with host(tmp_path, "b", pg_dsn, url) as b:
+                second = await b.deliver(message("d2", "two", room="dm:1"))
+                on_b = await result_of(b, "d2")
+                on_a = await result_of(a, "d2")
+                duplicate = await a.deliver(message("d2", "two", room="dm:1"))
+                with pytest.raises(DeliveryError) as conflict:
+                    await b.deliver(message("d1", "not one", room="dm:1"))
+                await b.ack(on_b.seq)
+                await a._sync()
+                acked = a._host.outbox.acked
+                status_b = b.status()
     assert (first.disposition, second.disposition) == ("started", "queued")
     assert on_a == on_b
     assert (on_b.outcome, on_b.seq) == ("reply", 2)
@@ -198,21 +216,25 @@ async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
     """S12, S23: A stops (its block ends) with d1 mid-turn and d2 queued in dm:1; its leases
     are given up and announced, so B — which found dm:1 held and would otherwise wait out the
     600 s lease — claims it at once and answers both, d1 replayed (d2 as its own turn, or
-    absorbed into d1's run when it was steered there)."""
+    absorbed into d1's run when it was steered there). B starts once A runs d1: a host
+    already up could claim dm:1 between A's admission and A's claim (S10), and then d1
+    would run on B under the request held open."""
     asked, on_request = held_request(1)  # A's request: never answered
 
     with trio.fail_after(LIMIT):  # far less than the lease
         async with (
             scripted_upstream([], on_request=on_request) as (model, url),
-            host(tmp_path, "b", pg_dsn, url, lease=600) as b,
+            trio.open_nursery() as outlives_a,
         ):
             async with host(tmp_path, "a", pg_dsn, url, lease=600) as a:
-                await a.deliver(message("d1", "one", room="dm:1"))
+                started = await a.deliver(message("d1", "one", room="dm:1"))
                 await asked.wait()
+                b = await outlives_a.start(hosting, tmp_path, "b", pg_dsn, url, 600)
                 queued = await b.deliver(message("d2", "two", room="dm:1"))  # B: held by A
             d1 = await result_of(b, "d1")
             d2 = await result_of(b, "d2")
-    assert queued.disposition == "queued"
+            outlives_a.cancel_scope.cancel()  # B stops
+    assert (started.disposition, queued.disposition) == ("started", "queued")
     assert d1.outcome == "reply"
     assert (d1.seq, d2.seq) == (1, 2)
     if d2.outcome == "absorbed":  # steered into d1's run (on A, or on B's replay): L10
@@ -296,7 +318,8 @@ async def test_s26_a_cancel_sent_to_another_host_travels_to_the_lanes_holder(
     ``cancel`` of d2, then of d1, through B (which holds nothing): B makes each request
     durable in the database and announces it; A ends d2 ``cancelled`` from its queue and
     aborts d1's running turn, ``cancelled`` too. Both hosts stream both results; d1's model
-    request was the only one."""
+    request was the only one. B starts once A runs d1: a host already up could claim dm:1
+    between A's admission and A's claim (S10)."""
     asked = trio.Event()
     arrived = 0
 
@@ -311,10 +334,11 @@ async def test_s26_a_cancel_sent_to_another_host_travels_to_the_lanes_holder(
         async with (
             scripted_upstream([], on_request=on_request) as (_model, url),
             host(tmp_path, "a", pg_dsn, url, rooms=ROOMS) as a,
-            host(tmp_path, "b", pg_dsn, url, rooms=ROOMS) as b,
+            contextlib.AsyncExitStack() as stack,  # B: inside A's block
         ):
-            await a.deliver(message("d1", "one", room="dm:1"))
+            started = await a.deliver(message("d1", "one", room="dm:1"))
             await asked.wait()
+            b = await stack.enter_async_context(host(tmp_path, "b", pg_dsn, url, rooms=ROOMS))
             queued = await a.deliver(message("d2", "two", room="dm:1", author_id="u2"))
             await b._sync()  # B has learned both admissions
             await b.cancel("d2")
@@ -328,7 +352,7 @@ async def test_s26_a_cancel_sent_to_another_host_travels_to_the_lanes_holder(
                 pg_dsn, "SELECT name FROM pi_runtime.documents WHERE name LIKE 'cancels/%'"
             )
             status_b = b.status()
-    assert queued.disposition == "queued"
+    assert (started.disposition, queued.disposition) == ("started", "queued")
     assert (d2.outcome, d1.outcome) == ("cancelled", "cancelled")
     assert on_a == [d1, d2]
     assert (d2.seq, d1.seq) == (1, 2)

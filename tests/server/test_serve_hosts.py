@@ -211,13 +211,14 @@ async def test_three_hosts_a_dead_hosts_lane_is_claimed_and_its_tool_not_run_aga
             scripted_upstream([_bash(command)]) as (model, url),  # then: "You said: …"
             deployment(tmp_path, pg_dsn, url) as start,
         ):
-            a, b, c = [await start(name) for name in "abc"]
+            a = await start("a")  # alone: no other host can claim dm:1 before A does (S10)
             async with a.connect() as on_a:
                 await on_a.send(message("d1", room="dm:1"))
                 accepted = await on_a.until(lambda f: f["type"] == "accepted")
                 assert accepted["disposition"] == "started"
                 await trio.to_thread.run_sync(started.read_bytes)  # the tool runs on A
                 on_a_workers = epoch_nonces(start.common)  # A is the only host with one
+                b, c = [await start(name) for name in "bc"]
                 await a.kill()
             async with b.connect() as on_b, c.connect() as on_c:
                 await on_b.send(message("d2", "to b", room="dm:2"))
@@ -257,9 +258,12 @@ async def test_a11_a_picture_attached_on_one_host_is_sent_and_fetched_on_another
             scripted_upstream([Attach(), Text(text="drawn on a")]) as (_model, url),
             deployment(tmp_path, pg_dsn, url) as start,
         ):
-            a, b = [await start(name) for name in "ab"]
-            async with a.connect() as on_a, b.connect() as on_b:
+            a = await start("a")  # alone: no other host can claim dm:1 before A does (S10)
+            async with a.connect() as on_a:
                 await on_a.send(message("d1", room="dm:1"))
+                accepted = await on_a.until(lambda f: f["type"] == "accepted")
+                b = await start("b")
+            async with b.connect() as on_b:
                 seen = await _collect(on_b, {"d1"})
                 await on_b.send({"type": "fetch_attachment", "id": digest})
                 chunk = await on_b.until(lambda f: f["type"] in ("attachment_data", "error"))
@@ -268,6 +272,7 @@ async def test_a11_a_picture_attached_on_one_host_is_sent_and_fetched_on_another
         "drawn on a",
         [digest],
     )
+    assert accepted["disposition"] == "started"
     assert result["attachments"][0]["lost"] is False
     assert chunk["type"] == "attachment_data", chunk
     assert (chunk["last"], base64.b64decode(chunk["data"])) == (True, png)
@@ -313,11 +318,13 @@ async def test_a_paused_host_is_fenced_out_and_nothing_is_doubled(
             scripted_upstream([], on_request=on_request) as (model, url),
             deployment(tmp_path, pg_dsn, url) as start,
         ):
-            a, b = [await start(name) for name in "ab"]
+            a = await start("a")  # alone: no other host can claim dm:1 before A does (S10)
             async with a.connect() as on_a:
                 await on_a.send(message("d1", room="dm:1"))
-                await on_a.until(lambda f: f["type"] == "accepted")
+                accepted = await on_a.until(lambda f: f["type"] == "accepted")
+                assert accepted["disposition"] == "started"
                 await a_asked.wait()
+            b = await start("b")
             a.signal(signal.SIGSTOP)
             async with b.connect() as on_b:
                 d1 = await on_b.result("d1")  # claimed after A's lease ran out
