@@ -173,6 +173,9 @@ class RoomWorker:
         """Rooms whose lane another host's lease holds, and until when (Trio's clock): no
         claim is tried before."""
         self._poked = trio.Event()
+        self._releases_heard = 0
+        """How many times a lease given up (or a reconnect, which may have missed one) was
+        heard: a refused claim's wait is kept only if none was heard while it was read."""
         self._cancels: set[str] = set()
         """Deliveries another host was asked to cancel (S26), not finished when last read."""
 
@@ -545,12 +548,14 @@ class RoomWorker:
         assert self.leases is not None
         done = self._taking[room] = trio.Event()
         fence: Fence | None = None
+        heard = self._releases_heard
         try:
             fence = await self.leases.claim(room)
             if fence is None:
                 lease = await self.leases.store.lease(room)
-                remaining = lease.remaining if lease is not None and lease.live else 0.0
-                self._not_before[room] = trio.current_time() + remaining
+                if self._releases_heard == heard:  # else the read may be stale: look again
+                    remaining = lease.remaining if lease is not None and lease.live else 0.0
+                    self._not_before[room] = trio.current_time() + remaining
                 return None
             await self._sync()  # everything admitted before the claim is known now
             if self.leases.fence(room) != fence:
@@ -606,6 +611,7 @@ class RoomWorker:
     def _poke(self, released: bool) -> None:
         """Another host may have appended to a shared log, or given a lease up (S23)."""
         if released:
+            self._releases_heard += 1
             self._not_before.clear()
         self._poked.set()
 

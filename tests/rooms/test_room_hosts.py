@@ -245,6 +245,51 @@ async def test_s12_a_host_that_stops_hands_its_lanes_over_at_once(
         assert model.request_count == 2
 
 
+async def test_s10_a_release_heard_while_a_refused_claim_reads_the_lease_is_not_lost(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S10, S23: B's claim of dm:1 is refused (A holds it, 600 s) and B reads A's lease to
+    learn how long to wait. Before that read returns, A's lease is given up and the release
+    is heard by B. The read is stale now: B must not wait out the 600 s it reports, but look
+    again — it claims dm:1 at its next look and answers d1 (A, its worker killed, is fenced
+    out as in S11)."""
+    asked, on_request = held_request(1)  # A's request: never answered
+    in_read = trio.Event()
+
+    with trio.fail_after(LIMIT):  # far less than the lease
+        async with (
+            scripted_upstream([], on_request=on_request) as (_model, url),
+            host(tmp_path, "a", pg_dsn, url, lease=600) as a,
+        ):
+            await a.deliver(message("d1", "one", room="dm:1"))
+            await asked.wait()
+            async with host(tmp_path, "b", pg_dsn, url, lease=600) as b:
+                assert b.leases is not None
+                store = b.leases.store
+                read = store.lease
+
+                async def stale_read(lane: str) -> Any:
+                    found = await read(lane)
+                    if lane == "dm:1" and not in_read.is_set():
+                        in_read.set()
+                        assert found is not None
+                        assert found.live  # A's, 600 s
+                        # A's lease is given up, and B hears the release, before the
+                        # read returns (the release's own announcement is left out, so it
+                        # cannot arrive after the read and hide the stale answer)
+                        await execute(
+                            pg_dsn, "UPDATE pi_runtime.lanes SET lease_until = '-infinity'"
+                        )
+                        b._poke(True)
+                    return found
+
+                store.lease = stale_read  # type: ignore[method-assign]
+                b._poke(True)  # B looks again now, whatever it read before the patch
+                await in_read.wait()
+                d1 = await result_of(b, "d1")
+    assert (d1.outcome, d1.seq) == ("reply", 1)
+
+
 async def test_r9_documents_and_receipts_travel_with_the_lane(tmp_path: Path, pg_dsn: str) -> None:
     """receipts.md R9: A answers d1, which wrote ``notes``; d2's ``write_document`` of
     ``other`` commits its revision and receipt and A stops right there, before its outcome is
