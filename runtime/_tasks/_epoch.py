@@ -222,6 +222,7 @@ class EpochWatch:
                     return
         except RpcError:
             pass
+        await lane.reply_recorded()  # LK8: a reply accepted as the worker exited
         if lane.kernel.state is not TaskState.OPEN or lane.pending_reply() is not None:
             self._finish(EpochEnd.TERMINAL)  # LK8: a pending reply starts the next epoch
             return
@@ -240,6 +241,7 @@ class EpochWatch:
         wd = lane.watchdog
         before = wd.classification
         if kind == "agent_settled":
+            await lane.reply_recorded()  # LK8: a reply accepted as the turn settled
             if lane.kernel.state is not TaskState.OPEN:
                 return EpochEnd.TERMINAL
             pending = lane.pending_reply()

@@ -142,6 +142,7 @@ class TaskLane:
         "_operator",
         "_policy_problem",
         "_recorded_hold",
+        "_reply_recording",
         "_restart_survivors",
         "_restarted",
         "_settle_first",
@@ -227,6 +228,9 @@ class TaskLane:
         """What a host restart could not kill of the previous epoch (None: nothing)."""
         self._undelivered: TaskReply | None = None
         """The user's reply the worker has not been sent yet (LK8)."""
+        self._reply_recording = trio.Event()
+        """Set while no accepted reply is being made durable (LK8, :meth:`reply_recorded`)."""
+        self._reply_recording.set()
         self._recorded_hold: str | None = None
         """The hold the log says stands (WD12)."""
         self._holds_in_flight = 0
@@ -282,12 +286,23 @@ class TaskLane:
             wait = self.kernel.receipts[-1] if self.kernel.receipts else None
             corr = correlation or (wait.intent_id if wait is not None else "")
             record = TaskReply(correlation=corr, text=text)
-            await self.append(record)
-            self.replies[corr] = record
-            self.watchdog.feed(Woken())
-            self._reply_next(record)
-            self._wake.set()
+            recording = self._reply_recording = trio.Event()
+            try:
+                await self.append(record)
+                self.replies[corr] = record
+                self.watchdog.feed(Woken())
+                self._reply_next(record)
+                self._wake.set()
+            finally:
+                recording.set()
         return verdict
+
+    async def reply_recorded(self) -> None:
+        """Wait until no accepted reply is still being made durable (LK8). The task is open
+        from the moment a reply is accepted, but the reply is sent to the worker only once
+        its record is durable: what looks at the worker's settle or exit waits here first,
+        else a settle in that window would look like one without a reply."""
+        await self._reply_recording.wait()
 
     async def abort(self, reason: str) -> Verdict:
         return await self._operator_report(LifecycleKind.ABORT, reason)
@@ -623,6 +638,7 @@ class TaskLane:
         await self.append(
             EpochFenced(epoch=number, reason=reason, fenced_ms=self.host.clocks.wall.time_ms())
         )
+        await self.reply_recorded()  # LK8: a reply accepted as the epoch ended is seen below
         if end in (EpochEnd.FENCE, EpochEnd.RESUME):
             await self.record_action(
                 self.epoch_action_id("signal"), "signal", "done", {"clean": clean}

@@ -165,6 +165,9 @@ async def test_s30_a_task_is_held_by_the_host_it_was_submitted_to(
         ):
             await a.runner.submit(spec(tmp_path))
             await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            # epoch 1 over, so the reply starts epoch 2 (LK8: a reply that comes before the
+            # worker's turn ends is sent to that worker instead)
+            await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
             await b.runner.claim_orphans()
             assert b.runner.elsewhere == {TASK: "a"}
             with pytest.raises(DuplicateElsewhere) as duplicate:

@@ -32,6 +32,7 @@ from runtime._records import (
     LifecycleReceipt,
     OutboxAction,
     Record,
+    TaskReply,
 )
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._service import TaskService
@@ -198,6 +199,42 @@ async def test_lk8_a_reply_before_the_settle_reaches_the_worker_once_and_no_comp
         assert rig.workers.launched == [1]  # delivered to the live worker after its turn
         markers = [r.action_id for r in await rig.records() if isinstance(r, ContinuationSent)]
         assert markers == [f"{TASK}/g1/a1/reply1"]  # no completion prompt
+
+
+async def test_lk8_a_reply_still_being_recorded_when_the_turn_settles_reaches_the_live_worker(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LK8: the reply is accepted while the worker's turn runs, and the turn settles while
+    the reply's record is still being written. The settle must not be taken for one without
+    a reply: the reply reaches the live worker once it is durable — not after the LK9 grace
+    (120 s) stops the worker, in an epoch of its own."""
+    behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}
+    steps: list[Step] = [wait(), say("I asked"), done(), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        lane = rig.runner.lane(TASK)
+        worker = lane.worker
+        assert worker is not None  # the turn runs on (delay:30 after the tool)
+        append = TaskLane.append
+
+        async def slow_reply_record(self: TaskLane, record: Record) -> int:
+            if isinstance(record, TaskReply):  # the turn settles while this is written
+                await worker.rpc.wait_settled(0)
+                await trio.testing.wait_all_tasks_blocked()  # the epoch has seen the settle
+            return await append(self, record)
+
+        monkeypatch.setattr(TaskLane, "append", slow_reply_record)
+        await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert _replies_sent(rig, "the blue one") == 1
+    assert rig.workers.launched == [1]  # delivered to the live worker after its turn
+    assert actions(records, "quiesce") == []
 
 
 async def test_lk8_a_done_decided_before_the_worker_heard_the_reply_is_not_accepted(
