@@ -288,7 +288,10 @@ class TaskLane:
             record = TaskReply(correlation=corr, text=text)
             recording = self._reply_recording = trio.Event()
             try:
-                await self.append(record)
+                # the task is open from here: its reply is written whole, whoever cancels
+                # the caller, else no prompt would ever carry it
+                with trio.CancelScope(shield=True):
+                    await self.append(record)
                 self.replies[corr] = record
                 self.watchdog.feed(Woken())
                 self._reply_next(record)

@@ -237,6 +237,47 @@ async def test_lk8_a_reply_still_being_recorded_when_the_turn_settles_reaches_th
     assert actions(records, "quiesce") == []
 
 
+async def test_lk8_a_reply_whose_caller_is_cancelled_during_its_write_is_still_delivered(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LK8: the task is open once a reply is accepted, so the reply's write is not given up
+    half-way when its caller is cancelled (a client gone): the reply is recorded and reaches
+    the worker. Given up, the task would stay open with a reply pending that no prompt
+    carries, and every report of the worker would be refused ``reply_pending``."""
+    behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}
+    steps: list[Step] = [wait(), say("I asked"), done(), say()]
+    writing = trio.Event()
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        append = TaskLane.append
+
+        async def slow_reply_record(self: TaskLane, record: Record) -> int:
+            if isinstance(record, TaskReply):
+                writing.set()
+                await trio.sleep(5)  # the caller is cancelled meanwhile
+            return await append(self, record)
+
+        monkeypatch.setattr(TaskLane, "append", slow_reply_record)
+        with trio.CancelScope() as caller:
+
+            async def cancel_once_writing() -> None:
+                await writing.wait()
+                caller.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_once_writing)
+                await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert [r.text for r in records if isinstance(r, TaskReply)] == ["the blue one"]
+    assert _replies_sent(rig, "the blue one") == 1
+
+
 async def test_lk8_a_done_decided_before_the_worker_heard_the_reply_is_not_accepted(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
