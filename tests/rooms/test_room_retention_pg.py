@@ -180,7 +180,7 @@ async def test_rt11_the_shared_rows_are_compacted_and_every_host_forgets_what_ex
     assert again.disposition == "duplicate"
     assert known_on_h2[0] is None
     assert known_on_h2[1] is not None
-    assert fresh.disposition == "started"
+    assert fresh.disposition in ("started", "queued")  # h1, up too, may claim room C (S10)
     assert (c1.seq, c1.text) == (seen + 1, "answer 3")
     assert refused_later.value.code is ReasonCode.DELIVERY_EXPIRED
     _, findings = await verify_database(pg_dsn)  # the holes are no damage to journal verify
