@@ -192,7 +192,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Deliveries one connection may have admitted and unfinished; one more is refused
     ``too_many_in_flight`` (backpressure, never a silent drop)."""
-    heap_freeze_seconds: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    heap_freeze_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.25
     """How often ``serve`` freezes what survived in its heap, so no collection walks the
     long-lived state (docs/design/serve.md S7); 0 leaves Python's collector as it is."""
 

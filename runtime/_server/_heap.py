@@ -8,11 +8,11 @@ index — is what makes that walk long, and it is not garbage. So, in the proces
 
 * once started (recovery done), one collection and :func:`gc.freeze` of what is alive
   (:func:`settle_heap`);
-* then, every ``freeze_seconds``, :func:`gc.freeze` again: what survived the period leaves the
-  generations the collector walks (a freeze moves lists, it walks nothing), so an automatic
-  collection walks at most what one period allocated and kept;
+* then, every ``freeze_seconds`` (0.25 s), :func:`gc.freeze` again: what survived the period
+  leaves the generations the collector walks (a freeze moves lists, it walks nothing), so an
+  automatic collection walks at most what one period allocated and kept;
 * cyclic garbage frozen that way is not collected until a **sweep** (unfreeze, one full
-  collection, freeze), which runs after a period in which no client frame arrived, at most
+  collection, freeze), which runs once no client frame arrived for ``quiet_seconds`` (1 s), at most
   every ``sweep_seconds``; a host that is never quiet is swept anyway ``latest_sweep_seconds``
   after its previous sweep, so the garbage it can hold is at most that long's.
 
@@ -54,9 +54,13 @@ class Collector(Protocol):
 class HeapPolicy:
     """When the keeper freezes and sweeps, in seconds of the Trio clock."""
 
-    freeze_seconds: float = 1.0
-    """Between two freezes; also the quiet period a sweep waits for. 0 turns the keeper off:
-    Python's collector as it is (``[server] heap_freeze_seconds``)."""
+    freeze_seconds: float = 0.25
+    """Between two freezes: an automatic collection walks at most what this long allocated
+    and kept. 0 turns the keeper off: Python's collector as it is (``[server]
+    heap_freeze_seconds``)."""
+    quiet_seconds: float = 1.0
+    """A sweep waits until no client frame arrived for at least this long (seen at the
+    freezes' looks)."""
     sweep_seconds: float = 60.0
     """At least this long between two sweeps."""
     latest_sweep_seconds: float = 3600.0
@@ -100,12 +104,14 @@ class HeapKeeper:
     async def run(self) -> None:
         """Freeze every period; sweep after a quiet one when due (module docstring)."""
         policy = self.policy
-        last_sweep = trio.current_time()
+        last_sweep = heard = trio.current_time()
         seen = self.frames()
         while True:
             await trio.sleep(policy.freeze_seconds)
             now, frames = trio.current_time(), self.frames()
-            quiet, seen = frames == seen, frames
+            if frames != seen:
+                seen, heard = frames, now  # a frame arrived since the last look
+            quiet = now - heard >= policy.quiet_seconds
             since = now - last_sweep
             if (quiet and since >= policy.sweep_seconds) or since >= policy.latest_sweep_seconds:
                 self.sweep()

@@ -88,6 +88,31 @@ async def test_s7_a_sweep_waits_for_a_quiet_period(autojump_clock: trio.testing.
     assert first == ["unfreeze", "collect", "freeze"]
 
 
+async def test_s7_freezes_every_quarter_second_and_sweeps_after_a_quiet_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The defaults: a freeze every 0.25 s (no automatic collection walks more than a quarter
+    second's survivors), yet a sweep — a full collection — still waits for a whole second
+    with no client frame, not for a quiet quarter."""
+    policy = HeapPolicy(sweep_seconds=60.0, latest_sweep_seconds=3600.0)
+    assert (policy.freeze_seconds, policy.quiet_seconds) == (0.25, 1.0)
+    recording = Recording()
+    start = trio.current_time()
+    # a frame every 0.8 s, the last at 104.9: many quiet quarters, never a quiet second
+    arrivals = [start + 0.1 + 0.8 * k for k in range(132)]
+
+    def frames() -> int:
+        return sum(at <= trio.current_time() for at in arrivals)
+
+    async with keep_heap(policy, frames, recording):
+        await trio.sleep(110.1)
+    freezes = [round(at - start, 3) for at, call in recording.calls if call == "freeze"]
+    sweeps = [round(at - start, 3) for at in recording.sweeps()[:-1]]
+    assert freezes[:6] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]  # settled, then every quarter
+    # the last frame is seen at the look at 105.0; a whole second later it is quiet
+    assert sweeps == [106.0]
+
+
 async def test_s7_no_sweep_sooner_than_sweep_seconds(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
