@@ -318,7 +318,8 @@ class TaskLane:
         verdict = self.kernel.report(
             Report(key=self.kernel.operator_key(), intent_id=intent, kind=kind, detail=reason)
         )
-        await self.append(self.kernel.receipts[-1])
+        with trio.CancelScope(shield=True):  # decided: its receipt is written whole (TL8)
+            await self.append(self.kernel.receipts[-1])
         if verdict is Verdict.ACCEPTED:
             self.watchdog.feed(TerminalAccepted(str(kind)))
             self._operator = "terminal"

@@ -40,7 +40,7 @@ from runtime._tasks._session import marker_in_session
 from runtime._tasks._state import continuation_marker
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
 
-from ..task_harness import ROUTE, TASK, Rig, done, open_rig, say, wait
+from ..task_harness import ROUTE, TASK, Rig, done, effect, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
 
@@ -276,6 +276,50 @@ async def test_lk8_a_reply_whose_caller_is_cancelled_during_its_write_is_still_d
     assert ended.state == "done"
     assert [r.text for r in records if isinstance(r, TaskReply)] == ["the blue one"]
     assert _replies_sent(rig, "the blue one") == 1
+
+
+async def test_tl8_an_abort_whose_caller_is_cancelled_during_its_write_still_ends_the_task(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL8: an operator's abort is decided (the task terminal) before its receipt is written;
+    a caller cancelled during that write (a client gone) must not leave the decision without
+    its receipt: the receipt is written whole and the running epoch is ended at once — not
+    by the LK9 grace, two minutes on, with no receipt of who ended it."""
+    behaviours = {1: Behaviours(at={"after_tool:1": "delay:600"})}  # the turn runs on
+    writing = trio.Event()
+    async with open_rig(tmp_path, clocks, [effect("k"), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.lane(TASK).worker is not None)
+        started = trio.current_time()
+        append = TaskLane.append
+
+        async def slow_receipt(self: TaskLane, record: Record) -> int:
+            if isinstance(record, LifecycleReceipt) and record.kind == "abort":
+                writing.set()
+                await trio.sleep(5)  # the caller is cancelled meanwhile
+            return await append(self, record)
+
+        monkeypatch.setattr(TaskLane, "append", slow_receipt)
+        with trio.CancelScope() as caller:
+
+            async def cancel_once_writing() -> None:
+                await writing.wait()
+                caller.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_once_writing)
+                await rig.runner.abort(TASK, "stop it")
+        ended = await rig.ended(TASK)
+        took = trio.current_time() - started
+        records = await rig.records()
+    assert ended.state == "aborted"
+    receipts = [(r.kind, r.detail) for r in records if isinstance(r, LifecycleReceipt)]
+    assert receipts == [("abort", "stop it")]
+    assert actions(records, "quiesce") == []
+    assert took < 60  # not the LK9 grace (120 s)
 
 
 async def test_lk8_a_done_decided_before_the_worker_heard_the_reply_is_not_accepted(
