@@ -258,7 +258,10 @@ class Lane:
             if pending.delivery_id == delivery_id:
                 self.queue.remove(pending)
                 pending.cancelled = True
-                await self._finish_without_turn(pending, Outcome.CANCELLED)
+                # out of the queue now: its result is written whole, whoever cancels the
+                # caller, else it would neither run nor end until a restart (L13)
+                with trio.CancelScope(shield=True):
+                    await self._finish_without_turn(pending, Outcome.CANCELLED)
                 return True
         current = self.current
         if current is not None and current.delivery_id == delivery_id:

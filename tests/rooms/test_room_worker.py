@@ -43,11 +43,14 @@ from runtime._records import (
     EpochStarted,
     Outcome,
     ReplayClass,
+    Result,
     StepAbandoned,
     ToolIntent,
     ToolOutcome,
 )
 from runtime._rooms._admission import changed_settings, route_endpoint, settings_fingerprint
+from runtime._rooms._lane import Lane
+from runtime._rooms._pending import Pending
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
 
@@ -699,6 +702,47 @@ async def test_l17_a_receipt_store_locked_past_its_retries_fails_only_that_deliv
     assert len(revisions) == 1  # applied once, by a2
     fenced = [(r.epoch, r.reason) for r in lane.records if isinstance(r, EpochFenced)]
     assert fenced[0] == (1, "fenced")
+
+
+async def test_l13_a_queued_cancel_whose_caller_is_cancelled_still_ends_it_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L13: cancelling a queued delivery takes it out of its room's queue, then writes its
+    result. A caller cancelled during that write (a client gone) must not leave it out of
+    the queue with no result — it would neither run nor end until a restart: it ends
+    ``cancelled``, and the room goes on."""
+    rooms = {ROOM: RoomConfig(actors={"u2": frozenset({"read"})})}  # u2: never steered (L10)
+    writing, release = trio.Event(), trio.Event()
+    write = Lane.write_result
+
+    async def held_write(self: Lane, pending: Pending, result: Result) -> None:
+        if pending.delivery_id == "d2":
+            writing.set()
+            await release.wait()  # the caller is cancelled meanwhile
+        await write(self, pending, result)
+
+    monkeypatch.setattr(Lane, "write_result", held_write)
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Hang(seconds=60)]) as (_model, url):
+            cfg = config("fake", url, rooms=rooms)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                queued = await worker.deliver(message("d2", author_id="u2"))
+                with trio.CancelScope() as caller:
+
+                    async def cancel_the_caller() -> None:
+                        await writing.wait()
+                        caller.cancel()
+                        release.set()
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(cancel_the_caller)
+                        await worker.cancel("d2")
+                (d2,) = await next_results(worker, 1)
+                pending = worker.pending()
+    assert queued.disposition == "queued"
+    assert (d2.delivery_id, d2.outcome) == ("d2", Outcome.CANCELLED)
+    assert pending == ["d1"]
 
 
 async def test_l13_a_cancel_while_its_worker_is_launching_ends_it_cancelled(
