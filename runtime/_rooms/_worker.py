@@ -268,9 +268,13 @@ class RoomWorker:
 
     async def _route(self, lane: Lane, pending: Pending) -> Literal["steered", "queued"]:
         """Hand an admitted delivery to its lane: steered into the live run of the same
-        authority (L10), else queued."""
+        authority (L10), else queued. Whoever cancels the caller (a client gone), it is one
+        or the other: admitted and pending here, it would otherwise neither run nor end
+        until a restart (L1)."""
         self._pending[pending.delivery_id] = pending
-        if await lane.steer(pending):
+        with trio.CancelScope(shield=True):  # bounded: a wedged worker's steer is fenced (L20)
+            steered = await lane.steer(pending)
+        if steered:
             return "steered"
         if lane.lost:  # given up during the steer (S11): another host runs it
             self._pending.pop(pending.delivery_id, None)

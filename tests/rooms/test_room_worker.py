@@ -745,6 +745,61 @@ async def test_l13_a_queued_cancel_whose_caller_is_cancelled_still_ends_it_cance
     assert pending == ["d1"]
 
 
+async def test_l1_a_delivery_admitted_before_its_caller_was_cancelled_still_runs(
+    tmp_path: Path,
+) -> None:
+    """L1, L10: a delivery's admission is durable before it is routed to its lane (steered
+    into the running turn, or queued). A caller cancelled between the two (a client gone
+    while d2 waited for the running turn's steer lock) must not leave the admitted delivery
+    with neither: it is steered or queued all the same, and gets its result."""
+    release = trio.Event()
+    asked = trio.Event()
+
+    async def on_request(n: int) -> None:
+        if n == 1:
+            asked.set()
+            await release.wait()  # d1's turn runs until the test lets it answer
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Text(text="first"), Text(text="second")], on_request=on_request) as (
+                _model,
+                url,
+            ),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1", "one"))
+            await asked.wait()
+            lane = worker._lanes[ROOM]
+            turn = lane._running
+            assert turn is not None
+            held, let_go = trio.Event(), trio.Event()
+
+            async def hold_the_steer_lock() -> None:  # d2's routing waits for it, admitted
+                async with turn.steer_lock:
+                    held.set()
+                    await let_go.wait()
+
+            async def cancel_once_routing() -> None:
+                while not turn.steer_lock.statistics().tasks_waiting:
+                    await trio.testing.wait_all_tasks_blocked()
+                caller.cancel()
+                let_go.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hold_the_steer_lock)
+                await held.wait()
+                with trio.CancelScope() as caller:
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(cancel_once_routing)
+                        await worker.deliver(message("d2", "two"))
+            release.set()
+            results = await next_results(worker, 2)
+    outcomes = {r.delivery_id: r.outcome for r in results}
+    assert outcomes["d1"] is Outcome.REPLY
+    assert outcomes["d2"] in (Outcome.ABSORBED, Outcome.REPLY)  # steered (L10), or its own turn
+
+
 async def test_l13_a_cancel_while_its_worker_is_launching_ends_it_cancelled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
