@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +238,35 @@ async def test_lk8_a_reply_still_being_recorded_when_the_turn_settles_reaches_th
     assert actions(records, "quiesce") == []
 
 
+async def cancelled_while_written(
+    monkeypatch: pytest.MonkeyPatch,
+    held: Callable[[Record], bool],
+    control: Callable[[], Awaitable[object]],
+) -> None:
+    """Run ``control()`` as a caller that is cancelled (a client gone) while the lane writes
+    the record ``held`` picks: that write is held 5 s of the virtual clock, the cancel lands
+    meanwhile, and the control's outcome — an error or ``Cancelled`` — is dropped."""
+    writing = trio.Event()
+    append = TaskLane.append
+
+    async def held_append(self: TaskLane, record: Record) -> int:
+        if held(record):
+            writing.set()
+            await trio.sleep(5)  # the caller is cancelled meanwhile
+        return await append(self, record)
+
+    monkeypatch.setattr(TaskLane, "append", held_append)
+    with trio.CancelScope() as caller:
+
+        async def cancel_once_writing() -> None:
+            await writing.wait()
+            caller.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_once_writing)
+            await control()
+
+
 async def test_lk8_a_reply_whose_caller_is_cancelled_during_its_write_is_still_delivered(
     tmp_path: Path,
     clocks: Clocks,
@@ -249,28 +279,14 @@ async def test_lk8_a_reply_whose_caller_is_cancelled_during_its_write_is_still_d
     carries, and every report of the worker would be refused ``reply_pending``."""
     behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}
     steps: list[Step] = [wait(), say("I asked"), done(), say()]
-    writing = trio.Event()
     async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
-        append = TaskLane.append
-
-        async def slow_reply_record(self: TaskLane, record: Record) -> int:
-            if isinstance(record, TaskReply):
-                writing.set()
-                await trio.sleep(5)  # the caller is cancelled meanwhile
-            return await append(self, record)
-
-        monkeypatch.setattr(TaskLane, "append", slow_reply_record)
-        with trio.CancelScope() as caller:
-
-            async def cancel_once_writing() -> None:
-                await writing.wait()
-                caller.cancel()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_once_writing)
-                await rig.runner.reply(TASK, "the blue one")
+        await cancelled_while_written(
+            monkeypatch,
+            lambda record: isinstance(record, TaskReply),
+            lambda: rig.runner.reply(TASK, "the blue one"),
+        )
         ended = await rig.ended(TASK)
         records = await rig.records()
     assert ended.state == "done"
@@ -289,29 +305,15 @@ async def test_tl8_an_abort_whose_caller_is_cancelled_during_its_write_still_end
     its receipt: the receipt is written whole and the running epoch is ended at once — not
     by the LK9 grace, two minutes on, with no receipt of who ended it."""
     behaviours = {1: Behaviours(at={"after_tool:1": "delay:600"})}  # the turn runs on
-    writing = trio.Event()
     async with open_rig(tmp_path, clocks, [effect("k"), say()], behaviours=behaviours) as rig:
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.lane(TASK).worker is not None)
         started = trio.current_time()
-        append = TaskLane.append
-
-        async def slow_receipt(self: TaskLane, record: Record) -> int:
-            if isinstance(record, LifecycleReceipt) and record.kind == "abort":
-                writing.set()
-                await trio.sleep(5)  # the caller is cancelled meanwhile
-            return await append(self, record)
-
-        monkeypatch.setattr(TaskLane, "append", slow_receipt)
-        with trio.CancelScope() as caller:
-
-            async def cancel_once_writing() -> None:
-                await writing.wait()
-                caller.cancel()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_once_writing)
-                await rig.runner.abort(TASK, "stop it")
+        await cancelled_while_written(
+            monkeypatch,
+            lambda record: isinstance(record, LifecycleReceipt) and record.kind == "abort",
+            lambda: rig.runner.abort(TASK, "stop it"),
+        )
         ended = await rig.ended(TASK)
         took = trio.current_time() - started
         records = await rig.records()
