@@ -223,7 +223,11 @@ class TaskRunner:
             else:
                 log, fence = await self._claim_new(record)
             try:
-                await log.append(record)  # durable before anything runs
+                # durable before anything runs; and once the lane is claimed, written whole
+                # whoever cancels the caller: a claimed lane with no submission and no task
+                # would be answered ``task_elsewhere`` everywhere while this host lives
+                with trio.CancelScope(shield=True):
+                    await log.append(record)
             except JournalError as error:  # its worktree lease, if any, stays until a
                 # submission proves it abandoned (S33: no record, its lane's lease run out)
                 if fence is not None and fenced_out(error):  # S31: another host's now
@@ -254,7 +258,12 @@ class TaskRunner:
         fence = await leases.claim(name)
         if fence is None:  # being submitted (or run) by another host right now
             raise _SubmittedElsewhere(record)
-        log = await store.open_lane_log(name, fence=fence)
+        try:
+            log = await store.open_lane_log(name, fence=fence)
+        except BaseException:
+            with trio.CancelScope(shield=True):  # never a lease held on a lane nobody runs
+                await leases.release(fence)
+            raise
         if _submitted(list(log.contents.records)) is not None:  # submitted elsewhere meanwhile
             await store.close_log(log)
             await leases.release(fence)

@@ -27,8 +27,9 @@ from runtime._cli import EXIT_FAILED, EXIT_OK, main
 from runtime._cli._tasks import _print_tasks
 from runtime._clock import Clocks
 from runtime._errors import JournalError, ReasonCode, TaskError
-from runtime._journal._postgres import open_pg_store
-from runtime._records import OutboxAction, Record, TaskEnded
+from runtime._journal._fence import Fence
+from runtime._journal._postgres import PgLog, open_pg_store
+from runtime._records import OutboxAction, Record, TaskEnded, TaskSubmitted
 from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
 from runtime._tasks._service import TaskService
 from runtime._tasks._watchdog import WatchdogPolicy
@@ -190,6 +191,47 @@ async def test_s30_a_task_is_held_by_the_host_it_was_submitted_to(
             records = await lane_records(a)
     assert launch_hosts(records) == ["a", "a"]
     assert sum(isinstance(r, TaskEnded) for r in records) == 1
+
+
+async def test_s30_a_submission_whose_caller_is_cancelled_while_it_is_written_still_runs(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S30, TL1: A has claimed the new task's lane and writes its submission when the caller
+    is cancelled (a client gone). A must not be left renewing a lease on a lane with no
+    submission and no lane task — every other host answering ``task_elsewhere`` for the id
+    while A lives: the submission is written whole and A runs the task; B, sent the same
+    task, finds it A's."""
+    writing, release = trio.Event(), trio.Event()
+    append = PgLog.append
+
+    async def held_append(self: PgLog, record: Record, *, fence: Fence | None = None) -> int:
+        if isinstance(record, TaskSubmitted):
+            writing.set()
+            await release.wait()  # the caller is cancelled meanwhile
+        return await append(self, record, fence=fence)
+
+    async def cancel_the_caller() -> None:
+        await writing.wait()
+        caller.cancel()
+        release.set()
+
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+        ):
+            monkeypatch.setattr(PgLog, "append", held_append)
+            with trio.CancelScope() as caller:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cancel_the_caller)
+                    await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: TASK in a.runner.lanes)
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            with pytest.raises(DuplicateElsewhere):
+                await b.runner.submit(spec(tmp_path))
+            records = await lane_records(a)
+    assert sum(isinstance(r, TaskSubmitted) for r in records) == 1
+    assert launch_hosts(records) == ["a"]
 
 
 async def test_s31_s32_a_task_claimed_from_a_host_whose_lease_ran_out_is_held_host_lost(
