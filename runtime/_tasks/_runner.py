@@ -258,26 +258,29 @@ class TaskRunner:
         fence = await leases.claim(name)
         if fence is None:  # being submitted (or run) by another host right now
             raise _SubmittedElsewhere(record)
+
+        async def let_go(log: Log | None) -> None:  # never a lease held on a lane nobody runs
+            if log is not None:
+                await store.close_log(log)
+            await leases.release(fence)
+
         try:
             log = await store.open_lane_log(name, fence=fence)
         except BaseException:
-            with trio.CancelScope(shield=True):  # never a lease held on a lane nobody runs
-                await leases.release(fence)
+            with trio.CancelScope(shield=True):
+                await let_go(None)
             raise
         if _submitted(list(log.contents.records)) is not None:  # submitted elsewhere meanwhile
-            await store.close_log(log)
-            await leases.release(fence)
+            await let_go(log)
             self._answer_existing(record, list(log.contents.records))
         try:
             holder = await self._lease_worktree(store, record)  # S33: the deployment's TL13
         except BaseException:
-            with trio.CancelScope(shield=True):  # never a lease held on a lane nobody runs
-                await store.close_log(log)
-                await leases.release(fence)
+            with trio.CancelScope(shield=True):
+                await let_go(log)
             raise
         if holder is not None:
-            await store.close_log(log)
-            await leases.release(fence)
+            await let_go(log)
             raise _worktree_leased(record.worktree, holder)
         return log, fence  # a log a submitter died before writing to is this one's
 

@@ -54,6 +54,7 @@ from runtime._rooms._pending import Pending
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
 
+from .._cancelling import cancelled_once
 from .._pi import pi_home
 from .._workers import scripted_upstream, waiting_bash
 from ..faultfs import Fault, FaultyFileSystem
@@ -728,16 +729,7 @@ async def test_l13_a_queued_cancel_whose_caller_is_cancelled_still_ends_it_cance
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d1"))
                 queued = await worker.deliver(message("d2", author_id="u2"))
-                with trio.CancelScope() as caller:
-
-                    async def cancel_the_caller() -> None:
-                        await writing.wait()
-                        caller.cancel()
-                        release.set()
-
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(cancel_the_caller)
-                        await worker.cancel("d2")
+                await cancelled_once(writing, lambda: worker.cancel("d2"), then=release)
                 (d2,) = await next_results(worker, 1)
                 pending = worker.pending()
     assert queued.disposition == "queued"

@@ -36,6 +36,7 @@ from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._wire import TaskEvent, TaskSpec
 from runtime.testing._in_process import InProcessWorkers
 
+from .._cancelling import cancelled_once
 from ..journal.pg_fixtures import execute, pg_dsn, pg_server
 from ..task_harness import ROUTE, TASK, done, make_worktree, say, wait
 
@@ -210,21 +211,13 @@ async def test_s30_a_submission_whose_caller_is_cancelled_while_it_is_written_st
             await release.wait()  # the caller is cancelled meanwhile
         return await append(self, record, fence=fence)
 
-    async def cancel_the_caller() -> None:
-        await writing.wait()
-        caller.cancel()
-        release.set()
-
     with trio.fail_after(LIMIT):
         async with (
             task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a,
             task_host(tmp_path, "b", pg_dsn, []) as b,
         ):
             monkeypatch.setattr(PgLog, "append", held_append)
-            with trio.CancelScope() as caller:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(cancel_the_caller)
-                    await a.runner.submit(spec(tmp_path))
+            await cancelled_once(writing, lambda: a.runner.submit(spec(tmp_path)), then=release)
             await a.until(lambda: TASK in a.runner.lanes)
             await a.until(lambda: a.runner.show(TASK).state == "waiting")
             with pytest.raises(DuplicateElsewhere):

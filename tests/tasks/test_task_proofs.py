@@ -41,6 +41,7 @@ from runtime._tasks._session import marker_in_session
 from runtime._tasks._state import continuation_marker
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
 
+from .._cancelling import cancelled_once
 from ..task_harness import ROUTE, TASK, Rig, done, effect, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
@@ -256,15 +257,7 @@ async def cancelled_while_written(
         return await append(self, record)
 
     monkeypatch.setattr(TaskLane, "append", held_append)
-    with trio.CancelScope() as caller:
-
-        async def cancel_once_writing() -> None:
-            await writing.wait()
-            caller.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_once_writing)
-            await control()
+    await cancelled_once(writing, control)
 
 
 async def test_lk8_a_reply_whose_caller_is_cancelled_during_its_write_is_still_delivered(
