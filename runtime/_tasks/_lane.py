@@ -304,8 +304,11 @@ class TaskLane:
         """Wait until no accepted reply is still being made durable (LK8). The task is open
         from the moment a reply is accepted, but the reply is sent to the worker only once
         its record is durable: what looks at the worker's settle or exit waits here first,
-        else a settle in that window would look like one without a reply."""
-        await self._reply_recording.wait()
+        else a settle in that window would look like one without a reply. No checkpoint
+        after the last look: a reply begun there would otherwise go unseen by the caller's
+        decision that follows."""
+        while not self._reply_recording.is_set():
+            await self._reply_recording.wait()
 
     async def abort(self, reason: str) -> Verdict:
         return await self._operator_report(LifecycleKind.ABORT, reason)
