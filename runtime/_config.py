@@ -360,20 +360,27 @@ class RoomWorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     def grants_for(self, room: str, actor_id: str) -> frozenset[str] | None:
         """The tools a delivery by ``actor_id`` in ``room`` may use; ``None`` when the room is
         not served (an invalid id or a room the ``rooms`` table does not list)."""
+        authority = self.authority_of(room, actor_id)
+        return None if authority is None else authority[0]
+
+    def authority_of(self, room: str, actor_id: str) -> tuple[frozenset[str], bool] | None:
+        """:meth:`grants_for` and :meth:`is_privileged` with the room looked up once (every
+        admission asks both); ``None`` when the room is not served."""
         try:
             standing = self.standing_grants(room)
         except DeliveryError:
             return None
         if self.rooms is None:
-            return standing
-        return standing | self.rooms[room].actors.get(actor_id, frozenset())
+            return standing, False
+        granted = standing | self.rooms[room].actors.get(actor_id, frozenset())
+        return granted, not granted <= standing
 
     def is_privileged(self, room: str, actor_id: str) -> bool:
         """Whether the actor's grants go beyond the room's standing grants (docs/design/lanes.md):
         such a delivery runs in a one-shot session and is never steered into (or from) a room run.
         ``False`` for a room that is not served (it runs nothing)."""
-        granted = self.grants_for(room, actor_id)
-        return granted is not None and not granted <= self.standing_grants(room)
+        authority = self.authority_of(room, actor_id)
+        return authority is not None and authority[1]
 
     def replay_classes(self) -> dict[str, ReplayClass]:
         """Every known tool's replay class: the declared class, or its (stricter) override.

@@ -601,3 +601,8 @@ def test_c12_actor_extras_make_a_delivery_privileged() -> None:
     assert not config.is_privileged(room, "someone")
     # an empty default grant is a room with no tools at all
     assert config.grants_for("dm:9", "42") == frozenset()
+    # what an admission asks (the room looked up once) answers both questions the same way
+    for asked, actor in ((room, "42"), (room, "43"), (room, "x"), ("dm:9", "42"), ("dm:8", "1")):
+        grants = config.grants_for(asked, actor)
+        expected = None if grants is None else (grants, config.is_privileged(asked, actor))
+        assert config.authority_of(asked, actor) == expected

@@ -226,15 +226,24 @@ class Lane:
         if self._room is not None:
             self._room.request_stop()
 
+    def may_steer(self, pending: Pending) -> bool:
+        """Whether :meth:`steer` could take ``pending`` now: a running turn of the same
+        authority that still takes steering. Nothing awaited; :meth:`steer` asks again under
+        the turn's steer lock."""
+        owner, turn = self.current, self._running
+        if owner is None or turn is None or owner.privileged or pending.privileged:
+            return False
+        return not owner.cancelled and owner.grants == pending.grants and turn.steerable
+
     async def steer(self, pending: Pending) -> bool:
         """Steer ``pending`` into the running turn (docs/design/lanes.md) when that turn has the
         same authority and is still running: its absorbed input is journaled in the owner's log
         first, then sent as a ``steer``. False (queue it instead) otherwise."""
+        if not self.may_steer(pending):
+            return False
         owner, turn = self.current, self._running
-        if owner is None or turn is None or owner.privileged or pending.privileged:
-            return False
-        if owner.cancelled or owner.grants != pending.grants:
-            return False
+        assert owner is not None
+        assert turn is not None
         async with turn.steer_lock:
             if not turn.steerable:
                 return False

@@ -199,9 +199,10 @@ class RoomWorker:
             )
         if not self._admitting:
             raise DeliveryError(ReasonCode.NOT_ADMITTING, "this worker is not admitting")
-        grants = self.config.grants_for(delivery.room, delivery.author.id)
-        if grants is None:
+        authority = self.config.authority_of(delivery.room, delivery.author.id)
+        if authority is None:
             raise DeliveryError(ReasonCode.ROOM_REFUSED, f"room {delivery.room} is not served here")
+        grants, privileged = authority
         prints = fingerprints(delivery, grants=grants, settings=self._settings_print(grants))
         known = self._known.get(delivery.delivery_id)
         if known is None:
@@ -223,8 +224,6 @@ class RoomWorker:
                 ReasonCode.QUEUE_FULL,
                 f"room {delivery.room} already has {caps.queue_limit} deliveries waiting",
             )
-        # is_privileged's answer from the grants already looked up (the room checked once)
-        privileged = not grants <= self.config.standing_grants(delivery.room)
         cold = privileged or (room not in self._warm and not waiting)
         admission = Admission(
             delivery_id=delivery.delivery_id,
@@ -272,10 +271,10 @@ class RoomWorker:
         or the other: admitted and pending here, it would otherwise neither run nor end
         until a restart (L1)."""
         self._pending[pending.delivery_id] = pending
-        with trio.CancelScope(shield=True):  # bounded: a wedged worker's steer is fenced (L20)
-            steered = await lane.steer(pending)
-        if steered:
-            return "steered"
+        if lane.may_steer(pending):  # (the shield costs every admission a few µs: only here)
+            with trio.CancelScope(shield=True):  # bounded: a wedged worker's steer is fenced (L20)
+                if await lane.steer(pending):
+                    return "steered"
         if lane.lost:  # given up during the steer (S11): another host runs it
             self._pending.pop(pending.delivery_id, None)
             return "queued"
