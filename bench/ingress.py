@@ -7,6 +7,7 @@ Run it from the repository root::
     .venv/bin/python -m bench.ingress --heap-freeze 0   # the server's collector left as it is
     .venv/bin/python -m bench.ingress --profile .cache/ingress.prof   # instead: a cProfile pass
     .venv/bin/python -m bench.ingress --profile .cache/ingress.txt --py-spy PATH/py-spy
+    .venv/bin/python -m bench.ingress --pipeline 1 --admission append   # bisect: append only
 
 What is measured, over 50 websocket connections on 127.0.0.1:
 
@@ -46,7 +47,10 @@ process from ``getrusage``, so the report says which side was the bottleneck; so
 share of time some task of the machine stalled waiting for a CPU or for I/O.
 
 The runtime server keeps its heap as ``serve`` does (``keep_heap``, docs/design/serve.md S7;
-``--heap-freeze 0`` for Python's collector as it is). Each phase reports the server's
+``--heap-freeze 0`` for Python's collector as it is). ``--admission`` bisects the server's
+cost per frame: ``append`` replaces the worker's admission with one durable append of an
+admission record (the writer hand-off, the ``fdatasync``, the acknowledgement), ``none`` with
+a single yield; the websocket side and the ``accepted`` frame stay as they are. Each phase reports the server's
 collection pauses: their total, the full ones, the longest of any generation by wall time
 and by the collecting thread's CPU time (``max``, ``cpu``), and the keeper's sweeps; after a
 round, what the collector tracks, a forced full collection's time and a sweep's.
@@ -76,7 +80,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -91,9 +95,12 @@ from trio_websocket import (
 )
 
 if TYPE_CHECKING:
+    from runtime._journal._interface import Log
     from runtime._server._heap import HeapKeeper
+    from runtime._wire import Accepted
 
 from bench.journal import (
+    HEX64,
     background_load,
     choose_base,
     describe_machine,
@@ -268,12 +275,14 @@ async def runtime_server(
     profile: str | None,
     metrics: str = "default",
     heap_freeze: float | None = None,
+    admission: str = "worker",
 ) -> None:
     """``open_server`` on a fresh state directory, its turns held back (module docstring).
     ``metrics``: ``off`` every instrument a no-op, ``on`` the metrics listener and its page
     served too (its port in ``READY``), ``default`` as ``serve`` runs by default.
     ``heap_freeze``: ``[server] heap_freeze_seconds`` (``None``: its default); the heap is
-    kept as ``serve`` keeps it (``keep_heap``)."""
+    kept as ``serve`` keeps it (``keep_heap``). ``admission``: what a ``deliver`` frame costs
+    besides the websocket (:func:`bisected_deliver`)."""
     from fake_pi.model_server import ScriptedModel, serve_model
     from fake_pi.scenario import Hang, Scenario
     from runtime._config import (
@@ -336,6 +345,8 @@ async def runtime_server(
                     await worker.deliver(delivery(room_of(i), f"warm-{i}"))
                 await poll(lambda: parked(worker, rooms) == rooms)  # each lane waits for a slot
             await trio.sleep(0.5)
+            if admission != "worker":  # every measured frame from here on
+                worker.deliver = bisected_deliver(admission, worker.store.admissions)  # type: ignore[method-assign,assignment]
 
             def report() -> dict[str, Any]:
                 hold = worker._lanes[HOLD_ROOM]
@@ -424,9 +435,46 @@ def parked(worker: Any, rooms: int) -> int:
     return count
 
 
+ADMISSIONS: Final = ("worker", "append", "none")
+"""``--admission``: what the runtime server does with a ``deliver`` frame."""
+
+
+def bisected_deliver(
+    admission: str, log: Log
+) -> Callable[[Mapping[str, Any]], Awaitable[Accepted]]:
+    """``RoomWorker.deliver`` with the admission cut away, to bisect the server's cost per
+    frame: ``append`` makes one admission record durable in the admissions log (the
+    group-committed hand-off to the writer thread, the ``fdatasync``, the acknowledgement) and
+    nothing else — no checks, fingerprints, prompt or lane; ``none`` only yields once. Both
+    answer ``accepted`` (``queued``) as the worker would, through the same server code."""
+    from runtime._records import Admission, Fingerprints
+    from runtime._wire import Accepted
+
+    prints = Fingerprints(request=HEX64, authority=HEX64, settings=HEX64)
+
+    async def deliver(request: Mapping[str, Any]) -> Accepted:
+        delivery_id, room = request["delivery_id"], request["room"]
+        if admission == "append":
+            record = Admission(
+                delivery_id=delivery_id,
+                lane=room,
+                request=dict(request),
+                fingerprints=prints,
+                rendered_prompt=request["text"],
+                admitted_ms=time.time_ns() // 1_000_000,
+            )
+            await log.append(record)
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return Accepted(delivery_id=delivery_id, room=room, disposition="queued")
+
+    return deliver
+
+
 def server_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The options of the bench that its runtime servers take."""
-    return () if args.heap_freeze is None else ("--heap-freeze", str(args.heap_freeze))
+    heap = () if args.heap_freeze is None else ("--heap-freeze", str(args.heap_freeze))
+    return (*heap, "--admission", args.admission)
 
 
 def server_main(args: argparse.Namespace) -> int:
@@ -441,6 +489,7 @@ def server_main(args: argparse.Namespace) -> int:
             args.profile,
             args.metrics,
             args.heap_freeze,
+            args.admission,
         )
     return 0
 
@@ -1195,6 +1244,12 @@ async def run(
         print("no valid round")
         return None
     lines, data = report(rounds, pipelines)
+    if args.admission != "worker":
+        print(
+            f"--admission {args.admission}: the runtime server did not admit anything (a "
+            "bisection of its cost); the figures below are not the runtime's.\n"
+        )
+        data["admission"] = args.admission
     print("\n".join(lines))
     return data
 
@@ -1217,6 +1272,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="the runtime's [server] heap_freeze_seconds (default: its default; 0: Python's "
         "collector as it is)",
+    )
+    parser.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default="worker",
+        help="to bisect the server's cost: the worker's admission (default), only a durable "
+        "append of the record (append), or nothing (none)",
     )
     parser.add_argument("--role", choices=("echo", "runtime"), help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
