@@ -50,10 +50,12 @@ The runtime server keeps its heap as ``serve`` does (``keep_heap``, docs/design/
 ``--heap-freeze 0`` for Python's collector as it is). ``--admission`` bisects the server's
 cost per frame: ``append`` replaces the worker's admission with one durable append of an
 admission record (the writer hand-off, the ``fdatasync``, the acknowledgement), ``none`` with
-a single yield; the websocket side and the ``accepted`` frame stay as they are. Each phase reports the server's
-collection pauses: their total, the full ones, the longest of any generation by wall time
-and by the collecting thread's CPU time (``max``, ``cpu``), and the keeper's sweeps; after a
-round, what the collector tracks, a forced full collection's time and a sweep's.
+a single yield; the websocket side and the ``accepted`` frame stay as they are.
+
+Each phase reports the server's collection pauses: their total, the full ones, the longest of
+any generation by wall time and by the collecting thread's CPU time (``max``, ``cpu``), and the
+keeper's sweeps; after a round, what the collector tracks, a forced full collection's time and
+a sweep's.
 
 Bounded: a fixed number of frames per case, the paced cases a fixed number of seconds, every
 case under a time limit. Everything binds 127.0.0.1, state directories go under the
