@@ -540,9 +540,11 @@ class RoomWorker:
         (S10) and recovered as a restart would (S13: leftovers killed, the session restored
         from the database, unfinished deliveries replayed). ``None`` while another host
         holds it, or when the claim or the recovery failed (the database, a damaged log):
-        that stays in this room — the lane is given up and claimed again later."""
-        if (taking := self._taking.get(room)) is not None:
-            await taking.wait()
+        that stays in this room — the lane is given up and claimed again later; so is a
+        lane whose caller was cancelled (a client gone) before it was ready: held and never
+        ready, it would run nothing anywhere while this host lives."""
+        while (taking := self._taking.get(room)) is not None:  # (a new take may begin
+            await taking.wait()  # between its end and this task's turn: wait for that too)
         if room in self._lanes:  # held (or being given up: claimed again once it is gone)
             lane = self._lanes[room]
             return lane if room in self._ready and not lane.lost else None
@@ -576,12 +578,15 @@ class RoomWorker:
             self._ready.add(room)
             await self._reconcile(room)  # what was learned while it recovered
             return lane
-        except (DiskFailedError, JournalError):
+        except BaseException as error:
             if fence is not None:
-                if (taken := self._lanes.get(room)) is not None and taken.fence == fence:
-                    taken.lose()
-                await self.leases.release(fence)
-            return None
+                with trio.CancelScope(shield=True):  # given up whole, whoever cancels
+                    if (taken := self._lanes.get(room)) is not None and taken.fence == fence:
+                        taken.lose()
+                    await self.leases.release(fence)
+            if isinstance(error, DiskFailedError | JournalError):
+                return None
+            raise
         finally:
             del self._taking[room]
             done.set()

@@ -259,16 +259,18 @@ class TaskRunner:
         if fence is None:  # being submitted (or run) by another host right now
             raise _SubmittedElsewhere(record)
 
-        async def let_go(log: Log | None) -> None:  # never a lease held on a lane nobody runs
-            if log is not None:
-                await store.close_log(log)
-            await leases.release(fence)
+        async def let_go(log: Log | None) -> None:
+            """Never a lease held on a lane nobody runs, whoever cancels the caller: it would
+            be renewed while this host lives, and every host answer ``task_elsewhere``."""
+            with trio.CancelScope(shield=True):
+                if log is not None:
+                    await store.close_log(log)
+                await leases.release(fence)
 
         try:
             log = await store.open_lane_log(name, fence=fence)
         except BaseException:
-            with trio.CancelScope(shield=True):
-                await let_go(None)
+            await let_go(None)
             raise
         if _submitted(list(log.contents.records)) is not None:  # submitted elsewhere meanwhile
             await let_go(log)
@@ -276,8 +278,7 @@ class TaskRunner:
         try:
             holder = await self._lease_worktree(store, record)  # S33: the deployment's TL13
         except BaseException:
-            with trio.CancelScope(shield=True):
-                await let_go(log)
+            await let_go(log)
             raise
         if holder is not None:
             await let_go(log)

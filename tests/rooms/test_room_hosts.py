@@ -31,6 +31,7 @@ from runtime._records import ModelResponse, Result, StepAbandoned
 from runtime._rooms._worker import RoomWorker, open_room_worker, request_cancel_in_database
 from runtime._wire import DeliveryResult
 
+from .._cancelling import cancelled_once
 from .._workers import scripted_upstream, tool_messages
 from ..journal.pg_fixtures import execute, pg_dsn, pg_server
 from .test_room_worker import message
@@ -287,6 +288,35 @@ async def test_s10_a_release_heard_while_a_refused_claim_reads_the_lease_is_not_
                 b._poke(True)  # B looks again now, whatever it read before the patch
                 await in_read.wait()
                 d1 = await result_of(b, "d1")
+    assert (d1.outcome, d1.seq) == ("reply", 1)
+
+
+async def test_s10_s13_a_claim_whose_caller_is_cancelled_while_it_recovers_still_runs_it(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S10, S13, L1: A admitted d1 and claimed dm:1; the caller is cancelled (a client gone)
+    while A recovers the lane. A half-taken lane — held, renewed, never ready — would leave
+    d1 and every later delivery of the room queued everywhere until A restarts: the lane is
+    given up whole instead, claimed again at a later look, and d1 answered."""
+    recovering, release = trio.Event(), trio.Event()
+    recover = RoomWorker._recover
+
+    async def held_recover(self: RoomWorker, rooms: set[str]) -> None:
+        if not recovering.is_set():
+            recovering.set()
+            await release.wait()  # the caller is cancelled meanwhile
+        await recover(self, rooms)
+
+    with trio.fail_after(LIMIT):  # far less than the lease
+        async with (
+            scripted_upstream([Text(text="one")]) as (_model, url),
+            host(tmp_path, "a", pg_dsn, url, lease=600) as a,
+        ):
+            monkeypatch.setattr(RoomWorker, "_recover", held_recover)
+            await cancelled_once(
+                recovering, lambda: a.deliver(message("d1", "one", room="dm:1")), then=release
+            )
+            d1 = await result_of(a, "d1")
     assert (d1.outcome, d1.seq) == ("reply", 1)
 
 

@@ -29,6 +29,7 @@ from runtime._clock import Clocks
 from runtime._errors import JournalError, ReasonCode, TaskError
 from runtime._journal._fence import Fence
 from runtime._journal._postgres import PgLog, open_pg_store
+from runtime._journal._store import Store
 from runtime._records import OutboxAction, Record, TaskEnded, TaskSubmitted
 from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
 from runtime._tasks._service import TaskService
@@ -225,6 +226,48 @@ async def test_s30_a_submission_whose_caller_is_cancelled_while_it_is_written_st
             records = await lane_records(a)
     assert sum(isinstance(r, TaskSubmitted) for r in records) == 1
     assert launch_hosts(records) == ["a"]
+
+
+async def test_s30_a_refused_submission_whose_caller_is_cancelled_lets_its_lane_go(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S30, S33: A's task holds its worktree. B, sent a second task on it, claimed the new
+    lane, found the worktree leased, and is letting the lane go when the caller is cancelled
+    (a client gone). The lease must not stay held — renewed while B lives, with no
+    submission and no lane task — or every other host answers ``task_elsewhere`` for the id:
+    C, sent the same task, is refused for the worktree, as B was."""
+    closing, release = trio.Event(), trio.Event()
+    aclose = PgLog.aclose
+
+    async def held_aclose(self: PgLog) -> None:
+        if self.rel == Store.lane_rel("task:second"):
+            closing.set()
+            await release.wait()  # the caller is cancelled meanwhile
+        await aclose(self)
+
+    second = other_task("second", make_worktree(tmp_path))
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")]) as a,
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+            task_host(tmp_path, "c", pg_dsn, []) as c,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            monkeypatch.setattr(PgLog, "aclose", held_aclose)
+            refused: list[TaskError] = []
+
+            async def submit_on_b() -> None:  # its answer is the refusal or the cancel
+                try:
+                    await b.runner.submit(second)
+                except TaskError as error:
+                    refused.append(error)
+
+            await cancelled_once(closing, submit_on_b, then=release)
+            with pytest.raises(TaskError) as on_c:
+                await c.runner.submit(second)
+    refused_leased(on_c, TASK)
+    assert all(error.code is ReasonCode.WORKTREE_LEASED for error in refused)
 
 
 async def test_s31_s32_a_task_claimed_from_a_host_whose_lease_ran_out_is_held_host_lost(
