@@ -410,12 +410,15 @@ class TaskLane:
             await self._end(Ending(str(state)))
             return
         if state is TaskState.WAITING or self._held():
-            self._wake = trio.Event()
             await self.note_hold()  # every hold is durable before the lane parks (WD12)
             await self._end_recovery()  # a hold ends the running recovery; a resume starts one
             await self._log.park()
             self.changed()
+            # a wake-up is taken once it is seen, never thrown away unseen: a resume asked
+            # while the hold was being written (the task held, the lane not parked yet) is
+            # answered, so it is found here; a stale one only costs a look (TL8)
             await self._wake.wait()
+            self._wake = trio.Event()
             await self._log.unpark()
             if self._operator == "resume":
                 self._operator = None

@@ -768,6 +768,37 @@ async def test_lk10_an_incomplete_done_holds_then_the_operators_resume_finalizes
         assert rig.workers.launched == []
 
 
+async def test_tl8_a_resume_asked_while_the_hold_is_being_written_is_not_lost(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL8, LK10: the task holds ``finalization_incomplete``; the operator resumes it while
+    the hold's record is still being written — the task shows held, and the lane has not
+    parked yet. The resume is answered, so it must not be lost: the lane, parking, finds it
+    and finalizes (it would otherwise hold on, the resume's answer a lie)."""
+    needed = tmp_path / "validation-may-pass"
+    code = f"import os, sys; sys.exit(0 if os.path.exists({str(needed)!r}) else 4)"
+    record_action = TaskLane.record_action
+    resumed: list[bool] = []
+
+    async def resumed_meanwhile(
+        lane: TaskLane, action_id: str, kind: str, state: str, detail: Any = None
+    ) -> None:
+        if kind == "hold" and not resumed:
+            needed.write_text("fixed by the operator")
+            resumed.append(lane.resume())  # the operator's look: held
+        await record_action(lane, action_id, kind, state, detail)
+
+    monkeypatch.setattr(TaskLane, "record_action", resumed_meanwhile)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=(sys.executable, "-c", code)))
+        ended = await rig.ended(TASK)
+    assert resumed == [True]
+    assert ended.state == "done"
+
+
 async def test_lk10_an_operator_may_fail_an_incomplete_done(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
