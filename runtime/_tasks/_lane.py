@@ -266,6 +266,11 @@ class TaskLane:
         """The lane's lease on a shared store (S31); ``None`` on a store with one owner."""
         return self._log.fence
 
+    async def close_log(self) -> None:
+        """Close the lane's log, for a lane claimed and then not run (its runner's look
+        failed); its lease is the runner's to release."""
+        await self._log.park()
+
     @property
     def budget(self) -> Budget:
         return self.recovery.budget

@@ -772,9 +772,32 @@ class TaskRunner:
         nobody holds), restore it — held ``host_lost`` when it cannot resume here — and run
         it; note which live tasks other hosts hold. S35: first give back the tasks held
         ``host_lost`` here whose host is back; never claim one whose host is back."""
-        store, _ = self._shared_parts()
         await self._hand_back()
         claimed: list[TaskLane] = []
+        try:
+            await self._look_for_orphans(claimed)
+        except BaseException:
+            await self._let_go_unrun(claimed)
+            raise
+        await self._open_and_run(claimed)
+
+    async def _let_go_unrun(self, lanes: list[TaskLane]) -> None:
+        """Lanes a look claimed and will not run after all (a later step of the look failed,
+        or it was cancelled): closed, their leases released and their ids free for the next
+        look, whoever cancels — a lease renewed on a lane nobody runs would keep every host
+        from the task while this one lives (S32)."""
+        _, leases = self._shared_parts()
+        with trio.CancelScope(shield=True):
+            for lane in lanes:
+                self._claiming.discard(lane.task_id)
+                with contextlib.suppress(JournalError, OSError):  # a failing store: closed
+                    await lane.close_log()  # with the store
+                if lane.lease is not None:
+                    await leases.release(lane.lease)  # (best effort: it runs out anyway)
+
+    async def _look_for_orphans(self, claimed: list[TaskLane]) -> None:
+        """:meth:`claim_orphans`' look: each lane it claims is added to ``claimed``."""
+        store, _ = self._shared_parts()
         for rel in await store.lane_logs():
             if rel in self._not_tasks:
                 continue
@@ -825,7 +848,6 @@ class TaskRunner:
                     continue
             if lane is not None:
                 claimed.append(lane)
-        await self._open_and_run(claimed)
 
     def _learn_ended(self, records: list[Record], end: TaskEnded) -> None:
         """An ended task found in the database (S30): kept as one this runner ended is, so

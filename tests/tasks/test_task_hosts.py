@@ -15,7 +15,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import pytest
@@ -26,9 +26,9 @@ from fake_pi.scenario import Scenario, Step
 from runtime._cli import EXIT_FAILED, EXIT_OK, main
 from runtime._cli._tasks import _print_tasks
 from runtime._clock import Clocks
-from runtime._errors import JournalError, ReasonCode, TaskError
+from runtime._errors import DiskFailedError, JournalError, ReasonCode, TaskError
 from runtime._journal._fence import Fence
-from runtime._journal._postgres import PgLog, open_pg_store
+from runtime._journal._postgres import PgLog, PgStore, open_pg_store
 from runtime._journal._store import Store
 from runtime._records import OutboxAction, Record, TaskEnded, TaskSubmitted
 from runtime._tasks._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
@@ -293,6 +293,45 @@ async def test_s31_s32_a_task_claimed_from_a_host_whose_lease_ran_out_is_held_ho
     assert [h.detail["reason"] for h in holds] == ["host_lost:a"]
     assert launch_hosts(records) == ["a"]
     assert any("lane lost" in line or "refused by its fence" in line for line in a.lines)
+
+
+async def test_s32_a_look_that_fails_after_claiming_a_lane_lets_that_lane_go(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """S32: B's look claims A's orphaned task, then fails on a lane after it (the database
+    away for longer than the store's retries). The lane it claimed must not stay claimed —
+    renewed while B lives, never run, never claimed again: B lets it go, and its next look
+    claims it and holds it ``host_lost:a`` as S32 says."""
+    ghost = "lanes/ghost/lane.log"
+    async with (
+        task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
+        task_host(tmp_path, "b", pg_dsn, []) as b,
+    ):
+        await a.runner.submit(spec(tmp_path))
+        await a.until(lambda: a.runner.show(TASK).state == "waiting")
+        await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
+        await expire_leases(pg_dsn)
+        store = b.runner.host.store
+        assert isinstance(store, PgStore)
+        lane_logs, lease = store.lane_logs, store.lease
+
+        async def and_a_ghost() -> list[str]:
+            return [*await lane_logs(), ghost]  # looked at after the task's lane
+
+        async def away_for_the_ghost(lane: str) -> Any:
+            if lane == "task:ghost":
+                raise DiskFailedError(ReasonCode.DISK_FAILED, "the database is away (the test)")
+            return await lease(lane)
+
+        b.runner._subjects[ghost] = "task:ghost"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(store, "lane_logs", and_a_ghost)
+            patch.setattr(store, "lease", away_for_the_ghost)
+            with pytest.raises(DiskFailedError):
+                await b.runner.claim_orphans()
+        await b.runner.claim_orphans()
+        view = b.runner.show(TASK)
+    assert view.hold_reason == "host_lost:a"
 
 
 async def test_s32_on_shared_storage_a_claimed_task_resumes_on_the_new_host(
