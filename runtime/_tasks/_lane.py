@@ -134,6 +134,7 @@ class TaskLane:
         "_came_home",
         "_fenced",
         "_finished",
+        "_granting",
         "_holds_in_flight",
         "_log",
         "_lost",
@@ -228,6 +229,8 @@ class TaskLane:
         """What a host restart could not kill of the previous epoch (None: nothing)."""
         self._undelivered: TaskReply | None = None
         """The user's reply the worker has not been sent yet (LK8)."""
+        self._granting = trio.Lock()
+        """Held by a grant while it is recorded: each its own action, counted once recorded."""
         self._reply_recording = trio.Event()
         """Set while no accepted reply is being made durable (LK8, :meth:`reply_recorded`)."""
         self._reply_recording.set()
@@ -336,15 +339,19 @@ class TaskLane:
         return verdict
 
     async def grant(self, *, epochs: int, seconds: float, reason: str) -> Budget:
-        """An audited manual grant (WD11): recorded before it counts."""
-        granted = self.recovery.budget.grant(epochs=epochs, seconds=seconds)
-        action_id = self.ids.grant(len(self.actions))
-        await self.record_action(
-            action_id, "grant", "done", {"epochs": epochs, "seconds": seconds, "reason": reason}
-        )
-        self.recovery.budget = granted
+        """An audited manual grant (WD11): recorded before it counts. It adds to the budget
+        as that is once recorded — a charge made meanwhile (the lane's own, while the record
+        is written) is never refunded — and, recorded, it counts whoever cancels the caller.
+        Grants are recorded one at a time, each under its own action id."""
+        self.recovery.budget.grant(epochs=epochs, seconds=seconds)  # refused before it is written
+        async with self._granting:
+            action_id = self.ids.grant(len(self.actions))
+            detail = {"epochs": epochs, "seconds": seconds, "reason": reason}
+            with trio.CancelScope(shield=True):
+                await self.record_action(action_id, "grant", "done", detail)
+            self.recovery.budget = self.recovery.budget.grant(epochs=epochs, seconds=seconds)
         self._wake.set()
-        return granted
+        return self.recovery.budget
 
     def lost_to(self) -> str | None:
         """The host this lane is held ``host_lost`` for — the one its worktree and session are

@@ -302,6 +302,40 @@ async def test_wd11_budget_exhaustion_holds_and_a_grant_charges_once(
         assert rig.runner.show(TASK).budget["epochs_used"] == 4
 
 
+async def test_wd11_a_charge_made_while_a_grant_is_written_is_not_refunded(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WD11: a grant adds to the budget as it is once recorded. The lane charges recovery
+    time while the grant's record is being written (its own ``_end_recovery``): that charge
+    stays — a grant applied to the budget read before its write would refund it — and two
+    grants at once are two actions, both counted."""
+    record_action = TaskLane.record_action
+
+    async def charged_meanwhile(
+        lane: TaskLane, action_id: str, kind: str, state: str, detail: Any = None
+    ) -> None:
+        if kind == "grant":
+            lane.recovery.budget = lane.recovery.budget.charge_seconds(5.0)
+        await record_action(lane, action_id, kind, state, detail)
+
+    async with open_rig(tmp_path, clocks, [wait(), say("asked")]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        monkeypatch.setattr(TaskLane, "record_action", charged_meanwhile)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: rig.runner.grant(TASK, epochs=1, reason="one"))
+            nursery.start_soon(lambda: rig.runner.grant(TASK, seconds=60, reason="two"))
+        budget = rig.runner.show(TASK).budget
+        records = await rig.records()
+    assert budget["seconds_used"] == 10.0  # the two charges made meanwhile, kept
+    assert (budget["granted_epochs"], budget["granted_seconds"]) == (1, 60.0)
+    grants = [r for r in records if isinstance(r, OutboxAction) and r.kind == "grant"]
+    assert sorted(g.detail["reason"] for g in grants) == ["one", "two"]
+
+
 async def test_wd11_a_session_append_seen_by_a_probe_ends_the_recovery(
     tmp_path: Path,
     clocks: Clocks,
