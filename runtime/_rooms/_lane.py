@@ -279,8 +279,13 @@ class Lane:
             slot = self._oneshot if current.privileged else self._room
             if slot is not None and slot.live is not None:
                 # bounded (L20): a wedged worker answers no abort; its turn's backstop fences
-                # it, and the delivery ends ``cancelled`` then — the caller need not wait
-                with trio.move_on_after(self.host.abort_grace), contextlib.suppress(RpcError):
+                # it, and the delivery ends ``cancelled`` then — the caller need not wait.
+                # Sent whoever cancels the caller: the cancel is decided (the flag above)
+                with (
+                    trio.CancelScope(shield=True),
+                    trio.move_on_after(self.host.abort_grace),
+                    contextlib.suppress(RpcError),
+                ):
                     await slot.live.rpc.abort()
             return True
         return False

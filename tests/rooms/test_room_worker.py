@@ -792,6 +792,38 @@ async def test_l1_a_delivery_admitted_before_its_caller_was_cancelled_still_runs
     assert outcomes["d2"] in (Outcome.ABSORBED, Outcome.REPLY)  # steered (L10), or its own turn
 
 
+async def test_l13_a_running_cancel_whose_caller_is_cancelled_still_aborts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L13: cancelling a running delivery marks it cancelled, then sends the worker its
+    abort. A caller cancelled before the abort is written (a client gone) must not leave it
+    marked and unaborted — its turn running on, its tools too, for a cancel already decided:
+    the abort is sent all the same, and the delivery ends ``cancelled``."""
+    from runtime._pi._rpc import RpcChannel
+
+    asked, aborting, release = trio.Event(), trio.Event(), trio.Event()
+    abort = RpcChannel.abort
+
+    async def on_request(n: int) -> None:
+        asked.set()
+
+    async def held_abort(self: RpcChannel) -> None:
+        aborting.set()
+        await release.wait()  # the caller is cancelled meanwhile
+        await abort(self)
+
+    monkeypatch.setattr(RpcChannel, "abort", held_abort)
+    with trio.fail_after(60):
+        async with scripted_upstream([Hang(seconds=3600)], on_request=on_request) as (_m, url):
+            cfg = config("fake", url)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await asked.wait()
+                await cancelled_once(aborting, lambda: worker.cancel("d1"), then=release)
+                (result,) = await next_results(worker, 1)
+    assert (result.delivery_id, result.outcome) == ("d1", Outcome.CANCELLED)
+
+
 async def test_l13_a_cancel_while_its_worker_is_launching_ends_it_cancelled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
