@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Final, Protocol
 
+import trio
+
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
 from .._records import LifecycleKind, Record
 from ._lifecycle import LifecycleKernel, Report, Verdict
@@ -63,7 +65,10 @@ def _tool(lane: LifecycleOwner, kind: LifecycleKind) -> RuntimeTool:
         detail = " ".join(str(v) for v in call.args.values())[:2000]
         verdict = kernel.report(Report(key=key, intent_id=intent_id, kind=kind, detail=detail))
         if verdict is not Verdict.DUPLICATE:
-            await lane.append(kernel.receipts[-1])  # durable before the answer
+            # durable before the answer; decided already, so written whole whoever cancels
+            # the call (its epoch ending takes the gate's requests with it)
+            with trio.CancelScope(shield=True):
+                await lane.append(kernel.receipts[-1])
         if verdict is Verdict.ACCEPTED:
             lane.watchdog.feed(TerminalAccepted(str(kind)))
         if epoch == kernel.current.epoch:

@@ -18,6 +18,7 @@ import trio
 
 from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Call, Hang, HttpError, Step, Text, ToolCalls
+from runtime._boundary._calls import GateCall
 from runtime._clock import Clocks, MockSilenceClock
 from runtime._errors import ReasonCode, TaskError
 from runtime._pi._rpc_protocol import Event
@@ -34,13 +35,15 @@ from runtime._records import (
 )
 from runtime._tasks import _epoch
 from runtime._tasks._lane import TaskLane
-from runtime._tasks._lifecycle import TaskState
+from runtime._tasks._lifecycle import LifecycleKernel, TaskState
+from runtime._tasks._lifecycle_tools import lifecycle_tools
 from runtime._tasks._session import session_size
 from runtime._tasks._state import inference_costs, read_lane, submitted_record
 from runtime._tasks._view import view_row
-from runtime._tasks._watchdog import WatchdogPolicy
+from runtime._tasks._watchdog import Watchdog, WatchdogPolicy
 from runtime._wire import TaskSpec
 
+from .._cancelling import cancelled_once
 from ..task_harness import ROUTE, TASK, done, effect, fail, open_rig, say, wait
 
 pytestmark = pytest.mark.trio
@@ -629,3 +632,46 @@ async def test_a_task_row_is_its_views_overview_at_every_stage(
         await rig.ended(TASK)
         same()
         assert rig.runner.rows()[0]["ended"] == "aborted"
+
+
+# ------------------------------------------- LK1: a decided terminal is durable, whoever cancels
+
+
+class _HeldOwner:
+    """A lane as the lifecycle tools see it, whose appends wait for ``release``."""
+
+    def __init__(self, writing: trio.Event, release: trio.Event) -> None:
+        self.kernel = LifecycleKernel(TASK)
+        assert self.kernel.begin_epoch(1, fenced=False)
+        self.watchdog = Watchdog(policy=WatchdogPolicy())
+        self.records: list[Record] = []
+        self._writing, self._release = writing, release
+
+    def gate_epoch(self) -> int:
+        return 1
+
+    async def append(self, record: Record) -> int:
+        self._writing.set()
+        await self._release.wait()  # the call is cancelled meanwhile
+        self.records.append(record)
+        return len(self.records)
+
+    async def resumed_progress(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def changed(self) -> None:
+        pass
+
+
+async def test_lk1_a_terminal_accepted_as_its_call_is_cancelled_is_still_recorded() -> None:
+    """LK1: the kernel accepts the worker's ``task_done`` — the task's state is decided — and
+    its receipt is written next. A call cancelled during that write (its epoch ending: the
+    gate's requests with it) must not leave the kernel terminal with no receipt in the log, a
+    state a restart would not find: the receipt is written whole."""
+    writing, release = trio.Event(), trio.Event()
+    owner = _HeldOwner(writing, release)
+    tool = lifecycle_tools(owner)["task_done"]
+    call = GateCall("c1", "task_done", {"summary": "all tests pass"})
+    await cancelled_once(writing, lambda: tool(call, "intent-1"), then=release)
+    assert owner.kernel.state is TaskState.SUCCESS_INTENT
+    assert [type(r) for r in owner.records] == [LifecycleReceipt]
