@@ -470,7 +470,9 @@ class RoomWorker:
         self._wake_reservations()
 
     def _lane_idle(self, lane: Lane) -> None:
-        """A lane finished a delivery: a reservation waiting for a slot may stop its worker."""
+        """A lane is done with a delivery — finished, or left pending by a failed write
+        (L17): a reservation waiting for a slot may stop its worker, a drain look again."""
+        self._idle.set()
         if lane in self._live:
             self._wake_reservations()
 

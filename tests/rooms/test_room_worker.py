@@ -610,6 +610,30 @@ async def test_l17_a_failed_journal_write_mid_turn_poisons_only_that_delivery(
     assert (tmp_path / "state" / (w.store.delivery_rel("a1") + ".poison")).exists()
 
 
+async def test_l17_a_drain_ends_once_a_turn_ends_on_a_failed_result_write(
+    tmp_path: Path,
+) -> None:
+    """L17, recovery.md: the host drains while a turn runs; the turn ends, and its result's
+    write to the outbox fails (the disk: the delivery stays pending, the host stops
+    admitting). Nothing runs any more, so the drain ends then — not at its timeout."""
+    started, release, waiting = waiting_bash(tmp_path)
+    grants = frozenset({"bash", "send_text_update"})
+    fault = Fault("write", 2, "before", errno.EIO, path_contains="results.log")  # 1: header
+    faulty = FaultyFileSystem(OsFileSystem(), fault)
+    with trio.fail_after(LIMIT):  # far less than the drain's 3600 s
+        async with scripted_upstream([waiting, Text(text="done")]) as (_model, url):
+            cfg = config("fake", url, rooms={ROOM: RoomConfig(grants=grants)})
+            async with open_room_worker(cfg, base_dir=tmp_path, fs=faulty) as w:
+                await w.deliver(message("d1"))
+                await trio.to_thread.run_sync(started.read_bytes)  # its tool runs
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(w.drain, 3600.0)
+                    await trio.to_thread.run_sync(release.write_bytes, b"go\n")
+                pending = w.pending()
+    assert [hit.fault for hit in faulty.hits] == [fault]
+    assert pending == ["d1"]
+
+
 @pytest.mark.parametrize("when", ["new", "recovering"])
 async def test_l18_a_damaged_session_header_fails_that_lane_closed_and_the_host_serves(
     when: str, tmp_path: Path
