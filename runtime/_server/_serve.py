@@ -174,6 +174,8 @@ class _Connection:
     sent_seq: int = 0
     """The seq of the last result sent on this connection."""
     sent_more: trio.Event = field(default_factory=trio.Event)
+    closed: bool = False
+    """Its websocket closed: nothing more will be sent here."""
 
     async def send(self, frame: ServerFrame) -> None:
         """Send one frame. No lock of ours: the connection's own (FIFO) lock around the
@@ -182,9 +184,14 @@ class _Connection:
         await self.ws.send_message(encode_server_frame(frame))
 
     async def sent_up_to(self, seq: int) -> None:
-        """Return once every result up to ``seq`` was sent here."""
-        while self.sent_seq < seq:
+        """Return once every result up to ``seq`` was sent here, or the connection closed."""
+        while self.sent_seq < seq and not self.closed:
             await self.sent_more.wait()
+
+    def close(self) -> None:
+        """The websocket closed: whoever waits for a send here stops waiting."""
+        self.closed = True
+        self.sent_more.set()
 
 
 class RoomServer:
@@ -302,6 +309,7 @@ class RoomServer:
                     nursery.start_soon(self._until_closed, part, connection, nursery.cancel_scope)
         finally:
             self.connections.discard(connection)
+            connection.close()
 
     @staticmethod
     async def _until_closed(

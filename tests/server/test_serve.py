@@ -15,6 +15,7 @@ from typing import Any, Final
 
 import pytest
 import trio
+import trio.testing
 import trustme
 from trio_websocket import (
     ConnectionClosed,
@@ -352,3 +353,18 @@ def test_s6_tls_needs_both_files(tmp_path: Path) -> None:
     args = argparse.Namespace(host="127.0.0.1", port=0, tls_cert=tmp_path / "c.pem", tls_key=None)
     with pytest.raises(Exception, match="config_invalid: tls"):
         _options(args)
+
+
+async def test_s5_a_flush_does_not_wait_on_a_connection_that_closed() -> None:
+    """S5: on the way out the server lets each connection receive the results published so
+    far, for a bounded time. A connection that closes meanwhile will never receive them: the
+    flush stops waiting on it at once, instead of spending the rest of its time there."""
+    from runtime._server._serve import _Connection
+
+    connection = _Connection(ws=None, peer="127.0.0.1:1")  # type: ignore[arg-type]
+    with trio.fail_after(5):  # a bound, never reached when the close wakes the wait
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(connection.sent_up_to, 3)  # results 1-3 not sent yet
+            await trio.testing.wait_all_tasks_blocked()
+            connection.close()
+    assert connection.closed
