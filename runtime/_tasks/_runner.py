@@ -172,6 +172,12 @@ class TaskRunner:
 
     async def submit(self, spec: TaskSpec | dict[str, Any]) -> TaskView:
         """Admit a task durably and start it (TL1); the same task again returns its view."""
+        view, _ = await self.admit(spec)
+        return view
+
+    async def admit(self, spec: TaskSpec | dict[str, Any]) -> tuple[TaskView, bool]:
+        """:meth:`submit`, and whether this call admitted the task (``False``: it was known,
+        here — two submissions of one task at once are one new and one duplicate)."""
         if not isinstance(spec, TaskSpec):
             try:
                 spec = msgspec.convert(spec, TaskSpec)
@@ -189,7 +195,7 @@ class TaskRunner:
                     break
         raise self._elsewhere_error(spec.task_id)
 
-    async def _submit(self, spec: TaskSpec) -> TaskView:
+    async def _submit(self, spec: TaskSpec) -> tuple[TaskView, bool]:
         async with self._lock:
             existing = self.lanes.get(spec.task_id) or self.ended.get(spec.task_id)
             if existing is not None:
@@ -198,7 +204,7 @@ class TaskRunner:
                 )
                 if not _same_task(record, existing.task):
                     raise _conflict(spec.task_id)
-                return self.show(spec.task_id)
+                return self.show(spec.task_id), False
             if self._expired(spec.task_id):  # RT12: never run again as new
                 raise self._expired_error(spec.task_id)
             record = submitted_record(
@@ -237,7 +243,7 @@ class TaskRunner:
             lane = TaskLane(self.host, record, log, fence=fence)
             self.lanes[spec.task_id] = lane
             self._nursery.start_soon(self._run_lane, lane)
-            return lane.view()
+            return lane.view(), True
 
     async def _claim_new(self, record: TaskSubmitted) -> tuple[Log, Fence]:
         """S30: the lease of a new task's lane, and its log, empty; a task any host

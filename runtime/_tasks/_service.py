@@ -117,14 +117,13 @@ class TaskService:
         """Submit (idempotent by task id): the view, and whether the task was new."""
         if not isinstance(spec, TaskSpec):
             spec = task_spec(spec)
-        new = not self.runner.known(spec.task_id)
         try:
-            await self.runner.submit(spec)
+            view, new = await self.runner.admit(spec)
         except DuplicateElsewhere as duplicate:  # S30: admitted by another host already
             if duplicate.view is None:
                 raise
             return duplicate.view, False
-        return self.show(spec.task_id), new
+        return view, new
 
     def show(self, task_id: str) -> TaskView:
         """Every diagnostic of one task (``task_unknown`` if there is none)."""

@@ -870,6 +870,28 @@ async def test_lk8_a_reply_whose_carrier_cannot_be_checked_holds_instead_of_rese
 # ------------------------------------------- TL11: a failed lane is seen, not followed forever
 
 
+async def test_tl1_the_same_task_submitted_twice_at_once_is_started_once(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """TL1, P11: a task is idempotent by its id; two submissions of the same task at once
+    (a client's retry racing its first try) are one lane, answered once ``started`` and once
+    ``duplicate`` — not both ``started``."""
+    async with open_rig(tmp_path, clocks, [wait(), say("asked")]) as rig:
+        service = TaskService(rig.runner, WatchdogPolicy(), WatchdogPolicy())
+        spec = rig.spec()
+        answers: list[bool] = []
+
+        async def submit() -> None:
+            _, new = await service.submit(spec)
+            answers.append(new)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit)
+            nursery.start_soon(submit)
+        assert sorted(answers) == [False, True]
+        assert rig.runner.task_ids() == [TASK]
+
+
 async def test_tl11_a_lane_that_fails_is_shown_failed_and_a_follower_is_told(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
