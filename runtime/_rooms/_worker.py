@@ -158,6 +158,9 @@ class RoomWorker:
         """One retention pass at a time (step journals or compaction)."""
         self._unfinished: dict[str, dict[str, None]] = {}
         """Per room, the deliveries admitted (anywhere) without a published result, in order."""
+        self._being_admitted: dict[str, int] = {}
+        """Per room, this host's admissions between their queue-limit check and the end of
+        their append: the limit counts them, so admissions at once cannot pass it together."""
         self._expired_upto = 0
         """Retention (RT2): every result before this index of the publication order has no
         step journal left."""
@@ -219,6 +222,7 @@ class RoomWorker:
         room = delivery.room
         lane = self._lanes.get(room) if self.leases is not None else self._lane(room)
         waiting = len(self._unfinished.get(room, ())) if lane is None else lane.waiting
+        waiting += self._being_admitted.get(room, 0)
         if waiting >= caps.queue_limit:
             raise DeliveryError(
                 ReasonCode.QUEUE_FULL,
@@ -234,12 +238,18 @@ class RoomWorker:
             admitted_ms=self._host.clocks.wall.time_ms(),
         )
         self._known[delivery.delivery_id] = (prints.request, delivery.room)
+        self._being_admitted[room] = self._being_admitted.get(room, 0) + 1
         try:
             first = await self._append_admission(admission, room, privileged)
         except BaseException:
             if delivery.delivery_id not in self._admissions:  # (RT11: or forgotten as expired)
                 self._known.pop(delivery.delivery_id, None)
             raise
+        finally:  # (counted from here on as the lane's, or as unfinished when shared)
+            if (left := self._being_admitted[room] - 1) == 0:
+                del self._being_admitted[room]
+            else:
+                self._being_admitted[room] = left
         if first is not admission:  # another host admitted it first (S21)
             if first.fingerprints.request != prints.request:
                 raise DeliveryError(

@@ -200,6 +200,34 @@ async def test_l4_l6_refusals_admit_nothing(tmp_path: Path) -> None:
                 assert unknown.value.code is ReasonCode.DELIVERY_UNKNOWN
 
 
+async def test_l4_admissions_at_once_do_not_pass_the_queue_limit_together(
+    tmp_path: Path,
+) -> None:
+    """L4: the queue limit counts the room's admissions still being written, so two sent at
+    once to a room with one place left are one admitted and one refused ``queue_full`` — not
+    both admitted, one over the limit."""
+    rooms = {ROOM: RoomConfig(grants=frozenset({"send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Hang(seconds=60)]) as (_model, url):
+            cfg = config("fake", url, rooms=rooms, caps=Caps(queue_limit=2))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))  # running: one place left
+                refused: list[ReasonCode] = []
+
+                async def deliver(delivery_id: str) -> None:
+                    try:
+                        await worker.deliver(message(delivery_id))
+                    except DeliveryError as error:
+                        refused.append(error.code)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(deliver, "d2")
+                    nursery.start_soon(deliver, "d3")
+                pending = worker.pending()
+    assert refused == [ReasonCode.QUEUE_FULL]
+    assert len(pending) == 2
+
+
 async def test_l7_l12_silent_turn_never_types_and_updates_do_not_settle(tmp_path: Path) -> None:
     """L12: ``send_text_update`` is threaded on the answered message and the turn goes on;
     typing starts only once the reply can no longer be silent, and never for a silent turn.
