@@ -139,9 +139,9 @@ async def expire_leases(dsn: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def claimed_from_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
+async def orphaned_by_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
     """A's task waits for its user, its epoch over; A's lease (3 s, renewed each second) is
-    made to run out and B — no shared worktrees, no takeover delay — claims the lane."""
+    made to run out. B — no shared worktrees, no takeover delay — has not looked yet."""
     async with (
         task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
         task_host(tmp_path, "b", pg_dsn, []) as b,
@@ -150,6 +150,13 @@ async def claimed_from_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[Tas
         await a.until(lambda: a.runner.show(TASK).state == "waiting")
         await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
         await expire_leases(pg_dsn)
+        yield a, b
+
+
+@contextlib.asynccontextmanager
+async def claimed_from_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
+    """:func:`orphaned_by_a`, and B claims the lane."""
+    async with orphaned_by_a(tmp_path, pg_dsn) as (a, b):
         await b.runner.claim_orphans()
         yield a, b
 
@@ -303,14 +310,7 @@ async def test_s32_a_look_that_fails_after_claiming_a_lane_lets_that_lane_go(
     renewed while B lives, never run, never claimed again: B lets it go, and its next look
     claims it and holds it ``host_lost:a`` as S32 says."""
     ghost = "lanes/ghost/lane.log"
-    async with (
-        task_host(tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0) as a,
-        task_host(tmp_path, "b", pg_dsn, []) as b,
-    ):
-        await a.runner.submit(spec(tmp_path))
-        await a.until(lambda: a.runner.show(TASK).state == "waiting")
-        await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
-        await expire_leases(pg_dsn)
+    async with orphaned_by_a(tmp_path, pg_dsn) as (_a, b):
         store = b.runner.host.store
         assert isinstance(store, PgStore)
         lane_logs, lease = store.lane_logs, store.lease
