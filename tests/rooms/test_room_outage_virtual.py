@@ -73,10 +73,15 @@ def check_one_probe_per_step(outage: Outage) -> list[float]:
     """PB4's schedule, from the upstream's own log: after the first wave (the route's first
     failure) every refused try is a probe; the ``n``-th comes after the wait that follows
     failure ``n`` — at least its jitter's floor (half the step), at most the step plus a
-    launch — so never two in one step, and none skipped."""
+    launch — so never two in one step, and none skipped. The breaker opens at the wave's
+    first failure, which a later try of the wave may follow (it began before that failure
+    was known): the first probe's floor counts from the wave's first try, its ceiling from
+    its last."""
     wave, probes = tries(outage)
     assert probes, outage.down
-    for n, (a, b) in enumerate(itertools.pairwise([max(wave), *probes]), start=1):
+    assert step(1) / 2 <= probes[0] - min(wave), (1, wave, probes)
+    assert probes[0] - max(wave) <= step(1) + LAUNCH, (1, wave, probes)
+    for n, (a, b) in enumerate(itertools.pairwise(probes), start=2):
         assert step(n) / 2 <= b - a <= step(n) + LAUNCH, (n, wave, probes)
     return probes
 
