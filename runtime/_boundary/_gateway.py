@@ -312,6 +312,9 @@ class _Downstream:
         self._response = response
         self._lock = trio.Lock()
         self.gone = False
+        self.ended = False
+        """The response is whole (ended, or answered at once): nothing more is sent; a
+        keepalive that waited for the lock meanwhile sends nothing."""
         self.last_sent = trio.current_time()
 
     @property
@@ -320,13 +323,14 @@ class _Downstream:
 
     async def _write(self, data: bytes, *, end: bool = False) -> None:
         async with self._lock:
-            if self.gone:
+            if self.gone or self.ended:
                 return
             try:
                 if not self._response.started:
                     await self._response.start(200, _SSE_HEADERS)
                 await self._response.send(data)
                 if end:
+                    self.ended = True
                     await self._response.end()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.gone = True
@@ -341,16 +345,17 @@ class _Downstream:
     async def respond(self, status: int, body: bytes) -> None:
         """A whole non-stream response, if the stream has not started."""
         async with self._lock:
-            if self.gone or self._response.started:
+            if self.gone or self.ended or self._response.started:
                 return
+            self.ended = True
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._response.respond(status, body)
 
     async def keepalive(self, interval: float) -> None:
         """Send a keepalive comment whenever nothing was sent for ``interval`` (G5), until
         the worker is gone (a send to a gone worker does not move ``last_sent``: looping on
-        would spin)."""
-        while not self.gone:
+        would spin) or the response has ended."""
+        while not self.gone and not self.ended:
             await trio.sleep_until(self.last_sent + interval)
             if trio.current_time() >= self.last_sent + interval:
                 await self.send(KEEPALIVE)

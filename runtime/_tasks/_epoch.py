@@ -109,7 +109,8 @@ class EpochOwner(LaneFacts, Protocol):
     async def record_action(
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
     ) -> None: ...
-    async def reserve(self) -> None: ...
+    async def reserve(self) -> bool: ...
+    async def end_recovery(self) -> float | None: ...
     @property
     def breaker(self) -> RouteBreaker | None:
         """The host's model route's breaker (PB6), or ``None``: no backoff."""
@@ -437,14 +438,28 @@ class EpochWatch:
                 return
             if request == "resume":
                 failed = await self._manual_resume_guards()
+                if not self._still_held():  # it progressed, or ended, meanwhile: moot
+                    continue
                 if failed:  # still held, now for what the operator's resume could not prove
                     lane.watchdog.feed(GuardsFailed(failed))
                     await lane.note_hold()
                     lane.changed()
                     continue
-                await lane.reserve()
+                started = await lane.reserve()
+                if not self._still_held():  # re-read after the reserve's await
+                    if started:
+                        await lane.end_recovery()  # (WD11: as a called-off fence's)
+                    continue
                 self._finish(EpochEnd.RESUME)
                 return
+
+    def _still_held(self) -> bool:
+        """What an operator's resume of a live worker stands on, read after its last await:
+        the task is still held and open. Progress lifts a hold (WD1): the worker is working,
+        and a resume would kill it and charge an epoch for nothing (TL8)."""
+        lane = self.lane
+        held = lane.watchdog.classification is Classification.STALLED_OPERATOR_REQUIRED
+        return held and lane.kernel.state is TaskState.OPEN
 
     # -- probe, guards, fence (WD2, WD3, WD10) -------------------------------------------------
 
@@ -492,13 +507,15 @@ class EpochWatch:
         worker was not stalled: no fence, and the reserve waits for the next replacement."""
         lane = self.lane
         if await self._guards_hold():
-            await lane.reserve()
+            started = await lane.reserve()
             if await self._guards_hold(reserved=True):  # re-read after the reserve's await
                 lane.watchdog.feed(FenceStarted())
                 TASK_FENCES.inc()
                 await lane.record_action(lane.epoch_action_id("fence"), "fence", "done")
                 lane.changed()
                 self._finish(EpochEnd.FENCE)
+            elif started:  # called off: the worker was working, so the recovery this reserve
+                await lane.end_recovery()  # started ends with it, its seconds charged (WD11)
 
     async def _guards_hold(self, *, reserved: bool = False) -> bool:
         """Whether every guard holds now; a guard that fails holds the task, unless progress

@@ -423,7 +423,7 @@ class TaskLane:
             return
         if state is TaskState.WAITING or self._held():
             await self.note_hold()  # every hold is durable before the lane parks (WD12)
-            await self._end_recovery()  # a hold ends the running recovery; a resume starts one
+            await self.end_recovery()  # a hold ends the running recovery; a resume starts one
             await self._log.park()
             self.changed()
             # a wake-up is taken once it is seen, never thrown away unseen: a resume asked
@@ -716,11 +716,11 @@ class TaskLane:
         move it out of ``Resuming`` first)."""
         if not self.recovery.first_progress():
             return
-        seconds = await self._end_recovery()
+        seconds = await self.end_recovery()
         if seconds is not None:
             self.telemetry.resumed(seconds)
 
-    async def _end_recovery(self) -> float | None:
+    async def end_recovery(self) -> float | None:
         """Charge the running recovery's time, durably, never refunded (WD11)."""
         detail = self.recovery.end(self.host.clocks.wall.time_ms())
         if detail is None:
@@ -736,16 +736,19 @@ class TaskLane:
         if self.recovery.overdue(self.host.clocks.wall.time_ms()):
             self.watchdog.feed(Hold("budget_exhausted:recovery_seconds"))
 
-    async def reserve(self) -> None:
-        """Charge one replacement epoch before its launch, once (WD11, TL6)."""
+    async def reserve(self) -> bool:
+        """Charge one replacement epoch before its launch, once (WD11, TL6); whether this
+        started the recovery (none ran, and this reserve is new)."""
         action_id = self.ids.next_continuation(
             self.recovery.continuations, "reserve", self.actions, self.markers
         )
         if action_id in self.actions:
-            return
+            return False
+        starts = self.recovery.started_ms is None
         detail = self.recovery.charge_epoch(self.host.clocks.wall.time_ms())
         await self.record_action(action_id, "reserve", "done", detail)
         TASK_BUDGET_CHARGES.inc()
+        return starts
 
     def unsettled_effects(self) -> list[ToolIntent]:
         """Tools let run whose outcome is not recorded and whose running again is not proven

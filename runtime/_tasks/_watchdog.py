@@ -606,8 +606,12 @@ class Watchdog:
                 return self._hold("probe_unanswered")
             return [CheckGuards()]
         no_hard = self.hard_threshold() is None or bool(self.leases)
-        if event.purpose == "soft" and no_hard and self.phase is not Phase.SETTLED:
-            return self._hold(f"silent_in_{self.phase}_phase")  # WD4: observe, then hold
+        # WD4: observe, then hold — still suspect: progress fed after the probe's look (while
+        # its answer was being recorded) made that answer stale, and an active worker is
+        # never held on it
+        suspect = self.classification is Classification.SUSPECT
+        if event.purpose == "soft" and no_hard and suspect and self.phase is not Phase.SETTLED:
+            return self._hold(f"silent_in_{self.phase}_phase")
         return []
 
     def _hold(self, reason: str) -> list[Action]:

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import h11
 import pytest
 import trio
+import trio.testing
 
 from fake_pi._retry import is_retryable
 from fake_pi.model_server import ScriptedModel, body_digest
@@ -957,3 +959,45 @@ async def test_g5_keepalives_stop_once_the_worker_is_gone() -> None:
         await downstream.keepalive(0.001)
     assert downstream.gone
     assert worker.sends == 1
+
+
+class _SlowEndingWorker:
+    """A worker connection whose end of the response takes a while (a slow socket): h11
+    refuses any data once the response has ended, as the real writer's does."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.ended = False
+        self.after_end: list[bytes] = []
+
+    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        self.started = True
+
+    async def send(self, data: bytes) -> None:
+        if self.ended:
+            self.after_end.append(data)
+            raise h11.LocalProtocolError("can't send data when our state is DONE")
+
+    async def end(self) -> None:
+        await trio.sleep(2)  # the keepalive comes due meanwhile, and waits for the lock
+        self.ended = True
+
+
+async def test_g5_a_keepalive_due_as_the_response_ends_sends_nothing_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """G5, G12: a keepalive that came due while the response was being ended waits for the
+    send lock, and gets it once the response has ended: it must send nothing then — h11
+    refuses data after the end, an error no handler expects, and it would escape the
+    request into the lane's gateway."""
+    worker = _SlowEndingWorker()
+    downstream = _Downstream(worker)  # type: ignore[arg-type]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(downstream.keepalive, 1.0)
+            await downstream.send(b"data: {}\n\n")
+            await downstream.finish(b"data: [DONE]\n\n")
+            await trio.sleep(5)  # the keepalive has had every chance to send
+            nursery.cancel_scope.cancel()
+    assert worker.ended
+    assert worker.after_end == []

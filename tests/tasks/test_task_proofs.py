@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from fake_pi._behaviours import Behaviours
+from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
 from runtime._errors import TaskError
@@ -409,12 +410,12 @@ async def test_wd10_progress_during_the_reserve_stops_the_fence(
     reserve = TaskLane.reserve
     injected: list[float] = []
 
-    async def reserve_while_the_worker_speaks(lane: TaskLane) -> None:
+    async def reserve_while_the_worker_speaks(lane: TaskLane) -> bool:
         if not injected:  # the first fence attempt: a token arrives during the await
             now, awake = lane.readings()
             injected.append(now)
             lane.watchdog.feed(Progress(now, awake, Phase.GENERATION, "token"))
-        await reserve(lane)
+        return await reserve(lane)
 
     monkeypatch.setattr(TaskLane, "reserve", reserve_while_the_worker_speaks)
     steps: list[Step] = [Hang(seconds=100_000), done(), say("finished")]
@@ -431,6 +432,56 @@ async def test_wd10_progress_during_the_reserve_stops_the_fence(
         assert fence.action_id.endswith("/e1/fence")
         assert injected
         assert trio.current_time() - injected[0] >= 900 + 120  # a whole new hard episode
+        # WD11: the recovery the called-off fence's reserve started ended with it (the worker
+        # had progressed); the working time of the new episode is not recovery time
+        charged = [a.detail["seconds"] for a in actions(records, "recovery_time")]
+        assert charged[0] < 1.0, charged
+        assert sum(charged) < 900, charged
+
+
+async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL8, WD1: the operator resumes a held task whose worker is alive; while the resume's
+    guards are read (the session, the route: awaits), the worker shows progress, which lifts
+    the hold. The resume's premise — a held worker — is gone: the working worker is not
+    fenced and nothing is relaunched (it would be killed, and an epoch charged, for nothing)."""
+    from runtime._tasks._epoch import EpochWatch
+
+    guards = EpochWatch._manual_resume_guards
+    spoke: list[bool] = []
+
+    async def progress_meanwhile(watch: EpochWatch) -> tuple[str, ...]:
+        failed = await guards(watch)
+        now, awake = watch.lane.readings()
+        watch.lane.watchdog.feed(Progress(now, awake, Phase.GENERATION, "token"))
+        spoke.append(True)
+        return failed
+
+    monkeypatch.setattr(EpochWatch, "_manual_resume_guards", progress_meanwhile)
+    asked = trio.Event()
+    next_step = ScriptedModel.next_step
+
+    def noted(model: ScriptedModel, body: dict[str, Any]) -> Step:
+        asked.set()
+        return next_step(model, body)
+
+    monkeypatch.setattr(ScriptedModel, "next_step", noted)
+    async with open_rig(tmp_path, clocks, [Hang(seconds=600), done(), say("finished")]) as rig:
+        await rig.runner.submit(rig.spec())
+        await asked.wait()  # the worker waits on its model request,
+        await trio.testing.wait_all_tasks_blocked()  # its events so far taken in
+        await rig.runner.lane(TASK).hold("the operator's look (the test)")
+        rig.runner.resume(TASK)
+        await rig.until(lambda: bool(spoke))
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert rig.workers.launched == [1]  # never fenced, never relaunched
+    assert actions(records, "reserve") == []
 
 
 # ------------------------------------------------- LK2: the fence counter survives a restart

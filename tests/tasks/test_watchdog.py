@@ -498,6 +498,23 @@ def test_wd4_a_silent_unknown_or_tool_phase_probes_then_holds(phase: Phase) -> N
     assert view(wd) is C.STALLED_OPERATOR_REQUIRED
 
 
+@pytest.mark.parametrize("answer", [False, None])
+def test_wd4_a_soft_probes_answer_read_before_new_progress_holds_nothing(
+    answer: bool | None,
+) -> None:
+    """WD1, WD4: the soft probe of a silent tool phase finds nothing (or no answer), and the
+    worker shows progress before that answer is fed (the lane was writing the probe's
+    record). The answer is stale: the worker is active again, and it is not held."""
+    wd = prompted()
+    wd.feed(Progress(10.0, 10.0, Phase.TOOL, "event"))
+    assert tick(wd, 310.0) == [SOFT]
+    wd.feed(Progress(311.0, 311.0, Phase.TOOL, "tool_execution_update"))
+    assert view(wd) is C.ACTIVE
+    assert wd.feed(ProbeAnswered("soft", answer)) == []
+    assert view(wd) is C.ACTIVE
+    assert wd.hold_reason is None
+
+
 @pytest.mark.parametrize("phase", [Phase.UNKNOWN, Phase.TOOL])
 def test_wd4_an_unanswered_probe_in_an_unknown_or_tool_phase_holds(phase: Phase) -> None:
     wd = prompted()
