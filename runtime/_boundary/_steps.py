@@ -82,6 +82,9 @@ class DeliveryStepJournal:
         self._last_answered = -1
         self._replayed_upto = -1
         """The highest answered step this epoch's worker has asked again (G13)."""
+        self._asked_in: dict[str, int] = {}
+        """The epoch each request in flight was asked in: a dead epoch's request goes on to
+        its answer (G12), which is then not the new epoch's replay (G13)."""
         self.current_step = 0
         """The step of the request answered last (recorded or replayed): the round whose
         response carries the tool calls the gate is asked about next (shared numbering)."""
@@ -160,14 +163,17 @@ class DeliveryStepJournal:
             self._next_step += 1
             self._steps[digest] = step
         self.current_step = step
+        self._asked_in[digest] = self.epoch
         await log.append(ModelRequestIntent(step=step, request_digest=digest, epoch=self.epoch))
 
     async def record_response(self, digest: str, chunks: list[str]) -> None:
         log = self._log()
         step = self._steps[digest]
+        asked_in = self._asked_in.pop(digest, self.epoch)
         await log.append(
-            ModelResponse(step=step, request_digest=digest, chunks=list(chunks), epoch=self.epoch)
+            ModelResponse(step=step, request_digest=digest, chunks=list(chunks), epoch=asked_in)
         )
         self._responses[digest] = list(chunks)
         self._last_answered = max(self._last_answered, step)
-        self._replayed_upto = max(self._replayed_upto, step)
+        if asked_in == self.epoch:  # this epoch's worker asked it: replayed up to here
+            self._replayed_upto = max(self._replayed_upto, step)

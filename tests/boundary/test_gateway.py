@@ -723,6 +723,35 @@ async def test_delivery_step_journal_on_a_real_log(tmp_path: Path) -> None:
             assert reopened.step_of("c" * 64) == 2
 
 
+async def test_g13_a_dead_epochs_late_answer_is_not_this_epochs_replay(tmp_path: Path) -> None:
+    """G12, G13: epoch 1 asked step 1 (b) and died while the answer streamed; its request goes
+    on (a paid answer is journaled, G12) and lands after epoch 2 began. Epoch 2 replayed only
+    step 0: the late answer is journaled — under the epoch that asked it — but it is not what
+    epoch 2 replayed, so epoch 2's next request, not b, leaves an answered step behind and is
+    refused (G13), as it would be had the answer landed before epoch 2 began."""
+    a, b, x = "a" * 64, "b" * 64, "x" * 64
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            steps = DeliveryStepJournal(log, epoch=1, replay=True)
+            await steps.record_request(a)
+            await steps.record_response(a, [DONE])
+            await steps.record_request(b)  # epoch 1's request in flight as it dies
+            steps.begin_epoch(2)
+            assert await steps.lookup(a) == [DONE]  # epoch 2 replays step 0
+            await steps.record_response(b, ["late", DONE])  # epoch 1's answer lands
+            with pytest.raises(ReplayMismatch) as refused:
+                await steps.record_request(x)  # epoch 2 diverged at step 1
+            assert refused.value.code is ReasonCode.RECOVERY_REFUSED
+            assert await steps.lookup(b) == ["late", DONE]  # journaled all the same
+            await store.close_log(log)
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.open_delivery_log("d1")
+            (late,) = [r for r in log.contents.records if isinstance(r, ModelResponse)][1:]
+            await store.close_log(log)
+    assert (late.step, late.epoch) == (1, 1)  # recorded as the epoch that asked it
+
+
 async def test_g13_a_replay_that_leaves_an_answered_step_behind_is_refused(
     tmp_path: Path,
 ) -> None:
