@@ -223,7 +223,7 @@ class ToolCallIds:
             for call in calls:
                 if not isinstance(call, dict):
                     continue
-                key = (int(choice_index), int(call.get("index", 0)))
+                key = (_index(choice_index, position), _index(call.get("index"), 0))
                 if key in self._seen:
                     continue
                 self._seen.add(key)
@@ -231,6 +231,12 @@ class ToolCallIds:
                     call["id"] = self.mint(*key)
                     changed = True
         return _json.encode(chunk).decode() if changed else payload
+
+
+def _index(value: object, default: int) -> int:
+    """A choice's or a tool call's ``index`` as the upstream sent it; ``default`` (its
+    position) when that is not a number: an odd stream is relayed, never a crash (G3)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def inactivity_message(seconds: float) -> str:

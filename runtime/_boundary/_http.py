@@ -459,7 +459,7 @@ class SseParser:
         buffer = self._buffer + chunk
         start = 0
         while (newline := buffer.find(b"\n", start)) >= 0:
-            line = buffer[start:newline].rstrip(b"\r").decode()
+            line = buffer[start:newline].rstrip(b"\r").decode(errors="replace")  # never raises
             start = newline + 1
             if not line:
                 if self._data_lines:

@@ -596,6 +596,32 @@ async def test_g16_a_stream_that_ends_without_a_terminal_part_is_cut_not_journal
             assert r.gateway.statistics().incomplete_streams == 1
 
 
+async def test_g7_a_malformed_upstream_stream_stays_in_its_request() -> None:
+    """G3, G7: an upstream whose stream is odd — a tool call whose ``index`` is not a number,
+    a line that is not UTF-8 — is relayed as it came (the call's id assigned by its position,
+    the bytes that are not text replaced). It must not raise out of the request into the
+    lane's gateway: a provider's fault stays in its request."""
+    odd_call = {"tool_calls": [{"index": None, "function": {"name": "ls", "arguments": "{}"}}]}
+
+    async def odd(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(sse_data(chunk(odd_call)))
+        await response.send(b'data: {"choices": [], "note": "\xff\xfe"}\n\n')
+        await response.send(sse_data(chunk({}, "tool_calls")) + sse_data(DONE))
+        await response.end()
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=odd) as r:
+            status, events = await exchange(r)
+            again_status, _ = await exchange(r)  # the gateway still serves
+    assert (status, again_status) == (200, 200)
+    payloads = data(events)
+    (call,) = json.loads(payloads[0])["choices"][0]["delta"]["tool_calls"]
+    assert call["id"] == f"call_{request_digest(BODY)[:16]}_0"
+    assert "\ufffd" in payloads[1]
+    assert payloads[-1] == DONE
+
+
 async def test_upstream_errors_and_cuts_are_relayed_not_journaled() -> None:
     with trio.fail_after(LIMIT):
         async with rig([HttpError(status=503, message="busy"), Cut(after_chunks=2)]) as r:
