@@ -123,6 +123,12 @@ class Slot:
             self.live.scope.cancel()
 
     async def ensure_live(self, nursery: trio.Nursery) -> Live:
+        """The slot's live epoch for a turn: the running one, or a new one. An epoch asked to
+        stop (the idle stop, the worker cap) is never handed a turn: its channel is closing,
+        and the turn would be charged an attempt it never ran (L19); it ends first."""
+        stopping = self.live
+        if stopping is not None and stopping.stop.is_set():
+            await stopping.ended.wait()
         if self.live is not None and not self.live.ended.is_set():
             return self.live
         assert self.boundaries is not None

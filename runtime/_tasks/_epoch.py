@@ -165,15 +165,18 @@ class EpochWatch:
             await lane.hold(f"prompt_marker_unknown:{action_id}")
         elif present:
             prompted = True  # TL5: this continuation is already in the session; never twice
-        elif await self._route_open():  # PB6: a restart while parked waits the rest first
+        elif not await self._route_open():  # PB6: a restart while parked waits the rest first
+            if self.end is not None:  # the operator ended the task while it waited
+                return self.end
+            # else: held past the backoff's bounds, not prompted
+        elif lane.kernel.state.terminal:  # LK6: ended (an operator's abort) while this epoch
+            return EpochEnd.TERMINAL  # launched: nothing more to ask — never a paid request
+        else:
             await self.worker.rpc.prompt(text)
             lane.kernel.reply_heard()  # the worker has every reply before it reports (LK8)
             if action_id is not None:
                 await lane.record_marker(action_id)
             prompted = True
-        elif self.end is not None:
-            return self.end  # the operator ended the task while it waited
-        # else: held past the backoff's bounds, not prompted
         if prompted:
             lane.prompted()
         try:

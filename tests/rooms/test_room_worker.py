@@ -228,6 +228,29 @@ async def test_l4_admissions_at_once_do_not_pass_the_queue_limit_together(
     assert len(pending) == 2
 
 
+async def test_l19_a_turn_taken_up_as_its_idle_worker_stops_gets_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """L19, the idle stop (the worker cap's too): the room's worker is asked to stop while
+    idle, and a new delivery is taken up before that worker has ended. It must not be handed
+    the stopping worker — its prompt would meet a closed channel, and the delivery be charged
+    a recovery attempt for a turn that never ran: it waits for the old worker's end and gets
+    a new one."""
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Text(text="one"), Text(text="two")]) as (_model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (first,) = await next_results(worker, 1)
+            worker._lanes[ROOM].stop_worker()  # as the idle stop and the cap do
+            await worker.deliver(message("d2"))
+            (second,) = await next_results(worker, 1, after=first.seq)
+            log = await worker.store.read(worker.store.delivery_rel("d2"))
+    assert (second.delivery_id, second.outcome, second.text) == ("d2", Outcome.REPLY, "two")
+    assert [r for r in log.records if isinstance(r, StepAbandoned)] == []
+
+
 async def test_l7_l12_silent_turn_never_types_and_updates_do_not_settle(tmp_path: Path) -> None:
     """L12: ``send_text_update`` is threaded on the answered message and the turn goes on;
     typing starts only once the reply can no longer be silent, and never for a silent turn.

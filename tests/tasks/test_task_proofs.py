@@ -484,6 +484,45 @@ async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
     assert actions(records, "reserve") == []
 
 
+async def test_lk6_an_abort_while_the_epoch_launches_prompts_nothing(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LK6, TL8: the operator aborts the task while its epoch is being launched (after the
+    epoch's compare-and-set, before its prompt). The task is over: the worker must not be
+    prompted — its first model request would be paid for a task nobody runs any more."""
+    from runtime._tasks._epoch import EpochWatch
+
+    route_open = EpochWatch._route_open
+    aborted: list[bool] = []
+
+    async def aborted_meanwhile(watch: EpochWatch) -> bool:
+        if not aborted:
+            aborted.append(True)
+            await rig.runner.abort(TASK, "changed my mind")
+        return await route_open(watch)
+
+    from runtime._pi._rpc import RpcChannel
+
+    prompt = RpcChannel.prompt
+    prompts: list[str] = []
+
+    async def counted(channel: RpcChannel, message: str, **kwargs: Any) -> Any:
+        prompts.append(message)
+        return await prompt(channel, message, **kwargs)
+
+    monkeypatch.setattr(EpochWatch, "_route_open", aborted_meanwhile)
+    monkeypatch.setattr(RpcChannel, "prompt", counted)
+    async with open_rig(tmp_path, clocks, [done(), say("finished")]) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.ended(TASK)
+    assert aborted == [True]
+    assert ended.state == "aborted"
+    assert prompts == []  # the worker was never asked anything
+
+
 # ------------------------------------------------- LK2: the fence counter survives a restart
 
 
