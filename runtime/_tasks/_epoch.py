@@ -429,6 +429,9 @@ class EpochWatch:
         await lane.record_action(
             lane.epoch_action_id("quiesce"), "quiesce", "done", {"after_seconds": waited}
         )
+        if kernel.state is TaskState.OPEN and not kernel.reply_pending:  # read again after
+            self._decided_at = None  # the write: the reply reached the worker meanwhile, and
+            return False  # it works on it (LK8) — not stopped
         self._finish(EpochEnd.TERMINAL)
         return True
 

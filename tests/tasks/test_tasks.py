@@ -675,3 +675,43 @@ async def test_lk1_a_terminal_accepted_as_its_call_is_cancelled_is_still_recorde
     await cancelled_once(writing, lambda: tool(call, "intent-1"), then=release)
     assert owner.kernel.state is TaskState.SUCCESS_INTENT
     assert [type(r) for r in owner.records] == [LifecycleReceipt]
+
+
+# -------------------------------- LK9: a quiesce stands on what the kernel says after its write
+
+
+class _QuiescingLane:
+    """A lane as the epoch's LK9 look sees it: the user's reply accepted and not yet heard by
+    the worker; the prompt carrying it reaches the worker while the quiesce is written."""
+
+    def __init__(self) -> None:
+        self.kernel = LifecycleKernel(TASK)
+        assert self.kernel.begin_epoch(1, fenced=False)
+        self.kernel.reply_pending = True  # as ``reply`` leaves it (LK8)
+        self.policy = WatchdogPolicy(grace_seconds=0.0)
+        self.actions: list[str] = []
+
+    def epoch_action_id(self, kind: str) -> str:
+        return f"e1/{kind}"
+
+    async def record_action(
+        self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+        self.kernel.reply_heard()  # the epoch's other task sent the reply's prompt meanwhile
+        self.actions.append(action_id)
+
+
+async def test_lk9_a_reply_heard_while_its_quiesce_is_written_calls_the_quiesce_off() -> None:
+    """LK9, LK8: the worker has not settled to receive the user's reply past the grace, so the
+    epoch decides to stop it and writes the quiesce. Meanwhile the reply's prompt reaches the
+    worker: it is working on the reply now. The decision is read again after the write, and
+    the worker is not stopped."""
+    lane = _QuiescingLane()
+    watch = _epoch.EpochWatch(lane, None)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        watch._nursery = nursery
+        quiesced = await watch._quiesced(0.0)
+    assert lane.actions == ["e1/quiesce"]
+    assert not quiesced
+    assert watch.end is None
