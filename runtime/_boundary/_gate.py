@@ -306,7 +306,7 @@ class RecordingGateJournal:
         recorded outcome; for an intent without outcome "possibly ran", recorded so every
         later answer is the same; for a call the gate never let run, "did not run"."""
         async with self._lock:
-            intent = self._intents.get((self._step(), call.tool_call_id))
+            intent = self._settled_intent(call.tool_call_id)
             if intent is None:
                 return GateResult.text(not_started_text(call.name), is_error=True)
             if intent.name != call.name:  # T14; the session holds the arguments before Pi
@@ -321,6 +321,20 @@ class RecordingGateJournal:
                 result = await self._run_runtime_tool(handler, call, intent.intent_id)
                 return await self._record_settled(intent, call, result)
             return await self._record_interrupted(intent, call)
+
+    def _settled_intent(self, tool_call_id: str) -> ToolIntent | None:
+        """The intent a dangling call of the dead worker's session stands for (T12): the
+        current round's; else the latest earlier round's — Pi's session is not synced and the
+        journal is, so after a power loss the session may lack a round's tool results that
+        the journal, already a round further, holds. Only while the gate has seen no call of
+        the current round: a call id is one round's, and a round the gate has seen calls of
+        is the one the session's dangling calls belong to."""
+        step = self._step()
+        found = self._intents.get((step, tool_call_id))
+        if found is not None or any(s == step for s, _ in self._intents):
+            return found
+        earlier = [k for k in self._intents if k[1] == tool_call_id and k[0] < step]
+        return self._intents[max(earlier)] if earlier else None
 
     def _mismatched(self, intent: ToolIntent, call: GateCall) -> GateError:
         """Note that ``call`` is not the call ``intent`` recorded under its id (T14)."""

@@ -756,6 +756,27 @@ async def test_t14_a_dead_workers_call_is_not_settled_with_another_tools_result(
     assert coerced == GateResult(content=outcome.content, is_error=False)
 
 
+async def test_t12_a_dangling_call_of_an_earlier_round_is_settled_with_its_outcome() -> None:
+    """T12 after a power loss: Pi's session is not synced, the journal is. The session lost
+    round 0's tool results, while the journal holds the call's intent and outcome in round 0
+    and the next model request (round 1). Settling the dangling call must find its outcome in
+    round 0 — it ran — not answer "did not run" because round 1 has no such call: the agent
+    would run it again without being told."""
+    existing = _saved_records("c1")  # round 0: intent and outcome
+    log = MemoryLog(records=list(existing))
+    journal = RecordingGateJournal(
+        log, key=KEY, epoch=2, granted=["bash"], existing=existing, step=lambda: 1
+    )
+    with trio.fail_after(LIMIT):
+        settled = await journal.settle(GateCall("c1", "bash", {"command": "touch saved-ran"}))
+        unknown = await journal.settle(GateCall("c9", "bash", {"command": "true"}))
+    outcome = existing[1]
+    assert isinstance(outcome, ToolOutcome)
+    assert settled == GateResult(content=outcome.content, is_error=False)
+    assert unknown.is_error  # a call the gate never saw: did not run
+    assert log.records == existing
+
+
 async def test_t14_a_receipt_intent_is_not_applied_with_other_arguments(tmp_path: Path) -> None:
     """T14 with T13: a ``write_document`` intent without outcome, asked again with another
     content, is refused — the guarded write under the original intent id is not applied
