@@ -584,8 +584,10 @@ async def serve_gate(
         os.unlink(path)
     sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
     failure: PiRuntimeError | None = None
+    bound: tuple[int, int] | None = None
     try:
         await sock.bind(str(path))
+        bound = _file_id(path)
         os.chmod(path, 0o600)
         sock.listen(64)
         listener = trio.SocketListener(sock)
@@ -605,7 +607,19 @@ async def serve_gate(
                 scope.cancel()
     finally:
         sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        # its own socket file only: a successor may have been bound at the same path
+        # (a one-shot slot's next gate) before this one finished ending
+        if bound is not None and _file_id(path) == bound:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     if failure is not None:
         raise failure
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The file at ``path`` as (device, inode), or ``None`` when there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino

@@ -105,6 +105,34 @@ async def rig(
         nursery.cancel_scope.cancel()
 
 
+async def test_t1_a_gate_that_ends_leaves_its_successors_socket_alone(sock_dir: Path) -> None:
+    """T1: a one-shot slot's next gate may be bound at the same path before the previous one
+    has finished ending. The previous gate removes its own socket file when it ends — never
+    the one its successor bound there, which would leave the next delivery's every tool
+    unable to reach its gate."""
+    path = sock_dir / "o.sock"
+
+    def gate() -> Gate:
+        return Gate(RecordingGateJournal(MemoryLog(), key=KEY, epoch=1, granted=["bash"]))
+
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as outer:
+            first = trio.CancelScope()
+
+            async def serve_first(task_status: trio.TaskStatus[GateServer]) -> None:
+                with first:
+                    await serve_gate(gate(), path, task_status=task_status)
+
+            await outer.start(serve_first)
+            await outer.start(serve_gate, gate(), path)  # the successor, bound over it
+            first.cancel()  # the first one ends now, its successor serving
+            await trio.testing.wait_all_tasks_blocked()
+            assert path.exists()
+            stream = await trio.open_unix_socket(str(path))  # the successor answers
+            await stream.aclose()
+            outer.cancel_scope.cancel()
+
+
 def _intent(call_id: str, name: str = "bash", *, seq: int = 1, **kw: Any) -> ToolIntent:
     return ToolIntent(
         intent_id=f"{KEY}:{seq}",
