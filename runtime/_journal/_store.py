@@ -173,6 +173,8 @@ class Store:
         """The expired-id filter (RT4): ``delivery_key(id) in store.expired``."""
         self.expired_tasks = ExpiredIds()
         """The expired task ids (RT12): ``lane_key(f"task:{id}") in store.expired_tasks``."""
+        self._expiring = trio.Lock()
+        """One expiry at a time: each reads the filter it adds to, and replaces the file."""
         self.redone = Redone(0, 0, (), ())
         """What the open replayed from the sync log (J14)."""
 
@@ -231,25 +233,27 @@ class Store:
     async def expire(self, forget_after_ms: Mapping[str, int]) -> None:
         """Add deliveries to the expired-id filter, each until its forget-after time (RT4),
         durably (the file replaced atomically); the entries past theirs are dropped."""
-        now = self.clocks.wall.time_ms()
-        keyed = {delivery_key(d): when for d, when in forget_after_ms.items()}
-        data = self.expired.merged(keyed, now_ms=now)
-        await self._blocking(EXPIRED, atomic_write, self.fs, self.path(EXPIRED), data)
-        # what is on disk now, checked as a start would check it
-        self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
+        async with self._expiring:  # never two built on the same filter (the last would win)
+            now = self.clocks.wall.time_ms()
+            keyed = {delivery_key(d): when for d, when in forget_after_ms.items()}
+            data = self.expired.merged(keyed, now_ms=now)
+            await self._blocking(EXPIRED, atomic_write, self.fs, self.path(EXPIRED), data)
+            # what is on disk now, checked as a start would check it
+            self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
 
     async def expire_tasks(self, forget_after_ms: Mapping[str, int]) -> None:
         """Add tasks (by id) to the expired-task filter (``tasks-expired.ids``, RT12), each
         until its forget-after time, durably; the entries past theirs are dropped. A filter of
         its own: the room compaction replaces ``expired.ids`` on its own schedule."""
-        now = self.clocks.wall.time_ms()
-        keyed = {lane_key(f"task:{t}"): when for t, when in forget_after_ms.items()}
-        data = self.expired_tasks.merged(keyed, now_ms=now)
-        path = self.path(TASKS_EXPIRED)
-        await self._blocking(TASKS_EXPIRED, atomic_write, self.fs, path, data)
-        self.expired_tasks = await trio.to_thread.run_sync(
-            functools.partial(read_expired, self.fs, path, rel=TASKS_EXPIRED)
-        )
+        async with self._expiring:  # the periodic retention and a ``task forget`` at once
+            now = self.clocks.wall.time_ms()
+            keyed = {lane_key(f"task:{t}"): when for t, when in forget_after_ms.items()}
+            data = self.expired_tasks.merged(keyed, now_ms=now)
+            path = self.path(TASKS_EXPIRED)
+            await self._blocking(TASKS_EXPIRED, atomic_write, self.fs, path, data)
+            self.expired_tasks = await trio.to_thread.run_sync(
+                functools.partial(read_expired, self.fs, path, rel=TASKS_EXPIRED)
+            )
 
     async def slim_log(self, rel: str, records: list[Record]) -> None:
         """Replace the log ``rel`` — one nothing appends to any more (an ended task's lane

@@ -132,3 +132,28 @@ async def test_concurrent_admissions_get_distinct_consecutive_seqs(tmp_path: Pat
         assert sorted(seqs) == list(range(1, 501))
         async with open_store(tmp_path / "s") as store:
             assert store.admissions.next_seq == 501
+
+
+@pytest.mark.parametrize("which", ["expire_tasks", "expire"])
+async def test_rt4_rt12_two_expiries_at_once_both_stand(tmp_path: Path, which: str) -> None:
+    """RT4, RT12: an expiry adds ids to the expired filter by reading it, replacing the file
+    and reading it back. Two at once (the periodic task retention and an operator's
+    ``task forget``) must not build on the same filter and leave only the second: every id
+    of both stands, in memory and on disk — else an expired task (or delivery) could be
+    submitted again as new."""
+    forget = 2_000_000_000_000  # forget-after, far in the future
+    async with open_store(tmp_path / "state") as store:
+        expire = getattr(store, which)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(expire, {"first": forget})
+            nursery.start_soon(expire, {"second": forget})
+        held = store.expired_tasks if which == "expire_tasks" else store.expired
+    async with open_store(tmp_path / "state") as reopened:
+        again = reopened.expired_tasks if which == "expire_tasks" else reopened.expired
+
+    def key(name: str) -> str:
+        return lane_key(f"task:{name}") if which == "expire_tasks" else delivery_key(name)
+
+    for ids in (held, again):
+        assert key("first") in ids
+        assert key("second") in ids
