@@ -200,7 +200,7 @@ _Item = _Work | list[_Work] | None
 class _Generation:
     """One sync log file (J12) and what its removal waits for."""
 
-    __slots__ = ("path", "rels", "waiting")
+    __slots__ = ("kept", "path", "rels", "waiting")
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -209,6 +209,9 @@ class _Generation:
         self.waiting: dict[int, LogTarget] = {}
         """The logs, by ``id``, that still owe their files records it holds: it is removed
         once none is left."""
+        self.kept = False
+        """It holds acknowledged records of a log poisoned with no poison document (the
+        disk full, J15): it stays for the next start's redo to write them (J14)."""
 
 
 class _SyncLog:
@@ -706,7 +709,7 @@ class WriterPool:
         stays (its removal failed) holds nothing a file lacks, so the next open's redo finds
         it done; but it still names its logs, so until it is gone none of them may be
         removed (J18), and each call tries to remove it again."""
-        done = [generation for generation in sync.retiring if not generation.waiting]
+        done = [g for g in sync.retiring if not g.waiting and not g.kept]
         if not done:
             return
         fs = self._fs
@@ -724,7 +727,7 @@ class WriterPool:
         except OSError as exc:  # removed, but not durably
             kept = done
             sync.left_error = exc
-        sync.retiring = [g for g in sync.retiring if g.waiting or g in kept]
+        sync.retiring = [g for g in sync.retiring if g.waiting or g.kept or g in kept]
 
     def _report(self, error: JournalError | None) -> None:
         """Report a disk failure met outside a batch (writing owed records between
@@ -747,8 +750,6 @@ class WriterPool:
             path=target.rel,
         )
         target._pending = []
-        if self._sync is not None:
-            self._sync.written(target)
         fs = self._fs
         try:
             if target._handle is not None:
@@ -756,11 +757,19 @@ class WriterPool:
                 fs.fdatasync(target._handle)
         except OSError:
             pass  # the poison document below still bounds what a reader accepts
+        recorded = False
         try:
             document = self._poison_document(target, reason, exc.errno)
             atomic_write(fs, target.poison_path, document)
+            recorded = True
         except OSError:
             pass  # nothing more can be made durable; the in-memory poison holds
+        if self._sync is not None:
+            if not recorded:  # its acknowledged records are only in the sync log now: the
+                for generation in self._sync.generations():  # generations holding them
+                    if id(target) in generation.waiting:  # stay, for the next start's
+                        generation.kept = True  # redo (J14) — never a log that opens
+            self._sync.written(target)  # healthy without them
         return error
 
     def _close(self, item: _Close) -> None:

@@ -247,6 +247,38 @@ async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alon
             assert refused.value.code is ReasonCode.JOURNAL_POISONED
 
 
+async def test_j15_a_poison_that_cannot_be_recorded_keeps_the_sync_log_for_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """J15, J5, J14 on a full disk: writing a log's owed records to its file fails, and so
+    does writing its poison document. Its acknowledged records are then only in the sync
+    log: that generation is kept, never removed, so the next start's redo writes them into
+    the file — not a log that opens healthy with acknowledged records gone (a tool whose
+    intent and outcome were acknowledged would run again)."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = Holding(faulty)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "a")
+            full = errno.ENOSPC
+            faulty.arm(
+                [
+                    Fault("write", 1, "before", full, path_contains=logs[0].rel),
+                    Fault("write", 1, "before", full, path_contains=".poison"),
+                ]
+            )
+            await store.read(logs[0].rel)  # its owed record's write fails, then its poison's
+            assert logs[0].poisoned
+            assert len(faulty.hits) == 2, faulty.hits
+            faulty.disarm()
+        assert not (root / (logs[0].rel + ".poison")).exists()
+        async with open_store(root) as store:  # the space is back
+            for i, log in enumerate(logs):
+                assert (await store.read(log.rel)).records[1:] == (_record(f"a-{i}"),)
+
+
 async def test_j12_a_full_generation_is_written_into_the_files_then_removed(
     tmp_path: Path,
 ) -> None:
