@@ -8,10 +8,12 @@ log of its own, is held inside its ``write`` until the other appends are queued 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -217,6 +219,20 @@ async def test_j15_a_failed_sync_log_append_poisons_no_log(
                 assert records == (_record(f"a-{i}"), _record(f"b-{i}"))
 
 
+@contextlib.asynccontextmanager
+async def one_owed_record_each(
+    root: Path,
+) -> AsyncIterator[tuple[FaultyFileSystem, Store, list[Journal]]]:
+    """A store whose :data:`LOGS` delivery logs each owe their file one record (``a-<i>``),
+    durable in the sync log; the file system's faults not armed yet."""
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = Holding(faulty)
+    async with open_store(root, fs=_fs(fs)) as store:
+        logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+        await _one_batch(fs, store, logs, "a")
+        yield faulty, store, logs
+
+
 async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alone_is_poisoned(
     tmp_path: Path,
 ) -> None:
@@ -224,12 +240,8 @@ async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alon
     (its later appends refused, a poison document written), every other log of the same
     sync log batch reads whole, now and after a restart."""
     root = tmp_path / "state"
-    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
-    fs = Holding(faulty)
     with trio.fail_after(20):
-        async with open_store(root, fs=_fs(fs)) as store:
-            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
-            await _one_batch(fs, store, logs, "a")
+        async with one_owed_record_each(root) as (faulty, store, logs):
             faulty.arm(Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel))
             await store.read(logs[0].rel)  # its owed record's write fails
             assert logs[0].poisoned
@@ -256,12 +268,8 @@ async def test_j15_a_poison_that_cannot_be_recorded_keeps_the_sync_log_for_the_n
     the file — not a log that opens healthy with acknowledged records gone (a tool whose
     intent and outcome were acknowledged would run again)."""
     root = tmp_path / "state"
-    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
-    fs = Holding(faulty)
     with trio.fail_after(20):
-        async with open_store(root, fs=_fs(fs)) as store:
-            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
-            await _one_batch(fs, store, logs, "a")
+        async with one_owed_record_each(root) as (faulty, store, logs):
             full = errno.ENOSPC
             faulty.arm(
                 [
