@@ -26,6 +26,7 @@ from runtime._journal._frame import encode_frame
 from runtime._journal._inspect import delivery_records, verify_journal
 from runtime._journal._journal import Journal, encode_record, read_log
 from runtime._journal._sync_log import SYNC_DIR, encode_entry, generation_name, read_owed
+from runtime._journal._writer import handoffs_in_flight
 from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import OutboxAction, Record
 from tests.faultfs import Fault, FaultyFileSystem, OpKind, PowerLossFileSystem, When
@@ -491,7 +492,10 @@ async def test_j15_a_new_log_whose_file_cannot_be_made_durable_fails_alone(
                 await trio.to_thread.run_sync(fs.held.wait, 10)
                 for name in names:
                     nursery.start_soon(create, name)
-                await trio.testing.wait_all_tasks_blocked()
+                # each creation first looks for its file in a thread: wait until all three
+                # headers are handed over behind the held append, so they are one batch
+                while handoffs_in_flight() < 1 + len(names):
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.005)
                 fs.release()
             assert len(faulty.hits) == 1, faulty.hits
             assert sorted(outcomes.values()) == ["created", "created", "disk_failed"], outcomes
