@@ -106,6 +106,7 @@ class DeliveryStepJournal:
         self._journal = None
         self._steps.clear()
         self._responses.clear()
+        self._asked_in.clear()
 
     def _log(self) -> Log:
         if self._journal is None:

@@ -265,6 +265,15 @@ class _SyncLog:
         for generation in self.generations():
             generation.waiting.pop(id(target), None)
 
+    def keep_for_redo(self, target: LogTarget) -> None:
+        """``target`` was poisoned with no poison document (a full disk, J15): the records
+        it owes are only here now, so every generation holding some stays until the next
+        start's redo writes them into its file (J14) — never a log that opens healthy
+        without them."""
+        for generation in self.generations():
+            if id(target) in generation.waiting:
+                generation.kept = True
+
 
 class WriterPool:
     """A fixed set of writer threads; use inside one Trio run.
@@ -705,10 +714,11 @@ class WriterPool:
         return failure
 
     def _remove_done(self, sync: _SyncLog) -> None:
-        """Remove the earlier generations no log waits for, durably. A generation that
-        stays (its removal failed) holds nothing a file lacks, so the next open's redo finds
-        it done; but it still names its logs, so until it is gone none of them may be
-        removed (J18), and each call tries to remove it again."""
+        """Remove the earlier generations no log waits for and none is kept for (J15),
+        durably. A generation that stays because its removal failed holds nothing a file
+        lacks, so the next open's redo finds it done; but it still names its logs, so until
+        it is gone none of them may be removed (J18), and each call tries to remove it
+        again. A kept one stays for that redo."""
         done = [g for g in sync.retiring if not g.waiting and not g.kept]
         if not done:
             return
@@ -765,11 +775,9 @@ class WriterPool:
         except OSError:
             pass  # nothing more can be made durable; the in-memory poison holds
         if self._sync is not None:
-            if not recorded:  # its acknowledged records are only in the sync log now: the
-                for generation in self._sync.generations():  # generations holding them
-                    if id(target) in generation.waiting:  # stay, for the next start's
-                        generation.kept = True  # redo (J14) — never a log that opens
-            self._sync.written(target)  # healthy without them
+            if not recorded:
+                self._sync.keep_for_redo(target)
+            self._sync.written(target)
         return error
 
     def _close(self, item: _Close) -> None:
