@@ -6,10 +6,11 @@ guess, nothing a person said is lost. In-process Fake-Pi on virtual time
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -439,6 +440,29 @@ async def test_wd10_progress_during_the_reserve_stops_the_fence(
         assert sum(charged) < 900, charged
 
 
+@contextlib.asynccontextmanager
+async def resumed_while_live(
+    tmp_path: Path, clocks: Clocks, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Rig]:
+    """A task whose live worker waits on its model request is held by the operator's look
+    and resumed; the rig is yielded once the resume is asked (its worker ends it ``done``)."""
+    asked = trio.Event()
+    next_step = ScriptedModel.next_step
+
+    def noted(model: ScriptedModel, body: dict[str, Any]) -> Step:
+        asked.set()
+        return next_step(model, body)
+
+    monkeypatch.setattr(ScriptedModel, "next_step", noted)
+    async with open_rig(tmp_path, clocks, [Hang(seconds=600), done(), say("finished")]) as rig:
+        await rig.runner.submit(rig.spec())
+        await asked.wait()  # the worker waits on its model request,
+        await trio.testing.wait_all_tasks_blocked()  # its events so far taken in
+        await rig.runner.lane(TASK).hold("the operator's look (the test)")
+        rig.runner.resume(TASK)
+        yield rig
+
+
 async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
     tmp_path: Path,
     clocks: Clocks,
@@ -462,26 +486,45 @@ async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
         return failed
 
     monkeypatch.setattr(EpochWatch, "_manual_resume_guards", progress_meanwhile)
-    asked = trio.Event()
-    next_step = ScriptedModel.next_step
-
-    def noted(model: ScriptedModel, body: dict[str, Any]) -> Step:
-        asked.set()
-        return next_step(model, body)
-
-    monkeypatch.setattr(ScriptedModel, "next_step", noted)
-    async with open_rig(tmp_path, clocks, [Hang(seconds=600), done(), say("finished")]) as rig:
-        await rig.runner.submit(rig.spec())
-        await asked.wait()  # the worker waits on its model request,
-        await trio.testing.wait_all_tasks_blocked()  # its events so far taken in
-        await rig.runner.lane(TASK).hold("the operator's look (the test)")
-        rig.runner.resume(TASK)
+    async with resumed_while_live(tmp_path, clocks, monkeypatch) as rig:
         await rig.until(lambda: bool(spoke))
         ended = await rig.ended(TASK)
         records = await rig.records()
     assert ended.state == "done"
     assert rig.workers.launched == [1]  # never fenced, never relaunched
     assert actions(records, "reserve") == []
+
+
+async def test_tl8_progress_while_a_resumes_reserve_is_written_calls_the_resume_off(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL8, WD11: the same, the progress coming while the resume's reserve is written (its
+    last await): the hold is read again after it, the working worker is not fenced, and the
+    recovery that reserve started ends at once — the worker's working time is not charged
+    as recovery."""
+    reserve = TaskLane.reserve
+    spoke: list[bool] = []
+
+    async def progress_meanwhile(lane: TaskLane) -> bool:
+        started = await reserve(lane)
+        now, awake = lane.readings()
+        lane.watchdog.feed(Progress(now, awake, Phase.GENERATION, "token"))
+        spoke.append(True)
+        return started
+
+    monkeypatch.setattr(TaskLane, "reserve", progress_meanwhile)
+    async with resumed_while_live(tmp_path, clocks, monkeypatch) as rig:
+        await rig.until(lambda: bool(spoke))
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert rig.workers.launched == [1]  # never fenced, never relaunched
+    assert len(actions(records, "reserve")) == 1  # charged (never refunded), kept for later
+    (recovery,) = actions(records, "recovery_time")
+    assert recovery.detail["seconds"] < 1.0  # ended with the called-off resume
 
 
 async def test_lk6_an_abort_while_the_epoch_launches_prompts_nothing(
