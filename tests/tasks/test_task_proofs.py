@@ -6,11 +6,10 @@ guess, nothing a person said is lost. In-process Fake-Pi on virtual time
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from runtime._records import (
     LifecycleReceipt,
     OutboxAction,
     Record,
+    TaskEnded,
     TaskReply,
 )
 from runtime._tasks._lane import TaskLane
@@ -440,12 +440,12 @@ async def test_wd10_progress_during_the_reserve_stops_the_fence(
         assert sum(charged) < 900, charged
 
 
-@contextlib.asynccontextmanager
 async def resumed_while_live(
-    tmp_path: Path, clocks: Clocks, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Rig]:
+    tmp_path: Path, clocks: Clocks, monkeypatch: pytest.MonkeyPatch, spoke: list[bool]
+) -> tuple[TaskEnded, list[Record], list[int]]:
     """A task whose live worker waits on its model request is held by the operator's look
-    and resumed; the rig is yielded once the resume is asked (its worker ends it ``done``)."""
+    and resumed; once the test's patch has made the worker speak (``spoke``), the task runs
+    to its end: its end record, its lane log and the epochs launched."""
     asked = trio.Event()
     next_step = ScriptedModel.next_step
 
@@ -460,7 +460,8 @@ async def resumed_while_live(
         await trio.testing.wait_all_tasks_blocked()  # its events so far taken in
         await rig.runner.lane(TASK).hold("the operator's look (the test)")
         rig.runner.resume(TASK)
-        yield rig
+        await rig.until(lambda: bool(spoke))
+        return await rig.ended(TASK), await rig.records(), rig.workers.launched
 
 
 async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
@@ -486,12 +487,9 @@ async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
         return failed
 
     monkeypatch.setattr(EpochWatch, "_manual_resume_guards", progress_meanwhile)
-    async with resumed_while_live(tmp_path, clocks, monkeypatch) as rig:
-        await rig.until(lambda: bool(spoke))
-        ended = await rig.ended(TASK)
-        records = await rig.records()
+    ended, records, launched = await resumed_while_live(tmp_path, clocks, monkeypatch, spoke)
     assert ended.state == "done"
-    assert rig.workers.launched == [1]  # never fenced, never relaunched
+    assert launched == [1]  # never fenced, never relaunched
     assert actions(records, "reserve") == []
 
 
@@ -516,12 +514,9 @@ async def test_tl8_progress_while_a_resumes_reserve_is_written_calls_the_resume_
         return started
 
     monkeypatch.setattr(TaskLane, "reserve", progress_meanwhile)
-    async with resumed_while_live(tmp_path, clocks, monkeypatch) as rig:
-        await rig.until(lambda: bool(spoke))
-        ended = await rig.ended(TASK)
-        records = await rig.records()
+    ended, records, launched = await resumed_while_live(tmp_path, clocks, monkeypatch, spoke)
     assert ended.state == "done"
-    assert rig.workers.launched == [1]  # never fenced, never relaunched
+    assert launched == [1]  # never fenced, never relaunched
     assert len(actions(records, "reserve")) == 1  # charged (never refunded), kept for later
     (recovery,) = actions(records, "recovery_time")
     assert recovery.detail["seconds"] < 1.0  # ended with the called-off resume
