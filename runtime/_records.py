@@ -259,6 +259,10 @@ class Poison(_Record, tag="poison", frozen=True, kw_only=True):
     reason: str
     errno: int | None = None
     poisoned_ms: int
+    owed: bytes = b""
+    """The frame of the records the log had acknowledged through the sync log and its file
+    lacked when it was poisoned (journal.md J5, J12): a reader appends it after
+    ``good_length``. Empty for a log that owed nothing."""
 
 
 class EpochStarted(_Record, tag="epoch_started", frozen=True, kw_only=True):

@@ -121,10 +121,11 @@ def decode_log(
 ) -> LogContents:
     """Decode a log's bytes. Pure; raises :class:`JournalError` on any damage.
 
-    With a ``poison`` document only the bytes it vouches for are read.
+    With a ``poison`` document only the bytes it vouches for are read, followed by the
+    records it carries that were acknowledged through the sync log (J5).
     """
     if poison is not None:
-        data = data[: poison.good_length]
+        data = data[: poison.good_length] + poison.owed
     try:
         scanned = scan(data)
     except FrameDamage as exc:

@@ -564,7 +564,9 @@ class Store:
 
         return await trio.to_thread.run_sync(read)
 
-    def _poison_document(self, target: LogTarget, reason: str, errno: int | None) -> bytes:
+    def _poison_document(
+        self, target: LogTarget, reason: str, errno: int | None, owed: bytes
+    ) -> bytes:
         return encode_record(
             Poison(
                 log_path=target.rel,
@@ -572,6 +574,7 @@ class Store:
                 reason=reason,
                 errno=errno,
                 poisoned_ms=self.clocks.wall.time_ms(),
+                owed=owed,
             )
         )
 
@@ -722,9 +725,9 @@ async def open_store(
     )
     store: Store | None = None
 
-    def poison_document(target: LogTarget, reason: str, errno: int | None) -> bytes:
+    def poison_document(target: LogTarget, reason: str, errno: int | None, owed: bytes) -> bytes:
         assert store is not None
-        return store._poison_document(target, reason, errno)
+        return store._poison_document(target, reason, errno, owed)
 
     def on_disk_failure(error: DiskFailedError) -> None:
         assert store is not None

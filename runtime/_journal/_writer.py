@@ -278,8 +278,9 @@ class _SyncLog:
 class WriterPool:
     """A fixed set of writer threads; use inside one Trio run.
 
-    ``poison_document(target, good_length, reason, errno)`` must return the
-    bytes of the poison document; ``on_disk_failure`` is called on the Trio
+    ``poison_document(target, reason, errno, owed)`` must return the bytes of the
+    poison document (``owed``: the frame of the records the log acknowledged through the sync
+    log and its file lacks, J5); ``on_disk_failure`` is called on the Trio
     loop with the first disk-level failure. With ``sync_dir`` (a directory :func:`redo`
     emptied), the logs marked ``deferred`` all belong to shard 0, which makes a batch of
     several of them durable with one frame and one ``fdatasync`` of its sync log there (J12).
@@ -290,7 +291,7 @@ class WriterPool:
         fs: FileSystem,
         *,
         shards: int,
-        poison_document: Callable[[LogTarget, str, int | None], bytes],
+        poison_document: Callable[[LogTarget, str, int | None, bytes], bytes],
         on_disk_failure: Callable[[DiskFailedError], None],
         sync_dir: str | None = None,
         rotate_bytes: int = ROTATE_BYTES,
@@ -759,6 +760,7 @@ class WriterPool:
             f"an earlier append failed ({reason}); the log accepts no more records",
             path=target.rel,
         )
+        owed = encode_frame(target._pending_first, target._pending) if target._pending else b""
         target._pending = []
         fs = self._fs
         try:
@@ -769,7 +771,7 @@ class WriterPool:
             pass  # the poison document below still bounds what a reader accepts
         recorded = False
         try:
-            document = self._poison_document(target, reason, exc.errno)
+            document = self._poison_document(target, reason, exc.errno, owed)
             atomic_write(fs, target.poison_path, document)
             recorded = True
         except OSError:

@@ -260,6 +260,34 @@ async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alon
             assert refused.value.code is ReasonCode.JOURNAL_POISONED
 
 
+async def test_j5_j15_a_poisoned_log_still_reads_what_the_sync_log_acknowledged_for_it(
+    tmp_path: Path,
+) -> None:
+    """J5, J15: a log is poisoned when its owed records cannot be written to its file. Those
+    records were acknowledged (durable in the sync log), so the log still reads them back —
+    the poison document carries them — now, after the generation is gone, and after a
+    restart; ``journal show`` finds them too. A record acknowledged is never lost from a
+    read, poisoned or not (an operator would otherwise not see that a tool's intent was
+    recorded)."""
+    root = tmp_path / "state"
+    with trio.fail_after(20):
+        async with one_owed_record_each(root) as (faulty, store, logs):
+            faulty.arm(Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel))
+            with contextlib.suppress(JournalError):
+                await store.read(logs[0].rel)  # its owed record's write fails
+            assert logs[0].poisoned
+            faulty.disarm()
+            assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
+        assert not os.listdir(root / SYNC_DIR)
+        records, _note = await trio.to_thread.run_sync(delivery_records, root, "d0")
+        assert _record("a-0") in records
+        async with open_store(root) as store:
+            assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
+            with pytest.raises(JournalError) as refused:
+                await store.open_delivery_log("d0")
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+
+
 async def test_j15_a_poison_that_cannot_be_recorded_keeps_the_sync_log_for_the_next_start(
     tmp_path: Path,
 ) -> None:
