@@ -444,7 +444,11 @@ class WriterPool:
                 except queue.Empty:
                     break
             if batch:
-                failure = self._commit(batch)
+                failure: DiskFailedError | None = None
+                try:
+                    failure = self._commit(batch)
+                except Exception as exc:  # not the disk's: no waiter may be left hanging
+                    self._abandon(batch, exc)
                 try:
                     self._token.run_sync_soon(self._deliver, batch, failure)
                 except trio.RunFinishedError:  # pragma: no cover - the run ended first
@@ -497,6 +501,29 @@ class WriterPool:
                 self._close(item)
         flush()
         return failure
+
+    def _abandon(self, batch: list[_Work], exc: Exception) -> None:
+        """J5, J8b: an exception that is not an ``OSError`` (a bug, a frame past
+        ``MAX_BODY``) while ``batch`` was written. What reached the disk is unknown, so every
+        log of the batch is poisoned, as for a failed write, and every item gets an error —
+        even one whose record may have reached the disk, which its poisoned log then bounds
+        (J5): no caller waits forever, and the thread goes on with the next batch."""
+        error = OSError(errno.EINVAL, f"the writer failed: {exc!r}")
+        for item in batch:
+            target = item.target if isinstance(item, _Handoff) else None
+            if target is not None and target.poisoned is None:
+                try:
+                    self._poison(target, error)
+                except Exception:  # the in-memory poison still refuses every later append
+                    target.poisoned = JournalError(
+                        ReasonCode.JOURNAL_POISONED, str(error), path=target.rel
+                    )
+            if item.error is None:
+                item.error = (
+                    target.poisoned
+                    if target is not None and target.poisoned is not None
+                    else JournalError(ReasonCode.JOURNAL_POISONED, str(error))
+                )
 
     def _retire(self, item: _Retire) -> DiskFailedError | None:
         """J18: drain the sync log if a generation names any of ``item.rels``; if one that does
@@ -589,6 +616,18 @@ class WriterPool:
         try:
             if sync.handle is not None and sync.size + sum(map(len, entries)) > sync.capacity:
                 self._switch(sync)  # (a frame may outgrow a fresh one: it grows)
+                # a switch may catch up a full generation and poison a log of this batch
+                # whose file failed: its records are refused, never acknowledged (J5)
+                refused = [(t, g) for t, g in ready if t.poisoned is not None]
+                for target, group in refused:
+                    for item in group:
+                        item.error = target.poisoned
+                if refused:
+                    kept = [i for i, (t, _) in enumerate(ready) if t.poisoned is None]
+                    ready = [ready[i] for i in kept]
+                    entries = [entries[i] for i in kept]
+                    if not ready:
+                        return failure
             if sync.handle is None:
                 self._begin(sync)
             assert sync.handle is not None

@@ -316,6 +316,67 @@ async def test_j15_a_poison_that_cannot_be_recorded_keeps_the_sync_log_for_the_n
                 assert (await store.read(log.rel)).records[1:] == (_record(f"a-{i}"),)
 
 
+async def test_j5_j12_a_log_poisoned_by_a_catch_up_in_its_own_batch_is_not_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J5, J12: a batch that does not fit its generation switches to the next one, and that
+    switch catches up a full generation: it writes the owed records of a log that is in the
+    batch itself, its file fails (EIO) and the log is poisoned. That log's record in the
+    batch is then refused (``journal_poisoned``), never acknowledged — it would be durable
+    only in a sync log the poisoned log's reads do not consult, and an append acknowledged
+    to a poisoned log breaks J5. The batch's other logs are acknowledged and read whole."""
+    import runtime._journal._writer as writer
+
+    monkeypatch.setattr(writer, "_SLACK", 0)  # a generation holds exactly its size
+    monkeypatch.setattr(writer, "_RETIRING", 0)  # a switch catches up at once
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = Holding(faulty)
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            store._pool._trickle = lambda sync: False  # type: ignore[method-assign]
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            one = len(
+                encode_frame(
+                    0,
+                    [
+                        encode_entry(log.rel, 1, [encode_record(_record(f"a-{i}"))])
+                        for i, log in enumerate(logs)
+                    ],
+                )
+            )
+            store._pool._rotate_bytes = one + one // 2  # one batch fits, two do not
+            await _one_batch(fs, store, logs, "a")
+            faulty.arm(Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel))
+            outcomes: dict[int, object] = {}
+
+            async def append(i: int) -> None:
+                try:
+                    outcomes[i] = await logs[i].append(_record(f"b-{i}"))
+                except JournalError as error:
+                    outcomes[i] = error.code
+
+            holder = await store.create_delivery_log("hold-b")
+            fs.hold(holder.rel)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(holder.append, _record("b-hold"))
+                await trio.to_thread.run_sync(fs.held.wait, 10)
+                for i in range(LOGS):
+                    nursery.start_soon(append, i)
+                await trio.testing.wait_all_tasks_blocked()
+                fs.release()
+            assert [hit.path for hit in faulty.hits] == [str(root / logs[0].rel)]
+            assert logs[0].poisoned
+            assert outcomes == {0: ReasonCode.JOURNAL_POISONED, 1: 2, 2: 2, 3: 2}
+            faulty.disarm()
+            assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
+            for i, log in enumerate(logs[1:], start=1):
+                assert (await store.read(log.rel)).records[1:] == (
+                    _record(f"a-{i}"),
+                    _record(f"b-{i}"),
+                )
+
+
 async def test_j12_a_full_generation_is_written_into_the_files_then_removed(
     tmp_path: Path,
 ) -> None:

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from runtime import DiskFailedError, open_store
+from runtime import DiskFailedError, JournalError, ReasonCode, open_store
 from runtime._journal._sync_log import SYNC_DIR
 from runtime._journal._writer import handoffs_in_flight
 from runtime._linux._fs import FileSystem, OsFileSystem
@@ -114,3 +114,57 @@ async def test_j8b_an_appends_disk_failure_is_reported_before_it_runs_on(
                 await log.append(_record("lost"))
             assert store.disk_failure is not None
             assert log.poisoned
+
+
+class _BrokenSync:
+    """The next ``fdatasync`` of a path containing :attr:`part` raises an error that is not
+    an ``OSError`` (a bug below the writer, say)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.part: str | None = None
+        self._paths: dict[int, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def open_append(self, path: str) -> int:
+        handle = int(self.inner.open_append(path))
+        self._paths[handle] = path
+        return handle
+
+    def fdatasync(self, handle: int) -> None:
+        if self.part is not None and self.part in self._paths.get(handle, ""):
+            self.part = None
+            raise RuntimeError("injected: not an OSError")
+        self.inner.fdatasync(handle)
+
+
+async def test_j5_j8b_an_error_that_is_not_the_disks_poisons_its_log_and_hangs_no_one(
+    tmp_path: Path,
+) -> None:
+    """J5, J8b: an exception that is not an ``OSError`` while a writer thread writes a batch
+    (a bug, or a frame past the largest body) leaves no caller waiting forever: what reached
+    the disk is unknown, so the batch's log is poisoned and its append refused
+    (``journal_poisoned``); the thread goes on, so the next append to another log of the same
+    shard is acknowledged; after a restart the log is refused for appending and reads only
+    what was acknowledged."""
+    fs = _BrokenSync(OsFileSystem())
+    root = tmp_path / "state"
+    with trio.fail_after(20):
+        async with open_store(root, fs=cast(FileSystem, fs)) as store:
+            broken = await store.create_delivery_log("broken")
+            other = await store.create_delivery_log("other")
+            fs.part = broken.rel
+            with pytest.raises(JournalError) as refused:
+                await broken.append(_record("lost"))
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            assert broken.poisoned
+            assert await other.append(_record("kept")) == 1
+            assert store.disk_failure is None  # not the disk's
+        async with open_store(root) as store:
+            with pytest.raises(JournalError) as refused:
+                await store.open_delivery_log("broken")
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            assert (await store.read_delivery_log("broken")).records[1:] == ()
+            assert (await store.read_delivery_log("other")).records[1:] == (_record("kept"),)
