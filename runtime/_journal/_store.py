@@ -299,7 +299,9 @@ class Store:
         is whole until the new one is durable, a crash leaves one or the other, and appends
         wait only for the catch-up and the rename, not for the bulk of the file. What is
         then the log: the new file; after a failed rewrite, whichever file is there (the old
-        one, unless only the directory sync failed), read back from disk.
+        one, unless only the directory sync failed), read back from disk. A failed directory
+        sync after the rename is a disk failure whatever its errno (J6): the new name may not
+        survive a power loss, nor what is appended to it.
 
         With ``bytes_per_second``, the bulk is written in :data:`COMPACT_CHUNK` pieces at no
         more than that rate (RT10's byte budget: a sleep after each piece, nothing held
@@ -338,8 +340,19 @@ class Store:
                 await self.close_log(journal)  # nothing appends to it now
                 try:
                     await self._blocking(rel, staged.commit)
-                except BaseException:
+                except BaseException as exc:
                     self._adopt(await self._open_existing(rel, kind))  # what is there now
+                    if staged.renamed and isinstance(exc, OSError):
+                        # only the directory sync failed, with an errno that is not a disk
+                        # one: the new file is the log, but its name — and whatever is
+                        # appended to it — may not survive a power loss (J6)
+                        error = DiskFailedError(
+                            ReasonCode.DISK_FAILED,
+                            f"the directory sync after replacing the log failed: {exc}",
+                            path=rel,
+                        )
+                        self._on_disk_failure(error)
+                        raise error from exc
                     raise
                 # the file holds exactly what was framed and synced: not read back
                 target = LogTarget(

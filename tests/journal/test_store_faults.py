@@ -864,3 +864,29 @@ async def test_store_releases_its_writers_when_a_close_fails(tmp_path: Path) -> 
         assert faulty.fired
         leaked = writers() - before
         assert not leaked, f"{len(leaked)} writer threads still running after open_store exited"
+
+
+async def test_j6_a_failed_directory_sync_after_a_shared_log_is_replaced_is_a_disk_failure(
+    tmp_path: Path,
+) -> None:
+    """J6, RT7: compaction renamed the new admissions file over the old one, and the
+    directory sync after it failed — with an errno that is not a disk one (EINVAL). The new
+    file is the log from then on, but its name may not survive a power loss, and with it
+    every record appended to it: the store reports a disk failure (it stops admitting)
+    instead of going on appending to it."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    with trio.fail_after(10):
+        async with open_store(root, fs=faulty) as store:
+            for i in range(1, 4):
+                await store.admissions.append(_admission(0, i))
+            records = list(store.admissions.contents.records[1:])
+            directory = str(root / "admissions")
+            # the first sync under it is the new file's fsync, the second the directory's
+            faulty.arm(Fault("sync", 2, "before", errno.EINVAL, path_contains=directory))
+            with pytest.raises(DiskFailedError) as failed:
+                await store.rewrite_shared(store.admissions, records)
+            assert [hit.path for hit in faulty.hits] == [directory]
+            assert failed.value.path == ADMISSIONS
+            assert store.disk_failure is not None
+            assert store.disk_failure.path == ADMISSIONS
