@@ -116,6 +116,8 @@ def _journal_compact(args: argparse.Namespace) -> int:
         f"their idempotency record; expired {len(tasks.expired)} older than "
         f"{retention.idempotency_days:g} days (a resubmission of one is task_expired)"
     )
+    for task_id, why in tasks.left:
+        print(f"left task {task_id} as it is (the next pass tries again): {why}")
     settled, expired = len(plan.settled), len(plan.expired)
     print(
         f"kept {settled} idempotency record{'s' if settled != 1 else ''} in place of admissions; "

@@ -36,7 +36,7 @@ import trio
 
 from .._clock import Clocks
 from .._config import RetentionConfig
-from .._errors import ReasonCode, TaskError
+from .._errors import DiskFailedError, ReasonCode, TaskError
 from .._journal._interface import LeaseStore
 from .._journal._store import Store, lane_key, open_store
 from .._linux._fs import OsFileSystem
@@ -66,6 +66,10 @@ class TaskRetention:
 
     slimmed: tuple[str, ...] = ()
     expired: tuple[str, ...] = ()
+    left: tuple[tuple[str, str], ...] = ()
+    """Tasks the pass could not finish, with why (a damaged log, a directory it could not
+    remove): each left as it was for the next pass, the others done (a fault stays with its
+    task)."""
 
 
 @dataclass(slots=True)
@@ -134,18 +138,33 @@ async def retain_ended_tasks(
     expiry_cut = now_ms - retention.idempotency_days * DAY_MS
     slimmed: list[str] = []
     expired: dict[str, int] = {}
+    left: list[tuple[str, str]] = []
     for task_id, ended_ms in sorted(ended.items()):
         if ended_ms <= 0 or ended_ms > journal_cut:
             continue
         if ended_ms <= expiry_cut:
             expired[task_id] = ended_ms + int(retention.forget_days * DAY_MS)
-        elif await _slim(store, task_id, work_root):
-            slimmed.append(task_id)
+            continue
+        try:
+            if await _slim(store, task_id, work_root):
+                slimmed.append(task_id)
+        except DiskFailedError:
+            raise  # the disk: the store stops admitting, and the pass ends here
+        except Exception as exc:  # this task's fault: the others go on (RT12)
+            left.append((task_id, str(exc)))
+    gone: list[str] = []
     if expired:
         await store.expire_tasks(expired)  # RT5: the filter is durable first
         for task_id in expired:
-            await _remove_lane(store, task_id, work_root)
-    return TaskRetention(tuple(slimmed), tuple(expired))
+            try:
+                await _remove_lane(store, task_id, work_root)
+            except DiskFailedError:
+                raise
+            except Exception as exc:  # expired; its directories go at the next pass
+                left.append((task_id, str(exc)))
+            else:
+                gone.append(task_id)
+    return TaskRetention(tuple(slimmed), tuple(gone), tuple(left))
 
 
 async def retain_shared_tasks(
@@ -173,48 +192,87 @@ async def retain_shared_tasks(
     expiry_cut = now_ms - retention.idempotency_days * DAY_MS
     slimmed: list[str] = []
     expired: list[str] = []
+    left: list[tuple[str, str]] = []
     for task_id, ended_ms in sorted(ended.items()):
         if ended_ms <= 0 or ended_ms > journal_cut:
             continue
         if ended_ms > expiry_cut and task_id in seen.slim:
             continue
-        subject = lane_name(task_id)
-        rel = store.lane_rel(subject)
-        fence = await store.claim(subject, lease_seconds)
-        if fence is None:
-            continue  # held (a holder still at it): a later pass
         try:
-            if ended_ms <= expiry_cut:
-                forget_after = ended_ms + int(retention.forget_days * DAY_MS)
-                if await store.expire_task(task_id, forget_after, fence=fence):
-                    expired.append(task_id)
-            else:
-                with contextlib.suppress(FileNotFoundError):  # expired by another host
-                    records = (await store.read(rel)).records  # read after the claim
-                    kept = [r for r in records if isinstance(r, TaskSubmitted | TaskEnded)]
-                    rest = [r for r in records if not isinstance(r, Header | Compacted)]
-                    if len(rest) == len(kept):
-                        seen.slim.add(task_id)  # slim already (another host's pass)
-                    elif await store.slim_log(rel, kept, fence=fence):
-                        seen.slim.add(task_id)
-                        slimmed.append(task_id)
-        finally:
-            with trio.CancelScope(shield=True):
-                await store.release(fence)
+            await _retain_one_shared(
+                store,
+                task_id,
+                ended_ms,
+                expiry_cut,
+                retention,
+                lease_seconds,
+                seen,
+                slimmed,
+                expired,
+            )
+        except DiskFailedError:
+            raise
+        except Exception as exc:  # this task's fault: the others go on
+            left.append((task_id, str(exc)))
     await store.forget_expired_tasks()  # past forget_days: an id that may be used again
     going = [t for t in sorted(ended) if 0 < ended[t] <= journal_cut and t not in seen.cleaned]
     for task_id in going:  # this host's copies: its session and work directories
         session = store.root / session_rel(task_id)
-        await trio.to_thread.run_sync(_remove_paths, [session, *work_dirs(work_root, task_id)])
-        seen.cleaned.add(task_id)
+        try:
+            await trio.to_thread.run_sync(_remove_paths, [session, *work_dirs(work_root, task_id)])
+        except OSError as exc:
+            left.append((task_id, str(exc)))
+        else:
+            seen.cleaned.add(task_id)
     lanes = store.root / "lanes"
     here = await trio.to_thread.run_sync(
         lambda: sorted(p.name for p in lanes.iterdir() if p.is_dir()) if lanes.is_dir() else []
     )
     for key in sorted(await store.expired_task_keys(here)):  # on the database's word only
         gone = [lanes / key, work_root / "homes" / key, work_root / "tmp" / key]
-        await trio.to_thread.run_sync(_remove_paths, gone)
-    return TaskRetention(tuple(slimmed), tuple(expired))
+        try:
+            await trio.to_thread.run_sync(_remove_paths, gone)
+        except OSError as exc:
+            left.append((key, str(exc)))
+    return TaskRetention(tuple(slimmed), tuple(expired), tuple(left))
+
+
+async def _retain_one_shared(
+    store: LeaseStore,
+    task_id: str,
+    ended_ms: int,
+    expiry_cut: float,
+    retention: RetentionConfig,
+    lease_seconds: float,
+    seen: SeenHere,
+    slimmed: list[str],
+    expired: list[str],
+) -> None:
+    """The database's part of :func:`retain_shared_tasks` for one task (RT13 (a)-(c)),
+    under a claim of its lane; a lane whose lease runs (a holder) is left for a later pass."""
+    subject = lane_name(task_id)
+    rel = store.lane_rel(subject)
+    fence = await store.claim(subject, lease_seconds)
+    if fence is None:
+        return
+    try:
+        if ended_ms <= expiry_cut:
+            forget_after = ended_ms + int(retention.forget_days * DAY_MS)
+            if await store.expire_task(task_id, forget_after, fence=fence):
+                expired.append(task_id)
+        else:
+            with contextlib.suppress(FileNotFoundError):  # expired by another host
+                records = (await store.read(rel)).records  # read after the claim
+                kept = [r for r in records if isinstance(r, TaskSubmitted | TaskEnded)]
+                rest = [r for r in records if not isinstance(r, Header | Compacted)]
+                if len(rest) == len(kept):
+                    seen.slim.add(task_id)  # slim already (another host's pass)
+                elif await store.slim_log(rel, kept, fence=fence):
+                    seen.slim.add(task_id)
+                    slimmed.append(task_id)
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.release(fence)
 
 
 async def _slim(store: Store, task_id: str, work_root: Path) -> bool:

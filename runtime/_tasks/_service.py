@@ -218,6 +218,13 @@ class TaskService:
                         len(done.expired),
                         extra=fields("task_retention"),
                     )
+                for task_id, why in done.left:
+                    logger.warning(
+                        "task retention left task %s for the next pass: %s",
+                        task_id,
+                        why,
+                        extra=fields("task_retention_left", task=task_id),
+                    )
             await trio.sleep(self.retention.sweep_hours * 3600)
 
     def events_of(self, task_id: str, after: int = 0) -> tuple[list[TaskEvent], int]:

@@ -246,3 +246,52 @@ async def test_rt12_a_host_killed_in_a_retention_pass_loses_nothing_and_runs_not
     archive = tmp_path / "state" / ended["candidate"]["ref"]
     assert archive.is_file()
     assert not work_dirs(tmp_path / "work", TASK)[0].exists()
+
+
+async def test_rt12_a_task_the_pass_cannot_slim_stays_with_that_task(
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT12, a fault stays where it happened: the first ended task's lane log is damaged
+    (one flipped byte: ``journal_corrupt``), so the pass cannot slim it. The pass goes on:
+    the second ended task is slimmed, the first is reported left (with its reason) and kept
+    as it is — retention never rewrites what it cannot read. At day 31 both are expired:
+    an expiry goes by the end this process knows, not by reading the log."""
+    other = "task-2"
+    async with open_rig(tmp_path, clocks, [done(), say("one"), done(), say("two")]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.ended(TASK)
+        tree = rig.worktree.parent / "two"
+        tree.mkdir(exist_ok=True)
+        spec = rig.spec()
+        await rig.runner.submit(
+            TaskSpec(task_id=other, prompt=spec.prompt, worktree=str(tree), grants=spec.grants)
+        )
+        await rig.ended(other)
+        log = lane_dir(rig) / "lane.log"
+        data = bytearray(log.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        log.write_bytes(bytes(data))
+        damaged = bytes(data)
+
+        wall_clock.advance(8 * DAY)
+        done_ = await rig.runner.retain(RETENTION)
+        assert done_.slimmed == (other,)
+        assert [task for task, _ in done_.left] == [TASK]
+        assert "journal_corrupt" in done_.left[0][1]
+        assert log.read_bytes() == damaged
+        assert [type(r) for r in await rig.records(other)] == [
+            Header,
+            Compacted,
+            TaskSubmitted,
+            TaskEnded,
+        ]
+
+        wall_clock.advance(23 * DAY)
+        done_ = await rig.runner.retain(RETENTION)
+        assert done_.expired == (TASK, other)
+        assert done_.left == ()
+        assert not lane_dir(rig).exists()
+        assert not lane_dir(rig, other).exists()
