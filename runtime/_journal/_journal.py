@@ -253,6 +253,15 @@ class Journal:
     def poisoned(self) -> bool:
         return self._target.poisoned is not None
 
+    @property
+    def unrecorded(self) -> tuple[int, bytes, str] | None:
+        """A poison the writer could not record on disk (J15): the file's good length, the
+        frame of the records the log owed, and why; ``None`` otherwise."""
+        target = self._target
+        if target.unrecorded is None:
+            return None
+        return target.good_length, target.unrecorded, str(target.poisoned)
+
     async def append(self, record: Record, *, fence: Fence | None = None) -> int:
         """Append ``record``; return its sequence number once it is durable.
 

@@ -57,7 +57,7 @@ from ._expired import EXPIRED, ExpiredIds, read_expired
 from ._fence import Fence
 from ._frame import encode_frame
 from ._interface import Log
-from ._journal import Journal, LogContents, encode_record, read_log, slimmed
+from ._journal import Journal, LogContents, decode_log, encode_record, read_log, slimmed
 from ._sync_log import SYNC_DIR, Redone, redo
 from ._writer import TMP_MARK, LogTarget, StagedFile, WriterPool, atomic_write, disk_error
 
@@ -166,6 +166,10 @@ class Store:
         """The proven-dead owner this process took over from, if any."""
         self._pool = pool
         self._open: dict[str, Journal] = {}
+        self._unrecorded: dict[str, Poison] = {}
+        self._opening: dict[str, trio.Lock] = {}
+        """Per log being opened or created by :meth:`_open_or_create`: one at a time."""
+        """Logs poisoned in this run whose poison document could not be written (J15)."""
         self._disk_failure: DiskFailedError | None = None
         self.admissions: Journal
         self.results: Journal
@@ -194,11 +198,17 @@ class Store:
         try:
             return await trio.to_thread.run_sync(fn, *args)
         except OSError as exc:
-            error = disk_error(exc, rel)
+            error = self._disk_failed(exc, rel)
             if error is None:
                 raise
-            self._on_disk_failure(error)
             raise error from exc
+
+    def _disk_failed(self, exc: OSError, rel: str) -> DiskFailedError | None:
+        """The disk failure ``exc`` amounts to, reported (J6); ``None`` if it is not one."""
+        error = disk_error(exc, rel)
+        if error is not None:
+            self._on_disk_failure(error)
+        return error
 
     async def remove_logs(self, rels: Sequence[str]) -> int:
         """Remove the logs ``rels`` (retention, RT2), durably: :meth:`remove_files`."""
@@ -211,10 +221,12 @@ class Store:
         of them is drained first (J18: a log made again under a removed one's name must not
         gain its records at the next open)."""
         await self._pool.retire(rels)
+        at = [""]  # what the work was on when it failed (the error names it)
 
         def remove() -> int:
             removed, directories = 0, set()
             for rel in rels:
+                at[0] = rel
                 path = self.path(rel)
                 try:
                     self.fs.unlink(path)
@@ -223,10 +235,20 @@ class Store:
                 removed += 1
                 directories.add(os.path.dirname(path))
             for directory in sorted(directories):
+                at[0] = os.path.relpath(directory, self.root)
                 self.fs.fsync_dir(directory)
             return removed
 
-        return await trio.to_thread.run_sync(remove)
+        try:
+            removed = await trio.to_thread.run_sync(remove)
+        except OSError as exc:
+            error = self._disk_failed(exc, at[0])
+            if error is None:
+                raise
+            raise error from exc
+        for rel in rels:  # a log made again under the name is a new one
+            self._unrecorded.pop(rel, None)
+        return removed
 
     # -- compaction (docs/design/retention.md RT4-RT7) -----------------------------------
 
@@ -421,11 +443,21 @@ class Store:
         return await self._open_or_create(rel, LogKind.LANE, lane)
 
     async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> Journal:
-        if await trio.to_thread.run_sync(self.fs.exists, self.path(rel)):
-            with contextlib.suppress(FileNotFoundError):
-                return await self._open_existing(rel, kind)
-        await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
-        return await self._create(rel, kind, subject)
+        """Open the log, or create it; one at a time per log, so two tasks opening it at
+        once share one journal (two would number their records independently)."""
+        lock = self._opening.setdefault(rel, trio.Lock())
+        async with lock:
+            try:
+                if rel in self._open:
+                    return self._open[rel]
+                if await trio.to_thread.run_sync(self.fs.exists, self.path(rel)):
+                    with contextlib.suppress(FileNotFoundError):
+                        return await self._open_existing(rel, kind)
+                await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
+                return await self._create(rel, kind, subject)
+            finally:
+                if not lock.statistics().tasks_waiting:
+                    self._opening.pop(rel, None)
 
     async def exists(self, rel: str) -> bool:
         return await trio.to_thread.run_sync(self.fs.exists, self.path(rel))
@@ -442,12 +474,35 @@ class Store:
 
     async def read(self, rel: str, kind: LogKind | None = None) -> LogContents:
         """Read a log whole; an open delivery log's records still owed to its file are
-        written there first (J12)."""
+        written there first (J12). A log poisoned in this run whose poison document could
+        not be written reads as if it had been (J5, J15)."""
         journal = self._open.get(rel)
         if journal is not None:
             await journal.flush()
+            self._remember_unrecorded(journal)
         root = str(self.root)
+        poison = self._unrecorded.get(rel)
+        if poison is not None:
+            data = await trio.to_thread.run_sync(self.fs.read, self.path(rel))
+            return decode_log(data, rel=rel, kind=kind, poison=poison)
         return await trio.to_thread.run_sync(lambda: read_log(self.fs, root, rel, kind=kind))
+
+    def _remember_unrecorded(self, journal: Log) -> None:
+        """Remember a log poisoned without a poison document on disk, for the rest of the
+        run: it is read as poisoned — with the records it owed — and refused for appending
+        (J15: a log reopened as healthy would number a new record as an acknowledged one,
+        which the next start's redo could then not put back)."""
+        unrecorded = journal.unrecorded if isinstance(journal, Journal) else None
+        if unrecorded is None or journal.rel in self._unrecorded:
+            return
+        good_length, owed, reason = unrecorded
+        self._unrecorded[journal.rel] = Poison(
+            log_path=journal.rel,
+            good_length=good_length,
+            reason=reason,
+            poisoned_ms=self.clocks.wall.time_ms(),
+            owed=owed,
+        )
 
     async def _create(self, rel: str, kind: LogKind, subject: str) -> Journal:
         """Create a log whose header is durable before this returns.
@@ -476,6 +531,7 @@ class Store:
         )
         target.deferred = kind is LogKind.DELIVERY
         journal = Journal(self._pool, target, LogContents(rel, (header,), 0, 0))
+        self._unrecorded.pop(rel, None)  # a new log under the name: not the poisoned one
         self._open[rel] = journal
         try:
             await self._pool.append(target, encode_record(header))
@@ -490,6 +546,8 @@ class Store:
         if rel in self._open:
             return self._open[rel]
         contents = await self.read(rel, kind)
+        if rel in self._open:  # opened by another task meanwhile: one journal per log
+            return self._open[rel]
         if contents.next_seq == 0 and contents.poison is None:
             # empty or a torn header: its creation was never acknowledged
             raise FileNotFoundError(f"{rel} holds no acknowledged record")
@@ -538,6 +596,7 @@ class Store:
         try:
             await journal.aclose()
         finally:
+            self._remember_unrecorded(journal)
             if self._open.get(journal.rel) is journal:
                 del self._open[journal.rel]
 

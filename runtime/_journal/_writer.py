@@ -103,6 +103,11 @@ class LogTarget:
         """Next sequence number to assign (Trio side)."""
         self.poison_path = poison_path
         self.poisoned: JournalError | None = None
+        self.unrecorded: bytes | None = None
+        """Set (by the writer) when the log was poisoned and its poison document could not be
+        written: the frame of the records it owed (J5; kept in the sync log for the next
+        start, J15). Nothing on disk says the log is poisoned, so the store remembers it for
+        the rest of the run."""
         self.grouped = False
         """Many tasks append at once (a shared log): hand-offs are gathered per scheduler pass.
         Changed only while no append of this target is in flight (the writer assumes a
@@ -537,11 +542,13 @@ class WriterPool:
         if stays:
             exc = sync.left_error or OSError(errno.EIO, "a sync log generation stays")
             rel = os.path.relpath(stays[0].path, os.path.dirname(sync.directory))
-            item.error = disk_error(exc, rel) or DiskFailedError(
+            refused = disk_error(exc, rel) or DiskFailedError(
                 ReasonCode.DISK_FAILED,
                 f"a sync log generation holding these logs' records cannot be removed: {exc}",
                 path=rel,
             )
+            item.error = refused
+            return failure or refused  # reported too: the host stops admitting (J6)
         return failure
 
     def _write_group(self, target: LogTarget, group: list[_Append]) -> JournalError | None:
@@ -815,6 +822,8 @@ class WriterPool:
             recorded = True
         except OSError:
             pass  # nothing more can be made durable; the in-memory poison holds
+        if not recorded:
+            target.unrecorded = owed
         if self._sync is not None:
             if not recorded:
                 self._sync.keep_for_redo(target)

@@ -157,3 +157,30 @@ async def test_rt4_rt12_two_expiries_at_once_both_stand(tmp_path: Path, which: s
     for ids in (held, again):
         assert key("first") in ids
         assert key("second") in ids
+
+
+@pytest.mark.parametrize("there", [True, False], ids=["existing", "missing"])
+async def test_two_opens_of_one_log_at_once_share_one_journal(tmp_path: Path, there: bool) -> None:
+    """J1, J8: two tasks open the same lane log at once (a parked task lane woken by two
+    appends): both get the one journal, so their records are numbered once, in sequence —
+    two journals would both number theirs 1, and the log would then read as a sequence gap."""
+    root = tmp_path / "state"
+    async with open_store(root) as store:
+        if there:
+            await store.close_log(await store.open_lane_log("x"))
+        opened: list[object] = []
+
+        async def open_and_append(n: int) -> None:
+            journal = await store.open_lane_log("x")
+            opened.append(journal)
+            await journal.append(StepAbandoned(step=n, reason="test", epoch=1))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_and_append, 1)
+            nursery.start_soon(open_and_append, 2)
+        assert opened[0] is opened[1]
+        contents = await store.read(store.lane_rel("x"))
+        assert sorted(r.step for r in contents.records[1:] if isinstance(r, StepAbandoned)) == [
+            1,
+            2,
+        ]

@@ -890,3 +890,20 @@ async def test_j6_a_failed_directory_sync_after_a_shared_log_is_replaced_is_a_di
             assert failed.value.path == ADMISSIONS
             assert store.disk_failure is not None
             assert store.disk_failure.path == ADMISSIONS
+
+
+async def test_j6_a_disk_failure_while_removing_logs_is_reported(tmp_path: Path) -> None:
+    """J6, RT2: retention removes a delivery's log and the directory sync after the unlink
+    fails (EIO): the removal raises ``disk_failed`` naming the directory, and the store has
+    reported it (it stops admitting) — not a bare ``OSError`` the store never hears of."""
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    with trio.fail_after(10):
+        async with open_store(root, fs=faulty) as store:
+            log = await store.create_delivery_log("d0")
+            await store.close_log(log)
+            faulty.arm(Fault("sync", 1, "before", errno.EIO, path_contains="/deliveries"))
+            with pytest.raises(DiskFailedError) as failed:
+                await store.remove_logs([log.rel])
+            assert failed.value.path == "deliveries"
+            assert store.disk_failure is not None

@@ -377,6 +377,41 @@ async def test_j5_j12_a_log_poisoned_by_a_catch_up_in_its_own_batch_is_not_ackno
                 )
 
 
+async def test_j15_a_log_whose_poison_cannot_be_recorded_stays_refused_and_whole_this_run(
+    tmp_path: Path,
+) -> None:
+    """J15, J5 on a full disk, within the same run: a log's owed record cannot be written
+    to its file, nor its poison document. The store still knows the log is poisoned, with
+    nothing on disk to say so: a read finds the acknowledged record and the poison, and
+    after the log is closed it is refused for appending — reopened as healthy it would
+    number a new record as the lost one, and the next start's redo would then keep the new
+    one in its place (a tool whose intent was acknowledged could run again)."""
+    root = tmp_path / "state"
+    with trio.fail_after(20):
+        async with one_owed_record_each(root) as (faulty, store, logs):
+            full = errno.ENOSPC
+            faulty.arm(
+                [
+                    Fault("write", 1, "before", full, path_contains=logs[0].rel),
+                    Fault("write", 1, "before", full, path_contains=".poison"),
+                ]
+            )
+            with contextlib.suppress(JournalError):
+                await store.read(logs[0].rel)  # its owed record's write fails, then its poison's
+            assert len(faulty.hits) == 2, faulty.hits
+            faulty.disarm()
+            contents = await store.read(logs[0].rel)
+            assert contents.records[1:] == (_record("a-0"),)
+            assert contents.poison is not None
+            await store.close_log(logs[0])
+            with pytest.raises(JournalError) as refused:
+                await store.open_delivery_log("d0")
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
+        async with open_store(root) as store:  # the space is back: the redo wrote it
+            assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
+
+
 async def test_j12_a_full_generation_is_written_into_the_files_then_removed(
     tmp_path: Path,
 ) -> None:
@@ -695,6 +730,7 @@ async def test_j18_a_log_is_not_removed_while_a_generation_holding_it_stays(
                 await store.remove_logs([rel])
             assert refused.value.code is ReasonCode.DISK_FAILED
             assert refused.value.path == f"{SYNC_DIR}/{generation_name(0)}"
+            assert store.disk_failure is not None  # reported: the host stops admitting (J6)
             assert (root / rel).exists()
             assert (root / SYNC_DIR / generation_name(0)).exists()
             fs.failing = False
