@@ -127,14 +127,13 @@ def redo(
             _append(fs, os.path.join(root, rel), file, encode_frame(start, missing))
             file.next_seq += len(missing)
             records += len(missing)
+        if file.changed:  # durable before a poison counts it and before the generations go
+            _sync(fs, os.path.join(root, rel))
+            changed.append(rel)
         if lacking:  # J16: a gap no entry fills
             path = os.path.join(root, rel) + ".poison"
             write_document(path, _poison(rel, file, lacking[0][0], now_ms=now_ms))
             poisoned.append(rel)
-        elif file.changed:
-            _sync(fs, os.path.join(root, rel))
-        if file.changed:
-            changed.append(rel)
     for name in names:
         fs.unlink(os.path.join(directory, name))
     if names:

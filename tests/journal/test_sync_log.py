@@ -25,8 +25,8 @@ from runtime import JournalError, ReasonCode, Store, open_store
 from runtime._journal._frame import encode_frame
 from runtime._journal._inspect import delivery_records, verify_journal
 from runtime._journal._journal import Journal, encode_record, read_log
-from runtime._journal._sync_log import SYNC_DIR, encode_entry, generation_name, read_owed
-from runtime._journal._writer import handoffs_in_flight
+from runtime._journal._sync_log import SYNC_DIR, encode_entry, generation_name, read_owed, redo
+from runtime._journal._writer import atomic_write, handoffs_in_flight
 from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import OutboxAction, Record
 from tests.faultfs import Fault, FaultyFileSystem, OpKind, PowerLossFileSystem, When
@@ -548,6 +548,56 @@ def test_j16_a_gap_below_the_sync_logs_records_poisons_that_log_alone(tmp_path: 
             assert not await store.exists(gone)
 
     trio.run(check)
+
+
+def test_j16_records_the_redo_appended_before_a_gap_are_synced_before_the_poison(
+    tmp_path: Path,
+) -> None:
+    """J16, J14: the sync log holds a log's record 1 (which continues its file) and record 3
+    (after a gap). The redo appends record 1 and poisons the log at the gap; the poison
+    document's good length counts record 1, so record 1 must be durable in the file before
+    that document is written and the generation removed — else a power loss would leave
+    an acknowledged record in neither the file nor the sync log."""
+    root = tmp_path / "state"
+    (rel0,) = _state_with_logs(root, ["d0"])
+    path0 = str(root / rel0)
+    _generation(
+        root,
+        [
+            _entry_frame(0, [(rel0, 1, [_record("one")])]),
+            _entry_frame(1, [(rel0, 3, [_record("three")])]),
+        ],
+    )
+    events: list[tuple[str, str]] = []
+
+    class Recording(OsFileSystem):
+        def __init__(self) -> None:
+            self.paths: dict[int, str] = {}
+
+        def open_append(self, path: str) -> int:
+            handle = super().open_append(path)
+            self.paths[handle] = path
+            return handle
+
+        def fdatasync(self, handle: int) -> None:
+            events.append(("sync", self.paths.get(handle, "?")))
+            super().fdatasync(handle)
+
+        def unlink(self, path: str) -> None:
+            events.append(("unlink", path))
+            super().unlink(path)
+
+    fs = Recording()
+
+    def write_document(path: str, data: bytes) -> None:
+        events.append(("poison", path))
+        atomic_write(OsFileSystem(), path, data)
+
+    done = redo(fs, str(root), now_ms=1, write_document=write_document)
+    assert done.poisoned == (rel0,)
+    assert events.index(("sync", path0)) < events.index(("poison", path0 + ".poison"))
+    assert events.index(("sync", path0)) < min(i for i, e in enumerate(events) if e[0] == "unlink")
+    assert read_log(OsFileSystem(), str(root), rel0).records[1:] == (_record("one"),)
 
 
 def test_j14_entries_a_file_already_holds_are_not_written_again(tmp_path: Path) -> None:
