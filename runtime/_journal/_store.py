@@ -258,7 +258,10 @@ class Store:
         async with self._expiring:  # never two built on the same filter (the last would win)
             now = self.clocks.wall.time_ms()
             keyed = {delivery_key(d): when for d, when in forget_after_ms.items()}
-            data = self.expired.merged(keyed, now_ms=now)
+            # off the loop: the whole filter is decoded, sorted and joined (a million
+            # entries take seconds, and admissions would wait that long)
+            merge = functools.partial(self.expired.merged, keyed, now_ms=now)
+            data = await trio.to_thread.run_sync(merge)
             await self._blocking(EXPIRED, atomic_write, self.fs, self.path(EXPIRED), data)
             # what is on disk now, checked as a start would check it
             self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
@@ -270,7 +273,8 @@ class Store:
         async with self._expiring:  # the periodic retention and a ``task forget`` at once
             now = self.clocks.wall.time_ms()
             keyed = {lane_key(f"task:{t}"): when for t, when in forget_after_ms.items()}
-            data = self.expired_tasks.merged(keyed, now_ms=now)
+            merge = functools.partial(self.expired_tasks.merged, keyed, now_ms=now)
+            data = await trio.to_thread.run_sync(merge)
             path = self.path(TASKS_EXPIRED)
             await self._blocking(TASKS_EXPIRED, atomic_write, self.fs, path, data)
             self.expired_tasks = await trio.to_thread.run_sync(
