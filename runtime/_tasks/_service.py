@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -192,6 +192,7 @@ class TaskService:
         submission under its id is ``task_expired``. Refused ``task_not_ended``,
         ``task_unknown``, ``task_expired``. What was removed."""
         removed = await self.runner.forget(task_id, self.retention)
+        self._let_go([task_id])
         logger.info(
             "task %s: forgotten by the operator",
             task_id,
@@ -211,6 +212,7 @@ class TaskService:
                     extra=fields("task_retention_failed"),
                 )
             else:
+                self._let_go(done.expired)
                 if done.slimmed or done.expired:
                     logger.info(
                         "task retention: %d ended tasks slimmed, %d expired",
@@ -226,6 +228,13 @@ class TaskService:
                         extra=fields("task_retention_left", task=task_id),
                     )
             await trio.sleep(self.retention.sweep_hours * 3600)
+
+    def _let_go(self, task_ids: Iterable[str]) -> None:
+        """Forget the event history of tasks expired or forgotten (their ids are
+        ``task_expired`` now): a service that runs for months keeps only what it can show."""
+        for task_id in task_ids:
+            self._history.pop(task_id, None)
+            self._dropped.pop(task_id, None)
 
     def events_of(self, task_id: str, after: int = 0) -> tuple[list[TaskEvent], int]:
         """The task's events numbered above ``after`` (1-based, as counted since the service

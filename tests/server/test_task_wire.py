@@ -314,9 +314,11 @@ async def test_rt12_task_forget_through_the_running_server(tmp_path: Path) -> No
             live = await admin_request(state, {"command": "task_forget", "task_id": "t2"})
             assert live is not None
             assert (live["ok"], live["code"]) == (False, "task_not_ended")
+            assert r.server.tasks.events_of("t1")[0]  # its events, shown while it is known
             forgot = await admin_request(state, {"command": "task_forget", "task_id": "t1"})
             assert forgot is not None
             assert forgot["ok"], forgot
+            assert r.server.tasks.events_of("t1") == ([], 0)  # let go with its id
             assert str(archive) in forgot["removed"]
             assert not await archive.exists()
             again = await answer(client, r.submit())
