@@ -308,12 +308,16 @@ async def expire_step_journals(
     *,
     cutoff_ms: int,
     start: int = 0,
+    removed_ahead: dict[str, int] | None = None,
 ) -> tuple[int, int]:
     """Remove the expired step journals among the results from index ``start`` of the
     publication order on: ``(journals removed, where the next look may start)`` — the index
     after the last result before which every one is expired (a result of a room ``busy``
     says has an unfinished delivery holds it back, so it is looked at again). ``busy`` is
-    asked after the last await before the removal."""
+    asked after the last await before the removal. ``removed_ahead`` (delivery id → index),
+    kept by the caller across looks: the journals removed past the start, not asked for
+    again while a result before them holds the start back (each would be another trip to
+    the store at every sweep); updated here."""
     due: list[tuple[int, DeliveryResult, int | None]] = []
     for index, result, published_ms in outbox.acknowledged_since(start):
         when: int | None = published_ms
@@ -323,6 +327,7 @@ async def expire_step_journals(
             break  # published in order: the rest are younger
         due.append((index, result, when))
     going: list[tuple[str, str]] = []
+    indexes: dict[str, int] = {}
     position, settled = start, True
     shared = not isinstance(store, Store)
     for index, result, when in due:
@@ -335,11 +340,17 @@ async def expire_step_journals(
             # its recovery reads the room's latest owner's log: kept while it is the latest
             settled = False
             continue
-        if when is not None:
+        if when is not None and (removed_ahead is None or result.delivery_id not in removed_ahead):
             going.append((result.delivery_id, result.room))
+            indexes[result.delivery_id] = index
         if settled:
             position = index + 1
-    return await remove_step_journals(store, going), position
+    removed = await remove_step_journals(store, going)
+    if removed_ahead is not None:
+        removed_ahead.update(indexes)
+        for delivery_id in [d for d, i in removed_ahead.items() if i < position]:
+            del removed_ahead[delivery_id]  # behind the next start: never looked at again
+    return removed, position
 
 
 async def _modified_ms(path: str) -> int | None:

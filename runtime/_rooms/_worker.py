@@ -164,6 +164,9 @@ class RoomWorker:
         self._expired_upto = 0
         """Retention (RT2): every result before this index of the publication order has no
         step journal left."""
+        self._removed_ahead: dict[str, int] = {}
+        """Retention (RT2): deliveries past ``_expired_upto`` whose step journal was removed
+        (delivery id → index), so a later look does not ask for it again."""
         self._renumbered = 0
         """How often the publication order was renumbered (a compaction, RT11)."""
         self.leases: LaneLeases | None = None
@@ -780,6 +783,7 @@ class RoomWorker:
         if gone:
             self._host.outbox.forget(set(gone))
             self._expired_upto = 0  # the publication order was renumbered
+            self._removed_ahead.clear()
             self._renumbered += 1
 
     def _learn_results(self, results: list[DeliveryResult]) -> None:
@@ -907,9 +911,12 @@ class RoomWorker:
                 self._busy,
                 cutoff_ms=int(cutoff),
                 start=self._expired_upto,
+                removed_ahead=self._removed_ahead,
             )
             if renumbered == self._renumbered:  # else the next look starts over
                 self._expired_upto = upto
+            else:
+                self._removed_ahead.clear()
         return removed
 
     def _busy(self, room: str) -> bool:
@@ -958,6 +965,7 @@ class RoomWorker:
                     self._admissions.pop(delivery_id, None)
                     self._settled[delivery_id] = settled
                 self._expired_upto = 0  # the publication order was renumbered
+                self._removed_ahead.clear()
         return plan
 
     async def _compact_rows(self) -> Compaction:

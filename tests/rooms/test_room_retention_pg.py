@@ -97,6 +97,50 @@ async def test_rt11_step_journals_leave_the_database_after_their_days(
     assert sum("(message m-a1)" in str(r.body["messages"][-1]) for r in model.requests) == 1
 
 
+async def test_rt11_a_journal_removed_is_not_removed_again_at_every_sweep(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RT11, a service that runs for months: room A's only result is its latest, so it
+    holds back the position the next look starts from; room B's older result after it is
+    removed at the first sweep — and not asked for again at the next one (before, every
+    sweep sent every such delivery's removal to the database again, and a statement that
+    failed there stopped the host admitting)."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(3)]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            config = RoomWorkerConfig(
+                state_dir=str(tmp_path / "state"),
+                work_root=str(tmp_path / "work"),
+                model=ModelConfig(base_url=url),
+                store=StoreConfig(url=pg_dsn, lease_seconds=60, poll_seconds=0.05, host_name="h1"),
+                retention=RetentionConfig(journal_days=7),
+            )
+            async with open_room_worker(config, clocks=clocks) as worker:
+                store = worker.store
+                seen = 0
+                for delivery_id, room in (("a1", A), ("b1", B), ("b2", B)):
+                    await worker.deliver(message(delivery_id, room=room))
+                    (result,) = await next_results(worker, 1, after=seen)
+                    seen = result.seq
+                await worker.ack(seen)
+                asked: list[list[str]] = []
+                remove_logs = store.remove_logs
+
+                async def spied(rels: Any) -> int:
+                    asked.append(sorted(rels))
+                    return await remove_logs(rels)
+
+                monkeypatch.setattr(store, "remove_logs", spied)
+                wall.advance(8 * DAY)
+                first = await worker.expire_journals()
+                second = await worker.expire_journals()
+    assert first == 1
+    assert second == 0
+    assert asked == [[store.delivery_rel("b1")]]  # once: not again at the second sweep
+
+
 def _host(root: Path, name: str, dsn: str, url: str, clocks: Clocks, **extra: Any) -> Any:
     config = RoomWorkerConfig(
         state_dir=str(root / name / "state"),
