@@ -725,8 +725,9 @@ class WriterPool:
         sync.capacity = 0
         sync.size = 0
         sync.next_seq = 0
-        if len(sync.retiring) > _RETIRING:  # the trickle fell behind: catch up now
-            oldest = sync.retiring[0]
+        waiting = [g for g in sync.retiring if g.waiting]  # (not one that only stays)
+        if len(waiting) > _RETIRING:  # the trickle fell behind: catch up now
+            oldest = waiting[0]
             for target in list(oldest.waiting.values()):
                 self._report(self._write_group(target, []))
             oldest.waiting.clear()

@@ -789,3 +789,33 @@ async def test_j18_a_log_is_not_removed_while_a_generation_holding_it_stays(
             for i, log in enumerate(logs[1:], 1):  # the others' records reached their files
                 assert _file_records(root, log.rel) == 2
                 assert (await store.read(log.rel)).records[1:] == (_record(f"old-{i}"),)
+
+
+async def test_j12_the_bound_on_full_generations_counts_those_that_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J12: a full generation whose logs got their records but whose removal failed stays
+    at the head of the full ones, owing nothing. The bound on full generations waiting
+    counts the ones logs still wait for: a switch past it writes the oldest of those into
+    their files — not the stuck one again, which would leave the sync log unbounded."""
+    import runtime._journal._writer as writer
+
+    monkeypatch.setattr(writer, "_RETIRING", 1)
+    root = tmp_path / "state"
+    fs = FailingUnlink(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            store._pool._rotate_bytes = 1  # every batch fills its generation
+            store._pool._trickle = lambda sync: False  # type: ignore[method-assign]
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            fs.failing = True
+            await _one_batch(fs, store, logs, "a")
+            for log in logs:
+                await log.flush()  # their records in their files: the generation stays
+            assert _file_records(root, logs[1].rel) == 2
+            await _one_batch(fs, store, logs, "b")
+            assert _file_records(root, logs[1].rel) == 2  # one generation waits: within
+            await _one_batch(fs, store, logs, "c")
+            # two wait: the older one's logs get what they owe (its records and later ones)
+            assert _file_records(root, logs[1].rel) == 4
+            fs.failing = False
