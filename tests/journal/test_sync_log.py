@@ -234,6 +234,14 @@ async def one_owed_record_each(
         yield faulty, store, logs
 
 
+def _disk_full_for(log: Journal) -> list[Fault]:
+    """The disk is full for ``log``'s next write and for its poison document's."""
+    return [
+        Fault("write", 1, "before", errno.ENOSPC, path_contains=log.rel),
+        Fault("write", 1, "before", errno.ENOSPC, path_contains=".poison"),
+    ]
+
+
 async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alone_is_poisoned(
     tmp_path: Path,
 ) -> None:
@@ -299,13 +307,7 @@ async def test_j15_a_poison_that_cannot_be_recorded_keeps_the_sync_log_for_the_n
     root = tmp_path / "state"
     with trio.fail_after(20):
         async with one_owed_record_each(root) as (faulty, store, logs):
-            full = errno.ENOSPC
-            faulty.arm(
-                [
-                    Fault("write", 1, "before", full, path_contains=logs[0].rel),
-                    Fault("write", 1, "before", full, path_contains=".poison"),
-                ]
-            )
+            faulty.arm(_disk_full_for(logs[0]))
             await store.read(logs[0].rel)  # its owed record's write fails, then its poison's
             assert logs[0].poisoned
             assert len(faulty.hits) == 2, faulty.hits
@@ -389,13 +391,7 @@ async def test_j15_a_log_whose_poison_cannot_be_recorded_stays_refused_and_whole
     root = tmp_path / "state"
     with trio.fail_after(20):
         async with one_owed_record_each(root) as (faulty, store, logs):
-            full = errno.ENOSPC
-            faulty.arm(
-                [
-                    Fault("write", 1, "before", full, path_contains=logs[0].rel),
-                    Fault("write", 1, "before", full, path_contains=".poison"),
-                ]
-            )
+            faulty.arm(_disk_full_for(logs[0]))
             with contextlib.suppress(JournalError):
                 await store.read(logs[0].rel)  # its owed record's write fails, then its poison's
             assert len(faulty.hits) == 2, faulty.hits

@@ -23,6 +23,7 @@ from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import OutboxAction
 
 from ..faultfs import Fault, FaultyFileSystem
+from .test_sync_log import Holding
 
 
 def _record(name: str) -> OutboxAction:
@@ -116,28 +117,17 @@ async def test_j8b_an_appends_disk_failure_is_reported_before_it_runs_on(
             assert log.poisoned
 
 
-class _BrokenSync:
+class _BrokenSync(Holding):
     """The next ``fdatasync`` of a path containing :attr:`part` raises an error that is not
     an ``OSError`` (a bug below the writer, say)."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.part: str | None = None
-        self._paths: dict[int, str] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def open_append(self, path: str) -> int:
-        handle = int(self.inner.open_append(path))
-        self._paths[handle] = path
-        return handle
+    part: str | None = None
 
     def fdatasync(self, handle: int) -> None:
         if self.part is not None and self.part in self._paths.get(handle, ""):
             self.part = None
             raise RuntimeError("injected: not an OSError")
-        self.inner.fdatasync(handle)
+        super().fdatasync(handle)
 
 
 async def test_j5_j8b_an_error_that_is_not_the_disks_poisons_its_log_and_hangs_no_one(

@@ -37,6 +37,29 @@ DAY: Final = 86_400.0
 A, B, C = "dm:1", "dm:2", "dm:3"
 
 
+def _week(tmp_path: Path, url: str, dsn: str) -> RoomWorkerConfig:
+    """One host on the database, step journals kept seven days."""
+    return RoomWorkerConfig(
+        state_dir=str(tmp_path / "state"),
+        work_root=str(tmp_path / "work"),
+        model=ModelConfig(base_url=url),
+        store=StoreConfig(url=dsn, lease_seconds=60, poll_seconds=0.05, host_name="h1"),
+        retention=RetentionConfig(journal_days=7),
+    )
+
+
+async def _answered_and_acked(worker: Any, deliveries: list[tuple[str, str]]) -> int:
+    """Deliver each ``(delivery id, room)``, one answer at a time, then acknowledge every
+    result; the last result's number."""
+    seen = 0
+    for delivery_id, room in deliveries:
+        await worker.deliver(message(delivery_id, room=room))
+        (result,) = await next_results(worker, 1, after=seen)
+        seen = result.seq
+    await worker.ack(seen)
+    return int(seen)
+
+
 async def test_rt11_step_journals_leave_the_database_after_their_days(
     tmp_path: Path, pg_dsn: str
 ) -> None:
@@ -56,38 +79,26 @@ async def test_rt11_step_journals_leave_the_database_after_their_days(
             hanging.set()  # b2's request: room B stays busy
 
     with trio.fail_after(LIMIT):
-        async with scripted_upstream(steps, on_request=arrived) as (model, url):
-            config = RoomWorkerConfig(
-                state_dir=str(tmp_path / "state"),
-                work_root=str(tmp_path / "work"),
-                model=ModelConfig(base_url=url),
-                store=StoreConfig(url=pg_dsn, lease_seconds=60, poll_seconds=0.05, host_name="h1"),
-                retention=RetentionConfig(journal_days=7),
+        async with (
+            scripted_upstream(steps, on_request=arrived) as (model, url),
+            open_room_worker(_week(tmp_path, url, pg_dsn), clocks=clocks) as worker,
+        ):
+            store = worker.store
+            seen = await _answered_and_acked(worker, [("a1", A), ("a2", A), ("b1", B)])
+            await worker.deliver(message("c1", room=C))  # published, not acknowledged
+            await next_results(worker, 1, after=seen)
+            await worker.deliver(message("b2", room=B))
+            await hanging.wait()
+            wall.advance(8 * DAY)
+            removed = await worker.expire_journals()
+            kept = {d: await store.exists(store.delivery_rel(d)) for d in ("a1", "a2", "b1", "c1")}
+            rows = await execute(
+                pg_dsn,
+                "SELECT count(*) FROM pi_runtime.log_records WHERE log = %s",
+                [store.delivery_rel("a1")],
             )
-            async with open_room_worker(config, clocks=clocks) as worker:
-                store = worker.store
-                seen = 0
-                for delivery_id, room in (("a1", A), ("a2", A), ("b1", B)):
-                    await worker.deliver(message(delivery_id, room=room))
-                    (result,) = await next_results(worker, 1, after=seen)
-                    seen = result.seq
-                await worker.ack(seen)
-                await worker.deliver(message("c1", room=C))  # published, not acknowledged
-                await next_results(worker, 1, after=seen)
-                await worker.deliver(message("b2", room=B))
-                await hanging.wait()
-                wall.advance(8 * DAY)
-                removed = await worker.expire_journals()
-                kept = {
-                    d: await store.exists(store.delivery_rel(d)) for d in ("a1", "a2", "b1", "c1")
-                }
-                rows = await execute(
-                    pg_dsn,
-                    "SELECT count(*) FROM pi_runtime.log_records WHERE log = %s",
-                    [store.delivery_rel("a1")],
-                )
-                duplicate = await worker.deliver(message("a1", room=A))
-                again = worker.result_of("a1")
+            duplicate = await worker.deliver(message("a1", room=A))
+            again = worker.result_of("a1")
     assert removed == 1  # a1: a2 is room A's latest acknowledged, b1's room is busy
     assert kept == {"a1": False, "a2": True, "b1": True, "c1": True}
     assert rows == [(0,)]
@@ -109,33 +120,23 @@ async def test_rt11_a_journal_removed_is_not_removed_again_at_every_sweep(
     clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
     steps: list[Step] = [Text(text=f"answer {n}") for n in range(3)]
     with trio.fail_after(LIMIT):
-        async with scripted_upstream(steps) as (_model, url):
-            config = RoomWorkerConfig(
-                state_dir=str(tmp_path / "state"),
-                work_root=str(tmp_path / "work"),
-                model=ModelConfig(base_url=url),
-                store=StoreConfig(url=pg_dsn, lease_seconds=60, poll_seconds=0.05, host_name="h1"),
-                retention=RetentionConfig(journal_days=7),
-            )
-            async with open_room_worker(config, clocks=clocks) as worker:
-                store = worker.store
-                seen = 0
-                for delivery_id, room in (("a1", A), ("b1", B), ("b2", B)):
-                    await worker.deliver(message(delivery_id, room=room))
-                    (result,) = await next_results(worker, 1, after=seen)
-                    seen = result.seq
-                await worker.ack(seen)
-                asked: list[list[str]] = []
-                remove_logs = store.remove_logs
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(_week(tmp_path, url, pg_dsn), clocks=clocks) as worker,
+        ):
+            store = worker.store
+            await _answered_and_acked(worker, [("a1", A), ("b1", B), ("b2", B)])
+            asked: list[list[str]] = []
+            remove_logs = store.remove_logs
 
-                async def spied(rels: Any) -> int:
-                    asked.append(sorted(rels))
-                    return await remove_logs(rels)
+            async def spied(rels: Any) -> int:
+                asked.append(sorted(rels))
+                return await remove_logs(rels)
 
-                monkeypatch.setattr(store, "remove_logs", spied)
-                wall.advance(8 * DAY)
-                first = await worker.expire_journals()
-                second = await worker.expire_journals()
+            monkeypatch.setattr(store, "remove_logs", spied)
+            wall.advance(8 * DAY)
+            first = await worker.expire_journals()
+            second = await worker.expire_journals()
     assert first == 1
     assert second == 0
     assert asked == [[store.delivery_rel("b1")]]  # once: not again at the second sweep

@@ -59,16 +59,21 @@ class _Refused:
         return True
 
 
+async def submit_beside(rig: Rig, task_id: str) -> None:
+    """Submit ``task_id``, the rig's task with a worktree of its own beside the rig's."""
+    tree = rig.worktree.parent / task_id
+    tree.mkdir(exist_ok=True)
+    spec = rig.spec()
+    await rig.runner.submit(
+        TaskSpec(task_id=task_id, prompt=spec.prompt, worktree=str(tree), grants=spec.grants)
+    )
+
+
 async def ended_and_live(rig: Rig) -> None:
     """TASK ends done; LIVE waits for the user (open, never ended)."""
     await rig.runner.submit(rig.spec())
     await rig.ended(TASK)
-    live_tree = rig.worktree.parent / "live"
-    live_tree.mkdir(exist_ok=True)
-    spec = rig.spec()
-    await rig.runner.submit(
-        TaskSpec(task_id=LIVE, prompt=spec.prompt, worktree=str(live_tree), grants=spec.grants)
-    )
+    await submit_beside(rig, LIVE)
     await rig.until(lambda: rig.runner.show(LIVE).state == "waiting")
 
 
@@ -263,12 +268,7 @@ async def test_rt12_a_task_the_pass_cannot_slim_stays_with_that_task(
     async with open_rig(tmp_path, clocks, [done(), say("one"), done(), say("two")]) as rig:
         await rig.runner.submit(rig.spec())
         await rig.ended(TASK)
-        tree = rig.worktree.parent / "two"
-        tree.mkdir(exist_ok=True)
-        spec = rig.spec()
-        await rig.runner.submit(
-            TaskSpec(task_id=other, prompt=spec.prompt, worktree=str(tree), grants=spec.grants)
-        )
+        await submit_beside(rig, other)
         await rig.ended(other)
         log = lane_dir(rig) / "lane.log"
         data = bytearray(log.read_bytes())
