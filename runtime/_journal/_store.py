@@ -167,9 +167,9 @@ class Store:
         self._pool = pool
         self._open: dict[str, Journal] = {}
         self._unrecorded: dict[str, Poison] = {}
+        """Logs poisoned in this run whose poison document could not be written (J15)."""
         self._opening: dict[str, trio.Lock] = {}
         """Per log being opened or created by :meth:`_open_or_create`: one at a time."""
-        """Logs poisoned in this run whose poison document could not be written (J15)."""
         self._disk_failure: DiskFailedError | None = None
         self.admissions: Journal
         self.results: Journal

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -145,24 +145,15 @@ async def retain_ended_tasks(
         if ended_ms <= expiry_cut:
             expired[task_id] = ended_ms + int(retention.forget_days * DAY_MS)
             continue
-        try:
+        with _fault_stays(left, task_id):
             if await _slim(store, task_id, work_root):
                 slimmed.append(task_id)
-        except DiskFailedError:
-            raise  # the disk: the store stops admitting, and the pass ends here
-        except Exception as exc:  # this task's fault: the others go on (RT12)
-            left.append((task_id, str(exc)))
     gone: list[str] = []
     if expired:
         await store.expire_tasks(expired)  # RT5: the filter is durable first
         for task_id in expired:
-            try:
+            with _fault_stays(left, task_id):  # (expired; its directories go next pass)
                 await _remove_lane(store, task_id, work_root)
-            except DiskFailedError:
-                raise
-            except Exception as exc:  # expired; its directories go at the next pass
-                left.append((task_id, str(exc)))
-            else:
                 gone.append(task_id)
     return TaskRetention(tuple(slimmed), tuple(gone), tuple(left))
 
@@ -198,7 +189,7 @@ async def retain_shared_tasks(
             continue
         if ended_ms > expiry_cut and task_id in seen.slim:
             continue
-        try:
+        with _fault_stays(left, task_id):
             await _retain_one_shared(
                 store,
                 task_id,
@@ -210,10 +201,6 @@ async def retain_shared_tasks(
                 slimmed,
                 expired,
             )
-        except DiskFailedError:
-            raise
-        except Exception as exc:  # this task's fault: the others go on
-            left.append((task_id, str(exc)))
     await store.forget_expired_tasks()  # past forget_days: an id that may be used again
     going = [t for t in sorted(ended) if 0 < ended[t] <= journal_cut and t not in seen.cleaned]
     for task_id in going:  # this host's copies: its session and work directories
@@ -235,6 +222,19 @@ async def retain_shared_tasks(
         except OSError as exc:
             left.append((key, str(exc)))
     return TaskRetention(tuple(slimmed), tuple(expired), tuple(left))
+
+
+@contextlib.contextmanager
+def _fault_stays(left: list[tuple[str, str]], task_id: str) -> Iterator[None]:
+    """One task's part of a pass: a fault of that task's is noted in ``left`` and the pass
+    goes on with the others (RT12); a disk failure ends the pass (the store stops
+    admitting)."""
+    try:
+        yield
+    except DiskFailedError:
+        raise
+    except Exception as exc:
+        left.append((task_id, str(exc)))
 
 
 async def _retain_one_shared(

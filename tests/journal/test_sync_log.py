@@ -116,6 +116,13 @@ async def _one_batch(fs: Holding, store: Store, logs: list[Journal], tag: str) -
     return seqs
 
 
+async def _refused_as_poisoned(store: Store, delivery_id: str) -> None:
+    """The delivery's log is refused for appending: ``journal_poisoned``."""
+    with pytest.raises(JournalError) as refused:
+        await store.open_delivery_log(delivery_id)
+    assert refused.value.code is ReasonCode.JOURNAL_POISONED
+
+
 def _file_records(root: Path, rel: str) -> int:
     return read_log(OsFileSystem(), str(root), rel).next_seq
 
@@ -263,9 +270,7 @@ async def test_j15_a_log_whose_file_fails_when_its_owed_records_are_written_alon
         async with open_store(root) as store:
             for i, log in enumerate(logs[1:], start=1):
                 assert (await store.read(log.rel)).records[1:] == (_record(f"a-{i}"),)
-            with pytest.raises(JournalError) as refused:
-                await store.open_delivery_log("d0")
-            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            await _refused_as_poisoned(store, "d0")
 
 
 async def test_j5_j15_a_poisoned_log_still_reads_what_the_sync_log_acknowledged_for_it(
@@ -291,9 +296,7 @@ async def test_j5_j15_a_poisoned_log_still_reads_what_the_sync_log_acknowledged_
         assert _record("a-0") in records
         async with open_store(root) as store:
             assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
-            with pytest.raises(JournalError) as refused:
-                await store.open_delivery_log("d0")
-            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            await _refused_as_poisoned(store, "d0")
 
 
 async def test_j15_a_poison_that_cannot_be_recorded_keeps_the_sync_log_for_the_next_start(
@@ -400,9 +403,7 @@ async def test_j15_a_log_whose_poison_cannot_be_recorded_stays_refused_and_whole
             assert contents.records[1:] == (_record("a-0"),)
             assert contents.poison is not None
             await store.close_log(logs[0])
-            with pytest.raises(JournalError) as refused:
-                await store.open_delivery_log("d0")
-            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            await _refused_as_poisoned(store, "d0")
             assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
         async with open_store(root) as store:  # the space is back: the redo wrote it
             assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
@@ -538,9 +539,7 @@ def test_j16_a_gap_below_the_sync_logs_records_poisons_that_log_alone(tmp_path: 
             assert store.redone.poisoned == (rel0,)
             assert store.redone.logs == (rel1,)
             assert (await store.read(rel1)).records[1:] == (_record("y"),)
-            with pytest.raises(JournalError) as refused:
-                await store.open_delivery_log("d0")
-            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            await _refused_as_poisoned(store, "d0")
             assert not await store.exists(gone)
 
     trio.run(check)
