@@ -116,6 +116,9 @@ class ReasonCode(enum.StrEnum):
     GATE_UNREACHABLE = "gate_unreachable"
     # configuration (docs/design/config.md)
     CONFIG_INVALID = "config_invalid"
+    # a retention pass with no server (docs/design/retention.md RT14)
+    RETENTION_UNKNOWN = "retention_unknown"  # no server recorded its settings
+    RETENTION_MISMATCH = "retention_mismatch"  # --config disagrees with the recorded ones
     # deliveries and room lanes (docs/design/lanes.md); results carry the turn codes
     ROOM_INVALID = "room_invalid"
     ROOM_REFUSED = "room_refused"

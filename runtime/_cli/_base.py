@@ -13,7 +13,8 @@ from typing import Any, Final
 import msgspec
 
 from .._config import RoomWorkerConfig, load_config
-from .._errors import AdminError, PiRuntimeError, ReasonCode
+from .._errors import AdminError, ConfigError, PiRuntimeError, ReasonCode
+from .._retention import RetentionSettings
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -135,3 +136,15 @@ def short_class(classification: object) -> str:
 def seconds_text(value: object) -> str:
     """``12.5 s`` for a number of seconds; ``-`` for anything else (a field not sent)."""
     return f"{float(value):g} s" if isinstance(value, int | float) else "-"
+
+
+def given_retention(config: Path | None) -> tuple[Path | None, RetentionSettings | None]:
+    """For a retention pass with no server: ``--config``'s state directory and the settings
+    it gives, or ``(None, None)`` — the pass then acts with the ones the server recorded
+    (docs/design/retention.md RT14). File store only."""
+    if config is None:
+        return None, None
+    loaded = load_config(config)
+    if loaded.store.url is not None:
+        raise ConfigError("store.url", "a retention pass with no server is for the file store")
+    return Path(loaded.state_dir), RetentionSettings.of(loaded)

@@ -9,17 +9,26 @@ from pathlib import Path
 import trio
 
 from .._clock import Clocks
-from .._config import RoomWorkerConfig, load_config, validate_config
-from .._errors import ConfigError
+from .._config import load_config
 from .._journal._inspect import (
     delivery_records,
     delivery_records_in_database,
     verify_database,
     verify_journal,
 )
+from .._retention import offline_settings
 from .._rooms._retention import compact_journals
 from .._tasks._retention import retain_offline
-from ._base import EXIT_FAILED, EXIT_OK, JSON, Commands, logger, state_dir_option, store_option
+from ._base import (
+    EXIT_FAILED,
+    EXIT_OK,
+    JSON,
+    Commands,
+    given_retention,
+    logger,
+    state_dir_option,
+    store_option,
+)
 
 
 def register(commands: Commands) -> None:
@@ -53,7 +62,11 @@ def register(commands: Commands) -> None:
     )
     state_dir_option(compact)
     compact.add_argument(
-        "--config", type=Path, help="the TOML configuration file (its state_dir and [retention])"
+        "--config",
+        type=Path,
+        help="the configuration the server runs with (its state_dir, [retention] and "
+        "work_root; default: the settings the server recorded in the state directory, "
+        "retention.json; refused retention_mismatch when they differ)",
     )
     show = journal.add(
         "show",
@@ -88,26 +101,15 @@ def _journal_verify(args: argparse.Namespace) -> int:
 
 
 def _journal_compact(args: argparse.Namespace) -> int:
-    if args.config:
-        config = load_config(args.config)
-        if config.store.url is not None:
-            raise ConfigError("store.url", "journal compact is for the file store only")
-    else:
-        config = validate_config(RoomWorkerConfig(state_dir=str(args.state_dir)))
-    retention = config.retention
+    configured, given = given_retention(args.config)
+    state_dir: Path = configured or args.state_dir
+    settings = offline_settings(state_dir, given)  # RT14
+    retention = settings.retention
     removed, plan = trio.run(
-        functools.partial(
-            compact_journals, Path(config.state_dir), retention=retention, clocks=Clocks.system()
-        )
+        functools.partial(compact_journals, state_dir, settings=settings, clocks=Clocks.system())
     )
     tasks = trio.run(
-        functools.partial(
-            retain_offline,
-            Path(config.state_dir),
-            retention=retention,
-            work_root=Path(config.work_root) / "tasks",
-            clocks=Clocks.system(),
-        )
+        functools.partial(retain_offline, state_dir, settings=settings, clocks=Clocks.system())
     )
     days = retention.journal_days
     print(f"removed {removed} step journal{'s' if removed != 1 else ''} older than {days:g} days")

@@ -22,6 +22,7 @@ from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
 from .._errors import AdminError, DeliveryError, PiRuntimeError, ReasonCode
 from .._journal._store import open_store
+from .._retention import offline_settings
 from .._server._admin import admin_request, serve_admin
 from .._tasks._policy import loud_logging, policy_dict, watchdog_policy
 from .._tasks._retention import forget_offline
@@ -34,6 +35,7 @@ from ._base import (
     JSON,
     Commands,
     config_option,
+    given_retention,
     load_room_config,
     logger,
     no_server,
@@ -157,7 +159,12 @@ def register(commands: Commands) -> None:
     )
     forget.add_argument("task_id", metavar="ID", help="the task's id")
     state_dir_option(forget)
-    config_option(forget)
+    forget.add_argument(
+        "--config",
+        type=Path,
+        help="with no server: the configuration the server runs with (its [retention] and "
+        "work_root; default: the settings the server recorded in the state directory)",
+    )
     grant = task.add(
         "grant",
         "grant a task more recovery budget",
@@ -346,14 +353,14 @@ def _task_forget(args: argparse.Namespace) -> int:
     request = {"command": "task_forget", "task_id": args.task_id}
     response = trio.run(admin_request, args.state_dir, request)
     if response is None:  # no server: the state directory itself, its lock taken
-        config = load_room_config(args.config)
+        _, given = given_retention(args.config)
+        settings = offline_settings(args.state_dir, given)  # RT14
         removed = trio.run(
             functools.partial(
                 forget_offline,
                 args.state_dir,
                 args.task_id,
-                retention=config.retention,
-                work_root=Path(config.work_root) / "tasks",
+                settings=settings,
                 clocks=Clocks.system(),
             )
         )

@@ -67,6 +67,7 @@ __all__ = [
     "delivery_key",
     "lane_key",
     "open_store",
+    "require_journal",
     "runtime_dir",
 ]
 
@@ -131,6 +132,17 @@ def runtime_dir(state_dir: Path) -> Path:
     _check_private(base)
     _check_private(path)
     return path
+
+
+def require_journal(state_dir: Path) -> None:
+    """Refuse ``state_dir_invalid`` a directory that holds no file-store journal (a host of a
+    PostgreSQL deployment, a typo) — before a command with no server opens it and so creates
+    one there."""
+    if not (state_dir / ADMISSIONS).exists():
+        raise StateDirError(
+            ReasonCode.STATE_DIR_INVALID,
+            f"{state_dir} holds no file-store journal (no {ADMISSIONS}); check --state-dir",
+        )
 
 
 def _check_private(path: Path) -> None:

@@ -32,10 +32,10 @@ import trio
 
 from .._clock import Clocks
 from .._config import RetentionConfig
-from .._errors import ReasonCode, StateDirError
 from .._journal._interface import JournalStore, LeaseStore, SharedRows
-from .._journal._store import ADMISSIONS, Store, delivery_key, lane_key, open_store
+from .._journal._store import Store, delivery_key, lane_key, open_store, require_journal
 from .._records import Admission, Record, ResultAcked, ResultPublished, Settled
+from .._retention import RetentionSettings, check_settings
 from .._wire import DeliveryResult
 from ._lane import SESSIONS
 from ._outbox import ResultOutbox
@@ -364,7 +364,7 @@ async def _modified_ms(path: str) -> int | None:
 
 
 async def compact_journals(
-    state_dir: Path, *, retention: RetentionConfig, clocks: Clocks
+    state_dir: Path, *, settings: RetentionSettings, clocks: Clocks
 ) -> tuple[int, Compaction]:
     """``pi-runtime journal compact``: :func:`expire_step_journals`, then :func:`compact_shared`,
     over a state directory no server holds (its lock is taken: ``state_dir_locked`` while one
@@ -372,13 +372,10 @@ async def compact_journals(
     step journals were removed, and what the compaction did. A directory that holds no
     file-store journal (a host of a PostgreSQL deployment, a typo) is refused
     ``state_dir_invalid``, and nothing is created there."""
-    if not await trio.to_thread.run_sync((state_dir / ADMISSIONS).exists):
-        raise StateDirError(
-            ReasonCode.STATE_DIR_INVALID,
-            f"{state_dir} holds no file-store journal (no {ADMISSIONS}); check --state-dir",
-        )
+    await trio.to_thread.run_sync(require_journal, state_dir)
     async with open_store(state_dir, clocks=clocks) as store:
-        return await compact_store(store, retention=retention)
+        await check_settings(store, settings)  # RT14, under the lock
+        return await compact_store(store, retention=settings.retention)
 
 
 async def compact_store(store: Store, *, retention: RetentionConfig) -> tuple[int, Compaction]:

@@ -81,6 +81,7 @@ from .._records import (
     Settled,
     ToolOutcome,
 )
+from .._retention import RetentionSettings, record_settings
 from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
 from ._admission import (
     Delivery,
@@ -1317,6 +1318,8 @@ async def open_room_worker(
         _releasing_leases(lambda: worker),
         trio.open_nursery() as nursery,
     ):
+        if isinstance(store, Store):  # a pass with no server acts with these (RT14)
+            await record_settings(store, RetentionSettings.of(config))
         model = config.model
         base_url, route = await start_model(model, nursery)
         thresholds = config.thresholds

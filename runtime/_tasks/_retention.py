@@ -41,6 +41,7 @@ from .._journal._interface import LeaseStore
 from .._journal._store import Store, lane_key, open_store
 from .._linux._fs import OsFileSystem
 from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
+from .._retention import RetentionSettings, check_settings
 from ._candidate import CANDIDATE_REF_PREFIX
 from ._state import session_rel
 from ._worktree import git, git_env
@@ -364,23 +365,29 @@ def _delete_ref(worktree: str, ref: str) -> bool:
 
 
 async def retain_offline(
-    state_dir: Path, *, retention: RetentionConfig, work_root: Path, clocks: Clocks
+    state_dir: Path, *, settings: RetentionSettings, clocks: Clocks
 ) -> TaskRetention:
     """``pi-runtime journal compact``'s share for tasks: one pass over a state directory no
     server holds (its lock is taken: ``state_dir_locked`` while one runs)."""
     async with open_store(state_dir, clocks=clocks) as store:
+        await check_settings(store, settings)  # RT14, under the lock
         ended = {task_id: end.ended_ms for task_id, end in (await ended_tasks(store)).items()}
         return await retain_ended_tasks(
-            store, ended, now_ms=clocks.wall.time_ms(), retention=retention, work_root=work_root
+            store,
+            ended,
+            now_ms=clocks.wall.time_ms(),
+            retention=settings.retention,
+            work_root=Path(settings.task_work_root),
         )
 
 
 async def forget_offline(
-    state_dir: Path, task_id: str, *, retention: RetentionConfig, work_root: Path, clocks: Clocks
+    state_dir: Path, task_id: str, *, settings: RetentionSettings, clocks: Clocks
 ) -> list[str]:
     """``pi-runtime task forget`` with no server running: :func:`forget_task` from the lane
     log; refused ``task_expired``, ``task_unknown``, ``task_not_ended``."""
     async with open_store(state_dir, clocks=clocks) as store:
+        await check_settings(store, settings)  # RT14, under the lock
         if lane_key(f"task:{task_id}") in store.expired_tasks:
             raise TaskError(ReasonCode.TASK_EXPIRED, f"task {task_id!r} was let go already")
         rel = store.lane_rel(f"task:{task_id}")
@@ -400,6 +407,6 @@ async def forget_offline(
             end,
             submitted,
             now_ms=clocks.wall.time_ms(),
-            retention=retention,
-            work_root=work_root,
+            retention=settings.retention,
+            work_root=Path(settings.task_work_root),
         )

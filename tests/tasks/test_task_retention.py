@@ -23,6 +23,7 @@ from runtime._errors import ReasonCode, TaskError
 from runtime._journal._inspect import verify_journal
 from runtime._journal._store import lane_key
 from runtime._records import Compacted, Header, TaskEnded, TaskSubmitted
+from runtime._retention import RetentionSettings
 from runtime._tasks._retention import TaskRetention, forget_offline, retain_offline, work_dirs
 from runtime._wire import TaskSpec
 
@@ -199,19 +200,20 @@ async def test_rt12_with_no_server_journal_compact_and_task_forget_act_on_the_di
         await ended_and_live(rig)
         archive = rig.store.root / str((rig.runner.show(TASK).ended or {})["candidate"]["ref"])
     state, work = tmp_path / "state", tmp_path / "work"
+    settings = RetentionSettings(retention=RETENTION, task_work_root=str(work))
     wall_clock.advance(8 * DAY)
-    done_ = await retain_offline(state, retention=RETENTION, work_root=work, clocks=clocks)
+    done_ = await retain_offline(state, settings=settings, clocks=clocks)
     assert done_.slimmed == (TASK,)
     checked, findings = await trio.to_thread.run_sync(verify_journal, state)
     assert checked >= 2
     assert findings == []  # a slim lane log verifies
     with _Refused(ReasonCode.TASK_NOT_ENDED):
-        await forget_offline(state, LIVE, retention=RETENTION, work_root=work, clocks=clocks)
-    removed = await forget_offline(state, TASK, retention=RETENTION, work_root=work, clocks=clocks)
+        await forget_offline(state, LIVE, settings=settings, clocks=clocks)
+    removed = await forget_offline(state, TASK, settings=settings, clocks=clocks)
     assert str(archive) in removed
     assert not archive.exists()
     with _Refused(ReasonCode.TASK_EXPIRED):
-        await forget_offline(state, TASK, retention=RETENTION, work_root=work, clocks=clocks)
+        await forget_offline(state, TASK, settings=settings, clocks=clocks)
     async with open_rig(tmp_path, clocks, steps) as rig:
         with _Refused(ReasonCode.TASK_EXPIRED):
             await rig.runner.submit(rig.spec())
