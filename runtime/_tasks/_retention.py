@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 DAY_MS: Final = 86_400_000
+LANES: Final = "lanes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,10 @@ class SeenHere:
 
 def work_dirs(work_root: Path, task_id: str) -> tuple[Path, Path]:
     """The task's home and temporary directory (``TaskLane.home``, ``TaskLane.tmp``)."""
-    key = lane_key(lane_name(task_id))
+    return _work_dirs_of(work_root, _key(task_id))
+
+
+def _work_dirs_of(work_root: Path, key: str) -> tuple[Path, Path]:
     return work_root / "homes" / key, work_root / "tmp" / key
 
 
@@ -98,7 +102,12 @@ def lane_name(task_id: str) -> str:
 
 
 def _lane_dir(task_id: str) -> str:
-    return f"lanes/{lane_key(lane_name(task_id))}"
+    return f"{LANES}/{_key(task_id)}"
+
+
+def _key(task_id: str) -> str:
+    """The task's lane key: the name of its lane directory and of its work directories."""
+    return lane_key(lane_name(task_id))
 
 
 async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
@@ -106,7 +115,7 @@ async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
     ``pi-runtime journal compact`` retains with no server running; a server's runner knows
     them already). A log that cannot be read is left alone: retention never removes what it
     cannot read."""
-    lanes = store.root / "lanes"
+    lanes = store.root / LANES
     found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
     ended: dict[str, TaskEnded] = {}
     for path in found:
@@ -154,8 +163,13 @@ async def retain_ended_tasks(
         await store.expire_tasks(expired)  # RT5: the filter is durable first
         for task_id in expired:
             with _fault_stays(left, task_id):  # (expired; its directories go next pass)
-                await _remove_lane(store, task_id, work_root)
+                await _remove_lane(store, _key(task_id), work_root)
                 gone.append(task_id)
+    # what a crash in a removal left: a lane directory whose log went first is no task's any
+    # more, so no pass would look at it again; the filter says whose it was
+    for key in [k for k in await _lane_dirs(store.root) if k in store.expired_tasks]:
+        with _fault_stays(left, key):
+            await _remove_lane(store, key, work_root)
     return TaskRetention(tuple(slimmed), tuple(gone), tuple(left))
 
 
@@ -212,17 +226,22 @@ async def retain_shared_tasks(
             left.append((task_id, str(exc)))
         else:
             seen.cleaned.add(task_id)
-    lanes = store.root / "lanes"
-    here = await trio.to_thread.run_sync(
-        lambda: sorted(p.name for p in lanes.iterdir() if p.is_dir()) if lanes.is_dir() else []
-    )
+    here = await _lane_dirs(store.root)
     for key in sorted(await store.expired_task_keys(here)):  # on the database's word only
-        gone = [lanes / key, work_root / "homes" / key, work_root / "tmp" / key]
+        gone = [store.root / LANES / key, *_work_dirs_of(work_root, key)]
         try:
             await trio.to_thread.run_sync(_remove_paths, gone)
         except OSError as exc:
             left.append((key, str(exc)))
     return TaskRetention(tuple(slimmed), tuple(expired), tuple(left))
+
+
+async def _lane_dirs(root: Path) -> list[str]:
+    """The names (lane keys) of the lane directories in the state directory ``root``."""
+    lanes = root / LANES
+    return await trio.to_thread.run_sync(
+        lambda: sorted(p.name for p in lanes.iterdir() if p.is_dir()) if lanes.is_dir() else []
+    )
 
 
 @contextlib.contextmanager
@@ -293,9 +312,10 @@ async def _slim(store: Store, task_id: str, work_root: Path) -> bool:
     return slim_now
 
 
-async def _remove_lane(store: Store, task_id: str, work_root: Path) -> None:
-    await trio.to_thread.run_sync(_remove_paths, list(work_dirs(work_root, task_id)))
-    await store.remove_tree(_lane_dir(task_id))
+async def _remove_lane(store: Store, key: str, work_root: Path) -> None:
+    """An expired task's work directories, then its lane directory (``key``: its lane's)."""
+    await trio.to_thread.run_sync(_remove_paths, list(_work_dirs_of(work_root, key)))
+    await store.remove_tree(f"{LANES}/{key}")
 
 
 def _remove_paths(paths: list[Path]) -> None:
@@ -342,7 +362,7 @@ async def forget_task(
             removed.append(f"{ref} in {submitted.worktree}")
     forget_after = max(ended.ended_ms, now_ms) + int(retention.forget_days * DAY_MS)
     await store.expire_tasks({submitted.task_id: forget_after})
-    await _remove_lane(store, submitted.task_id, work_root)
+    await _remove_lane(store, _key(submitted.task_id), work_root)
     removed.append(_lane_dir(submitted.task_id))
     return removed
 

@@ -47,6 +47,8 @@ Pause points (each wraps the runtime method named; the host stops *after* it unl
 * ``retention:METHOD`` — after the store's ``METHOD`` (``slim_log``, ``expire_tasks``,
   ``remove_tree``; on PostgreSQL ``slim_log``, ``expire_task``) in a retention pass (RT12,
   RT13);
+* ``retention:inside_remove_tree`` — half-way through removing an expired task's lane
+  directory: its ``lane.log`` unlinked, the rest still there (RT12);
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
   no end record yet).
 """
@@ -55,7 +57,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
@@ -117,6 +122,19 @@ def install_pause(point: str, nth: int) -> None:
             await trio.sleep_forever()
 
     name, _, rest = point.partition(":")
+    if point == "retention:inside_remove_tree":
+        rmtree = shutil.rmtree
+
+        def half_way(path: Any, *args: Any, **kwargs: Any) -> None:
+            log = os.path.join(path, "lane.log")
+            if not os.path.exists(log):  # not a lane directory (a home, a tmp)
+                return rmtree(path, *args, **kwargs)
+            os.unlink(log)  # as rmtree may, the log first: the rest stays
+            emit({"paused": point})
+            threading.Event().wait()  # in the writer thread: killed here
+
+        shutil.rmtree = half_way  # type: ignore[assignment]
+        return
     if name == "action":
         wanted_kind, _, rest = rest.partition(":")
         wanted_state, _, wanted_purpose = rest.partition(":")

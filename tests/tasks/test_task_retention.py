@@ -223,14 +223,17 @@ async def test_rt12_with_no_server_journal_compact_and_task_forget_act_on_the_di
 # -- RT5 for tasks: a host killed in the middle of a retention pass ---------------------------
 
 
-@pytest.mark.parametrize("point", ["retention:slim_log", "retention:expire_tasks"])
+@pytest.mark.parametrize(
+    "point", ["retention:slim_log", "retention:expire_tasks", "retention:inside_remove_tree"]
+)
 async def test_rt12_a_host_killed_in_a_retention_pass_loses_nothing_and_runs_nothing_again(
     point: str, tmp_path: Path
 ) -> None:
     """A task-runner host (``tests/tasks/task_host.py``, real Fake-Pi workers, the real
     clock moved on by days) is SIGKILLed right after a step of the retention pass — the lane
-    log slimmed (its session not yet removed), or the id expired (its lane directory not yet
-    removed) — and a new host on the same state directory runs the passes again: the task
+    log slimmed (its session not yet removed), the id expired (its lane directory not yet
+    removed), or half-way through removing the lane directory (its log gone, its session
+    still there) — and a new host on the same state directory runs the passes again: the task
     ends up let go exactly as without the crash (its lane directory and session gone, its id
     ``task_expired``, its candidate archive there), and the model is asked nothing more —
     the task never ran again."""
