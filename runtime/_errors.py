@@ -145,6 +145,7 @@ class ReasonCode(enum.StrEnum):
     ADMIN_UNAUTHORIZED = "admin_unauthorized"
     ADMIN_TIMEOUT = "admin_timeout"
     ADMIN_FAILED = "admin_failed"
+    SERVER_FAULT = "server_fault"  # the server failed on a frame (logged); the connection stays
     ADMIN_BAD_RESPONSE = "admin_bad_response"
     SERVER_NOT_RUNNING = "server_not_running"
     # the websocket wire protocol (docs/design/protocol.md): one code per bad frame

@@ -83,7 +83,7 @@ class AttachmentStore:
     def read(self, sha256: str, size: int) -> bytes | ReasonCode:
         """The intact bytes of an attachment, or why they cannot be had:
         ``attachment_missing`` (no such file, or not a plain file) or ``attachment_damaged``
-        (its size or sha256 is not the recorded one)."""
+        (its size or sha256 is not the recorded one, or the disk failed to read it)."""
         try:
             fd = os.open(self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -96,6 +96,8 @@ class AttachmentStore:
                 return ReasonCode.ATTACHMENT_DAMAGED
             with os.fdopen(os.dup(fd), "rb") as file:
                 data = file.read(size + 1)
+        except OSError:  # EIO: the bytes cannot be had intact
+            return ReasonCode.ATTACHMENT_DAMAGED
         finally:
             os.close(fd)
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:

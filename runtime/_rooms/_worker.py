@@ -410,6 +410,11 @@ class RoomWorker:
         return self._host.outbox.last_seq
 
     @property
+    def acked_seq(self) -> int:
+        """The seq every result up to which is acknowledged (a follow starts above it)."""
+        return self._host.outbox.acked
+
+    @property
     def unacknowledged(self) -> int:
         """Published results no client has acknowledged yet (seqs above the acknowledged
         one are never compacted away, so the difference counts them exactly)."""

@@ -71,6 +71,8 @@ __all__ = [
     "encode_client_frame",
     "encode_server_frame",
     "error_frame",
+    "frame_ref",
+    "frame_type",
     "main",
     "negotiate",
     "reject_binary_frame",
@@ -341,6 +343,8 @@ def decode_client_frame(data: str | bytes, *, max_size: int = MAX_FRAME_BYTES) -
     except msgspec.ValidationError as error:
         raise _refusal(data, str(error)) from error
     except (msgspec.DecodeError, UnicodeError) as error:
+        if _OUT_OF_RANGE in str(error):  # valid JSON (1e400): a value of the wrong type
+            raise _refusal(data, _OUT_OF_RANGE) from error
         raise _not_json(error) from error
     if isinstance(frame, Hello):
         negotiate(frame.protocol)
@@ -386,6 +390,8 @@ _AT: Final = re.compile(r"(?P<body>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTAL
 _MISSING: Final = re.compile(r"Object missing required field `(?P<field>.*)`", re.DOTALL)
 _UNKNOWN: Final = re.compile(r"Object contains unknown field `(?P<field>.*)`", re.DOTALL)
 _SHOWN: Final = 80
+_OUT_OF_RANGE: Final = "Number out of range"
+"""msgspec's refusal of a JSON number no float holds (``1e400``), at decode time."""
 
 
 def _shown(text: str) -> str:
@@ -417,11 +423,32 @@ def _usable_id(value: object) -> str | None:
     return None
 
 
+def frame_ref(frame: ClientFrame) -> str:
+    """What an error about the decoded client ``frame`` answers (P4): its delivery id, task
+    id or attachment id when usable, else its type."""
+    for name in ("delivery_id", "task_id", "id"):
+        if (ref := _usable_id(getattr(frame, name, None))) is not None:
+            return ref
+    return frame_type(frame)
+
+
+def frame_type(frame: ClientFrame) -> str:
+    """A client frame's ``type``."""
+    return str(type(frame).__struct_config__.tag)
+
+
 def _refusal(data: str | bytes, message: str) -> ProtocolError:
     """The :class:`ProtocolError` for a frame msgspec refused with ``message``."""
     try:
         value = msgspec.json.decode(data)
-    except (msgspec.DecodeError, UnicodeError) as error:
+    except msgspec.DecodeError as error:
+        if _OUT_OF_RANGE not in str(error):
+            return _not_json(error)
+        try:  # the stdlib reads 1e400 (as inf): where it is, and whose
+            value = json.loads(data)
+        except ValueError:
+            return _not_json(error)
+    except UnicodeError as error:
         return _not_json(error)
     if not isinstance(value, dict):
         return ProtocolError(

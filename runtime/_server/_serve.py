@@ -97,6 +97,8 @@ from ._protocol import (
     decode_client_frame,
     encode_server_frame,
     error_frame,
+    frame_ref,
+    frame_type,
     negotiate,
     reject_binary_frame,
 )
@@ -172,7 +174,8 @@ class _Connection:
     ] = field(default_factory=lambda: trio.open_memory_channel[RoomEvent | TaskEvent](EVENT_QUEUE))
     dropped_events: int = 0
     sent_seq: int = 0
-    """The seq of the last result sent on this connection."""
+    """The seq of the last result sent on this connection (at first, the acknowledged seq
+    its stream starts above: every result up to it is sent or acknowledged)."""
     sent_more: trio.Event = field(default_factory=trio.Event)
     closed: bool = False
     """Its websocket closed: nothing more will be sent here."""
@@ -271,29 +274,45 @@ class RoomServer:
     # -- one connection ----------------------------------------------------------------
 
     async def handle(self, request: WebSocketRequest) -> None:
-        """The websocket handler: the ``Origin`` check, then the connection's life."""
-        origin = _header(request, b"origin")
-        if origin is not None and origin not in self.server.allowed_origins:
-            logger.warning(
-                "refused a handshake from origin %r",
-                origin,
-                extra=fields("handshake_refused", code=ReasonCode.ORIGIN_REFUSED),
-            )
-            body = msgspec.json.encode(
-                {"code": ReasonCode.ORIGIN_REFUSED, "message": "this Origin is not allowed"}
-            )
-            await request.reject(
-                403, extra_headers=[(b"content-type", b"application/json")], body=body
-            )
-            return
-        ws = await request.accept()
-        peer = f"{request.remote}"
+        """The websocket handler: the ``Origin`` check, then the connection's life. Whatever
+        goes wrong with one connection ends that connection only (S2): trio-websocket runs
+        every handler in the server's own nursery, so an exception let out of here — a client
+        that resets in the handshake, a bug — would stop the whole host."""
+        peer = "a client"
         try:
+            peer = _peer(request)
+            if await self._refused_origin(request):
+                return
+            ws = await request.accept()
             await self._serve(ws, peer)
         except ConnectionClosed:
             pass  # the client went away: what it admitted goes on (S3)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            logger.info("connection from %s lost: %s", peer, exc, extra=fields("connection_lost"))
+        except Exception:
+            logger.exception(
+                "connection from %s failed (only it is closed)",
+                peer,
+                extra=fields("connection_failed", code=ReasonCode.SERVER_FAULT),
+            )
         finally:
             logger.info("connection from %s closed", peer, extra=fields("connection_closed"))
+
+    async def _refused_origin(self, request: WebSocketRequest) -> bool:
+        """Refuse a browser's handshake from an ``Origin`` not allowed (S1): whether it was."""
+        origin = _header(request, b"origin")
+        if origin is None or origin in self.server.allowed_origins:
+            return False
+        logger.warning(
+            "refused a handshake from origin %r",
+            origin,
+            extra=fields("handshake_refused", code=ReasonCode.ORIGIN_REFUSED),
+        )
+        body = msgspec.json.encode(
+            {"code": ReasonCode.ORIGIN_REFUSED, "message": "this Origin is not allowed"}
+        )
+        await request.reject(403, extra_headers=[(b"content-type", b"application/json")], body=body)
+        return True
 
     async def _serve(self, ws: WebSocketConnection, peer: str) -> None:
         connection = _Connection(ws, peer)
@@ -301,7 +320,10 @@ class RoomServer:
         if hello is None:
             return
         if hello.ack_seq is not None:
-            await self.worker.ack(hello.ack_seq)
+            try:
+                await self.worker.ack(hello.ack_seq)
+            except PiRuntimeError as error:  # the result log failed (L17): said, not fatal
+                await connection.send(error_frame(error, ref="hello"))
         self.connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
@@ -335,11 +357,15 @@ class RoomServer:
                     ErrorFrame(
                         code=ReasonCode.HELLO_REQUIRED,
                         message="send hello {protocol, token, client} first",
-                        ref=_frame_type(hello),
+                        ref=frame_type(hello),
                     )
                 )
                 continue
-            expected = await trio.to_thread.run_sync(read_token, self.state_dir)
+            try:
+                expected = await trio.to_thread.run_sync(read_token, self.state_dir)
+            except (PiRuntimeError, OSError) as exc:  # O2: refused, for every client
+                await self._token_unreadable(connection, exc)
+                return None
             if expected is None or not token_matches(expected, hello.token):
                 await connection.send(
                     ErrorFrame(
@@ -366,6 +392,27 @@ class RoomServer:
             )
             return hello
 
+    async def _token_unreadable(
+        self, connection: _Connection, exc: PiRuntimeError | OSError
+    ) -> None:
+        """The token file cannot be used (O2: not private, not a token, unreadable): the
+        operator is told in the log; the client gets the code and a closed connection."""
+        code = exc.code if isinstance(exc, PiRuntimeError) else ReasonCode.SERVER_FAULT
+        logger.error(
+            "refused a hello: the state directory's token file cannot be used: %s",
+            exc,
+            extra=fields("token_unusable", code=code),
+        )
+        await connection.send(
+            ErrorFrame(
+                code=str(code),
+                message="the server cannot check tokens now (its token file cannot be used; "
+                "the operator is told)",
+                ref="hello",
+            )
+        )
+        await connection.ws.aclose(POLICY_VIOLATION, "token file unusable")
+
     async def _next_frame(self, connection: _Connection) -> ClientFrame | None:
         """The next client frame, or ``None`` after answering a bad one with its error (S2)."""
         message = await connection.ws.get_message()
@@ -388,13 +435,23 @@ class RoomServer:
             try:
                 await self._act(connection, frame)
             except PiRuntimeError as error:
-                ref = (
-                    getattr(frame, "delivery_id", None)
-                    or getattr(frame, "task_id", None)
-                    or getattr(frame, "id", None)
-                    or _frame_type(frame)
+                await connection.send(error_frame(error, ref=frame_ref(frame)))
+            except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+                raise  # the connection itself is gone
+            except Exception:  # a fault stays with its frame: answered, the connection usable
+                logger.exception(
+                    "the server failed on a %s frame from %s",
+                    frame_type(frame),
+                    connection.peer,
+                    extra=fields("frame_failed", code=ReasonCode.SERVER_FAULT),
                 )
-                await connection.send(error_frame(error, ref=ref))
+                fault = ErrorFrame(
+                    code=ReasonCode.SERVER_FAULT,
+                    message="the server failed on this frame (the operator is told); "
+                    "the connection stays usable",
+                    ref=frame_ref(frame),
+                )
+                await connection.send(fault)
 
     async def _act(self, connection: _Connection, frame: ClientFrame) -> None:
         if isinstance(frame, Deliver):
@@ -467,12 +524,17 @@ class RoomServer:
         if stored is None:
             connection.in_flight.add(delivery_id)
         await connection.send(accepted)
-        if accepted.disposition == "duplicate" and stored is not None:
-            # its stored result again, with its seq (P…)
+        # a duplicate's stored result again, with its seq (S3) — now only if this
+        # connection's stream has passed it (or it is acknowledged: the stream never sends it
+        # again); one further on comes in the stream, in seq order, so a cumulative ack of it
+        # never acknowledges a result this connection has not been sent
+        passed = max(connection.sent_seq, self.worker.acked_seq)
+        if accepted.disposition == "duplicate" and stored is not None and stored.seq <= passed:
             await connection.send(await self._checked(stored))
 
     async def _send_results(self, connection: _Connection) -> None:
-        async for result in self.worker.results():
+        connection.sent_seq = start = self.worker.acked_seq  # all before it: acknowledged
+        async for result in self.worker.results(after=start):
             connection.in_flight.discard(result.delivery_id)
             await connection.send(await self._checked(result))
             connection.sent_seq = result.seq
@@ -520,7 +582,15 @@ class RoomServer:
             return found
         if shared is None or len(shared) != size or hashlib.sha256(shared).hexdigest() != sha256:
             return found
-        await trio.to_thread.run_sync(self.attachments.put, shared)
+        try:
+            await trio.to_thread.run_sync(self.attachments.put, shared)
+        except OSError as exc:  # not kept here (a full disk): the intact bytes still go out
+            logger.warning(
+                "attachment %s: could not keep the store's copy here: %s",
+                sha256,
+                exc,
+                extra=fields("attachment_not_kept"),
+            )
         return shared
 
     async def _fetch(self, connection: _Connection, attachment_id: str) -> None:
@@ -565,15 +635,19 @@ class RoomServer:
             await connection.send(event)
 
 
+def _peer(request: WebSocketRequest) -> str:
+    """The client's address, for the log (a client already gone has none: ``ENOTCONN``)."""
+    try:
+        return f"{request.remote}"
+    except OSError:
+        return "a client already gone"
+
+
 def _header(request: WebSocketRequest, name: bytes) -> str | None:
     for key, value in request.headers:
         if key.lower() == name:
             return bytes(value).decode("latin-1")
     return None
-
-
-def _frame_type(frame: ClientFrame) -> str:
-    return str(type(frame).__struct_config__.tag)
 
 
 @raises_one_error

@@ -298,7 +298,13 @@ def check_spec(spec: TaskSpec) -> None:
     path = Path(spec.worktree)
     if not path.is_absolute():
         raise TaskError(ReasonCode.TASK_INVALID, "worktree: must be an absolute path")
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # too long a name, a parent it may not search
+        raise TaskError(
+            ReasonCode.WORKTREE_MISSING, f"worktree: cannot be looked at ({exc.strerror})"
+        ) from None
+    if not is_dir:
         raise TaskError(ReasonCode.WORKTREE_MISSING, f"worktree: {path} is not a directory")
     timeout = spec.validation_timeout
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_VALIDATION_TIMEOUT):

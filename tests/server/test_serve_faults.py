@@ -1,0 +1,212 @@
+"""A fault stays in its connection (docs/design/serve.md S2, S3, S5; operations.md O2;
+protocol.md P3, P4): each test breaks one connection, frame or file the way a client, a
+disk or a bug can, and checks that the answer is an ``error`` frame or a closed connection
+— and that the server goes on serving everyone else. trio-websocket runs every connection's
+handler in the server's own nursery, so an exception let out of one would stop the host: the
+rig's ``async with`` would raise it."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+from trio_websocket import ConnectionClosed
+
+from runtime._errors import DiskFailedError, ReasonCode
+from runtime._rooms._worker import RoomWorker
+
+from .._wire import Client, message
+from .test_serve import LIMIT, error, rig, still_usable
+
+UPGRADE: Final = (
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n%s\r\n"
+)
+
+
+def _reset_in_the_handshake(port: int, headers: bytes) -> None:
+    """A client that sends its upgrade request and resets the connection (``SO_LINGER`` 0)
+    before the server answers it."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(UPGRADE % headers)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@pytest.mark.parametrize("origin", [b"", b"Origin: https://elsewhere.example\r\n"])
+async def test_s2_a_client_that_resets_in_the_handshake_stops_no_one(
+    tmp_path: Path, origin: bytes
+) -> None:
+    """S2: clients that reset their connection right after the upgrade request — on the
+    accept path, and on the refusal of a foreign ``Origin`` — end only their own
+    connection; a client after them is served, and so is one already connected."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as before:
+            for _ in range(5):
+                await trio.to_thread.run_sync(_reset_in_the_handshake, r.server.port, origin)
+            async with r.connect() as after:
+                await still_usable(after)
+            await still_usable(before)
+
+
+async def test_s2_a_fault_in_one_frame_is_answered_and_the_connection_stays_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S2: an exception that is no refusal of ours (here a bug put into ``cancel``) is
+    answered ``server_fault`` with the frame's ``ref``; the connection and the server go on."""
+
+    async def broken(self: RoomWorker, delivery_id: str) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(RoomWorker, "cancel", broken)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as client:
+            await client.send({"type": "cancel", "delivery_id": "d1"})
+            answer = error(await client.until(lambda f: f["type"] == "error"))
+            await still_usable(client)
+    assert answer == (ReasonCode.SERVER_FAULT, "d1")
+
+
+async def test_s2_p11_a_worktree_no_one_can_look_at_is_refused(tmp_path: Path) -> None:
+    """P11: a ``task_submit`` whose worktree path cannot even be looked at (a name too long
+    for the file system: ``ENAMETOOLONG``) is refused ``worktree_missing``."""
+    submit = {
+        "type": "task_submit",
+        "task_id": "t1",
+        "prompt": "p",
+        "worktree": "/tmp/" + "x" * 5000,
+    }
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as client:
+            await client.send(submit)
+            answer = error(await client.until(lambda f: f["type"] == "error"))
+            await still_usable(client)
+    assert answer == (ReasonCode.WORKTREE_MISSING, "t1")
+
+
+async def test_s3_l17_a_hello_whose_ack_cannot_be_written_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3, L17: with the result log failing, a ``hello`` carrying ``ack_seq`` is welcomed and
+    its acknowledgement refused with the failure's code (``ref`` ``hello``), as an ``ack``
+    frame's is; the connection is usable and the host goes on."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            async with r.connect() as first:
+                await first.send(message("d1"))
+                seq = (await first.result("d1"))["seq"]
+            log = r.server.worker._host.outbox._log
+
+            async def failing(*args: object, **kwargs: object) -> int:
+                raise DiskFailedError(ReasonCode.DISK_FAILED, "EIO on results.log")
+
+            monkeypatch.setattr(log, "try_append", failing)
+            async with r.connect(hello=False) as client:
+                welcome = await client.hello(r.token, ack_seq=seq)
+                refused = error(await client.until(lambda f: f["type"] == "error"))
+                await still_usable(client)
+    assert welcome["type"] == "welcome"
+    assert refused == (ReasonCode.DISK_FAILED, "hello")
+
+
+async def test_o2_a_token_file_made_readable_to_others_refuses_hellos_and_stops_no_one(
+    tmp_path: Path,
+) -> None:
+    """O2: a token file other users may read is refused: a ``hello`` then gets
+    ``token_insecure`` and a closed connection (1008), never the host stopped; a client
+    already connected goes on, and once the mode is fixed a ``hello`` is welcomed again."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as before:
+            token = r.root / "state" / "token"
+            token.chmod(0o644)
+            async with r.connect(hello=False) as client:
+                refused = error(await client.hello(r.token))
+                with pytest.raises(ConnectionClosed) as closed:
+                    await client.receive()
+            await still_usable(before)
+            token.chmod(0o600)
+            async with r.connect() as again:
+                await still_usable(again)
+    assert refused == (ReasonCode.TOKEN_INSECURE, "hello")
+    assert closed.value.reason is not None
+    assert closed.value.reason.code == 1008
+
+
+async def test_s3_a_duplicate_right_after_hello_keeps_the_results_in_seq_order(
+    tmp_path: Path,
+) -> None:
+    """S3: twenty results unacknowledged; a new connection retries the last delivery right
+    after its ``hello``. Its results arrive in seq order — the stored one is not sent ahead
+    of the others, where a cumulative ``ack`` of it would acknowledge results this
+    connection was never sent — and each once before it is sent again."""
+    count = 20
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            async with r.connect() as first:
+                for n in range(count):
+                    await first.send(message(f"d{n}"))
+                    await first.until(lambda f: f["type"] == "accepted")
+                for n in range(count):
+                    await first.result(f"d{n}")
+            async with r.connect(hello=False) as client:
+                await client.send(
+                    {"type": "hello", "protocol": 1, "token": r.token, "client": "retry"}
+                )
+                await client.send(message(f"d{count - 1}"))
+                seqs = await _result_seqs(client, count)
+    assert seqs == sorted(seqs)
+    assert sorted(set(seqs)) == list(range(1, count + 1))
+
+
+async def _result_seqs(client: Client, count: int) -> list[int]:
+    seqs: list[int] = []
+    while len(set(seqs)) < count:
+        frame = await client.receive()
+        if frame["type"] == "result":
+            seqs.append(frame["seq"])
+    return seqs
+
+
+async def test_s5_the_flush_waits_for_nothing_when_everything_is_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """S5: a connection opened after every result was acknowledged has nothing to be sent:
+    the stop's flush returns at once (it used to wait out its whole time for such a
+    connection; here that time is an hour, and the test's deadline a minute)."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            async with r.connect() as first:
+                await first.send(message("d1"))
+                seq = (await first.result("d1"))["seq"]
+                await first.send({"type": "ack", "seq": seq})
+                await still_usable(first)
+            async with r.connect() as later:
+                await still_usable(later)
+                await r.server.flush(3600)
+
+
+@pytest.mark.parametrize(
+    ("frame", "wanted"),
+    [
+        ({"type": "cancel", "delivery_id": "x" * 300}, "cancel"),
+        ({"type": "cancel", "delivery_id": "d\n\x1b[31m"}, "cancel"),
+        ('{"type": "ack", "seq": 1e400}', "ack"),
+    ],
+)
+async def test_p3_p4_an_unusable_id_or_a_number_out_of_range_is_said_by_the_frame_type(
+    tmp_path: Path, frame: dict[str, object] | str, wanted: str
+) -> None:
+    """P4: a refusal of a frame whose id is unusable (too long, unprintable) says the frame
+    type as its ``ref``, never the raw id; P3: a number no float holds is ``wrong_type``,
+    not ``not_json`` (it is JSON)."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as client:
+            await client.send(frame)
+            code, ref = error(await client.until(lambda f: f["type"] == "error"))
+            await still_usable(client)
+    assert ref == wanted
+    if isinstance(frame, str):
+        assert code == ReasonCode.WRONG_TYPE
