@@ -7,6 +7,7 @@ steering one) would try it, and after each the root holds nothing."""
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import os
 import stat
@@ -162,6 +163,24 @@ def test_a3_a_damaged_or_missing_file_is_told_apart(tmp_path: Path) -> None:
     assert store.check(digest, len(PNG)) is None
     path.unlink()
     assert store.check(digest, len(PNG)) is ReasonCode.ATTACHMENT_MISSING
+
+
+def test_a3_a_file_the_disk_cannot_read_is_damaged_not_an_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A3, serve.md S2: a read the disk fails (``EIO``) is ``attachment_damaged`` — the
+    result goes out with the attachment marked lost — never an exception that would end the
+    connection sending it."""
+    store = AttachmentStore(tmp_path / "attachments")
+    digest = store.put(PNG)
+
+    def failing(fd: int) -> os.stat_result:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fstat", failing)
+        found = store.read(digest, len(PNG))
+    assert found is ReasonCode.ATTACHMENT_DAMAGED
 
 
 def test_a8_sweep_removes_what_no_record_names_and_keeps_the_rest(tmp_path: Path) -> None:
