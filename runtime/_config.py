@@ -192,6 +192,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Deliveries one connection may have admitted and unfinished; one more is refused
     ``too_many_in_flight`` (backpressure, never a silent drop)."""
+    hello_seconds: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    """How long a client has, from its TCP connect, to send its upgrade request and then a
+    valid ``hello``; then the connection is closed (``hello_timeout``, 1008)."""
+    max_unauthenticated: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Connections at once that have not said a valid ``hello`` yet; one more handshake is
+    refused HTTP 503 (``too_many_connections``): idle sockets cannot use up the server's
+    file descriptors."""
     heap_freeze_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.25
     """How often ``serve`` freezes what survived in its heap, so no collection walks the
     long-lived state (docs/design/serve.md S7); 0 leaves Python's collector as it is."""

@@ -175,6 +175,8 @@ class ReasonCode(enum.StrEnum):
     ATTACHMENT_UNKNOWN = "attachment_unknown"
     # the websocket server (docs/design/serve.md)
     HELLO_REQUIRED = "hello_required"
+    HELLO_TIMEOUT = "hello_timeout"  # no valid hello within [server] hello_seconds
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # [server] max_unauthenticated reached
     ORIGIN_REFUSED = "origin_refused"
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
     # the operator page (docs/design/operations.md "The operator page")

@@ -41,7 +41,7 @@ import logging
 import os
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -225,6 +225,8 @@ class RoomServer:
         self.fetch_rate = worker.config.attachments.fetch_bytes_per_second
         self.frames_received = 0
         """Client frames received on every connection so far (the heap keeper's quiet, S7)."""
+        self.unauthenticated = 0
+        """Connections accepted that have not said a valid ``hello`` yet (S1)."""
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
 
@@ -283,8 +285,12 @@ class RoomServer:
             peer = _peer(request)
             if await self._refused_origin(request):
                 return
-            ws = await request.accept()
-            await self._serve(ws, peer)
+            if self.unauthenticated >= self.server.max_unauthenticated:
+                await self._refuse_crowd(request)
+                return
+            with self._until_hello() as said_hello:  # counted from here, no await before
+                ws = await request.accept()
+                await self._serve(ws, peer, said_hello)
         except ConnectionClosed:
             pass  # the client went away: what it admitted goes on (S3)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -314,9 +320,57 @@ class RoomServer:
         await request.reject(403, extra_headers=[(b"content-type", b"application/json")], body=body)
         return True
 
-    async def _serve(self, ws: WebSocketConnection, peer: str) -> None:
+    @contextlib.contextmanager
+    def _until_hello(self) -> Iterator[Callable[[], None]]:
+        """Count a connection among those that have not said hello (S1) until the callable
+        it yields is called (its hello was welcomed) or it ends."""
+        self.unauthenticated += 1
+        counted = True
+
+        def said_hello() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.unauthenticated -= 1
+
+        try:
+            yield said_hello
+        finally:
+            said_hello()
+
+    async def _refuse_crowd(self, request: WebSocketRequest) -> None:
+        """Refuse a handshake while ``max_unauthenticated`` connections have not said hello
+        (S1): HTTP 503, ``too_many_connections``."""
+        logger.warning(
+            "refused a handshake: %d connections have not said hello yet",
+            self.unauthenticated,
+            extra=fields("handshake_refused", code=ReasonCode.TOO_MANY_CONNECTIONS),
+        )
+        body = msgspec.json.encode(
+            {
+                "code": ReasonCode.TOO_MANY_CONNECTIONS,
+                "message": "too many connections have not said hello yet; try again later",
+            }
+        )
+        await request.reject(503, extra_headers=[(b"content-type", b"application/json")], body=body)
+
+    async def _serve(
+        self, ws: WebSocketConnection, peer: str, said_hello: Callable[[], None]
+    ) -> None:
         connection = _Connection(ws, peer)
-        hello = await self._handshake(connection)
+        with trio.move_on_after(self.server.hello_seconds) as waited:
+            hello = await self._handshake(connection)
+        said_hello()
+        if waited.cancelled_caught:
+            await connection.send(
+                ErrorFrame(
+                    code=ReasonCode.HELLO_TIMEOUT,
+                    message=f"no valid hello within {self.server.hello_seconds:g} s",
+                    ref="hello",
+                )
+            )
+            await connection.ws.aclose(POLICY_VIOLATION, "no hello in time")
+            return
         if hello is None:
             return
         if hello.ack_seq is not None:
@@ -708,6 +762,7 @@ async def open_server(
                     options.ssl_context,
                     handler_nursery=nursery,
                     max_message_size=4 * config.server.max_frame_bytes,
+                    connect_timeout=config.server.hello_seconds,  # the upgrade request too
                     task_status=task_status,
                 )
             )

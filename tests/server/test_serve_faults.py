@@ -7,6 +7,7 @@ rig's ``async with`` would raise it."""
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Final
 
 import pytest
 import trio
-from trio_websocket import ConnectionClosed
+from trio_websocket import ConnectionClosed, ConnectionRejected
 
 from runtime._errors import DiskFailedError, ReasonCode
 from runtime._rooms._worker import RoomWorker
@@ -50,6 +51,43 @@ async def test_s2_a_client_that_resets_in_the_handshake_stops_no_one(
             async with r.connect() as after:
                 await still_usable(after)
             await still_usable(before)
+
+
+async def test_s1_a_client_that_never_says_hello_is_closed_in_time(tmp_path: Path) -> None:
+    """S1: a connection that has not said a valid hello within ``[server] hello_seconds``
+    gets ``hello_timeout`` and is closed (1008); one that said hello in time is not."""
+    settings = {"server": {"hello_seconds": 0.5}}
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, settings) as r, r.connect() as welcomed:
+            async with r.connect(hello=False) as silent:
+                refused = error(await silent.receive())
+                with pytest.raises(ConnectionClosed) as closed:
+                    await silent.receive()
+            await still_usable(welcomed)
+    assert refused == (ReasonCode.HELLO_TIMEOUT, "hello")
+    assert closed.value.reason is not None
+    assert closed.value.reason.code == 1008
+
+
+async def test_s1_idle_clients_cannot_crowd_out_the_others(tmp_path: Path) -> None:
+    """S1: with ``[server] max_unauthenticated`` connections that have not said hello, one
+    more handshake is refused HTTP 503 ``too_many_connections``; once one of them says
+    hello, a new client is served again."""
+    settings = {"server": {"max_unauthenticated": 2}}
+    with trio.fail_after(LIMIT):
+        async with (
+            rig(tmp_path, settings) as r,
+            r.connect(hello=False) as first,
+            r.connect(hello=False),
+        ):
+            with pytest.raises(ConnectionRejected) as rejected:
+                async with r.connect(hello=False):
+                    pass
+            assert (await first.hello(r.token))["type"] == "welcome"
+            async with r.connect() as later:
+                await still_usable(later)
+    assert rejected.value.status_code == 503
+    assert json.loads(rejected.value.body or b"{}")["code"] == ReasonCode.TOO_MANY_CONNECTIONS
 
 
 async def test_s2_a_fault_in_one_frame_is_answered_and_the_connection_stays_usable(
