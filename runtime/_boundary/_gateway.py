@@ -17,10 +17,11 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
 * only requests carrying the current epoch's secret are served (G8); the
   upstream key is read from the environment per request and written nowhere (G9);
 * upstream inactivity ends the stream with an error Pi retries in-process (G10);
-  so does, when configured, an upstream that sends no data event, only comments (G15).
+  so does, when configured, an upstream that sends no data event, only comments (G15);
+  an upstream error, before the stream or inside it, is relayed and never journaled (G10).
 
 Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
-:class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
+:func:`is_upstream_error`, :class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
 :func:`serve_gateway` are the Trio shell.
 
 Resource handling: :func:`serve_gateway` runs until cancelled. Upstream connections are
@@ -78,6 +79,7 @@ __all__ = [
     "data_inactivity_message",
     "inactivity_message",
     "is_terminal",
+    "is_upstream_error",
     "request_digest",
     "retry_after_seconds",
     "serve_gateway",
@@ -187,6 +189,27 @@ def is_terminal(payload: str) -> bool:
     return False
 
 
+def is_upstream_error(payload: str) -> bool:
+    """Whether this SSE payload reports that the upstream failed inside a 200 stream (G10).
+
+    A chunk with a top-level ``error`` (vLLM sends ``{"error": …}`` then ``[DONE]``;
+    OpenRouter adds a choice ending ``finish_reason: "error"``), or such a choice alone. The
+    response failed: it is not the step's answer, however its stream ends. Checked before
+    :func:`is_terminal`, which counts any ``finish_reason``.
+    """
+    if '"error"' not in payload:
+        return False  # the common chunk: no second decode
+    chunk = _decode(payload)
+    if chunk is None:
+        return False
+    if chunk.get("error") is not None:
+        return True
+    choices = chunk.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in choices)
+    return False
+
+
 @dataclass
 class ToolCallIds:
     """Mints tool-call ids the upstream omitted, deterministically (G7).
@@ -259,6 +282,15 @@ def _error_body(code: ReasonCode, message: str) -> bytes:
     return _json.encode({"error": {"message": f"{code}: {message}", "type": str(code)}})
 
 
+def _ended_delivery() -> StepRefused:
+    """The refusal of a request whose delivery the lane detached while it waited (G14):
+    as a released journal refuses one, since nothing will replay what it is answered."""
+    return StepRefused(
+        ReasonCode.GATEWAY_BAD_REQUEST,
+        "the delivery this request was asked in has ended while it waited; it is not answered",
+    )
+
+
 # ------------------------------------------------------------------------------ the shell
 
 
@@ -303,6 +335,9 @@ class GatewayStatistics:
     """Upstream responses that finished after their delivery was detached (G14)."""
     incomplete_streams: int
     """Upstream streams that ended with no terminal part, cut instead of finished (G16)."""
+    stream_errors: int
+    """Upstream streams that reported an error inside a 200 response: relayed, cut, never
+    journaled (G10)."""
     upstream_connections: int = 0
     """Connections opened upstream (G17: requests in turn share one kept-alive connection)."""
 
@@ -356,6 +391,24 @@ class _Downstream:
             self.ended = True
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._response.respond(status, body)
+
+    async def refuse(self, status: int, error: bytes) -> None:
+        """An answer the gateway will not give (``error``: one ``{"error": …}`` object): a
+        whole ``status`` response — or, once a keepalive has started the stream (G5), the same
+        object as an SSE error event, and the stream's end. Never a bare cut: the worker reads
+        a cut as a network failure and retries, and a refusal is not to be retried."""
+        async with self._lock:
+            if self.gone or self.ended:
+                return
+            self.ended = True
+            try:
+                if not self._response.started:
+                    await self._response.respond(status, error)
+                    return
+                await self._response.send(sse_data(error.decode()))
+                await self._response.end()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.gone = True
 
     async def keepalive(self, interval: float) -> None:
         """Send a keepalive comment whenever nothing was sent for ``interval`` (G5), until
@@ -411,6 +464,7 @@ class Gateway:
                 "data_inactivity_aborts",
                 "detached",
                 "incomplete_streams",
+                "stream_errors",
             ),
             0,
         )
@@ -441,6 +495,7 @@ class Gateway:
 
     async def handle(self, request: Request, response: ResponseWriter) -> None:
         """The HTTP handler (for :func:`~runtime._boundary._http.serve_http`)."""
+        journal = self.journal  # G14: the delivery attached as the request arrives is its own
         self._stats["requests"] += 1
         if not self._authorized(request):  # G8: nothing reaches upstream
             self._stats["refused"] += 1
@@ -478,7 +533,7 @@ class Gateway:
                 lock = self._locks.setdefault(digest, trio.Lock())
                 try:
                     async with lock:  # an identical request in flight: wait, then replay
-                        await self._answer(body, request.body, digest, downstream)
+                        await self._answer(body, request.body, digest, downstream, journal)
                 finally:
                     if not lock.locked() and lock.statistics().tasks_waiting == 0:
                         self._locks.pop(digest, None)  # only requests in flight keep one
@@ -486,9 +541,17 @@ class Gateway:
                 nursery.cancel_scope.cancel()
 
     async def _answer(
-        self, body: dict[str, Any], raw: bytes, digest: str, downstream: _Downstream
+        self,
+        body: dict[str, Any],
+        raw: bytes,
+        digest: str,
+        downstream: _Downstream,
+        journal: StepJournal,
     ) -> None:
-        journal = self.journal  # G14: this request's delivery, even if another is attached later
+        """Answer the request from ``journal``, the one attached when it arrived (G14)."""
+        if journal is not self.journal:  # G14: its delivery ended while it waited (barrier, lock)
+            await self._refuse(_ended_delivery(), downstream)
+            return
         recorded = await journal.lookup(digest)
         if recorded is not None:  # G6: replay, upstream untouched
             self._stats["replayed"] += 1
@@ -501,7 +564,7 @@ class Gateway:
         if self.config.upstream_key_env is not None:
             key = self._environ.get(self.config.upstream_key_env)  # G9: per request, kept local
             if not key:
-                await downstream.respond(
+                await downstream.refuse(
                     500,
                     _error_body(
                         ReasonCode.GATEWAY_UPSTREAM_KEY_MISSING,
@@ -513,8 +576,7 @@ class Gateway:
         try:
             await journal.record_request(digest)  # G2
         except StepRefused as exc:  # G13, G14: refused, not retried by the worker
-            self._stats["refused"] += 1
-            await downstream.respond(409, _error_body(exc.code, exc.message))
+            await self._refuse(exc, downstream)
             return
         except PiRuntimeError as exc:
             self._fail(exc)
@@ -524,6 +586,13 @@ class Gateway:
         self._stats["upstream_calls"] += 1
         labelled(MODEL_REQUESTS, "upstream").inc()
         await self._relay(raw, digest, key, downstream, journal)
+
+    async def _refuse(self, refusal: StepRefused, downstream: _Downstream) -> None:
+        """A request the gateway goes on serving after but does not answer (G13, G14): 409 —
+        or its SSE error event once streaming — with the reason code; the worker does not
+        retry it."""
+        self._stats["refused"] += 1
+        await downstream.refuse(409, _error_body(refusal.code, refusal.message))
 
     async def _announce(self, body: dict[str, Any], digest: str, *, replayed: bool) -> bool:
         """Tell the owner (``on_answer``) a request is about to be answered; False when
@@ -548,6 +617,7 @@ class Gateway:
         ids = ToolCallIds(digest)
         chunks: list[str] = []
         held: list[str] = []
+        failed: list[str] = []  # the upstream's error event, once its stream reported one (G10)
         headers = [("content-type", "application/json"), ("accept", "text/event-stream")]
         if key is not None:
             headers.append(("authorization", f"Bearer {key}"))
@@ -565,13 +635,18 @@ class Gateway:
 
             def take(events: list[SseEvent]) -> bytes:
                 """Journal-bound chunks of ``events``; the bytes to pass on at once (G3):
-                every data payload before the terminal part, which is held (G4)."""
+                every data payload before the terminal part, which is held (G4), and an
+                error event — the last thing taken: the response failed (G10)."""
                 passed: list[bytes] = []
                 for event in events:
                     if event.data is None:
                         continue  # upstream comments count as activity only (G10, G15)
                     data_arrived()
                     payload = ids.apply(event.data)  # G7
+                    if is_upstream_error(payload):  # relayed as it came, never held
+                        failed.append(payload)
+                        passed.append(sse_data(payload))
+                        break
                     chunks.append(payload)
                     if held or is_terminal(payload):
                         held.append(payload)
@@ -606,8 +681,11 @@ class Gateway:
                         silence.deadline = trio.current_time() + limit  # any byte (G10)
                         if passed := take(events.feed(received)):
                             await downstream.send(passed)  # one read, one write (G3)
-                    if passed := take(events.end()):
-                        await downstream.send(passed)
+                        if failed:
+                            break  # nothing after the error is read (its connection is closed)
+                    else:  # the stream's end completes its last event
+                        if passed := take(events.end()):
+                            await downstream.send(passed)
             except HttpClientError:
                 if not chunks:  # no answer at all: refused, unreachable, cut before any data
                     self.upstream_failure = UpstreamFailure(None)
@@ -623,6 +701,9 @@ class Gateway:
             self._stats["data_inactivity_aborts"] += 1
             await self._relay_error(504, data_inactivity_message(data_limit), downstream)
             return
+        if failed:  # G10: an upstream error inside the stream is no answer: never journaled
+            self._stats["stream_errors"] += 1
+            return  # the worker has the error; the stream is cut, as for an upstream cut
         if not held:  # G16: it ended with no terminal part: an incomplete response
             self._stats["incomplete_streams"] += 1
             return  # never journaled, never finished: cut like an upstream cut (retried)

@@ -335,9 +335,15 @@ def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
 
 def _dropped(stream: trio.abc.Stream) -> bool:
     """Whether an idle kept-alive connection has something to read: the server closed it
-    (or sent what no request asked for) — either way it cannot carry the next request."""
-    readable, _, _ = select.select([_socket_of(stream).fileno()], [], [], 0)
-    return bool(readable)
+    (or sent what no request asked for) — either way it cannot carry the next request.
+
+    ``poll``, not ``select``: select() cannot take a descriptor numbered 1024 or more (a busy
+    host with a raised ``RLIMIT_NOFILE``), and its ``ValueError`` is no :class:`HttpClientError`
+    — it would escape the request into the server that made it. A hang-up or an error on the
+    socket is reported too, and counts as dropped as well."""
+    poller = select.poll()
+    poller.register(_socket_of(stream).fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 @dataclass(slots=True)

@@ -13,7 +13,9 @@ import contextlib
 import functools
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+import os
+import resource
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -48,6 +50,7 @@ from runtime._boundary._http import (
     Request,
     ResponseWriter,
     SseEvent,
+    _socket_of,
     iter_sse,
     open_request,
     serve_http,
@@ -220,10 +223,53 @@ def data(events: list[SseEvent]) -> list[str]:
     return [e.data for e in events if e.data is not None]
 
 
+async def exchange_cut(rig: Rig, body: Mapping[str, Any] = BODY) -> list[SseEvent]:
+    """What the worker got before its stream was cut (it must be: G10, G14, G16)."""
+    got: list[SseEvent] = []
+
+    async def read() -> None:
+        async with open_request(
+            "POST", rig.url, headers=rig.headers(), body=json.dumps(body).encode()
+        ) as response:
+            assert response.status == 200
+            async for event in iter_sse(response.iter_bytes()):
+                got.append(event)
+
+    with pytest.raises(HttpClientError):
+        await read()
+    return got
+
+
+def gated(more: trio.Event) -> Handler:
+    """An upstream that sends one chunk, waits for ``more``, then finishes (stop, ``[DONE]``)."""
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(sse_data(chunk({"content": "hel"})))
+        await more.wait()
+        await response.send(sse_data(chunk({}, "stop")) + sse_data(DONE))
+        await response.end()
+
+    return upstream
+
+
+def answering(*answers: Sequence[str]) -> Handler:
+    """An upstream that answers its n-th request with the n-th list of SSE payloads, all in
+    one write (one read of the gateway may complete them all), and ends its stream."""
+    left = iter(answers)
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(b"".join(map(sse_data, next(left))))
+        await response.end()
+
+    return upstream
+
+
 async def test_g3_chunks_pass_through_before_the_upstream_finishes() -> None:
     more = trio.Event()
 
-    async def gated(request: Request, response: ResponseWriter) -> None:
+    async def halting(request: Request, response: ResponseWriter) -> None:
         await response.start(200, SSE)
         await response.send(sse_data(chunk({"content": "hel"})))
         await more.wait()
@@ -233,7 +279,7 @@ async def test_g3_chunks_pass_through_before_the_upstream_finishes() -> None:
 
     with trio.fail_after(LIMIT):
         async with (
-            rig(upstream=gated, keepalive_interval=60) as r,
+            rig(upstream=halting, keepalive_interval=60) as r,
             open_request(
                 "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
             ) as resp,
@@ -345,6 +391,39 @@ async def test_g14_a_released_delivery_refuses_without_stopping_the_gateway(
                 status, _ = await exchange(r)
                 assert status == 409  # still serving
             await store.close_log(log)
+
+
+async def test_g14_a_request_waiting_for_its_twin_keeps_the_delivery_it_arrived_in() -> None:
+    """G14, G6: R2, identical to delivery A's R1 in flight, waits for it (the per-digest lock);
+    meanwhile the lane ends A and attaches B. R1's answer comes after that: detached (cut, not
+    journaled). R2 belongs to A too: it must neither record A's step into B's journal nor pay
+    the upstream again, but be refused as a request of an ended delivery is."""
+    more = trio.Event()
+    a, b = MemoryStepJournal(), MemoryStepJournal()
+    digest = request_digest(BODY)
+    second: list[tuple[int, list[SseEvent]]] = []
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=gated(more), journal=a, keepalive_interval=60) as r:
+
+            async def ask_again() -> None:
+                second.append(await exchange(r))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(exchange_cut, r)  # R1: streams, then is detached
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(ask_again)  # R2: Pi's retry of the same body
+                await trio.testing.wait_all_tasks_blocked()
+                assert r.gateway._locks[digest].statistics().tasks_waiting == 1
+                r.gateway.journal = b  # the lane: A ended, B attached (Boundaries.attach)
+                more.set()
+            stats = r.gateway.statistics()
+    assert (b.requests, b.responses) == ([], {})
+    assert (a.requests, a.responses) == ([digest], {})
+    assert len(r.upstream_bodies) == 1
+    ((status, body),) = second
+    assert status == 409
+    assert json.loads(body[0].data or "")["error"]["type"] == ReasonCode.GATEWAY_BAD_REQUEST
+    assert (stats.detached, stats.refused) == (1, 1)
 
 
 async def test_g7_omitted_tool_ids_assigned_and_stable_across_replay() -> None:
@@ -492,6 +571,43 @@ async def test_g17_a_stream_aborted_for_silence_does_not_leave_its_connection() 
     assert (stats.inactivity_aborts, stats.upstream_connections) == (1, 2)
 
 
+@contextlib.contextmanager
+def descriptors_taken_below(n: int) -> Iterator[None]:
+    """Every file descriptor below ``n`` taken (duplicates of /dev/null; the soft
+    RLIMIT_NOFILE raised towards the hard one if it is too low), so the sockets opened meanwhile
+    get numbers from ``n`` up: a busy host with a raised limit. All released afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = n + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY)]
+    try:
+        while filler[-1] < n - 1:  # dup takes the lowest free number: all below are taken
+            filler.append(os.dup(filler[0]))
+        yield
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_g17_a_kept_alive_connection_numbered_above_1024_is_reused() -> None:
+    """G17 looks at an idle connection before taking it again (has the server closed it?).
+    On a descriptor numbered 1024 or more that look must work as on any other — select()
+    cannot take such a number, and its ValueError escaped the request and stopped the
+    lane's gateway."""
+    with descriptors_taken_below(1100), trio.fail_after(LIMIT):
+        async with rig([Text(text="one"), Text(text="two")]) as r:
+            first, _ = await exchange(r, numbered(1))
+            (kept,) = [idle.stream for each in r.gateway._upstream._idle.values() for idle in each]
+            assert _socket_of(kept).fileno() >= 1024  # past select()'s FD_SETSIZE
+            second, _ = await exchange(r, numbered(2))
+            stats = r.gateway.statistics()
+    assert (first, second) == (200, 200)
+    assert r.upstream_connections == [1, 1]  # the kept connection carried the second request
+    assert stats.upstream_connections == 1
+
+
 async def test_g10_upstream_silence_before_headers_is_a_504() -> None:
     with trio.fail_after(LIMIT):
         async with rig(
@@ -596,6 +712,45 @@ async def test_g16_a_stream_that_ends_without_a_terminal_part_is_cut_not_journal
             assert r.gateway.statistics().incomplete_streams == 1
 
 
+PROVIDER_ERROR: Final = {"code": 502, "message": "Provider disconnected unexpectedly"}
+OPENROUTER_ERROR: Final = json.dumps(
+    {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "error": PROVIDER_ERROR,
+        "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}],
+    }
+)
+VLLM_ERROR: Final = json.dumps({"error": {**PROVIDER_ERROR, "type": "InternalServerError"}})
+
+
+@pytest.mark.parametrize(
+    "failed",
+    [[chunk({"content": "par"}), OPENROUTER_ERROR], [VLLM_ERROR]],
+    ids=["openrouter", "vllm"],
+)
+async def test_g10_an_error_event_in_a_200_stream_is_relayed_cut_and_never_journaled(
+    failed: list[str],
+) -> None:
+    """G10: the upstream answered 200 and then reported an error inside the stream — a payload
+    with a top-level ``error`` (OpenRouter also ends the choice ``finish_reason: "error"``,
+    vLLM just follows it with ``[DONE]``). That is an upstream error, not the step's answer:
+    the worker gets the error event and a cut, nothing is journaled, and the same request —
+    Pi's retry, or a later epoch's — is asked upstream again."""
+    whole = [chunk({"content": "whole"}), chunk({}, "stop"), DONE]
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=answering([*failed, DONE], whole)) as r:
+            relayed = await exchange_cut(r)
+            assert r.journal.responses == {}
+            status, retried = await exchange(r)
+            stats = r.gateway.statistics()
+    assert data(relayed) == failed  # up to the error, the error itself, nothing after it
+    assert (status, data(retried)) == (200, whole)
+    assert len(r.upstream_bodies) == 2
+    assert r.journal.responses == {request_digest(BODY): whole}
+    assert (stats.stream_errors, stats.journaled) == (1, 1)
+
+
 async def test_g7_a_malformed_upstream_stream_stays_in_its_request() -> None:
     """G3, G7: an upstream whose stream is odd — a tool call whose ``index`` is not a number,
     a line that is not UTF-8 — is relayed as it came (the call's id assigned by its position,
@@ -658,15 +813,44 @@ async def test_g11_the_gate_barrier_holds_a_request_with_keepalives() -> None:
     assert r.model.request_count == 1
 
 
+class RefusingJournal(MemoryStepJournal):
+    """Refuses every new step as a diverged replay (G13)."""
+
+    async def record_request(self, digest: str) -> None:
+        await trio.lowlevel.checkpoint()
+        raise ReplayMismatch(ReasonCode.RECOVERY_REFUSED, "the replay took another path")
+
+
+async def test_g5_g13_a_refusal_after_a_keepalive_is_an_sse_error_not_a_cut() -> None:
+    """G5 started the 200 stream while the request waited at the gate barrier (G11); then the
+    journal refused the step (G13). The worker gets the refusal as an SSE error event carrying
+    its reason code, and the stream's end: a bare cut would read as a network failure, which
+    Pi and Fake-Pi retry."""
+    open_gate = trio.Event()
+
+    async def barrier(body: dict[str, Any]) -> None:
+        await open_gate.wait()
+
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text="never")], journal=RefusingJournal()) as r:
+            r.gateway._barrier = barrier
+            async with open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as resp:
+                assert resp.status == 200
+                events = iter_sse(resp.iter_bytes())
+                assert (await anext(events)).comment == "keepalive"
+                open_gate.set()
+                rest = [e async for e in events]  # ends: no HttpClientError
+    message = error_message(rest)
+    assert message.startswith(f"{ReasonCode.RECOVERY_REFUSED}: ")
+    assert not is_retryable(message)
+    assert r.model.request_count == 0
+    assert r.gateway.statistics().refused == 1
+
+
 async def test_a_worker_that_goes_away_mid_stream_still_gets_the_step_journaled() -> None:
     more = trio.Event()
-
-    async def gated(request: Request, response: ResponseWriter) -> None:
-        await response.start(200, SSE)
-        await response.send(sse_data(chunk({"content": "hel"})))
-        await more.wait()
-        await response.send(sse_data(chunk({}, "stop")) + sse_data(DONE))
-        await response.end()
 
     class Recorded(MemoryStepJournal):
         done = trio.Event()
@@ -677,7 +861,7 @@ async def test_a_worker_that_goes_away_mid_stream_still_gets_the_step_journaled(
 
     journal = Recorded()
     with trio.fail_after(LIMIT):
-        async with rig(upstream=gated, keepalive_interval=60, journal=journal) as r:
+        async with rig(upstream=gated(more), keepalive_interval=60, journal=journal) as r:
             async with open_request(
                 "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
             ) as resp:
