@@ -419,7 +419,20 @@ async def open_epoch(
         try:
             async with trio.open_nursery() as nursery:
                 try:
-                    await _prove(epoch)
+                    try:
+                        await _prove(epoch)
+                    except WorkerError as error:
+                        # A launch that failed is stopped like any epoch; no block of the
+                        # caller's ran, so a survivor of that stop is news it must get (W6):
+                        # its "launch failed" then never reads as "nothing is left alive".
+                        failed = await epoch.stop()
+                        if not failed.clean:
+                            raise WorkerError(
+                                ReasonCode.WORKER_TREE_SURVIVED,
+                                f"epoch {epoch.nonce}: its launch failed ({error.code}) and "
+                                f"its stop left survivors {list(failed.kill.survivors)}",
+                            ) from error
+                        raise
                     nursery.start_soon(epoch._drain_stderr)
                     if epoch.containment is Containment.SUBREAPER or is_child_subreaper():
                         nursery.start_soon(epoch._reap_adopted)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, assert_never
 import trio
 
 from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
-from .._errors import ReasonCode, RpcError
+from .._errors import PiRuntimeError, ReasonCode, RpcError, WorkerExitedError
 from .._metrics import TASK_FENCES, TASK_PROBES, labelled
 from .._pi._rpc_protocol import Event
 from .._records import Parked, ToolIntent
@@ -64,6 +64,8 @@ scaled with the tick under the unsafe time scale): far inside the 300 s soft thr
 
 PROVIDER_UNAVAILABLE = "provider_unavailable:"
 """The hold of a task whose provider stayed unavailable past the backoff's bounds (PB6)."""
+PROMPT_ALREADY_SENT = "prompt_already_sent:"
+"""The hold of a continuation the core asked for that its marker says was sent (WD8, TL5)."""
 MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
 """What an operator's resume must still prove (TL8): the look stands in for the rest."""
 
@@ -126,6 +128,9 @@ class EpochOwner(LaneFacts, Protocol):
     async def hold(self, reason: str) -> None: ...
 
     async def record_marker(self, action_id: str) -> None: ...
+    async def exited_unprompted(self, error: PiRuntimeError) -> None:
+        """The epoch's worker exited before it answered its first prompt (TL2, WD8)."""
+
     async def resumed_progress(self) -> None: ...
     async def note_hold(self) -> None: ...
     def pending_reply(self) -> tuple[str, str] | None: ...
@@ -154,10 +159,22 @@ class EpochWatch:
         """The gateway's journaled answers when the last turn ended (PB6)."""
         self._probe_token: object | None = None
         """This turn is the half-open breaker's one probe: its token (PB6)."""
+        self._completions = 0
+        """Completion prompts asked for in this epoch so far (WD8): each its own id."""
+        self._unparks = 0
+        """Prompts after a park sent in this epoch so far (PB6): each its own id."""
 
     async def run(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
         """Prompt the epoch (``kind``: a task, a reply or a continuation ``action_id``) and
         watch it until it must end (TL2)."""
+        lane = self.lane
+        try:
+            return await self._prompt_and_watch(kind, text, action_id)
+        finally:
+            if lane.breaker is not None and self._probe_token is not None:
+                lane.breaker.abandoned(self._probe_token)  # no word on the route: another probes
+
+    async def _prompt_and_watch(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
         lane = self.lane
         present = False if action_id is None else await marker_in_session(lane.session, action_id)
         prompted = False
@@ -172,23 +189,42 @@ class EpochWatch:
         elif lane.kernel.state.terminal:  # LK6: ended (an operator's abort) while this epoch
             return EpochEnd.TERMINAL  # launched: nothing more to ask — never a paid request
         else:
-            await self.worker.rpc.prompt(text)
+            try:
+                await self.worker.rpc.prompt(text)
+            except WorkerExitedError as error:  # it died before it answered (TL2, WD8)
+                return await self._exited_unprompted(kind, action_id, error)
             lane.kernel.reply_heard()  # the worker has every reply before it reports (LK8)
             if action_id is not None:
                 await lane.record_marker(action_id)
             prompted = True
         if prompted:
             lane.prompted()
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._read_events)
-                nursery.start_soon(self._tick)
-                nursery.start_soon(self._operator_watch)
-        finally:
-            if lane.breaker is not None and self._probe_token is not None:
-                lane.breaker.abandoned(self._probe_token)  # no word on the route: another probes
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._read_events)
+            nursery.start_soon(self._tick)
+            nursery.start_soon(self._operator_watch)
         return self.end or EpochEnd.EXITED
+
+    async def _exited_unprompted(
+        self, kind: str, action_id: str | None, error: WorkerExitedError
+    ) -> EpochEnd:
+        """The worker exited before it answered the epoch's first prompt (a broken start, a
+        crash): an exit like any other, never the lane's failure (WD8, TL2, TL11). The epoch
+        ends ``EXITED`` and the lane replaces the worker within the budget (WD11), the
+        replacement's continuation carrying what this prompt carried (the task, or the
+        user's reply: LK8). A continuation this prompt was is spent — its marker recorded,
+        in the log and not in the session (TL6) — so the next replacement is one of its own,
+        charged: a worker that dies at every start runs the budget out and holds, never
+        loops uncharged."""
+        lane = self.lane
+        if kind == "continuation" and action_id is not None:
+            await lane.record_marker(action_id)
+        await lane.reply_recorded()
+        if lane.kernel.state is not TaskState.OPEN:  # ended (an abort) as it was prompted
+            return EpochEnd.TERMINAL
+        await lane.exited_unprompted(error)
+        return EpochEnd.EXITED
 
     def _finish(self, end: EpochEnd) -> None:
         """The epoch ends for ``end`` (the first reason wins): cancel the watch."""
@@ -263,7 +299,7 @@ class EpochWatch:
             for action in actions:
                 if isinstance(action, PromptCompletion):
                     await self._send_continuation(
-                        lane.epoch_action_id("completion"),
+                        self._completion_id(),
                         "the agent settled without calling a lifecycle tool",
                     )
             lane.changed()
@@ -321,8 +357,12 @@ class EpochWatch:
             return True
         gateway.upstream_failure = None
         status = "no response" if failure.status is None else f"HTTP {failure.status}"
+        # numbered over the epoch, not by the park's try: an answer ends the episode and its
+        # tries count from 1 again, and a second outage's prompt under the first one's id
+        # would be taken for it by its marker and never sent (TL5)
+        self._unparks += 1
         await self._send_continuation(
-            lane.epoch_action_id(f"unpark{record.attempt}"),
+            lane.epoch_action_id(f"unpark{self._unparks}"),
             f"the model provider was unavailable ({status}); the runtime waited it out",
         )
         lane.changed()
@@ -575,10 +615,26 @@ class EpochWatch:
             return None
         return True
 
+    def _completion_id(self) -> str:
+        """The id of the next completion prompt of this epoch (WD8, TL5): ``e<n>/completion``,
+        then ``completion2``, ``completion3``…. The core asks for one per epoch *and per
+        reply* (a reply wakes its count), so one epoch may send several; under one id the
+        second was taken for the first by its marker and never sent."""
+        self._completions += 1
+        number = self._completions
+        return self.lane.epoch_action_id("completion" if number == 1 else f"completion{number}")
+
     async def _send_continuation(self, action_id: str, observed: str) -> None:
-        """The completion prompt on the live worker (WD8), idempotent by its marker (TL5)."""
+        """A continuation the core asked for on the live, settled worker — the completion
+        prompt (WD8) or the prompt after a park (PB6) — idempotent by its marker (TL5). Not
+        sent because its marker says the worker has it already, the worker (disarmed, idle)
+        would wait forever for a prompt that never comes: the task holds
+        ``prompt_already_sent:<action id>`` for the operator instead (WD12)."""
+        lane = self.lane
         if await self._send_prompt(action_id, continuation_prompt(action_id, observed)):
-            self.lane.watchdog.feed(Prompted(*self.lane.readings()))
+            lane.watchdog.feed(Prompted(*lane.readings()))
+        elif lane.watchdog.classification is not Classification.STALLED_OPERATOR_REQUIRED:
+            await lane.hold(f"{PROMPT_ALREADY_SENT}{action_id}")  # (unknown: held already)
 
     async def _send_prompt(self, action_id: str, text: str) -> bool:
         """Prompt the live worker with ``text`` once (its marker in the log or the session

@@ -39,7 +39,7 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import PiRuntimeError, ReasonCode, WorkerError
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
@@ -87,6 +87,7 @@ from ._view import task_view
 from ._watch import Telemetry
 from ._watchdog import (
     Classification,
+    Exited,
     Hold,
     Prompted,
     TerminalAccepted,
@@ -147,7 +148,9 @@ class TaskLane:
         "_restart_survivors",
         "_restarted",
         "_settle_first",
+        "_task_undelivered",
         "_undelivered",
+        "_unprompted",
         "_wake",
         "actions",
         "archive_dir",
@@ -229,6 +232,12 @@ class TaskLane:
         """What a host restart could not kill of the previous epoch (None: nothing)."""
         self._undelivered: TaskReply | None = None
         """The user's reply the worker has not been sent yet (LK8)."""
+        self._task_undelivered = True
+        """No worker of this lane has answered the task's prompt yet: a replacement carries
+        it (a restored lane with epochs cannot tell, and assumes the task was heard)."""
+        self._unprompted: str | None = None
+        """The code of the error with which this epoch's worker exited before it answered
+        its first prompt (TL2, WD8), or None."""
         self._granting = trio.Lock()
         """Held by a grant while it is recorded: each its own action, counted once recorded."""
         self._reply_recording = trio.Event()
@@ -439,11 +448,13 @@ class TaskLane:
                 else:
                     await self._relaunch_after_hold()
             return
+        if self._restart_survivors is not None:  # TL12: never a second tree — whatever
+            # launches next (the restart's replacement, or the epoch a reply wakes), the
+            # previous epoch's tree the restart could not kill must be proven gone first
+            await self.hold(_survivors(self._restart_survivors))
+            return
         if self._restarted:  # TL7: a host restart replaced the worker
             self._restarted = False
-            if self._restart_survivors is not None:  # TL12: never a second tree
-                await self.hold(_survivors(self._restart_survivors))
-                return
             await self._replace("the runtime restarted and the previous worker is gone")
             if self._held():
                 return
@@ -506,6 +517,7 @@ class TaskLane:
             self._restarted = True
             self._fenced = True  # the dead host's epoch is superseded: its fence moves (LK2)
         self._settle_first = self.epochs > 0 and self.ended is None
+        self._task_undelivered = self.epochs == 0
         lost = self._lost
         foreign = (
             self.moved_from is not None
@@ -637,23 +649,37 @@ class TaskLane:
             ),
         )
         end = EpochEnd.EXITED
-        clean = False
-        async with self.host.workers.open(request) as worker:
-            self.worker = worker
-            self.record = worker.record
-            if worker.record is not None:
-                await self.append(worker.record)
-            await self.record_action(launch, "launch", "done", identity)
-            try:
-                end = await EpochWatch(self, worker).run(kind, text, action_id)
-            finally:
-                with trio.CancelScope(shield=True):
-                    if end is EpochEnd.FENCE or end is EpochEnd.RESUME:
-                        await self.record_action(
-                            self.epoch_action_id("signal"), "signal", "reserved", {}
-                        )
-                    stopped = await worker.stop()
-                    self.worker = None
+        self._unprompted = None
+        opened = False
+        try:
+            async with self.host.workers.open(request) as worker:
+                opened = True
+                self.worker = worker
+                self.record = worker.record
+                if worker.record is not None:
+                    await self.append(worker.record)
+                await self.record_action(launch, "launch", "done", identity)
+                try:
+                    end = await EpochWatch(self, worker).run(kind, text, action_id)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        if end is EpochEnd.FENCE or end is EpochEnd.RESUME:
+                            await self.record_action(
+                                self.epoch_action_id("signal"), "signal", "reserved", {}
+                            )
+                        stopped = await worker.stop()
+                        self.worker = None
+        except WorkerError as error:
+            # The worker exited during its launch (W1): an exit before its prompt like any
+            # other (TL2, WD8), not the lane's failure. Its tree was stopped on the way out
+            # of ``open`` (W10), and a launch whose stop left a survivor raises
+            # ``worker_tree_survived`` instead (W6), which stays the lane's failure (TL11).
+            if opened or error.code is not ReasonCode.WORKER_LAUNCH_FAILED:
+                raise
+            stopped = Stopped(True)
+            failed = {**identity, "code": str(error.code)}
+            await self.record_action(launch, "launch", "failed", failed)
+            await self.exited_unprompted(error)
         clean = stopped.clean
         self.quiescent_epoch = number if clean else None
         reason = "fence" if end in (EpochEnd.FENCE, EpochEnd.RESUME) else str(end)
@@ -678,7 +704,11 @@ class TaskLane:
         elif not clean and not self.kernel.state.terminal:  # TL12: never a second tree
             self._fenced = True
             await self.hold(_survivors(stopped.survivors))
-        elif self.kernel.state is TaskState.OPEN and self.pending_reply() is not None:
+        elif (
+            self.kernel.state is TaskState.OPEN
+            and self.pending_reply() is not None
+            and self._unprompted is None  # (a worker that died before the reply: replaced)
+        ):
             # LK8: the worker asked, the user answered before it stopped; the reply starts
             # the next epoch as a reply always does (not a replacement: not charged).
             self._fenced = True
@@ -688,7 +718,11 @@ class TaskLane:
             if self._held():  # WD8: the core held (an exit after the completion prompt)
                 await self.note_hold()
                 return
-            await self._replace("the worker exited without a terminal receipt")
+            await self._replace(
+                "the worker exited without a terminal receipt"
+                if self._unprompted is None
+                else f"the worker exited before it answered its prompt ({self._unprompted})"
+            )
 
     # -- what an epoch's watch uses (runtime/_tasks/_epoch.py) -------------------------------------
 
@@ -697,6 +731,7 @@ class TaskLane:
         now (WD1)."""
         self._next = ("none", "", None)
         self._undelivered = None  # every prompt carries a pending reply (LK8)
+        self._task_undelivered = False  # and the task, if no worker answered it yet
         self.kernel.reply_pending = False
         self.watchdog.feed(Prompted(*self.readings()))
         self.telemetry.request_started = self.now()
@@ -709,6 +744,21 @@ class TaskLane:
         self._wake = trio.Event()
         request, self._operator = self._operator, None
         return request
+
+    async def exited_unprompted(self, error: PiRuntimeError) -> None:
+        """The epoch's worker exited before it answered its first prompt — during its launch
+        (``worker_launch_failed``) or at its start — which is an exit like any other (WD8,
+        TL2): the watchdog is told, the error's own code is logged, and the lane replaces
+        the worker within the budget (WD11) with a continuation that carries what that
+        prompt carried. Never the lane's failure (TL11)."""
+        self._unprompted = str(error.code)
+        self.host.log(  # (the error's text begins with its code)
+            f"task {self.task_id}: the worker of epoch {self.epochs} exited before it answered "
+            f"its prompt, so it is replaced: {error}"
+        )
+        self.watchdog.feed(Exited())
+        await self.note_hold()  # durable before anyone sees it (WD12)
+        self.changed()
 
     async def resumed_progress(self) -> None:
         """Any progress of the worker: the first after a relaunch ends the recovery (WD11),
@@ -768,7 +818,8 @@ class TaskLane:
     async def _replace(self, observed: str, *, forced: bool = False) -> None:
         """Prove and queue the next worker's continuation, or hold (``_replacement.py``)."""
         reply = self._undelivered.text if self._undelivered is not None else None
-        queued = await prepare_replacement(self, observed, forced=forced, reply=reply)
+        task = self.task.prompt if self._task_undelivered else None
+        queued = await prepare_replacement(self, observed, forced=forced, reply=reply, task=task)
         if queued is not None:
             prompt, action_id = queued
             self._next = ("continuation", prompt, action_id)
@@ -806,14 +857,17 @@ class TaskLane:
             )
             self.watchdog.feed(Hold(reason))
             return
-        if reason.startswith("survivors:"):
+        # TL12: a tree a restart could not kill is killed again first, whatever the hold
+        # the operator resumes (one the log recorded before the host died stands over it)
+        if reason.startswith("survivors:") or self._restart_survivors is not None:
             stopped = (
                 await self._kill_leftovers(self.record)
                 if self.record is not None
                 else Stopped(False, ())
             )
             if not stopped.clean:
-                await self.hold(_survivors(stopped.survivors or _pids(reason)))
+                known = self._restart_survivors or _pids(reason)
+                await self.hold(_survivors(stopped.survivors or known))
                 return
             self.quiescent_epoch = self.record.epoch if self.record is not None else None
         self._restarted = False  # the resume is the replacement a restart would have made
@@ -926,6 +980,12 @@ class TaskLane:
             await self.record_action(self.ids.hold(number), kind, "done", {"reason": shown})
         finally:
             self._holds_in_flight -= 1
+        if reason is not None:
+            # WD11: a hold ends the running recovery — also one that holds a live worker
+            # (its recovery seconds spent, say), not only when the lane parks: its seconds
+            # are charged now, so the budget guard sees them, and an operator's resume starts
+            # a recovery of its own instead of handing the overdue one to the next worker
+            await self.end_recovery()
 
     async def record_action(
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None

@@ -88,12 +88,18 @@ class ReplacementOwner(LaneFacts, Protocol):
 
 
 async def prepare_replacement(
-    lane: ReplacementOwner, observed: str, *, forced: bool, reply: str | None
+    lane: ReplacementOwner,
+    observed: str,
+    *,
+    forced: bool,
+    reply: str | None,
+    task: str | None = None,
 ) -> tuple[str, str] | None:
     """Prove and prepare the next worker of ``lane`` (TL4, TL5, WD11, WD13): the
     continuation ``(prompt, action id)`` to send it, or ``None`` when the lane holds.
     ``forced``: an operator's resume, which continues past a possibly-run effect (settled
-    "possibly ran"); ``reply``: the user's reply the worker has not had yet (LK8)."""
+    "possibly ran"); ``reply``: the user's reply the worker has not had yet (LK8);
+    ``task``: the task's prompt, when no worker answered it yet (one died before it, TL5)."""
     never = lane.unsettled_effects()
     if never and not forced:  # WD13: auto-continue only on proof
         await lane.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
@@ -131,7 +137,7 @@ async def prepare_replacement(
     lane.watchdog.feed(Relaunched(*lane.readings()))
     action_id = lane.ids.continuation(number, "prompt")
     lane.changed()
-    return continuation_prompt(action_id, observed, reply=reply), action_id
+    return continuation_prompt(action_id, observed, reply=reply, task=task), action_id
 
 
 async def route_problem(lane: ReplacementOwner) -> str | None:

@@ -81,10 +81,14 @@ def reply_prompt(action_id: str, text: str) -> str:
     return f"{continuation_marker(action_id)}\n{text}"
 
 
-def continuation_prompt(action_id: str, observed: str, reply: str | None = None) -> str:
+def continuation_prompt(
+    action_id: str, observed: str, reply: str | None = None, task: str | None = None
+) -> str:
     """The one versioned, neutral continuation prompt (TL5): a bounded observed fact, the
     absence of a terminal receipt, what to inspect, what not to repeat, what to call. Its
-    first line is the marker that makes it idempotent; its wording is guidance, never proof."""
+    first line is the marker that makes it idempotent; its wording is guidance, never proof.
+    ``reply``: the user's answer no prompt carried yet (LK8); ``task``: the task itself, when
+    no worker answered its prompt (the one sent it died first), so it is not in the session."""
     return (
         f"{continuation_marker(action_id)}\n"
         f"Observed: {observed}. No terminal receipt (task_done, task_fail or task_wait) has "
@@ -94,6 +98,11 @@ def continuation_prompt(action_id: str, observed: str, reply: str | None = None)
         "a tool possibly ran means check first.\n"
         "Then finish the task and call exactly one of task_done, task_fail or task_wait."
         + (f"\nThe user answered your task_wait: {reply}" if reply is not None else "")
+        + (
+            f"\nThe task (the worker it was sent to exited first):\n{task}"
+            if task is not None
+            else ""
+        )
     )
 
 

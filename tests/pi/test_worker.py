@@ -365,6 +365,35 @@ async def test_launch_problems_are_typed(tmp_path: Path) -> None:
     assert caught.value.code is ReasonCode.WORKER_CONFIG_INVALID
 
 
+async def test_w6_a_failed_launch_whose_stop_left_a_survivor_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W6, W10: a launch whose proof fails is stopped like any epoch; when that stop leaves
+    a survivor, the launch raises ``worker_tree_survived`` (from the launch's error), so a
+    caller never takes ``worker_launch_failed`` for "nothing of it is alive" (TL12)."""
+    from runtime._pi import _worker
+
+    async def unproven(epoch: Epoch) -> None:
+        raise WorkerError(ReasonCode.WORKER_LAUNCH_FAILED, "the worker exited during launch")
+
+    stop = Epoch._stop
+
+    async def survived(epoch: Epoch) -> Any:
+        report = await stop(epoch)  # the real stop: nothing is left behind by the test
+        kill = dataclasses.replace(report.kill, survivors=(4242,))
+        return dataclasses.replace(report, kill=kill)
+
+    monkeypatch.setattr(_worker, "_prove", unproven)
+    monkeypatch.setattr(Epoch, "_stop", survived)
+    with trio.fail_after(LIMIT), pytest.raises(WorkerError) as caught:
+        async with open_epoch(["sleep", "30"], env=tree_env(tmp_path), cwd=tmp_path):
+            pass  # pragma: no cover
+    assert caught.value.code is ReasonCode.WORKER_TREE_SURVIVED
+    assert "4242" in str(caught.value)
+    assert isinstance(caught.value.__cause__, WorkerError)
+    assert caught.value.__cause__.code is ReasonCode.WORKER_LAUNCH_FAILED
+
+
 # --------------------------------------------------------------------------- the tree
 
 

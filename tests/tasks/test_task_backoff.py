@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Final
 import pytest
 import trio
 
+from fake_pi.scenario import Scenario, Text
 from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._config import BackoffConfig
 from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Parked
@@ -32,6 +34,8 @@ from .test_task_fence import (
     TASK,
     DoneOnEveryPrompt,
     FenceRig,
+    Upstream,
+    done,
     open_fence_rig,
     until_ended,
 )
@@ -39,6 +43,7 @@ from .test_task_fence import (
 pytestmark = pytest.mark.slow
 
 BACKOFF: Final = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.5)
+FINISHED: Final = Text(text="finished")
 NEVER_SILENT: Final = ("Suspect", "HardResumeEligible", "Fencing", "Resuming")
 
 
@@ -86,6 +91,49 @@ async def test_pb6_an_outage_parks_the_task_it_is_not_silence(kind: str, tmp_pat
         assert data.count(continuation.marker) == 1
     assert view.budget["epochs_used"] == 0
     assert rig.model.request_count >= 2  # after the outage: the task's answer and its reply
+
+
+@dataclass
+class Refusing:
+    """An upstream that refuses the requests whose numbers (from 1) it is given as an
+    :class:`Outage` does (503), and passes every other to the model."""
+
+    model: Upstream
+    refused: frozenset[int]
+    asked: int = 0
+    outage: Outage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outage = Outage(seconds=math.inf, model=self.model)
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        self.asked += 1
+        down = self.outage if self.asked in self.refused else self.model
+        await down.handle(request, response)
+
+
+async def test_pb6_a_second_outage_in_one_epoch_gets_its_own_continuation(
+    tmp_path: Path,
+) -> None:
+    """PB6, TL5: two outages in one epoch, an answered turn between them (the answer ends
+    the first episode, so the second one's tries count from 1 again). The prompt after the
+    second outage is a continuation of its own (``e1/unpark2``: numbered over the epoch, not
+    by the episode's try), sent — not taken for the first by its marker and dropped, which
+    left the live worker parked with nothing to prompt it — and the task ends done."""
+    model = Upstream(scenario=Scenario(steps=[Text(text="no lifecycle tool"), done(), FINISHED]))
+    upstream = Refusing(model, frozenset({1, 3}))  # the task's prompt; the completion prompt
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path, "fake", model, handler=upstream.handle, backoff=BACKOFF
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            ended = await until_ended(rig)
+            records = await rig.records()
+    assert ended.state == "done", ended
+    assert [p.attempt for p in records if isinstance(p, Parked)] == [1, 1]
+    sent = [r.action_id.rsplit("/", 2)[-2:] for r in records if isinstance(r, ContinuationSent)]
+    assert sent == [["e1", "unpark1"], ["e1", "completion"], ["e1", "unpark2"]]
+    assert [r.epoch for r in records if isinstance(r, EpochStarted)] == [1]
 
 
 @pytest.mark.parametrize("kind", ["fake"])

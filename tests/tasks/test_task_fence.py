@@ -375,6 +375,28 @@ async def test_a_wedged_fake_pi_subprocess_is_fenced_and_resumed_in_the_same_ses
     assert rig.model.request_count == 2
 
 
+async def test_wd8_a_worker_process_that_exits_before_it_answers_its_prompt_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """WD8, TL2, TL11 with a real process: Fake-Pi reads the task's prompt and exits before it
+    answers. That is an exit (a replacement, charged, its tree proven gone first), never the
+    lane's failure; the task ends done with epochs 1 and 2."""
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path,
+            "fake",
+            [done(), Text(text="finished")],
+            behaviours={1: Behaviours(at={"prompt:1": "exit:1"})},
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            ended = await until_ended(rig)
+            records = await rig.records()
+    assert ended.state == "done", ended
+    assert [r.epoch for r in records if isinstance(r, EpochStarted)] == [1, 2]
+    assert rig.workers.reports[1].clean
+    assert sum(isinstance(r, OutboxAction) and r.kind == "reserve" for r in records) == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_worker_waiting_on_a_silent_model_is_fenced_and_resumed(
     kind: str, tmp_path: Path

@@ -6,6 +6,7 @@ guess, nothing a person said is lost. In-process Fake-Pi on virtual time
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -21,7 +22,7 @@ from fake_pi._behaviours import Behaviours
 from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
-from runtime._errors import TaskError
+from runtime._errors import ReasonCode, TaskError, WorkerError
 from runtime._journal._journal import read_log
 from runtime._journal._store import lane_key
 from runtime._linux._fs import OsFileSystem
@@ -42,6 +43,8 @@ from runtime._tasks._service import TaskService
 from runtime._tasks._session import marker_in_session
 from runtime._tasks._state import continuation_marker
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
+from runtime._tasks._workers import EpochRequest
+from runtime.testing._in_process import InProcessWorkers
 
 from .._cancelling import cancelled_once
 from ..task_harness import ROUTE, TASK, Rig, done, effect, open_rig, say, wait
@@ -102,6 +105,71 @@ async def test_tl12_a_restart_that_cannot_kill_the_last_epoch_holds_instead_of_r
         assert rig.workers.launched == []  # no replacement on a guess
 
 
+UNKILLABLE = EpochStarted(
+    epoch=1, pid=1, start_time=1, boot_id="b", nonce="not-a-nonce", started_ms=0
+)
+"""A record of epoch 1 no kill can act on (its nonce is not one the runtime makes): a restart
+that finds it cannot prove that epoch's tree gone."""
+
+
+async def test_tl12_a_reply_after_a_restart_that_could_not_kill_the_waiting_worker_launches_nothing(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """TL12: the host dies while the task waits and its worker still runs (inside the LK9
+    grace), and the restart cannot kill that worker's tree. The task still waits for its
+    reply, but the epoch the reply wakes is not launched over a tree that may live: the task
+    holds ``survivors:<pids>``, and an operator's resume kills again from the record and,
+    without proof, holds again."""
+    steps: list[Step] = [wait(), say("I asked"), done(), say()]
+    behaviours = {1: Behaviours(at={"after_tool:1": "hang"})}  # the turn runs on after the wait
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        assert rig.runner.lane(TASK).live
+        log = rig.runner.log_rel(TASK)
+    await _append_lane_record(tmp_path, clocks, log, UNKILLABLE)
+    async with open_rig(tmp_path, clocks, steps[1:]) as rig:
+        assert rig.runner.show(TASK).state == "waiting"
+        await rig.runner.reply(TASK, "the blue one")
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD, within=3600)
+        await trio.sleep(3600)
+        view = rig.runner.show(TASK)
+        assert (view.state, view.hold_reason) == ("open", "survivors:1")
+        assert rig.workers.launched == []
+        rig.runner.resume(TASK)  # the kill from the record is tried again: still no proof
+        await trio.sleep(60)
+        assert rig.runner.show(TASK).hold_reason == "survivors:1"
+        assert rig.workers.launched == []
+
+
+async def test_tl12_a_resume_of_a_hold_restored_over_an_unkilled_tree_kills_before_it_launches(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """TL12, WD12: the host dies while the task is held with its worker alive, and the
+    restart cannot kill that worker's tree. The restored hold stands; the operator's resume
+    of it does not launch a second tree: it kills again from the record first and, without
+    proof, holds ``survivors:<pids>``."""
+    behaviours = {1: Behaviours(at={"before_tool:1": "hang"})}
+    steps: list[Step] = [effect("k"), done(), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        held = rig.runner.show(TASK).hold_reason
+        assert rig.runner.lane(TASK).live
+        log = rig.runner.log_rel(TASK)
+    await _append_lane_record(tmp_path, clocks, log, UNKILLABLE)
+    async with open_rig(tmp_path, clocks, steps[1:]) as rig:
+        assert rig.runner.show(TASK).hold_reason == held  # WD12: the recorded hold stands
+        rig.runner.resume(TASK)
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason != held, within=3600)
+        await trio.sleep(60)
+        view = rig.runner.show(TASK)
+        assert (view.classification, view.hold_reason) == (HELD, "survivors:1")
+        assert rig.workers.launched == []
+        records = await rig.records()
+        assert actions(records, "reserve") == []  # nothing charged for a launch not made
+
+
 async def _append_lane_record(tmp_path: Path, clocks: Clocks, rel: str, record: Record) -> None:
     from runtime._journal._store import open_store
 
@@ -132,6 +200,154 @@ async def test_wd8_an_exit_after_the_completion_prompt_holds_as_the_core_decided
         assert rig.workers.launched == [1]
         records = await rig.records()
         assert len([r for r in records if isinstance(r, ContinuationSent)]) == 1
+
+
+async def test_wd8_each_completion_prompt_of_an_epoch_is_its_own_so_a_reply_cannot_strand_it(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """WD8, TL5: the worker settles without a terminal and gets its completion prompt; it
+    answers with ``task_wait``, the user replies in the same epoch (the reply wakes the count
+    of completion prompts), and the worker settles on the reply without a terminal again.
+    The second completion prompt is a prompt of its own (``e1/completion2``), sent — not
+    taken for the first by its marker and dropped, which left a live idle worker disarmed in
+    ``NeedsFinalization`` with nothing to end it — and the task ends done in the one epoch."""
+    behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}  # the reply comes mid-turn
+    steps: list[Step] = [
+        say("I think I am done"), wait(), say("I asked"), say("worked on it, no tool"),
+        done(), say(),
+    ]  # fmt: skip
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.ended(TASK, within=3600)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert rig.workers.launched == [1]
+    sent = [r.action_id for r in records if isinstance(r, ContinuationSent)]
+    prefix = f"{TASK}/g1/a1"
+    assert sent == [f"{prefix}/e1/completion", f"{prefix}/reply1", f"{prefix}/e1/completion2"]
+    assert actions(records, "hold") == []
+
+
+async def test_wd8_a_completion_prompt_its_marker_says_was_sent_holds_never_waits_forever(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """WD8, WD12, TL5: a completion prompt the core asked for whose marker the session
+    already shows (here the task's own prompt quotes it) is not sent a second time — and the
+    idle, disarmed worker is not left waiting for a prompt that never comes: the task holds,
+    naming the prompt, for the operator, whose resume continues it."""
+    quoted = continuation_marker(f"{TASK}/g1/a1/e1/completion")
+    async with open_rig(tmp_path, clocks, [say("I think I am done"), done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(f"do the task\n{quoted}"))
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD, within=3600)
+        view = rig.runner.show(TASK)
+        assert view.hold_reason == f"prompt_already_sent:{TASK}/g1/a1/e1/completion"
+        assert rig.workers.launched == [1]
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK, within=3600)
+    assert ended.state == "done"
+    assert rig.workers.launched == [1, 2]
+
+
+# --------------------------------- TL2, WD8: a worker that dies before its prompt is an exit
+
+
+@pytest.mark.parametrize("action", ["exit:1", "kill"])
+async def test_wd8_a_worker_that_exits_before_it_answers_its_prompt_is_replaced_not_failed(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock, action: str
+) -> None:
+    """WD8, TL2, TL11: the first worker dies before it answers the task's prompt. That is an
+    exit like any other — not the lane's failure (``task_lane_failed``) — so the task gets a
+    replacement within the budget, whose continuation carries the task (no worker heard
+    it: it is not in the session), and ends done; the worker's error is logged by code."""
+    behaviours = {1: Behaviours(at={"prompt:1": action})}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec("paint the shed blue"))
+        ended = await rig.ended(TASK, within=3600)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert rig.workers.launched == [1, 2]
+    assert len(actions(records, "reserve")) == 1  # a replacement, charged
+    (sent,) = [r for r in records if isinstance(r, ContinuationSent)]
+    assert sent.epoch == 2
+    assert "paint the shed blue" in _user_texts(rig)[0]  # the continuation carries the task
+    assert [line for line in rig.lines if "exited before it answered its prompt" in line]
+    assert [line for line in rig.lines if "worker_launch_failed" in line]
+
+
+async def test_wd11_replacements_that_die_before_their_prompt_are_each_charged_until_it_holds(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """WD11, TL6: every worker dies before it answers its prompt. Each replacement is
+    charged (the continuation a dead worker never answered is spent, its marker recorded:
+    the next is its own), so the budget runs out and the task holds — it never loops on
+    one reserve for free, and never fails its lane."""
+    behaviours = {n: Behaviours(at={"prompt:1": "exit:1"}) for n in range(1, 6)}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD, within=3600)
+        view = rig.runner.show(TASK)
+        records = await rig.records()
+        assert view.hold_reason == "budget_exhausted:epochs"
+        assert rig.workers.launched == [1, 2, 3, 4]
+        assert len(actions(records, "reserve")) == 3
+        sent = [r.action_id for r in records if isinstance(r, ContinuationSent)]
+        assert sent == [f"{TASK}/g1/a1/c{n}/prompt" for n in (1, 2, 3)]
+        await rig.runner.abort(TASK)
+
+
+async def test_tl2_a_launch_that_fails_in_the_workers_open_is_an_exit_not_a_lane_failure(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL2, TL11, WD8: the first epoch's launch fails inside ``workers.open`` (the worker
+    exited during its launch, ``worker_launch_failed``): the epoch ends as an exit — its
+    launch recorded failed, with the code — and a replacement finishes the task."""
+    opened = InProcessWorkers.open
+
+    @contextlib.asynccontextmanager
+    async def failing_launch(self: InProcessWorkers, request: EpochRequest) -> Any:
+        if request.number == 1:
+            await trio.lowlevel.checkpoint()
+            raise WorkerError(ReasonCode.WORKER_LAUNCH_FAILED, "the worker exited during launch")
+        async with opened(self, request) as worker:
+            yield worker
+
+    monkeypatch.setattr(InProcessWorkers, "open", failing_launch)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.ended(TASK, within=3600)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert [r.epoch for r in records if isinstance(r, EpochFenced)] == [1, 2]
+    launches = {a.action_id: a for a in actions(records, "launch")}  # each as it ended
+    found = [(a.detail["epoch"], a.state, a.detail.get("code")) for a in launches.values()]
+    assert found == [(1, "failed", "worker_launch_failed"), (2, "done", None)]
+    assert [line for line in rig.lines if "prompt, so it is replaced: worker_launch_fa" in line]
+
+
+async def test_lk8_a_reply_whose_worker_exits_before_it_answers_reaches_the_replacement_once(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """LK8, WD8, WD11: the user's reply starts epoch 2, whose worker dies before it answers
+    the reply's prompt. The reply is not lost and not resent for free in a loop: a charged
+    replacement's continuation carries it, once, and the task ends done."""
+    behaviours = {2: Behaviours(at={"prompt:1": "exit:1"})}
+    steps: list[Step] = [wait(), say("I asked"), done(), say()]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await rig.until(lambda: not rig.runner.lane(TASK).live)  # the worker is stopped (TL9)
+        await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.ended(TASK, within=3600)
+        records = await rig.records()
+    assert ended.state == "done"
+    assert rig.workers.launched == [1, 2, 3]
+    assert _replies_sent(rig, "the blue one") == 1
+    assert len(actions(records, "reserve")) == 1
 
 
 # ----------------------------------------------------------- WD12: a hold outlives the host

@@ -305,6 +305,43 @@ async def test_wd11_budget_exhaustion_holds_and_a_grant_charges_once(
         assert rig.runner.show(TASK).budget["epochs_used"] == 4
 
 
+async def test_wd11_a_hold_for_spent_recovery_seconds_ends_the_recovery_a_resume_needs_a_grant(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """WD11: the relaunched worker never progresses, so its recovery outlasts the seconds
+    left and the task holds ``budget_exhausted:recovery_seconds`` with that worker alive.
+    The hold ends the recovery: its seconds are charged at once (``task show`` says so), so
+    the operator's resume is refused by the budget guard (``guard:budget_left``) — nothing
+    launched, nothing charged, no overdue recovery handed to a new worker — until a grant;
+    then the resume starts a recovery of its own and the task ends done."""
+    behaviours = {
+        1: Behaviours(at={"before_model:1": "hang"}),  # fenced after hard + grace
+        2: Behaviours(at={"agent_start:1": "hang"}),  # relaunched, never progresses
+    }
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        spent = "budget_exhausted:recovery_seconds"
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == spent)
+        view = rig.runner.show(TASK)
+        assert rig.runner.lane(TASK).live  # holding never kills (TL9)
+        assert view.budget["seconds_left"] == 0
+        records = await rig.records()
+        (charged,) = [
+            r for r in records if isinstance(r, OutboxAction) and r.kind == "recovery_time"
+        ]
+        assert charged.detail["seconds"] >= 1800
+        rig.runner.resume(TASK)
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == "guard:budget_left")
+        await trio.sleep(3600)
+        assert rig.workers.launched == [1, 2]
+        assert rig.runner.show(TASK).budget["epochs_used"] == 1
+        await rig.runner.grant(TASK, seconds=600, reason="one more look")
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK)
+    assert ended.state == "done"
+    assert rig.workers.launched == [1, 2, 3]
+
+
 async def test_wd11_a_charge_made_while_a_grant_is_written_is_not_refunded(
     tmp_path: Path,
     clocks: Clocks,
