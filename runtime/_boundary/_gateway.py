@@ -183,10 +183,7 @@ def is_terminal(payload: str) -> bool:
         return False
     if chunk.get("usage") is not None:
         return True
-    choices = chunk.get("choices")
-    if isinstance(choices, list):
-        return any(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
-    return False
+    return _any_choice(chunk, lambda choice: choice.get("finish_reason") is not None)
 
 
 def is_upstream_error(payload: str) -> bool:
@@ -204,10 +201,13 @@ def is_upstream_error(payload: str) -> bool:
         return False
     if chunk.get("error") is not None:
         return True
+    return _any_choice(chunk, lambda choice: choice.get("finish_reason") == "error")
+
+
+def _any_choice(chunk: dict[str, Any], test: Callable[[dict[str, Any]], bool]) -> bool:
+    """Whether a choice of the decoded ``chunk`` passes ``test``."""
     choices = chunk.get("choices")
-    if isinstance(choices, list):
-        return any(isinstance(c, dict) and c.get("finish_reason") == "error" for c in choices)
-    return False
+    return isinstance(choices, list) and any(isinstance(c, dict) and test(c) for c in choices)
 
 
 @dataclass
