@@ -128,8 +128,9 @@ class LaneHost:
     text_update_chars: int
     emit: Callable[[RoomEvent], None]
     finished: Callable[[Pending], None]
-    reserve_worker: Callable[[Lane], Any]
-    release_worker: Callable[[Lane], None]
+    reserve_worker: Callable[[Lane, Slot], Any]
+    """Wait for a live-worker place for one of the lane's worker slots (L8)."""
+    release_worker: Callable[[Lane, Slot], None]
     lane_idle: Callable[[Lane], None]
     """Called when a lane's delivery ends: its live worker may now be stopped for another (L8)."""
     lane_gone: Callable[[Lane], None]
@@ -213,8 +214,13 @@ class Lane:
 
     @property
     def waiting(self) -> int:
-        """Deliveries queued or running here (the queue limit counts them)."""
-        return len(self.queue) + self.busy
+        """Deliveries queued or running here (the queue limit counts them, L4) — those
+        steered into the running turn too (or, at recovery, into a queued owner's replay):
+        they wait on their owner, and one that answers nothing hands them all back to the
+        queue (L10). (The queue is at most the limit long.)"""
+        current = self.current
+        queued = len(self.queue) + sum(len(p.absorbed) for p in self.queue)
+        return queued + (0 if current is None else 1 + len(current.absorbed))
 
     def submit(self, pending: Pending, *, front: bool = False) -> None:
         (self.queue.appendleft if front else self.queue.append)(pending)
@@ -258,7 +264,9 @@ class Lane:
                 return False
             owner.absorbed += (item,)
             pending.absorbed_into = owner.delivery_id
-            await turn.send_steer(item)
+            if turn.caught_up:
+                await turn.send_steer(item)
+            # else a replay is below its last answered step: sent once it reached it (L10)
             return True
 
     async def cancel(self, delivery_id: str) -> bool:
@@ -356,6 +364,7 @@ class Lane:
             if refused is None
             else ReasonCode.RECOVERY_REFUSED.at(refused)
         )
+        self._requeue_absorbed(pending)
         try:
             await self.host.outbox.publish(
                 delivery_id=pending.delivery_id,
@@ -369,6 +378,17 @@ class Lane:
                 await self._give_up()
             return
         self.host.finished(pending)
+
+    def _requeue_absorbed(self, owner: Pending) -> None:
+        """The deliveries steered into ``owner`` (live, or attached to its replay at
+        recovery) when it ends without an answer and without :meth:`_settle_absorbed` — its
+        journal failed (L17): each runs as its own turn next, in arrival order (L10), else
+        it would be neither queued nor finished until a restart."""
+        retry = [item.pending for item in owner.absorbed]
+        owner.absorbed = ()
+        for steered in reversed(retry):
+            steered.absorbed_into = None
+            self.submit(steered, front=True)
 
     async def _idle(self) -> None:
         self._wake = trio.Event()
@@ -532,7 +552,10 @@ class Lane:
                     branch = True  # PB1: parked; the same turn again, from the journal
                     continue
                 end = ended
-                await self._fsync(slot.session)
+                try:
+                    await self._fsync(slot.session)
+                except OSError:  # L18: the leaf it would name cannot be made durable (EIO):
+                    return self._refused("session")  # this delivery ends, as _leaf's do
                 if boundaries.steps.mismatch is not None:  # G13: the replay diverged
                     return self._refused("replay")
                 try:
@@ -872,11 +895,19 @@ class Lane:
         )
         return GateResult.text("sent")
 
-    async def reserve_worker(self) -> None:
-        await self.host.reserve_worker(self)
+    async def reserve_worker(self, slot: Slot) -> None:
+        await self.host.reserve_worker(self, slot)
 
-    def release_worker(self) -> None:
-        self.host.release_worker(self)
+    def release_worker(self, slot: Slot) -> None:
+        self.host.release_worker(self, slot)
+
+    def idle_worker(self, slot: Slot) -> bool:
+        """Whether ``slot``'s live worker may be stopped for another's place (L8): the
+        room's own worker while no delivery of its authority runs in it — the lane idle, or
+        running a privileged delivery in its one-shot worker. A one-shot worker lives only
+        while its delivery runs, so it is never idle."""
+        current = self.current
+        return slot is self._room and (current is None or current.privileged)
 
     def lane_log_failed(self, error: JournalError) -> None:
         """An epoch's end could not be recorded: under a lease another host claimed, the

@@ -29,11 +29,12 @@ class SlotOwner(Protocol):
     @property
     def log(self) -> Log | None: ...
     def launch(self, session: Path) -> WorkerLaunch: ...
-    async def reserve_worker(self) -> None:
-        """Wait for a worker slot of the host (L8)."""
+    async def reserve_worker(self, slot: Slot) -> None:
+        """Wait for a live-worker place of the host for ``slot``'s worker (L8): each worker
+        counts, a one-shot one beside its room's warm one too."""
         ...
 
-    def release_worker(self) -> None: ...
+    def release_worker(self, slot: Slot) -> None: ...
     def now_ms(self) -> int: ...
     def lane_log_failed(self, error: JournalError) -> None:
         """An append to the lane's log failed after the epoch started (its end's record)."""
@@ -133,7 +134,7 @@ class Slot:
             return self.live
         assert self.boundaries is not None
         lane = self.lane
-        await lane.reserve_worker()
+        await lane.reserve_worker(self)
         lane.epochs += 1
         number = lane.epochs
         self.boundaries.begin_epoch(number)
@@ -141,7 +142,7 @@ class Slot:
         try:
             self.live = await nursery.start(self._run_epoch, launch, number)
         except BaseException:
-            lane.release_worker()
+            lane.release_worker(self)
             raise
         return self.live
 
@@ -180,7 +181,7 @@ class Slot:
                 live.ended.set()
             if self.live is live:
                 self.live = None
-            lane.release_worker()
+            lane.release_worker(self)
 
     def request_stop(self) -> None:
         if self.live is not None:

@@ -101,10 +101,16 @@ class Turn:
         self._first_token = False
         self.stalled = False
         """The backstop fired: the turn is ``turn_stalled`` whatever the worker does next."""
-        self._abort_scope = trio.CancelScope()
+        self._abort_scopes: list[trio.CancelScope] = []
+        """One scope per abort sent (L13, L20): a turn can abort twice — cancelled while its
+        worker launched, then stalled — and a Trio scope may be entered only once."""
+        self._aborts_dropped = False
+        """The turn ended: an abort not yet begun is dropped at once."""
         self.replay_upto = -1
         """The last step the journal answers (a replay asks them again first): a steer never
         seen before the crash is sent again only once that step is answered (L10)."""
+        self._asked_upto = -1
+        """The highest step whose request :meth:`on_request` saw in this attempt."""
 
     def _now(self) -> float:
         return self.host.clocks.silence.read().boottime
@@ -145,7 +151,7 @@ class Turn:
                     died = error
                 nursery.cancel_scope.cancel()
         finally:
-            self._abort_scope.cancel()  # an abort still unanswered is dropped, not awaited
+            self._drop_aborts()  # an abort still unanswered is dropped, not awaited
         if self.stalled and not settled:
             # L20: the worker did not settle after the stall (presumed wedged once the grace
             # ran out, or dead): the lane fences its epoch and the turn ends as the stall
@@ -180,6 +186,14 @@ class Turn:
             return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
         return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.TURN_STALLED)
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether a steer may be sent now: no replay, or the replay has reached its last
+        answered step. Below it, a steer would change the next replayed request, which the
+        journal then no longer answers (G13, ``recovery_refused:replay``): it is held, and
+        :meth:`on_request` sends it at that step (L10)."""
+        return self._asked_upto >= self.replay_upto
+
     async def send_steer(self, item: Absorbed) -> None:
         """Steer ``item`` into this run; a dead worker is noticed by the turn itself."""
         item.sent = True
@@ -191,6 +205,7 @@ class Turn:
         seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
         now, so the next request is the same as the first time (docs/design/recovery.md)."""
         carried = _user_text(body)
+        self._asked_upto = max(self._asked_upto, step)  # (a steer arriving now may be sent)
         for item in self.pending.absorbed:
             if item.first_step is None and item.text in carried:
                 item.first_step = step
@@ -261,9 +276,25 @@ class Turn:
         events.cancel()  # no agent_settled: presumed wedged
 
     async def _abort(self) -> None:
-        """``abort``, dropped when the turn ends first; a broken channel is the turn's to see."""
-        with self._abort_scope, contextlib.suppress(RpcError):
+        """``abort``, dropped when the turn ends first; a broken channel is the turn's to see.
+
+        Each call gets a scope of its own, kept until the turn ends: the turn's own abort (a
+        cancel that came while the worker launched, L13) may still be unanswered when the
+        backstop sends its own (L20), and re-entering one scope would raise in the lane's
+        nursery — the host's."""
+        scope = trio.CancelScope()
+        self._abort_scopes.append(scope)
+        if self._aborts_dropped:  # started after the turn ended: nothing to send
+            scope.cancel()
+        with scope, contextlib.suppress(RpcError):
             await self.rpc.abort()
+
+    def _drop_aborts(self) -> None:
+        """The turn ended: every abort still unanswered is dropped, and any started later."""
+        self._aborts_dropped = True
+        for scope in self._abort_scopes:
+            scope.cancel()
+        self._abort_scopes.clear()
 
     async def _keep_typing(self) -> None:
         await self.typing.wait()

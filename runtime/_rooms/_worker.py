@@ -31,6 +31,7 @@ readers in one ``seq`` order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -104,6 +105,7 @@ from ._retention import (
     plan_shared_compaction,
     remove_step_journals,
 )
+from ._slot import Slot
 
 __all__ = ["Accepted", "RoomStatus", "RoomWorker", "open_room_worker", "request_cancel"]
 
@@ -117,6 +119,15 @@ Known = tuple[str, str]
 """A delivery this host knows was admitted: ``(its request fingerprint, its room)``. A plain
 tuple of two strings, one per delivery admitted: the collector stops tracking an exact tuple
 of untracked values at its first pass (not a NamedTuple, which it always tracks)."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _InFlight:
+    """An admission being appended (:meth:`RoomWorker.deliver`): set ``done`` once its
+    append ended; ``error`` is why it failed, when it did."""
+
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    error: Exception | None = None
 
 
 class RoomWorker:
@@ -139,7 +150,9 @@ class RoomWorker:
         self._admitting = True
         self._events_in, self._events_out = trio.open_memory_channel[RoomEvent](EVENT_BUFFER)
         self.dropped_events = 0
-        self._live: set[Lane] = set()
+        self._live: dict[Slot, Lane] = {}
+        """Each live worker's slot (L8), and its lane: a lane may have two, its room's
+        worker and a privileged delivery's one-shot one."""
         self._live_changed = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -162,6 +175,9 @@ class RoomWorker:
         self._being_admitted: dict[str, int] = {}
         """Per room, this host's admissions between their queue-limit check and the end of
         their append: the limit counts them, so admissions at once cannot pass it together."""
+        self._ordinary_admitting: dict[str, int] = {}
+        """Per room, those of :attr:`_being_admitted` that are not privileged: they will run
+        in the room's session, so a delivery after them is warm (L3)."""
         self._expired_upto = 0
         """Retention (RT2): every result before this index of the publication order has no
         step journal left."""
@@ -185,6 +201,9 @@ class RoomWorker:
         heard: a refused claim's wait is kept only if none was heard while it was read."""
         self._cancels: set[str] = set()
         """Deliveries another host was asked to cancel (S26), not finished when last read."""
+        self._in_flight: dict[str, _InFlight] = {}
+        """Admissions of this host whose append is under way, by delivery id: a duplicate
+        waits for the append and gets its outcome (L1, L2)."""
 
     # -- the API -----------------------------------------------------------------------
 
@@ -211,6 +230,14 @@ class RoomWorker:
             raise DeliveryError(ReasonCode.ROOM_REFUSED, f"room {delivery.room} is not served here")
         grants, privileged = authority
         prints = fingerprints(delivery, grants=grants, settings=self._settings_print(grants))
+        while (flight := self._in_flight.get(delivery.delivery_id)) is not None:
+            # L1, L2: the same id is being admitted right now. Nothing is admitted until that
+            # append is durable, so this one is not "duplicate" yet: it waits, and gets the
+            # append's failure too — else a client is told "accepted" for nothing admitted.
+            # (The first caller cancelled: nothing decided, so this one admits it itself.)
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
         known = self._known.get(delivery.delivery_id)
         if known is None:
             self._check_not_expired(delivery.delivery_id)
@@ -232,7 +259,11 @@ class RoomWorker:
                 ReasonCode.QUEUE_FULL,
                 f"room {delivery.room} already has {caps.queue_limit} deliveries waiting",
             )
-        cold = privileged or (room not in self._warm and not waiting)
+        # L3: warm only when the room's session holds (or an ordinary delivery before this
+        # one will bring it) the conversation. A privileged delivery runs in a one-shot
+        # session (L6): it warms nothing, so one waiting or admitted meanwhile does not count
+        ordinary_ahead = self._ordinary_admitting.get(room, 0) > 0
+        cold = privileged or (room not in self._warm and not ordinary_ahead)
         admission = Admission(
             delivery_id=delivery.delivery_id,
             lane=lane_key(room),
@@ -243,17 +274,23 @@ class RoomWorker:
         )
         self._known[delivery.delivery_id] = (prints.request, delivery.room)
         self._being_admitted[room] = self._being_admitted.get(room, 0) + 1
+        if not privileged:
+            self._ordinary_admitting[room] = self._ordinary_admitting.get(room, 0) + 1
+        flight = self._in_flight[delivery.delivery_id] = _InFlight()
         try:
             first = await self._append_admission(admission, room, privileged)
-        except BaseException:
+        except BaseException as error:
             if delivery.delivery_id not in self._admissions:  # (RT11: or forgotten as expired)
                 self._known.pop(delivery.delivery_id, None)
+                if isinstance(error, Exception):  # (not a cancel of this caller's own)
+                    flight.error = error
             raise
         finally:  # (counted from here on as the lane's, or as unfinished when shared)
-            if (left := self._being_admitted[room] - 1) == 0:
-                del self._being_admitted[room]
-            else:
-                self._being_admitted[room] = left
+            del self._in_flight[delivery.delivery_id]
+            flight.done.set()
+            _count_down(self._being_admitted, room)
+            if not privileged:  # (a room warm from now on, when admitted: _learn_admission)
+                _count_down(self._ordinary_admitting, room)
         if first is not admission:  # another host admitted it first (S21)
             if first.fingerprints.request != prints.request:
                 raise DeliveryError(
@@ -473,26 +510,32 @@ class RoomWorker:
         except trio.WouldBlock:
             self.dropped_events += 1
 
-    async def _reserve_worker(self, lane: Lane) -> None:
-        """Wait for a live-worker slot (L8): the least recently used idle lane stops."""
+    async def _reserve_worker(self, lane: Lane, slot: Slot) -> None:
+        """Wait for a live-worker place for ``slot`` of ``lane`` (L8): the least recently
+        used idle worker stops. Counted per worker, not per lane: a privileged delivery's
+        one-shot worker beside its room's warm one is a second worker, and its end must not
+        free the place of the one still running."""
         cap = self.config.caps.max_live_workers
-        while lane not in self._live and len(self._live) >= cap:
-            idle = [other for other in self._live if not other.busy]
+        while slot not in self._live and len(self._live) >= cap:
+            idle = [other for held, other in self._live.items() if other.idle_worker(held)]
             if idle:
                 min(idle, key=lambda other: other.last_used).stop_worker()
             changed = self._live_changed
             await changed.wait()
-        self._live.add(lane)
+        self._live[slot] = lane
 
-    def _release_worker(self, lane: Lane) -> None:
-        self._live.discard(lane)
+    def _release_worker(self, lane: Lane, slot: Slot | None = None) -> None:
+        """``slot``'s worker ended (L8); ``None``: every worker of ``lane`` (it is gone)."""
+        for held in [s for s, owner in self._live.items() if owner is lane]:
+            if slot is None or held is slot:
+                del self._live[held]
         self._wake_reservations()
 
     def _lane_idle(self, lane: Lane) -> None:
         """A lane is done with a delivery — finished, or left pending by a failed write
         (L17): a reservation waiting for a slot may stop its worker, a drain look again."""
         self._idle.set()
-        if lane in self._live:
+        if lane in self._live.values():
             self._wake_reservations()
 
     def _wake_reservations(self) -> None:
@@ -768,9 +811,7 @@ class RoomWorker:
         self._known[record.delivery_id] = (record.fingerprints.request, room)
         if self._host.outbox.result_of(record.delivery_id) is None:
             self._unfinished.setdefault(room, {})[record.delivery_id] = None
-            if not privileged:
-                self._warm.add(room)
-        else:
+        if not privileged:  # L3: a privileged one ran in a one-shot session (L6)
             self._warm.add(room)
         if room in self._ready:  # another host admitted into a lane held here
             self._nursery.start_soon(self._reconcile, room)
@@ -823,6 +864,18 @@ class RoomWorker:
             delivery = msgspec.convert(record.request, Delivery)
             grants = self.config.grants_for(delivery.room, delivery.author.id)
             privileged = self.config.is_privileged(delivery.room, delivery.author.id)
+            refused = self._refusal(record, delivery, grants)
+            # `pi-runtime cancel` while no server ran; another host's cancel (S26), also one
+            # learned during the awaits above — not of one steered into a run: it rides its
+            # owner's replay, as a live cancel leaves it (L10)
+            asked = record.delivery_id in cancels or record.delivery_id in self._cancels
+            cancelled = asked and record.delivery_id not in steered
+            if cancelled:
+                refused = None
+            if (refused is not None or cancelled) and await self._recorded_result(
+                record.delivery_id
+            ):
+                refused, cancelled = None, False  # its lane publishes the recorded one
             if rooms is None:
                 lane, recovering = self._lane(delivery.room), True
             else:  # claimed just now: still held after the last await? (else: claimed later)
@@ -832,14 +885,6 @@ class RoomWorker:
                     continue
                 lane = held
             pending = Pending(delivery, record, grants or frozenset(), privileged, recovering)
-            refused = self._refusal(record, delivery, grants)
-            # `pi-runtime cancel` while no server ran; another host's cancel (S26), also one
-            # learned during the awaits above — not of one steered into a run: it rides its
-            # owner's replay, as a live cancel leaves it (L10)
-            asked = record.delivery_id in cancels or record.delivery_id in self._cancels
-            cancelled = asked and record.delivery_id not in steered
-            if cancelled:
-                refused = None
             if refused is not None or cancelled:
                 self._pending[record.delivery_id] = pending
                 self._nursery.start_soon(self._refuse, lane, pending, refused)
@@ -1119,6 +1164,14 @@ class RoomWorker:
                     found[record.delivery_id] = (owner, record.text, record.first_step)
         return found
 
+    async def _recorded_result(self, delivery_id: str) -> bool:
+        """Whether a ``Result`` is already durable in the delivery's own log (the host died
+        before publishing it): recovery publishes that one (L5, docs/design/recovery.md step
+        1) — a refusal (changed settings, L11) or a cancel must not replace a turn that
+        already ended, often a paid answer, with a second, contradicting result. Read only
+        for a delivery about to be refused or cancelled."""
+        return any(isinstance(r, Result) for r in await self._log_records(delivery_id))
+
     async def _log_records(self, delivery_id: str) -> tuple[Record, ...]:
         """The records of a delivery's own log; none when its turn never began (no log) or
         the log is damaged (its lane refuses it, ``recovery_refused:journal``)."""
@@ -1196,6 +1249,14 @@ CANCELS: Final = "cancels/"
 COMPACTION_LEASE: Final = "retention:shared"
 """The lease a host holds while it compacts a shared store's logs (RT11): one at a time. No
 room is named so (a room id is ``dm:…`` or ``guild:…:…``), nor a task lane (``task:…``)."""
+
+
+def _count_down(counts: dict[str, int], room: str) -> None:
+    """One less for ``room`` in ``counts`` (the key dropped at zero)."""
+    if (left := counts[room] - 1) == 0:
+        del counts[room]
+    else:
+        counts[room] = left
 
 
 def _cancel_rel(delivery_id: str) -> str:
@@ -1344,13 +1405,13 @@ async def open_room_worker(
             assert worker is not None
             worker._emit(event)
 
-        async def reserve(lane: Lane) -> None:
+        async def reserve(lane: Lane, slot: Slot) -> None:
             assert worker is not None
-            await worker._reserve_worker(lane)
+            await worker._reserve_worker(lane, slot)
 
-        def release(lane: Lane) -> None:
+        def release(lane: Lane, slot: Slot) -> None:
             assert worker is not None
-            worker._release_worker(lane)
+            worker._release_worker(lane, slot)
 
         def lane_idle(lane: Lane) -> None:
             assert worker is not None

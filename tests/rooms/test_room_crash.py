@@ -562,6 +562,41 @@ async def test_l17_a_host_with_one_rooms_journal_failing_answers_the_others(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_l10_l17_a_message_steered_into_an_owner_poisoned_before_a_restart_runs_on_its_own(
+    kind: str, tmp_path: Path
+) -> None:
+    """L10, L17, by killing the host: d2 is steered into d1's running turn (its absorbed
+    input durable in d1's log); then d1's log fails (the tool's outcome record, EINVAL), and
+    the host is SIGKILLed right before d1's ``journal_poisoned`` result is published. The
+    next host attaches d2 to d1 (its log names it) and finds d1's log poisoned: d1 ends
+    ``journal_poisoned`` and d2, carried by no answer, runs as its own turn — never lost."""
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="the second, on its own")]
+    deliver = [message("d1", "first"), {"wait_fifo": str(started)}, message("d2", "second")]
+    # d1's writes: 1-5 up to the tool's intent, 6 d2's absorbed input, 7 the tool's outcome
+    fault = {"delivery": "d1", "nth": 7, "errno": errno.EINVAL}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            spec = {"config": config(kind, url, ("bash", "send_text_update"))}
+            first = {**spec, "deliver": deliver, "expect": 2, "fault": fault}
+            async with host(tmp_path, {**first, "pause": {"point": "poisoned_publish"}}, "a") as h:
+                steered = await h.until(lambda f: f.get("accepted", {}).get("delivery_id") == "d2")
+                await trio.to_thread.run_sync(release.write_bytes, b"go\n")
+                await h.until(lambda f: "paused" in f)
+                await h.kill()
+                before = results(h.facts)
+            asked = model.request_count
+            found = {r["delivery_id"]: r for r in await recover(tmp_path, spec, expect=2)}
+    assert steered["accepted"]["disposition"] == "steered"
+    assert before == []
+    assert asked == 1  # d1's first step only: its tool's outcome was never journaled
+    assert (found["d1"]["outcome"], found["d1"]["code"]) == ("failed", "journal_poisoned")
+    assert (found["d2"]["outcome"], found["d2"]["text"]) == ("reply", "the second, on its own")
+    assert model.request_count == 2
+    assert "second" in str(model.requests[1].body["messages"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_l19_a_host_killed_at_the_same_point_replays_three_times_then_exhausts(
     kind: str, tmp_path: Path
 ) -> None:

@@ -339,10 +339,10 @@ async def serving(plan: Sequence[Step | Alive], probe: Probe) -> AsyncIterator[U
 # ------------------------------------------------------------------------ the room worker
 
 
-def message(delivery_id: str, text: str) -> dict[str, Any]:
+def message(delivery_id: str, text: str, room: str = ROOM) -> dict[str, Any]:
     return {
         "delivery_id": delivery_id,
-        "room": ROOM,
+        "room": room,
         "author": {"id": "u1", "name": "Ann"},
         "message_id": f"m-{delivery_id}",
         "text": text,
@@ -357,13 +357,15 @@ async def room_worker(
     probe: Probe,
     grants: frozenset[str] = frozenset({"send_text_update"}),
     on_result: Callable[[DeliveryResult], None] | None = None,
+    others: Sequence[str] = (),
 ) -> AsyncIterator[tuple[RoomWorker, list[DeliveryResult]]]:
     """The room worker on Fake-Pi (a subprocess) with the default thresholds; its results
-    are collected as they are published (``on_result`` sees each one first)."""
+    are collected as they are published (``on_result`` sees each one first). ``others``:
+    more rooms it serves, with the default grants."""
     config = RoomWorkerConfig(
         agent="fake",
         model=ModelConfig(base_url=upstream.url),
-        rooms={ROOM: RoomConfig(grants=grants)},
+        rooms={ROOM: RoomConfig(grants=grants), **{room: RoomConfig() for room in others}},
     )
     results: list[DeliveryResult] = []
     async with (
@@ -1016,6 +1018,64 @@ async def test_l20_a_cancel_the_wedged_worker_ignores_ends_cancelled_once_it_is_
         await driver.wait_for(lambda: len(results) == 2, "the next delivery's result")
         assert (results[1].outcome, results[1].text) == (Outcome.REPLY, "back again")
     assert upstream.arrived == 2
+
+
+async def test_l13_l20_a_cancel_while_launching_then_a_stall_aborts_twice_and_ends_cancelled(
+    virtual_clock: trio.testing.MockClock,
+    driver: Driver,
+    probe: Probe,
+    aborts: Aborts,
+    clocks: Clocks,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L13 with L20: a delivery cancelled while its worker launches is aborted by its turn
+    once the prompt is in; the worker ignores that abort (Fake-Pi ``abort:1 = hang``) and
+    then the model is silent, so the backstop aborts the same turn a second time (ignored
+    too). Two aborts of one turn are two commands, each dropped when the turn ends — the
+    second must not kill the host: the epoch is fenced after the grace, the delivery ends
+    ``cancelled``, and another room is answered."""
+    _behaving(monkeypatch, tmp_path, Behaviours(at={"abort:1": "hang", "abort:2": "hang"}))
+    launching, go = trio.Event(), trio.Event()
+    ensure_live = _slot.Slot.ensure_live
+
+    async def held(slot: _slot.Slot, nursery: trio.Nursery) -> Any:
+        if not go.is_set():
+            launching.set()
+            await go.wait()  # the cancel comes in meanwhile: no worker to abort yet
+        return await ensure_live(slot, nursery)
+
+    monkeypatch.setattr(_slot.Slot, "ensure_live", held)
+    other = "dm:200"
+    async with (
+        serving([Alive(), Text(text="other room")], probe) as upstream,
+        room_worker(upstream, tmp_path, clocks, probe, others=[other]) as (worker, results),
+    ):
+        await worker.deliver(message("d1", "are you there?"))
+        await launching.wait()
+        await worker.cancel("d1")
+        go.set()
+        await driver.wait_for(lambda: len(aborts.sent) == 1, "the turn's own abort")
+        await driver.wait_for(
+            lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
+            "the answer to start",
+        )
+        await driver.advance(
+            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
+        )
+        assert probe.stall() is not None, "the turn was never found stalled"
+        await driver.wait_for(lambda: len(aborts.sent) == 2, "the backstop's abort")
+        await driver.advance(
+            10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
+        )
+        await driver.wait_for(lambda: len(results) == 1, "the cancelled turn's result")
+        await worker.deliver(message("e1", "hello", room=other))
+        await driver.wait_for(lambda: len(results) == 2, "the other room's result")
+    assert [(r.delivery_id, r.outcome, r.text) for r in results] == [
+        ("d1", Outcome.CANCELLED, None),
+        ("e1", Outcome.REPLY, "other room"),
+    ]
+    assert len(aborts.fenced) == 1
 
 
 async def test_l20_a_bash_timeout_above_the_cap_leases_only_the_cap(

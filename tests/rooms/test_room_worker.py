@@ -51,7 +51,8 @@ from runtime._records import (
 from runtime._rooms._admission import changed_settings, route_endpoint, settings_fingerprint
 from runtime._rooms._lane import Lane
 from runtime._rooms._pending import Pending
-from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._rooms._turn import Turn
+from runtime._rooms._worker import RoomWorker, open_room_worker, request_cancel
 from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, Typing
 
 from .._cancelling import cancelled_once
@@ -171,6 +172,34 @@ async def test_l3_a_rooms_deliveries_run_in_order_and_the_warm_lane_gets_no_back
     assert second[2]["content"] == "first"
 
 
+async def test_l3_l6_an_ordinary_delivery_after_a_privileged_one_is_cold_and_gets_the_backlog(
+    tmp_path: Path,
+) -> None:
+    """L3, L6: a room's first delivery is privileged (it runs in a one-shot session); an
+    ordinary one arriving while it runs is queued behind it, and is still the room
+    session's first: a cold prompt, with the backlog — the one-shot session is not the
+    room's, so nothing before it holds the conversation there."""
+    history = [{"author": {"id": "u9", "name": "Bob"}, "text": "BACKLOG-LINE"}]
+    started, release, waiting = waiting_bash(tmp_path)
+    rooms = {ROOM: RoomConfig(actors={"boss": frozenset({"bash"})})}
+    steps: list[Step] = [waiting, Text(text="boss done"), Text(text="for u1")]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            open_room_worker(config("fake", url, rooms=rooms), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1", author_id="boss", history=history))
+            await trio.to_thread.run_sync(started.read_bytes)  # its one-shot worker runs
+            queued = await worker.deliver(message("d2", "two", history=history))
+            await trio.to_thread.run_sync(release.write_bytes, b"go\n")
+            results = await next_results(worker, 2)
+    assert queued.disposition == "queued"
+    assert [(r.delivery_id, r.text) for r in results] == [("d1", "boss done"), ("d2", "for u1")]
+    last = model.requests[-1].body["messages"]
+    assert [m["role"] for m in last] == ["system", "user"]  # the room session's first turn
+    assert "BACKLOG-LINE" in str(last[-1])
+
+
 async def test_l4_l6_refusals_admit_nothing(tmp_path: Path) -> None:
     """L4: a full room queue refuses with queue_full. L6: a room outside the configured
     table is refused, an invalid room id or delivery is invalid; none is admitted."""
@@ -198,6 +227,83 @@ async def test_l4_l6_refusals_admit_nothing(tmp_path: Path) -> None:
                 with pytest.raises(DeliveryError) as unknown:
                     await worker.cancel("zzz")
                 assert unknown.value.code is ReasonCode.DELIVERY_UNKNOWN
+
+
+async def test_l1_l2_a_duplicate_of_an_admission_in_flight_gets_its_outcome_its_error_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L1, L2: a second ``deliver`` of the same id arrives while the first's admission is
+    still being appended. It is not ``duplicate`` yet — nothing is admitted until that
+    append is durable: it waits for it, and when the append fails it fails the same way (a
+    client told "accepted" would wait for a result that never comes)."""
+    fault = Fault("write", 2, "before", errno.EINVAL, path_contains="admissions")  # 1: header
+    faulty = FaultyFileSystem(OsFileSystem(), fault)
+    append = RoomWorker._append_admission
+    appending, go = trio.Event(), trio.Event()
+
+    async def held(self: RoomWorker, *args: Any) -> Any:
+        if not go.is_set():
+            appending.set()
+            await go.wait()  # the duplicate comes in meanwhile
+        return await append(self, *args)
+
+    monkeypatch.setattr(RoomWorker, "_append_admission", held)
+    outcomes: dict[str, str] = {}
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Text(text="hi")]) as (model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path, fs=faulty) as w,
+        ):
+
+            async def deliver(name: str) -> None:
+                try:
+                    outcomes[name] = (await w.deliver(message("d1"))).disposition
+                except Exception as error:  # the outcome under test
+                    outcomes[name] = f"{type(error).__name__}: {getattr(error, 'code', '')}"
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(deliver, "first")
+                await appending.wait()
+                nursery.start_soon(deliver, "second")
+                await trio.testing.wait_all_tasks_blocked()
+                go.set()
+            pending, result = w.pending(), w.result_of("d1")
+    assert [hit.fault for hit in faulty.hits] == [fault]
+    assert outcomes["first"].startswith("JournalError"), outcomes
+    assert outcomes["second"] == outcomes["first"]  # not "duplicate" of nothing admitted
+    assert (pending, result, model.request_count) == ([], None, 0)
+
+
+async def test_l4_l10_steered_deliveries_count_toward_the_queue_limit(tmp_path: Path) -> None:
+    """L4, L10: with a queue limit of 2, a running turn and one delivery steered into it
+    fill the room: the next are ``queue_full``. (Steered deliveries wait on their owner: one
+    that answers nothing hands them back to the queue, which must not then hold more than
+    the limit.) The owner fails; the steered one runs as its own turn."""
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, HttpError(status=400, message="no"), Text(text="t0")]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    got: list[str] = []
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(
+                config("fake", url, rooms=rooms, caps=Caps(queue_limit=2)), base_dir=tmp_path
+            ) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            await trio.to_thread.run_sync(started.read_bytes)  # d1's tool runs
+            for n in range(3):
+                try:
+                    got.append((await worker.deliver(message(f"s{n}", f"text {n}"))).disposition)
+                except DeliveryError as refused:
+                    got.append(str(refused.code))
+            await trio.to_thread.run_sync(release.write_bytes, b"go\n")
+            results = await next_results(worker, 2)
+    assert got == ["steered", "queue_full", "queue_full"]
+    assert [(r.delivery_id, r.outcome, r.code) for r in results] == [
+        ("d1", Outcome.FAILED, "model_failed"),
+        ("s0", Outcome.REPLY, None),
+    ]
 
 
 async def test_l4_admissions_at_once_do_not_pass_the_queue_limit_together(
@@ -383,6 +489,42 @@ async def test_l8_live_workers_are_capped_least_recently_used_stops(tmp_path: Pa
     assert [type(r).__name__ for r in first_lane] == ["EpochStarted", "EpochFenced"]
 
 
+async def test_l8_the_cap_counts_a_privileged_one_shot_worker_beside_its_rooms_warm_one(
+    tmp_path: Path,
+) -> None:
+    """L8, L6: with one live worker allowed, a privileged delivery (a one-shot worker) in a
+    room whose own worker is warm needs a slot of its own: the room's idle worker is stopped
+    before the one-shot one starts. When the one-shot worker ends, another room's worker
+    starts — and the first room's is not still running beside it."""
+    rooms = {ROOM: RoomConfig(actors={"boss": frozenset({"read"})}), OTHER: RoomConfig()}
+    steps = [Text(text="a"), Text(text="b"), Text(text="c")]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            cfg = config("fake", url, rooms=rooms, caps=Caps(max_live_workers=1))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))  # the room's worker, kept warm
+                (first,) = await next_results(worker, 1)
+                await worker.deliver(message("d2", author_id="boss"))  # a one-shot worker
+                (second,) = await next_results(worker, 1, after=first.seq)
+                await worker.deliver(message("e1", room=OTHER))
+                (third,) = await next_results(worker, 1, after=second.seq)
+                room_epochs = await _lane_epochs(worker)
+                live = [s.room for s in worker.status() if s.live_worker]
+    assert [(r.delivery_id, r.text) for r in (first, second, third)] == [
+        ("d1", "a"),
+        ("d2", "b"),
+        ("e1", "c"),
+    ]
+    # the room's epoch 1 ended before the one-shot epoch 2 started, which ended too
+    assert [(type(r).__name__, r.epoch) for r in room_epochs] == [
+        ("EpochStarted", 1),
+        ("EpochFenced", 1),
+        ("EpochStarted", 2),
+        ("EpochFenced", 2),
+    ]
+    assert live == [OTHER]
+
+
 async def test_l8_rooms_waiting_for_a_slot_get_it_when_a_turn_ends(tmp_path: Path) -> None:
     """L8: three rooms admitted at once with one live worker allowed: the second and third
     wait while the first turn runs, and each gets the slot when the turn before it ends
@@ -400,6 +542,51 @@ async def test_l8_rooms_waiting_for_a_slot_get_it_when_a_turn_ends(tmp_path: Pat
 
 
 # ------------------------------------------------------------------------------ steering
+
+
+async def test_l9_l10_a_message_steered_while_a_replay_catches_up_is_sent_once_it_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L9, L10: d1's worker is killed in its second tool round, and the turn is replayed;
+    while the replay is still below its last answered step (step 0 answered from the
+    journal, step 1 not yet asked again), d2 is steered into it. It is journaled at once
+    but sent only once the replay has caught up: the replayed step 1 is the journal's (no
+    ``recovery_refused:replay``, G13), and the next request carries d2 — one reply, d2
+    absorbed into it."""
+    started, _release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": "echo one"}, id="c0")]),
+        waiting,  # step 1: its worker is killed while this tool runs
+        Text(text="final answer"),
+        Text(text="never asked"),
+    ]
+    steered: list[str] = []
+    on_request = Turn.on_request
+
+    async def steering(self: Turn, body: dict[str, Any], step: int, replayed: bool) -> None:
+        await on_request(self, body, step, replayed)
+        if replayed and step == 0 and not steered:  # the replay is below its step 1
+            steered.append((await worker.deliver(message("d2", "also this"))).disposition)
+
+    monkeypatch.setattr(Turn, "on_request", steering)
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            open_room_worker(config("fake", url, rooms=rooms), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            await trio.to_thread.run_sync(started.read_bytes)  # step 1's tool runs
+            (first,) = [r for r in await _lane_epochs(worker) if isinstance(r, EpochStarted)]
+            os.kill(first.pid, signal.SIGKILL)
+            results = await next_results(worker, 2)
+    assert steered == ["steered"]
+    assert [(r.delivery_id, r.outcome, r.code, r.text, r.absorbed_into) for r in results] == [
+        ("d1", Outcome.REPLY, None, "final answer", None),
+        ("d2", Outcome.ABSORBED, None, None, "d1"),
+    ]
+    assert model.request_count == 3  # steps 0 and 1 once each (replayed), then step 2
+    assert "also this" in str(model.requests[-1].body["messages"])
 
 
 @pytest.mark.parametrize("kind", ["fake", "pi"])
@@ -469,6 +656,49 @@ async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
                 asked = model.request_count
     assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.FAILED, code)
     assert asked == model.request_count
+
+
+@pytest.mark.parametrize("change", ["persona", "cancel"])
+async def test_l5_a_recorded_result_is_published_at_start_though_changed_or_cancelled(
+    change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L5, recovery.md step 1: d1's ``Result`` (a paid reply) is durable in its log, and the
+    host stops before publishing it. The next start publishes that result — even with a
+    changed persona (which refuses an unfinished turn, L11) or a cancel requested while no
+    server ran: neither may write and publish a second, contradicting result."""
+    publish = Lane._publish
+    held = trio.Event()
+
+    async def stuck(self: Lane, pending: Pending, result: Result) -> None:
+        held.set()
+        await trio.sleep_forever()  # the host stops here: recorded, not published
+
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="the paid answer")]) as (model, url):
+            before = config("fake", url)
+            monkeypatch.setattr(Lane, "_publish", stuck)
+            async with open_room_worker(before, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await held.wait()
+            monkeypatch.setattr(Lane, "_publish", publish)
+            after = before
+            if change == "persona":
+                after = msgspec.structs.replace(before, persona="You are someone else now.")
+            else:
+                assert await request_cancel(tmp_path / "state", "d1") == "requested"
+            async with open_room_worker(after, base_dir=tmp_path) as worker:
+                (result,) = await next_results(worker, 1)
+                log = await worker.store.read_delivery_log("d1")
+    assert (result.delivery_id, result.outcome, result.code, result.text) == (
+        "d1",
+        Outcome.REPLY,
+        None,
+        "the paid answer",
+    )
+    assert [(r.outcome, r.text) for r in log.records if isinstance(r, Result)] == [
+        (Outcome.REPLY, "the paid answer")
+    ]
+    assert model.request_count == 1
 
 
 @pytest.mark.parametrize(
@@ -661,6 +891,45 @@ async def test_l17_a_failed_journal_write_mid_turn_poisons_only_that_delivery(
     assert (tmp_path / "state" / (w.store.delivery_rel("a1") + ".poison")).exists()
 
 
+async def test_l10_l17_a_delivery_steered_into_an_owner_whose_journal_fails_runs_on_its_own(
+    tmp_path: Path,
+) -> None:
+    """L10, L17: d2 is steered into d1's running turn (its absorbed input durable in d1's
+    log); then d1's log fails (the tool's outcome record) and d1 ends ``failed
+    journal_poisoned``. Its owner answered nothing, so d2 runs as its own turn next — it
+    must not be left neither queued nor finished: every delivery ends exactly once."""
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="for d2"), Text(text="never asked")]
+    grants = frozenset({"bash", "send_text_update"})
+    # d1's writes: 1-5 up to the tool's intent, 6 d2's absorbed input, 7 the tool's outcome
+    fault = Fault("write", 7, "before", errno.EINVAL, path_contains=delivery_key("d1"))
+    faulty = FaultyFileSystem(OsFileSystem(), fault)
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (_model, url),
+            open_room_worker(
+                config("fake", url, rooms={ROOM: RoomConfig(grants=grants)}),
+                base_dir=tmp_path,
+                fs=faulty,
+                sync_log=False,
+            ) as w,
+        ):
+            await w.deliver(message("d1", "first"))
+            await trio.to_thread.run_sync(started.read_bytes)  # its tool runs
+            steered = await w.deliver(message("d2", "second"))
+            assert not faulty.hits  # d2's absorbed input is durable in d1's log
+            await trio.to_thread.run_sync(release.write_bytes, b"go\n")
+            results = await next_results(w, 2)
+            pending = w.pending()
+    assert steered.disposition == "steered"
+    assert [hit.fault for hit in faulty.hits] == [fault]
+    assert [(r.delivery_id, r.outcome, r.code, r.text) for r in results] == [
+        ("d1", Outcome.FAILED, "journal_poisoned", None),
+        ("d2", Outcome.REPLY, None, "for d2"),
+    ]
+    assert pending == []
+
+
 async def test_l17_a_drain_ends_once_a_turn_ends_on_a_failed_result_write(
     tmp_path: Path,
 ) -> None:
@@ -731,6 +1000,42 @@ async def test_l18_a_damaged_session_header_fails_that_lane_closed_and_the_host_
     assert model.request_count == asked + 1  # only the other room's turn asked the model
     if when == "recovering":
         assert [r.reason for r in log.records if isinstance(r, StepAbandoned)] == ["host_restart"]
+
+
+async def test_l18_a_session_fsync_failing_after_a_turn_fails_that_delivery_and_the_host_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L18, L17: the fsync of a room's session after its turn fails (EIO) — the session the
+    result's leaf would name cannot be made durable. Only that delivery ends, ``failed
+    recovery_refused:session``; another room's delivery is answered (the host lives)."""
+    fsync = Lane._fsync
+    syncs = 0
+
+    async def failing(self: Lane, session: Path) -> None:
+        nonlocal syncs
+        if self.room == ROOM:
+            syncs += 1
+            if syncs == 2:  # after the turn (the first: the admission leaf before it)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        await fsync(self, session)
+
+    monkeypatch.setattr(Lane, "_fsync", failing)
+    rooms = {ROOM: RoomConfig(), OTHER: RoomConfig()}
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([Text(text="a"), Text(text="b")]) as (_model, url),
+            open_room_worker(config("fake", url, rooms=rooms), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (failed,) = await next_results(worker, 1)
+            await worker.deliver(message("e1", room=OTHER))
+            (other,) = await next_results(worker, 1, after=failed.seq)
+    assert (failed.delivery_id, failed.outcome, failed.code) == (
+        "d1",
+        Outcome.FAILED,
+        "recovery_refused:session",
+    )
+    assert (other.delivery_id, other.outcome, other.text) == ("e1", Outcome.REPLY, "b")
 
 
 async def test_l17_a_receipt_store_locked_past_its_retries_fails_only_that_delivery(
