@@ -34,7 +34,8 @@ What is measured:
   ``os.write`` without sync, record encoding, and the CPU time of the process
   per operation;
 * prototypes of a faster one-lane append (benchmark code, not the runtime):
-  acknowledging through a per-log eventfd, syncing inline on the Trio thread, or
+  acknowledging through a per-log eventfd (also into a log ``fallocate``d ahead, so
+  each sync is an overwrite with no size change), syncing inline on the Trio thread, or
   syncing through Linux AIO (``IOCB_CMD_FDSYNC``: the kernel's own worker, no thread
   of ours, the task waiting on an eventfd);
 * the peer: DBOS Transact 3.x with a SQLite system database in WAL mode, one
@@ -206,6 +207,7 @@ CASES: Final = (
     Case("nosync_admissions_256", "runtime, fdatasync no-op: admissions, 256", "records/s"),
     Case("proto_token_1", "prototype: thread + run_sync_soon ack, 1 lane", "steps/s"),
     Case("proto_eventfd_1", "prototype: thread + per-log eventfd ack, 1 lane", "steps/s"),
+    Case("proto_prealloc_1", "prototype: eventfd ack, fallocated log, 1 lane", "steps/s"),
     Case("proto_inline_1", "prototype: inline fdatasync on Trio, 1 lane", "steps/s"),
     Case("proto_aio_1", "prototype: write on Trio + AIO fdatasync, 1 lane", "steps/s"),
     Case("handoff", "Trio->writer thread->Trio hand-off alone", "round trips/s"),
@@ -691,6 +693,54 @@ async def proto_eventfd_case(directory: Path, seconds: float) -> Sample:
         os.close(efd)
 
 
+PREALLOCATED: Final = 1 << 20
+"""The prototype's growth step: the file is ``fallocate``d this much ahead of its frames."""
+
+
+async def proto_prealloc_case(directory: Path, seconds: float) -> Sample:
+    """As :func:`proto_eventfd_case`, into a file ``fallocate``d ahead in 1 MiB steps: each
+    frame overwrites allocated space (``pwrite`` at the logical end), so its ``fdatasync``
+    has no size change to commit — only each growth step has. (How a reader would tell the
+    zeros after the last frame from a torn one is the design question this leaves open.)"""
+    path = directory / "proto-prealloc.log"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    inbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+
+    def worker() -> None:
+        end = allocated = 0
+        while (item := inbox.get()) is not None:
+            seq, payload = item
+            frame = encode_frame(seq, [payload])
+            if end + len(frame) > allocated:
+                os.posix_fallocate(fd, allocated, PREALLOCATED)
+                allocated += PREALLOCATED
+            os.pwrite(fd, frame, end)
+            end += len(frame)
+            os.fdatasync(fd)
+            os.eventfd_write(efd, 1)
+
+    async def append(seq: int, payload: bytes) -> None:
+        inbox.put((seq, payload))
+        while True:
+            try:
+                os.eventfd_read(efd)
+                return
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(efd)
+
+    thread = threading.Thread(target=worker, name="bench-proto-prealloc", daemon=True)
+    thread.start()
+    try:
+        return await _proto_steps(seconds, append)
+    finally:
+        inbox.put(None)
+        await trio.to_thread.run_sync(thread.join)
+        os.close(fd)
+        os.close(efd)
+
+
 async def proto_inline_case(directory: Path, seconds: float) -> Sample:
     """No hand-off: write + fdatasync on the Trio thread (blocks the loop meanwhile)."""
     fd = os.open(directory / "proto-inline.log", _LOG_FLAGS, 0o600)
@@ -729,6 +779,7 @@ async def proto_aio_case(directory: Path, seconds: float) -> Sample:
 PROTOTYPES: Final[dict[str, Callable[[Path, float], Awaitable[Sample]]]] = {
     "proto_token_1": proto_token_case,
     "proto_eventfd_1": proto_eventfd_case,
+    "proto_prealloc_1": proto_prealloc_case,
     "proto_inline_1": proto_inline_case,
     "proto_aio_1": proto_aio_case,
 }
@@ -1115,6 +1166,7 @@ VS_RAW: Final = (
     ("runtime, fdatasync no-op (overhead alone)", "nosync_lanes_1"),
     ("prototype: thread + run_sync_soon ack", "proto_token_1"),
     ("prototype: thread + per-log eventfd ack", "proto_eventfd_1"),
+    ("prototype: the same into a fallocated log", "proto_prealloc_1"),
     ("prototype: inline fdatasync on Trio", "proto_inline_1"),
     ("prototype: write on Trio + AIO fdatasync", "proto_aio_1"),
 )
