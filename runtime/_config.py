@@ -526,7 +526,16 @@ def _resolve_paths(config: RoomWorkerConfig, base: Path) -> RoomWorkerConfig:
             expanded = Path(value).expanduser()
         except RuntimeError as exc:  # ~user unknown, or no home directory
             raise ConfigError(setting, f"cannot expand ~: {exc}") from None
-        return os.path.normpath(base / expanded)
+        path = os.path.normpath(base / expanded)
+        try:  # (a name of bytes that are not UTF-8 reaches Python as lone surrogates)
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(
+                setting,
+                f"{path!r} is not valid UTF-8: the journal records paths as text; choose a "
+                "directory whose path is UTF-8",
+            ) from None
+        return path
 
     attachments = config.attachments
     if attachments.root is not None:

@@ -23,8 +23,10 @@ __all__ = [
     "SETTINGS_DOC",
     "RetentionSettings",
     "check_settings",
+    "join_settings",
     "offline_settings",
     "record_settings",
+    "recorded_settings",
 ]
 
 SETTINGS_DOC: Final = "retention.json"
@@ -89,10 +91,32 @@ def _decode(data: bytes) -> RetentionSettings:
 
 async def record_settings(store: JournalStore, settings: RetentionSettings) -> None:
     """Record ``settings`` as the ones ``store``'s directory is served with (a write only
-    when they changed). A damaged record is replaced: this host's are the ones in force."""
+    when they changed): the room worker's, whose retention covers the whole directory. A
+    damaged record is replaced: this host's are the ones in force."""
     data = _encode(settings)
     if await store.read_document(SETTINGS_DOC) != data:
         await store.write_document(SETTINGS_DOC, data)
+
+
+async def join_settings(store: JournalStore, settings: RetentionSettings) -> None:
+    """A host that runs only task lanes on ``store`` (an embedded task service, a standalone
+    ``task run``) acts with ``settings``: recorded when none are, else they must agree with
+    the recorded ones — it never overrides the days a room server recorded (RT14 d)."""
+    data = await store.read_document(SETTINGS_DOC)
+    if data is None:
+        await store.write_document(SETTINGS_DOC, _encode(settings))
+        return
+    _refuse_disagreement(_decode(data), settings)
+
+
+def recorded_settings(state_dir: Path) -> RetentionSettings | None:
+    """The settings recorded in ``state_dir``, or ``None``; a damaged record is
+    ``journal_corrupt``. Read without the lock: whoever acts checks them again under it."""
+    try:
+        data = (state_dir / SETTINGS_DOC).read_bytes()
+    except FileNotFoundError:
+        return None
+    return _decode(data)
 
 
 def offline_settings(state_dir: Path, given: RetentionSettings | None) -> RetentionSettings:
@@ -103,16 +127,15 @@ def offline_settings(state_dir: Path, given: RetentionSettings | None) -> Retent
     require_journal(state_dir)
     if given is not None:
         return given
-    try:
-        data = (state_dir / SETTINGS_DOC).read_bytes()
-    except FileNotFoundError:
+    recorded = recorded_settings(state_dir)
+    if recorded is None:
         raise ConfigError(
             "retention",
             f"no server recorded its retention settings in {state_dir} ({SETTINGS_DOC}); "
             "pass --config with the configuration the server runs with",
             code=ReasonCode.RETENTION_UNKNOWN,
-        ) from None
-    return _decode(data)
+        )
+    return recorded
 
 
 async def check_settings(store: JournalStore, settings: RetentionSettings) -> None:
@@ -120,8 +143,12 @@ async def check_settings(store: JournalStore, settings: RetentionSettings) -> No
     ``settings`` when the recorded ones would remove differently (``retention_mismatch``) or
     are damaged (``journal_corrupt``); with none recorded, ``settings`` stand (RT14 b, c)."""
     data = await store.read_document(SETTINGS_DOC)
-    recorded = None if data is None else _decode(data)
-    if recorded is not None and (why := recorded.disagreement(settings)) is not None:
+    if data is not None:
+        _refuse_disagreement(_decode(data), settings)
+
+
+def _refuse_disagreement(recorded: RetentionSettings, settings: RetentionSettings) -> None:
+    if (why := recorded.disagreement(settings)) is not None:
         raise ConfigError(
             "retention",
             f"{why}: pass the configuration the server runs with, or start the server with "

@@ -279,6 +279,15 @@ def test_c2_work_root_through_a_symlink_into_the_state_dir(tmp_path: Path) -> No
     assert caught.value.setting == "work_root"
 
 
+@pytest.mark.parametrize("setting", ["state_dir", "work_root"])
+def test_c2_a_path_that_is_not_utf8_is_refused_by_name(setting: str) -> None:
+    """A directory name of bytes that are not UTF-8 (they reach Python as lone surrogates)
+    is refused, naming the setting: the journal records paths as text, and such a path
+    would fail there with a traceback instead."""
+    odd = os.fsdecode(b"odd\xffdir")
+    assert refused({setting: odd}).setting == setting
+
+
 def test_c2_sibling_directories_are_fine() -> None:
     config = config_from_dict({"state_dir": "state", "work_root": "state-work"}, base=BASE)
     assert config.work_root == str(BASE / "state-work")

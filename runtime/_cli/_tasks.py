@@ -20,9 +20,9 @@ import trio
 from .._boundary._receipts import receipt_store
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
-from .._errors import AdminError, DeliveryError, PiRuntimeError, ReasonCode
+from .._errors import AdminError, ConfigError, DeliveryError, PiRuntimeError, ReasonCode
 from .._journal._store import open_store
-from .._retention import offline_settings
+from .._retention import offline_settings, recorded_settings
 from .._server._admin import admin_request, serve_admin
 from .._tasks._policy import loud_logging, policy_dict, watchdog_policy
 from .._tasks._retention import forget_offline
@@ -515,7 +515,17 @@ class _StandaloneAdmin:
 
 def _task_standalone(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     config = load_room_config(args.config)
+    if config.store.url is not None:  # (its tasks would not be in the deployment's database)
+        raise ConfigError(
+            "store.url",
+            "a task run with no server runs on this state directory's file store; on a "
+            "PostgreSQL deployment submit the task to a running server",
+        )
     changes: dict[str, Any] = {"state_dir": str(Path(args.state_dir).absolute())}
+    recorded = None if args.config is not None else recorded_settings(Path(args.state_dir))
+    if recorded is not None:  # RT14 d: with no --config, the days and work root in force
+        changes["retention"] = recorded.retention
+        changes["work_root"] = str(Path(recorded.task_work_root).parent)
     if args.agent is not None:
         changes["agent"] = args.agent
     config = validate_config(msgspec.structs.replace(config, **changes))

@@ -332,8 +332,8 @@ class WriterPool:
             if target.deferred:
                 return 0
             if shards > 1:
-                return 1 + zlib.crc32(target.path.encode()) % (shards - 1)
-        return zlib.crc32(target.path.encode()) % shards
+                return 1 + zlib.crc32(os.fsencode(target.path)) % (shards - 1)
+        return zlib.crc32(os.fsencode(target.path)) % shards
 
     async def append(self, target: LogTarget, payload: bytes) -> int:
         """Append one encoded record; return its sequence number once durable.

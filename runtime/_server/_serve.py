@@ -727,7 +727,6 @@ async def open_server(
     watchdog_policy(config, timescale=options.unsafe_test_timescale)
     state_dir = Path(config.state_dir)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
-    token, created = await trio.to_thread.run_sync(ensure_token, state_dir)
     async with contextlib.AsyncExitStack() as stack:
         worker = await stack.enter_async_context(open_room_worker(config, base_dir=base_dir))
         shared = None
@@ -749,7 +748,6 @@ async def open_server(
             )
         )
         server = RoomServer(worker, state_dir, worker_id=worker_id, tasks=tasks)
-        server.new_token = token if created else None
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve_admin, tasks=tasks), state_dir, server)
             nursery.start_soon(server.fan_out_events)
@@ -781,6 +779,11 @@ async def open_server(
                         )
                     )
                     server.metrics_port = bound.port
+                # O1: made once the start can no longer fail (the lock held, every listener
+                # bound), so a token this start creates is always printed; a hello before it
+                # exists is refused token_invalid
+                token, created = await trio.to_thread.run_sync(ensure_token, state_dir)
+                server.new_token = token if created else None
                 try:
                     yield server
                 finally:

@@ -124,6 +124,8 @@ async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
             contents = await store.read(rel)
         except Exception:  # a damaged log is journal verify's to report, not ours to remove
             continue
+        if not contents.records:  # a create a crash cut short (J3): no task in it yet
+            continue
         if not contents.header.subject.startswith("task:"):
             continue
         submitted = next((r for r in contents.records if isinstance(r, TaskSubmitted)), None)

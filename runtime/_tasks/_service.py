@@ -45,7 +45,7 @@ from .._journal._interface import JournalStore
 from .._journal._store import Store, runtime_dir
 from .._logs import fields
 from .._records import TaskEnded
-from .._retention import RetentionSettings, record_settings
+from .._retention import RetentionSettings, join_settings
 from .._wire import DEFAULT_TASK_GRANTS, TaskEvent, TaskSpec, TaskView
 from ._policy import policy_dict, timescale_marker, timescale_warning, watchdog_policy
 from ._runner import DuplicateElsewhere, SharedTasks, TaskRunner, open_task_runner
@@ -470,8 +470,8 @@ async def open_task_service(
         )
         if warning is not None:
             (log or logger.warning)(warning)
-        if isinstance(store, Store):  # a pass with no server acts with these (RT14)
-            await record_settings(store, RetentionSettings.of(config))
+        if isinstance(store, Store):  # the task passes act with the directory's (RT14 d)
+            await join_settings(store, RetentionSettings.of(config))
         async with open_task_runner(
             store,
             workers=workers,

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import pytest
 import trio
 
@@ -19,9 +20,16 @@ from runtime._cli import main
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
 from runtime._errors import ConfigError, ReasonCode
-from runtime._retention import SETTINGS_DOC, RetentionSettings, offline_settings
+from runtime._journal._store import open_store
+from runtime._retention import (
+    SETTINGS_DOC,
+    RetentionSettings,
+    offline_settings,
+    recorded_settings,
+)
 from runtime._rooms._retention import compact_journals
 from runtime._rooms._worker import open_room_worker
+from runtime._tasks._service import open_task_service
 
 from .._workers import scripted_upstream
 from .test_room_worker import message, next_results
@@ -192,3 +200,78 @@ async def test_rt14_the_record_is_written_only_when_the_settings_change(tmp_path
             if retention is MONTH:
                 assert record.stat().st_ino == before
         assert record.stat().st_ino != before
+
+
+async def test_rt14_d_task_lanes_alone_never_override_the_days_a_room_server_recorded(
+    tmp_path: Path,
+) -> None:
+    """RT14 (d): a host of task lanes alone (an embedded task service, a standalone
+    ``task run``) on a directory a room server recorded 30 days in is refused
+    ``retention_mismatch`` with other days, and the record stays; with the recorded days it
+    runs. On a directory with nothing recorded it records its own."""
+    async with served_ten_days_ago(tmp_path, MONTH):
+        state = tmp_path / "state"
+
+        def config(retention: RetentionConfig) -> RoomWorkerConfig:
+            return RoomWorkerConfig(
+                agent="fake", state_dir=str(state), work_root=str(tmp_path / "w"),
+                retention=retention,
+            )  # fmt: skip
+
+        with trio.fail_after(LIMIT):
+            async with open_store(state, clocks=Clocks.system()) as store:
+                with pytest.raises(ConfigError) as refused:
+                    async with open_task_service(config(RetentionConfig()), store=store):
+                        pass
+                async with open_task_service(config(MONTH), store=store):
+                    pass
+            kept = offline_settings(state, None)
+            fresh = tmp_path / "fresh"
+            async with (
+                open_store(fresh, clocks=Clocks.system()) as store,
+                open_task_service(
+                    msgspec.structs.replace(config(RetentionConfig()), state_dir=str(fresh)),
+                    store=store,
+                ),
+            ):
+                pass
+    assert refused.value.code is ReasonCode.RETENTION_MISMATCH
+    assert kept.retention == MONTH
+    assert recorded_settings(fresh) == RetentionSettings(
+        retention=RetentionConfig(), task_work_root=str(tmp_path / "w/tasks")
+    )
+
+
+async def test_rt14_a_task_run_with_no_server_is_refused_a_postgresql_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RT14, RT13: ``task run`` with no server runs on the state directory's file store; a
+    configuration naming a PostgreSQL store is refused before anything is created there
+    (its task would not be in the deployment's database, and the directory would look like a
+    file store to every later command)."""
+    config = tmp_path / "pg.toml"
+    config.write_text('[store]\nurl = "postgresql://127.0.0.1:1/nodb"\n')
+    state = tmp_path / "pg-state"
+    ran = await _main(
+        "task", "run", "--worktree", str(tmp_path), "--prompt", "p", "--task-id", "t1",
+        "--state-dir", str(state), "--config", str(config),
+    )  # fmt: skip
+    assert ran == 1
+    assert _refused_with(caplog) == ReasonCode.CONFIG_INVALID
+    assert "a task run with no server runs on this state directory's file store" in caplog.text
+    assert not state.exists()
+
+
+async def test_rt12_journal_compact_passes_over_a_lane_log_a_crash_left_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """J3, RT12: a lane log a crash left empty (its create cut short: no header yet, which
+    ``journal verify`` notes as holding nothing) is no task: ``journal compact`` passes over
+    it — it used to stop with an ``IndexError`` after the room compaction had run."""
+    async with served_ten_days_ago(tmp_path, MONTH):
+        lane = tmp_path / "state" / "lanes" / ("0" * 32)
+        lane.mkdir(mode=0o700)
+        (lane / "lane.log").write_bytes(b"")
+        compacted = await _main("journal", "compact", "--state-dir", str(tmp_path / "state"))
+    assert compacted == 0
+    assert "slimmed 0 ended tasks" in capsys.readouterr().out

@@ -17,8 +17,10 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected
 
+from runtime._config import config_from_dict
 from runtime._errors import DiskFailedError, ReasonCode
 from runtime._rooms._worker import RoomWorker
+from runtime._server._serve import ServeOptions, open_server
 
 from .._wire import Client, message
 from .test_serve import LIMIT, error, rig, still_usable
@@ -248,3 +250,25 @@ async def test_p3_p4_an_unusable_id_or_a_number_out_of_range_is_said_by_the_fram
     assert ref == wanted
     if isinstance(frame, str):
         assert code == ReasonCode.WRONG_TYPE
+
+
+async def test_o1_a_start_that_fails_to_bind_makes_no_token_and_the_next_one_prints_it(
+    tmp_path: Path,
+) -> None:
+    """O1: a first start that fails — here its port is taken — leaves no token behind, so
+    the next start creates it and has it to print (``new_token``); before, the token was made
+    before the bind and never shown (only ``token rotate`` could recover it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = config_from_dict({}, base=tmp_path)
+        with trio.fail_after(LIMIT), pytest.raises(OSError, match="in use"):
+            async with open_server(config, ServeOptions(port=port), base_dir=tmp_path):
+                pass
+    assert not (tmp_path / "state" / "token").exists()
+    with trio.fail_after(LIMIT):
+        async with open_server(config, ServeOptions(port=0), base_dir=tmp_path) as server:
+            printed = server.new_token
+    assert printed is not None
+    assert printed == (tmp_path / "state" / "token").read_text()
