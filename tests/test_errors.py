@@ -51,7 +51,9 @@ def test_e1_a_group_with_an_interrupt_is_left_to_the_caller() -> None:
 
 
 def _config(tmp_path: Path) -> RoomWorkerConfig:
-    return RoomWorkerConfig(agent="fake", state_dir=str(tmp_path / "state"))
+    return RoomWorkerConfig(
+        agent="fake", state_dir=str(tmp_path / "state"), work_root=str(tmp_path / "work")
+    )
 
 
 async def test_e1_the_room_worker_raises_the_callers_own_exception(tmp_path: Path) -> None:

@@ -591,9 +591,11 @@ class PgLog:
     async def refresh(self) -> list[Record]:
         """The records other writers appended since this process last read or wrote the
         log, in order; later appends follow them (S21). A poison another process recorded
-        refuses appends here too (the records it vouches for are returned)."""
+        refuses appends here too (the records it vouches for are returned). A refusal stops
+        appends, not reads: a log that refuses appends in this process (PG13: one whose
+        append met an outage) is still read — only a closed one is not."""
         async with self._lock:
-            self._check_open()
+            self._check_not_closed()
             rows, document = await self._store._run(
                 self._rel, _read_rows(self._rel, after=self._next_seq)
             )
@@ -784,10 +786,14 @@ class PgLog:
             self._store._forget(self)
         return error
 
-    def _check_open(self) -> None:
+    def _check_not_closed(self) -> None:
         if self._closed or self._store._closed:
             what = "the store is closed" if self._store._closed else "the log is closed"
             raise JournalError(ReasonCode.JOURNAL_CLOSED, what, path=self._rel)
+
+    def _check_open(self) -> None:
+        """Whether the log takes appends: not closed, and not refusing them."""
+        self._check_not_closed()
         if self._refusal is not None:
             raise self._refusal
 

@@ -729,12 +729,28 @@ class RoomWorker:
 
     async def _follow_shared(self) -> None:
         """Read the shared logs whenever told (S23), until cancelled. A database that cannot
-        be reached is the store's failure (the host stops admitting); reading goes on."""
+        be reached is the store's failure (the host stops admitting, PG7); reading goes on.
+        So it does after any other failure of a read (PG13: a log that refuses appends is
+        still read): it is logged — once, until a read works again — and the next poke
+        reads again; it never stops the host."""
+        failed: str | None = None
         while True:
             await self._poked.wait()
             self._poked = trio.Event()
-            with contextlib.suppress(DiskFailedError):
+            try:
                 await self._sync()
+            except DiskFailedError:
+                continue  # (the store's disk_failure says so)
+            except JournalError as error:
+                if str(error) != failed:
+                    logger.warning(
+                        "reading the shared logs failed: %s; reading goes on",
+                        error,
+                        extra=fields("shared_read_failed", code=error.code),
+                    )
+                failed = str(error)
+                continue
+            failed = None
 
     async def _claim_waiting(self, interval: float) -> None:
         """Claim the lanes whose deliveries wait while nobody here holds them — their holder

@@ -745,6 +745,18 @@ class TaskRunner:
         _, leases = self._shared_parts()
         self.alive = await leases.claim(_host_lane(self.host.owner or ""))
 
+    async def _stay_alive(self) -> None:
+        """S35: claim this host's own lease again if it was lost (its renewals failed past
+        their deadline: the database out of reach a while, S12). A host that runs without
+        it passes for dead: a task another host holds ``host_lost`` for it would never be
+        given back."""
+        _, leases = self._shared_parts()
+        if leases.fence(_host_lane(self.host.owner or "")) is not None:
+            return
+        await self.announce_alive()
+        if self.alive is not None:
+            self.host.log(f"this host's own lease claimed again at epoch {self.alive.epoch}")
+
     async def _alive(self, host: str) -> bool:
         """S35: whether ``host`` runs now: its own lease is live (the database's clock)."""
         store, _ = self._shared_parts()
@@ -777,7 +789,9 @@ class TaskRunner:
         """S32: claim every task lane with no end whose holder's lease ran out (or that
         nobody holds), restore it — held ``host_lost`` when it cannot resume here — and run
         it; note which live tasks other hosts hold. S35: first give back the tasks held
-        ``host_lost`` here whose host is back; never claim one whose host is back."""
+        ``host_lost`` here whose host is back; never claim one whose host is back — after
+        claiming this host's own lease again, if it was lost."""
+        await self._stay_alive()
         await self._hand_back()
         claimed: list[TaskLane] = []
         try:
@@ -918,7 +932,12 @@ class TaskRunner:
 
     def _lost(self, name: str, fence: Fence, why: str) -> None:
         """S31: the lease of ``name`` is lost (taken over, or not renewed in time): its
-        lane's scope is cancelled — its epoch's tree stopped — and it is forgotten here."""
+        lane's scope is cancelled — its epoch's tree stopped — and it is forgotten here.
+        S35: this host's own lease is claimed again at the next look (:meth:`_stay_alive`)."""
+        if self.alive is not None and fence == self.alive:
+            self.alive = None
+            self.host.log(f"this host's own lease lost ({why}); claimed again at the next look")
+            return
         task_id = name.removeprefix("task:")
         lane = self.lanes.get(task_id)
         if lane is None or lane.lease != fence:

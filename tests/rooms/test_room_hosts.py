@@ -11,10 +11,11 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import pytest
 import trio
+import trio.testing
 
 from fake_pi.scenario import Call, Step, Text, ToolCalls
 from runtime._config import (
@@ -24,16 +25,24 @@ from runtime._config import (
     RoomWorkerConfig,
     StoreConfig,
 )
-from runtime._errors import DeliveryError, ReasonCode
+from runtime._errors import DeliveryError, DiskFailedError, ReasonCode
 from runtime._journal._inspect import database_status
-from runtime._journal._postgres import open_pg_store
+from runtime._journal._postgres import PgStore, open_pg_store
 from runtime._records import ModelResponse, Result, StepAbandoned
 from runtime._rooms._worker import RoomWorker, open_room_worker, request_cancel_in_database
 from runtime._wire import DeliveryResult
 
 from .._cancelling import cancelled_once
 from .._workers import scripted_upstream, tool_messages
-from ..journal.pg_fixtures import execute, pg_dsn, pg_server
+from ..journal.pg_fixtures import (
+    admin_dsn,
+    database_name,
+    execute,
+    pg_dsn,
+    pg_server,
+    terminate_backends,
+)
+from ..journal.test_postgres import FAST
 from .test_room_worker import message
 
 __all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
@@ -516,3 +525,60 @@ async def test_the_deployments_status_is_read_from_its_database(
     assert (room["room"], room["state"], room["queued"]) == ("dm:1", "pending", 1)
     assert room["holder"] == {"host": "a", "epoch": 1, "live": True}
     assert [r["delivery_id"] for r in status["recent_results"]] == ["d1"]
+
+
+async def test_pg13_an_admission_lost_to_an_outage_stops_admitting_and_the_host_reads_on(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """PG7, PG13, S23: the database stops taking connections while A's admission of d2 is on
+    its way (held at the admission log's lock, so that it, not a read, meets the outage) —
+    its retries are spent (a fast policy stands for a long outage), the admission log
+    refuses appends in this process, and A stops admitting (``not_admitting``,
+    ``store_unavailable``). Its follower, woken by the listener's reconnections, keeps
+    reading: once the database is back, d3 for dm:1 — A's lane — admitted by B is learned by
+    A, run there and answered; A's own sync works. Nothing of it tears A down."""
+    admin, database = admin_dsn(pg_dsn), database_name(pg_dsn)
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([]) as (_model, url),
+            host(tmp_path, "a", pg_dsn, url, poll=LIMIT) as a,
+        ):
+            await a.deliver(message("d1", "one", room="dm:1"))
+            await result_of(a, "d1")
+            store = cast(PgStore, a.store)
+            store.retry = FAST
+            admissions = store.admissions
+            outage: list[BaseException] = []
+
+            async def admit() -> None:
+                try:
+                    await a.deliver(message("d2", "two", room="dm:2"))
+                except DiskFailedError as error:
+                    outage.append(error)
+
+            await execute(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+            try:
+                async with trio.open_nursery() as nursery, admissions._lock:
+                    nursery.start_soon(admit)
+                    while not admissions._flushing:  # queued behind the lock held here
+                        await trio.testing.wait_all_tasks_blocked()
+                    await terminate_backends(pg_dsn)
+                refused = admissions.poisoned
+            finally:
+                await execute(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+            async with host(tmp_path, "b", pg_dsn, url) as b:
+                queued = await b.deliver(message("d3", "three", room="dm:1"))
+                d3 = await result_of(b, "d3")
+                on_a = await result_of(a, "d3")
+            await a._sync()
+            with pytest.raises(DeliveryError) as later:
+                await a.deliver(message("d4", "four", room="dm:3"))
+            status = a.status()
+    assert [getattr(e, "code", None) for e in outage] == [ReasonCode.STORE_UNAVAILABLE]
+    assert refused
+    assert queued.disposition == "queued"
+    assert d3 == on_a
+    assert d3.outcome == "reply"
+    assert later.value.code is ReasonCode.NOT_ADMITTING
+    assert "store_unavailable" in str(later.value)
+    assert [lane.room for lane in status] == ["dm:1"]

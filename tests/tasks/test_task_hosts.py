@@ -494,6 +494,60 @@ async def test_s35_a_task_is_not_given_back_to_a_host_that_is_not_running(
     assert b.workers.launched == []
 
 
+async def test_s35_a_host_that_lost_its_own_lease_claims_it_again_and_gets_its_task_back(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S35: A's renewals fail past their deadline (the database out of its reach a while):
+    A loses its task lane's lease and its own, ``host:a``. The partition heals; B claims the
+    task and holds it ``host_lost:a``. A, running, claims its own lease again at its next
+    look (``runner.alive`` the new one); B's next look sees A live and gives the task back;
+    A claims it and ends it — one end, every epoch launched on A."""
+    with trio.fail_after(LIMIT):
+        async with (
+            task_host(tmp_path, "b", pg_dsn, []) as b,
+            task_host(tmp_path, "a", pg_dsn, [wait(), say("asked"), done(), say()], lease=3.0) as a,
+        ):
+            await a.runner.submit(spec(tmp_path))
+            await a.until(lambda: a.runner.show(TASK).state == "waiting")
+            await a.until(lambda: a.workers.launched == [1] and not a.runner.lane(TASK).live)
+            assert a.runner.shared is not None
+            assert a.runner.leases is not None
+            first = a.runner.alive
+
+            async def partitioned(fences: Sequence[Fence], ttl: float) -> set[Fence]:
+                raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, "partitioned")
+
+            monkeypatch.setattr(a.runner.shared.store, "renew", partitioned)
+            await a.until(lambda: TASK not in a.runner.lanes)  # its deadline passed (S12)
+            monkeypatch.undo()  # the partition heals
+            lost = a.runner.leases.fence("host:a")
+            await expire_leases(pg_dsn)  # (the database's own leases run out: no waiting)
+            await b.runner.claim_orphans()
+            assert b.runner.show(TASK).hold_reason == "host_lost:a"
+            await durable_holds(b)
+            await a.runner.claim_orphans()  # S35: A claims its own lease again
+            again = a.runner.alive
+            own = await a.runner.shared.store.lease("host:a")
+            assert own is not None
+            assert own.live  # (else B would wait for ever)
+            assert own.fence == again
+            await b.runner.claim_orphans()
+            await b.until(lambda: TASK not in b.runner.lanes)
+            await a.runner.claim_orphans()
+            ended, records = await answered_on(a)
+    assert lost is None
+    assert first is not None
+    assert again is not None
+    assert again.epoch > first.epoch
+    assert ended.state == "done"
+    holds = [(r.kind, r.detail["reason"]) for r in records if isinstance(r, OutboxAction)
+             and r.kind in ("hold", "unhold")]  # fmt: skip
+    assert holds == [("hold", "host_lost:a"), ("unhold", "host_lost:a")]
+    assert launch_hosts(records) == ["a", "a"]
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert b.workers.launched == []
+
+
 @contextlib.asynccontextmanager
 async def held_for_a_who_is_back(
     tmp_path: Path, pg_dsn: str
