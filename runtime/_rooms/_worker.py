@@ -65,7 +65,14 @@ from .._journal._attachments import SHARED_ATTACHMENTS, AttachmentStore
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
-from .._journal._store import Store, delivery_key, lane_key, open_store, runtime_dir
+from .._journal._store import (
+    Store,
+    delivery_key,
+    lane_key,
+    open_store,
+    require_journal,
+    runtime_dir,
+)
 from .._linux._fs import FileSystem
 from .._logs import fields
 from .._metrics import DELIVERIES_ADMITTED
@@ -1335,6 +1342,7 @@ async def request_cancel(
     durable and the next start ends the delivery ``cancelled`` before anything runs.
     ``finished`` when it already has a result. Raises ``state_dir_locked`` when a server owns
     the directory (cancel through it), ``delivery_unknown`` when it was never admitted."""
+    await trio.to_thread.run_sync(require_journal, Path(state_dir))  # nothing created there
     async with open_store(Path(state_dir), clocks=clocks or Clocks.system()) as store:
         records = store.admissions.contents.records
         admitted = (Admission, Settled)

@@ -25,7 +25,7 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import BackoffConfig, RetentionConfig
-from .._errors import JournalError, ReasonCode, TaskError
+from .._errors import JournalError, PiRuntimeError, ReasonCode, TaskError
 from .._journal._fence import Fence, Lease
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import LaneLeases, fenced_out
@@ -698,7 +698,16 @@ class TaskRunner:
         found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
         for path in found:
             rel = str(path.relative_to(self.host.store.root))
-            contents = await self.host.store.read(rel)
+            try:
+                contents = await self.host.store.read(rel)
+            except PiRuntimeError as error:  # TL11: that task alone, never the host's start
+                self.host.log(
+                    f"task lane log {rel} cannot be read ({error}): its task is not resumed; "
+                    "`pi-runtime journal verify` says what is wrong"
+                )
+                continue
+            if not contents.records:  # a create a crash cut short (J3): no task in it yet
+                continue
             subject = contents.header.subject
             if not subject.startswith("task:") or path.parent.name != lane_key(subject):
                 continue

@@ -427,6 +427,19 @@ def test_o12_cancel_without_a_server_records_it_for_the_next_start(
     assert json.loads((state / "cancel-requests.json").read_text()) == ["d3"]
 
 
+def test_o12_a_cancel_without_a_server_on_no_state_directory_creates_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """O12: with no server, ``cancel`` on a directory that holds no file-store journal (a
+    typo, a PostgreSQL host's state directory) is ``state_dir_invalid`` and creates nothing
+    there — it used to make a whole empty journal and answer ``delivery_unknown``."""
+    typo = tmp_path / "no-such-state"
+    code, out, err = run(["cancel", "d1", "--state-dir", str(typo)], capsys)
+    assert (code, out) == (EXIT_FAILED, "")
+    assert err.startswith("pi-runtime: state_dir_invalid: ")
+    assert not typo.exists()
+
+
 # ------------------------------------------------------------------------------ journal
 
 

@@ -1260,3 +1260,30 @@ async def test_tl11_a_lane_that_fails_is_shown_failed_and_a_follower_is_told(
         with pytest.raises(TaskError) as raised:
             await rig.ended(TASK)
         assert raised.value.code == "task_lane_failed"
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["empty", "damaged"])
+async def test_tl11_a_lane_log_a_crash_cut_short_or_damaged_stops_no_start(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock, damaged: bool
+) -> None:
+    """TL11, J3: a task lane log a crash left empty (its create cut short) or that is
+    damaged (a whole frame whose checksum fails) does not stop the runner's start — it used
+    to raise there (``IndexError``, or the read's ``journal_corrupt``), so no task of the
+    host resumed: the empty one is no task yet, the damaged one is reported and not
+    resumed (the host's log says so), and the task beside it runs on."""
+    async with open_rig(tmp_path, clocks, [wait(), done(), say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        log = tmp_path / "state" / rig.runner.log_rel(TASK)
+    written = bytearray(log.read_bytes() if damaged else b"")
+    if damaged:
+        written[len(written) // 2] ^= 0x10
+    odd = tmp_path / "state" / "lanes" / ("0" * 32)
+    odd.mkdir(mode=0o700)
+    (odd / "lane.log").write_bytes(bytes(written))
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        known = rig.runner.task_ids()
+        await rig.runner.reply(TASK, "yes")
+        ended = await rig.ended(TASK)
+    assert known == [TASK]
+    assert ended.state == "done"
