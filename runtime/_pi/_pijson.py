@@ -56,14 +56,18 @@ def loads(data: bytes) -> Any:
 
     Objects keep their key order. Unlike ``msgspec.json.decode`` it accepts the escapes of
     lone surrogates. Raises ``msgspec.DecodeError`` (a ``ValueError``) for anything that is
-    not JSON, including invalid UTF-8 and the constants ``NaN`` and ``Infinity``.
+    not JSON, including invalid UTF-8 and the constants ``NaN`` and ``Infinity``, and for
+    JSON nested too deeply to decode (msgspec's ``RecursionError``, from about a thousand
+    levels: a model's tool arguments can be that, and a line is never let crash a reader).
     """
     try:
         return msgspec.json.decode(data)
+    except RecursionError:  # nested too deep for any decoder here: refused as a line
+        raise msgspec.DecodeError("JSON nested too deeply") from None
     except msgspec.DecodeError:
         try:
             return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise msgspec.DecodeError("invalid JSON") from None
 
 

@@ -50,6 +50,9 @@ __all__ = [
 
 _CHUNK: Final = 65536
 _STDERR_TAIL: Final = 64 * 1024
+STDIN_STALL_SECONDS: Final = 10.0
+"""How long one line's write may wait for a worker that does not read its stdin (R3): its
+write is shielded, so without a bound a fence could never leave the block."""
 _encoder: Final = msgspec.json.Encoder()
 
 
@@ -88,8 +91,10 @@ class RpcChannel:
         ui_timeout: float,
         max_line: int,
         exit_grace: float,
+        stdin_stall: float = STDIN_STALL_SECONDS,
     ) -> None:
         self._stdin, self._stdout = stdin, stdout
+        self._stdin_stall = stdin_stall
         self._stderr_capture = stderr
         self._stderr_tail = bytearray()
         self._stderr_done = trio.Event()
@@ -274,13 +279,25 @@ class RpcChannel:
         return slot.response, slot.settled_before
 
     async def _write(self, record: Mapping[str, Any]) -> None:
-        """Write one line whole: shielded, so a cancelled caller never leaves half a line."""
+        """Write one line whole: shielded, so a cancelled caller never leaves half a line —
+        but for at most ``stdin_stall`` seconds (R3): a worker that has stopped reading its
+        stdin would otherwise hold even a fence's cancellation here for ever, and the tree
+        would never be stopped (W10). Then stdin is closed (half a line may be in it: no
+        later line may follow) and the worker is taken as gone."""
         data = _encoder.encode(record) + b"\n"
         async with self._send_lock:
             if self._stdin_closed:
                 raise trio.ClosedResourceError
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True) as bounded:
+                bounded.deadline = trio.current_time() + self._stdin_stall
                 await self._stdin.send_all(data)
+            if bounded.cancelled_caught:
+                self._stdin_closed = True
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self._stdin.aclose()
+                raise WorkerExitedError(
+                    f"the worker has not read its stdin for {self._stdin_stall:g} s"
+                )
 
     async def _close_stdin(self) -> None:
         async with self._send_lock:
@@ -380,6 +397,7 @@ async def open_rpc_channel(
     ui_timeout: float = 60.0,
     max_line: int = MAX_LINE,
     exit_grace: float = 5.0,
+    stdin_stall: float = STDIN_STALL_SECONDS,
 ) -> AsyncIterator[RpcChannel]:
     """Drive a worker over ``stdin``/``stdout`` for the duration of the block.
 
@@ -401,6 +419,7 @@ async def open_rpc_channel(
         ui_timeout=ui_timeout,
         max_line=max_line,
         exit_grace=exit_grace,
+        stdin_stall=stdin_stall,
     )
     try:
         try:

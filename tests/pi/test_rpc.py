@@ -257,20 +257,24 @@ def test_r9_chat_text_guards_a_leading_slash_only() -> None:
     assert chat_text("") == ""
 
 
+DEEP: Final = b'{"type":"message_update","args":' + b"[" * 5000 + b"]" * 5000 + b"}"
+"""Valid JSON nested deeper than any decoder here goes (a model's tool arguments can be)."""
+
+
 def test_r10_malformed_lines_become_events_and_js_escapes_decode() -> None:
     state = ProtocolState()
-    for raw in (b"not json", b"[1,2]", b'{"no":"type"}'):
+    for raw in (b"not json", b"[1,2]", b'{"no":"type"}', DEEP):
         received = state.receive(raw)
         assert received.event is not None
         assert received.event.type == MALFORMED_LINE
-        assert received.event.record["line"] == raw.decode()
-    assert state.malformed == 3
+        assert raw.decode().startswith(received.event.record["line"])  # (a long one cut)
+    assert state.malformed == 4
     blank = state.receive(b"  ")
     assert (blank.event, blank.response) == (None, None)
     surrogate = state.receive(b'{"type":"message_update","delta":"\\ud800x"}')
     assert surrogate.event is not None
     assert surrogate.event.record["delta"] == "\ud800x"
-    assert state.records == 4
+    assert state.records == 5
 
 
 # -------------------------------------------------------------- shell, on a scripted wire
@@ -399,6 +403,26 @@ async def test_r3_concurrent_requests_on_a_wire_answered_out_of_order(
         for command in reversed(commands):  # Pi handles commands concurrently
             await wire.respond(command, {"for": command["type"]})
     assert results == {k: {"for": k} for k in ("get_state", "get_messages", "get_tree")}
+
+
+async def test_r3_w10_a_fence_leaves_a_write_the_worker_never_reads(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R3, W10: a line's write is shielded (never half a line), but a worker that has
+    stopped reading its stdin cannot hold it for ever: a fence (the cancel at 1 s) leaves
+    the block once the write's bound (``stdin_stall``, 5 s here) has run out — the worker
+    taken as gone, stdin closed — instead of never, so the tree can be stopped."""
+    stdin, never_read = trio.testing.lockstep_stream_one_way_pair()  # a send waits for a read
+    _, stdout = trio.testing.memory_stream_one_way_pair()
+    began = trio.current_time()
+    with trio.move_on_after(1) as fence:
+        async with open_rpc_channel(stdin, stdout, stdin_stall=5) as channel:
+            await channel.prompt("x")
+    assert fence.cancelled_caught
+    assert trio.current_time() - began == pytest.approx(5)  # (before: never)
+    with pytest.raises(trio.ClosedResourceError):  # closed: no line may follow half a one
+        await stdin.send_all(b"{}\n")
+    assert never_read is not None
 
 
 async def test_r3_a_cancelled_request_drops_its_late_response(

@@ -315,6 +315,7 @@ C = b'{"type":"custom","id":"deadbeef"'  # the start of an entry line
 LINE4 = b"<the id on line 4>"  # replaced by the id of basic's line 4 (its system message)
 MALFORMED: list[tuple[bytes, SessionIssueKind, bool]] = [  # (line 5, issue, kept as entry)
     (C, K.BAD_JSON, False),
+    (b'{"type":"custom","x":' + b"[" * 5000 + b"]" * 5000 + b"}", K.BAD_JSON, False),
     (b"[1,2,3]", K.NOT_AN_OBJECT, False),
     (b'{"type":"custom","parentId":null}', K.MISSING_FIELD, False),
     (b'{"id":"deadbeef","parentId":null}', K.MISSING_FIELD, False),
