@@ -128,7 +128,31 @@ def _read_stat(pid: int) -> ProcInfo | None:
     except OSError:  # gone, or never there
         return None
     rest = stat[stat.rindex(b")") + 2 :].split()
-    return ProcInfo(pid=pid, ppid=int(rest[1]), start_time=int(rest[19]), state=rest[0])
+    state = rest[0]
+    if state in _GONE:  # only its main thread may have ended: the process lives while any does
+        state = _live_thread(pid)[1] or state
+    return ProcInfo(pid=pid, ppid=int(rest[1]), start_time=int(rest[19]), state=state)
+
+
+def _live_thread(pid: int) -> tuple[int, bytes | None]:
+    """A thread of ``pid`` other than its main one that has not exited, and its state, or
+    ``(pid, None)``. A process whose main thread called ``exit`` (not ``exit_group``) reads as
+    a zombie in ``/proc/<pid>/stat`` while its other threads run on: it is alive, and its
+    environment is read through a live thread (``/proc/<pid>/environ`` reads empty)."""
+    try:
+        tids = [int(name) for name in os.listdir(f"/proc/{pid}/task") if int(name) != pid]
+    except OSError:
+        return pid, None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        state = stat[stat.rindex(b")") + 2 :].split()[0]
+        if state not in _GONE:
+            return tid, state
+    return pid, None
 
 
 def is_alive_pid(pid: int) -> bool:
@@ -154,8 +178,18 @@ def read_environ(pid: int) -> bytes | None:
     Empty for a zombie, and for a moment right after an exec, before the kernel
     has published the new image's environment.
     """
+    environ = _read_bytes(f"/proc/{pid}/environ")
+    if environ:
+        return environ
+    tid, state = _live_thread(pid)  # a main thread that exited: the live threads share the mm
+    if state is None:
+        return environ
+    return _read_bytes(f"/proc/{pid}/task/{tid}/environ")
+
+
+def _read_bytes(path: str) -> bytes | None:
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
+        with open(path, "rb") as f:
             return f.read()
     except OSError:  # gone, or not ours to read
         return None

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
 
 import pytest
 import trio
@@ -111,3 +114,54 @@ async def test_w11_a_scan_left_undecided_is_not_clean(monkeypatch: pytest.Monkey
         assert report.undecided == (process.pid,)
         assert not report.clean
         assert process.poll() is None  # never signalled: not proven a member
+
+
+LEADER_GONE: Final = """
+import ctypes, sys, threading, time
+main = threading.get_native_id()
+def other():
+    while open(f"/proc/self/task/{main}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    sys.stdout.write("leader gone\\n")
+    sys.stdout.flush()
+    while True:
+        time.sleep(1)
+threading.Thread(target=other).start()
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread alone ends; the process lives on
+"""
+
+
+@contextmanager
+def leader_gone(script: Path, nonce: str) -> Iterator[subprocess.Popen[bytes]]:
+    """:data:`LEADER_GONE` carrying the nonce; its stdout says when the main thread is gone."""
+    script.write_text(LEADER_GONE)
+    env = {"PATH": os.environ["PATH"], EPOCH_ENV: nonce}
+    process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def test_w3_w6_a_process_whose_main_thread_exited_is_a_live_member_and_is_killed(
+    tmp_path: Path,
+) -> None:
+    """W3, W6: a process whose main thread called ``exit`` (not ``exit_group``) reads as a
+    zombie in ``/proc/<pid>/stat``, and its ``/proc/<pid>/environ`` as nothing, while its
+    other threads run on. It is alive and a member (its nonce read through a live thread),
+    and a kill of the tree kills it — before, it was counted gone and never signalled, and
+    the stop reported clean while it ran."""
+    nonce = new_nonce()
+    proof = TreeProof(nonce=nonce, roots=(), cgroup=None)
+    with leader_gone(tmp_path / "leader_gone.py", nonce) as process:
+        assert process.stdout is not None
+        assert await trio.to_thread.run_sync(process.stdout.readline) == b"leader gone\n"
+        live = find_members(proof, proc_table()).live()
+        with trio.fail_after(30):
+            report = await kill_tree(proof, give_up_after=10)
+        ended = await trio.to_thread.run_sync(process.wait, 10)
+    assert process.pid in live
+    assert process.pid in report.killed
+    assert report.clean
+    assert ended is not None
