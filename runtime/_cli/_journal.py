@@ -16,6 +16,7 @@ from .._journal._inspect import (
     verify_database,
     verify_journal,
 )
+from .._journal._store import require_journal
 from .._retention import offline_settings
 from .._rooms._retention import compact_journals
 from .._tasks._retention import retain_offline
@@ -133,6 +134,7 @@ def _journal_show(args: argparse.Namespace) -> int:
     if args.store:
         records, note = trio.run(delivery_records_in_database, args.store, args.delivery_id)
     else:
+        require_journal(args.state_dir)  # a typo or a file is state_dir_invalid
         records, note = delivery_records(args.state_dir, args.delivery_id)
     if note is not None:
         logger.info("%s", note)

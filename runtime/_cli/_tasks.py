@@ -21,7 +21,7 @@ from .._boundary._receipts import receipt_store
 from .._clock import Clocks
 from .._config import RoomWorkerConfig, validate_config
 from .._errors import AdminError, ConfigError, DeliveryError, PiRuntimeError, ReasonCode
-from .._journal._store import open_store
+from .._journal._store import open_store, require_journal
 from .._retention import offline_settings, recorded_settings
 from .._server._admin import admin_request, serve_admin
 from .._tasks._policy import loud_logging, policy_dict, watchdog_policy
@@ -215,6 +215,7 @@ def _tasks_cmd(args: argparse.Namespace) -> int:
     if response is not None and not response.get("ok"):
         return refused(response)
     if response is None:
+        require_journal(state_dir)  # a typo is state_dir_invalid, not "no tasks"
         policy = watchdog_policy(load_room_config(args.config))
         views = [msgspec.to_builtins(v) for v in offline_views(state_dir, policy)]
         listing = {"source": "state_dir", "tasks": views}
@@ -285,6 +286,7 @@ def _task_show(args: argparse.Namespace) -> int:
     if response is not None and not response.get("ok"):
         return refused(response)
     if response is None:
+        require_journal(state_dir)
         policy = watchdog_policy(load_room_config(args.config))
         view: dict[str, Any] = msgspec.to_builtins(offline_view(state_dir, task_id, policy))
         view["production"] = policy_dict(policy)

@@ -427,6 +427,25 @@ def test_o12_cancel_without_a_server_records_it_for_the_next_start(
     assert json.loads((state / "cancel-requests.json").read_text()) == ["d3"]
 
 
+@pytest.mark.parametrize(
+    "argv", [["tasks"], ["task", "show", "t1"], ["journal", "show", "d1"]], ids=" ".join
+)
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_o11_a_read_without_a_server_of_no_state_directory_is_state_dir_invalid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], kind: str
+) -> None:
+    """O11: with no server, ``tasks``, ``task show`` and ``journal show`` of a directory
+    that holds no journal (a typo, a regular file) say ``state_dir_invalid`` — not "(no
+    tasks)" with exit 0, nor an ``errno`` without a code — and create nothing."""
+    state = tmp_path / "not-a-state"
+    if kind == "a file":
+        state.write_text("not a directory")
+    code, _, err = run([*argv, "--state-dir", str(state)], capsys)
+    assert code == EXIT_FAILED
+    assert "pi-runtime: state_dir_invalid: " in err
+    assert state.exists() is (kind == "a file")
+
+
 def test_o12_a_cancel_without_a_server_on_no_state_directory_creates_none(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
