@@ -659,18 +659,16 @@ async def proto_token_case(directory: Path, seconds: float) -> Sample:
         os.close(fd)
 
 
-async def proto_eventfd_case(directory: Path, seconds: float) -> Sample:
-    """Writer thread, acknowledged on the log's own eventfd, which the (single)
-    appending task waits on directly: one scheduler pass instead of two."""
-    fd = os.open(directory / "proto-eventfd.log", _LOG_FLAGS, 0o600)
+async def _eventfd_steps(seconds: float, write: Callable[[bytes], None], name: str) -> Sample:
+    """The one-lane step loop against a writer thread that ``write``s each frame (and syncs
+    it), acknowledged on an eventfd the (single) appending task waits on directly."""
     efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     inbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
 
     def worker() -> None:
         while (item := inbox.get()) is not None:
             seq, payload = item
-            os.write(fd, encode_frame(seq, [payload]))
-            os.fdatasync(fd)
+            write(encode_frame(seq, [payload]))
             os.eventfd_write(efd, 1)
 
     async def append(seq: int, payload: bytes) -> None:
@@ -682,15 +680,29 @@ async def proto_eventfd_case(directory: Path, seconds: float) -> Sample:
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(efd)
 
-    thread = threading.Thread(target=worker, name="bench-proto-eventfd", daemon=True)
+    thread = threading.Thread(target=worker, name=name, daemon=True)
     thread.start()
     try:
         return await _proto_steps(seconds, append)
     finally:
         inbox.put(None)
         await trio.to_thread.run_sync(thread.join)
-        os.close(fd)
         os.close(efd)
+
+
+async def proto_eventfd_case(directory: Path, seconds: float) -> Sample:
+    """Writer thread, acknowledged on the log's own eventfd, which the (single)
+    appending task waits on directly: one scheduler pass instead of two."""
+    fd = os.open(directory / "proto-eventfd.log", _LOG_FLAGS, 0o600)
+
+    def write(frame: bytes) -> None:
+        os.write(fd, frame)
+        os.fdatasync(fd)
+
+    try:
+        return await _eventfd_steps(seconds, write, "bench-proto-eventfd")
+    finally:
+        os.close(fd)
 
 
 PREALLOCATED: Final = 1 << 20
@@ -705,40 +717,21 @@ async def proto_prealloc_case(directory: Path, seconds: float) -> Sample:
     path = directory / "proto-prealloc.log"
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    inbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+    end = allocated = 0
 
-    def worker() -> None:
-        end = allocated = 0
-        while (item := inbox.get()) is not None:
-            seq, payload = item
-            frame = encode_frame(seq, [payload])
-            if end + len(frame) > allocated:
-                os.posix_fallocate(fd, allocated, PREALLOCATED)
-                allocated += PREALLOCATED
-            os.pwrite(fd, frame, end)
-            end += len(frame)
-            os.fdatasync(fd)
-            os.eventfd_write(efd, 1)
+    def write(frame: bytes) -> None:
+        nonlocal end, allocated
+        if end + len(frame) > allocated:
+            os.posix_fallocate(fd, allocated, PREALLOCATED)
+            allocated += PREALLOCATED
+        os.pwrite(fd, frame, end)
+        end += len(frame)
+        os.fdatasync(fd)
 
-    async def append(seq: int, payload: bytes) -> None:
-        inbox.put((seq, payload))
-        while True:
-            try:
-                os.eventfd_read(efd)
-                return
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(efd)
-
-    thread = threading.Thread(target=worker, name="bench-proto-prealloc", daemon=True)
-    thread.start()
     try:
-        return await _proto_steps(seconds, append)
+        return await _eventfd_steps(seconds, write, "bench-proto-prealloc")
     finally:
-        inbox.put(None)
-        await trio.to_thread.run_sync(thread.join)
         os.close(fd)
-        os.close(efd)
 
 
 async def proto_inline_case(directory: Path, seconds: float) -> Sample:

@@ -459,11 +459,7 @@ async def test_s35_a_host_lost_task_goes_back_to_its_host_when_it_is_back(
                 await a.runner.claim_orphans()
                 ended, records = await answered_on(a)
     assert ended.state == "done"
-    holds = [(r.kind, r.detail["reason"]) for r in records if isinstance(r, OutboxAction)
-             and r.kind in ("hold", "unhold")]  # fmt: skip
-    assert holds == [("hold", "host_lost:a"), ("unhold", "host_lost:a")]
-    assert launch_hosts(records) == ["a", "a"]
-    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert_given_back_to_a(records)
     assert b.workers.launched == []
     assert c.workers.launched == []
 
@@ -540,11 +536,7 @@ async def test_s35_a_host_that_lost_its_own_lease_claims_it_again_and_gets_its_t
     assert again is not None
     assert again.epoch > first.epoch
     assert ended.state == "done"
-    holds = [(r.kind, r.detail["reason"]) for r in records if isinstance(r, OutboxAction)
-             and r.kind in ("hold", "unhold")]  # fmt: skip
-    assert holds == [("hold", "host_lost:a"), ("unhold", "host_lost:a")]
-    assert launch_hosts(records) == ["a", "a"]
-    assert sum(isinstance(r, TaskEnded) for r in records) == 1
+    assert_given_back_to_a(records)
     assert b.workers.launched == []
 
 
@@ -976,3 +968,13 @@ async def test_s30_an_ended_task_is_shown_by_any_host_after_a_restart(
                 assert (view.state, view.ended) == ("done", msgspec.to_builtins(ended))
                 assert (await host.runner.submit(spec(tmp_path))).state == "done"
                 assert host.workers.launched == []
+
+
+def assert_given_back_to_a(records: list[Record]) -> None:
+    """S35: held ``host_lost:a`` by another host, then given back: both epochs launched on
+    ``a``, and the task ended once."""
+    holds = [(r.kind, r.detail["reason"]) for r in records if isinstance(r, OutboxAction)
+             and r.kind in ("hold", "unhold")]  # fmt: skip
+    assert holds == [("hold", "host_lost:a"), ("unhold", "host_lost:a")]
+    assert launch_hosts(records) == ["a", "a"]
+    assert sum(isinstance(r, TaskEnded) for r in records) == 1
