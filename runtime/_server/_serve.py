@@ -689,6 +689,16 @@ class RoomServer:
             await connection.send(event)
 
 
+@contextlib.contextmanager
+def _listening(setting: str, address: str) -> Iterator[None]:
+    """A listener that cannot bind (the port taken, an address not this host's) is the
+    setting's refusal, ``config_invalid`` naming it (O11), not a bare ``errno``."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(setting, f"cannot listen on {address}: {exc.strerror}") from None
+
+
 def _peer(request: WebSocketRequest) -> str:
     """The client's address, for the log (a client already gone has none: ``ENOTCONN``)."""
     try:
@@ -752,32 +762,34 @@ async def open_server(
             await nursery.start(functools.partial(serve_admin, tasks=tasks), state_dir, server)
             nursery.start_soon(server.fan_out_events)
             await nursery.start(server.fan_out_task_events)
-            listener = await nursery.start(
-                lambda task_status: serve_websocket(
-                    server.handle,
-                    options.host,
-                    options.port,
-                    options.ssl_context,
-                    handler_nursery=nursery,
-                    max_message_size=4 * config.server.max_frame_bytes,
-                    connect_timeout=config.server.hello_seconds,  # the upgrade request too
-                    task_status=task_status,
+            with _listening("port", f"{options.host}:{options.port}"):
+                listener = await nursery.start(
+                    lambda task_status: serve_websocket(
+                        server.handle,
+                        options.host,
+                        options.port,
+                        options.ssl_context,
+                        handler_nursery=nursery,
+                        max_message_size=4 * config.server.max_frame_bytes,
+                        connect_timeout=config.server.hello_seconds,  # the upgrade request too
+                        task_status=task_status,
+                    )
                 )
-            )
             server.port = listener.port
             async with contextlib.AsyncExitStack() as metrics:
                 if config.metrics.listen is not None:
                     host, port = metrics_address(config.metrics.listen)
-                    bound = await metrics.enter_async_context(
-                        open_metrics(
-                            server,
-                            host,
-                            port,
-                            nursery,
-                            page=server if config.metrics.page else None,
-                            ssl_context=options.ssl_context,
+                    with _listening("metrics.listen", config.metrics.listen):
+                        bound = await metrics.enter_async_context(
+                            open_metrics(
+                                server,
+                                host,
+                                port,
+                                nursery,
+                                page=server if config.metrics.page else None,
+                                ssl_context=options.ssl_context,
+                            )
                         )
-                    )
                     server.metrics_port = bound.port
                 # O1: made once the start can no longer fail (the lock held, every listener
                 # bound), so a token this start creates is always printed; a hello before it

@@ -18,7 +18,7 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected
 
 from runtime._config import config_from_dict
-from runtime._errors import DiskFailedError, ReasonCode
+from runtime._errors import ConfigError, DiskFailedError, ReasonCode
 from runtime._rooms._worker import RoomWorker
 from runtime._server._serve import ServeOptions, open_server
 
@@ -252,20 +252,24 @@ async def test_p3_p4_an_unusable_id_or_a_number_out_of_range_is_said_by_the_fram
         assert code == ReasonCode.WRONG_TYPE
 
 
-async def test_o1_a_start_that_fails_to_bind_makes_no_token_and_the_next_one_prints_it(
+async def test_o1_o11_a_start_that_fails_to_bind_makes_no_token_and_the_next_one_prints_it(
     tmp_path: Path,
 ) -> None:
-    """O1: a first start that fails — here its port is taken — leaves no token behind, so
-    the next start creates it and has it to print (``new_token``); before, the token was made
-    before the bind and never shown (only ``token rotate`` could recover it)."""
+    """O1: a first start that fails — here its port is taken, refused ``config_invalid:
+    port`` (O11), not a bare ``errno`` — leaves no token behind, so the next start creates
+    it and has it to print (``new_token``); before, the token was made before the bind and
+    never shown (only ``token rotate`` could recover it)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         config = config_from_dict({}, base=tmp_path)
-        with trio.fail_after(LIMIT), pytest.raises(OSError, match="in use"):
+        with trio.fail_after(LIMIT), pytest.raises(ConfigError) as refused:
             async with open_server(config, ServeOptions(port=port), base_dir=tmp_path):
                 pass
+    assert refused.value.setting == "port"  # O11: the setting named, with its code
+    assert refused.value.code is ReasonCode.CONFIG_INVALID
+    assert "in use" in refused.value.message
     assert not (tmp_path / "state" / "token").exists()
     with trio.fail_after(LIMIT):
         async with open_server(config, ServeOptions(port=0), base_dir=tmp_path) as server:
