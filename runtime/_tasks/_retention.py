@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -37,7 +37,8 @@ import trio
 from .._clock import Clocks
 from .._config import RetentionConfig
 from .._errors import DiskFailedError, ReasonCode, TaskError
-from .._journal._interface import LeaseStore
+from .._journal._interface import JournalStore, LeaseStore
+from .._journal._journal import LogContents
 from .._journal._store import Store, lane_key, open_store
 from .._linux._fs import OsFileSystem
 from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
@@ -55,6 +56,7 @@ __all__ = [
     "retain_ended_tasks",
     "retain_offline",
     "retain_shared_tasks",
+    "task_logs",
     "work_dirs",
 ]
 
@@ -110,27 +112,41 @@ def _key(task_id: str) -> str:
     return lane_key(lane_name(task_id))
 
 
-async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
-    """Every ended task whose lane log the state directory holds, by id (what
-    ``pi-runtime journal compact`` retains with no server running; a server's runner knows
-    them already). A log that cannot be read is left alone: retention never removes what it
-    cannot read."""
+async def task_logs(
+    store: JournalStore, unreadable: Callable[[str, Exception], None]
+) -> AsyncIterator[tuple[TaskSubmitted, LogContents]]:
+    """Every task lane log of a file store's directory that holds a task's submission, with
+    its records, in path order. One a crash left empty (its create cut short, J3) holds no
+    task yet; one that cannot be read is told to ``unreadable`` and passed over — one task's
+    damaged log never stops a start or a pass for the others (TL11)."""
     lanes = store.root / LANES
     found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
-    ended: dict[str, TaskEnded] = {}
     for path in found:
         rel = str(path.relative_to(store.root))
         try:
             contents = await store.read(rel)
-        except Exception:  # a damaged log is journal verify's to report, not ours to remove
+        except Exception as error:
+            unreadable(rel, error)
             continue
-        if not contents.records:  # a create a crash cut short (J3): no task in it yet
+        if not contents.records:
             continue
-        if not contents.header.subject.startswith("task:"):
+        subject = contents.header.subject
+        if not subject.startswith("task:") or path.parent.name != lane_key(subject):
             continue
         submitted = next((r for r in contents.records if isinstance(r, TaskSubmitted)), None)
+        if submitted is not None:
+            yield submitted, contents
+
+
+async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
+    """Every ended task whose lane log the state directory holds, by id (what
+    ``pi-runtime journal compact`` retains with no server running; a server's runner knows
+    them already). A log that cannot be read is left alone: retention never removes what it
+    cannot read (a damaged log is ``journal verify``'s to report)."""
+    ended: dict[str, TaskEnded] = {}
+    async for submitted, contents in task_logs(store, lambda rel, error: None):
         end = next((r for r in contents.records if isinstance(r, TaskEnded)), None)
-        if submitted is not None and end is not None:
+        if end is not None:
             ended[submitted.task_id] = end
     return ended
 

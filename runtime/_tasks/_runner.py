@@ -25,7 +25,7 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import BackoffConfig, RetentionConfig
-from .._errors import JournalError, PiRuntimeError, ReasonCode, TaskError
+from .._errors import JournalError, ReasonCode, TaskError
 from .._journal._fence import Fence, Lease
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import LaneLeases, fenced_out
@@ -43,6 +43,7 @@ from ._retention import (
     lane_name,
     retain_ended_tasks,
     retain_shared_tasks,
+    task_logs,
 )
 from ._state import check_spec, submitted_record
 from ._view import records_view, task_row, view_row
@@ -694,26 +695,15 @@ class TaskRunner:
         if self.shared is not None:
             await self.claim_orphans()
             return
-        lanes = self.host.store.root / "lanes"
-        found = await trio.to_thread.run_sync(lambda: sorted(lanes.glob("*/lane.log")))
-        for path in found:
-            rel = str(path.relative_to(self.host.store.root))
-            try:
-                contents = await self.host.store.read(rel)
-            except PiRuntimeError as error:  # TL11: that task alone, never the host's start
-                self.host.log(
-                    f"task lane log {rel} cannot be read ({error}): its task is not resumed; "
-                    "`pi-runtime journal verify` says what is wrong"
-                )
-                continue
-            if not contents.records:  # a create a crash cut short (J3): no task in it yet
-                continue
+
+        def unreadable(rel: str, error: Exception) -> None:  # TL11: that task alone
+            self.host.log(
+                f"task lane log {rel} cannot be read ({error}): its task is not resumed; "
+                "`pi-runtime journal verify` says what is wrong"
+            )
+
+        async for submitted, contents in task_logs(self.host.store, unreadable):
             subject = contents.header.subject
-            if not subject.startswith("task:") or path.parent.name != lane_key(subject):
-                continue
-            submitted = next((r for r in contents.records if isinstance(r, TaskSubmitted)), None)
-            if submitted is None:
-                continue
             log = await self.host.store.open_lane_log(subject)
             lane = TaskLane(self.host, submitted, log)
             if any(isinstance(r, TaskEnded) for r in contents.records):

@@ -121,11 +121,10 @@ import ctypes, sys, threading, time
 main = threading.get_native_id()
 def other():
     while open(f"/proc/self/task/{main}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-        time.sleep(0.01)
+        time.sleep(0.01)  # (the child's own wait: no event says its main thread has ended)
     sys.stdout.write("leader gone\\n")
     sys.stdout.flush()
-    while True:
-        time.sleep(1)
+    threading.Event().wait()  # alive until killed
 threading.Thread(target=other).start()
 ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread alone ends; the process lives on
 """

@@ -444,6 +444,22 @@ def _stalled(probe: Probe) -> Callable[[], bool]:
     return lambda: probe.stall() is not None
 
 
+async def _until_stalled(driver: Driver, upstream: Upstream, probe: Probe) -> Check:
+    """Virtual time on, timer by timer, while the streamed answer sits in the lane, until a
+    check finds the turn stalled: that check."""
+    await driver.advance(30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe))
+    stall = probe.stall()
+    assert stall is not None, "the turn was never found stalled"
+    return stall
+
+
+async def _until_fenced(driver: Driver, upstream: Upstream, aborts: Aborts) -> None:
+    """Virtual time on past the abort's grace, until the wedged epoch is fenced."""
+    await driver.advance(
+        10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
+    )
+
+
 # ------------------------------------------------------------------------------- the cases
 
 
@@ -471,11 +487,7 @@ async def test_a_silent_model_stalls_the_turn_at_300_to_305_s_and_the_lane_goes_
             lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
             "the answer to start",
         )
-        await driver.advance(
-            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
-        )
-        stall = probe.stall()
-        assert stall is not None, "the turn was never found stalled"
+        stall = await _until_stalled(driver, upstream, probe)
         await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
         (stalled,) = results
         assert (stalled.delivery_id, stalled.outcome, stalled.code, stalled.text) == (
@@ -827,17 +839,11 @@ async def test_l20_a_worker_that_ignores_the_stall_abort_is_fenced_after_the_gra
         (first,) = await _epochs(worker)
         assert isinstance(first, EpochStarted)
         wedged.append(first.pid)
-        await driver.advance(
-            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
-        )
-        stall = probe.stall()
-        assert stall is not None, "the turn was never found stalled"
+        stall = await _until_stalled(driver, upstream, probe)
         await driver.wait_for(lambda: len(aborts.sent) == 1, "the backstop's abort")
         assert _alive(first.pid)
         # the worker answers nothing: virtual time runs on, timer by timer, past the grace
-        await driver.advance(
-            10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
-        )
+        await _until_fenced(driver, upstream, aborts)
         await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
         (stalled,) = results
         assert (stalled.delivery_id, stalled.outcome, stalled.code, stalled.text) == (
@@ -939,10 +945,7 @@ async def test_l20_a_worker_that_dies_on_the_stall_abort_is_not_replayed(
             lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
             "the answer to start",
         )
-        await driver.advance(
-            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
-        )
-        assert probe.stall() is not None, "the turn was never found stalled"
+        await _until_stalled(driver, upstream, probe)
         await driver.wait_for(lambda: len(results) == 1, "the stalled turn's result")
         (stalled,) = results
         assert (stalled.delivery_id, stalled.outcome, stalled.code) == (
@@ -996,17 +999,11 @@ async def test_l20_a_cancel_the_wedged_worker_ignores_ends_cancelled_once_it_is_
 
         nursery.start_soon(cancel)
         await driver.wait_for(lambda: len(aborts.sent) == 1, "the cancel's abort")
-        await driver.advance(
-            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
-        )
-        stall = probe.stall()
-        assert stall is not None, "the turn was never found stalled"
+        stall = await _until_stalled(driver, upstream, probe)
         await driver.wait_for(lambda: len(aborts.sent) == 2, "the backstop's abort")
         assert cancelled.is_set()  # the cancel returned after the grace, unanswered
         assert not results  # but the delivery is not over until its worker is fenced
-        await driver.advance(
-            10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
-        )
+        await _until_fenced(driver, upstream, aborts)
         await driver.wait_for(
             lambda: len(results) == 1 and cancelled.is_set(), "the cancelled turn's result"
         )
@@ -1060,14 +1057,9 @@ async def test_l13_l20_a_cancel_while_launching_then_a_stall_aborts_twice_and_en
             lambda: upstream.started == 1 and upstream.streamed_reached_lane(),
             "the answer to start",
         )
-        await driver.advance(
-            30 * MINUTE, quiet=upstream.streamed_reached_lane, stop=_stalled(probe)
-        )
-        assert probe.stall() is not None, "the turn was never found stalled"
+        await _until_stalled(driver, upstream, probe)
         await driver.wait_for(lambda: len(aborts.sent) == 2, "the backstop's abort")
-        await driver.advance(
-            10 * MINUTE, quiet=upstream.streamed_reached_lane, stop=lambda: bool(aborts.fenced)
-        )
+        await _until_fenced(driver, upstream, aborts)
         await driver.wait_for(lambda: len(results) == 1, "the cancelled turn's result")
         await worker.deliver(message("e1", "hello", room=other))
         await driver.wait_for(lambda: len(results) == 2, "the other room's result")
