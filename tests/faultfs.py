@@ -36,7 +36,7 @@ __all__ = [
     "When",
 ]
 
-OpKind = Literal["write", "sync", "rename", "truncate", "close"]
+OpKind = Literal["write", "sync", "rename", "truncate", "close", "allocate"]
 """``sync`` counts ``fdatasync``, ``fsync`` and ``fsync_dir`` alike."""
 
 When = Literal["before", "after", "short"]
@@ -154,6 +154,18 @@ class FaultyFileSystem:
             self._paths[handle] = path
         return handle
 
+    def open_write(self, path: str) -> int:
+        handle = self.inner.open_write(path)
+        with self._lock:
+            self._paths[handle] = path
+        return handle
+
+    def allocate(self, handle: int, offset: int, length: int) -> None:
+        path = self.path_of(handle)
+        self._simple(
+            "allocate", "allocate", path, lambda: self.inner.allocate(handle, offset, length)
+        )
+
     def write(self, handle: int, data: bytes) -> int:
         path = self.path_of(handle)
         fault = self._decide("write", "write", path)
@@ -263,7 +275,21 @@ class _Truncate:
     length: int
 
 
-def _apply(content: bytearray, op: _Write | _Truncate) -> None:
+@dataclass(frozen=True, slots=True)
+class _Allocate:
+    """``posix_fallocate``: the file grows to at least ``length``, with zeros; never shrinks."""
+
+    length: int
+
+
+_Change = _Write | _Truncate | _Allocate
+
+
+def _apply(content: bytearray, op: _Change) -> None:
+    if isinstance(op, _Allocate):
+        if op.length > len(content):
+            content.extend(bytes(op.length - len(content)))
+        return
     if isinstance(op, _Truncate):
         if op.length < len(content):
             del content[op.length :]
@@ -281,7 +307,7 @@ class _File:
 
     data: bytearray = field(default_factory=bytearray)
     durable: bytes = b""
-    pending: list[_Write | _Truncate] = field(default_factory=list)
+    pending: list[_Change] = field(default_factory=list)
     """Changes since the last sync, in order (``durable`` + all of them = ``data``)."""
 
     def sync(self) -> None:
@@ -480,7 +506,7 @@ class PowerLossFileSystem:
         except KeyError:
             raise OSError(errno.EBADF, os.strerror(errno.EBADF)) from None
 
-    def _open(self, path: str, *, exclusive: bool) -> int:
+    def _open(self, path: str, *, exclusive: bool, append: bool) -> int:
         parent, name = self._parent(path)
         node = parent.entries.get(name)
         if node is not None and exclusive:
@@ -491,7 +517,7 @@ class PowerLossFileSystem:
             node = parent.entries[name] = _File()
         handle = self._next_handle
         self._next_handle += 1
-        self._handles[handle] = _Handle(node, path, append=not exclusive)
+        self._handles[handle] = _Handle(node, path, append=append)
         return handle
 
     def _makedirs(self, path: str, *, durable: bool) -> None:
@@ -511,12 +537,27 @@ class PowerLossFileSystem:
     def open_append(self, path: str) -> int:
         with self._lock:
             self._tick("open_append")
-            return self._open(path, exclusive=False)
+            return self._open(path, exclusive=False, append=True)
 
     def open_exclusive(self, path: str) -> int:
         with self._lock:
             self._tick("open_exclusive")
-            return self._open(path, exclusive=True)
+            return self._open(path, exclusive=True, append=False)
+
+    def open_write(self, path: str) -> int:
+        with self._lock:
+            self._tick("open_write")
+            return self._open(path, exclusive=False, append=False)
+
+    def allocate(self, handle: int, offset: int, length: int) -> None:
+        with self._lock:
+            self._tick("allocate")
+            h = self._handle(handle)
+            if offset < 0 or length <= 0:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), h.path)
+            op = _Allocate(offset + length)
+            _apply(h.file.data, op)
+            h.file.pending.append(op)
 
     def write(self, handle: int, data: bytes) -> int:
         with self._lock:

@@ -332,7 +332,8 @@ def _check_contents(
             Finding(
                 rel,
                 f"torn tail of {contents.torn_bytes} bytes after offset {contents.good_length} "
-                "(never acknowledged; cut off when the log is next opened)",
+                "(never acknowledged: a write a crash cut, or a delivery log's zeros allocated "
+                "ahead of its next frame, J19; cut off when the log is next opened)",
                 problem=False,
             )
         )

@@ -83,6 +83,10 @@ _FRAME_RECORDS: Final = 1024
 LOCK: Final = "LOCK"
 
 
+DELIVERY_AHEAD: Final = 1024 * 1024
+"""A delivery's log is allocated this far ahead of its frames (J19): a step's sync then
+commits no size change, only each growth does (performance.md, "Item 2: a log allocated
+ahead"). Cut back to the frames when the log is closed."""
 COMPACT_CHUNK: Final = 1024 * 1024
 """The piece a compaction writes at a time (:meth:`Store.rewrite_shared`)."""
 
@@ -546,6 +550,7 @@ class Store:
             path=path, rel=rel, good_length=0, next_seq=0, poison_path=path + ".poison", create=True
         )
         target.deferred = kind is LogKind.DELIVERY
+        target.ahead = DELIVERY_AHEAD if target.deferred else 0
         journal = Journal(self._pool, target, LogContents(rel, (header,), 0, 0))
         self._unrecorded.pop(rel, None)  # a new log under the name: not the poisoned one
         self._open[rel] = journal
@@ -585,6 +590,7 @@ class Store:
             create=contents.next_seq == 0,
         )
         target.deferred = kind is LogKind.DELIVERY
+        target.ahead = DELIVERY_AHEAD if target.deferred else 0
         journal = Journal(self._pool, target, contents)
         self._open[rel] = journal
         return journal

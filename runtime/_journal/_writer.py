@@ -115,8 +115,15 @@ class LogTarget:
         self.deferred = False
         """A delivery's log: its records may be made durable through its shard's sync log and
         written to the file later (J12). Set once, before the first append."""
+        self.ahead = 0
+        """Bytes to allocate ahead of the frames (J19): each frame then overwrites allocated
+        zeros at :attr:`good_length` (a ``pwrite``) and its ``fdatasync`` has no size change
+        to commit, only each growth has. 0: frames are appended. Set before the first
+        append."""
         self._create = create
         self._handle: int | None = None
+        self._allocated = 0
+        """Writer side: the file's size while :attr:`ahead` is set (frames, then zeros)."""
         self._pending: list[bytes] = []
         """Writer side: acknowledged records durable in the sync log, owed to the file."""
         self._pending_first = 0
@@ -567,13 +574,12 @@ class WriterPool:
             payloads = [item.payload for item in group]
         frame = encode_frame(first, payloads)
         try:
-            if target._handle is None:
-                target._handle = fs.open_append(target.path)
-            written = fs.write(target._handle, frame)
+            handle = self._open(target)
+            written = self._put(target, handle, frame)
             if written != len(frame):
                 raise OSError(errno.EIO, f"short write: {written} of {len(frame)} bytes")
             synced = perf_seconds()
-            fs.fdatasync(target._handle)
+            fs.fdatasync(handle)
             JOURNAL_FDATASYNC_SECONDS.observe(perf_seconds() - synced)
             JOURNAL_BATCH_RECORDS.observe(len(payloads))
             if target._create:
@@ -591,6 +597,39 @@ class WriterPool:
                 self._sync.written(target)
         return None
 
+    def _open(self, target: LogTarget) -> int:
+        """The log's handle, opened (and the file created) on first use. A log allocated
+        ahead starts with its frames alone: a tail past them (never acknowledged) is cut,
+        so the zeros after the last frame are all it ever holds there (J19)."""
+        if target._handle is not None:
+            return target._handle
+        fs = self._fs
+        if not target.ahead:
+            target._handle = fs.open_append(target.path)
+            return target._handle
+        handle = fs.open_write(target.path)
+        try:
+            if fs.size(handle) != target.good_length:
+                fs.truncate(handle, target.good_length)
+        except OSError:
+            fs.close(handle)
+            raise
+        target._handle = handle
+        target._allocated = target.good_length
+        return handle
+
+    def _put(self, target: LogTarget, handle: int, frame: bytes) -> int:
+        """Write ``frame`` at the log's end: appended, or over the zeros allocated ahead,
+        allocating more first when it does not fit (J19). Returns the bytes written."""
+        fs = self._fs
+        if not target.ahead:
+            return fs.write(handle, frame)
+        end = target.good_length + len(frame)
+        if end > target._allocated:
+            fs.allocate(handle, target._allocated, end + target.ahead - target._allocated)
+            target._allocated = end + target.ahead
+        return fs.pwrite(handle, frame, target.good_length)
+
     def _sync_group(
         self, sync: _SyncLog, groups: list[tuple[LogTarget, list[_Append]]]
     ) -> JournalError | None:
@@ -601,8 +640,7 @@ class WriterPool:
         ready: list[tuple[LogTarget, list[_Append]]] = []
         for target, group in groups:
             try:
-                if target._handle is None:  # J13: the file is durable before its records
-                    target._handle = fs.open_append(target.path)  # (a new one: owes nothing)
+                self._open(target)  # J13: the file is durable before its records
                 if target._create:
                     fs.fsync_dir(os.path.dirname(target.path))
                     target._create = False
@@ -834,6 +872,12 @@ class WriterPool:
     def _close(self, item: _Close) -> None:
         target = item.target
         if target._handle is not None:
+            if target._allocated > target.good_length and target.poisoned is None:
+                # the zeros allocated ahead go with the last append: a closed log holds its
+                # frames alone (not synced: zeros a crash keeps are a torn tail, J3, J19)
+                with contextlib.suppress(OSError):
+                    self._fs.truncate(target._handle, target.good_length)
+                target._allocated = target.good_length
             try:
                 self._fs.close(target._handle)
             except OSError as exc:  # pragma: no cover - close on a local fs

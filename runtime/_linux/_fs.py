@@ -29,6 +29,16 @@ class FileSystem(Protocol):
         """Create ``path`` (mode 0600) for writing; fail if it exists."""
         ...
 
+    def open_write(self, path: str) -> int:
+        """Open ``path`` for positional writes (``pwrite``, not appending), creating it
+        (mode 0600) if missing."""
+        ...
+
+    def allocate(self, handle: int, offset: int, length: int) -> None:
+        """Allocate ``length`` bytes from ``offset`` (``posix_fallocate``): the file grows to
+        at least ``offset + length``, and what it did not hold reads as zeros."""
+        ...
+
     def write(self, handle: int, data: bytes) -> int:
         """Write at the end (append) or the current position; may be short."""
         ...
@@ -78,6 +88,12 @@ class OsFileSystem:
 
     def open_exclusive(self, path: str) -> int:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+    def open_write(self, path: str) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def allocate(self, handle: int, offset: int, length: int) -> None:
+        os.posix_fallocate(handle, offset, length)
 
     def write(self, handle: int, data: bytes) -> int:
         return os.write(handle, data)

@@ -22,6 +22,7 @@ import trio
 
 from runtime import Journal, JournalError, ReasonCode, Store, open_store
 from runtime._errors import DiskFailedError
+from runtime._journal import _store
 from runtime._journal._journal import LogContents, decode_log, encode_record
 from runtime._journal._store import ADMISSIONS
 from runtime._journal._sync_log import SYNC_DIR, owed_in, with_owed
@@ -32,6 +33,8 @@ from ..faultfs import PowerLossFileSystem
 
 SEEDS: Final = 200
 ROTATING_SEEDS: Final = 150
+GROWING_SEEDS: Final = 100
+"""Seeds with delivery logs allocated a few bytes ahead: nearly every append grows one (J19)."""
 """Seeds of the same test with sync log generations turning over every batch or few."""
 LANE: Final = "dm:42"
 DELIVERIES: Final = ("d0", "d1", "d2")
@@ -228,20 +231,21 @@ async def _continue(store: Store, ledger: Ledger, writable: list[str]) -> dict[s
     return appended
 
 
-_OPS_BUDGET: dict[int | None, int] = {}
+_OPS_BUDGET: dict[tuple[int | None, int], int] = {}
 
 
 async def _workload_ops(root: Path, rotate_bytes: int | None = None) -> int:
     """How many file-system operations one uncut run of the workload takes."""
-    if rotate_bytes not in _OPS_BUDGET:
+    key = (rotate_bytes, _store.DELIVERY_AHEAD)
+    if key not in _OPS_BUDGET:
         fs = PowerLossFileSystem(root)
         async with open_store(root, fs=fs) as store:
             if rotate_bytes is not None:
                 store._pool._rotate_bytes = rotate_bytes
             start = fs.ops
             await _workload(store, fs, Ledger(seed=0))
-        _OPS_BUDGET[rotate_bytes] = fs.ops - start
-    return _OPS_BUDGET[rotate_bytes]
+        _OPS_BUDGET[key] = fs.ops - start
+    return _OPS_BUDGET[key]
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed-{s}") for s in range(SEEDS)])
@@ -263,6 +267,19 @@ async def test_power_loss_while_sync_log_generations_turn_over(tmp_path: Path, s
     records to reach their files, a log at a time between batches (and while one is
     removed)."""
     await _power_loss(tmp_path, seed, rotate_bytes=random.Random(seed).choice([1, 700, 3000]))
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed-{s}") for s in range(GROWING_SEEDS)])
+async def test_power_loss_while_delivery_logs_grow(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J19 with the rest: the same, with delivery logs allocated so little ahead that nearly
+    every append grows its file first, so the power is cut between an allocation and the
+    frame written over it, inside that frame, and before or after the sync that makes both
+    durable; and with the sync log turning over, so owed records reach files allocated
+    ahead too."""
+    monkeypatch.setattr(_store, "DELIVERY_AHEAD", random.Random(seed).choice([1, 100, 2000]))
+    await _power_loss(tmp_path, seed, rotate_bytes=random.Random(-seed).choice([None, 700]))
 
 
 async def _power_loss(tmp_path: Path, seed: int, rotate_bytes: int | None = None) -> None:
