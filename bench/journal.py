@@ -712,8 +712,8 @@ PREALLOCATED: Final = 1 << 20
 async def proto_prealloc_case(directory: Path, seconds: float) -> Sample:
     """As :func:`proto_eventfd_case`, into a file ``fallocate``d ahead in 1 MiB steps: each
     frame overwrites allocated space (``pwrite`` at the logical end), so its ``fdatasync``
-    has no size change to commit — only each growth step has. (How a reader would tell the
-    zeros after the last frame from a torn one is the design question this leaves open.)"""
+    has no size change to commit — only each growth step has. The runtime does this for a
+    delivery's log since journal.md J19; this is the same with nothing around it."""
     path = directory / "proto-prealloc.log"
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
