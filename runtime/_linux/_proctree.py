@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import signal
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,7 @@ __all__ = [
     "set_child_subreaper",
     "settled_environ",
     "subreaper_supported",
+    "sweep_stale_cgroups",
     "trio_managed",
     "valid_nonce",
 ]
@@ -83,6 +85,8 @@ EPOCH_ENV: Final = "PI_RUNTIME_EPOCH"
 CGROUP_PARENT_NAME: Final = "pi-runtime"
 """Epoch cgroups are ``<cgroup2 mount>/pi-runtime/<nonce>``."""
 _NONCE: Final = re.compile(r"[0-9a-f]{32}")
+STALE_CGROUP_SECONDS: Final = 3600.0
+"""An empty epoch cgroup unchanged this long was left by a host that died before removing it."""
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _PR_GET_CHILD_SUBREAPER: Final = 37
 _GONE: Final = (b"Z", b"X")
@@ -329,6 +333,38 @@ def create_cgroup(parent: Path, nonce: str) -> Path:
     path = parent / nonce
     path.mkdir()
     return path
+
+
+def sweep_stale_cgroups(
+    parent: Path, *, older_than: float = STALE_CGROUP_SECONDS, now: float | None = None
+) -> int:
+    """Remove the empty epoch cgroups under ``parent`` unchanged for ``older_than`` seconds
+    (by the wall clock against the directory's change time); return how many went.
+
+    A host removes its epochs' cgroups when it stops them; one killed first (SIGKILL, a
+    power loss) leaves them, and the next start of that state directory removes only the
+    ones its records name. Every host on the machine shares ``parent``, so none may take
+    another's: the kernel refuses to remove a cgroup that still has a member (``EBUSY``),
+    and an epoch enters its cgroup moments after creating it, so the age leaves alone the
+    only empty cgroup a live epoch has."""
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        if not (valid_nonce(name) or name.startswith("probe-")):
+            continue
+        path = parent / name
+        try:
+            if now - path.stat().st_ctime < older_than:
+                continue
+            path.rmdir()
+        except OSError:  # populated (EBUSY), gone, or not ours to remove
+            continue
+        removed += 1
+    return removed
 
 
 def cgroup_pids(path: Path) -> list[int]:

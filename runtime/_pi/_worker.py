@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import shutil
 import signal
@@ -57,6 +58,7 @@ from .._linux._proctree import (
     remove_cgroup,
     scan_tree,
     set_child_subreaper,
+    sweep_stale_cgroups,
     trio_managed,
     valid_nonce,
 )
@@ -263,9 +265,18 @@ class Epoch:
                     await stream.aclose()
 
 
+@functools.cache
+def _sweep_once(parent: Path) -> int:
+    """The stale epoch cgroups hosts that died left under ``parent``, removed once per
+    process (before its first epoch's cgroup)."""
+    return sweep_stale_cgroups(parent)
+
+
 def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, Path | None]:
+    """How the epoch is contained (blocking: called in a thread)."""
     support = probe_cgroups()
     if containment in (None, Containment.CGROUP) and support.parent is not None:
+        _sweep_once(support.parent)
         try:
             return Containment.CGROUP, create_cgroup(support.parent, nonce)
         except OSError as error:
@@ -306,7 +317,7 @@ async def _launch(
     full_env = {**env, EPOCH_ENV: nonce}
     full_env.setdefault("PWD", str(cwd))
     command = [_resolve(argv[0], full_env), *argv[1:]]
-    mode, cgroup = _choose(containment, nonce)
+    mode, cgroup = await trio.to_thread.run_sync(_choose, containment, nonce)
     if cgroup is not None:
         command = [_SHELL, "-c", _ENTER_CGROUP, str(cgroup / "cgroup.procs"), *command]
     try:

@@ -29,6 +29,7 @@ from runtime._linux._proctree import (
     proc_table,
     scan_tree,
     settled_environ,
+    sweep_stale_cgroups,
 )
 
 ROUNDS = 200
@@ -164,3 +165,52 @@ async def test_w3_w6_a_process_whose_main_thread_exited_is_a_live_member_and_is_
     assert process.pid in report.killed
     assert report.clean
     assert ended is not None
+
+
+@contextmanager
+def _private_cgroups() -> Iterator[Path]:
+    """A cgroup of this test's own under the machine's ``pi-runtime`` one, removed after: a
+    sweep of it can touch no other test's epoch (its name is not epoch-shaped, so no other
+    process's sweep touches it either)."""
+    support = _proctree.probe_cgroups()
+    assert support.parent is not None, f"cgroup v2 is not usable here: {support.reason}"
+    root = support.parent / f"sweep-test-{os.getpid()}-{new_nonce()[:8]}"
+    root.mkdir()
+    try:
+        yield root
+    finally:
+        for child in root.iterdir():
+            if child.is_dir():
+                child.rmdir()
+        root.rmdir()
+
+
+def test_w12_a_sweep_removes_only_old_empty_epoch_cgroups() -> None:
+    """W12: the empty epoch cgroups a dead host left are removed once old; a fresh one (an
+    epoch about to enter it), one with a live member, and one not named like an epoch's
+    stay."""
+    with _private_cgroups() as root:
+        empty = root / new_nonce()
+        probe = root / "probe-1-abcd"
+        populated = root / new_nonce()
+        foreign = root / "not-an-epoch"
+        for path in (empty, probe, populated, foreign):
+            path.mkdir()
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
+        try:
+            (populated / "cgroup.procs").write_text(str(child.pid))
+            assert _proctree.cgroup_pids(populated) == [child.pid]
+            assert sweep_stale_cgroups(root) == 0, "fresh cgroups stay"
+            assert all(p.exists() for p in (empty, probe, populated, foreign))
+            later = empty.stat().st_ctime + _proctree.STALE_CGROUP_SECONDS + 1
+            assert sweep_stale_cgroups(root, now=later) == 2
+            assert not empty.exists()
+            assert not probe.exists()
+            assert populated.exists(), "the kernel refuses a cgroup with a member"
+            assert foreign.exists()
+        finally:
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(10)

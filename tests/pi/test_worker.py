@@ -42,6 +42,7 @@ from runtime._linux._proctree import (
     settled_environ,
     trio_managed,
 )
+from runtime._pi import _worker
 from runtime._pi._pi_install import PiInstall
 from runtime._pi._worker import (
     ENV_ALLOWED,
@@ -638,3 +639,33 @@ def test_pi_install_is_idempotent(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["pi", "install", "--home", str(home)]) == 0
     assert capsys.readouterr().out.startswith(f"pi 1.6.0 at {home}")
     assert cli_main(["version"]) == 0
+
+
+async def test_w12_the_first_cgroup_epoch_sweeps_what_dead_hosts_left_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W12: before a process's first epoch cgroup is made, the stale ones under the shared
+    parent are swept (off the Trio loop), and only once per process."""
+    calls: list[tuple[Path, bool]] = []
+
+    def sweep(parent: Path) -> int:
+        calls.append((parent, trio.lowlevel.in_trio_run()))
+        return 0
+
+    monkeypatch.setattr(_worker, "sweep_stale_cgroups", sweep)
+    _worker._sweep_once.cache_clear()
+    try:
+        for _ in range(2):
+            with trio.fail_after(LIMIT):
+                async with open_epoch(
+                    tree_argv(tmp_path),
+                    env=tree_env(tmp_path),
+                    cwd=tmp_path,
+                    containment=Containment.CGROUP,
+                ) as epoch:
+                    await tree_ready(epoch)
+                    report = await epoch.stop()
+            assert report.clean, report
+    finally:
+        _worker._sweep_once.cache_clear()
+    assert calls == [(CGROUPS.parent, False)]
