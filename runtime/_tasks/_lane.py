@@ -857,21 +857,9 @@ class TaskLane:
             )
             self.watchdog.feed(Hold(reason))
             return
-        # TL12: a tree a restart could not kill is killed again first, whatever the hold
-        # the operator resumes (one the log recorded before the host died stands over it)
-        if reason.startswith("survivors:") or self._restart_survivors is not None:
-            stopped = (
-                await self._kill_leftovers(self.record)
-                if self.record is not None
-                else Stopped(False, ())
-            )
-            if not stopped.clean:
-                known = self._restart_survivors or _pids(reason)
-                await self.hold(_survivors(stopped.survivors or known))
-                return
-            self.quiescent_epoch = self.record.epoch if self.record is not None else None
+        if not await self._survivors_gone():
+            return
         self._restarted = False  # the resume is the replacement a restart would have made
-        self._restart_survivors = None
         self.watchdog.classification = Classification.RESUMING
         await self.note_hold()  # the operator lifted the hold (WD12)
         await self._replace("an operator resumed the task after a hold", forced=True)
@@ -931,8 +919,32 @@ class TaskLane:
         await self.hold(f"{UNFINISHED}{shown}")
         self.host.log(f"task {self.task_id} not done ({ending.code}): {ending.detail}")
 
+    async def _survivors_gone(self) -> bool:
+        """TL12: a tree a restart could not kill is killed again from the epoch's record
+        first, whatever the hold the operator resumes (one the log recorded before the host
+        died stands over it). Without the proof the task holds ``survivors:<pids>`` again
+        (``False``); with it that epoch is quiescent (LK4)."""
+        reason = self.watchdog.hold_reason or ""
+        if not reason.startswith("survivors:") and self._restart_survivors is None:
+            return True
+        stopped = (
+            await self._kill_leftovers(self.record)
+            if self.record is not None
+            else Stopped(False, ())
+        )
+        if not stopped.clean:
+            known = self._restart_survivors or _pids(reason)
+            await self.hold(_survivors(stopped.survivors or known))
+            return False
+        self.quiescent_epoch = self.record.epoch if self.record is not None else None
+        self._restart_survivors = None
+        return True
+
     async def _retry_finalization(self) -> None:
-        """The operator's resume of an incomplete Done: take the tuple again (LK10)."""
+        """The operator's resume of an incomplete Done: take the tuple again (LK10) — after
+        proving gone a tree the restart could not kill (TL12), which is its quiescence."""
+        if not await self._survivors_gone():
+            return
         self.watchdog.feed(TerminalAccepted("done"))  # the success intent, unheld
         await self.note_hold()
         self.changed()

@@ -43,7 +43,7 @@ from runtime._tasks._service import TaskService
 from runtime._tasks._session import marker_in_session
 from runtime._tasks._state import continuation_marker
 from runtime._tasks._watchdog import Phase, Progress, WatchdogPolicy
-from runtime._tasks._workers import EpochRequest
+from runtime._tasks._workers import EpochRequest, Stopped
 from runtime.testing._in_process import InProcessWorkers
 
 from .._cancelling import cancelled_once
@@ -1109,6 +1109,50 @@ async def test_lk10_an_incomplete_done_holds_then_the_operators_resume_finalizes
         records = await rig.records()
         assert len(actions(records, "finalize")) == 1  # the one incomplete attempt
         assert actions(records, "reserve") == []
+        assert rig.workers.launched == []
+
+
+async def test_lk10_tl12_a_resume_of_an_incomplete_done_kills_what_the_restart_could_not(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LK10, TL12: the task holds ``finalization_incomplete`` and its host dies; the restart
+    cannot kill the last epoch's tree, so nothing proves it quiescent. The operator's resume
+    kills again from the record before it takes the tuple again: while that kill proves
+    nothing the task holds ``survivors:<pids>`` (no finalization attempt on a guess); once it
+    proves the tree gone, the next resume ends the task done."""
+    needed = tmp_path / "validation-may-pass"
+    code = f"import os, sys; sys.exit(0 if os.path.exists({str(needed)!r}) else 4)"
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec(validation=(sys.executable, "-c", code)))
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        log = rig.runner.log_rel(TASK)
+    await _append_lane_record(tmp_path, clocks, log, UNKILLABLE)
+    kill_leftovers = TaskLane._kill_leftovers
+    kills: list[bool] = []
+
+    async def kill_that_works_the_third_time(lane: TaskLane, record: EpochStarted) -> Stopped:
+        stopped = await kill_leftovers(lane, record)  # the real kill: the record has no proof
+        assert not stopped.clean
+        kills.append(len(kills) >= 2)
+        return Stopped(True, ()) if kills[-1] else stopped
+
+    monkeypatch.setattr(TaskLane, "_kill_leftovers", kill_that_works_the_third_time)
+    async with open_rig(tmp_path, clocks, []) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert kills == [False]  # the restart's
+        needed.write_text("fixed by the operator")
+        rig.runner.resume(TASK)
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == "survivors:1", within=60)
+        assert kills == [False, False]
+        records = await rig.records()
+        assert len(actions(records, "finalize")) == 1  # the first, incomplete one only
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK)
+        assert kills == [False, False, True]
+        assert ended.state == "done"
         assert rig.workers.launched == []
 
 
