@@ -65,12 +65,21 @@ def log_json_option(parser: argparse.ArgumentParser, default: object) -> None:
     )
 
 
-def state_dir_option(parser: argparse.ArgumentParser) -> None:
+DEFAULT_STATE_DIR: Final = Path("state")
+
+
+def state_dir_option(parser: argparse.ArgumentParser, *, with_config: bool = False) -> None:
+    """``--state-dir``; ``with_config``: the command also takes ``--config``, whose
+    ``state_dir`` is the default (:func:`offline_target`)."""
     parser.add_argument(
         "--state-dir",
         type=Path,
-        default=Path("state"),
-        help="the state directory (default: ./state)",
+        default=None if with_config else DEFAULT_STATE_DIR,
+        help=(
+            "the state directory (default: --config's state_dir, else ./state)"
+            if with_config
+            else "the state directory (default: ./state)"
+        ),
     )
 
 
@@ -136,6 +145,27 @@ def short_class(classification: object) -> str:
 def seconds_text(value: object) -> str:
     """``12.5 s`` for a number of seconds; ``-`` for anything else (a field not sent)."""
     return f"{float(value):g} s" if isinstance(value, int | float) else "-"
+
+
+def offline_target(
+    state_dir: Path | None, config: Path | None
+) -> tuple[Path, RetentionSettings | None]:
+    """The state directory a retention command acts on, and the settings ``--config``
+    gives (``None``: the ones the server recorded, RT14): ``--state-dir``, else the
+    configuration's ``state_dir``, else ``./state``. Both given and naming different
+    directories is ``config_invalid``: that configuration is not the one the server of that
+    directory runs with."""
+    configured, given = given_retention(config)
+    if (
+        state_dir is not None
+        and configured is not None
+        and state_dir.absolute() != configured.absolute()
+    ):
+        raise ConfigError(
+            "state_dir",
+            f"--state-dir {state_dir} is not the configuration's state_dir {configured}",
+        )
+    return state_dir or configured or DEFAULT_STATE_DIR, given
 
 
 def given_retention(config: Path | None) -> tuple[Path | None, RetentionSettings | None]:

@@ -25,8 +25,8 @@ from ._base import (
     EXIT_OK,
     JSON,
     Commands,
-    given_retention,
     logger,
+    offline_target,
     state_dir_option,
     store_option,
 )
@@ -61,7 +61,7 @@ def register(commands: Commands) -> None:
         "the state directory (state_dir_locked). File store only.",
         _journal_compact,
     )
-    state_dir_option(compact)
+    state_dir_option(compact, with_config=True)
     compact.add_argument(
         "--config",
         type=Path,
@@ -102,8 +102,7 @@ def _journal_verify(args: argparse.Namespace) -> int:
 
 
 def _journal_compact(args: argparse.Namespace) -> int:
-    configured, given = given_retention(args.config)
-    state_dir: Path = configured or args.state_dir
+    state_dir, given = offline_target(args.state_dir, args.config)
     settings = offline_settings(state_dir, given)  # RT14
     retention = settings.retention
     removed, plan = trio.run(

@@ -35,10 +35,10 @@ from ._base import (
     JSON,
     Commands,
     config_option,
-    given_retention,
     load_room_config,
     logger,
     no_server,
+    offline_target,
     refused,
     seconds_text,
     short_class,
@@ -158,7 +158,7 @@ def register(commands: Commands) -> None:
         _task_forget,
     )
     forget.add_argument("task_id", metavar="ID", help="the task's id")
-    state_dir_option(forget)
+    state_dir_option(forget, with_config=True)
     forget.add_argument(
         "--config",
         type=Path,
@@ -353,14 +353,14 @@ def _task_control(command: str, args: argparse.Namespace) -> int:
 
 def _task_forget(args: argparse.Namespace) -> int:
     request = {"command": "task_forget", "task_id": args.task_id}
-    response = trio.run(admin_request, args.state_dir, request)
+    state_dir, given = offline_target(args.state_dir, args.config)
+    response = trio.run(admin_request, state_dir, request)
     if response is None:  # no server: the state directory itself, its lock taken
-        _, given = given_retention(args.config)
-        settings = offline_settings(args.state_dir, given)  # RT14
+        settings = offline_settings(state_dir, given)  # RT14
         removed = trio.run(
             functools.partial(
                 forget_offline,
-                args.state_dir,
+                state_dir,
                 args.task_id,
                 settings=settings,
                 clocks=Clocks.system(),

@@ -275,3 +275,37 @@ async def test_rt12_journal_compact_passes_over_a_lane_log_a_crash_left_empty(
         compacted = await _main("journal", "compact", "--state-dir", str(tmp_path / "state"))
     assert compacted == 0
     assert "slimmed 0 ended tasks" in capsys.readouterr().out
+
+
+async def test_rt14_a_retention_command_acts_on_the_configurations_state_dir_or_refuses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """RT14: ``journal compact`` and ``task forget`` with no server take the state directory
+    the same way: ``--state-dir``, else ``--config``'s ``state_dir``, else ``./state``.
+    Both given and naming different directories is refused ``config_invalid`` naming
+    ``state_dir``, and nothing is acted on: that configuration is not the one the server of
+    that directory runs with."""
+    async with served_ten_days_ago(tmp_path, MONTH) as log:
+        month = _config_file(tmp_path, MONTH)
+        other = tmp_path / "other-state"
+        assert (
+            await _main("journal", "compact", "--config", str(month), "--state-dir", str(other))
+            == 1
+        )
+        compact_code = _refused_with(caplog)
+        named = f"is not the configuration's state_dir {tmp_path / 'state'}" in caplog.text
+        forget = ["task", "forget", "t1", "--config", str(month)]
+        assert await _main(*forget, "--state-dir", str(other)) == 1
+        forget_code = _refused_with(caplog)
+        assert not other.exists()
+        caplog.clear()
+        assert await _main(*forget) == 1  # the configuration's directory: no such task there
+        unknown = _refused_with(caplog)
+        same = await _main(
+            "journal", "compact", "--config", str(month), "--state-dir", str(tmp_path / "state")
+        )
+        assert log.exists()
+    assert compact_code == forget_code == ReasonCode.CONFIG_INVALID
+    assert named
+    assert unknown == ReasonCode.TASK_UNKNOWN
+    assert same == 0
