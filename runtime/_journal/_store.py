@@ -450,8 +450,17 @@ class Store:
         )
 
     async def open_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> Journal:
-        """Open an existing delivery's log for appending (torn tail cut off)."""
-        return await self._open_existing(self.delivery_rel(delivery_id), LogKind.DELIVERY)
+        """Open an existing delivery's log for appending (torn tail cut off); one opening at
+        a time per log, as :meth:`_open_or_create`, so two tasks opening it at once share one
+        journal (two would both write their next frame at the same offset, J19)."""
+        rel = self.delivery_rel(delivery_id)
+        lock = self._opening.setdefault(rel, trio.Lock())
+        async with lock:
+            try:
+                return await self._open_existing(rel, LogKind.DELIVERY)
+            finally:
+                if not lock.statistics().tasks_waiting:
+                    self._opening.pop(rel, None)
 
     async def read_delivery_log(self, delivery_id: str) -> LogContents:
         """Read a delivery's log without opening it for appends (even if poisoned)."""

@@ -115,6 +115,9 @@ class LogTarget:
         self.deferred = False
         """A delivery's log: its records may be made durable through its shard's sync log and
         written to the file later (J12). Set once, before the first append."""
+        self.closed = False
+        """Closed (Trio side): every later append is refused ``journal_closed`` — the log's
+        next opening has a target of its own, and two would write at one offset (J19)."""
         self.ahead = 0
         """Bytes to allocate ahead of the frames (J19): each frame then overwrites allocated
         zeros at :attr:`good_length` (a ``pwrite``) and its ``fdatasync`` has no size change
@@ -352,6 +355,8 @@ class WriterPool:
             raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=target.rel)
         if target.poisoned is not None:
             raise target.poisoned
+        if target.closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the log is closed", path=target.rel)
         item = _Append(target, target.next_seq, payload)
         target.next_seq += 1
         handed = perf_seconds()
@@ -394,6 +399,7 @@ class WriterPool:
     async def close_target(self, target: LogTarget) -> None:
         """Close the file after every append handed over before this call (its pending
         records written and synced first, J12)."""
+        target.closed = True
         if self._closed:
             return
         await self._handoff(_Close(target))
@@ -610,7 +616,10 @@ class WriterPool:
         handle = fs.open_write(target.path)
         try:
             if fs.size(handle) != target.good_length:
+                # synced before any frame is written over the cut: blocks a truncate freed
+                # but had not committed could otherwise keep their old bytes past that frame
                 fs.truncate(handle, target.good_length)
+                fs.fdatasync(handle)
         except OSError:
             fs.close(handle)
             raise
@@ -626,8 +635,15 @@ class WriterPool:
             return fs.write(handle, frame)
         end = target.good_length + len(frame)
         if end > target._allocated:
-            fs.allocate(handle, target._allocated, end + target.ahead - target._allocated)
-            target._allocated = end + target.ahead
+            try:
+                fs.allocate(handle, target._allocated, end + target.ahead - target._allocated)
+                target._allocated = end + target.ahead
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # no room to allocate ahead: the frame alone extends the file, as an append
+                # does; only a frame that does not fit fails (and poisons the log, J5)
+                target._allocated = end
         return fs.pwrite(handle, frame, target.good_length)
 
     def _sync_group(

@@ -364,6 +364,8 @@ class Lane:
             if refused is None
             else ReasonCode.RECOVERY_REFUSED.at(refused)
         )
+        if refused is not None:
+            labelled(RECOVERY_REFUSALS, code).inc()
         self._requeue_absorbed(pending)
         try:
             await self.host.outbox.publish(

@@ -75,7 +75,7 @@ from .._journal._store import (
 )
 from .._linux._fs import FileSystem
 from .._logs import fields
-from .._metrics import DELIVERIES_ADMITTED
+from .._metrics import DELIVERIES_ADMITTED, RECOVERY_REFUSALS, labelled
 from .._pi._worker import kill_epoch_leftovers
 from .._records import (
     AbsorbedInput,
@@ -1223,6 +1223,8 @@ class RoomWorker:
         """End a recovered delivery without a turn: ``failed`` with ``code``, or
         ``cancelled`` (``code`` None) when a cancel was requested while no server ran."""
         outcome = Outcome.CANCELLED if code is None else Outcome.FAILED
+        if code is not None:  # recovery_refused:<what> (docs/design/operations.md)
+            labelled(RECOVERY_REFUSALS, code).inc()
         result = Result(outcome=outcome, code=code, finished_ms=self._host.clocks.wall.time_ms())
         await self._write_result(lane, pending, result)
 

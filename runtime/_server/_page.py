@@ -32,7 +32,6 @@ import logging
 import secrets
 from collections.abc import Sized
 from dataclasses import dataclass
-from http.cookies import CookieError, SimpleCookie
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -58,6 +57,8 @@ __all__ = ["CONTROLS", "Observed", "OperatorPage", "Served"]
 logger = logging.getLogger("runtime.page")
 
 COOKIE: Final = "pi_runtime_page"
+_COOKIE_MAX: Final = 128
+"""Longer than any session key this page makes (``token_urlsafe(32)``: 43 characters)."""
 CONTROLS: Final = frozenset(
     {"cancel", "task_resume", "task_abort", "task_fail", "task_grant", "task_reply"}
 )
@@ -401,15 +402,17 @@ class OperatorPage:
             raise _Refused(405, ReasonCode.PAGE_METHOD, f"only {allowed} here")
 
     def _cookie(self, request: Request) -> str | None:
+        """The session key in the ``Cookie`` header, picked out by hand: the standard
+        library's cookie parser is quadratic in backslashes on Python < 3.11.10, and this runs
+        on the loop before any authentication (a 16 KiB header would block it for a second)."""
         raw = request.headers.get("cookie")
         if raw is None:
             return None
-        try:
-            jar = SimpleCookie(raw)
-        except CookieError:
-            return None
-        morsel = jar.get(COOKIE)
-        return morsel.value if morsel is not None else None
+        for part in raw.split(";"):
+            name, sep, value = part.strip().partition("=")
+            if sep and name == COOKIE and 0 < len(value) <= _COOKIE_MAX:
+                return value
+        return None
 
     async def _current_token(self) -> str | None:
         return await trio.to_thread.run_sync(read_token, self.server.state_dir)

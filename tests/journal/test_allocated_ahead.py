@@ -18,7 +18,7 @@ from typing import Final
 import pytest
 import trio
 
-from runtime import DiskFailedError, JournalError, ReasonCode, open_store
+from runtime import DiskFailedError, JournalError, ReasonCode, Store, open_store
 from runtime._journal._frame import encode_frame, scan
 from runtime._journal._store import DELIVERY_AHEAD
 from runtime._journal._writer import LogTarget, WriterPool
@@ -52,6 +52,10 @@ class Counting(OsFileSystem):
     def pwrite(self, handle: int, data: bytes, offset: int) -> int:
         self.calls.append("pwrite")
         return super().pwrite(handle, data, offset)
+
+
+def _disk_failure(store: Store) -> DiskFailedError | None:
+    return store.disk_failure
 
 
 def _only_frames_then_zeros(data: bytes) -> int:
@@ -139,25 +143,79 @@ async def test_j19_the_writer_cuts_what_lies_past_the_good_length_before_writing
     assert [frame.first_seq for frame in scan(data).frames] == [0, 1]
 
 
-async def test_j19_j6_no_space_to_grow_is_the_logs_own_disk_failure(tmp_path: Path) -> None:
-    """J19, J5, J6: when the file cannot grow (``ENOSPC`` from the allocation), the append
-    fails with ``disk_full``, the log is poisoned, the store stops admitting, and the
-    records acknowledged before read back whole."""
+async def test_j19_no_room_to_allocate_ahead_still_writes_a_frame_that_fits(
+    tmp_path: Path,
+) -> None:
+    """J19, J5, J6: when the file cannot be allocated ahead (``ENOSPC`` from the allocation,
+    every time), a frame that fits is still written, extending the file as an append does:
+    the disk is short of room to reserve, not of room for the step. Only a frame that does
+    not fit fails: ``disk_full``, the log poisoned, the records acknowledged before whole."""
     root = tmp_path / "state"
     fs = FaultyFileSystem(OsFileSystem(), armed=False)
     async with open_store(root, fs=fs) as store:
         log = await store.create_delivery_log("d0")
-        await log.append(_action(1))
-        fs.arm(Fault("allocate", errno=errno.ENOSPC, path_contains=log.rel))
+        fs.arm(Fault("allocate", errno=errno.ENOSPC, sticky=True, path_contains=log.rel))
+        assert await log.append(_action(1)) == 1
+        assert await log.append(_action(2, pad=BIG)) == 2
+        assert fs.fired
+        assert _disk_failure(store) is None
+        data = (root / log.rel).read_bytes()
+        assert _only_frames_then_zeros(data) == len(data), "the frames alone: nothing ahead"
+        fs.arm(Fault("write", errno=errno.ENOSPC, path_contains=log.rel))
         with pytest.raises(DiskFailedError) as failed:
-            await log.append(_action(2, pad=BIG))
-        assert failed.value.code is ReasonCode.DISK_FULL
-        assert store.disk_failure is not None
-        with pytest.raises(JournalError) as refused:
             await log.append(_action(3))
+        assert failed.value.code is ReasonCode.DISK_FULL
+        assert _disk_failure(store) is not None  # J6: the host stops admitting
+        with pytest.raises(JournalError) as refused:
+            await log.append(_action(4))
         assert refused.value.code is ReasonCode.JOURNAL_POISONED
         contents = await store.read(log.rel)
-        assert [r.action_id for r in contents.records[1:]] == ["a:1"]  # type: ignore[union-attr]
+        assert [r.action_id for r in contents.records[1:]] == ["a:1", "a:2"]  # type: ignore[union-attr]
+
+
+async def test_j19_a_closed_log_refuses_appends(tmp_path: Path) -> None:
+    """J19: a journal used after its log was closed is refused ``journal_closed`` — the log's
+    next opening writes at the end it reads, and a stale journal writing at its own older
+    end would overwrite that opening's acknowledged frames."""
+    async with open_store(tmp_path / "state") as store:
+        log = await store.create_delivery_log("d0")
+        await log.append(_action(1))
+        await store.close_log(log)
+        reopened = await store.open_delivery_log("d0")
+        assert await reopened.append(_action(2)) == 2
+        with pytest.raises(JournalError) as refused:
+            await log.append(_action(99))
+        assert refused.value.code is ReasonCode.JOURNAL_CLOSED
+        assert await reopened.append(_action(3)) == 3
+        records = (await store.read(reopened.rel)).records[1:]
+        assert [r.action_id for r in records] == ["a:1", "a:2", "a:3"]  # type: ignore[union-attr]
+
+
+async def test_j19_two_tasks_opening_a_log_at_once_share_one_journal(tmp_path: Path) -> None:
+    """J19: two tasks opening one delivery's log at once (after a crash left zeros to cut)
+    get one journal, so their frames take successive offsets instead of one."""
+    root = tmp_path / "state"
+    async with open_store(root, sync_log=False) as store:
+        log = await store.create_delivery_log("d0")
+        await log.append(_action(1))
+        path = root / log.rel
+        left = path.read_bytes()
+    path.write_bytes(left)  # what a crash would leave: the frames, then zeros
+    # (no sync log: each log on its own path, nothing else orders the two openings' reads)
+    async with open_store(root, sync_log=False) as store:
+        opened: list[object] = []
+
+        async def open_and_append(n: int) -> None:
+            journal = await store.open_delivery_log("d0")
+            opened.append(journal)
+            await journal.append(_action(n))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_and_append, 2)
+            nursery.start_soon(open_and_append, 3)
+        assert opened[0] is opened[1]
+        records = (await store.read(log.rel)).records[1:]
+        assert sorted(r.action_id for r in records) == ["a:1", "a:2", "a:3"]  # type: ignore[union-attr]
 
 
 async def test_j19_j4_a_flipped_bit_in_the_last_frame_before_the_zeros_is_damage(

@@ -33,9 +33,9 @@ from ..faultfs import PowerLossFileSystem
 
 SEEDS: Final = 200
 ROTATING_SEEDS: Final = 150
+"""Seeds of the same test with sync log generations turning over every batch or few."""
 GROWING_SEEDS: Final = 100
 """Seeds with delivery logs allocated a few bytes ahead: nearly every append grows one (J19)."""
-"""Seeds of the same test with sync log generations turning over every batch or few."""
 LANE: Final = "dm:42"
 DELIVERIES: Final = ("d0", "d1", "d2")
 DOCUMENTS: Final = ("outbox.json", "lanes/state.json")

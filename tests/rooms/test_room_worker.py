@@ -37,6 +37,7 @@ from runtime._config import Caps, ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, ReasonCode
 from runtime._journal._store import delivery_key, lane_key
 from runtime._linux._fs import OsFileSystem
+from runtime._metrics import REGISTRY
 from runtime._pi._session_settle import interrupted_text
 from runtime._records import (
     EpochFenced,
@@ -640,7 +641,9 @@ async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
 ) -> None:
     """L11: a delivery left unfinished (the worker stopped mid-turn) is not replayed under a
     changed persona, grants or model route: it ends ``failed`` with
-    ``recovery_refused:<what>``, naming what changed; nothing reaches the model again."""
+    ``recovery_refused:<what>``, naming what changed; nothing reaches the model again; and
+    ``pi_runtime_recovery_refusals_total{code}`` counts it (operations.md)."""
+    counted = _refusals(code)
     with trio.fail_after(LIMIT):
         async with scripted_upstream([Hang(seconds=60)]) as (model, url):
             before = config("fake", url)
@@ -656,6 +659,12 @@ async def test_l11_recovery_refuses_what_the_admission_pinned_when_it_changed(
                 asked = model.request_count
     assert (result.delivery_id, result.outcome, result.code) == ("d1", Outcome.FAILED, code)
     assert asked == model.request_count
+    assert _refusals(code) == counted + 1
+
+
+def _refusals(code: str) -> float:
+    """``pi_runtime_recovery_refusals_total`` for ``code``, from the process's registry."""
+    return REGISTRY.get_sample_value("pi_runtime_recovery_refusals_total", {"code": code}) or 0.0
 
 
 @pytest.mark.parametrize("change", ["persona", "cancel"])

@@ -6,6 +6,7 @@ what."""
 
 from __future__ import annotations
 
+import http.cookies
 import re
 import ssl
 from pathlib import Path
@@ -157,6 +158,34 @@ async def test_op2_only_the_token_opens_a_session_and_a_rotated_token_ends_it(
             assert (ended.status, ended.code) == (401, "login_required")
             old = await ask(port, "/api/state", headers=[("authorization", f"Bearer {cookie}")])
             assert old.code == "token_invalid"
+
+
+async def test_op2_the_session_cookie_is_read_without_the_standard_cookie_parser(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP2: the page reads its session key out of the ``Cookie`` header by hand. The standard
+    parser is quadratic in backslashes on Python < 3.11.10, and the header comes from anyone
+    before any authentication, on the loop the room worker shares (a 16 KiB cookie blocked it
+    for 0.65 s per request): it is never called with that header. A session cookie among
+    others, and after a hostile one, still opens the session."""
+    parsed: list[str] = []
+    unquote = http.cookies._unquote
+
+    def recorded(value: str) -> str:
+        parsed.append(value)
+        return unquote(value)
+
+    monkeypatch.setattr(http.cookies, "_unquote", recorded)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            cookie, _csrf = await login(port, r.token)
+            hostile = 'pi_runtime_page="' + "\\" * 4000 + '"'
+            refused = await ask(port, "/api/state", headers=[("cookie", hostile)])
+            assert refused.code == "login_required"
+            among = f'a=b; theme="x\\y"; {cookie}; z=1'
+            assert (await ask(port, "/api/state", headers=[("cookie", among)])).status == 200
+    assert parsed == []
 
 
 async def test_op2_wrong_tokens_are_throttled_even_before_the_right_one(tmp_path: Path) -> None:
