@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import select
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -60,9 +61,13 @@ class Request:
 class ResponseWriter:
     """Writes one response. Without ``content-length`` the body is chunked."""
 
-    def __init__(self, stream: trio.abc.Stream, conn: h11.Connection) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, conn: h11.Connection, *, head: bool = False
+    ) -> None:
         self._stream = stream
         self._conn = conn
+        self._head = head
+        """The answer to a ``HEAD``: its headers only, whatever body a handler sends."""
         self.started = False
         self.ended = False
 
@@ -76,7 +81,7 @@ class ResponseWriter:
         await self._send(h11.Response(status_code=status, headers=headers))
 
     async def send(self, data: bytes) -> None:
-        if data:
+        if data and not self._head:
             await self._send(h11.Data(data=data))
 
     async def end(self) -> None:
@@ -143,13 +148,21 @@ async def _read_request(
 
 
 async def _serve_connection(
-    stream: trio.abc.Stream, handler: Handler, limit: int = _MAX_REQUEST, connection: int = 0
+    stream: trio.abc.Stream,
+    handler: Handler,
+    limit: int = _MAX_REQUEST,
+    connection: int = 0,
+    request_seconds: float = math.inf,
 ) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
         while True:
+            request: Request | None = None
             try:
-                request = await _read_request(stream, conn, limit, connection)
+                with trio.move_on_after(request_seconds) as waited:
+                    request = await _read_request(stream, conn, limit, connection)
+                if waited.cancelled_caught:
+                    return  # no whole request in time (a head, a body, an idle keep-alive)
             except h11.RemoteProtocolError as exc:
                 with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
                     writer = ResponseWriter(stream, conn)
@@ -157,7 +170,7 @@ async def _serve_connection(
                 return
             if request is None:
                 return
-            writer = ResponseWriter(stream, conn)
+            writer = ResponseWriter(stream, conn, head=request.method == "HEAD")
             await handler(request, writer)
             if not writer.ended or conn.our_state is not h11.DONE:
                 return  # the handler cut the response: drop the connection
@@ -181,10 +194,19 @@ async def serve_http(
     port: int = 0,
     ssl_context: ssl.SSLContext | None = None,
     max_request: int = _MAX_REQUEST,
+    request_seconds: float = math.inf,
+    max_connections: int | None = None,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` until cancelled; ``task_status.started`` once listening; HTTPS
     with ``ssl_context``; a request body over ``max_request`` bytes is answered 413.
+
+    For a listener anyone may reach (the metrics and the operator page), not the worker's
+    own boundaries (Pi keeps its connection to the gate open between calls):
+    ``request_seconds`` bounds the TLS handshake and each whole request, a keep-alive's
+    wait for the next one included, and closes a connection that takes longer;
+    ``max_connections`` answers one more connection ``503 too_many_connections`` at once
+    and closes it, so idle clients cannot take the process's file descriptors.
 
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
@@ -192,23 +214,63 @@ async def serve_http(
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     accepted = itertools.count(1)
+    open_now = 0
     async with trio.open_nursery() as nursery:
         task_status.started(HttpServer(host=bound[0], port=bound[1]))
 
         async def serve(stream: trio.SocketStream) -> None:
+            nonlocal open_now
+            if max_connections is not None and open_now >= max_connections:
+                await _refuse_connection(stream, min(request_seconds, _REFUSE_SECONDS))
+                return
+            open_now += 1
+            try:
+                await _serve_one(stream)
+            finally:
+                open_now -= 1
+
+        async def _serve_one(stream: trio.SocketStream) -> None:
             connection = next(accepted)
             if ssl_context is None:
-                await _serve_connection(stream, handler, max_request, connection)
+                await _serve_connection(stream, handler, max_request, connection, request_seconds)
                 return
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
-                await tls.do_handshake()
+                with trio.move_on_after(request_seconds) as waited:
+                    await tls.do_handshake()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.aclose_forcefully(stream)  # a failed handshake: nothing to answer
                 return
-            await _serve_connection(tls, handler, max_request, connection)
+            if waited.cancelled_caught:
+                await trio.aclose_forcefully(stream)
+                return
+            await _serve_connection(tls, handler, max_request, connection, request_seconds)
 
         await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
+
+
+_REFUSE_SECONDS: Final = 1.0
+_TOO_MANY_BODY: Final = (
+    b'{"ok":false,"code":"too_many_connections","message":"too many open connections here"}'
+)
+_TOO_MANY: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_MANY_BODY), _TOO_MANY_BODY)
+)
+
+
+async def _refuse_connection(stream: trio.SocketStream, seconds: float) -> None:
+    """Answer a connection over the cap ``503 too_many_connections`` and close it, within
+    ``seconds`` (a client that does not read gets the close alone)."""
+    with (
+        trio.move_on_after(seconds),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+    ):
+        await stream.send_all(_TOO_MANY)
+        await stream.send_eof()  # then drain what the client sent: a close with unread
+        while await stream.receive_some(_READ):  # bytes would reset it, answer unread
+            pass
+    await trio.aclose_forcefully(stream)
 
 
 # -- client ---------------------------------------------------------------------------

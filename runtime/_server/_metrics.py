@@ -49,6 +49,11 @@ logger = logging.getLogger("runtime.metrics")
 
 PATH: Final = "/metrics"
 MAX_BODY: Final = 256 * 1024
+REQUEST_SECONDS: Final = 10.0
+"""A connection that has not sent a whole request this long after its last answer (or its
+opening) is closed: an idle or slow client holds no file descriptor for longer (M5)."""
+MAX_CONNECTIONS: Final = 64
+"""Connections open at once; one more is answered ``503 too_many_connections`` (M5)."""
 """The largest request body the listener reads (a control is at most 64 KiB): more is 413."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
 
@@ -164,8 +169,12 @@ async def _handle(
         return
     # the format the scraper asks for (Prometheus text, or OpenMetrics), as the library
     # negotiates it; encoded on the Trio thread: the collector reads live state
-    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-    body = encoder(REGISTRY)
+    try:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        body = encoder(REGISTRY)
+    except (TypeError, ValueError):  # a malformed Accept (e.g. an OpenMetrics version)
+        await _plain(response, 406, b"not_acceptable: the Accept header cannot be read\n")
+        return
     await trio.lowlevel.checkpoint()
     headers = [("content-type", content_type), ("content-length", str(len(body)))]
     await response.start(200, headers)
@@ -225,6 +234,8 @@ async def serve_metrics(
                 port=port,
                 ssl_context=ssl_context,
                 max_request=MAX_BODY,
+                request_seconds=REQUEST_SECONDS,
+                max_connections=MAX_CONNECTIONS,
             )
         )
         if page is not None:

@@ -21,13 +21,14 @@ from runtime._cli._serve import _config
 from runtime._config import config_from_dict
 from runtime._errors import ConfigError
 from runtime._records import Outcome, ReplayClass
+from runtime._server import _metrics
 from runtime._server._metrics import ServerCollector
 from runtime._server._serve import ServeOptions, check_bind
 from runtime._tasks._watchdog import Classification
 
 from .._failing import fails_once
 from .._wire import message
-from .test_serve import rig
+from .test_serve import Rig, rig
 
 LIMIT: Final = 60.0
 SECRET_WORDS: Final = "the quartermaster's parrot"
@@ -231,3 +232,90 @@ async def test_m3_a_failing_scrape_is_its_own_500_and_the_server_goes_on(
             async with r.connect() as client:
                 await client.send({"type": "status"})
                 assert (await client.until(lambda f: f["type"] == "status"))["pending"] == 0
+
+
+# -- M6: a listener anyone may reach holds nothing for long ----------------------------------
+
+
+def _port(r: Rig) -> int:
+    port = r.server.metrics_port
+    assert port is not None
+    return port
+
+
+async def _exchange(port: int, head: bytes) -> bytes:
+    """Send ``head`` on a new connection and read until the server closes it."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(head)
+        got = b""
+        while chunk := await stream.receive_some(65536):
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("page", [True, False])
+async def test_m6_a_head_gets_headers_and_no_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, page: bool
+) -> None:
+    """M6: a ``HEAD`` to any path is answered with headers alone; before, the listener wrote
+    a body h11 refuses for a HEAD and logged the refusal as ``metrics_failed`` with a
+    traceback — a log anyone could fill."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0", "page": page}}) as r:
+            port = _port(r)
+            head = f"HEAD /x HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n\r\n"
+            got = await _exchange(port, head.encode())
+            metrics = (
+                f"HEAD /metrics HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nconnection: close\r\n\r\n"
+            )
+            scraped = await _exchange(port, metrics.encode())
+    assert got.split(b" ", 2)[1] in (b"401", b"404"), got[:80]
+    assert got.endswith(b"\r\n\r\n"), "headers only"
+    assert scraped.startswith(b"HTTP/1.1 200")
+    assert scraped.endswith(b"\r\n\r\n")
+    assert "metrics_failed" not in caplog.text
+
+
+async def test_m6_a_malformed_accept_is_406_not_a_server_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """M6: an ``Accept`` naming an OpenMetrics version that cannot be read is the client's
+    fault: ``406``, not ``500 metrics_failed`` with a traceback."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+            got = await _exchange(
+                _port(r),
+                b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                b"accept: application/openmetrics-text; version=abc\r\n\r\n",
+            )
+    assert got.startswith(b"HTTP/1.1 406"), got[:80]
+    assert "metrics_failed" not in caplog.text
+
+
+async def test_m6_an_idle_or_slow_client_is_closed_and_connections_are_capped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M6: a connection that has not sent a whole request within ``REQUEST_SECONDS`` — half
+    a request line, or nothing after an answer — is closed, and one connection over
+    ``MAX_CONNECTIONS`` is answered ``503 too_many_connections`` at once and closed: idle
+    clients cannot take the file descriptors the room worker needs. The connections under
+    the cap are served."""
+    monkeypatch.setattr(_metrics, "REQUEST_SECONDS", 0.5)
+    monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+            port = _port(r)
+            slow = await trio.open_tcp_stream("127.0.0.1", port)
+            await slow.send_all(b"GET /metr")  # half a request line, then nothing
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            await idle.send_all(f"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode())
+            answered = await idle.receive_some(65536)  # then it stays open and says nothing
+            refused = await _exchange(port, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            for stream in (slow, idle):  # the server closes both (the wait is for its close)
+                while await stream.receive_some(65536):
+                    pass
+                await stream.aclose()
+    assert answered.startswith(b"HTTP/1.1 200")
+    assert refused.startswith(b"HTTP/1.1 503")
+    assert b'"code":"too_many_connections"' in refused
