@@ -1,12 +1,14 @@
 """A task's worktree manifest: what the worktree holds, as a digest that any change of a
-file's content, name or presence changes (W-M1…W-M5 of ``docs/design/worktree.md``), and the
+file's content, name or presence changes (W-M1…W-M6 of ``docs/design/worktree.md``), and the
 file and git helpers the candidate (``_candidate.py``) and the validation (``_validation.py``)
 share. Blocking file and git work: :func:`amanifest` runs it in a thread."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import stat
 import subprocess
 import tempfile
@@ -167,9 +169,27 @@ def _digest(kind: str, git_tree: str | None, head: str | None, files: tuple[File
 
 
 def git_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
-    env.update(GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0", **extra)
+    """The environment of the runtime's own git calls on a worktree (W-M6): ``PATH`` and
+    nothing else of the runtime's — the worktree is the worker's, and a filter or a hook it
+    configured runs with this environment, so no key or password may be in it — with the
+    system and user configuration left out, so the same tree digests alike on every host."""
+    env = {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "LC_ALL": "C",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_OPTIONAL_LOCKS": "0",
+        "GIT_TERMINAL_PROMPT": "0",
+    }
+    env.update(extra)
     return env
+
+
+GIT_SECONDS: Final = 300.0
+"""The longest one git call on a worktree may take (W-M6): past it, its whole process group
+is killed and the call fails with its reason code."""
+_GIT_OPTIONS: Final = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")
+"""No hook and no file-system monitor the worktree's configuration names runs (W-M6)."""
 
 
 def git(
@@ -182,17 +202,43 @@ def git(
     ok_codes: tuple[int, ...] = (0,),
 ) -> tuple[int, bytes]:
     try:
-        done = subprocess.run(
-            ["git", "-C", root, *args], input=stdin, capture_output=True, env=env, check=False
+        process = subprocess.Popen(
+            ["git", *_GIT_OPTIONS, "-C", root, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its group: whatever it started is killed with it
         )
     except OSError as error:
         raise WorktreeError(code, f"cannot run git {args[0]}: {error}") from None
-    if done.returncode not in ok_codes:
-        stderr = done.stderr.decode(errors="replace").strip()[-_STDERR_TAIL:]
+    try:
+        stdout, stderr_bytes = process.communicate(stdin, timeout=GIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
         raise WorktreeError(
-            code, f"git {args[0]} failed in {root} (exit {done.returncode}): {stderr}"
+            code, f"git {args[0]} in {root} did not finish within {GIT_SECONDS:g} s"
+        ) from None
+    finally:
+        if process.returncode is None:  # interrupted: never left running
+            _kill_group(process)
+    if process.returncode not in ok_codes:
+        stderr = stderr_bytes.decode(errors="replace").strip()[-_STDERR_TAIL:]
+        raise WorktreeError(
+            code, f"git {args[0]} failed in {root} (exit {process.returncode}): {stderr}"
         )
-    return done.returncode, done.stdout
+    return process.returncode, stdout
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the git call's process group (a filter it started too) and reap it; its
+    pipes are closed, whatever left the group holds them."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def _git_manifest(root: str) -> Manifest:
@@ -232,7 +278,7 @@ def _git_manifest(root: str) -> Manifest:
 
 
 def take_manifest(root: Path) -> Manifest:
-    """The manifest of the worktree at ``root`` (blocking; W-M1…W-M5).
+    """The manifest of the worktree at ``root`` (blocking; W-M1…W-M6).
 
     A git repository gives a ``git`` manifest (tree id of the working tree, ``HEAD``,
     the files git sees); any other directory a ``files`` manifest of every file and

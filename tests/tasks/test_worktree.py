@@ -22,6 +22,7 @@ import trio.lowlevel
 
 from runtime._errors import ReasonCode, WorktreeError
 from runtime._linux._proctree import is_alive_pid
+from runtime._tasks import _worktree
 from runtime._tasks._candidate import CANDIDATE_REF_PREFIX, Candidate, acandidate, take_candidate
 from runtime._tasks._validation import (
     OUTPUT_TAIL_BYTES,
@@ -760,3 +761,52 @@ def test_wd1_the_stamp_ignores_git_and_is_bounded(tmp_path: Path) -> None:
     (root / "f00").write_text("within it")
     assert _stamp(root, limit=10) != bounded.digest
     assert worktree_stamp(tmp_path / "gone") is None
+
+
+# -- W-M6: the runtime's git calls on a worktree the worker controls ---------------------------
+
+
+def _filtered_repo(root: Path, clean: str) -> Path:
+    """A git worktree whose own configuration runs ``clean`` on every ``*.txt`` it adds."""
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitattributes").write_text("*.txt filter=mine\n")
+    subprocess.run(["git", "-C", str(root), "config", "filter.mine.clean", clean], check=True)
+    (root / "a.txt").write_text("hello\n")
+    return root
+
+
+def test_w_m6_a_filter_or_hook_of_the_worktree_never_sees_the_runtimes_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W-M6: the worker can write its worktree's git configuration, and a filter there runs
+    when the runtime takes the manifest: it runs with ``PATH`` and no other variable of the
+    runtime's (its upstream key was written to disk before); a hook of the worktree's does not
+    run at all when the candidate's ref is made."""
+    monkeypatch.setenv("UPSTREAM_API_KEY", "sk-secret-123")
+    seen = tmp_path / "seen-by-the-filter"
+    repo = _filtered_repo(tmp_path / "w", f"sh -c 'printenv UPSTREAM_API_KEY >> {seen}; cat'")
+    hooked = tmp_path / "hook-ran"
+    hook = repo / ".git" / "hooks" / "reference-transaction"
+    hook.write_text(f"#!/bin/sh\necho ran >> {hooked}\n")
+    hook.chmod(0o755)
+    manifest = take_manifest(repo)
+    take_candidate(repo, manifest, archive_dir=tmp_path / "archives", task_id="t1", message="done")
+    assert seen.read_text() == "", "the filter ran, without the key"
+    assert not hooked.exists()
+
+
+def test_w_m6_a_git_call_that_does_not_finish_is_killed_with_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W-M6: a git call on a worktree is bounded (``GIT_SECONDS``): a filter that never ends
+    makes the manifest fail ``worktree_unreadable`` at the bound, and the filter's process —
+    started by git, in git's process group — is killed with it, never left running."""
+    monkeypatch.setattr(_worktree, "GIT_SECONDS", 1.0)
+    pid_file = tmp_path / "filter.pid"
+    repo = _filtered_repo(tmp_path / "w", f"sh -c 'echo $$ > {pid_file}; exec sleep 600'")
+    with pytest.raises(WorktreeError) as failed:
+        take_manifest(repo)
+    assert failed.value.code is ReasonCode.WORKTREE_UNREADABLE
+    assert "did not finish within 1 s" in str(failed.value)
+    pid = int(pid_file.read_text())
+    assert not is_alive_pid(pid)
