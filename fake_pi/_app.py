@@ -15,7 +15,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import trio
@@ -37,6 +37,9 @@ from ._tools import builtin_tools, runtime_tools_from_environ
 from .model_server import ScriptedModel
 
 __all__ = ["FakePi", "main", "open_fake_pi", "parse_args"]
+
+_DRAIN_SECONDS: Final = 5.0
+"""How long the process, its stdin ended, waits for stdout to take what is still queued."""
 
 _encode = msgspec.json.Encoder()
 
@@ -213,9 +216,12 @@ async def _run_process(args: argparse.Namespace) -> int:
 
     exit_code = 0
 
+    drained = trio.Event()
+
     async def writer() -> None:
         async for line in out_receive:
             await stdout.send_all(line)
+        drained.set()
 
     async def signals(agent: Agent, cancel: trio.CancelScope) -> None:
         nonlocal exit_code
@@ -240,7 +246,10 @@ async def _run_process(args: argparse.Namespace) -> int:
             on_line=lambda line: recorder.record("stdin", line=line.decode(errors="replace")),
         )
         await out_send.aclose()
-        await trio.lowlevel.checkpoint()
+        # what is queued is written before the exit, as Pi's stdout is flushed (bounded: a
+        # reader that stopped reading does not keep the process alive)
+        with trio.move_on_after(_DRAIN_SECONDS):
+            await drained.wait()
         outer.cancel_scope.cancel()
     setup.options.conversation.close()
     recorder.close()

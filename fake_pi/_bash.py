@@ -12,8 +12,9 @@ come back as error results. A timeout SIGKILLs the group at once, as Pi does. An
 starting the shell, or an exception from ``on_update``, propagates (the group killed first).
 
 Cancellation: cancelling the caller's scope is Pi's abort. :func:`run_bash` then returns the
-output so far + ``"Command aborted"`` instead of raising; the group gets SIGTERM, then SIGKILL
-after ``kill_grace``, the shell is reaped and no group member is left alive.
+output so far + ``"Command aborted"`` instead of raising; the group gets SIGKILL at once, as
+Pi's (a SIGTERM first and ``kill_grace`` to wait, if it is set), the shell is reaped and no
+group member is left alive.
 """
 
 from __future__ import annotations

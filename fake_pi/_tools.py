@@ -11,9 +11,10 @@ message as its text.
 Cancellation: cancelling the caller's scope is Pi's *abort*. :meth:`Tool.execute` then returns
 Pi's abort result instead of raising (``bash``: output so far + ``"Command aborted"``; others:
 ``"Operation aborted"``); Trio cancellation is level-triggered, so the caller's next checkpoint
-raises. ``bash`` (:mod:`fake_pi._bash`) kills its whole process group on abort, after
-:attr:`ToolContext.kill_grace`. File tools run in a worker thread and finish once started: an
-effect either happened and is reported, or never started.
+raises. ``bash`` (:mod:`fake_pi._bash`) kills its whole process group on abort: SIGKILL at
+once, as Pi does (a SIGTERM first and :attr:`ToolContext.kill_grace` to wait, if set). File
+tools run in a worker thread and finish once started: an effect either happened and is
+reported, or never started.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class ToolContext:
     """When set, ``send_text_update`` and the lifecycle tools delegate to it."""
     tmp_dir: Path | None = None
     """Where ``bash`` keeps the full output of truncated commands (default: the temp dir)."""
-    kill_grace: float = 1.0
-    """Seconds from SIGTERM to SIGKILL when a running ``bash`` is aborted (0: SIGKILL at once,
-    exactly as Pi does)."""
+    kill_grace: float = 0.0
+    """Seconds from SIGTERM to SIGKILL when a running ``bash`` is aborted. 0 (the default):
+    SIGKILL at once, exactly as Pi 1.6.0 does (``killProcessTree``), so no trap of the tool's
+    runs and nothing it does after the abort reaches a test."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

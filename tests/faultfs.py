@@ -10,8 +10,10 @@ them unchanged (``open_store(root, fs=...)``):
 * :class:`PowerLossFileSystem` is an in-memory file system that keeps the page
   cache apart from the disk. :meth:`PowerLossFileSystem.crash` turns it into
   what a machine finds after losing power: synced bytes and directory entries
-  survive, everything else survives partly, torn or not at all. A torn write past the old
-  end of a file reads as zeros (as on ext4, XFS and btrfs), never as stale data.
+  survive, everything else survives partly, torn or not at all. A torn write keeps its new
+  bytes up to a 512-byte sector boundary of the file (a disk writes a sector whole); past
+  the old end of a file the rest reads as zeros (as on ext4, XFS and btrfs), never as
+  stale data.
 """
 
 from __future__ import annotations
@@ -332,6 +334,9 @@ class _Handle:
 
 
 _NO_CUT: Final = -1
+SECTOR: Final = 512
+"""The unit the modelled disk writes whole: a torn write keeps its new bytes up to a multiple
+of it in the file, never a part of a sector (journal.md J3)."""
 
 
 class PowerLossFileSystem:
@@ -685,7 +690,10 @@ def _crash_content(file: _File, rng: random.Random) -> bytes:
     if kept < len(file.pending) and rng.random() < 0.5:
         torn = file.pending[kept]
         if isinstance(torn, _Write):
-            prefix = rng.randint(0, len(torn.data))
+            # the disk writes a sector whole: the new bytes end at a sector boundary of the
+            # file (or before the write's first one), never inside a sector (J3)
+            first = (-torn.offset) % SECTOR or SECTOR
+            prefix = rng.choice([0, *range(first, len(torn.data), SECTOR)])
             fill = rng.randint(0, len(torn.data) - prefix)
             start = torn.offset + prefix
             # Inside the old length a torn overwrite leaves the old bytes (a sector not yet

@@ -14,9 +14,12 @@ Reading (:func:`scan`) accepts exactly the frames that check out, in sequence.
 The only damage it forgives is a **torn tail**: bytes at the end of the file
 after which no valid frame begins and that show a write that never completed —
 a final frame whose declared length runs past the end of the file (or whose
-header is not whole), zeros where a header would begin, or a body with a NUL
-byte in it (the unwritten pages of a power loss read as zeros; a JSON body never
-holds one). Such bytes were never acknowledged, because an append is
+header is not whole), zeros where a header would begin, or a frame with a whole
+**zero sector** in it: a 512-byte sector of the file, aligned, clipped to the
+frame, all zeros. A disk writes a sector whole, so the unwritten part of a torn
+write is zeros from a sector boundary on (or the old bytes, zeros too in space
+never written); one flipped bit never makes a zero sector, while it can make a
+single NUL byte. Such bytes were never acknowledged, because an append is
 acknowledged only after its frame was synced. A **complete** final frame that
 fails its checksum shows no interrupted write: it is damage (a flipped bit in
 the last acknowledged record must never make its record vanish), and so is a
@@ -32,12 +35,24 @@ from typing import Final
 
 from .._errors import ReasonCode
 
-__all__ = ["HEADER_SIZE", "MAX_BODY", "Frame", "FrameDamage", "Scan", "encode_frame", "scan"]
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_BODY",
+    "SECTOR",
+    "Frame",
+    "FrameDamage",
+    "Scan",
+    "encode_frame",
+    "scan",
+]
 
 _HEADER: Final = struct.Struct("<IIQI")
 HEADER_SIZE: Final = _HEADER.size
 MAX_BODY: Final = 256 * 1024 * 1024
 """Largest frame body accepted (a model response with megabyte lines fits easily)."""
+SECTOR: Final = 512
+"""The unit a disk writes whole: a torn write's unwritten part starts at a multiple of it
+(J3). Every device sector (512 or 4096 bytes) and page is a multiple of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +121,28 @@ def _frame_at(data: bytes | memoryview, offset: int) -> Frame | None:
 
 def _complete_but_damaged(data: bytes, offset: int) -> bool:
     """Whether the invalid final bytes at ``offset`` are a whole frame — a plausible header
-    whose body ends inside the file, with no NUL in it — that fails its checksum: damage,
-    where a torn write would have left the frame short or zero-filled (J3, J4)."""
+    whose body ends inside the file, with no zero sector in it — that fails its checksum:
+    damage, where a torn write would have left the frame short or a sector of it zeros
+    (J3, J4)."""
     if len(data) - offset < HEADER_SIZE:
         return False
     length, _crc, _first, count = _HEADER.unpack_from(data, offset)
     end = offset + HEADER_SIZE + length
     if length == 0 or length > MAX_BODY or count == 0 or end > len(data):
         return False
-    return b"\0" not in data[offset + HEADER_SIZE : end]
+    return not _zero_sector(data, offset, end)
+
+
+def _zero_sector(data: bytes, start: int, end: int) -> bool:
+    """Whether a :data:`SECTOR`-aligned sector of the file, clipped to ``[start, end)``, is
+    all zeros: what a torn write leaves, and one flipped bit never does (J3)."""
+    sector = start - start % SECTOR
+    while sector < end:
+        low, high = max(sector, start), min(sector + SECTOR, end)
+        if data.count(0, low, high) == high - low:
+            return True
+        sector += SECTOR
+    return False
 
 
 def _valid_frame_after(data: bytes, offset: int) -> int | None:

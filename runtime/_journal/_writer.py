@@ -116,8 +116,10 @@ class LogTarget:
         """A delivery's log: its records may be made durable through its shard's sync log and
         written to the file later (J12). Set once, before the first append."""
         self.closed = False
-        """Closed (Trio side): every later append is refused ``journal_closed`` — the log's
-        next opening has a target of its own, and two would write at one offset (J19)."""
+        """Closed (Trio side). A log allocated ahead then refuses every append
+        (``journal_closed``): its next opening has a target of its own, and two would write
+        at one offset (J19). An appended log still takes one, reopened by the writer at the
+        file's end (a task lane's log appended while it parks, TL9)."""
         self.ahead = 0
         """Bytes to allocate ahead of the frames (J19): each frame then overwrites allocated
         zeros at :attr:`good_length` (a ``pwrite``) and its ``fdatasync`` has no size change
@@ -355,7 +357,7 @@ class WriterPool:
             raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=target.rel)
         if target.poisoned is not None:
             raise target.poisoned
-        if target.closed:
+        if target.closed and target.ahead:
             raise JournalError(ReasonCode.JOURNAL_CLOSED, "the log is closed", path=target.rel)
         item = _Append(target, target.next_seq, payload)
         target.next_seq += 1

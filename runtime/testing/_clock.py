@@ -57,7 +57,14 @@ def io_aware_autojump_clock(
         children = _children_running()
         if follow_children:
             follow(children)
-        if handoffs_in_flight() or _threads_in_flight() or children:
+        holding = bool(handoffs_in_flight() or _threads_in_flight() or children)
+        if clock.rate == 0:
+            # while it holds, the loop waits for I/O up to HOLD_POLL before it asks again
+            # (a thread's or a child's end wakes it at once) instead of spinning a core
+            clock.autojump_threshold = (
+                max(autojump_threshold, HOLD_POLL) if holding else (autojump_threshold)
+            )
+        if holding:
             clock.skipped_jumps += 1  # type: ignore[attr-defined]
             return
         jump()
@@ -71,20 +78,39 @@ FOLLOW_POLL: Final = 0.005
 have all ended, when nothing else wakes the loop."""
 
 
+HOLD_POLL: Final = 0.001
+"""How long (real seconds) the loop waits for I/O before it looks again whether a held
+jump may be made (what it waits for ends with I/O that wakes it sooner)."""
+
+
 def _children_running() -> bool:
-    """Whether a child process of this process is alive (Linux; a child belongs to the
-    thread that started it, and Trio starts processes from worker threads)."""
+    """Whether a child process of this process is alive (Linux). A child that has exited
+    but is not reaped yet (a zombie) is not: code that waits on a timer before it reaps
+    would otherwise hold virtual time for good.
+
+    ``waitid`` with ``WNOWAIT`` answers without reaping: no child at all, or children none
+    of which has exited (alive, then). Only with an exited one among them are the children
+    looked up one by one, by their parent in ``/proc/<pid>/stat`` (the process's id, which
+    no thread's start or end changes — the per-thread ``children`` lists do, a moment when
+    the thread that started a child exits)."""
     try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
+        exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
         return False
-    for tid in tasks:
+    if exited is None:
+        return True
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
         try:
-            with open(f"/proc/self/task/{tid}/children", "rb") as children:
-                if children.read().strip():
-                    return True
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                line = stat.read()
         except OSError:
             continue
+        fields = line[line.rfind(b")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == me and fields[0] not in (b"Z", b"X"):
+            return True
     return False
 
 

@@ -918,3 +918,20 @@ async def test_effect_tool_appends_one_ledger_line(sandbox: Sandbox, model: Mode
     assert text_of(end["result"]) == "effect k1 applied"
     lines = read_jsonl(ledger)
     assert lines == [{"key": "k1", "intent": "call_k", "pid": pid}]
+
+
+async def test_commands_sent_before_stdin_closes_are_all_answered(
+    sandbox: Sandbox, model: Model
+) -> None:
+    """Item 6: fifty commands written, then stdin closed: each gets its response before the
+    process exits, as with Pi 1.6.0 (measured: 50 of 50). Fake-Pi stopped its writer one
+    scheduler pass after the end of stdin and dropped what was still queued (26 of 50)."""
+    async with launch(sandbox) as worker:
+        await worker.call({"type": "get_state"})  # up and serving
+        since = worker.mark()
+        ids = [await worker.send({"type": "get_state"}) for _ in range(50)]
+        await worker.close_stdin()
+        assert await worker.wait_exit() == 0
+        await worker.wait_eof()
+    answered = [r.get("id") for r in worker.records[since:] if r.get("type") == "response"]
+    assert answered == ids

@@ -7,6 +7,7 @@ pi-agent-core/dist/agent-loop.js); the tool schemas are compared with a request 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -446,6 +447,19 @@ async def test_abort_escalates_to_sigkill_when_sigterm_is_ignored(ctx: ToolConte
     assert set(found) == {"sh", "bg"}
     assert [name for name, pid in found.items() if alive(pid)] == []
     assert not (ctx.cwd / "after.txt").exists()
+
+
+async def test_abort_kills_at_once_by_default_as_pi_does(ctx: ToolContext) -> None:
+    """F4: by default an abort SIGKILLs the tool's group at once, as Pi 1.6.0 does
+    (``killProcessTree``): a TERM trap of the tool never runs, so nothing a tool does after
+    the abort reaches a test that the real Pi would not let happen."""
+    default = dataclasses.replace(ctx, kill_grace=ToolContext(cwd=ctx.cwd).kill_grace)
+    assert default.kill_grace == 0
+    command = "trap 'echo trapped > trapped.txt' TERM; echo \"sh $$\"; sleep 30 & wait"
+    result = await _abort_bash_when(default, command, "sh ")
+    found = pids(result.text_content)
+    assert [name for name, pid in found.items() if alive(pid)] == []
+    assert not (ctx.cwd / "trapped.txt").exists()
 
 
 async def test_an_aborted_call_still_reports_to_the_gate(ctx: ToolContext) -> None:

@@ -7,7 +7,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from runtime._errors import ReasonCode
-from runtime._journal._frame import HEADER_SIZE, FrameDamage, encode_frame, scan
+from runtime._journal._frame import HEADER_SIZE, SECTOR, FrameDamage, encode_frame, scan
 
 
 def _log(*batches: list[bytes]) -> bytes:
@@ -36,8 +36,9 @@ def test_round_trip_batches() -> None:
 )
 def test_torn_final_frame_is_discarded(cut: int, tail: bytes) -> None:
     """J3: a final frame cut anywhere, plus zeros or garbage, is a torn tail — unless the
-    garbage happens to make it a whole frame (its declared length ends inside the file,
-    no NUL in its body) that fails its checksum: that is damage (J4), never dropped."""
+    tail happens to make it a whole frame (its declared length ends inside the file, no
+    512-byte sector of it all zeros) that fails its checksum: that is damage (J4), never
+    dropped."""
     good = _log([b"1"], [b"2", b"3"])
     last = encode_frame(3, [b'"' + b"z" * 100 + b'"'])
     data = good + last[: min(cut, len(last) - 1)] + tail
@@ -46,7 +47,8 @@ def test_torn_final_frame_is_discarded(cut: int, tail: bytes) -> None:
     length = int.from_bytes(final[:4], "little") if len(final) >= HEADER_SIZE else 0
     count = int.from_bytes(final[16:20], "little") if len(final) >= HEADER_SIZE else 0
     body = final[HEADER_SIZE : HEADER_SIZE + length]
-    if 0 < length == len(body) and count > 0 and b"\0" not in body:  # whole, and bad
+    whole = 0 < length == len(body) and count > 0
+    if whole and not _zero_sector_in(data, len(good), len(good) + HEADER_SIZE + length):
         with pytest.raises(FrameDamage) as info:
             scan(data)
         assert info.value.code is ReasonCode.JOURNAL_CORRUPT
@@ -84,13 +86,38 @@ def test_j4_a_flipped_bit_in_the_last_complete_frame_is_damage_not_a_torn_tail()
 
 
 def test_j3_a_whole_final_frame_with_a_zero_filled_body_is_a_torn_write() -> None:
-    """J3: a power loss after the file grew but before the body's pages were written leaves
-    the header and zeros: a torn write (a JSON body never holds a NUL), not damage."""
+    """J3: a power loss after the file grew but before the body's later sectors were written
+    leaves the header, the first sector's bytes and zeros from a sector boundary on: a torn
+    write, not damage."""
     good = _log([b"1"])
-    last = bytearray(encode_frame(1, [b'"' + b"z" * 100 + b'"']))
-    last[HEADER_SIZE + 40 :] = bytes(len(last) - HEADER_SIZE - 40)
+    last = bytearray(encode_frame(1, [b'"' + b"z" * 1500 + b'"']))
+    written = SECTOR - len(good)  # the frame's bytes in the file's first sector
+    last[written:] = bytes(len(last) - written)
     result = scan(good + bytes(last))
     assert (result.good_length, result.torn_bytes) == (len(good), len(last))
+    tail = bytearray(encode_frame(1, [b'"' + b"z" * 1500 + b'"']))
+    tail[written + SECTOR : written + 2 * SECTOR] = bytes(SECTOR)  # a middle sector unwritten
+    result = scan(good + bytes(tail))
+    assert (result.good_length, result.torn_bytes) == (len(good), len(tail))
+
+
+def test_j4_a_bit_flipped_to_a_nul_in_the_last_frame_is_damage_not_a_torn_write() -> None:
+    """J4: one flipped bit can make a NUL byte — a space (0x20), an ``@`` (0x40), a UTF-8
+    continuation byte (0x80, the second byte of ``À``) — but never a whole zero sector. So
+    the last acknowledged record with such a bit fails closed, also with the zeros of a log
+    allocated ahead after it (J19); read as a torn write, it would vanish and its tool run
+    again."""
+    good = _log([b"1"], [b"2", b"3"])
+    record = '{"type":"tool_intent","name":"bash","note":"a b@c À"}'.encode()
+    last = encode_frame(3, [record])
+    for byte in (b" ", b"@", b"\x80"):  # each a single set bit: clearing it is one flip
+        flipped = bytearray(last)
+        flipped[HEADER_SIZE + record.index(byte)] = 0
+        for after in (b"", bytes(1 << 20)):
+            with pytest.raises(FrameDamage) as info:
+                scan(good + bytes(flipped) + after)
+            assert info.value.code is ReasonCode.JOURNAL_CORRUPT
+            assert info.value.offset == len(good)
 
 
 def test_zero_filled_tail_is_torn() -> None:
@@ -131,7 +158,7 @@ def test_j3_j12_a_zero_filled_remainder_after_a_cut_frame_is_a_torn_tail() -> No
     megabytes of zeros, is a torn tail — and a valid frame after the zeros is still found,
     which makes the cut frame damage (J4)."""
     good = encode_frame(0, [b'{"a":1}'])
-    cut = encode_frame(1, [b'{"b":"' + b"x" * 300 + b'"}'])[:200]
+    cut = encode_frame(1, [b'{"b":"' + b"x" * 1300 + b'"}'])[: 2 * SECTOR - len(good)]
     zeros = bytes(4 * 1024 * 1024)
     found = scan(good + cut + zeros)
     assert [f.first_seq for f in found.frames] == [0]
@@ -140,3 +167,13 @@ def test_j3_j12_a_zero_filled_remainder_after_a_cut_frame_is_a_torn_tail() -> No
     with pytest.raises(FrameDamage) as damage:
         scan(good + cut + zeros + later)
     assert damage.value.code is ReasonCode.JOURNAL_CORRUPT
+
+
+def _zero_sector_in(data: bytes, start: int, end: int) -> bool:
+    """The test's own statement of J3's zero sector: some 512-byte-aligned sector of the
+    file, clipped to ``[start, end)``, holds only zeros."""
+    first = start - start % SECTOR
+    return any(
+        not any(data[max(sector, start) : min(sector + SECTOR, end)])
+        for sector in range(first, end, SECTOR)
+    )

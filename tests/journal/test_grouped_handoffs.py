@@ -78,8 +78,14 @@ async def test_passes_keep_their_order_and_a_close_comes_after_them(tmp_path: Pa
             # the delivery's own log (not grouped, the same writer pool): whole, in sequence
             assert sum(count for _, count in _frames(root / own.rel)) == 16
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(log.append, _step(99))
-                nursery.start_soon(store.close_log, log)
+
+                async def append_then_close() -> None:
+                    # the close starts in the pass the append's stager ends, so it is staged
+                    # behind the append (a close begun first refuses a later append: J19)
+                    nursery.start_soon(store.close_log, log)
+                    await log.append(_step(99))
+
+                nursery.start_soon(append_then_close)
     assert _frames(root / "results.log")[-1] == (16, 1)
 
 
