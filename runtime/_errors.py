@@ -111,6 +111,7 @@ class ReasonCode(enum.StrEnum):
     GATE_UNAUTHORIZED = "gate_unauthorized"
     GATE_BAD_REQUEST = "gate_bad_request"
     GATE_TOOL_REFUSED = "gate_tool_refused"
+    GATE_TOOL_FAILED = "gate_tool_failed"  # a runtime tool raised: the model is told
     GATE_REPLAY_MISMATCH = "gate_replay_mismatch"
     GATE_JOURNAL_FAILED = "gate_journal_failed"
     GATE_UNREACHABLE = "gate_unreachable"
@@ -165,6 +166,7 @@ class ReasonCode(enum.StrEnum):
     RECEIPT_KEY_CONFLICT = "receipt_key_conflict"
     RECEIPT_STORE_FAILED = "receipt_store_failed"
     # attachments (docs/design/attachments.md): the attach tool's refusals, a lost picture
+    ATTACHMENT_ARGUMENTS = "attachment_arguments"  # no usable path, or a name not a string
     ATTACHMENT_OUTSIDE_WORKDIR = "attachment_outside_workdir"
     ATTACHMENT_SYMLINK = "attachment_symlink"
     ATTACHMENT_NOT_FILE = "attachment_not_file"

@@ -103,16 +103,13 @@ class AttachTool:
     async def __call__(self, call: GateCall, intent_id: str) -> GateResult:
         path, name = call.args.get("path"), call.args.get("name")
         if not isinstance(path, str) or not path or "\0" in path:
-            return GateResult.text("attach needs the path of a file", is_error=True)
+            return _refusal(ReasonCode.ATTACHMENT_ARGUMENTS, "attach needs the path of a file")
         if name is not None and not isinstance(name, str):
-            return GateResult.text("attach: name must be a string", is_error=True)
+            return _refusal(ReasonCode.ATTACHMENT_ARGUMENTS, "its name must be a string")
         try:
             ref, data = await trio.to_thread.run_sync(self._attach, path, name)
         except _Refused as refused:
-            return GateResult.text(
-                f"attach refused ({refused.code}): {refused}; nothing was attached",
-                is_error=True,
-            )
+            return _refusal(refused.code, str(refused))
         if self.share is not None:
             await self.share(ref.sha256, data)
         text = (
@@ -219,3 +216,9 @@ def _display_name(name: str) -> str:
     if shown in ("", ".", ".."):
         return "attachment"
     return shown[:MAX_NAME]
+
+
+def _refusal(code: ReasonCode, why: str) -> GateResult:
+    """The tool's error result for a refused ``attach`` (A5): its stable code, and that
+    nothing was attached."""
+    return GateResult.text(f"attach refused ({code}): {why}; nothing was attached", is_error=True)

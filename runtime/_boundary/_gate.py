@@ -239,7 +239,8 @@ class RecordingGateJournal:
         except PiRuntimeError:
             raise
         except Exception as error:  # the tool failed: the model is told, the call settles
-            return GateResult.text(f"tool {call.name} failed: {error}", is_error=True)
+            code = ReasonCode.GATE_TOOL_FAILED
+            return GateResult.text(f"tool {call.name} failed ({code}): {error}", is_error=True)
 
     async def _decide(self, call: GateCall) -> Decision:
         async with self._lock:  # one decision at a time: seq and intent id stay paired

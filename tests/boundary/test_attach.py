@@ -97,7 +97,8 @@ async def test_a2_a4_a_file_is_stored_once_by_its_sha256_0600_in_a_0700_root(
         ("../outside.png", ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR),
         ("sub/../../outside.png", ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR),
         ("/etc/passwd", ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR),
-        ("", None),
+        ("", ReasonCode.ATTACHMENT_ARGUMENTS),
+        ("a\0b.png", ReasonCode.ATTACHMENT_ARGUMENTS),
         ("link-out.png", ReasonCode.ATTACHMENT_SYMLINK),
         ("link-dir/outside.png", ReasonCode.ATTACHMENT_SYMLINK),
         ("link-in.png", ReasonCode.ATTACHMENT_SYMLINK),
@@ -110,7 +111,7 @@ async def test_a2_a4_a_file_is_stored_once_by_its_sha256_0600_in_a_0700_root(
     ],
 )
 async def test_a5_a_refused_path_attaches_nothing_and_says_why(
-    dirs: tuple[Path, Path], path: str, code: ReasonCode | None
+    dirs: tuple[Path, Path], path: str, code: ReasonCode
 ) -> None:
     """A5: a path that leaves the working directory, goes through a symbolic link (out, or
     even in), is not a regular file (a FIFO is not waited on), is too large or of a type not
@@ -131,8 +132,23 @@ async def test_a5_a_refused_path_attaches_nothing_and_says_why(
         result = await attach(tool(root, work, max_bytes=len(PNG) + 1024), path)
     assert result.is_error
     assert result.attachments == ()
-    if code is not None:
-        assert f"({code})" in text(result)
+    assert f"({code})" in text(result)
+    assert not root.exists() or os.listdir(root) == []
+
+
+async def test_a5_arguments_that_name_no_file_are_refused_with_their_code(
+    dirs: tuple[Path, Path],
+) -> None:
+    """A5: a path that is not a string, or a name that is not one, is refused
+    ``attachment_arguments`` like every other refusal: a stable code the model reads, and
+    nothing stored."""
+    root, work = dirs
+    (work / "inside.png").write_bytes(PNG)
+    for arguments in ({"path": 7}, {"path": None}, {"path": "inside.png", "name": 3}):
+        result = await tool(root, work)(GateCall("c1", "attach", arguments), "k:1")
+        assert result.is_error
+        assert f"attach refused ({ReasonCode.ATTACHMENT_ARGUMENTS})" in text(result)
+        assert result.attachments == ()
     assert not root.exists() or os.listdir(root) == []
 
 

@@ -319,7 +319,9 @@ async def test_t10_a_runtime_tool_runs_in_the_runtime_once() -> None:
         assert await journal.decide(ok) == Saved(GateResult.text("sent"))
         failed = await journal.decide(GateCall("c2", "send_text_update", {"text": "boom"}))
         assert failed == Saved(
-            GateResult.text("tool send_text_update failed: chat is down", is_error=True)
+            GateResult.text(
+                "tool send_text_update failed (gate_tool_failed): chat is down", is_error=True
+            )
         )
         interrupted = await journal.decide(GateCall("c_crash", "send_text_update", {}))
     assert interrupted == Saved(
