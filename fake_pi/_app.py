@@ -395,12 +395,16 @@ async def open_fake_pi(
         with contextlib.suppress(trio.ClosedResourceError):
             await out_send.aclose()
 
-    async with trio.open_nursery() as nursery:
-        scope = await nursery.start(serve)
-        fake = FakePi(in_send, out_receive, agent, scope)
-        try:
-            yield fake
-        finally:
-            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-                await in_send.aclose()
-            conversation.close()
+    try:
+        async with trio.open_nursery() as nursery:
+            scope = await nursery.start(serve)
+            fake = FakePi(in_send, out_receive, agent, scope)
+            try:
+                yield fake
+            finally:
+                with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                    await in_send.aclose()
+    finally:
+        # after the nursery: a run in flight is aborted by the end of stdin, and its shutdown
+        # writes the abort to the session first (F4), as Pi's does
+        conversation.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 import trio
 import trio.testing
@@ -9,6 +12,7 @@ import trio.testing
 import runtime.testing
 from runtime._boundary._http import iter_sse, open_request
 from runtime.testing import (
+    Call,
     Clocks,
     HttpServer,
     MockSilenceClock,
@@ -16,6 +20,8 @@ from runtime.testing import (
     Scenario,
     ScriptedModel,
     Text,
+    ToolCalls,
+    open_fake_pi,
 )
 
 
@@ -64,3 +70,27 @@ def test_public_surface_of_runtime_testing() -> None:
         "MockSilenceClock",
         "Clocks",
     } <= exported
+
+
+async def test_leaving_open_fake_pi_during_a_tool_persists_its_abort(tmp_path: Path) -> None:
+    """F4: leaving ``open_fake_pi`` while a ``bash`` tool runs is the end of its stdin: the
+    run is aborted and the abort is in the session — the tool's result, then an aborted
+    reply — as with Pi. The session used to be closed before that shutdown wrote it (a
+    ``SessionError`` out of the block, the abort lost)."""
+    model = ScriptedModel()
+    model.scenario = Scenario(
+        steps=[
+            ToolCalls(calls=[Call(name="bash", arguments={"command": "echo started; sleep 30"})]),
+            Text(text="done"),
+        ]
+    )
+    session = tmp_path / "s.jsonl"
+    with trio.fail_after(30):
+        async with open_fake_pi(cwd=tmp_path, model=model, session=session) as fake:
+            await fake.send({"id": "1", "type": "prompt", "message": "go"})
+            while (await fake.receive()).get("type") != "tool_execution_update":
+                pass
+    lines = [json.loads(line) for line in session.read_text().splitlines()]
+    messages = [line["message"] for line in lines if line["type"] == "message"]
+    ends = [(m["role"], m.get("stopReason")) for m in messages[-2:]]
+    assert ends == [("toolResult", None), ("assistant", "aborted")]
