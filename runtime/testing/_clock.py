@@ -24,9 +24,12 @@ def io_aware_autojump_clock(
     races ahead a timer per jump while real I/O completes, and a test of a 300 s threshold
     sees timers fire that the worker never had a chance to beat. The clock returned here
     puts a jump off while a journal hand-off to a writer thread or a ``trio.to_thread`` call
-    (on any capacity limiter: the receipt store's too) is in flight, or a child process of
-    this process runs (a validation command, git, a worker), and jumps once they settle
-    (``clock.skipped_jumps`` counts the put-off jumps).
+    is in flight, or a child process of this process runs (a validation command, git, a
+    worker; one that has exited is not waited for), and jumps once they settle
+    (``clock.skipped_jumps`` counts the put-off jumps). The ``to_thread`` calls it sees are
+    those on Trio's default limiter and on the runtime's own (the receipt store's, the
+    PostgreSQL store's: :func:`runtime._clock.own_limiter`); a call on a limiter of a test's
+    own, or a thread of its own reporting through ``trio.from_thread``, is not seen.
 
     While a child process runs, virtual time by default holds still: a child that never
     exits holds it still for good, and such a test hangs rather than lies. That suits a
