@@ -154,7 +154,15 @@ class AttachTool:
                 f"{path} is not a file inside the working directory {workdir}",
             )
         parts = relative.parts
-        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # the working directory itself is not followed either (a worker may swap it)
+            fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(workdir):
+                raise _Refused(
+                    ReasonCode.ATTACHMENT_SYMLINK,
+                    f"the working directory {workdir} is a symbolic link; nothing is attached",
+                ) from None
+            raise
         try:
             for part in parts[:-1]:
                 below = _step(fd, part, path, os.O_RDONLY | os.O_DIRECTORY)

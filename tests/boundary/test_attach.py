@@ -152,6 +152,28 @@ async def test_a5_arguments_that_name_no_file_are_refused_with_their_code(
     assert not root.exists() or os.listdir(root) == []
 
 
+async def test_a5_a_working_directory_swapped_for_a_symlink_is_not_followed(
+    tmp_path: Path,
+) -> None:
+    """A5: the working directory is opened without following a link too. A worker that
+    replaces its own working directory by a link elsewhere (``rm -r k; ln -s ~/.ssh k``)
+    attaches nothing from there, by a relative or by an absolute path: ``attachment_symlink``.
+    (It was opened by path, and an absolute path matched against its resolved form.)"""
+    outside = tmp_path / "home" / ".ssh"
+    outside.mkdir(parents=True)
+    (outside / "id.txt").write_text("PRIVATE KEY\n")
+    work = tmp_path / "rooms" / "k"
+    work.mkdir(parents=True)
+    t = tool(tmp_path / "attachments", work)
+    work.rmdir()
+    work.symlink_to(outside)
+    for path in ("id.txt", str(outside / "id.txt")):
+        result = await attach(t, path)
+        assert result.is_error
+        assert f"({ReasonCode.ATTACHMENT_SYMLINK})" in text(result)
+        assert result.attachments == ()
+
+
 def test_a5_media_types_come_from_the_bytes_for_pictures_and_the_name_for_text() -> None:
     """A5: a picture is what its bytes say, whatever its name; text is its name's type only
     when it is UTF-8."""
