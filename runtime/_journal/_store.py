@@ -454,13 +454,8 @@ class Store:
         a time per log, as :meth:`_open_or_create`, so two tasks opening it at once share one
         journal (two would both write their next frame at the same offset, J19)."""
         rel = self.delivery_rel(delivery_id)
-        lock = self._opening.setdefault(rel, trio.Lock())
-        async with lock:
-            try:
-                return await self._open_existing(rel, LogKind.DELIVERY)
-            finally:
-                if not lock.statistics().tasks_waiting:
-                    self._opening.pop(rel, None)
+        async with self._one_opening(rel):
+            return await self._open_existing(rel, LogKind.DELIVERY)
 
     async def read_delivery_log(self, delivery_id: str) -> LogContents:
         """Read a delivery's log without opening it for appends (even if poisoned)."""
@@ -474,16 +469,22 @@ class Store:
     async def _open_or_create(self, rel: str, kind: LogKind, subject: str) -> Journal:
         """Open the log, or create it; one at a time per log, so two tasks opening it at
         once share one journal (two would number their records independently)."""
+        async with self._one_opening(rel):
+            if rel in self._open:
+                return self._open[rel]
+            if await trio.to_thread.run_sync(self.fs.exists, self.path(rel)):
+                with contextlib.suppress(FileNotFoundError):
+                    return await self._open_existing(rel, kind)
+            await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
+            return await self._create(rel, kind, subject)
+
+    @contextlib.asynccontextmanager
+    async def _one_opening(self, rel: str) -> AsyncIterator[None]:
+        """Hold the log's opening lock: one task at a time opens or creates ``rel``."""
         lock = self._opening.setdefault(rel, trio.Lock())
         async with lock:
             try:
-                if rel in self._open:
-                    return self._open[rel]
-                if await trio.to_thread.run_sync(self.fs.exists, self.path(rel)):
-                    with contextlib.suppress(FileNotFoundError):
-                        return await self._open_existing(rel, kind)
-                await self._blocking(rel, self._makedirs_durable, os.path.dirname(rel))
-                return await self._create(rel, kind, subject)
+                yield
             finally:
                 if not lock.statistics().tasks_waiting:
                     self._opening.pop(rel, None)
@@ -558,8 +559,7 @@ class Store:
         target = LogTarget(
             path=path, rel=rel, good_length=0, next_seq=0, poison_path=path + ".poison", create=True
         )
-        target.deferred = kind is LogKind.DELIVERY
-        target.ahead = DELIVERY_AHEAD if target.deferred else 0
+        _shape(target, kind)
         journal = Journal(self._pool, target, LogContents(rel, (header,), 0, 0))
         self._unrecorded.pop(rel, None)  # a new log under the name: not the poisoned one
         self._open[rel] = journal
@@ -598,8 +598,7 @@ class Store:
             poison_path=path + ".poison",
             create=contents.next_seq == 0,
         )
-        target.deferred = kind is LogKind.DELIVERY
-        target.ahead = DELIVERY_AHEAD if target.deferred else 0
+        _shape(target, kind)
         journal = Journal(self._pool, target, contents)
         self._open[rel] = journal
         return journal
@@ -863,3 +862,10 @@ async def open_store(
                 await store._release()
     finally:
         os.close(lock_fd)
+
+
+def _shape(target: LogTarget, kind: LogKind) -> None:
+    """A delivery's log may be made durable through the sync log (J12) and is allocated
+    ahead (J19); a lane's or a shared log is appended and synced on its own."""
+    target.deferred = kind is LogKind.DELIVERY
+    target.ahead = DELIVERY_AHEAD if target.deferred else 0

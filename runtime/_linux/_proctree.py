@@ -347,6 +347,7 @@ def sweep_stale_cgroups(
     another's: the kernel refuses to remove a cgroup that still has a member (``EBUSY``),
     and an epoch enters its cgroup moments after creating it, so the age leaves alone the
     only empty cgroup a live epoch has."""
+    # the real wall clock, not an injected one: it is compared with the kernel's ctime
     now = time.time() if now is None else now
     removed = 0
     try:

@@ -49,12 +49,12 @@ logger = logging.getLogger("runtime.metrics")
 
 PATH: Final = "/metrics"
 MAX_BODY: Final = 256 * 1024
+"""The largest request body the listener reads (a control is at most 64 KiB): more is 413."""
 REQUEST_SECONDS: Final = 10.0
 """A connection that has not sent a whole request this long after its last answer (or its
-opening) is closed: an idle or slow client holds no file descriptor for longer (M5)."""
+opening) is closed: an idle or slow client holds no file descriptor for longer (M6)."""
 MAX_CONNECTIONS: Final = 64
-"""Connections open at once; one more is answered ``503 too_many_connections`` (M5)."""
-"""The largest request body the listener reads (a control is at most 64 KiB): more is 413."""
+"""Connections open at once; one more is answered ``503 too_many_connections`` (M6)."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
 
 

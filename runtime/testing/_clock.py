@@ -10,6 +10,7 @@ import trio.testing
 
 from .._clock import OWN_LIMITERS
 from .._journal._writer import handoffs_in_flight
+from .._linux._proctree import proc_table
 
 __all__ = ["io_aware_autojump_clock"]
 
@@ -103,18 +104,7 @@ def _children_running() -> bool:
     if exited is None:
         return True
     me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                line = stat.read()
-        except OSError:
-            continue
-        fields = line[line.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == me and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+    return any(info.ppid == me and info.alive for info in proc_table().values())
 
 
 def _threads_in_flight() -> int:
