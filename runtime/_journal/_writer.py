@@ -12,6 +12,9 @@ loop. So:
 * many producers appending to one shared log (admissions) share one
   ``fdatasync`` per batch — group commit;
 * several lanes' logs on different shards sync concurrently;
+* a task that hands its item over while nothing else of its shard is in flight (one lane's
+  step) is woken through the shard's eventfd, not a loop callback: one scheduler pass fewer
+  (journal.md J20);
 * a *grouped* log's hand-offs (the shared admission and result logs, where many tasks append
   at once) are gathered on the Trio side for one scheduler pass and handed over as one item:
   one queue ``put`` and one writer wake-up for everything appended in that pass, instead of one
@@ -126,6 +129,8 @@ class LogTarget:
         to commit, only each growth has. 0: frames are appended. Set before the first
         append."""
         self._create = create
+        self._shard: int | None = None
+        """Its writer shard, chosen at its first hand-off (Trio side)."""
         self._handle: int | None = None
         self._allocated = 0
         """Writer side: the file's size while :attr:`ahead` is set (frames, then zeros)."""
@@ -141,11 +146,14 @@ class LogTarget:
 class _Settled:
     """One unit of work handed to a writer thread by one waiting Trio task."""
 
-    __slots__ = ("error", "task")
+    __slots__ = ("error", "signal", "task")
 
     def __init__(self) -> None:
         self.task = trio.lowlevel.current_task()
         self.error: BaseException | None = None
+        self.signal: int | None = None
+        """The eventfd its task waits on, if it was handed over alone (J20): the writer
+        writes it instead of waking the task through a loop callback."""
 
     async def settled(self) -> None:
         """Wait until the writer thread settled this item; not cancellable.
@@ -162,6 +170,28 @@ class _Settled:
 
 def _refuse_abort(_: object) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
+
+
+async def _signalled(efd: int) -> None:
+    """Wait until the writer thread writes ``efd`` (and consume it); not cancellable, as
+    :meth:`_Settled.settled`. The shield is only paid when a cancellation arrives."""
+    try:
+        await trio.lowlevel.wait_readable(efd)
+    except trio.Cancelled:  # delivered again at the caller's next checkpoint
+        pass
+    else:
+        try:
+            os.eventfd_read(efd)
+            return
+        except BlockingIOError:  # woken with nothing written: wait on
+            pass
+    with trio.CancelScope(shield=True):
+        while True:
+            try:
+                os.eventfd_read(efd)
+                return
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(efd)
 
 
 class _Handoff(_Settled):
@@ -324,14 +354,20 @@ class WriterPool:
         self._rotate_bytes = rotate_bytes
         self._threads = [
             threading.Thread(
-                target=self._run, args=(q,), name=f"pi-runtime-writer-{i}", daemon=True
+                target=self._run, args=(i, q), name=f"pi-runtime-writer-{i}", daemon=True
             )
             for i, q in enumerate(self._queues)
         ]
+        self._signals = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in range(shards)]
+        """Per shard, the eventfd a task handed over alone waits on (J20)."""
+        self._busy = [0] * shards
+        """Per shard, the hand-offs not yet settled (Trio side)."""
         self._staged: list[list[_Work]] = [[] for _ in range(shards)]
         """Grouped hand-offs of the current scheduler pass, per shard, not yet handed over:
         only the pass's first stager (waiting for the pass to end) hands them over."""
         self._handed_over = trio.lowlevel.ParkingLot()
+        self._quiet = trio.lowlevel.ParkingLot()
+        """Closing: woken as each shard's last hand-off settles."""
         self._closed = False
         for thread in self._threads:
             thread.start()
@@ -339,6 +375,12 @@ class WriterPool:
     # -- Trio side -----------------------------------------------------------------
 
     def _shard_of(self, target: LogTarget) -> int:
+        shard = target._shard
+        if shard is None:  # its kind is set before its first hand-off, and stays
+            shard = target._shard = self._choose_shard(target)
+        return shard
+
+    def _choose_shard(self, target: LogTarget) -> int:
         shards = len(self._queues)
         if self._sync is not None:
             if target.deferred:
@@ -375,14 +417,28 @@ class WriterPool:
         it is settled."""
         global _in_flight
         _in_flight += 1
+        alone = not self._busy[shard]
+        self._busy[shard] += 1
         try:
             if staged:
                 await self._stage(item, shard)
+            elif alone:
+                # nothing else of this shard in flight: the writer signals this task's
+                # eventfd, which wakes it in one scheduler pass (J20)
+                item.signal = efd = self._signals[shard]
+                self._queues[shard].put(item)
+                await _signalled(efd)
+                if item.error is not None:
+                    raise item.error
+                return
             else:
                 self._queues[shard].put(item)
             await item.settled()
         finally:
+            self._busy[shard] -= 1
             _in_flight -= 1
+            if self._closed and not self._busy[shard]:
+                self._quiet.unpark_all()
 
     async def _stage(self, item: _Work, shard: int) -> None:
         """Add a grouped hand-off to this pass's for its shard. The pass's first stager waits
@@ -434,17 +490,27 @@ class WriterPool:
             q.put(None)
         for thread in self._threads:
             await trio.to_thread.run_sync(thread.join)
+        # a task may still be waiting to be woken by an eventfd its writer wrote: an fd
+        # closed under its wait would never wake it
+        while any(self._busy):
+            await self._quiet.park()
+        for efd in self._signals:
+            os.close(efd)
 
     def _deliver(self, items: list[_Work], failure: DiskFailedError | None) -> None:
-        for item in items:
-            trio.lowlevel.reschedule(item.task)
+        """Wake each item's task (on the loop), once a disk failure is reported."""
         if failure is not None:
             self._on_disk_failure(failure)
+        for item in items:
+            if item.signal is None:
+                trio.lowlevel.reschedule(item.task)
+            else:
+                os.eventfd_write(item.signal, 1)
 
     # -- writer threads ------------------------------------------------------------
 
-    def _run(self, q: queue.SimpleQueue[_Item]) -> None:
-        sync = self._sync if q is self._queues[0] else None
+    def _run(self, shard: int, q: queue.SimpleQueue[_Item]) -> None:
+        sync = self._sync if shard == 0 else None
         stopping = False
         while not stopping:
             batch: list[_Work] = []
@@ -469,8 +535,14 @@ class WriterPool:
                     failure = self._commit(batch)
                 except Exception as exc:  # not the disk's: no waiter may be left hanging
                     self._abandon(batch, exc)
+                if failure is None and batch[0].signal is not None:
+                    # a task handed its item over alone: it waits on the shard's eventfd,
+                    # not for a loop callback (J20); the rest of its batch came after it
+                    os.eventfd_write(batch[0].signal, 1)
+                    batch = batch[1:]
                 try:
-                    self._token.run_sync_soon(self._deliver, batch, failure)
+                    if batch:
+                        self._token.run_sync_soon(self._deliver, batch, failure)
                 except trio.RunFinishedError:  # pragma: no cover - the run ended first
                     return
             # a full generation's logs get their records after the batch is acknowledged:
@@ -484,6 +556,9 @@ class WriterPool:
 
     def _commit(self, batch: list[_Work]) -> DiskFailedError | None:
         """Write, sync and settle a batch; return a disk failure to report."""
+        if len(batch) == 1 and isinstance(lone := batch[0], _Append):  # one lane's step
+            error = self._write_group(lone.target, [lone])
+            return error if isinstance(error, DiskFailedError) else None
         failure: DiskFailedError | None = None
         pending: dict[int, list[_Append]] = {}
         order: list[LogTarget] = []
@@ -528,22 +603,34 @@ class WriterPool:
         log of the batch is poisoned, as for a failed write, and every item gets an error —
         even one whose record may have reached the disk, which its poisoned log then bounds
         (J5): no caller waits forever, and the thread goes on with the next batch."""
-        error = OSError(errno.EINVAL, f"the writer failed: {exc!r}")
         for item in batch:
             target = item.target if isinstance(item, _Handoff) else None
-            if target is not None and target.poisoned is None:
-                try:
-                    self._poison(target, error)
-                except Exception:  # the in-memory poison still refuses every later append
-                    target.poisoned = JournalError(
-                        ReasonCode.JOURNAL_POISONED, str(error), path=target.rel
-                    )
             if item.error is None:
                 item.error = (
-                    target.poisoned
-                    if target is not None and target.poisoned is not None
-                    else JournalError(ReasonCode.JOURNAL_POISONED, str(error))
+                    self._poison_unknown(target, exc)
+                    if target is not None
+                    else JournalError(ReasonCode.JOURNAL_POISONED, f"the writer failed: {exc!r}")
                 )
+
+    def _poison_unknown(self, target: LogTarget, exc: Exception) -> JournalError:
+        """Poison ``target`` after ``exc``, an exception that is not an ``OSError``, met
+        while its records were written: what reached its file is unknown (J5, J8b)."""
+        if target.poisoned is None:
+            error = OSError(errno.EINVAL, f"the writer failed: {exc!r}")
+            first, owed = target._pending_first, target._pending
+            try:
+                self._poison(target, error)
+            except Exception:  # no poison document: the in-memory poison refuses appends,
+                target.poisoned = JournalError(  # and what it owes stays as on a full disk
+                    ReasonCode.JOURNAL_POISONED, str(error), path=target.rel
+                )
+                with contextlib.suppress(Exception):
+                    target.unrecorded = encode_frame(first, owed) if owed else b""
+                if self._sync is not None:  # (J15: kept for the next start's redo, J14)
+                    self._sync.keep_for_redo(target)
+                    self._sync.written(target)
+        assert target.poisoned is not None
+        return target.poisoned
 
     def _retire(self, item: _Retire) -> DiskFailedError | None:
         """J18: drain the sync log if a generation names any of ``item.rels``; if one that does
@@ -795,7 +882,10 @@ class WriterPool:
         for generation in sync.retiring:
             if generation.waiting:
                 target = next(iter(generation.waiting.values()))
-                self._report(self._write_group(target, []))
+                try:
+                    self._report(self._write_group(target, []))
+                except Exception as exc:  # not the disk's: the thread must go on (J8b)
+                    self._poison_unknown(target, exc)
                 generation.waiting.pop(id(target), None)  # (a poisoned log is never replayed)
                 self._remove_done(sync)
                 return any(generation.waiting for generation in sync.retiring)

@@ -1,6 +1,7 @@
-"""How an append's task is woken once its record is durable (journal.md J8b).
+"""How an append's task is woken once its record is durable (journal.md J8b, J20).
 
-The writer thread reschedules a batch's tasks with one ``run_sync_soon`` callback. The wait
+The writer thread reschedules a batch's tasks with one ``run_sync_soon`` callback, or
+writes the shard's eventfd for a task that handed its item over alone (J20). The wait
 refuses cancellation (a record handed over always reports its fate to its caller; the cancel
 comes after), and a batch's disk failure is reported before any of its tasks runs on.
 """
@@ -23,7 +24,7 @@ from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import OutboxAction
 
 from ..faultfs import Fault, FaultyFileSystem
-from .test_sync_log import Holding
+from .test_sync_log import Holding, _one_batch
 
 
 def _record(name: str) -> OutboxAction:
@@ -123,9 +124,14 @@ class _BrokenSync(Holding):
 
     part: str | None = None
 
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.broke = threading.Event()
+
     def fdatasync(self, handle: int) -> None:
         if self.part is not None and self.part in self._paths.get(handle, ""):
             self.part = None
+            self.broke.set()
             raise RuntimeError("injected: not an OSError")
         super().fdatasync(handle)
 
@@ -158,3 +164,159 @@ async def test_j5_j8b_an_error_that_is_not_the_disks_poisons_its_log_and_hangs_n
             assert refused.value.code is ReasonCode.JOURNAL_POISONED
             assert (await store.read_delivery_log("broken")).records[1:] == ()
             assert (await store.read_delivery_log("other")).records[1:] == (_record("kept"),)
+
+
+async def test_j8b_an_error_that_is_not_the_disks_while_owed_records_trickle_out(
+    tmp_path: Path,
+) -> None:
+    """J8b, J5, J12: an exception that is not an ``OSError`` while a full sync log
+    generation's records are written into one log's file, between batches, poisons that log
+    and leaves the writer thread running: a later append on the same shard is acknowledged,
+    the other logs get their records, and the store closes. Before, the thread died there
+    and every later append of the shard waited forever."""
+    fs = _BrokenSync(OsFileSystem())
+    root = tmp_path / "state"
+    with trio.fail_after(20):
+        async with open_store(root, fs=cast(FileSystem, fs)) as store:
+            store._pool._rotate_bytes = 1  # every batch fills its generation
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(3)]
+            fs.part = logs[0].rel  # its file's sync, when its records trickle out
+            assert await _one_batch(fs, store, logs, "a") == [1, 1, 1]
+            after = await store.create_delivery_log("after")
+            assert await after.append(_record("after")) == 1
+            await trio.to_thread.run_sync(fs.broke.wait, 10)
+            with pytest.raises(JournalError) as refused:
+                await logs[0].append(_record("refused"))
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            assert await logs[1].append(_record("more")) == 2
+        async with open_store(root) as store:  # each acknowledged record is there (J5)
+            for i in (0, 1, 2):
+                records = (await store.read_delivery_log(f"d{i}")).records[1:]
+                assert records[0] == _record(f"a-{i}")
+            assert (await store.read_delivery_log("d1")).records[2:] == (_record("more"),)
+            with pytest.raises(JournalError) as refused:
+                await store.open_delivery_log("d0")
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+
+
+class _CountedToken:
+    """A Trio token that counts the loop callbacks a writer thread schedules."""
+
+    def __init__(self, inner: trio.lowlevel.TrioToken) -> None:
+        self.inner = inner
+        self.callbacks = 0
+
+    def run_sync_soon(self, *args: Any) -> None:
+        self.callbacks += 1
+        self.inner.run_sync_soon(*args)
+
+
+async def test_j20_a_lone_append_is_woken_without_a_loop_callback(tmp_path: Path) -> None:
+    """J20: one lane's appends, each alone in flight, are woken through their shard's
+    eventfd — no ``run_sync_soon`` callback at all; appends arriving together on one shard
+    still are all acknowledged, in order, the ones behind the first through the callback."""
+    with trio.fail_after(20):
+        async with open_store(tmp_path / "state") as store:
+            log = await store.create_delivery_log("d")
+            others = [await store.create_delivery_log(f"e{i}") for i in range(4)]
+            token = _CountedToken(store._pool._token)
+            store._pool._token = cast(trio.lowlevel.TrioToken, token)
+            for i in range(20):
+                assert await log.append(_record(f"step-{i}")) == 1 + i
+            assert token.callbacks == 0
+            got: dict[str, int] = {}
+
+            async def append(journal: Any, name: str) -> None:
+                got[name] = await journal.append(_record(name))
+
+            async with trio.open_nursery() as nursery:
+                for i, other in enumerate(others):  # one shard: delivery logs share shard 0
+                    nursery.start_soon(append, other, f"other-{i}")
+            assert got == {f"other-{i}": 1 for i in range(4)}
+            assert token.callbacks >= 1
+            assert (await store.read(log.rel)).records[1:] == tuple(
+                _record(f"step-{i}") for i in range(20)
+            )
+
+
+@pytest.mark.parametrize("before", ["with-others", "cancelled", "failed"])
+async def test_j20_no_signal_is_left_over_to_wake_the_next_lone_append_early(
+    tmp_path: Path, before: str
+) -> None:
+    """J20: however a lone append was settled — in a batch with others behind it, its wait
+    cancelled, or its write failed (the loop callback then wakes it) — the next lone append
+    of the shard is not woken before its own record is written: its task still waits while
+    its write is held."""
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = _HeldWrite(faulty)
+    results: list[object] = []
+    with trio.fail_after(20):
+        async with open_store(tmp_path / "state", fs=cast(FileSystem, fs)) as store:
+            first = await store.create_delivery_log("first")
+            extra = [await store.create_delivery_log(f"e{i}") for i in range(3)]
+            later = await store.create_delivery_log("later")
+
+            async def append(journal: Any, name: str, scope: trio.CancelScope) -> None:
+                with scope:
+                    try:
+                        results.append(await journal.append(_record(name)))
+                    except JournalError as exc:
+                        results.append(exc.code)
+
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+                if before == "failed":
+                    faulty.arm([Fault("write", 1, "before", errno.EIO, path_contains=first.rel)])
+                fs.holding = True
+                nursery.start_soon(append, first, "first", scope)
+                await trio.to_thread.run_sync(fs.held.wait, 10)
+                if before == "with-others":
+                    for i, other in enumerate(extra):
+                        nursery.start_soon(append, other, f"other-{i}", trio.CancelScope())
+                    while handoffs_in_flight() < 4:
+                        await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                if before == "cancelled":
+                    scope.cancel()
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                fs.held.clear()
+                fs.go.set()
+            expected: dict[str, list[object]] = {
+                "with-others": [1, 1, 1, 1],
+                "cancelled": [1],
+                "failed": [ReasonCode.DISK_FAILED],
+            }
+            assert results == expected[before]
+            results.clear()
+            fs.go.clear()
+            fs.holding = True
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append, later, "later", trio.CancelScope())
+                await trio.to_thread.run_sync(fs.held.wait, 10)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                assert results == []  # held: not acknowledged before its write
+                fs.go.set()
+            assert results == [1]
+
+
+async def test_j20_closing_the_pool_while_a_lone_append_is_written(tmp_path: Path) -> None:
+    """J20: the writer pool closed while a lone append is being written: the append still
+    gets its number — its eventfd stays open until its task has read it — and the close
+    ends. Repeated, since the loop may run the two tasks in either order."""
+    for attempt in range(20):
+        fs = _HeldWrite(OsFileSystem())
+        got: list[int] = []
+        with trio.fail_after(20):
+            async with open_store(tmp_path / f"state-{attempt}", fs=cast(FileSystem, fs)) as store:
+                log = await store.create_delivery_log("d")
+                fs.holding = True
+
+                async def append(log: Any, got: list[int]) -> None:
+                    got.append(await log.append(_record("mine")))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(append, log, got)
+                    await trio.to_thread.run_sync(fs.held.wait, 10)
+                    nursery.start_soon(store._pool.aclose)
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                    fs.go.set()
+        assert got == [1]
