@@ -622,13 +622,15 @@ class Store:
 
     async def close_log(self, journal: Log) -> None:
         """Close a log; a read meanwhile still finds it open, so it writes what the log owes
-        its file before reading it (J12)."""
-        try:
-            await journal.aclose()
-        finally:
-            self._remember_unrecorded(journal)
-            if self._open.get(journal.rel) is journal:
-                del self._open[journal.rel]
+        its file before reading it (J12). An opening of the log meanwhile waits for the
+        close and opens it anew: it is never handed the journal being closed (TL9, J19)."""
+        async with self._one_opening(journal.rel):
+            try:
+                await journal.aclose()
+            finally:
+                self._remember_unrecorded(journal)
+                if self._open.get(journal.rel) is journal:
+                    del self._open[journal.rel]
 
     def _truncate_durably(self, rel: str, length: int) -> None:
         handle = self.fs.open_append(self.path(rel))

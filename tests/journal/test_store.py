@@ -5,13 +5,18 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import cast
 
 import pytest
 import trio
+import trio.testing
 
 from runtime import JournalError, ReasonCode, open_store
 from runtime._journal._store import delivery_key, lane_key
+from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import LogKind, ReplayClass, StepAbandoned, ToolIntent
+
+from .test_writer_wakeup import _HeldWrite
 
 
 def _step(n: int) -> StepAbandoned:
@@ -184,3 +189,44 @@ async def test_two_opens_of_one_log_at_once_share_one_journal(tmp_path: Path, th
             1,
             2,
         ]
+
+
+async def test_tl9_an_opening_while_the_log_closes_waits_and_gets_a_journal_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """TL9, J8: a parked lane's log is being closed (its close waits behind another log's
+    write on the same writer thread) when the lane is woken and opens it again. The opening
+    waits for the close and gets a new journal, the one the store holds open — never the
+    journal being closed, which the store then forgets while the lane goes on appending to
+    it (a third opening would read the file and number its records from the same place)."""
+    fs = _HeldWrite(OsFileSystem())
+    root = tmp_path / "state"
+    with trio.fail_after(20):
+        async with open_store(root, fs=cast(FileSystem, fs), writer_shards=1) as store:
+            lane = await store.open_lane_log("x")
+            other = await store.create_delivery_log("other")
+            reopened: list[object] = []
+
+            async def reopen() -> None:
+                journal = await store.open_lane_log("x")
+                reopened.append(journal)
+                await journal.append(StepAbandoned(step=2, reason="test", epoch=1))
+
+            async with trio.open_nursery() as nursery:
+                fs.holding = True
+                nursery.start_soon(other.append, StepAbandoned(step=1, reason="held", epoch=1))
+                await trio.to_thread.run_sync(fs.held.wait, 10)
+                nursery.start_soon(store.close_log, lane)  # queued behind the held write
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                nursery.start_soon(reopen)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                fs.go.set()
+            assert reopened[0] is not lane
+            assert store._open[store.lane_rel("x")] is reopened[0]
+            again = await store.open_lane_log("x")
+            assert again is reopened[0]
+            await again.append(StepAbandoned(step=3, reason="test", epoch=1))
+        async with open_store(root) as store:
+            contents = await store.read(store.lane_rel("x"))
+            steps = [r.step for r in contents.records[1:] if isinstance(r, StepAbandoned)]
+            assert steps == [2, 3]
