@@ -9,6 +9,7 @@ comes after), and a batch's disk failure is reported before any of its tasks run
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 from typing import Any, cast
@@ -128,10 +129,15 @@ class _BrokenSync(Holding):
         super().__init__(inner)
         self.broke = threading.Event()
 
+    times = 1
+    """How many syncs of that path in a row fail so."""
+
     def fdatasync(self, handle: int) -> None:
         if self.part is not None and self.part in self._paths.get(handle, ""):
-            self.part = None
-            self.broke.set()
+            self.times -= 1
+            if not self.times:
+                self.part = None
+                self.broke.set()
             raise RuntimeError("injected: not an OSError")
         super().fdatasync(handle)
 
@@ -197,6 +203,35 @@ async def test_j8b_an_error_that_is_not_the_disks_while_owed_records_trickle_out
             with pytest.raises(JournalError) as refused:
                 await store.open_delivery_log("d0")
             assert refused.value.code is ReasonCode.JOURNAL_POISONED
+
+
+async def test_j8b_j15_a_log_whose_poison_cannot_be_recorded_keeps_what_it_owed(
+    tmp_path: Path,
+) -> None:
+    """J8b, J15: as above, and the poisoning itself fails the same way (its file's sync
+    raises again), so no poison document is written. The log is refused for the rest of the
+    run and reads with the record it owed; the sync log generation holding that record is
+    kept, so after a restart the record is in the log's file (J14's redo) — never dropped."""
+    fs = _BrokenSync(OsFileSystem())
+    root = tmp_path / "state"
+    with trio.fail_after(20):
+        async with open_store(root, fs=cast(FileSystem, fs)) as store:
+            store._pool._rotate_bytes = 1  # every batch fills its generation
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(3)]
+            fs.part, fs.times = logs[0].rel, 2  # the trickle's sync, then the poison's
+            assert await _one_batch(fs, store, logs, "a") == [1, 1, 1]
+            await trio.to_thread.run_sync(fs.broke.wait, 10)
+            after = await store.create_delivery_log("after")
+            assert await after.append(_record("after")) == 1  # the thread went on
+            with pytest.raises(JournalError) as refused:
+                await logs[0].append(_record("refused"))
+            assert refused.value.code is ReasonCode.JOURNAL_POISONED
+            assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
+            assert os.listdir(root / SYNC_DIR)  # kept for the redo
+        async with open_store(root) as store:
+            for i in (0, 1, 2):
+                records = (await store.read_delivery_log(f"d{i}")).records[1:]
+                assert records == (_record(f"a-{i}"),)
 
 
 class _CountedToken:
