@@ -191,6 +191,11 @@ class ReasonCode(enum.StrEnum):
     PAGE_METHOD = "page_method"
     PAGE_BUSY = "page_busy"
     PAGE_FAILED = "page_failed"
+    # the metrics and page listener's HTTP refusals (docs/design/operations.md M7)
+    HTTP_MALFORMED = "http_malformed"  # 400: not HTTP/1.1 the listener can read
+    HTTP_BODY_TOO_LARGE = "http_body_too_large"  # 413
+    HTTP_HEAD_TOO_LARGE = "http_head_too_large"  # 431
+    HTTP_UNSUPPORTED = "http_unsupported"  # 501: a transfer coding it cannot read
     # a task lane's worktree evidence: manifest and candidate checkpoint (docs/design/watchdog.md)
     WORKTREE_MISSING = "worktree_missing"
     WORKTREE_LEASED = "worktree_leased"

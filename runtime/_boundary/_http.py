@@ -56,6 +56,8 @@ class Request:
     body: bytes
     connection: int = 0
     """Which connection of its server it came on: 1, 2, … in the order they were accepted."""
+    peer: str = ""
+    """The client's address (its host part, as the socket reports it); empty if unknown."""
 
 
 class ResponseWriter:
@@ -124,7 +126,11 @@ async def _next_event(
 
 
 async def _read_request(
-    stream: trio.abc.Stream, conn: h11.Connection, limit: int = _MAX_REQUEST, connection: int = 0
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    limit: int = _MAX_REQUEST,
+    connection: int = 0,
+    peer: str = "",
 ) -> Request | None:
     head: h11.Request | None = None
     body = bytearray()
@@ -140,7 +146,7 @@ async def _read_request(
             assert head is not None
             headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
             method, target = head.method.decode(), head.target.decode()
-            return Request(method, target, headers, bytes(body), connection)
+            return Request(method, target, headers, bytes(body), connection, peer)
         elif isinstance(event, h11.ConnectionClosed):
             return None
         else:  # pragma: no cover - h11 yields nothing else for a server
@@ -153,6 +159,8 @@ async def _serve_connection(
     limit: int = _MAX_REQUEST,
     connection: int = 0,
     request_seconds: float = math.inf,
+    peer: str = "",
+    refusal: Callable[[int], bytes] | None = None,
 ) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
@@ -160,13 +168,15 @@ async def _serve_connection(
             request: Request | None = None
             try:
                 with trio.move_on_after(request_seconds) as waited:
-                    request = await _read_request(stream, conn, limit, connection)
+                    request = await _read_request(stream, conn, limit, connection, peer)
                 if waited.cancelled_caught:
                     return  # no whole request in time (a head, a body, an idle keep-alive)
             except h11.RemoteProtocolError as exc:
                 with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
+                    status = exc.error_status_hint
+                    body = refusal(status) if refusal is not None else b'{"error":"bad request"}'
                     writer = ResponseWriter(stream, conn)
-                    await writer.respond(exc.error_status_hint, b'{"error":"bad request"}')
+                    await writer.respond(status, body)
                 return
             if request is None:
                 return
@@ -196,6 +206,7 @@ async def serve_http(
     max_request: int = _MAX_REQUEST,
     request_seconds: float = math.inf,
     max_connections: int | None = None,
+    refusal: Callable[[int], bytes] | None = None,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` until cancelled; ``task_status.started`` once listening; HTTPS
@@ -207,6 +218,10 @@ async def serve_http(
     wait for the next one included, and closes a connection that takes longer;
     ``max_connections`` answers one more connection ``503 too_many_connections`` at once
     and closes it, so idle clients cannot take the process's file descriptors.
+    ``refusal`` makes the JSON body answering a request the protocol refuses before the
+    handler sees it, from its status (400 malformed, 413 body over ``max_request``, 431 head
+    too large, 501 a transfer coding h11 cannot read); default ``{"error":"bad request"}``.
+    Each request carries its client's address (:attr:`Request.peer`).
 
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
@@ -231,8 +246,11 @@ async def serve_http(
 
         async def _serve_one(stream: trio.SocketStream) -> None:
             connection = next(accepted)
+            peer = _peer(stream)
             if ssl_context is None:
-                await _serve_connection(stream, handler, max_request, connection, request_seconds)
+                await _serve_connection(
+                    stream, handler, max_request, connection, request_seconds, peer, refusal
+                )
                 return
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
@@ -244,9 +262,19 @@ async def serve_http(
             if waited.cancelled_caught:
                 await trio.aclose_forcefully(stream)
                 return
-            await _serve_connection(tls, handler, max_request, connection, request_seconds)
+            await _serve_connection(
+                tls, handler, max_request, connection, request_seconds, peer, refusal
+            )
 
         await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    """The client's address; empty when the socket no longer knows it (a client gone)."""
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:
+        return ""
 
 
 _REFUSE_SECONDS: Final = 1.0

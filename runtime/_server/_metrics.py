@@ -21,16 +21,18 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
+import msgspec
 import trio
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
+from .._errors import ReasonCode
 from .._logs import fields
 from .._metrics import REGISTRY
 from .._tasks._watchdog import Classification
-from ._page import Observed, OperatorPage, Served
+from ._page import Observed, OperatorPage, Served, write_bound
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -56,6 +58,8 @@ opening) is closed: an idle or slow client holds no file descriptor for longer (
 MAX_CONNECTIONS: Final = 64
 """Connections open at once; one more is answered ``503 too_many_connections`` (M6)."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
+_HEAD_MAX: Final = 16 * 1024
+"""h11's bound on a request line and its headers (``max_incomplete_event_size``)."""
 
 
 class ServerCollector(Collector):
@@ -140,6 +144,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _refusal(status: int) -> bytes:
+    """The body answering a request the HTTP layer refuses before any handler reads it (M7):
+    a stable code, as every other refusal of this listener carries."""
+    code, message = {
+        413: (ReasonCode.HTTP_BODY_TOO_LARGE, f"a request body is at most {MAX_BODY} bytes"),
+        431: (
+            ReasonCode.HTTP_HEAD_TOO_LARGE,
+            f"a request line and its headers are at most {_HEAD_MAX} bytes",
+        ),
+        501: (ReasonCode.HTTP_UNSUPPORTED, "a body is sent whole or chunked, nothing else"),
+    }.get(status, (ReasonCode.HTTP_MALFORMED, "the request is not HTTP/1.1 this listener reads"))
+    return msgspec.json.encode({"ok": False, "code": code, "message": message})
+
+
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
@@ -177,10 +195,11 @@ async def _handle(
         return
     await trio.lowlevel.checkpoint()
     headers = [("content-type", content_type), ("content-length", str(len(body)))]
-    await response.start(200, headers)
-    if request.method == "GET":
-        await response.send(body)
-    await response.end()
+    with write_bound():  # a scraper that reads nothing holds no connection (M6)
+        await response.start(200, headers)
+        if request.method == "GET":
+            await response.send(body)
+        await response.end()
 
 
 async def _plain(
@@ -192,9 +211,10 @@ async def _plain(
     content_type: str = "text/plain; charset=utf-8",
 ) -> None:
     headers = [("content-type", content_type), ("content-length", str(len(body)))]
-    await response.start(status, headers + (extra or []))
-    await response.send(body)
-    await response.end()
+    with write_bound():
+        await response.start(status, headers + (extra or []))
+        await response.send(body)
+        await response.end()
 
 
 async def serve_metrics(
@@ -236,6 +256,7 @@ async def serve_metrics(
                 max_request=MAX_BODY,
                 request_seconds=REQUEST_SECONDS,
                 max_connections=MAX_CONNECTIONS,
+                refusal=_refusal,
             )
         )
         if page is not None:

@@ -28,9 +28,10 @@ import contextlib
 import functools
 import hashlib
 import html
+import ipaddress
 import logging
 import secrets
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from .._tasks._service import TaskService
     from .._wire import DeliveryResult, RoomStatus
 
-__all__ = ["CONTROLS", "Observed", "OperatorPage", "Served"]
+__all__ = ["CONTROLS", "Observed", "OperatorPage", "Served", "write_bound"]
 
 logger = logging.getLogger("runtime.page")
 
@@ -71,15 +72,23 @@ PUSH_SECONDS: Final = 1.0
 KEEPALIVE_SECONDS: Final = 5.0
 """A comment on a quiet stream this often: a closed page's stream is noticed (its send fails)
 and its slot given back within this long."""
+SEND_SECONDS: Final = 10.0
+"""How long one write of an answer may wait for the client to read it (OP6): past it the
+connection is closed, so a page that stops reading its event stream gives its slot back."""
 LOGIN_FAILURES: Final = 5
 LOGIN_WINDOW: Final = 60.0
-"""At most ``LOGIN_FAILURES`` refused tokens per ``LOGIN_WINDOW`` seconds (OP2)."""
+"""At most ``LOGIN_FAILURES`` refused tokens per ``LOGIN_WINDOW`` seconds from one client
+(OP2)."""
+MAX_CLIENTS: Final = 1024
+"""Clients whose refused tokens are remembered (the one that failed least recently goes)."""
 TIMELINE: Final = 256
 """Classification changes kept per task (the oldest go first)."""
 TIMELINES: Final = 4096
 """Tasks whose timeline is kept (the one that changed least recently goes first)."""
 ROOMS_SHOWN: Final = 500
 PENDING_SHOWN: Final = 200
+TASKS_SHOWN: Final = 500
+"""Tasks one state lists (OP6): the live ones first, the most recently changed first."""
 _FILES: Final = {
     "/static/page.js": ("page.js", "text/javascript; charset=utf-8"),
     "/static/page.css": ("page.css", "text/css; charset=utf-8"),
@@ -158,7 +167,10 @@ class OperatorPage:
         self.allowed_hosts = allowed_hosts
         """``Host`` values answered (the listener's own names); empty: any (OP4)."""
         self._sessions: dict[str, _Session] = {}
-        self._failures: collections.deque[float] = collections.deque()
+        self._failures: collections.OrderedDict[str, collections.deque[float]] = (
+            collections.OrderedDict()
+        )
+        """Each client's refused tokens in the window, the one that failed last at the end."""
         self._streams = 0
         self._timelines: dict[str, collections.deque[tuple[int, str, str]]] = {}
         self._changed = trio.Event()
@@ -292,6 +304,7 @@ class OperatorPage:
         worker, tasks = self.server.worker, self.server.tasks
         rooms = worker.status()
         pending = sorted(worker.pending())
+        rows = tasks.rows()
         scale = tasks.policy.timescale
         return {
             "worker_id": self.server.worker_id,
@@ -304,10 +317,23 @@ class OperatorPage:
             "rooms_total": len(rooms),
             "pending": pending[:PENDING_SHOWN],
             "pending_total": len(pending),
-            "tasks": tasks.rows(),
+            "tasks": self._shown(rows),
+            "tasks_total": len(rows),
             "unsafe_test_timescale": scale,
             "warning": tasks.warning,
         }
+
+    def _shown(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """At most ``TASKS_SHOWN`` of the tasks' rows (OP6), by id: the live ones first (they
+        are what the operator acts on), then the ended ones, each the most recently changed
+        first as the timelines saw them."""
+        if len(rows) <= TASKS_SHOWN:
+            return rows
+        recency = {task_id: at for at, task_id in enumerate(self._timelines)}
+        rows = sorted(
+            rows, key=lambda row: (row["ended"] is not None, -recency.get(row["task_id"], -1))
+        )
+        return sorted(rows[:TASKS_SHOWN], key=lambda row: str(row["task_id"]))
 
     async def _journal(self, delivery_id: str) -> dict[str, Any]:
         if not 0 < len(delivery_id) <= 200 or not delivery_id.isprintable():
@@ -326,32 +352,39 @@ class OperatorPage:
     async def _events(self, request: Request, response: ResponseWriter) -> None:
         """The state as server-sent events (OP6): an ``event: state`` whenever it differs from
         the last one sent, checked when a task changes and at least once a second; a comment
-        every 15 s of no change; an ``event: logout`` and the end once the session is gone."""
+        every ``KEEPALIVE_SECONDS`` of no change; an ``event: logout`` and the end once the
+        session is gone. A write the client has not taken within ``SEND_SECONDS`` ends it and
+        closes its connection."""
         if self._streams >= MAX_STREAMS:
             raise _Refused(503, ReasonCode.PAGE_BUSY, f"at most {MAX_STREAMS} open pages")
         self._streams += 1
         try:
             headers = [("content-type", "text/event-stream"), *_SECURITY]
-            await response.start(200, headers)
+            with write_bound():
+                await response.start(200, headers)
             last = b""
             quiet = 0.0
             while True:
                 if not await self._still_authorized(request):
-                    await response.send(b"event: logout\ndata: {}\n\n")
+                    with write_bound():
+                        await response.send(b"event: logout\ndata: {}\n\n")
                     break
                 body = _JSON.encode(await self.snapshot())
                 if body != last:
-                    await response.send(b"event: state\ndata: " + body + b"\n\n")
+                    with write_bound():
+                        await response.send(b"event: state\ndata: " + body + b"\n\n")
                     last, quiet = body, 0.0
                 elif quiet >= KEEPALIVE_SECONDS:
-                    await response.send(b": still here\n\n")
+                    with write_bound():
+                        await response.send(b": still here\n\n")
                     quiet = 0.0
                 changed = self._changed
                 started = trio.current_time()
                 with trio.move_on_after(PUSH_SECONDS):
                     await changed.wait()
                 quiet += trio.current_time() - started
-            await response.end()
+            with write_bound():
+                await response.end()
         finally:
             self._streams -= 1
 
@@ -437,17 +470,20 @@ class OperatorPage:
         return session
 
     async def _bearer(self, request: Request) -> bool | None:
-        """``None``: no ``Authorization`` header; else whether it carries the token."""
+        """``None``: no ``Authorization`` header; else whether it carries the token. The token
+        is compared first: the right one is never throttled (OP2); a wrong one from a client
+        throttled is ``login_throttled``."""
         value = request.headers.get("authorization")
         if value is None:
             return None
-        self._throttled()
         scheme, _, presented = value.partition(" ")
         token = await self._current_token()
-        ok = scheme.lower() == "bearer" and token is not None and token_matches(token, presented)
-        if not ok:
-            self._count_failure()
-        return ok
+        if scheme.lower() == "bearer" and token is not None and token_matches(token, presented):
+            return True
+        client = _client(request)
+        self._throttled(client)
+        self._count_failure(client)
+        return False
 
     async def _authorized(self, request: Request, *, state_changing: bool) -> None:
         """OP2/OP3: a bearer token, or a live session whose CSRF token a state-changing
@@ -474,25 +510,39 @@ class OperatorPage:
             return False
         return True
 
-    def _throttled(self) -> None:
+    def _throttled(self, client: str) -> None:
+        """OP2: ``login_throttled`` for a client with ``LOGIN_FAILURES`` refused tokens in the
+        last ``LOGIN_WINDOW`` seconds."""
+        failures = self._failures.get(client)
+        if failures is None:
+            return
         now = trio.current_time()
-        while self._failures and self._failures[0] <= now - LOGIN_WINDOW:
-            self._failures.popleft()
-        if len(self._failures) >= LOGIN_FAILURES:
+        while failures and failures[0] <= now - LOGIN_WINDOW:
+            failures.popleft()
+        if not failures:
+            del self._failures[client]
+        elif len(failures) >= LOGIN_FAILURES:
             raise _Refused(
                 429,
                 ReasonCode.LOGIN_THROTTLED,
                 f"{LOGIN_FAILURES} wrong tokens in {LOGIN_WINDOW:g} s; wait before trying again",
             )
 
-    def _count_failure(self) -> None:
-        self._failures.append(trio.current_time())
+    def _count_failure(self, client: str) -> None:
+        failures = self._failures.pop(client, None)
+        if failures is None:
+            failures = collections.deque(maxlen=LOGIN_FAILURES)
+        failures.append(trio.current_time())
+        self._failures[client] = failures  # the one that failed last at the end
+        while len(self._failures) > MAX_CLIENTS:  # the one that failed least recently goes
+            self._failures.popitem(last=False)
         logger.warning("operator page: a wrong token", extra=fields("page_login_refused"))
 
     async def _login(self, request: Request, response: ResponseWriter) -> None:
         self._check_origin(request)
+        client = _client(request)
         try:
-            self._throttled()
+            self._throttled(client)
         except _Refused as refused:
             await self._login_form(response, refused.status, f"{refused.code}: {refused.message}")
             return
@@ -504,7 +554,7 @@ class OperatorPage:
         presented = (form.get("token") or [""])[0].strip()
         token = await self._current_token()
         if token is None or not token_matches(token, presented):
-            self._count_failure()
+            self._count_failure(client)
             await self._login_form(response, 401, "token_invalid: the token is missing or wrong")
             return
         if len(self._sessions) >= MAX_SESSIONS:  # the oldest goes
@@ -516,10 +566,12 @@ class OperatorPage:
             expires=trio.current_time() + SESSION_SECONDS,
         )
         logger.info("operator page: a login", extra=fields("page_login"))
-        await response.start(
-            303, [("location", "/"), ("content-length", "0"), ("set-cookie", self._set_cookie(key))]
-        )
-        await response.end()
+        cookie = self._set_cookie(key)
+        with write_bound():
+            await response.start(
+                303, [("location", "/"), ("content-length", "0"), ("set-cookie", cookie)]
+            )
+            await response.end()
 
     def _set_cookie(self, value: str, max_age: int | None = None) -> str:
         parts = [f"{COOKIE}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]
@@ -547,9 +599,10 @@ class OperatorPage:
         headers = [("content-type", content_type), ("content-length", str(len(body))), *_SECURITY]
         if clear:
             headers.append(("set-cookie", self._set_cookie("", max_age=0)))
-        await response.start(status, headers)
-        await response.send(body)
-        await response.end()
+        with write_bound():
+            await response.start(status, headers)
+            await response.send(body)
+            await response.end()
 
     async def _json(self, response: ResponseWriter, status: int, body: dict[str, Any]) -> None:
         await self._send(response, status, _JSON.encode(body), "application/json")
@@ -568,6 +621,31 @@ _UNKNOWN: Final = frozenset(
     }
 )
 """Codes answered 404: nothing of that id is here (any more)."""
+
+
+@contextlib.contextmanager
+def write_bound() -> Iterator[None]:
+    """Bound the writes of the block by ``SEND_SECONDS`` (OP6): past it they are given up and
+    ``trio.BrokenResourceError`` closes the connection (the listener's answer to a client gone),
+    so a client that stops reading holds no event stream, task or descriptor."""
+    with trio.move_on_after(SEND_SECONDS) as bound:
+        yield
+    if bound.cancelled_caught:
+        raise trio.BrokenResourceError(f"the client read nothing for {SEND_SECONDS:g} s")
+
+
+def _client(request: Request) -> str:
+    """Who the login throttle counts a refused token against (OP2): the client's address,
+    an IPv6 one by its /64 (one host may hold all of it)."""
+    try:
+        address = ipaddress.ip_address(request.peer)
+    except ValueError:
+        return request.peer
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _room_row(room: RoomStatus, last: DeliveryResult | None) -> dict[str, Any]:

@@ -6,10 +6,12 @@ runtime's registry is the process's, so the tests compare a scrape before with o
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import msgspec
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,7 +23,7 @@ from runtime._cli._serve import _config
 from runtime._config import config_from_dict
 from runtime._errors import ConfigError
 from runtime._records import Outcome, ReplayClass
-from runtime._server import _metrics
+from runtime._server import _metrics, _page
 from runtime._server._metrics import ServerCollector
 from runtime._server._serve import ServeOptions, check_bind
 from runtime._tasks._watchdog import Classification
@@ -319,3 +321,87 @@ async def test_m6_an_idle_or_slow_client_is_closed_and_connections_are_capped(
     assert answered.startswith(b"HTTP/1.1 200")
     assert refused.startswith(b"HTTP/1.1 503")
     assert b'"code":"too_many_connections"' in refused
+
+
+# -- M7: every refusal says its code, the protocol's too --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        (b"NOT A REQUEST\r\n\r\n", 400, "http_malformed"),
+        (
+            b"POST /login HTTP/1.1\r\nhost: x\r\ncontent-length: 2048\r\n\r\n" + b"t" * 2048,
+            413,
+            "http_body_too_large",
+        ),
+        (
+            b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"x" * 20_000 + b"\r\n",  # no end of head
+            431,
+            "http_head_too_large",
+        ),
+        (
+            b"POST /login HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
+            501,
+            "http_unsupported",
+        ),
+    ],
+)
+async def test_m7_a_request_the_protocol_refuses_is_answered_with_its_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request_bytes: bytes, status: int, code: str
+) -> None:
+    """M7: a request refused by the HTTP layer before any handler reads it — not HTTP, a body
+    over ``MAX_BODY``, a head over 16 KiB, a transfer coding it cannot read — is answered like
+    every other refusal of the listener: a JSON body with its stable code (and a message), and
+    the connection is closed."""
+    monkeypatch.setattr(_metrics, "MAX_BODY", 1024)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+            got = await _exchange(_port(r), request_bytes)
+            assert (await scrape(_port(r)))[0] == 200  # the listener goes on
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), got[:80]
+    assert b"content-type: application/json" in head.lower()
+    answer = msgspec.json.decode(body)
+    assert answer["ok"] is False
+    assert answer["code"] == code
+    assert answer["message"]
+    codes = set((Path(__file__).parents[1] / "data" / "reason_codes.txt").read_text().split())
+    assert code in codes  # a stable code, pinned
+
+
+async def test_m6_a_scraper_that_reads_nothing_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M6: a client that sends scrapes and reads none of the answers (a small receive buffer;
+    the requests pipelined, so the answers fill the pipe) has its connection closed once a
+    write has waited ``SEND_SECONDS``: it holds none of the ``MAX_CONNECTIONS`` for long."""
+    monkeypatch.setattr(_page, "SEND_SECONDS", 0.2)
+    given_up = trio.Event()
+    handle = _metrics._handle
+
+    async def watched(*args: Any) -> None:
+        try:
+            await handle(*args)
+        except trio.BrokenResourceError:
+            given_up.set()
+            raise
+
+    monkeypatch.setattr(_metrics, "_handle", watched)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
+            port = _port(r)
+            sock = trio.socket.socket()
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+            await sock.connect(("127.0.0.1", port))
+            async with trio.SocketStream(sock) as stuck:
+                scrape_request = f"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n"
+                await stuck.send_all(scrape_request.encode() * 400)
+                with trio.fail_after(20):  # never, before the bound
+                    await given_up.wait()
+                got = 0
+                with contextlib.suppress(trio.BrokenResourceError):  # a reset is a close
+                    while chunk := await stuck.receive_some(65536):  # the answers sent, the close
+                        got += len(chunk)
+            assert got > 0
+            assert (await scrape(port))[0] == 200

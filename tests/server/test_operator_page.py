@@ -6,12 +6,14 @@ what."""
 
 from __future__ import annotations
 
+import contextlib
 import http.cookies
 import re
 import ssl
 from pathlib import Path
 from typing import Any, Final
 
+import h11
 import msgspec
 import pytest
 import trio
@@ -189,6 +191,8 @@ async def test_op2_the_session_cookie_is_read_without_the_standard_cookie_parser
 
 
 async def test_op2_wrong_tokens_are_throttled_even_before_the_right_one(tmp_path: Path) -> None:
+    """OP2: after five wrong tokens one client's logins are ``login_throttled``, the right
+    token's too, and so is its next wrong bearer token; a session opened before goes on."""
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE) as r:
             port = port_of(r)
@@ -198,10 +202,116 @@ async def test_op2_wrong_tokens_are_throttled_even_before_the_right_one(tmp_path
             throttled = await ask(port, "/login", "POST", body=f"token={r.token}".encode())
             assert throttled.status == 429
             assert b"login_throttled" in throttled.body
-            bearer = await ask(port, "/api/state", headers=[("authorization", f"Bearer {r.token}")])
-            assert bearer.code == "login_throttled"
+            guess = await ask(port, "/api/state", headers=[("authorization", "Bearer guess")])
+            assert (guess.status, guess.code) == (429, "login_throttled")
             # a session opened before is not locked out by someone guessing
             assert (await ask(port, "/api/state", headers=[("cookie", cookie)])).status == 200
+
+
+async def ask_from(
+    source: str,
+    port: int,
+    path: str,
+    method: str = "GET",
+    *,
+    headers: list[tuple[str, str]] | None = None,
+    body: bytes = b"",
+) -> Answer:
+    """``ask``, from the client address ``source``: every 127.x.y.z is this machine's, so a
+    test has as many clients as it likes, each on a real socket."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        head = [("host", f"127.0.0.1:{port}"), ("content-length", str(len(body)))]
+        request = h11.Request(method=method, target=path, headers=head + (headers or []))
+        await stream.send_all(
+            conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+        )
+        status, got, data = 0, {}, b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                got = {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                data += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return Answer(status, got, data)
+
+
+async def test_op2_the_throttle_is_per_client_and_never_refuses_the_right_bearer(
+    tmp_path: Path,
+) -> None:
+    """OP2: five wrong tokens from one client throttle that client alone: another client's
+    login opens a session, and the right bearer token is answered — from the guessing
+    client too — while that client's wrong tokens stay ``login_throttled``."""
+    guesser, operator = "127.0.0.2", "127.0.0.1"
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            for _ in range(_page.LOGIN_FAILURES):
+                wrong = await ask_from(guesser, port, "/login", "POST", body=b"token=guess")
+                assert wrong.status == 401
+            assert (await ask_from(guesser, port, "/login", "POST", body=b"token=x")).status == 429
+            form = f"token={r.token}".encode()
+            opened = await ask_from(operator, port, "/login", "POST", body=form)
+            assert opened.status == 303, opened
+            bearer = [("authorization", f"Bearer {r.token}")]
+            for source in (operator, guesser):
+                state = await ask_from(source, port, "/api/state", headers=bearer)
+                assert state.status == 200, (source, state.body)
+            wrong_bearer = [("authorization", "Bearer guess")]
+            still = await ask_from(guesser, port, "/api/state", headers=wrong_bearer)
+            assert (still.status, still.code) == (429, "login_throttled")
+            other = await ask_from(operator, port, "/api/state", headers=wrong_bearer)
+            assert (other.status, other.code) == (401, "token_invalid")
+
+
+async def test_op2_the_throttle_remembers_a_bounded_number_of_clients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP2: the throttle keeps at most ``MAX_CLIENTS`` clients — guesses from many addresses
+    cannot grow it — and the one that failed least recently is the one let go."""
+    monkeypatch.setattr(_page, "MAX_CLIENTS", 2)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            for _ in range(_page.LOGIN_FAILURES):
+                await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
+            held = await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
+            assert held.status == 429
+            for source in ("127.0.0.3", "127.0.0.4"):  # two more: the first one goes
+                await ask_from(source, port, "/login", "POST", body=b"token=guess")
+            let_go = await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
+            assert let_go.status == 401
+
+
+async def test_op6_the_event_stream_of_the_right_bearer_token_outlasts_a_guesser(
+    tmp_path: Path,
+) -> None:
+    """OP2, OP6: an event stream opened with the right bearer token is checked again at
+    every push; wrong tokens from the same address do not end it with a ``logout``."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE, steps=[Hang(seconds=3600)]) as r:
+            port = port_of(r)
+            url = f"http://127.0.0.1:{port}/api/events"
+            bearer = [("authorization", f"Bearer {r.token}")]
+            async with open_request("GET", url, headers=bearer) as events:
+                assert events.status == 200
+                states = _states(events.iter_bytes())
+                assert (await anext(states))["pending_total"] == 0
+                for _ in range(_page.LOGIN_FAILURES + 1):
+                    await ask(port, "/login", "POST", body=b"token=guess")
+                async with r.connect() as client:
+                    await client.send(message("d1", SECRET_WORDS))
+                    await client.until(lambda f: f["type"] == "accepted")
+                    async for state in states:  # a logout would end it first
+                        if state["pending"] == ["d1"]:
+                            break
+                    else:
+                        raise AssertionError("the stream ended with a logout")
 
 
 # -- OP3: cross-site requests ------------------------------------------------------------------
@@ -415,6 +525,88 @@ async def test_op6_open_streams_are_bounded(
                 assert (one.status, two.status) == (200, 200)
                 busy = await ask(port, "/api/events", headers=[("cookie", cookie)])
                 assert (busy.status, busy.code) == (503, "page_busy")
+
+
+async def test_op6_a_page_that_stops_reading_its_event_stream_gives_its_slot_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP6: a client that opens the event stream and then reads nothing (a small receive
+    buffer, so the pipe fills) has its connection closed once a write has waited
+    ``SEND_SECONDS``, and its stream slot is free again; the stream's every push is a big,
+    new state here, so the pipe fills fast."""
+    monkeypatch.setattr(_page, "SEND_SECONDS", 0.2)
+    monkeypatch.setattr(_page, "PUSH_SECONDS", 0.01)
+    monkeypatch.setattr(_page, "MAX_STREAMS", 1)
+    pushes = 0
+    snapshot = OperatorPage.snapshot
+
+    async def big(self: OperatorPage) -> dict[str, Any]:
+        nonlocal pushes
+        pushes += 1
+        return {**await snapshot(self), "padding": f"{pushes:08d}" * 32_768}  # 256 KiB
+
+    ended = trio.Event()
+    events = OperatorPage._events
+
+    async def watched(self: OperatorPage, request: Request, response: ResponseWriter) -> None:
+        try:
+            await events(self, request, response)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(OperatorPage, "snapshot", big)
+    monkeypatch.setattr(OperatorPage, "_events", watched)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            sock = trio.socket.socket()
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+            await sock.connect(("127.0.0.1", port))
+            async with trio.SocketStream(sock) as stuck:
+                await stuck.send_all(
+                    f"GET /api/events HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+                    f"authorization: Bearer {r.token}\r\n\r\n".encode()
+                )
+                with trio.fail_after(20):  # the slot is given back (never, before OP6's bound)
+                    await ended.wait()
+                bearer = [("authorization", f"Bearer {r.token}")]
+                url = f"http://127.0.0.1:{port}/api/events"
+                async with open_request("GET", url, headers=bearer) as again:
+                    assert again.status == 200  # the one slot is free
+                got = 0
+                with contextlib.suppress(trio.BrokenResourceError):  # a reset is a close
+                    while chunk := await stuck.receive_some(65536):  # what was sent, then the close
+                        got += len(chunk)
+                assert got > 0
+
+
+async def test_op6_a_state_lists_at_most_tasks_shown_tasks_and_says_how_many(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP6: one state lists at most ``TASKS_SHOWN`` tasks — the live ones first, the most
+    recently changed first — and ``tasks_total`` says how many there are."""
+    monkeypatch.setattr(_page, "TASKS_SHOWN", 2)
+
+    def rows(self: TaskService) -> list[dict[str, Any]]:
+        return [
+            {
+                "task_id": f"t{i}",
+                "state": "done" if i % 2 == 0 else "open",
+                "classification": "Active",
+                "ended": "done" if i % 2 == 0 else None,
+            }
+            for i in range(1, 8)
+        ]
+
+    monkeypatch.setattr(TaskService, "rows", rows)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            state = (await ask(port, "/api/state", headers=bearer)).json()
+    assert state["tasks_total"] == 7
+    # t1, t3, t5, t7 are live; the follower saw t7 change last, then t5
+    assert [task["task_id"] for task in state["tasks"]] == ["t5", "t7"]
 
 
 # -- OP7, OP8: what a view shows; a fault stays in its request ---------------------------------

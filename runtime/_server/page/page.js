@@ -117,6 +117,9 @@ function render(state) {
     el("td", {}, el("a", { href: "#", onclick: (e) => { e.preventDefault(); showJournal(id); } }, id)),
     el("td", {}, el("button", { type: "button", onclick: () => command({ command: "cancel", delivery_id: id }) }, "cancel")),
   )));
+  document.getElementById("tasks-total").textContent = state.tasks.length < state.tasks_total
+    ? `(${state.tasks.length} of ${state.tasks_total}: the live ones first)`
+    : `(${state.tasks_total})`;
   renderTasks(state.tasks);
   const now = new Map(state.tasks.map((t) => [t.task_id, JSON.stringify([t.classification, t.state, t.ended])]));
   if (selected !== null && now.get(selected) !== lastTasks.get(selected)) showTask(selected);
