@@ -28,7 +28,6 @@ import contextlib
 import functools
 import hashlib
 import html
-import ipaddress
 import logging
 import secrets
 from collections.abc import Iterator, Sized
@@ -46,6 +45,7 @@ from .._errors import PiRuntimeError, ReasonCode
 from .._journal._inspect import delivery_records, delivery_records_in_database
 from .._logs import fields
 from ._admin import MAX_REQUEST, answer
+from ._throttle import LOGIN_FAILURES, LOGIN_WINDOW, LoginThrottle, client_of
 from ._token import read_token, token_matches
 
 if TYPE_CHECKING:
@@ -75,12 +75,6 @@ and its slot given back within this long."""
 SEND_SECONDS: Final = 10.0
 """How long one write of an answer may wait for the client to read it (OP6): past it the
 connection is closed, so a page that stops reading its event stream gives its slot back."""
-LOGIN_FAILURES: Final = 5
-LOGIN_WINDOW: Final = 60.0
-"""At most ``LOGIN_FAILURES`` refused tokens per ``LOGIN_WINDOW`` seconds from one client
-(OP2)."""
-MAX_CLIENTS: Final = 1024
-"""Clients whose refused tokens are remembered (the one that failed least recently goes)."""
 TIMELINE: Final = 256
 """Classification changes kept per task (the oldest go first)."""
 TIMELINES: Final = 4096
@@ -167,10 +161,7 @@ class OperatorPage:
         self.allowed_hosts = allowed_hosts
         """``Host`` values answered (the listener's own names); empty: any (OP4)."""
         self._sessions: dict[str, _Session] = {}
-        self._failures: collections.OrderedDict[str, collections.deque[float]] = (
-            collections.OrderedDict()
-        )
-        """Each client's refused tokens in the window, the one that failed last at the end."""
+        self._throttle = LoginThrottle()
         self._streams = 0
         self._timelines: dict[str, collections.deque[tuple[int, str, str]]] = {}
         self._changed = trio.Event()
@@ -480,7 +471,7 @@ class OperatorPage:
         token = await self._current_token()
         if scheme.lower() == "bearer" and token is not None and token_matches(token, presented):
             return True
-        client = _client(request)
+        client = client_of(request.peer)
         self._throttled(client)
         self._count_failure(client)
         return False
@@ -513,15 +504,7 @@ class OperatorPage:
     def _throttled(self, client: str) -> None:
         """OP2: ``login_throttled`` for a client with ``LOGIN_FAILURES`` refused tokens in the
         last ``LOGIN_WINDOW`` seconds."""
-        failures = self._failures.get(client)
-        if failures is None:
-            return
-        now = trio.current_time()
-        while failures and failures[0] <= now - LOGIN_WINDOW:
-            failures.popleft()
-        if not failures:
-            del self._failures[client]
-        elif len(failures) >= LOGIN_FAILURES:
+        if self._throttle.throttled(client, trio.current_time()):
             raise _Refused(
                 429,
                 ReasonCode.LOGIN_THROTTLED,
@@ -529,18 +512,12 @@ class OperatorPage:
             )
 
     def _count_failure(self, client: str) -> None:
-        failures = self._failures.pop(client, None)
-        if failures is None:
-            failures = collections.deque(maxlen=LOGIN_FAILURES)
-        failures.append(trio.current_time())
-        self._failures[client] = failures  # the one that failed last at the end
-        while len(self._failures) > MAX_CLIENTS:  # the one that failed least recently goes
-            self._failures.popitem(last=False)
+        self._throttle.failed(client, trio.current_time())
         logger.warning("operator page: a wrong token", extra=fields("page_login_refused"))
 
     async def _login(self, request: Request, response: ResponseWriter) -> None:
         self._check_origin(request)
-        client = _client(request)
+        client = client_of(request.peer)
         try:
             self._throttled(client)
         except _Refused as refused:
@@ -632,20 +609,6 @@ def write_bound() -> Iterator[None]:
         yield
     if bound.cancelled_caught:
         raise trio.BrokenResourceError(f"the client read nothing for {SEND_SECONDS:g} s")
-
-
-def _client(request: Request) -> str:
-    """Who the login throttle counts a refused token against (OP2): the client's address,
-    an IPv6 one by its /64 (one host may hold all of it)."""
-    try:
-        address = ipaddress.ip_address(request.peer)
-    except ValueError:
-        return request.peer
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
 
 
 def _room_row(room: RoomStatus, last: DeliveryResult | None) -> dict[str, Any]:

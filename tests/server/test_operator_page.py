@@ -24,7 +24,7 @@ from runtime._boundary._http import Request, ResponseWriter, open_request, serve
 from runtime._config import config_from_dict
 from runtime._errors import ReasonCode
 from runtime._journal._inspect import delivery_records
-from runtime._server import _page
+from runtime._server import _page, _throttle
 from runtime._server._admin import admin_request
 from runtime._server._metrics import _handle, allowed_hosts
 from runtime._server._page import OperatorPage
@@ -197,7 +197,7 @@ async def test_op2_wrong_tokens_are_throttled_even_before_the_right_one(tmp_path
         async with rig(tmp_path, PAGE) as r:
             port = port_of(r)
             cookie, _csrf = await login(port, r.token)
-            for _ in range(_page.LOGIN_FAILURES):
+            for _ in range(_throttle.LOGIN_FAILURES):
                 assert (await ask(port, "/login", "POST", body=b"token=guess")).status == 401
             throttled = await ask(port, "/login", "POST", body=f"token={r.token}".encode())
             assert throttled.status == 429
@@ -251,7 +251,7 @@ async def test_op2_the_throttle_is_per_client_and_never_refuses_the_right_bearer
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE) as r:
             port = port_of(r)
-            for _ in range(_page.LOGIN_FAILURES):
+            for _ in range(_throttle.LOGIN_FAILURES):
                 wrong = await ask_from(guesser, port, "/login", "POST", body=b"token=guess")
                 assert wrong.status == 401
             assert (await ask_from(guesser, port, "/login", "POST", body=b"token=x")).status == 429
@@ -274,11 +274,11 @@ async def test_op2_the_throttle_remembers_a_bounded_number_of_clients(
 ) -> None:
     """OP2: the throttle keeps at most ``MAX_CLIENTS`` clients — guesses from many addresses
     cannot grow it — and the one that failed least recently is the one let go."""
-    monkeypatch.setattr(_page, "MAX_CLIENTS", 2)
+    monkeypatch.setattr(_throttle, "MAX_CLIENTS", 2)
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE) as r:
             port = port_of(r)
-            for _ in range(_page.LOGIN_FAILURES):
+            for _ in range(_throttle.LOGIN_FAILURES):
                 await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
             held = await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
             assert held.status == 429
@@ -302,7 +302,7 @@ async def test_op6_the_event_stream_of_the_right_bearer_token_outlasts_a_guesser
                 assert events.status == 200
                 states = _states(events.iter_bytes())
                 assert (await anext(states))["pending_total"] == 0
-                for _ in range(_page.LOGIN_FAILURES + 1):
+                for _ in range(_throttle.LOGIN_FAILURES + 1):
                     await ask(port, "/login", "POST", body=b"token=guess")
                 async with r.connect() as client:
                     await client.send(message("d1", SECRET_WORDS))
