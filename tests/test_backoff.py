@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import json
 import random
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
 from runtime._backoff import RouteBreaker, past_bounds
-from runtime._boundary._gateway import UpstreamFailure, retry_after_seconds
+from runtime._boundary._gateway import (
+    UpstreamFailure,
+    carries_answer,
+    retry_after_seconds,
+    stream_failure,
+)
 from runtime._clock import Clocks, MockSilenceClock, MockWallClock
 from runtime._config import BackoffConfig
 from runtime._records import Parked
@@ -42,6 +49,90 @@ def breaker(seed: int = 1) -> tuple[RouteBreaker, MockWallClock]:
 )
 def test_pb1_pb3_which_failures_park(failure: UpstreamFailure, unavailable: bool) -> None:
     assert failure.unavailable is unavailable
+
+
+def _in_stream(error: object) -> str:
+    return json.dumps({"id": "c", "object": "chat.completion.chunk", "error": error})
+
+
+_FINISHED_IN_ERROR = json.dumps(
+    {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]}
+)
+
+
+@pytest.mark.parametrize(
+    ("payload", "retry_after", "status", "unavailable"),
+    [
+        # the outage's classes: what the error names — its status, else its type or code
+        (_in_stream({"type": "overloaded_error", "message": "Overloaded"}), None, 503, True),
+        (_in_stream({"type": "server_error", "code": None, "message": "oops"}), None, 500, True),
+        (_in_stream({"type": "api_error", "message": "Internal server error"}), None, 500, True),
+        (_in_stream({"type": "tokens", "code": "rate_limit_exceeded"}), None, 429, True),
+        (_in_stream({"type": "rate_limit_error", "message": "slow down"}), 30.0, 429, True),
+        (_in_stream({"code": 502, "message": "Provider disconnected"}), None, 502, True),
+        (_in_stream({"code": "503", "message": "busy"}), None, 503, True),
+        (_in_stream({"code": 503, "status": "UNAVAILABLE"}), None, 503, True),
+        (_in_stream({"type": "InternalServerError", "code": 500}), None, 500, True),
+        (_in_stream({"type": "timeout_error"}), None, 504, True),
+        (_in_stream({"status": "RESOURCE_EXHAUSTED"}), None, 429, True),
+        # the request's own fault: a definite refusal (PB3)
+        (
+            _in_stream({"type": "invalid_request_error", "code": "context_length_exceeded"}),
+            None,
+            400,
+            False,
+        ),
+        (_in_stream({"type": "BadRequestError", "code": 400}), None, 400, False),
+        (_in_stream({"type": "authentication_error", "message": "bad key"}), None, 400, False),
+        (_in_stream({"code": 401, "type": "server_error"}), None, 401, False),  # the status wins
+        # an account limit: parked only with its reset time, as a 429's
+        (
+            _in_stream({"type": "insufficient_quota", "code": "insufficient_quota"}),
+            None,
+            429,
+            False,
+        ),
+        (_in_stream({"type": "insufficient_quota", "code": "insufficient_quota"}), 60.0, 429, True),
+        (_in_stream({"code": 1308, "message": "plan limit"}), None, 429, False),
+        # naming no class: the 200 it came in, not an outage
+        (_in_stream({"message": "The service is overloaded"}), None, 200, False),
+        (_in_stream("overloaded"), None, 200, False),
+        (_FINISHED_IN_ERROR, None, 200, False),
+    ],
+)
+def test_pb1_pb3_which_errors_inside_a_200_stream_park(
+    payload: str, retry_after: float | None, status: int, unavailable: bool
+) -> None:
+    """PB1: an error inside a 200 stream is an outage by the same rules as a status — the
+    status it names, or the status of the class its type or code names (429 rate limited,
+    503 overloaded or unavailable, 504 timed out, 500 a server error, 400 any other
+    class); an account limit only with its reset time (the response's ``Retry-After``).
+    One that names nothing is not taken for an outage (its words are not read)."""
+    failure = stream_failure(payload, retry_after)
+    assert (failure.status, failure.unavailable) == (status, unavailable)
+    assert failure.retry_after == retry_after
+
+
+@pytest.mark.parametrize(
+    ("delta", "answer"),
+    [
+        ({"role": "assistant", "content": ""}, False),
+        ({"role": "assistant"}, False),
+        ({"content": None, "tool_calls": []}, False),
+        ({"content": "Hel"}, True),
+        ({"reasoning_content": "hmm"}, True),
+        ({"tool_calls": [{"index": 0, "function": {"name": "ls"}}]}, True),
+        ({"refusal": "no"}, True),
+    ],
+)
+def test_pb1_what_counts_as_part_of_the_answer(delta: dict[str, Any], answer: bool) -> None:
+    """PB1: the park message may end a turn only while nothing of the answer reached the
+    worker: a role, an empty delta or a chunk with no choices gives it nothing; text,
+    reasoning, a tool call or a refusal does, and so does anything that is not a JSON object."""
+    payload = json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    assert carries_answer(payload) is answer
+    assert not carries_answer(json.dumps({"id": "c", "choices": []}))
+    assert carries_answer("not json")
 
 
 def test_retry_after_reads_seconds_only() -> None:

@@ -18,10 +18,14 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
   upstream key is read from the environment per request and written nowhere (G9);
 * upstream inactivity ends the stream with an error Pi retries in-process (G10);
   so does, when configured, an upstream that sends no data event, only comments (G15);
-  an upstream error, before the stream or inside it, is relayed and never journaled (G10).
+  an upstream error, before the stream or inside it, is relayed and never journaled (G10);
+* with ``park_unavailable``, an unavailable provider — no response, 408, 429, 5xx, or an
+  outage it reports inside a 200 stream before anything of the answer was passed on — ends
+  the worker's turn with :data:`PARKED_MESSAGE` for the runtime's backoff (PB1).
 
 Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
-:func:`is_upstream_error`, :class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
+:func:`is_upstream_error`, :func:`stream_failure`, :func:`carries_answer`,
+:class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
 :func:`serve_gateway` are the Trio shell.
 
 Resource handling: :func:`serve_gateway` runs until cancelled. Upstream connections are
@@ -42,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -76,6 +81,7 @@ __all__ = [
     "GatewayStatistics",
     "ToolCallIds",
     "UpstreamFailure",
+    "carries_answer",
     "data_inactivity_message",
     "inactivity_message",
     "is_terminal",
@@ -84,6 +90,7 @@ __all__ = [
     "retry_after_seconds",
     "serve_gateway",
     "sse_data",
+    "stream_failure",
 ]
 
 GATEWAY_SECRET_ENV: Final = "PI_RUNTIME_GATEWAY_SECRET"
@@ -117,9 +124,10 @@ class UpstreamFailure:
     (docs/design/retention.md PB1): never the provider's words, only their shape."""
 
     status: int | None
-    """The HTTP status; ``None``: no response (refused, unreachable, cut before its head)."""
+    """The HTTP status; ``None``: no response (refused, unreachable, cut before its head). For
+    an error inside a 200 stream, the status it names or its class's (:func:`stream_failure`)."""
     retry_after: float | None = None
-    """The response's ``Retry-After``, in seconds, when it gave one."""
+    """The response's ``Retry-After``, in seconds, when it gave one (a 200 stream's too)."""
     account_limit: bool = False
     """Its body reports an account usage limit (quota, billing, plan:
     :data:`~runtime._pi._provider_errors.USAGE_LIMIT_PATTERN`)."""
@@ -208,6 +216,75 @@ def _any_choice(chunk: dict[str, Any], test: Callable[[dict[str, Any]], bool]) -
     """Whether a choice of the decoded ``chunk`` passes ``test``."""
     choices = chunk.get("choices")
     return isinstance(choices, list) and any(isinstance(c, dict) and test(c) for c in choices)
+
+
+_STREAM_ERROR_CLASSES: Final = (
+    (429, re.compile(r"rate.?limit|too.?many.?requests|resource.?exhausted", re.IGNORECASE)),
+    (503, re.compile(r"overload|unavailable|capacity|busy", re.IGNORECASE)),
+    (504, re.compile(r"time.?out|deadline.?exceeded", re.IGNORECASE)),
+    (500, re.compile(r"server.?error|internal|api.?error|bad.?gateway", re.IGNORECASE)),
+)
+"""An error class named inside a stream (its ``type``, ``code`` or ``status`` string) that says
+the provider is unavailable, and the status that says the same (PB1): rate limited, overloaded
+or unavailable, timed out, a server error. Any other named class is the request's own (400)."""
+
+
+def stream_failure(payload: str, retry_after: float | None = None) -> UpstreamFailure:
+    """How the backoff reads an error inside a 200 stream (:func:`is_upstream_error`; PB1) by
+    the same rules as a status: the error object's status (``status``, ``status_code`` or
+    ``code``, 400-599); else an account limit (:data:`USAGE_LIMIT_PATTERN` anywhere in the
+    payload, as in an error body) as a 429; else the class its ``type``, ``code`` or
+    ``status`` string names (:data:`_STREAM_ERROR_CLASSES`: 429, 503, 504, 500 — any other
+    named class 400, the request's own fault); an error that names nothing (a bare message,
+    a choice ending ``finish_reason: "error"`` alone) keeps the 200 it came in: not an outage,
+    its words are not guessed at. ``retry_after``: the 200 response's ``Retry-After``."""
+    chunk = _decode(payload)
+    error = chunk.get("error") if chunk is not None else None
+    account_limit = USAGE_LIMIT_PATTERN.search(payload) is not None
+    return UpstreamFailure(_stream_status(error, account_limit), retry_after, account_limit)
+
+
+def _stream_status(error: object, account_limit: bool) -> int:
+    """The status an error inside a stream says (:func:`stream_failure`)."""
+    if isinstance(error, dict):
+        for key in ("status", "status_code", "code"):
+            value = error.get(key)
+            if isinstance(value, str) and value.isascii() and value.isdigit():
+                value = int(value)
+            if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+                return value
+    if account_limit:
+        return 429
+    if not isinstance(error, dict):
+        return 200
+    names = [v for k in ("type", "code", "status") if isinstance(v := error.get(k), str) and v]
+    for status, pattern in _STREAM_ERROR_CLASSES:
+        if any(pattern.search(name) for name in names):
+            return status
+    return 400 if names else 200
+
+
+def carries_answer(payload: str) -> bool:
+    """Whether this SSE payload, passed to the worker, gave it part of the answer (PB1): a
+    delta with anything but its role — text, reasoning, a tool call, a refusal. A role alone,
+    empty deltas and a chunk with no choices give nothing; a payload that is not a JSON object
+    is taken for part of the answer (it was passed as it came)."""
+    chunk = _decode(payload)
+    if chunk is None:
+        return True
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict):
+            if any(
+                key != "role" and value not in (None, "", [], {}) for key, value in delta.items()
+            ):
+                return True
+        elif delta:
+            return True
+    return False
 
 
 @dataclass
@@ -318,7 +395,10 @@ class GatewayConfig:
     park_unavailable: bool = False
     """PB1: an upstream that is unavailable (:attr:`UpstreamFailure.unavailable`) ends the
     worker's turn at once with :data:`PARKED_MESSAGE`, which the worker does not retry: the
-    runtime's durable backoff is then the one retry policy (room lanes with ``[backoff]``)."""
+    runtime's durable backoff is then the one retry policy (room and task lanes with
+    ``[backoff]``). So does an outage reported inside a 200 stream (:func:`stream_failure`)
+    while nothing of the answer was passed to the worker (:func:`carries_answer`); after that
+    G10 relays it and cuts, and :attr:`Gateway.upstream_failure` keeps it for the backoff."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -617,11 +697,15 @@ class Gateway:
         ids = ToolCallIds(digest)
         chunks: list[str] = []
         held: list[str] = []
-        failed: list[str] = []  # the upstream's error event, once its stream reported one (G10)
+        failed: list[UpstreamFailure] = []  # the stream's error, once it reported one (G10)
+        answering = False  # part of the answer was passed to the worker (PB1)
+        parking = False  # the stream's error is an outage met before any of it: park (PB1)
+        retry_after: float | None = None  # the 200 response's, for an error in its stream
         headers = [("content-type", "application/json"), ("accept", "text/event-stream")]
         if key is not None:
             headers.append(("authorization", f"Bearer {key}"))
         url = self.config.upstream_url.rstrip("/") + "/chat/completions"
+        park = self.config.park_unavailable
         limit = self.config.upstream_inactivity
         data_limit = self.config.upstream_data_inactivity
         with (
@@ -636,7 +720,9 @@ class Gateway:
             def take(events: list[SseEvent]) -> bytes:
                 """Journal-bound chunks of ``events``; the bytes to pass on at once (G3):
                 every data payload before the terminal part, which is held (G4), and an
-                error event — the last thing taken: the response failed (G10)."""
+                error event — the last thing taken: the response failed (G10) — unless it is
+                an outage met before any of the answer, which parks the turn instead (PB1)."""
+                nonlocal answering, parking
                 passed: list[bytes] = []
                 for event in events:
                     if event.data is None:
@@ -644,14 +730,18 @@ class Gateway:
                     data_arrived()
                     payload = ids.apply(event.data)  # G7
                     if is_upstream_error(payload):  # relayed as it came, never held
-                        failed.append(payload)
-                        passed.append(sse_data(payload))
+                        failure = stream_failure(payload, retry_after)
+                        failed.append(failure)
+                        parking = park and failure.unavailable and not answering
+                        if not parking:
+                            passed.append(sse_data(payload))
                         break
                     chunks.append(payload)
                     if held or is_terminal(payload):
                         held.append(payload)
                     else:
                         passed.append(sse_data(payload))
+                        answering = answering or carries_answer(payload)
                 return b"".join(passed)
 
             try:
@@ -670,12 +760,13 @@ class Gateway:
                             USAGE_LIMIT_PATTERN.search(error.decode(errors="replace")) is not None,
                         )
                         self.upstream_failure = failure
-                        if failure.unavailable and self.config.park_unavailable:
-                            await self._relay_error(400, PARKED_MESSAGE, downstream)
+                        if failure.unavailable and park:
+                            await self._park(downstream)
                             return
                         await self._relay_status(upstream.status, error, downstream)
                         return
                     data_arrived()  # the data deadline runs from the headers
+                    retry_after = retry_after_seconds(upstream.headers.get("retry-after"))
                     events = SseParser()
                     async for received in upstream.iter_bytes():
                         silence.deadline = trio.current_time() + limit  # any byte (G10)
@@ -689,8 +780,8 @@ class Gateway:
             except HttpClientError:
                 if not chunks:  # no answer at all: refused, unreachable, cut before any data
                     self.upstream_failure = UpstreamFailure(None)
-                    if self.config.park_unavailable:
-                        await self._relay_error(400, PARKED_MESSAGE, downstream)
+                    if park:
+                        await self._park(downstream)
                 return  # upstream cut: cut the worker too ("terminated", retried)
         if silence.cancelled_caught:  # G10
             self._stats["inactivity_aborts"] += 1
@@ -703,7 +794,10 @@ class Gateway:
             return
         if failed:  # G10: an upstream error inside the stream is no answer: never journaled
             self._stats["stream_errors"] += 1
-            return  # the worker has the error; the stream is cut, as for an upstream cut
+            self.upstream_failure = failed[0]  # PB1: the backoff reads it as it reads a status
+            if parking:  # an outage before any of the answer: the turn ends, as for a 5xx
+                await self._park(downstream)
+            return  # else the worker has the error; the stream is cut, as for an upstream cut
         if not held:  # G16: it ended with no terminal part: an incomplete response
             self._stats["incomplete_streams"] += 1
             return  # never journaled, never finished: cut like an upstream cut (retried)
@@ -724,6 +818,13 @@ class Gateway:
         self._stats["journaled"] += 1
         self.upstream_failure = None
         await downstream.finish(b"".join(map(sse_data, held)))  # the terminal part, one write
+
+    async def _park(self, downstream: _Downstream) -> None:
+        """PB1: end the worker's turn for an unavailable provider with :data:`PARKED_MESSAGE`,
+        which it does not retry — a whole 400, or, once its stream started (a keepalive, a
+        chunk with nothing of the answer), that error as an SSE event and the stream's end:
+        never a cut, which the worker would retry as a network failure (G5)."""
+        await downstream.refuse(400, _json.encode({"error": {"message": PARKED_MESSAGE}}))
 
     async def _relay_status(self, status: int, body: bytes, downstream: _Downstream) -> None:
         """An upstream HTTP error: the same status, or an SSE error once streaming."""

@@ -54,6 +54,9 @@ class Outage:
     status: int = 503
     retry_after: str | None = None
     message: str = "the service is overloaded"
+    in_stream: dict[str, Any] | None = None
+    """When set, the outage is reported inside a 200 stream instead of by ``status``: the
+    role (nothing of the answer), then ``{"error": in_stream}``, then ``[DONE]`` (G10)."""
     model: ScriptedModel = field(default_factory=ScriptedModel)
     down: list[float] = field(default_factory=list)
     """When each request refused for the outage arrived."""
@@ -72,6 +75,9 @@ class Outage:
             self.down.append(trio.current_time())
             found = re.findall(rb"\(message (m-[^)]*)\)", request.body)  # the last: its own
             self.asked.append(found[-1].decode() if found else "")
+            if self.in_stream is not None:
+                await self._fail_in_stream(response, self.in_stream)
+                return
             headers = [("content-type", "application/json")]
             if self.retry_after is not None:
                 headers.append(("retry-after", self.retry_after))
@@ -81,6 +87,26 @@ class Outage:
             await response.end()
             return
         await self.model.handle(request, response)
+
+    @staticmethod
+    async def _fail_in_stream(response: ResponseWriter, error: dict[str, Any]) -> None:
+        base = {"id": "chatcmpl-down", "object": "chat.completion.chunk", "model": "fake-model"}
+        role = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        await response.start(200, [("content-type", "text/event-stream")])
+        for payload in (msgspec.json.encode(role), msgspec.json.encode({"error": error})):
+            await response.send(b"data: " + payload + b"\n\n")
+        await response.send(b"data: [DONE]\n\n")
+        await response.end()
+
+
+OVERLOADED: Final = {"type": "overloaded_error", "message": "Overloaded"}
+"""A provider's outage as it reports it inside a 200 stream (Anthropic's class)."""
+CONTEXT_TOO_LONG: Final = {
+    "message": "This model's maximum context length is 8192 tokens",
+    "type": "invalid_request_error",
+    "code": "context_length_exceeded",
+}
+"""An error inside a 200 stream that is the request's own fault."""
 
 
 @contextlib.asynccontextmanager
@@ -161,6 +187,73 @@ async def test_pb1_pb2_a_turn_meeting_an_outage_is_parked_and_answered_after_it(
         full = min(MAX, FIRST * 2 ** (n - 1))
         assert b - a >= full / 2, (n, tries)  # never sooner than the schedule
     assert outage.up == 1
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_pb1_an_outage_reported_inside_a_200_stream_is_parked_like_a_503(
+    kind: str, tmp_path: Path
+) -> None:
+    """PB1, G10: a provider that answers 200 and then reports ``overloaded`` inside its
+    stream, before any of the answer, is an outage exactly as a 503 is: the turn is parked
+    (its ``Parked`` records, the status of the error's class, 503), the route's breaker
+    counts each failure (the waits double), each try is one request upstream — the worker
+    does not retry by itself — and the same turn is answered once the provider is back."""
+    outage = Outage(seconds=3, at_least=2, in_stream=OVERLOADED)
+    backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(
+                worker_config(kind, url, backoff=backoff), base_dir=tmp_path, clocks=clocks()
+            ) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+            parks = await parks_of(worker, "d1")
+            answered_at = trio.current_time()
+            breaker = worker._host.breaker
+    assert (result.outcome, result.code) == (Outcome.REPLY, None)
+    assert outage.until is not None
+    assert answered_at >= outage.until
+    assert len(outage.down) == len(parks) >= 2  # one request per try
+    assert [p.attempt for p in parks] == list(range(1, len(parks) + 1))
+    assert all(p.status == 503 and not p.by_route for p in parks)
+    assert [p.route_failures for p in parks] == list(range(1, len(parks) + 1))  # PB4
+    for n, (a, b) in enumerate(itertools.pairwise(outage.down), start=1):
+        assert b - a >= min(MAX, FIRST * 2 ** (n - 1)) / 2, (n, outage.down)
+    assert outage.up == 1
+    assert breaker is not None
+    assert (breaker.open_until_ms, breaker.failures) == (None, 0)  # the answer closed it
+
+
+@pytest.mark.parametrize("kind", ["fake", "pi"])
+async def test_pb1_pb3_an_error_of_the_requests_own_inside_a_200_stream_is_not_parked(
+    kind: str, tmp_path: Path
+) -> None:
+    """PB3, G10: an error inside a 200 stream that is the request's own fault (its context
+    too long) is not an outage: never parked, the route's breaker left closed. G10 relays it
+    as it came and cuts the stream, so the worker's own retry rules decide: Fake-Pi retries
+    a cut (here answered), the real Pi does not retry a context error (``model_failed``)."""
+    refusal = Outage(seconds=0, at_least=1, in_stream=CONTEXT_TOO_LONG)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(refusal) as url,
+            open_room_worker(
+                worker_config(kind, url, backoff=BACKOFF), base_dir=tmp_path, clocks=clocks()
+            ) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+            parks = await parks_of(worker, "d1")
+            breaker = worker._host.breaker
+    assert parks == []
+    assert len(refusal.down) == 1
+    assert breaker is not None
+    assert (breaker.open_until_ms, breaker.failures) == (None, 0)
+    if kind == "fake":
+        assert (result.outcome, result.code, refusal.up) == (Outcome.REPLY, None, 1)
+    else:
+        assert (result.outcome, result.code, refusal.up) == (Outcome.FAILED, "model_failed", 0)
 
 
 async def test_pb3_an_outage_past_the_deadline_ends_as_before_and_a_refusal_at_once(

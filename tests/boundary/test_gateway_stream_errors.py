@@ -1,0 +1,235 @@
+"""An error inside a 200 stream, as the provider backoff reads it (docs/design/retention.md
+PB1, docs/design/gateway.md G10): an outage the provider reports in its stream (overloaded,
+rate limited, a server error) before anything of the answer reached the worker ends the
+worker's turn with the park message, as a 5xx status does; after part of the answer it is
+relayed and cut as G10 says, and recorded for the backoff; an error that is the request's
+own fault is never taken for an outage.
+
+The gateway on loopback against an upstream on loopback that answers 200 and then reports
+the error (real sockets, real clock, every wait bounded and driven by the exchange itself,
+never by sleeping)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import pytest
+import trio
+
+from fake_pi._retry import is_retryable
+from fake_pi.scenario import Text
+from runtime._boundary._gateway import DONE, PARKED_MESSAGE, request_digest, sse_data
+from runtime._boundary._http import Request, ResponseWriter, iter_sse, open_request
+
+from .test_gateway import (
+    BODY,
+    LIMIT,
+    SSE,
+    answering,
+    chunk,
+    data,
+    error_message,
+    exchange,
+    exchange_cut,
+    rig,
+)
+
+ROLE: Final = chunk({"role": "assistant", "content": ""})
+"""What a provider sends first: the role, nothing of the answer yet."""
+WHOLE: Final = [
+    chunk({"role": "assistant", "content": ""}),
+    chunk({"content": "hi"}),
+    chunk({}, "stop"),
+    DONE,
+]
+
+
+def failing(error: dict[str, Any], *, finish: bool = False) -> str:
+    """An error event as providers put it in a 200 stream: a top-level ``error``, and with
+    ``finish`` (OpenRouter) a choice ending ``finish_reason: "error"`` too."""
+    payload: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "error": error}
+    if finish:
+        payload["choices"] = [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]
+    return json.dumps(payload)
+
+
+OUTAGES: Final = {
+    "anthropic-overloaded": (failing({"type": "overloaded_error", "message": "Overloaded"}), 503),
+    "openai-server-error": (
+        failing({"message": "The server had an error", "type": "server_error", "code": None}),
+        500,
+    ),
+    "openai-rate-limited": (
+        failing({"message": "Rate limit reached", "type": "tokens", "code": "rate_limit_exceeded"}),
+        429,
+    ),
+    "openrouter-502": (
+        failing({"code": 502, "message": "Provider disconnected unexpectedly"}, finish=True),
+        502,
+    ),
+    "vllm-503": (
+        failing(
+            {"object": "error", "message": "busy", "type": "ServiceUnavailableError", "code": 503}
+        ),
+        503,
+    ),
+}
+REFUSALS: Final = {
+    "context-too-long": failing(
+        {
+            "message": "This model's maximum context length is 8192 tokens",
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+        }
+    ),
+    "vllm-bad-request": failing(
+        {"object": "error", "message": "bad", "type": "BadRequestError", "code": 400}
+    ),
+    "quota-with-no-reset": failing(
+        {
+            "message": "You exceeded your current quota",
+            "type": "insufficient_quota",
+            "code": "insufficient_quota",
+        }
+    ),
+    "names-nothing": json.dumps(
+        {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]}
+    ),
+}
+
+
+@pytest.mark.parametrize(("error", "status"), OUTAGES.values(), ids=OUTAGES.keys())
+async def test_pb1_g10_an_outage_reported_inside_a_200_stream_parks_the_turn(
+    error: str, status: int
+) -> None:
+    """PB1, G10: the upstream answered 200, sent its role (nothing of the answer) and then
+    reported an outage — overloaded, rate limited, a server error. As for a 5xx status the
+    worker's turn ends at once with the park message (an SSE error event and the stream's
+    end — the stream had started — never a cut, which the worker would retry by itself),
+    the failure is there for the backoff with the status the error names or its class's,
+    nothing is journaled, and the upstream was asked once."""
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=answering([ROLE, error, DONE], WHOLE), park_unavailable=True) as r:
+            status_code, events = await exchange(r)  # it ends: no HttpClientError
+            failure = r.gateway.upstream_failure
+            stats = r.gateway.statistics()
+            assert r.journal.responses == {}
+            again, answered = await exchange(r)  # the next try: the provider is back
+            after = r.gateway.upstream_failure
+    assert status_code == 200
+    assert data(events)[:-1] == [ROLE]  # the provider's error is not passed on
+    assert error_message(events) == PARKED_MESSAGE
+    assert not is_retryable(PARKED_MESSAGE)
+    assert failure is not None
+    assert (failure.status, failure.unavailable) == (status, True)
+    assert (stats.stream_errors, stats.journaled, stats.upstream_calls) == (1, 0, 1)
+    assert (again, data(answered)) == (200, WHOLE)
+    assert after is None
+    assert r.journal.responses == {request_digest(BODY): WHOLE}
+
+
+async def test_pb1_g10_an_outage_in_the_stream_after_a_keepalive_parks_too() -> None:
+    """PB1, G5: nothing but keepalives had reached the worker when the outage was reported:
+    the park message comes as an SSE error event and the stream's end."""
+    error, _ = OUTAGES["anthropic-overloaded"]
+    seen_keepalive = trio.Event()
+
+    async def late(request: Request, response: ResponseWriter) -> None:
+        await seen_keepalive.wait()
+        await response.start(200, SSE)
+        await response.send(sse_data(error) + sse_data(DONE))
+        await response.end()
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=late, park_unavailable=True) as r:
+            async with open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as response:
+                assert response.status == 200
+                events = iter_sse(response.iter_bytes())
+                assert (await anext(events)).comment == "keepalive"
+                seen_keepalive.set()
+                rest = [e async for e in events]  # ends: no HttpClientError
+            failure = r.gateway.upstream_failure
+    assert data(rest)
+    assert error_message(rest) == PARKED_MESSAGE
+    assert failure is not None
+    assert failure.unavailable
+
+
+async def test_pb1_a_5xx_after_a_keepalive_parks_with_an_sse_error_and_an_end() -> None:
+    """PB1, G5: a 503 that came after a keepalive had started the worker's stream: the park
+    message is an SSE error event and the stream's end, not a cut the worker would retry."""
+    seen_keepalive = trio.Event()
+
+    async def late(request: Request, response: ResponseWriter) -> None:
+        await seen_keepalive.wait()
+        await response.respond(503, b'{"error": {"message": "busy"}}')
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=late, park_unavailable=True) as r:
+            async with open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as response:
+                events = iter_sse(response.iter_bytes())
+                assert (await anext(events)).comment == "keepalive"
+                seen_keepalive.set()
+                rest = [e async for e in events]  # ends: no HttpClientError
+            failure = r.gateway.upstream_failure
+    assert error_message(rest) == PARKED_MESSAGE
+    assert failure is not None
+    assert (failure.status, failure.unavailable) == (503, True)
+
+
+async def test_pb1_g10_an_outage_after_part_of_the_answer_is_cut_and_kept_for_the_backoff() -> None:
+    """G10, PB1: the outage was reported after part of the answer had reached the worker.
+    G10 holds — the error is relayed as it came, nothing after it, the stream cut, so the
+    worker's own retry asks again — and the failure is kept for the backoff: a turn that
+    ends on it is parked, not failed; an answer to the retry clears it."""
+    error, _ = OUTAGES["anthropic-overloaded"]
+    part = chunk({"content": "Hel"})
+    with trio.fail_after(LIMIT):
+        async with rig(
+            upstream=answering([ROLE, part, error, DONE], WHOLE), park_unavailable=True
+        ) as r:
+            relayed = await exchange_cut(r)
+            failure = r.gateway.upstream_failure
+            again, answered = await exchange(r)
+            after = r.gateway.upstream_failure
+    assert data(relayed) == [ROLE, part, error]
+    assert failure is not None
+    assert (failure.status, failure.unavailable) == (503, True)
+    assert (again, data(answered)) == (200, WHOLE)
+    assert after is None
+
+
+@pytest.mark.parametrize("error", REFUSALS.values(), ids=REFUSALS.keys())
+async def test_pb1_pb3_g10_an_error_of_the_requests_own_is_relayed_not_parked(error: str) -> None:
+    """PB3, G10: an error inside a 200 stream that is the request's own fault (an invalid
+    request, a context too long, a quota with no reset time) or names no class at all is
+    not an outage: relayed as it came and cut, as G10 says, and the backoff reads it as the
+    provider's answer — never a park."""
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=answering([ROLE, error, DONE]), park_unavailable=True) as r:
+            relayed = await exchange_cut(r)
+            failure = r.gateway.upstream_failure
+            stats = r.gateway.statistics()
+    assert data(relayed) == [ROLE, error]
+    assert PARKED_MESSAGE not in json.dumps(data(relayed))
+    assert failure is not None
+    assert not failure.unavailable
+    assert (stats.stream_errors, stats.journaled) == (1, 0)
+
+
+async def test_g10_without_the_backoff_an_outage_in_the_stream_is_relayed_as_before() -> None:
+    """G10 with ``park_unavailable`` off (``[backoff] enabled = false``): the outage is
+    relayed as it came and the stream cut — the worker's own retries — and recorded."""
+    error, _ = OUTAGES["openrouter-502"]
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text="unused")], upstream=answering([ROLE, error, DONE])) as r:
+            relayed = await exchange_cut(r)
+            failure = r.gateway.upstream_failure
+    assert data(relayed) == [ROLE, error]
+    assert failure is not None
+    assert (failure.status, failure.unavailable) == (502, True)
