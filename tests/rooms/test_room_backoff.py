@@ -153,52 +153,21 @@ def by_id(results: list[DeliveryResult]) -> dict[str, DeliveryResult]:
     return {r.delivery_id: r for r in results}
 
 
+@pytest.mark.parametrize("how", ["status", "in-stream"])
 @pytest.mark.parametrize("kind", ["fake", "pi"])
 async def test_pb1_pb2_a_turn_meeting_an_outage_is_parked_and_answered_after_it(
-    kind: str, tmp_path: Path
+    kind: str, how: str, tmp_path: Path
 ) -> None:
     """PB1: a provider answering 503 for a while parks the turn — a ``Parked`` record with
     the next attempt's time in its journal, the worker stopped — and the same turn is tried
     again at that time, until the provider answers: one reply, no ``model_failed``. PB2: the
     waits double from ``first_seconds`` up to ``max_seconds`` (equal jitter: at least half),
     and each try is one request upstream (the worker adds no retries of its own: the real
-    Pi 1.6.0 does not retry the gateway's parked message either)."""
-    outage = Outage(seconds=3, at_least=2)
-    backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
-    with trio.fail_after(LIMIT):
-        async with (
-            outage_upstream(outage) as url,
-            open_room_worker(
-                worker_config(kind, url, backoff=backoff), base_dir=tmp_path, clocks=clocks()
-            ) as worker,
-        ):
-            await worker.deliver(message("d1"))
-            (result,) = await next_results(worker, 1)
-            parks = await parks_of(worker, "d1")
-            answered_at = trio.current_time()
-    assert (result.outcome, result.code) == (Outcome.REPLY, None)
-    assert outage.until is not None
-    assert answered_at >= outage.until
-    assert len(outage.down) == len(parks) >= 2  # one request per try
-    assert [p.attempt for p in parks] == list(range(1, len(parks) + 1))
-    assert all(p.status == 503 and not p.by_route for p in parks)
-    tries = outage.down
-    for n, (a, b) in enumerate(itertools.pairwise(tries), start=1):
-        full = min(MAX, FIRST * 2 ** (n - 1))
-        assert b - a >= full / 2, (n, tries)  # never sooner than the schedule
-    assert outage.up == 1
-
-
-@pytest.mark.parametrize("kind", ["fake", "pi"])
-async def test_pb1_an_outage_reported_inside_a_200_stream_is_parked_like_a_503(
-    kind: str, tmp_path: Path
-) -> None:
-    """PB1, G10: a provider that answers 200 and then reports ``overloaded`` inside its
-    stream, before any of the answer, is an outage exactly as a 503 is: the turn is parked
-    (its ``Parked`` records, the status of the error's class, 503), the route's breaker
-    counts each failure (the waits double), each try is one request upstream — the worker
-    does not retry by itself — and the same turn is answered once the provider is back."""
-    outage = Outage(seconds=3, at_least=2, in_stream=OVERLOADED)
+    Pi 1.6.0 does not retry the gateway's parked message either); PB4: the route's breaker
+    counts each failure and the answer closes it. ``in-stream`` (G10): the provider answers
+    200 and reports ``overloaded`` inside its stream, before any of the answer — an outage
+    exactly as the 503 is (the status of the error's class)."""
+    outage = Outage(seconds=3, at_least=2, in_stream=OVERLOADED if how == "in-stream" else None)
     backoff = BackoffConfig(first_seconds=FIRST, max_seconds=MAX)
     with trio.fail_after(LIMIT):
         async with (
@@ -219,8 +188,10 @@ async def test_pb1_an_outage_reported_inside_a_200_stream_is_parked_like_a_503(
     assert [p.attempt for p in parks] == list(range(1, len(parks) + 1))
     assert all(p.status == 503 and not p.by_route for p in parks)
     assert [p.route_failures for p in parks] == list(range(1, len(parks) + 1))  # PB4
-    for n, (a, b) in enumerate(itertools.pairwise(outage.down), start=1):
-        assert b - a >= min(MAX, FIRST * 2 ** (n - 1)) / 2, (n, outage.down)
+    tries = outage.down
+    for n, (a, b) in enumerate(itertools.pairwise(tries), start=1):
+        full = min(MAX, FIRST * 2 ** (n - 1))
+        assert b - a >= full / 2, (n, tries)  # never sooner than the schedule
     assert outage.up == 1
     assert breaker is not None
     assert (breaker.open_until_ms, breaker.failures) == (None, 0)  # the answer closed it

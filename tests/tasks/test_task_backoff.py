@@ -26,7 +26,7 @@ from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._config import BackoffConfig
 from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Parked
 
-from ..rooms.test_room_backoff import Outage
+from ..rooms.test_room_backoff import OVERLOADED, Outage
 from .test_task_crash import kill_when_paused, make_worktree, outcome, records, recover, task_spec
 from .test_task_fence import (
     KINDS,
@@ -51,17 +51,24 @@ async def parks_of(rig: FenceRig) -> list[Parked]:
     return [r for r in await rig.records() if isinstance(r, Parked)]
 
 
+@pytest.mark.parametrize("how", ["status", "in-stream"])
 @pytest.mark.parametrize("kind", KINDS)
-async def test_pb6_an_outage_parks_the_task_it_is_not_silence(kind: str, tmp_path: Path) -> None:
+async def test_pb6_an_outage_parks_the_task_it_is_not_silence(
+    kind: str, how: str, tmp_path: Path
+) -> None:
     """PB6: a task whose provider answers 503 for three seconds — twice the soft threshold —
     is parked, not suspected: its classification is ``Parked`` while it waits (no probe, no
     eligibility, no fence, no replacement epoch charged), each wait is recorded in its lane
     log (``Parked``, its own tries counted), and the same worker is prompted again in the same
     session after each wait (one continuation per try, idempotent by its marker) until the
     provider answers; then the task ends done. Each try is one request upstream: the worker
-    does not retry the gateway's parked answer by itself."""
+    does not retry the gateway's parked answer by itself. ``in-stream`` (PB1, G10): the
+    provider answers 200 and reports ``overloaded`` in its stream instead, the same."""
     model = DoneOnEveryPrompt()
-    outage = Outage(seconds=3.0, at_least=3, model=model)  # 3 s and 3 refusals, however slow
+    # 3 s and 3 refusals, however slow; ``in-stream``: a 200 stream reporting ``overloaded``
+    # before any of the answer (PB1, G10), parked as the 503 is
+    in_stream = OVERLOADED if how == "in-stream" else None
+    outage = Outage(seconds=3.0, at_least=3, model=model, in_stream=in_stream)
     with trio.fail_after(LIMIT):
         async with open_fence_rig(
             tmp_path, kind, model, handler=outage.handle, backoff=BACKOFF
