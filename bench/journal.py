@@ -74,6 +74,7 @@ import trio
 from runtime._journal._frame import encode_frame
 from runtime._journal._journal import Journal, encode_record
 from runtime._journal._store import delivery_key, open_store
+from runtime._journal._writer import _signalled
 from runtime._linux._fs import OsFileSystem
 from runtime._records import Admission, Fingerprints, ReplayClass, ToolIntent, ToolOutcome
 
@@ -673,12 +674,7 @@ async def _eventfd_steps(seconds: float, write: Callable[[bytes], None], name: s
 
     async def append(seq: int, payload: bytes) -> None:
         inbox.put((seq, payload))
-        while True:
-            try:
-                os.eventfd_read(efd)
-                return
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(efd)
+        await _signalled(efd)  # the runtime's own wait (journal.md J20)
 
     thread = threading.Thread(target=worker, name=name, daemon=True)
     thread.start()

@@ -172,53 +172,27 @@ async def test_j5_j8b_an_error_that_is_not_the_disks_poisons_its_log_and_hangs_n
             assert (await store.read_delivery_log("other")).records[1:] == (_record("kept"),)
 
 
+@pytest.mark.parametrize("poison", ["recorded", "unrecorded"])
 async def test_j8b_an_error_that_is_not_the_disks_while_owed_records_trickle_out(
-    tmp_path: Path,
+    tmp_path: Path, poison: str
 ) -> None:
     """J8b, J5, J12: an exception that is not an ``OSError`` while a full sync log
     generation's records are written into one log's file, between batches, poisons that log
     and leaves the writer thread running: a later append on the same shard is acknowledged,
-    the other logs get their records, and the store closes. Before, the thread died there
-    and every later append of the shard waited forever."""
+    the other logs get their records, the store closes, and every acknowledged record is in
+    its log after a restart. Before, the thread died there and every later append of the
+    shard waited forever. ``unrecorded`` (J15): the poisoning fails the same way too (its
+    file's sync raises again), so no poison document is written; the log is refused for the
+    rest of the run and reads with the record it owed, and the generation holding that record
+    is kept for the next start's redo (J14) — it is never dropped."""
     fs = _BrokenSync(OsFileSystem())
     root = tmp_path / "state"
     with trio.fail_after(20):
         async with open_store(root, fs=cast(FileSystem, fs)) as store:
             store._pool._rotate_bytes = 1  # every batch fills its generation
             logs = [await store.create_delivery_log(f"d{i}") for i in range(3)]
-            fs.part = logs[0].rel  # its file's sync, when its records trickle out
-            assert await _one_batch(fs, store, logs, "a") == [1, 1, 1]
-            after = await store.create_delivery_log("after")
-            assert await after.append(_record("after")) == 1
-            await trio.to_thread.run_sync(fs.broke.wait, 10)
-            with pytest.raises(JournalError) as refused:
-                await logs[0].append(_record("refused"))
-            assert refused.value.code is ReasonCode.JOURNAL_POISONED
-            assert await logs[1].append(_record("more")) == 2
-        async with open_store(root) as store:  # each acknowledged record is there (J5)
-            for i in (0, 1, 2):
-                records = (await store.read_delivery_log(f"d{i}")).records[1:]
-                assert records[0] == _record(f"a-{i}")
-            assert (await store.read_delivery_log("d1")).records[2:] == (_record("more"),)
-            with pytest.raises(JournalError) as refused:
-                await store.open_delivery_log("d0")
-            assert refused.value.code is ReasonCode.JOURNAL_POISONED
-
-
-async def test_j8b_j15_a_log_whose_poison_cannot_be_recorded_keeps_what_it_owed(
-    tmp_path: Path,
-) -> None:
-    """J8b, J15: as above, and the poisoning itself fails the same way (its file's sync
-    raises again), so no poison document is written. The log is refused for the rest of the
-    run and reads with the record it owed; the sync log generation holding that record is
-    kept, so after a restart the record is in the log's file (J14's redo) — never dropped."""
-    fs = _BrokenSync(OsFileSystem())
-    root = tmp_path / "state"
-    with trio.fail_after(20):
-        async with open_store(root, fs=cast(FileSystem, fs)) as store:
-            store._pool._rotate_bytes = 1  # every batch fills its generation
-            logs = [await store.create_delivery_log(f"d{i}") for i in range(3)]
-            fs.part, fs.times = logs[0].rel, 2  # the trickle's sync, then the poison's
+            # its file's sync when its records trickle out (and then the poison's)
+            fs.part, fs.times = logs[0].rel, 1 if poison == "recorded" else 2
             assert await _one_batch(fs, store, logs, "a") == [1, 1, 1]
             await trio.to_thread.run_sync(fs.broke.wait, 10)
             after = await store.create_delivery_log("after")
@@ -227,11 +201,18 @@ async def test_j8b_j15_a_log_whose_poison_cannot_be_recorded_keeps_what_it_owed(
                 await logs[0].append(_record("refused"))
             assert refused.value.code is ReasonCode.JOURNAL_POISONED
             assert (await store.read(logs[0].rel)).records[1:] == (_record("a-0"),)
-            assert os.listdir(root / SYNC_DIR)  # kept for the redo
-        async with open_store(root) as store:
+            assert await logs[1].append(_record("more")) == 2
+            if poison == "unrecorded":
+                assert os.listdir(root / SYNC_DIR)  # kept for the redo
+        async with open_store(root) as store:  # each acknowledged record is there (J5)
             for i in (0, 1, 2):
                 records = (await store.read_delivery_log(f"d{i}")).records[1:]
-                assert records == (_record(f"a-{i}"),)
+                assert records[0] == _record(f"a-{i}")
+            assert (await store.read_delivery_log("d1")).records[2:] == (_record("more"),)
+            if poison == "recorded":
+                with pytest.raises(JournalError) as refused:
+                    await store.open_delivery_log("d0")
+                assert refused.value.code is ReasonCode.JOURNAL_POISONED
 
 
 class _CountedToken:
