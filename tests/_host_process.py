@@ -17,6 +17,8 @@ import trio
 
 from runtime._boundary._receipts import ReceiptStore
 
+from ._procs import sweep_epochs
+
 REPO: Final = Path(__file__).resolve().parents[1]
 Fact = dict[str, Any]
 
@@ -94,11 +96,43 @@ async def run_host(
         )
         try:
             yield Host(process, stderr_path)
+        except BaseException as error:
+            # The test failed (or was cancelled) with this host up: SIGKILLed, it would leave
+            # its worker epochs running, and so may an earlier host no later one took over
+            # from. Nothing any of them started outlives the test.
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+                left = await sweep_epochs(root)
+            if left:
+                error.add_note(f"worker epochs left running, killed as the host ended: {left}")
+            raise
         finally:
             if process.returncode is None:
                 process.kill()
                 with trio.CancelScope(shield=True):
                     await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def no_epoch_left(root: Path) -> AsyncIterator[None]:
+    """Around a crash test's hosts (every ``run_host`` on ``root``): when the block ends, kill
+    whatever their worker epochs left running (:func:`~tests._procs.sweep_epochs`: each
+    recorded tree from its record, as a restarted host does, and any unrecorded one by its
+    nonce). A block that ended normally with anything left fails, naming the epochs and
+    pids; a block that raised keeps its own error, with what was killed as a note."""
+    try:
+        yield
+    except BaseException as error:
+        with trio.CancelScope(shield=True):
+            left = await sweep_epochs(root)
+        if left:
+            error.add_note(f"worker epochs left running, killed at the test's end: {left}")
+        raise
+    with trio.CancelScope(shield=True):
+        left = await sweep_epochs(root)
+    assert not left, f"worker epochs of the test's hosts left running (killed now): {left}"
 
 
 def pause_after_receipt_commit(barrier: Callable[[], Awaitable[None]]) -> None:

@@ -1,7 +1,8 @@
 """A task's worktree manifest: what the worktree holds, as a digest that any change of a
 file's content, name or presence changes (W-M1…W-M6 of ``docs/design/worktree.md``), and the
 file and git helpers the candidate (``_candidate.py``) and the validation (``_validation.py``)
-share. Blocking file and git work: :func:`amanifest` runs it in a thread."""
+share; and the watchdog's bounded progress stamp (W-S1…W-S5). Blocking file and git work:
+:func:`amanifest` runs it in a thread."""
 
 from __future__ import annotations
 
@@ -298,66 +299,93 @@ async def amanifest(root: Path) -> Manifest:
     return await trio.to_thread.run_sync(take_manifest, root)
 
 
-# --- the progress stamp (WD1) --------------------------------------------------------
+# --- the progress stamp (WD1; W-S1…W-S5 of docs/design/worktree.md) ------------------
 
 STAMP_LIMIT: Final = 20_000
-"""Entries a progress stamp looks at, at most: its cost is bounded whatever the worktree
-holds (``docs/design/performance.md`` measures it)."""
-_STAMP_DOMAIN: Final = b"pi-runtime.worktree-stamp.v1\0"
+"""Entries a progress stamp looks at, at most, and (but for one) reads: its cost is bounded
+whatever the worktree holds, a directory of millions of entries included (W-S3;
+``docs/design/performance.md`` measures it)."""
+_STAMP_DOMAIN: Final = b"pi-runtime.worktree-stamp.v2\0"
+_PAST_THE_BOUND: Final = b"\0past the bound\0"
+"""Hashed, with the directory's path and stat line, for the directory the bound ended the scan
+in: none of its entries is (W-S4)."""
 
 
 class WorktreeStamp(msgspec.Struct, frozen=True, kw_only=True):
     """What a cheap look at a worktree saw: a digest over the path, type, size and
-    modification time (ns) of each entry, in a fixed order, never the contents. Any file
-    written, created, removed, renamed or touched among the first :data:`STAMP_LIMIT`
-    entries changes it; ``truncated`` says that entries past the limit were not looked at."""
+    modification time (ns) of each entry looked at, in name order, never the contents
+    (W-S1, W-S2). Any file written, created, removed, renamed or touched among them changes
+    it. ``truncated``: a directory held more entries than the :data:`STAMP_LIMIT` bound had
+    room left for, so the scan ended there, none of that directory's entries looked at but
+    the directory itself (W-S4); ``entries`` is how many were looked at."""
 
     digest: str
     entries: int
     truncated: bool
 
 
+def _listing(directory: bytes, room: int) -> list[os.DirEntry[bytes]] | None:
+    """The entries of ``directory`` but ``.git``, or ``None`` when it holds more than
+    ``room``: then no more than ``room + 1`` were read (W-S3). Raises :class:`OSError`."""
+    entries: list[os.DirEntry[bytes]] = []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if entry.name == b".git":
+                continue
+            if len(entries) == room:
+                return None  # one more than there is room for: the rest is never read
+            entries.append(entry)
+    return entries
+
+
+def _stat_line(rel: bytes, info: os.stat_result) -> bytes:
+    return b"%b\0%o\0%d\0%d\0" % (rel, info.st_mode, info.st_size, info.st_mtime_ns)
+
+
 def worktree_stamp(root: Path, *, limit: int = STAMP_LIMIT) -> WorktreeStamp | None:
-    """A bounded stat scan of ``root`` (blocking): each directory's entries in name order,
-    then its subdirectories, depth first, never entering a symlinked directory or ``.git``
-    (git's own bookkeeping is no work on the task; a commit is a tool call, which is
-    progress anyway). ``None`` when the root cannot be read: no stamp, no claim of
-    progress."""
+    """A bounded stat scan of ``root`` (blocking; W-S1…W-S5): each directory's entries in
+    name order, then its subdirectories, depth first, never entering a symlinked directory
+    or ``.git`` (git's own bookkeeping is no work on the task; a commit is a tool call,
+    which is progress anyway). A directory is listed only as far as the bound has room
+    for: one that holds more is not looked into, and the scan ends on it (W-S4). ``None``
+    when the root cannot be read: no stamp, no claim of progress."""
     digest = hashlib.blake2b(_STAMP_DOMAIN, digest_size=16)
-    seen = 0
+    seen = listed = 0  # entries looked at; entries listed (one vanished before its look too)
     pending = [b""]
     base = os.fsencode(root)
     try:
         os.stat(base)
     except OSError:
         return None
-    truncated = False
-    while pending and not truncated:
+    while pending:
         rel_dir = pending.pop()
+        directory = os.path.join(base, rel_dir) if rel_dir else base
         try:
-            with os.scandir(os.path.join(base, rel_dir) if rel_dir else base) as it:
-                entries = sorted(it, key=lambda e: e.name)
+            entries = _listing(directory, limit - listed)
         except OSError:  # vanished or unreadable: what it held is not looked at
             continue
+        if entries is None:  # W-S4: its own path and stat line, none of its entries
+            try:
+                line = _stat_line(rel_dir, os.lstat(directory))
+            except OSError:  # vanished meanwhile
+                line = rel_dir + b"\0"
+            digest.update(_PAST_THE_BOUND + line)
+            return WorktreeStamp(digest=digest.hexdigest(), entries=seen, truncated=True)
+        listed += len(entries)
+        entries.sort(key=lambda e: e.name)  # W-S2: never the order the file system lists
         below: list[bytes] = []
         for entry in entries:
-            if entry.name == b".git":
-                continue
-            if seen >= limit:
-                truncated = True
-                break
             rel = rel_dir + b"/" + entry.name if rel_dir else entry.name
             try:
                 info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue  # it vanished between the listing and the look
             seen += 1
-            digest.update(b"%b\0%o\0%d\0%d\0" % (rel, info.st_mode, info.st_size,
-                                                     info.st_mtime_ns))  # fmt: skip
+            digest.update(_stat_line(rel, info))
             if stat.S_ISDIR(info.st_mode):
                 below.append(rel)
         pending.extend(reversed(below))  # the next looked into: the first by name
-    return WorktreeStamp(digest=digest.hexdigest(), entries=seen, truncated=truncated)
+    return WorktreeStamp(digest=digest.hexdigest(), entries=seen, truncated=False)
 
 
 # --- the candidate -------------------------------------------------------------------

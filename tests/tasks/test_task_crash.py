@@ -44,7 +44,8 @@ from runtime._records import (
     ToolIntent,
 )
 
-from .._host_process import Fact, Host, run_host
+from .._host_process import Fact, Host, no_epoch_left, run_host
+from .._procs import alive_with_nonce
 from .._workers import scripted_upstream, tool_messages
 
 pytestmark = pytest.mark.slow
@@ -197,14 +198,17 @@ class Workers:
 async def crash_rig(
     root: Path, steps: Sequence[Step]
 ) -> AsyncIterator[tuple[ScriptedModel, str, Workers]]:
-    """The scripted model, a worktree, and the live-worker watch, for one test."""
+    """The scripted model, a worktree, and the live-worker watch, for one test; as it ends,
+    whatever the hosts' worker epochs left running is killed from their records, and a test
+    that would have left any fails (``no_epoch_left``)."""
     make_worktree(root)
     workers = Workers(root)
-    with trio.fail_after(LIMIT):
-        async with scripted_upstream(steps) as (model, url), trio.open_nursery() as nursery:
-            nursery.start_soon(workers.watch)
-            yield model, url, workers
-            nursery.cancel_scope.cancel()
+    async with no_epoch_left(root):  # nothing any host started outlives the test
+        with trio.fail_after(LIMIT):
+            async with scripted_upstream(steps) as (model, url), trio.open_nursery() as nursery:
+                nursery.start_soon(workers.watch)
+                yield model, url, workers
+                nursery.cancel_scope.cancel()
 
 
 def check_common(root: Path, facts: list[Fact], workers: Workers) -> list[Record]:
@@ -523,3 +527,78 @@ async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charg
     sent = [r for r in found if isinstance(r, ContinuationSent)]
     assert [r.epoch for r in sent] == [2, 3, 4, 5]
     assert_asked(model, through_done=1)
+
+
+# ------------------------------------------------- what a crash test leaves: nothing at all
+
+
+class _Failed(Exception):
+    """A crash test's check that failed half-way."""
+
+
+async def killed_host_left(root: Path, left: dict[str, list[int]], *, fail: bool) -> None:
+    """A crash test cut short: its host SIGKILLed at a fence step (epoch 1 wedged, so it
+    ignores its closed stdin and lives on), and no next host to kill what it left. It fails
+    there (``_Failed``) or ends as if its checks had passed. What was alive, by nonce, goes
+    into ``left``."""
+    async with crash_rig(root, STEPS) as (_model, url, workers):
+        await kill_when_paused(root, task_spec(url, behaviours={1: HANG}), "action:reserve")
+        left.update(workers.alive())
+        assert len(left) == 1, left  # the killed host's wedged worker lives on
+        if fail:
+            raise _Failed
+
+
+FAILED: Final = pytest.RaisesGroup(_Failed, flatten_subgroups=True)
+"""The test's own error, as the rig's nurseries raise it."""
+
+
+async def test_a_crash_test_that_fails_leaves_no_worker_of_the_host_it_killed(
+    tmp_path: Path,
+) -> None:
+    """A test that fails after it SIGKILLed a host, before a next host killed what it left:
+    the wedged epoch is killed from its record as the rig ends, never left running
+    reparented to pid 1, and the test's own error stands, with what was killed as a note."""
+    left: dict[str, list[int]] = {}
+    with FAILED as failed:
+        await killed_host_left(tmp_path, left, fail=True)
+    ((nonce, pids),) = left.items()
+    assert not alive_with_nonce(nonce), (nonce, pids)
+    assert any(nonce in note for note in failed.value.__notes__), failed.value.__notes__
+
+
+async def test_a_crash_test_that_would_leave_a_worker_fails_and_leaves_none(
+    tmp_path: Path,
+) -> None:
+    """A test whose checks all pass but whose hosts left a recorded epoch's tree alive fails
+    as the rig ends, naming the epoch and its pids; and that tree is killed."""
+    left: dict[str, list[int]] = {}
+    with pytest.raises(AssertionError, match="left running") as failed:
+        await killed_host_left(tmp_path, left, fail=False)
+    ((nonce, pids),) = left.items()
+    assert nonce in str(failed.value)
+    assert not alive_with_nonce(nonce), (nonce, pids)
+
+
+async def host_fails_while_running(root: Path) -> None:
+    """A test that fails while its host runs, paused at a fence step with epoch 1 wedged."""
+    make_worktree(root)
+    pause = {"pause": {"point": "action:reserve", "nth": 1}}
+    async with scripted_upstream(STEPS) as (_model, url):
+        spec = {**task_spec(url, behaviours={1: HANG}), **pause}
+        async with host(root, spec, "a") as h:
+            await h.until(lambda f: "paused" in f)
+            raise _Failed
+
+
+async def test_a_host_running_when_its_test_fails_is_killed_with_its_epochs(
+    tmp_path: Path,
+) -> None:
+    """``run_host`` alone (what the room crash tests use too): a test that fails while its
+    host runs SIGKILLs the host, and the epoch the host was running goes with it."""
+    with FAILED as failed:
+        await host_fails_while_running(tmp_path)
+    (record,) = [r for r in records(tmp_path) if isinstance(r, EpochStarted)]
+    assert not alive_with_nonce(record.nonce), record
+    (own,) = failed.value.exceptions  # the host's note is on the test's own error
+    assert any(record.nonce in note for note in getattr(own, "__notes__", ())), own

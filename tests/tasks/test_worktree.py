@@ -753,12 +753,14 @@ def test_wd1_the_stamp_ignores_git_and_is_bounded(tmp_path: Path) -> None:
     assert (before.entries, before.truncated) == (50, False)
     (root / ".git" / "index").write_text("refreshed by git status")
     assert _stamp(root) == before.digest
+    os.utime(root, ns=(1, 1))  # a new name below changes it, whatever the clock's grain
     bounded = worktree_stamp(root, limit=10)
     assert bounded is not None
-    assert (bounded.entries, bounded.truncated) == (10, True)
-    (root / "f49").write_text("past the limit")  # name order: f49 is never looked at
+    # past the bound (W-S4 of worktree.md): the root's 50 are not looked at, the root is
+    assert (bounded.entries, bounded.truncated) == (0, True)
+    (root / "f00").write_text("past the limit")  # a write inside is never looked at
     assert _stamp(root, limit=10) == bounded.digest
-    (root / "f00").write_text("within it")
+    (root / "f50").write_text("a new name")  # the root's own mtime
     assert _stamp(root, limit=10) != bounded.digest
     assert worktree_stamp(tmp_path / "gone") is None
 
