@@ -32,6 +32,7 @@ from ._worktree import (
     open_regular,
     take_manifest,
     unreadable,
+    worktree_limiter,
 )
 
 __all__ = ["CANDIDATE_REF_PREFIX", "Candidate", "acandidate", "take_candidate"]
@@ -303,4 +304,4 @@ async def acandidate(
             store_root=store_root,
         )
 
-    return await trio.to_thread.run_sync(run)
+    return await trio.to_thread.run_sync(run, limiter=worktree_limiter())

@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import trio
 
 from .._errors import PiRuntimeError, ReasonCode
 from .._records import LifecycleReceipt, Record, TaskEnded, TaskSubmitted
-from ._candidate import take_candidate
+from ._candidate import acandidate
 from ._lifecycle import DoneEvidence, LifecycleKernel, TaskState, done_missing
 from ._state import inference_costs
 from ._validation import run_validation
-from ._worktree import take_manifest
+from ._worktree import amanifest
 
 __all__ = ["Ending", "conclude", "end_record"]
 
@@ -55,15 +54,13 @@ async def conclude(
     missing (LK4)."""
     worktree = Path(task.worktree)
     try:
-        manifest = await trio.to_thread.run_sync(take_manifest, worktree)
-        candidate = await trio.to_thread.run_sync(
-            lambda: take_candidate(
-                worktree,
-                manifest,
-                archive_dir=archive_dir,
-                task_id=task.task_id,
-                message=f"pi-runtime candidate for task {task.task_id}",
-            )
+        manifest = await amanifest(worktree)
+        candidate = await acandidate(
+            worktree,
+            manifest,
+            archive_dir=archive_dir,
+            task_id=task.task_id,
+            message=f"pi-runtime candidate for task {task.task_id}",
         )
     except PiRuntimeError as error:
         return Ending("held", code=str(error.code), detail=str(error))

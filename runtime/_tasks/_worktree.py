@@ -21,6 +21,7 @@ import msgspec
 import trio
 import trio.lowlevel
 
+from .._clock import own_limiter
 from .._errors import ReasonCode, WorktreeError
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "WorktreeStamp",
     "amanifest",
     "take_manifest",
+    "worktree_limiter",
     "worktree_stamp",
 ]
 
@@ -294,9 +296,28 @@ def take_manifest(root: Path) -> Manifest:
     )
 
 
+WORKTREE_THREADS: Final = 4
+"""Threads of a Trio run doing worktree work at once (a manifest, a candidate: git calls of up
+to :data:`GIT_SECONDS` each, W-M6): they take their own tokens, never the default thread
+limiter's, which the journal's file work shares."""
+_WORKTREE_LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar(
+    "pi_runtime_worktree_limiter"
+)
+
+
+def worktree_limiter() -> trio.CapacityLimiter:
+    """This Trio run's limiter of worktree threads (:data:`WORKTREE_THREADS`)."""
+    try:
+        return _WORKTREE_LIMITER.get()
+    except LookupError:
+        limiter = own_limiter(WORKTREE_THREADS)
+        _WORKTREE_LIMITER.set(limiter)
+        return limiter
+
+
 async def amanifest(root: Path) -> Manifest:
     """:func:`take_manifest` off the Trio loop."""
-    return await trio.to_thread.run_sync(take_manifest, root)
+    return await trio.to_thread.run_sync(take_manifest, root, limiter=worktree_limiter())
 
 
 # --- the progress stamp (WD1; W-S1…W-S5 of docs/design/worktree.md) ------------------
