@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from runtime import open_store
+from runtime._errors import ReasonCode, WorktreeError
 from runtime._tasks import _worktree
 from runtime._tasks._worktree import WORKTREE_THREADS, Manifest, amanifest, worktree_limiter
 
@@ -34,14 +35,14 @@ async def test_w_m7_slow_worktree_work_leaves_the_journals_threads_free(
         release.wait(20)
         with lock:
             running.pop()
-        raise _worktree.WorktreeError(_worktree.ReasonCode.WORKTREE_UNREADABLE, "stuck")
+        raise WorktreeError(ReasonCode.WORKTREE_UNREADABLE, "stuck")
 
     monkeypatch.setattr(_worktree, "take_manifest", stuck)
     trio.to_thread.current_default_thread_limiter().total_tokens = 2
     ended: list[str] = []
 
     async def manifest() -> None:
-        with pytest.raises(_worktree.WorktreeError):
+        with pytest.raises(WorktreeError):
             await amanifest(tmp_path)
         ended.append("manifest")
 
