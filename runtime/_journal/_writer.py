@@ -360,6 +360,8 @@ class WriterPool:
         ]
         self._signals = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK) for _ in range(shards)]
         """Per shard, the eventfd a task handed over alone waits on (J20)."""
+        self._spent: list[int] = []
+        """Eventfds given up by a wait that ended with an exception (closed with the pool)."""
         self._busy = [0] * shards
         """Per shard, the hand-offs not yet settled (Trio side)."""
         self._staged: list[list[_Work]] = [[] for _ in range(shards)]
@@ -427,7 +429,13 @@ class WriterPool:
                 # eventfd, which wakes it in one scheduler pass (J20)
                 item.signal = efd = self._signals[shard]
                 self._queues[shard].put(item)
-                await _signalled(efd)
+                try:
+                    await _signalled(efd)
+                except BaseException:  # (not a cancellation: that one waits) its signal may
+                    # still come, to wake the shard's next lone task early: never wait on it
+                    self._signals[shard] = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                    self._spent.append(efd)
+                    raise
                 if item.error is not None:
                     raise item.error
                 return
@@ -494,7 +502,7 @@ class WriterPool:
         # closed under its wait would never wake it
         while any(self._busy):
             await self._quiet.park()
-        for efd in self._signals:
+        for efd in [*self._signals, *self._spent]:
             os.close(efd)
 
     def _deliver(self, items: list[_Work], failure: DiskFailedError | None) -> None:

@@ -336,3 +336,54 @@ async def test_j20_closing_the_pool_while_a_lone_append_is_written(tmp_path: Pat
                     await trio.testing.wait_all_tasks_blocked(cushion=0.005)
                     fs.go.set()
         assert got == [1]
+
+
+class _Interrupted(BaseException):
+    """Stands in for a ``KeyboardInterrupt`` raised where a lone append waits."""
+
+
+async def test_j20_a_wait_ended_by_an_exception_leaves_no_signal_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """J20: a lone append whose wait ends with an exception that is not a cancellation (a
+    ``KeyboardInterrupt``, say) leaves its signal to come; the shard's next lone append must
+    not be woken by it before its own write: it waits on another eventfd."""
+    fs = _HeldWrite(OsFileSystem())
+    results: list[object] = []
+    with trio.fail_after(20):
+        async with open_store(tmp_path / "state", fs=cast(FileSystem, fs)) as store:
+            first = await store.create_delivery_log("first")
+            later = await store.create_delivery_log("later")
+            signals = set(store._pool._signals)
+            real_wait = trio.lowlevel.wait_readable
+
+            async def interrupted(fd: Any) -> None:
+                if fd in signals:
+                    signals.clear()
+                    raise _Interrupted
+                await real_wait(fd)
+
+            monkeypatch.setattr(trio.lowlevel, "wait_readable", interrupted)
+            fs.holding = True
+            with pytest.raises(_Interrupted):
+                await first.append(_record("first"))
+            await trio.to_thread.run_sync(fs.held.wait, 10)
+            fs.held.clear()
+            fs.go.set()  # the first one's write goes on, and its signal comes
+            while handoffs_in_flight():  # (the interrupted one no longer counts)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            fs.go.clear()
+            fs.holding = True
+
+            async def append() -> None:
+                results.append(await later.append(_record("later")))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append)
+                await trio.to_thread.run_sync(fs.held.wait, 10)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                assert results == []  # held: not acknowledged before its write
+                fs.go.set()
+            assert results == [1]
+            assert (await store.read(first.rel)).records[1:] == (_record("first"),)
