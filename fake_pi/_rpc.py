@@ -3,8 +3,10 @@
 Commands are JSON objects, one per LF-terminated line (split on ``\\n`` only,
 never on U+2028/2029); responses echo ``id`` in Pi's ``{type: "response",
 command, success, data | error}`` shape; events are interleaved on the same
-stream. A bad line gets Pi's parse error, an unknown command Pi's
-``Unknown command: …``. When the input ends while a run is in flight, the run
+stream. A bad line gets Pi's parse error (a blank one too), an unknown command — or a
+JSON value that is not an object — Pi's ``Unknown command: …``, and a ``prompt``, ``steer`` or
+``follow_up`` whose ``message`` is not a string the ``TypeError`` text Pi 1.6.0 answers
+(docs/design/pi-observed.md §6). When the input ends while a run is in flight, the run
 is aborted the way Pi aborts it on stdin EOF (persisted, not printed).
 """
 
@@ -110,8 +112,6 @@ async def serve_rpc(
         async for line in lines:
             if on_line is not None:
                 on_line(line)
-            if not line.strip():
-                continue
             await _dispatch(agent, line, send, nursery)
         await agent.shutdown()
         nursery.cancel_scope.cancel()
@@ -129,8 +129,8 @@ async def _dispatch(
         error = f"Failed to parse command: {js_parse_error(line.decode(errors='replace'))}"
         await send(_response("parse", None, error=error))
         return
-    if not isinstance(command, dict):
-        await send(_response("parse", None, error="Failed to parse command: not an object"))
+    if not isinstance(command, dict):  # Pi reads its ``type`` as undefined (null: Pi exits)
+        await send({"type": "response", "success": False, "error": "Unknown command: undefined"})
         return
     kind = command.get("type")
     cmd_id = command.get("id")
@@ -160,9 +160,7 @@ class _Refused(Exception):
 async def _prompt(agent: Agent, command: dict[str, Any]) -> Any:
     # the ``prompt:N`` barrier: ``hang`` there is a worker that never answers its prompt
     await agent.options.barriers.reach("prompt")
-    text = command.get("message")
-    if not isinstance(text, str):
-        raise _Refused("prompt needs a message")
+    text = _message(command)
     behaviour = command.get("streamingBehavior")
     if agent.running:
         if behaviour not in ("steer", "followUp"):
@@ -173,13 +171,25 @@ async def _prompt(agent: Agent, command: dict[str, Any]) -> Any:
     return {"disposition": "started"}
 
 
+def _message(command: dict[str, Any]) -> str:
+    """A command's ``message``. Pi 1.6.0 calls ``text.startsWith`` on it before anything else,
+    so one that is not a string is answered with that ``TypeError``'s text."""
+    text = command.get("message")
+    if isinstance(text, str):
+        return text
+    if text is None:
+        which = "null" if "message" in command else "undefined"
+        raise _Refused(f"Cannot read properties of {which} (reading 'startsWith')")
+    raise _Refused("text.startsWith is not a function")
+
+
 async def _steer(agent: Agent, command: dict[str, Any]) -> Any:
-    await agent.queue(str(command.get("message", "")), "steer")
+    await agent.queue(_message(command), "steer")
     return {"disposition": "queued"}
 
 
 async def _follow_up(agent: Agent, command: dict[str, Any]) -> Any:
-    await agent.queue(str(command.get("message", "")), "followUp")
+    await agent.queue(_message(command), "followUp")
     return {"disposition": "queued"}
 
 

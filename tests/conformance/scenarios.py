@@ -637,6 +637,56 @@ def _check_unknown_command(capture: Capture) -> None:
     )
 
 
+async def _malformed(run: Run) -> None:
+    async with run.launch() as worker:
+        await worker.call({"type": "get_state"}, limit=30)
+        answers: list[Record] = []
+        for line in MALFORMED_LINES:
+            since = worker.mark()
+            await worker.send_line(line)
+            answers.append((await worker.wait_type("response", since=since))[1])
+        for command in MALFORMED_COMMANDS:
+            answer = dict((await worker.request(command))[1])
+            answer.pop("id")
+            answers.append(answer)
+        run.facts["malformed"] = answers
+        await worker.call({"type": "get_state"})
+
+
+MALFORMED_LINES: Final = (b"", b"   ", b"42", b"[1,2]", b'"text"')
+"""Lines that are not a command object: blank, and JSON values of other types (``null``
+makes Pi 1.6.0 exit, so it is not sent)."""
+MALFORMED_COMMANDS: Final = (
+    {"type": "steer"},
+    {"type": "follow_up", "message": 5},
+    {"type": "prompt"},
+)
+_EMPTY: Final = "Failed to parse command: Unexpected end of JSON input"
+_UNDEFINED: Final = "Cannot read properties of undefined (reading 'startsWith')"
+
+
+def _check_malformed(capture: Capture) -> None:
+    def refused(command: str, error: str) -> Record:
+        return {"type": "response", "command": command, "success": False, "error": error}
+
+    not_a_command = {"type": "response", "success": False, "error": "Unknown command: undefined"}
+    _eq(
+        capture.facts["malformed"],
+        [
+            refused("parse", _EMPTY),
+            refused("parse", _EMPTY),
+            not_a_command,
+            not_a_command,
+            not_a_command,
+            refused("steer", _UNDEFINED),
+            refused("follow_up", "text.startsWith is not a function"),
+            refused("prompt", _UNDEFINED),
+        ],
+        "answers to malformed commands",
+        capture,
+    )
+
+
 QUERIES: Final = (
     "get_state",
     "get_messages",
@@ -981,6 +1031,7 @@ def _scenarios() -> dict[str, Scenario]:
         ),
         Scenario("bad_json", (), _bad_json, _check_bad_json),
         Scenario("unknown_command", (), _unknown_command, _check_unknown_command),
+        Scenario("malformed_commands", (), _malformed, _check_malformed),
         Scenario(
             "queries",
             (
