@@ -623,14 +623,17 @@ class Store:
     async def close_log(self, journal: Log) -> None:
         """Close a log; a read meanwhile still finds it open, so it writes what the log owes
         its file before reading it (J12). An opening of the log meanwhile waits for the
-        close and opens it anew: it is never handed the journal being closed (TL9, J19)."""
-        async with self._one_opening(journal.rel):
-            try:
-                await journal.aclose()
-            finally:
-                self._remember_unrecorded(journal)
-                if self._open.get(journal.rel) is journal:
-                    del self._open[journal.rel]
+        close and opens it anew: it is never handed the journal being closed (TL9, J19).
+        Once called it closes, cancelled or not (the wait for an opening too, as the close's
+        own hand-off): a cancellation comes after."""
+        with trio.CancelScope(shield=True):
+            async with self._one_opening(journal.rel):
+                try:
+                    await journal.aclose()
+                finally:
+                    self._remember_unrecorded(journal)
+                    if self._open.get(journal.rel) is journal:
+                        del self._open[journal.rel]
 
     def _truncate_durably(self, rel: str, length: int) -> None:
         handle = self.fs.open_append(self.path(rel))

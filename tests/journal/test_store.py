@@ -230,3 +230,20 @@ async def test_tl9_an_opening_while_the_log_closes_waits_and_gets_a_journal_of_i
             contents = await store.read(store.lane_rel("x"))
             steps = [r.step for r in contents.records[1:] if isinstance(r, StepAbandoned)]
             assert steps == [2, 3]
+
+
+async def test_tl9_a_close_called_in_a_cancelled_scope_still_closes(tmp_path: Path) -> None:
+    """TL9: a log closed from a scope already cancelled (a lane's ``finally`` on its way out)
+    is closed all the same — its journal forgotten, its file closed — and the cancellation
+    arrives after, as for the close's own hand-off. The wait for the log's opening lock must
+    not be where the cancellation lands and the close is skipped."""
+    async with open_store(tmp_path / "state") as store:
+        journal = await store.open_lane_log("x")
+        await journal.append(StepAbandoned(step=1, reason="test", epoch=1))
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await store.close_log(journal)
+            await trio.lowlevel.checkpoint()
+        assert scope.cancelled_caught
+        assert store.lane_rel("x") not in store._open
+        assert (await store.open_lane_log("x")) is not journal
