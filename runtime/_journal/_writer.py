@@ -15,6 +15,9 @@ loop. So:
 * a task that hands its item over while nothing else of its shard is in flight (one lane's
   step) is woken through the shard's eventfd, not a loop callback: one scheduler pass fewer
   (journal.md J20);
+* every other settled batch goes to the pool's *acker*, a Trio task waiting on one eventfd,
+  which reports the batch's disk failure and then wakes its tasks — no loop callback, no
+  wake-up socket (journal.md J21);
 * a *grouped* log's hand-offs (the shared admission and result logs, where many tasks append
   at once) are gathered on the Trio side for one scheduler pass and handed over as one item:
   one queue ``put`` and one writer wake-up for everything appended in that pass, instead of one
@@ -30,6 +33,7 @@ be trusted (the kernel may have dropped the dirty pages).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import os
@@ -348,7 +352,6 @@ class WriterPool:
         self._fs = fs
         self._poison_document = poison_document
         self._on_disk_failure = on_disk_failure
-        self._token = trio.lowlevel.current_trio_token()
         self._queues: list[queue.SimpleQueue[_Item]] = [queue.SimpleQueue() for _ in range(shards)]
         self._sync = _SyncLog(sync_dir, 0) if sync_dir is not None else None
         self._rotate_bytes = rotate_bytes
@@ -370,7 +373,19 @@ class WriterPool:
         self._handed_over = trio.lowlevel.ParkingLot()
         self._quiet = trio.lowlevel.ParkingLot()
         """Closing: woken as each shard's last hand-off settles."""
+        self._acked: collections.deque[tuple[list[_Work], JournalError | None]] = (
+            collections.deque()
+        )
+        """Settled batches (and failures met between batches, with no items), in the order
+        the writers settled them, for the acker to deliver (J21)."""
+        self._ack_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        """Written by a writer after each entry it adds to ``_acked``; the acker waits on it."""
+        self._acker_stopped = trio.Event()
+        self._stopping = False
+        """Set once the threads have ended and every task has been woken: the acker's last
+        wake-up."""
         self._closed = False
+        trio.lowlevel.spawn_system_task(self._acker, name="pi-runtime-writer-acker")
         for thread in self._threads:
             thread.start()
 
@@ -498,22 +513,51 @@ class WriterPool:
             q.put(None)
         for thread in self._threads:
             await trio.to_thread.run_sync(thread.join)
-        # a task may still be waiting to be woken by an eventfd its writer wrote: an fd
-        # closed under its wait would never wake it
+        # a task may still be waiting to be woken by an eventfd its writer wrote, or by the
+        # acker: an fd closed under its wait would never wake it
         while any(self._busy):
             await self._quiet.park()
-        for efd in [*self._signals, *self._spent]:
+        self._stopping = True
+        os.eventfd_write(self._ack_fd, 1)  # the acker delivers what is left, then stops
+        await self._acker_stopped.wait()
+        for efd in [self._ack_fd, *self._signals, *self._spent]:
             os.close(efd)
 
-    def _deliver(self, items: list[_Work], failure: DiskFailedError | None) -> None:
+    async def _acker(self) -> None:
+        """Deliver settled batches as the writers hand them over, in order (J21); stops once
+        the pool is closed and nothing is left to deliver (or when the run ends)."""
+        acked, fd = self._acked, self._ack_fd
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(fd)
+                try:
+                    os.eventfd_read(fd)  # (before the deque is read: no hand-over is missed)
+                except BlockingIOError:
+                    continue
+                while acked:
+                    self._deliver(*acked.popleft())
+                if self._stopping:
+                    return
+        except trio.Cancelled:  # the run is ending: no task waits any more
+            pass
+        finally:
+            self._acker_stopped.set()
+
+    def _deliver(self, items: list[_Work], failure: JournalError | None) -> None:
         """Wake each item's task (on the loop), once a disk failure is reported."""
-        if failure is not None:
+        if isinstance(failure, DiskFailedError):
             self._on_disk_failure(failure)
         for item in items:
             if item.signal is None:
                 trio.lowlevel.reschedule(item.task)
             else:
                 os.eventfd_write(item.signal, 1)
+
+    def _hand_over(self, items: list[_Work], failure: JournalError | None) -> None:
+        """(Writer thread) pass settled ``items``, and the disk failure to report before any
+        of their tasks runs on, to the acker (J21)."""
+        self._acked.append((items, failure))
+        os.eventfd_write(self._ack_fd, 1)
 
     # -- writer threads ------------------------------------------------------------
 
@@ -545,14 +589,11 @@ class WriterPool:
                     self._abandon(batch, exc)
                 if failure is None and batch[0].signal is not None:
                     # a task handed its item over alone: it waits on the shard's eventfd,
-                    # not for a loop callback (J20); the rest of its batch came after it
+                    # not for the acker (J20); the rest of its batch came after it
                     os.eventfd_write(batch[0].signal, 1)
                     batch = batch[1:]
-                try:
-                    if batch:
-                        self._token.run_sync_soon(self._deliver, batch, failure)
-                except trio.RunFinishedError:  # pragma: no cover - the run ended first
-                    return
+                if batch:
+                    self._hand_over(batch, failure)
             # a full generation's logs get their records after the batch is acknowledged:
             # one log per batch, and more while nothing is queued
             while sync is not None and self._trickle(sync) and q.empty():
@@ -943,10 +984,9 @@ class WriterPool:
 
     def _report(self, error: JournalError | None) -> None:
         """Report a disk failure met outside a batch (writing owed records between
-        batches) on the Trio loop."""
+        batches) on the Trio loop, in order with the batches (J21)."""
         if isinstance(error, DiskFailedError):
-            with contextlib.suppress(trio.RunFinishedError):
-                self._token.run_sync_soon(self._on_disk_failure, error)
+            self._hand_over([], error)
 
     def _poison(self, target: LogTarget, exc: OSError) -> JournalError:
         """Truncate back to the last good frame, record the poison, refuse more."""

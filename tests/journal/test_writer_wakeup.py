@@ -1,7 +1,8 @@
 """How an append's task is woken once its record is durable (journal.md J8b, J20).
 
-The writer thread reschedules a batch's tasks with one ``run_sync_soon`` callback, or
-writes the shard's eventfd for a task that handed its item over alone (J20). The wait
+The writer thread passes a settled batch to the pool's acker, a Trio task that reschedules
+its tasks (J21), or writes the shard's eventfd for a task that handed its item over alone
+(J20). The wait
 refuses cancellation (a record handed over always reports its fate to its caller; the cancel
 comes after), and a batch's disk failure is reported before any of its tasks runs on.
 """
@@ -20,7 +21,7 @@ import trio.testing
 
 from runtime import DiskFailedError, JournalError, ReasonCode, open_store
 from runtime._journal._sync_log import SYNC_DIR
-from runtime._journal._writer import handoffs_in_flight
+from runtime._journal._writer import LogTarget, WriterPool, handoffs_in_flight
 from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import OutboxAction
 
@@ -215,31 +216,31 @@ async def test_j8b_an_error_that_is_not_the_disks_while_owed_records_trickle_out
                 assert refused.value.code is ReasonCode.JOURNAL_POISONED
 
 
-class _CountedToken:
-    """A Trio token that counts the loop callbacks a writer thread schedules."""
+class _CountedHandOvers:
+    """Counts the settled batches a writer thread passes to the pool's acker (J21)."""
 
-    def __init__(self, inner: trio.lowlevel.TrioToken) -> None:
-        self.inner = inner
-        self.callbacks = 0
+    def __init__(self, pool: Any) -> None:
+        self.inner = pool._hand_over
+        self.calls = 0
+        pool._hand_over = self
 
-    def run_sync_soon(self, *args: Any) -> None:
-        self.callbacks += 1
-        self.inner.run_sync_soon(*args)
+    def __call__(self, *args: Any) -> None:
+        self.calls += 1
+        self.inner(*args)
 
 
 async def test_j20_a_lone_append_is_woken_without_a_loop_callback(tmp_path: Path) -> None:
     """J20: one lane's appends, each alone in flight, are woken through their shard's
-    eventfd — no ``run_sync_soon`` callback at all; appends arriving together on one shard
-    still are all acknowledged, in order, the ones behind the first through the callback."""
+    eventfd — nothing passed to the acker; appends arriving together on one shard still are
+    all acknowledged, in order, the ones behind the first through the acker (J21)."""
     with trio.fail_after(20):
         async with open_store(tmp_path / "state") as store:
             log = await store.create_delivery_log("d")
             others = [await store.create_delivery_log(f"e{i}") for i in range(4)]
-            token = _CountedToken(store._pool._token)
-            store._pool._token = cast(trio.lowlevel.TrioToken, token)
+            handed = _CountedHandOvers(store._pool)
             for i in range(20):
                 assert await log.append(_record(f"step-{i}")) == 1 + i
-            assert token.callbacks == 0
+            assert handed.calls == 0
             got: dict[str, int] = {}
 
             async def append(journal: Any, name: str) -> None:
@@ -249,7 +250,7 @@ async def test_j20_a_lone_append_is_woken_without_a_loop_callback(tmp_path: Path
                 for i, other in enumerate(others):  # one shard: delivery logs share shard 0
                     nursery.start_soon(append, other, f"other-{i}")
             assert got == {f"other-{i}": 1 for i in range(4)}
-            assert token.callbacks >= 1
+            assert handed.calls >= 1
             assert (await store.read(log.rel)).records[1:] == tuple(
                 _record(f"step-{i}") for i in range(20)
             )
@@ -387,3 +388,69 @@ async def test_j20_a_wait_ended_by_an_exception_leaves_no_signal_for_the_next(
                 fs.go.set()
             assert results == [1]
             assert (await store.read(first.rel)).records[1:] == (_record("first"),)
+
+
+async def test_j21_closing_the_pool_while_a_batch_is_written(tmp_path: Path) -> None:
+    """J21: the pool closed while a batch of several appends (delivered by the acker, not by
+    a lone append's eventfd) is being written: every append still gets its number, the
+    close ends, and the acker has stopped before its eventfd is closed. Repeated, since the
+    loop may run the close and the acker in either order."""
+    for attempt in range(20):
+        fs = _HeldWrite(OsFileSystem())
+        got: dict[str, int] = {}
+        with trio.fail_after(20):
+            async with open_store(tmp_path / f"state-{attempt}", fs=cast(FileSystem, fs)) as store:
+                logs = [await store.create_delivery_log(f"d{i}") for i in range(4)]
+                fs.holding = True
+
+                async def append(log: Any, name: str, got: dict[str, int]) -> None:
+                    got[name] = await log.append(_record(name))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(append, logs[0], "first", got)
+                    await trio.to_thread.run_sync(fs.held.wait, 10)
+                    for i, log in enumerate(logs[1:]):  # queued behind the held write: a batch
+                        nursery.start_soon(append, log, f"other-{i}", got)
+                    while handoffs_in_flight() < len(logs):
+                        await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                    nursery.start_soon(store._pool.aclose)
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                    fs.go.set()
+                assert store._pool._acker_stopped.is_set()
+        assert got == {"first": 1, "other-0": 1, "other-1": 1, "other-2": 1}
+
+
+def test_j21_a_pool_never_closed_does_not_keep_the_run_from_ending(tmp_path: Path) -> None:
+    """J21: the acker is a system task of the run: a pool left open (a bug in its owner)
+    neither hangs the run's end nor crashes it; its appends were all acknowledged."""
+    pools: list[WriterPool] = []
+
+    async def main() -> list[int]:
+        path = tmp_path / "shared.log"
+        pool = WriterPool(
+            OsFileSystem(), shards=1, poison_document=lambda *_: b"{}", on_disk_failure=print
+        )
+        pools.append(pool)
+        target = LogTarget(
+            path=str(path),
+            rel="shared.log",
+            good_length=0,
+            next_seq=0,
+            poison_path=str(path) + ".poison",
+            create=True,
+        )
+        target.grouped = True
+        numbers: list[int] = []
+
+        async def append(n: int) -> None:
+            numbers.append(await pool.append(target, b"record %d" % n))
+
+        async with trio.open_nursery() as nursery:
+            for n in range(10):
+                nursery.start_soon(append, n)
+        return sorted(numbers)
+
+    assert trio.run(main) == list(range(10))
+    assert pools[0]._acker_stopped.is_set()
+    for q in pools[0]._queues:  # let the threads go (what aclose would have done)
+        q.put(None)
