@@ -17,7 +17,7 @@ import trio
 
 from runtime._boundary._receipts import ReceiptStore
 
-from ._procs import sweep_epochs
+from ._procs import hosts_run_under, sweep_epochs
 
 REPO: Final = Path(__file__).resolve().parents[1]
 Fact = dict[str, Any]
@@ -72,6 +72,19 @@ class Host:
         assert await self.process.wait() == 0, self.explain()
         return self.facts
 
+    async def stopped(self) -> None:
+        """Wait until the host has stopped itself (a task host's pause point stops it whole:
+        ``task_host.stop_here``) — on its state change, not by polling; raise if it ended
+        instead. The stop is left for the host's SIGKILL (``WNOWAIT``: nothing is reaped)."""
+        pid = self.process.pid
+
+        def changed() -> os.waitid_result | None:
+            return os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+
+        seen = await trio.to_thread.run_sync(changed, abandon_on_cancel=True)
+        if seen is None or seen.si_code != os.CLD_STOPPED:
+            raise AssertionError(f"the host ended instead of stopping; {self.explain()}")
+
     async def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         await self.process.wait()
@@ -82,7 +95,9 @@ async def run_host(
     script: Path, root: Path, spec: Mapping[str, Any], name: str
 ) -> AsyncIterator[Host]:
     """Run ``script`` on ``spec`` (written to ``root/<name>.json``, with ``base`` = ``root``);
-    its stderr goes to ``root/<name>.stderr``. Killed on exit if still running."""
+    its stderr goes to ``root/<name>.stderr``. Killed on exit if still running. Its workers
+    are looked for when the test ends (``tests/_procs.py``'s ``no_worker_left_by_hosts``)."""
+    hosts_run_under(root)
     spec_path = root / f"{name}.json"
     spec_path.write_text(json.dumps({"base": str(root), **spec}))
     stderr_path = root / f"{name}.stderr"

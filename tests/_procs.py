@@ -3,12 +3,25 @@
 And leaving none: :func:`sweep_epochs` kills what the worker epochs of a test's hosts left
 running, from their ``EpochStarted`` records (with the runtime's own
 :func:`~runtime._pi._worker.kill_epoch_leftovers`, what a restarted host does) and, for an
-epoch a host launched but never recorded, by its nonce."""
+epoch a host launched but never recorded, by its nonce.
+
+And checking none is left at a test's end: a test that starts host processes registers the
+directory they run under (:func:`hosts_run_under`; ``tests/_host_process.py``'s ``run_host``
+does it), and the :func:`no_worker_left_by_hosts` fixture (autouse in ``tests/rooms`` and
+``tests/server``) fails the test if a worker process of theirs still runs when it ended.
+"""
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final
+
+import pytest
 
 from runtime._errors import PiRuntimeError
 from runtime._journal._journal import read_log
@@ -132,3 +145,116 @@ async def sweep_epochs(root: Path) -> dict[str, list[int]]:
                 report.survivors + report.undecided
             )
     return left
+
+
+HOST_ROOTS: Final[list[Path]] = []
+"""The directories the current test ran host processes under (:func:`hosts_run_under`)."""
+EXIT_BOUND: Final = 10.0
+"""Seconds a worker still exiting as its test ends is waited for (on its pidfd)."""
+
+
+def hosts_run_under(root: Path) -> None:
+    """The current test runs host processes under ``root``: their workers are checked for at
+    its end (:func:`no_worker_left_by_hosts`)."""
+    if root not in HOST_ROOTS:
+        HOST_ROOTS.append(root)
+
+
+def workers_under(root: Path) -> dict[int, str]:
+    """Every live process of a worker epoch run under ``root``, with its command line: one
+    whose ``HOME`` is ``root`` or under it (every lane's worker gets a HOME of its own in the
+    host's work root) and one carrying the nonce of such an epoch, or of an epoch recorded in
+    ``root``'s lane logs (a descendant that set another HOME). Exact: a process of another
+    test — of this run or of another checkout's — has neither (its HOME is under its own
+    ``tmp_path``; a nonce is random per epoch)."""
+    prefix, home = f"{EPOCH_ENV}=".encode(), f"HOME={root}".encode()
+    environs = {
+        pid: (read_environ(pid) or b"").split(b"\0")
+        for pid, info in proc_table().items()
+        if info.alive
+    }
+    markers = {f"{EPOCH_ENV}={r.nonce}".encode() for r in recorded_epochs(root)}
+    for environ in environs.values():
+        if any(entry == home or entry.startswith(home + b"/") for entry in environ):
+            markers |= {entry for entry in environ if entry.startswith(prefix)}
+    return {
+        pid: _command_line(pid)
+        for pid, environ in environs.items()
+        if any(e == home or e.startswith(home + b"/") or e in markers for e in environ)
+    }
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def _pidfds(pids: Iterable[int], root: Path) -> dict[int, int]:
+    """A pidfd for each of ``pids`` that still is a worker under ``root`` once the pidfd is
+    open (so a pid reused since the scan is never waited on, nor signalled)."""
+    fds: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        if pid in workers_under(root):
+            fds[pid] = fd
+        else:
+            os.close(fd)
+    return fds
+
+
+def _wait_exits(fds: dict[int, int], bound: float) -> list[int]:
+    """Wait up to ``bound`` seconds for the processes of ``fds`` to exit — on their pidfds,
+    which become readable at the exit: no sleeping, no polling of the process table. The
+    pids that have not exited by then."""
+    poller = select.poll()
+    for fd in fds.values():
+        poller.register(fd, select.POLLIN)
+    running = {fd: pid for pid, fd in fds.items()}
+    deadline = time.monotonic() + bound
+    while running and (left := deadline - time.monotonic()) > 0:
+        for fd, _events in poller.poll(left * 1000):
+            poller.unregister(fd)
+            running.pop(fd, None)
+    return sorted(running.values())
+
+
+def leave_no_worker(root: Path, bound: float = EXIT_BOUND) -> dict[int, str]:
+    """What :func:`workers_under` ``root`` finds still running once each has had ``bound``
+    seconds to exit (a worker legitimately still exiting as its test ends is waited for);
+    those are killed (SIGKILL through the pidfd: that process, no other) and returned, by pid,
+    with their command lines. Empty: nothing was left."""
+    found = workers_under(root)
+    fds = _pidfds(found, root)
+    try:
+        left = _wait_exits(fds, bound)
+        for pid in left:
+            signal.pidfd_send_signal(fds[pid], signal.SIGKILL)
+        _wait_exits({pid: fds[pid] for pid in left}, bound)
+        return {pid: found[pid] for pid in left}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+@pytest.fixture
+def no_worker_left_by_hosts() -> Iterator[None]:
+    """After a test that ran host processes (:func:`hosts_run_under`): no worker process any
+    of them started is still running — a host that stopped cleanly stopped its workers, and
+    one SIGKILLed had its orphans killed by the host that recovered after it (W7), or the test
+    killed them itself. One still exiting is waited for, a bounded while, on its pidfd; what
+    is left is killed and fails the test (a teardown error naming each process). The same
+    check as ``tests/_host_process.py``'s ``no_epoch_left`` (task crash tests), found by what
+    every worker carries — its HOME under the test's directory, its epoch's nonce — since a
+    room worker's epochs may be in no file the test can read (a PostgreSQL store)."""
+    HOST_ROOTS.clear()
+    yield
+    roots = list(HOST_ROOTS)
+    HOST_ROOTS.clear()
+    left = {f"{root}: {pid}": line for root in roots for pid, line in leave_no_worker(root).items()}
+    assert not left, f"worker processes of the test's hosts left running (killed now): {left}"

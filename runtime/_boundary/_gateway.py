@@ -19,9 +19,10 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
 * upstream inactivity ends the stream with an error Pi retries in-process (G10);
   so does, when configured, an upstream that sends no data event, only comments (G15);
   an upstream error, before the stream or inside it, is relayed and never journaled (G10);
-* with ``park_unavailable``, an unavailable provider — no response, 408, 429, 5xx, or an
-  outage it reports inside a 200 stream before anything of the answer was passed on — ends
-  the worker's turn with :data:`PARKED_MESSAGE` for the runtime's backoff (PB1).
+* with ``park_unavailable``, an unavailable provider — no response (a cut before any of the
+  answer too), 408, 429, 5xx, or an outage it reports inside a 200 stream — ends the worker's
+  turn with :data:`PARKED_MESSAGE` for the runtime's backoff (PB1), by one rule: while nothing
+  of the answer was passed on (:func:`carries_answer`).
 
 Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
 :func:`is_upstream_error`, :func:`stream_failure`, :func:`carries_answer`,
@@ -131,6 +132,18 @@ class UpstreamFailure:
     account_limit: bool = False
     """Its body reports an account usage limit (quota, billing, plan:
     :data:`~runtime._pi._provider_errors.USAGE_LIMIT_PATTERN`)."""
+    in_stream: str | None = None
+    """For an error inside a 200 stream (:func:`stream_failure`): what it said, in words a
+    continuation may carry — what it named (its class as the provider spelled it when that is
+    a plain identifier, a status, an account limit) and the status it was taken for."""
+
+    def describe(self) -> str:
+        """What was received, in words a continuation may carry (PB6): ``HTTP <status>``,
+        ``no response``, or an error inside a 200 stream by what it named — never a status
+        that was not received."""
+        if self.in_stream is not None:
+            return self.in_stream
+        return "no response" if self.status is None else f"HTTP {self.status}"
 
     @property
     def unavailable(self) -> bool:
@@ -241,27 +254,47 @@ def stream_failure(payload: str, retry_after: float | None = None) -> UpstreamFa
     chunk = _decode(payload)
     error = chunk.get("error") if chunk is not None else None
     account_limit = USAGE_LIMIT_PATTERN.search(payload) is not None
-    return UpstreamFailure(_stream_status(error, account_limit), retry_after, account_limit)
+    status, named = _stream_status(error, account_limit)
+    said = f"{named} inside an HTTP 200 stream"
+    if status != 200 and not named.startswith("an error naming status"):
+        said += f", taken for a {status}"
+    return UpstreamFailure(status, retry_after, account_limit, in_stream=said)
 
 
-def _stream_status(error: object, account_limit: bool) -> int:
-    """The status an error inside a stream says (:func:`stream_failure`)."""
+_PLAIN_NAME: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+"""A class name an error inside a stream may be told by (PB6): a plain identifier, never the
+provider's free text."""
+
+
+def _stream_status(error: object, account_limit: bool) -> tuple[int, str]:
+    """The status an error inside a stream says (:func:`stream_failure`), and what it named."""
     if isinstance(error, dict):
         for key in ("status", "status_code", "code"):
             value = error.get(key)
             if isinstance(value, str) and value.isascii() and value.isdigit():
                 value = int(value)
             if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
-                return value
+                return value, f"an error naming status {value}"
     if account_limit:
-        return 429
-    if not isinstance(error, dict):
-        return 200
-    names = [v for k in ("type", "code", "status") if isinstance(v := error.get(k), str) and v]
-    for status, pattern in _STREAM_ERROR_CLASSES:
-        if any(pattern.search(name) for name in names):
-            return status
-    return 400 if names else 200
+        return 429, "an account limit"
+    names = (
+        [v for k in ("type", "code", "status") if isinstance(v := error.get(k), str) and v]
+        if isinstance(error, dict)
+        else []
+    )
+    if not names:
+        return 200, "an error naming no class"
+    status, name = next(
+        (
+            (status, name)
+            for status, pattern in _STREAM_ERROR_CLASSES
+            for name in names
+            if pattern.search(name)
+        ),
+        (400, names[0]),
+    )
+    told = f"class {name}" if _PLAIN_NAME.fullmatch(name) else "an unnamed class"
+    return status, f"an error of {told}"
 
 
 def carries_answer(payload: str) -> bool:
@@ -396,9 +429,10 @@ class GatewayConfig:
     """PB1: an upstream that is unavailable (:attr:`UpstreamFailure.unavailable`) ends the
     worker's turn at once with :data:`PARKED_MESSAGE`, which the worker does not retry: the
     runtime's durable backoff is then the one retry policy (room and task lanes with
-    ``[backoff]``). So does an outage reported inside a 200 stream (:func:`stream_failure`)
-    while nothing of the answer was passed to the worker (:func:`carries_answer`); after that
-    G10 relays it and cuts, and :attr:`Gateway.upstream_failure` keeps it for the backoff."""
+    ``[backoff]``). So do an outage reported inside a 200 stream (:func:`stream_failure`) and
+    an upstream cut, while nothing of the answer was passed to the worker
+    (:func:`carries_answer`); after that G10 relays the error and cuts (a cut is relayed as a
+    cut), and :attr:`Gateway.upstream_failure` keeps an error for the backoff."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -708,6 +742,13 @@ class Gateway:
         park = self.config.park_unavailable
         limit = self.config.upstream_inactivity
         data_limit = self.config.upstream_data_inactivity
+
+        def parks(failure: UpstreamFailure) -> bool:
+            """PB1, the one rule for every way an outage shows — a status, an error inside the
+            stream, a cut: it parks the turn while nothing of the answer has been passed to
+            the worker (keepalives, its role, empty deltas: :func:`carries_answer`)."""
+            return park and failure.unavailable and not answering
+
         with (
             trio.CancelScope(deadline=trio.current_time() + limit) as silence,
             trio.CancelScope() as no_data,  # G15: only data events move it
@@ -732,7 +773,7 @@ class Gateway:
                     if is_upstream_error(payload):  # relayed as it came, never held
                         failure = stream_failure(payload, retry_after)
                         failed.append(failure)
-                        parking = park and failure.unavailable and not answering
+                        parking = parks(failure)
                         if not parking:
                             passed.append(sse_data(payload))
                         break
@@ -760,7 +801,7 @@ class Gateway:
                             USAGE_LIMIT_PATTERN.search(error.decode(errors="replace")) is not None,
                         )
                         self.upstream_failure = failure
-                        if failure.unavailable and park:
+                        if parks(failure):
                             await self._park(downstream)
                             return
                         await self._relay_status(upstream.status, error, downstream)
@@ -778,9 +819,9 @@ class Gateway:
                         if passed := take(events.end()):
                             await downstream.send(passed)
             except HttpClientError:
-                if not chunks:  # no answer at all: refused, unreachable, cut before any data
-                    self.upstream_failure = UpstreamFailure(None)
-                    if park:
+                if not answering:  # no response: refused, unreachable, cut before the answer
+                    self.upstream_failure = failure = UpstreamFailure(None)
+                    if parks(failure):
                         await self._park(downstream)
                 return  # upstream cut: cut the worker too ("terminated", retried)
         if silence.cancelled_caught:  # G10

@@ -16,6 +16,7 @@ Layout (docs/design/journal.md)::
       results.log              the numbered result outbox (shared)
       expired.ids              the expired-id filter (docs/design/retention.md RT4)
       tasks-expired.ids        the expired task ids, the same format (RT12)
+      trash/<name>.gone-<hex>  a directory retention is removing, renamed here first (RT15)
       receipts.sqlite          the receipt store
 
 File names derive from hashes of client-chosen ids, never the raw ids, and
@@ -27,12 +28,12 @@ be moved or restored as a whole. Sockets live in a short runtime directory
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import os
 import secrets
-import shutil
 import stat
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -59,6 +60,7 @@ from ._frame import encode_frame
 from ._interface import Log
 from ._journal import Journal, LogContents, decode_log, encode_record, read_log, slimmed
 from ._sync_log import SYNC_DIR, Redone, redo
+from ._trash import TRASH, discard_tree, sweep_trash
 from ._writer import TMP_MARK, LogTarget, StagedFile, WriterPool, atomic_write, disk_error
 
 __all__ = [
@@ -311,17 +313,14 @@ class Store:
 
     async def remove_tree(self, rel: str) -> bool:
         """Remove the directory ``rel`` and everything in it (an expired task's lane
-        directory, RT12), then fsync its parent: whether it was there."""
+        directory, RT12), crash-safe (RT15, :func:`~runtime._journal._trash.discard_tree`):
+        renamed into ``trash/`` first, durably, then removed there. Whether it was there.
+        What a crash left in the trash goes at the next :meth:`sweep_trash`."""
+        return await self._blocking(rel, discard_tree, self.fs, str(self.root), rel)
 
-        def remove() -> bool:
-            path = self.path(rel)
-            if not os.path.isdir(path):
-                return False
-            shutil.rmtree(path)
-            self.fs.fsync_dir(os.path.dirname(path))
-            return True
-
-        return await self._blocking(rel, remove)
+    async def sweep_trash(self) -> list[str]:
+        """Remove what a crash left in ``trash/`` (RT15): the names removed."""
+        return await self._blocking(TRASH, sweep_trash, self.fs, str(self.root))
 
     async def rewrite_shared(
         self,
@@ -347,24 +346,28 @@ class Store:
 
         With ``bytes_per_second``, the bulk is written in :data:`COMPACT_CHUNK` pieces at no
         more than that rate (RT10's byte budget: a sleep after each piece, nothing held
-        meanwhile); the catch-up, while appends wait, is written at once."""
+        meanwhile); the catch-up, while appends wait, is written at once.
+
+        The :class:`Compacted` mark counts exactly the records the old file holds as it is
+        replaced (after its header and any mark of its own) and the new one does not carry
+        over (RT6) — ``records`` and the catch-up, each standing for one record of the old
+        file (an admission slimmed to its idempotency record counts as carried over). That
+        is known only once appends wait, so the mark is written last, in place: the new
+        file's first frame (its header and the mark) is padded to a size the count never
+        outgrows (:func:`_head`) and overwritten before the file is synced."""
         rel, contents = journal.rel, journal.contents
         kind = contents.header.kind
         marked = len(contents.records) > 1 and isinstance(contents.records[1], Compacted)
-        before = journal.next_seq - 1 - marked  # the records the file holds after its header
         header = Header(
             schema_version=SCHEMA_VERSION,
             kind=kind,
             subject=contents.header.subject,
             created_ms=self.clocks.wall.time_ms(),
         )
-        mark = Compacted(
-            compacted_ms=header.created_ms,
-            removed=max(0, before - len(records)),
-            last_seq=last_seq,
-        )
+        mark = Compacted(compacted_ms=header.created_ms, removed=0, last_seq=last_seq)
         written: list[Record] = [header, mark, *records]
-        data = await trio.to_thread.run_sync(_framed, written)
+        head = _head(header, mark)
+        data = head + await trio.to_thread.run_sync(functools.partial(_framed, records, first=2))
         path = self.path(rel)
         staged = await self._blocking(rel, StagedFile, self.fs, path)
         try:
@@ -380,8 +383,14 @@ class Store:
                     written += since
                     data += tail
                 await self.close_log(journal)  # nothing appends to it now
+                before = journal.next_seq - 1 - marked  # what the old file holds, all of it
+                carried = len(written) - 2
+                mark = msgspec.structs.replace(mark, removed=max(0, before - carried))
+                written[1] = mark
                 try:
-                    await self._blocking(rel, staged.commit)
+                    await self._blocking(
+                        rel, _commit_with_head, self.fs, staged, _head(header, mark)
+                    )
                 except BaseException as exc:
                     self._adopt(await self._open_existing(rel, kind))  # what is there now
                     if staged.renamed and isinstance(exc, OSError):
@@ -694,6 +703,35 @@ def _framed(records: list[Record], *, first: int = 0) -> bytes:
         encode_frame(first + at, encoded[at : at + _FRAME_RECORDS])
         for at in range(0, len(encoded), _FRAME_RECORDS)
     )
+
+
+_MOST: Final = 2**64 - 1
+"""More records than a log can number (a frame's first seq is a u64): a count's widest."""
+
+
+def _head(header: Header, mark: Compacted) -> bytes:
+    """A rewritten shared log's first frame — its header and its :class:`Compacted` mark —
+    the same size whatever the mark's count (:meth:`Store.rewrite_shared`): the mark's
+    encoding is followed by the JSON whitespace the widest count would fill."""
+    widest = len(encode_record(msgspec.structs.replace(mark, removed=_MOST)))
+    encoded = encode_record(mark)
+    return encode_frame(0, [encode_record(header), encoded + b" " * (widest - len(encoded))])
+
+
+def _commit_with_head(fs: FileSystem, staged: StagedFile, head: bytes) -> None:
+    """Write ``head`` over the staged file's first frame (as long as it), then commit the
+    file (blocking; :meth:`Store.rewrite_shared`). One sync covers both: the temp file's."""
+    handle = fs.open_write(staged.tmp)
+    try:
+        view = memoryview(head)
+        while view:
+            n = fs.pwrite(handle, bytes(view), len(head) - len(view))
+            if n <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            view = view[n:]
+    finally:
+        fs.close(handle)
+    staged.commit()
 
 
 @contextlib.asynccontextmanager

@@ -487,7 +487,7 @@ class Lane:
         if resting and self.host.breaker is not None:  # PB2: the recorded schedule holds
             self.host.breaker.resume(parks[-1])
         started = next((r for r in existing if isinstance(r, Admission)), None)
-        slot = self._slot_for(pending)
+        slot = await self._slot_for(pending)
         if started is None:
             try:
                 leaf = await self._leaf(slot.session)
@@ -771,14 +771,26 @@ class Lane:
 
     # -- sessions ----------------------------------------------------------------------
 
-    def _slot_for(self, pending: Pending) -> Slot:
+    async def _slot_for(self, pending: Pending) -> Slot:
+        """The slot ``pending`` runs in: a one-shot one when it is privileged, else the
+        room's — a new one when the room's grants differ from its slot's (L6), the old one
+        stopped first. That one is idle or already stopping: the lane runs one delivery at a
+        time and the room slot's turns only in :meth:`_run`, so its last turn ended — at
+        ``agent_settled``, or with its epoch fenced (a death, a stall, a park, a journal
+        failure) or asked to stop (L17) — before this delivery was taken up. It is stopped
+        the ordinary way, bounded by the abort grace (L20), and gives its live-worker place
+        back before the new one needs one (L8); left running, it would hold that place, and
+        the session beside the new worker, until the lane ended."""
         if pending.privileged:
             session = self.dir / "oneshot" / f"{delivery_key(pending.delivery_id)}.jsonl"
             self._oneshot = Slot(self, self._boundary_config(pending.grants, "o"), session)
             return self._oneshot
-        if self._room is None or self._room.config.granted != pending.grants:
-            self._room = Slot(self, self._boundary_config(pending.grants, "r"), self.session)
-        return self._room
+        slot = old = self._room
+        if slot is None or slot.config.granted != pending.grants:
+            self._room = slot = Slot(self, self._boundary_config(pending.grants, "r"), self.session)
+            if old is not None:
+                await old.retire(self.host.abort_grace)
+        return slot
 
     def _rel(self, path: Path) -> str:
         return str(path.relative_to(self.host.store.root))

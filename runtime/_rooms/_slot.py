@@ -205,3 +205,16 @@ class Slot:
         """Stop the epoch, then the boundaries (a one-shot slot's end)."""
         await self.stop()
         self._scope.cancel()
+
+    async def retire(self, grace: float) -> None:
+        """The room's slot replaced by one of other grants (L6): stop the live epoch the
+        ordinary way (:meth:`stop`: an abort first if a run were in flight, stdin closed once
+        settled), fenced if it has not ended within ``grace``; then end the boundaries and
+        wait for them. The epoch's end gives its live-worker place back (L8). Returns once
+        nothing of the slot runs."""
+        with trio.move_on_after(grace):
+            await self.stop()
+        await self.fence()
+        self._scope.cancel()
+        if self.boundaries is not None:
+            await self._served.wait()

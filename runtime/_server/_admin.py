@@ -9,6 +9,12 @@ one request object per connection, one response object back, then the server clo
     → {"command": "cancel", "delivery_id": "d1"}
     ← {"ok": false, "code": "delivery_unknown", "message": "no delivery d1"}
 
+While a handler works on its answer the server sends a blank line every
+:data:`KEEPALIVE_SECONDS`; the client skips them and gives up only after
+:data:`CLIENT_TIMEOUT` seconds with nothing received. So the client waits as long as the
+server's own deadline for the command — a ``cancel``'s follows the configured abort grace
+(O7) — and no longer.
+
 :func:`serve_admin` runs the server side until cancelled, answering through an
 :class:`AdminHandler` (the ``serve`` command passes one over its room worker) and, for the
 ``task_*`` and ``tasks`` commands, a :class:`TaskAdminHandler` (its task service; a server
@@ -46,6 +52,7 @@ from typing import Annotated, Any, Final, Literal, Protocol, get_args
 import msgspec
 import trio
 
+from .._config import Thresholds
 from .._errors import AdminError, PiRuntimeError, ReasonCode, StateDirError
 from .._journal._store import _check_private
 from .._journal._writer import TMP_MARK
@@ -60,6 +67,7 @@ __all__ = [
     "admin_request",
     "admin_socket_path",
     "answer",
+    "handler_deadline",
     "serve_admin",
 ]
 
@@ -71,9 +79,16 @@ MAX_RESPONSE: Final = 64 * 1024 * 1024
 REQUEST_TIMEOUT: Final = 5.0
 """A connection that has not sent its whole request by then is answered ``admin_timeout``."""
 HANDLER_TIMEOUT: Final = 30.0
-"""A handler that has not answered by then is cancelled; the answer is ``admin_timeout``."""
+"""A handler that has not answered by then is cancelled; the answer is ``admin_timeout``.
+A ``cancel`` gets the abort grace on top (:func:`handler_deadline`)."""
+DEFAULT_ABORT_GRACE: Final = Thresholds().abort_grace_seconds
+"""The abort grace a server is given when its caller names none (the configuration's
+default ``thresholds.abort_grace_seconds``)."""
+KEEPALIVE_SECONDS: Final = 10.0
+"""While a handler works, a blank line this often, so the client knows the server is still
+at it (less than :data:`CLIENT_TIMEOUT`)."""
 CLIENT_TIMEOUT: Final = 40.0
-"""How long :func:`admin_request` waits for the whole exchange by default."""
+"""How long :func:`admin_request` waits with nothing received (a keepalive counts)."""
 _SEND_TIMEOUT: Final = 5.0
 _MAX_SUN_PATH: Final = 107
 _PEERCRED: Final = struct.Struct("3i")
@@ -368,10 +383,13 @@ async def serve_admin(
     handler: AdminHandler,
     *,
     tasks: TaskAdminHandler | None = None,
+    abort_grace: float = DEFAULT_ABORT_GRACE,
     task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer admin requests on ``<state>/admin.sock`` until cancelled; the task commands
-    through ``tasks`` (without it they are ``admin_unknown_command``).
+    through ``tasks`` (without it they are ``admin_unknown_command``). ``abort_grace`` is
+    the server's ``thresholds.abort_grace_seconds``: a ``cancel`` may wait that long for its
+    abort (lanes.md L13), so its handler gets that much more time (:func:`handler_deadline`).
 
     ``task_status.started(path)`` once the socket listens. Raises
     :class:`~runtime._errors.StateDirError` ``admin_already_serving`` when a live server
@@ -388,7 +406,7 @@ async def serve_admin(
         async with trio.open_nursery() as nursery:
             task_status.started(path)
             await trio.serve_listeners(
-                functools.partial(_serve_connection, handler, tasks),
+                functools.partial(_serve_connection, handler, tasks, abort_grace),
                 [listener],
                 handler_nursery=nursery,
             )
@@ -399,11 +417,14 @@ async def serve_admin(
 
 
 async def _serve_connection(
-    handler: AdminHandler, tasks: TaskAdminHandler | None, stream: trio.SocketStream
+    handler: AdminHandler,
+    tasks: TaskAdminHandler | None,
+    abort_grace: float,
+    stream: trio.SocketStream,
 ) -> None:
     try:
         async with stream:
-            response = await _answer(handler, tasks, stream)
+            response = await _answer(handler, tasks, stream, abort_grace)
             if response is None:
                 return
             with trio.move_on_after(_SEND_TIMEOUT):
@@ -415,7 +436,10 @@ async def _serve_connection(
 
 
 async def _answer(
-    handler: AdminHandler, tasks: TaskAdminHandler | None, stream: trio.SocketStream
+    handler: AdminHandler,
+    tasks: TaskAdminHandler | None,
+    stream: trio.SocketStream,
+    abort_grace: float,
 ) -> dict[str, Any] | None:
     """The response to one connection's request (``None``: it sent nothing)."""
     if _peer_uid(stream) != os.geteuid():
@@ -431,7 +455,24 @@ async def _answer(
         )
     if not line.strip():
         return None
-    return await answer(handler, tasks, line)
+    response: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_keep_alive, stream)
+        response = await answer(handler, tasks, line, abort_grace=abort_grace)
+        nursery.cancel_scope.cancel()
+    return response
+
+
+async def _keep_alive(stream: trio.SocketStream) -> None:
+    """A blank line every :data:`KEEPALIVE_SECONDS` until cancelled (the answer is ready);
+    a client gone or not reading ends them, never the handler's work."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        while True:
+            await trio.sleep(KEEPALIVE_SECONDS)
+            with trio.move_on_after(_SEND_TIMEOUT) as unsent:
+                await stream.send_all(b"\n")  # one byte: sent whole, or not at all
+            if unsent.cancelled_caught:
+                return
 
 
 async def answer(
@@ -440,10 +481,12 @@ async def answer(
     line: bytes,
     *,
     commands: frozenset[str] = COMMANDS,
+    abort_grace: float = DEFAULT_ABORT_GRACE,
 ) -> dict[str, Any]:
     """The response to one request ``line`` (a JSON object): checked (O7), then answered by
-    the handlers — what the command line's requests and the operator page's controls both go
-    through. A command not in ``commands`` is ``admin_unknown_command``."""
+    the handlers within :func:`handler_deadline` — what the command line's requests and the
+    operator page's controls both go through. A command not in ``commands`` is
+    ``admin_unknown_command``."""
     request = _parse(line, commands)
     if isinstance(request, dict):
         return request
@@ -452,7 +495,16 @@ async def answer(
             ReasonCode.ADMIN_UNKNOWN_COMMAND,
             f"{request.__struct_config__.tag}: this server runs no task lanes",
         )
-    return await _dispatch(handler, tasks, request)
+    return await _dispatch(handler, tasks, request, handler_deadline(request, abort_grace))
+
+
+def handler_deadline(request: object, abort_grace: float) -> float:
+    """Seconds the handler has to answer ``request`` (O7): :data:`HANDLER_TIMEOUT`; a
+    ``cancel`` that much past ``abort_grace``, since the lane waits up to the grace —
+    shielded: the cancel happens whatever the caller does — for a running delivery's abort
+    (lanes.md L13). With no more than the grace, a cancel whose abort took it all would be
+    answered ``admin_timeout`` although it happened."""
+    return HANDLER_TIMEOUT + (abort_grace if isinstance(request, CancelRequest) else 0.0)
 
 
 async def _call(
@@ -494,11 +546,11 @@ async def _call(
 
 
 async def _dispatch(
-    handler: AdminHandler, tasks: TaskAdminHandler | None, request: _AnyRequest
+    handler: AdminHandler, tasks: TaskAdminHandler | None, request: _AnyRequest, deadline: float
 ) -> dict[str, Any]:
     result: dict[str, Any] | None = None
     try:
-        with trio.move_on_after(HANDLER_TIMEOUT):
+        with trio.move_on_after(deadline):
             result = await _call(handler, tasks, request)
     except PiRuntimeError as error:
         return _refusal(error.code, error.message)
@@ -510,7 +562,7 @@ async def _dispatch(
         )
         return _refusal(ReasonCode.ADMIN_FAILED, "the server failed to answer; see its log")
     if result is None:
-        return _refusal(ReasonCode.ADMIN_TIMEOUT, f"no answer within {HANDLER_TIMEOUT} s")
+        return _refusal(ReasonCode.ADMIN_TIMEOUT, f"no answer within {deadline:g} s")
     try:
         msgspec.json.encode(result)
     except (TypeError, msgspec.EncodeError):
@@ -545,9 +597,11 @@ async def admin_request(state_dir: Path | str, request: dict[str, Any]) -> dict[
     """Send one request to the server owning ``state_dir``; its response, or ``None`` when no
     server listens there (no socket, or a stale one) (O8).
 
-    Raises :class:`~runtime._errors.AdminError` ``admin_timeout`` when the exchange takes
-    longer than :data:`CLIENT_TIMEOUT` (wrap the call in ``trio.fail_after`` for less) and
-    ``admin_bad_response`` when the answer is not a response.
+    Raises :class:`~runtime._errors.AdminError` ``admin_timeout`` when the server sends
+    nothing for :data:`CLIENT_TIMEOUT` seconds — while it works on the answer it sends
+    keepalives, so the wait follows the server's own deadline for the command, a
+    ``cancel``'s too, whatever its abort grace (wrap the call in ``trio.fail_after`` for
+    less) — and ``admin_bad_response`` when the answer is not a response.
     """
     path = admin_socket_path(state_dir)
     timeout = CLIENT_TIMEOUT
@@ -556,17 +610,18 @@ async def admin_request(state_dir: Path | str, request: dict[str, Any]) -> dict[
             stream = await _connect(path)
             if stream is None:
                 return None
-            async with stream:
-                with contextlib.suppress(trio.BrokenResourceError):
-                    # a server refusing a request closes early; its answer is still readable
-                    await stream.send_all(_ENCODER.encode(request) + b"\n")
-                try:
-                    line = await _read_line(stream, MAX_RESPONSE)
-                except trio.BrokenResourceError:
-                    line = b""
+        async with stream:
+            with trio.fail_after(timeout), contextlib.suppress(trio.BrokenResourceError):
+                # a server refusing a request closes early; its answer is still readable
+                await stream.send_all(_ENCODER.encode(request) + b"\n")
+            try:
+                line = await _read_response(stream, MAX_RESPONSE, timeout)
+            except trio.BrokenResourceError:
+                line = b""
     except trio.TooSlowError:
         raise AdminError(
-            ReasonCode.ADMIN_TIMEOUT, f"the server at {path} did not answer within {timeout} s"
+            ReasonCode.ADMIN_TIMEOUT,
+            f"the server at {path} sent nothing for {timeout:g} s",
         ) from None
     try:
         response = _LOOSE.decode(line)
@@ -577,6 +632,27 @@ async def admin_request(state_dir: Path | str, request: dict[str, Any]) -> dict[
             ReasonCode.ADMIN_BAD_RESPONSE, f"the server at {path} did not answer with a response"
         )
     return response
+
+
+async def _read_response(stream: trio.abc.ReceiveStream, limit: int, idle: float) -> bytes:
+    """The response line, the server's keepalives (blank lines) skipped; like
+    :func:`_read_line` otherwise. Raises :class:`trio.TooSlowError` after ``idle`` seconds
+    with nothing received."""
+    buffer = bytearray()
+    while True:
+        end = buffer.find(b"\n")
+        if end == 0:  # a keepalive: the server is still at it
+            del buffer[:1]
+            continue
+        if end > 0:
+            return bytes(buffer[:end])
+        if len(buffer) > limit:
+            return bytes(buffer)
+        with trio.fail_after(idle):
+            chunk = await stream.receive_some(65536)
+        if not chunk:
+            return bytes(buffer)
+        buffer += chunk
 
 
 async def _connect(path: Path) -> trio.SocketStream | None:

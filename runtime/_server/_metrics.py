@@ -32,7 +32,7 @@ from .._errors import ReasonCode
 from .._logs import fields
 from .._metrics import REGISTRY
 from .._tasks._watchdog import Classification
-from ._page import Observed, OperatorPage, Served, write_bound
+from ._page import Observed, OperatorPage, Served, refuse, write_bound
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -179,11 +179,14 @@ async def _handle(
             return
         await page.handle(request, response)
         return
-    if request.method not in ("GET", "HEAD"):
-        await _plain(response, 405, b"only GET /metrics\n", [("allow", "GET, HEAD")])
+    if request.method not in ("GET", "HEAD"):  # M3, M7: the page's refusals, by its function
+        await refuse(
+            response, 405, ReasonCode.PAGE_METHOD, "only GET /metrics", [("allow", "GET, HEAD")]
+        )
         return
     if path != PATH:
-        await _plain(response, 404, b"not found: the metrics are at /metrics\n")
+        where = f"nothing at {path}: the metrics are at {PATH}"
+        await refuse(response, 404, ReasonCode.PAGE_NOT_FOUND, where)
         return
     # the format the scraper asks for (Prometheus text, or OpenMetrics), as the library
     # negotiates it; encoded on the Trio thread: the collector reads live state

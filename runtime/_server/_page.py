@@ -295,7 +295,7 @@ class OperatorPage:
         worker, tasks = self.server.worker, self.server.tasks
         rooms = worker.status()
         pending = sorted(worker.pending())
-        rows = tasks.rows()
+        ends = tasks.ends()
         scale = tasks.policy.timescale
         return {
             "worker_id": self.server.worker_id,
@@ -308,23 +308,22 @@ class OperatorPage:
             "rooms_total": len(rooms),
             "pending": pending[:PENDING_SHOWN],
             "pending_total": len(pending),
-            "tasks": self._shown(rows),
-            "tasks_total": len(rows),
+            "tasks": tasks.rows(self._shown(ends)),  # only the rows it shows are built
+            "tasks_total": len(ends),
             "unsafe_test_timescale": scale,
             "warning": tasks.warning,
         }
 
-    def _shown(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """At most ``TASKS_SHOWN`` of the tasks' rows (OP6), by id: the live ones first (they
-        are what the operator acts on), then the ended ones, each the most recently changed
-        first as the timelines saw them."""
-        if len(rows) <= TASKS_SHOWN:
-            return rows
+    def _shown(self, ends: dict[str, bool]) -> list[str]:
+        """The ids of at most ``TASKS_SHOWN`` tasks (OP6), by id, of every task's id and
+        whether it has ended (``TaskService.ends``): the live ones first (they are what the
+        operator acts on), then the ended ones, each the most recently changed first as the
+        timelines saw them. Only these tasks' rows are built."""
+        if len(ends) <= TASKS_SHOWN:
+            return list(ends)
         recency = {task_id: at for at, task_id in enumerate(self._timelines)}
-        rows = sorted(
-            rows, key=lambda row: (row["ended"] is not None, -recency.get(row["task_id"], -1))
-        )
-        return sorted(rows[:TASKS_SHOWN], key=lambda row: str(row["task_id"]))
+        chosen = sorted(ends, key=lambda task_id: (ends[task_id], -recency.get(task_id, -1)))
+        return sorted(chosen[:TASKS_SHOWN])
 
     async def _journal(self, delivery_id: str) -> dict[str, Any]:
         if not 0 < len(delivery_id) <= 200 or not delivery_id.isprintable():
@@ -387,7 +386,9 @@ class OperatorPage:
         if b"\n" in request.body.strip():
             raise _Refused(400, ReasonCode.ADMIN_BAD_REQUEST, "a request is one JSON object")
         server = self.server
-        answered = await answer(server, server.tasks, request.body.strip(), commands=CONTROLS)
+        grace = server.worker.config.thresholds.abort_grace_seconds  # a cancel's deadline (O7)
+        body = request.body.strip()
+        answered = await answer(server, server.tasks, body, commands=CONTROLS, abort_grace=grace)
         code = answered.get("code")
         if answered.get("ok"):
             status = 200
@@ -585,8 +586,7 @@ class OperatorPage:
         await self._send(response, status, _JSON.encode(body), "application/json")
 
     async def _error(self, response: ResponseWriter, status: int, code: str, message: str) -> None:
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._json(response, status, {"ok": False, "code": str(code), "message": message})
+        await refuse(response, status, code, message)
 
 
 _UNKNOWN: Final = frozenset(
@@ -598,6 +598,24 @@ _UNKNOWN: Final = frozenset(
     }
 )
 """Codes answered 404: nothing of that id is here (any more)."""
+
+
+async def refuse(
+    response: ResponseWriter,
+    status: int,
+    code: str,
+    message: str,
+    extra: list[tuple[str, str]] | None = None,
+) -> None:
+    """Answer a refusal of the listener — the page's and the metrics' alike (OP8, M7): a JSON
+    body ``{"ok": false, "code": …, "message": …}`` with its stable code, the page's headers and
+    ``extra`` (a 405's ``allow``); a client gone meanwhile is let go."""
+    body = _JSON.encode({"ok": False, "code": str(code), "message": message})
+    headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError), write_bound():
+        await response.start(status, [*headers, *_SECURITY, *(extra or [])])
+        await response.send(body)
+        await response.end()
 
 
 @contextlib.contextmanager

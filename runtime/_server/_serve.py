@@ -759,7 +759,9 @@ async def open_server(
         )
         server = RoomServer(worker, state_dir, worker_id=worker_id, tasks=tasks)
         async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(serve_admin, tasks=tasks), state_dir, server)
+            grace = config.thresholds.abort_grace_seconds  # a cancel's deadline (O7)
+            admin = functools.partial(serve_admin, tasks=tasks, abort_grace=grace)
+            await nursery.start(admin, state_dir, server)
             nursery.start_soon(server.fan_out_events)
             await nursery.start(server.fan_out_task_events)
             with _listening("port", f"{options.host}:{options.port}"):

@@ -356,14 +356,14 @@ class EpochWatch:
         if not await self._wait_for_route():
             return True
         gateway.upstream_failure = None
-        status = "no response" if failure.status is None else f"HTTP {failure.status}"
         # numbered over the epoch, not by the park's try: an answer ends the episode and its
         # tries count from 1 again, and a second outage's prompt under the first one's id
         # would be taken for it by its marker and never sent (TL5)
         self._unparks += 1
         await self._send_continuation(
             lane.epoch_action_id(f"unpark{self._unparks}"),
-            f"the model provider was unavailable ({status}); the runtime waited it out",
+            # what was received (PB6): an error inside a 200 stream is not told as a status
+            f"the model provider was unavailable ({failure.describe()}); the runtime waited it out",
         )
         lane.changed()
         return True

@@ -20,6 +20,10 @@ What has not ended is never touched, whatever its age (RT1). Removal is ordered 
 between two steps leaves more, never less (RT5): the log is slimmed before the session goes
 (the slimmed log names nothing the session held), the filter is durable before the lane
 directory goes, and each step is idempotent, so the next pass finishes what a crash left.
+A directory that goes whole (an expired task's work directories, then its lane directory) is
+renamed into a ``trash/`` first and removed there (RT15), and every pass first empties the
+trash: a crash in the middle of removing one leaves nothing under its name, and nothing a
+later pass could fail to find.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .._errors import DiskFailedError, ReasonCode, TaskError
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._journal import LogContents
 from .._journal._store import Store, lane_key, open_store
+from .._journal._trash import discard_tree, sweep_trash
 from .._linux._fs import OsFileSystem
 from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
 from .._retention import RetentionSettings, check_settings
@@ -62,6 +67,8 @@ __all__ = [
 
 DAY_MS: Final = 86_400_000
 LANES: Final = "lanes"
+TRASH_LEFT: Final = "(trash)"
+"""What :attr:`TaskRetention.left` names a trash it could not empty by (RT15)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +80,7 @@ class TaskRetention:
     left: tuple[tuple[str, str], ...] = ()
     """Tasks the pass could not finish, with why (a damaged log, a directory it could not
     remove): each left as it was for the next pass, the others done (a fault stays with its
-    task)."""
+    task). A trash the pass could not empty (RT15) is named :data:`TRASH_LEFT`."""
 
 
 @dataclass(slots=True)
@@ -167,6 +174,9 @@ async def retain_ended_tasks(
     slimmed: list[str] = []
     expired: dict[str, int] = {}
     left: list[tuple[str, str]] = []
+    with _fault_stays(left, TRASH_LEFT):  # RT15: what a crash left of a removal, first
+        await store.sweep_trash()
+        await trio.to_thread.run_sync(sweep_trash, OsFileSystem(), str(work_root))
     for task_id, ended_ms in sorted(ended.items()):
         if ended_ms <= 0 or ended_ms > journal_cut:
             continue
@@ -183,8 +193,9 @@ async def retain_ended_tasks(
             with _fault_stays(left, task_id):  # (expired; its directories go next pass)
                 await _remove_lane(store, _key(task_id), work_root)
                 gone.append(task_id)
-    # what a crash in a removal left: a lane directory whose log went first is no task's any
-    # more, so no pass would look at it again; the filter says whose it was
+    # what a crash between the filter and a removal left: a lane directory whole, its task
+    # expired (no longer listed); the filter says whose it was (a crash *in* a removal left
+    # its part in the trash, emptied above)
     for key in [k for k in await _lane_dirs(store.root) if k in store.expired_tasks]:
         with _fault_stays(left, key):
             await _remove_lane(store, key, work_root)
@@ -217,6 +228,11 @@ async def retain_shared_tasks(
     slimmed: list[str] = []
     expired: list[str] = []
     left: list[tuple[str, str]] = []
+    try:  # RT15: what a crash left of a removal here, first
+        for root in (store.root, work_root):
+            await trio.to_thread.run_sync(sweep_trash, OsFileSystem(), str(root))
+    except OSError as exc:
+        left.append((TRASH_LEFT, str(exc)))
     for task_id, ended_ms in sorted(ended.items()):
         if ended_ms <= 0 or ended_ms > journal_cut:
             continue
@@ -239,16 +255,18 @@ async def retain_shared_tasks(
     for task_id in going:  # this host's copies: its session and work directories
         session = store.root / session_rel(task_id)
         try:
-            await trio.to_thread.run_sync(_remove_paths, [session, *work_dirs(work_root, task_id)])
+            await trio.to_thread.run_sync(_remove_session_and_work, session, work_root, task_id)
         except OSError as exc:
             left.append((task_id, str(exc)))
         else:
             seen.cleaned.add(task_id)
     here = await _lane_dirs(store.root)
     for key in sorted(await store.expired_task_keys(here)):  # on the database's word only
-        gone = [store.root / LANES / key, *_work_dirs_of(work_root, key)]
-        try:
-            await trio.to_thread.run_sync(_remove_paths, gone)
+        try:  # the work directories first: while the lane directory is here, a pass finds them
+            await trio.to_thread.run_sync(_discard_work_dirs, work_root, key)
+            await trio.to_thread.run_sync(
+                discard_tree, OsFileSystem(), str(store.root), _lane_rel(key)
+            )
         except OSError as exc:
             left.append((key, str(exc)))
     return TaskRetention(tuple(slimmed), tuple(expired), tuple(left))
@@ -326,14 +344,37 @@ async def _slim(store: Store, task_id: str, work_root: Path) -> bool:
         await store.slim_log(rel, kept)
     submitted = next(r for r in kept if isinstance(r, TaskSubmitted))
     session = store.root / submitted.session_path
-    await trio.to_thread.run_sync(_remove_paths, [session, *work_dirs(work_root, task_id)])
+    await trio.to_thread.run_sync(_remove_session_and_work, session, work_root, task_id)
     return slim_now
 
 
 async def _remove_lane(store: Store, key: str, work_root: Path) -> None:
-    """An expired task's work directories, then its lane directory (``key``: its lane's)."""
-    await trio.to_thread.run_sync(_remove_paths, list(_work_dirs_of(work_root, key)))
-    await store.remove_tree(f"{LANES}/{key}")
+    """An expired task's work directories, then its lane directory (``key``: its lane's),
+    each renamed into a trash first (RT15): the lane directory, the last to go, leads a
+    later pass back to what a crash left before it."""
+    await trio.to_thread.run_sync(_discard_work_dirs, work_root, key)
+    await store.remove_tree(_lane_rel(key))
+
+
+def _lane_rel(key: str) -> str:
+    return f"{LANES}/{key}"
+
+
+def _remove_session_and_work(session: Path, work_root: Path, task_id: str) -> None:
+    """An ended task's session file and its work directories (blocking; RT12, RT15)."""
+    _remove_paths([session])
+    _discard_work_dirs(work_root, _key(task_id))
+
+
+def _discard_work_dirs(work_root: Path, key: str) -> None:
+    """Remove a task's home and temporary directory (blocking), each by way of the work
+    root's trash (RT15); a file or link where one would be is unlinked."""
+    fs = OsFileSystem()
+    for path in _work_dirs_of(work_root, key):
+        if path.is_dir() and not path.is_symlink():
+            discard_tree(fs, str(work_root), str(path.relative_to(work_root)))
+        elif path.exists() or path.is_symlink():
+            _remove_paths([path])
 
 
 def _remove_paths(paths: list[Path]) -> None:

@@ -12,7 +12,7 @@ Error handling: every refusal is a :class:`~runtime._tasks._state.TaskError` wit
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, NoReturn
@@ -541,16 +541,28 @@ class TaskRunner:
     def tasks(self) -> list[TaskView]:
         return [self.show(task_id) for task_id in self.task_ids()]
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self, task_ids: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """Each task's overview (``_view.task_row``: the fields ``tasks`` shows), by id,
-        without building the views of the live ones."""
+        without building the views of the live ones; with ``task_ids``, those tasks' only, in
+        that order (an id of no task is passed over)."""
         rows = []
-        for task_id in self.task_ids():
+        for task_id in self.task_ids() if task_ids is None else task_ids:
+            if task_id not in self.ended and task_id not in self.lanes:
+                continue
             ended = self.ended.get(task_id)
             rows.append(
                 view_row(ended.view) if ended is not None else task_row(self.lanes[task_id])
             )
         return rows
+
+    def ends(self) -> dict[str, bool]:
+        """Each task's id, by id, and whether its end is recorded (its row's ``ended`` is
+        set), read without building its row: what the operator page orders by before it
+        builds the rows it shows (OP6)."""
+        return {
+            task_id: task_id in self.ended or self.lanes[task_id].ended is not None
+            for task_id in self.task_ids()
+        }
 
     def census(self) -> list[TaskCensus]:
         """Each task's state, classification and whether a worker lives, read without

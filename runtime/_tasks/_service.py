@@ -134,10 +134,15 @@ class TaskService:
         """Every task of the state directory, ended ones too, by id."""
         return self.runner.tasks()
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Every task's overview, by id: what the operator page's task table shows (the
-        fields of ``tasks()``'s views, built without them)."""
-        return self.runner.rows()
+    def rows(self, task_ids: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """Every task's overview, by id — of ``task_ids`` only, in that order, when given:
+        what the operator page's task table shows (the fields of ``tasks()``'s views, built
+        without them)."""
+        return self.runner.rows(task_ids)
+
+    def ends(self) -> dict[str, bool]:
+        """Every task's id, by id, and whether it has ended, built without its row."""
+        return self.runner.ends()
 
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> TaskView:
         """Answer the task's ``task_wait`` (its correlation, default: the open one); refused

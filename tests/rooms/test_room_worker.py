@@ -58,6 +58,7 @@ from runtime._wire import DeliveryResult, RoomEvent, TextUpdate, ToolActivity, T
 
 from .._cancelling import cancelled_once
 from .._pi import pi_home
+from .._procs import recorded_alive
 from .._workers import scripted_upstream, waiting_bash
 from ..faultfs import Fault, FaultyFileSystem
 
@@ -540,6 +541,54 @@ async def test_l8_rooms_waiting_for_a_slot_get_it_when_a_turn_ends(tmp_path: Pat
                 results = await next_results(worker, 3)
     assert sorted(r.delivery_id for r in results) == ["d0", "d1", "d2"]
     assert {r.outcome for r in results} == {Outcome.REPLY}
+
+
+@pytest.mark.parametrize("cap", [8, 1])
+async def test_l6_l8_a_room_worker_replaced_for_other_grants_is_stopped_first(
+    cap: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L6, L8: the room's grants differ from its warm worker's for the next delivery (here
+    its standing grants are changed under the running host): the room's slot is replaced,
+    and the old worker — idle, its turn settled — is stopped the ordinary way (``EpochFenced``
+    ``stopped``), its process gone and its live-worker place given back, before the new
+    worker starts. Both deliveries end once each. Left running, the old worker would hold
+    its place until the lane ended: with one live worker allowed, the new one would wait
+    for it for ever (the cap stops only the room's current worker)."""
+    grants = {"now": frozenset({"send_text_update"})}
+
+    def standing(self: RoomWorkerConfig, room: str) -> frozenset[str]:
+        self.check_served(room)
+        return grants["now"]
+
+    monkeypatch.setattr(RoomWorkerConfig, "standing_grants", standing)
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="one"), Text(text="two")]) as (model, url):
+            cfg = config("fake", url, caps=Caps(max_live_workers=cap))
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                (first,) = await next_results(worker, 1)
+                (old,) = [r for r in await _lane_epochs(worker) if isinstance(r, EpochStarted)]
+                assert recorded_alive(old) != []  # warm: its worker is still running
+                grants["now"] = frozenset({"send_text_update", "read"})
+                await worker.deliver(message("d2"))
+                (second,) = await next_results(worker, 1, after=first.seq)
+                left = recorded_alive(old)
+                epochs = await _lane_epochs(worker)
+                logs = [await worker.store.read(worker.store.delivery_rel(d)) for d in ("d1", "d2")]
+    assert left == []  # the old worker's whole tree is gone, not only asked to stop
+    assert [(r.delivery_id, r.outcome, r.text) for r in (first, second)] == [
+        ("d1", Outcome.REPLY, "one"),
+        ("d2", Outcome.REPLY, "two"),
+    ]
+    assert [sum(isinstance(r, Result) for r in log.records) for log in logs] == [1, 1]
+    assert model.request_count == 2
+    # the old epoch stopped (not fenced: it was idle) before the new one started
+    assert [(type(r).__name__, r.epoch) for r in epochs] == [
+        ("EpochStarted", 1),
+        ("EpochFenced", 1),
+        ("EpochStarted", 2),
+    ]
+    assert [r.reason for r in epochs if isinstance(r, EpochFenced)] == ["stopped"]
 
 
 # ------------------------------------------------------------------------------ steering

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import stat
@@ -15,6 +16,7 @@ from typing import Any, Final
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from runtime._errors import AdminError, DeliveryError, ReasonCode, StateDirError
 from runtime._server import _admin
@@ -311,6 +313,80 @@ async def test_o7_many_clients_at_once(tmp_path: Path) -> None:
                 nursery.start_soon(ask)
     assert len(answers) == 20
     assert all(a is not None and a["ok"] for a in answers)
+
+
+class SlowAbort(FakeHandler):
+    """``cancel`` of a running delivery whose abort is answered only when the abort grace
+    runs out (the lane's shielded wait, lanes.md L13): the cancel happened; its answer comes
+    ``grace`` seconds later. ``fail = "hang"``: it never answers."""
+
+    def __init__(self, grace: float) -> None:
+        super().__init__()
+        self.grace = grace
+
+    async def cancel(self, delivery_id: str) -> dict[str, Any]:
+        self.calls.append(("cancel", delivery_id))
+        if self.fail == "hang":
+            await trio.sleep_forever()
+        await trio.sleep(self.grace)
+        return {"delivery_id": delivery_id, "cancelled": True}
+
+
+@pytest.mark.parametrize("grace", [None, 120.0])
+async def test_o7_o8_a_cancel_whose_abort_takes_the_whole_grace_gets_its_answer(
+    grace: float | None, tmp_path: Path, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """O7, O8, in virtual time: a ``cancel`` whose abort takes the whole configured
+    ``abort_grace_seconds`` (the default 30 s, or 120 s) is answered with the handler's
+    answer — through the socket and through :func:`answer` (the operator page's way) — not
+    ``admin_timeout``: the cancel's deadline is the grace plus the handlers' own 30 s, and
+    the client waits while the server sends its keepalives."""
+    serve = serve_admin if grace is None else functools.partial(serve_admin, abort_grace=grace)
+    handler = SlowAbort(30.0 if grace is None else grace)
+    state = state_dir(tmp_path)
+    line = b'{"command": "cancel", "delivery_id": "d1"}'
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, state, handler)
+            began = trio.current_time()
+            through_socket = await admin_request(state, {"command": "cancel", "delivery_id": "d1"})
+            took = trio.current_time() - began
+            if grace is None:
+                directly = await _admin.answer(handler, None, line)
+            else:
+                directly = await _admin.answer(handler, None, line, abort_grace=grace)
+            nursery.cancel_scope.cancel()
+    expected = {"ok": True, "delivery_id": "d1", "cancelled": True}
+    assert (through_socket, directly) == (expected, expected)
+    assert took == pytest.approx(handler.grace, abs=1.0)
+
+
+async def test_o7_o8_a_cancel_that_never_answers_is_admin_timeout_after_grace_and_margin(
+    tmp_path: Path, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """O7, O8, in virtual time: a ``cancel`` handler that never answers is given up at the
+    grace plus the handlers' 30 s, and the client — kept waiting by keepalives past its own
+    40 s of silence — gets that ``admin_timeout`` answer from the server; a ``status`` is
+    still given up at 30 s."""
+    handler = SlowAbort(120.0)
+    handler.fail = "hang"
+    state = state_dir(tmp_path)
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve_admin, abort_grace=120.0), state, handler)
+            began = trio.current_time()
+            cancel = await admin_request(state, {"command": "cancel", "delivery_id": "d1"})
+            cancel_took = trio.current_time() - began
+            began = trio.current_time()
+            status = await admin_request(state, {"command": "status"})
+            status_took = trio.current_time() - began
+            nursery.cancel_scope.cancel()
+    assert cancel is not None
+    assert status is not None
+    assert (cancel["ok"], cancel["code"]) == (False, "admin_timeout")
+    assert cancel_took == pytest.approx(150.0, abs=1.0)
+    assert (status["ok"], status["code"]) == (False, "admin_timeout")
+    assert status_took == pytest.approx(30.0, abs=1.0)
 
 
 # ---------------------------------------------------------------------------- the client

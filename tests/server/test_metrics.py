@@ -163,6 +163,32 @@ async def test_m3_the_metrics_listener_answers_only_get_metrics(tmp_path: Path) 
             assert port != r.server.port
 
 
+@pytest.mark.parametrize("page", [False, True])
+async def test_m3_m7_another_path_or_method_is_refused_with_the_pages_codes(
+    tmp_path: Path, page: bool
+) -> None:
+    """M3, M7: the listener's 404 and 405 are refusals like every other of it — a JSON body
+    with a stable code, the page's own (``page_not_found``, ``page_method``), answered by the
+    function the page answers with — with the page served or not; a 405 says what is allowed."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0", "page": page}}) as r:
+            port = r.server.metrics_port
+            assert port is not None
+            answers = []
+            for method, path in (("GET", "/nothing-here"), ("POST", "/metrics")):
+                url = f"http://127.0.0.1:{port}{path}"
+                async with open_request(method, url) as response:
+                    body = msgspec.json.decode(await response.read())
+                    answers.append((response.status, dict(response.headers), body))
+    (missing, _, nothing), (method_status, headers, wrong) = answers
+    assert (missing, nothing["ok"], nothing["code"]) == (404, False, "page_not_found")
+    assert (method_status, wrong["ok"], wrong["code"]) == (405, False, "page_method")
+    assert headers["content-type"] == "application/json"
+    assert headers["allow"] == "GET, HEAD"
+    assert nothing["message"].startswith("nothing at /nothing-here")
+    assert wrong["message"] == "only GET /metrics"
+
+
 @pytest.mark.parametrize(
     ("listen", "setting"),
     [("0.0.0.0:9464", "metrics.listen"), ("9464", "metrics.listen"), ("h:port", "metrics.listen")],

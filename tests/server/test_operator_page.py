@@ -7,9 +7,11 @@ what."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.cookies
 import re
 import ssl
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -580,25 +582,62 @@ async def test_op6_a_page_that_stops_reading_its_event_stream_gives_its_slot_bac
                 assert got > 0
 
 
+def task_row(i: int) -> dict[str, Any]:
+    """Task ``t<i>``'s row: the even ones ended."""
+    return {
+        "task_id": f"t{i}",
+        "state": "done" if i % 2 == 0 else "open",
+        "classification": "Active",
+        "ended": "done" if i % 2 == 0 else None,
+    }
+
+
+def many_tasks(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
+    """The task service knows ``n`` tasks (:func:`task_row`); the list counts the rows built."""
+    built = [0]
+    ids = [f"t{i}" for i in range(1, n + 1)]
+    rows_of = {task_id: functools.partial(task_row, i) for i, task_id in enumerate(ids, 1)}
+
+    def ends(self: TaskService) -> dict[str, bool]:
+        return {task_id: int(task_id[1:]) % 2 == 0 for task_id in sorted(ids)}
+
+    def rows(self: TaskService, task_ids: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        chosen = sorted(ids) if task_ids is None else list(task_ids)
+        built[0] += len(chosen)
+        return [rows_of[task_id]() for task_id in chosen]
+
+    monkeypatch.setattr(TaskService, "ends", ends)
+    monkeypatch.setattr(TaskService, "rows", rows)
+    return built
+
+
+async def test_op6_a_state_builds_no_task_row_past_what_it_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP6: a state builds the rows of the tasks it lists and no other — two thousand tasks
+    cost one state ``TASKS_SHOWN`` rows, not two thousand (the event streams take a state a
+    second each) — and ``tasks_total`` still says how many there are."""
+    monkeypatch.setattr(_page, "TASKS_SHOWN", 5)
+    built = many_tasks(monkeypatch, 2000)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            built[0] = 0  # the timelines' first read of every task is done by now
+            state = (await ask(port, "/api/state", headers=bearer)).json()
+            assert built[0] == 5
+    assert state["tasks_total"] == 2000
+    assert len(state["tasks"]) == 5
+    assert all(task["ended"] is None for task in state["tasks"])  # the live ones first
+
+
 async def test_op6_a_state_lists_at_most_tasks_shown_tasks_and_says_how_many(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """OP6: one state lists at most ``TASKS_SHOWN`` tasks — the live ones first, the most
     recently changed first — and ``tasks_total`` says how many there are."""
     monkeypatch.setattr(_page, "TASKS_SHOWN", 2)
-
-    def rows(self: TaskService) -> list[dict[str, Any]]:
-        return [
-            {
-                "task_id": f"t{i}",
-                "state": "done" if i % 2 == 0 else "open",
-                "classification": "Active",
-                "ended": "done" if i % 2 == 0 else None,
-            }
-            for i in range(1, 8)
-        ]
-
-    monkeypatch.setattr(TaskService, "rows", rows)
+    many_tasks(monkeypatch, 7)
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE) as r:
             port = port_of(r)

@@ -26,6 +26,7 @@ from fake_pi.scenario import Step, Text
 from runtime._boundary._http import open_request
 from runtime._journal._store import delivery_key
 
+from .._procs import hosts_run_under
 from .._wire import Client, Frame, message
 from .._workers import scripted_upstream, waiting_bash
 
@@ -81,6 +82,7 @@ def write_config(root: Path, url: str, extra: str = "") -> Path:
 
 @contextlib.asynccontextmanager
 async def serve(root: Path, config: Path, *args: str) -> AsyncIterator[Server]:
+    hosts_run_under(root)  # none of its workers may outlive the test (tests/server/conftest.py)
     command = [sys.executable, "-m", "runtime._cli", "serve", "--port", "0"]
     command += ["--config", str(config), *args]
     with (root / "serve.stderr").open("ab") as stderr:

@@ -9,7 +9,8 @@ held, and exits 0. Every fact is one JSON line on stdout, written and flushed as
 so a test can SIGKILL the host right after a named point::
 
     {"event": {...}, "budget": {...}}   a change of the task (TaskEvent) and its budget then
-    {"paused": POINT}                   the spec's ``pause`` barrier was passed; waiting to die
+    {"paused": POINT}                   the spec's ``pause`` barrier was passed; the host
+                                        stops whole right after it, to be killed
     {"held": VIEW}                      the task is held (StalledOperatorRequired)
     {"granted": VIEW}                   the spec's ``on_hold`` grant was given
     {"ended": {...}, "view": VIEW}      the task's end record
@@ -27,11 +28,19 @@ real process on a loaded machine, not a threshold of the clocks; a quick answer 
 ``backoff`` (a ``[backoff]`` table: an unavailable provider parks the turn, PB6),
 ``retention`` (a ``[retention]`` table) with ``retain_at_days`` (after the task ends, one
 retention pass with the wall clock moved on by each of these days, then a resubmission of
-the task: ``{"retained": …}`` and ``{"resubmitted": STATE_OR_CODE}`` facts, RT12),
+the task, unless ``resubmit`` is false: ``{"retained": …}`` and ``{"resubmitted":
+STATE_OR_CODE}`` facts, RT12),
 ``store`` (a PostgreSQL DSN: the host is one of a deployment on it, its lease owner ``owner``,
 default ``a``, the same across its restarts, RT13).
 
-Pause points (each wraps the runtime method named; the host stops *after* it unless said):
+Pause points (each wraps the runtime method named; the host stops *after* it unless said).
+The host stops **whole** there (:func:`stop_here`: it sends itself ``SIGSTOP``), not just the
+task that passed the point: a pause in a lane's background task (a probe, a guard check, a
+tool call) would otherwise let the lane's other tasks go on — the watchdog's ticks to the
+fence probe, the reserve, a hold — for as long as the test's SIGKILL takes, and a test that
+asserts what was durable at the point would depend on how loaded the machine is. Stopped, the
+host is as it would be had the SIGKILL come at the point itself, however late it comes.
+
 
 * ``action:KIND[:STATE][:PURPOSE]`` — :meth:`TaskLane.record_action` recorded an outbox action of
   that kind (``probe``, ``eligibility``, ``reserve``, ``fence``, ``signal``, ``reap``,
@@ -47,8 +56,9 @@ Pause points (each wraps the runtime method named; the host stops *after* it unl
 * ``retention:METHOD`` — after the store's ``METHOD`` (``slim_log``, ``expire_tasks``,
   ``remove_tree``; on PostgreSQL ``slim_log``, ``expire_task``) in a retention pass (RT12,
   RT13);
-* ``retention:inside_remove_tree`` — half-way through removing an expired task's lane
-  directory: its ``lane.log`` unlinked, the rest still there (RT12);
+* ``retention:inside_remove_tree`` — half-way through removing the spec's task's lane
+  directory (the ``rmtree`` of it, wherever it is by then: RT15 renames it into ``trash/``
+  first): its ``lane.log`` unlinked (on the file store), the rest still there (RT12, RT13);
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
   no end record yet).
 """
@@ -59,13 +69,13 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import trio
@@ -81,7 +91,7 @@ from runtime._journal._fence import Fence
 from runtime._journal._interface import JournalStore
 from runtime._journal._journal import Journal
 from runtime._journal._postgres import PgStore, open_pg_store
-from runtime._journal._store import Store, open_store, runtime_dir
+from runtime._journal._store import Store, lane_key, open_store, runtime_dir
 from runtime._pi._launch import ModelRoute, WorkerProgram
 from runtime._records import Record
 from runtime._tasks._epoch import EpochEnd, EpochWatch
@@ -110,28 +120,41 @@ def record_tag(record: Record) -> str:
     return str(record.__struct_config__.tag)
 
 
+def stop_here(point: str) -> NoReturn:
+    """Report the pause, then stop the whole host — every task and thread of it — at once
+    (``SIGSTOP`` to itself, delivered before the call returns): from here on nothing of it
+    runs, whatever the test does next, until its SIGKILL. Stopped again should anything
+    continue it."""
+    emit({"paused": point})
+    while True:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def install_pause(point: str, nth: int) -> None:
-    """Stop right after the ``nth`` pass of ``point``: report it and wait to be killed."""
+    """Stop the whole host right after the ``nth`` pass of ``point`` (:func:`stop_here`)."""
     passed = 0
 
     async def barrier() -> None:
         nonlocal passed
         passed += 1
         if passed == nth:
-            emit({"paused": point})
-            await trio.sleep_forever()
+            stop_here(point)
 
     name, _, rest = point.partition(":")
     if point == "retention:inside_remove_tree":
         rmtree = shutil.rmtree
 
+        state = os.path.join(SPEC["base"], "state") + os.sep
+        key = lane_key(f"task:{SPEC['task']['task_id']}")
+
         def half_way(path: Any, *args: Any, **kwargs: Any) -> None:
+            where, name = str(path), os.path.basename(str(path))
+            if not where.startswith(state) or not name.startswith(key):
+                return rmtree(path, *args, **kwargs)  # not the lane directory (a home, a tmp)
             log = os.path.join(path, "lane.log")
-            if not os.path.exists(log):  # not a lane directory (a home, a tmp)
-                return rmtree(path, *args, **kwargs)
-            os.unlink(log)  # as rmtree may, the log first: the rest stays
-            emit({"paused": point})
-            threading.Event().wait()  # in the writer thread: killed here
+            if os.path.exists(log):  # (on PostgreSQL the log is rows: nothing to unlink)
+                os.unlink(log)  # as rmtree may, the log first: the rest stays
+            stop_here(point)  # from the removal's thread: the whole host stops here
 
         shutil.rmtree = half_way  # type: ignore[assignment]
         return
@@ -323,6 +346,8 @@ async def retain(runner: TaskRunner, spec: Mapping[str, Any], wall: ShiftedWall)
         wall.days = float(days)
         done = await runner.retain(retention)
         emit({"retained": {"days": days, "slimmed": done.slimmed, "expired": done.expired}})
+    if not spec.get("resubmit", True):
+        return
     task = spec["task"]
     try:
         view = await runner.submit(

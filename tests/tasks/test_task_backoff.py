@@ -96,6 +96,14 @@ async def test_pb6_an_outage_parks_the_task_it_is_not_silence(
     data = await trio.Path(rig.session).read_text()
     for continuation in sent:
         assert data.count(continuation.marker) == 1
+    # PB6: the continuation tells what was received, never a status that was not
+    told = {
+        "status": "(HTTP 503)",
+        "in-stream": "(an error of class overloaded_error inside an HTTP 200 stream, "
+        "taken for a 503)",
+    }
+    assert data.count(f"the model provider was unavailable {told[how]}") == len(parks)
+    assert how == "status" or "HTTP 503" not in data
     assert view.budget["epochs_used"] == 0
     assert rig.model.request_count >= 2  # after the outage: the task's answer and its reply
 

@@ -93,10 +93,12 @@ def task_spec(
 async def kill_when_paused(
     root: Path, spec: Mapping[str, Any], point: str, *, name: str = "a", nth: int = 1
 ) -> list[Fact]:
-    """Run a host until it passes the ``nth`` ``point`` (``task_host.py`` ``pause``), then
-    SIGKILL it; its facts."""
+    """Run a host until it passes the ``nth`` ``point`` (``task_host.py`` ``pause``) and
+    stops there whole, then SIGKILL it; its facts. Stopped, none of its tasks goes on past the
+    point, however late the kill comes (a loaded machine)."""
     async with host(root, {**spec, "pause": {"point": point, "nth": nth}}, name) as h:
         await h.until(lambda f: "paused" in f)
+        await h.stopped()
         await h.kill()
         return h.facts
 

@@ -232,8 +232,8 @@ async def test_rt12_a_host_killed_in_a_retention_pass_loses_nothing_and_runs_not
     """A task-runner host (``tests/tasks/task_host.py``, real Fake-Pi workers, the real
     clock moved on by days) is SIGKILLed right after a step of the retention pass — the lane
     log slimmed (its session not yet removed), the id expired (its lane directory not yet
-    removed), or half-way through removing the lane directory (its log gone, its session
-    still there) — and a new host on the same state directory runs the passes again: the task
+    removed), or half-way through removing the lane directory (its log gone, the rest in the
+    trash, RT15) — and a new host on the same state directory runs the passes again: the task
     ends up let go exactly as without the crash (its lane directory and session gone, its id
     ``task_expired``, its candidate archive there), and the model is asked nothing more —
     the task never ran again."""
@@ -256,6 +256,73 @@ async def test_rt12_a_host_killed_in_a_retention_pass_loses_nothing_and_runs_not
     archive = tmp_path / "state" / ended["candidate"]["ref"]
     assert archive.is_file()
     assert not work_dirs(tmp_path / "work", TASK)[0].exists()
+
+
+async def test_rt15_a_lane_directory_half_removed_by_a_crash_frees_its_name_at_once(
+    tmp_path: Path,
+) -> None:
+    """RT15: a task-runner host (``tests/tasks/task_host.py``, a real process) whose first
+    pass comes at day 31 is SIGKILLed half-way through removing the expired task's lane
+    directory (its log gone, its session still there). Its name is free at once — nothing
+    of the old lane (its session) is left where a lane under the id would be made again
+    once the id is forgotten, nor in ``lanes/`` at all — and what the crash left lies in
+    ``trash/`` only, which the next host's pass empties; the work directories went first,
+    the candidate stays, the id is ``task_expired``."""
+    state = tmp_path / "state"
+    async with crash_rig(tmp_path, CRASH_STEPS) as (model, url, _workers):
+        spec = {
+            **task_spec(url),
+            "retention": {"journal_days": 7, "idempotency_days": 30, "forget_days": 365},
+            "retain_at_days": [31],
+        }
+        facts = await kill_when_paused(tmp_path, spec, "retention:inside_remove_tree")
+        (ended,) = [f["ended"] for f in facts if "ended" in f]
+        assert not (state / "lanes" / lane_key(f"task:{TASK}")).exists()
+        assert not work_dirs(tmp_path / "work", TASK)[0].exists()
+        (left,) = (state / "trash").iterdir()
+        assert (left / "session.jsonl").is_file()  # the crash came half-way through it
+        assert not (left / "lane.log").exists()
+        asked = model.request_count
+        facts = await recover(tmp_path, spec)
+    assert model.request_count == asked
+    assert [f["resubmitted"] for f in facts if "resubmitted" in f] == ["task_expired"]
+    assert not list((state / "trash").iterdir())
+    assert (state / ended["candidate"]["ref"]).is_file()
+
+
+async def test_rt15_a_pass_empties_the_trash_first_and_touches_nothing_live(
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT15: what a crash left in the trash — part of a lane directory in the state
+    directory's ``trash/``, part of a home in the work root's — is removed by the next pass,
+    the first one, with nothing due, whatever the expired-task filter holds (the trash holds
+    only what a removal put there). The waiting task's lane directory, session and home, and
+    the ended task not yet due, are untouched."""
+    async with open_rig(tmp_path, clocks, STEPS) as rig:
+        await ended_and_live(rig)
+        gone = rig.store.root / "trash" / f"{lane_key('task:old')}.gone-0123456789abcdef"
+        (gone / "nested").mkdir(parents=True)
+        (gone / "session.jsonl").write_text("{}\n")
+        (gone / "nested" / "part").write_text("x")
+        home_gone = tmp_path / "work" / "trash" / f"{lane_key('task:old')}.gone-fedcba9876543210"
+        home_gone.mkdir(parents=True)
+        (home_gone / ".profile").write_text("x")
+        live = rig.runner.show(LIVE)
+        live_before = await rig.records(LIVE)
+        before = await rig.records()
+
+        assert await rig.runner.retain(RETENTION) == TaskRetention()
+        assert not list((rig.store.root / "trash").iterdir())
+        assert not list((tmp_path / "work" / "trash").iterdir())
+        assert (rig.store.root / live.session_path).is_file()
+        assert work_dirs(tmp_path / "work", LIVE)[0].is_dir()
+        assert (await rig.records(LIVE))[: len(live_before)] == live_before
+        assert rig.runner.show(LIVE).state == "waiting"
+        assert await rig.records() == before
+        assert (rig.store.root / rig.runner.show(TASK).session_path).is_file()
 
 
 async def test_rt12_a_task_the_pass_cannot_slim_stays_with_that_task(

@@ -214,3 +214,35 @@ async def test_rt13_a_host_killed_in_a_retention_pass_loses_nothing_and_runs_not
     assert await execute(pg_dsn, "SELECT task_id FROM pi_runtime.expired_tasks") == [(TASK,)]
     assert not (tmp_path / "state" / "lanes" / lane_key(SUBJECT)).exists()
     assert not work_dirs(tmp_path / "work", TASK)[0].exists()
+
+
+async def test_rt13_rt15_a_lane_directory_half_removed_by_a_crash_goes_after_the_id_is_forgotten(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """RT13 (d), RT15: a host on PostgreSQL (``tests/tasks/task_host.py``, a real process) is
+    SIGKILLed half-way through removing the expired task's lane directory. The next host's
+    first pass comes only after ``forget_days``: the database lets the id go in it, so its
+    word — the only thing that led a pass to a lane directory here — no longer names the
+    directory. What the crash left goes all the same (from the trash), and so do the task's
+    work directories (removed before its lane directory, never after)."""
+    from .test_task_crash import crash_rig, kill_when_paused, recover, task_spec
+
+    state = tmp_path / "state"
+    async with crash_rig(tmp_path, [done(), say("finished")]) as (model, url, _workers):
+        spec = {
+            **task_spec(url),
+            "store": pg_dsn,
+            "retention": {"journal_days": 7, "idempotency_days": 30, "forget_days": 365},
+            "retain_at_days": [31],
+        }
+        await kill_when_paused(tmp_path, spec, "retention:inside_remove_tree")
+        asked = model.request_count
+        facts = await recover(tmp_path, {**spec, "retain_at_days": [400], "resubmit": False})
+    assert model.request_count == asked
+    assert [f["retained"]["days"] for f in facts if "retained" in f] == [400]
+    assert await execute(pg_dsn, "SELECT task_id FROM pi_runtime.expired_tasks") == []
+    assert not (state / "lanes" / lane_key(SUBJECT)).exists()
+    assert not [p for p in (state / "trash").glob("*")]
+    home, tmp = work_dirs(tmp_path / "work", TASK)
+    assert not home.exists()
+    assert not tmp.exists()

@@ -652,10 +652,15 @@ async def test_a_task_row_is_its_views_overview_at_every_stage(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
     """``TaskRunner.rows()`` (the operator page's table, built without the views) says what
-    ``view_row(show())`` says — silent and suspect, waiting, held by an operator's abort."""
+    ``view_row(show())`` says — silent and suspect, waiting, held by an operator's abort —
+    and so do ``rows(task_ids)`` and ``ends()``, which the page builds its state from (OP6)."""
 
     def same() -> None:  # no await between the two: the clocks stand still
-        assert rig.runner.rows() == [view_row(view) for view in rig.runner.tasks()]
+        rows = rig.runner.rows()
+        assert rows == [view_row(view) for view in rig.runner.tasks()]
+        # what the page orders by (OP6), and the rows of the tasks it names, say the same
+        assert rig.runner.ends() == {row["task_id"]: row["ended"] is not None for row in rows}
+        assert rig.runner.rows([TASK, "nobody"]) == rows
 
     async with open_rig(tmp_path, clocks, [Hang(seconds=3600), wait(), say("asked")]) as rig:
         await rig.runner.submit(rig.spec())
