@@ -454,3 +454,72 @@ def test_j21_a_pool_never_closed_does_not_keep_the_run_from_ending(tmp_path: Pat
     assert pools[0]._acker_stopped.is_set()
     for q in pools[0]._queues:  # let the threads go (what aclose would have done)
         q.put(None)
+
+
+class _Gates(Holding):
+    """Holds the first ``write``/``pwrite`` to a path containing each of its parts (on the
+    writer thread) until that part's gate is opened; several at once."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.gates: dict[str, tuple[threading.Event, threading.Event]] = {}
+
+    def gate(self, part: str) -> tuple[threading.Event, threading.Event]:
+        """``(held, go)`` for the next write to a path containing ``part``."""
+        self.gates[part] = gate = (threading.Event(), threading.Event())
+        return gate
+
+    def _maybe_hold(self, handle: int) -> None:
+        path = self._paths.get(handle, "")
+        for part, (held, go) in list(self.gates.items()):
+            if part in path:
+                del self.gates[part]
+                held.set()
+                go.wait(10)
+
+
+async def test_j21_a_failure_met_after_the_close_began_is_still_reported(
+    tmp_path: Path,
+) -> None:
+    """J21: the pool is being closed while a batch is written; after the batch is
+    acknowledged, writing a full generation's owed records into a log's file fails (EIO).
+    That failure reaches the store (it stops admitting) although every task had already been
+    woken: the acker stops only once the threads have ended, not when the close begins."""
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    fs = _Gates(faulty)
+    results: list[int] = []
+    with trio.fail_after(20):
+        async with open_store(tmp_path / "state", fs=cast(FileSystem, fs)) as store:
+            pool = store._pool
+            pool._rotate_bytes = 1  # every sync log batch fills its generation
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(3)]
+            holder = await store.create_delivery_log("hold")
+            first_held, first_go = fs.gate(holder.rel)
+            trickle_held, trickle_go = fs.gate(logs[0].rel)  # its owed record, written alone
+            faulty.arm([Fault("write", 1, "before", errno.EIO, path_contains=logs[0].rel)])
+
+            async def append(log: Any, name: str) -> None:
+                results.append(await log.append(_record(name)))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(append, holder, "hold")
+                await trio.to_thread.run_sync(first_held.wait, 10)
+                for i, log in enumerate(logs):  # one batch, behind the held one
+                    nursery.start_soon(append, log, f"a-{i}")
+                while handoffs_in_flight() < 1 + len(logs):
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                nursery.start_soon(pool.aclose)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                assert pool._closed
+                first_go.set()
+                await trio.to_thread.run_sync(trickle_held.wait, 10)
+                while len(results) < 1 + len(logs):  # every task woken, the close under way
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+                assert store.disk_failure is None
+                trickle_go.set()
+            assert pool._acker_stopped.is_set()
+            assert len(faulty.hits) == 1, faulty.hits
+            reported: DiskFailedError | None = store.disk_failure  # (set meanwhile)
+            assert reported is not None
+            assert reported.path == logs[0].rel
+    assert results == [1, 1, 1, 1]
