@@ -1,5 +1,9 @@
 """Driving a crash-test host process (``room_host.py``, ``task_host.py``): start it on a JSON
-spec, read the facts it prints one JSON line at a time, SIGKILL it at the point a test wants."""
+spec, read the facts it prints one JSON line at a time, SIGKILL it at the point a test wants.
+
+And the hosts' side of it: :func:`emit` prints a fact, :func:`stop_here` stops the whole host
+at a pause point (both hosts' ``pause`` option), :func:`pause_after_receipt_commit` is the
+``receipt_commit`` point of both."""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
+import msgspec
 import trio
 
 from runtime._boundary._receipts import ReceiptStore
@@ -20,6 +25,9 @@ from runtime._boundary._receipts import ReceiptStore
 from ._procs import hosts_run_under, sweep_epochs
 
 REPO: Final = Path(__file__).resolve().parents[1]
+STOP_BOUND: Final = 10.0
+"""Seconds a host that reported a pause has to be seen stopped (:meth:`Host.stopped`): it
+stops itself right after the report, so only a host that does not stop there waits this."""
 Fact = dict[str, Any]
 
 
@@ -73,17 +81,23 @@ class Host:
         return self.facts
 
     async def stopped(self) -> None:
-        """Wait until the host has stopped itself (a task host's pause point stops it whole:
-        ``task_host.stop_here``) — on its state change, not by polling; raise if it ended
-        instead. The stop is left for the host's SIGKILL (``WNOWAIT``: nothing is reaped)."""
+        """Wait until the host has stopped itself (a pause point stops it whole:
+        :func:`stop_here`) — on its state change, not by polling; raise if it ended instead,
+        or is not stopped :data:`STOP_BOUND` seconds on. The stop is left for the host's
+        SIGKILL (``WNOWAIT``: nothing is reaped)."""
         pid = self.process.pid
 
         def changed() -> os.waitid_result | None:
             return os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
 
-        seen = await trio.to_thread.run_sync(changed, abandon_on_cancel=True)
-        if seen is None or seen.si_code != os.CLD_STOPPED:
-            raise AssertionError(f"the host ended instead of stopping; {self.explain()}")
+        with trio.move_on_after(STOP_BOUND):  # the waiting thread ends with the host's kill
+            seen = await trio.to_thread.run_sync(changed, abandon_on_cancel=True)
+            if seen is None or seen.si_code != os.CLD_STOPPED:
+                raise AssertionError(f"the host ended instead of stopping; {self.explain()}")
+            return
+        raise AssertionError(
+            f"the host did not stop at its pause point within {STOP_BOUND} s; {self.explain()}"
+        )
 
     async def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -148,6 +162,28 @@ async def no_epoch_left(root: Path) -> AsyncIterator[None]:
     with trio.CancelScope(shield=True):
         left = await sweep_epochs(root)
     assert not left, f"worker epochs of the test's hosts left running (killed now): {left}"
+
+
+def emit(fact: Fact) -> None:
+    """In a host: print one fact, a JSON line, flushed at once (the test may kill it next)."""
+    sys.stdout.write(msgspec.json.encode(fact).decode() + "\n")
+    sys.stdout.flush()
+
+
+def stop_here(point: str) -> NoReturn:
+    """In a host, at a pause point: report the pause, then stop the whole host — every task
+    and thread of it — at once (``SIGSTOP`` to itself, delivered before the call returns):
+    from here on nothing of it runs, whatever the test does next, until its SIGKILL. Stopped
+    again should anything continue it. Called from any of its tasks or threads.
+
+    Not just the task that passed the point: the host's other tasks (a lane's watchdog
+    ticks, another room's turn, a lease renewal, a writer thread) would go on for as long as
+    the test's SIGKILL takes, and a test asserting what was durable at the point would depend
+    on how loaded the machine is. Stopped, the host is as the SIGKILL at the point would have
+    left it, however late the kill comes (:meth:`Host.stopped` waits for the stop)."""
+    emit({"paused": point})
+    while True:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def pause_after_receipt_commit(barrier: Callable[[], Awaitable[None]]) -> None:

@@ -12,19 +12,28 @@ test can SIGKILL the host right after a named point::
     {"event": {...}}      typing / text_update / tool_activity
     {"result": {...}}     a published result (durable, L5)
     {"acked": SEQ}        the acknowledgement is durable
-    {"paused": POINT}     the spec's ``pause`` barrier was passed; the host waits to be killed
+    {"paused": POINT}     the spec's ``pause`` barrier was passed; the host stops whole
+                          right after it, to be killed
 
-``pause`` names a barrier inside the runtime and how many times to pass it first:
-``{"point": "model_response" | "tool_intent" | "receipt_commit", "nth": N}`` — right after
-the N-th model response (or tool intent, or receipt transaction) is durable, before the worker
-hears of it; ``"attachment_stored"`` — an ``attach`` call's file is durable in the attachment
-root, its outcome not yet recorded; ``"attachment_outcome"`` — the outcome naming it is durable;
+``pause`` names a barrier inside the runtime and how many times to pass it first, and how many
+results the host must have reported before it stops there (``results``, default 0: the pass
+waits for them in its task, the host's other tasks going on):
+``{"point": "model_response" | "tool_intent" | "receipt_commit", "nth": N, "results": R}`` — right
+after the N-th model response (or tool intent, or receipt transaction) is durable, before the worker
+hears of it; ``"attachment_stored"`` — an ``attach`` call's file is durable in the attachment root,
+its outcome not yet recorded; ``"attachment_outcome"`` — the outcome naming it is durable;
 ``"outcome_of:ID"`` — the outcome of tool call ``ID`` is durable; ``"poisoned_publish"`` — right
-before a ``journal_poisoned`` result is published; ``"compaction:journal"`` — a compaction
-removed step journals; ``"compaction:expired"`` — the expired-id filter is durable;
+before a ``journal_poisoned`` result is published; ``"compaction:journal"`` — a compaction removed
+step journals; ``"compaction:expired"`` — the expired-id filter is durable;
 ``"compaction:admissions"`` — the admission log was rewritten, the result log not yet
-(docs/design/retention.md RT5); ``"compaction:rows"`` — on PostgreSQL, the compaction's
-transaction committed, the host not yet told (RT11).
+(docs/design/retention.md RT5); ``"compaction:rows"`` — on PostgreSQL, the compaction's transaction
+committed, the host not yet told (RT11).
+
+The host stops **whole** at the point (``tests/_host_process.py``'s :func:`stop_here`: it
+sends itself ``SIGSTOP``), not just the task that passed it: another room's turn, a lane's
+ticks, a lease renewal or a writer thread would otherwise go on for as long as the test's
+SIGKILL takes. Stopped, it is as the SIGKILL at the point would have left it, however late the
+kill comes.
 
 ``wall_days`` sets the host's wall clock that many days from now (negative: the past; it then
 stands still), so its results are published that long ago. ``compact`` compacts the shared
@@ -62,13 +71,28 @@ from runtime._rooms import _retention, _worker
 from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
-from tests._host_process import pause_after_receipt_commit
+from tests._host_process import emit, pause_after_receipt_commit, stop_here
 from tests.faultfs import Fault, FaultyFileSystem
 
 
-def emit(fact: dict[str, Any]) -> None:
-    sys.stdout.write(msgspec.json.encode(fact).decode() + "\n")
-    sys.stdout.flush()
+class Reported:
+    """How many results the host has reported so far (a pause may wait for some: ``results``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = trio.Event()
+
+    def one_more(self) -> None:
+        self.count += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def at_least(self, wanted: int) -> None:
+        while self.count < wanted:
+            await self._changed.wait()
+
+
+RESULTS = Reported()
 
 
 async def follow_events(worker: RoomWorker) -> None:
@@ -76,16 +100,17 @@ async def follow_events(worker: RoomWorker) -> None:
         emit({"event": msgspec.to_builtins(event)})
 
 
-def install_pause(point: str, nth: int) -> None:
-    """Stop right after the ``nth`` pass of a barrier: report it and wait to be killed."""
+def install_pause(point: str, nth: int, results: int = 0) -> None:
+    """Stop the whole host right after the ``nth`` pass of a barrier (:func:`stop_here`), once
+    it has reported ``results`` results."""
     passed = 0
 
     async def barrier() -> None:
         nonlocal passed
         passed += 1
         if passed == nth:
-            emit({"paused": point})
-            await trio.sleep_forever()
+            await RESULTS.at_least(results)  # the other rooms' results the test wants first
+            stop_here(point)
 
     if point == "model_response":
         record_response = DeliveryStepJournal.record_response
@@ -199,7 +224,8 @@ async def _nothing() -> AsyncIterator[DeliveryResult]:
 async def main(spec: dict[str, Any]) -> None:
     base = Path(spec["base"])
     if "pause" in spec:
-        install_pause(spec["pause"]["point"], spec["pause"].get("nth", 1))
+        pause = spec["pause"]
+        install_pause(pause["point"], pause.get("nth", 1), pause.get("results", 0))
     config = config_from_dict(spec["config"], base=base)
     fs = None
     if "fault" in spec:  # one write of one delivery's log fails (tests/faultfs.py)
@@ -232,6 +258,7 @@ async def main(spec: dict[str, Any]) -> None:
         expect = spec.get("expect", 0)
         async for result in worker.results() if expect > 0 else _nothing():
             emit({"result": msgspec.to_builtins(result)})
+            RESULTS.one_more()
             if spec.get("ack"):
                 await worker.ack(result.seq)
                 emit({"acked": result.seq})

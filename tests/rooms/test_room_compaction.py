@@ -210,6 +210,7 @@ async def test_rt5_a_host_killed_in_a_compaction_loses_nothing_and_runs_nothing_
             killed = {**spec, "compact": True, "pause": {"point": point}}
             async with host(tmp_path, killed, "b") as h:
                 await h.until(lambda f: "paused" in f)
+                await h.stopped()  # whole: nothing of it goes on until the kill
                 await h.kill()
             admissions, _ = shared(root)
             known = {r.delivery_id for r in admissions if isinstance(r, Admission | Settled)}

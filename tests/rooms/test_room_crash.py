@@ -81,11 +81,13 @@ async def kill_when_paused(
     nth: int = 1,
 ) -> None:
     """Run host ``a`` on ``deliver`` (default: one message ``d1``) until it passes the
-    ``nth`` ``point`` barrier inside the runtime (``room_host.py`` ``pause``), then SIGKILL it."""
+    ``nth`` ``point`` barrier inside the runtime (``room_host.py`` ``pause``) and stops there
+    whole, then SIGKILL it: none of its tasks goes on past the point, however late the kill."""
     messages = list(deliver) or [message("d1")]
     paused = {**spec, "deliver": messages, "expect": len(messages)}
     async with host(root, {**paused, "pause": {"point": point, "nth": nth}}, "a") as h:
         await h.until(lambda f: "paused" in f)
+        await h.stopped()  # whole: nothing of it goes on until the kill
         await h.kill()
 
 
@@ -289,6 +291,32 @@ async def test_crash_mid_stream_asks_the_unanswered_step_again(kind: str, tmp_pa
     assert (result["outcome"], result["text"]) == ("reply", "the whole reply")
     assert model.request_count == 2
     assert model.requests[0].digest == model.requests[1].digest
+
+
+def thread_states(pid: int) -> dict[int, str]:
+    """The scheduler state of every thread of ``pid`` (``T``: stopped), by thread id."""
+    states = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        states[int(stat.parent.name)] = stat.read_text().rpartition(")")[2].split()[0]
+    return states
+
+
+async def test_a_pause_point_stops_the_whole_host(tmp_path: Path) -> None:
+    """What every ``pause`` cell rests on: at the point the room host stops **whole** — every
+    thread of it, not just the task that passed it (``tests/_host_process.py``'s
+    ``stop_here``) — so its other tasks (another room's turn, a lane's ticks, a lease
+    renewal, a writer thread) cannot go on while the test's SIGKILL comes, however late."""
+    spec = {"deliver": [message("d1")], "expect": 1, "pause": {"point": "model_response"}}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="never heard")]) as (_model, url):
+            async with host(tmp_path, {"config": config("fake", url), **spec}, "a") as h:
+                await h.until(lambda f: "paused" in f)
+                await h.stopped()
+                states = thread_states(h.process.pid)
+                await h.kill()
+            await kill_orphaned_epochs(tmp_path)  # its worker: no host recovers after it
+    assert len(states) > 1  # the Trio thread and the host's others (a writer, a to_thread)
+    assert set(states.values()) == {"T"}, states
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -524,12 +552,13 @@ OTHER: Final = "dm:8"
 async def test_l17_a_host_with_one_rooms_journal_failing_answers_the_others(
     kind: str, tmp_path: Path
 ) -> None:
-    """L17, by killing the host: one write of room A's delivery log fails mid-turn (the
-    model response record, EINVAL: not a disk failure) while room B is answered. The host
-    does not go down: B's reply is published, and A's delivery reaches the publish of its
-    ``journal_poisoned`` result — where the host is SIGKILLed. The next host publishes it
-    ``journal_poisoned`` (not ``recovery_refused:journal``: the log was poisoned, not found
-    damaged), redelivers B's unacknowledged reply unchanged, and asks the model nothing."""
+    """L17, by killing the host: one write of room A's delivery log fails mid-turn (the model
+    response record, EINVAL: not a disk failure) while room B is answered. The host does not go
+    down: B's reply is published, and A's delivery reaches the publish of its
+    ``journal_poisoned`` result — where the host, B's reply reported, is SIGKILLed. The next
+    host publishes it ``journal_poisoned`` (not ``recovery_refused:journal``: the log was
+    poisoned, not found damaged), redelivers B's unacknowledged reply unchanged, and asks the
+    model nothing."""
     with trio.fail_after(LIMIT):
         async with scripted_upstream([Text(text="answer")] * 3) as (model, url):
             settings = config(kind, url)
@@ -541,12 +570,11 @@ async def test_l17_a_host_with_one_rooms_journal_failing_answers_the_others(
                 "deliver": [{**message("b1"), "room": OTHER}, message("a1")],
                 "expect": 2,
                 "fault": fault,
-                "pause": {"point": "poisoned_publish"},
+                "pause": {"point": "poisoned_publish", "results": 1},  # B's reply first
             }
             async with host(tmp_path, first, "a") as h:
                 await h.until(lambda f: "paused" in f)
-                if not any("result" in f for f in h.facts):
-                    await h.until(lambda f: "result" in f)
+                await h.stopped()  # whole: nothing of it goes on until the kill
                 await h.kill()
                 before = results(h.facts)
             asked = model.request_count
@@ -583,6 +611,7 @@ async def test_l10_l17_a_message_steered_into_an_owner_poisoned_before_a_restart
                 steered = await h.until(lambda f: f.get("accepted", {}).get("delivery_id") == "d2")
                 await trio.to_thread.run_sync(release.write_bytes, b"go\n")
                 await h.until(lambda f: "paused" in f)
+                await h.stopped()  # whole: nothing of it goes on until the kill
                 await h.kill()
                 before = results(h.facts)
             asked = model.request_count

@@ -260,6 +260,7 @@ async def test_rt11_a_host_killed_in_a_compaction_of_the_shared_rows_loses_nothi
             killed = {**spec, "compact": True, "pause": {"point": point}}
             async with host(tmp_path, killed, "b") as h:
                 await h.until(lambda f: "paused" in f)
+                await h.stopped()  # whole: nothing of it goes on until the kill
                 await h.kill()
             # its compaction lease would run out in a minute: now
             await execute(pg_dsn, "UPDATE pi_runtime.lanes SET lease_until = now()")

@@ -1,6 +1,7 @@
 """Every test here that runs host processes (the ``serve`` processes of
-``test_serve_e2e.py``) ends with none of their worker processes running
-(``tests/_procs.py``: ``no_worker_left_by_hosts``)."""
+``test_serve_e2e.py``, and the deployments of ``test_serve_hosts.py``, whose hosts are stopped
+gracefully at the end and only a crashed one's leftovers swept) ends with none of their worker
+processes running (``tests/_procs.py``: ``no_worker_left_by_hosts``)."""
 
 from __future__ import annotations
 

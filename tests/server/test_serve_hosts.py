@@ -35,10 +35,18 @@ from trio_websocket import open_websocket_url
 
 from fake_pi.scenario import TINY_PNG, Attach, Call, Step, Text, ToolCalls
 from runtime._journal._postgres import open_pg_store
+from runtime._linux._proctree import EPOCH_ENV, TreeProof, kill_tree, new_nonce, read_environ
 from runtime._pi._session_settle import interrupted_text
 from runtime._records import ModelResponse, Record
 
-from .._procs import alive_with_nonce, epoch_nonces, kill_orphaned_epochs
+from .._procs import (
+    KILL_BOUND,
+    alive_with_nonce,
+    epoch_nonces,
+    hosts_run_under,
+    kill_orphaned_epochs,
+    workers_under,
+)
 from .._wire import Client, Frame, message
 from .._workers import scripted_upstream
 from ..journal.pg_fixtures import (
@@ -57,6 +65,9 @@ LIMIT: Final = 120.0
 LEASE: Final = 4.0
 """Seconds a host's lease lasts here: a dead host's lanes are claimed this long after (short,
 yet long enough that a host starved by a loaded machine keeps its other leases)."""
+STOP_BOUND: Final = 60.0
+"""Seconds the hosts still running as a test ends have to stop on SIGTERM (a drain with no
+turn running is quick: the bound only turns a host that hangs into a failure)."""
 
 
 class HostProcess:
@@ -71,6 +82,24 @@ class HostProcess:
         self.stderr = b""
         self._changed = trio.Event()
         self.port = 0
+        self.namespace: tuple[int, int] | None = None
+        """Its mount namespace (device, inode), held open until the deployment ends
+        (:meth:`hold_namespace`): a process found in it is this host's."""
+        self._namespace_fd: int | None = None
+        self.crashed = False
+        """SIGKILLed by the test: what it left running is swept when the deployment ends."""
+
+    def hold_namespace(self) -> None:
+        """Open the host's mount namespace: held open, its inode — the namespace's name — is
+        not reused by another host's while the deployment lasts, whatever this one does."""
+        fd = os.open(f"/proc/{self.process.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self._namespace_fd = fd
+        self.namespace = _identity(os.fstat(fd))
+
+    def release_namespace(self) -> None:
+        if self._namespace_fd is not None:
+            os.close(self._namespace_fd)
+            self._namespace_fd = None
 
     @property
     def token(self) -> str:
@@ -100,11 +129,78 @@ class HostProcess:
             yield client
 
     def signal(self, number: int) -> None:
+        """Send ``number`` to the host; SIGKILL is a crash (:attr:`crashed`)."""
+        if number == signal.SIGKILL:
+            self.crashed = True
         self.process.send_signal(number)
 
     async def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
+        self.signal(signal.SIGKILL)
         await self.process.wait()
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
+
+
+def _namespace_of(pid: int) -> tuple[int, int] | None:
+    """The mount namespace of process ``pid`` (None: it is gone)."""
+    try:
+        return _identity(os.stat(f"/proc/{pid}/ns/mnt"))
+    except OSError:
+        return None
+
+
+async def _stop(hosts: list[HostProcess]) -> None:
+    """Stop every host still running as an operator would: SIGTERM (a paused one continued
+    first), and wait for its drained exit, 0, at most :data:`STOP_BOUND` seconds — on the
+    process, not the clock. A worker a host then left running is the end-of-test check's to
+    find (``no_worker_left_by_hosts``), not swept."""
+    running = [host for host in hosts if host.process.returncode is None]
+    for host in running:
+        host.signal(signal.SIGCONT)
+        host.signal(signal.SIGTERM)
+    with trio.move_on_after(STOP_BOUND):
+        for host in running:
+            await host.process.wait()
+    stuck = [host.name for host in running if host.process.returncode is None]
+    assert not stuck, f"hosts still running {STOP_BOUND} s after SIGTERM: {stuck}"
+    failed = {host.name: host.process.returncode for host in running if host.process.returncode}
+    assert not failed, f"hosts that did not stop cleanly on SIGTERM (exit status): {failed}"
+
+
+def _left_by_crashes(hosts: list[HostProcess], common: Path) -> dict[int, str]:
+    """The workers (``workers_under`` the common path) in the namespace of a host the test
+    SIGKILLed: exactly what its crash left, with each one's host and command line."""
+    crashed = {host.namespace: host.name for host in hosts if host.crashed and host.namespace}
+    found = {}
+    for pid, line in workers_under(common).items():
+        namespace = _namespace_of(pid)
+        if namespace is not None and (name := crashed.get(namespace)) is not None:
+            found[pid] = f"{name}: {line}"
+    return found
+
+
+async def _sweep_crashed(hosts: list[HostProcess], common: Path) -> None:
+    """Kill what the hosts the test SIGKILLed left running — exactly the workers in their
+    own namespaces, each whole tree by its epoch's nonce (its descendants carry it too) — and
+    check that none of it is left. A worker of any other host is left for the end-of-test
+    check."""
+    left = _left_by_crashes(hosts, common)
+    nonces = {n for pid in left if (n := _nonce_of(pid)) is not None}
+    for nonce in nonces:
+        report = await kill_tree(TreeProof(nonce=nonce), give_up_after=KILL_BOUND)
+        assert report.clean, report
+    still = _left_by_crashes(hosts, common)
+    assert not still, f"what the test's crashes left survived its sweep: {still}"
+
+
+def _nonce_of(pid: int) -> str | None:
+    prefix = f"{EPOCH_ENV}=".encode()
+    for entry in (read_environ(pid) or b"").split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode()
+    return None
 
 
 def _config(dsn: str, url: str, name: str, lease: float = LEASE) -> str:
@@ -121,9 +217,16 @@ def _config(dsn: str, url: str, name: str, lease: float = LEASE) -> str:
 async def deployment(root: Path, dsn: str, url: str, *, lease: float = LEASE) -> AsyncIterator[Any]:
     """Start hosts with ``start(name)`` (each in its own namespace, all at one path,
     ``start.common``: short, as ``/srv/pi-runtime`` would be — a socket's path must fit in
-    108 bytes); a name started again is that host restarted on its own directory. Every
-    host is killed when the block ends, and no worker of theirs is left behind."""
+    108 bytes); a name started again is that host restarted on its own directory.
+
+    When the block ends, every host still running is stopped gracefully (SIGTERM, its drained
+    exit awaited), and what a host the test SIGKILLed (:meth:`HostProcess.kill`) left running
+    — the workers in its own mount namespace, and only those — is killed; a worker any other
+    host left is then found by the end-of-test check (``tests/_procs.py``'s
+    ``no_worker_left_by_hosts``), which fails the test. Should the block fail, every host is
+    SIGKILLed and everything of theirs swept."""
     common = Path(tempfile.mkdtemp(prefix="pi-hosts-", dir="/tmp"))
+    hosts_run_under(common)  # every worker runs with its HOME under it, in any namespace
     hosts: list[HostProcess] = []
     async with trio.open_nursery() as nursery:
 
@@ -149,23 +252,28 @@ async def deployment(root: Path, dsn: str, url: str, *, lease: float = LEASE) ->
             nursery.start_soon(host.read, process.stdout, "stdout")
             nursery.start_soon(host.read, process.stderr, "stderr")
             host.port = int((await host.until("stdout", LISTENING.pattern)).group(2))
+            host.hold_namespace()  # its own (``unshare`` then ``sh`` exec the host: one pid)
             return host
 
         start.common = common  # type: ignore[attr-defined]
         try:
             yield start
+            await _stop(hosts)
+            await _sweep_crashed(hosts, common)
         except BaseException:
             for host in hosts:  # what each host logged, for the failure's report
                 print(f"--- host {host.name} stderr ---\n{host.stderr.decode(errors='replace')}")
+            with trio.CancelScope(shield=True):
+                for host in hosts:
+                    if host.process.returncode is None:
+                        host.process.send_signal(signal.SIGCONT)
+                        host.process.kill()
+                    await host.process.wait()
+                await kill_orphaned_epochs(common)  # a failed test's: everything of theirs
             raise
         finally:
             for host in hosts:
-                if host.process.returncode is None:
-                    host.process.send_signal(signal.SIGCONT)
-                    host.process.kill()
-                with trio.CancelScope(shield=True):
-                    await host.process.wait()
-            await kill_orphaned_epochs(common)
+                host.release_namespace()
             os.rmdir(common)  # empty: only ever a mount point inside the namespaces
             nursery.cancel_scope.cancel()
 
@@ -476,3 +584,40 @@ async def test_s35_a_killed_host_started_again_gets_its_task_back_and_ends_it(
     assert view["state"] == "waiting"
     assert ended["ended"] == "done", json.dumps(ended)
     assert model.request_count == 4  # each step asked once: B asked nothing
+
+
+async def _plant_worker(host: HostProcess, common: Path) -> tuple[int, str]:
+    """A stand-in for a worker ``host`` failed to stop: a process in its mount namespace, its
+    HOME under the common path and an epoch nonce (what every worker carries), left running
+    on its own (not the test's child); its pid and nonce."""
+    nonce = new_nonce()
+    enter = ["nsenter", f"--mount=/proc/{host.process.pid}/ns/mnt", "--"]
+    script = "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"
+    env = {**os.environ, "HOME": f"{common}/work/planted-{host.name}", EPOCH_ENV: nonce}
+    planted = await trio.run_process([*enter, "sh", "-c", script], env=env, capture_stdout=True)
+    return int(planted.stdout), nonce
+
+
+async def test_a_worker_a_stopped_host_left_is_found_and_a_killed_hosts_is_swept(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """The deployment's own end (docs/design/lanes.md, "No worker outlives its test"): a host
+    the test did not crash is stopped gracefully (SIGTERM, drained), never SIGKILLed and
+    swept, so a worker it left running is still there for the end-of-test check
+    (``no_worker_left_by_hosts``) to find; what a host SIGKILLed on purpose left — exactly the
+    processes of its own namespace — is swept. A stand-in for a left worker is planted in
+    each host's namespace: the stopped host's is found, the killed host's is gone."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([]) as (_model, url):
+            async with deployment(tmp_path, pg_dsn, url) as start:
+                kept, crashed = await start("a"), await start("b")
+                common: Path = start.common
+                left_pid, left_nonce = await _plant_worker(kept, common)
+                _, swept_nonce = await _plant_worker(crashed, common)
+                await crashed.kill()
+            found = workers_under(common)
+            swept = alive_with_nonce(swept_nonce)
+            report = await kill_tree(TreeProof(nonce=left_nonce), give_up_after=KILL_BOUND)
+    assert list(found) == [left_pid], found  # for the end-of-test check to fail on
+    assert swept == []
+    assert report.clean, report

@@ -34,12 +34,13 @@ STATE_OR_CODE}`` facts, RT12),
 default ``a``, the same across its restarts, RT13).
 
 Pause points (each wraps the runtime method named; the host stops *after* it unless said).
-The host stops **whole** there (:func:`stop_here`: it sends itself ``SIGSTOP``), not just the
-task that passed the point: a pause in a lane's background task (a probe, a guard check, a
-tool call) would otherwise let the lane's other tasks go on — the watchdog's ticks to the
-fence probe, the reserve, a hold — for as long as the test's SIGKILL takes, and a test that
-asserts what was durable at the point would depend on how loaded the machine is. Stopped, the
-host is as it would be had the SIGKILL come at the point itself, however late it comes.
+The host stops **whole** there (``tests/_host_process.py``'s :func:`stop_here`: it sends
+itself ``SIGSTOP``), not just the task that passed the point: a pause in a lane's background
+task (a probe, a guard check, a tool call) would otherwise let the lane's other tasks go on —
+the watchdog's ticks to the fence probe, the reserve, a hold — for as long as the test's
+SIGKILL takes, and a test that asserts what was durable at the point would depend on how
+loaded the machine is. Stopped, the host is as it would be had the SIGKILL come at the point
+itself, however late it comes.
 
 
 * ``action:KIND[:STATE][:PURPOSE]`` — :meth:`TaskLane.record_action` recorded an outbox action of
@@ -69,13 +70,12 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import msgspec
 import trio
@@ -105,29 +105,14 @@ from runtime._tasks._runner import (
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._tasks._workers import EpochRequest, ProcessWorkers, TaskWorker
 from runtime._wire import TaskSpec
-from tests._host_process import pause_after_receipt_commit
+from tests._host_process import emit, pause_after_receipt_commit, stop_here
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")
 HELD = "StalledOperatorRequired"
 
 
-def emit(fact: dict[str, Any]) -> None:
-    sys.stdout.write(msgspec.json.encode(fact).decode() + "\n")
-    sys.stdout.flush()
-
-
 def record_tag(record: Record) -> str:
     return str(record.__struct_config__.tag)
-
-
-def stop_here(point: str) -> NoReturn:
-    """Report the pause, then stop the whole host — every task and thread of it — at once
-    (``SIGSTOP`` to itself, delivered before the call returns): from here on nothing of it
-    runs, whatever the test does next, until its SIGKILL. Stopped again should anything
-    continue it."""
-    emit({"paused": point})
-    while True:
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def install_pause(point: str, nth: int) -> None:
