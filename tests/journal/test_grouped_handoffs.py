@@ -22,6 +22,20 @@ def _step(n: int) -> StepAbandoned:
     return StepAbandoned(step=n, reason="test", epoch=1)
 
 
+def shared_target(path: Path) -> LogTarget:
+    """A new shared (grouped) log at ``path``, for a bare :class:`WriterPool`."""
+    target = LogTarget(
+        path=str(path),
+        rel=path.name,
+        good_length=0,
+        next_seq=0,
+        poison_path=str(path) + ".poison",
+        create=True,
+    )
+    target.grouped = True
+    return target
+
+
 def _frames(path: Path) -> list[tuple[int, int]]:
     """``(first_seq, count)`` of every frame in the file; the file must be whole: its frames,
     then at most the zeros a delivery's log holds allocated ahead (J19)."""
@@ -112,15 +126,7 @@ async def test_a_pass_staged_when_the_pool_closes_is_still_written(
             poison_document=lambda *_: b"{}",
             on_disk_failure=failures.append,
         )
-        target = LogTarget(
-            path=str(path),
-            rel="shared.log",
-            good_length=0,
-            next_seq=0,
-            poison_path=str(path) + ".poison",
-            create=True,
-        )
-        target.grouped = True
+        target = shared_target(path)
         numbers: list[int] = []
 
         async def append(n: int) -> None:

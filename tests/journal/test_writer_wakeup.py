@@ -21,11 +21,12 @@ import trio.testing
 
 from runtime import DiskFailedError, JournalError, ReasonCode, open_store
 from runtime._journal._sync_log import SYNC_DIR
-from runtime._journal._writer import LogTarget, WriterPool, handoffs_in_flight
+from runtime._journal._writer import WriterPool, handoffs_in_flight
 from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import OutboxAction
 
 from ..faultfs import Fault, FaultyFileSystem
+from .test_grouped_handoffs import shared_target
 from .test_sync_log import Holding, _one_batch
 
 
@@ -431,15 +432,7 @@ def test_j21_a_pool_never_closed_does_not_keep_the_run_from_ending(tmp_path: Pat
             OsFileSystem(), shards=1, poison_document=lambda *_: b"{}", on_disk_failure=print
         )
         pools.append(pool)
-        target = LogTarget(
-            path=str(path),
-            rel="shared.log",
-            good_length=0,
-            next_seq=0,
-            poison_path=str(path) + ".poison",
-            create=True,
-        )
-        target.grouped = True
+        target = shared_target(path)
         numbers: list[int] = []
 
         async def append(n: int) -> None:
