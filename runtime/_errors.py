@@ -196,6 +196,8 @@ class ReasonCode(enum.StrEnum):
     HTTP_BODY_TOO_LARGE = "http_body_too_large"  # 413
     HTTP_HEAD_TOO_LARGE = "http_head_too_large"  # 431
     HTTP_UNSUPPORTED = "http_unsupported"  # 501: a transfer coding it cannot read
+    HTTP_NOT_ACCEPTABLE = "http_not_acceptable"  # 406: an Accept the metrics cannot answer
+    METRICS_FAILED = "metrics_failed"  # 500: a scrape that failed (logged with its traceback)
     # a task lane's worktree evidence: manifest and candidate checkpoint (docs/design/watchdog.md)
     WORKTREE_MISSING = "worktree_missing"
     WORKTREE_LEASED = "worktree_leased"

@@ -19,13 +19,16 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
 * upstream inactivity ends the stream with an error Pi retries in-process (G10);
   so does, when configured, an upstream that sends no data event, only comments (G15);
   an upstream error, before the stream or inside it, is relayed and never journaled (G10);
-* with ``park_unavailable``, an unavailable provider — no response (a cut before any of the
-  answer too), 408, 429, 5xx, or an outage it reports inside a 200 stream — ends the worker's
-  turn with :data:`PARKED_MESSAGE` for the runtime's backoff (PB1), by one rule: while nothing
-  of the answer was passed on (:func:`carries_answer`).
+* with ``park_unavailable``, an unavailable provider — no response (a cut, or a clean end
+  with no terminal part, before any of the answer too), 408, 429, 5xx, or an outage it
+  reports inside a 200 stream — ends the worker's turn with :data:`PARKED_MESSAGE` for the
+  runtime's backoff (PB1), by one rule: while nothing of the answer was passed on
+  (:func:`carries_answer`);
+* :attr:`Gateway.upstream_failure` is how the last call upstream ended, set afresh by each
+  call: the failure the backoff judges a turn that ends on it by (PB1).
 
 Pure helpers (:func:`request_digest`, :func:`sse_data`, :func:`is_terminal`,
-:func:`is_upstream_error`, :func:`stream_failure`, :func:`carries_answer`,
+:func:`is_upstream_error`, :func:`stream_failure`, :func:`stream_cut`, :func:`carries_answer`,
 :class:`ToolCallIds`) carry the decisions; :class:`Gateway` and
 :func:`serve_gateway` are the Trio shell.
 
@@ -72,6 +75,7 @@ from ._http import (
 from ._steps import StepJournal
 
 __all__ = [
+    "CUT_SHORT",
     "DONE",
     "GATEWAY_SECRET_ENV",
     "KEEPALIVE",
@@ -91,6 +95,7 @@ __all__ = [
     "retry_after_seconds",
     "serve_gateway",
     "sse_data",
+    "stream_cut",
     "stream_failure",
 ]
 
@@ -135,7 +140,8 @@ class UpstreamFailure:
     in_stream: str | None = None
     """For an error inside a 200 stream (:func:`stream_failure`): what it said, in words a
     continuation may carry — what it named (its class as the provider spelled it when that is
-    a plain identifier, a status, an account limit) and the status it was taken for."""
+    a plain identifier, a status, an account limit) and the status it was taken for; for a
+    200 stream that stopped short after part of the answer (:func:`stream_cut`), that."""
 
     def describe(self) -> str:
         """What was received, in words a continuation may carry (PB6): ``HTTP <status>``,
@@ -297,6 +303,19 @@ def _stream_status(error: object, account_limit: bool) -> tuple[int, str]:
     return status, f"an error of {told}"
 
 
+CUT_SHORT: Final = "an HTTP 200 stream cut short after part of the answer"
+"""How a stream that stopped short after part of the answer is told (PB6)."""
+
+
+def stream_cut(*, answering: bool) -> UpstreamFailure:
+    """How the backoff reads an upstream stream that stopped short — cut, or ended with no
+    terminal part (G16) — by what it had passed to the worker (PB1): before any of the answer
+    (:func:`carries_answer`) the upstream gave no response, as one cut before its head; after
+    part of it, a stream cut short — an outage too (no status: none was received), told as
+    such (:data:`CUT_SHORT`), never as the failure of an earlier request."""
+    return UpstreamFailure(None, in_stream=CUT_SHORT if answering else None)
+
+
 def carries_answer(payload: str) -> bool:
     """Whether this SSE payload, passed to the worker, gave it part of the answer (PB1): a
     delta with anything but its role — text, reasoning, a tool call, a refusal. A role alone,
@@ -429,10 +448,11 @@ class GatewayConfig:
     """PB1: an upstream that is unavailable (:attr:`UpstreamFailure.unavailable`) ends the
     worker's turn at once with :data:`PARKED_MESSAGE`, which the worker does not retry: the
     runtime's durable backoff is then the one retry policy (room and task lanes with
-    ``[backoff]``). So do an outage reported inside a 200 stream (:func:`stream_failure`) and
-    an upstream cut, while nothing of the answer was passed to the worker
-    (:func:`carries_answer`); after that G10 relays the error and cuts (a cut is relayed as a
-    cut), and :attr:`Gateway.upstream_failure` keeps an error for the backoff."""
+    ``[backoff]``). So do an outage reported inside a 200 stream (:func:`stream_failure`), an
+    upstream cut and a stream that ends with no terminal part (G16), while nothing of the
+    answer was passed to the worker (:func:`carries_answer`); after that G10 relays the error
+    and cuts (a cut, or such an end, is relayed as a cut), and
+    :attr:`Gateway.upstream_failure` keeps the failure for the backoff (:func:`stream_cut`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -565,7 +585,11 @@ class Gateway:
         self._failure: PiRuntimeError | None = None
         self._failed = trio.Event()
         self.upstream_failure: UpstreamFailure | None = None
-        """How the last call upstream failed; ``None`` once one is answered (PB1)."""
+        """How the last call upstream failed (PB1): a status, no response, an error inside
+        the stream, a stream cut short — what the backoff judges a turn that ends on it by.
+        ``None`` while a call is under way, and after one that was answered or ended in a way
+        that says nothing of the provider's availability (G10 and G15's silence, a journal
+        failure): every call sets it afresh, so no earlier request's failure outlives it."""
         self._upstream = ConnectionPool()
         self._stats = dict.fromkeys(
             (
@@ -742,6 +766,7 @@ class Gateway:
         park = self.config.park_unavailable
         limit = self.config.upstream_inactivity
         data_limit = self.config.upstream_data_inactivity
+        self.upstream_failure = None  # PB1, G18: this call's end says it, never an earlier one's
 
         def parks(failure: UpstreamFailure) -> bool:
             """PB1, the one rule for every way an outage shows — a status, an error inside the
@@ -773,6 +798,7 @@ class Gateway:
                     if is_upstream_error(payload):  # relayed as it came, never held
                         failure = stream_failure(payload, retry_after)
                         failed.append(failure)
+                        self.upstream_failure = failure  # PB1, G18: before the worker hears
                         parking = parks(failure)
                         if not parking:
                             passed.append(sse_data(payload))
@@ -818,12 +844,9 @@ class Gateway:
                     else:  # the stream's end completes its last event
                         if passed := take(events.end()):
                             await downstream.send(passed)
-            except HttpClientError:
-                if not answering:  # no response: refused, unreachable, cut before the answer
-                    self.upstream_failure = failure = UpstreamFailure(None)
-                    if parks(failure):
-                        await self._park(downstream)
-                return  # upstream cut: cut the worker too ("terminated", retried)
+            except HttpClientError:  # refused, unreachable, cut: no response, or cut short
+                await self._stopped_short(stream_cut(answering=answering), parks, downstream)
+                return
         if silence.cancelled_caught:  # G10
             self._stats["inactivity_aborts"] += 1
             await self._relay_error(504, inactivity_message(limit), downstream)
@@ -834,14 +857,14 @@ class Gateway:
             await self._relay_error(504, data_inactivity_message(data_limit), downstream)
             return
         if failed:  # G10: an upstream error inside the stream is no answer: never journaled
-            self._stats["stream_errors"] += 1
-            self.upstream_failure = failed[0]  # PB1: the backoff reads it as it reads a status
+            self._stats["stream_errors"] += 1  # upstream_failure has it (PB1: read as a status)
             if parking:  # an outage before any of the answer: the turn ends, as for a 5xx
                 await self._park(downstream)
             return  # else the worker has the error; the stream is cut, as for an upstream cut
         if not held:  # G16: it ended with no terminal part: an incomplete response
-            self._stats["incomplete_streams"] += 1
-            return  # never journaled, never finished: cut like an upstream cut (retried)
+            self._stats["incomplete_streams"] += 1  # never journaled, never finished:
+            await self._stopped_short(stream_cut(answering=answering), parks, downstream)
+            return  # as an upstream cut: cut (retried), or parked before the answer (PB1)
         if held[-1].strip() != DONE:
             chunks.append(DONE)
             held.append(DONE)
@@ -857,8 +880,21 @@ class Gateway:
             self._fail(exc)
             return
         self._stats["journaled"] += 1
-        self.upstream_failure = None
         await downstream.finish(b"".join(map(sse_data, held)))  # the terminal part, one write
+
+    async def _stopped_short(
+        self,
+        failure: UpstreamFailure,
+        parks: Callable[[UpstreamFailure], bool],
+        downstream: _Downstream,
+    ) -> None:
+        """An upstream that gave no response or stopped short (a cut, G16's end with no
+        terminal part): the failure is kept for the backoff, and the worker's turn parked if
+        nothing of the answer had reached it (PB1); else its stream is cut when the handler
+        returns ("terminated": the worker retries, G10)."""
+        self.upstream_failure = failure
+        if parks(failure):
+            await self._park(downstream)
 
     async def _park(self, downstream: _Downstream) -> None:
         """PB1: end the worker's turn for an unavailable provider with :data:`PARKED_MESSAGE`,

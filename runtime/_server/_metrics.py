@@ -173,9 +173,8 @@ async def _handle(
     path = request.target.split("?", 1)[0]
     if path != PATH and page is not None:
         if insecure:  # OP4: the page needs loopback or TLS; the metrics are served anyway
-            body = b'{"ok":false,"code":"page_insecure","message":"the operator page is served '
-            body += b'on loopback or over TLS only"}'
-            await _plain(response, 403, body, content_type="application/json")
+            where = "the operator page is served on loopback or over TLS only"
+            await refuse(response, 403, ReasonCode.PAGE_INSECURE, where)
             return
         await page.handle(request, response)
         return
@@ -192,31 +191,18 @@ async def _handle(
     # negotiates it; encoded on the Trio thread: the collector reads live state
     try:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        body = encoder(REGISTRY)
-    except (TypeError, ValueError):  # a malformed Accept (e.g. an OpenMetrics version)
-        await _plain(response, 406, b"not_acceptable: the Accept header cannot be read\n")
+    except (TypeError, ValueError):  # a malformed Accept (e.g. an OpenMetrics version): M6, M7
+        await refuse(
+            response, 406, ReasonCode.HTTP_NOT_ACCEPTABLE, "the Accept header cannot be read"
+        )
         return
+    body = encoder(REGISTRY)  # a collector's error, whatever its type, is a 500 (M5)
     await trio.lowlevel.checkpoint()
     headers = [("content-type", content_type), ("content-length", str(len(body)))]
     with write_bound():  # a scraper that reads nothing holds no connection (M6)
         await response.start(200, headers)
         if request.method == "GET":
             await response.send(body)
-        await response.end()
-
-
-async def _plain(
-    response: ResponseWriter,
-    status: int,
-    body: bytes,
-    extra: list[tuple[str, str]] | None = None,
-    *,
-    content_type: str = "text/plain; charset=utf-8",
-) -> None:
-    headers = [("content-type", content_type), ("content-length", str(len(body)))]
-    with write_bound():
-        await response.start(status, headers + (extra or []))
-        await response.send(body)
         await response.end()
 
 
@@ -246,8 +232,8 @@ async def serve_metrics(
                 logger.exception(
                     "the metrics listener failed to answer", extra=fields("metrics_failed")
                 )
-                if not response.started:
-                    await _plain(response, 500, b"metrics_failed: see the server's log\n")
+                if not response.started:  # M5, M7: its code, as every refusal of the listener
+                    await refuse(response, 500, ReasonCode.METRICS_FAILED, "see the server's log")
 
         bound: HttpServer = await nursery.start(
             functools.partial(

@@ -26,6 +26,7 @@ from runtime._boundary._gateway import (
     UpstreamFailure,
     request_digest,
     sse_data,
+    stream_cut,
     stream_failure,
 )
 from runtime._boundary._http import Request, ResponseWriter, iter_sse, open_request
@@ -269,6 +270,8 @@ def test_pb6_a_failure_is_told_as_it_was_received() -> None:
     identifier is not repeated."""
     assert UpstreamFailure(503).describe() == "HTTP 503"
     assert UpstreamFailure(None).describe() == "no response"
+    assert stream_cut(answering=False) == UpstreamFailure(None)
+    assert stream_cut(answering=True).describe() == CUT_SHORT
     limited = failing({"message": "usage limit reached, try again later", "type": "x"})
     assert stream_failure(limited, 60.0).describe() == (
         "an account limit inside an HTTP 200 stream, taken for a 429"
@@ -285,9 +288,10 @@ def test_pb6_a_failure_is_told_as_it_was_received() -> None:
     )
 
 
-def cut_after(payloads: list[str]) -> Upstream:
+def cut_after(payloads: list[str], *, ends: bool = False) -> Upstream:
     """An upstream that answers 200, sends a comment and ``payloads``, then drops the
-    connection (returning without the response's end); its second request is answered."""
+    connection (returning without the response's end) — or, with ``ends``, ends its stream
+    cleanly there, with no terminal part (G16); its second request is answered."""
     asked = 0
 
     async def upstream(request: Request, response: ResponseWriter) -> None:
@@ -299,6 +303,8 @@ def cut_after(payloads: list[str]) -> Upstream:
             await response.end()
             return
         await response.send(KEEPALIVE + b"".join(map(sse_data, payloads)))
+        if ends:
+            await response.end()
 
     return upstream
 
@@ -308,24 +314,28 @@ CUT_BEFORE_THE_ANSWER: Final = {
     "role": [ROLE],
     "role-and-empty-deltas": [ROLE, chunk({}), chunk({"content": None, "tool_calls": []})],
 }
+ENDS: Final = {"cut": False, "clean-end": True}
+"""How the upstream's stream stops short: a cut, or a clean end with no terminal part (G16)."""
 
 
+@pytest.mark.parametrize("ends", ENDS.values(), ids=ENDS.keys())
 @pytest.mark.parametrize(
     "payloads", CUT_BEFORE_THE_ANSWER.values(), ids=CUT_BEFORE_THE_ANSWER.keys()
 )
-async def test_pb1_a_cut_before_any_of_the_answer_parks_as_no_response(
-    payloads: list[str],
+async def test_pb1_g16_a_cut_before_any_of_the_answer_parks_as_no_response(
+    payloads: list[str], ends: bool
 ) -> None:
-    """PB1, G10 — one rule for "before the answer": an upstream that cuts its stream when it
-    had sent only keepalives, its role or empty deltas (nothing of the answer:
-    ``carries_answer``) gave no response, as one cut before its head: with the backoff the
-    worker's turn ends with the park message (an SSE error event and the stream's end), and
-    the failure is there for the backoff; nothing is journaled, the upstream was asked once.
-    Before this rule, only a cut before any data event parked: a cut after the role was
-    relayed as a cut and retried by the worker itself, outside the backoff (the
-    ``keepalive-only`` case parked already)."""
+    """PB1, G10, G16 — one rule for "before the answer": an upstream that cuts its stream, or
+    ends it cleanly with no terminal part, when it had sent only keepalives, its role or empty
+    deltas (nothing of the answer: ``carries_answer``) gave no response, as one cut before its
+    head: with the backoff the worker's turn ends with the park message (an SSE error event
+    and the stream's end), and the failure is there for the backoff; nothing is journaled, the
+    upstream was asked once. Before this rule, only a cut before any data event parked: a cut
+    after the role was relayed as a cut and retried by the worker itself, outside the backoff
+    (the ``keepalive-only`` cut parked already); and a clean end with nothing of the answer
+    was cut (G16) whatever it had sent — the worker got nothing and retried it by itself."""
     with trio.fail_after(LIMIT):
-        async with rig(upstream=cut_after(payloads), park_unavailable=True) as r:
+        async with rig(upstream=cut_after(payloads, ends=ends), park_unavailable=True) as r:
             status, events = await exchange(r)  # it ends: no HttpClientError
             failure = r.gateway.upstream_failure
             stats = r.gateway.statistics()
@@ -341,13 +351,95 @@ async def test_pb1_a_cut_before_any_of_the_answer_parks_as_no_response(
     assert r.gateway.upstream_failure is None
 
 
-async def test_g10_a_cut_after_part_of_the_answer_is_still_a_cut() -> None:
-    """G10: once part of the answer reached the worker, an upstream cut cuts the worker, with
-    the backoff too: the worker's own retry asks again."""
-    part = chunk({"content": "Hel"})
+PART: Final = chunk({"content": "Hel"})
+CUT_SHORT: Final = "an HTTP 200 stream cut short after part of the answer"
+"""What a continuation says of a stream that stopped short after part of the answer (PB6):
+spelled out here, not imported, so a change of the words is seen."""
+
+
+@pytest.mark.parametrize("ends", ENDS.values(), ids=ENDS.keys())
+async def test_g10_g16_a_cut_after_part_of_the_answer_is_still_a_cut(ends: bool) -> None:
+    """G10, G16: once part of the answer reached the worker, an upstream cut — or a clean end
+    with no terminal part — cuts the worker, with the backoff too: the worker's own retry asks
+    again. The failure is kept for the backoff as what it was (PB1: a turn that ends on it is
+    parked, told as a stream cut short, PB6), and the answer to the retry clears it."""
     with trio.fail_after(LIMIT):
-        async with rig(upstream=cut_after([ROLE, part]), park_unavailable=True) as r:
+        async with rig(upstream=cut_after([ROLE, PART], ends=ends), park_unavailable=True) as r:
             relayed = await exchange_cut(r)
+            failure = r.gateway.upstream_failure
             again, answered = await exchange(r)
-    assert data(relayed) == [ROLE, part]
+            after = r.gateway.upstream_failure
+    assert data(relayed) == [ROLE, PART]
+    assert failure is not None
+    assert (failure.status, failure.unavailable, failure.describe()) == (None, True, CUT_SHORT)
     assert (again, data(answered)) == (200, WHOLE)
+    assert after is None
+
+
+EARLIER_503: Final = {
+    "status": b"",
+    "in-stream-after-part": b"".join(map(sse_data, [ROLE, PART, OUTAGES["vllm-503"][0], DONE])),
+}
+"""An earlier request's 503: a status (parked), or one inside the stream after part of the
+answer (relayed and cut, kept for the backoff)."""
+LAST_ENDS: Final = {
+    "cut": (False, CUT_SHORT),
+    "clean-end": (True, CUT_SHORT),
+    "silent": (None, None),
+}
+"""How the turn's last request ends after part of the answer — a cut, a clean end with no
+terminal part (G16), upstream silence (G10) — and what the backoff is then told of it: a stream
+cut short; silence no failure of the provider's (the worker retries it, the watchdog watches
+it), never the earlier 503."""
+
+
+@pytest.mark.parametrize("last", LAST_ENDS.values(), ids=LAST_ENDS.keys())
+@pytest.mark.parametrize("earlier", EARLIER_503.values(), ids=EARLIER_503.keys())
+async def test_pb1_g18_a_turn_is_judged_by_how_its_last_request_ended_not_an_earlier_503(
+    earlier: bytes, last: tuple[bool | None, str | None]
+) -> None:
+    """PB1, PB6: ``upstream_failure`` is how the gateway's last call upstream ended — what the
+    backoff judges the turn by when it ends on it. An earlier request of the turn (or the
+    epoch) met a 503 — a status, parked, or inside the stream after part of the answer,
+    relayed and kept; the last one was cut after part of the answer (or ended with no terminal
+    part, or went silent). Before, such an end neither set nor cleared the failure: the turn
+    was judged by the earlier 503 (``HTTP 503`` in a task's continuation, ``Parked.status``
+    503)."""
+    ends, told = last
+    asked = 0
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        nonlocal asked
+        asked += 1
+        if asked == 1 and not earlier:
+            await response.respond(503, b'{"error": {"message": "busy"}}')
+            return
+        await response.start(200, SSE)
+        if asked == 1:
+            await response.send(earlier)
+            await response.end()
+            return
+        await response.send(b"".join(map(sse_data, [ROLE, PART])))
+        if ends is None:
+            await trio.sleep_forever()  # silent: the gateway's inactivity deadline ends it
+        if ends:
+            await response.end()
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=upstream, park_unavailable=True, upstream_inactivity=0.5) as r:
+            if earlier:
+                await exchange_cut(r)
+            else:
+                assert error_message((await exchange(r))[1]) == PARKED_MESSAGE
+            first = r.gateway.upstream_failure
+            relayed = await exchange_cut(r)
+            failure = r.gateway.upstream_failure
+    assert first is not None
+    assert first.status == 503
+    assert data(relayed)[:2] == [ROLE, PART]
+    assert asked == 2
+    if told is None:
+        assert failure is None
+    else:
+        assert failure is not None
+        assert (failure.status, failure.unavailable, failure.describe()) == (None, True, told)

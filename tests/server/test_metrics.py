@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -244,18 +244,47 @@ async def test_m1_two_servers_in_one_process_both_answer(tmp_path: Path) -> None
             assert value(samples(text), "pi_runtime_connections") == 1
 
 
-async def test_m3_a_failing_scrape_is_its_own_500_and_the_server_goes_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def refusal_code(kind: str, text: str) -> str:
+    """The code of a refusal of the listener (M7): a JSON body ``{"ok": false, "code": …,
+    "message": …}``, its code one of the pinned stable ones."""
+    assert kind == "application/json"
+    answer = msgspec.json.decode(text)
+    assert (answer["ok"], bool(answer["message"])) == (False, True)
+    code = answer["code"]
+    assert isinstance(code, str)
+    codes = set((Path(__file__).parents[1] / "data" / "reason_codes.txt").read_text().split())
+    assert code in codes  # a stable code, pinned
+    return code
+
+
+@pytest.mark.parametrize("error", [RuntimeError, ValueError, TypeError])
+async def test_m5_m7_a_failing_scrape_is_its_own_500_with_its_code_and_the_server_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: type[Exception]
 ) -> None:
-    """A bug in the collector (its first read of the server raises) answers that scrape 500
-    ``metrics_failed``; the next scrape, the websocket and the server go on."""
-    fails_once(monkeypatch, ServerCollector, "collect")
+    """M5, M7: a bug in the collector (its first read of the server raises) answers that
+    scrape 500 ``metrics_failed`` — a refusal like every other of the listener, a JSON body
+    with the code (before: a line of plain text); the next scrape, the websocket and the
+    server go on. Whatever it raises: a ``ValueError`` or ``TypeError`` is not taken for an
+    ``Accept`` that cannot be read (before, it was answered ``406`` and not logged)."""
+    if error is RuntimeError:
+        fails_once(monkeypatch, ServerCollector, "collect")
+    else:
+        original = ServerCollector.collect
+        calls = [0]
+
+        def collect(self: ServerCollector) -> Iterator[Any]:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise error("a planted bug in ServerCollector.collect")
+            return original(self)
+
+        monkeypatch.setattr(ServerCollector, "collect", collect)
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
             port = r.server.metrics_port
             assert port is not None
-            status, _kind, text = await scrape(port)
-            assert (status, text) == (500, "metrics_failed: see the server's log\n")
+            status, kind, text = await scrape(port)
+            assert (status, refusal_code(kind, text)) == (500, "metrics_failed")
             assert (await scrape(port))[0] == 200
             async with r.connect() as client:
                 await client.send({"type": "status"})
@@ -305,19 +334,18 @@ async def test_m6_a_head_gets_headers_and_no_traceback(
     assert "metrics_failed" not in caplog.text
 
 
-async def test_m6_a_malformed_accept_is_406_not_a_server_fault(
+async def test_m6_m7_a_malformed_accept_is_406_with_its_code_not_a_server_fault(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """M6: an ``Accept`` naming an OpenMetrics version that cannot be read is the client's
-    fault: ``406``, not ``500 metrics_failed`` with a traceback."""
+    """M6, M7: an ``Accept`` naming an OpenMetrics version that cannot be read is the client's
+    fault: ``406 http_not_acceptable`` — a refusal like every other of the listener, a JSON
+    body with the code (before: a line of plain text) — not ``500 metrics_failed`` with a
+    traceback."""
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
-            got = await _exchange(
-                _port(r),
-                b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
-                b"accept: application/openmetrics-text; version=abc\r\n\r\n",
-            )
-    assert got.startswith(b"HTTP/1.1 406"), got[:80]
+            accept = "application/openmetrics-text; version=abc"
+            status, kind, text = await scrape(_port(r), accept=accept)
+    assert (status, refusal_code(kind, text)) == (406, "http_not_acceptable")
     assert "metrics_failed" not in caplog.text
 
 
