@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 import itertools
 import logging
 import math
@@ -433,20 +434,32 @@ class RoomWorker:
         """The delivery ids admitted and not finished, in no particular order."""
         return list(self._pending)
 
-    def status(self, room: str | None = None) -> list[RoomStatus]:
-        """Each room lane this host has (or only ``room``), sorted by room."""
-        outbox = self._host.outbox
+    def status(self, room: str | None = None, *, limit: int | None = None) -> list[RoomStatus]:
+        """Each room lane this host has (or only ``room``), sorted by room; with ``limit``,
+        the first ``limit`` of them only, the others' statuses not built (the operator page
+        lists 500 of any number: operations.md OP6)."""
+        lanes, outbox = self._lanes, self._host.outbox
+        if room is not None:
+            names = [room] if room in lanes and (limit is None or limit > 0) else []
+        elif limit is None:
+            names = sorted(lanes)
+        else:
+            names = heapq.nsmallest(limit, lanes)  # sorted, and no more than it keeps
         return [
             RoomStatus(
                 room=name,
-                state="running" if lane.current is not None else "idle",
-                queued=len(lane.queue),
-                live_worker=lane.live_worker,
+                state="running" if lanes[name].current is not None else "idle",
+                queued=len(lanes[name].queue),
+                live_worker=lanes[name].live_worker,
                 last_result_seq=last.seq if (last := outbox.last_of_room.get(name)) else 0,
             )
-            for name, lane in sorted(self._lanes.items())
-            if room is None or name == room
+            for name in names
         ]
+
+    @property
+    def room_count(self) -> int:
+        """How many room lanes this host has: ``len(status())``, no status built."""
+        return len(self._lanes)
 
     @property
     def last_seq(self) -> int:

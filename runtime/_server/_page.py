@@ -172,13 +172,17 @@ class OperatorPage:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Record every task's classification changes (with the wall-clock time they were
-        seen) and wake the event streams; until cancelled."""
+        seen) and wake the event streams; until cancelled. Each timeline starts from the
+        task's classification and state (``TaskService.classifications``, no row built: OP6),
+        only the ``TIMELINES`` that are kept."""
         wall = self.server.worker.store.clocks.wall
         async with self.server.tasks.events(buffer=4096) as events:
             task_status.started()
             try:
-                for row in self.server.tasks.rows():
-                    self._mark(row["task_id"], wall.time_ms(), row["classification"], row["state"])
+                now_ms = wall.time_ms()
+                start = self.server.tasks.classifications()
+                for task_id in list(start)[-TIMELINES:]:  # by id: the last ones are kept
+                    self._mark(task_id, now_ms, *start[task_id])
                 async for event in events:
                     self._mark(event.task_id, wall.time_ms(), event.classification, event.state)
                     self._changed.set()
@@ -291,9 +295,11 @@ class OperatorPage:
 
     def state(self) -> dict[str, Any]:
         """The state the page shows: the server's, its rooms, the pending deliveries and every
-        task with its silence, thresholds, budget, hold and next safe action."""
+        task with its silence, thresholds, budget, hold and next safe action — at most
+        ``ROOMS_SHOWN`` rooms and ``TASKS_SHOWN`` tasks, and no status or row of any other is
+        built (OP6)."""
         worker, tasks = self.server.worker, self.server.tasks
-        rooms = worker.status()
+        rooms = worker.status(limit=ROOMS_SHOWN)  # only the statuses it shows are built
         pending = sorted(worker.pending())
         ends = tasks.ends()
         scale = tasks.policy.timescale
@@ -302,10 +308,8 @@ class OperatorPage:
             "admitting": worker.admitting,
             "connections": len(self.server.connections),
             "unacknowledged": worker.unacknowledged,
-            "rooms": [
-                _room_row(room, worker.last_result(room.room)) for room in rooms[:ROOMS_SHOWN]
-            ],
-            "rooms_total": len(rooms),
+            "rooms": [_room_row(room, worker.last_result(room.room)) for room in rooms],
+            "rooms_total": worker.room_count,
             "pending": pending[:PENDING_SHOWN],
             "pending_total": len(pending),
             "tasks": tasks.rows(self._shown(ends)),  # only the rows it shows are built

@@ -564,6 +564,21 @@ class TaskRunner:
             for task_id in self.task_ids()
         }
 
+    def classifications(self) -> dict[str, tuple[str, str]]:
+        """Each task's id, by id, with its classification and state as its row says them
+        (``task_row``, ``view_row``), read without building its row: where the operator
+        page's timelines start (OP6)."""
+        found = {}
+        for task_id in self.task_ids():
+            ended = self.ended.get(task_id)
+            if ended is not None:
+                found[task_id] = (ended.view.classification, ended.view.state)
+                continue
+            lane = self.lanes[task_id]
+            state = lane.ended.state if lane.ended is not None else str(lane.kernel.state)
+            found[task_id] = (str(lane.watchdog.classification), state)
+        return found
+
     def census(self) -> list[TaskCensus]:
         """Each task's state, classification and whether a worker lives, read without
         building its view (what a metrics scrape needs, for a thousand tasks at once)."""

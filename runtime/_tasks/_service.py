@@ -144,6 +144,11 @@ class TaskService:
         """Every task's id, by id, and whether it has ended, built without its row."""
         return self.runner.ends()
 
+    def classifications(self) -> dict[str, tuple[str, str]]:
+        """Every task's id, by id, with its classification and state, built without its
+        row: where the operator page's timelines start."""
+        return self.runner.classifications()
+
     async def reply(self, task_id: str, text: str, correlation: str | None = None) -> TaskView:
         """Answer the task's ``task_wait`` (its correlation, default: the open one); refused
         ``task_not_waiting`` when it waits for nothing or for another correlation."""

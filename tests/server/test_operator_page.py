@@ -21,11 +21,12 @@ import pytest
 import trio
 import trustme
 
-from fake_pi.scenario import Hang, Text
+from fake_pi.scenario import Hang, Step, Text
 from runtime._boundary._http import Request, ResponseWriter, open_request, serve_http
 from runtime._config import config_from_dict
 from runtime._errors import ReasonCode
 from runtime._journal._inspect import delivery_records
+from runtime._rooms import _worker
 from runtime._server import _page, _throttle
 from runtime._server._admin import admin_request
 from runtime._server._metrics import _handle, allowed_hosts
@@ -33,6 +34,7 @@ from runtime._server._page import OperatorPage
 from runtime._server._serve import ServeOptions, open_server
 from runtime._server._token import rotate_token
 from runtime._tasks._service import TaskService
+from runtime._wire import RoomStatus
 
 from .._failing import fails_once
 from .._wire import message
@@ -606,8 +608,15 @@ def many_tasks(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
         built[0] += len(chosen)
         return [rows_of[task_id]() for task_id in chosen]
 
+    def classifications(self: TaskService) -> dict[str, tuple[str, str]]:
+        return {
+            task_id: ((row := rows_of[task_id]())["classification"], row["state"])
+            for task_id in sorted(ids)
+        }
+
     monkeypatch.setattr(TaskService, "ends", ends)
     monkeypatch.setattr(TaskService, "rows", rows)
+    monkeypatch.setattr(TaskService, "classifications", classifications)
     return built
 
 
@@ -646,6 +655,56 @@ async def test_op6_a_state_lists_at_most_tasks_shown_tasks_and_says_how_many(
     assert state["tasks_total"] == 7
     # t1, t3, t5, t7 are live; the follower saw t7 change last, then t5
     assert [task["task_id"] for task in state["tasks"]] == ["t5", "t7"]
+
+
+async def test_op6_the_timelines_start_without_building_a_task_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP6: the follower that keeps the timelines starts each one from the task's
+    classification and state (``TaskService.classifications()``) without building its row:
+    two thousand tasks cost the page's start no row, and its first state ``TASKS_SHOWN``. The
+    timelines did start (the state lists the tasks the follower saw last, by id order: the
+    live ones whose ids sort last)."""
+    monkeypatch.setattr(_page, "TASKS_SHOWN", 5)
+    built = many_tasks(monkeypatch, 2000)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            state = (await ask(port, "/api/state", headers=bearer)).json()
+            assert built[0] == 5
+    live = [task_id for task_id in sorted(f"t{i}" for i in range(1, 2001)) if int(task_id[1:]) % 2]
+    assert [task["task_id"] for task in state["tasks"]] == sorted(live[-5:])
+
+
+async def test_op6_a_state_builds_no_room_status_past_what_it_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP6: a state builds the statuses of the rooms it lists (``ROOMS_SHOWN``, the first by
+    room) and no other — ``RoomWorker.status(limit=…)`` picks them by name first — and
+    ``rooms_total`` (``RoomWorker.room_count``) still says how many rooms there are."""
+    monkeypatch.setattr(_page, "ROOMS_SHOWN", 2)
+    built = [0]
+
+    def counted(**fields: Any) -> RoomStatus:
+        built[0] += 1
+        return RoomStatus(**fields)
+
+    monkeypatch.setattr(_worker, "RoomStatus", counted)
+    steps: list[Step] = [Text(text="one"), Text(text="two"), Text(text="three")]
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE, steps=steps) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            async with r.connect() as client:
+                for room in ("dm:3", "dm:1", "dm:2"):
+                    await client.send(message(f"d-{room}", "hello", room=room))
+                    await client.until(lambda f: f["type"] == "result")
+            built[0] = 0
+            state = (await ask(port, "/api/state", headers=bearer)).json()
+            assert built[0] == 2
+    assert state["rooms_total"] == 3
+    assert [room["room"] for room in state["rooms"]] == ["dm:1", "dm:2"]
 
 
 # -- OP7, OP8: what a view shows; a fault stays in its request ---------------------------------
@@ -723,7 +782,7 @@ async def test_op8_a_fault_in_following_the_tasks_stays_in_the_page(
 ) -> None:
     """The timelines' follower fails (its first read of the tasks raises): it is logged, the
     server goes on serving its websocket, the metrics and the page."""
-    calls = fails_once(monkeypatch, TaskService, "rows")
+    calls = fails_once(monkeypatch, TaskService, "classifications")
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE, steps=[Text(text="still here")]) as r:
             port = port_of(r)
@@ -734,4 +793,4 @@ async def test_op8_a_fault_in_following_the_tasks_stays_in_the_page(
                 await client.send(message("d1", "hello"))
                 result = await client.until(lambda f: f["type"] == "result")
             assert result["outcome"] == "reply"
-            assert calls[0] >= 2
+            assert calls[0] == 1  # the follower's, which failed
