@@ -88,13 +88,7 @@ from runtime._boundary._gate import (
     gate_environment,
     serve_gate,
 )
-from runtime._boundary._gateway import (
-    GATEWAY_SECRET_ENV,
-    Gateway,
-    GatewayConfig,
-    request_digest,
-    serve_gateway,
-)
+from runtime._boundary._gateway import GATEWAY_SECRET_ENV, Gateway, GatewayConfig, serve_gateway
 from runtime._boundary._http import (
     ConnectionPool,
     Handler,
@@ -106,6 +100,7 @@ from runtime._boundary._http import (
     serve_http,
 )
 from runtime._boundary._steps import MemoryStepJournal
+from runtime._boundary._stream import request_digest
 from runtime._pi._pi_install import PiInstall, default_pi_home, find_pi
 from runtime._pi._rpc import RpcChannel, open_rpc_channel
 from runtime._pi._worker import (

@@ -704,7 +704,7 @@ COMPONENTS: Final = (
             "_gate.py:_parse",
             "_gate.py:canonical_args",
             "_gateway.py:DeliveryStepJournal",
-            "_gateway.py:request_digest",
+            "_stream.py:request_digest",
             "_http.py:iter_sse",
         ),
     ),

@@ -3,7 +3,7 @@ route's breaker and each parked delivery's schedule.
 
 A room turn whose model provider is unavailable (no response, 408, 429, 5xx, or such an
 outage reported inside a 200 stream — seen by the gateway,
-:class:`~runtime._boundary._gateway.UpstreamFailure`) is *parked*, not failed: its
+:class:`~runtime._boundary._stream.UpstreamFailure`) is *parked*, not failed: its
 lane records a :class:`~runtime._records.Parked` with the next attempt's time in the
 delivery's journal, stops its worker, waits, and runs the same turn again from the journal
 (the steps answered before are not asked again). One :class:`RouteBreaker` per host — a host
@@ -27,7 +27,7 @@ from typing import Final
 
 import trio
 
-from ._boundary._gateway import UpstreamFailure
+from ._boundary._stream import UpstreamFailure
 from ._clock import Clocks
 from ._config import BackoffConfig
 from ._errors import ReasonCode

@@ -10,7 +10,7 @@ private runtime module (a contract in ``pyproject.toml``, docs/design/index.md).
 
 from __future__ import annotations
 
-from ._boundary._gateway import GATEWAY_SECRET_ENV, request_digest
+from ._boundary._gateway import GATEWAY_SECRET_ENV
 from ._boundary._http import (
     ConnectionPool,
     HttpClientError,
@@ -21,6 +21,7 @@ from ._boundary._http import (
     open_request,
     serve_http,
 )
+from ._boundary._stream import request_digest
 from ._boundary._tools import RUNTIME_TOOLS, TOOLS_ENV
 from ._clock import SystemWallClock, WallClock
 from ._pi._pijson import iso_timestamp, stringify

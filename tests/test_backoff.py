@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from runtime._backoff import RouteBreaker, past_bounds
-from runtime._boundary._gateway import (
+from runtime._boundary._stream import (
     UpstreamFailure,
     carries_answer,
     retry_after_seconds,

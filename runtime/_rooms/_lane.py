@@ -47,8 +47,9 @@ import trio
 from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
 from .._boundary._boundaries import BoundaryConfig
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
-from .._boundary._gateway import GatewayConfig, UpstreamFailure
+from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
+from .._boundary._stream import UpstreamFailure
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
 from .._errors import (

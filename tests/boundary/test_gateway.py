@@ -31,18 +31,13 @@ from fake_pi.model_server import serve_model as serve_model_http
 from fake_pi.scenario import Call, Cut, Hang, HttpError, Scenario, Step, Text, ToolCalls
 from runtime import ReasonCode
 from runtime._boundary._gateway import (
-    DONE,
     KEEPALIVE,
     Gateway,
     GatewayConfig,
-    ToolCallIds,
     _Downstream,
     data_inactivity_message,
     inactivity_message,
-    is_terminal,
-    request_digest,
     serve_gateway,
-    sse_data,
 )
 from runtime._boundary._http import (
     HttpClientError,
@@ -56,6 +51,7 @@ from runtime._boundary._http import (
     serve_http,
 )
 from runtime._boundary._steps import DeliveryStepJournal, MemoryStepJournal
+from runtime._boundary._stream import DONE, ToolCallIds, is_terminal, request_digest, sse_data
 from runtime._clock import Clocks
 from runtime._errors import JournalError, ReplayMismatch, StepRefused
 from runtime._journal._store import open_store

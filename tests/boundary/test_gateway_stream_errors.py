@@ -19,17 +19,16 @@ import trio
 
 from fake_pi._retry import is_retryable
 from fake_pi.scenario import Text
-from runtime._boundary._gateway import (
+from runtime._boundary._gateway import KEEPALIVE, PARKED_MESSAGE
+from runtime._boundary._http import Request, ResponseWriter, iter_sse, open_request
+from runtime._boundary._stream import (
     DONE,
-    KEEPALIVE,
-    PARKED_MESSAGE,
     UpstreamFailure,
     request_digest,
     sse_data,
     stream_cut,
     stream_failure,
 )
-from runtime._boundary._http import Request, ResponseWriter, iter_sse, open_request
 
 from .test_gateway import (
     BODY,
