@@ -496,12 +496,18 @@ class Gateway:
         park = self.config.park_unavailable
         limit = self.config.upstream_inactivity
         data_limit = self.config.upstream_data_inactivity
-        self.upstream_failure = None  # PB1, G18: this call's end says it, never an earlier one's
+        if journal is self.journal:  # G14: a request of an ended delivery judges no turn
+            self.upstream_failure = None  # PB1, G18: this call's end says it, not an older one's
 
-        def parks(failure: UpstreamFailure) -> bool:
-            """PB1, the one rule for every way an outage shows — a status, an error inside the
-            stream, a cut: it parks the turn while nothing of the answer has been passed to
-            the worker (keepalives, its role, empty deltas: :func:`carries_answer`)."""
+        def outage(failure: UpstreamFailure) -> bool:
+            """How this call ended, an outage: kept for the backoff (G18) while the request's
+            delivery is still the attached one (G14: an ended delivery's late end never judges
+            the next delivery's turn), and whether it parks the turn — PB1, the one rule for
+            every way an outage shows (a status, an error inside the stream, a cut): while
+            nothing of the answer has been passed to the worker (keepalives, its role, empty
+            deltas: :func:`carries_answer`)."""
+            if journal is self.journal:
+                self.upstream_failure = failure
             return park and failure.unavailable and not answering
 
         with (
@@ -528,8 +534,7 @@ class Gateway:
                     if is_upstream_error(payload):  # relayed as it came, never held
                         failure = stream_failure(payload, retry_after)
                         failed.append(failure)
-                        self.upstream_failure = failure  # PB1, G18: before the worker hears
-                        parking = parks(failure)
+                        parking = outage(failure)  # PB1, G18: kept before the worker hears
                         if not parking:
                             passed.append(sse_data(payload))
                         break
@@ -556,8 +561,7 @@ class Gateway:
                             retry_after_seconds(upstream.headers.get("retry-after")),
                             USAGE_LIMIT_PATTERN.search(error.decode(errors="replace")) is not None,
                         )
-                        self.upstream_failure = failure
-                        if parks(failure):
+                        if outage(failure):
                             await self._park(downstream)
                             return
                         await self._relay_status(upstream.status, error, downstream)
@@ -575,8 +579,9 @@ class Gateway:
                         if passed := take(events.end()):
                             await downstream.send(passed)
             except HttpClientError:  # refused, unreachable, cut: no response, or cut short
-                await self._stopped_short(stream_cut(answering=answering), parks, downstream)
-                return
+                if outage(stream_cut(answering=answering)):  # before the answer: park (PB1)
+                    await self._park(downstream)
+                return  # else the worker's stream is cut as the handler returns: it retries (G10)
         if silence.cancelled_caught:  # G10
             self._stats["inactivity_aborts"] += 1
             await self._relay_error(504, inactivity_message(limit), downstream)
@@ -593,8 +598,9 @@ class Gateway:
             return  # else the worker has the error; the stream is cut, as for an upstream cut
         if not held:  # G16: it ended with no terminal part: an incomplete response
             self._stats["incomplete_streams"] += 1  # never journaled, never finished:
-            await self._stopped_short(stream_cut(answering=answering), parks, downstream)
-            return  # as an upstream cut: cut (retried), or parked before the answer (PB1)
+            if outage(stream_cut(answering=answering)):  # as an upstream cut: parked before
+                await self._park(downstream)  # the answer (PB1), else cut (retried)
+            return
         if held[-1].strip() != DONE:
             chunks.append(DONE)
             held.append(DONE)
@@ -611,20 +617,6 @@ class Gateway:
             return
         self._stats["journaled"] += 1
         await downstream.finish(b"".join(map(sse_data, held)))  # the terminal part, one write
-
-    async def _stopped_short(
-        self,
-        failure: UpstreamFailure,
-        parks: Callable[[UpstreamFailure], bool],
-        downstream: _Downstream,
-    ) -> None:
-        """An upstream that gave no response or stopped short (a cut, G16's end with no
-        terminal part): the failure is kept for the backoff, and the worker's turn parked if
-        nothing of the answer had reached it (PB1); else its stream is cut when the handler
-        returns ("terminated": the worker retries, G10)."""
-        self.upstream_failure = failure
-        if parks(failure):
-            await self._park(downstream)
 
     async def _park(self, downstream: _Downstream) -> None:
         """PB1: end the worker's turn for an unavailable provider with :data:`PARKED_MESSAGE`,

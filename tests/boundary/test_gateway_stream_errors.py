@@ -11,6 +11,7 @@ never by sleeping)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Final
 
@@ -20,7 +21,14 @@ import trio
 from fake_pi._retry import is_retryable
 from fake_pi.scenario import Text
 from runtime._boundary._gateway import KEEPALIVE, PARKED_MESSAGE
-from runtime._boundary._http import Request, ResponseWriter, iter_sse, open_request
+from runtime._boundary._http import (
+    HttpClientError,
+    Request,
+    ResponseWriter,
+    iter_sse,
+    open_request,
+)
+from runtime._boundary._steps import MemoryStepJournal
 from runtime._boundary._stream import (
     DONE,
     UpstreamFailure,
@@ -442,3 +450,64 @@ async def test_pb1_g18_a_turn_is_judged_by_how_its_last_request_ended_not_an_ear
     else:
         assert failure is not None
         assert (failure.status, failure.unavailable, failure.describe()) == (None, True, told)
+
+
+OTHER: Final = {**BODY, "messages": [{"role": "user", "content": "the next delivery's"}]}
+"""The next delivery's request: another body, another step."""
+ENDED_DELIVERY_ENDS: Final = ("status-503", "in-stream-503", "cut", "clean-end")
+"""How the ended delivery's request, still under way upstream, ends once the next delivery's
+turn has had its answer: each an outage the backoff would read (PB1)."""
+
+
+@pytest.mark.parametrize("ending", ENDED_DELIVERY_ENDS)
+async def test_g14_g18_a_request_of_an_ended_delivery_does_not_judge_the_next_turn(
+    ending: str,
+) -> None:
+    """G14, G18: delivery A's request is still under way upstream when the lane ends A and
+    attaches B (A's turn was stalled or cancelled; the gateway goes on reading). B's request
+    is answered, so B's turn met no outage. A's request then ends in an outage — a 503, one
+    inside its stream, a cut, a clean end with no terminal part. It is not B's: the backoff
+    must not judge B's turn by it (``upstream_failure`` stays ``None``). Before, the late end
+    set it, and B's turn could be parked for an outage it never met."""
+    reached, more = trio.Event(), trio.Event()
+    a = MemoryStepJournal()
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        if json.loads(request.body) == OTHER:  # B's: answered whole
+            await response.start(200, SSE)
+            await response.send(b"".join(map(sse_data, WHOLE)))
+            await response.end()
+            return
+        reached.set()  # A's: the gateway has called upstream
+        if ending == "status-503":
+            await more.wait()
+            await response.respond(503, b'{"error": {"message": "busy"}}')
+            return
+        await response.start(200, SSE)
+        await response.send(b"".join(map(sse_data, [ROLE, PART])))
+        await more.wait()
+        if ending == "in-stream-503":
+            await response.send(sse_data(OUTAGES["vllm-503"][0]))
+        if ending != "cut":
+            await response.end()
+
+    async def ask_a(r: Any) -> None:
+        with contextlib.suppress(HttpClientError):  # cut, or answered: A's worker has gone
+            await exchange(r)
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=upstream, journal=a, park_unavailable=True) as r:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask_a, r)
+                await reached.wait()
+                r.gateway.journal = MemoryStepJournal()  # the lane: A ended, B attached
+                r.gateway.upstream_failure = None  # … and B's turn starts (rooms: _lane.py)
+                status, answered = await exchange(r, OTHER)
+                assert (status, data(answered)) == (200, WHOLE)
+                assert r.gateway.upstream_failure is None
+                more.set()
+            stats = r.gateway.statistics()
+            failure = r.gateway.upstream_failure
+    assert stats.upstream_calls == 2
+    assert a.responses == {}  # nothing of A's journaled either (G14)
+    assert failure is None
