@@ -9,9 +9,11 @@ comes after), and a batch's disk failure is reported before any of its tasks run
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -516,3 +518,44 @@ async def test_j21_a_failure_met_after_the_close_began_is_still_reported(
             assert reported is not None
             assert reported.path == logs[0].rel
     assert results == [1, 1, 1, 1]
+
+
+class _LateHandOver(collections.deque[Any]):
+    """The acker's deque, where the first time the acker finds it empty a writer's hand-over
+    lands just after that look: its append, then its eventfd write — between two lines of the
+    acker with no await between them, a window no scheduling can aim at."""
+
+    def __init__(self, land: Callable[[], None]) -> None:
+        super().__init__()
+        self.land: Callable[[], None] | None = land
+
+    def __bool__(self) -> bool:
+        empty = not len(self)
+        if empty and self.land is not None:
+            land, self.land = self.land, None
+            land()  # after the look: the acker goes on as if it had seen nothing
+        return not empty
+
+
+async def test_j21_a_hand_over_just_after_the_acker_found_nothing_is_still_delivered(
+    tmp_path: Path,
+) -> None:
+    """J21: the acker reads its eventfd *before* it reads the deque, so a hand-over that lands
+    just after the acker found the deque empty wrote the eventfd after that read: the acker
+    wakes again and delivers it. In the other order the read would swallow that write, and the
+    entry — here a disk failure met between batches, which must stop the host's admissions —
+    would wait for the next hand-over: for ever on a host that is idle."""
+    reported: list[DiskFailedError] = []
+    pool = WriterPool(
+        OsFileSystem(), shards=1, poison_document=lambda *_: b"{}", on_disk_failure=reported.append
+    )
+    late = DiskFailedError(ReasonCode.DISK_FAILED, "met between batches", path="late.log")
+    pool._acked = _LateHandOver(lambda: pool._hand_over([], late))  # before the acker starts
+    try:
+        with trio.fail_after(5):
+            pool._hand_over([], None)  # a writer's hand-over: the acker wakes, finds one entry
+            while not reported:
+                await trio.testing.wait_all_tasks_blocked(cushion=0.005)
+    finally:
+        await pool.aclose()
+    assert reported == [late]
