@@ -876,6 +876,48 @@ async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> No
     )
     assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)
 
+@pytest.mark.parametrize("change", ["persona", "cancel"])
+async def test_l11_a_damaged_log_of_a_delivery_refused_at_start_is_refused_in_its_lane(
+    change: str, tmp_path: Path
+) -> None:
+    """L11, L17: d1's log is damaged while no host runs, and the next start refuses d1 for
+    another reason too — a changed persona, or a cancel requested meanwhile. Its log cannot
+    be opened to record that end, so it ends ``recovery_refused:journal`` (what its log
+    being found damaged means, as for any delivery recovered) from the shared outbox; the
+    fault stays in that delivery: the host serves, and the room answers its next one."""
+    started = tmp_path / "started.fifo"
+    os.mkfifo(started)
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[Call(name="bash", arguments={"command": f"echo go > {started}; sleep 60"})]
+        ),
+        Text(text="next one"),
+    ]
+    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            cfg = config("fake", url, rooms=rooms)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await trio.to_thread.run_sync(started.read_bytes)  # its turn (and log) exist
+                log = tmp_path / "state" / worker.store.delivery_rel("d1")
+            data = bytearray(await trio.to_thread.run_sync(log.read_bytes))
+            data[30] ^= 0xFF  # inside the first frame: damage, not a torn tail
+            await trio.to_thread.run_sync(log.write_bytes, bytes(data))
+            if change == "persona":
+                cfg = msgspec.structs.replace(cfg, persona="You are someone else now.")
+            else:
+                assert await request_cancel(tmp_path / "state", "d1") == "requested"
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d2"))
+                first, second = await next_results(worker, 2)
+    assert (first.delivery_id, first.outcome, first.code) == (
+        "d1",
+        Outcome.FAILED,
+        "recovery_refused:journal",
+    )
+    assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)
+
 
 # ------------------------------------------------------------------ a fault stays in its delivery
 
