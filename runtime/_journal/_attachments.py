@@ -85,7 +85,9 @@ class AttachmentStore:
         ``attachment_missing`` (no such file, or not a plain file) or ``attachment_damaged``
         (its size or sha256 is not the recorded one, or the disk failed to read it)."""
         try:
-            fd = os.open(self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(  # not blocked by a FIFO under its name: found not regular below
+                self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            )
         except OSError:
             return ReasonCode.ATTACHMENT_MISSING
         try:

@@ -248,6 +248,8 @@ def _parse(line: bytes, commands: frozenset[str] = COMMANDS) -> _AnyRequest | di
         loose = _LOOSE.decode(line)
     except msgspec.DecodeError:
         return _refusal(ReasonCode.ADMIN_BAD_REQUEST, "a request is one JSON object on one line")
+    except RecursionError:  # nested deeper than the decoder goes: no request is (O7)
+        return _refusal(ReasonCode.ADMIN_BAD_REQUEST, "a request is not nested this deep")
     if not isinstance(loose, dict):
         return _refusal(ReasonCode.ADMIN_BAD_REQUEST, "a request is a JSON object")
     command = loose.get("command")

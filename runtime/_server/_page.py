@@ -659,7 +659,7 @@ def _loose_command(body: bytes) -> str:
     """The command a control named, for the log (never its text or reason)."""
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return "?"
     command = data.get("command") if isinstance(data, dict) else None
     return command if isinstance(command, str) and command in CONTROLS else "?"

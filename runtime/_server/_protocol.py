@@ -329,8 +329,10 @@ def decode_client_frame(data: str | bytes, *, max_size: int = MAX_FRAME_BYTES) -
     case: ``frame_too_large`` (checked before parsing), ``not_json``, ``not_an_object``,
     ``unknown_type`` (``type`` missing, not a string or not a client frame),
     ``missing_field``, ``unknown_field``, ``wrong_type`` (the field is named, nested ones as
-    ``author.id`` or ``history[2].text``) and ``unsupported_protocol`` (a ``hello`` with no
-    version in common). Only the shape is checked here; see :meth:`Deliver.request`.
+    ``author.id`` or ``history[2].text``; a value nested deeper than the decoders go is
+    ``wrong_type`` too, ``not_an_object`` at the top) and ``unsupported_protocol`` (a
+    ``hello`` with no version in common). Only the shape is checked here; see
+    :meth:`Deliver.request`.
     """
     size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8", "surrogatepass"))
     if size > max_size:
@@ -339,13 +341,16 @@ def decode_client_frame(data: str | bytes, *, max_size: int = MAX_FRAME_BYTES) -
             f"a frame is at most {max_size} bytes; this one has {size}; send less history",
         )
     try:
-        frame = _client_decoder.decode(data)
-    except msgspec.ValidationError as error:
-        raise _refusal(data, str(error)) from error
-    except (msgspec.DecodeError, UnicodeError) as error:
-        if _OUT_OF_RANGE in str(error):  # valid JSON (1e400): a value of the wrong type
-            raise _refusal(data, _OUT_OF_RANGE) from error
-        raise _not_json(error) from error
+        try:
+            frame = _client_decoder.decode(data)
+        except msgspec.ValidationError as error:
+            raise _refusal(data, str(error)) from error
+        except (msgspec.DecodeError, UnicodeError) as error:
+            if _OUT_OF_RANGE in str(error):  # valid JSON (1e400): a value of the wrong type
+                raise _refusal(data, _OUT_OF_RANGE) from error
+            raise _not_json(error) from error
+    except RecursionError:  # nested deeper than the decoders go (here, or in _refusal)
+        raise _too_deep(data) from None
     if isinstance(frame, Hello):
         negotiate(frame.protocol)
     return frame
@@ -402,6 +407,21 @@ def _not_json(error: Exception) -> ProtocolError:
     return ProtocolError(
         ReasonCode.NOT_JSON,
         f"a frame is one JSON object in a text frame, UTF-8 ({_shown(str(error))})",
+    )
+
+
+def _too_deep(data: str | bytes) -> ProtocolError:
+    """The refusal of a frame nested deeper than the JSON decoders go (Python's recursion
+    limit; no frame nests more than a few levels): not an object, or an object with a value
+    no field has (P3: a form not recognised is ``wrong_type``). Its type cannot be read, so
+    it has no ``ref``."""
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    if not text.lstrip().startswith("{"):
+        return ProtocolError(
+            ReasonCode.NOT_AN_OBJECT, "a frame is a JSON object, not an array nested this deep"
+        )
+    return ProtocolError(
+        ReasonCode.WRONG_TYPE, "a value is nested deeper than any frame's field; send less"
     )
 
 

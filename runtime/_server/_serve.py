@@ -176,6 +176,10 @@ class _Connection:
     sent_seq: int = 0
     """The seq of the last result sent on this connection (at first, the acknowledged seq
     its stream starts above: every result up to it is sent or acknowledged)."""
+    sending_seq: int = 0
+    """The seq of the last result whose send began here: what an ``ack`` on this connection
+    may cover (S3). Not :attr:`sent_seq`: the client can have a result, and ack it, before
+    the send that wrote it has returned."""
     sent_more: trio.Event = field(default_factory=trio.Event)
     closed: bool = False
     """Its websocket closed: nothing more will be sent here."""
@@ -378,6 +382,8 @@ class RoomServer:
                 await self.worker.ack(hello.ack_seq)
             except PiRuntimeError as error:  # the result log failed (L17): said, not fatal
                 await connection.send(error_frame(error, ref="hello"))
+        # its stream starts above it (S3)
+        connection.sent_seq = connection.sending_seq = self.worker.acked_seq
         self.connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
@@ -513,7 +519,9 @@ class RoomServer:
         elif isinstance(frame, Cancel):
             await self.worker.cancel(frame.delivery_id)
         elif isinstance(frame, Ack):
-            await self.worker.ack(frame.seq)
+            # at most what this connection was sent (S3): a result it was not sent yet (its
+            # stream is behind, or the client guessed) stays unacknowledged and comes in turn
+            await self.worker.ack(min(frame.seq, connection.sending_seq))
         elif isinstance(frame, StatusRequest):
             await connection.send(self._status(frame.room))
         elif isinstance(frame, TaskSubmit | TaskReplyFrame | TaskControl | TaskShow):
@@ -579,18 +587,24 @@ class RoomServer:
             connection.in_flight.add(delivery_id)
         await connection.send(accepted)
         # a duplicate's stored result again, with its seq (S3) — now only if this
-        # connection's stream has passed it (or it is acknowledged: the stream never sends it
-        # again); one further on comes in the stream, in seq order, so a cumulative ack of it
-        # never acknowledges a result this connection has not been sent
-        passed = max(connection.sent_seq, self.worker.acked_seq)
-        if accepted.disposition == "duplicate" and stored is not None and stored.seq <= passed:
+        # connection's stream has passed it (its start included: everything below it is
+        # acknowledged); one further on comes in the stream, in seq order — acknowledged
+        # since or not, the stream sends every result above its start — so results reach a
+        # connection in seq order and each once before it is sent again
+        if (
+            accepted.disposition == "duplicate"
+            and stored is not None
+            and stored.seq <= connection.sent_seq
+        ):
             await connection.send(await self._checked(stored))
 
     async def _send_results(self, connection: _Connection) -> None:
-        connection.sent_seq = start = self.worker.acked_seq  # all before it: acknowledged
-        async for result in self.worker.results(after=start):
+        # every result up to its start (``_serve`` sets it) is acknowledged
+        async for result in self.worker.results(after=connection.sent_seq):
             connection.in_flight.discard(result.delivery_id)
-            await connection.send(await self._checked(result))
+            checked = await self._checked(result)
+            connection.sending_seq = result.seq  # its ack may come before the send returns
+            await connection.send(checked)
             connection.sent_seq = result.seq
             connection.sent_more.set()
             connection.sent_more = trio.Event()

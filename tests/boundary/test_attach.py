@@ -11,6 +11,7 @@ import errno
 import hashlib
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,30 @@ def test_a3_a_file_the_disk_cannot_read_is_damaged_not_an_exception(
         patched.setattr(os, "fstat", failing)
         found = store.read(digest, len(PNG))
     assert found is ReasonCode.ATTACHMENT_DAMAGED
+
+
+def test_a3_a_fifo_under_an_attachments_name_is_missing_and_blocks_no_one(
+    tmp_path: Path,
+) -> None:
+    """A3: a named pipe where an attachment's file should be (no writer at its other end) is
+    not a regular file: ``attachment_missing``, at once. Opened for reading without
+    ``O_NONBLOCK`` it would block for ever, holding one worker thread per send of that
+    result and per fetch, until no thread call of the process could run."""
+    store = AttachmentStore(tmp_path / "attachments")
+    digest = store.put(PNG)
+    path = store.path_of(digest)
+    path.unlink()
+    os.mkfifo(path)
+    found: list[bytes | ReasonCode] = []
+    reader = threading.Thread(target=lambda: found.append(store.read(digest, len(PNG))))
+    reader.start()
+    reader.join(5)  # at once, unless the open blocks
+    blocked = reader.is_alive()
+    if blocked:  # let the blocked open go: a writer at the other end
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+    assert not blocked
+    assert found == [ReasonCode.ATTACHMENT_MISSING]
 
 
 def test_a8_sweep_removes_what_no_record_names_and_keeps_the_rest(tmp_path: Path) -> None:

@@ -221,6 +221,8 @@ BAD: Final = [
     (b'{"command": "cancel", "delivery_id": "a\\nb"}\n', ReasonCode.ADMIN_BAD_REQUEST),
     (b'{"command": "status", "extra": 1}\n', ReasonCode.ADMIN_BAD_REQUEST),
     (b"\xff\xfe\n", ReasonCode.ADMIN_BAD_REQUEST),
+    (b"[" * 5000 + b"]" * 5000 + b"\n", ReasonCode.ADMIN_BAD_REQUEST),  # deeper than decoders go
+    (b'{"command": "cancel", "delivery_id": ' + b"[" * 5000 + b"\n", ReasonCode.ADMIN_BAD_REQUEST),
     (b"{" + b" " * (MAX_REQUEST + 10), ReasonCode.ADMIN_REQUEST_TOO_LARGE),
     (b'{"command": "status"}' + b" " * MAX_REQUEST + b"\n", ReasonCode.ADMIN_REQUEST_TOO_LARGE),
 ]

@@ -468,6 +468,11 @@ async def test_op5_a_control_gets_the_admin_sockets_answer_and_only_controls_are
                 port, "/api/command", "POST", headers=control(cookie, csrf, own), body=b"{not"
             )
             assert junk.code == "admin_bad_request"
+            deep = b'{"command": "cancel", "delivery_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+            nested = await ask(
+                port, "/api/command", "POST", headers=control(cookie, csrf, own), body=deep
+            )
+            assert (nested.status, nested.code) == (400, "admin_bad_request")  # not a fault
 
 
 # -- OP6: live, bounded ----------------------------------------------------------------------

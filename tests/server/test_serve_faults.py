@@ -7,11 +7,13 @@ rig's ``async with`` would raise it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 import trio
@@ -20,7 +22,8 @@ from trio_websocket import ConnectionClosed, ConnectionRejected
 from runtime._config import config_from_dict
 from runtime._errors import ConfigError, DiskFailedError, ReasonCode
 from runtime._rooms._worker import RoomWorker
-from runtime._server._serve import ServeOptions, open_server
+from runtime._server._serve import RoomServer, ServeOptions, _Connection, open_server
+from runtime._wire import DeliveryResult
 
 from .._wire import Client, message
 from .test_serve import LIMIT, error, rig, still_usable
@@ -276,3 +279,141 @@ async def test_o1_o11_a_start_that_fails_to_bind_makes_no_token_and_the_next_one
             printed = server.new_token
     assert printed is not None
     assert printed == (tmp_path / "state" / "token").read_text()
+
+
+DEEP: Final = 5_000
+"""Deeper than the JSON decoders go (Python's recursion limit, 1,000), in a frame of 10 KB."""
+
+
+async def test_s2_p3_a_frame_nested_too_deep_is_answered_and_the_connection_stays_usable(
+    tmp_path: Path,
+) -> None:
+    """S2, P3: a small frame nested deeper than the decoder goes — an array of arrays, or a
+    ``deliver`` whose ``history`` is one — is answered with its code like any bad frame,
+    before and after ``hello``, and the connection stays usable. Before, the decoder's
+    ``RecursionError`` escaped: no answer, and the connection was closed as a server fault."""
+    deep_array = "[" * DEEP + "]" * DEEP
+    deep_field = json.dumps(message("d1")).replace(
+        '"text"', '"history": ' + deep_array + ', "text"'
+    )
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            async with r.connect(hello=False) as client:
+                await client.send(deep_array)
+                before = error(await client.receive())
+                assert (await client.hello(r.token))["type"] == "welcome"
+                await client.send(deep_field)
+                after = error(await client.until(lambda f: f["type"] == "error"))
+                await still_usable(client)
+            assert r.server.worker.pending() == []  # nothing was admitted
+    assert before == (ReasonCode.NOT_AN_OBJECT, None)
+    assert after == (ReasonCode.WRONG_TYPE, None)
+
+
+@contextlib.contextmanager
+def stream_held_at(
+    monkeypatch: pytest.MonkeyPatch, seq: int
+) -> Iterator[tuple[trio.Event, trio.Event]]:
+    """Every connection's result stream stops before sending result ``seq`` (as behind a
+    slow reader) until ``release`` is set: yields ``(reached, release)``, ``reached`` set once
+    a stream stopped there."""
+    reached, release = trio.Event(), trio.Event()
+    checked = RoomServer._checked
+
+    async def held(self: RoomServer, result: DeliveryResult) -> DeliveryResult:
+        if result.seq == seq and not release.is_set():
+            reached.set()
+            await release.wait()
+        return await checked(self, result)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RoomServer, "_checked", held)
+        try:
+            yield reached, release
+        finally:
+            release.set()
+
+
+async def test_s3_an_ack_acknowledges_at_most_what_its_connection_was_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3: a connection whose stream is behind (held before result 2) acks seq 2, which it
+    was never sent — nor was anyone. The ack acknowledges result 1, the last one it was
+    sent; result 2 goes to the next connection. Before, the ack acknowledged result 2 too,
+    and no client was ever sent it."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            with stream_held_at(monkeypatch, 2) as (reached, _release):
+                async with r.connect() as client:
+                    await client.send(message("d1"))
+                    assert (await client.result("d1"))["seq"] == 1
+                    await client.send(message("d2"))
+                    await client.until(lambda f: f["type"] == "accepted")
+                    await reached.wait()  # result 2 is published; no stream has sent it
+                    await client.send({"type": "ack", "seq": 2})
+                    await still_usable(client)  # the ack was acted on before this answer
+                    assert r.server.worker.acked_seq == 1
+            async with r.connect() as again:
+                resent = await again.result("d2")
+    assert resent["seq"] == 2
+
+
+async def test_s3_a_duplicate_acknowledged_elsewhere_waits_for_its_turn_in_the_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3: a connection whose stream is behind (held before result 1) retries d2, whose
+    result another connection was sent and acknowledged. The stored result comes in the
+    stream, after result 1, once: results on a connection come in seq order. Before, it was
+    sent at once, ahead of result 1 (an acknowledged result was taken for one the stream
+    skips, but the stream sends every result above where it started), and again in turn."""
+    seqs: list[int] = []
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as first:
+            for delivery in ("d1", "d2"):
+                await first.send(message(delivery))
+                await first.result(delivery)
+            with stream_held_at(monkeypatch, 1) as (reached, release):
+                async with r.connect() as slow:
+                    await reached.wait()
+                    await first.send({"type": "ack", "seq": 2})
+                    await still_usable(first)
+                    await slow.send(message("d2"))
+                    accepted = await slow.until(lambda f: f["type"] == "accepted")
+                    await slow.send({"type": "status"})  # answered after the retry's frames
+                    while (frame := await slow.receive())["type"] != "status":
+                        if frame["type"] == "result":
+                            seqs.append(frame["seq"])
+                    release.set()
+                    while 2 not in seqs or 1 not in seqs:
+                        if (frame := await slow.receive())["type"] == "result":
+                            seqs.append(frame["seq"])
+    assert accepted["disposition"] == "duplicate"
+    assert seqs == [1, 2]
+
+
+async def test_s3_an_ack_of_a_result_whose_send_has_not_returned_yet_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3: the client can have a result, and ack it, before the server's send that wrote it
+    has returned (the send yields after its bytes are on the socket; the reader may run
+    first). That ack is of a result this connection was sent: it counts. A cap at the last
+    send that *returned* would drop it — the last result of a quiet host would then stay
+    unacknowledged, and be sent again on every reconnect."""
+    returned = trio.Event()
+    send = _Connection.send
+
+    async def slow_to_return(self: _Connection, frame: Any) -> None:
+        await send(self, frame)
+        if isinstance(frame, DeliveryResult):
+            await returned.wait()  # the bytes are out; the send has not returned
+
+    monkeypatch.setattr(_Connection, "send", slow_to_return)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r, r.connect() as client:
+            await client.send(message("d1"))
+            assert (await client.result("d1"))["seq"] == 1
+            await client.send({"type": "ack", "seq": 1})
+            await still_usable(client)  # the ack was acted on before this answer
+            acked = r.server.worker.acked_seq
+            returned.set()
+    assert acked == 1
