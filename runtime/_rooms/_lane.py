@@ -245,14 +245,15 @@ class Lane:
     async def steer(self, pending: Pending) -> bool:
         """Steer ``pending`` into the running turn (docs/design/lanes.md) when that turn has the
         same authority and is still running: its absorbed input is journaled in the owner's log
-        first, then sent as a ``steer``. False (queue it instead) otherwise."""
+        first, then sent as a ``steer``. False (queue it instead) otherwise — also when, by the
+        time the steer lock is held, the turn settled or its owner was cancelled (L10)."""
         if not self.may_steer(pending):
             return False
         owner, turn = self.current, self._running
         assert owner is not None
         assert turn is not None
         async with turn.steer_lock:
-            if not turn.steerable:
+            if not turn.steerable or owner.cancelled:  # either may have changed meanwhile
                 return False
             item = Absorbed(pending, pending.admission.rendered_prompt)
             try:
@@ -272,10 +273,16 @@ class Lane:
 
     async def cancel(self, delivery_id: str) -> bool:
         """Cancel a queued or running delivery of this lane; False if it is not here."""
-        for pending in self.queue:
+        for at, pending in enumerate(self.queue):
             if pending.delivery_id == delivery_id:
-                self.queue.remove(pending)
+                del self.queue[at]
                 pending.cancelled = True
+                # an owner queued for its replay answers nothing now: the deliveries steered
+                # into it (L10) run as their own turns, in its place and arrival order
+                for steered in reversed(pending.absorbed):
+                    steered.pending.absorbed_into = None
+                    self.queue.insert(at, steered.pending)
+                pending.absorbed = ()
                 # out of the queue now: its result is written whole, whoever cancels the
                 # caller, else it would neither run nor end until a restart (L13)
                 with trio.CancelScope(shield=True):
@@ -511,12 +518,12 @@ class Lane:
                 probe = await self._wait_for_route(pending, log, parks)
                 if isinstance(probe, TurnEnd):  # cancelled, or past its bounds, while parked
                     return self._result(probe)
-                if branch and not await self._branch(slot.session, started):
-                    return self._refused("session")
-                gateway = boundaries.gateway
-                gateway.upstream_failure = None  # PB1: what this turn meets
-                answered = gateway.statistics().journaled
-                try:
+                try:  # a probe ended before it asks said nothing of the route (PB4: finally)
+                    if branch and not await self._branch(slot.session, started):
+                        return self._refused("session")
+                    gateway = boundaries.gateway
+                    gateway.upstream_failure = None  # PB1: what this turn meets
+                    answered = gateway.statistics().journaled
                     end = await self._turn(nursery, slot, pending, log)
                     ended = await self._park(
                         pending,
@@ -750,8 +757,11 @@ class Lane:
 
     async def write_result(self, pending: Pending, result: Result) -> None:
         """Record ``result`` in the delivery's own log (created with its admission if the
-        delivery never ran), then publish it. Raises ``lane_fenced`` when another host
-        claimed the lane (the lane is lost: :meth:`lose`)."""
+        delivery never ran), then publish it. A log that cannot be opened or written ends
+        the delivery as :meth:`_deliver` would — ``recovery_refused:journal`` when found
+        damaged at recovery, else ``journal_poisoned`` — published from the shared outbox
+        (L11, L17): the fault stays in that delivery. Raises ``lane_fenced`` when another
+        host claimed the lane (the lane is lost: :meth:`lose`), and the outbox's failure."""
         try:
             await self._write_result(pending, result)
         except JournalError as error:
@@ -761,13 +771,26 @@ class Lane:
 
     async def _write_result(self, pending: Pending, result: Result) -> None:
         store = self.host.store
-        log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
         try:
-            if not any(isinstance(r, Admission) for r in log.contents.records):
-                await log.append(pending.admission)
-            await log.append(result)
-        finally:
-            await store.close_log(log)
+            log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
+        except JournalError as error:
+            if fenced_out(error):
+                raise
+            damaged = pending.recovering and error.code is not ReasonCode.JOURNAL_POISONED
+            await self._journal_failed(pending, "journal" if damaged else None)
+            return
+        try:
+            try:
+                if not any(isinstance(r, Admission) for r in log.contents.records):
+                    await log.append(pending.admission)
+                await log.append(result)
+            finally:
+                await store.close_log(log)
+        except JournalError as error:  # its log failed (poisoned): it ends here (L17)
+            if fenced_out(error):
+                raise
+            await self._journal_failed(pending, None)
+            return
         await self._publish(pending, result)
 
     # -- sessions ----------------------------------------------------------------------

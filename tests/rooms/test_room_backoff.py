@@ -27,6 +27,7 @@ from fake_pi.model_server import ScriptedModel
 from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._clock import Clocks
 from runtime._config import BackoffConfig, ModelConfig, RoomWorkerConfig
+from runtime._journal._store import lane_key
 from runtime._records import Outcome, Parked, StepAbandoned
 from runtime._rooms._lane import Lane
 from runtime._rooms._worker import RoomWorker, open_room_worker
@@ -440,3 +441,37 @@ async def test_pb3_a_usage_limit_past_the_deadline_ends_usage_limit_reached(
             (result,) = await next_results(worker, 1)
     assert (result.outcome, result.code) == (Outcome.FAILED, "usage_limit_reached")
     assert len(limited.down) >= 2
+
+
+async def test_pb4_a_probe_refused_before_it_asks_passes_the_probe_on(
+    tmp_path: Path, parked: trio.Event
+) -> None:
+    """PB4, L18: d1 is parked, and while it waits its room's session loses its header. At
+    the half-open breaker d1 is the one probe; it ends ``recovery_refused:session`` before
+    asking anything (its session cannot be branched back). That is no word on the route, so
+    the probe passes on: another room's d2, after it, asks the provider — up again — and is
+    answered. The breaker must not stay held by a turn that ended (every later turn would
+    park by the route, asking nothing, until its deadline)."""
+    outage = Outage(seconds=0.5, at_least=1)
+    backoff = BackoffConfig(first_seconds=2, max_seconds=2, deadline_minutes=0.1)
+    session = tmp_path / "state" / "lanes" / lane_key("dm:100") / "session.jsonl"
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(config(url, backoff), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            await parked.wait()  # (before its next try: 1 to 2 s away)
+            lines = (await trio.to_thread.run_sync(session.read_bytes)).split(b"\n")
+            lines[0] = b'{"type":"not-a-session-header"' + b" " * 8
+            await trio.to_thread.run_sync(session.write_bytes, b"\n".join(lines))
+            (refused,) = await next_results(worker, 1)
+            await worker.deliver(message("d2", room="dm:200"))
+            (answered,) = await next_results(worker, 1, after=refused.seq)
+    assert (refused.delivery_id, refused.outcome, refused.code) == (
+        "d1",
+        Outcome.FAILED,
+        "recovery_refused:session",
+    )
+    assert (answered.delivery_id, answered.outcome, answered.code) == ("d2", Outcome.REPLY, None)
+    assert outage.up == 1

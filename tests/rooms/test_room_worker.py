@@ -40,6 +40,7 @@ from runtime._linux._fs import OsFileSystem
 from runtime._metrics import REGISTRY
 from runtime._pi._session_settle import interrupted_text
 from runtime._records import (
+    AbsorbedInput,
     EpochFenced,
     EpochStarted,
     Outcome,
@@ -876,6 +877,7 @@ async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> No
     )
     assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)
 
+
 @pytest.mark.parametrize("change", ["persona", "cancel"])
 async def test_l11_a_damaged_log_of_a_delivery_refused_at_start_is_refused_in_its_lane(
     change: str, tmp_path: Path
@@ -1028,6 +1030,108 @@ async def test_l10_l17_a_delivery_steered_into_an_owner_whose_journal_fails_runs
         ("d2", Outcome.REPLY, None, "for d2"),
     ]
     assert pending == []
+
+
+async def test_l10_l13_a_queued_owner_cancelled_after_a_restart_hands_its_steers_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L10, L13: d2 was steered into d1's turn (its absorbed input durable in d1's log) when
+    the host stopped. The next start queues d1 for its replay, d2 riding it. d1 is
+    cancelled while still queued (before its lane takes it up): d1 ends ``cancelled``
+    without a turn, so it answers nothing — d2 runs as its own turn, as it would had d1's
+    cancel been found at the start. It must not be left neither queued nor finished."""
+    started, _release, waiting = waiting_bash(tmp_path)
+    run = Lane.run
+    serve = trio.Event()
+
+    async def held(self: Lane) -> None:
+        await serve.wait()  # the lane takes nothing up until the cancel is done
+        await run(self)
+
+    grants = frozenset({"bash", "send_text_update"})
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([waiting, Text(text="for d2")]) as (model, url):
+            cfg = config("fake", url, rooms={ROOM: RoomConfig(grants=grants)})
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1", "first"))
+                await trio.to_thread.run_sync(started.read_bytes)  # its tool runs
+                steered = await worker.deliver(message("d2", "second"))
+            monkeypatch.setattr(Lane, "run", held)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.cancel("d1")
+                serve.set()
+                results = await next_results(worker, 2)
+                pending = worker.pending()
+    assert steered.disposition == "steered"
+    assert [(r.delivery_id, r.outcome, r.text) for r in results] == [
+        ("d1", Outcome.CANCELLED, None),
+        ("d2", Outcome.REPLY, "for d2"),
+    ]
+    assert pending == []
+    assert model.request_count == 2  # d1's tool round, then d2's own turn
+
+
+async def test_l10_l13_a_message_waiting_to_steer_into_a_run_cancelled_meanwhile_is_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L10, L13: d2 arrives while d1's turn runs, and waits for the turn's steer lock (an
+    earlier steer holds it). Meanwhile d1 is cancelled — marked, its abort on its way. Once
+    d2 has the lock the run is still steerable, but it was cancelled: nothing more steers
+    into it (as none would have, had d2 come a moment later). d2 is ``queued`` — not
+    journaled in d1's log, not sent to its worker — and answered by its own turn."""
+    from runtime._pi._rpc import RpcChannel
+
+    asked, aborting, release = trio.Event(), trio.Event(), trio.Event()
+    waiting, routed = trio.Event(), trio.Event()
+    abort, steer = RpcChannel.abort, Lane.steer
+
+    async def on_request(n: int) -> None:
+        asked.set()
+
+    async def held_abort(self: RpcChannel) -> None:
+        aborting.set()
+        await release.wait()  # d1 is marked cancelled; the worker has not aborted yet
+        await abort(self)
+
+    async def steering(self: Lane, pending: Pending) -> bool:
+        if pending.delivery_id == "d2":
+            waiting.set()  # (it waits for the lock before this task yields)
+        return await steer(self, pending)
+
+    monkeypatch.setattr(RpcChannel, "abort", held_abort)
+    monkeypatch.setattr(Lane, "steer", steering)
+    accepted: list[Any] = []
+    steps: list[Step] = [Hang(seconds=3600), Text(text="for d2")]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps, on_request=on_request) as (_model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+            trio.open_nursery() as nursery,
+        ):
+            await worker.deliver(message("d1", "one"))
+            await asked.wait()
+            turn = worker._lanes[ROOM]._running
+            assert turn is not None
+
+            async def deliver_d2() -> None:
+                accepted.append(await worker.deliver(message("d2", "two")))
+                routed.set()
+
+            async with turn.steer_lock:  # an earlier steer, still being journaled
+                nursery.start_soon(deliver_d2)
+                await waiting.wait()
+                nursery.start_soon(worker.cancel, "d1")
+                await aborting.wait()
+            await routed.wait()
+            release.set()
+            results = await next_results(worker, 2)
+            log = await worker.store.read_delivery_log("d1")
+    assert accepted[0].disposition == "queued"
+    assert [(r.delivery_id, r.outcome, r.text) for r in results] == [
+        ("d1", Outcome.CANCELLED, None),
+        ("d2", Outcome.REPLY, "for d2"),
+    ]
+    assert not [r for r in log.records if isinstance(r, AbsorbedInput)]
 
 
 async def test_l17_a_drain_ends_once_a_turn_ends_on_a_failed_result_write(
