@@ -113,6 +113,9 @@ class EpochOwner(LaneFacts, Protocol):
     ) -> None: ...
     async def reserve(self) -> bool: ...
     async def end_recovery(self) -> float | None: ...
+    def recovery_resumes(self) -> None:
+        """A relaunched worker that waited out a park is prompted now (PB6, WD11)."""
+
     @property
     def breaker(self) -> RouteBreaker | None:
         """The host's model route's breaker (PB6), or ``None``: no backoff."""
@@ -287,8 +290,8 @@ class EpochWatch:
                 return EpochEnd.TERMINAL
             pending = lane.pending_reply()
             if pending is not None:  # LK8: the reply that came mid-turn, now the turn is over
-                await self._send_prompt(*pending)
-                lane.prompted()
+                if await self._send_prompt(*pending) is not None:  # the worker has it now
+                    lane.prompted()  # (not when held unknown: it stays the next prompt's)
                 lane.changed()
                 return None
             if await self._provider_unavailable():
@@ -383,6 +386,8 @@ class EpochWatch:
             nursery.start_soon(self._operator_watch)
             go = await self._wait_for_route()
             nursery.cancel_scope.cancel()
+        if go and self.end is None:
+            lane.recovery_resumes()  # WD11: from its prompt, if it waited (the outage's time)
         return go and self.end is None
 
     async def _wait_for_route(self) -> bool:
@@ -408,6 +413,9 @@ class EpochWatch:
                     route_failures=breaker.failures,
                 )
                 await lane.park(record)
+            # PB6, WD11: the wait is the outage's, never recovery time — a recovery running
+            # (a worker relaunched, by a restart say, that has not progressed yet) ends here
+            await lane.end_recovery()
             await breaker.wait(admit.until_ms, never)
 
     async def _tick(self) -> None:
@@ -574,6 +582,8 @@ class EpochWatch:
         failed = failed_guards(evidence)
         if lane.watchdog.classification is not Classification.HARD_RESUME_ELIGIBLE:
             return False  # progress (or a hold) came first: the worker is not to be fenced
+        if lane.kernel.state is not TaskState.OPEN:  # a terminal (or a wait) decided during
+            return False  # the reads — its receipt still being written: nothing to fence
         if failed:
             lane.watchdog.feed(GuardsFailed(failed))
             await lane.note_hold()
@@ -590,10 +600,13 @@ class EpochWatch:
 
     async def _guard_evidence(self) -> GuardEvidence:
         """Every guard of docs/design/watchdog.md, read now (the probe that asked for them was
-        quiet)."""
+        quiet): the two that read files first, then every other after those awaits, so none
+        is older than the last await (WD10) — a terminal decided during the route's read is
+        seen."""
         lane = self.lane
-        eligible = self._eligible
+        attested = await self._attested()
         size = await session_size(lane.session)
+        eligible = self._eligible
         return GuardEvidence(
             progress_unchanged=eligible is not None and eligible[0] == lane.watchdog.progress_seq,
             session_unchanged=eligible is not None and eligible[1] == size,
@@ -602,7 +615,7 @@ class EpochWatch:
             effects_safe=not lane.unsettled_effects(),
             no_terminal=lane.kernel.state is TaskState.OPEN,
             budget_left=not lane.budget.exhausted,
-            attested=await self._attested(),
+            attested=attested,
         )
 
     async def _attested(self) -> bool | None:
@@ -631,21 +644,30 @@ class EpochWatch:
         would wait forever for a prompt that never comes: the task holds
         ``prompt_already_sent:<action id>`` for the operator instead (WD12)."""
         lane = self.lane
-        if await self._send_prompt(action_id, continuation_prompt(action_id, observed)):
+        sent = await self._send_prompt(action_id, continuation_prompt(action_id, observed))
+        if sent:
             lane.watchdog.feed(Prompted(*lane.readings()))
-        elif lane.watchdog.classification is not Classification.STALLED_OPERATOR_REQUIRED:
-            await lane.hold(f"{PROMPT_ALREADY_SENT}{action_id}")  # (unknown: held already)
+        elif sent is False and (
+            lane.watchdog.classification is not Classification.STALLED_OPERATOR_REQUIRED
+        ):
+            await lane.hold(f"{PROMPT_ALREADY_SENT}{action_id}")
 
-    async def _send_prompt(self, action_id: str, text: str) -> bool:
+    async def _send_prompt(self, action_id: str, text: str) -> bool | None:
         """Prompt the live worker with ``text`` once (its marker in the log or the session
-        means it was sent: TL5); whether it was sent now."""
+        means it was sent: TL5). True: sent now; False: the worker has it already; None:
+        not sent and the worker does not have it — whether it does is unknown (the task
+        holds ``prompt_marker_unknown``, TL5), or the task ended during the marker's look,
+        the last await, and its worker is asked nothing more (LK6). A prompt not sent stays
+        the next one's to carry (a reply: LK8)."""
         lane = self.lane
         if action_id in lane.markers:
             return False
         present = await marker_in_session(lane.session, action_id)
+        if lane.kernel.state is not TaskState.OPEN:
+            return None
         if present is None:  # unknown whether the worker has it: hold (TL5)
             await lane.hold(f"prompt_marker_unknown:{action_id}")
-            return False
+            return None
         if present:
             return False
         await self.worker.rpc.prompt(text)

@@ -779,6 +779,14 @@ class TaskLane:
         await self.record_action(self.ids.recovery(number), "recovery_time", "done", detail)
         return float(detail["seconds"])
 
+    def recovery_resumes(self) -> None:
+        """A relaunched worker that waited out an unavailable provider before its first
+        prompt (PB6) is prompted now: the recovery that wait ended (its time is the
+        outage's, never charged) runs again from here until the worker's first progress
+        (WD11). Nothing when the worker progressed already, or no recovery was waiting."""
+        if self.recovery.awaiting_progress and self.recovery.started_ms is None:
+            self.recovery.relaunched(self.wall_ms())
+
     def check_recovery_budget(self) -> None:
         """A recovery that outlasts the seconds left holds the task (WD11)."""
         if self.watchdog.classification is not Classification.RESUMING:
