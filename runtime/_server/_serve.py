@@ -573,8 +573,10 @@ class RoomServer:
 
     async def _deliver(self, connection: _Connection, frame: Deliver) -> None:
         delivery_id = frame.delivery_id
-        if delivery_id not in connection.in_flight and (
-            len(connection.in_flight) >= self.server.max_in_flight
+        if (  # S4: the cap is on what this frame would admit; a finished one admits nothing
+            delivery_id not in connection.in_flight
+            and len(connection.in_flight) >= self.server.max_in_flight
+            and self.worker.result_of(delivery_id) is None
         ):
             raise DeliveryError(
                 ReasonCode.TOO_MANY_IN_FLIGHT,

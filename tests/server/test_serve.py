@@ -308,6 +308,40 @@ async def test_s4_one_delivery_over_the_in_flight_cap_is_refused_not_dropped(
                     assert (await client.result("d2"))["outcome"] == "reply"
 
 
+async def test_s4_a_retry_of_a_finished_delivery_is_answered_at_the_cap(tmp_path: Path) -> None:
+    """S4: the in-flight cap counts what a connection would have admitted and unfinished; a
+    retried ``deliver`` of a finished delivery admits nothing, so a connection at its cap
+    still gets ``accepted{duplicate}`` and the stored result. Before, it was refused
+    ``too_many_in_flight`` (a reconnecting client re-sending what it has no result for was
+    told to wait for results it already had)."""
+    release = trio.Event()
+
+    async def hold_the_second(n: int) -> None:
+        if n > 1:
+            await release.wait()
+
+    steps: list[Step] = [Text(text="zero"), Text(text="one")]
+    settings: dict[str, Any] = {"server": {"max_in_flight": 1}}
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps, on_request=hold_the_second) as (_, url):
+            config = config_from_dict({**settings, "model": {"base_url": url}}, base=tmp_path)
+            async with open_server(config, ServeOptions(port=0), base_dir=tmp_path) as server:
+                r = Rig(server, tmp_path)
+                async with r.connect() as client:
+                    await client.send(message("d0"))
+                    first = await client.result("d0")
+                    await client.send(message("d1", room="dm:2"))  # held: the cap is reached
+                    await client.until(lambda f: f["type"] == "accepted")
+                    await client.send(message("d0"))  # the retry of a finished one
+                    answer = await client.until(lambda f: f["type"] in ("accepted", "error"))
+                    again = await client.result("d0") if answer["type"] == "accepted" else None
+                    release.set()
+                    await client.result("d1")
+    assert (answer["type"], answer.get("disposition")) == ("accepted", "duplicate")
+    assert again is not None
+    assert again["seq"] == first["seq"]
+
+
 # -- S6: where it may listen -----------------------------------------------------------
 
 
