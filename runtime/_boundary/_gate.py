@@ -199,6 +199,8 @@ class RecordingGateJournal:
         """Intents answered *run* in this process, by tool-call id, awaiting their outcome."""
         self._settled: dict[str, trio.Event] = {}
         """Per running tool-call id: set once its outcome is durable (the gateway waits, T11)."""
+        self._let_run_in: dict[str, int] = {}
+        """Per running tool-call id: the epoch it was let run in (asked again there: refused)."""
         self._lock = trio.Lock()
         self._on_mismatch = on_mismatch
         self.mismatch: GateError | None = None
@@ -262,11 +264,14 @@ class RecordingGateJournal:
                 outcome = self._outcomes.get(previous.intent_id)
                 if outcome is not None:  # T3: the recorded result, verbatim
                     return Saved(GateResult.recorded(outcome))
+                if self._running.get(call.tool_call_id) is previous and (
+                    self._let_run_in.get(call.tool_call_id) == self.epoch
+                ):  # T15: asked again while it runs: its own outcome is still to come
+                    return Refuse(_running_result(call, previous))
                 cls = replay_class_of(call.name, self.classes, previous.replay_class)
                 if cls is ReplayClass.RECEIPT and call.name in self.runtime_tools:
                     # T13: the same receipt-guarded write proves or applies it (R2)
-                    self._running[call.tool_call_id] = previous
-                    self._settled[call.tool_call_id] = trio.Event()
+                    self._let_run(call.tool_call_id, previous)
                     return RunTool(previous.intent_id)
                 if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
                     return Saved(await self._record_interrupted(previous, call))
@@ -288,9 +293,14 @@ class RecordingGateJournal:
                     ReasonCode.GATE_JOURNAL_FAILED,
                     f"intent {intent_id} landed at seq {seq}: another task appended meanwhile",
                 )
-            self._running[call.tool_call_id] = intent
-            self._settled[call.tool_call_id] = trio.Event()
+            self._let_run(call.tool_call_id, intent)
             return RunTool(intent_id)
+
+    def _let_run(self, tool_call_id: str, intent: ToolIntent) -> None:
+        """Note that ``intent`` was answered *run* in this epoch, its outcome to come."""
+        self._running[tool_call_id] = intent
+        self._settled[tool_call_id] = trio.Event()
+        self._let_run_in[tool_call_id] = self.epoch
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None:
         async with self._lock:
@@ -373,6 +383,7 @@ class RecordingGateJournal:
         )
         if self._running.get(call.tool_call_id) is intent:
             del self._running[call.tool_call_id]
+            del self._let_run_in[call.tool_call_id]
             self._settled.pop(call.tool_call_id).set()
         return result
 
@@ -420,6 +431,17 @@ def _same_call(intent: ToolIntent, call: GateCall) -> bool:
     """Whether ``call`` is the call ``intent`` recorded: the same name and canonical
     arguments (T14; the round and tool-call id are the key it was found by)."""
     return intent.name == call.name and intent.args == canonical_args(call.args)
+
+
+def _running_result(call: GateCall, intent: ToolIntent) -> GateResult:
+    """The error result of a call asked again while it runs in this epoch (T15): not run
+    again, and not settled either — its own outcome is still to come."""
+    return GateResult.text(
+        f"tool {call.name} was refused and did not run again: call {call.tool_call_id!r} is "
+        f"already running ({intent.intent_id}); its result comes when it ends "
+        f"({ReasonCode.GATE_BAD_REQUEST})",
+        is_error=True,
+    )
 
 
 def _mismatch_result(call: GateCall, error: GateError, *, settling: bool = False) -> GateResult:

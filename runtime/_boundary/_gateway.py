@@ -141,6 +141,21 @@ def _error_body(code: ReasonCode, message: str) -> bytes:
     return _json.encode({"error": {"message": f"{code}: {message}", "type": str(code)}})
 
 
+def _ended_epoch() -> bytes:
+    """The refusal of a request authorized with a secret rotated while it waited (G8): its
+    epoch was fenced, and nothing of it is answered after its secret stopped working."""
+    return _error_body(
+        ReasonCode.GATEWAY_UNAUTHORIZED,
+        "the epoch this request was asked in ended while it waited; it is not answered",
+    )
+
+
+def _without_key(data: bytes, key: str | None) -> bytes:
+    """``data`` with the upstream key blotted out wherever it appears (G9): an upstream's
+    error relayed to the worker may quote the key it refused."""
+    return data.replace(key.encode(), b"[upstream key]") if key else data
+
+
 def _ended_delivery() -> StepRefused:
     """The refusal of a request whose delivery the lane detached while it waited (G14):
     as a released journal refuses one, since nothing will replay what it is answered."""
@@ -375,6 +390,7 @@ class Gateway:
                 ),
             )
             return
+        secret = self._secret  # G8: the epoch it is served for, checked again when its turn comes
         target = request.target.split("?", 1)[0].rstrip("/")
         if request.method != "POST" or not target.endswith("/chat/completions"):
             await response.respond(
@@ -401,7 +417,7 @@ class Gateway:
                 lock = self._locks.setdefault(digest, trio.Lock())
                 try:
                     async with lock:  # an identical request in flight: wait, then replay
-                        await self._answer(body, request.body, digest, downstream, journal)
+                        await self._answer(body, request.body, digest, downstream, journal, secret)
                 finally:
                     if not lock.locked() and lock.statistics().tasks_waiting == 0:
                         self._locks.pop(digest, None)  # only requests in flight keep one
@@ -415,8 +431,14 @@ class Gateway:
         digest: str,
         downstream: _Downstream,
         journal: StepJournal,
+        secret: str,
     ) -> None:
-        """Answer the request from ``journal``, the one attached when it arrived (G14)."""
+        """Answer the request from ``journal``, the one attached when it arrived (G14), if
+        ``secret``, the one it was authorized with, is still the current one (G8)."""
+        if secret != self._secret:  # G8: its epoch was fenced while it waited (barrier, lock)
+            self._stats["refused"] += 1
+            await downstream.refuse(401, _ended_epoch())
+            return
         if journal is not self.journal:  # G14: its delivery ended while it waited (barrier, lock)
             await self._refuse(_ended_delivery(), downstream)
             return
@@ -535,8 +557,8 @@ class Gateway:
                         failure = stream_failure(payload, retry_after)
                         failed.append(failure)
                         parking = outage(failure)  # PB1, G18: kept before the worker hears
-                        if not parking:
-                            passed.append(sse_data(payload))
+                        if not parking:  # relayed as it came, but never with the key (G9)
+                            passed.append(_without_key(sse_data(payload), key))
                         break
                     chunks.append(payload)
                     if held or is_terminal(payload):
@@ -564,6 +586,7 @@ class Gateway:
                         if outage(failure):
                             await self._park(downstream)
                             return
+                        error = _without_key(error, key)  # G9: a provider may quote it
                         await self._relay_status(upstream.status, error, downstream)
                         return
                     data_arrived()  # the data deadline runs from the headers

@@ -106,8 +106,12 @@ def request_digest(body: Mapping[str, Any]) -> str:
 
 
 def sse_data(payload: str) -> bytes:
-    """One SSE event carrying ``payload`` (a chunk's JSON, or ``[DONE]``)."""
-    return b"data: " + payload.encode() + b"\n\n"
+    """One SSE event carrying ``payload`` (a chunk's JSON, or ``[DONE]``): one ``data:``
+    line per line of it, since an upstream event may span several (G3) and a newline inside
+    one ``data:`` line would end the payload there for the worker."""
+    if "\n" not in payload:  # the common chunk
+        return b"data: " + payload.encode() + b"\n\n"
+    return b"".join(b"data: " + line.encode() + b"\n" for line in payload.split("\n")) + b"\n"
 
 
 def _decode(payload: str) -> dict[str, Any] | None:

@@ -361,6 +361,29 @@ async def test_t11_wait_outcomes_returns_once_the_outcome_is_durable() -> None:
         await journal.wait_outcomes(["c1"])
 
 
+async def test_t15_a_call_asked_again_while_it_runs_is_refused_not_settled(
+    sock_dir: Path,
+) -> None:
+    """T15: the same call asked again while it runs (its intent answered *run* in this epoch,
+    its outcome not yet reported) is refused and does not run — it is not settled "possibly
+    ran" under the running intent (T5), which refused the real outcome (409) and made every
+    later answer "possibly ran" for a call whose result the worker had reported."""
+    call = {"tool_call_id": "c1", "name": "bash", "args": {"command": "echo hi"}}
+    content: list[dict[str, Any]] = [{"type": "text", "text": "hi\n"}]
+    after = {"tool_call_id": "c1", "name": "bash", "result": {"content": content}}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            assert await r.post("/before", call) == (200, {"decision": "run", "intent_id": "k:1"})
+            status, again = await r.post("/before", call)  # while it runs
+            assert (status, again["decision"]) == (200, "refused"), again
+            assert again["result"]["isError"] is True
+            assert "already running" in again["result"]["content"][0]["text"]
+            assert len(r.log.records) == 1  # nothing recorded for it
+            assert await r.post("/after", after) == (200, {"ok": True})
+            status, replayed = await r.post("/before", call)
+    assert replayed == {"decision": "saved", "result": {"content": content, "isError": False}}
+
+
 async def test_t2_journal_failure_answers_503_and_stops_the_gate(sock_dir: Path) -> None:
     async def fail(record: Record) -> None:
         raise JournalError(ReasonCode.JOURNAL_POISONED, "disk said no")

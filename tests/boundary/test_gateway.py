@@ -45,6 +45,7 @@ from runtime._boundary._http import (
     Request,
     ResponseWriter,
     SseEvent,
+    SseParser,
     _socket_of,
     iter_sse,
     open_request,
@@ -94,6 +95,28 @@ def test_g1_digest_is_over_the_canonical_body() -> None:
     reordered = {"stream": True, "messages": BODY["messages"], "model": "fake-model"}
     assert request_digest(BODY) == request_digest(reordered) == body_digest(BODY)
     assert request_digest({**BODY, "model": "other"}) != request_digest(BODY)
+
+
+def test_g1_nested_key_order_and_a_floats_spelling_do_not_change_the_step() -> None:
+    """G1 below the top level: keys are sorted at every depth, and a number is its value, not
+    its spelling (``0.7`` and ``7e-1`` are one float)."""
+    spelled = json.loads('{"m": [{"b": 1, "a": {"y": 0.5, "x": 2}}], "temperature": 0.7}')
+    respelled = json.loads('{"temperature": 7e-1, "m": [{"a": {"x": 2, "y": 5.0e-1}, "b": 1}]}')
+    assert request_digest(spelled) == request_digest(respelled)
+
+
+def test_g3_an_event_split_across_reads_at_every_byte_parses_the_same() -> None:
+    """G3: however the upstream's bytes are split into reads — down to one byte a read, inside
+    a multi-byte character, between ``\\r`` and ``\\n`` — the events are the same."""
+    delta = {"content": "h\u00e9llo \U0001f600"}  # sent as UTF-8, not escaped
+    text = json.dumps({"choices": [{"index": 0, "delta": delta}]}, ensure_ascii=False)
+    spread = b'data: {"a":\r\ndata: 1}\r\n\r\n'  # one event, two data lines
+    stream = sse_data(text) + b": ping\r\n\r\n" + spread + sse_data(DONE)
+    whole = SseParser().feed(stream)
+    parser = SseParser()
+    one_by_one = [event for i in range(len(stream)) for event in parser.feed(stream[i : i + 1])]
+    assert one_by_one == whole
+    assert [e.data for e in whole] == [text, None, '{"a":\n1}', DONE]
 
 
 async def test_sse_framing_round_trips() -> None:
@@ -185,7 +208,7 @@ async def rig(
     async def recording(request: Request, response: ResponseWriter) -> None:
         assert this is not None
         this.upstream_auth.append(request.headers.get("authorization"))
-        this.intents_when_upstream_called.append(list(journal.requests))
+        this.intents_when_upstream_called.append(list(getattr(journal, "requests", [])))
         this.upstream_connections.append(request.connection)
         this.upstream_bodies.append(request.body)
         await (upstream or model.handle)(request, response)
@@ -1005,6 +1028,141 @@ async def test_g13_a_replay_that_leaves_an_answered_step_behind_is_refused(
             await resumed.record_request("y" * 64)
             assert resumed.mismatch is None
             await store.close_log(log)
+
+
+# ---------------------------------------------------------------- adversarial boundary checks
+
+
+def key_echoing(status: int) -> Handler:
+    """An upstream that refuses the key it was given and quotes it back in its error: as a
+    whole ``status`` response, or (200) as an error event inside the stream."""
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ")
+        error = json.dumps({"error": {"message": f"Incorrect API key provided: {given}"}})
+        if status != 200:
+            await response.respond(status, error.encode())
+            return
+        await response.start(200, SSE)
+        await response.send(sse_data(error))
+        await response.end()
+
+    return upstream
+
+
+@pytest.mark.parametrize("status", [401, 200], ids=["status", "in-stream"])
+async def test_g9_an_upstream_error_quoting_the_key_reaches_the_worker_without_it(
+    status: int,
+) -> None:
+    """G9: the upstream key is never handed to the worker — not even inside an upstream's
+    error, which the gateway relays (a provider that quotes the key it refused). The worker
+    gets the error with the key blotted out."""
+    environ = {UPSTREAM_KEY_ENV: UPSTREAM_KEY}
+    with trio.fail_after(LIMIT):
+        async with rig(
+            upstream=key_echoing(status), environ=environ, upstream_key_env=UPSTREAM_KEY_ENV
+        ) as r:
+            if status == 200:
+                events = await exchange_cut(r)
+                got = "".join(data(events))
+            else:
+                got_status, events = await exchange(r)
+                assert got_status == status
+                got = "".join(data(events))
+    assert r.upstream_auth == [f"Bearer {UPSTREAM_KEY}"]
+    assert "Incorrect API key provided" in got  # the error is relayed
+    assert UPSTREAM_KEY not in got
+
+
+async def test_g8_g13_a_dead_epochs_request_waiting_for_its_twin_is_not_served(
+    tmp_path: Path,
+) -> None:
+    """G8, G13: epoch 1 asked step 0 (R1, streaming) and again (R2, Pi's retry of the same
+    body, waiting for R1: G6). Epoch 1 is fenced and epoch 2 begins: its secret rotated, so
+    R2 — authorized with epoch 1's secret, still waiting — is not served: nothing of epoch 1
+    is answered after its secret stopped working. Had it been replayed, that replay would
+    count as epoch 2's, and epoch 2's diverging first request would go upstream instead of
+    being refused."""
+    more = trio.Event()
+    diverged = {**BODY, "messages": [{"role": "user", "content": "something else"}]}
+    got: dict[str, tuple[int, list[SseEvent]]] = {}
+    with trio.fail_after(LIMIT):
+        async with open_store(tmp_path / "state", clocks=Clocks.system()) as store:
+            log = await store.create_delivery_log("d1")
+            steps = DeliveryStepJournal(log, epoch=1, replay=True)
+            async with rig(upstream=gated(more), journal=steps, keepalive_interval=60) as r:  # type: ignore[arg-type]
+
+                async def ask(name: str) -> None:
+                    got[name] = await exchange(r)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ask, "R1")
+                    await trio.testing.wait_all_tasks_blocked()
+                    nursery.start_soon(ask, "R2")
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert r.gateway._locks[request_digest(BODY)].statistics().tasks_waiting == 1
+                    steps.begin_epoch(2)  # the lane: Boundaries.begin_epoch
+                    r.gateway.rotate_secret()
+                    more.set()
+                status, _ = await exchange(r, diverged)  # epoch 2's first request
+                upstream_calls = len(r.upstream_bodies)
+            await store.close_log(log)
+    assert got["R1"][0] == 200  # asked before the fence: answered and journaled (G12)
+    assert got["R2"][0] == 401
+    assert json.loads(got["R2"][1][0].data or "")["error"]["type"] == "gateway_unauthorized"
+    assert status == 409  # G13: epoch 2 never asked step 0 again
+    assert upstream_calls == 1
+
+
+@pytest.mark.parametrize(
+    "terminal",
+    [
+        [chunk({}, "stop"), DONE, DONE],
+        [json.dumps({"choices": [], "usage": {"total_tokens": 3}}), chunk({}, "stop"), DONE],
+    ],
+    ids=["done-twice", "usage-before-finish"],
+)
+async def test_g4_g6_an_odd_terminal_part_is_held_journaled_and_replayed_as_it_came(
+    terminal: list[str],
+) -> None:
+    """G4, G6: a terminal part in another order than finish, usage, ``[DONE]`` — ``[DONE]``
+    twice, the usage chunk first — is held from its first payload, journaled whole and
+    replayed as the worker got it live, and the step is paid once."""
+    script = [chunk({"content": "x"}), *terminal]
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=answering(script)) as r:
+            live_status, live = await exchange(r)
+            again_status, again = await exchange(r)
+    assert (live_status, again_status) == (200, 200)
+    assert data(live) == data(again) == script
+    assert r.journal.responses == {request_digest(BODY): script}
+    assert len(r.upstream_bodies) == 1
+
+
+async def test_g3_g6_a_data_event_of_several_lines_is_relayed_and_replayed_whole() -> None:
+    """G3, G6: SSE lets an event's data span several ``data:`` lines (joined by newlines). The
+    worker must get each payload whole, live and replayed: a payload with a newline framed
+    as one ``data:`` line would reach the worker cut at its first line."""
+    spread = (
+        'data: {"id": "c", "object": "chat.completion.chunk",\n'
+        'data: "choices": [{"index": 0, "delta": {"content": "two lines"}, '
+        '"finish_reason": null}]}\n\n'
+    )
+
+    async def upstream(request: Request, response: ResponseWriter) -> None:
+        await response.start(200, SSE)
+        await response.send(spread.encode())
+        await response.send(sse_data(chunk({}, "stop")) + sse_data(DONE))
+        await response.end()
+
+    with trio.fail_after(LIMIT):
+        async with rig(upstream=upstream) as r:
+            _, live = await exchange(r)
+            _, replayed = await exchange(r)
+    payloads = data(live)
+    assert json.loads(payloads[0])["choices"][0]["delta"]["content"] == "two lines"
+    assert data(replayed) == payloads
+    assert len(r.upstream_bodies) == 1
 
 
 # ------------------------------------------------------------------------- end to end
