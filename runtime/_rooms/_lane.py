@@ -183,6 +183,9 @@ class Lane:
         """Set once :meth:`run` has ended (its epochs' trees are stopped by then)."""
         self.key = lane_key(room)
         self.queue: deque[Pending] = deque()
+        self._riding = 0
+        """Deliveries steered into the replay of an owner still in :attr:`queue` (at recovery,
+        L10): :attr:`waiting` counts them without walking the queue."""
         self.current: Pending | None = None
         self._wake = trio.Event()
         self.last_used = 0.0
@@ -218,14 +221,22 @@ class Lane:
         """Deliveries queued or running here (the queue limit counts them, L4) — those
         steered into the running turn too (or, at recovery, into a queued owner's replay):
         they wait on their owner, and one that answers nothing hands them all back to the
-        queue (L10). (The queue is at most the limit long.)"""
+        queue (L10). Constant time: it is asked at every admission, and a room's queue may
+        be long."""
         current = self.current
-        queued = len(self.queue) + sum(len(p.absorbed) for p in self.queue)
+        queued = len(self.queue) + self._riding
         return queued + (0 if current is None else 1 + len(current.absorbed))
 
     def submit(self, pending: Pending, *, front: bool = False) -> None:
         (self.queue.appendleft if front else self.queue.append)(pending)
+        self._riding += len(pending.absorbed)
         self._wake.set()
+
+    def ride(self, owner: Pending, item: Absorbed) -> None:
+        """At recovery: ``item`` rides the replay of ``owner``, a delivery of this lane (L10)."""
+        owner.absorbed += (item,)
+        if any(queued is owner for queued in self.queue):  # (recovery only: a walk is fine)
+            self._riding += 1
 
     def stop_worker(self) -> None:
         """Ask the room's live epoch (if any) to stop once idle; the lane and its session
@@ -276,6 +287,7 @@ class Lane:
         for at, pending in enumerate(self.queue):
             if pending.delivery_id == delivery_id:
                 del self.queue[at]
+                self._riding -= len(pending.absorbed)
                 pending.cancelled = True
                 # an owner queued for its replay answers nothing now: the deliveries steered
                 # into it (L10) run as their own turns, in its place and arrival order
@@ -349,6 +361,7 @@ class Lane:
                     await self._idle()
                     continue
                 pending = self.queue.popleft()
+                self._riding -= len(pending.absorbed)  # counted as the current's from here
                 self.current = pending
                 try:
                     await self._deliver(nursery, pending)

@@ -932,7 +932,7 @@ class RoomWorker:
             if owner is not None and owner_id is not None and owner_id[0] in replaying:
                 self._pending[record.delivery_id] = pending  # it rides its owner's replay
                 pending.absorbed_into = owner.delivery_id
-                owner.absorbed += (Absorbed(pending, owner_id[1], owner_id[2]),)
+                lane.ride(owner, Absorbed(pending, owner_id[1], owner_id[2]))
                 continue
             replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)

@@ -1058,10 +1058,15 @@ async def test_l10_l13_a_queued_owner_cancelled_after_a_restart_hands_its_steers
                 steered = await worker.deliver(message("d2", "second"))
             monkeypatch.setattr(Lane, "run", held)
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                lane = worker._lanes[ROOM]
+                before = lane.waiting  # L4: d1 queued, d2 riding its replay
                 await worker.cancel("d1")
+                after = lane.waiting  # d2 queued on its own
                 serve.set()
                 results = await next_results(worker, 2)
                 pending = worker.pending()
+                done = lane.waiting
+    assert (before, after, done) == (2, 1, 0)
     assert steered.disposition == "steered"
     assert [(r.delivery_id, r.outcome, r.text) for r in results] == [
         ("d1", Outcome.CANCELLED, None),
