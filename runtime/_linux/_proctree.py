@@ -92,6 +92,10 @@ _PR_GET_CHILD_SUBREAPER: Final = 37
 _GONE: Final = (b"Z", b"X")
 _PF_KTHREAD: Final = 0x00200000
 """``/proc/<pid>/stat`` flags bit of a kernel thread (no user memory: nothing to read)."""
+_ENV_END: Final = 51
+"""``/proc/<pid>/stat`` field (1-based) ``env_end``: where the image's environment ends. An
+exec's new image starts with it zero, and the kernel sets it last, once it has laid out the
+arguments and the environment (``create_elf_tables``); no process can set it to zero."""
 _EXEC_SETTLE: Final = 0.001
 """How long to wait before reading an undecided (mid-exec) process again: an exec takes
 microseconds to a few milliseconds to publish its new image, and the kernel sends no event."""
@@ -201,8 +205,10 @@ def _read_bytes(path: str) -> bytes | None:
 
 def exec_pending(pid: int) -> bool:
     """Whether ``pid`` is a live user process caught inside an ``execve``: its new image's
-    arguments and environment are not published yet, so both read empty. (A kernel thread
-    reads empty too, always; it is never pending.)"""
+    arguments and environment are not published yet, so both read empty, and its
+    ``env_end`` reads zero. (A kernel thread reads empty too, always; it is never pending.
+    Nor is a process whose ``env_end`` is set but whose arguments read empty: it unmapped
+    or emptied them, and stays so; any unprivileged process can.)"""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if f.read(1):
@@ -212,14 +218,16 @@ def exec_pending(pid: int) -> bool:
     except OSError:  # gone, or not ours to read
         return False
     rest = stat[stat.rindex(b")") + 2 :].split()
-    return rest[0] not in _GONE and not int(rest[6]) & _PF_KTHREAD
+    # (a kernel before 3.5 has no such field: the empty reads alone decide, as before)
+    unpublished = len(rest) <= _ENV_END - 3 or int(rest[_ENV_END - 3]) == 0
+    return rest[0] not in _GONE and not int(rest[6]) & _PF_KTHREAD and unpublished
 
 
 def _decided_environ(pid: int) -> bytes | None:
     """The environment, ``None`` if unreadable, or ``b""`` only when it is truly empty (or the
-    process is a zombie or kernel thread); raises :class:`_Undecided` while an exec is under
-    way. An empty read followed by a published ``cmdline`` is read again: the exec finished
-    in between, and the kernel publishes both in the same step."""
+    process is a zombie or kernel thread, or hid it); raises :class:`_Undecided` while an
+    exec is under way. An empty read followed by a published ``cmdline`` or ``env_end`` is
+    read again: the exec finished in between."""
     environ = read_environ(pid)
     if environ != b"":
         return environ
@@ -344,9 +352,9 @@ def sweep_stale_cgroups(
     A host removes its epochs' cgroups when it stops them; one killed first (SIGKILL, a
     power loss) leaves them, and the next start of that state directory removes only the
     ones its records name. Every host on the machine shares ``parent``, so none may take
-    another's: the kernel refuses to remove a cgroup that still has a member (``EBUSY``),
-    and an epoch enters its cgroup moments after creating it, so the age leaves alone the
-    only empty cgroup a live epoch has."""
+    another's: a cgroup with a member, in it or in a cgroup below it (which the tree may have
+    made, and which goes with it), is left whole, and an epoch enters its cgroup moments
+    after creating it, so the age leaves alone the only empty cgroup a live epoch has."""
     # the real wall clock, not an injected one: it is compared with the kernel's ctime
     now = time.time() if now is None else now
     removed = 0
@@ -359,22 +367,43 @@ def sweep_stale_cgroups(
             continue
         path = parent / name
         try:
-            if now - path.stat().st_ctime < older_than:
+            if now - path.stat().st_ctime < older_than or _populated(path):
                 continue
-            path.rmdir()
-        except OSError:  # populated (EBUSY), gone, or not ours to remove
+        except OSError:  # gone, or not ours to read
             continue
-        removed += 1
+        removed += remove_cgroup(path)
     return removed
 
 
-def cgroup_pids(path: Path) -> list[int]:
-    """The live members of a cgroup (zombies are not listed); none if it is gone."""
+def _populated(path: Path) -> bool:
+    """Whether some process is in the cgroup or in one below it (``cgroup.events``, the
+    kernel's own count); ``True`` when it cannot be read, so nothing is removed on a guess."""
     try:
-        text = (path / "cgroup.procs").read_text()
+        events = (path / "cgroup.events").read_text()
     except OSError:
-        return []
-    return [int(word) for word in text.split()]
+        return True
+    return "populated 0" not in events.splitlines()
+
+
+def _cgroups_below(path: Path) -> list[Path]:
+    """The cgroups below ``path`` (a tree's processes may make some), deepest first."""
+    below: list[Path] = []
+    for top, names, _ in os.walk(path, topdown=False):
+        below += (Path(top, name) for name in names)
+    return below
+
+
+def cgroup_pids(path: Path) -> list[int]:
+    """The live members of a cgroup and of every cgroup below it (zombies are not listed);
+    none if it is gone."""
+    pids: list[int] = []
+    for cgroup in (path, *_cgroups_below(path)):
+        try:
+            text = (cgroup / "cgroup.procs").read_text()
+        except OSError:
+            continue
+        pids += (int(word) for word in text.split())
+    return pids
 
 
 def _cgroup_kill(path: Path) -> bool:
@@ -399,7 +428,12 @@ def cgroup_member(pid: int, path: Path) -> bool:
 
 
 def remove_cgroup(path: Path) -> bool:
-    """Remove an (empty) epoch cgroup; ``True`` when it is gone."""
+    """Remove an (empty) epoch cgroup, and first every (empty) cgroup below it, which the
+    tree may have made (the kernel refuses to remove a cgroup that has a child); ``True``
+    when it is gone."""
+    for below in _cgroups_below(path):
+        with contextlib.suppress(OSError):  # populated yet, or gone: the last rmdir tells
+            below.rmdir()
     try:
         path.rmdir()
     except FileNotFoundError:

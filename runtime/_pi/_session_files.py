@@ -70,10 +70,19 @@ def truncate_torn_tail(path: StrPath) -> int:
     """Cut a torn last line back to the last LF, fsync, and return the bytes cut (S6).
 
     Returns 0 and changes nothing when the file ends with LF or its unterminated last
-    line is complete JSON. Call it only while no Pi process can write the file.
+    line is complete JSON. Cuts nothing from what is no session (S11): raises
+    ``SessionError`` ``SESSION_MISSING`` or ``SESSION_HEADER_INVALID`` (a path that leads
+    to some other file, a torn header). Call it only while no Pi process can write the file.
     """
-    with open(path, "r+b") as f:
+    try:
+        f = open(path, "r+b")  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
+        message = "no session file"
+        raise SessionError(ReasonCode.SESSION_MISSING, message, path=os.fspath(path)) from None
+    with f:
         data = f.read()
+        header = data.find(b"\n") + 1 or len(data)
+        parse_session(data[:header], path=os.fspath(path))  # the header, or refused
         cut = data.rfind(b"\n") + 1
         if cut == len(data):
             return 0

@@ -330,9 +330,11 @@ async def _launch(
             env=full_env,
             start_new_session=True,
         )
-    except OSError as error:
+    except BaseException as error:  # a failed spawn, or a fence that landed first (W12)
         if cgroup is not None:
             remove_cgroup(cgroup)
+        if not isinstance(error, OSError):
+            raise
         raise WorkerError(
             ReasonCode.WORKER_LAUNCH_FAILED, f"cannot start {argv[0]} in {cwd}: {error}"
         ) from error

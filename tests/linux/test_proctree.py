@@ -100,6 +100,57 @@ def test_w11_kernel_threads_and_zombies_are_never_pending() -> None:
     assert not exec_pending(os.getpid())
 
 
+HIDDEN: Final = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+stat = open("/proc/self/stat", "rb").read().rsplit(b")", 1)[1].split()
+arg_start, env_end = int(stat[48 - 3]), int(stat[51 - 3])
+lo, hi = arg_start & ~4095, (env_end + 4095) & ~4095
+if libc.munmap(lo, hi - lo) != 0:  # the pages that hold its arguments and environment
+    raise OSError(ctypes.get_errno(), "munmap")
+sys.stdout.write("hidden\\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+"""Any unprivileged process can make its ``cmdline`` and ``environ`` read empty for good."""
+
+
+async def test_w11_a_process_that_hides_its_environment_is_decided_not_undecided(
+    tmp_path: Path,
+) -> None:
+    """W11: an empty read is undecided only inside an exec (the new image's argument and
+    environment bounds not set yet). A process that unmapped its arguments and environment
+    — any process on the machine can, a tool of another lane included — reads empty for
+    good but is decided: not a member of a tree it has no other proof for. Before, it was
+    undecided for ever: the kill of every other tree waited out its bounds and reported it,
+    not clean (``worker_tree_survived`` for every epoch stopped on the machine)."""
+    with hidden(tmp_path / "hidden.py") as process:
+        assert process.stdout is not None
+        assert await trio.to_thread.run_sync(process.stdout.readline) == b"hidden\n"
+        assert _proctree.read_environ(process.pid) == b""
+        assert not exec_pending(process.pid)
+        with trio.fail_after(30):
+            report = await kill_tree(TreeProof(nonce=new_nonce()), give_up_after=2.0)
+        assert report.clean, report
+        assert process.poll() is None  # a stranger: never signalled
+
+
+@contextmanager
+def hidden(script: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """:data:`HIDDEN`, running until its stdin closes; its stdout says when it hid."""
+    script.write_text(HIDDEN)
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        yield process
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(10)
+
+
 async def test_w11_a_scan_left_undecided_is_not_clean(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process that stays inside its exec past the bound is reported, and the kill is not
     clean: no proof that nothing of the tree is alive (a simulated /proc)."""
@@ -214,3 +265,29 @@ def test_w12_a_sweep_removes_only_old_empty_epoch_cgroups() -> None:
             assert child.stdin is not None
             child.stdin.close()
             child.wait(10)
+
+
+def test_w12_a_sweep_removes_the_cgroups_a_dead_tree_made_inside_its_own() -> None:
+    """W12: a stale epoch cgroup that holds an empty cgroup its tree made is removed with it
+    (before, the kernel refused to remove the epoch's and it stayed for good); one whose
+    inner cgroup still has a member is left whole, inner cgroup included."""
+    with _private_cgroups() as root:
+        dead, live = root / new_nonce(), root / new_nonce()
+        for path in (dead / "inner" / "deeper", live / "inner"):
+            path.mkdir(parents=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
+        try:
+            (live / "inner" / "cgroup.procs").write_text(str(child.pid))
+            later = max(p.stat().st_ctime for p in (dead, live)) + _proctree.STALE_CGROUP_SECONDS
+            assert sweep_stale_cgroups(root, now=later + 1) == 1
+            assert not dead.exists()
+            assert (live / "inner").exists()
+        finally:
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(10)
+            for path in (live / "inner", *(dead / "inner" / "deeper", dead / "inner", dead)):
+                if path.exists():
+                    path.rmdir()

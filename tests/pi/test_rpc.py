@@ -447,6 +447,33 @@ async def test_r3_a_cancelled_request_drops_its_late_response(
         assert channel.idle
 
 
+async def test_r10_hostile_bytes_are_events_and_the_channel_goes_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R1, R3, R10: invalid UTF-8, a NUL byte and a response to an id never asked, sent one
+    byte at a time, become events in stdout order; the pending request is still answered
+    (its response CRLF-terminated)."""
+    stdin, stdout, wire = wire_pair()
+    async with open_rpc_channel(stdin, stdout) as channel, trio.open_nursery() as nursery:
+
+        async def worker() -> None:
+            command = await wire.read()
+            stray = {"id": "rpc-99", "type": "response", "command": "get_state", "success": True}
+            answer = {"id": command["id"], "type": "response", "command": "get_state"}
+            hostile = b"\xff\xfe{\n" + b'{"type":"x\x00"}\n' + _line(stray) + b"\n"
+            for byte in hostile + _line({**answer, "success": True}) + b"\r\n":
+                await wire.stdout.send_all(bytes([byte]))
+
+        nursery.start_soon(worker)
+        assert (await channel.request({"type": "get_state"})).success
+        events = [await channel.next_event() for _ in range(3)]
+        assert [e.type for e in events] == [MALFORMED_LINE, MALFORMED_LINE, "response"]
+        assert [e.seq for e in events] == [0, 1, 2]
+        assert events[0].record["length"] == 3
+        assert events[2].record["id"] == "rpc-99"
+        assert channel.statistics().malformed_lines == 2
+
+
 async def test_r5_worker_exits_mid_request(autojump_clock: trio.testing.MockClock) -> None:
     stdin, stdout, wire = wire_pair()
     async with open_rpc_channel(stdin, stdout) as channel, trio.open_nursery() as nursery:

@@ -448,6 +448,28 @@ def test_s6_unterminated_header_only(tmp_path: Path) -> None:
     assert read_session(path).require_clean().entries == (entry,)
 
 
+def test_s6_s11_a_torn_tail_is_cut_only_from_a_session(tmp_path: Path) -> None:
+    """S6, S11: ``truncate_torn_tail``, which a relaunch runs first (boundaries.md B6), cuts
+    only a version-3 session file; anything else is refused before a byte is cut. Before,
+    a lane's session replaced by a symlink to a state file without a final LF (the token,
+    raw text) had that file cut to nothing, and a torn header was cut to an empty file."""
+    token = tmp_path / "token"
+    token.write_bytes(b"pi-runtime-token-0123456789")
+    lane = tmp_path / "lane.jsonl"
+    lane.symlink_to(token)
+    torn_header = tmp_path / "torn.jsonl"
+    torn_header.write_bytes(b'{"type":"sess')
+    for path in (lane, torn_header):
+        with pytest.raises(SessionError) as info:
+            truncate_torn_tail(path)
+        assert info.value.code is ReasonCode.SESSION_HEADER_INVALID
+    assert token.read_bytes() == b"pi-runtime-token-0123456789"
+    assert torn_header.read_bytes() == b'{"type":"sess'
+    with pytest.raises(SessionError) as info:
+        truncate_torn_tail(tmp_path / "missing.jsonl")
+    assert info.value.code is ReasonCode.SESSION_MISSING
+
+
 # ------------------------------------------------------------------------------- S8
 
 

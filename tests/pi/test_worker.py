@@ -366,6 +366,41 @@ async def test_launch_problems_are_typed(tmp_path: Path) -> None:
     assert caught.value.code is ReasonCode.WORKER_CONFIG_INVALID
 
 
+async def test_w12_a_launch_fenced_while_its_cgroup_is_made_leaves_no_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W12: a fence that lands while the epoch's cgroup is being made (in a thread, so the
+    cancellation waits for it) stops the launch before the worker starts, and the new cgroup
+    goes with it. Before, it stayed: the sweep runs once per process, so a host that lives
+    on kept every such cgroup until its next start."""
+    assert CGROUPS.parent is not None
+    nonce = new_nonce()
+    choose = _worker._choose
+    with trio.fail_after(LIMIT), trio.CancelScope() as fence:
+
+        def fenced_meanwhile(containment: Containment | None, chosen: str) -> Any:
+            made = choose(containment, chosen)
+            trio.from_thread.run_sync(fence.cancel)
+            return made
+
+        monkeypatch.setattr(_worker, "_choose", fenced_meanwhile)
+        async with open_epoch(
+            ["sleep", "30"],
+            env=tree_env(tmp_path),
+            cwd=tmp_path,
+            containment=Containment.CGROUP,
+            nonce=nonce,
+        ):
+            pass  # pragma: no cover
+    assert fence.cancelled_caught
+    leaked = CGROUPS.parent / nonce
+    try:
+        assert not exists(leaked)
+    finally:
+        if exists(leaked):
+            leaked.rmdir()
+
+
 async def test_w6_a_failed_launch_whose_stop_left_a_survivor_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -424,6 +459,65 @@ async def test_stop_leaves_no_descendant(tmp_path: Path, containment: Containmen
     assert alive_with_nonce(epoch.nonce) == []
     if epoch.cgroup is not None:
         assert not exists(epoch.cgroup)
+
+
+NESTED_CGROUP: Final = """
+set -e
+inner="$CGROUP_MOUNT$(sed -n 's/^0:://p' /proc/self/cgroup)/inner"
+mkdir "$inner"
+fifo="$1/daemon.fifo"
+rm -f "$fifo"
+mkfifo "$fifo"
+(setsid env -i sh -c 'echo $$ > "$1/cgroup.procs"; echo $$ > "$0"; exec sleep 300' \
+    "$fifo" "$inner" </dev/null >/dev/null 2>&1 &)
+read -r daemon < "$fifo"
+echo "ready $daemon"
+exec sleep 300
+"""
+"""A worker whose tool makes a cgroup inside the epoch's own and leaves there a daemon that
+carries no nonce (``env -i``) and is orphaned (setsid, double fork): only the cgroup holds it."""
+
+
+async def test_w2_w6_a_cgroup_the_tree_made_inside_its_own_is_killed_and_removed(
+    tmp_path: Path,
+) -> None:
+    """W2, W6: a process in a cgroup the tree made below the epoch's is a member (the
+    kernel's ``cgroup.kill`` kills it with the rest), and stop removes that cgroup too, so
+    the stop is clean. Before, the member was not seen, and the epoch's cgroup could never
+    be removed (the kernel refuses to remove a cgroup with a child): every stop reported
+    ``worker_tree_survived`` with no survivor, and the cgroup stayed for good."""
+    assert CGROUPS.mount is not None
+    env = tree_env(tmp_path, CGROUP_MOUNT=str(CGROUPS.mount))
+    daemon: ProcessIdentity | None = None
+    cgroup: Path | None = None
+    try:
+        with trio.fail_after(LIMIT):
+            async with open_epoch(
+                ["sh", "-c", NESTED_CGROUP, str(tmp_path)],
+                env=env,
+                cwd=tmp_path,
+                containment=Containment.CGROUP,
+            ) as epoch:
+                cgroup = epoch.cgroup
+                word, pid = (await Lines(epoch.stdout).line()).split()
+                assert word == b"ready"
+                daemon = identity_of(int(pid))
+                assert daemon is not None
+                assert EPOCH_ENV.encode() not in (await settled_environ(daemon.pid) or b"")
+                assert daemon in await epoch.members()
+                report = await epoch.stop()
+        assert report.clean, report
+        assert not is_alive(daemon)
+        assert cgroup is not None
+        assert not exists(cgroup)
+    finally:  # a failed test must not leave its daemon or its cgroups behind
+        if daemon is not None and is_alive(daemon):
+            os.kill(daemon.pid, signal.SIGKILL)
+            with trio.fail_after(LIMIT):
+                await wait_exited(daemon.pid)
+        if cgroup is not None and exists(cgroup / "inner"):
+            (cgroup / "inner").rmdir()
+            cgroup.rmdir()
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
