@@ -15,8 +15,9 @@ The only damage it forgives is a **torn tail**: bytes at the end of the file
 after which no valid frame begins and that show a write that never completed —
 a final frame whose declared length runs past the end of the file (or whose
 header is not whole), zeros where a header would begin, or a frame with a whole
-**zero sector** in it: a 512-byte sector of the file, aligned, clipped to the
-frame, all zeros. A disk writes a sector whole, so the unwritten part of a torn
+**zero sector** in it: a 512-byte sector of the file, aligned, beginning inside
+the frame (or where it begins), clipped to its end, all zeros. A disk writes a
+sector whole, so the unwritten part of a torn
 write is zeros from a sector boundary on (or the old bytes, zeros too in space
 never written); one flipped bit never makes a zero sector, while it can make a
 single NUL byte. Such bytes were never acknowledged, because an append is
@@ -135,11 +136,15 @@ def _complete_but_damaged(data: bytes, offset: int) -> bool:
 
 def _zero_sector(data: bytes, start: int, end: int) -> bool:
     """Whether a :data:`SECTOR`-aligned sector of the file, clipped to ``[start, end)``, is
-    all zeros: what a torn write leaves, and one flipped bit never does (J3)."""
-    sector = start - start % SECTOR
+    all zeros: what a torn write leaves, and one flipped bit never does (J3). The sector the
+    frame begins in counts only when the frame begins at its start: a torn write keeps its
+    new bytes up to a sector boundary, so that one was written with the frame — and the
+    piece of it a frame begins near its end holds only the low bytes of the frame's length,
+    zeros by nature when the length is a multiple of 256 (J4)."""
+    sector = start + (-start) % SECTOR  # the first sector boundary from the frame's start
     while sector < end:
-        low, high = max(sector, start), min(sector + SECTOR, end)
-        if data.count(0, low, high) == high - low:
+        high = min(sector + SECTOR, end)
+        if data.count(0, sector, high) == high - sector:
             return True
         sector += SECTOR
     return False

@@ -225,6 +225,12 @@ ORDER BY 1 NULLS FIRST"""
 _POISON: Final = f"""
 INSERT INTO {SCHEMA}.log_poison (log, good_seq, reason, document) VALUES (%s, %s, %s, %s)
 ON CONFLICT (log) DO NOTHING"""
+_POISON_FENCED: Final = f"""
+INSERT INTO {SCHEMA}.log_poison (log, good_seq, reason, document) SELECT %s, %s, %s, %s {_LEASED}
+ON CONFLICT (log) DO NOTHING"""
+"""The poison of a log its writer holds under a lease (S11): recorded only while that lease
+holds — a new owner's records past the old one's number are acknowledged records, never
+bounded by its poison (PG5)."""
 _WRITE_DOCUMENT: Final = f"""
 INSERT INTO {SCHEMA}.documents (name, data) VALUES (%s, %s)
 ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data, updated_at = now()"""
@@ -709,7 +715,7 @@ class PgLog:
             else:
                 reason = str(exc)
             with trio.CancelScope(shield=True):
-                await self._poison(reason)
+                await self._poison(reason, fence)
             raise JournalError(
                 ReasonCode.JOURNAL_POISONED,
                 f"an append did not commit ({reason}); the log accepts no more records",
@@ -818,12 +824,15 @@ class PgLog:
             path=self._rel,
         )
 
-    async def _poison(self, reason: str) -> None:
+    async def _poison(self, reason: str, fence: Fence | None) -> None:
         """Refuse every later append; record the poison in the database (retried under the
         store's policy) if it can be reached, else the store is failed: the host stops
         admitting. Only for a definite refusal: if an earlier attempt's outcome was unknown,
         the row may have committed after all, and the poison's ``good_seq`` keeps it from
-        being read."""
+        being read — but on a shared log, where every host appends, it hides nothing: a row
+        is whole, and the rows past this host's view are other hosts' acknowledged records;
+        and a log written under ``fence`` is poisoned only while that lease holds, since
+        once another host claimed the lane the log is its own (PG5)."""
         self._refusal = JournalError(
             ReasonCode.JOURNAL_POISONED,
             f"an earlier append did not commit ({reason}); the log accepts no more records",
@@ -837,10 +846,17 @@ class PgLog:
             poisoned_ms=self._store.clocks.wall.time_ms(),
         )
         document = encode_record(poison)
-        good_seq = self._next_seq
+        # a shared log's rows past the number this host knew are other hosts' acknowledged
+        # records (S21), before the poison and after it: its poison bounds nothing (PG5)
+        good_seq = _NEVER if self._rel in _SHARED else self._next_seq
+        fenced = fence is not None and self._rel not in _SHARED
 
         def record(conn: Conn) -> None:
-            conn.execute(_POISON, [self._rel, good_seq, reason, document])
+            if fenced:
+                params = [self._rel, good_seq, reason, document, *_fence_params(fence)]
+                conn.execute(_POISON_FENCED, params)
+            else:
+                conn.execute(_POISON, [self._rel, good_seq, reason, document])
 
         try:
             await self._store._retrying(self._connection, record)

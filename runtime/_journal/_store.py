@@ -237,7 +237,8 @@ class Store:
         unlink, then one fsync of each directory they were in — in one trip off the loop:
         retention (RT2). How many were there. A sync log generation holding records of any
         of them is drained first (J18: a log made again under a removed one's name must not
-        gain its records at the next open)."""
+        gain its records at the next open), and a log's poison document goes with it (J22:
+        nor its poison)."""
         await self._pool.retire(rels)
         at = [""]  # what the work was on when it failed (the error names it)
 
@@ -252,6 +253,8 @@ class Store:
                     continue
                 removed += 1
                 directories.add(os.path.dirname(path))
+                with contextlib.suppress(FileNotFoundError):  # J22: its poison goes with it
+                    self.fs.unlink(path + ".poison")
             for directory in sorted(directories):
                 at[0] = os.path.relpath(directory, self.root)
                 self.fs.fsync_dir(directory)
@@ -548,17 +551,26 @@ class Store:
 
         A file already there that holds no acknowledged record (empty, or only a
         torn header: a crash between creating the file and syncing its header)
-        is removed first; one that holds records raises ``FileExistsError``.
+        is removed first; one that holds records raises ``FileExistsError``. A poison
+        document with no file is a removed log's (J22): removed first too.
         """
         if rel in self._open:
             raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
         path = self.path(rel)
-        if await trio.to_thread.run_sync(self.fs.exists, path):
+        fs = self.fs
+        found, poisoned = await trio.to_thread.run_sync(  # one trip off the loop for both
+            lambda: (fs.exists(path), fs.exists(path + ".poison"))
+        )
+        if found:
             existing = await self.read(rel, kind)
             if existing.next_seq > 0 or existing.poison is not None:
                 raise FileExistsError(f"{rel} already exists")
             await self._pool.retire([rel])  # J18, as for every removal of a log's file
             await self._blocking(rel, self._unlink_durably, rel)
+        elif poisoned:
+            # J22: the poison of a log removed before it (a crash between the two unlinks
+            # of a removal): it vouches for nothing of the new log, which must not read as it
+            await self._blocking(rel, self._unlink_durably, rel + ".poison")
         header = Header(
             schema_version=SCHEMA_VERSION,
             kind=kind,

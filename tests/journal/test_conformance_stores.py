@@ -359,6 +359,40 @@ async def test_sc_j5_a_failed_append_poisons_only_its_log(backend: Backend) -> N
             await store.close_log(other)
 
 
+async def test_sc_j22_a_poisoned_log_removed_by_retention_never_poisons_its_name_again(
+    backend: Backend,
+) -> None:
+    """J22: a poisoned delivery log removed by retention (its result published long ago) goes
+    with its poison; a delivery admitted again under the id once it was forgotten gets a new
+    log under the same name, which appends, reopens and reads as its own records, never as
+    the old log's poison (the file store kept ``<log>.poison``: the new delivery's log read
+    as poisoned, cut at the old one's length)."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            log = await store.create_delivery_log("d0")
+            for n in range(1, 4):
+                await log.append(_action("old", n))
+            await backend.break_writes(store)
+            with pytest.raises(JournalError):
+                await log.append(_action("old", 4))
+            assert log.poisoned
+            with contextlib.suppress(JournalError):
+                await store.close_log(log)
+        await backend.mend_writes()
+        async with backend.open() as store:
+            assert await store.remove_logs([store.delivery_rel("d0")]) == 1
+            again = await store.create_delivery_log("d0")
+            assert await again.append(_action("new", 1)) == 1
+            await store.close_log(again)
+        async with backend.open() as store:
+            contents = await store.read_delivery_log("d0")
+            assert contents.poison is None
+            assert list(contents.records[1:]) == [_action("new", 1)]
+            reopened = await store.open_delivery_log("d0")
+            assert await reopened.append(_action("new", 2)) == 2
+            await store.close_log(reopened)
+
+
 # -- J7: documents are replaced whole ------------------------------------------------------
 
 

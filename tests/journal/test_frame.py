@@ -120,6 +120,27 @@ def test_j4_a_bit_flipped_to_a_nul_in_the_last_frame_is_damage_not_a_torn_write(
             assert info.value.offset == len(good)
 
 
+@pytest.mark.parametrize(("start", "body"), [(SECTOR - 1, 256), (SECTOR - 2, 65536)])
+def test_j4_a_flipped_bit_in_a_last_frame_just_before_a_sector_boundary_is_damage(
+    start: int, body: int
+) -> None:
+    """J4: the last frame begins ``start`` bytes into a sector, so the piece of that sector
+    it holds is only the low bytes of its length — zeros whenever the length is a multiple
+    of 256 (65,536). A whole frame with one flipped bit in its body is damage; that piece,
+    written with the frame and zero by nature, is no sector a torn write left unwritten (it
+    was read as one, and the last acknowledged record vanished)."""
+    first = encode_frame(0, [b'"' + b"a" * (start - HEADER_SIZE - 4) + b'"'])
+    assert len(first) == start
+    last = bytearray(encode_frame(1, [b'"' + b"z" * (body - 4) + b'"']))
+    assert len(last) == HEADER_SIZE + body
+    last[HEADER_SIZE + 100] ^= 0x04
+    for after in (b"", bytes(1 << 20)):  # at the end of the file, or before zeros (J19)
+        with pytest.raises(FrameDamage) as info:
+            scan(first + bytes(last) + after)
+        assert info.value.code is ReasonCode.JOURNAL_CORRUPT
+        assert info.value.offset == start
+
+
 def test_zero_filled_tail_is_torn() -> None:
     """J3: zeros after the last frame (power loss after a size change) are torn."""
     good = _log([b"1"])
@@ -171,9 +192,9 @@ def test_j3_j12_a_zero_filled_remainder_after_a_cut_frame_is_a_torn_tail() -> No
 
 def _zero_sector_in(data: bytes, start: int, end: int) -> bool:
     """The test's own statement of J3's zero sector: some 512-byte-aligned sector of the
-    file, clipped to ``[start, end)``, holds only zeros."""
-    first = start - start % SECTOR
+    file from ``start`` on (not the one ``start`` lies inside, unless it begins there),
+    clipped to ``end``, holds only zeros."""
+    first = -(-start // SECTOR) * SECTOR
     return any(
-        not any(data[max(sector, start) : min(sector + SECTOR, end)])
-        for sector in range(first, end, SECTOR)
+        not any(data[sector : min(sector + SECTOR, end)]) for sector in range(first, end, SECTOR)
     )

@@ -600,3 +600,114 @@ async def test_s21_an_append_decides_after_every_refresh_before_it(
     assert learned == [_action(1, "b")]
     assert answers == [None]
     assert final == (_action(1, "b"),)
+
+
+async def test_s21_a_refused_shared_append_hides_no_other_hosts_acknowledged_records(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """S21, PG5: host A's admission is refused by the server (a definite refusal) while its
+    view of the shared log is behind: host B appended records after A last read it, and B's
+    appends were acknowledged. A's poison refuses the log on every host, but hides none of
+    B's records from any read (A poisoned the log at the number it knew, so every read
+    stopped there and B's acknowledged admissions vanished)."""
+    refuse = """CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF position('refuse-me'::bytea IN NEW.frame) > 0 THEN
+                        RAISE EXCEPTION 'the test refuses this record';
+                    END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records
+                FOR EACH ROW EXECUTE FUNCTION public.refuse()"""
+    with trio.fail_after(LIMIT):
+        async with _host(pg_dsn, tmp_path, "a") as a, _host(pg_dsn, tmp_path, "b") as b:
+            await a.admissions.refresh()
+            acknowledged = [await b.admissions.try_append(_action(n, "b")) for n in range(3)]
+            assert acknowledged == [1, 2, 3]
+            await execute(pg_dsn, refuse)
+            with pytest.raises(JournalError):
+                await a.admissions.try_append(_action(0, "refuse-me"))
+            for host in (a, b):
+                contents = await host.read(ADMISSIONS)
+                assert contents.poison is not None  # every host learns the log is poisoned
+                assert list(contents.records[1:]) == [_action(n, "b") for n in range(3)]
+
+
+async def test_s11_a_poison_recorded_after_a_takeover_hides_nothing_the_new_owner_wrote(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """S11, PG5: host A's fenced append is refused by the server, and the poison it then
+    records is held up (a connection retried, a slow server: here a trigger waiting for an
+    advisory lock the test holds) while host B claims the lane and appends to the same log,
+    acknowledged. Every record B was told is durable must still be read; the poison of a
+    host that no longer holds the lane bounds nothing (it was recorded at A's stale number,
+    after B's records, so every read stopped there)."""
+    hold = 4343
+    refuse = """CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF position('refuse-me'::bytea IN NEW.frame) > 0 THEN
+                        RAISE EXCEPTION 'the test refuses this record';
+                    END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records
+                FOR EACH ROW EXECUTE FUNCTION public.refuse()"""
+    slow_poison = f"""CREATE FUNCTION public.held() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN PERFORM pg_advisory_xact_lock_shared({hold}); RETURN NEW; END $$;
+                CREATE TRIGGER held BEFORE INSERT ON pi_runtime.log_poison
+                FOR EACH ROW EXECUTE FUNCTION public.held()"""
+    acked: list[tuple[int, Record]] = []
+    refused: list[ReasonCode] = []
+    with trio.fail_after(LIMIT):
+        async with _host(pg_dsn, tmp_path, "a") as a, _host(pg_dsn, tmp_path, "b") as b:
+            old = await a.claim("room-1", TTL)
+            assert old is not None
+            log_a = await a.open_or_create_delivery_log("d1", fence=old)
+            assert await log_a.append(_action(1, "a")) == 1
+            await execute(pg_dsn, refuse)
+            await execute(pg_dsn, slow_poison)
+            await _expire(pg_dsn, old.lane)  # A's lease runs out: B may claim the lane
+            locked, unlock = threading.Event(), threading.Event()
+
+            def hold_the_lock() -> None:
+                with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                    conn.execute("SELECT pg_advisory_lock(%s)", [hold])
+                    locked.set()
+                    unlock.wait(LIMIT)
+
+            async def refused_append() -> None:
+                with pytest.raises(JournalError):
+                    await log_a.append(_action(2, "refuse-me"))
+
+            async def take_over() -> None:
+                new = await b.claim("room-1", TTL)
+                assert new is not None
+                try:
+                    log_b = await b.open_delivery_log("d1", fence=new)
+                except JournalError as error:
+                    refused.append(error.code)
+                    return
+                for n in (2, 3):
+                    record = _action(n, "b")
+                    acked.append((await log_b.append(record), record))
+
+            done: list[Fence | None] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, hold_the_lock)
+                await trio.to_thread.run_sync(locked.wait, LIMIT)
+                nursery.start_soon(refused_append)
+                await _wait_for(pg_dsn, "wait_event = 'advisory'")  # A's poison held up
+
+                async def b_takes_over() -> None:
+                    await take_over()
+                    done.append(None)
+
+                nursery.start_soon(b_takes_over)
+                # until B is done, or waits behind A's poison
+                await _wait_for(pg_dsn, "wait_event IN ('tuple', 'transactionid')", done)
+                unlock.set()
+            contents = await b.read_delivery_log("d1")
+    assert acked or refused == [ReasonCode.JOURNAL_POISONED]
+    for seq, record in acked:
+        assert seq < len(contents.records)
+        assert contents.records[seq] == record

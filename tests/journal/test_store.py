@@ -12,9 +12,10 @@ import trio
 import trio.testing
 
 from runtime import JournalError, ReasonCode, open_store
+from runtime._journal._journal import encode_record
 from runtime._journal._store import delivery_key, lane_key
 from runtime._linux._fs import FileSystem, OsFileSystem
-from runtime._records import LogKind, ReplayClass, StepAbandoned, ToolIntent
+from runtime._records import LogKind, Poison, ReplayClass, StepAbandoned, ToolIntent
 
 from .test_writer_wakeup import _HeldWrite
 
@@ -247,3 +248,47 @@ async def test_tl9_a_close_called_in_a_cancelled_scope_still_closes(tmp_path: Pa
         assert scope.cancelled_caught
         assert store.lane_rel("x") not in store._open
         assert (await store.open_lane_log("x")) is not journal
+
+
+async def test_j22_a_poison_a_crash_left_without_its_log_never_poisons_a_new_log(
+    tmp_path: Path,
+) -> None:
+    """J22: a removal unlinks a log, then its poison document; a crash between the two leaves
+    the poison with no log. A log created under the name later (its delivery id forgotten,
+    then admitted anew) is a new one: the old poison is removed first, so the new log reads
+    whole and opens for appending after a restart (it read as poisoned, and was refused)."""
+    root = tmp_path / "state"
+    with trio.fail_after(10):
+        async with open_store(root) as store:
+            rel = store.delivery_rel("d0")
+        stale = Poison(log_path=rel, good_length=4096, reason="old", errno=5, poisoned_ms=1)
+        (root / f"{rel}.poison").write_bytes(encode_record(stale))
+        async with open_store(root) as store:
+            log = await store.create_delivery_log("d0")
+            assert await log.append(_step(1)) == 1
+            await store.close_log(log)
+        assert not (root / f"{rel}.poison").exists()
+        async with open_store(root) as store:
+            contents = await store.read_delivery_log("d0")
+            assert contents.poison is None
+            assert list(contents.records[1:]) == [_step(1)]
+            reopened = await store.open_delivery_log("d0")
+            assert await reopened.append(_step(2)) == 2
+
+
+async def test_j22_a_removed_log_takes_its_poison_document_with_it(tmp_path: Path) -> None:
+    """J22: retention's removal of a poisoned log removes its poison document too (as the
+    PostgreSQL store deletes the poison row with the rows): nothing of it stays to meet a
+    log made again under the name."""
+    root = tmp_path / "state"
+    with trio.fail_after(10):
+        async with open_store(root) as store:
+            log = await store.create_delivery_log("d0")
+            await log.append(_step(1))
+            await store.close_log(log)
+            rel = log.rel
+        poison = Poison(log_path=rel, good_length=1, reason="a fault", errno=5, poisoned_ms=1)
+        (root / f"{rel}.poison").write_bytes(encode_record(poison))
+        async with open_store(root) as store:
+            assert await store.remove_logs([rel]) == 1
+        assert sorted(p.name for p in (root / "deliveries").iterdir()) == []
