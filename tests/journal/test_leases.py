@@ -602,6 +602,18 @@ async def test_s21_an_append_decides_after_every_refresh_before_it(
     assert final == (_action(1, "b"),)
 
 
+REFUSE_MARKED: Final = """CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF position('refuse-me'::bytea IN NEW.frame) > 0 THEN
+            RAISE EXCEPTION 'the test refuses this record';
+        END IF;
+        RETURN NEW;
+    END $$;
+    CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records
+    FOR EACH ROW EXECUTE FUNCTION public.refuse()"""
+"""A trigger by which the server refuses (a definite refusal) every record marked ``refuse-me``."""
+
+
 async def test_s21_a_refused_shared_append_hides_no_other_hosts_acknowledged_records(
     pg_dsn: str, tmp_path: Path
 ) -> None:
@@ -610,21 +622,12 @@ async def test_s21_a_refused_shared_append_hides_no_other_hosts_acknowledged_rec
     appends were acknowledged. A's poison refuses the log on every host, but hides none of
     B's records from any read (A poisoned the log at the number it knew, so every read
     stopped there and B's acknowledged admissions vanished)."""
-    refuse = """CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN
-                    IF position('refuse-me'::bytea IN NEW.frame) > 0 THEN
-                        RAISE EXCEPTION 'the test refuses this record';
-                    END IF;
-                    RETURN NEW;
-                END $$;
-                CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records
-                FOR EACH ROW EXECUTE FUNCTION public.refuse()"""
     with trio.fail_after(LIMIT):
         async with _host(pg_dsn, tmp_path, "a") as a, _host(pg_dsn, tmp_path, "b") as b:
             await a.admissions.refresh()
             acknowledged = [await b.admissions.try_append(_action(n, "b")) for n in range(3)]
             assert acknowledged == [1, 2, 3]
-            await execute(pg_dsn, refuse)
+            await execute(pg_dsn, REFUSE_MARKED)
             with pytest.raises(JournalError):
                 await a.admissions.try_append(_action(0, "refuse-me"))
             for host in (a, b):
@@ -643,15 +646,6 @@ async def test_s11_a_poison_recorded_after_a_takeover_hides_nothing_the_new_owne
     host that no longer holds the lane bounds nothing (it was recorded at A's stale number,
     after B's records, so every read stopped there)."""
     hold = 4343
-    refuse = """CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN
-                    IF position('refuse-me'::bytea IN NEW.frame) > 0 THEN
-                        RAISE EXCEPTION 'the test refuses this record';
-                    END IF;
-                    RETURN NEW;
-                END $$;
-                CREATE TRIGGER refuse BEFORE INSERT ON pi_runtime.log_records
-                FOR EACH ROW EXECUTE FUNCTION public.refuse()"""
     slow_poison = f"""CREATE FUNCTION public.held() RETURNS trigger LANGUAGE plpgsql AS $$
                 BEGIN PERFORM pg_advisory_xact_lock_shared({hold}); RETURN NEW; END $$;
                 CREATE TRIGGER held BEFORE INSERT ON pi_runtime.log_poison
@@ -664,7 +658,7 @@ async def test_s11_a_poison_recorded_after_a_takeover_hides_nothing_the_new_owne
             assert old is not None
             log_a = await a.open_or_create_delivery_log("d1", fence=old)
             assert await log_a.append(_action(1, "a")) == 1
-            await execute(pg_dsn, refuse)
+            await execute(pg_dsn, REFUSE_MARKED)
             await execute(pg_dsn, slow_poison)
             await _expire(pg_dsn, old.lane)  # A's lease runs out: B may claim the lane
             locked, unlock = threading.Event(), threading.Event()

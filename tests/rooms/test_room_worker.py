@@ -844,71 +844,47 @@ async def test_l7_provider_failures_carry_only_the_code(
             assert provider_text.encode() not in log.read_bytes(), log
 
 
-async def test_l11_a_damaged_delivery_log_refuses_recovery(tmp_path: Path) -> None:
-    """L11: an unfinished delivery whose log is damaged (a bad checksum before its end) is
-    not replayed: it ends ``failed`` with ``recovery_refused:journal``, and the lane goes on
-    serving the room."""
+BASH_ROOM: Final = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+
+
+def _tool_then_next(tmp_path: Path) -> tuple[list[Step], Path]:
+    """d1's turn: a tool that says it started (into a FIFO, returned) and runs on; then the
+    room's next answer."""
     started = tmp_path / "started.fifo"
     os.mkfifo(started)
-    steps: list[Step] = [
-        ToolCalls(
-            calls=[Call(name="bash", arguments={"command": f"echo go > {started}; sleep 60"})]
-        ),
-        Text(text="next one"),
-    ]
-    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
-    with trio.fail_after(LIMIT):
-        async with scripted_upstream(steps) as (_model, url):
-            cfg = config("fake", url, rooms=rooms)
-            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
-                await worker.deliver(message("d1"))
-                await trio.to_thread.run_sync(started.read_bytes)  # its turn (and log) exist
-                log = tmp_path / "state" / worker.store.delivery_rel("d1")
-            data = bytearray(await trio.to_thread.run_sync(log.read_bytes))
-            data[30] ^= 0xFF  # inside the first frame: damage, not a torn tail
-            await trio.to_thread.run_sync(log.write_bytes, bytes(data))
-            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
-                await worker.deliver(message("d2"))
-                first, second = await next_results(worker, 2)
-    assert (first.delivery_id, first.outcome, first.code) == (
-        "d1",
-        Outcome.FAILED,
-        "recovery_refused:journal",
-    )
-    assert (second.delivery_id, second.outcome) == ("d2", Outcome.REPLY)
+    tool = Call(name="bash", arguments={"command": f"echo go > {started}; sleep 60"})
+    return [ToolCalls(calls=[tool]), Text(text="next one")], started
 
 
-@pytest.mark.parametrize("change", ["persona", "cancel"])
-async def test_l11_a_damaged_log_of_a_delivery_refused_at_start_is_refused_in_its_lane(
-    change: str, tmp_path: Path
-) -> None:
-    """L11, L17: d1's log is damaged while no host runs, and the next start refuses d1 for
-    another reason too — a changed persona, or a cancel requested meanwhile. Its log cannot
+async def _d1_log_damaged_mid_turn(cfg: RoomWorkerConfig, tmp_path: Path, started: Path) -> None:
+    """A host runs d1 until its tool runs (its turn and log exist) and stops; then one byte
+    inside d1's log's first frame is flipped: damage, not a torn tail."""
+    async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+        await worker.deliver(message("d1"))
+        await trio.to_thread.run_sync(started.read_bytes)
+        log = tmp_path / "state" / worker.store.delivery_rel("d1")
+    data = bytearray(await trio.to_thread.run_sync(log.read_bytes))
+    data[30] ^= 0xFF
+    await trio.to_thread.run_sync(log.write_bytes, bytes(data))
+
+
+@pytest.mark.parametrize("change", ["nothing", "persona", "cancel"])
+async def test_l11_a_damaged_delivery_log_refuses_recovery(change: str, tmp_path: Path) -> None:
+    """L11, L17: an unfinished delivery whose log is damaged (a bad checksum before its end)
+    is not replayed: it ends ``failed`` with ``recovery_refused:journal``, and the lane goes
+    on serving the room. So too when the next start refuses d1 for another reason as well — a
+    changed persona, or a cancel requested meanwhile. Its log cannot
     be opened to record that end, so it ends ``recovery_refused:journal`` (what its log
     being found damaged means, as for any delivery recovered) from the shared outbox; the
     fault stays in that delivery: the host serves, and the room answers its next one."""
-    started = tmp_path / "started.fifo"
-    os.mkfifo(started)
-    steps: list[Step] = [
-        ToolCalls(
-            calls=[Call(name="bash", arguments={"command": f"echo go > {started}; sleep 60"})]
-        ),
-        Text(text="next one"),
-    ]
-    rooms = {ROOM: RoomConfig(grants=frozenset({"bash", "send_text_update"}))}
+    steps, started = _tool_then_next(tmp_path)
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (_model, url):
-            cfg = config("fake", url, rooms=rooms)
-            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
-                await worker.deliver(message("d1"))
-                await trio.to_thread.run_sync(started.read_bytes)  # its turn (and log) exist
-                log = tmp_path / "state" / worker.store.delivery_rel("d1")
-            data = bytearray(await trio.to_thread.run_sync(log.read_bytes))
-            data[30] ^= 0xFF  # inside the first frame: damage, not a torn tail
-            await trio.to_thread.run_sync(log.write_bytes, bytes(data))
+            cfg = config("fake", url, rooms=BASH_ROOM)
+            await _d1_log_damaged_mid_turn(cfg, tmp_path, started)
             if change == "persona":
                 cfg = msgspec.structs.replace(cfg, persona="You are someone else now.")
-            else:
+            elif change == "cancel":
                 assert await request_cancel(tmp_path / "state", "d1") == "requested"
             async with open_room_worker(cfg, base_dir=tmp_path) as worker:
                 await worker.deliver(message("d2"))
