@@ -21,6 +21,7 @@ own (PB3).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Final
@@ -36,6 +37,9 @@ from ._records import Parked
 __all__ = ["Admit", "RouteBreaker", "failure_park", "past_bounds", "route_park"]
 
 MINUTE_MS: Final = 60_000
+SLACK_MS: Final = 1_000
+"""How far behind Trio's clock the wall clock may fall before the breaker's time is moved
+back with it (a slewing clock, rounding)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,11 @@ class RouteBreaker:
         self._clocks = clocks
         self._rng = rng or random.Random()
         self.open_until_ms: int | None = None
-        """Closed when ``None``; else no turn asks the provider before this time."""
+        """Closed when ``None``; else no turn asks the provider before this time (on the
+        wall clock: what a park records)."""
+        self._open_until_trio = 0.0
+        """The same time on Trio's clock, which this process measures the wait by: a wall
+        clock set back meanwhile does not lengthen it (:meth:`_open_until`)."""
         self.failures = 0
         """The route's failures in a row (the next wait's exponent)."""
         self._probing: object | None = None
@@ -73,15 +81,15 @@ class RouteBreaker:
         otherwise, its recorded schedule is the route's."""
         if self._seen or parked.next_attempt_ms <= (self.open_until_ms or 0):
             return
-        self.open_until_ms = parked.next_attempt_ms
+        self._open(parked.next_attempt_ms - self._clocks.wall.time_ms())
         self.failures = max(self.failures, parked.route_failures or parked.attempt)
 
     def admit(self) -> Admit:
         """Whether a turn may start now (and ask the provider)."""
-        until = self.open_until_ms
-        if until is None:
+        if self.open_until_ms is None:
             return Admit()
-        if self._clocks.wall.time_ms() < until:
+        until = self._open_until()
+        if until is not None:
             return Admit(until_ms=until)
         if self._probing is not None:  # half-open, and one is probing: wait for its outcome
             return Admit(until_ms=self._clocks.wall.time_ms() + self._wait_ms(None))
@@ -93,17 +101,17 @@ class RouteBreaker:
         next attempt. A failure while it is already open for longer changes nothing. Only
         the probing turn (``probe``, its token) ends the probe: a turn that began before the
         breaker opened and fails meanwhile leaves the probe running, so two never overlap."""
-        now = self._clocks.wall.time_ms()
         self._seen = True
         if probe is not None and probe is self._probing:
             self._probing = None
-        if self.open_until_ms is not None and self.open_until_ms > now:
+        until = self._open_until()
+        if until is not None:
             self._wake()
-            return self.open_until_ms
+            return until
         self.failures += 1
-        self.open_until_ms = now + self._wait_ms(failure.retry_after)
+        until = self._open(self._wait_ms(failure.retry_after))
         self._wake()
-        return self.open_until_ms
+        return until
 
     def succeeded(self) -> None:
         """A turn got through (or failed for a reason of its own): the route is up."""
@@ -124,6 +132,10 @@ class RouteBreaker:
         """Sleep until ``until_ms`` on the wall clock, the breaker changes, or ``cancelled``."""
         changed = self._changed
         delay = max(0.0, (until_ms - self._clocks.wall.time_ms()) / 1000)
+        # never past the breaker's own wait, measured on Trio's clock (_open_until): while it
+        # is open, its end; half-open, one full step (a wait for a probe's outcome is less)
+        left = self._open_until_trio - trio.current_time()
+        delay = min(delay, left if left > 0 else self._full_seconds())
         with trio.move_on_after(delay):
             async with trio.open_nursery() as nursery:
 
@@ -134,9 +146,42 @@ class RouteBreaker:
                 nursery.start_soon(on, changed)
                 nursery.start_soon(on, cancelled)
 
-    def _wait_ms(self, retry_after: float | None) -> int:
+    def _open(self, wait_ms: int) -> int:
+        """Open the breaker for ``wait_ms`` from now; the wall-clock time it opens until."""
+        self.open_until_ms = self._clocks.wall.time_ms() + wait_ms
+        self._open_until_trio = trio.current_time() + max(0, wait_ms) / 1000
+        return self.open_until_ms
+
+    def _open_until(self) -> int | None:
+        """The wall-clock time the breaker is open until, or ``None`` when it is not open
+        (closed, or half-open). The wait is measured on Trio's clock: a wall clock set back
+        since it opened (by more than a second) neither lengthens it nor leaves a park to
+        record a time that far ahead — the time moves back with the clock. A wall clock set
+        forward ends it early, as it always did."""
+        until = self.open_until_ms
+        now = self._clocks.wall.time_ms()
+        if until is None or now >= until:
+            return None
+        left_ms = math.ceil((self._open_until_trio - trio.current_time()) * 1000)
+        if left_ms <= 0:
+            return None
+        if until - now > left_ms + SLACK_MS:  # the wall clock was set back meanwhile
+            self.open_until_ms = until = now + left_ms
+        return until
+
+    def _full_seconds(self) -> float:
+        """The next wait before its jitter: ``first_seconds`` doubled per failure of the
+        route in a row but the first, at most ``max_seconds``."""
         config = self.config
-        full = min(config.max_seconds, config.first_seconds * 2 ** max(0, self.failures - 1))
+        doublings = max(0, self.failures - 1)
+        # max_seconds is reached after log2(max / first) doublings, and kept: a route down
+        # for days counts a thousand failures in a row, and 2.0 ** 1024 overflows
+        if doublings < math.log2(config.max_seconds / config.first_seconds):
+            return math.ldexp(config.first_seconds, doublings)
+        return config.max_seconds
+
+    def _wait_ms(self, retry_after: float | None) -> int:
+        full = self._full_seconds()
         wait = full / 2 + self._rng.uniform(0, full / 2)
         return int(max(wait, retry_after or 0.0) * 1000)
 

@@ -717,6 +717,35 @@ def _check_threshold_values(config: RoomWorkerConfig) -> None:
             raise ConfigError(f"thresholds.{field.name}", f"must be a finite number, {bound}")
 
 
+_LONGEST_DAYS: Final = 36_500
+"""A hundred years: the longest time a setting may give (C9)."""
+_UNITS: Final = {"_seconds": 86_400.0, "_minutes": 1_440.0, "_hours": 24.0, "_days": 1.0}
+"""Each time setting's unit, by its name's ending, in units per day."""
+_TIMED: Final = ("thresholds", "store", "server", "retention", "backoff")
+"""The tables whose times C9 bounds (``[watchdog]``'s are WD9's, checked when task lanes
+start)."""
+
+
+def _check_times(config: RoomWorkerConfig) -> None:
+    """C9: every time of every table (but ``[watchdog]``) is finite and at most a hundred
+    years: each becomes a wall-clock time in milliseconds in a record (a forget-after time,
+    a park's next attempt, a lease's end), a 64-bit number; ``inf`` (TOML's "forever")
+    would stop the server at its first compaction or park."""
+    for table in _TIMED:
+        settings = getattr(config, table)
+        for field in msgspec.structs.fields(settings):
+            unit = next((u for end, u in _UNITS.items() if field.name.endswith(end)), None)
+            value = getattr(settings, field.name)
+            if unit is None or not isinstance(value, int | float):
+                continue
+            longest = _LONGEST_DAYS * unit
+            if not math.isfinite(value) or value > longest:
+                raise ConfigError(
+                    f"{table}.{field.name}",
+                    f"must be a finite number, at most a hundred years ({longest:g})",
+                )
+
+
 def _check_threshold_order(config: RoomWorkerConfig) -> None:
     """C10: the timers fit inside the stall backstop: tick <= stall; abort grace < stall;
     typing refresh < stall; upstream inactivity < stall; keepalive < upstream inactivity."""
@@ -783,6 +812,7 @@ _CHECKS: Final = (
     _check_grants,
     _check_tool_classes,
     _check_threshold_values,
+    _check_times,
     _check_threshold_order,
     _check_caps,
     _check_retention,

@@ -19,7 +19,7 @@ from runtime._boundary._stream import (
     stream_failure,
 )
 from runtime._clock import Clocks, MockSilenceClock, MockWallClock
-from runtime._config import BackoffConfig
+from runtime._config import BackoffConfig, config_from_dict
 from runtime._records import Parked
 
 CONFIG = BackoffConfig(first_seconds=5, max_seconds=300, deadline_minutes=30, max_attempts=12)
@@ -279,3 +279,61 @@ async def test_pb4_a_late_failure_of_another_turn_does_not_end_the_probe(
     assert route.admit().probe is None  # the probe still runs
     route.failed(UpstreamFailure(503), probe.probe)  # its answer
     assert route.admit().until_ms is not None
+
+
+async def test_pb2_pb4_a_route_down_for_days_keeps_to_the_longest_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """PB2, PB4: a provider down for days (one probe every 150-300 s: about 1,100 failures of
+    the route in a row in three days) keeps each wait between half and all of
+    ``max_seconds`` — the doubling stops at the longest wait, it does not overflow — and so
+    does the next host, resumed from the last park's ``route_failures``. The shipped
+    defaults, as a configuration file gives them (floats)."""
+    config = config_from_dict({}).backoff
+    longest = config.max_seconds * 1000
+
+    def route(seed: int) -> tuple[RouteBreaker, MockWallClock]:
+        wall = MockWallClock()
+        return RouteBreaker(config, Clocks(MockSilenceClock(), wall), rng=random.Random(seed)), wall
+
+    breaker, wall = route(1)
+    for _ in range(1_100):
+        now = wall.time_ms()
+        until = breaker.failed(UpstreamFailure(503), breaker.admit().probe)
+        assert until - now <= longest
+        await trio.sleep((until - now) / 1000 + 0.01)
+    assert breaker.failures == 1_100
+    assert until - now >= longest / 2
+    recorded = Parked(
+        attempt=12,
+        first_failure_ms=wall.time_ms() - 3 * 86_400_000,
+        next_attempt_ms=wall.time_ms(),
+        status=503,
+        code="model_failed",
+        route_failures=breaker.failures,
+    )
+    restarted, wall = route(2)
+    restarted.resume(recorded)
+    await trio.sleep(0.01)
+    now = wall.time_ms()
+    until = restarted.failed(UpstreamFailure(503), restarted.admit().probe)
+    assert longest / 2 <= until - now <= longest
+
+
+async def test_pb3_pb4_a_wall_clock_set_back_during_a_wait_does_not_lengthen_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """PB3, PB4: the breaker opens for at most ``first_seconds`` after a first failure; the
+    host's wall clock set back an hour one second into the wait (an operator, a bad NTP
+    source) does not keep a turn waiting an hour: the wait is measured on Trio's clock in
+    this process, and the time it gives for the record moves back with the wall clock."""
+    route, wall = breaker()
+    opened = trio.current_time()
+    route.failed(UpstreamFailure(503))
+    await trio.sleep(1)
+    wall.advance(-3600)
+    while (admit := route.admit()).until_ms is not None:  # as a lane waits (PB4)
+        assert admit.until_ms - wall.time_ms() <= CONFIG.first_seconds * 1000
+        await route.wait(admit.until_ms, trio.Event())
+    assert admit.probe is not None
+    assert trio.current_time() - opened <= CONFIG.first_seconds

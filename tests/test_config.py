@@ -488,6 +488,62 @@ def test_c9_thresholds_are_finite_and_positive(thresholds: dict[str, Any], setti
     assert refused({"thresholds": thresholds}).setting == setting
 
 
+_INF: Final = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("data", "setting"),
+    [
+        pytest.param(
+            {"retention": {"idempotency_days": _INF, "forget_days": _INF}},
+            "retention.idempotency_days",
+            id="keep-forever",
+        ),
+        pytest.param({"retention": {"forget_days": 1e300}}, "retention.forget_days", id="huge"),
+        pytest.param({"retention": {"sweep_hours": _INF}}, "retention.sweep_hours", id="sweep"),
+        pytest.param(
+            {"retention": {"compact_hours": _INF}}, "retention.compact_hours", id="compact"
+        ),
+        pytest.param(
+            {"backoff": {"first_seconds": _INF, "max_seconds": _INF}},
+            "backoff.first_seconds",
+            id="infinite-wait",
+        ),
+        pytest.param({"backoff": {"max_seconds": 1e300}}, "backoff.max_seconds", id="huge-wait"),
+        pytest.param(
+            {"backoff": {"deadline_minutes": _INF}}, "backoff.deadline_minutes", id="deadline"
+        ),
+        pytest.param({"store": {"lease_seconds": _INF}}, "store.lease_seconds", id="lease"),
+        pytest.param({"store": {"poll_seconds": 1e300}}, "store.poll_seconds", id="poll"),
+        pytest.param(
+            {"store": {"task_takeover_seconds": _INF}}, "store.task_takeover_seconds", id="takeover"
+        ),
+        pytest.param({"server": {"hello_seconds": _INF}}, "server.hello_seconds", id="hello"),
+        pytest.param(
+            {"server": {"heap_freeze_seconds": _INF}}, "server.heap_freeze_seconds", id="freeze"
+        ),
+        pytest.param(
+            {"thresholds": {"idle_stop_seconds": 1e300}}, "thresholds.idle_stop_seconds", id="idle"
+        ),
+    ],
+)
+def test_c9_every_time_is_finite_and_fits_a_record(data: dict[str, Any], setting: str) -> None:
+    """TOML has ``inf`` (it reads like "forever") and any double: a time of every table is
+    finite and at most a hundred years, or it is refused naming it — it becomes a wall-clock
+    time in milliseconds in a record (a forget-after time, a park's next attempt)."""
+    error = refused(data)
+    assert error.setting == setting
+    assert "hundred years" in error.message
+
+
+def test_c9_a_hundred_years_is_the_longest_time() -> None:
+    config = config_from_dict(
+        {"retention": {"journal_days": 36_500, "idempotency_days": 36_500, "forget_days": 36_500}},
+        base=BASE,
+    )
+    assert config.retention.forget_days == 36_500
+
+
 def test_c9_a_zero_drain_timeout_means_cancel_at_once() -> None:
     config = config_from_dict({"thresholds": {"drain_timeout_seconds": 0}}, base=BASE)
     assert config.thresholds.drain_timeout_seconds == 0.0

@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _options(args: argparse.Namespace) -> ServeOptions:
+    if not 0 <= args.port <= 65535:  # the resolver would take it modulo 65536 (O11)
+        raise ConfigError("port", f"{args.port} is not a TCP port (0 to 65535)")
     context = None
     cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
     if (cert is None) != (key is None):

@@ -235,6 +235,57 @@ def test_o11_serve_refuses_a_non_loopback_bind_without_tls_before_serving(
     )
 
 
+def test_o11_c9_serve_refuses_a_retention_kept_forever_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """``idempotency_days = inf`` (TOML's "forever") is refused at start, naming it, exit 2:
+    before, ``serve`` took it, wrote a ``retention.json`` no command could read again, and
+    its first compaction stopped it with an ``OverflowError`` traceback (config.md C9)."""
+    config = tmp_path / "pi-runtime.toml"
+    config.write_text(
+        'state_dir = "state"\nwork_root = "work"\n'
+        "[retention]\nidempotency_days = inf\nforget_days = inf\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime._cli", "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "pi-runtime: config_invalid: retention.idempotency_days: " in done.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_o11_serve_refuses_a_port_out_of_range_instead_of_another_port(tmp_path: Path) -> None:
+    """``--port 70000`` is ``config_invalid: port``, exit 2, and nothing listens: before, the
+    resolver took it modulo 65536 and the server listened on port 4464 (O11)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime._cli",
+            "serve",
+            "--port",
+            "70000",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT / 4,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "pi-runtime: config_invalid: port: " in done.stderr
+    assert "listening" not in done.stdout + done.stderr
+    assert not (tmp_path / "state").exists()
+
+
 # -------------------------------------------------------------------------------- token
 
 
