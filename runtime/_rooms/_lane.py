@@ -290,11 +290,8 @@ class Lane:
                 self._riding -= len(pending.absorbed)
                 pending.cancelled = True
                 # an owner queued for its replay answers nothing now: the deliveries steered
-                # into it (L10) run as their own turns, in its place and arrival order
-                for steered in reversed(pending.absorbed):
-                    steered.pending.absorbed_into = None
-                    self.queue.insert(at, steered.pending)
-                pending.absorbed = ()
+                # into it (L10) run as their own turns, in its place
+                self._requeue_absorbed(pending, at)
                 # out of the queue now: its result is written whole, whoever cancels the
                 # caller, else it would neither run nor end until a restart (L13)
                 with trio.CancelScope(shield=True):
@@ -402,16 +399,19 @@ class Lane:
             return
         self.host.finished(pending)
 
-    def _requeue_absorbed(self, owner: Pending) -> None:
+    def _requeue_absorbed(self, owner: Pending, at: int = 0) -> None:
         """The deliveries steered into ``owner`` (live, or attached to its replay at
         recovery) when it ends without an answer and without :meth:`_settle_absorbed` — its
-        journal failed (L17): each runs as its own turn next, in arrival order (L10), else
-        it would be neither queued nor finished until a restart."""
+        journal failed (L17), or it was cancelled while queued (L13): each runs as its own
+        turn, from position ``at`` of the queue (next, by default) in arrival order (L10),
+        else it would be neither queued nor finished until a restart. (A steered delivery
+        carries no steers of its own: nothing for :attr:`_riding`.)"""
         retry = [item.pending for item in owner.absorbed]
         owner.absorbed = ()
         for steered in reversed(retry):
             steered.absorbed_into = None
-            self.submit(steered, front=True)
+            self.queue.insert(at, steered)
+        self._wake.set()
 
     async def _idle(self) -> None:
         self._wake = trio.Event()
