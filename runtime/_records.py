@@ -31,6 +31,7 @@ __all__ = [
     "Compacted",
     "ContinuationSent",
     "EpochFenced",
+    "EpochLaunching",
     "EpochStarted",
     "Fingerprints",
     "Header",
@@ -58,7 +59,7 @@ __all__ = [
     "record_tag",
 ]
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 """The journal schema this code writes and the newest it reads."""
 
 
@@ -265,6 +266,19 @@ class Poison(_Record, tag="poison", frozen=True, kw_only=True):
     ``good_length``. Empty for a log that owed nothing."""
 
 
+class EpochLaunching(_Record, tag="epoch_launching", frozen=True, kw_only=True):
+    """A room lane's intent to launch epoch ``epoch``, durable before the spawn
+    (docs/design/workers.md W13): the nonce the worker will carry, and so its cgroup's name.
+    A host that dies before the epoch's :class:`EpochStarted` leaves a tree only this
+    record names; the next start kills it by the nonce."""
+
+    epoch: int
+    nonce: str
+    boot_id: str
+    """The boot the launch was on (``/proc/sys/kernel/random/boot_id``)."""
+    launching_ms: int
+
+
 class EpochStarted(_Record, tag="epoch_started", frozen=True, kw_only=True):
     epoch: int
     pid: int
@@ -368,6 +382,14 @@ class Parked(_Record, tag="parked", frozen=True, kw_only=True):
     """The route's failures in a row when this was recorded — the exponent of the breaker's
     next wait — so a restart's breaker goes on from there instead of from 5 s (PB2); 0 in a
     record written before it was kept (the delivery's ``attempt`` stands in)."""
+    deadline_minutes: float | None = None
+    """The episode's deadline (``[backoff] deadline_minutes`` when it first failed; PB3, PB7):
+    every park of an episode repeats its first one's, so a restart with another configuration
+    neither ends it sooner nor keeps it longer. ``None`` in a record written before it was
+    kept: the configuration of the host deciding stands in."""
+    max_attempts: int | None = None
+    """The episode's ``[backoff] max_attempts`` when it first failed (PB3, PB7), as
+    :attr:`deadline_minutes`; ``None`` in a record written before it was kept."""
 
 
 class Compacted(_Record, tag="compacted", frozen=True, kw_only=True):
@@ -439,6 +461,7 @@ Record = (
     | StepAbandoned
     | Result
     | Poison
+    | EpochLaunching
     | EpochStarted
     | EpochFenced
     | ContinuationSent

@@ -3,7 +3,7 @@ spec, read the facts it prints one JSON line at a time, SIGKILL it at the point 
 
 And the hosts' side of it: :func:`emit` prints a fact, :func:`stop_here` stops the whole host
 at a pause point (both hosts' ``pause`` option), :func:`pause_after_receipt_commit` is the
-``receipt_commit`` point of both."""
+``receipt_commit`` point of both, :func:`pause_when_epoch_launched` their ``epoch_launched``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import msgspec
 import trio
 
 from runtime._boundary._receipts import ReceiptStore
+from runtime._pi._worker import Epoch
+from runtime._records import EpochStarted
 
 from ._procs import hosts_run_under, sweep_epochs
 
@@ -199,3 +201,20 @@ def pause_after_receipt_commit(barrier: Callable[[], Awaitable[None]]) -> None:
         return result
 
     ReceiptStore.write_document = after_commit  # type: ignore[method-assign]
+
+
+def pause_when_epoch_launched(nth: int) -> None:
+    """In a host: stop once its ``nth`` worker epoch is launched and proven (W1) — the worker
+    runs — before that epoch's ``EpochStarted`` record is built and appended: the launch
+    window (``docs/design/workers.md`` W13; the ``epoch_launched`` point of both hosts)."""
+    record = Epoch.record
+    passed = 0
+
+    def before_record(self: Epoch, epoch: int, *, started_ms: int) -> EpochStarted:
+        nonlocal passed
+        passed += 1
+        if passed == nth:
+            stop_here("epoch_launched")
+        return record(self, epoch, started_ms=started_ms)
+
+    Epoch.record = before_record  # type: ignore[method-assign]

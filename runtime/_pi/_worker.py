@@ -12,7 +12,8 @@ own nursery; leaving the block (normally, by an exception, or by cancellation â€
 a fence) stops it: SIGTERM to the worker, a bounded wait, SIGKILL to the whole
 tree, reap, remove the cgroup. Nothing the worker started outlives the block.
 :func:`kill_epoch_leftovers` does the same from an :class:`EpochStarted` record
-alone, for a host taking over after a crash.
+alone, for a host taking over after a crash; :func:`kill_launch_leftovers` from the nonce
+a caller journaled before the launch, for a crash before that record was written.
 
 Error handling: launch problems raise :class:`WorkerError` with a ``worker_*``
 reason code; a stop that leaves a live descendant raises ``worker_tree_survived``
@@ -88,6 +89,7 @@ __all__ = [
     "WorkerLaunch",
     "WorkerProgram",
     "kill_epoch_leftovers",
+    "kill_launch_leftovers",
     "open_epoch",
     "open_worker",
     "worker_argv",
@@ -536,4 +538,24 @@ async def kill_epoch_leftovers(
     cgroup = _recorded_cgroup(record)
     root = ProcessIdentity(pid=record.pid, start_time=record.start_time, boot_id=record.boot_id)
     proof = TreeProof(nonce=record.nonce, roots=(root,), cgroup=cgroup)
+    return await kill_tree(proof, give_up_after=policy.kill_bound)
+
+
+async def kill_launch_leftovers(nonce: str, *, policy: StopPolicy | None = None) -> KillReport:
+    """Kill whatever is left of a launch a crash cut before its :class:`EpochStarted` record,
+    from the nonce its caller journaled before the spawn (W13).
+
+    Proof is the nonce in a process's environment and the descendants of proven members,
+    and the epoch's cgroup, whose name is the nonce (W2), if the launch made one. With no
+    recorded identity no pid is signalled on its pid alone (W5). Safe to call for a launch
+    that never spawned, or whose tree is long gone.
+    """
+    policy = policy or StopPolicy()
+    if not valid_nonce(nonce):
+        raise WorkerError(ReasonCode.WORKER_RECORD_INVALID, "the launch record's nonce is invalid")
+    mount = cgroup2_mount()
+    cgroup = None if mount is None else mount / CGROUP_PARENT_NAME / nonce
+    proof = TreeProof(
+        nonce=nonce, cgroup=cgroup if cgroup is not None and cgroup.is_dir() else None
+    )
     return await kill_tree(proof, give_up_after=policy.kill_bound)

@@ -77,6 +77,7 @@ from .._records import (
     AbsorbedInput,
     Admission,
     AttachmentRef,
+    EpochLaunching,
     EpochStarted,
     Outcome,
     Parked,
@@ -351,7 +352,14 @@ class Lane:
             if fenced_out(error):
                 await self._give_up()
             raise
-        self.epochs = sum(isinstance(r, EpochStarted) for r in self.log.contents.records)
+        self.epochs = max(  # W13: a launch a crash cut before it started used its number too
+            (
+                r.epoch
+                for r in self.log.contents.records
+                if isinstance(r, EpochLaunching | EpochStarted)
+            ),
+            default=0,
+        )
         async with trio.open_nursery() as nursery:
             while True:
                 if not self.queue:

@@ -12,10 +12,12 @@ import trio
 from .._boundary._boundaries import Boundaries, BoundaryConfig, open_boundaries
 from .._errors import JournalError, PiRuntimeError, RpcError, one_error
 from .._journal._interface import Log
+from .._linux._proc import boot_id
+from .._linux._proctree import new_nonce
 from .._pi._launch import WorkerLaunch
 from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._pi._worker import Epoch, open_worker
-from .._records import EpochFenced
+from .._records import EpochFenced, EpochLaunching
 
 __all__ = ["Live", "Slot", "SlotOwner"]
 
@@ -154,7 +156,15 @@ class Slot:
         live: Live | None = None
         try:
             with trio.CancelScope() as scope:
-                async with open_worker(launch) as worker:
+                # W13: the nonce (and so the cgroup's name) is durable before the spawn, so a
+                # crash before ``EpochStarted`` leaves no tree that no record names
+                nonce = new_nonce()
+                await lane.log.append(
+                    EpochLaunching(
+                        epoch=number, nonce=nonce, boot_id=boot_id(), launching_ms=lane.now_ms()
+                    )
+                )
+                async with open_worker(launch, nonce=nonce) as worker:
                     await lane.log.append(worker.record(number, started_ms=lane.now_ms()))
                     async with open_rpc_channel(
                         worker.stdin, worker.stdout, stderr=worker.stderr_tail

@@ -77,12 +77,13 @@ from .._journal._store import (
 from .._linux._fs import FileSystem
 from .._logs import fields
 from .._metrics import DELIVERIES_ADMITTED, RECOVERY_REFUSALS, labelled
-from .._pi._worker import kill_epoch_leftovers
+from .._pi._worker import kill_epoch_leftovers, kill_launch_leftovers
 from .._records import (
     AbsorbedInput,
     Admission,
     AttachmentRef,
     EpochFenced,
+    EpochLaunching,
     EpochStarted,
     Outcome,
     Record,
@@ -1249,12 +1250,21 @@ class RoomWorker:
             rels = [rel for rel in rels if await self.store.exists(rel)]
         for rel in rels:
             contents = await self.store.read(rel)
-            started = {r.epoch: r for r in contents.records if isinstance(r, EpochStarted)}
+            launching: dict[int, EpochLaunching] = {}
+            started: dict[int, EpochStarted] = {}
             for record in contents.records:
-                if isinstance(record, EpochFenced):
+                if isinstance(record, EpochLaunching):
+                    launching[record.epoch] = record
+                elif isinstance(record, EpochStarted):
+                    launching.pop(record.epoch, None)
+                    started[record.epoch] = record
+                elif isinstance(record, EpochFenced):
+                    launching.pop(record.epoch, None)
                     started.pop(record.epoch, None)
             for record in started.values():
                 await kill_epoch_leftovers(record)
+            for launch in launching.values():  # W13: a crash between the spawn and the start
+                await kill_launch_leftovers(launch.nonce)
 
 
 @contextlib.asynccontextmanager

@@ -44,11 +44,12 @@ from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
 from .._linux._proc import boot_id
+from .._linux._proctree import new_nonce
 from .._metrics import TASK_BUDGET_CHARGES, TASK_CONTINUATIONS
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest
 from .._pi._session_files import aread_session, create_session
-from .._pi._worker import StopPolicy, kill_epoch_leftovers
+from .._pi._worker import StopPolicy, kill_epoch_leftovers, kill_launch_leftovers
 from .._records import (
     ContinuationSent,
     EpochFenced,
@@ -163,6 +164,7 @@ class TaskLane:
         "ids",
         "kernel",
         "key",
+        "launching",
         "markers",
         "moved_from",
         "parks",
@@ -220,6 +222,10 @@ class TaskLane:
         """Why the lane's task stopped without an end (a bug, a broken disk), if it did."""
         self.worker: TaskWorker | None = None
         self.record: EpochStarted | None = None
+        self.launching: str | None = None
+        """The nonce of the last epoch's launch while no ``EpochStarted`` names it (W13): from
+        the launch action reserved before the spawn until the record is appended, or a
+        restart's reading of a log a crash cut in between."""
         self.attestation: Attestation | None = None
         self.quiescent_epoch: int | None = None
         self.probe_result: str | None = None
@@ -506,6 +512,8 @@ class TaskLane:
         state = read_lane(self.task, self._log.journal.contents.records, self.policy)
         self.actions, self.markers, self.replies = state.actions, state.markers, state.replies
         self.epochs, self.record, self.ended = state.epochs, state.record, state.ended
+        unstarted = state.unstarted_launch()
+        self.launching = None if unstarted is None else str(unstarted.detail["nonce"])
         self.kernel, self.attestation = state.kernel, state.attestation
         self.parks = _open_parks(self._log.journal.contents.records)
         self.recovery = Recovery(
@@ -519,17 +527,18 @@ class TaskLane:
         self._settle_first = self.epochs > 0 and self.ended is None
         self._task_undelivered = self.epochs == 0
         lost = self._lost
-        foreign = (
-            self.moved_from is not None
-            and self.record is not None
-            and self.record.boot_id != boot_id()
+        last_boot = (
+            unstarted.detail.get("boot_id")
+            if unstarted is not None
+            else (self.record.boot_id if self.record is not None else None)
         )
+        foreign = self.moved_from is not None and last_boot not in (None, boot_id())
         if lost is not None or foreign:
             pass  # S32: nothing is killed here on a guess, nor counted quiescent (W5, LK4)
-        elif self.record is not None and self.epochs > 0:
-            stopped = await self._kill_leftovers(self.record)
+        elif self._last_epoch is not None and self.epochs > 0:
+            stopped = await self._kill_last_epoch()
             if stopped.clean:
-                self.quiescent_epoch = self.record.epoch  # nothing of it lives (LK4)
+                self.quiescent_epoch = self._last_epoch  # nothing of it lives (LK4)
             else:
                 self._restart_survivors = stopped.survivors
         elif self.epochs > 0 and state.launched_in_host(self.epochs) and self.moved_from is None:
@@ -590,6 +599,32 @@ class TaskLane:
         present = await marker_in_session(self.session, carrier)
         return None if present is None else not present
 
+    @property
+    def _last_epoch(self) -> int | None:
+        """The epoch a clean :meth:`_kill_last_epoch` proves quiescent: a launch with no
+        start recorded, else the last epoch started; ``None`` when no record names a tree."""
+        if self.launching is not None:
+            return self.epochs
+        return self.record.epoch if self.record is not None else None
+
+    async def _kill_last_epoch(self) -> Stopped:
+        """Whatever the last epochs left is killed before anything else runs (LK4, TL12): the
+        one started, from its record (W7), and a launch a crash cut before its start, by the
+        nonce its launch action journaled before the spawn (W13). Clean only when both are."""
+        stopped = Stopped(True)
+        if self.record is not None:
+            stopped = await self._kill_leftovers(self.record)
+        if self.launching is not None:
+            try:
+                report = await kill_launch_leftovers(self.launching)
+            except PiRuntimeError:
+                return Stopped(False, stopped.survivors)
+            stopped = Stopped(
+                stopped.clean and report.clean,
+                stopped.survivors + report.survivors + report.undecided,
+            )
+        return stopped
+
     async def _kill_leftovers(self, record: EpochStarted) -> Stopped:
         """Whatever a recorded epoch left is killed from its record (the record's identity must
         match, W5) before the session is touched; clean when nothing of that epoch's tree is
@@ -619,7 +654,10 @@ class TaskLane:
         }
         if self.host.owner is not None:
             identity["host"] = self.host.owner  # S32: where it ran, for the next holder
+        if not self.host.workers.in_host:  # W13: what names the tree until it has started
+            identity["nonce"], identity["boot_id"] = new_nonce(), boot_id()
         await self.record_action(launch, "launch", "reserved", identity)
+        self.launching = identity.get("nonce")
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
             read = await aread_session(self.session)
             if read.session.leaf is not None:
@@ -647,6 +685,7 @@ class TaskLane:
                 term_grace=self.policy.term_grace_seconds,
                 kill_bound=self.policy.kill_bound_seconds,
             ),
+            nonce=identity.get("nonce"),
         )
         end = EpochEnd.EXITED
         self._unprompted = None
@@ -658,6 +697,7 @@ class TaskLane:
                 self.record = worker.record
                 if worker.record is not None:
                     await self.append(worker.record)
+                    self.launching = None  # the record names the tree from here (W7)
                 await self.record_action(launch, "launch", "done", identity)
                 try:
                     end = await EpochWatch(self, worker).run(kind, text, action_id)
@@ -936,15 +976,13 @@ class TaskLane:
         if not reason.startswith("survivors:") and self._restart_survivors is None:
             return True
         stopped = (
-            await self._kill_leftovers(self.record)
-            if self.record is not None
-            else Stopped(False, ())
+            await self._kill_last_epoch() if self._last_epoch is not None else Stopped(False, ())
         )
         if not stopped.clean:
             known = self._restart_survivors or _pids(reason)
             await self.hold(_survivors(stopped.survivors or known))
             return False
-        self.quiescent_epoch = self.record.epoch if self.record is not None else None
+        self.quiescent_epoch = self._last_epoch
         self._restart_survivors = None
         return True
 

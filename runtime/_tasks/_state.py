@@ -164,6 +164,21 @@ class LaneState:
             for a in self.actions.values()
         )
 
+    def unstarted_launch(self) -> OutboxAction | None:
+        """The launch of the last epoch when no ``EpochStarted`` or end names that epoch and
+        the launch journaled a nonce: a host that died between the spawn and the start left
+        a tree only that nonce names (W13). ``None`` for an in-host worker, a launch that
+        started or ended, or a log from before W13."""
+        if self.epochs == 0 or self.epochs in self.fenced:
+            return None
+        if self.record is not None and self.record.epoch == self.epochs:
+            return None
+        for action in reversed(self.actions.values()):
+            if action.kind == "launch" and action.detail.get("epoch") == self.epochs:
+                nonce = action.detail.get("nonce")
+                return action if isinstance(nonce, str) else None
+        return None
+
     @property
     def pending_action(self) -> str | None:
         """The last outbox action reserved and not done."""

@@ -62,6 +62,8 @@ class EpochRequest:
     log: Log
     started_ms: Callable[[], int]
     policy: StopPolicy
+    nonce: str | None = None
+    """The epoch's nonce, journaled before the launch (W13); ``None``: a fresh one."""
 
 
 class TaskWorker(Protocol):
@@ -186,7 +188,7 @@ class ProcessWorkers:
             )
             worker: _ProcessWorker | None = None
             try:
-                async with open_worker(launch, policy=request.policy) as epoch:
+                async with open_worker(launch, nonce=request.nonce, policy=request.policy) as epoch:
                     record = epoch.record(request.number, started_ms=request.started_ms())
                     self.launched.append(record)
                     if self.identity_override is not None:

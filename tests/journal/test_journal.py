@@ -125,6 +125,7 @@ def test_tags_are_stable() -> None:
         "compacted",
         "continuation_sent",
         "epoch_fenced",
+        "epoch_launching",
         "epoch_started",
         "header",
         "lifecycle_receipt",

@@ -56,6 +56,7 @@ from runtime._pi._worker import (
     WorkerLaunch,
     WorkerProgram,
     kill_epoch_leftovers,
+    kill_launch_leftovers,
     open_epoch,
     open_worker,
     worker_argv,
@@ -585,12 +586,14 @@ async def test_trio_keeps_exit_statuses_while_adopted_orphans_are_reaped(tmp_pat
 # ------------------------------------------------------------------------------ takeover
 
 
+@pytest.mark.parametrize("by", ["record", "nonce"])
 @pytest.mark.parametrize("containment", CONTAINMENTS)
 async def test_a_new_host_kills_the_tree_of_a_sigkilled_one(
-    tmp_path: Path, containment: Containment
+    tmp_path: Path, containment: Containment, by: str
 ) -> None:
     """W7: the host is SIGKILLed with its worker tree running; another process kills the whole
-    old tree from the epoch record alone — with a cgroup and without one."""
+    old tree from the epoch record alone — with a cgroup and without one. W13: or from the
+    nonce alone, as journaled before the launch (the cgroup found by its name)."""
     record_path = tmp_path / "epoch.json"
     host = await trio.lowlevel.open_process(
         [sys.executable, str(HOST), str(record_path), str(tmp_path), str(containment)],
@@ -612,7 +615,10 @@ async def test_a_new_host_kills_the_tree_of_a_sigkilled_one(
             assert {record.pid, int(daemon), int(background)} <= orphans
             tree = identities(sorted(orphans))
 
-            report = await kill_epoch_leftovers(record)
+            if by == "record":
+                report = await kill_epoch_leftovers(record)
+            else:
+                report = await kill_launch_leftovers(record.nonce)
     finally:
         if host.returncode is None:  # pragma: no cover - only when the test failed early
             host.kill()
@@ -706,6 +712,16 @@ async def test_a_record_cannot_aim_the_kill_elsewhere(cgroup: str) -> None:
     assert caught.value.code is ReasonCode.WORKER_RECORD_INVALID
     with pytest.raises(WorkerError) as caught:
         await kill_epoch_leftovers(msgspec.structs.replace(record, nonce="", cgroup=None))
+    assert caught.value.code is ReasonCode.WORKER_RECORD_INVALID
+
+
+@pytest.mark.parametrize("nonce", ["", "../../x", "0" * 31, "g" * 32])
+async def test_w5_w13_a_launch_record_cannot_aim_the_kill_elsewhere(nonce: str) -> None:
+    """W5, W13: a launch record's nonce names the cgroup the kill removes; one that is not
+    32 hex digits (a damaged or forged record: a path, a short one) is refused, nothing
+    scanned or signalled on it."""
+    with pytest.raises(WorkerError) as caught:
+        await kill_launch_leftovers(nonce)
     assert caught.value.code is ReasonCode.WORKER_RECORD_INVALID
 
 

@@ -27,7 +27,11 @@ before a ``journal_poisoned`` result is published; ``"compaction:journal"`` — 
 step journals; ``"compaction:expired"`` — the expired-id filter is durable;
 ``"compaction:admissions"`` — the admission log was rewritten, the result log not yet
 (docs/design/retention.md RT5); ``"compaction:rows"`` — on PostgreSQL, the compaction's transaction
-committed, the host not yet told (RT11).
+committed, the host not yet told (RT11); ``"epoch_launched"`` — the N-th worker epoch is launched
+and proven, its ``EpochStarted`` not yet appended (the launch window, docs/design/workers.md W13).
+
+``fake`` gives every Fake-Pi epoch the host starts these behaviours (Fake-Pi's ``at`` barriers,
+e.g. ``{"startup": "hang"}``: a worker that never reads its stdin).
 
 The host stops **whole** at the point (``tests/_host_process.py``'s :func:`stop_here`: it
 sends itself ``SIGSTOP``), not just the task that passed it: another room's turn, a lane's
@@ -45,6 +49,7 @@ E}``, the N-th write to that log, before it happens; ``tests/faultfs.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -55,6 +60,7 @@ from typing import Any
 import msgspec
 import trio
 
+from fake_pi._behaviours import Behaviours, FakeConfig
 from runtime._boundary._attach import AttachTool
 from runtime._boundary._calls import GateCall, GateResult
 from runtime._boundary._gate import RecordingGateJournal
@@ -66,12 +72,18 @@ from runtime._journal._interface import JournalStore
 from runtime._journal._postgres import PgStore
 from runtime._journal._store import Store, delivery_key
 from runtime._linux._fs import OsFileSystem
+from runtime._pi._launch import WorkerProgram
 from runtime._records import LogKind, Record, ToolIntent, ToolOutcome
 from runtime._rooms import _retention, _worker
 from runtime._rooms._outbox import ResultOutbox
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
-from tests._host_process import emit, pause_after_receipt_commit, stop_here
+from tests._host_process import (
+    emit,
+    pause_after_receipt_commit,
+    pause_when_epoch_launched,
+    stop_here,
+)
 from tests.faultfs import Fault, FaultyFileSystem
 
 
@@ -112,7 +124,9 @@ def install_pause(point: str, nth: int, results: int = 0) -> None:
             await RESULTS.at_least(results)  # the other rooms' results the test wants first
             stop_here(point)
 
-    if point == "model_response":
+    if point == "epoch_launched":
+        pause_when_epoch_launched(nth)
+    elif point == "model_response":
         record_response = DeliveryStepJournal.record_response
 
         async def after_response(self: DeliveryStepJournal, digest: str, chunks: list[str]) -> None:
@@ -227,6 +241,14 @@ async def main(spec: dict[str, Any]) -> None:
         pause = spec["pause"]
         install_pause(pause["point"], pause.get("nth", 1), pause.get("results", 0))
     config = config_from_dict(spec["config"], base=base)
+    if "fake" in spec:  # every Fake-Pi epoch with these barriers (its --fake-config)
+        path = base / "fake-config.json"
+        path.write_bytes(msgspec.json.encode(FakeConfig(behaviours=Behaviours(at=spec["fake"]))))
+        program = WorkerProgram.fake_pi()
+        behaving = dataclasses.replace(
+            program, command=(*program.command, "--fake-config", str(path))
+        )
+        _worker.__dict__["worker_program"] = lambda config: behaving
     fs = None
     if "fault" in spec:  # one write of one delivery's log fails (tests/faultfs.py)
         fault = spec["fault"]

@@ -32,7 +32,7 @@ from runtime._rooms._worker import request_cancel
 
 from .._host_process import Fact, Host, run_host
 from .._pi import pi_home
-from .._procs import kill_orphaned_epochs
+from .._procs import alive_with_nonce, epoch_nonces, kill_orphaned_epochs
 from .._workers import scripted_upstream, tool_messages, waiting_bash
 
 HOST: Final = Path(__file__).with_name("room_host.py")
@@ -667,3 +667,30 @@ async def test_l19_a_host_killed_at_the_same_point_replays_three_times_then_exha
     assert len(seen) == asked + 1  # d1 asked nothing more; d2 once
     assert model.request_count == 1  # and only d2's request was answered
     assert abandoned == ["host_restart"] * 4  # each start after the first charged one first
+
+
+async def test_w13_a_host_killed_between_a_workers_spawn_and_its_start_record_leaves_no_tree(
+    tmp_path: Path,
+) -> None:
+    """W13: SIGKILLed after the worker was spawned and proven, before its ``EpochStarted`` is
+    durable. The worker hangs at its start and never reads its stdin, so the host's death
+    does not end it (as a worker slow to start on a loaded machine, or a tool's daemon, would
+    not). Before, no record named that tree: the next host killed nothing and the orphan ran
+    on, beside the epoch the next host launched for the same session. Now the launch's nonce
+    is durable before the spawn, and the next host kills that tree by it before it runs
+    anything — then answers the delivery once."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([Text(text="the answer")]) as (model, url):
+            spec = {"config": config("fake", url)}
+            await kill_when_paused(
+                tmp_path, {**spec, "fake": {"startup": "hang"}}, "epoch_launched"
+            )
+            (orphan,) = epoch_nonces(tmp_path)  # the hung worker, which no record started
+            assert alive_with_nonce(orphan)
+            async with host(tmp_path, {**spec, "expect": 1, "ack": True}, "b") as h:
+                await h.until(lambda f: "accepted" in f or "result" in f)
+                left = alive_with_nonce(orphan)  # killed at its start, before any turn ran
+                (result,) = results(await h.finish())
+    assert left == []
+    assert (result["outcome"], result["text"]) == ("reply", "the answer")
+    assert model.request_count == 1

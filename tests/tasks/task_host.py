@@ -61,7 +61,9 @@ itself, however late it comes.
   directory (the ``rmtree`` of it, wherever it is by then: RT15 renames it into ``trash/``
   first): its ``lane.log`` unlinked (on the file store), the rest still there (RT12, RT13);
 * ``finalize`` — before :meth:`TaskLane._finalize` (terminal receipt durable, worker stopped,
-  no end record yet).
+  no end record yet);
+* ``epoch_launched`` — the N-th worker epoch is launched and proven, its ``EpochStarted`` not
+  yet appended (the launch window, workers.md W13).
 """
 
 from __future__ import annotations
@@ -105,7 +107,12 @@ from runtime._tasks._runner import (
 from runtime._tasks._watchdog import WatchdogPolicy
 from runtime._tasks._workers import EpochRequest, ProcessWorkers, TaskWorker
 from runtime._wire import TaskSpec
-from tests._host_process import emit, pause_after_receipt_commit, stop_here
+from tests._host_process import (
+    emit,
+    pause_after_receipt_commit,
+    pause_when_epoch_launched,
+    stop_here,
+)
 
 ROUTE = ModelRoute(provider="fake", model="fake-model")
 HELD = "StalledOperatorRequired"
@@ -206,6 +213,8 @@ def install_pause(point: str, nth: int) -> None:
         EffectLedger.__call__ = after_effect  # type: ignore[method-assign]
     elif name == "receipt_commit":
         pause_after_receipt_commit(barrier)
+    elif name == "epoch_launched":
+        pause_when_epoch_launched(nth)
     elif name == "continuation_prompted":
         record_marker = TaskLane.record_marker
 

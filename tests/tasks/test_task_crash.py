@@ -45,7 +45,7 @@ from runtime._records import (
 )
 
 from .._host_process import Fact, Host, no_epoch_left, run_host
-from .._procs import alive_with_nonce
+from .._procs import alive_with_nonce, epoch_nonces
 from .._workers import scripted_upstream, tool_messages
 
 pytestmark = pytest.mark.slow
@@ -239,7 +239,9 @@ def check_common(root: Path, facts: list[Fact], workers: Workers) -> list[Record
     assert sum(r.accepted for r in receipts) <= 1
     # never two workers of the task at once, none unrecorded; nothing of any epoch left alive
     assert workers.most <= 1, workers.seen
-    nonces = {r.nonce for r in found if isinstance(r, EpochStarted)}
+    nonces = {r.nonce for r in found if isinstance(r, EpochStarted)} | {
+        str(a.detail["nonce"]) for a in actions(found, "launch", None) if "nonce" in a.detail
+    }  # W13: a launch names its tree before the spawn
     assert workers.seen
     assert workers.seen <= nonces, (workers.seen, nonces)
     assert not set(workers.alive()) & nonces
@@ -352,6 +354,29 @@ async def test_repeated_crashes_after_the_launch_charge_the_replacement_once(
     (sent,) = [r for r in found if isinstance(r, ContinuationSent)]
     assert sent.epoch == 4
     assert outcome(facts)["view"]["budget"]["epochs_used"] == 1
+    assert_asked(model, through_done=1)
+
+
+async def test_w13_a_host_killed_between_a_workers_spawn_and_its_start_record_leaves_no_tree(
+    tmp_path: Path,
+) -> None:
+    """W13, TL12: SIGKILLed after epoch 1's worker was spawned and proven, before its
+    ``EpochStarted`` is durable. The worker hangs at its start and never reads its stdin, so
+    the host's death does not end it. Before, no record named that tree: the next host killed
+    nothing, counted nothing of it alive, and launched epoch 2 beside it — two workers of one
+    task at once on one session. Now the launch action carries the nonce, durable before the
+    spawn; the next host kills the tree by it before it launches anything."""
+    async with crash_rig(tmp_path, STEPS) as (model, url, workers):
+        spec = task_spec(url, behaviours={1: {"startup": "hang"}})
+        facts = await kill_when_paused(tmp_path, spec, "epoch_launched")
+        (orphan,) = epoch_nonces(tmp_path)  # the hung worker, which no record started
+        assert alive_with_nonce(orphan)
+        facts += await recover(tmp_path, spec, "b")
+    assert outcome(facts)["ended"]["state"] == "done", facts
+    found = check_common(tmp_path, facts, workers)  # never two workers at once, none left
+    (launch,) = actions(found, "launch", "reserved")[:1]
+    assert launch.detail["nonce"] == orphan
+    assert [r.epoch for r in found if isinstance(r, EpochStarted)] == [2]
     assert_asked(model, through_done=1)
 
 
