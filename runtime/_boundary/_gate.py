@@ -12,14 +12,16 @@ runtime directory) with small JSON bodies over HTTP/1.1:
 * ``POST /after {tool_call_id, name, result:{content,details?,isError}}`` → ``{"ok":true}``
 
 Only requests carrying the current epoch's secret (``authorization: Bearer <secret>``) are
-served; anything else gets 401 and reaches no journal (T1). What to answer is decided by a
-:class:`GateJournal`; :class:`RecordingGateJournal` is the implementation, on a delivery's
-:class:`~runtime._journal._journal.Journal` or (for tests) on a :class:`MemoryLog`. It makes the
-:class:`~runtime._records.ToolIntent` durable before it answers *run* (T2), answers *saved*
-from a recorded :class:`~runtime._records.ToolOutcome` for the same tool-call id within the
-round (T3), *refused* for tools not granted (T4), classifies tools by replay class (T5), and
-refuses a replayed call that is not the recorded one — another name or other arguments under a
-recorded tool-call id (T14). The invariants are in ``docs/design/gate.md``.
+served; anything else gets 401 and reaches no journal (T1). A ``/before`` whose epoch was
+fenced while it waited for its turn is refused the same way, nothing decided (T16). What to
+answer is decided by a :class:`GateJournal`; :class:`RecordingGateJournal` is the
+implementation, on a delivery's :class:`~runtime._journal._journal.Journal` or (for tests) on a
+:class:`MemoryLog`. It makes the :class:`~runtime._records.ToolIntent` durable before it
+answers *run* (T2), answers *saved* from a recorded :class:`~runtime._records.ToolOutcome` for
+the same tool-call id within the round (T3), *refused* for tools not granted (T4), classifies
+tools by replay class (T5), and refuses a replayed call that is not the recorded one — another
+name or other arguments under a recorded tool-call id (T14). The invariants are in
+``docs/design/gate.md``.
 
 Resource handling: :func:`serve_gate` owns the listening socket and removes the socket file
 when it ends. Error handling: a journal failure is answered with 503 (the worker's tool fails
@@ -110,9 +112,15 @@ def replay_class_of(
 
 
 class GateJournal(Protocol):
-    """What the gate server asks. Both calls return only once what they record is durable."""
+    """What the gate server asks. Both calls return only once what they record is durable.
 
-    async def decide(self, call: GateCall) -> Decision: ...
+    ``decide`` asks ``authorized`` once the call's turn has come — after its last wait, before
+    anything is decided or recorded — and raises :class:`~runtime._errors.GateError`
+    ``gate_unauthorized`` if it says no: the epoch the call was authorized in was fenced
+    while it waited (T16). ``record_outcome`` records an outcome authorized before the fence
+    all the same: the call ran, that is its result (T16)."""
+
+    async def decide(self, call: GateCall, *, authorized: Callable[[], bool]) -> Decision: ...
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None: ...
 
@@ -224,8 +232,14 @@ class RecordingGateJournal:
         self._learn(record)
         return seq
 
-    async def decide(self, call: GateCall) -> Decision:
-        decision = await self._decide(call)
+    async def decide(
+        self, call: GateCall, *, authorized: Callable[[], bool] = lambda: True
+    ) -> Decision:
+        """What to answer ``call``: *run* (its intent durable first), *saved* or *refused*.
+        ``authorized`` says whether the epoch the call was authorized in is still the current
+        one; it is asked under the lock, before anything is decided, and a call it refuses
+        raises :class:`GateError` ``gate_unauthorized``, nothing recorded (T16)."""
+        decision = await self._decide(call, authorized)
         handler = self.runtime_tools.get(call.name)
         if handler is None or not isinstance(decision, RunTool):
             return decision
@@ -244,9 +258,16 @@ class RecordingGateJournal:
             code = ReasonCode.GATE_TOOL_FAILED
             return GateResult.text(f"tool {call.name} failed ({code}): {error}", is_error=True)
 
-    async def _decide(self, call: GateCall) -> Decision:
+    async def _decide(self, call: GateCall, authorized: Callable[[], bool]) -> Decision:
         async with self._lock:  # one decision at a time: seq and intent id stay paired
-            step = self._step()
+            if not authorized():  # T16: its epoch was fenced while it waited for its turn
+                raise GateError(
+                    ReasonCode.GATE_UNAUTHORIZED,
+                    "this request's epoch ended while it waited: its secret is no longer "
+                    "the current one",
+                )
+            # T16: a decision is its epoch's to the end, whatever begins during its appends
+            epoch, step = self.epoch, self._step()
             if call.name not in self.granted:  # T4: nothing recorded, nothing runs
                 return Refuse(
                     GateResult.text(
@@ -265,13 +286,13 @@ class RecordingGateJournal:
                 if outcome is not None:  # T3: the recorded result, verbatim
                     return Saved(GateResult.recorded(outcome))
                 if self._running.get(call.tool_call_id) is previous and (
-                    self._let_run_in.get(call.tool_call_id) == self.epoch
+                    self._let_run_in.get(call.tool_call_id) == epoch
                 ):  # T15: asked again while it runs: its own outcome is still to come
                     return Refuse(_running_result(call, previous))
                 cls = replay_class_of(call.name, self.classes, previous.replay_class)
                 if cls is ReplayClass.RECEIPT and call.name in self.runtime_tools:
                     # T13: the same receipt-guarded write proves or applies it (R2)
-                    self._let_run(call.tool_call_id, previous)
+                    self._let_run(call.tool_call_id, previous, epoch)
                     return RunTool(previous.intent_id)
                 if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
                     return Saved(await self._record_interrupted(previous, call))
@@ -284,7 +305,7 @@ class RecordingGateJournal:
                 name=call.name,
                 args=canonical_args(call.args),
                 replay_class=declared,
-                epoch=self.epoch,
+                epoch=epoch,
             )
             seq = await self._append(intent)  # T2: durable before "run" is answered
             labelled(TOOL_CALLS, call.name, str(declared)).inc()
@@ -293,14 +314,14 @@ class RecordingGateJournal:
                     ReasonCode.GATE_JOURNAL_FAILED,
                     f"intent {intent_id} landed at seq {seq}: another task appended meanwhile",
                 )
-            self._let_run(call.tool_call_id, intent)
+            self._let_run(call.tool_call_id, intent, epoch)
             return RunTool(intent_id)
 
-    def _let_run(self, tool_call_id: str, intent: ToolIntent) -> None:
-        """Note that ``intent`` was answered *run* in this epoch, its outcome to come."""
+    def _let_run(self, tool_call_id: str, intent: ToolIntent, epoch: int) -> None:
+        """Note that ``intent`` was answered *run* in ``epoch``, its outcome to come."""
         self._running[tool_call_id] = intent
         self._settled[tool_call_id] = trio.Event()
-        self._let_run_in[tool_call_id] = self.epoch
+        self._let_run_in[tool_call_id] = epoch
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None:
         async with self._lock:
@@ -512,13 +533,21 @@ class Gate:
         except ValueError as error:
             await response.respond(400, _error_body(ReasonCode.GATE_BAD_REQUEST, str(error)))
             return
+        secret = self._secret  # T16: its epoch's, asked again when its turn comes
         try:
             if result is None:
-                answer = _decision_json(await self.journal.decide(call))
-            else:
+                decision = await self.journal.decide(
+                    call, authorized=lambda: secret == self._secret
+                )
+                answer = _decision_json(decision)
+            else:  # T16: authorized before any fence, the outcome of a call that ran
                 await self.journal.record_outcome(call, result)
                 answer = {"ok": True}
         except GateError as error:
+            if error.code is ReasonCode.GATE_UNAUTHORIZED:  # T16: fenced while it waited
+                self.refused_unauthorized += 1
+                await response.respond(401, _error_body(error.code, error.message))
+                return
             if error.code is ReasonCode.GATE_BAD_REQUEST:
                 await response.respond(409, _error_body(error.code, error.message))
                 return

@@ -15,7 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -382,6 +382,204 @@ async def test_t15_a_call_asked_again_while_it_runs_is_refused_not_settled(
             assert await r.post("/after", after) == (200, {"ok": True})
             status, replayed = await r.post("/before", call)
     assert replayed == {"decision": "saved", "result": {"content": content, "isError": False}}
+
+
+# ------------------------------------------- T16: nothing is decided for a fenced epoch
+
+
+def _begin_epoch(r: Rig, epoch: int) -> None:
+    """A new epoch, as ``Boundaries.begin_epoch`` makes it: the journal records ``epoch`` from
+    now on and the gate's secret rotates (the previous one stops working at once)."""
+    r.journal.epoch = epoch
+    r.gate.rotate_secret()
+
+
+def _holding_the_next_append() -> tuple[
+    Callable[[Record], Awaitable[None]], trio.Event, trio.Event
+]:
+    """A ``MemoryLog.on_append`` that holds the next append (the journal's lock held) until
+    ``release`` is set; ``held`` is set once it waits. Later appends pass."""
+    held, release = trio.Event(), trio.Event()
+
+    async def hold(record: Record) -> None:
+        if not held.is_set():
+            held.set()
+            await release.wait()
+
+    return hold, held, release
+
+
+def _calls(records: Sequence[Record]) -> list[tuple[type, str, int | None]]:
+    """Each record as (type, tool-call id, the intent's epoch or ``None``)."""
+    return [
+        (
+            type(r),
+            r.tool_call_id if isinstance(r, ToolIntent | ToolOutcome) else "",
+            r.epoch if isinstance(r, ToolIntent) else None,
+        )
+        for r in records
+    ]
+
+
+def _waiting_for_the_lock(r: Rig) -> int:
+    return r.journal._lock.statistics().tasks_waiting
+
+
+@pytest.mark.parametrize("waiting_id", ["c1", "c2"], ids=["its-twin", "another-call"])
+async def test_t16_a_fenced_epochs_call_waiting_for_the_lock_is_not_decided(
+    sock_dir: Path, waiting_id: str
+) -> None:
+    """T16: epoch 1 asks c1 (its intent being appended, the journal's lock held) and then
+    asks again — the same call (its twin) or another one — which, authorized with epoch 1's
+    secret, waits for the lock. Epoch 1 is fenced and epoch 2 begins. The waiting call must
+    then be refused 401 ``gate_unauthorized``: nothing recorded, nothing let run. Before, it
+    was decided once it got the lock — an intent recorded under epoch 2's number and answered
+    *run* to a fenced worker, its outcome awaited (T11) from a worker that would never report
+    it, and epoch 2's replay of the call refused as "already running" (T15)."""
+    hold, held, release = _holding_the_next_append()
+    answers: dict[str, tuple[int, Any]] = {}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, log=MemoryLog(on_append=hold)) as r:
+            old = r.gate.secret
+
+            async def ask(name: str, call_id: str) -> None:
+                body = {"tool_call_id": call_id, "name": "bash", "args": {"command": "true"}}
+                answers[name] = await r.post("/before", body, secret=old)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, "first", "c1")
+                await held.wait()  # c1's intent is being appended: the lock is held
+                nursery.start_soon(ask, "waiting", waiting_id)
+                await trio.testing.wait_all_tasks_blocked()
+                assert _waiting_for_the_lock(r) == 1  # authorized, waiting for the lock
+                _begin_epoch(r, 2)
+                release.set()
+            records = list(r.log.records)
+            in_flight = [(i.tool_call_id, i.epoch) for i in r.journal.in_flight()]
+            refused = r.gate.refused_unauthorized
+    assert answers["first"] == (200, {"decision": "run", "intent_id": "k:1"})  # before the fence
+    status, answer = answers["waiting"]
+    assert status == 401, answer
+    assert answer["error"]["code"] == ReasonCode.GATE_UNAUTHORIZED
+    assert refused == 1
+    assert _calls(records) == [(ToolIntent, "c1", 1)]  # nothing of the waiting call
+    assert in_flight == [("c1", 1)]
+
+
+async def test_t16_a_decision_under_way_at_the_fence_stays_its_epochs(sock_dir: Path) -> None:
+    """T16 with T15 and T5: epoch 1's c1 is being decided (its intent being appended) when
+    epoch 1 is fenced. The decision goes on to its end — answered *run*, its intent epoch 1's —
+    and it was let run in epoch 1, not epoch 2. So epoch 2, asking c1 again (the replay of the
+    round), gets "possibly ran" recorded as c1's outcome (T5) and nothing is left awaiting an
+    outcome. Before, the intent counted as let run in epoch 2 (the epoch read after the
+    append): the replay was refused "already running" (T15), and the outcome it waited for
+    (T11) could only come from the fenced worker."""
+    hold, held, release = _holding_the_next_append()
+    body = {"tool_call_id": "c1", "name": "bash", "args": {"command": "true"}}
+    answers: list[tuple[int, Any]] = []
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir, log=MemoryLog(on_append=hold)) as r:
+            old = r.gate.secret
+
+            async def ask() -> None:
+                answers.append(await r.post("/before", body, secret=old))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await held.wait()
+                _begin_epoch(r, 2)
+                release.set()
+            status, replayed = await r.post("/before", body)  # epoch 2, the same round
+            assert answers == [(200, {"decision": "run", "intent_id": "k:1"})]
+            assert (status, replayed["decision"]) == (200, "saved"), replayed
+            text = interrupted_text("bash")
+            assert replayed["result"]["content"] == [{"type": "text", "text": text}]
+            assert r.journal.in_flight() == []
+            await r.journal.wait_outcomes(["c1"])  # T11: nothing left to wait for
+            records = list(r.log.records)
+    assert _calls(records) == [(ToolIntent, "c1", 1), (ToolOutcome, "c1", None)]
+
+
+async def test_t16_an_outcome_reported_before_the_fence_is_recorded_after_it(
+    sock_dir: Path,
+) -> None:
+    """T16: the fence stops a dead epoch's *decisions*, not the truth about a call it ran.
+    Epoch 1 reports c1's outcome while the journal's lock is held (c2 being decided); epoch 1
+    is fenced, and epoch 2 asks c1 again, waiting behind the report. The report, authorized
+    before the fence, is recorded as c1's outcome — the call ran, and that is its result —
+    and epoch 2 gets it *saved*, not "possibly ran". A report that arrives after the fence
+    (c2's, with epoch 1's secret) is refused 401 like any other request: c2 stays without
+    outcome, "possibly ran" for every later ask."""
+    content: list[dict[str, Any]] = [{"type": "text", "text": "ran\n"}]
+    c1 = {"tool_call_id": "c1", "name": "bash", "args": {"command": "true"}}
+    c2 = {"tool_call_id": "c2", "name": "bash", "args": {"command": "false"}}
+    after_c1 = {"tool_call_id": "c1", "name": "bash", "result": {"content": content}}
+    after_c2 = {**after_c1, "tool_call_id": "c2"}
+    got: dict[str, tuple[int, Any]] = {}
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            old = r.gate.secret
+            assert await r.post("/before", c1) == (200, {"decision": "run", "intent_id": "k:1"})
+            r.log.on_append, held, release = _holding_the_next_append()
+
+            async def post(name: str, target: str, body: Any, secret: str) -> None:
+                got[name] = await r.post(target, body, secret=secret)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post, "c2", "/before", c2, old)
+                await held.wait()  # c2's intent is being appended: the lock is held
+                nursery.start_soon(post, "after c1", "/after", after_c1, old)
+                await trio.testing.wait_all_tasks_blocked()
+                assert _waiting_for_the_lock(r) == 1
+                _begin_epoch(r, 2)
+                nursery.start_soon(post, "c1 again", "/before", c1, r.gate.secret)
+                await trio.testing.wait_all_tasks_blocked()
+                assert _waiting_for_the_lock(r) == 2  # behind the report
+                release.set()
+            late = await r.post("/after", after_c2, secret=old)
+            records = list(r.log.records)
+    assert got["c2"] == (200, {"decision": "run", "intent_id": "k:2"})  # before the fence
+    assert got["after c1"] == (200, {"ok": True})
+    assert got["c1 again"] == (
+        200,
+        {"decision": "saved", "result": {"content": content, "isError": False}},
+    )
+    assert late[0] == 401
+    assert _calls(records) == [
+        (ToolIntent, "c1", 1),
+        (ToolIntent, "c2", 1),
+        (ToolOutcome, "c1", None),
+    ]
+
+
+async def test_t1_t16_a_request_whose_body_ends_after_the_fence_is_refused(
+    sock_dir: Path,
+) -> None:
+    """T1, T16: epoch 1's worker sends a ``/before`` head with its secret and part of the
+    body; epoch 1 is fenced before the body ends. The secret is checked once the request is
+    whole, so the request is refused 401 and nothing is recorded — a head read before the
+    fence does not authorize what follows it."""
+    body = json.dumps({"tool_call_id": "c1", "name": "bash", "args": {"command": "true"}}).encode()
+    with trio.fail_after(LIMIT):
+        async with rig(sock_dir) as r:
+            head = (
+                "POST /before HTTP/1.1\r\nhost: gate\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nauthorization: Bearer {r.gate.secret}\r\n"
+                "connection: close\r\n\r\n"
+            ).encode()
+            stream = await trio.open_unix_socket(str(r.server.path))
+            async with stream:
+                await stream.send_all(head + body[:7])
+                await trio.testing.wait_all_tasks_blocked()
+                _begin_epoch(r, 2)
+                await stream.send_all(body[7:])
+                reply = bytearray()
+                while chunk := await stream.receive_some(65536):
+                    reply += chunk
+            records = list(r.log.records)
+    assert reply.startswith(b"HTTP/1.1 401 "), bytes(reply)
+    assert ReasonCode.GATE_UNAUTHORIZED.encode() in reply
+    assert records == []
 
 
 async def test_t2_journal_failure_answers_503_and_stops_the_gate(sock_dir: Path) -> None:
