@@ -16,13 +16,16 @@ The waits: ``first_seconds * 2 ** (n - 1)`` for the route's ``n``-th failure in 
 most ``max_seconds``, with equal jitter (half of it fixed, half uniform), and never sooner
 than the provider's ``Retry-After``. A delivery ends with its provider's failure code once
 ``deadline_minutes`` passed since its first failure or after ``max_attempts`` tries of its
-own (PB3).
+own (PB3) — the bounds in force at that first failure, which every park of the episode
+records (PB7): a restart with another ``[backoff]`` changes the pace of the tries (the
+route's schedule), never when an episode already parked gives up.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -34,7 +37,7 @@ from ._config import BackoffConfig
 from ._errors import ReasonCode
 from ._records import Parked
 
-__all__ = ["Admit", "RouteBreaker", "failure_park", "past_bounds", "route_park"]
+__all__ = ["Admit", "RouteBreaker", "episode_bounds", "failure_park", "past_bounds", "route_park"]
 
 MINUTE_MS: Final = 60_000
 SLACK_MS: Final = 1_000
@@ -190,18 +193,33 @@ class RouteBreaker:
         self._changed = trio.Event()
 
 
-def past_bounds(config: BackoffConfig, parks: list[Parked], now_ms: int) -> bool:
+def episode_bounds(config: BackoffConfig, parks: Sequence[Parked]) -> tuple[float, int]:
+    """PB7: the ``(deadline_minutes, max_attempts)`` an episode parked ``parks`` so far gives up
+    by — those its first park recorded (the configuration in force at its first failure), not
+    the configuration of the host deciding now; ``config``'s for a new episode. An episode
+    begun by a version that recorded none takes the first it records from then on, and
+    ``config``'s until it has one (as that version did)."""
+    for park in parks:
+        if park.deadline_minutes is not None and park.max_attempts is not None:
+            return park.deadline_minutes, park.max_attempts
+    return config.deadline_minutes, config.max_attempts
+
+
+def past_bounds(config: BackoffConfig, parks: Sequence[Parked], now_ms: int) -> bool:
     """PB3: whether a delivery parked ``parks`` so far has waited long enough — its own tries
-    reached ``max_attempts``, or ``deadline_minutes`` passed since its first failure."""
+    reached ``max_attempts``, or ``deadline_minutes`` passed since its first failure: the
+    episode's bounds (:func:`episode_bounds`, PB7)."""
     if not parks:
         return False
-    if parks[-1].attempt >= config.max_attempts:
+    deadline_minutes, max_attempts = episode_bounds(config, parks)
+    if parks[-1].attempt >= max_attempts:
         return True
-    return now_ms - parks[0].first_failure_ms >= config.deadline_minutes * MINUTE_MS
+    return now_ms - parks[0].first_failure_ms >= deadline_minutes * MINUTE_MS
 
 
 def failure_park(
-    parks: list[Parked],
+    config: BackoffConfig,
+    parks: Sequence[Parked],
     failure: UpstreamFailure,
     *,
     next_attempt_ms: int,
@@ -210,8 +228,10 @@ def failure_park(
     route_failures: int,
 ) -> Parked:
     """The park of a try that met ``failure`` after ``parks`` (PB1): its own try counted, the
-    deadline running from the first failure; ``code`` what it ends with past its bounds
-    (``usage_limit_reached`` instead for an account limit)."""
+    deadline running from the first failure, the episode's bounds recorded (PB7); ``code``
+    what it ends with past its bounds (``usage_limit_reached`` instead for an account
+    limit)."""
+    deadline_minutes, max_attempts = episode_bounds(config, parks)
     return Parked(
         attempt=(parks[-1].attempt if parks else 0) + 1,
         first_failure_ms=parks[0].first_failure_ms if parks else now_ms,
@@ -219,12 +239,23 @@ def failure_park(
         status=failure.status,
         code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else code),
         route_failures=route_failures,
+        deadline_minutes=deadline_minutes,
+        max_attempts=max_attempts,
     )
 
 
-def route_park(parks: list[Parked], *, until_ms: int, now_ms: int, route_failures: int) -> Parked:
+def route_park(
+    config: BackoffConfig,
+    parks: Sequence[Parked],
+    *,
+    until_ms: int,
+    now_ms: int,
+    route_failures: int,
+) -> Parked:
     """A park the route's open breaker decided (PB4): no try of its own, so the count
-    repeats; ``model_failed`` past its bounds unless a park of its own said otherwise."""
+    repeats; ``model_failed`` past its bounds unless a park of its own said otherwise; the
+    episode's bounds recorded (PB7)."""
+    deadline_minutes, max_attempts = episode_bounds(config, parks)
     return Parked(
         attempt=parks[-1].attempt if parks else 0,
         first_failure_ms=parks[0].first_failure_ms if parks else now_ms,
@@ -232,4 +263,6 @@ def route_park(parks: list[Parked], *, until_ms: int, now_ms: int, route_failure
         by_route=True,
         code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
         route_failures=route_failures,
+        deadline_minutes=deadline_minutes,
+        max_attempts=max_attempts,
     )

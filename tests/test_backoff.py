@@ -7,11 +7,12 @@ import json
 import random
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
-from runtime._backoff import RouteBreaker, past_bounds
+from runtime._backoff import RouteBreaker, episode_bounds, failure_park, past_bounds, route_park
 from runtime._boundary._stream import (
     UpstreamFailure,
     carries_answer,
@@ -20,7 +21,7 @@ from runtime._boundary._stream import (
 )
 from runtime._clock import Clocks, MockSilenceClock, MockWallClock
 from runtime._config import BackoffConfig, config_from_dict
-from runtime._records import Parked
+from runtime._records import Parked, Record
 
 CONFIG = BackoffConfig(first_seconds=5, max_seconds=300, deadline_minutes=30, max_attempts=12)
 
@@ -261,6 +262,86 @@ def test_pb3_the_bounds() -> None:
     assert not past_bounds(CONFIG, [parked(11, 0)], 29 * 60_000)
     assert past_bounds(CONFIG, [parked(12, 0)], 0)
     assert past_bounds(CONFIG, [parked(1, 0)], 30 * 60_000)
+
+
+def test_pb7_an_episode_gives_up_by_the_bounds_of_its_first_failure() -> None:
+    """PB7: the bounds an episode parked under go with it — every park repeats its first
+    one's — and decide when it gives up, whatever the configuration of the host deciding:
+    lowered (12 tries to 2, 30 minutes to 1) they end nothing sooner, raised (2 tries to
+    12) nothing later. A new episode takes the configuration in force."""
+    promised = BackoffConfig(deadline_minutes=30, max_attempts=12)
+    lowered = BackoffConfig(deadline_minutes=1, max_attempts=2)
+    down = UpstreamFailure(503)
+    first = failure_park(
+        promised, [], down, next_attempt_ms=5_000, now_ms=0, code="model_failed", route_failures=1
+    )
+    assert (first.deadline_minutes, first.max_attempts) == (30, 12)
+    parks = [first]
+    for n in range(2, 6):  # a later host, configured otherwise, parks it on
+        parks.append(
+            failure_park(
+                lowered,
+                parks,
+                down,
+                next_attempt_ms=n * 5_000,
+                now_ms=n * 1_000,
+                code="model_failed",
+                route_failures=n,
+            )
+        )
+    parks.append(route_park(lowered, parks, until_ms=40_000, now_ms=30_000, route_failures=5))
+    assert {(p.deadline_minutes, p.max_attempts) for p in parks} == {(30, 12)}
+    assert episode_bounds(lowered, parks) == (30, 12)
+    assert not past_bounds(lowered, parks, 10 * 60_000)  # 5 tries, 10 minutes: within
+    assert past_bounds(lowered, parks, 30 * 60_000)  # the deadline it was promised
+    raised = BackoffConfig(deadline_minutes=60, max_attempts=12)
+    short = failure_park(
+        BackoffConfig(max_attempts=2),
+        [],
+        down,
+        next_attempt_ms=1,
+        now_ms=0,
+        code="model_failed",
+        route_failures=1,
+    )
+    second = failure_park(
+        raised, [short], down, next_attempt_ms=2, now_ms=1, code="model_failed", route_failures=2
+    )
+    assert past_bounds(raised, [short, second], 1)  # its second try was its last
+    assert episode_bounds(lowered, []) == (1, 2)  # a new episode: the configuration now
+
+
+def test_pb7_a_park_written_before_the_bounds_were_kept_decodes_and_reads_the_config() -> None:
+    """PB7, schema evolution: a ``Parked`` line an older version wrote (no bounds) still
+    decodes, and its episode is judged as that version judged it — by the configuration of
+    the host deciding — until a park of this version records one: from then on those."""
+    old_line = (
+        b'{"type":"parked","attempt":3,"first_failure_ms":0,"next_attempt_ms":9000,'
+        b'"status":503,"by_route":false,"code":"model_failed","route_failures":3}'
+    )
+    old = msgspec.json.decode(old_line, type=Record)
+    assert isinstance(old, Parked)
+    assert (old.deadline_minutes, old.max_attempts) == (None, None)
+    assert not past_bounds(CONFIG, [old], 29 * 60_000)  # as before: 30 minutes, 12 tries
+    assert past_bounds(CONFIG, [old], 30 * 60_000)
+    assert past_bounds(BackoffConfig(max_attempts=3), [old], 0)
+    assert not past_bounds(BackoffConfig(deadline_minutes=60), [old], 45 * 60_000)
+    now = failure_park(
+        CONFIG,
+        [old],
+        UpstreamFailure(503),
+        next_attempt_ms=20_000,
+        now_ms=10_000,
+        code="model_failed",
+        route_failures=4,
+    )
+    assert (now.attempt, now.first_failure_ms) == (4, 0)
+    assert (now.deadline_minutes, now.max_attempts) == (30, 12)
+    later = BackoffConfig(deadline_minutes=1, max_attempts=4)
+    assert episode_bounds(later, [old, now]) == (30, 12)
+    assert not past_bounds(later, [old, now], 10 * 60_000)
+    encoded = msgspec.json.encode(now)
+    assert msgspec.json.decode(encoded, type=Record) == now
 
 
 async def test_pb4_a_late_failure_of_another_turn_does_not_end_the_probe(

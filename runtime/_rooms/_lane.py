@@ -626,6 +626,7 @@ class Lane:
                 return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
             if not parks or parks[-1].next_attempt_ms != admit.until_ms:
                 record = route_park(
+                    breaker.config,
                     parks,
                     until_ms=admit.until_ms,
                     now_ms=wall.time_ms(),
@@ -682,6 +683,7 @@ class Lane:
         next_attempt = breaker.failed(failure, probe)
         now = self.host.clocks.wall.time_ms()
         record = failure_park(
+            breaker.config,
             parks,
             failure,
             next_attempt_ms=next_attempt,

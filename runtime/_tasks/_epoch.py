@@ -344,6 +344,7 @@ class EpochWatch:
         next_attempt = breaker.failed(failure, probe)
         now = lane.wall_ms()
         record = failure_park(
+            breaker.config,
             lane.parks,
             failure,
             next_attempt_ms=next_attempt,
@@ -407,6 +408,7 @@ class EpochWatch:
                 return False
             if lane.parks[-1].next_attempt_ms != admit.until_ms:
                 record = route_park(
+                    breaker.config,
                     lane.parks,
                     until_ms=admit.until_ms,
                     now_ms=lane.wall_ms(),

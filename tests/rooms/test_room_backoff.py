@@ -327,6 +327,72 @@ async def test_pb2_the_schedule_survives_a_restart(tmp_path: Path, parked: trio.
     assert sum(isinstance(r, Parked) for r in records) >= 2
 
 
+def slow(max_attempts: int, deadline_minutes: float) -> BackoffConfig:
+    """A try every 2 to 4 s: the first host is stopped long before its delivery's next try."""
+    return BackoffConfig(
+        first_seconds=4, max_seconds=4, max_attempts=max_attempts, deadline_minutes=deadline_minutes
+    )
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "refusals", "ends"),
+    [
+        pytest.param(slow(12, 1.0), slow(1, 1.0), 1, (Outcome.REPLY, None), id="fewer-attempts"),
+        pytest.param(
+            slow(2, 1.0), slow(12, 1.0), 2, (Outcome.FAILED, "model_failed"), id="more-attempts"
+        ),
+        pytest.param(
+            slow(12, 1.0), slow(12, 1e-6), 1, (Outcome.REPLY, None), id="shorter-deadline"
+        ),
+        pytest.param(
+            slow(12, 0.01),
+            slow(12, 30.0),
+            2,
+            (Outcome.FAILED, "model_failed"),
+            id="longer-deadline",
+        ),
+    ],
+)
+async def test_pb7_a_restart_with_new_bounds_keeps_the_bounds_a_delivery_parked_under(
+    before: BackoffConfig,
+    after: BackoffConfig,
+    refusals: int,
+    ends: tuple[Outcome, str | None],
+    tmp_path: Path,
+    parked: trio.Event,
+) -> None:
+    """PB7: a delivery parks under one ``[backoff]`` (its first try refused), the host stops,
+    and the next host starts on the same state directory with the bounds changed, the
+    provider refusing ``refusals`` tries in all. The delivery keeps the bounds it parked
+    under: lowered (``max_attempts`` 12 to 1, the deadline from a minute to a blink) they do
+    not end it — it is tried again at its recorded time and answered — and raised (2 to 12
+    tries, 0.6 s to 30 minutes) they do not keep it longer than it was promised: it ends
+    ``model_failed`` as the first host would have ended it, never answered by a try past its
+    bounds. Each of its parks names the bounds it parked under. (Before, every decision read
+    the configuration of the host making it: the lowered bounds failed the delivery at the
+    restart, the raised ones tried it again and answered it.)"""
+    outage = Outage(seconds=0, at_least=refusals)
+    with trio.fail_after(LIMIT):
+        async with outage_upstream(outage) as url:
+            async with open_room_worker(config(url, before), base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1"))
+                await parked.wait()
+                (first,) = await parks_of(worker, "d1")
+            async with open_room_worker(config(url, after), base_dir=tmp_path) as worker:
+                (result,) = await next_results(worker, 1)
+                parks = await parks_of(worker, "d1")
+    assert first.attempt == 1
+    assert (result.outcome, result.code) == ends
+    assert {(p.max_attempts, p.deadline_minutes) for p in parks} == {
+        (before.max_attempts, before.deadline_minutes)
+    }
+    answered = ends[0] is Outcome.REPLY
+    assert outage.up == (1 if answered else 0)  # nothing answered past its bounds
+    # answered: every refusal was a try; ended: the longer deadline may end it at the
+    # restart (past 0.6 s) or at its next try's refusal, whichever the machine's pace brings
+    assert len(outage.down) == refusals if answered else 1 <= len(outage.down) <= refusals
+
+
 async def test_pb1_a_usage_limit_with_a_reset_time_is_waited_for(tmp_path: Path) -> None:
     """PB1: a 429 account limit that says when it resets (``Retry-After``) parks the turn
     until then — never sooner — and it is answered after; parked, it would end

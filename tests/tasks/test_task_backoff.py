@@ -27,7 +27,15 @@ from runtime._config import BackoffConfig
 from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Parked
 
 from ..rooms.test_room_backoff import OVERLOADED, Outage
-from .test_task_crash import kill_when_paused, make_worktree, outcome, records, recover, task_spec
+from .test_task_crash import (
+    host,
+    kill_when_paused,
+    make_worktree,
+    outcome,
+    records,
+    recover,
+    task_spec,
+)
 from .test_task_fence import (
     KINDS,
     LIMIT,
@@ -255,6 +263,56 @@ async def test_pb6_a_host_killed_while_parked_waits_out_the_schedule_after_its_r
     charged = [r for r in found if isinstance(r, OutboxAction) and r.kind == "reserve"]
     assert len(charged) == 1  # the restart's replacement, once; never the outage's
     assert not [r for r in found if isinstance(r, OutboxAction) and r.kind == "fence"]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "refusals", "held"),
+    [
+        pytest.param(12, 1, 1, None, id="fewer-attempts"),
+        pytest.param(2, 12, 2, "provider_unavailable:model_failed", id="more-attempts"),
+    ],
+)
+async def test_pb7_a_host_killed_while_parked_keeps_the_bounds_after_a_restart_with_new_ones(
+    before: int, after: int, refusals: int, held: str | None, tmp_path: Path
+) -> None:
+    """PB7 for task lanes: a host SIGKILLed right after a task's first park is durable; the
+    next host starts on the same state with ``max_attempts`` changed, the provider refusing
+    ``refusals`` tries in all. The episode keeps the bounds it parked under: lowered (12 to 1)
+    they do not hold the task at the restart — it waits out the schedule and is done once the
+    provider answers — and raised (2 to 12) its second refusal holds it
+    ``provider_unavailable:model_failed``, as the first host would have, and the provider is
+    asked nothing more. (Before, the restarted host's configuration decided: the lowered
+    bound held the task at once, the raised one let it try again and end done.)"""
+    make_worktree(tmp_path)
+    outage = Outage(seconds=0, at_least=refusals, model=DoneOnEveryPrompt())
+    # a try every 4 to 8 s: the next host starts before it (a try due by then would be the
+    # half-open breaker's probe, which goes ahead whatever the bounds, PB4)
+    pace = {"first_seconds": 8.0, "max_seconds": 8.0, "deadline_minutes": 1.0}
+    with trio.fail_after(LIMIT):
+        async with serving(outage) as url:
+            spec = task_spec(url)
+            first_spec = {**spec, "backoff": {**pace, "max_attempts": before}}
+            await kill_when_paused(tmp_path, first_spec, "record:parked")
+            (first,) = [r for r in records(tmp_path) if isinstance(r, Parked)]
+            # the next host: to its end, or stopped (and killed) at a hold — a held task keeps
+            # its idle worker for the operator, and the host would follow it for ever
+            then_spec = {
+                **spec,
+                "backoff": {**pace, "max_attempts": after},
+                "pause": {"point": "action:hold"},
+            }
+            async with host(tmp_path, then_spec, "b") as h:
+                fact = await h.until(lambda f: "paused" in f or "ended" in f)
+                if "paused" in fact:
+                    await h.stopped()
+                    await h.kill()
+    found = records(tmp_path)
+    holds = [r.detail["reason"] for r in found if isinstance(r, OutboxAction) and r.kind == "hold"]
+    assert first.attempt == 1
+    assert holds == ([held] if held else []), found
+    assert ("ended" in fact and fact["ended"]["state"] == "done") == (held is None), fact
+    assert len(outage.down) == refusals
+    assert {p.max_attempts for p in found if isinstance(p, Parked)} == {before}
 
 
 async def test_pb6_an_operator_abort_ends_a_parked_task_at_once(tmp_path: Path) -> None:
