@@ -669,6 +669,52 @@ async def test_l19_a_host_killed_at_the_same_point_replays_three_times_then_exha
     assert abandoned == ["host_restart"] * 4  # each start after the first charged one first
 
 
+async def test_l19_a_delivery_only_queued_at_a_crash_is_charged_nothing(tmp_path: Path) -> None:
+    """L19: the charge is for a turn that began. d1's model request kills the host at every
+    start (never answered); d2 waits behind it in the same room, its turn never begun. Only
+    d1 is charged — its three replays, then ``recovery_exhausted`` — and d2 then runs with
+    every one of its own attempts left: its log holds no ``host_restart``. Before, the start
+    at which d2's turn began charged it one it never ran, as if it had killed the host."""
+    arrivals_in, arrivals = trio.open_memory_channel[int](10)
+    asked = 0
+
+    async def hold(n: int) -> None:
+        nonlocal asked
+        asked = n
+        if n <= 4:  # d1's first run and its three replays: report it, never answer
+            await arrivals_in.send(n)
+            await trio.sleep_forever()
+
+    steps: list[Step] = [Text(text="d2's answer")] * 5  # (answered in order: only d2's is)
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps, on_request=hold) as (model, url):
+            spec: dict[str, Any] = {"config": config("fake", url)}
+            for run in range(4):
+                deliver = [message("d1"), message("d2")] if run == 0 else []
+                async with host(
+                    tmp_path, {**spec, "deliver": deliver, "expect": 2}, f"r{run}"
+                ) as h:
+                    assert await arrivals.receive() == run + 1
+                    await h.kill()
+            async with host(tmp_path, {**spec, "expect": 2, "ack": True}, "last") as h:
+                found = results(await h.finish())
+        logs = tmp_path / "state" / "deliveries"
+        charged = {}
+        for delivery in ("d1", "d2"):
+            data = await trio.to_thread.run_sync(
+                (logs / f"{delivery_key(delivery)}.log").read_bytes
+            )
+            found_records = decode_log(data, rel=delivery).records
+            charged[delivery] = [r.reason for r in found_records if isinstance(r, StepAbandoned)]
+    assert [(r["delivery_id"], r["outcome"], r.get("text")) for r in found] == [
+        ("d1", "failed", None),
+        ("d2", "reply", "d2's answer"),
+    ]
+    assert charged == {"d1": ["host_restart"] * 4, "d2": []}
+    assert asked == 5  # d1 four times, never answered; d2 once
+    assert model.request_count == 1
+
+
 async def test_w13_a_host_killed_between_a_workers_spawn_and_its_start_record_leaves_no_tree(
     tmp_path: Path,
 ) -> None:
