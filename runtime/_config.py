@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,6 +56,7 @@ __all__ = [
     "declared_class",
     "load_config",
     "metrics_address",
+    "redact_passwords",
     "validate_config",
 ]
 
@@ -409,16 +411,38 @@ def declared_class(tool: str) -> ReplayClass:
 def load_config(path: str | os.PathLike[str]) -> RoomWorkerConfig:
     """Read, type-check and validate a TOML configuration file. Relative paths in it resolve
     against the file's directory. Raises :class:`ConfigError` naming the setting; for a file
-    that cannot be read or is not TOML, ``setting`` is the file's path."""
+    that cannot be read, is not a regular file, not UTF-8 or not TOML, ``setting`` is the
+    file's path (C14)."""
     file = Path(path)
     try:
-        with file.open("rb") as stream:
-            data = tomllib.load(stream)
+        data = tomllib.loads(_read_text(file))
     except OSError as exc:
         raise ConfigError(str(file), f"cannot read the configuration file: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            str(file), f"not UTF-8 text (byte {exc.start}): a TOML file is UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(file), f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(
+            str(file), "not readable TOML: its arrays or tables are nested too deeply"
+        ) from None
     return config_from_dict(data, base=file.absolute().parent)
+
+
+def _read_text(file: Path) -> str:
+    """The text of ``file``, a regular file (C14). Opened without waiting (a FIFO with no
+    writer blocks a plain open forever) and checked before a byte is read (a device such as
+    ``/dev/zero`` never ends, ``/dev/null`` would be a configuration of defaults)."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(str(file), "not a regular file: the configuration is a TOML file")
+        with open(fd, "rb", closefd=False) as stream:
+            return stream.read().decode("utf-8")
+    finally:
+        os.close(fd)
 
 
 def config_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> RoomWorkerConfig:
@@ -428,7 +452,7 @@ def config_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> Ro
 
 
 def validate_config(config: RoomWorkerConfig, *, base: Path | None = None) -> RoomWorkerConfig:
-    """The configuration checked against C1…C11 (``docs/design/config.md``), with every field's
+    """The configuration checked against C1…C13 (``docs/design/config.md``), with every field's
     type checked too (a Struct does not check types when built in Python) and every path made
     absolute against ``base`` (default: the working directory). Returns the normalised
     configuration to run with; raises :class:`ConfigError` naming the first invalid setting."""
@@ -640,6 +664,35 @@ def _dsn_has_password(dsn: str) -> bool:
     return re.search(r"(?:^|\s)(?:ssl)?password\s*=\s*(?:'[^']|[^\s'])", dsn) is not None
 
 
+_URL_USERINFO: Final = r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]*):"
+_KEY: Final = r"(?P<head>password\s*=\s*)"
+_PASSWORDS: Final = (
+    re.compile(_URL_USERINFO + r"\S*@"),
+    re.compile(_KEY + r"""(?:\*\*\*(?=[\s'";,)]|$)|'[^\n]*|\S*)""", re.I),
+)
+"""In text: a URL's password up to the last ``@`` before a space; a ``password=`` value up
+to a space, or, quoted, the rest of its line (where a quoted value ends cannot be told once
+the text quoted it again); one already hidden (``***``) stays as it is."""
+_PASSWORDS_IN_VALUE: Final = (
+    re.compile(_URL_USERINFO + r".*@", re.S),
+    re.compile(_KEY + r"(?:(?:'(?:[^'\\]|\\.)*'?)+|\S*)", re.I | re.S),
+)
+"""In one argument as typed: a URL's password up to its last ``@``, spaces too; a quoted
+``password=`` value where libpq ends it."""
+
+
+def redact_passwords(text: str, *, one_value: bool = False) -> str:
+    """``text`` with every password a DSN in it may carry replaced by ``***``: a URL's
+    ``user:password@`` (up to its last ``@``) and any ``…password=value`` (a libpq pair, quoted
+    or not, a URL's query, ``PGPASSWORD=``), for text that quotes what a user typed (C4,
+    docs/design/operations.md O17). Generous: what cannot be told from a password is hidden
+    too. ``one_value``: ``text`` is one argument as typed, so a URL's password may hold
+    spaces and a quoted one ends where libpq ends it. (The PostgreSQL store's own messages
+    use ``redact_dsn``, which parses the DSN.)"""
+    url, pair = _PASSWORDS_IN_VALUE if one_value else _PASSWORDS
+    return pair.sub(r"\g<head>***", url.sub(r"\g<head>:***@", text))
+
+
 def _check_persona(config: RoomWorkerConfig) -> None:
     """C5: a persona is non-empty text that fits one command-line argument."""
     persona = config.persona
@@ -773,6 +826,53 @@ def _check_caps(config: RoomWorkerConfig) -> None:
             raise ConfigError(f"caps.{field.name}", "must be at least 1")
 
 
+_MOST: Final = 2**31 - 1
+"""The largest value of an integer setting that :data:`_INTEGER_BOUNDS` does not name (C13)."""
+_MOST_WHY: Final = (
+    "every count, size and rate fits a signed 32-bit integer; a larger one is a typo, or a "
+    '"no limit" this setting does not mean'
+)
+_INTEGER_BOUNDS: Final[Mapping[str, tuple[int, str]]] = {
+    "model.context_window": (
+        _MOST,
+        "a token count, sent to Pi (models.json) and to the upstream as a JSON number",
+    ),
+    "model.max_tokens": (
+        _MOST,
+        "a token count, sent to Pi (models.json) and to the upstream in every request",
+    ),
+    "caps.max_live_workers": (
+        4_194_304,
+        "each worker is a process, and Linux runs at most 4194304 (PID_MAX_LIMIT)",
+    ),
+    "attachments.max_bytes": (2**30, "1 GiB: an attached file is read whole into memory"),
+    "server.max_frame_bytes": (
+        2**28,
+        "256 MiB: a frame is held whole in memory, and one of four times this is read before "
+        "the connection is closed",
+    ),
+}
+"""Integer settings whose bound is not :data:`_MOST`, or that say why it is theirs."""
+
+
+def _check_integers(config: RoomWorkerConfig) -> None:
+    """C13: every integer setting (but ``[watchdog]``'s, WD9's) is at most its bound: each
+    ends up in a C call (a read size), a JSON number another program reads (Pi's
+    ``models.json``, the upstream's request) or a count of processes or bytes in memory."""
+    for table in msgspec.structs.fields(RoomWorkerConfig):
+        settings = getattr(config, table.name)
+        if table.name == "watchdog" or not isinstance(settings, msgspec.Struct):
+            continue
+        for field in msgspec.structs.fields(settings):
+            value = getattr(settings, field.name)
+            if type(value) is not int:  # (a bool is an int too)
+                continue
+            setting = f"{table.name}.{field.name}"
+            bound, why = _INTEGER_BOUNDS.get(setting, (_MOST, _MOST_WHY))
+            if value > bound:
+                raise ConfigError(setting, f"must be at most {bound} ({why})")
+
+
 def _check_backoff(config: RoomWorkerConfig) -> None:
     """PB2: the first wait is at most the longest."""
     if config.backoff.first_seconds > config.backoff.max_seconds:
@@ -815,6 +915,7 @@ _CHECKS: Final = (
     _check_times,
     _check_threshold_order,
     _check_caps,
+    _check_integers,
     _check_retention,
     _check_backoff,
     _check_metrics,

@@ -25,6 +25,7 @@ from runtime._config import (
     config_from_dict,
     declared_class,
     load_config,
+    redact_passwords,
     validate_config,
 )
 from runtime._errors import ConfigError, DeliveryError, ReasonCode
@@ -360,6 +361,40 @@ def test_c4_store_url_carries_no_password(url: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app:s3cret@db.example.com/pi",
+        "postgres://:s3cret@db.example.com",
+        "postgresql://app:a@b:s3cret@db.example.com/pi",
+        "postgresql://db.example.com/pi?sslmode=require&password=s3cret&x=y",
+        "host=db.example.com dbname=pi password=s3cret",
+        "host=db.example.com sslpassword=s3cret dbname=pi",
+        "host=db.example.com password = s3cret",
+        "host=db.example.com PASSWORD='it''s s3cret' dbname=pi",
+        r"host=db.example.com password='a \' s3cret' dbname=pi",
+        "PGPASSWORD=s3cret",
+    ],
+)
+@pytest.mark.parametrize("one_value", [False, True])
+def test_c4_o17_redact_passwords_hides_each_form_of_password(dsn: str, one_value: bool) -> None:
+    """C4, O17: every form of password C4 refuses in ``store.url`` (and ``PGPASSWORD=``) is
+    hidden by ``redact_passwords``, alone or quoted inside a longer text, and the rest of the
+    DSN stays readable."""
+    assert "s3cret" not in redact_passwords(dsn, one_value=one_value)
+    assert "s3cret" not in redact_passwords(f"argument: invalid value: {dsn!r} (see --help)")
+    assert "db.example.com" in redact_passwords(dsn) or dsn.startswith("PGPASSWORD")
+
+
+def test_o17_redact_passwords_in_one_value_takes_a_password_with_spaces() -> None:
+    """A URL's password cannot be told from the text around it when it has spaces; one
+    argument can be read whole."""
+    dsn = "postgresql://app:my s3cret@db.example.com/pi"
+    assert redact_passwords(dsn, one_value=True) == "postgresql://app:***@db.example.com/pi"
+    plain = "nothing secret: host=db user=ann"
+    assert redact_passwords(plain) == plain
+
+
+@pytest.mark.parametrize(
     "url", ["postgresql://app@db.example.com/pi", "postgresql://app:@/pi?host=/run/pg", "dbname=pi"]
 )
 def test_c4_store_url_without_a_password_is_taken(url: str) -> None:
@@ -671,3 +706,145 @@ def test_c12_actor_extras_make_a_delivery_privileged() -> None:
         grants = config.grants_for(asked, actor)
         expected = None if grants is None else (grants, config.is_privileged(asked, actor))
         assert config.authority_of(asked, actor) == expected
+
+
+# -------------------------------------------------------------------- integers (C13)
+
+
+def _integer_settings() -> list[tuple[str, str]]:
+    """Every integer setting of every table but ``[watchdog]`` (WD9 bounds its own), as
+    ``(table, field)``: a setting added later is covered without being listed."""
+    found = []
+    for table in msgspec.structs.fields(RoomWorkerConfig):
+        if table.name == "watchdog" or not isinstance(table.default, msgspec.Struct):
+            continue
+        for field in msgspec.structs.fields(type(table.default)):
+            if type(field.default) is int:
+                found.append((table.name, field.name))
+    return found
+
+
+_INTEGERS: Final = _integer_settings()
+
+
+_MAX_TOKENS: Final = ("model", "max_tokens")
+"""C3 bounds it by ``model.context_window`` (C13's bound of that is its own too)."""
+
+
+def _with(table: str, name: str, value: int) -> dict[str, Any]:
+    data: dict[str, Any] = {table: {name: value}}
+    if (table, name) == _MAX_TOKENS:
+        data["model"]["context_window"] = min(value, 2**31 - 1)
+    return data
+
+
+def _bound(table: str, name: str) -> int:
+    """The bound the refusal of ``10**30`` states."""
+    if (table, name) == _MAX_TOKENS:
+        table, name = "model", "context_window"
+    message = refused(_with(table, name, 10**30)).message
+    return int(message.split("at most ")[1].split()[0])
+
+
+def test_c13_the_integer_settings_are_the_expected_ones() -> None:
+    """The enumeration above finds the settings (so the tests below test something)."""
+    assert {("model", "context_window"), ("model", "max_tokens"), ("caps", "queue_limit"),
+            ("attachments", "max_bytes"), ("server", "max_frame_bytes"),
+            ("retention", "compact_bytes_per_second"), ("backoff", "max_attempts")} <= set(
+        _INTEGERS
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("huge", [2**31, 2**63, 10**30], ids=["2**31", "2**63", "10**30"])
+@pytest.mark.parametrize(("table", "name"), _INTEGERS, ids=[".".join(i) for i in _INTEGERS])
+def test_c13_an_integer_too_large_for_where_it_goes_is_refused(
+    table: str, name: str, huge: int
+) -> None:
+    """C13: TOML (and Python) integers have no bound; ``context_window = 10**30`` was taken
+    and written into Pi's ``models.json``, ``attachments.max_bytes = 2**63`` made every
+    ``attach`` fail with an ``OverflowError`` (a C ``ssize_t`` read size). Each integer has
+    an upper bound, and a value past it is refused naming the setting."""
+    error = refused(_with(table, name, huge))
+    assert error.setting == f"{table}.{name}"
+    past_the_window = (table, name) == _MAX_TOKENS and huge > 2**31 - 1
+    assert ("must not exceed model.context_window" if past_the_window else "at most") in (
+        error.message
+    )
+
+
+@pytest.mark.parametrize(("table", "name"), _INTEGERS, ids=[".".join(i) for i in _INTEGERS])
+def test_c13_the_bound_itself_is_taken_and_one_more_is_not(table: str, name: str) -> None:
+    bound = _bound(table, name)
+    config = config_from_dict(_with(table, name, bound), base=BASE)
+    assert getattr(getattr(config, table), name) == bound
+    assert refused(_with(table, name, bound + 1)).setting == f"{table}.{name}"
+
+
+def test_c13_an_embedders_object_is_bounded_too() -> None:
+    model = ModelConfig(context_window=10**30, max_tokens=10**29)
+    with pytest.raises(ConfigError) as caught:
+        validate_config(RoomWorkerConfig(model=model), base=BASE)
+    assert caught.value.setting == "model.context_window"
+
+
+def test_c13_the_documented_bounds() -> None:
+    """The bounds config.md states."""
+    cases = {
+        ("model", "context_window"): 2**31 - 1,
+        ("attachments", "max_bytes"): 2**30,
+        ("server", "max_frame_bytes"): 2**28,
+        ("caps", "max_live_workers"): 4_194_304,
+        ("caps", "queue_limit"): 2**31 - 1,
+    }
+    for (table, name), bound in cases.items():
+        config_from_dict(_with(table, name, bound), base=BASE)
+        assert refused(_with(table, name, bound + 1)).setting == f"{table}.{name}"
+
+
+# -------------------------------------------------------------------- the file (C14)
+
+
+def test_c14_a_device_is_not_a_configuration_file() -> None:
+    """C14: ``/dev/null`` read as an empty document was a valid configuration of defaults
+    (``/dev/zero`` would be read forever); anything but a regular file is refused by name."""
+    with pytest.raises(ConfigError) as caught:
+        load_config("/dev/null")
+    assert caught.value.setting == "/dev/null"
+    assert "not a regular file" in caught.value.message
+
+
+def test_c14_a_directory_is_not_a_configuration_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path)
+    assert caught.value.setting == str(tmp_path)
+
+
+def test_c14_a_symbolic_link_to_a_file_is_read(tmp_path: Path) -> None:
+    (tmp_path / "real.toml").write_text("[caps]\nqueue_limit = 7\n")
+    (tmp_path / "link.toml").symlink_to("real.toml")
+    assert load_config(tmp_path / "link.toml").caps.queue_limit == 7
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        pytest.param(b'state_dir = "st\xffate"\n', "UTF-8", id="not-utf8"),
+        pytest.param(b"\xef\xbb\xbfpersona = 'x'\n", "not valid TOML", id="byte-order-mark"),
+        pytest.param(b"a = " + b"[" * 20_000 + b"]" * 20_000, "nested", id="deep-arrays"),
+        pytest.param(
+            b"a = " + b"{b = " * 20_000 + b"1" + b"}" * 20_000, "nested", id="deep-tables"
+        ),
+    ],
+)
+def test_c14_a_file_the_parser_cannot_read_is_named_not_a_traceback(
+    tmp_path: Path, content: bytes, words: str
+) -> None:
+    """C14: bytes that are not UTF-8 raised ``UnicodeDecodeError`` and arrays nested past the
+    parser's recursion ``RecursionError``, neither a ``ConfigError``: ``serve`` printed a
+    traceback."""
+    file = tmp_path / "pi-runtime.toml"
+    file.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load_config(file)
+    assert caught.value.setting == str(file)
+    assert words in caught.value.message

@@ -14,9 +14,11 @@ Each module registers its commands with :class:`~runtime._cli._base.Commands`, w
 each to the function that runs it (``set_defaults(run=…)``): :func:`main` parses and calls
 ``args.run(args)``; a group given without its subcommand prints its help.
 
-Exit status: 0 done; 1 refused or failed (the message names a stable code); 2 usage;
-3 ``server_not_running`` (a command that needs the server found none); 130 a standalone
-``task run`` interrupted (the task stays unfinished in its log).
+Exit status: 0 done; 1 refused or failed (the message names a stable code); 2 usage
+(``usage_invalid``: a command line that does not parse, or a group without its subcommand;
+no password an argument holds is quoted, O17); 3 ``server_not_running`` (a command that needs
+the server found none); 130 a standalone ``task run`` interrupted (the task stays unfinished
+in its log).
 
 Logging goes to standard error, plain text, or JSON lines with ``--log-json``. Nothing here
 logs or prints a secret; ``token rotate`` prints the new token once, on standard output.
@@ -28,7 +30,7 @@ import argparse
 import logging
 import sys
 
-from .._errors import PiRuntimeError
+from .._errors import PiRuntimeError, ReasonCode
 from .._version import __version__
 from . import _db, _doctor, _journal, _serve, _status, _tasks
 from ._base import (
@@ -38,6 +40,9 @@ from ._base import (
     EXIT_OK,
     EXIT_USAGE,
     Commands,
+    Parser,
+    Unparsed,
+    asks_for_json,
     fail,
     log_json_option,
     logger,
@@ -64,9 +69,9 @@ def _version(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """Every command, each tied to the function that runs it."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     log_json_option(common, argparse.SUPPRESS)  # never overwrite one given before the command
-    top = argparse.ArgumentParser(
+    top = Parser(
         prog="pi-runtime",
         description="A durable, supervised runtime for Pi coding-agent workers.",
     )
@@ -80,13 +85,24 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status."""
+    arguments = sys.argv[1:] if argv is None else argv
     top = parser()
-    args = top.parse_args(argv)
-    handler = configure_logging(json_lines=args.log_json)
+    unparsed: PiRuntimeError | None = None
     try:
+        args = top.parse_args(arguments)
+    except Unparsed as refusal:  # O17: reported as every other error, in the same format
+        args = argparse.Namespace(log_json=asks_for_json(arguments))
+        unparsed = refusal.error(arguments)
+    handler = configure_logging(json_lines=args.log_json, argv=arguments)
+    try:
+        if unparsed is not None:
+            return fail(unparsed)
         if not hasattr(args, "run"):  # no command, or a group without its subcommand
-            getattr(args, "help_for", top).print_help(sys.stderr)
-            return EXIT_USAGE
+            group: argparse.ArgumentParser = getattr(args, "help_for", top)
+            if not args.log_json:  # (standard error stays JSON lines)
+                group.print_help(sys.stderr)
+            needed = f"{group.prog}: a command is needed; see `{group.prog} --help`"
+            return fail(PiRuntimeError(ReasonCode.USAGE_INVALID, needed))
         status: int = args.run(args)
         return status
     except PiRuntimeError as error:

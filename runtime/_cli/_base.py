@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgspec
 
-from .._config import RoomWorkerConfig, load_config
+from .._config import RoomWorkerConfig, load_config, redact_passwords
 from .._errors import AdminError, ConfigError, PiRuntimeError, ReasonCode
 from .._retention import RetentionSettings
 
@@ -30,13 +30,58 @@ Run = Callable[[argparse.Namespace], int]
 """A command: the parsed arguments in, the exit status out."""
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser that raises its refusal (:class:`Unparsed`) instead of printing
+    argparse's usage block and exiting: :func:`~runtime._cli.main` reports it as every other
+    error, ``usage_invalid`` (O17). The parsers of its subcommands are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise Unparsed(self.prog, message)
+
+
+class Unparsed(Exception):
+    """The command line did not parse; ``message`` is argparse's, which may quote what was
+    typed: :meth:`error` is the refusal to report."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(prog, message)
+        self.prog = prog
+        self.message = message
+
+    def error(self, argv: Sequence[str]) -> PiRuntimeError:
+        """``usage_invalid``, its text with every password an argument of ``argv`` holds
+        hidden (O17)."""
+        text = hide_passwords(f"{self.prog}: {self.message}", argv)
+        return PiRuntimeError(ReasonCode.USAGE_INVALID, f"{text}; see `{self.prog} --help`")
+
+
+def hide_passwords(text: str, argv: Sequence[str]) -> str:
+    """``text``, which may quote arguments of ``argv`` (whole, ``repr``-quoted, or the value
+    of an ``--option=value``), with the password of any DSN in them replaced by ``***``
+    (:func:`~runtime._config.redact_passwords`): each argument is read whole first (so a
+    quoted password is cut where libpq would cut it), then the text itself."""
+    values = {*argv} | {arg.partition("=")[2] for arg in argv if arg.startswith("-")}
+    for value in sorted(values, key=len, reverse=True):
+        hidden = redact_passwords(value, one_value=True)
+        if hidden != value:
+            text = text.replace(repr(value), repr(hidden)).replace(value, hidden)
+    return redact_passwords(text)
+
+
+def asks_for_json(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` holds ``--log-json`` (or an abbreviation argparse takes for it) before
+    any ``--``: for a command line that did not parse."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return any(arg.startswith("--log") and "--log-json".startswith(arg) for arg in options)
+
+
 @dataclass(frozen=True, slots=True)
 class Commands:
     """A level of subcommands. :meth:`add` makes one that runs; :meth:`group` one that only
     holds subcommands (given alone, it prints its help and exits ``EXIT_USAGE``)."""
 
-    choices: argparse._SubParsersAction[argparse.ArgumentParser]
-    common: argparse.ArgumentParser
+    choices: argparse._SubParsersAction[Parser]
+    common: Parser
     """The options every command takes (``--log-json``)."""
 
     def add(self, name: str, summary: str, description: str, run: Run) -> argparse.ArgumentParser:
@@ -50,7 +95,7 @@ class Commands:
         choices = parser.add_subparsers(metavar=f"{name.upper()}_COMMAND")
         return Commands(choices, self.common)
 
-    def _parser(self, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    def _parser(self, name: str, summary: str, description: str) -> Parser:
         return self.choices.add_parser(
             name, help=summary, description=description, parents=[self.common]
         )
@@ -108,6 +153,8 @@ def timescale_option(parser: argparse.ArgumentParser) -> None:
 
 def fail(error: PiRuntimeError) -> int:
     logger.error("%s", error.message, extra={"code": error.code})
+    if error.code == ReasonCode.USAGE_INVALID:
+        return EXIT_USAGE
     return EXIT_NO_SERVER if error.code == ReasonCode.SERVER_NOT_RUNNING else EXIT_FAILED
 
 

@@ -7,13 +7,27 @@ import logging
 import queue
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Final, TextIO
 
 from .._logs import FIELDS
-from ._base import JSON, logger
+from ._base import JSON, hide_passwords, logger
 
 
-class _JsonLines(logging.Formatter):
+class _Quoting(logging.Formatter):
+    """A line of the command's own may quote what was typed (a DSN given to the wrong
+    option): the password of any DSN in it, or in an argument of ``argv``, is hidden (O17)."""
+
+    def __init__(self, fmt: str | None = None, *, argv: Sequence[str] = ()) -> None:
+        super().__init__(fmt)
+        self._argv = tuple(argv)
+
+    def _message(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        return hide_passwords(message, self._argv) if record.name == logger.name else message
+
+
+class _JsonLines(_Quoting):
     """One JSON object per record: time, level, logger, message, and the stable fields the
     record carries (``event``, ``delivery``, ``room``, ``lane``, ``task``, ``epoch``,
     ``code``, ``outcome``, ``seq``: ``runtime/_logs.py``). A line of the command's own
@@ -24,7 +38,7 @@ class _JsonLines(logging.Formatter):
             "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": self._message(record),
         }
         for name in FIELDS:
             value = getattr(record, name, None)
@@ -33,21 +47,32 @@ class _JsonLines(logging.Formatter):
         entry.setdefault("event", "command" if record.name == logger.name else "log")
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return JSON.encode(entry).decode()
+        try:
+            return JSON.encode(entry).decode()
+        except UnicodeEncodeError:  # a name of bytes that are not UTF-8 (lone surrogates)
+            return JSON.encode({key: _utf8(value) for key, value in entry.items()}).decode()
 
 
-class _Plain(logging.Formatter):
+def _utf8(value: object) -> object:
+    """A text with every character UTF-8 cannot encode written as its escape (``\\udcff``,
+    as a plain-text line shows it): the line is written, not lost (L1)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
+class _Plain(_Quoting):
     """``pi-runtime: message`` for the command's own words; time, level and logger for the
     rest (the server's logs)."""
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def __init__(self, *, argv: Sequence[str] = ()) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s", argv=argv)
 
     def format(self, record: logging.LogRecord) -> str:
         if record.name == logger.name:
             code = getattr(record, "code", None)
             text = f"pi-runtime: {code}: " if code is not None else "pi-runtime: "
-            text += record.getMessage()
+            text += self._message(record)
             if record.exc_info:
                 text += "\n" + self.formatException(record.exc_info)
             return text
@@ -125,11 +150,15 @@ class OffloadedHandler(logging.Handler):
         super().close()
 
 
-def configure_logging(*, json_lines: bool, level: int = logging.INFO) -> logging.Handler:
+def configure_logging(
+    *, json_lines: bool, level: int = logging.INFO, argv: Sequence[str] = ()
+) -> logging.Handler:
     """Send every log record to standard error, as JSON lines or plain text (O11), written by
     a thread of its own (:class:`OffloadedHandler`); the handler installed on the root logger
-    (remove and close it to undo: closing writes what is still waiting)."""
-    handler = OffloadedHandler(sys.stderr, _JsonLines() if json_lines else _Plain())
+    (remove and close it to undo: closing writes what is still waiting). ``argv``: the
+    command line, whose passwords the command's own lines never quote (O17)."""
+    formatter = _JsonLines(argv=argv) if json_lines else _Plain(argv=argv)
+    handler = OffloadedHandler(sys.stderr, formatter)
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(level)

@@ -105,12 +105,13 @@ def _options(args: argparse.Namespace) -> ServeOptions:
             context.load_cert_chain(cert, key)
         except (OSError, ssl.SSLError) as error:
             raise ConfigError("tls", f"cannot load the certificate and key: {error}") from None
+    scale = getattr(args, "unsafe_test_timescale", None)  # 0 is refused, not "not given" (O15)
     return ServeOptions(
         host=args.host,
         port=args.port,
         ssl_context=context,
         insecure_bind=bool(getattr(args, "insecure_bind", False)),
-        unsafe_test_timescale=float(getattr(args, "unsafe_test_timescale", None) or 1.0),
+        unsafe_test_timescale=1.0 if scale is None else float(scale),
     )
 
 

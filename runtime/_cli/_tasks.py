@@ -531,7 +531,8 @@ def _task_standalone(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     if args.agent is not None:
         changes["agent"] = args.agent
     config = validate_config(msgspec.structs.replace(config, **changes))
-    timescale = args.unsafe_test_timescale or 1.0
+    scale = args.unsafe_test_timescale  # 0 is refused, not "not given" (O15)
+    timescale = 1.0 if scale is None else scale
     watchdog_policy(config, timescale=timescale)  # refused before anything starts (WD9)
     return trio.run(_standalone, config, spec, timescale)
 
