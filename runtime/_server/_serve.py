@@ -52,7 +52,7 @@ from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
     WebSocketRequest,
-    serve_websocket,
+    WebSocketServer,
 )
 
 from .._config import RoomWorkerConfig, metrics_address, validate_config
@@ -73,6 +73,7 @@ from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
 from .._wire import DeliveryResult, RoomEvent, TaskEvent
 from ._heap import HeapPolicy, keep_heap
+from ._listen import open_websocket_listeners
 from ._metrics import is_loopback, open_metrics
 from ._protocol import (
     Ack,
@@ -781,19 +782,21 @@ async def open_server(
             nursery.start_soon(server.fan_out_events)
             await nursery.start(server.fan_out_task_events)
             with _listening("port", f"{options.host}:{options.port}"):
-                listener = await nursery.start(
-                    lambda task_status: serve_websocket(
-                        server.handle,
-                        options.host,
-                        options.port,
-                        options.ssl_context,
-                        handler_nursery=nursery,
-                        max_message_size=4 * config.server.max_frame_bytes,
-                        connect_timeout=config.server.hello_seconds,  # the upgrade request too
-                        task_status=task_status,
-                    )
+                listeners = await open_websocket_listeners(  # S1: capped before the upgrade
+                    options.host,
+                    options.port,
+                    options.ssl_context,
+                    cap=config.server.max_unauthenticated,
                 )
-            server.port = listener.port
+                websocket = WebSocketServer(
+                    server.handle,
+                    listeners,  # type: ignore[arg-type]  # any Listener serves (trio.serve_listeners)
+                    handler_nursery=nursery,
+                    max_message_size=4 * config.server.max_frame_bytes,
+                    connect_timeout=config.server.hello_seconds,  # the upgrade request too
+                )
+                await nursery.start(websocket.run)
+            server.port = listeners[0].port  # (one port: asked for, or the kernel's for 0)
             async with contextlib.AsyncExitStack() as metrics:
                 if config.metrics.listen is not None:
                     host, port = metrics_address(config.metrics.listen)

@@ -95,6 +95,30 @@ async def test_s1_idle_clients_cannot_crowd_out_the_others(tmp_path: Path) -> No
     assert json.loads(rejected.value.body or b"{}")["code"] == ReasonCode.TOO_MANY_CONNECTIONS
 
 
+async def test_s1_raw_connections_that_never_send_an_upgrade_cannot_crowd_out_the_others(
+    tmp_path: Path,
+) -> None:
+    """S1: before its upgrade request a connection is no websocket yet, so the hello count
+    cannot see it. With ``[server] max_unauthenticated`` such connections waiting, one more
+    is closed at once, nothing read from it; once one of them has had its upgrade answered, a
+    new client is served again. Before, every raw connection was kept for ``hello_seconds``
+    (here ten minutes), however many came: a client could use up the host's file descriptors,
+    and with them every lane's journal and worker, without saying a word."""
+    settings = {"server": {"max_unauthenticated": 2, "hello_seconds": 600}}
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, settings) as r:
+            first = await trio.open_tcp_stream("127.0.0.1", r.server.port)
+            second = await trio.open_tcp_stream("127.0.0.1", r.server.port)
+            async with await trio.open_tcp_stream("127.0.0.1", r.server.port) as crowded:
+                assert await crowded.receive_some() == b""  # closed at once, unanswered
+            await first.send_all(UPGRADE % b"")  # its upgrade answered: no longer waiting
+            assert (await first.receive_some()).startswith(b"HTTP/1.1 101")
+            async with r.connect() as later:
+                await still_usable(later)
+            await first.aclose()
+            await second.aclose()
+
+
 async def test_s2_a_fault_in_one_frame_is_answered_and_the_connection_stays_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
