@@ -204,6 +204,10 @@ class RoomWorker:
         self._not_before: dict[str, float] = {}
         """Rooms whose lane another host's lease holds, and until when (Trio's clock): no
         claim is tried before."""
+        self._failed_until: dict[str, float] = {}
+        """Rooms whose lane failed to run here (S13: its session or log could not be read
+        back), and until when (Trio's clock) this host does not claim it again: a lasting
+        fault is not retried in a loop (a release heard does not shorten it)."""
         self._poked = trio.Event()
         self._releases_heard = 0
         """How many times a lease given up (or a reconnect, which may have missed one) was
@@ -513,8 +517,26 @@ class RoomWorker:
             assert self.leases is None or fence is not None, "a shared lane runs under a lease"
             lane = Lane(self._host, room, fence)
             self._lanes[room] = lane
-            self._nursery.start_soon(lane.run)
+            self._nursery.start_soon(self._run_lane, lane)
         return lane
+
+    async def _run_lane(self, lane: Lane) -> None:
+        """Run ``lane`` until it stops. On a shared store, a lane that fails — a claimed
+        lane whose session or log cannot be read back from the database (damaged, or the
+        database out of reach), its directory not writable — stops alone (S13): its
+        workers stopped, it is given up here like a lost lane (its deliveries left to a
+        later claim, its lease left to run out) and not claimed here again for a lease's
+        time. The fault is that room's, never the host's (nor, in turn, every host's that
+        claims the room)."""
+        try:
+            await lane.run()
+        except (JournalError, OSError) as error:
+            if self.leases is None:
+                raise
+            self._failed_until[lane.room] = trio.current_time() + self.leases.ttl
+            if not lane.lost:  # (a lane lost meanwhile was given up as it stopped)
+                lane.lose(f"it failed here: {error}")
+                self._lane_gone(lane)
 
     def _enqueue(self, lane: Lane, pending: Pending, *, front: bool = False) -> None:
         self._pending[pending.delivery_id] = pending
@@ -635,6 +657,8 @@ class RoomWorker:
             return lane if room in self._ready and not lane.lost else None
         if trio.current_time() < self._not_before.get(room, -math.inf):
             return None  # another host's lease on it runs until then
+        if trio.current_time() < self._failed_until.get(room, -math.inf):
+            return None  # its lane failed here a moment ago (S13)
         assert self.leases is not None
         done = self._taking[room] = trio.Event()
         fence: Fence | None = None
@@ -667,7 +691,10 @@ class RoomWorker:
             if fence is not None:
                 with trio.CancelScope(shield=True):  # given up whole, whoever cancels
                     if (taken := self._lanes.get(room)) is not None and taken.fence == fence:
-                        taken.lose()
+                        taken.lose("its claim was given up before the lane was ready")
+                        # S12: released only once nothing of it runs here (its stop is
+                        # bounded); renewed meanwhile, as a lane's lease is until it stops
+                        await taken.stopped.wait()
                     await self.leases.release(fence)
             if isinstance(error, DiskFailedError | JournalError):
                 return None

@@ -45,7 +45,7 @@ from ._retention import (
     retain_shared_tasks,
     task_logs,
 )
-from ._state import check_spec, submitted_record
+from ._state import check_spec, submitted_record, task_policy
 from ._view import records_view, task_row, view_row
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
@@ -679,7 +679,20 @@ class TaskRunner:
             raise TaskError(ReasonCode.TASK_ENDED, f"task {task_id!r} has ended")
         if task_id in self._handed_back:
             raise self._elsewhere_error(task_id)
+        if not self._holds(lane):  # S31: lost, and its lane not stopped yet
+            self.elsewhere.setdefault(task_id, "")
+            raise self._elsewhere_error(task_id)
         return lane
+
+    def _holds(self, lane: TaskLane) -> bool:
+        """S31: whether this host still holds ``lane``'s lease, as its lease keeper knows
+        right now (a lease given up at its deadline or found taken is not): a lane runs, and
+        a control acts on it, only then. A lane lost before its runner knew it — while it
+        was claimed and restored — was not stopped by the loss, so this is asked again
+        when it is about to run, and at every control."""
+        if lane.lease is None or self.leases is None:
+            return True  # a store with one owner
+        return self.leases.fence(lane_name(lane.task_id)) == lane.lease
 
     @contextlib.asynccontextmanager
     async def events(
@@ -877,8 +890,21 @@ class TaskRunner:
                 self.elsewhere.pop(task_id, None)
                 self._learn_ended(records, end)
                 continue
-            if _submitted(records) is None:
+            submitted = _submitted(records)
+            if submitted is None:
                 continue  # a submission not written (yet, or ever): nothing to run
+            if (
+                lease is not None
+                and lease.fence.owner != store.owner
+                and not self._tree_stopped(lease, submitted)
+            ):
+                if self.elsewhere.get(task_id) != lease.fence.owner:
+                    self.host.log(
+                        f"task {task_id}: host {lease.fence.owner!r}'s lease ran out; claimed "
+                        "once that host's epoch must be stopped (S12)"
+                    )
+                self.elsewhere[task_id] = lease.fence.owner
+                continue
             held_for = recorded_hold(records) or ""
             home = held_for.removeprefix(HOST_LOST) if held_for.startswith(HOST_LOST) else None
             if home is not None and home != store.owner and await self._alive(home):
@@ -923,6 +949,21 @@ class TaskRunner:
         if lease.live:
             return False
         return self.shared.shared_worktrees or lease.expired_for >= self.shared.takeover_seconds
+
+    def _tree_stopped(self, lease: Lease, submitted: TaskSubmitted) -> bool:
+        """S12, S32: whether the epoch of a task whose holder's lease ran out must be stopped
+        by now. Its host gave the lane up at its own deadline, before the lease's end, and
+        then stopped the tree: TERM, ``term_grace_seconds`` for the worker to exit, the whole
+        tree KILLed within ``kill_bound_seconds`` (the task's policy, frozen at submission,
+        WD14) — longer than the lease's margin. Where the claiming host resumes the task
+        (``shared_worktrees``: the same worktree and session) and cannot kill that tree
+        (another machine's, W5), it claims only once the lease has been out that long. Else
+        the task is claimed only to be held ``host_lost``: nothing of it runs here."""
+        assert self.shared is not None
+        if not self.shared.shared_worktrees:
+            return True
+        policy, _ = task_policy(submitted, self.host.policy)
+        return lease.expired_for >= policy.term_grace_seconds + policy.kill_bound_seconds
 
     async def _claim_orphan(self, subject: str, last_owner: str | None) -> TaskLane | None:
         store, leases = self._shared_parts()
@@ -988,7 +1029,17 @@ class TaskRunner:
         self._scopes[lane.task_id] = scope
         try:
             with scope:
-                await lane.run()
+                if self._holds(lane):
+                    await lane.run()
+                else:  # S31: its lease was lost while it was claimed or restored
+                    self.host.log(f"task {lane.task_id}: lane lost before it ran (S12)")
+                    self.elsewhere[lane.task_id] = ""
+                    with (
+                        trio.CancelScope(shield=True),
+                        contextlib.suppress(JournalError, OSError),
+                    ):
+                        await lane.close_log()  # nothing of it ran here: nothing to stop
+                    lane.finished.set()
             if lane.ended is not None:
                 self._retire(lane)
         except Exception as error:  # a bug or a broken disk in this lane: the others go on

@@ -134,8 +134,17 @@ def launch_hosts(records: list[Record]) -> list[str]:
     ]
 
 
-async def expire_leases(dsn: str) -> None:
-    await execute(dsn, "UPDATE pi_runtime.lanes SET lease_until = now()")
+async def expire_leases(dsn: str, ago: float = 0.0) -> None:
+    """Every lease runs out now — or ran out ``ago`` seconds ago: on shared storage a task is
+    claimed only once its holder's epoch must be stopped (S12, S32: :data:`STOP_BOUND`)."""
+    await execute(
+        dsn, "UPDATE pi_runtime.lanes SET lease_until = now() - make_interval(secs => %s)", [ago]
+    )
+
+
+STOP_BOUND: Final = WatchdogPolicy().term_grace_seconds + WatchdogPolicy().kill_bound_seconds
+"""How long a task epoch's stop may take (TERM, its grace, the KILL of its tree): the tasks
+here run under the default policy (S32)."""
 
 
 @contextlib.asynccontextmanager
@@ -355,7 +364,7 @@ async def test_s32_on_shared_storage_a_claimed_task_resumes_on_the_new_host(
             await a.until(lambda: a.runner.show(TASK).state == "waiting")
             await a.until(lambda: not a.runner.lane(TASK).live)
             first = a.runner.show(TASK).session_path
-            await expire_leases(pg_dsn)
+            await expire_leases(pg_dsn, ago=STOP_BOUND)
             await b.runner.claim_orphans()
             assert b.runner.show(TASK).state == "waiting"
             assert b.runner.show(TASK).hold_reason is None

@@ -1,0 +1,119 @@
+"""What a host holds as proof when it takes a room lane over, gives it up or fails to start it
+(docs/design/scale-out.md S10, S12, S13), on a real, throw-away PostgreSQL with Fake-Pi workers
+as real processes: a fault met while a claimed lane starts stays in that room, and a lane
+given up is released only once its workers are stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+
+from runtime._errors import DiskFailedError, ReasonCode
+from runtime._journal._fence import Fence
+from runtime._journal._postgres import PgStore
+from runtime._rooms._lane import Lane
+from runtime._rooms._worker import RoomWorker
+
+from .._workers import scripted_upstream
+from ..journal.pg_fixtures import execute, pg_dsn, pg_server
+from .test_room_hosts import held_request, host, result_of
+from .test_room_worker import message
+
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
+LIMIT: Final = 60.0
+
+
+async def test_s13_a_claimed_lane_that_cannot_start_stays_in_its_room(
+    tmp_path: Path, pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """S13, L17: A answered d1 in dm:1, so dm:1's session is stored in the database; then a
+    part of it is lost (a gap: ``journal_corrupt``, never a shorter session) and A stops,
+    handing its lanes over. B claims dm:1 for d2 and its lane cannot rebuild the session.
+    That fault is dm:1's: B gives that lane up and serves on — d3 in dm:2 is answered, B is
+    not torn down (nor would the next host to claim dm:1 be) — and does not claim dm:1 again
+    at once (a lease's time later at the earliest), so a lasting fault is not retried in a
+    loop. d2 stays admitted and unanswered: nothing of dm:1 ran on B."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([]) as (model, url):
+            async with host(tmp_path, "a", pg_dsn, url) as a:
+                await a.deliver(message("d1", "one", room="dm:1"))
+                await result_of(a, "d1")
+            parts = await execute(  # every part one byte further on: the first is missing
+                pg_dsn,
+                "UPDATE pi_runtime.documents SET name = name || '1' "
+                "WHERE name LIKE 'sessions/%%' RETURNING name",
+            )
+            async with host(tmp_path, "b", pg_dsn, url) as b:
+                queued = await b.deliver(message("d2", "two", room="dm:1"))
+                if (lane := b._lanes.get("dm:1")) is not None:
+                    await lane.stopped.wait()  # it fails as it starts (if not already gone)
+                started = await b.deliver(message("d3", "three", room="dm:2"))
+                d3 = await result_of(b, "d3")
+                assert b.leases is not None
+                held = b.leases.fence("dm:1")
+                status = {lane.room for lane in b.status()}
+                d2 = b.result_of("d2")
+    assert parts
+    assert queued.disposition in ("queued", "started")  # (the lane may fail after its take)
+    assert started.disposition == "started"
+    assert (d3.outcome, d3.seq) == ("reply", 2)
+    assert d2 is None
+    assert held is None
+    assert status == {"dm:2"}
+    assert model.request_count == 2  # d1 on A, d3 on B
+    assert any(
+        "dm:1" in r.getMessage() and ReasonCode.JOURNAL_CORRUPT in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_s10_s12_a_lane_given_up_mid_claim_is_released_only_once_its_workers_stopped(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S10, S12: A claims dm:1 for d1; its recovery has handed d1 to the lane, whose worker
+    runs d1's turn (the model request held open), when the recovery's last step fails (the
+    database out of reach). A gives the half-taken lane up — but its lease is the other
+    hosts' proof that nothing of the lane runs here: released while the worker still lives,
+    another host (on another machine, where it cannot kill that tree) would claim dm:1 at
+    once and replay d1 beside it. So the lease is released only once the lane has stopped,
+    its worker with it; d1 is answered at a later look."""
+    asked, on_request = held_request(1)  # the first turn's request: never answered
+    recover = RoomWorker._recover
+    lanes: list[Lane] = []
+    released: list[tuple[Fence, bool, bool]] = []
+
+    async def recovered_then_failed(self: RoomWorker, rooms: set[str] | None = None) -> None:
+        await recover(self, rooms)
+        if not lanes and rooms is not None:
+            lanes.append(self._lanes["dm:1"])
+            await asked.wait()  # the lane's worker runs d1's turn
+            raise DiskFailedError(ReasonCode.STORE_UNAVAILABLE, "the database is away (test)")
+
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (model, url),
+            host(tmp_path, "a", pg_dsn, url) as a,
+        ):
+            store = a.store
+            assert isinstance(store, PgStore)
+            release = store.release
+
+            async def seen_releasing(fence: Fence) -> None:
+                if lanes and fence == lanes[0].fence:
+                    released.append((fence, lanes[0].stopped.is_set(), lanes[0].live_worker))
+                await release(fence)
+
+            monkeypatch.setattr(RoomWorker, "_recover", recovered_then_failed)
+            monkeypatch.setattr(store, "release", seen_releasing)
+            accepted = await a.deliver(message("d1", "one", room="dm:1"))
+            d1 = await result_of(a, "d1")
+    assert accepted.disposition == "queued"
+    (lane,) = lanes
+    assert lane.lost
+    assert released[0] == (lane.fence, True, False)  # stopped, no worker left, then released
+    assert (d1.outcome, d1.seq) == ("reply", 1)
+    assert model.request_count == 1  # the later look's (the held one was never answered)
