@@ -451,10 +451,6 @@ class Lane:
 
     async def _deliver(self, nursery: trio.Nursery, pending: Pending) -> None:
         store = self.host.store
-        # L19: a recovered delivery whose log a run before this start made had its turn begun
-        # (the log is made when it begins); one only queued at the crash has none, and is
-        # charged nothing for a turn it never had
-        began = pending.recovering and await store.exists(store.delivery_rel(pending.delivery_id))
         try:
             log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
         except JournalError as error:
@@ -469,7 +465,7 @@ class Lane:
                 existing = log.contents.records
                 recorded = next((r for r in existing if isinstance(r, Result)), None)
                 if recorded is None:
-                    recorded = await self._run(nursery, pending, log, began=began)
+                    recorded = await self._run(nursery, pending, log)
                     await log.append(recorded)
             finally:
                 await store.close_log(log)
@@ -503,18 +499,16 @@ class Lane:
         for pending in reversed(retry):
             self.submit(pending, front=True)
 
-    async def _run(
-        self, nursery: trio.Nursery, pending: Pending, log: Log, *, began: bool
-    ) -> Result:
+    async def _run(self, nursery: trio.Nursery, pending: Pending, log: Log) -> Result:
         """The delivery's turn, replayed after a worker death, within the recovery attempts
         (docs/design/recovery.md, L19): the attempts so far are the abandoned steps in its log,
-        and a delivery the host finds unfinished at start whose turn had ``began`` (its log
-        made by a run before) is charged one before anything of its turn runs."""
+        and a delivery the host finds unfinished at start whose turn had begun (``recovering``:
+        its log made by a run before) is charged one before anything of its turn runs."""
         existing = log.contents.records  # as the log was opened
         attempts = sum(isinstance(r, StepAbandoned) for r in existing)
         parks = [r for r in existing if isinstance(r, Parked)]
         resting = bool(existing) and isinstance(existing[-1], Parked)  # PB2: nothing ran since
-        if began and not resting:  # the host died during its turn: charged (L19)
+        if pending.recovering and not resting:  # the host died during its turn: charged (L19)
             await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
             attempts += 1
             RECOVERY_ATTEMPTS.inc()

@@ -20,6 +20,8 @@ class Pending:
     grants: frozenset[str]
     privileged: bool
     recovering: bool = False
+    """Found unfinished at a start with its turn begun by a run before (its own log exists):
+    charged a recovery attempt before its turn runs again (L19)."""
     cancelled: bool = False
     absorbed: tuple[Absorbed, ...] = ()
     """Deliveries steered into this one's run (it is their owner); a tuple, so a delivery

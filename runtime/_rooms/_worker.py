@@ -907,8 +907,8 @@ class RoomWorker:
         """Pick up what a previous owner left: kill its epochs' trees, then requeue every
         admitted delivery without a published result, in admission order
         (docs/design/recovery.md) — of every room, or (a shared store, S13) of ``rooms``,
-        whose lanes this host has just claimed; there a delivery whose turn never began
-        anywhere (it has no log) is not charged a recovery attempt (L19)."""
+        whose lanes this host has just claimed. A delivery whose turn never began (it has
+        no log) is not charged a recovery attempt (L19)."""
         await self._kill_leftover_epochs(rooms)
         published = self._host.outbox
         chosen = self._unfinished.keys() if rooms is None else rooms
@@ -940,10 +940,12 @@ class RoomWorker:
                 record.delivery_id
             ):
                 refused, cancelled = None, False  # its lane publishes the recorded one
+            # L19: its turn began in a run before this start (its log is made as it begins);
+            # one only queued at the crash, here or on any host, is charged nothing
+            recovering = await self.store.exists(self.store.delivery_rel(record.delivery_id))
             if rooms is None:
-                lane, recovering = self._lane(delivery.room), True
+                lane = self._lane(delivery.room)
             else:  # claimed just now: still held after the last await? (else: claimed later)
-                recovering = await self.store.exists(self.store.delivery_rel(record.delivery_id))
                 held = self._lanes.get(delivery.room)
                 if held is None or held.lost:
                     continue
