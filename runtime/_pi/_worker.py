@@ -23,6 +23,7 @@ when the block ends (never masking an exception from the block itself).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import os
@@ -217,6 +218,11 @@ class Epoch:
         """Wait for the worker process itself to exit; its status (Trio reaps it)."""
         return await self.process.wait()
 
+    def hurry(self) -> None:
+        """Its stop, from now on, kills the whole tree at once: no SIGTERM, no grace (a lane
+        that another host may own now, scale-out.md S12)."""
+        self.policy = dataclasses.replace(self.policy, term_grace=0.0)
+
     async def stop(self) -> StopReport:
         """SIGTERM, bounded wait, SIGKILL the whole tree, reap, remove the cgroup (W6).
 
@@ -231,7 +237,7 @@ class Epoch:
 
     async def _stop(self) -> StopReport:
         graceful = self.process.returncode is not None
-        if not graceful:
+        if not graceful and self.policy.term_grace > 0:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
             with trio.move_on_after(self.policy.term_grace):

@@ -325,6 +325,9 @@ class Lane:
         trees with it — and publish nothing more. Safe to call more than once, from anywhere."""
         if not self.lost:
             self.lost, self.lost_why = True, why
+        for slot in (self._room, self._oneshot):  # S12: no grace for a tree another host
+            if slot is not None:  # may replay beside
+                slot.hurry()
         self._scope.cancel()
 
     async def _give_up(self) -> None:

@@ -193,6 +193,11 @@ class Slot:
                 self.live = None
             lane.release_worker(self)
 
+    def hurry(self) -> None:
+        """The live epoch's stop kills its tree at once, no TERM grace (S12: a lost lane)."""
+        if self.live is not None:
+            self.live.worker.hurry()
+
     def request_stop(self) -> None:
         if self.live is not None:
             self.live.stop.set()

@@ -6,21 +6,31 @@ given up is released only once its workers are stopped.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import signal
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import pytest
 import trio
 
+from fake_pi._behaviours import Behaviours, FakeConfig
 from runtime._errors import DiskFailedError, ReasonCode
 from runtime._journal._fence import Fence
 from runtime._journal._postgres import PgStore
+from runtime._pi import _worker as _pi_worker
+from runtime._pi._launch import WorkerProgram
+from runtime._pi._worker import StopPolicy
+from runtime._rooms import _worker
 from runtime._rooms._lane import Lane
-from runtime._rooms._worker import RoomWorker
+from runtime._rooms._worker import RoomWorker, open_room_worker
 
 from .._workers import scripted_upstream
 from ..journal.pg_fixtures import execute, pg_dsn, pg_server
 from .test_room_hosts import held_request, host, result_of
+from .test_room_worker import config as room_config
 from .test_room_worker import message
 
 __all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
@@ -117,3 +127,39 @@ async def test_s10_s12_a_lane_given_up_mid_claim_is_released_only_once_its_worke
     assert released[0] == (lane.fence, True, False)  # stopped, no worker left, then released
     assert (d1.outcome, d1.seq) == ("reply", 1)
     assert model.request_count == 1  # the later look's (the held one was never answered)
+
+
+async def test_s12_a_lost_lane_kills_its_workers_tree_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S11, S12: a lane given up because another host may own it now (a write refused, its
+    lease's deadline passed) stops its worker's tree with no TERM grace: the KILL at once.
+    The new owner replays the turn from the stored journal and session, so nothing is kept
+    by letting the old worker finish; every moment it runs on is one a tool of it may run
+    beside the new owner's replay — and a grace (here made two minutes long, the worker
+    ignoring TERM) outlasts the lease's margin. Before, the stop waited out the grace."""
+    config = tmp_path / "fake-config.json"
+    config.write_bytes(msgspec.json.encode(FakeConfig(behaviours=Behaviours(ignore_sigterm=600))))
+    program = WorkerProgram.fake_pi()
+    ignoring = dataclasses.replace(
+        program, command=(*program.command, "--fake-config", str(config))
+    )
+    monkeypatch.setattr(_worker, "worker_program", lambda settings: ignoring)
+    monkeypatch.setattr(_pi_worker, "StopPolicy", functools.partial(StopPolicy, term_grace=120))
+    asked, on_request = held_request(1)
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([], on_request=on_request) as (_model, url),
+            open_room_worker(room_config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            await asked.wait()
+            lane = next(iter(worker._lanes.values()))
+            (live,) = [s.live for s in (lane._room, lane._oneshot) if s is not None and s.live]
+            epoch = live.worker
+            lane.lose("its lease's deadline passed")
+            await lane.stopped.wait()
+            report = await epoch.stop()
+    assert report.clean, report
+    assert not report.graceful
+    assert report.exit_status == -signal.SIGKILL
