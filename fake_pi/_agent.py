@@ -262,6 +262,9 @@ class Agent:
         finally:
             self.running = False
             self._op_scope = None
+        # the ``settled:N`` barrier: a shutdown's run (its agent_settled never printed) passes none
+        if not self._quiet:
+            await self.options.barriers.reach("settled")
         await self.emit({"type": "agent_settled", "aborted": aborted})
         self._settled.set()
 

@@ -389,6 +389,7 @@ async def open_fake_pi(
         with trio.CancelScope() as scope:
             task_status.started(scope)
             try:
+                await options.barriers.reach("startup")  # before a command is read, as a process
                 await serve_rpc(agent, read_lines(in_receive), send)
             except* (BarrierKill, BarrierExit):
                 pass  # stopped dead at a barrier, as a killed process would

@@ -4,13 +4,17 @@ For watchdog and crash tests a Fake-Pi can be told to misbehave at a named
 *barrier*: ``startup``, ``before_tool:N`` / ``after_tool:N`` (the N-th tool call,
 counted from 1 over the process's life), ``before_model:N`` / ``after_model:N``
 (the N-th model response), ``mid_stream:N`` (after the first chunk of the N-th
-model response), ``settled:N`` (the N-th ``agent_settled``), ``agent_start:N`` (before the
+model response), ``settled:N`` (before the N-th ``agent_settled`` is printed; the run of a
+shutdown, which prints none, passes none), ``agent_start:N`` (before the
 N-th run emits anything: a worker slow to start on a loaded machine), ``abort:N`` (the N-th
 ``abort`` command, before it is carried out: ``hang`` there is a wedged worker that neither
 aborts nor answers while its run goes on; a shutdown's own abort passes no barrier),
 ``prompt:N`` (the N-th ``prompt`` command, before it is answered or started).
-Actions: ``kill`` (SIGKILL itself), ``exit:CODE``, ``hang`` (stop doing anything, forever),
-``delay:SECONDS`` (do nothing for that long, then go on).
+Actions: ``kill`` (SIGKILL itself), ``exit:CODE`` (0 to 255), ``hang`` (stop doing anything,
+forever), ``delay:SECONDS`` (do nothing for that long, then go on). A barrier name or an action
+that is none of these is refused when the :class:`Behaviours` is made (``ValueError``; a
+``msgspec.ValidationError`` from a configuration file): a misspelt barrier would never be
+reached, and the test using it would pass without its fault ever happening.
 ``ignore_sigterm`` makes SIGTERM wait that many seconds before it takes
 effect. The recorder writes launch argv, environment *keys* (never values),
 stdin lines and tool executions as JSON lines.
@@ -21,25 +25,72 @@ for a subprocess, or a :class:`Behaviours` object in-process.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import signal
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final
 
 import msgspec
 import trio
 
-from .scenario import Scenario
+from .scenario import Scenario, _load_document
 
 __all__ = ["BarrierExit", "BarrierKill", "Barriers", "Behaviours", "FakeConfig", "Recorder"]
+
+
+COUNTED_BARRIERS: Final = frozenset(
+    {
+        "before_tool",
+        "after_tool",
+        "before_model",
+        "after_model",
+        "mid_stream",
+        "settled",
+        "agent_start",
+        "abort",
+        "prompt",
+    }
+)
+"""The barriers passed more than once, named ``<kind>:<N>`` (N from 1); ``startup`` is bare."""
+
+_BARRIER = re.compile(r"([a-z_]+):([1-9][0-9]*)")
+
+
+def _barrier_problem(name: str, action: str) -> str | None:
+    """Why ``name = action`` is no behaviour a barrier carries out, or ``None``."""
+    match = _BARRIER.fullmatch(name)
+    if name != "startup" and (match is None or match[1] not in COUNTED_BARRIERS):
+        kinds = ", ".join(f"{kind}:N" for kind in sorted(COUNTED_BARRIERS))
+        return f"no barrier {name!r} (startup, or {kinds} with N from 1)"
+    if action in ("kill", "hang"):
+        return None
+    verb, _, argument = action.partition(":")
+    if verb == "exit" and argument.isascii() and argument.isdigit() and int(argument) <= 255:
+        return None
+    if verb == "delay":
+        try:
+            seconds = float(argument)
+        except ValueError:
+            seconds = math.nan
+        if seconds >= 0:  # NaN is not
+            return None
+    return f"no action {action!r} at {name} (kill, hang, exit:0..255, delay:SECONDS)"
 
 
 class Behaviours(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     at: dict[str, str] = msgspec.field(default_factory=dict)
     """Barrier name -> action (``kill``, ``exit:CODE``, ``hang``, ``delay:SECONDS``)."""
-    ignore_sigterm: float = 0.0
+    ignore_sigterm: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+    def __post_init__(self) -> None:
+        for name, action in self.at.items():
+            problem = _barrier_problem(name, action)
+            if problem is not None:
+                raise ValueError(f"behaviour refused: {problem}")
 
 
 class Barriers:
@@ -106,11 +157,8 @@ class FakeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def load(cls, path: str | Path) -> FakeConfig:
-        path = Path(path)
-        data = path.read_bytes()
-        if path.suffix == ".toml":
-            return msgspec.toml.decode(data, type=cls)
-        return msgspec.json.decode(data, type=cls)
+        """Read a ``.json`` or ``.toml`` file, with :meth:`Scenario.load`'s error handling."""
+        return _load_document(path, cls)
 
 
 class Recorder:

@@ -94,6 +94,35 @@ def _last_message(body: dict[str, Any]) -> dict[str, Any]:
     return messages[-1] if messages else {}
 
 
+def _request_problem(body: dict[str, Any]) -> str | None:
+    """What makes ``body`` no chat request the model can answer, or ``None``: ``messages``
+    (when given) must be a list of objects with a string ``role``, each ``content`` a string,
+    null or a list of objects whose ``text``, when given, is a string."""
+    messages = body.get("messages", [])
+    if not isinstance(messages, list):
+        return "messages must be an array of messages"
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"messages[{index}] must be an object with a string role"
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(
+            isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content
+        ):
+            return (
+                f"messages[{index}].content must be a string or an array of content parts "
+                "with string texts"
+            )
+    return None
+
+
+def _invalid_request(problem: str) -> ModelHttpError:
+    """The 400 an OpenAI-compatible endpoint answers a malformed request with."""
+    error = {"message": problem, "type": "invalid_request_error", "code": None}
+    return ModelHttpError(400, {"error": error})
+
+
 def _text_of(message: dict[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, str):
@@ -164,9 +193,13 @@ class ScriptedModel:
     async def stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Chunks of one streamed response (without the ``[DONE]`` marker).
 
-        Raises :class:`ModelHttpError` before the first chunk for error steps and
+        Raises :class:`ModelHttpError` before the first chunk for error steps and for a
+        malformed request (400 ``invalid_request_error``: not counted, no step taken), and
         :class:`StreamCut` after some chunks for cut and hung streams.
         """
+        problem = _request_problem(body)
+        if problem is not None:
+            raise _invalid_request(problem)
         step = self.next_step(body)
         if isinstance(step, Attach):
             step = step.as_tool_calls()
@@ -290,6 +323,11 @@ class ScriptedModel:
         if not isinstance(body, dict):
             await response.respond(400, b'{"error":{"message":"request body is not an object"}}')
             return
+        problem = _request_problem(body)
+        if problem is not None:  # answered, not counted: the server goes on serving
+            refused = _invalid_request(problem)
+            await response.respond(refused.status, _json.encode(refused.body))
+            return
         self.connections.append(request.connection)
         chunks = self.stream(body)
         try:
@@ -346,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         "--max-seconds", type=float, default=None, help="stop by itself after this many seconds"
     )
     args = parser.parse_args(argv)
-    scenario = Scenario.load(args.scenario) if args.scenario else Scenario()
+    try:
+        scenario = Scenario.load(args.scenario) if args.scenario else Scenario()
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
+        parser.error(f"cannot load {args.scenario}: {error}")  # exits 2
     model = ScriptedModel(scenario=scenario, directives=args.directives, model_id=args.model_id)
 
     async def run() -> None:

@@ -7,14 +7,17 @@ research report a fact comes from; the real Pi's own files are in ``tests/data/p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import pytest
 import trio
 import trio.testing
 
 from fake_pi._app import FakePi, open_fake_pi
-from fake_pi._behaviours import Behaviours
+from fake_pi._behaviours import Behaviours, FakeConfig
 from fake_pi._gate import GateDecision, Refused, Run, SavedResult, ToolCall, ToolResult
 from fake_pi._retry import RetrySettings
 from fake_pi.model_server import ScriptedModel
@@ -514,3 +517,84 @@ async def test_views_have_pis_shapes(
     assert data["get_last_assistant_text"] == {"text": "You said: hello"}
     assert data["get_fork_messages"]["messages"][0]["text"] == "hello"
     assert [m["role"] for m in data["get_messages"]["messages"]] == ["system", "user", "assistant"]
+
+
+async def test_f12_a_kill_at_the_settled_barrier_ends_a_run_before_its_agent_settled(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """F12: ``settled:N`` is the N-th ``agent_settled``, as ``_behaviours.py`` documents: with
+    ``settled:2 = kill`` the first run settles, the second ends (``agent_end``, its reply in
+    the session) and the worker dies before it says ``agent_settled``. Before, no code passed
+    this barrier: the behaviour was silently ignored and both runs settled."""
+    session = tmp_path / "s.jsonl"
+    behaviours = Behaviours(at={"settled:2": "kill"})
+    model = _model(Text(text="one"), Text(text="two"))
+    async with open_fake_pi(
+        cwd=tmp_path, model=model, session=session, behaviours=behaviours
+    ) as fake:
+        first = await _prompt(fake, "first")
+        await fake.send({"id": "p2", "type": "prompt", "message": "second"})
+        with trio.fail_after(5):
+            second = [line async for line in _drain(fake)]
+    assert first[-1] == {"type": "agent_settled", "aborted": False}
+    assert [e["type"] for e in second][-1] == "agent_end"
+    assert not any(e["type"] == "agent_settled" for e in second)
+    leaf = read_session(session).session.leaf
+    assert leaf is not None
+    assert leaf.raw["message"]["content"][0]["text"] == "two"
+
+
+async def test_f12_the_startup_barrier_acts_in_process_too(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """F12: ``startup = kill`` in-process is a worker that dies before it reads a command (its
+    stdout ends unanswered), as the subprocess does. Before, only the subprocess passed the
+    ``startup`` barrier: an in-process Fake-Pi (``open_fake_pi``, ``InProcessWorkers``)
+    ignored it and answered."""
+    async with open_fake_pi(cwd=tmp_path, behaviours=Behaviours(at={"startup": "kill"})) as fake:
+        await fake.send({"id": "s", "type": "get_state"})
+        with trio.fail_after(5):
+            seen = [line async for line in _drain(fake)]
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    "at",
+    [
+        {"settle:1": "hang"},  # a misspelt barrier
+        {"before_tools:1": "kill"},
+        {"before_tool": "kill"},  # a counted barrier without its count
+        {"before_tool:0": "kill"},  # counted from 1
+        {"after_model:x": "kill"},
+        {"startup:1": "hang"},  # startup is passed once, uncounted
+        {"before_tool:1": "explode"},
+        {"before_tool:1": "exit:x"},
+        {"before_tool:1": "exit:256"},
+        {"before_tool:1": "delay:-1"},
+        {"before_tool:1": "delay:nan"},
+    ],
+)
+def test_f12_a_behaviour_no_barrier_can_carry_out_is_refused(
+    tmp_path: Path, at: dict[str, str]
+) -> None:
+    """F12: a behaviour at a barrier that does not exist, or with an action no barrier can
+    carry out, is refused when it is made (``ValueError``) and when ``--fake-config`` is read
+    (``msgspec.ValidationError``). Before, a misspelt barrier was never reached — the test
+    that used it passed without its fault ever happening — and a bad action raised only once
+    the barrier was reached, mid-run."""
+    with pytest.raises(ValueError, match="behaviour"):
+        Behaviours(at=at)
+    config = tmp_path / "fake.json"
+    config.write_text(json.dumps({"behaviours": {"at": at}}))
+    with pytest.raises(msgspec.ValidationError):
+        FakeConfig.load(config)
+
+
+def test_f12_every_documented_barrier_and_action_is_accepted() -> None:
+    """F12: the barriers and actions ``_behaviours.py`` documents are all accepted."""
+    kinds = ["before_tool", "after_tool", "before_model", "after_model", "mid_stream"]
+    kinds += ["settled", "agent_start", "abort", "prompt"]
+    at = {f"{kind}:{n}": "hang" for n, kind in enumerate(kinds, start=1)}
+    at |= {"startup": "delay:0.5", "prompt:20": "exit:0", "abort:3": "exit:255"}
+    at |= {"before_tool:7": "kill", "after_tool:9": "delay:inf"}
+    assert Behaviours(at=at, ignore_sigterm=2.0).at == at

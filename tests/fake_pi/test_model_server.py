@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -56,6 +57,9 @@ from runtime._boundary._http import (
     open_request,
     serve_http,
 )
+from runtime._config import ModelConfig
+from runtime._errors import ConfigError
+from runtime._hosting import start_model
 
 LIMIT = 20.0
 """Bound on every real-clock wait."""
@@ -928,3 +932,192 @@ async def test_fake_pis_model_client_a_cut_after_done_is_a_whole_answer() -> Non
             chunks = [c async for c in client.stream(request_body("q"))]
             nursery.cancel_scope.cancel()
     assert chunks == [finish]
+
+
+# ========================================================== malformed requests and scenarios
+
+MALFORMED_BODIES: list[dict[str, Any]] = [
+    {"messages": "hello"},
+    {"messages": {"role": "user", "content": "hello"}},
+    {"messages": [1, 2]},
+    {"messages": [{"role": "user", "content": 7}]},
+    {"messages": [{"role": "user", "content": ["hello"]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]},
+    {"messages": [{"role": 5, "content": "hello"}]},
+]
+
+
+async def test_f9_a_malformed_chat_request_is_a_400_and_the_server_keeps_serving() -> None:
+    """F9: a chat request whose ``messages`` is not a list of messages (a string, an object,
+    numbers, a ``content`` or a text part of the wrong type) is answered 400
+    ``invalid_request_error``, is not counted and takes no scenario step — and the next
+    well-formed request is answered by the first step. Before, such a body raised inside the
+    handler and the exception ended the whole server: every later request found the port
+    closed (and in ``pi-runtime serve`` with no ``model.base_url`` the host's model with it)."""
+    model = model_with(Text(text="still here"))
+    async with served(model) as server:
+        refused = [await post(server, body) for body in MALFORMED_BODIES]
+        ok = await post(server, request_body("hi"))
+    for body, result in zip(MALFORMED_BODIES, refused, strict=True):
+        assert result.status == 400, body
+        error = json.loads(result.body)["error"]
+        assert error["type"] == "invalid_request_error", body
+        assert "messages" in error["message"], body
+    assert ok.status == 200
+    assert "".join(contents(ok.chunks)) == "still here"
+    assert model.request_count == 1
+    assert model.connections == [model.connections[0]]  # only the answered request's
+
+
+async def test_f9_a_malformed_request_in_process_is_the_same_400() -> None:
+    """F9: in-process (``ScriptedModel.stream``, what Fake-Pi's in-process client calls) a
+    malformed body raises the same 400 :class:`ModelHttpError` before any chunk, not an
+    ``AttributeError`` from the middle of the model, and is not counted."""
+    model = ScriptedModel()
+    for body in MALFORMED_BODIES:
+        with pytest.raises(ModelHttpError) as raised:
+            await collect(model, body)
+        assert raised.value.status == 400, body
+        assert raised.value.body["error"]["type"] == "invalid_request_error"
+    assert model.request_count == 0
+
+
+@pytest.mark.parametrize(
+    "text", ["#hang=soon", "#hang=-5", "#hang=nan", "#ttft=-1", "#ttft=later", "#slowtext=many"]
+)
+async def test_f9_a_directive_with_a_value_it_cannot_use_is_plain_text(text: str) -> None:
+    """F9: with directives enabled, a directive whose value is not a usable number (not a
+    number, negative, NaN) is no directive: the user text is answered plainly, over HTTP, and
+    the server answers the next request too. Before, ``float("soon")`` or ``trio.sleep(-5)``
+    raised inside the handler and ended the server."""
+    model = ScriptedModel(directives=True)
+    async with served(model) as server:
+        answered = await post(server, request_body(text))
+        after = await post(server, request_body(text, "#text=alive"))
+    assert answered.status == 200
+    assert "".join(contents(answered.chunks)) == f"You said: {text}"
+    assert "".join(contents(after.chunks)) == "alive"
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("negative_delay.json", '{"steps": [{"kind": "text", "text": "a b", "delay": -1}]}'),
+        ("negative_ttft.json", '{"steps": [{"kind": "empty", "first_token_delay": -0.5}]}'),
+        ("negative_hang.json", '{"steps": [{"kind": "hang", "seconds": -3}]}'),
+        ("nan_hang.toml", '[[steps]]\nkind = "hang"\nseconds = nan\n'),
+        ("nan_delay.toml", '[[steps]]\nkind = "cut"\ndelay = nan\n'),
+        ("negative_chunks.json", '{"steps": [{"kind": "cut", "after_chunks": -1}]}'),
+        ("status_200.json", '{"steps": [{"kind": "http_error", "status": 200}]}'),
+        ("status_1000.json", '{"steps": [{"kind": "http_error", "status": 1000}]}'),
+    ],
+)
+def test_f11_scenario_values_the_model_cannot_play_are_refused_on_load(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    """F11: a scenario file whose step has a negative or NaN delay or duration, a negative
+    chunk count, or an ``http_error`` status that is not an HTTP error (400 to 599) is refused by
+    ``Scenario.load`` with a validation error. Before, it loaded, and the request that reached
+    the step raised inside the model server (``trio.sleep(-1)``, h11 refusing status 1000) —
+    which ended the server — or answered an "error" with status 200."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(msgspec.ValidationError):
+        Scenario.load(path)
+
+
+@pytest.mark.parametrize("name", ["deep.json", "deep.toml"])
+def test_f11_a_scenario_nested_too_deeply_is_a_decode_error(tmp_path: Path, name: str) -> None:
+    """F11: a scenario file nested deeper than the parser can follow (tool-call arguments in
+    JSON, an array in TOML) is a :class:`msgspec.DecodeError` like any malformed file, which
+    ``model.scenario`` reports as ``config_invalid`` — not a ``RecursionError`` traceback."""
+    depth = 100_000
+    path = tmp_path / name
+    if name.endswith(".json"):
+        arguments = '{"a": ' + "[" * depth + "]" * depth + "}"
+        calls = '[{"name": "bash", "arguments": ' + arguments + "}]"
+        path.write_text('{"steps": [{"kind": "tool_calls", "calls": ' + calls + "}]}")
+    else:
+        path.write_text("x = " + "[" * depth + "]" * depth + "\n")
+    with pytest.raises(msgspec.DecodeError):
+        Scenario.load(path)
+
+
+async def test_f11_scenario_load_refuses_a_fifo_without_waiting_for_a_writer(
+    tmp_path: Path,
+) -> None:
+    """F11: ``Scenario.load`` of a FIFO raises an ``OSError`` at once (not a regular file). Before,
+    it waited for a writer for ever — in ``pi-runtime serve`` (``model.scenario``) on the event
+    loop itself, so the host hung before it served anything. The load runs in a thread here,
+    and the FIFO is opened for writing and closed afterwards, so an old blocking load ends."""
+    fifo = tmp_path / "scenario.json"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | Scenario] = []
+
+    def load() -> None:
+        try:
+            outcome.append(Scenario.load(fifo))
+        except Exception as exc:  # the test inspects what was raised
+            outcome.append(exc)
+
+    try:
+        with trio.move_on_after(LIMIT):
+            await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+    finally:
+        with contextlib.suppress(OSError):  # a reader still waits: give it EOF
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome, "Scenario.load waited on the FIFO"
+    assert isinstance(outcome[0], OSError)
+    assert "not a regular file" in str(outcome[0])
+
+
+async def test_f11_the_cli_refuses_a_scenario_it_cannot_load_with_a_message(
+    tmp_path: Path,
+) -> None:
+    """F11: ``python -m fake_pi.model_server --scenario FILE`` with a FIFO, or a file of
+    negative delays, exits 2 at once with ``cannot load FILE: …`` on stderr and serves
+    nothing. Before, the FIFO kept it waiting for ever and the bad file was served (the first
+    request ended the server with a traceback)."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[steps]]\nkind = "text"\ntext = "a b"\ndelay = -1\n')
+    for scenario in (fifo, bad):
+        argv = [sys.executable, "-m", "fake_pi.model_server", "--scenario", str(scenario)]
+        process = await trio.lowlevel.open_process(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            assert process.stdout is not None
+            assert process.stderr is not None
+            with trio.fail_after(LIMIT):
+                returncode = await process.wait()
+            out = await process.stdout.receive_some(65536)
+            err = (await process.stderr.receive_some(65536)).decode()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True), trio.move_on_after(LIMIT):
+                    await process.wait()
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        assert returncode == 2, err
+        assert f"cannot load {scenario}" in err
+        assert "Traceback" not in err
+        assert b"listening" not in out
+
+
+async def test_f11_model_scenario_the_model_cannot_play_is_config_invalid(
+    tmp_path: Path,
+) -> None:
+    """F11: ``[model] scenario`` naming a file with a negative delay makes the host's model
+    start fail with ``config_invalid: model.scenario`` before anything is served. Before, it
+    was served and its first request ended the model server."""
+    path = tmp_path / "scenario.toml"
+    path.write_text('[[steps]]\nkind = "hang"\nseconds = -1\n')
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ConfigError) as raised:
+            await start_model(ModelConfig(scenario=str(path)), nursery)
+        nursery.cancel_scope.cancel()  # a model served after all: stop it
+    assert raised.value.setting == "model.scenario"
+    assert str(path) in str(raised.value)
