@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import secrets
 import shlex
@@ -90,7 +91,7 @@ def register(commands: Commands) -> None:
     )
     run.add_argument(
         "--validation-timeout",
-        type=float,
+        type=finite,
         metavar="SECONDS",
         help="how long the --validate command may run before it is killed (default: 600)",
     )
@@ -174,7 +175,7 @@ def register(commands: Commands) -> None:
     )
     grant.add_argument("task_id", metavar="ID", help="the task's id")
     grant.add_argument("--epochs", type=int, default=0, help="replacement epochs to add")
-    grant.add_argument("--seconds", type=float, default=0.0, help="recovery seconds to add")
+    grant.add_argument("--seconds", type=finite, default=0.0, help="recovery seconds to add")
     grant.add_argument("--reason", required=True, help="why (recorded)")
     state_dir_option(grant)
 
@@ -328,6 +329,16 @@ def _held(holder: dict[str, Any] | None) -> str:
         return "nobody"
     lease = "its lease runs" if holder["live"] else "its lease ran out"
     return f"{holder['host']} (epoch {holder['epoch']}, {lease})"
+
+
+def finite(text: str) -> float:
+    """A number of seconds JSON can carry (an argparse ``type``): ``inf`` and ``nan`` are a
+    usage error (O17), never sent as JSON ``null``, which the server then read as another
+    value than the one typed (the default, or a refusal naming ``null``)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
 
 
 def _task_control(command: str, args: argparse.Namespace) -> int:

@@ -160,6 +160,9 @@ class TaskSubmitRequest(_Request, tag="task_submit", frozen=True, kw_only=True):
     worktree: str
     grants: list[str] | None = None
     validation: list[str] | None = None
+    validation_timeout: float | None = None
+    """Seconds the validation may run (``task run --validation-timeout``; checked with the
+    rest of the task, TL1); absent or null: the default."""
 
 
 class TaskRunRequest(TaskSubmitRequest, tag="task_run", frozen=True, kw_only=True):

@@ -8,15 +8,30 @@ names every guard that is not ``True``: any failed **or unknown** guard holds (W
 
 :class:`Budget` bounds recovery exposure, not a task's runtime: 3 replacement epochs and
 1800 s of recovery time (fence to the resumed worker's first progress) per attempt, charged
-before launch, never refunded, rebuilt from the lane log after a restart (WD11).
+before launch, never refunded, rebuilt from the lane log after a restart (WD11). An operator
+adds to it by a grant of at most :data:`MAX_GRANT_EPOCHS` epochs and :data:`MAX_GRANT_SECONDS`
+seconds (:func:`check_grant`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Final
 
-__all__ = ["Budget", "GuardEvidence", "failed_guards"]
+__all__ = [
+    "MAX_GRANT_EPOCHS",
+    "MAX_GRANT_SECONDS",
+    "Budget",
+    "GuardEvidence",
+    "check_grant",
+    "failed_guards",
+]
+
+MAX_GRANT_EPOCHS: Final = 100
+"""The most replacement epochs one operator grant adds (WD11)."""
+MAX_GRANT_SECONDS: Final = 86_400.0
+"""The most recovery seconds one operator grant adds: a day (WD11)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +53,22 @@ class GuardEvidence:
     budget_left: bool | None = None
     attested: bool | None = None
     """Same session, route and worktree as recorded for the attempt."""
+
+
+def check_grant(*, epochs: int, seconds: float) -> None:
+    """Refuse (``ValueError``) an operator's grant that is not a bounded, positive amount:
+    0 to :data:`MAX_GRANT_EPOCHS` epochs and 0 to :data:`MAX_GRANT_SECONDS` seconds, not both
+    0 (WD11). Without the bound a grant of ``10**30`` epochs, or two of ``1e308`` seconds
+    (their sum is ``inf``), switched the budget off while the view showed a number (or
+    ``null``). Checked where an operator asks, not where a log is read back: a grant recorded
+    counts as it was recorded."""
+    if not (0 <= epochs <= MAX_GRANT_EPOCHS and 0 <= seconds <= MAX_GRANT_SECONDS) or (
+        epochs == 0 and seconds == 0
+    ):  # a NaN fails every comparison: refused too
+        raise ValueError(
+            f"a grant adds 0 to {MAX_GRANT_EPOCHS} epochs and 0 to {MAX_GRANT_SECONDS:g} "
+            "seconds, not both 0; grant again for more"
+        )
 
 
 def failed_guards(evidence: GuardEvidence) -> tuple[str, ...]:

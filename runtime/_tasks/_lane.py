@@ -39,7 +39,7 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode, WorkerError
+from .._errors import PiRuntimeError, ReasonCode, TaskError, WorkerError
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
@@ -69,7 +69,7 @@ from .._wire import TaskView
 from ._action_ids import ActionIds
 from ._done import Ending, conclude, end_record
 from ._epoch import EpochEnd, EpochWatch
-from ._guards import Budget
+from ._guards import Budget, check_grant
 from ._lane_log import LaneLog
 from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
@@ -357,16 +357,47 @@ class TaskLane:
         """An audited manual grant (WD11): recorded before it counts. It adds to the budget
         as that is once recorded — a charge made meanwhile (the lane's own, while the record
         is written) is never refunded — and, recorded, it counts whoever cancels the caller.
-        Grants are recorded one at a time, each under its own action id."""
+        Grants are recorded one at a time, each under its own action id. A bounded amount
+        (``ValueError`` otherwise, :func:`check_grant`), and only while the task's end is not
+        decided (``task_ended``): looked at again after every await before its write — the
+        wait for another grant's write, the reopening of a parked log — so it never lands
+        after the end record (TL8). A log it reopened for a lane that no longer runs is
+        closed again: a grant leaves no descriptor behind."""
+        check_grant(epochs=epochs, seconds=seconds)
         self.recovery.budget.grant(epochs=epochs, seconds=seconds)  # refused before it is written
+        self._check_grantable()
         async with self._granting:
-            action_id = self.ids.grant(len(self.actions))
-            detail = {"epochs": epochs, "seconds": seconds, "reason": reason}
-            with trio.CancelScope(shield=True):
-                await self.record_action(action_id, "grant", "done", detail)
-            self.recovery.budget = self.recovery.budget.grant(epochs=epochs, seconds=seconds)
+            self._check_grantable()
+            reopened = self._log.parked
+            try:
+                if reopened:  # the write reopens it: looked at again after that
+                    await self._log.unpark()
+                    self._check_grantable()
+                action_id = self.ids.grant(len(self.actions))
+                detail = {"epochs": epochs, "seconds": seconds, "reason": reason}
+                with trio.CancelScope(shield=True):
+                    await self.record_action(action_id, "grant", "done", detail)
+                self.recovery.budget = self.recovery.budget.grant(epochs=epochs, seconds=seconds)
+            finally:
+                if reopened and self._finished.is_set() and not self._log.parked:
+                    with trio.CancelScope(shield=True):
+                        await self._log.park()  # a lane that runs no more holds no descriptor
         self._wake.set()
         return self.recovery.budget
+
+    def _end_decided(self) -> bool:
+        """The task has ended, or its end is decided (an accepted abort, fail or finalized
+        done) and only its end record is still to be written."""
+        return self.ended is not None or self.kernel.state in (
+            TaskState.DONE, TaskState.FAILED, TaskState.ABORTED
+        )  # fmt: skip
+
+    def _check_grantable(self) -> None:
+        if self._end_decided():
+            raise TaskError(
+                ReasonCode.TASK_ENDED,
+                f"task {self.task_id!r} has ended (or its end is decided): nothing to grant",
+            )
 
     def lost_to(self) -> str | None:
         """The host this lane is held ``host_lost`` for — the one its worktree and session are

@@ -330,6 +330,10 @@ def check_spec(spec: TaskSpec) -> None:
         ) from None
     if not is_dir:
         raise TaskError(ReasonCode.WORKTREE_MISSING, f"worktree: {path} is not a directory")
+    if any("\x00" in word for word in spec.validation):  # no process starts with one
+        raise TaskError(
+            ReasonCode.TASK_INVALID, "validation: a command's words must not hold a NUL byte"
+        )
     timeout = spec.validation_timeout
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_VALIDATION_TIMEOUT):
         raise TaskError(
