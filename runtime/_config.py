@@ -27,7 +27,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, parse_qsl, urlsplit
 
 import msgspec
 
@@ -640,11 +640,15 @@ def _check_no_secret(config: RoomWorkerConfig) -> None:
         )
     if model.base_url is not None:
         url = urlsplit(model.base_url)  # C3 parsed it
-        if url.username is not None or url.password is not None:
+        secret = any(
+            _SECRET_PARAM.search(name) for name, _ in parse_qsl(url.query, keep_blank_values=True)
+        )
+        if url.username is not None or url.password is not None or secret:
             raise ConfigError(
                 "model.base_url",
-                "must not carry credentials; put the key in an environment variable and name "
-                "it in model.api_key_env",
+                "must not carry credentials (in its user part or a query parameter such as "
+                "?key=); put the key in an environment variable and name it in "
+                "model.api_key_env",
             )
     if config.store.url is not None and _dsn_has_password(config.store.url):
         raise ConfigError(
@@ -652,6 +656,12 @@ def _check_no_secret(config: RoomWorkerConfig) -> None:
             "must not carry a password; give it to libpq through PGPASSWORD, ~/.pgpass or a "
             "service file",
         )
+
+
+_SECRET_PARAM: Final = re.compile(
+    r"key|token|secret|passw|pwd|sig|auth|credential|session", re.IGNORECASE
+)
+"""A query parameter of ``model.base_url`` whose name says it carries a secret (C4)."""
 
 
 def _dsn_has_password(dsn: str) -> bool:

@@ -344,6 +344,27 @@ def test_c4_base_url_carries_no_credentials() -> None:
 
 
 @pytest.mark.parametrize(
+    "query",
+    ["key=s3cret", "api_key=s3cret", "x-api-key=s3cret", "access_token=s3cret", "sig=s3cret",
+     "api-version=1&Secret=s3cret", "auth=s3cret", "password=s3cret"],
+)  # fmt: skip
+def test_c4_base_url_carries_no_key_in_its_query(query: str) -> None:
+    """C4: a key in the URL's query (``?key=…``, as some providers take one) is a secret in
+    the configuration too: refused, never echoed. Before, it was taken, and the URL — frozen
+    into every task's route as its endpoint — reached the lane log, ``task show`` and the
+    operator page."""
+    error = refused({"model": {"base_url": f"https://models.example.com/v1?{query}"}})
+    assert error.setting == "model.base_url"
+    assert "s3cret" not in str(error)
+
+
+def test_c4_base_url_may_carry_a_query_that_holds_no_key() -> None:
+    """An ``api-version`` (Azure's) names no secret: taken as given."""
+    url = "https://models.example.com/v1?api-version=2024-06-01"
+    assert config_from_dict({"model": {"base_url": url}}).model.base_url == url
+
+
+@pytest.mark.parametrize(
     "url",
     [
         "postgresql://app:s3cret@db.example.com/pi",
