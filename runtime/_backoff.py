@@ -84,7 +84,7 @@ class RouteBreaker:
         otherwise, its recorded schedule is the route's."""
         if self._seen or parked.next_attempt_ms <= (self.open_until_ms or 0):
             return
-        self._open(parked.next_attempt_ms - self._clocks.wall.time_ms())
+        self._open(until_ms=parked.next_attempt_ms)  # to the millisecond the park says
         self.failures = max(self.failures, parked.route_failures or parked.attempt)
 
     def admit(self) -> Admit:
@@ -112,7 +112,7 @@ class RouteBreaker:
             self._wake()
             return until
         self.failures += 1
-        until = self._open(self._wait_ms(failure.retry_after))
+        until = self._open(wait_ms=self._wait_ms(failure.retry_after))
         self._wake()
         return until
 
@@ -149,11 +149,15 @@ class RouteBreaker:
                 nursery.start_soon(on, changed)
                 nursery.start_soon(on, cancelled)
 
-    def _open(self, wait_ms: int) -> int:
-        """Open the breaker for ``wait_ms`` from now; the wall-clock time it opens until."""
-        self.open_until_ms = self._clocks.wall.time_ms() + wait_ms
-        self._open_until_trio = trio.current_time() + max(0, wait_ms) / 1000
-        return self.open_until_ms
+    def _open(self, *, wait_ms: int | None = None, until_ms: int | None = None) -> int:
+        """Open the breaker for ``wait_ms`` from now, or until ``until_ms`` on the wall clock;
+        the wall-clock time it opens until. The wall clock is read once: a tick between two
+        reads would move a recorded time on (PB2)."""
+        now = self._clocks.wall.time_ms()
+        until = now + (wait_ms or 0) if until_ms is None else until_ms
+        self.open_until_ms = until
+        self._open_until_trio = trio.current_time() + max(0, until - now) / 1000
+        return until
 
     def _open_until(self) -> int | None:
         """The wall-clock time the breaker is open until, or ``None`` when it is not open

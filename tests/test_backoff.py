@@ -211,6 +211,36 @@ async def test_pb2_a_resumed_schedule_holds_until_this_process_knows_better(
     assert route.admit().until_ms is None
 
 
+class _Ticking(MockWallClock):
+    """A wall clock whose every reading is a millisecond after the last: as a real one is
+    when the reading thread is preempted between two reads (a loaded machine)."""
+
+    def time_ms(self) -> int:
+        self.advance(0.001)
+        return super().time_ms()
+
+
+async def test_pb2_a_resumed_schedule_is_the_recorded_time_to_the_millisecond(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """PB2: a restart's breaker is open until exactly the park's ``next_attempt_ms``. Before,
+    it read the wall clock twice (the wait left, then the time it opens from); a tick between
+    the reads opened it a millisecond later than the park said, so the turn's look at the
+    breaker (``until_ms != next_attempt_ms``) recorded a second park of the same try
+    (``attempt`` repeated): a crash test read parks 1, 1, 2 on a loaded machine."""
+    wall = _Ticking()
+    route = RouteBreaker(CONFIG, Clocks(silence=MockSilenceClock(), wall=wall))
+    recorded = Parked(
+        attempt=1,
+        first_failure_ms=wall.time_ms(),
+        next_attempt_ms=wall.time_ms() + 6_000,
+        status=503,
+        code="model_failed",
+    )
+    route.resume(recorded)
+    assert route.admit().until_ms == recorded.next_attempt_ms
+
+
 async def test_pb2_a_resumed_breaker_goes_on_from_the_routes_recorded_failures(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
