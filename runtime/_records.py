@@ -157,6 +157,10 @@ class Admission(_Record, tag="admission", frozen=True, kw_only=True):
     """Relative to the state directory."""
     session_leaf: str | None = None
     admitted_ms: int
+    privileged: bool | None = None
+    """Whether it was admitted privileged: it runs in a one-shot session (L6), so it warms
+    no room (L3; kept by its :class:`Settled` record, docs/design/retention.md RT16).
+    ``None``: written before this was recorded — the configuration decides, as it did."""
 
 
 class ModelRequestIntent(_Record, tag="model_request", frozen=True, kw_only=True):
@@ -358,6 +362,10 @@ class Settled(_Record, tag="settled", frozen=True, kw_only=True):
     """The request fingerprint (:attr:`Fingerprints.request`): a different request under
     the same id is still a ``delivery_conflict``."""
     admitted_ms: int
+    privileged: bool | None = None
+    """Its admission's (:attr:`Admission.privileged`): a privileged delivery's record does
+    not warm its room at a start (L3, RT16). ``None``: not known (written before this was
+    kept, or slimmed from an admission that did not say) — it warms, as it did."""
 
 
 class Parked(_Record, tag="parked", frozen=True, kw_only=True):

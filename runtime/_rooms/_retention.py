@@ -85,6 +85,11 @@ class Compaction:
         return bool(self.settled or self.expired or self.orphaned)
 
 
+def recorded_privileged(record: Admission) -> bool | None:
+    """What the admission says of itself (:attr:`Admission.privileged`)."""
+    return record.privileged
+
+
 def plan_compaction(
     admitted: Iterable[Admitted],
     published: Sequence[ResultPublished],
@@ -95,14 +100,33 @@ def plan_compaction(
     journal_cutoff_ms: int,
     idempotency_cutoff_ms: int,
     slim_latest: bool = True,
+    privileged: Callable[[Admission], bool | None] = recorded_privileged,
 ) -> Compaction:
     """Decide a compaction (pure). A delivery is touched only when its result is
     acknowledged (seq ≤ ``acked``), its room is not ``busy`` and the result is not its room's
     ``latest`` (RT1); then, by when it was published (its admission time for a result older
     than that field): before ``idempotency_cutoff_ms`` it expires, before
     ``journal_cutoff_ms`` its admission is slimmed to a :class:`Settled` — a room's latest
-    too unless ``slim_latest`` is false (a shared store keeps its journal, RT11)."""
+    too unless ``slim_latest`` is false (a shared store keeps its journal, RT11). A record
+    that warms its room — an ordinary delivery's, not a ``privileged`` one's — is kept for
+    each room (its latest result's when that one warms it, else its last such record), and
+    a slimmed record keeps whether its delivery was privileged (RT16, L3): they are what
+    tells a start that the room's session holds the conversation.
+    ``privileged``: an admission's (``None``: not known, it warms)."""
+    admitted = list(admitted)
+    records = {r.delivery_id: r for r in admitted}
     results = {r.delivery_id: r for r in published}
+    # RT16: room → the record that keeps it warm — its latest result's, kept anyway, when
+    # that one warms it; else its last record that does
+    warm_keeper = {
+        room: result.delivery_id
+        for room, result in latest.items()
+        if (record := records.get(result.delivery_id)) is not None and _warms(record, privileged)
+    }
+    for record in reversed(admitted):
+        room = room_of(record)
+        if room not in warm_keeper and _warms(record, privileged):
+            warm_keeper[room] = record.delivery_id
     kept: list[Admitted] = []
     plan = Compaction(admissions=kept)
     for record in admitted:
@@ -114,7 +138,12 @@ def plan_compaction(
             continue
         when = result.published_ms or record.admitted_ms
         last = latest.get(room)
-        if when <= idempotency_cutoff_ms and (last is None or last.delivery_id != delivery_id):
+        keeps_warm = warm_keeper.get(room) == delivery_id
+        if (
+            when <= idempotency_cutoff_ms
+            and (last is None or last.delivery_id != delivery_id)
+            and not keeps_warm
+        ):
             plan.expired[delivery_id] = Expiry(room, when)
             continue
         latest_here = last is not None and last.delivery_id == delivery_id
@@ -123,18 +152,27 @@ def plan_compaction(
             and isinstance(record, Admission)
             and (slim_latest or not latest_here)
         ):
-            record = plan.settled[delivery_id] = _settled(record, room)
+            record = plan.settled[delivery_id] = _settled(record, room, privileged(record))
         kept.append(record)
     plan.orphaned.update(results)  # a result no record of the admission log names
     return plan
 
 
-def _settled(record: Admission, room: str) -> Settled:
+def _warms(record: Admitted, privileged: Callable[[Admission], bool | None]) -> bool:
+    """Whether ``record`` tells a start that its room's session holds the conversation
+    (L3): an ordinary delivery's does, a privileged one's (a one-shot session) does not;
+    one that does not say (``None``) does, as it did before this was kept."""
+    said = record.privileged if isinstance(record, Settled) else privileged(record)
+    return said is not True
+
+
+def _settled(record: Admission, room: str, privileged: bool | None) -> Settled:
     return Settled(
         delivery_id=record.delivery_id,
         room=room,
         request=record.fingerprints.request,
         admitted_ms=record.admitted_ms,
+        privileged=privileged,
     )
 
 
@@ -147,15 +185,20 @@ async def compact_shared(
     retention: RetentionConfig,
     held: Callable[[], AbstractAsyncContextManager[list[Record]]] | None = None,
     bytes_per_second: int = 0,
+    privileged: Callable[[Admission], bool | None] = recorded_privileged,
+    admissions_rewritten: Callable[[Compaction], None] = lambda plan: None,
 ) -> Compaction:
     """Compact the shared logs now (RT4-RT8), in steps each durable before the next begins
     (RT5): plan it (:func:`plan_compaction`) on what ``admitted()`` returns; remove the step
     journals of what it slims or expires; add what it expires to the expired-id filter;
     rewrite the admission log — ``held()`` holds admissions back only for the end of that,
     yielding those admitted since ``admitted()`` was called, which are carried over as they
-    are (:meth:`Store.rewrite_shared`); then the result log, the same way under the outbox's
-    lock. Both rewrites write at most ``bytes_per_second`` (``0``: at once; RT10). What it did
-    (nothing, when nothing was due)."""
+    are (:meth:`Store.rewrite_shared`) — and tell ``admissions_rewritten`` (what the host
+    knows of the deliveries follows that log before the result log drops a result: a
+    duplicate of an expired one is ``delivery_expired`` from here on, as after a restart,
+    never ``duplicate`` with its result gone); then the result log, the same way under the
+    outbox's lock. Both rewrites write at most ``bytes_per_second`` (``0``: at once; RT10).
+    What it did (nothing, when nothing was due)."""
     now = store.clocks.wall.time_ms()
     plan = plan_compaction(
         admitted(),
@@ -165,6 +208,7 @@ async def compact_shared(
         latest=outbox.last_of_room,
         journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
         idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
+        privileged=privileged,
     )
     if not plan.changes:
         return plan
@@ -177,6 +221,7 @@ async def compact_shared(
     await store.rewrite_shared(
         store.admissions, list(plan.admissions), held=held, bytes_per_second=bytes_per_second
     )
+    admissions_rewritten(plan)  # RT4: before any result goes
 
     async def replace(
         records: list[Record],
@@ -226,6 +271,7 @@ def plan_shared_compaction(
     busy: Callable[[str], bool],
     retention: RetentionConfig,
     now_ms: int,
+    privileged: Callable[[Admission], bool | None] = recorded_privileged,
 ) -> SharedCompaction:
     """Decide a compaction of a shared store's logs (RT11; pure) on what
     :meth:`~runtime._journal._interface.LeaseStore.read_shared` read — results first, so
@@ -251,6 +297,7 @@ def plan_shared_compaction(
         journal_cutoff_ms=int(now_ms - retention.journal_days * DAY_MS),
         idempotency_cutoff_ms=int(now_ms - retention.idempotency_days * DAY_MS),
         slim_latest=False,
+        privileged=privileged,
     )
     at = {r.delivery_id: n for n, r in admitted}
     last_admission = rows.admissions[-1][0] if rows.admissions else 0

@@ -113,6 +113,7 @@ from ._retention import (
     expire_step_journals,
     plan_shared_compaction,
     remove_step_journals,
+    room_of,
 )
 from ._slot import Slot
 
@@ -284,6 +285,7 @@ class RoomWorker:
             fingerprints=prints,
             rendered_prompt=render_prompt(delivery, cold=cold),
             admitted_ms=self._host.clocks.wall.time_ms(),
+            privileged=privileged,  # L3, RT16: warms nothing, now or after a compaction
         )
         self._known[delivery.delivery_id] = (prints.request, delivery.room)
         self._being_admitted[room] = self._being_admitted.get(room, 0) + 1
@@ -858,15 +860,23 @@ class RoomWorker:
             if isinstance(record, Settled):  # a finished delivery's idempotency record
                 self._settled[record.delivery_id] = record
                 self._known[record.delivery_id] = (record.request, record.room)
-                self._warm.add(record.room)
+                if record.privileged is not True:  # L3, RT16: a one-shot one warms nothing
+                    self._warm.add(record.room)
                 continue
             if not isinstance(record, Admission) or record.delivery_id in self._admissions:
                 continue
-            delivery = msgspec.convert(record.request, Delivery)
-            room = delivery.room
-            self._learn_admission(record, room, self.config.is_privileged(room, delivery.author.id))
+            room = room_of(record)
+            self._learn_admission(record, room, self._admitted_privileged(record))
             new.append(record)
         return new
+
+    def _admitted_privileged(self, record: Admission) -> bool:
+        """Whether ``record``'s delivery was admitted privileged (a one-shot session, L6):
+        as it says, or — written before that was recorded — as the configuration says."""
+        if record.privileged is not None:
+            return record.privileged
+        delivery = msgspec.convert(record.request, Delivery)
+        return self.config.is_privileged(delivery.room, delivery.author.id)
 
     def _learn_admission(self, record: Admission, room: str, privileged: bool) -> None:
         """Take in one new admission of ``room`` (:meth:`_learn_admissions`; an append of
@@ -1063,6 +1073,19 @@ class RoomWorker:
             async with self._admissions_paused():  # only admissions append to the log
                 yield list(itertools.islice(self._admissions.values(), taken, None))
 
+        def rewritten(plan: Compaction) -> None:
+            """The admission log is durable without them: what this host knows follows it
+            at once, as a restart would (RT4: before the result log drops a result, a
+            duplicate of an expired delivery is ``delivery_expired``, never ``duplicate``
+            with its result gone)."""
+            for delivery_id in plan.expired:
+                self._settled.pop(delivery_id, None)
+                self._admissions.pop(delivery_id, None)
+                self._known.pop(delivery_id, None)
+            for delivery_id, settled in plan.settled.items():
+                self._admissions.pop(delivery_id, None)
+                self._settled[delivery_id] = settled
+
         async with self._retaining:
             plan = await compact_shared(
                 store,
@@ -1072,15 +1095,10 @@ class RoomWorker:
                 retention=self.config.retention,
                 held=held,
                 bytes_per_second=self.config.retention.compact_bytes_per_second,
+                privileged=self._admitted_privileged,  # RT16
+                admissions_rewritten=rewritten,
             )
-            if plan.changes:  # both logs are durable: what this host knows follows them
-                for delivery_id in plan.expired:
-                    self._settled.pop(delivery_id, None)
-                    self._admissions.pop(delivery_id, None)
-                    self._known.pop(delivery_id, None)
-                for delivery_id, settled in plan.settled.items():
-                    self._admissions.pop(delivery_id, None)
-                    self._settled[delivery_id] = settled
+            if plan.changes:  # both logs are durable
                 self._expired_upto = 0  # the publication order was renumbered
                 self._removed_ahead.clear()
         return plan
@@ -1106,6 +1124,7 @@ class RoomWorker:
                     busy=self._busy,
                     retention=self.config.retention,
                     now_ms=self._host.clocks.wall.time_ms(),
+                    privileged=self._admitted_privileged,  # RT16
                 )
                 if not planned.changes:
                     await self._drop_attachment_documents(planned)  # left by earlier ones

@@ -16,6 +16,10 @@ room delivery (RT2-RT4), on the host's wall clock from its end (``TaskEnded.ende
   ``refs/pi-runtime/candidates/<task>`` in its worktree): they are the task's work, removed
   only by an operator (``pi-runtime task forget``, :func:`forget_task`).
 
+A task's home or temporary directory that holds the worktree of a task still known — live,
+or ended and not yet let go (its candidate's git ref lives there) — is not removed while it
+does (RT17): the pass leaves it, and says why, until that task is let go.
+
 What has not ended is never touched, whatever its age (RT1). Removal is ordered so a crash
 between two steps leaves more, never less (RT5): the log is slimmed before the session goes
 (the slimmed log names nothing the session held), the filter is durable before the lane
@@ -62,6 +66,7 @@ __all__ = [
     "retain_offline",
     "retain_shared_tasks",
     "task_logs",
+    "task_worktrees",
     "work_dirs",
 ]
 
@@ -69,6 +74,13 @@ DAY_MS: Final = 86_400_000
 LANES: Final = "lanes"
 TRASH_LEFT: Final = "(trash)"
 """What :attr:`TaskRetention.left` names a trash it could not empty by (RT15)."""
+
+Worktrees = Mapping[str, str]
+"""The worktree (absolute, real) of every task still known, by task id (RT17)."""
+
+
+def _nothing_in_use() -> Worktrees:
+    return {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +170,16 @@ async def ended_tasks(store: Store) -> dict[str, TaskEnded]:
     return ended
 
 
+async def task_worktrees(store: JournalStore) -> dict[str, str]:
+    """The worktree of every task whose lane log the state directory holds, live or ended,
+    by id (what a pass with no server keeps work directories for, RT17); a log that cannot
+    be read names none."""
+    return {
+        submitted.task_id: submitted.worktree
+        async for submitted, _contents in task_logs(store, lambda rel, error: None)
+    }
+
+
 async def retain_ended_tasks(
     store: Store,
     ended: Mapping[str, int],
@@ -165,10 +187,13 @@ async def retain_ended_tasks(
     now_ms: int,
     retention: RetentionConfig,
     work_root: Path,
+    in_use: Callable[[], Worktrees] = _nothing_in_use,
 ) -> TaskRetention:
     """One retention pass over the ended tasks ``ended`` (task id → its end's wall-clock
     ms): slim those past ``journal_days``, expire those past ``idempotency_days``. An end
-    time of 0 (a log written before ends were timed) is not aged: it is kept."""
+    time of 0 (a log written before ends were timed) is not aged: it is kept. ``in_use()``:
+    the worktrees of the tasks still known, asked before each removal of a task's work
+    directories (after the last await): one that holds any is kept, and reported (RT17)."""
     journal_cut = now_ms - retention.journal_days * DAY_MS
     expiry_cut = now_ms - retention.idempotency_days * DAY_MS
     slimmed: list[str] = []
@@ -184,21 +209,23 @@ async def retain_ended_tasks(
             expired[task_id] = ended_ms + int(retention.forget_days * DAY_MS)
             continue
         with _fault_stays(left, task_id):
-            if await _slim(store, task_id, work_root):
-                slimmed.append(task_id)
+            await _slim(store, task_id, work_root, in_use, slimmed)
     gone: list[str] = []
     if expired:
         await store.expire_tasks(expired)  # RT5: the filter is durable first
         for task_id in expired:
             with _fault_stays(left, task_id):  # (expired; its directories go next pass)
-                await _remove_lane(store, _key(task_id), work_root)
+                await _remove_lane(store, _key(task_id), work_root, in_use)
                 gone.append(task_id)
     # what a crash between the filter and a removal left: a lane directory whole, its task
     # expired (no longer listed); the filter says whose it was (a crash *in* a removal left
     # its part in the trash, emptied above)
-    for key in [k for k in await _lane_dirs(store.root) if k in store.expired_tasks]:
+    tried = {_key(task_id) for task_id in expired}  # (each reported once, above)
+    for key in await _lane_dirs(store.root):
+        if key not in store.expired_tasks or key in tried:
+            continue
         with _fault_stays(left, key):
-            await _remove_lane(store, key, work_root)
+            await _remove_lane(store, key, work_root, in_use)
     return TaskRetention(tuple(slimmed), tuple(gone), tuple(left))
 
 
@@ -211,6 +238,7 @@ async def retain_shared_tasks(
     work_root: Path,
     lease_seconds: float,
     seen: SeenHere,
+    in_use: Callable[[], Worktrees] = _nothing_in_use,
 ) -> TaskRetention:
     """One retention pass over the ended tasks of a deployment on a shared store (RT13):
     ``ended`` (task id → its end's wall-clock ms) as this host knows them.
@@ -222,7 +250,8 @@ async def retain_shared_tasks(
     holder) is left for a later pass. This host's part: the session, home and temporary
     directory of every task past ``journal_days`` it has here, and every task lane directory
     here whose task the database holds as expired. ``seen`` keeps what this process did
-    already, so a task is slimmed and cleaned here once, not at every pass."""
+    already, so a task is slimmed and cleaned here once, not at every pass. A work directory
+    holding a worktree ``in_use()`` names is kept, and reported (RT17)."""
     journal_cut = now_ms - retention.journal_days * DAY_MS
     expiry_cut = now_ms - retention.idempotency_days * DAY_MS
     slimmed: list[str] = []
@@ -255,19 +284,21 @@ async def retain_shared_tasks(
     for task_id in going:  # this host's copies: its session and work directories
         session = store.root / session_rel(task_id)
         try:
-            await trio.to_thread.run_sync(_remove_session_and_work, session, work_root, task_id)
-        except OSError as exc:
+            await trio.to_thread.run_sync(
+                _remove_session_and_work, session, work_root, task_id, in_use()
+            )
+        except (OSError, TaskError) as exc:
             left.append((task_id, str(exc)))
         else:
             seen.cleaned.add(task_id)
     here = await _lane_dirs(store.root)
     for key in sorted(await store.expired_task_keys(here)):  # on the database's word only
         try:  # the work directories first: while the lane directory is here, a pass finds them
-            await trio.to_thread.run_sync(_discard_work_dirs, work_root, key)
+            await trio.to_thread.run_sync(_discard_work_dirs, work_root, key, in_use())
             await trio.to_thread.run_sync(
                 discard_tree, OsFileSystem(), str(store.root), _lane_rel(key)
             )
-        except OSError as exc:
+        except (OSError, TaskError) as exc:
             left.append((key, str(exc)))
     return TaskRetention(tuple(slimmed), tuple(expired), tuple(left))
 
@@ -331,28 +362,37 @@ async def _retain_one_shared(
             await store.release(fence)
 
 
-async def _slim(store: Store, task_id: str, work_root: Path) -> bool:
-    """Slim one ended task's lane log to its idempotency record and remove its session and
-    work directories; whether the log was slimmed now (a slim log is not written again, but
-    what a crash left of the rest is removed)."""
+async def _slim(
+    store: Store,
+    task_id: str,
+    work_root: Path,
+    in_use: Callable[[], Worktrees],
+    slimmed: list[str],
+) -> None:
+    """Slim one ended task's lane log to its idempotency record (noted in ``slimmed`` when
+    written now: a slim log is not written again, but what a crash left of the rest is
+    removed), then remove its session and work directories — those kept while they hold a
+    worktree ``in_use()`` names (RT17: ``worktree_leased``, after the log is slim)."""
     rel = store.lane_rel(f"task:{task_id}")
     contents = await store.read(rel)
     kept: list[Record] = [r for r in contents.records if isinstance(r, TaskSubmitted | TaskEnded)]
     rest = [r for r in contents.records if not isinstance(r, Header | Compacted)]
-    slim_now = len(rest) > len(kept)
-    if slim_now:
+    if len(rest) > len(kept):
         await store.slim_log(rel, kept)
+        slimmed.append(task_id)
     submitted = next(r for r in kept if isinstance(r, TaskSubmitted))
     session = store.root / submitted.session_path
-    await trio.to_thread.run_sync(_remove_session_and_work, session, work_root, task_id)
-    return slim_now
+    await trio.to_thread.run_sync(_remove_session_and_work, session, work_root, task_id, in_use())
 
 
-async def _remove_lane(store: Store, key: str, work_root: Path) -> None:
+async def _remove_lane(
+    store: Store, key: str, work_root: Path, in_use: Callable[[], Worktrees]
+) -> None:
     """An expired task's work directories, then its lane directory (``key``: its lane's),
     each renamed into a trash first (RT15): the lane directory, the last to go, leads a
-    later pass back to what a crash left before it."""
-    await trio.to_thread.run_sync(_discard_work_dirs, work_root, key)
+    later pass back to what a crash left before it — and to work directories kept while
+    they hold a worktree ``in_use()`` names (RT17: ``worktree_leased``, nothing removed)."""
+    await trio.to_thread.run_sync(_discard_work_dirs, work_root, key, in_use())
     await store.remove_tree(_lane_rel(key))
 
 
@@ -360,21 +400,40 @@ def _lane_rel(key: str) -> str:
     return f"{LANES}/{key}"
 
 
-def _remove_session_and_work(session: Path, work_root: Path, task_id: str) -> None:
-    """An ended task's session file and its work directories (blocking; RT12, RT15)."""
+def _remove_session_and_work(
+    session: Path, work_root: Path, task_id: str, in_use: Worktrees
+) -> None:
+    """An ended task's session file and its work directories (blocking; RT12, RT15, RT17)."""
     _remove_paths([session])
-    _discard_work_dirs(work_root, _key(task_id))
+    _discard_work_dirs(work_root, _key(task_id), in_use)
 
 
-def _discard_work_dirs(work_root: Path, key: str) -> None:
+def _discard_work_dirs(work_root: Path, key: str, in_use: Worktrees) -> None:
     """Remove a task's home and temporary directory (blocking), each by way of the work
-    root's trash (RT15); a file or link where one would be is unlinked."""
+    root's trash (RT15); a file or link where one would be is unlinked. Neither is touched
+    when one of them is, or holds, a worktree of ``in_use`` (RT17)."""
+    _refuse_in_use(work_root, key, in_use)
     fs = OsFileSystem()
     for path in _work_dirs_of(work_root, key):
         if path.is_dir() and not path.is_symlink():
             discard_tree(fs, str(work_root), str(path.relative_to(work_root)))
         elif path.exists() or path.is_symlink():
             _remove_paths([path])
+
+
+def _refuse_in_use(work_root: Path, key: str, in_use: Worktrees) -> None:
+    """``worktree_leased`` when a task's work directory (``key``: its lane key) is, or holds,
+    the worktree of a task ``in_use`` names (blocking: real paths). A task's home is where
+    its agent works; a later task may go on in a clone it made there (RT17)."""
+    for path in _work_dirs_of(work_root, key):
+        real = os.path.realpath(path)
+        for task_id, tree in sorted(in_use.items()):
+            if tree == real or tree.startswith(real.rstrip("/") + "/"):
+                raise TaskError(
+                    ReasonCode.WORKTREE_LEASED,
+                    f"{path} holds the worktree {tree} of task {task_id!r}: kept while that "
+                    "task is known (retention removes it once that task is let go)",
+                )
 
 
 def _remove_paths(paths: list[Path]) -> None:
@@ -401,11 +460,16 @@ async def forget_task(
     now_ms: int,
     retention: RetentionConfig,
     work_root: Path,
+    in_use: Callable[[], Worktrees] = _nothing_in_use,
 ) -> list[str]:
     """``pi-runtime task forget``: remove everything that is left of an ended task now —
     its candidate (the archive, or the git ref that keeps its commit reachable), its lane
     directory and work directories — the id expired first, so a later submission under it is
-    ``task_expired`` until ``forget_days`` after its end. What was removed, for the operator."""
+    ``task_expired`` until ``forget_days`` after its end. What was removed, for the operator.
+    Refused ``worktree_leased``, nothing removed, while its work directories hold a worktree
+    ``in_use()`` names (RT17)."""
+    key = _key(submitted.task_id)
+    await trio.to_thread.run_sync(_refuse_in_use, work_root, key, in_use())
     removed: list[str] = []
     candidate = ended.candidate or {}
     if candidate.get("kind") == "archive":
@@ -421,7 +485,7 @@ async def forget_task(
             removed.append(f"{ref} in {submitted.worktree}")
     forget_after = max(ended.ended_ms, now_ms) + int(retention.forget_days * DAY_MS)
     await store.expire_tasks({submitted.task_id: forget_after})
-    await _remove_lane(store, _key(submitted.task_id), work_root)
+    await _remove_lane(store, key, work_root, in_use)
     removed.append(_lane_dir(submitted.task_id))
     return removed
 
@@ -451,12 +515,14 @@ async def retain_offline(
     async with open_store(state_dir, clocks=clocks) as store:
         await check_settings(store, settings)  # RT14, under the lock
         ended = {task_id: end.ended_ms for task_id, end in (await ended_tasks(store)).items()}
+        trees = await task_worktrees(store)  # RT17: nothing else changes them meanwhile
         return await retain_ended_tasks(
             store,
             ended,
             now_ms=clocks.wall.time_ms(),
             retention=settings.retention,
             work_root=Path(settings.task_work_root),
+            in_use=lambda: trees,
         )
 
 
@@ -481,6 +547,8 @@ async def forget_offline(
             raise TaskError(
                 ReasonCode.TASK_NOT_ENDED, f"task {task_id!r} has not ended: abort or fail it first"
             )
+        trees = await task_worktrees(store)  # RT17
+        trees.pop(task_id, None)
         return await forget_task(
             store,
             end,
@@ -488,4 +556,5 @@ async def forget_offline(
             now_ms=clocks.wall.time_ms(),
             retention=settings.retention,
             work_root=Path(settings.task_work_root),
+            in_use=lambda: trees,
         )

@@ -447,6 +447,7 @@ class TaskRunner:
             now_ms=self.host.clocks.wall.time_ms(),
             retention=retention,
             work_root=self._work_root(),
+            in_use=self._worktrees,
         )
         for task_id in done.expired:  # the filter is durable: a duplicate is task_expired
             self.ended.pop(task_id, None)
@@ -471,6 +472,7 @@ class TaskRunner:
             work_root=self._work_root(),
             lease_seconds=self.shared.lease_seconds,
             seen=self._seen,
+            in_use=self._worktrees,
         )
         cut = now - retention.idempotency_days * DAY_MS
         due = {lane_key(lane_name(t)): t for t, ms in ended.items() if 0 < ms <= cut}
@@ -484,6 +486,13 @@ class TaskRunner:
             self._not_tasks.discard(rel)
         self._expired_here = {t: u for t, u in self._expired_here.items() if u > now}
         return done
+
+    def _worktrees(self) -> dict[str, str]:
+        """The worktree of every task this runner knows, live or ended, by id: retention
+        keeps a task's work directories while they hold one (RT17)."""
+        trees = {task_id: e.task.worktree for task_id, e in self.ended.items()}
+        trees.update((task_id, lane.task.worktree) for task_id, lane in self.lanes.items())
+        return trees
 
     async def forget(self, task_id: str, retention: RetentionConfig) -> list[str]:
         """``pi-runtime task forget``: remove what is left of an ended task now, its
@@ -506,6 +515,7 @@ class TaskRunner:
             now_ms=self.host.clocks.wall.time_ms(),
             retention=retention,
             work_root=self._work_root(),
+            in_use=lambda: {t: w for t, w in self._worktrees().items() if t != task_id},
         )
         self.ended.pop(task_id, None)
         self.host.log(f"task {task_id}: forgotten by the operator ({len(removed)} removed)")

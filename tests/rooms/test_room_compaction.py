@@ -17,12 +17,19 @@ import trio
 from fake_pi.scenario import Step, Text
 from runtime._cli import main
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
-from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
+from runtime._config import ModelConfig, RetentionConfig, RoomConfig, RoomWorkerConfig
 from runtime._errors import DeliveryError, JournalError, ReasonCode
 from runtime._journal._expired import EXPIRED, read_expired
 from runtime._journal._inspect import verify_journal
 from runtime._journal._journal import read_log
-from runtime._journal._store import ADMISSIONS, COMPACT_CHUNK, RESULTS, delivery_key, open_store
+from runtime._journal._store import (
+    ADMISSIONS,
+    COMPACT_CHUNK,
+    RESULTS,
+    Store,
+    delivery_key,
+    open_store,
+)
 from runtime._linux._fs import FileSystem, OsFileSystem
 from runtime._records import (
     Admission,
@@ -563,3 +570,119 @@ async def test_rt10_a_servers_compaction_keeps_to_its_byte_budget(
     assert len(compacted) == 1
     rest = [r for r in paced if isinstance(r, Admission)]
     assert rest == [r for r in unbounded if isinstance(r, Admission)] == records  # whole, in order
+
+
+# -- a room's warmth (L3) --------------------------------------------------------------
+
+BACKLOG: Final = [{"author": {"id": "u9", "name": "Bob"}, "text": "BACKLOG-LINE"}]
+
+
+@pytest.mark.parametrize("case", ["slimmed-privileged", "expired-ordinary"])
+async def test_rt16_a_rooms_warmth_survives_the_compaction_of_its_history(
+    case: str, tmp_path: Path
+) -> None:
+    """RT16, L3: whether a room's session holds the conversation is read, at a start, from
+    its admissions — only an ordinary one warms it (a privileged one runs in a one-shot
+    session, L6). A compaction must not change that answer. *slimmed-privileged*: a room
+    whose only delivery was privileged, slimmed to its idempotency record on day 8 — after a
+    restart the next ordinary delivery is still the room session's first, so cold: it gets
+    the backlog (the ``Settled`` record warmed the room, and the prompt went out without
+    it). *expired-ordinary*: a room's ordinary delivery expires on day 31 while a
+    privileged one is the room's latest — after a restart the next ordinary delivery is
+    warm: the room's session holds the first turns, and the backlog is not sent into it a
+    second time (the room's last ordinary delivery stays, RT16; it had expired with the
+    older one, and no record said the room was warm any more)."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    room = "dm:9"
+    rooms = {room: RoomConfig(actors={"boss": frozenset({"bash"})})}
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(4)]
+    retention = RetentionConfig(journal_days=7, idempotency_days=30)
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            config = RoomWorkerConfig(
+                model=ModelConfig(base_url=url), rooms=rooms, retention=retention
+            )
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                if case == "slimmed-privileged":
+                    await worker.deliver(message("p1", room=room, author_id="boss"))
+                    (done,) = await next_results(worker, 1)
+                    await worker.ack(done.seq)
+                    wall.advance(8 * DAY)
+                    plan = await worker.compact()
+                    assert set(plan.settled) == {"p1"}
+                else:
+                    await worker.deliver(message("d0", room=room))
+                    await worker.deliver(message("d1", room=room))
+                    first = await next_results(worker, 2)
+                    wall.advance(25 * DAY)
+                    await worker.deliver(message("p2", room=room, author_id="boss"))
+                    (done,) = await next_results(worker, 1, after=first[-1].seq)
+                    await worker.ack(done.seq)
+                    wall.advance(6 * DAY)
+                    plan = await worker.compact()
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                await worker.deliver(message("d3", "now", room=room, history=BACKLOG))
+                await next_results(worker, 1, after=done.seq)
+    messages = model.requests[-1].body["messages"]
+    if case == "slimmed-privileged":
+        assert [m["role"] for m in messages] == ["system", "user"]  # the session's first
+        assert "BACKLOG-LINE" in str(messages[-1])  # cold: the backlog goes with it
+    else:
+        assert "(message m-d1)" in str(messages)  # the room session holds the first turns
+        assert "BACKLOG-LINE" not in str(messages[-1])  # warm: not sent a second time
+        assert set(plan.expired) == {"d0"}  # d1 stays: the room's last ordinary delivery
+
+
+async def test_rt4_a_duplicate_while_a_compaction_ends_is_expired_never_left_waiting(
+    tmp_path: Path,
+) -> None:
+    """RT4: a duplicate of a delivery a compaction expires, arriving as the compaction ends
+    — the result log already rewritten without its result, the compaction not yet returned
+    (the rewrite's last step is an await: its temporary file's clean-up) — is
+    ``delivery_expired``. It was ``duplicate``: the host still knew the id while its result
+    was gone, so the client was told to wait for a result that no one would ever send."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(2)]
+    retention = RetentionConfig(journal_days=7, idempotency_days=30)
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            config = RoomWorkerConfig(model=ModelConfig(base_url=url), retention=retention)
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                for delivery_id in ("a1", "a2"):
+                    await worker.deliver(message(delivery_id, room=A))
+                done = await next_results(worker, 2)
+                await worker.ack(max(r.seq for r in done))
+                wall.advance(31 * DAY)
+                store = worker.store
+                assert isinstance(store, Store)
+                rewrite = store.rewrite_shared
+                reached, go = trio.Event(), trio.Event()
+
+                async def rewrite_then_pause(journal: Any, records: Any, **kwargs: Any) -> Any:
+                    rewritten = await rewrite(journal, records, **kwargs)
+                    if journal.rel == RESULTS:  # the log is replaced: the last await
+                        reached.set()
+                        await go.wait()
+                    return rewritten
+
+                store.rewrite_shared = rewrite_then_pause  # type: ignore[method-assign]
+                plans = []
+                async with trio.open_nursery() as nursery:
+
+                    async def compact() -> None:
+                        plans.append(await worker.compact())
+
+                    nursery.start_soon(compact)
+                    await reached.wait()
+                    gone = worker.result_of("a1")
+                    try:
+                        answer: Any = await worker.deliver(message("a1", room=A))
+                    except DeliveryError as error:
+                        answer = error.code
+                    go.set()
+    assert set(plans[0].expired) == {"a1"}
+    assert gone is None  # its result is gone from the log, and from the host's memory
+    assert answer is ReasonCode.DELIVERY_EXPIRED
+    assert asked(model, "a1") == 1

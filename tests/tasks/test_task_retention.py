@@ -367,3 +367,54 @@ async def test_rt12_a_task_the_pass_cannot_slim_stays_with_that_task(
         assert done_.left == ()
         assert not lane_dir(rig).exists()
         assert not lane_dir(rig, other).exists()
+
+
+async def test_rt17_a_work_directory_holding_another_tasks_worktree_is_kept(
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT17: a task that goes on from where an ended one left its work — its worktree the
+    clone the first task made in its own home — is live while the first task's days pass.
+    Its worktree is in use: the pass that slims the first task (day 8) keeps the home and
+    temporary directory that hold it and says why (``left``, naming the live task), an
+    operator's ``task forget`` of the first task is refused ``worktree_leased`` and removes
+    nothing, and the expiry (day 31) keeps them still — the first task stays known, as one
+    whose directory could not go does, until they can. They were removed — renamed into the
+    trash and deleted — under the live task's feet."""
+    async with open_rig(tmp_path, clocks, STEPS) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.ended(TASK)
+        home, tmp = work_dirs(tmp_path / "work", TASK)
+        tree = home / "clone"
+        tree.mkdir()
+        (tree / "notes.md").write_text("work in progress\n")
+        spec = rig.spec()
+        live = TaskSpec(task_id=LIVE, prompt=spec.prompt, worktree=str(tree), grants=spec.grants)
+        await rig.runner.submit(live)
+        await rig.until(lambda: rig.runner.show(LIVE).state == "waiting")
+
+        wall_clock.advance(8 * DAY)
+        slim = await rig.runner.retain(RETENTION)
+        kept_at_8 = (tree / "notes.md").read_text()
+        with _Refused(ReasonCode.WORKTREE_LEASED):
+            await rig.runner.forget(TASK, RETENTION)
+        forgotten = rig.runner.show(TASK).state
+
+        wall_clock.advance(23 * DAY)
+        expiry = await rig.runner.retain(RETENTION)
+        duplicate = (await rig.runner.submit(rig.spec())).state
+        kept_at_31 = (tree / "notes.md").read_text()
+        live_state = rig.runner.show(LIVE).state
+    assert slim.slimmed == (TASK,)
+    assert [task for task, _ in slim.left] == [TASK]
+    assert repr(LIVE) in slim.left[0][1]
+    assert kept_at_8 == kept_at_31 == "work in progress\n"
+    assert forgotten == "done"
+    assert expiry.expired == ()  # its id is in the filter; it stays known until it can go
+    assert [task for task, _ in expiry.left] == [TASK]
+    assert duplicate == "done"  # (a task whose directory could not go stays known, RT12)
+    assert home.is_dir()
+    assert tmp.is_dir()  # (both of the task's work directories, or neither)
+    assert live_state == "waiting"
