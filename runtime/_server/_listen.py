@@ -22,7 +22,7 @@ from .._logs import fields
 
 __all__ = ["UpgradeCap", "open_websocket_listeners"]
 
-logger: Final = logging.getLogger("pi_runtime.server")
+logger: Final = logging.getLogger("runtime.serve")
 
 
 class UpgradeCap(trio.abc.Listener[trio.abc.Stream]):
