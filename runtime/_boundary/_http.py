@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import math
 import select
 import ssl
@@ -28,6 +29,8 @@ from urllib.parse import urlsplit
 
 import h11
 import trio
+
+from .._errors import ReasonCode
 
 __all__ = [
     "ConnectionPool",
@@ -45,6 +48,10 @@ __all__ = [
 
 _MAX_REQUEST: Final = 64 * 1024 * 1024
 _READ: Final = 65536
+_GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError)
+"""What a connection the client dropped (or that was closed under a write) raises."""
+
+logger = logging.getLogger("runtime.http")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +188,11 @@ async def _serve_connection(
             if request is None:
                 return
             writer = ResponseWriter(stream, conn, head=request.method == "HEAD")
-            await handler(request, writer)
+            try:
+                await handler(request, writer)
+            except Exception as exc:  # B7: a fault stays in its request (BaseException passes)
+                await _handler_failed(exc, request, writer)
+                return  # the connection ends: its state is whatever the handler left
             if not writer.ended or conn.our_state is not h11.DONE:
                 return  # the handler cut the response: drop the connection
             if conn.their_state is not h11.DONE:
@@ -195,6 +206,49 @@ async def _serve_connection(
     finally:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.aclose()
+
+
+_FAULT_BODY: Final = (
+    b'{"ok":false,"code":"%s","message":"the server failed on this request '
+    b'(the operator is told)"}' % ReasonCode.SERVER_FAULT.value.encode()
+)
+
+
+def _gone(exc: Exception) -> bool:
+    """Whether ``exc`` says only that the connection is gone — also inside an exception
+    group (a handler's nursery: a keepalive task's write to a client that went away)."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(_GONE)
+        return rest is None
+    return isinstance(exc, _GONE)
+
+
+async def _handler_failed(exc: Exception, request: Request, writer: ResponseWriter) -> None:
+    """What a handler let out (B7): a connection gone ends quietly; anything else is logged
+    with its traceback and answered ``500 server_fault`` — if the response has not started;
+    once it has, no status can be given and the connection is cut (the caller closes it)."""
+    if _gone(exc):
+        return
+    logger.error(
+        "the HTTP handler failed on %s %s (only this request fails)",
+        request.method,
+        request.target.split("?", 1)[0],
+        exc_info=exc,
+        extra={"event": "request_failed", "code": str(ReasonCode.SERVER_FAULT)},
+    )
+    if writer.started:
+        return
+    with contextlib.suppress(h11.LocalProtocolError, *_GONE):
+        await writer.start(
+            500,
+            [
+                ("content-type", "application/json"),
+                ("content-length", str(len(_FAULT_BODY))),
+                ("connection", "close"),
+            ],
+        )
+        await writer.send(_FAULT_BODY)
+        await writer.end()
 
 
 async def serve_http(
@@ -225,6 +279,14 @@ async def serve_http(
 
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
+
+    A fault stays in its request (boundaries.md B7): an ``Exception`` a handler lets out
+    is logged with its traceback (``request_failed``) and answered ``500`` with the JSON
+    body ``{"ok": false, "code": "server_fault", …}`` if the response has not started, else
+    its connection is cut; a connection gone (``trio.BrokenResourceError`` or
+    ``trio.ClosedResourceError``, also inside an exception group) ends quietly. Either way
+    the server goes on serving the others; what is no ``Exception`` (``trio.Cancelled``)
+    is not caught.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
