@@ -253,6 +253,9 @@ class AttachmentsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """The largest file ``attach`` accepts (``attachment_too_large`` beyond it)."""
     media_types: frozenset[str] = DEFAULT_MEDIA_TYPES
     """The media types ``attach`` accepts (``attachment_type_refused`` for any other)."""
+    max_per_reply: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """The most distinct files one reply carries; ``attach`` past it is refused
+    ``attachment_limit`` (A12). At most 64 (C13): a reply's ``result`` frame stays small."""
     fetch_bytes_per_second: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
     """How fast one connection is sent attachment bytes (``fetch_attachment``)."""
 
@@ -856,6 +859,11 @@ _INTEGER_BOUNDS: Final[Mapping[str, tuple[int, str]]] = {
         "each worker is a process, and Linux runs at most 4194304 (PID_MAX_LIMIT)",
     ),
     "attachments.max_bytes": (2**30, "1 GiB: an attached file is read whole into memory"),
+    "attachments.max_per_reply": (
+        64,
+        "every file is named in the reply's result frame, which must stay far below a "
+        "client's frame limit (attachments.md A12)",
+    ),
     "server.max_frame_bytes": (
         2**28,
         "256 MiB: a frame is held whole in memory, and one of four times this is read before "

@@ -173,6 +173,7 @@ class ReasonCode(enum.StrEnum):
     ATTACHMENT_NOT_FILE = "attachment_not_file"
     ATTACHMENT_TOO_LARGE = "attachment_too_large"
     ATTACHMENT_TYPE_REFUSED = "attachment_type_refused"
+    ATTACHMENT_LIMIT = "attachment_limit"  # the reply already carries [attachments] max_per_reply
     ATTACHMENT_MISSING = "attachment_missing"
     ATTACHMENT_DAMAGED = "attachment_damaged"
     ATTACHMENT_UNKNOWN = "attachment_unknown"

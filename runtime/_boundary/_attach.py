@@ -23,16 +23,21 @@ Refusals are the tool's error results, each with its stable code, and nothing is
 * ``attachment_not_file`` — not a regular file (a directory, a FIFO, a device), or missing;
 * ``attachment_too_large`` — over the configured ``max_bytes``;
 * ``attachment_type_refused`` — its media type (from its bytes for images and PDF, from its
-  name for text) is not in the configured allow-list.
+  name for text) is not in the configured allow-list;
+* ``attachment_limit`` — the reply already carries ``max_per_reply`` distinct files (A12):
+  counted over the delivery's recorded outcomes (``attached``) and the results this tool
+  handed out whose outcomes are not recorded yet (the calls of one round run side by side;
+  the count and the reservation are one step, with no checkpoint between them).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
-from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Final
 
@@ -99,6 +104,13 @@ class AttachTool:
     share: Callable[[str, bytes], Awaitable[None]] | None = None
     """On a store several hosts share: make the bytes durable there too, ``(sha256, data)``,
     before the result names them (A11)."""
+    max_per_reply: int = 16
+    """The most distinct files one delivery's reply carries (A12)."""
+    attached: Callable[[], Iterable[AttachmentRef]] = tuple
+    """What the current delivery's recorded outcomes attached (the gate's account, A4)."""
+    _handed: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)
+    """The sha256s this tool handed out, by delivery key: their outcomes may not be recorded
+    yet. Only the current delivery's are kept."""
 
     async def __call__(self, call: GateCall, intent_id: str) -> GateResult:
         path, name = call.args.get("path"), call.args.get("name")
@@ -107,11 +119,31 @@ class AttachTool:
         if name is not None and not isinstance(name, str):
             return _refusal(ReasonCode.ATTACHMENT_ARGUMENTS, "its name must be a string")
         try:
-            ref, data = await trio.to_thread.run_sync(self._attach, path, name)
+            ref, data = await trio.to_thread.run_sync(self._read, path, name)
         except _Refused as refused:
             return _refusal(refused.code, str(refused))
-        if self.share is not None:
-            await self.share(ref.sha256, data)
+        key = intent_id.rpartition(":")[0]  # the gate's intent ids are "<delivery key>:<seq>"
+        handed = self._handed.setdefault(key, set())
+        for other in [k for k in self._handed if k != key]:
+            del self._handed[other]
+        carried = handed | {r.sha256 for r in self.attached()}
+        if ref.sha256 not in carried and len(carried) >= self.max_per_reply:  # A12
+            return _refusal(
+                ReasonCode.ATTACHMENT_LIMIT,
+                f"this reply already carries {len(carried)} files, the most one reply may "
+                f"carry ([attachments] max_per_reply = {self.max_per_reply}); choose the ones "
+                "that matter, or send the rest in a later reply",
+            )
+        new = ref.sha256 not in handed
+        handed.add(ref.sha256)  # reserved before the next checkpoint: no other call passes
+        try:
+            await trio.to_thread.run_sync(self.store.put, data)
+            if self.share is not None:
+                await self.share(ref.sha256, data)
+        except BaseException:
+            if new:
+                handed.discard(ref.sha256)
+            raise
         text = (
             f"attached {ref.name} ({ref.media_type}, {ref.size} bytes); it is sent with your reply"
         )
@@ -121,7 +153,8 @@ class AttachTool:
             attachments=(ref,),
         )
 
-    def _attach(self, path: str, name: str | None) -> tuple[AttachmentRef, bytes]:
+    def _read(self, path: str, name: str | None) -> tuple[AttachmentRef, bytes]:
+        """The attachment ``path`` would be, and its bytes; nothing stored yet."""
         data = self._read_inside(path)
         shown = _display_name(name if name else PurePosixPath(path).name)
         media_type = sniff_media_type(shown, data) or sniff_media_type(path, data)
@@ -131,7 +164,7 @@ class AttachTool:
                 ReasonCode.ATTACHMENT_TYPE_REFUSED,
                 f"{path} is {media_type or 'of an unknown type'}; allowed: {allowed}",
             )
-        digest = self.store.put(data)
+        digest = hashlib.sha256(data).hexdigest()  # what the store names it (A2)
         ref = AttachmentRef(
             id=digest, name=shown, media_type=media_type, size=len(data), sha256=digest
         )

@@ -145,9 +145,10 @@ class LaneHost:
     """The receipt and document store behind ``write_document`` / ``read_document``."""
     ledger: Path | None = None
     """Where the test tool ``effect`` writes (only when granted)."""
-    attach: Callable[[Callable[[], Path], Share | None], RuntimeTool] | None = None
+    attach: Callable[[Callable[[], Path], Share | None, Attached], RuntimeTool] | None = None
     """The ``attach`` tool for a working directory, sharing its bytes through the store when
-    one is given (docs/design/attachments.md A11)."""
+    one is given (docs/design/attachments.md A11), and counting what the current delivery
+    attached (A12)."""
     shared: bool = False
     """The store is shared by several hosts: sessions travel through it (S13)."""
     breaker: RouteBreaker | None = None
@@ -156,6 +157,8 @@ class LaneHost:
 
 Share = Callable[[str, bytes], Awaitable[None]]
 """Makes an attachment's bytes durable in the shared store: ``(sha256, data)``."""
+Attached = Callable[[], list[AttachmentRef]]
+"""What the current delivery's recorded outcomes attached (A12)."""
 
 SESSIONS: Final = "sessions/"
 """Documents holding the lanes' session files on a shared store, named ``sessions/`` and
@@ -914,7 +917,7 @@ class Lane:
         tools: dict[str, RuntimeTool] = {"send_text_update": self._send_text_update}
         if self.host.attach is not None:
             share = self._share_attachment if self.host.shared else None
-            tools["attach"] = self.host.attach(lambda: self.cwd, share)
+            tools["attach"] = self.host.attach(lambda: self.cwd, share, self._attached(kind))
         if self.host.ledger is not None:
             tools["effect"] = EffectLedger(self.host.ledger)
         if self.host.receipts is not None:
@@ -928,6 +931,16 @@ class Lane:
             socket_name=f"{self.key[:20]}-{kind}.sock",
             replay=True,
         )
+
+    def _attached(self, kind: str) -> Attached:
+        """What the delivery the ``kind`` slot serves has attached so far (A12)."""
+
+        def attached() -> list[AttachmentRef]:
+            slot = self._oneshot if kind == "o" else self._room
+            boundaries = slot.boundaries if slot is not None else None
+            return boundaries.tools.attachments() if boundaries is not None else []
+
+        return attached
 
     async def _share_attachment(self, sha256: str, data: bytes) -> None:
         """A11: an attachment's bytes in the shared store, under the lane's lease, before the

@@ -1549,12 +1549,14 @@ async def open_room_worker(
             classes=config.replay_classes(),  # L14
             ledger=work_root / "effects.jsonl",
             receipts=receipts,
-            attach=lambda workdir, share: AttachTool(
+            attach=lambda workdir, share, attached: AttachTool(
                 attachments,
                 workdir,
                 max_bytes=config.attachments.max_bytes,
                 media_types=config.attachments.media_types,
                 share=share,
+                max_per_reply=config.attachments.max_per_reply,
+                attached=attached,
             ),
         )
         worker = RoomWorker(config, store, host, nursery)

@@ -14,11 +14,12 @@ import stat
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
 from fake_pi.scenario import TINY_PNG
-from runtime._boundary._attach import AttachTool, sniff_media_type
+from runtime._boundary._attach import MAX_NAME, AttachTool, sniff_media_type
 from runtime._boundary._calls import GateCall, GateResult
 from runtime._config import (
     DEFAULT_MEDIA_TYPES,
@@ -28,6 +29,9 @@ from runtime._config import (
 )
 from runtime._errors import ConfigError, ReasonCode
 from runtime._journal._attachments import AttachmentStore, attachment_root
+from runtime._records import AttachmentRef, Outcome
+from runtime._server._protocol import encode_server_frame
+from runtime._wire import Attachment, DeliveryResult
 
 PNG = base64.b64decode(TINY_PNG)
 
@@ -270,3 +274,76 @@ def test_a1_the_root_is_derived_in_one_place_and_kept_out_of_work_root(tmp_path:
     with pytest.raises(ConfigError) as refused:
         validate_config(inside, base=tmp_path)
     assert refused.value.setting == "attachments.root"
+
+
+async def test_a12_a_reply_carries_at_most_max_per_reply_files(dirs: tuple[Path, Path]) -> None:
+    """A12: past ``max_per_reply`` distinct files in one delivery, ``attach`` is refused
+    ``attachment_limit`` and stores nothing — counted over the outcomes recorded (after a
+    restart too) and the results this tool handed out whose outcomes are not recorded yet
+    (calls of one round run side by side); a file the reply already carries is no new one;
+    the next delivery starts again from none."""
+    root, work = dirs
+    for i in range(4):
+        (work / f"f{i}.txt").write_text(f"file {i}")
+    recorded: list[AttachmentRef] = []
+    t = AttachTool(
+        AttachmentStore(root),
+        lambda: work,
+        max_bytes=1 << 20,
+        media_types=DEFAULT_MEDIA_TYPES,
+        max_per_reply=2,
+        attached=lambda: recorded,
+    )
+
+    async def call(path: str, intent_id: str) -> GateResult:
+        return await t(GateCall("c", "attach", {"path": path}), intent_id)
+
+    assert not (await call("f0.txt", "k1:1")).is_error
+    assert not (await call("f1.txt", "k1:3")).is_error  # neither outcome is recorded yet
+    refused = await call("f2.txt", "k1:5")
+    assert refused.is_error
+    assert refused.attachments == ()
+    assert f"({ReasonCode.ATTACHMENT_LIMIT})" in text(refused)
+    assert "max_per_reply" in text(refused)
+    assert len(os.listdir(root)) == 2  # the refused file was not stored
+    assert not (await call("f0.txt", "k1:7")).is_error  # already carried: nothing new
+    assert not (await call("f2.txt", "k2:1")).is_error  # the next delivery: from none
+    # after a restart: a new tool, the delivery's recorded outcomes name two files already
+    again = AttachTool(
+        AttachmentStore(root),
+        lambda: work,
+        max_bytes=1 << 20,
+        media_types=DEFAULT_MEDIA_TYPES,
+        max_per_reply=2,
+        attached=lambda: recorded,
+    )
+    recorded[:] = [r for i in (0, 1) for r in (await call(f"f{i}.txt", f"k3:{i}")).attachments]
+    limited = await again(GateCall("c", "attach", {"path": "f3.txt"}), "k3:9")
+    assert f"({ReasonCode.ATTACHMENT_LIMIT})" in text(limited)
+
+
+def test_a12_the_attachments_of_a_result_frame_stay_within_a_quarter_of_a_frame() -> None:
+    """A12: ``max_per_reply`` is at most 64, and with it at that bound, every attachment's
+    name the longest (``MAX_NAME`` characters of four UTF-8 bytes each), its size the largest
+    and marked lost, the ``result`` frame's attachments take at most a quarter of the default
+    ``[server] max_frame_bytes``: attachments cannot grow a reply's frame past what a client
+    is told frames are."""
+    most = 64
+    with pytest.raises(ConfigError) as refused:
+        validate_config(RoomWorkerConfig(attachments=AttachmentsConfig(max_per_reply=most + 1)))
+    assert refused.value.setting == "attachments.max_per_reply"
+    validate_config(RoomWorkerConfig(attachments=AttachmentsConfig(max_per_reply=most)))
+    sha = "f" * 64
+    worst = Attachment(
+        id=sha,
+        name="\U0001f600" * MAX_NAME,
+        media_type="application/json",
+        size=2**30,
+        sha256=sha,
+        lost=True,
+        code=str(ReasonCode.ATTACHMENT_DAMAGED),
+    )
+    bare = DeliveryResult(seq=1, delivery_id="d", room="r", outcome=Outcome.REPLY)
+    full = msgspec.structs.replace(bare, attachments=[worst] * most)
+    grown = len(encode_server_frame(full)) - len(encode_server_frame(bare))
+    assert grown <= RoomWorkerConfig().server.max_frame_bytes // 4

@@ -158,3 +158,32 @@ async def test_a10_journal_verify_reports_a_damaged_attachment_and_an_orphan(
     out = capsys.readouterr().out
     assert f"problem: attachments/{DIGEST}: attachment_damaged: picture.png" in out
     assert f"note: attachments/{orphan}: no record names it" in out
+
+
+async def test_a12_attaches_past_max_per_reply_are_refused_and_the_turn_replies(
+    tmp_path: Path,
+) -> None:
+    """A12: an agent that attaches 17 files in one round (the default ``max_per_reply`` is
+    16) gets ``attachment_limit`` for the 17th as that call's error, reads it, and replies:
+    the result names 16 files and nothing of the 17th is stored."""
+    count = 17
+    make = "for i in $(seq 1 17); do echo file $i > f$i.txt; done"
+    calls = [Call(name="attach", arguments={"path": f"f{i}.txt"}) for i in range(1, count + 1)]
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="bash", arguments={"command": make})]),
+        ToolCalls(calls=calls),
+        Text(text="sixteen of them"),
+    ]
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+    assert (result.outcome, result.text) == (Outcome.REPLY, "sixteen of them")
+    assert [a.name for a in result.attachments] == [f"f{i}.txt" for i in range(1, 17)]
+    told = [m for m in model.requests[2].body["messages"] if m.get("role") == "tool"]
+    assert "attachment_limit" in str(told[-1]["content"])
+    assert all("attachment_limit" not in str(m["content"]) for m in told[:-1])
+    assert len(os.listdir(tmp_path / "state" / "attachments")) == 16
