@@ -286,14 +286,18 @@ async def test_a12_a_reply_carries_at_most_max_per_reply_files(dirs: tuple[Path,
     for i in range(4):
         (work / f"f{i}.txt").write_text(f"file {i}")
     recorded: list[AttachmentRef] = []
-    t = AttachTool(
-        AttachmentStore(root),
-        lambda: work,
-        max_bytes=1 << 20,
-        media_types=DEFAULT_MEDIA_TYPES,
-        max_per_reply=2,
-        attached=lambda: recorded,
-    )
+
+    def tool() -> AttachTool:  # (a new one: as after a restart)
+        return AttachTool(
+            AttachmentStore(root),
+            lambda: work,
+            max_bytes=1 << 20,
+            media_types=DEFAULT_MEDIA_TYPES,
+            max_per_reply=2,
+            attached=lambda: recorded,
+        )
+
+    t = tool()
 
     async def call(path: str, intent_id: str) -> GateResult:
         return await t(GateCall("c", "attach", {"path": path}), intent_id)
@@ -309,14 +313,7 @@ async def test_a12_a_reply_carries_at_most_max_per_reply_files(dirs: tuple[Path,
     assert not (await call("f0.txt", "k1:7")).is_error  # already carried: nothing new
     assert not (await call("f2.txt", "k2:1")).is_error  # the next delivery: from none
     # after a restart: a new tool, the delivery's recorded outcomes name two files already
-    again = AttachTool(
-        AttachmentStore(root),
-        lambda: work,
-        max_bytes=1 << 20,
-        media_types=DEFAULT_MEDIA_TYPES,
-        max_per_reply=2,
-        attached=lambda: recorded,
-    )
+    again = tool()
     recorded[:] = [r for i in (0, 1) for r in (await call(f"f{i}.txt", f"k3:{i}")).attachments]
     limited = await again(GateCall("c", "attach", {"path": "f3.txt"}), "k3:9")
     assert f"({ReasonCode.ATTACHMENT_LIMIT})" in text(limited)

@@ -14,12 +14,13 @@ from typing import Any, Final
 import pytest
 import trio
 
+from fake_pi.model_server import ScriptedModel
 from fake_pi.scenario import TINY_PNG, Attach, Call, Step, Text, ToolCalls
 from runtime._cli import main
 from runtime._config import ModelConfig, RoomConfig, RoomWorkerConfig
 from runtime._records import Outcome, Result, ToolOutcome
 from runtime._rooms._worker import open_room_worker
-from runtime._wire import Attachment
+from runtime._wire import Attachment, DeliveryResult
 
 from .._pi import pi_home
 from .._workers import scripted_upstream
@@ -44,6 +45,18 @@ def config(kind: str, url: str, **overrides: Any) -> RoomWorkerConfig:
 
 def picture(name: str = "picture.png") -> Attachment:
     return Attachment(id=DIGEST, name=name, media_type="image/png", size=len(PNG), sha256=DIGEST)
+
+
+async def one_reply(tmp_path: Path, steps: list[Step]) -> tuple[ScriptedModel, DeliveryResult]:
+    """A Fake-Pi room worker on ``steps`` answers one delivery: the model and the result."""
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream(steps) as (model, url),
+            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+    return model, result
 
 
 @pytest.mark.parametrize("kind", ["fake", "pi"])
@@ -93,13 +106,7 @@ async def test_a5_a_refused_attach_reaches_the_model_and_not_the_reply(tmp_path:
         ToolCalls(calls=[Call(name="attach", arguments={"path": str(outside)})]),
         Text(text="I could not attach it"),
     ]
-    with trio.fail_after(LIMIT):
-        async with (
-            scripted_upstream(steps) as (model, url),
-            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
-        ):
-            await worker.deliver(message("d1"))
-            (result,) = await next_results(worker, 1)
+    model, result = await one_reply(tmp_path, steps)
     assert (result.outcome, result.text, result.attachments) == (
         Outcome.REPLY,
         "I could not attach it",
@@ -137,13 +144,7 @@ async def test_a10_journal_verify_reports_a_damaged_attachment_and_an_orphan(
     nothing to report; one flipped bit in the picture is a problem with its code (exit 1);
     a file no record names is a note, not a problem."""
     steps: list[Step] = [Attach(), Text(text="here")]
-    with trio.fail_after(LIMIT):
-        async with (
-            scripted_upstream(steps) as (_model, url),
-            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
-        ):
-            await worker.deliver(message("d1"))
-            await next_results(worker, 1)
+    await one_reply(tmp_path, steps)
     state = tmp_path / "state"
     root = state / "attachments"
     verify = ["journal", "verify", "--state-dir", str(state)]
@@ -174,13 +175,7 @@ async def test_a12_attaches_past_max_per_reply_are_refused_and_the_turn_replies(
         ToolCalls(calls=calls),
         Text(text="sixteen of them"),
     ]
-    with trio.fail_after(LIMIT):
-        async with (
-            scripted_upstream(steps) as (model, url),
-            open_room_worker(config("fake", url), base_dir=tmp_path) as worker,
-        ):
-            await worker.deliver(message("d1"))
-            (result,) = await next_results(worker, 1)
+    model, result = await one_reply(tmp_path, steps)
     assert (result.outcome, result.text) == (Outcome.REPLY, "sixteen of them")
     assert [a.name for a in result.attachments] == [f"f{i}.txt" for i in range(1, 17)]
     told = [m for m in model.requests[2].body["messages"] if m.get("role") == "tool"]
