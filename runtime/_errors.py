@@ -150,6 +150,7 @@ class ReasonCode(enum.StrEnum):
     ADMIN_BAD_RESPONSE = "admin_bad_response"
     SERVER_NOT_RUNNING = "server_not_running"
     USAGE_INVALID = "usage_invalid"  # the command line could not be parsed (operations.md O17)
+    IO_FAILED = "io_failed"  # the system refused a file or socket operation a command needed
     # the websocket wire protocol (docs/design/protocol.md): one code per bad frame
     NOT_JSON = "not_json"
     NOT_AN_OBJECT = "not_an_object"

@@ -45,7 +45,6 @@ from ._base import (
     asks_for_json,
     fail,
     log_json_option,
-    logger,
 )
 from ._logging import configure_logging
 from ._serve import add_serve_arguments
@@ -107,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except PiRuntimeError as error:
         return fail(error)
-    except OSError as error:
-        logger.error("%s", error)
-        return EXIT_FAILED
+    except OSError as error:  # O18: a path or socket of the user's the system refused
+        return fail(PiRuntimeError(ReasonCode.IO_FAILED, str(error)))
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()  # every line still waiting is written first

@@ -252,3 +252,28 @@ def test_o15_an_unsafe_test_timescale_of_0_is_refused_not_taken_for_1(
     assert code == EXIT_FAILED
     assert "pi-runtime: watchdog_config_invalid: unsafe_test_timescale: " in err
     assert not (state / "lanes").exists()
+
+
+# --------------------------------------------------------------- what the system refused
+
+
+@pytest.mark.parametrize("log_json", [False, True])
+def test_o18_a_file_operation_the_system_refuses_has_its_code(
+    log_json: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """O18: an operation on a path the user gave that the system refuses (here a state
+    directory under a file: ``ENOTDIR``) ends with one line carrying the stable code
+    ``io_failed`` and the system's reason, exit status 1 — as every other refusal of the
+    command line. Before, the line had no code (``pi-runtime: [Errno 20] …``)."""
+    (tmp_path / "file").write_text("not a directory")
+    argv = ["token", "rotate", "--state-dir", str(tmp_path / "file" / "state")]
+    code, out, err = run(["--log-json", *argv] if log_json else argv, capsys)
+    assert (code, out) == (EXIT_FAILED, "")
+    if log_json:
+        (line,) = json_lines(err)
+        assert line["code"] == "io_failed"
+        assert "Not a directory" in line["message"]
+    else:
+        assert err.startswith("pi-runtime: io_failed: "), err
+        assert "Not a directory" in err
+        assert err.count("\n") == 1, err
