@@ -933,6 +933,14 @@ class RoomWorker:
             await self.store.write_document(CANCEL_REQUESTS, _encode_ids(unfinished))
         if rooms is not None:  # a claimed lane: the cancels other hosts took (S26)
             await self._learn_cancels()
+        # L19: whose turn began in a run before this start (its log is made as it begins);
+        # one only queued at the crash, here or on any host, is charged nothing. Read before
+        # the loop: between a lane's start (its first delivery may run at once) and the
+        # riders attached to that delivery (L10), nothing is awaited
+        began = {
+            r.delivery_id: await self.store.exists(self.store.delivery_rel(r.delivery_id))
+            for r in running
+        }
         replaying: set[str] = set()
         for record in running:
             delivery = msgspec.convert(record.request, Delivery)
@@ -950,9 +958,7 @@ class RoomWorker:
                 record.delivery_id
             ):
                 refused, cancelled = None, False  # its lane publishes the recorded one
-            # L19: its turn began in a run before this start (its log is made as it begins);
-            # one only queued at the crash, here or on any host, is charged nothing
-            recovering = await self.store.exists(self.store.delivery_rel(record.delivery_id))
+            recovering = began[record.delivery_id]
             if rooms is None:
                 lane = self._lane(delivery.room)
             else:  # claimed just now: still held after the last await? (else: claimed later)
