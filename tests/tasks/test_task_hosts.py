@@ -163,6 +163,27 @@ async def orphaned_by_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[Task
 
 
 @contextlib.asynccontextmanager
+async def waiting_on_shared_storage(
+    tmp_path: Path, pg_dsn: str
+) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
+    """A and B on one state directory (``shared_worktrees``): A's task waits for its user,
+    its epoch over; A's lease (3 s) still holds, B has not looked."""
+    async with (
+        task_host(
+            tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0, state="shared",
+            shared_worktrees=True,
+        ) as a,
+        task_host(
+            tmp_path, "b", pg_dsn, [done(), say()], state="shared", shared_worktrees=True
+        ) as b,
+    ):  # fmt: skip
+        await a.runner.submit(spec(tmp_path))
+        await a.until(lambda: a.runner.show(TASK).state == "waiting")
+        await a.until(lambda: not a.runner.lane(TASK).live)
+        yield a, b
+
+
+@contextlib.asynccontextmanager
 async def claimed_from_a(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[TaskHost, TaskHost]]:
     """:func:`orphaned_by_a`, and B claims the lane."""
     async with orphaned_by_a(tmp_path, pg_dsn) as (a, b):
@@ -351,18 +372,7 @@ async def test_s32_on_shared_storage_a_claimed_task_resumes_on_the_new_host(
     and the user's reply sent to B runs it there to its end — one end record, the second
     epoch launched by B in the same session."""
     with trio.fail_after(LIMIT):
-        async with (
-            task_host(
-                tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0, state="shared",
-                shared_worktrees=True,
-            ) as a,
-            task_host(
-                tmp_path, "b", pg_dsn, [done(), say()], state="shared", shared_worktrees=True
-            ) as b,
-        ):  # fmt: skip
-            await a.runner.submit(spec(tmp_path))
-            await a.until(lambda: a.runner.show(TASK).state == "waiting")
-            await a.until(lambda: not a.runner.lane(TASK).live)
+        async with waiting_on_shared_storage(tmp_path, pg_dsn) as (a, b):
             first = a.runner.show(TASK).session_path
             await expire_leases(pg_dsn, ago=STOP_BOUND)
             await b.runner.claim_orphans()

@@ -30,6 +30,7 @@ from .test_task_hosts import (
     launch_hosts,
     spec,
     task_host,
+    waiting_on_shared_storage,
 )
 
 __all__ = ["pg_dsn", "pg_server"]  # the fixtures this module uses
@@ -120,18 +121,7 @@ async def test_s12_s32_on_shared_storage_a_task_is_claimed_only_once_its_holders
     submission), and then resumes it to its one end."""
     rel = f"lanes/{lane_key(LANE)}/lane.log"
     with trio.fail_after(LIMIT):
-        async with (
-            task_host(
-                tmp_path, "a", pg_dsn, [wait(), say("asked")], lease=3.0, state="shared",
-                shared_worktrees=True,
-            ) as a,
-            task_host(
-                tmp_path, "b", pg_dsn, [done(), say()], state="shared", shared_worktrees=True
-            ) as b,
-        ):  # fmt: skip
-            await a.runner.submit(spec(tmp_path))
-            await a.until(lambda: a.runner.show(TASK).state == "waiting")
-            await a.until(lambda: not a.runner.lane(TASK).live)
+        async with waiting_on_shared_storage(tmp_path, pg_dsn) as (a, b):
             await execute(  # A's lease ran out just now (A paused, or cut off)
                 pg_dsn, "UPDATE pi_runtime.lanes SET lease_until = now() WHERE lane = %s", [rel]
             )
