@@ -37,6 +37,7 @@ from ._errors import ConfigError, DeliveryError, ReasonCode
 from ._journal._attachments import attachment_root
 from ._records import ReplayClass
 from ._room_ids import room_problem
+from ._wire import least_room_for_text
 
 __all__ = [
     "DEFAULT_GRANTS",
@@ -190,7 +191,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     is refused (``origin_refused``); a client that sends none (a bot, a script) is allowed."""
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 256 * 1024
     """Largest client frame answered normally; a larger one gets ``frame_too_large`` (and
-    one over four times this closes the connection)."""
+    one over four times this closes the connection). No ``result`` frame is larger either:
+    a reply's text is cut to fit (protocol.md P14, C15)."""
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Deliveries one connection may have admitted and unfinished; one more is refused
     ``too_many_in_flight`` (backpressure, never a silent drop)."""
@@ -455,7 +457,7 @@ def config_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> Ro
 
 
 def validate_config(config: RoomWorkerConfig, *, base: Path | None = None) -> RoomWorkerConfig:
-    """The configuration checked against C1…C13 (``docs/design/config.md``), with every field's
+    """The configuration checked against C1…C15 (``docs/design/config.md``), with every field's
     type checked too (a Struct does not check types when built in Python) and every path made
     absolute against ``base`` (default: the working directory). Returns the normalised
     configuration to run with; raises :class:`ConfigError` naming the first invalid setting."""
@@ -891,6 +893,27 @@ def _check_integers(config: RoomWorkerConfig) -> None:
                 raise ConfigError(setting, f"must be at most {bound} ({why})")
 
 
+def _check_result_frame(config: RoomWorkerConfig) -> None:
+    """C15: a reply's ``result`` frame at its largest leaves at least half of
+    ``[server] max_frame_bytes`` for the reply's text (protocol.md P14)."""
+    frame = config.server.max_frame_bytes
+    attachments = config.attachments
+    room = least_room_for_text(
+        max_frame_bytes=frame,
+        max_per_reply=attachments.max_per_reply,
+        media_types=attachments.media_types,
+        max_bytes=attachments.max_bytes,
+    )
+    if room < frame // 2:
+        raise ConfigError(
+            "server.max_frame_bytes",
+            f"{frame} leaves {max(room, 0)} bytes of a reply's result frame for its text once "
+            f"its attachments.max_per_reply = {attachments.max_per_reply} attachments and ids "
+            "are at their longest; it must leave at least half: raise server.max_frame_bytes "
+            "or lower attachments.max_per_reply",
+        )
+
+
 def _check_backoff(config: RoomWorkerConfig) -> None:
     """PB2: the first wait is at most the longest."""
     if config.backoff.first_seconds > config.backoff.max_seconds:
@@ -934,6 +957,7 @@ _CHECKS: Final = (
     _check_threshold_order,
     _check_caps,
     _check_integers,
+    _check_result_frame,
     _check_retention,
     _check_backoff,
     _check_metrics,

@@ -252,6 +252,8 @@ class Result(_Record, tag="result", frozen=True, kw_only=True):
     finished_ms: int
     attachments: list[AttachmentRef] = msgspec.field(default_factory=list)
     """A reply's attachments, in the order they were attached (A4)."""
+    truncated: bool = False
+    """``text`` is the beginning of a reply too long for a result frame (protocol.md P14)."""
 
 
 class Poison(_Record, tag="poison", frozen=True, kw_only=True):
@@ -343,6 +345,8 @@ class ResultPublished(_Record, tag="result_published", frozen=True, kw_only=True
     attachments: list[AttachmentRef] = msgspec.field(default_factory=list)
     published_ms: int = 0
     """When it was published (wall clock); 0 in a record written before this was kept."""
+    truncated: bool = False
+    """``text`` is the beginning of a reply too long for a result frame (protocol.md P14)."""
 
 
 class ResultAcked(_Record, tag="result_acked", frozen=True, kw_only=True):

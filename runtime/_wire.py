@@ -14,15 +14,20 @@ task lanes share (docs/design/protocol.md). Plain msgspec Structs with no I/O, s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Final, Literal
 
 import msgspec
 
+from ._errors import ReasonCode
 from ._records import AttachmentRef, Outcome, ResultPublished
 
 __all__ = [
     "DEFAULT_TASK_GRANTS",
     "DEFAULT_VALIDATION_TIMEOUT",
+    "MAX_ATTACHMENT_NAME",
+    "MAX_ID",
+    "MAX_SEQ",
     "Accepted",
     "Attachment",
     "DeliveryResult",
@@ -34,7 +39,23 @@ __all__ = [
     "TextUpdate",
     "ToolActivity",
     "Typing",
+    "fit_reply_text",
+    "least_room_for_text",
+    "room_for_text",
 ]
+
+MAX_ID: Final = 200
+"""Longest ``delivery_id``, ``message_id`` or author id accepted (characters)."""
+MAX_ATTACHMENT_NAME: Final = 200
+"""Longest attachment name (characters)."""
+MAX_SEQ: Final = 2**63 - 1
+"""No result's ``seq`` passes it (a PostgreSQL ``bigint``); the frame bound counts on it."""
+_LONGEST_ROOM: Final = "room:" + "\U0010ffff" * 200
+"""The longest room id in UTF-8 bytes (``room:`` and 200 characters, ``_room_ids``)."""
+_WIDEST: Final = "\U0010ffff"
+"""A printable character of the most UTF-8 bytes (4; an escaped control character is 6, but
+ids and names are printable)."""
+_LONGEST_CODE: Final = max((str(code) for code in ReasonCode), key=len)
 
 
 class Typing(msgspec.Struct, frozen=True, kw_only=True, tag="typing"):
@@ -92,6 +113,10 @@ class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
     absorbed_into: str | None = None
     attachments: list[Attachment] = msgspec.field(default_factory=list)
     """A reply's pictures and files, in the order the agent attached them."""
+    truncated: bool = False
+    """The reply's text was longer than a result frame carries (``[server] max_frame_bytes``,
+    protocol.md P14): ``text`` is its beginning, cut at a character. The whole reply stays in
+    the room's session."""
 
     @classmethod
     def of(cls, record: ResultPublished) -> DeliveryResult:
@@ -104,7 +129,75 @@ class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
             code=record.code,
             absorbed_into=record.absorbed_into,
             attachments=[Attachment.of(ref) for ref in record.attachments],
+            truncated=record.truncated,
         )
+
+
+def room_for_text(
+    *, delivery_id: str, room: str, attachments: Iterable[Attachment], max_frame_bytes: int
+) -> int:
+    """How many UTF-8 bytes of JSON-encoded text a reply's ``result`` frame has room for
+    within ``max_frame_bytes`` (protocol.md P14), counting the frame at its largest: the
+    largest ``seq``, ``truncated`` set, and every attachment marked lost with the longest
+    code (the server marks an attachment lost when it sends the frame, after the text was
+    fitted)."""
+    frame = DeliveryResult(
+        seq=MAX_SEQ,
+        delivery_id=delivery_id,
+        room=room,
+        outcome=Outcome.REPLY,
+        text="",
+        attachments=[
+            msgspec.structs.replace(a, lost=True, code=_LONGEST_CODE) for a in attachments
+        ],
+        truncated=True,
+    )
+    return max_frame_bytes - len(msgspec.json.encode(frame))
+
+
+def least_room_for_text(
+    *, max_frame_bytes: int, max_per_reply: int, media_types: Iterable[str], max_bytes: int
+) -> int:
+    """:func:`room_for_text` for the largest frame a configuration allows: the longest ids
+    and names in the widest characters, ``max_per_reply`` attachments of the longest media
+    type and largest size (config.md C15)."""
+    widest = Attachment(
+        id="f" * 64,
+        name=_WIDEST * MAX_ATTACHMENT_NAME,
+        media_type=max(media_types, key=len, default=""),
+        size=max_bytes,
+        sha256="f" * 64,
+    )
+    return room_for_text(
+        delivery_id=_WIDEST * MAX_ID,
+        room=_LONGEST_ROOM,
+        attachments=[widest] * max_per_reply,
+        max_frame_bytes=max_frame_bytes,
+    )
+
+
+def fit_reply_text(text: str, room: int) -> tuple[str, bool]:
+    """``text`` as a result frame with ``room`` bytes for it (:func:`room_for_text`) carries
+    it: whole, or its longest beginning that fits, cut at a character; and whether it was cut
+    (protocol.md P14)."""
+
+    def fits(length: int) -> bool:
+        return len(msgspec.json.encode(text[:length])) - 2 <= room  # less the quotes
+
+    if _MAX_ESCAPED * len(text) <= room or fits(len(text)):
+        return text, False
+    shortest, longest = 0, len(text)  # text[:shortest] fits; text[:longest] does not
+    while longest - shortest > 1:
+        middle = (shortest + longest) // 2
+        if fits(middle):
+            shortest = middle
+        else:
+            longest = middle
+    return text[:shortest], True
+
+
+_MAX_ESCAPED: Final = 6
+"""The most bytes one character of a JSON string takes (a control character, ``\\u001f``)."""
 
 
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):

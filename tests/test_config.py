@@ -869,3 +869,34 @@ def test_c14_a_file_the_parser_cannot_read_is_named_not_a_traceback(
         load_config(file)
     assert caught.value.setting == str(file)
     assert words in caught.value.message
+
+
+# ----------------------------------------------------------------- the result frame (C15)
+
+
+@pytest.mark.parametrize(
+    ("frame", "per_reply", "taken"),
+    [
+        (256 * 1024, 64, True),  # the defaults' frame with the most attachments
+        (64 * 1024, 16, True),
+        (32 * 1024, 16, False),  # sixteen attachments at their longest take more than half
+        (32 * 1024, 4, True),
+        (1024, 1, False),  # one attachment at its longest alone is more than half of 1 KiB
+    ],
+)
+def test_c15_a_result_frame_leaves_half_of_itself_for_the_reply(
+    frame: int, per_reply: int, taken: bool
+) -> None:
+    """C15: with ``max_per_reply`` attachments and every id at its longest, a reply's result
+    frame leaves at least half of ``[server] max_frame_bytes`` for the text (protocol.md
+    P14): else a configuration could promise a frame bound no reply keeps."""
+    data = {
+        "server": {"max_frame_bytes": frame},
+        "attachments": {"max_per_reply": per_reply},
+    }
+    if taken:
+        config_from_dict(data, base=BASE)
+        return
+    error = refused(data)
+    assert error.setting == "server.max_frame_bytes"
+    assert f"attachments.max_per_reply = {per_reply}" in error.message

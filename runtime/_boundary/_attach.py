@@ -46,6 +46,7 @@ import trio
 from .._errors import ReasonCode
 from .._journal._attachments import AttachmentStore
 from .._records import AttachmentRef
+from .._wire import MAX_ATTACHMENT_NAME
 from ._calls import GateCall, GateResult
 
 __all__ = ["AttachTool", "sniff_media_type"]
@@ -64,8 +65,6 @@ _TEXT_SUFFIXES: Final = {
     ".csv": "text/csv",
     ".json": "application/json",
 }
-MAX_NAME: Final = 200
-"""Longest attachment name (characters)."""
 
 
 def sniff_media_type(name: str, data: bytes) -> str | None:
@@ -256,7 +255,7 @@ def _display_name(name: str) -> str:
     shown = "".join(c for c in PurePosixPath(name).name if c.isprintable()).strip()
     if shown in ("", ".", ".."):
         return "attachment"
-    return shown[:MAX_NAME]
+    return shown[:MAX_ATTACHMENT_NAME]
 
 
 def _refusal(code: ReasonCode, why: str) -> GateResult:

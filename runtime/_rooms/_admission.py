@@ -29,6 +29,7 @@ import msgspec
 from .._errors import DeliveryError, ReasonCode
 from .._records import Fingerprints
 from .._room_ids import check_room
+from .._wire import MAX_ID
 
 __all__ = [
     "Author",
@@ -43,8 +44,6 @@ __all__ = [
     "settings_fingerprint",
 ]
 
-MAX_ID: Final = 200
-"""Longest ``delivery_id``, ``message_id`` or author id accepted."""
 _sorted: Final = msgspec.json.Encoder(order="sorted")
 
 

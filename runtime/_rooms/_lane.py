@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 from collections import deque
@@ -65,6 +66,7 @@ from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
+from .._logs import fields
 from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS, labelled
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._session_files import (
@@ -85,7 +87,7 @@ from .._records import (
     Result,
     StepAbandoned,
 )
-from .._wire import RoomEvent, TextUpdate
+from .._wire import Attachment, RoomEvent, TextUpdate, fit_reply_text, room_for_text
 from ._outbox import ResultOutbox
 from ._outcome import TurnEnd
 from ._pending import Absorbed, Pending
@@ -102,6 +104,8 @@ _PROVIDER_CODES: Final = (ReasonCode.MODEL_FAILED, ReasonCode.USAGE_LIMIT_REACHE
 """The turn ends a provider's failure gets (``_outcome.py``): the ones parking replaces."""
 REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
+logger = logging.getLogger("runtime.rooms")
+
 EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
 
 
@@ -128,6 +132,8 @@ class LaneHost:
     idle_stop: float
     recovery_attempts: int
     text_update_chars: int
+    max_frame_bytes: int
+    """A result frame's bound: a reply's text is cut to fit it (protocol.md P14)."""
     emit: Callable[[RoomEvent], None]
     finished: Callable[[Pending], None]
     reserve_worker: Callable[[Lane, Slot], Any]
@@ -601,7 +607,8 @@ class Lane:
                     return self._refused("session")
                 await self._store_session(slot.session)  # S13: before the result
                 attached = boundaries.tools.attachments() if end.outcome is Outcome.REPLY else []
-                return self._result(end, leaf=leaf, attachments=attached)  # A4
+                result = self._result(end, leaf=leaf, attachments=attached)  # A4
+                return self._fitted(pending, result)  # P14
         finally:
             boundaries.release()  # the log closes next: nothing of this turn stays in memory
             if slot is self._oneshot:
@@ -766,6 +773,30 @@ class Lane:
             attachments=attachments or [],
         )
 
+    def _fitted(self, pending: Pending, result: Result) -> Result:
+        """``result`` with its reply text cut to what a result frame carries (protocol.md
+        P14), before it is recorded: the delivery's log, the outbox and every re-send hold
+        the same words."""
+        if result.text is None:
+            return result
+        room = room_for_text(
+            delivery_id=pending.delivery_id,
+            room=self.room,
+            attachments=map(Attachment.of, result.attachments),
+            max_frame_bytes=self.host.max_frame_bytes,
+        )
+        text, cut = fit_reply_text(result.text, room)
+        if not cut:
+            return result
+        logger.warning(
+            "the reply of %s was cut to its first %d of %d characters to fit a result frame",
+            pending.delivery_id,
+            len(text),
+            len(result.text),
+            extra=fields("reply_truncated", delivery_id=pending.delivery_id, room=self.room),
+        )
+        return msgspec.structs.replace(result, text=text, truncated=True)
+
     async def _publish(self, pending: Pending, result: Result) -> None:
         await self.host.outbox.publish(
             delivery_id=pending.delivery_id,
@@ -775,6 +806,7 @@ class Lane:
             code=result.code,
             absorbed_into=result.absorbed_into,
             attachments=result.attachments,
+            truncated=result.truncated,
             fence=self.fence,
         )
         self.host.finished(pending)

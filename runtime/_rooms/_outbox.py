@@ -160,6 +160,7 @@ class ResultOutbox:
         code: str | None = None,
         absorbed_into: str | None = None,
         attachments: list[AttachmentRef] | None = None,
+        truncated: bool = False,
         fence: Fence | None = None,
     ) -> DeliveryResult:
         """Publish a delivery's result durably, once: a second call for the same delivery
@@ -179,6 +180,7 @@ class ResultOutbox:
                     absorbed_into=absorbed_into,
                     attachments=attachments or [],
                     published_ms=self._now_ms(),
+                    truncated=truncated,
                 )
                 if await self._log.try_append(record, fence=fence) is not None:
                     self._learn([record])

@@ -1544,6 +1544,7 @@ async def open_room_worker(
             idle_stop=thresholds.idle_stop_seconds,
             recovery_attempts=config.caps.recovery_attempts,
             text_update_chars=config.caps.text_update_chars,
+            max_frame_bytes=config.server.max_frame_bytes,
             emit=emit,
             finished=finished,
             reserve_worker=reserve,

@@ -28,8 +28,9 @@ from typing import Annotated, Any, Final, Literal, NoReturn, get_args
 import msgspec
 
 from .._errors import PiRuntimeError, ProtocolError, ReasonCode
-from .._rooms._admission import MAX_ID, Author, HistoryItem
+from .._rooms._admission import Author, HistoryItem
 from .._wire import (
+    MAX_ID,
     Accepted,
     DeliveryResult,
     RoomStatus,

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from fake_pi.scenario import TINY_PNG
-from runtime._boundary._attach import MAX_NAME, AttachTool, sniff_media_type
+from runtime._boundary._attach import AttachTool, sniff_media_type
 from runtime._boundary._calls import GateCall, GateResult
 from runtime._config import (
     DEFAULT_MEDIA_TYPES,
@@ -31,7 +31,7 @@ from runtime._errors import ConfigError, ReasonCode
 from runtime._journal._attachments import AttachmentStore, attachment_root
 from runtime._records import AttachmentRef, Outcome
 from runtime._server._protocol import encode_server_frame
-from runtime._wire import Attachment, DeliveryResult
+from runtime._wire import MAX_ATTACHMENT_NAME, Attachment, DeliveryResult
 
 PNG = base64.b64decode(TINY_PNG)
 
@@ -321,10 +321,10 @@ async def test_a12_a_reply_carries_at_most_max_per_reply_files(dirs: tuple[Path,
 
 def test_a12_the_attachments_of_a_result_frame_stay_within_a_quarter_of_a_frame() -> None:
     """A12: ``max_per_reply`` is at most 64, and with it at that bound, every attachment's
-    name the longest (``MAX_NAME`` characters of four UTF-8 bytes each), its size the largest
-    and marked lost, the ``result`` frame's attachments take at most a quarter of the default
-    ``[server] max_frame_bytes``: attachments cannot grow a reply's frame past what a client
-    is told frames are."""
+    name the longest (``MAX_ATTACHMENT_NAME`` characters of four UTF-8 bytes each), its size
+    the largest and marked lost, the ``result`` frame's attachments take at most a quarter of
+    the default ``[server] max_frame_bytes``: attachments cannot grow a reply's frame past
+    what a client is told frames are."""
     most = 64
     with pytest.raises(ConfigError) as refused:
         validate_config(RoomWorkerConfig(attachments=AttachmentsConfig(max_per_reply=most + 1)))
@@ -333,7 +333,7 @@ def test_a12_the_attachments_of_a_result_frame_stay_within_a_quarter_of_a_frame(
     sha = "f" * 64
     worst = Attachment(
         id=sha,
-        name="\U0001f600" * MAX_NAME,
+        name="\U0001f600" * MAX_ATTACHMENT_NAME,
         media_type="application/json",
         size=2**30,
         sha256=sha,

@@ -14,7 +14,7 @@ from typing import Any, get_args
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from runtime._errors import DeliveryError, ProtocolError, ReasonCode
@@ -55,12 +55,15 @@ from runtime._server._protocol import (
     schema_text,
 )
 from runtime._wire import (
+    MAX_SEQ,
     Accepted,
     Attachment,
     DeliveryResult,
     TextUpdate,
     ToolActivity,
     Typing,
+    fit_reply_text,
+    room_for_text,
 )
 
 from .test_task_wire import TASK_VIEW
@@ -480,6 +483,7 @@ def test_p8_the_runtimes_objects_are_server_frames() -> None:
         "code": None,
         "absorbed_into": None,
         "attachments": [],
+        "truncated": False,
     }
 
 
@@ -529,3 +533,76 @@ def test_p10_the_schema_entry_point_prints_it() -> None:
     assert json.loads(done.stdout)["$defs"]["ClientFrame"]["discriminator"]["propertyName"] == (
         "type"
     )
+
+
+# -- P14: a result frame fits max_frame_bytes ------------------------------------------------
+
+
+def _worst(attachments: list[Attachment], **fields: Any) -> DeliveryResult:
+    """A reply's result frame at its largest for a text: the largest seq, every attachment
+    lost with the longest code (as the server may send it again later)."""
+    longest = max((str(code) for code in ReasonCode), key=len)
+    lost = [msgspec.structs.replace(a, lost=True, code=longest) for a in attachments]
+    return DeliveryResult(
+        seq=MAX_SEQ, delivery_id="d1", room="dm:42", outcome=Outcome.REPLY, attachments=lost,
+        **fields,
+    )  # fmt: skip
+
+
+def _size(frame: DeliveryResult) -> int:
+    return len(encode_server_frame(frame).encode())
+
+
+@given(
+    text=st.text(min_size=1, max_size=400),
+    bound=st.integers(min_value=200, max_value=2_000),
+    named=st.lists(st.text(min_size=1, max_size=20), max_size=3),
+)
+def test_p14_a_fitted_reply_is_the_longest_beginning_a_frame_carries(
+    text: str, bound: int, named: list[str]
+) -> None:
+    """P14: the fitted text is a beginning of the reply; its frame, at its largest, is within
+    the bound; cut only when the whole would not fit, and then one more character would not."""
+    attachments = [
+        Attachment(id="a" * 64, name=name, media_type="image/png", size=9, sha256="a" * 64)
+        for name in named
+    ]
+    room = room_for_text(
+        delivery_id="d1", room="dm:42", attachments=attachments, max_frame_bytes=bound
+    )
+    assume(room >= 0)
+    fitted, cut = fit_reply_text(text, room)
+    assert text.startswith(fitted)
+    assert cut is (fitted != text)
+    assert _size(_worst(attachments, text=fitted, truncated=True)) <= bound
+    if cut:
+        longer = text[: len(fitted) + 1]
+        assert _size(_worst(attachments, text=longer, truncated=True)) > bound
+
+
+@pytest.mark.parametrize(
+    "unit", ["a", "é", "\U0001f600", "\x01", '"', "a\x01é\U0001f600\\"], ids=repr
+)
+def test_p14_a_long_reply_is_cut_to_the_frame_in_any_characters(unit: str) -> None:
+    """P14: a reply of up to six bytes per character on the wire (a control character
+    escaped) is cut to fit 256 KiB with sixteen attachments, and no more than it must."""
+    bound = 256 * 1024
+    picture = Attachment(
+        id="f" * 64, name="pic.png", media_type="image/png", size=1, sha256="f" * 64
+    )
+    attachments = [picture] * 16
+    text = unit * (300_000 // len(unit))
+    room = room_for_text(
+        delivery_id="d1", room="dm:42", attachments=attachments, max_frame_bytes=bound
+    )
+    fitted, cut = fit_reply_text(text, room)
+    assert cut
+    assert text.startswith(fitted)
+    assert bound - len(unit) * 6 < _size(_worst(attachments, text=fitted, truncated=True)) <= bound
+    assert fit_reply_text(fitted, room) == (fitted, False)
+
+
+def test_p14_a_reply_that_fits_is_left_whole() -> None:
+    assert fit_reply_text("hello", 5) == ("hello", False)
+    assert fit_reply_text("hello", 4) == ("hell", True)
+    assert fit_reply_text("\x01", 5) == ("", True)  # "\u0001": six bytes

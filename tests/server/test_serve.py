@@ -46,11 +46,15 @@ class Rig:
 
     @contextlib.asynccontextmanager
     async def connect(
-        self, *, hello: bool = True, origin: str | None = None
+        self, *, hello: bool = True, origin: str | None = None, max_message_size: int = 2**20
     ) -> AsyncIterator[Client]:
+        """A client; ``max_message_size``: the largest frame it takes (trio-websocket's
+        default, 1 MiB); a larger one closes the connection (1009)."""
         headers = [(b"Origin", origin.encode())] if origin is not None else None
         url = f"ws://127.0.0.1:{self.server.port}/"
-        async with open_websocket_url(url, extra_headers=headers) as ws:
+        async with open_websocket_url(
+            url, extra_headers=headers, max_message_size=max_message_size
+        ) as ws:
             client = Client(ws)
             if hello:
                 welcome = await client.hello(self.token)
