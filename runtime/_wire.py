@@ -40,6 +40,7 @@ __all__ = [
     "ToolActivity",
     "Typing",
     "fit_reply_text",
+    "fit_result",
     "least_room_for_text",
     "room_for_text",
 ]
@@ -194,6 +195,22 @@ def fit_reply_text(text: str, room: int) -> tuple[str, bool]:
         else:
             longest = middle
     return text[:shortest], True
+
+
+def fit_result(result: DeliveryResult, max_frame_bytes: int) -> DeliveryResult:
+    """``result`` as a frame of at most ``max_frame_bytes`` carries it (protocol.md P14):
+    unchanged when it fits, else with its text cut and ``truncated`` — for a result recorded
+    under a larger bound than the one it is sent under now (the configuration changed)."""
+    if result.text is None:
+        return result
+    room = room_for_text(
+        delivery_id=result.delivery_id,
+        room=result.room,
+        attachments=result.attachments,
+        max_frame_bytes=max_frame_bytes,
+    )
+    text, cut = fit_reply_text(result.text, room)
+    return msgspec.structs.replace(result, text=text, truncated=True) if cut else result
 
 
 _MAX_ESCAPED: Final = 6

@@ -71,7 +71,7 @@ from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
-from .._wire import DeliveryResult, RoomEvent, TaskEvent
+from .._wire import DeliveryResult, RoomEvent, TaskEvent, fit_result
 from ._heap import HeapPolicy, keep_heap
 from ._listen import open_websocket_listeners
 from ._metrics import is_loopback, open_metrics
@@ -616,7 +616,22 @@ class RoomServer:
 
     async def _checked(self, result: DeliveryResult) -> DeliveryResult:
         """``result`` as it may be sent now (A7): each attachment whose bytes are not there
-        intact is marked ``lost`` with its code; the words go out unchanged."""
+        intact is marked ``lost`` with its code; the words go out unchanged — unless the
+        result was recorded under a larger ``max_frame_bytes`` than this server's: then its
+        text is cut to fit (P14)."""
+        sent = fit_result(await self._with_attachments_checked(result), self.server.max_frame_bytes)
+        if sent.truncated and not result.truncated:
+            logger.warning(
+                "result %d was recorded under a larger frame bound: its text is sent cut to the "
+                "first %d of %d characters",
+                result.seq,
+                len(sent.text or ""),
+                len(result.text or ""),
+                extra=fields("reply_truncated", delivery_id=result.delivery_id, seq=result.seq),
+            )
+        return sent
+
+    async def _with_attachments_checked(self, result: DeliveryResult) -> DeliveryResult:
         if not result.attachments:
             return result
         shown = []

@@ -51,3 +51,28 @@ async def test_p14_a_reply_too_long_for_a_frame_is_cut_and_the_results_behind_it
     assert again == [first, second]
     (recorded,) = [record for record in log.records if isinstance(record, Result)]
     assert (recorded.text, recorded.truncated) == (first["text"], True)  # the log's words too
+
+
+async def test_p14_a_result_recorded_under_a_larger_bound_is_sent_cut_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """P14: a reply published whole under the default bound (256 KiB), not acknowledged, and
+    the server restarted with a smaller one: the result comes again within the new bound, its
+    text cut and ``truncated``, the same seq; the record keeps the whole reply."""
+    whole = "y\x01" * 20_000  # 140,000 bytes as JSON: whole under 256 KiB, not under 64 KiB
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, {}, [Text(text=whole)]) as r, r.connect() as client:
+            await client.send(message("d1"))
+            first = await client.result("d1")
+        async with rig(tmp_path, SETTINGS) as r:
+            async with r.connect(max_message_size=BOUND) as client:
+                again = await client.result("d1")
+            store = r.server.worker.store
+            log = await store.read(store.delivery_rel("d1"))
+    assert (first["text"], first["truncated"]) == (whole, False)
+    assert again["seq"] == first["seq"]
+    assert again["truncated"] is True
+    assert whole.startswith(again["text"])
+    assert len(again["text"]) > 1_000
+    (recorded,) = [record for record in log.records if isinstance(record, Result)]
+    assert (recorded.text, recorded.truncated) == (whole, False)
