@@ -140,6 +140,16 @@ class _InFlight:
     error: Exception | None = None
 
 
+def _storage_fault(error: BaseException) -> BaseException | None:
+    """``error`` if it is a fault of a lane's own storage — a :class:`JournalError` or an
+    :class:`OSError` — or, for a group holding only such faults, its first; else ``None``
+    (S13)."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error if isinstance(error, JournalError | OSError) else None
+    faults = [_storage_fault(inner) for inner in error.exceptions]
+    return faults[0] if all(fault is not None for fault in faults) else None
+
+
 class RoomWorker:
     """A running room worker; obtain it from :func:`open_room_worker`."""
 
@@ -529,15 +539,18 @@ class RoomWorker:
         workers stopped, it is given up here like a lost lane (its deliveries left to a
         later claim, its lease left to run out) and not claimed here again for a lease's
         time. The fault is that room's, never the host's (nor, in turn, every host's that
-        claims the room)."""
+        claims the room). A fault met in a task of the lane's own nursery (its epoch, its
+        boundaries) comes as an exception group: one holding only such faults is the lane's
+        too; one holding anything else (a cancellation, a bug) is not."""
         try:
             await lane.run()
-        except (JournalError, OSError) as error:
-            if self.leases is None:
+        except (JournalError, OSError, ExceptionGroup) as error:
+            fault = _storage_fault(error)
+            if self.leases is None or fault is None:
                 raise
             self._failed_until[lane.room] = trio.current_time() + self.leases.ttl
             if not lane.lost:  # (a lane lost meanwhile was given up as it stopped)
-                lane.lose(f"it failed here: {error}")
+                lane.lose(f"it failed here: {fault}")
                 self._lane_gone(lane)
 
     def _enqueue(self, lane: Lane, pending: Pending, *, front: bool = False) -> None:

@@ -6,11 +6,14 @@ given up is released only once its workers are stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import pytest
@@ -20,10 +23,11 @@ from fake_pi._behaviours import Behaviours, FakeConfig
 from runtime._errors import DiskFailedError, ReasonCode
 from runtime._journal._fence import Fence
 from runtime._journal._postgres import PgStore
+from runtime._pi import _rpc
 from runtime._pi import _worker as _pi_worker
 from runtime._pi._launch import WorkerProgram
 from runtime._pi._worker import StopPolicy
-from runtime._rooms import _worker
+from runtime._rooms import _slot, _worker
 from runtime._rooms._lane import Lane
 from runtime._rooms._worker import RoomWorker, open_room_worker
 
@@ -79,6 +83,47 @@ async def test_s13_a_claimed_lane_that_cannot_start_stays_in_its_room(
         "dm:1" in r.getMessage() and ReasonCode.JOURNAL_CORRUPT in r.getMessage()
         for r in caplog.records
     )
+
+
+async def test_s13_a_lane_failing_in_a_task_of_its_own_stays_in_its_room(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S13: a lane's fault met after it started, in a task of the lane's own nursery (its
+    epoch's RPC channel ends with ``EIO``), leaves the lane as an exception group, not as the
+    bare error the start's faults are. It stays that room's: the lane is given up (and not
+    claimed here again for a lease's time), and the host answers dm:2. Before, the group
+    passed the lane's ``except`` and took the host down."""
+    real = _rpc.open_rpc_channel
+    armed = trio.Event()
+
+    @contextlib.asynccontextmanager
+    async def failing(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async with real(*args, **kwargs) as rpc:
+            yield rpc
+        if armed.is_set():
+            raise OSError(errno.EIO, "the channel's end met an I/O error")
+
+    monkeypatch.setattr(_slot, "open_rpc_channel", failing)
+    with trio.fail_after(LIMIT):
+        async with (
+            scripted_upstream([]) as (model, url),
+            host(tmp_path, "a", pg_dsn, url) as a,
+        ):
+            await a.deliver(message("d1", "one", room="dm:1"))
+            d1 = await result_of(a, "d1")
+            lane = a._lanes["dm:1"]
+            armed.set()
+            lane.stop_worker()  # its epoch ends: the channel's exit raises
+            await lane.stopped.wait()
+            armed = trio.Event()
+            await a.deliver(message("d2", "two", room="dm:2"))
+            d2 = await result_of(a, "d2")
+            assert a.leases is not None
+            held = a.leases.fence("dm:1")
+    assert (d1.outcome, d2.outcome) == ("reply", "reply")
+    assert lane.lost
+    assert held is None
+    assert model.request_count == 2
 
 
 async def test_s10_s12_a_lane_given_up_mid_claim_is_released_only_once_its_workers_stopped(
