@@ -38,7 +38,7 @@ import itertools
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, cast
 
@@ -138,6 +138,18 @@ class _InFlight:
 
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     error: Exception | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Recovered:
+    """How recovery takes up one unfinished admission (:meth:`RoomWorker._decide`)."""
+
+    record: Admission
+    delivery: Delivery
+    grants: frozenset[str] | None
+    refused: str | None
+    """``recovery_refused:<what>`` (L11), or ``None``."""
+    cancelled: bool
 
 
 def _storage_fault(error: BaseException) -> BaseException | None:
@@ -946,31 +958,37 @@ class RoomWorker:
             await self.store.write_document(CANCEL_REQUESTS, _encode_ids(unfinished))
         if rooms is not None:  # a claimed lane: the cancels other hosts took (S26)
             await self._learn_cancels()
-        # L19: whose turn began in a run before this start (its log is made as it begins);
-        # one only queued at the crash, here or on any host, is charged nothing. Read before
-        # the loop: between a lane's start (its first delivery may run at once) and the
-        # riders attached to that delivery (L10), nothing is awaited
+        # Everything read from the store is read before the loop: between a lane's start (its
+        # first delivery may run at once) and the riders attached to that delivery (L10),
+        # nothing is awaited. L19: whose turn began in a run before this start (its log is
+        # made as it begins); one only queued at the crash, here or on any host, is charged
+        # nothing
         began = {
             r.delivery_id: await self.store.exists(self.store.delivery_rel(r.delivery_id))
             for r in running
         }
+        # a refused or cancelled delivery whose result is recorded in its log already is
+        # published with that one (L5): read for each such one, again while the reads let a
+        # cancel arrive (S26) that makes one more such
+        recorded: dict[str, bool] = {}
+        while True:
+            decided = [self._decide(record, cancels, steered) for record in running]
+            unread = [
+                d.record.delivery_id
+                for d in decided
+                if (d.refused is not None or d.cancelled) and d.record.delivery_id not in recorded
+            ]
+            if not unread:
+                break
+            for delivery_id in unread:
+                recorded[delivery_id] = await self._recorded_result(delivery_id)
         replaying: set[str] = set()
-        for record in running:
-            delivery = msgspec.convert(record.request, Delivery)
-            grants = self.config.grants_for(delivery.room, delivery.author.id)
-            privileged = self.config.is_privileged(delivery.room, delivery.author.id)
-            refused = self._refusal(record, delivery, grants)
-            # `pi-runtime cancel` while no server ran; another host's cancel (S26), also one
-            # learned during the awaits above — not of one steered into a run: it rides its
-            # owner's replay, as a live cancel leaves it (L10)
-            asked = record.delivery_id in cancels or record.delivery_id in self._cancels
-            cancelled = asked and record.delivery_id not in steered
-            if cancelled:
-                refused = None
-            if (refused is not None or cancelled) and await self._recorded_result(
-                record.delivery_id
-            ):
+        for decision in decided:
+            record, delivery, grants = decision.record, decision.delivery, decision.grants
+            refused, cancelled = decision.refused, decision.cancelled
+            if recorded.get(record.delivery_id):
                 refused, cancelled = None, False  # its lane publishes the recorded one
+            privileged = self.config.is_privileged(delivery.room, delivery.author.id)
             recovering = began[record.delivery_id]
             if rooms is None:
                 lane = self._lane(delivery.room)
@@ -995,6 +1013,23 @@ class RoomWorker:
                 continue
             replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)
+
+    def _decide(
+        self,
+        record: Admission,
+        cancels: Collection[str],
+        steered: Mapping[str, tuple[str, str, int | None]],
+    ) -> _Recovered:
+        """How recovery takes up ``record`` on what is known now (no I/O): refused for what
+        changed (L11), or cancelled — by `pi-runtime cancel` while no server ran, or by
+        another host (S26) — unless it was steered into a run: it rides its owner's replay,
+        as a live cancel leaves it (L10)."""
+        delivery = msgspec.convert(record.request, Delivery)
+        grants = self.config.grants_for(delivery.room, delivery.author.id)
+        asked = record.delivery_id in cancels or record.delivery_id in self._cancels
+        cancelled = asked and record.delivery_id not in steered
+        refused = None if cancelled else self._refusal(record, delivery, grants)
+        return _Recovered(record, delivery, grants, refused, cancelled)
 
     def _finished_owners(self, unfinished: list[Admission]) -> list[str]:
         """Owners that finished while deliveries steered into them did not: the host died

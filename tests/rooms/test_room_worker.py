@@ -1052,6 +1052,51 @@ async def test_l10_l13_a_queued_owner_cancelled_after_a_restart_hands_its_steers
     assert model.request_count == 2  # d1's tool round, then d2's own turn
 
 
+async def test_l10_l13_no_read_at_recovery_lies_between_a_lanes_start_and_its_riders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L10, L13: d2 was steered into d1's turn when the host stopped; ``r``, admitted between
+    them (another actor's, privileged: queued, never steered), was cancelled while no server
+    ran. Recovery reads whether the cancelled delivery's result was recorded. Any read is an
+    await, and a lane handed its first delivery before it may take that delivery up at once:
+    an owner that then ends without a turn (its log poisoned, L17) hands back only the riders
+    attached by then, and one attached later is never run (CI saw this once as a timeout of
+    ``test_l10_l17_…_poisoned_before_a_restart_runs_on_its_own``). So no lane is handed a
+    delivery while recovery still reads: checked at the read of ``r``'s result, which came
+    after d1's lane was handed d1 before. Then d1 replays with d2 riding, their one answer
+    covers both, and ``r`` ends cancelled."""
+    started, _release, waiting = waiting_bash(tmp_path)
+    recorded = RoomWorker._recorded_result
+    handed: list[list[str]] = []
+
+    async def reading(self: RoomWorker, delivery_id: str) -> bool:
+        handed.append([room for room, lane in self._lanes.items() if lane.queue or lane.current])
+        return await recorded(self, delivery_id)
+
+    grants = frozenset({"bash", "send_text_update"})
+    room = RoomConfig(grants=grants, actors={"u2": grants | {"read"}})
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([waiting, Text(text="for both")]) as (model, url):
+            cfg = config("fake", url, rooms={ROOM: room})
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                await worker.deliver(message("d1", "first"))
+                await trio.to_thread.run_sync(started.read_bytes)  # its tool runs
+                queued = await worker.deliver(message("r", "other", author_id="u2"))
+                steered = await worker.deliver(message("d2", "second"))
+            assert await request_cancel(tmp_path / "state", "r") == "requested"
+            monkeypatch.setattr(RoomWorker, "_recorded_result", reading)
+            async with open_room_worker(cfg, base_dir=tmp_path) as worker:
+                results = await next_results(worker, 3)
+    assert (queued.disposition, steered.disposition) == ("queued", "steered")
+    assert handed == [[]]  # r's read, with no lane handed anything yet
+    assert sorted((r.delivery_id, r.outcome, r.text) for r in results) == [
+        ("d1", Outcome.REPLY, "for both"),
+        ("d2", Outcome.ABSORBED, None),
+        ("r", Outcome.CANCELLED, None),
+    ]
+    assert model.request_count == 2  # d1's tool round, then its replay's next request
+
+
 async def test_l10_l13_a_message_waiting_to_steer_into_a_run_cancelled_meanwhile_is_queued(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
