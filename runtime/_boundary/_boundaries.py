@@ -196,6 +196,14 @@ class Boundaries:
             **tools_environment(self.config.declared_runtime_tools),
         }
 
+    def worker_secrets(self) -> tuple[str, ...]:
+        """The secrets the worker of this epoch must never be quoted with (G9, B5): the
+        upstream key (which it never has, but a provider's error may quote) and the epoch's
+        gateway and gate secrets. A lane hands them to ``open_worker(secrets=)``, which blots
+        them out of the stderr its exit errors quote."""
+        key = self.gateway.upstream_key()
+        return tuple(s for s in (key, self.gateway.secret, self.gate.secret) if s)
+
     def route(self, route: ModelRoute) -> ModelRoute:
         """``route`` pointed at the gateway, with the epoch secret as a ``$NAME`` key."""
         assert self.gateway_server is not None, "serve first (open_boundaries)"

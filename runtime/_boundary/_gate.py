@@ -48,7 +48,7 @@ from .._metrics import TOOL_CALLS, labelled
 from .._pi._session_settle import interrupted_text, not_started_text
 from .._records import AttachmentRef, Record, ReplayClass, ToolIntent, ToolOutcome
 from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
-from ._http import Request, ResponseWriter, _serve_connection
+from ._http import ARRIVAL_SECONDS, Request, ResponseWriter, _serve_connection, refusal_text
 from ._receipts import RECEIPT_OPERATIONS
 from ._tools import RUNTIME_TOOLS
 
@@ -488,6 +488,12 @@ def _error_body(code: ReasonCode, message: str) -> bytes:
     return _json.encode({"error": {"code": str(code), "message": message}})
 
 
+def _refused(status: int) -> bytes:
+    """The body of a request refused before the gate saw it (malformed, too large, not whole
+    in time: B8)."""
+    return _error_body(ReasonCode.GATE_BAD_REQUEST, refusal_text(status))
+
+
 class Gate:
     """The HTTP handler of the gate for one lane; the secret rotates per epoch."""
 
@@ -520,7 +526,7 @@ class Gate:
             body = _error_body(
                 ReasonCode.GATE_UNAUTHORIZED, "this request does not carry the current secret"
             )
-            await response.respond(401, body)
+            await response.respond(401, body, close=True)  # B8: no idle connection kept
             return
         target = request.target.split("?", 1)[0]
         if request.method != "POST" or target not in ("/before", "/after"):
@@ -621,9 +627,13 @@ async def serve_gate(
     gate: Gate,
     path: Path,
     *,
+    arrival_seconds: float = ARRIVAL_SECONDS,
     task_status: trio.TaskStatus[GateServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``gate`` on a Unix socket at ``path`` (mode 0600) until cancelled.
+
+    A request gets ``arrival_seconds`` from its first byte to its last (and a new connection
+    as long for its first byte); longer, it is answered 408 and its connection closed (B8).
 
     ``path``'s directory should be private (``runtime._journal._store.runtime_dir``); a path is at
     most 107 bytes. The socket is chmod-ed before ``listen``, so no connection can arrive
@@ -647,7 +657,9 @@ async def serve_gate(
             async with trio.open_nursery() as nursery:
 
                 async def serve(stream: trio.SocketStream) -> None:
-                    await _serve_connection(stream, gate.handle)
+                    await _serve_connection(
+                        stream, gate.handle, refusal=_refused, arrival_seconds=arrival_seconds
+                    )
 
                 nursery.start_soon(
                     functools.partial(

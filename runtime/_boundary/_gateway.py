@@ -59,8 +59,10 @@ import trio
 
 from .._errors import PiRuntimeError, ReasonCode, StepRefused
 from .._metrics import MODEL_REQUESTS, labelled
+from .._pi._pijson import loads
 from .._pi._provider_errors import USAGE_LIMIT_PATTERN
 from ._http import (
+    ARRIVAL_SECONDS,
     ConnectionPool,
     HttpClientError,
     HttpServer,
@@ -68,6 +70,7 @@ from ._http import (
     ResponseWriter,
     SseEvent,
     SseParser,
+    refusal_text,
     serve_http,
 )
 from ._steps import StepJournal
@@ -141,6 +144,12 @@ def _error_body(code: ReasonCode, message: str) -> bytes:
     return _json.encode({"error": {"message": f"{code}: {message}", "type": str(code)}})
 
 
+def _refused(status: int) -> bytes:
+    """The body of a request refused before the gateway saw it (malformed, too large, not
+    whole in time: B8)."""
+    return _error_body(ReasonCode.GATEWAY_BAD_REQUEST, refusal_text(status))
+
+
 def _ended_epoch() -> bytes:
     """The refusal of a request authorized with a secret rotated while it waited (G8): its
     epoch was fenced, and nothing of it is answered after its secret stopped working."""
@@ -189,6 +198,10 @@ class GatewayConfig:
     upstream_data_inactivity: float | None = None
     """G15: the stream is cut when no SSE data event (comments do not count) arrived for this
     long after the headers. Rooms: ``None``, no such deadline; task lanes: the same value."""
+    request_arrival: float = ARRIVAL_SECONDS
+    """B8: how long a request may take to arrive whole from its first byte (and a new
+    connection to send its first byte); longer, it is answered 408 and its connection closed.
+    The wait between a worker's requests on its kept-alive connection is not bounded."""
     park_unavailable: bool = False
     """PB1: an upstream that is unavailable (:attr:`UpstreamFailure.unavailable`) ends the
     worker's turn at once with :data:`PARKED_MESSAGE`, which the worker does not retry: the
@@ -362,6 +375,14 @@ class Gateway:
         self._secret = secrets.token_urlsafe(32)
         return self._secret
 
+    def upstream_key(self) -> str | None:
+        """The upstream key, as a request sent now would carry it (G9: read from the variable
+        the configuration names, at each call); ``None`` when none is configured or set. For
+        hiding it (``Boundaries.worker_secrets``), never for keeping it."""
+        if self.config.upstream_key_env is None:
+            return None
+        return self._environ.get(self.config.upstream_key_env) or None
+
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(**self._stats, upstream_connections=self._upstream.opened)
 
@@ -388,6 +409,7 @@ class Gateway:
                     ReasonCode.GATEWAY_UNAUTHORIZED,
                     "this request does not carry the current epoch's secret",
                 ),
+                close=True,  # B8: no idle connection is kept for a client without the secret
             )
             return
         secret = self._secret  # G8: the epoch it is served for, checked again when its turn comes
@@ -398,9 +420,10 @@ class Gateway:
                 _error_body(ReasonCode.GATEWAY_BAD_REQUEST, "only POST …/chat/completions"),
             )
             return
-        try:
-            body = msgspec.json.decode(request.body)
-        except msgspec.DecodeError:
+        try:  # G1: JSON as JavaScript writes it, lone surrogates (``\ud83d``) included
+            body = loads(request.body)
+            digest = request_digest(body) if isinstance(body, dict) else ""
+        except ValueError:  # not JSON (msgspec.DecodeError), a key no digest can hold
             body = None
         if not isinstance(body, dict):
             await response.respond(
@@ -408,7 +431,6 @@ class Gateway:
                 _error_body(ReasonCode.GATEWAY_BAD_REQUEST, "the body is not a JSON object"),
             )
             return
-        digest = request_digest(body)
         downstream = _Downstream(response)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(downstream.keepalive, self.config.keepalive_interval)
@@ -452,7 +474,7 @@ class Gateway:
             return
         key: str | None = None
         if self.config.upstream_key_env is not None:
-            key = self._environ.get(self.config.upstream_key_env)  # G9: per request, kept local
+            key = self.upstream_key()  # G9: per request, kept local
             if not key:
                 await downstream.refuse(
                     500,
@@ -602,9 +624,13 @@ class Gateway:
                         if passed := take(events.end()):
                             await downstream.send(passed)
             except HttpClientError:  # refused, unreachable, cut: no response, or cut short
-                if outage(stream_cut(answering=answering)):  # before the answer: park (PB1)
+                if not failed and any(p.strip() == DONE for p in held):  # G4: cut after its last
+                    pass  # event, whole: finished and paid for, journaled like any other (G6)
+                elif outage(stream_cut(answering=answering)):  # before the answer: park (PB1)
                     await self._park(downstream)
-                return  # else the worker's stream is cut as the handler returns: it retries (G10)
+                    return
+                else:  # the worker's stream is cut as the handler returns: it retries (G10)
+                    return
         if silence.cancelled_caught:  # G10
             self._stats["inactivity_aborts"] += 1
             await self._relay_error(504, inactivity_message(limit), downstream)
@@ -698,7 +724,12 @@ async def serve_gateway(
             async with trio.open_nursery() as nursery:
                 server: HttpServer = await nursery.start(
                     lambda task_status: serve_http(
-                        gateway.handle, host=host, port=port, task_status=task_status
+                        gateway.handle,
+                        host=host,
+                        port=port,
+                        arrival_seconds=gateway.config.request_arrival,  # B8
+                        refusal=_refused,
+                        task_status=task_status,
                     )
                 )
                 task_status.started(server)

@@ -43,11 +43,17 @@ __all__ = [
     "SseParser",
     "iter_sse",
     "open_request",
+    "refusal_text",
     "serve_http",
 ]
 
 _MAX_REQUEST: Final = 64 * 1024 * 1024
 _READ: Final = 65536
+ARRIVAL_SECONDS: Final = 30.0
+"""How long the gateway and the gate give a request to arrive whole, from its first byte to
+its last, and a new connection to send its first byte (boundaries.md B8). The worker builds a
+request in memory and writes it at once over loopback: a request still arriving after this
+long is not a worker's, and a connection that has sent nothing after it neither."""
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError)
 """What a connection the client dropped (or that was closed under a write) raises."""
 
@@ -98,12 +104,16 @@ class ResponseWriter:
         await self._send(h11.EndOfMessage())
 
     async def respond(
-        self, status: int, body: bytes, content_type: str = "application/json"
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        *,
+        close: bool = False,
     ) -> None:
-        """A whole, non-streamed response."""
-        await self.start(
-            status, [("content-type", content_type), ("content-length", str(len(body)))]
-        )
+        """A whole, non-streamed response; with ``close``, the connection ends after it."""
+        headers = [("content-type", content_type), ("content-length", str(len(body)))]
+        await self.start(status, [*headers, ("connection", "close")] if close else headers)
         await self.send(body)
         await self.end()
 
@@ -160,6 +170,14 @@ async def _read_request(
             return None
 
 
+async def _first_byte(stream: trio.abc.Stream, conn: h11.Connection) -> None:
+    """Wait until the next request has begun: a byte of it is in ``conn`` (or its end of
+    file, which the request's read then finds)."""
+    buffered, closed = conn.trailing_data
+    if not buffered and not closed:
+        conn.receive_data(bytes(await stream.receive_some(_READ)))
+
+
 async def _serve_connection(
     stream: trio.abc.Stream,
     handler: Handler,
@@ -168,16 +186,32 @@ async def _serve_connection(
     request_seconds: float = math.inf,
     peer: str = "",
     refusal: Callable[[int], bytes] | None = None,
+    *,
+    arrival_seconds: float = math.inf,
 ) -> None:
+    """Serve one connection. ``request_seconds`` bounds each request's wait and arrival
+    together (a keep-alive wait included); ``arrival_seconds`` bounds the wait for a new
+    connection's first byte and each request from its first byte to its last, not the wait
+    between requests (B8). A request that takes longer is answered ``408`` if its head
+    has arrived, and its connection closed."""
     conn = h11.Connection(h11.SERVER)
     try:
+        first = True
         while True:
             request: Request | None = None
             try:
                 with trio.move_on_after(request_seconds) as waited:
-                    request = await _read_request(stream, conn, limit, connection, peer)
-                if waited.cancelled_caught:
+                    with trio.move_on_after(arrival_seconds if first else math.inf) as idle:
+                        await _first_byte(stream, conn)
+                    with trio.move_on_after(arrival_seconds) as arriving:
+                        if not idle.cancelled_caught:
+                            request = await _read_request(stream, conn, limit, connection, peer)
+                if waited.cancelled_caught or idle.cancelled_caught:
                     return  # no whole request in time (a head, a body, an idle keep-alive)
+                if arriving.cancelled_caught:  # B8: begun, and not whole in time
+                    await _refuse_late(stream, conn, refusal)
+                    return
+                first = False
             except h11.RemoteProtocolError as exc:
                 with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
                     status = exc.error_status_hint
@@ -206,6 +240,36 @@ async def _serve_connection(
     finally:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.aclose()
+
+
+_LATE_BODY: Final = b'{"error":"the request did not arrive whole in time"}'
+_REFUSED: Final = {
+    408: "the request did not arrive whole in time",
+    413: "the request body is too large",
+    431: "the request head is too large",
+    501: "the request's transfer coding is not supported",
+}
+
+
+def refusal_text(status: int) -> str:
+    """What a request refused before its handler saw it is told, by the status it gets."""
+    return _REFUSED.get(status, "the request is not valid HTTP")
+
+
+async def _refuse_late(
+    stream: trio.abc.Stream, conn: h11.Connection, refusal: Callable[[int], bytes] | None
+) -> None:
+    """Answer a request that did not arrive whole in time ``408`` (B8) — when its head has
+    arrived, so that there is a request to answer — within a short bound (a client that
+    does not read gets the close alone)."""
+    if conn.their_state is not h11.SEND_BODY:
+        return
+    with (
+        trio.move_on_after(_REFUSE_SECONDS),
+        contextlib.suppress(h11.LocalProtocolError, *_GONE),
+    ):
+        body = refusal(408) if refusal is not None else _LATE_BODY
+        await ResponseWriter(stream, conn).respond(408, body, close=True)
 
 
 _FAULT_BODY: Final = (
@@ -261,6 +325,7 @@ async def serve_http(
     request_seconds: float = math.inf,
     max_connections: int | None = None,
     refusal: Callable[[int], bytes] | None = None,
+    arrival_seconds: float = math.inf,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` until cancelled; ``task_status.started`` once listening; HTTPS
@@ -276,6 +341,10 @@ async def serve_http(
     handler sees it, from its status (400 malformed, 413 body over ``max_request``, 431 head
     too large, 501 a transfer coding h11 cannot read); default ``{"error":"bad request"}``.
     Each request carries its client's address (:attr:`Request.peer`).
+    ``arrival_seconds`` bounds a new connection's wait for its first byte and each request
+    from its first byte to its last, but not the wait between requests (boundaries.md B8:
+    the gateway, where a worker keeps its connection between model calls): a request that
+    takes longer is answered ``408`` (``refusal(408)``) and its connection closed.
 
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
@@ -309,10 +378,18 @@ async def serve_http(
         async def _serve_one(stream: trio.SocketStream) -> None:
             connection = next(accepted)
             peer = _peer(stream)
+            serve = functools.partial(
+                _serve_connection,
+                handler=handler,
+                limit=max_request,
+                connection=connection,
+                request_seconds=request_seconds,
+                peer=peer,
+                refusal=refusal,
+                arrival_seconds=arrival_seconds,
+            )
             if ssl_context is None:
-                await _serve_connection(
-                    stream, handler, max_request, connection, request_seconds, peer, refusal
-                )
+                await serve(stream)
                 return
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
@@ -324,9 +401,7 @@ async def serve_http(
             if waited.cancelled_caught:
                 await trio.aclose_forcefully(stream)
                 return
-            await _serve_connection(
-                tls, handler, max_request, connection, request_seconds, peer, refusal
-            )
+            await serve(tls)
 
         await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
 

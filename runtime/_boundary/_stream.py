@@ -14,6 +14,7 @@ shell that applies them.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -102,7 +103,34 @@ def request_digest(body: Mapping[str, Any]) -> str:
     The same function as the scripted model's ``body_digest``, so tests can ask
     the upstream how often it saw a digest.
     """
-    return hashlib.sha256(_sorted_json.encode(body)).hexdigest()
+    try:
+        canonical = _sorted_json.encode(body)
+    except UnicodeEncodeError:  # a lone surrogate, which JavaScript writes and msgspec cannot
+        canonical = _sorted_json.encode(_surrogates_escaped(body))
+    return hashlib.sha256(canonical).hexdigest()
+
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+def _surrogates_escaped(value: Any) -> Any:
+    """``value`` with each string holding a lone surrogate as its JSON text, the surrogate
+    written ``\\udxxx`` as JavaScript writes it (G1): one canonical text per body, and never
+    another string's (a backslash the string holds is written ``\\\\``). A key holding one
+    raises ``ValueError``."""
+    if isinstance(value, str):
+        if not _SURROGATE.search(value):
+            return value
+        text = json.dumps(value, ensure_ascii=False)
+        text = _SURROGATE.sub(lambda found: f"\\u{ord(found[0]):04x}", text)
+        return msgspec.Raw(text.encode())
+    if isinstance(value, list):
+        return [_surrogates_escaped(item) for item in value]
+    if isinstance(value, dict):
+        if any(_SURROGATE.search(key) for key in value):
+            raise ValueError("an object key holds a lone surrogate")
+        return {key: _surrogates_escaped(item) for key, item in value.items()}
+    return value
 
 
 def sse_data(payload: str) -> bytes:

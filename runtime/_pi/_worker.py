@@ -30,7 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NoReturn
@@ -101,7 +101,25 @@ _SHELL: Final = "/bin/sh"
 _ENTER_CGROUP: Final = 'echo $$ > "$0" || exit 126; exec "$@"'
 """The launch shim: the worker's pid enters the epoch's cgroup before exec (W2)."""
 _STDERR_TAIL: Final = 64 * 1024
+_REDACTED: Final = b"[secret]"
+_FRAGMENT: Final = 4
+"""The shortest end of a secret that the stderr tail's cut start is taken to have kept."""
 _encode = msgspec.json.Encoder()
+
+
+def _redacted(data: bytes, secrets: Sequence[bytes], *, cut: bool) -> bytes:
+    """``data`` with every occurrence of each secret (longest first) replaced by ``[secret]``;
+    with ``cut`` (``data`` is a tail cut at an arbitrary byte), also the end of a secret that
+    the cut left at its start — at least its last :data:`_FRAGMENT` bytes."""
+    for secret in secrets:
+        data = data.replace(secret, _REDACTED)
+    if cut:
+        for secret in secrets:
+            for size in range(len(secret) - 1, _FRAGMENT - 1, -1):
+                if data.startswith(secret[-size:]):
+                    data = _REDACTED + data[size:]
+                    break
+    return data
 
 
 # ---------------------------------------------------------------------------------- epochs
@@ -158,6 +176,7 @@ class Epoch:
         cgroup: Path | None,
         containment: Containment,
         policy: StopPolicy,
+        secrets: Collection[str] = (),
     ) -> None:
         self.process = process
         self.identity = identity
@@ -166,6 +185,8 @@ class Epoch:
         self.containment = containment
         self.policy = policy
         self._stderr = bytearray()
+        self._stderr_cut = False
+        self._secrets = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
         self._adopted: dict[int, int] = {}
         self._stop_lock = trio.Lock()
         self._report: StopReport | None = None
@@ -185,8 +206,11 @@ class Epoch:
         return self.process.stdout
 
     def stderr_tail(self) -> bytes:
-        """The last 64 KiB the worker (or anything it started) wrote to stderr."""
-        return bytes(self._stderr)
+        """The last 64 KiB the worker (or anything it started) wrote to stderr, with every
+        secret the epoch was given to hide (``secrets`` of :func:`open_epoch`) replaced by
+        ``[secret]``: this text is quoted in the error a worker's exit raises, which reaches
+        logs and the API — a worker may print a provider's error quoting the key (G9)."""
+        return _redacted(bytes(self._stderr), self._secrets, cut=self._stderr_cut)
 
     def proof(self) -> TreeProof:
         """What proves membership in this epoch's tree (W1, W3)."""
@@ -254,7 +278,9 @@ class Epoch:
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             while data := await self.process.stderr.receive_some(65536):
                 self._stderr += data
-                del self._stderr[:-_STDERR_TAIL]
+                if len(self._stderr) > _STDERR_TAIL:
+                    self._stderr_cut = True
+                    del self._stderr[:-_STDERR_TAIL]
 
     async def _reap_adopted(self) -> None:
         """As subreaper: prove adopted orphans while they live, reap them once they die (W4)."""
@@ -316,6 +342,7 @@ async def _launch(
     containment: Containment | None,
     nonce: str | None,
     policy: StopPolicy,
+    secrets: Collection[str],
 ) -> Epoch:
     nonce = nonce or new_nonce()
     if not valid_nonce(nonce):
@@ -355,6 +382,7 @@ async def _launch(
         cgroup=cgroup,
         containment=mode,
         policy=policy,
+        secrets=secrets,
     )
 
 
@@ -423,6 +451,7 @@ async def open_epoch(
     containment: Containment | None = None,
     nonce: str | None = None,
     policy: StopPolicy | None = None,
+    secrets: Collection[str] = (),
 ) -> AsyncIterator[Epoch]:
     """Launch ``argv`` as one process epoch and own its whole tree until the block ends.
 
@@ -430,11 +459,19 @@ async def open_epoch(
     ``PI_RUNTIME_EPOCH``; stdin, stdout and stderr are pipes (stderr is drained
     into :meth:`Epoch.stderr_tail`). ``containment`` ``None`` picks a cgroup where
     one can be created, else the subreaper. ``nonce`` may be chosen (and
-    journaled) by the caller before the launch; by default it is fresh.
+    journaled) by the caller before the launch; by default it is fresh. ``secrets``
+    (the upstream key, the epoch's secrets) never leave in the stderr it quotes: they are
+    blotted out of :meth:`Epoch.stderr_tail`, so of every error that quotes it.
     """
     policy = policy or StopPolicy()
     epoch = await _launch(
-        argv, env=env, cwd=cwd, containment=containment, nonce=nonce, policy=policy
+        argv,
+        env=env,
+        cwd=cwd,
+        containment=containment,
+        nonce=nonce,
+        policy=policy,
+        secrets=secrets,
     )
     with trio_managed(epoch.pid):
         try:
@@ -482,8 +519,10 @@ async def open_worker(
     containment: Containment | None = None,
     nonce: str | None = None,
     policy: StopPolicy | None = None,
+    secrets: Collection[str] = (),
 ) -> AsyncIterator[Epoch]:
-    """Launch Pi or Fake-Pi (the same way, W9) as one epoch: :func:`open_epoch` for workers."""
+    """Launch Pi or Fake-Pi (the same way, W9) as one epoch: :func:`open_epoch` for workers.
+    ``secrets`` as there (a lane passes ``Boundaries.worker_secrets()``)."""
     check_launch(launch)
     write_agent_files(launch)
     env = worker_environment(
@@ -500,6 +539,7 @@ async def open_worker(
         containment=containment,
         nonce=nonce,
         policy=policy,
+        secrets=secrets,
     ) as epoch:
         yield epoch
 

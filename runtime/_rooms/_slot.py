@@ -164,7 +164,8 @@ class Slot:
                         epoch=number, nonce=nonce, boot_id=boot_id(), launching_ms=lane.now_ms()
                     )
                 )
-                async with open_worker(launch, nonce=nonce) as worker:
+                secrets = self.boundaries.worker_secrets() if self.boundaries else ()
+                async with open_worker(launch, nonce=nonce, secrets=secrets) as worker:
                     await lane.log.append(worker.record(number, started_ms=lane.now_ms()))
                     async with open_rpc_channel(
                         worker.stdin, worker.stdout, stderr=worker.stderr_tail

@@ -188,7 +188,12 @@ class ProcessWorkers:
             )
             worker: _ProcessWorker | None = None
             try:
-                async with open_worker(launch, nonce=request.nonce, policy=request.policy) as epoch:
+                async with open_worker(
+                    launch,
+                    nonce=request.nonce,
+                    policy=request.policy,
+                    secrets=boundaries.worker_secrets(),
+                ) as epoch:
                     record = epoch.record(request.number, started_ms=request.started_ms())
                     self.launched.append(record)
                     if self.identity_override is not None:
