@@ -799,7 +799,7 @@ async def test_g7_a_malformed_upstream_stream_stays_in_its_request() -> None:
 async def test_upstream_errors_and_cuts_are_relayed_not_journaled() -> None:
     with trio.fail_after(LIMIT):
         # no keepalive before the 503 arrives (a loaded machine): it is relayed as a status
-        steps = [HttpError(status=503, message="busy"), Cut(after_chunks=2)]
+        steps: list[Step] = [HttpError(status=503, message="busy"), Cut(after_chunks=2)]
         async with rig(steps, keepalive_interval=LIMIT) as r:
             status, body = await exchange(r)
             assert status == 503
