@@ -13,7 +13,9 @@ them unchanged (``open_store(root, fs=...)``):
   survive, everything else survives partly, torn or not at all. A torn write keeps its new
   bytes up to a 512-byte sector boundary of the file (a disk writes a sector whole); past
   the old end of a file the rest reads as zeros (as on ext4, XFS and btrfs), never as
-  stale data.
+  stale data. :meth:`PowerLossFileSystem.kill` ends the process instead (the page cache
+  stays, synced or not, for the next one to read), and
+  :meth:`PowerLossFileSystem.fail_next_sync` fails a sync as Linux does (fsyncgate).
 """
 
 from __future__ import annotations
@@ -310,10 +312,16 @@ class _File:
     data: bytearray = field(default_factory=bytearray)
     durable: bytes = b""
     pending: list[_Change] = field(default_factory=list)
-    """Changes since the last sync, in order (``durable`` + all of them = ``data``)."""
+    """Changes since the last sync, in order (``durable`` + all of them = ``data``, unless a
+    failed sync dropped some: :meth:`PowerLossFileSystem.fail_next_sync`)."""
 
     def sync(self) -> None:
-        self.durable = bytes(self.data)
+        """Write the changes since the last sync to the disk. Only those: the pages a failed
+        sync dropped (:meth:`PowerLossFileSystem.fail_next_sync`) stay off the disk."""
+        content = bytearray(self.durable)
+        for op in self.pending:
+            _apply(content, op)
+        self.durable = bytes(content)
         self.pending.clear()
 
 
@@ -371,6 +379,8 @@ class PowerLossFileSystem:
         """Called once per :meth:`cut_after`, with the lock held, on the thread of the first
         refused operation: the moment the power goes (a test stops its process there)."""
         self._cut_reported = False
+        self._failing_sync: str | None = None
+        self._cut_at_sync: str | None = None
         for root in roots:
             self._makedirs(os.fspath(root), durable=True)
 
@@ -383,6 +393,45 @@ class PowerLossFileSystem:
         with self._lock:
             self._cut = self.ops + n_ops
             self._cut_reported = False
+
+    def kill(self) -> None:
+        """The process died (SIGKILL) and the machine did not: every handle is gone, the
+        page cache keeps what the process wrote, synced or not, and a power cut armed is
+        disarmed (the next process runs on). What a later :meth:`crash` keeps of the
+        unsynced changes is decided then."""
+        with self._lock:
+            self._handles.clear()
+            self._cut = _NO_CUT
+
+    def fail_next_sync(self, path_contains: str) -> None:
+        """Make the next ``fdatasync``/``fsync`` of a file whose path contains
+        ``path_contains`` fail with ``EIO`` the way Linux fails one (fsyncgate): the pages it
+        should have written are marked clean — a read still shows them, the disk never gets
+        them — and a later sync of the file reports success without writing them."""
+        with self._lock:
+            self._failing_sync = path_contains
+
+    def cut_at_sync(self, path_contains: str) -> None:
+        """Cut the power (as :meth:`cut_after`) at the next ``fdatasync``/``fsync`` of a
+        file whose path contains ``path_contains``: it and every later operation are refused.
+        With :meth:`kill` instead of :meth:`crash` afterwards, the process died there."""
+        with self._lock:
+            self._cut_at_sync = path_contains
+
+    def _cut_if_syncing(self, handle: int) -> None:
+        cut_at = self._cut_at_sync
+        if cut_at is not None and handle in self._handles and cut_at in self._handles[handle].path:
+            self._cut_at_sync = None
+            self._cut = self.ops
+            self._cut_reported = False
+
+    def _sync_file(self, handle: int, op: str) -> None:
+        h = self._handle(handle)
+        if self._failing_sync is not None and self._failing_sync in h.path:
+            self._failing_sync = None
+            h.file.pending.clear()  # off the way to the disk, for good
+            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected into {op})", h.path)
+        h.file.sync()
 
     @property
     def power_cut(self) -> bool:
@@ -436,7 +485,8 @@ class PowerLossFileSystem:
                     elif id(node) not in contents:
                         contents[id(node)] = _crash_content(node, rng)
                         node.data = bytearray(contents[id(node)])
-                        node.sync()
+                        node.durable = contents[id(node)]
+                        node.pending.clear()
 
             rebuild(self._root)
             self._handles.clear()
@@ -586,13 +636,15 @@ class PowerLossFileSystem:
 
     def fdatasync(self, handle: int) -> None:
         with self._lock:
+            self._cut_if_syncing(handle)
             self._tick("fdatasync")
-            self._handle(handle).file.sync()
+            self._sync_file(handle, "fdatasync")
 
     def fsync(self, handle: int) -> None:
         with self._lock:
+            self._cut_if_syncing(handle)
             self._tick("fsync")
-            self._handle(handle).file.sync()
+            self._sync_file(handle, "fsync")
 
     def truncate(self, handle: int, length: int) -> None:
         with self._lock:

@@ -65,19 +65,24 @@ class AttachmentStore:
 
     def put(self, data: bytes) -> str:
         """Store ``data`` durably (A2); its sha256. Bytes already stored intact are not
-        written again; a damaged copy under the same name is replaced."""
+        written again, but their name is synced: they may be what a killed process renamed
+        into place and never made durable (the page cache shows them all the same). A
+        damaged copy under the same name is replaced."""
         digest = hashlib.sha256(data).hexdigest()
         self._prepare()
         path = self.path_of(digest)
         if self.check(digest, len(data)) is None:
+            self.fs.fsync_dir(str(self.root))
             return digest
         atomic_write(self.fs, str(path), data)
         return digest
 
     def _prepare(self) -> None:
+        """The root, made and its own name synced — each time: a root found there may be
+        one a killed process made and never synced."""
         if not self.root.is_dir():
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.fs.fsync_dir(str(self.root.parent))
+        self.fs.fsync_dir(str(self.root.parent))
         os.chmod(self.root, 0o700)
 
     def read(self, sha256: str, size: int) -> bytes | ReasonCode:

@@ -131,8 +131,15 @@ def decode_log(
     except FrameDamage as exc:
         raise JournalError(exc.code, exc.detail, path=rel, offset=exc.offset) from exc
     records: list[Record] = []
-    for frame in scanned.frames:
-        records.extend(_decode_frame(frame, rel))
+    try:
+        for frame in scanned.frames:
+            records.extend(_decode_frame(frame, rel))
+    except JournalError as exc:
+        # what a newer version wrote (a record type, a log kind it added) is refused as
+        # newer, not as unknown further on or as damage: its header says so (schema rule 4)
+        if scanned.frames and (newer := _newer_version(scanned.frames[0])) is not None:
+            raise _version_unsupported(newer, rel) from exc
+        raise
     if not records:
         # empty, or only a torn header: the header is the first record and is
         # synced before anything is acknowledged, so nothing was acknowledged
@@ -146,13 +153,7 @@ def decode_log(
             offset=0,
         )
     if header.schema_version > SCHEMA_VERSION:
-        raise JournalError(
-            ReasonCode.JOURNAL_VERSION_UNSUPPORTED,
-            f"schema version {header.schema_version} is newer than this pi-runtime's "
-            f"{SCHEMA_VERSION}; upgrade pi-runtime to read it",
-            path=rel,
-            offset=0,
-        )
+        raise _version_unsupported(header.schema_version, rel)
     if kind is not None and header.kind != kind:
         raise JournalError(
             ReasonCode.JOURNAL_CORRUPT,
@@ -161,6 +162,32 @@ def decode_log(
             offset=0,
         )
     return LogContents(rel, tuple(records), scanned.good_length, scanned.torn_bytes, poison)
+
+
+def _newer_version(first: Frame) -> int | None:
+    """The schema version the header in the log's first frame names, if newer than this
+    pi-runtime's; read loosely, since this version may not decode the rest of it."""
+    try:
+        items = _LOOSE.decode(first.body)
+    except msgspec.DecodeError:
+        return None
+    header = items[0] if first.first_seq == 0 and items else None
+    if not isinstance(header, dict) or header.get("type") != "header":
+        return None
+    version = header.get("schema_version")
+    if type(version) is int and version > SCHEMA_VERSION:
+        return version
+    return None
+
+
+def _version_unsupported(version: int, rel: str) -> JournalError:
+    return JournalError(
+        ReasonCode.JOURNAL_VERSION_UNSUPPORTED,
+        f"schema version {version} is newer than this pi-runtime's "
+        f"{SCHEMA_VERSION}; upgrade pi-runtime to read it",
+        path=rel,
+        offset=0,
+    )
 
 
 def decode_frames(data: bytes, *, rel: str, first_seq: int, offset: int) -> list[Record]:

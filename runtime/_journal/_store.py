@@ -449,8 +449,12 @@ class Store:
 
     async def create_delivery_log(self, delivery_id: str, *, fence: Fence | None = None) -> Journal:
         """Create a delivery's log (its header durable). Fails if it exists. A file store
-        has one owner (its directory lock): a ``fence`` has nothing to check here."""
-        return await self._create(self.delivery_rel(delivery_id), LogKind.DELIVERY, delivery_id)
+        has one owner (its directory lock): a ``fence`` has nothing to check here. One
+        opening at a time per log, as :meth:`_open_or_create`: two creates at once would
+        both write a header at offset 0 and their records over each other's (J19)."""
+        rel = self.delivery_rel(delivery_id)
+        async with self._one_opening(rel):
+            return await self._create(rel, LogKind.DELIVERY, delivery_id)
 
     async def open_or_create_delivery_log(
         self, delivery_id: str, *, fence: Fence | None = None

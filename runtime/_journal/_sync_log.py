@@ -27,6 +27,7 @@ encoding and the redo; the writer thread (:mod:`runtime._journal._writer`) does 
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ class Redone:
 class _File:
     """A delivery log as redo found it."""
 
-    __slots__ = ("changed", "good_length", "next_seq", "skip")
+    __slots__ = ("changed", "good_length", "held", "held_at", "next_seq", "skip")
 
     def __init__(self, good_length: int, next_seq: int, *, skip: bool) -> None:
         self.good_length = good_length
@@ -98,6 +99,10 @@ class _File:
         self.skip = skip
         """Missing, poisoned or damaged: left as it is (J15)."""
         self.changed = False
+        self.held = b""
+        """The file's frames from the first that holds a record the sync log holds for it:
+        read through the page cache, perhaps never on the disk (J14)."""
+        self.held_at = 0
 
 
 def redo(
@@ -118,9 +123,15 @@ def redo(
     changed: list[str] = []
     poisoned: list[str] = []
     for rel, entries in owed.items():
-        file = _look(fs, root, rel)
+        file = _look(fs, root, rel, low=min(first for first, _ in entries))
         if file.skip:
             continue
+        if file.held:
+            # What the file seems to hold of the sync log's records was read through the page
+            # cache: a killed writer may have written it and never synced it, or its sync may
+            # have failed (the kernel then marks the pages clean: a later sync writes nothing
+            # of them). So it is written again, and synced below, before the generations go.
+            _rewrite(fs, os.path.join(root, rel), file)
         lacking = _lacking(file.next_seq, entries)
         if lacking and lacking[0][0] == file.next_seq:
             start, missing = lacking.pop(0)
@@ -228,7 +239,8 @@ def _entries(
                 ) from error
 
 
-def _look(fs: FileSystem, root: str, rel: str) -> _File:
+def _look(fs: FileSystem, root: str, rel: str, *, low: int) -> _File:
+    """The log ``rel`` as redo finds it; ``low``: the first record the sync log holds of it."""
     path = os.path.join(root, rel)
     if not fs.exists(path):
         # Removed by retention after its records were synced to it: a log's file is made
@@ -236,11 +248,16 @@ def _look(fs: FileSystem, root: str, rel: str) -> _File:
         return _File(0, 0, skip=True)
     if fs.exists(path + ".poison"):
         return _File(0, 0, skip=True)  # never replayed (J5)
+    data = fs.read(path)
     try:
-        found = scan(fs.read(path))
+        found = scan(data)
     except FrameDamage:
         return _File(0, 0, skip=True)  # fails closed when its delivery is recovered (J4)
     file = _File(found.good_length, found.next_seq, skip=False)
+    held = [frame.offset for frame in found.frames if frame.first_seq + frame.count > low]
+    if held:
+        file.held_at = held[0]
+        file.held = data[held[0] : found.good_length]
     if found.torn_bytes:  # cut the torn tail before appending after it (J3)
         handle = fs.open_append(path)
         try:
@@ -249,6 +266,22 @@ def _look(fs: FileSystem, root: str, rel: str) -> _File:
             fs.close(handle)
         file.changed = True
     return file
+
+
+def _rewrite(fs: FileSystem, path: str, file: _File) -> None:
+    """Write :attr:`_File.held` again where it is, so that the sync after it carries it to the
+    disk whatever became of it before (J14)."""
+    handle = fs.open_write(path)
+    try:
+        at, view = file.held_at, memoryview(file.held)
+        while view:
+            written = fs.pwrite(handle, bytes(view), at)
+            if written <= 0:
+                raise OSError(errno.EIO, "a rewrite made no progress")
+            at, view = at + written, view[written:]
+    finally:
+        fs.close(handle)
+    file.changed = True
 
 
 def _append(fs: FileSystem, path: str, file: _File, frame: bytes) -> None:

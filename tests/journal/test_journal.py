@@ -59,6 +59,28 @@ def test_future_schema_version_is_refused() -> None:
     assert info.value.offset == 0
 
 
+@pytest.mark.parametrize("what", ["a new record type", "a new log kind", "in one frame"])
+def test_j4_a_log_from_a_newer_schema_is_refused_as_newer_whatever_it_holds(what: str) -> None:
+    """J4, schema rule 4: a newer version writes what this one cannot decode — a record
+    type it added (the reason it bumped the version), a header whose log kind it added —
+    and the header says so. The log is refused with ``journal_version_unsupported`` at
+    offset 0 (upgrade pi-runtime), not as an unknown record further on nor as damage
+    (``journal_corrupt`` sends an operator looking for a broken disk)."""
+    newer = SCHEMA_VERSION + 1
+    later = b'{"type":"from_the_future","x":1}'
+    if what == "a new record type":
+        data = encode_frame(0, [_header(newer)]) + encode_frame(1, [_intent(1), later])
+    elif what == "a new log kind":
+        header = _header(newer).replace(b'"delivery"', b'"ledger"')
+        data = encode_frame(0, [header]) + encode_frame(1, [_intent(1)])
+    else:
+        data = encode_frame(0, [_header(newer), later])
+    with pytest.raises(JournalError) as info:
+        decode_log(data, rel="deliveries/x.log")
+    assert info.value.code is ReasonCode.JOURNAL_VERSION_UNSUPPORTED, info.value
+    assert info.value.offset == 0
+
+
 def test_unknown_record_tag_is_refused() -> None:
     """J4: a record type this version does not know is refused, never skipped."""
     alien = b'{"type":"teleport","to":"mars"}'

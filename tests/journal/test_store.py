@@ -192,6 +192,46 @@ async def test_two_opens_of_one_log_at_once_share_one_journal(tmp_path: Path, th
         ]
 
 
+@pytest.mark.parametrize("other", ["create", "open_or_create"])
+async def test_j19_two_tasks_creating_one_delivery_log_at_once_never_both_write_it(
+    tmp_path: Path, other: str
+) -> None:
+    """J19, J1: two tasks create the same delivery's log at once (``create_delivery_log``
+    racing another create, or an ``open_or_create_delivery_log``). Exactly one journal may
+    come of it: two would each write their header at offset 0 and their records over each
+    other's (a log written in place, J19), and the log would lose acknowledged records. The
+    loser of a create is refused as a create of an existing log is (``FileExistsError``, or
+    the ``JournalError`` of a log already open), or handed the one journal, and every record
+    either appends is read back."""
+    root = tmp_path / "state"
+    async with open_store(root) as store:
+        journals: list[object] = []
+        refused: list[BaseException] = []
+        appended: list[int] = []
+
+        async def create(n: int) -> None:
+            try:
+                if n == 1 and other == "open_or_create":
+                    journal = await store.open_or_create_delivery_log("d")
+                else:
+                    journal = await store.create_delivery_log("d")
+            except (FileExistsError, JournalError) as exc:
+                refused.append(exc)
+                return
+            journals.append(journal)
+            await journal.append(_step(n))
+            appended.append(n)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(create, 0)
+            nursery.start_soon(create, 1)
+        assert len(journals) + len(refused) == 2
+        assert len({id(j) for j in journals}) == 1, "two journals write one log"
+        records = (await store.read(store.delivery_rel("d"))).records[1:]
+        steps = [r.step for r in records if isinstance(r, StepAbandoned)]
+        assert sorted(steps) == sorted(appended)
+
+
 async def test_tl9_an_opening_while_the_log_closes_waits_and_gets_a_journal_of_its_own(
     tmp_path: Path,
 ) -> None:
