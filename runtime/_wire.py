@@ -117,7 +117,8 @@ class DeliveryResult(msgspec.Struct, frozen=True, kw_only=True, tag="result"):
     truncated: bool = False
     """The reply's text was longer than a result frame carries (``[server] max_frame_bytes``,
     protocol.md P14): ``text`` is its beginning, cut at a character. The whole reply stays in
-    the room's session."""
+    the room's session. (A result recorded under a configuration that allowed more attachments
+    than the frame now holds: ``attachments`` are the first of them, too.)"""
 
     @classmethod
     def of(cls, record: ResultPublished) -> DeliveryResult:
@@ -200,17 +201,28 @@ def fit_reply_text(text: str, room: int) -> tuple[str, bool]:
 def fit_result(result: DeliveryResult, max_frame_bytes: int) -> DeliveryResult:
     """``result`` as a frame of at most ``max_frame_bytes`` carries it (protocol.md P14):
     unchanged when it fits, else with its text cut and ``truncated`` — for a result recorded
-    under a larger bound than the one it is sent under now (the configuration changed)."""
-    if result.text is None:
+    under a larger bound than the one it is sent under now (the configuration changed). When
+    its attachments alone leave no room (recorded under a configuration that allowed more
+    of them a reply), those after the last one that leaves room are left out as well."""
+    if result.text is None and not result.attachments:
         return result
-    room = room_for_text(
-        delivery_id=result.delivery_id,
-        room=result.room,
-        attachments=result.attachments,
-        max_frame_bytes=max_frame_bytes,
-    )
-    text, cut = fit_reply_text(result.text, room)
-    return msgspec.structs.replace(result, text=text, truncated=True) if cut else result
+    attachments = list(result.attachments)
+
+    def room() -> int:
+        return room_for_text(
+            delivery_id=result.delivery_id,
+            room=result.room,
+            attachments=attachments,
+            max_frame_bytes=max_frame_bytes,
+        )
+
+    while attachments and room() < 0:
+        attachments.pop()
+    left_out = len(attachments) < len(result.attachments)
+    text, cut = (None, False) if result.text is None else fit_reply_text(result.text, room())
+    if not (cut or left_out):
+        return result
+    return msgspec.structs.replace(result, text=text, attachments=attachments, truncated=True)
 
 
 _MAX_ESCAPED: Final = 6

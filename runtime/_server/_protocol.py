@@ -149,6 +149,9 @@ class StatusRequest(_ClientFrame, tag="status", frozen=True, kw_only=True):
     """Ask for a ``status`` report: of every room, or of one."""
 
     room: str | None = None
+    after: str | None = None
+    """Only the rooms sorted after this one: the next page of a report that left rooms out
+    (``rooms_left_out``, P15); the last room of the previous page."""
 
 
 class TaskSubmit(_ClientFrame, tag="task_submit", frozen=True, kw_only=True):
@@ -231,6 +234,10 @@ class StatusReport(_ServerFrame, tag="status", frozen=True, kw_only=True):
     pending: int
     """Deliveries admitted and not finished, in every room."""
     rooms: list[RoomStatus]
+    """Sorted by room; as many as the frame bound holds (P15)."""
+    rooms_left_out: int = 0
+    """Rooms after the last one carried that did not fit the frame: ask again with
+    ``after`` = the last room carried."""
 
 
 class ErrorFrame(_ServerFrame, tag="error", frozen=True, kw_only=True):

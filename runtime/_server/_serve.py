@@ -34,6 +34,7 @@ never end the server.
 from __future__ import annotations
 
 import base64
+import bisect
 import contextlib
 import functools
 import hashlib
@@ -117,7 +118,8 @@ __all__ = [
 logger = logging.getLogger("runtime.serve")
 
 ATTACHMENT_CHUNK: Final = 48 * 1024
-"""Bytes of an attachment per ``attachment_data`` frame (64 KiB of base64)."""
+"""Bytes of an attachment per ``attachment_data`` frame (64 KiB of base64), or fewer where
+``[server] max_frame_bytes`` is smaller (P15)."""
 EVENT_QUEUE: Final = 256
 """Signals (typing, text updates, tool activity) buffered per connection; a connection that
 falls further behind loses the oldest kind of thing there is to lose: signals, never results."""
@@ -125,6 +127,9 @@ FLUSH_SECONDS: Final = 5.0
 """After a drain, how long connected clients get to receive the results published so far."""
 POLICY_VIOLATION: Final = 1008
 """The websocket close code after a refused token or an unsupported protocol."""
+
+_encode_part = msgspec.json.Encoder().encode
+"""The UTF-8 JSON of a frame or of a part of one (what the frame bound counts, P15)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,11 +251,30 @@ class RoomServer:
         await self.worker.cancel(delivery_id)
         return {"delivery_id": delivery_id, "cancelled": True}
 
-    def _status(self, room: str | None) -> StatusReport:
-        return StatusReport(
+    def _status(
+        self, room: str | None, *, after: str | None = None, bound: int | None = None
+    ) -> StatusReport:
+        """The rooms (``room`` only, or those sorted ``after`` one), as many as a frame of
+        ``bound`` bytes holds (P15), and how many more there are."""
+        rooms = self.worker.status(room)
+        if after is not None:
+            rooms = rooms[bisect.bisect_right([status.room for status in rooms], after) :]
+        report = StatusReport(
             worker_id=self.worker_id,
             pending=len(self.worker.pending()),
-            rooms=self.worker.status(room),
+            rooms=[],
+            rooms_left_out=len(rooms),  # its widest: the count only shrinks
+        )
+        if bound is None:
+            return msgspec.structs.replace(report, rooms=rooms, rooms_left_out=0)
+        size, carried = len(_encode_part(report)), 0
+        for status in rooms:
+            size += len(_encode_part(status)) + (carried > 0)  # its comma
+            if size > bound:
+                break
+            carried += 1
+        return msgspec.structs.replace(
+            report, rooms=rooms[:carried], rooms_left_out=len(rooms) - carried
         )
 
     # -- signals to every connection ---------------------------------------------------
@@ -388,8 +412,9 @@ class RoomServer:
         self.connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
-                for part in (self._send_results, self._send_events, self._read):
-                    nursery.start_soon(self._until_closed, part, connection, nursery.cancel_scope)
+                for part in (self._send_results, self._send_events):
+                    nursery.start_soon(self._until_closed, part, connection, None)
+                nursery.start_soon(self._until_closed, self._read, connection, nursery.cancel_scope)
         finally:
             self.connections.discard(connection)
             connection.close()
@@ -398,13 +423,17 @@ class RoomServer:
     async def _until_closed(
         part: Callable[[_Connection], Awaitable[None]],
         connection: _Connection,
-        scope: trio.CancelScope,
+        scope: trio.CancelScope | None,
     ) -> None:
-        """Run one part of a connection; when the websocket closes, end every part."""
+        """Run one part of a connection until the websocket closes. The reader's end (it
+        read every frame the client sent before its close, S3) ends every part; a sender's
+        ends that sender only: the reader may still have frames to act on — an ``ack``."""
         try:
             await part(connection)
         except ConnectionClosed:
-            scope.cancel()
+            connection.close()  # nothing more is sent here: a flush need not wait (S5)
+            if scope is not None:
+                scope.cancel()
 
     async def _handshake(self, connection: _Connection) -> Hello | None:
         """Frames until a valid ``hello``: ``welcome`` and the hello, or ``None`` once the
@@ -483,36 +512,44 @@ class RoomServer:
                 reject_binary_frame(message)
             return decode_client_frame(message, max_size=self.server.max_frame_bytes)
         except ProtocolError as error:
-            await connection.send(error_frame(error))
-            if error.code is ReasonCode.UNSUPPORTED_PROTOCOL:
-                await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
+            with contextlib.suppress(ConnectionClosed):  # the next read says it is closed
+                await connection.send(error_frame(error))
+                if error.code is ReasonCode.UNSUPPORTED_PROTOCOL:
+                    await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
             return None
 
     async def _read(self, connection: _Connection) -> None:
+        """Act on every frame the client sends, until the websocket is closed and every frame
+        it sent before its close was acted on (S3: an ``ack`` just before a close counts),
+        however an answer's send fails meanwhile; only then does the read end."""
         while True:
-            frame = await self._next_frame(connection)
-            if frame is None:
-                continue
-            try:
-                await self._act(connection, frame)
-            except PiRuntimeError as error:
-                await connection.send(error_frame(error, ref=frame_ref(frame)))
-            except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
-                raise  # the connection itself is gone
-            except Exception:  # a fault stays with its frame: answered, the connection usable
-                logger.exception(
-                    "the server failed on a %s frame from %s",
-                    frame_type(frame),
-                    connection.peer,
-                    extra=fields("frame_failed", code=ReasonCode.SERVER_FAULT),
-                )
-                fault = ErrorFrame(
-                    code=ReasonCode.SERVER_FAULT,
-                    message="the server failed on this frame (the operator is told); "
-                    "the connection stays usable",
-                    ref=frame_ref(frame),
-                )
-                await connection.send(fault)
+            frame = await self._next_frame(connection)  # ConnectionClosed: nothing left
+            if frame is not None:
+                with contextlib.suppress(ConnectionClosed):  # the next read says it is closed
+                    await self._answer(connection, frame)
+
+    async def _answer(self, connection: _Connection, frame: ClientFrame) -> None:
+        """Act on one frame; a refusal or a fault is answered with its code (S2)."""
+        try:
+            await self._act(connection, frame)
+        except PiRuntimeError as error:
+            await connection.send(error_frame(error, ref=frame_ref(frame)))
+        except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+            raise  # the connection itself is gone
+        except Exception:  # a fault stays with its frame: answered, the connection usable
+            logger.exception(
+                "the server failed on a %s frame from %s",
+                frame_type(frame),
+                connection.peer,
+                extra=fields("frame_failed", code=ReasonCode.SERVER_FAULT),
+            )
+            fault = ErrorFrame(
+                code=ReasonCode.SERVER_FAULT,
+                message="the server failed on this frame (the operator is told); "
+                "the connection stays usable",
+                ref=frame_ref(frame),
+            )
+            await connection.send(fault)
 
     async def _act(self, connection: _Connection, frame: ClientFrame) -> None:
         if isinstance(frame, Deliver):
@@ -524,7 +561,8 @@ class RoomServer:
             # stream is behind, or the client guessed) stays unacknowledged and comes in turn
             await self.worker.ack(min(frame.seq, connection.sending_seq))
         elif isinstance(frame, StatusRequest):
-            await connection.send(self._status(frame.room))
+            bound = self.server.max_frame_bytes
+            await connection.send(self._status(frame.room, after=frame.after, bound=bound))
         elif isinstance(frame, TaskSubmit | TaskReplyFrame | TaskControl | TaskShow):
             await self._task_frame(connection, frame)
         elif isinstance(frame, FetchAttachment):
@@ -618,15 +656,18 @@ class RoomServer:
         """``result`` as it may be sent now (A7): each attachment whose bytes are not there
         intact is marked ``lost`` with its code; the words go out unchanged — unless the
         result was recorded under a larger ``max_frame_bytes`` than this server's: then its
-        text is cut to fit (P14)."""
-        sent = fit_result(await self._with_attachments_checked(result), self.server.max_frame_bytes)
-        if sent.truncated and not result.truncated:
+        text is cut to fit, and attachments that leave no room are left out (P14)."""
+        shown = await self._with_attachments_checked(result)
+        sent = fit_result(shown, self.server.max_frame_bytes)
+        if sent is not shown:
             logger.warning(
-                "result %d was recorded under a larger frame bound: its text is sent cut to the "
-                "first %d of %d characters",
+                "result %d was recorded under a larger frame bound: it is sent with the first "
+                "%d of %d characters and %d of %d attachments",
                 result.seq,
                 len(sent.text or ""),
                 len(result.text or ""),
+                len(sent.attachments),
+                len(result.attachments),
                 extra=fields("reply_truncated", delivery_id=result.delivery_id, seq=result.seq),
             )
         return sent
@@ -692,8 +733,9 @@ class RoomServer:
             )
         view = memoryview(found)
         offset = 0
+        step = _chunk_bytes(ref.id, ref.size, self.server.max_frame_bytes)
         while True:
-            chunk = view[offset : offset + ATTACHMENT_CHUNK]
+            chunk = view[offset : offset + step]
             last = offset + len(chunk) >= len(view)
             frame = AttachmentData(
                 id=ref.id,
@@ -719,6 +761,14 @@ class RoomServer:
     async def _send_events(self, connection: _Connection) -> None:
         async for event in connection.events[1]:
             await connection.send(event)
+
+
+def _chunk_bytes(attachment_id: str, size: int, max_frame_bytes: int) -> int:
+    """Bytes of an attachment per ``attachment_data`` frame: :data:`ATTACHMENT_CHUNK`, or
+    fewer so that the frame, its base64 included, fits ``max_frame_bytes`` (P15)."""
+    empty = AttachmentData(id=attachment_id, offset=size, size=size, data="", last=False)
+    room = max_frame_bytes - len(_encode_part(empty))
+    return max(1, min(ATTACHMENT_CHUNK, room // 4 * 3))  # base64: 4 characters for 3 bytes
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import struct
 from collections.abc import Iterator
@@ -441,3 +442,89 @@ async def test_s3_an_ack_of_a_result_whose_send_has_not_returned_yet_counts(
             acked = r.server.worker.acked_seq
             returned.set()
     assert acked == 1
+
+
+async def test_s3_an_ack_sent_just_before_a_close_counts_while_a_send_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3: a client acks result 1 and closes its connection while the server is still busy:
+    its reader on an earlier frame (here a ``cancel``, held), its result stream about to send
+    result 2. The send fails on the closed connection — and the ack, already received, still
+    counts: a later connection is sent result 2 first, not result 1 again. Before, the failed
+    send ended every part of the connection at once, the reader with it, and the ack it had
+    not read yet was dropped: a result the client had acknowledged was sent again."""
+    cancelling, release_cancel, ended = trio.Event(), trio.Event(), trio.Event()
+    send_failed = trio.Event()
+    cancel, serve, send = RoomWorker.cancel, RoomServer._serve, _Connection.send
+
+    async def held_cancel(self: RoomWorker, delivery_id: str) -> None:
+        cancelling.set()
+        await release_cancel.wait()
+        await cancel(self, delivery_id)
+
+    async def noted_serve(self: RoomServer, *args: Any) -> None:
+        try:
+            await serve(self, *args)
+        finally:
+            ended.set()
+
+    async def noted_send(self: _Connection, frame: Any) -> None:
+        try:
+            await send(self, frame)
+        except ConnectionClosed:
+            if isinstance(frame, DeliveryResult):
+                send_failed.set()
+            raise
+
+    monkeypatch.setattr(RoomWorker, "cancel", held_cancel)
+    monkeypatch.setattr(_Connection, "send", noted_send)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            with stream_held_at(monkeypatch, 2) as (reached, release_stream):
+                monkeypatch.setattr(RoomServer, "_serve", noted_serve)
+                async with r.connect() as client:
+                    await client.send(message("d1"))
+                    assert (await client.result("d1"))["seq"] == 1
+                    await client.send(message("d2"))
+                    await client.until(lambda f: f["type"] == "accepted")
+                    await reached.wait()  # result 2 is published; its send is held
+                    await client.send({"type": "cancel", "delivery_id": "d1"})
+                    await cancelling.wait()  # the reader is busy with the cancel
+                    await client.send({"type": "ack", "seq": 1})
+                # the client has closed; result 2's send fails on the closed connection
+                release_stream.set()
+                await send_failed.wait()
+                release_cancel.set()
+                await ended.wait()
+            async with r.connect() as again:
+                first = await again.until(lambda f: f["type"] == "result")
+    assert first["seq"] == 2
+
+
+async def test_s1_the_token_reaches_no_log_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """S1: with every logger at DEBUG (trio-websocket's frame logging included), a first
+    start, a welcomed ``hello``, hellos that are refused — a wrong token, the token with an
+    unknown field, the token in a frame that is no ``hello`` — and a result leave the token in
+    no log record: not in a message, its arguments or a traceback."""
+    caplog.set_level(logging.DEBUG)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path) as r:
+            token = r.token
+            async with r.connect() as client:
+                await client.send(message("d1"))
+                await client.result("d1")
+            for frame in (
+                {"type": "hello", "protocol": 1, "token": token, "client": "t", "x": token},
+                {"type": "ack", "seq": 1, "token": token},
+                {"type": token},
+                {"type": "hello", "protocol": 1, "token": token[::-1], "client": "t"},
+            ):
+                async with r.connect(hello=False) as client:
+                    await client.send(frame)
+                    await client.until(lambda f: f["type"] == "error")
+    logged = "\n".join(f"{record.getMessage()} {record.__dict__}" for record in caplog.records)
+    assert caplog.records
+    assert token not in logged
+    assert token not in caplog.text  # formatted, tracebacks included
