@@ -506,6 +506,11 @@ class EpochWatch:
                     if started:
                         await lane.end_recovery()  # (WD11: as a called-off fence's)
                     continue
+                # the hold is resolved from here: the task is fenced, no longer held, so a
+                # resume asked again while the tree is stopped is refused, never left to be
+                # taken for a look at the hold the replacement may decide next (TL8, WD13)
+                lane.watchdog.feed(FenceStarted())
+                lane.changed()
                 self._finish(EpochEnd.RESUME)
                 return
 
@@ -582,6 +587,17 @@ class EpochWatch:
         if reserved:
             evidence = dataclasses.replace(evidence, budget_left=True)
         failed = failed_guards(evidence)
+        wd = lane.watchdog
+        grown = self._eligible is not None and evidence.session_unchanged is False
+        if grown and wd.classification is Classification.HARD_RESUME_ELIGIBLE:
+            # the session changed since the quiet probe: an append is progress (WD1), as the
+            # probe counts it — the worker is not stalled, so no fence and no hold either
+            now, awake = lane.readings()
+            wd.feed(Progress(now, awake, wd.phase, "session_append"))
+            await lane.resumed_progress()  # WD11: a resumed worker's first progress too
+            await lane.note_hold()
+            lane.changed()
+            return False
         if lane.watchdog.classification is not Classification.HARD_RESUME_ELIGIBLE:
             return False  # progress (or a hold) came first: the worker is not to be fenced
         if lane.kernel.state is not TaskState.OPEN:  # a terminal (or a wait) decided during

@@ -9,7 +9,9 @@ Each takes the session's path and does its file work off the Trio thread or thro
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -80,17 +82,39 @@ async def reanswer_orphaned(
 
 async def marker_in_session(session: Path, action_id: str) -> bool | None:
     """Whether prompt ``action_id`` (a continuation or a reply) is in the session as Pi
-    loads it (TL5, LK8): inside an entry Pi reads — a malformed or torn line, which Pi
-    skips, does not count. ``None`` when the session cannot be read: nobody knows whether
-    the worker has it, and the caller holds (``prompt_marker_unknown``) rather than guess."""
+    loads it (TL5, LK8): the prompt itself — a user message whose text begins with its
+    marker — inside an entry Pi reads. A malformed or torn line, which Pi skips, does not
+    count, nor does the marker's text quoted anywhere else (a tool's result that read a
+    file holding it, the model's own words): that is not the prompt, and the worker was
+    never sent it. ``None`` when the session cannot be read: nobody knows whether the
+    worker has it, and the caller holds (``prompt_marker_unknown``) rather than guess."""
     try:
         read = await aread_session(session)
     except PiRuntimeError as error:
         return False if error.code == ReasonCode.SESSION_MISSING else None
     except OSError:
         return None
-    needle = json.dumps(continuation_marker(action_id))[1:-1].encode()
-    return any(needle in entry.raw_line for entry in read.session.by_id.values())
+    marker = continuation_marker(action_id)
+    needle = json.dumps(marker)[1:-1].encode()
+    return any(
+        needle in entry.raw_line and _prompt_begins(entry.raw, marker)
+        for entry in read.session.by_id.values()
+    )
+
+
+def _prompt_begins(entry: Mapping[str, Any], marker: str) -> bool:
+    """``entry`` is a user message (a prompt) whose text begins with ``marker``."""
+    message = entry.get("message") if entry.get("type") == "message" else None
+    if not isinstance(message, dict) or message.get("role") != "user":
+        return False
+    content = message.get("content")
+    if isinstance(content, str):
+        return content.startswith(marker)
+    blocks = content if isinstance(content, list) else ()
+    return any(
+        isinstance(b, dict) and b.get("type") == "text" and str(b.get("text")).startswith(marker)
+        for b in blocks
+    )
 
 
 async def session_size(session: Path) -> int:

@@ -234,12 +234,13 @@ async def test_wd8_a_completion_prompt_its_marker_says_was_sent_holds_never_wait
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
     """WD8, WD12, TL5: a completion prompt the core asked for whose marker the session
-    already shows (here the task's own prompt quotes it) is not sent a second time — and the
+    already shows (here the task's own prompt begins with it, as that prompt would: only a
+    prompt that begins with its marker counts, TL5) is not sent a second time — and the
     idle, disarmed worker is not left waiting for a prompt that never comes: the task holds,
     naming the prompt, for the operator, whose resume continues it."""
-    quoted = continuation_marker(f"{TASK}/g1/a1/e1/completion")
+    marker = continuation_marker(f"{TASK}/g1/a1/e1/completion")
     async with open_rig(tmp_path, clocks, [say("I think I am done"), done(), say()]) as rig:
-        await rig.runner.submit(rig.spec(f"do the task\n{quoted}"))
+        await rig.runner.submit(rig.spec(f"{marker}\ndo the task"))
         await rig.until(lambda: rig.runner.show(TASK).classification == HELD, within=3600)
         view = rig.runner.show(TASK)
         assert view.hold_reason == f"prompt_already_sent:{TASK}/g1/a1/e1/completion"

@@ -16,12 +16,13 @@ import pytest
 import trio
 
 from fake_pi._behaviours import Behaviours
-from fake_pi.scenario import Hang, Step
+from fake_pi.scenario import Call, Hang, Step, ToolCalls
 from runtime._boundary._calls import GateCall
 from runtime._boundary._tools import EffectLedger
 from runtime._clock import Clocks
 from runtime._config import BackoffConfig
 from runtime._pi._rpc import RpcChannel
+from runtime._pi._session import parse_session
 from runtime._records import (
     EpochFenced,
     OutboxAction,
@@ -280,4 +281,144 @@ async def test_wd13_a_runtime_effect_in_flight_when_its_epoch_is_resumed_is_neve
     assert mine.is_error
     assert "possibly ran" in json.dumps(mine.content)
     assert len(actions(records, "reserve")) == 1  # one replacement, charged once
+    assert rig.workers.launched == [1, 2]
+
+
+# ------------ TL8, WD13: a resume asked again while the first is carried out is no consent
+
+
+async def test_tl8_a_resume_asked_again_while_the_live_worker_is_stopped_is_no_consent(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL8, WD13 (a control racing the lane's own decision): the ``effect`` tool applied its
+    effect and hangs; the silent tool phase holds and the operator resumes the live worker.
+    While that resume is carried out — the worker's tree being stopped, the task still shown
+    held ``silent_in_tool_phase`` — the operator's client asks again (a retry). That second
+    resume was asked of the hold the first one is resolving, never of the
+    ``effect_possibly_ran`` hold the replacement then decides: it must not be taken for the
+    operator's look at the possibly-run effect (before, it was answered, left its wake-up,
+    and the lane parked on the new hold only to find it and continue past the effect, forced,
+    with nobody having seen that hold). The task holds ``effect_possibly_ran:effect`` until
+    a resume asked of that hold."""
+    ledger_call = EffectLedger.__call__
+
+    async def applied_then_hangs(ledger: EffectLedger, call: GateCall, intent_id: str) -> Any:
+        calls.append(intent_id)
+        result = await ledger_call(ledger, call, intent_id)
+        if len(calls) == 1:
+            await trio.sleep_forever()  # the effect is applied; its outcome never comes
+        return result
+
+    calls: list[str] = []
+
+    record_action = TaskLane.record_action
+    retried: list[bool] = []
+
+    async def retried_during_the_stop(
+        lane: TaskLane, action_id: str, kind: str, state: str, detail: Any = None
+    ) -> None:
+        if kind == "signal" and state == "reserved":  # the first resume is carried out
+            retried.append(lane.resume())  # the client's retry: answered True before
+        await record_action(lane, action_id, kind, state, detail)
+
+    monkeypatch.setattr(EffectLedger, "__call__", applied_then_hangs)
+    monkeypatch.setattr(TaskLane, "record_action", retried_during_the_stop)
+    async with open_rig(tmp_path, clocks, [effect("k"), done(), say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
+        assert rig.runner.show(TASK).hold_reason == "silent_in_tool_phase"
+        rig.runner.resume(TASK)  # the live worker is stopped; its effect may have run
+        await trio.sleep(2 * 3600)  # hours: the possibly-run effect stays held
+        view = rig.runner.show(TASK)
+        assert retried == [False]  # the retry is not a second resume
+        assert (view.classification, view.hold_reason) == (HELD, "effect_possibly_ran:effect")
+        assert rig.workers.launched == [1]
+        rig.runner.resume(TASK)  # the operator's look at the effect: continue, possibly ran
+        ended = await rig.ended(TASK)
+    assert ended.state == "done"
+    assert len(calls) == 1  # applied once, never again
+    assert len(rig.effects()) == 1
+    assert rig.workers.launched == [1, 2]
+
+
+# ---------- LK8, TL5: a marker counts only in the prompt that carries it, never in a quote
+
+
+async def test_lk8_a_marker_quoted_by_a_tool_result_is_not_the_reply_delivered(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LK8, TL5 (an adversary's session): the worktree holds a file that quotes a reply
+    marker — this project's own tests and docs do — and the worker reads it in the turn
+    that asks the user. The user replies mid-turn; at the settle the lane looks for the
+    reply's marker before it sends the reply. The quote, inside a tool's result, is not the
+    prompt that carries the reply: the worker was never sent it. Before, any entry holding
+    the marker's text counted, the reply was taken for delivered and never sent — the task
+    ended done without the user's answer. The reply reaches the worker once."""
+    reply_id = f"{TASK}/g1/a1/reply1"
+    behaviours = {1: Behaviours(at={"after_tool:2": "delay:30"})}
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="read", arguments={"path": "NOTES.md"})]),
+        wait(),
+        say("I asked"),
+        done(),
+        say(),
+    ]
+    async with open_rig(tmp_path, clocks, steps, behaviours=behaviours) as rig:
+        quote = f"a prompt begins [pi-runtime reply v1 {reply_id}]\n"
+        (rig.worktree / "NOTES.md").write_text(quote)
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        await rig.runner.reply(TASK, "the blue one")
+        ended = await rig.ended(TASK)
+    assert ended.state == "done"
+    assert len({t for t in user_texts(rig.model.requests) if "the blue one" in t}) == 1
+
+
+# ------------- WD1, WD10: a session grown during the fence's guard check is progress, no hold
+
+
+async def test_wd10_a_session_append_during_the_fences_guard_check_is_progress_not_a_hold(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WD1, WD10: a wedged worker is eligible and its quiet fence probe asked for the guards;
+    while they are read (the session and route, off the loop), the worker appends to its
+    session — its event still in the pipe. A grown session is progress (WD1: the probe
+    counts it so); it proves the worker is not stalled: no fence, and no hold either — a
+    working worker is no operator's case. Before, the grown session was a failed guard
+    (``guard:session_unchanged``): the task was held, its clocks stopped, an operator called
+    for a worker that was working. Here the worker wedges for good after the append, so its
+    next eligibility fences it and the task ends done."""
+    route_problem = TaskLane.route_problem
+    grown: list[int] = []
+
+    async def the_worker_appends_during_the_first_read(lane: TaskLane) -> str | None:
+        if not grown:
+            grown.append(1)
+            with lane.session.open("ab") as f:  # what the worker wrote (a whole entry)
+                session = parse_session(lane.session.read_bytes()).require_clean()
+                entry = session.new_entry({"type": "custom", "customType": "note"}, time_ms=1)
+                f.write(entry.raw_line + b"\n")
+        return await route_problem(lane)
+
+    monkeypatch.setattr(TaskLane, "route_problem", the_worker_appends_during_the_first_read)
+    steps: list[Step] = [Hang(seconds=100_000), done(), say("finished")]
+    async with open_rig(tmp_path, clocks, steps) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until_logged(lambda log: bool(actions(log, "fence") or actions(log, "hold")))
+        assert actions(await rig.records(), "hold") == []  # never held: it was working
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+    assert grown == [1]
+    assert ended.state == "done"
+    assert actions(records, "hold") == []
+    assert len(actions(records, "fence")) == 1  # the second eligibility's
     assert rig.workers.launched == [1, 2]

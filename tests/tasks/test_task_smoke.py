@@ -30,7 +30,7 @@ each in a worktree of its own (TL13):
   HardResumeEligible → Fencing → Resuming → Active → done; one continuation prompt, one
   replacement epoch charged, the resume latency charged to the recovery budget;
 * ``stop`` (WD3, WD10, TL8 manual resume): ``smoke-stop``, the same wedge with its worker
-  SIGSTOPped (its pid from ``task show --json``). A stopped worker answers no probe, and an
+  SIGSTOPped (its pid from its lane log). A stopped worker answers no probe, and an
   unanswered fence probe is an unknown guard, so the watchdog holds (``probe_unanswered``) and
   never signals it; the operator's ``task resume`` stops it (TERM stays pending on a stopped
   process; the KILL after the bound ends it) and the task resumes in the same session to done;
@@ -854,12 +854,12 @@ def marker(action_id: str) -> str:
 
 def stop_the_wedged_worker(smoke: Smoke) -> None:
     """``smoke-stop``'s worker, waiting on the wedged provider, gets SIGSTOP: from now on it
-    answers no probe."""
+    answers no probe. Its pid is read from the lane log, not by a command: the stop must come
+    well inside the hard threshold (12 s) even on a loaded machine, where starting a command
+    can take seconds (a flake hunt saw the fence come first)."""
     smoke.model.wait_for("stop", "wedged")
-    process = smoke.show_json("smoke-stop")["process"]
-    assert process is not None
+    process = smoke.signal_worker("smoke-stop", signal.SIGSTOP)
     smoke.stopped.update(process)
-    os.kill(process["pid"], signal.SIGSTOP)
     assert until(lambda: stat_state(process["pid"]) == "T"), "the worker did not stop"
 
 
@@ -1224,11 +1224,11 @@ def test_smoke_fence_resume_wait_reply_and_abort_under_the_test_time_scale(
                 follow = {task_id: smoke.submit(task_id, mode) for task_id, mode in A_TASKS.items()}
                 for task_id, follower in follow.items():
                     follower.expect(rf"^task {task_id}: started on the server \(state open\)$")
+                stop_the_wedged_worker(smoke)  # first: inside its hard threshold
                 exited = smoke.kill_worker("smoke-exit", signal.SIGTERM)
                 model.wait_for("fence", "wedged")
                 refused(smoke.command("task", "reply", "smoke", "hi"), "task_not_waiting",
                         "task 'smoke' is not waiting")  # fmt: skip
-                stop_the_wedged_worker(smoke)
                 wait_reply_done(smoke, follow["smoke2"])  # meanwhile the wedged tasks' clocks run
                 hold_abort(smoke, follow["smoke-hold"])
                 fenced_resumed_done(smoke, follow["smoke"])
