@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,21 @@ def user_texts(requests: list[Any]) -> list[str]:
         for message in request.body.get("messages", [])
         if message.get("role") == "user"
     ]
+
+
+def applied_then_hangs(calls: list[str]) -> Callable[..., Awaitable[Any]]:
+    """The ``effect`` tool's ledger that applies the first call's effect and then hangs
+    before its outcome (for ever); each call's intent id goes into ``calls``."""
+    ledger_call = EffectLedger.__call__
+
+    async def applied(ledger: EffectLedger, call: GateCall, intent_id: str) -> Any:
+        calls.append(intent_id)
+        result = await ledger_call(ledger, call, intent_id)
+        if len(calls) == 1:
+            await trio.sleep_forever()  # the effect is applied; its outcome never comes
+        return result
+
+    return applied
 
 
 async def decided_meanwhile(lane: TaskLane, nursery: trio.Nursery, reason: str) -> None:
@@ -250,17 +266,8 @@ async def test_wd13_a_runtime_effect_in_flight_when_its_epoch_is_resumed_is_neve
     possibly-run effect); the operator's second resume continues on the same charged
     reserve, the call settled "possibly ran" — one outcome, recorded once — and the task
     ends done without running it again."""
-    ledger_call = EffectLedger.__call__
     calls: list[str] = []
-
-    async def applied_then_hangs(ledger: EffectLedger, call: GateCall, intent_id: str) -> Any:
-        calls.append(intent_id)
-        result = await ledger_call(ledger, call, intent_id)
-        if len(calls) == 1:
-            await trio.sleep_forever()  # the effect is applied; its outcome never comes
-        return result
-
-    monkeypatch.setattr(EffectLedger, "__call__", applied_then_hangs)
+    monkeypatch.setattr(EffectLedger, "__call__", applied_then_hangs(calls))
     async with open_rig(tmp_path, clocks, [effect("k"), done(), say()]) as rig:
         await rig.runner.submit(rig.spec())
         await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
@@ -303,15 +310,6 @@ async def test_tl8_a_resume_asked_again_while_the_live_worker_is_stopped_is_no_c
     and the lane parked on the new hold only to find it and continue past the effect, forced,
     with nobody having seen that hold). The task holds ``effect_possibly_ran:effect`` until
     a resume asked of that hold."""
-    ledger_call = EffectLedger.__call__
-
-    async def applied_then_hangs(ledger: EffectLedger, call: GateCall, intent_id: str) -> Any:
-        calls.append(intent_id)
-        result = await ledger_call(ledger, call, intent_id)
-        if len(calls) == 1:
-            await trio.sleep_forever()  # the effect is applied; its outcome never comes
-        return result
-
     calls: list[str] = []
 
     record_action = TaskLane.record_action
@@ -324,7 +322,7 @@ async def test_tl8_a_resume_asked_again_while_the_live_worker_is_stopped_is_no_c
             retried.append(lane.resume())  # the client's retry: answered True before
         await record_action(lane, action_id, kind, state, detail)
 
-    monkeypatch.setattr(EffectLedger, "__call__", applied_then_hangs)
+    monkeypatch.setattr(EffectLedger, "__call__", applied_then_hangs(calls))
     monkeypatch.setattr(TaskLane, "record_action", retried_during_the_stop)
     async with open_rig(tmp_path, clocks, [effect("k"), done(), say()]) as rig:
         await rig.runner.submit(rig.spec())
