@@ -37,7 +37,7 @@ from ._errors import ConfigError, DeliveryError, ReasonCode
 from ._journal._attachments import attachment_root
 from ._records import ReplayClass
 from ._room_ids import room_problem
-from ._wire import least_room_for_text
+from ._wire import largest_update_bytes, least_room_for_text
 
 __all__ = [
     "DEFAULT_GRANTS",
@@ -866,6 +866,11 @@ _INTEGER_BOUNDS: Final[Mapping[str, tuple[int, str]]] = {
         "every file is named in the reply's result frame, which must stay far below a "
         "client's frame limit (attachments.md A12)",
     ),
+    "caps.text_update_chars": (
+        2**24,
+        "a text update is sent as one frame, which must fit server.max_frame_bytes (at most "
+        "2**28 bytes, C15)",
+    ),
     "server.max_frame_bytes": (
         2**28,
         "256 MiB: a frame is held whole in memory, and one of four times this is read before "
@@ -895,7 +900,8 @@ def _check_integers(config: RoomWorkerConfig) -> None:
 
 def _check_result_frame(config: RoomWorkerConfig) -> None:
     """C15: a reply's ``result`` frame at its largest leaves at least half of
-    ``[server] max_frame_bytes`` for the reply's text (protocol.md P14)."""
+    ``[server] max_frame_bytes`` for the reply's text (protocol.md P14); a ``text_update``
+    frame at its largest fits the bound."""
     frame = config.server.max_frame_bytes
     attachments = config.attachments
     room = least_room_for_text(
@@ -911,6 +917,14 @@ def _check_result_frame(config: RoomWorkerConfig) -> None:
             f"its attachments.max_per_reply = {attachments.max_per_reply} attachments and ids "
             "are at their longest; it must leave at least half: raise server.max_frame_bytes "
             "or lower attachments.max_per_reply",
+        )
+    update = largest_update_bytes(config.caps.text_update_chars)
+    if update > frame:
+        raise ConfigError(
+            "caps.text_update_chars",
+            f"{config.caps.text_update_chars} characters make a text_update frame of up to "
+            f"{update} bytes, more than server.max_frame_bytes = {frame}: lower it or raise "
+            "server.max_frame_bytes",
         )
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "Typing",
     "fit_reply_text",
     "fit_result",
+    "largest_update_bytes",
     "least_room_for_text",
     "room_for_text",
 ]
@@ -155,6 +156,15 @@ def room_for_text(
         truncated=True,
     )
     return max_frame_bytes - len(msgspec.json.encode(frame))
+
+
+def largest_update_bytes(text_update_chars: int) -> int:
+    """The UTF-8 bytes of the largest ``text_update`` frame: the longest ids in the widest
+    characters and ``text_update_chars`` characters of the most bytes each (config.md C15)."""
+    frame = TextUpdate(
+        room=_LONGEST_ROOM, delivery_id=_WIDEST * MAX_ID, reply_to=_WIDEST * MAX_ID, text=""
+    )
+    return len(msgspec.json.encode(frame)) + _MAX_ESCAPED * text_update_chars
 
 
 def least_room_for_text(

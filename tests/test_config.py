@@ -756,6 +756,8 @@ def _with(table: str, name: str, value: int) -> dict[str, Any]:
     data: dict[str, Any] = {table: {name: value}}
     if (table, name) == _MAX_TOKENS:
         data["model"]["context_window"] = min(value, 2**31 - 1)
+    if (table, name) == ("caps", "text_update_chars"):  # one frame (C15): the largest
+        data["server"] = {"max_frame_bytes": 2**28}
     return data
 
 
@@ -900,3 +902,16 @@ def test_c15_a_result_frame_leaves_half_of_itself_for_the_reply(
     error = refused(data)
     assert error.setting == "server.max_frame_bytes"
     assert f"attachments.max_per_reply = {per_reply}" in error.message
+
+
+@pytest.mark.parametrize(("chars", "taken"), [(600, True), (10_000, True), (20_000, False)])
+def test_c15_a_text_update_at_its_longest_fits_a_frame(chars: int, taken: bool) -> None:
+    """C15: a ``text_update`` of ``caps.text_update_chars`` characters (six bytes each at
+    most, escaped) with the longest ids fits ``[server] max_frame_bytes`` (here 64 KiB), or
+    the setting is refused: else a client built to the bound would be disconnected (1009)
+    by an update."""
+    data = {"server": {"max_frame_bytes": 64 * 1024}, "caps": {"text_update_chars": chars}}
+    if taken:
+        config_from_dict(data, base=BASE)
+        return
+    assert refused(data).setting == "caps.text_update_chars"
