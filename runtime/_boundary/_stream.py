@@ -7,8 +7,8 @@ the SSE framing (:func:`sse_data`), which payloads are the held terminal part
 (:func:`is_upstream_error`, G10) and how the backoff reads one (:func:`stream_failure`) or a
 stream that stopped short (:func:`stream_cut`), whether a payload gave the worker part of the
 answer (:func:`carries_answer`, PB1), and the tool-call ids minted where the upstream gave
-none (:class:`ToolCallIds`, G7). :class:`~runtime._boundary._gateway.Gateway` is the Trio
-shell that applies them.
+none or one another call of the response has (:class:`ToolCallIds`, G7).
+:class:`~runtime._boundary._gateway.Gateway` is the Trio shell that applies them.
 """
 
 from __future__ import annotations
@@ -293,23 +293,51 @@ def carries_answer(payload: str) -> bool:
 
 @dataclass
 class ToolCallIds:
-    """Mints tool-call ids the upstream omitted, deterministically (G7).
+    """Gives every tool call of one response an id of its own, deterministically (G7).
 
-    The id is ``call_<digest[:16]>_<index>`` (plus ``_<choice>`` for a choice
-    other than 0), set on the first delta of each tool call that carries no id.
-    Later deltas of the same call are left alone (an id there would start a new
-    call in Pi's parser). Feed every payload of one response in order.
+    The first delta of each call (a choice's ``index`` and the call's ``index``) keeps the
+    id the upstream gave unless it is empty or another call of the response already has it
+    (a weak or local provider gives ``call_0`` twice: Pi runs both, telling them apart by
+    their index, and the tool gate would take them for one call). Then the call gets the
+    minted id ``call_<digest[:16]>_<index>`` (plus ``_<choice>`` for a choice other than 0;
+    plus ``-<n>`` in the odd case that the upstream gave that one too). A later delta of a
+    call given an id for a repeated one that repeats it gets the given one; any other later
+    delta keeps what it carries, and one without an id is left without (an id there could
+    start a new call in a parser that goes by ids, as one without an index does). A pure
+    function of the digest and the payloads: feed every payload of one response in order;
+    the relayed payloads fed again come out unchanged.
     """
 
     digest: str
-    _seen: set[tuple[int, int]] = field(default_factory=set)
+    _given: dict[tuple[int, int], tuple[str, str] | None] = field(default_factory=dict)
+    """Each call seen, by (choice, index): the repeated id it came with (or ``""``) and the
+    one the gateway gave it; ``None``: it kept its own."""
+    _taken: set[str] = field(default_factory=set)
+    """Every id a call of the response has."""
 
     def mint(self, choice: int, index: int) -> str:
         suffix = f"_{choice}" if choice else ""
         return f"call_{self.digest[:16]}_{index}{suffix}"
 
+    def _first(self, key: tuple[int, int], call: dict[str, Any]) -> bool:
+        """Note the first delta of call ``key``; whether its id was set."""
+        upstream = call.get("id")
+        if upstream and isinstance(upstream, str) and upstream not in self._taken:
+            self._given[key] = None
+            self._taken.add(upstream)
+            return False
+        minted = base = self.mint(*key)
+        again = 0
+        while minted in self._taken:
+            again += 1
+            minted = f"{base}-{again}"
+        self._given[key] = (upstream if isinstance(upstream, str) else "", minted)
+        self._taken.add(minted)
+        call["id"] = minted
+        return True
+
     def apply(self, payload: str) -> str:
-        """``payload`` unchanged, or re-encoded with ids filled in."""
+        """``payload`` unchanged, or re-encoded with ids set."""
         if '"tool_calls"' not in payload:
             return payload
         chunk = _decode(payload)
@@ -328,11 +356,10 @@ class ToolCallIds:
                 if not isinstance(call, dict):
                     continue
                 key = (_index(choice_index, position), _index(call.get("index"), 0))
-                if key in self._seen:
-                    continue
-                self._seen.add(key)
-                if not call.get("id"):
-                    call["id"] = self.mint(*key)
+                if key not in self._given:
+                    changed = self._first(key, call) or changed
+                elif (given := self._given[key]) and given[0] and call.get("id") == given[0]:
+                    call["id"] = given[1]
                     changed = True
         return _json.encode(chunk).decode() if changed else payload
 
