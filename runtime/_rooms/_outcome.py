@@ -44,6 +44,7 @@ retries is ``model_failed``, not a usage limit: Pi retries it because it passes 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -86,22 +87,27 @@ def is_usage_limit(error_message: str) -> bool:
     return USAGE_LIMIT_PATTERN.search(error_message) is not None
 
 
+_LONE_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
 def _visible_text(message: Mapping[str, Any]) -> str:
     """The text blocks of an assistant message, joined and stripped (thinking and tool calls
-    are not visible)."""
+    are not visible), each lone surrogate — half a pair, which JavaScript strings may hold
+    and no UTF-8 record can — shown as U+FFFD, as a renderer shows it."""
     content = message.get("content")
     if isinstance(content, str):
-        return content.strip()
-    if not isinstance(content, Sequence):
+        parts = [content]
+    elif isinstance(content, Sequence):
+        parts = [
+            block["text"]
+            for block in content
+            if isinstance(block, Mapping)
+            and block.get("type") == "text"
+            and isinstance(block.get("text"), str)
+        ]
+    else:
         return ""
-    parts = [
-        block["text"]
-        for block in content
-        if isinstance(block, Mapping)
-        and block.get("type") == "text"
-        and isinstance(block.get("text"), str)
-    ]
-    return "".join(parts).strip()
+    return _LONE_SURROGATE.sub("\ufffd", "".join(parts)).strip()
 
 
 def classify_turn(messages: Sequence[Mapping[str, Any]]) -> TurnEnd:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio.testing
 
@@ -29,7 +30,8 @@ from fake_pi.scenario import (
     UsageLimit,
 )
 from runtime._errors import ReasonCode
-from runtime._records import Outcome
+from runtime._pi._pijson import loads
+from runtime._records import Outcome, Result
 from runtime._rooms._outcome import (
     STAY_SILENT,
     TurnEnd,
@@ -510,3 +512,19 @@ async def test_fake_pi_usage_limit_error_message(
     """The errorMessage Fake-Pi records for its UsageLimit step is the one quoted above."""
     messages = await _turn_messages(tmp_path, UsageLimit(), retries=False)
     assert messages[-1]["errorMessage"] == FAKE_PI_QUOTA
+
+
+def test_l7_a_lone_surrogate_in_the_reply_is_shown_as_a_replacement_character() -> None:
+    """L7: Pi writes a string holding half a surrogate pair (a model that streamed one half
+    of an emoji and never the other) as a lone ``\\udxxx`` escape, which the runtime reads as
+    it is written; no UTF-8 record or frame can hold it (msgspec refuses to encode it), so
+    the delivery's ``Result`` could not be written. The reply keeps its words, each lone
+    surrogate shown as U+FFFD, as a renderer shows it; a whole pair stays the character."""
+    line = (  # as Pi's JSON.stringify writes it, read as the RPC channel reads it
+        b'{"role": "assistant", "stopReason": "stop", "content": [{"type": "text", '
+        b'"text": "half \\ud83d, whole \\ud83d\\ude00, half \\ude00"}]}'
+    )
+    end = classify_turn([loads(line)])
+    assert end == TurnEnd(outcome=Outcome.REPLY, text="half \ufffd, whole \U0001f600, half \ufffd")
+    assert end.text is not None
+    msgspec.json.encode(Result(outcome=end.outcome, text=end.text, finished_ms=1))
