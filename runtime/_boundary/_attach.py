@@ -16,7 +16,7 @@ same content-addressed write.
 Refusals are the tool's error results, each with its stable code, and nothing is stored:
 
 * ``attachment_outside_workdir`` — the path leaves the working directory (``..``, absolute
-  elsewhere);
+  elsewhere), or the file has other names (hard links: they may lie anywhere on its disk);
 * ``attachment_symlink`` — a component of the path is a symbolic link: links are not followed,
   so none can point out of the directory, not even by a swap between check and open (each
   component is opened with ``O_NOFOLLOW`` below the one before);
@@ -207,6 +207,12 @@ class AttachTool:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise _Refused(ReasonCode.ATTACHMENT_NOT_FILE, f"{path} is not a regular file")
+            if info.st_nlink > 1:  # a hard link: its other names may lie anywhere on the disk
+                raise _Refused(
+                    ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR,
+                    f"{path} has {info.st_nlink} names (hard links), which may lie outside the "
+                    "working directory; attach a copy of it",
+                )
             if info.st_size > self.max_bytes:
                 raise _Refused(
                     ReasonCode.ATTACHMENT_TOO_LARGE,

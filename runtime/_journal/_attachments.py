@@ -12,21 +12,30 @@ any record names it; mode 0600 in a 0700 directory. Writing the same bytes twice
 file. A file no record names (its writer died between the file and the record) is an orphan,
 removed by :meth:`AttachmentStore.sweep` at the next start.
 
+A read that finds a file intact remembers the file's identity (device, inode, size, mtime,
+ctime); :meth:`AttachmentStore.unchanged` answers from that, with one ``stat`` and no read, while
+the file is unchanged (A13): a result re-sent at every reconnect costs a hash of its attachments
+once, not at every send. A file whose last change is less than :data:`SETTLE_MS` before the
+read is not remembered (a change in the same tick of the file system's coarse clock would keep
+the same stamps).
+
 Every method here blocks (file I/O): call them with ``trio.to_thread.run_sync``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import logging
 import os
 import re
 import stat
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from .._clock import SystemWallClock, WallClock
 from .._errors import ReasonCode
 from .._linux._fs import FileSystem, OsFileSystem
 from ._writer import TMP_MARK, atomic_write
@@ -41,6 +50,45 @@ the sha256 (A11): written before the outcome that names them, read by a host who
 lacks them."""
 
 _NAME: Final = re.compile(r"[0-9a-f]{64}")
+
+logger = logging.getLogger("runtime.attachments")
+
+SETTLE_MS: Final = 2_000
+"""A file changed less than this before a read that found it intact is not remembered as
+verified (A13): file systems stamp a change with a coarse clock (a tick; a second on some), so
+a second change within the same stamp would leave every field of ``stat`` as it was."""
+REMEMBERED: Final = 4096
+"""At most this many verified files are remembered (the oldest forgotten first)."""
+
+_Identity = tuple[int, int, int, int, int]
+"""(device, inode, size, mtime_ns, ctime_ns) of a file found intact."""
+
+
+def _identity(info: os.stat_result) -> _Identity:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+@dataclass(slots=True)
+class _Verified:
+    """The identity of each file a read found intact and settled (shared by threads)."""
+
+    files: dict[str, _Identity] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def remember(self, sha256: str, identity: _Identity) -> None:
+        with self.lock:
+            self.files.pop(sha256, None)
+            self.files[sha256] = identity
+            while len(self.files) > REMEMBERED:
+                del self.files[next(iter(self.files))]
+
+    def forget(self, sha256: str) -> None:
+        with self.lock:
+            self.files.pop(sha256, None)
+
+    def get(self, sha256: str) -> _Identity | None:
+        with self.lock:
+            return self.files.get(sha256)
 
 
 def attachment_root(state_dir: str | os.PathLike[str], configured: str | None = None) -> Path:
@@ -57,6 +105,9 @@ class AttachmentStore:
 
     root: Path
     fs: FileSystem = field(default_factory=OsFileSystem)
+    wall: WallClock = field(default_factory=SystemWallClock)
+    """Tells a settled file from one changed just before its read (:data:`SETTLE_MS`)."""
+    _verified: _Verified = field(default_factory=_Verified, compare=False, repr=False)
 
     def path_of(self, sha256: str) -> Path:
         if not _NAME.fullmatch(sha256):
@@ -88,7 +139,9 @@ class AttachmentStore:
     def read(self, sha256: str, size: int) -> bytes | ReasonCode:
         """The intact bytes of an attachment, or why they cannot be had:
         ``attachment_missing`` (no such file, or not a plain file) or ``attachment_damaged``
-        (its size or sha256 is not the recorded one, or the disk failed to read it)."""
+        (its size or sha256 is not the recorded one, or the disk failed to read it). Bytes
+        found intact in a settled file are remembered as verified (A13)."""
+        self._verified.forget(sha256)
         try:
             fd = os.open(  # not blocked by a FIFO under its name: found not regular below
                 self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -109,7 +162,22 @@ class AttachmentStore:
             os.close(fd)
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
             return ReasonCode.ATTACHMENT_DAMAGED
+        if info.st_ctime_ns // 1_000_000 <= self.wall.time_ms() - SETTLE_MS:
+            self._verified.remember(sha256, _identity(info))  # info: before the read
         return data
+
+    def unchanged(self, sha256: str, size: int) -> bool:
+        """True when a read found this attachment intact and its file is, by ``stat``, the
+        same file unchanged since (device, inode, size, mtime, ctime): no read, no hash (A13).
+        False means "not known": :meth:`read` or :meth:`check` it."""
+        known = self._verified.get(sha256)
+        if known is None or known[2] != size:
+            return False
+        try:
+            info = os.stat(self.path_of(sha256), follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(info.st_mode) and _identity(info) == known
 
     def check(self, sha256: str, size: int) -> ReasonCode | None:
         """``None`` when the attachment is there intact; else why not (see :meth:`read`)."""
@@ -126,19 +194,41 @@ class AttachmentStore:
 
     def sweep(self, referenced: Collection[str]) -> list[str]:
         """Remove every file of the root that no record names (``referenced``: the sha256s
-        records name) and every temporary file a crash left (A8); the names removed. Call it
+        records name) and every temporary file a crash left (A8); the names removed. An entry
+        that is not a regular file (a directory under a sha256's name), or that cannot be
+        removed, is left and logged once per sweep; the rest is swept all the same. Call it
         only while nothing is writing attachments (a start, before any lane runs)."""
         try:
             entries = self.fs.listdir(str(self.root))
         except FileNotFoundError:
             return []
         removed: list[str] = []
+        skipped: list[str] = []
         for name in entries:
             orphan = TMP_MARK in name or (_NAME.fullmatch(name) and name not in referenced)
-            if orphan:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.unlink(str(self.root / name))
-                removed.append(name)
+            if not orphan:
+                continue
+            path = self.root / name
+            try:  # the store writes only regular files: anything else is not its to remove
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    skipped.append(f"{name} (not a regular file)")
+                    continue
+                self.fs.unlink(str(path))
+            except FileNotFoundError:
+                pass
+            except OSError as error:  # this entry cannot go; the others still do
+                skipped.append(f"{name} ({error.strerror})")
+                continue
+            removed.append(name)
+        if skipped:
+            logger.warning(
+                "attachment sweep of %s left %d entr%s it cannot remove: %s",
+                self.root,
+                len(skipped),
+                "y" if len(skipped) == 1 else "ies",
+                ", ".join(skipped),
+                extra={"event": "attachments_skipped"},
+            )
         if removed:
             self.fs.fsync_dir(str(self.root))
         return removed
