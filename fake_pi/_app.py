@@ -119,9 +119,35 @@ class _Setup:
     recorder: Recorder
 
 
-def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
-    config_path = args.fake_config or os.environ.get("FAKE_PI_CONFIG")
-    config = FakeConfig.load(config_path) if config_path else FakeConfig()
+class ConfigUnusable(Exception):
+    """The ``--fake-config`` file cannot be used; the message names it and says why."""
+
+
+def load_fake_config(args: argparse.Namespace) -> FakeConfig:
+    """The configuration ``--fake-config`` (else ``$FAKE_PI_CONFIG``) names, or the default.
+
+    Error handling: a file that is missing, not a regular file (a FIFO is not waited on), not
+    UTF-8, not JSON/TOML or not of :class:`FakeConfig`'s shape is a :class:`ConfigUnusable`
+    whose one-line message names the file and says why (F13)."""
+    label, path = "--fake-config", args.fake_config
+    if not path:
+        label, path = "$FAKE_PI_CONFIG", os.environ.get("FAKE_PI_CONFIG")
+    if not path:
+        return FakeConfig()
+    try:
+        return FakeConfig.load(path)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        why = str(exc)
+    raise ConfigUnusable(f"cannot load {label} {path}: {' '.join(why.split())}")
+
+
+def _setup(
+    args: argparse.Namespace, *, clock: WallClock, config: FakeConfig | None = None
+) -> _Setup:
+    if config is None:
+        config = load_fake_config(args)
     recorder = Recorder(config.record)
     cwd = Path.cwd()
     directory = agent_dir()
@@ -202,8 +228,8 @@ def _setup(args: argparse.Namespace, *, clock: WallClock) -> _Setup:
     return _Setup(options, config, recorder)
 
 
-async def _run_process(args: argparse.Namespace) -> int:
-    setup = _setup(args, clock=SystemWallClock())
+async def _run_process(args: argparse.Namespace, config: FakeConfig) -> int:
+    setup = _setup(args, clock=SystemWallClock(), config=config)
     recorder = setup.recorder
     recorder.record("launch", argv=sys.argv, env_keys=sorted(os.environ))
     stdin = trio.lowlevel.FdStream(os.dup(0))
@@ -264,8 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode != "rpc":
         print(f"fake-pi: --mode {args.mode} is not supported; use --mode rpc", file=sys.stderr)
         return 2
+    try:  # before anything starts, as the --mode refusal (F13)
+        config = load_fake_config(args)
+    except ConfigUnusable as refusal:
+        print(f"fake-pi: {refusal}", file=sys.stderr)
+        return 2
     try:
-        return trio.run(_run_process, args)
+        return trio.run(_run_process, args, config)
     except BarrierExit as exc:  # pragma: no cover - subprocess exits via os._exit
         return exc.code
 

@@ -6,8 +6,9 @@ command, success, data | error}`` shape; events are interleaved on the same
 stream. A bad line gets Pi's parse error (a blank one too), an unknown command — or a
 JSON value that is not an object — Pi's ``Unknown command: …``, and a ``prompt``, ``steer`` or
 ``follow_up`` whose ``message`` is not a string the ``TypeError`` text Pi 1.6.0 answers
-(docs/design/pi-observed.md §6). When the input ends while a run is in flight, the run
-is aborted the way Pi aborts it on stdin EOF (persisted, not printed).
+(docs/design/pi-observed.md §6). A line nested deeper than the decoder follows is answered as
+a value that is no command, and the next line is served (F1). When the input ends while a run
+is in flight, the run is aborted the way Pi aborts it on stdin EOF (persisted, not printed).
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ async def _dispatch(
         error = f"Failed to parse command: {js_parse_error(line.decode(errors='replace'))}"
         await send(_response("parse", None, error=error))
         return
+    except RecursionError:
+        # nested past the decoder (Node's ``JSON.parse`` has no such limit): answered as Pi
+        # answers such a line that holds no command — a deep array, or an object without
+        # ``type`` (F1; a command with a deep field Pi would run is not emulated)
+        command = None
     if not isinstance(command, dict):  # Pi reads its ``type`` as undefined (null: Pi exits)
         await send({"type": "response", "success": False, "error": "Unknown command: undefined"})
         return

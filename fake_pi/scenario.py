@@ -222,6 +222,10 @@ def _load_document(path: str | Path, kind: type[_T]) -> _T:
     finally:
         os.close(fd)
     try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise msgspec.DecodeError(f"not UTF-8 text (byte {exc.start})") from None
+    try:
         if path.suffix == ".toml":
             return msgspec.toml.decode(data, type=kind)
         return msgspec.json.decode(data, type=kind)

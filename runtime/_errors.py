@@ -101,6 +101,7 @@ class ReasonCode(enum.StrEnum):
     WORKER_IDENTITY_MISMATCH = "worker_identity_mismatch"
     WORKER_TREE_SURVIVED = "worker_tree_survived"
     WORKER_RECORD_INVALID = "worker_record_invalid"
+    PI_INSTALL_FAILED = "pi_install_failed"  # `pi-runtime pi install` (operations.md O19)
     # the model gateway (docs/design/gateway.md)
     GATEWAY_UNAUTHORIZED = "gateway_unauthorized"
     GATEWAY_BAD_REQUEST = "gateway_bad_request"

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from .._config import redact_passwords
+from .._errors import PiRuntimeError, ReasonCode
 from .._linux._proctree import probe_cgroups, subreaper_supported
 from .._pi._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
 from .._version import __version__
@@ -45,12 +47,23 @@ def register(commands: Commands) -> None:
     doctor.add_argument("--pi-home", type=Path, help="where Pi is installed (as for pi install)")
 
 
+_REASON_CHARS: Final = 2000
+"""How much of npm's words a ``pi_install_failed`` line keeps."""
+
+
 def _pi_install(args: argparse.Namespace) -> int:
+    """Install Pi. A failure — no npm, npm failing (the network, the registry), Pi not
+    answering its version — is one line ``pi_install_failed`` keeping npm's reason with its
+    lines joined and any URL password hidden (O19); what the system refuses on the ``--home``
+    path itself stays ``io_failed`` (O18)."""
     try:
         pi = install_pi(args.home.absolute() if args.home else None)
-    except PiInstallError as error:
-        print(f"pi-runtime: {error}", file=sys.stderr)
-        return 1
+    except (PiInstallError, subprocess.SubprocessError) as error:
+        text = redact_passwords(str(error).replace(":\n", ": "))  # before it is cut short
+        reason = "; ".join(line.strip() for line in text.splitlines() if line.strip())
+        if len(reason) > _REASON_CHARS:
+            reason = reason[: _REASON_CHARS - 1] + "…"
+        raise PiRuntimeError(ReasonCode.PI_INSTALL_FAILED, reason) from None
     print(f"pi {pi.version} at {pi.cli} (node {pi.node})")
     return 0
 

@@ -935,3 +935,32 @@ async def test_commands_sent_before_stdin_closes_are_all_answered(
         await worker.wait_eof()
     answered = [r.get("id") for r in worker.records[since:] if r.get("type") == "response"]
     assert answered == ids
+
+
+DEEP: Final = 100_000
+"""Levels of nesting past any recursive JSON decoder (Node's ``JSON.parse`` has no limit)."""
+
+
+async def test_f1_a_line_nested_too_deeply_is_answered_and_the_next_one_served(
+    sandbox: Sandbox, model: Model
+) -> None:
+    """F1: an input line nested 100,000 levels deep — an array in arrays, an object in
+    objects — is answered as Pi 1.6.0 answers it (Node parses it: a value that is no command,
+    ``Unknown command: undefined`` with no ``command`` and no id), and the next command is
+    served. Before, the decoder's ``RecursionError`` escaped the RPC loop and ended the
+    process with a traceback, unanswered."""
+    not_a_command = {"type": "response", "success": False, "error": "Unknown command: undefined"}
+    lines = (
+        b"[" * DEEP + b"]" * DEEP,
+        b'{"a":' * DEEP + b"1" + b"}" * DEEP,
+    )
+    async with launch(sandbox) as worker:
+        await worker.call({"type": "get_state"})
+        assert worker.process.stdin is not None
+        for line in lines:
+            since = worker.mark()
+            await worker.process.stdin.send_all(line + b"\n")
+            assert await worker.wait_type("response", since=since) == not_a_command
+            assert (await worker.call({"type": "get_state"}))["isStreaming"] is False
+        assert await worker.finish() == 0
+    assert b"Traceback" not in worker.stderr

@@ -1,0 +1,131 @@
+"""``python -m fake_pi --fake-config FILE`` with a FILE it cannot use (docs/design/fake-pi.md F13).
+
+Each case is a real Fake-Pi process, its stdin at end of file, bounded by a timeout: what a
+test author sees on standard error is the point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+LIMIT: Final = 20.0
+"""Bound on one Fake-Pi process (a FIFO opened the blocking way would wait for ever)."""
+
+
+def _write(name: str, data: bytes) -> Callable[[Path], Path]:
+    def make(directory: Path) -> Path:
+        path = directory / name
+        path.write_bytes(data)
+        return path
+
+    return make
+
+
+def _fifo(directory: Path) -> Path:
+    path = directory / "fake-config.json"
+    os.mkfifo(path)
+    return path
+
+
+def _directory(directory: Path) -> Path:
+    path = directory / "fake-config.json"
+    path.mkdir()
+    return path
+
+
+BAD_FILES: Final[dict[str, Callable[[Path], Path]]] = {
+    "missing": lambda directory: directory / "no-such-config.json",
+    "fifo": _fifo,
+    "directory": _directory,
+    "json not utf-8": _write("fake-config.json", b'{"record": "\xff\xfe"}'),
+    "toml not utf-8": _write("fake-config.toml", b'record = "\xff\xfe"\n'),
+    "not json": _write("fake-config.json", b'{"directives": tru'),
+    "not toml": _write("fake-config.toml", b"directives = [\n"),
+    "an array": _write("fake-config.json", b"[]"),
+    "an unknown key": _write("fake-config.json", json.dumps({"behavior": {}}).encode()),
+    "a barrier that does not exist": _write(
+        "fake-config.json", json.dumps({"behaviours": {"at": {"explode": "kill"}}}).encode()
+    ),
+    "a field of the wrong type": _write("fake-config.toml", b'directives = "yes"\n'),
+}
+
+
+def _fake_pi(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fake_pi", "--mode", "rpc", "--no-session", *argv],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=LIMIT,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def _refused(tmp_path: Path, path: Path, how: str) -> str:
+    """Run Fake-Pi with ``path`` given by ``how``; its one-line refusal."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "PI_CODING_AGENT_DIR": str(tmp_path / "agent"),
+        "LANG": "C.UTF-8",
+    }
+    if how == "$FAKE_PI_CONFIG":
+        argv, env["FAKE_PI_CONFIG"] = [], str(path)
+    else:
+        argv = ["--fake-config", str(path)]
+    try:
+        result = _fake_pi(argv, env, work)
+    finally:
+        with contextlib.suppress(OSError):  # an old blocking open still waits: give it EOF
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"fake-pi: cannot load {how} {path}: "), result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("make", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_f13_a_fake_config_it_cannot_use_is_one_line_and_exit_2(
+    tmp_path: Path, make: Callable[[Path], Path]
+) -> None:
+    """F13: a ``--fake-config`` that is missing, not a regular file (a FIFO, a directory), not
+    UTF-8, not JSON/TOML or not of the configuration's shape ends Fake-Pi before it reads a
+    command, with exit status 2 and one line on standard error,
+    ``fake-pi: cannot load --fake-config FILE: <why>``, as its ``--mode`` refusal. Before,
+    each ended in a Python traceback and exit status 1. The FIFO is opened without waiting."""
+    _refused(tmp_path, make(tmp_path), "--fake-config")
+
+
+def test_f13_fake_pi_config_from_the_environment_is_refused_the_same_way(tmp_path: Path) -> None:
+    """F13: ``$FAKE_PI_CONFIG`` naming a file that is not UTF-8 is the same refusal, naming
+    the variable."""
+    path = _write("fake-config.json", b'{"record": "\xff"}')(tmp_path)
+    assert "not UTF-8 text (byte 12)" in _refused(tmp_path, path, "$FAKE_PI_CONFIG")
+
+
+def test_f13_a_good_fake_config_still_loads(tmp_path: Path) -> None:
+    """F13's other side: a configuration it can use is taken (its recording file is made)."""
+    record = tmp_path / "record.jsonl"
+    config = tmp_path / "fake-config.toml"
+    config.write_text(f'directives = true\nrecord = "{record}"\n')
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    env["PI_CODING_AGENT_DIR"] = str(tmp_path / "agent")
+    result = _fake_pi(["--fake-config", str(config)], env, tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    assert json.loads(record.read_text().splitlines()[0])["kind"] == "launch"
