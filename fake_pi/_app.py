@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -35,6 +36,7 @@ from ._retry import RetrySettings
 from ._rpc import read_lines, serve_rpc
 from ._tools import builtin_tools, runtime_tools_from_environ
 from .model_server import ScriptedModel
+from .scenario import _load_document
 
 __all__ = ["FakePi", "main", "open_fake_pi", "parse_args"]
 
@@ -88,11 +90,24 @@ def agent_dir() -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """``models.json`` / ``settings.json`` of the agent directory (``{}`` when there is none,
+    or when it holds no JSON object).
+
+    Error handling: a file that is not a regular file (a FIFO is not waited on), not UTF-8 or
+    not JSON is a :class:`ConfigUnusable` naming it (F13)."""
     try:
-        data = msgspec.json.decode(path.read_bytes())
+        data = _load_document(path, Any)
     except FileNotFoundError:
         return {}
+    except OSError as exc:
+        raise ConfigUnusable(f"cannot load {path}: {_why(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigUnusable(f"cannot load {path}: {' '.join(str(exc).split())}") from None
     return data if isinstance(data, dict) else {}
+
+
+def _why(exc: OSError) -> str:
+    return " ".join((exc.strerror or str(exc)).split())
 
 
 def _resolve_config_value(value: str | None) -> str | None:
@@ -146,13 +161,19 @@ def load_fake_config(args: argparse.Namespace) -> FakeConfig:
 def _setup(
     args: argparse.Namespace, *, clock: WallClock, config: FakeConfig | None = None
 ) -> _Setup:
+    """What a Fake-Pi process runs with. Error handling: a file it needs and cannot use (the
+    agent directory's, the recording file) is a :class:`ConfigUnusable` (F13)."""
     if config is None:
         config = load_fake_config(args)
-    recorder = Recorder(config.record)
     cwd = Path.cwd()
     directory = agent_dir()
     models = _read_json(directory / "models.json").get("providers", {})
     settings = _read_json(directory / "settings.json")
+    try:
+        recorder = Recorder(config.record)
+    except OSError as exc:
+        why = "a FIFO with no reader" if exc.errno == errno.ENXIO else _why(exc)
+        raise ConfigUnusable(f"cannot open --fake-config's record {config.record}: {why}") from None
     provider_name = args.provider or "fake"
     provider = models.get(provider_name) or {}
     model_id = args.model or "fake-model"
@@ -292,11 +313,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:  # before anything starts, as the --mode refusal (F13)
         config = load_fake_config(args)
+        return trio.run(_run_process, args, config)  # its files are read before a command
     except ConfigUnusable as refusal:
         print(f"fake-pi: {refusal}", file=sys.stderr)
         return 2
-    try:
-        return trio.run(_run_process, args, config)
     except BarrierExit as exc:  # pragma: no cover - subprocess exits via os._exit
         return exc.code
 

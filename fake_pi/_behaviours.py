@@ -165,7 +165,14 @@ class Recorder:
     """Appends JSON lines to a recording file (flushed per line)."""
 
     def __init__(self, path: str | Path | None) -> None:
-        self._file = open(path, "ab", buffering=0) if path else None  # noqa: SIM115
+        """Error handling: ``path`` that cannot be opened for appending raises ``OSError``; a
+        FIFO is opened without waiting for a reader (with none, ``ENXIO``)."""
+        self._file = None
+        if path:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(path, flags, 0o666)
+            os.set_blocking(fd, True)  # (a FIFO with a reader is then written as a file)
+            self._file = open(fd, "ab", buffering=0)  # noqa: SIM115
 
     def record(self, kind: str, **fields: Any) -> None:
         if self._file is not None:

@@ -102,6 +102,7 @@ class ReasonCode(enum.StrEnum):
     WORKER_TREE_SURVIVED = "worker_tree_survived"
     WORKER_RECORD_INVALID = "worker_record_invalid"
     PI_INSTALL_FAILED = "pi_install_failed"  # `pi-runtime pi install` (operations.md O19)
+    PI_UNAVAILABLE = "pi_unavailable"  # `pi-runtime doctor`: no Pi, or its Node too old (O19)
     # the model gateway (docs/design/gateway.md)
     GATEWAY_UNAUTHORIZED = "gateway_unauthorized"
     GATEWAY_BAD_REQUEST = "gateway_bad_request"

@@ -4,6 +4,7 @@ use on this machine (cgroup v2, the child subreaper)."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shutil
 import subprocess
@@ -15,9 +16,9 @@ from typing import Final
 from .._config import redact_passwords
 from .._errors import PiRuntimeError, ReasonCode
 from .._linux._proctree import probe_cgroups, subreaper_supported
-from .._pi._pi_install import PiInstallError, default_pi_home, find_pi, install_pi
+from .._pi._pi_install import NPM_TIMEOUT, PiInstallError, default_pi_home, find_pi, install_pi
 from .._version import __version__
-from ._base import Commands
+from ._base import Commands, fail
 
 NODE_MINIMUM: Final = (22, 19, 0)
 """Pi 1.6.0 declares ``engines.node >=22.19.0``."""
@@ -37,6 +38,13 @@ def register(commands: Commands) -> None:
         type=Path,
         help="install directory (default: $PI_RUNTIME_PI_HOME or ~/.cache/pi-runtime/pi)",
     )
+    install.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=NPM_TIMEOUT,
+        metavar="SECONDS",
+        help=f"stop npm (and what it started) after this long (default: {NPM_TIMEOUT:g})",
+    )
     doctor = commands.add(
         "doctor",
         "check what workers need here",
@@ -47,17 +55,26 @@ def register(commands: Commands) -> None:
     doctor.add_argument("--pi-home", type=Path, help="where Pi is installed (as for pi install)")
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (an argparse ``type``; else ``usage_invalid``)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(text)
+    return value
+
+
 _REASON_CHARS: Final = 2000
 """How much of npm's words a ``pi_install_failed`` line keeps."""
 
 
 def _pi_install(args: argparse.Namespace) -> int:
-    """Install Pi. A failure — no npm, npm failing (the network, the registry), Pi not
-    answering its version — is one line ``pi_install_failed`` keeping npm's reason with its
-    lines joined and any URL password hidden (O19); what the system refuses on the ``--home``
-    path itself stays ``io_failed`` (O18)."""
+    """Install Pi. A failure — no npm, an npm that cannot start, fails (the network, the
+    registry) or outlasts ``--timeout``, no Node after it, Pi not answering its version — is
+    one line ``pi_install_failed`` keeping npm's reason with its lines joined and any URL
+    password hidden (O19); what the system refuses on the ``--home`` path itself stays
+    ``io_failed`` (O18)."""
     try:
-        pi = install_pi(args.home.absolute() if args.home else None)
+        pi = install_pi(args.home.absolute() if args.home else None, timeout=args.timeout)
     except (PiInstallError, subprocess.SubprocessError) as error:
         text = redact_passwords(str(error).replace(":\n", ": "))  # before it is cut short
         reason = "; ".join(line.strip() for line in text.splitlines() if line.strip())
@@ -131,6 +148,10 @@ def _doctor(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in lines)
     for name, text in lines:
         print(f"{name.ljust(width)}  {text}")
-    if not ready:
-        print("\nPi cannot run here yet; see the lines above.", file=sys.stderr)
-    return 0 if ready else 1
+    if ready:
+        return 0
+    sys.stdout.flush()  # the report first, then the refusal under it
+    because = "it is not installed" if pi is None else f"its Node is not >= {minimum}"
+    return fail(
+        PiRuntimeError(ReasonCode.PI_UNAVAILABLE, f"Pi cannot run here yet: {because}; see above")
+    )

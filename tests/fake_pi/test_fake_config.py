@@ -129,3 +129,97 @@ def test_f13_a_good_fake_config_still_loads(tmp_path: Path) -> None:
     result = _fake_pi(["--fake-config", str(config)], env, tmp_path)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
     assert json.loads(record.read_text().splitlines()[0])["kind"] == "launch"
+
+
+def _agent_fifo(directory: Path, name: str) -> None:
+    os.mkfifo(directory / name)
+
+
+def _agent_file(data: bytes) -> Callable[[Path, str], None]:
+    def make(directory: Path, name: str) -> None:
+        (directory / name).write_bytes(data)
+
+    return make
+
+
+BAD_AGENT_FILES: Final[dict[str, Callable[[Path, str], None]]] = {
+    "not json": _agent_file(b'{"providers": {'),
+    "not utf-8": _agent_file(b'{"providers": {"\xff": {}}}'),
+    "fifo": _agent_fifo,
+    "directory": lambda directory, name: (directory / name).mkdir(),
+}
+
+
+@pytest.mark.parametrize("name", ["models.json", "settings.json"])
+@pytest.mark.parametrize("make", BAD_AGENT_FILES.values(), ids=BAD_AGENT_FILES.keys())
+def test_f13_an_agent_directory_file_it_cannot_read_is_one_line_and_exit_2(
+    tmp_path: Path, make: Callable[[Path, str], None], name: str
+) -> None:
+    """F13: ``models.json`` or ``settings.json`` in ``$PI_CODING_AGENT_DIR`` that is not JSON,
+    not UTF-8, a FIFO (opened without waiting) or a directory ends Fake-Pi before it reads a
+    command: exit status 2 and one line ``fake-pi: cannot load FILE: <why>``. Before, each
+    ended in a traceback (exit status 1), and a FIFO kept Fake-Pi waiting for a writer."""
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    make(agent, name)
+    path = agent / name
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    env["PI_CODING_AGENT_DIR"] = str(agent)
+    try:
+        result = _fake_pi([], env, tmp_path)
+    finally:
+        with contextlib.suppress(OSError):  # an old blocking open still waits: give it EOF
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"fake-pi: cannot load {path}: "), result.stderr
+
+
+def _record_in_a_missing_directory(directory: Path) -> Path:
+    return directory / "no-such-directory" / "record.jsonl"
+
+
+def _record_a_directory(directory: Path) -> Path:
+    path = directory / "record.jsonl"
+    path.mkdir()
+    return path
+
+
+def _record_a_fifo(directory: Path) -> Path:
+    path = directory / "record.jsonl"
+    os.mkfifo(path)
+    return path
+
+
+BAD_RECORDS: Final[dict[str, Callable[[Path], Path]]] = {
+    "in a missing directory": _record_in_a_missing_directory,
+    "a directory": _record_a_directory,
+    "a fifo with no reader": _record_a_fifo,
+}
+
+
+@pytest.mark.parametrize("make", BAD_RECORDS.values(), ids=BAD_RECORDS.keys())
+def test_f13_a_record_file_it_cannot_open_is_one_line_and_exit_2(
+    tmp_path: Path, make: Callable[[Path], Path]
+) -> None:
+    """F13: the configuration's ``record`` naming a file Fake-Pi cannot open for appending (in
+    a directory that does not exist, a directory, a FIFO nobody reads: opened without
+    waiting) ends Fake-Pi before it reads a command: exit status 2 and one line
+    ``fake-pi: cannot open --fake-config's record FILE: <why>``. Before, a traceback (exit
+    status 1), and a FIFO kept it waiting for a reader."""
+    record = make(tmp_path)
+    config = tmp_path / "fake-config.json"
+    config.write_text(json.dumps({"record": str(record)}))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    env["PI_CODING_AGENT_DIR"] = str(tmp_path / "agent")
+    try:
+        result = _fake_pi(["--fake-config", str(config)], env, tmp_path)
+    finally:
+        with contextlib.suppress(OSError):  # an old blocking open still waits: read it
+            os.close(os.open(record, os.O_RDONLY | os.O_NONBLOCK))
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    prefix = f"fake-pi: cannot open --fake-config's record {record}: "
+    assert result.stderr.startswith(prefix), result.stderr
