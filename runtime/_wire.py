@@ -333,3 +333,8 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     failure: dict[str, Any] | None = None
     """Why the task's lane stopped without an end (TL11): ``{"code", "message"}``; the task
     stays unfinished in its log for the next start."""
+    receipts_left_out: int = 0
+    """The earliest receipts a frame bound left out (``receipts`` holds the latest; protocol.md
+    P15); ``task show`` on the server's host prints them all."""
+    truncated: bool = False
+    """Its longer texts were cut to fit a frame bound (protocol.md P15)."""

@@ -11,7 +11,7 @@ only ever added, with defaults).
 
 ``python -m runtime._server._protocol --schema`` prints the JSON Schema of both directions,
 generated from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them
-equal. The page is ``docs/design/protocol.md``; the invariants P1..P13 are stated there. The
+equal. The page is ``docs/design/protocol.md``; the invariants P1..P15 are stated there. The
 task frames (``task_*``) drive task lanes (docs/design/watchdog.md, issue #8): their server
 frames are the task runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
 :class:`~runtime._tasks._runner.TaskEvent`).
@@ -194,6 +194,9 @@ class TaskShow(_ClientFrame, tag="task_show", frozen=True, kw_only=True):
     """Ask for one task's ``task_view``, or (``task_id`` absent) the ``task_list``."""
 
     task_id: str | None = None
+    after: str | None = None
+    """The ``task_list`` of the tasks sorted after this id only: the next page of a list that
+    left tasks out (``tasks_left_out``, P15); the last task of the previous page."""
 
 
 class FetchAttachment(_ClientFrame, tag="fetch_attachment", frozen=True, kw_only=True):
@@ -270,6 +273,10 @@ class TaskList(_ServerFrame, tag="task_list", frozen=True, kw_only=True):
     """The answer to ``task_show`` without a ``task_id``: every task of this server."""
 
     tasks: list[TaskView]
+    """Sorted by task id; as many as the frame bound holds (P15)."""
+    tasks_left_out: int = 0
+    """Tasks after the last one carried that did not fit the frame: ask again with ``after``
+    = the last task carried."""
 
 
 class AttachmentData(_ServerFrame, tag="attachment_data", frozen=True, kw_only=True):

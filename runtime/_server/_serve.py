@@ -90,7 +90,6 @@ from ._protocol import (
     StatusRequest,
     TaskAccepted,
     TaskControl,
-    TaskList,
     TaskReplyFrame,
     TaskShow,
     TaskSubmit,
@@ -104,6 +103,7 @@ from ._protocol import (
     negotiate,
     reject_binary_frame,
 )
+from ._task_fit import fit_task_list, fit_task_view, tasks_after
 from ._token import ensure_token, read_token, token_matches
 
 __all__ = [
@@ -593,9 +593,11 @@ class RoomServer:
                 )
             )
             return
+        bound = self.server.max_frame_bytes
         if isinstance(frame, TaskShow):
-            if frame.task_id is None:
-                await connection.send(TaskList(tasks=tasks.tasks()))
+            if frame.task_id is None:  # the tasks after ``after`` that fit, by id (P15)
+                listed = tasks_after(tasks.tasks(), frame.after)
+                await connection.send(fit_task_list(listed, bound))
                 return
             view = tasks.show(frame.task_id)
         elif isinstance(frame, TaskReplyFrame):
@@ -608,7 +610,7 @@ class RoomServer:
                 epochs=frame.epochs,
                 seconds=frame.seconds,
             )
-        await connection.send(TaskViewFrame.of(view))
+        await connection.send(TaskViewFrame.of(fit_task_view(view, bound)))
 
     async def _deliver(self, connection: _Connection, frame: Deliver) -> None:
         delivery_id = frame.delivery_id
