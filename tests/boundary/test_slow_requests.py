@@ -12,8 +12,10 @@ server's close, never sleeping); the trickle — a byte a second for ever — in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Final
 
@@ -60,6 +62,16 @@ def gateway_config() -> GatewayConfig:
     return GatewayConfig(upstream_url="http://127.0.0.1:9/v1", request_arrival=ARRIVAL)
 
 
+@contextlib.asynccontextmanager
+async def _connected(gateway: Gateway) -> AsyncIterator[trio.SocketStream]:
+    """A TCP connection to ``gateway`` served on 127.0.0.1 (stopped after the block)."""
+    async with trio.open_nursery() as nursery:
+        server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
+        async with await trio.open_tcp_stream(server.host, server.port) as stream:
+            yield stream
+        nursery.cancel_scope.cancel()
+
+
 async def test_b8_a_gateway_request_whose_body_never_ends_is_dropped(
     gateway_config: GatewayConfig,
 ) -> None:
@@ -68,13 +80,9 @@ async def test_b8_a_gateway_request_whose_body_never_ends_is_dropped(
     before, the connection was held for ever (no whole-request deadline)."""
     gateway = Gateway(gateway_config, MemoryStepJournal(), environ={})
     with trio.fail_after(LIMIT):
-        async with trio.open_nursery() as nursery:
-            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
-            stalled = await trio.open_tcp_stream(server.host, server.port)
-            async with stalled:
-                await stalled.send_all(_head("/v1/chat/completions", 1000, "nobody") + b"{")
-                reply = await _until_closed(stalled)
-            nursery.cancel_scope.cancel()
+        async with _connected(gateway) as stalled:
+            await stalled.send_all(_head("/v1/chat/completions", 1000, "nobody") + b"{")
+            reply = await _until_closed(stalled)
     assert reply.startswith(b"HTTP/1.1 408 "), reply
     assert gateway.statistics().requests == 0  # the handler never saw it
 
@@ -85,12 +93,8 @@ async def test_b8_a_connection_that_sends_nothing_is_dropped(
     """B8: a client connects and sends nothing: the connection is closed within the bound."""
     gateway = Gateway(gateway_config, MemoryStepJournal(), environ={})
     with trio.fail_after(LIMIT):
-        async with trio.open_nursery() as nursery:
-            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
-            silent = await trio.open_tcp_stream(server.host, server.port)
-            async with silent:
-                assert await _until_closed(silent) == b""
-            nursery.cancel_scope.cancel()
+        async with _connected(gateway) as silent:
+            assert await _until_closed(silent) == b""
 
 
 async def test_b8_g8_an_unauthorized_request_closes_its_connection(
@@ -101,14 +105,10 @@ async def test_b8_g8_an_unauthorized_request_closes_its_connection(
     bounded, since the worker's own connection waits there between its model requests)."""
     gateway = Gateway(gateway_config, MemoryStepJournal(), environ={})
     with trio.fail_after(LIMIT):
-        async with trio.open_nursery() as nursery:
-            server: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
-            stream = await trio.open_tcp_stream(server.host, server.port)
-            async with stream:
-                head = _head("/v1/chat/completions", len(BODY), "nobody", keep_alive=True)
-                await stream.send_all(head + BODY)
-                reply = await _until_closed(stream)
-            nursery.cancel_scope.cancel()
+        async with _connected(gateway) as stream:
+            head = _head("/v1/chat/completions", len(BODY), "nobody", keep_alive=True)
+            await stream.send_all(head + BODY)
+            reply = await _until_closed(stream)
     assert reply.startswith(b"HTTP/1.1 401 "), reply
 
 
