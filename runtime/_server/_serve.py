@@ -34,7 +34,6 @@ never end the server.
 from __future__ import annotations
 
 import base64
-import bisect
 import contextlib
 import functools
 import hashlib
@@ -73,6 +72,7 @@ from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
 from .._tasks._service import TaskService, open_task_service
 from .._wire import DeliveryResult, RoomEvent, TaskEvent, fit_result
+from ._frame_fit import encode, fit_task_list, fit_task_view, fitting, sorted_after
 from ._heap import HeapPolicy, keep_heap
 from ._listen import open_websocket_listeners
 from ._metrics import is_loopback, open_metrics
@@ -103,7 +103,6 @@ from ._protocol import (
     negotiate,
     reject_binary_frame,
 )
-from ._task_fit import fit_task_list, fit_task_view, tasks_after
 from ._token import ensure_token, read_token, token_matches
 
 __all__ = [
@@ -127,9 +126,6 @@ FLUSH_SECONDS: Final = 5.0
 """After a drain, how long connected clients get to receive the results published so far."""
 POLICY_VIOLATION: Final = 1008
 """The websocket close code after a refused token or an unsupported protocol."""
-
-_encode_part = msgspec.json.Encoder().encode
-"""The UTF-8 JSON of a frame or of a part of one (what the frame bound counts, P15)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,9 +252,7 @@ class RoomServer:
     ) -> StatusReport:
         """The rooms (``room`` only, or those sorted ``after`` one), as many as a frame of
         ``bound`` bytes holds (P15), and how many more there are."""
-        rooms = self.worker.status(room)
-        if after is not None:
-            rooms = rooms[bisect.bisect_right([status.room for status in rooms], after) :]
+        rooms = sorted_after(self.worker.status(room), lambda status: status.room, after)
         report = StatusReport(
             worker_id=self.worker_id,
             pending=len(self.worker.pending()),
@@ -267,12 +261,7 @@ class RoomServer:
         )
         if bound is None:
             return msgspec.structs.replace(report, rooms=rooms, rooms_left_out=0)
-        size, carried = len(_encode_part(report)), 0
-        for status in rooms:
-            size += len(_encode_part(status)) + (carried > 0)  # its comma
-            if size > bound:
-                break
-            carried += 1
+        carried = fitting(rooms, bound - len(encode(report)))
         return msgspec.structs.replace(
             report, rooms=rooms[:carried], rooms_left_out=len(rooms) - carried
         )
@@ -596,7 +585,7 @@ class RoomServer:
         bound = self.server.max_frame_bytes
         if isinstance(frame, TaskShow):
             if frame.task_id is None:  # the tasks after ``after`` that fit, by id (P15)
-                listed = tasks_after(tasks.tasks(), frame.after)
+                listed = sorted_after(tasks.tasks(), lambda view: view.task_id, frame.after)
                 await connection.send(fit_task_list(listed, bound))
                 return
             view = tasks.show(frame.task_id)
@@ -778,7 +767,7 @@ def _chunk_bytes(attachment_id: str, size: int, max_frame_bytes: int) -> int:
     """Bytes of an attachment per ``attachment_data`` frame: :data:`ATTACHMENT_CHUNK`, or
     fewer so that the frame, its base64 included, fits ``max_frame_bytes`` (P15)."""
     empty = AttachmentData(id=attachment_id, offset=size, size=size, data="", last=False)
-    room = max_frame_bytes - len(_encode_part(empty))
+    room = max_frame_bytes - len(encode(empty))
     return max(1, min(ATTACHMENT_CHUNK, room // 4 * 3))  # base64: 4 characters for 3 bytes
 
 

@@ -20,9 +20,9 @@ from trio_websocket import open_websocket_url
 
 from fake_pi.scenario import Step
 from runtime._config import config_from_dict
+from runtime._server._frame_fit import fit_task_list, fit_task_view
 from runtime._server._protocol import TaskList, TaskViewFrame
 from runtime._server._serve import ServeOptions, open_server
-from runtime._server._task_fit import fit_task_list, fit_task_view
 
 from .._wire import Client, Frame
 from .._workers import scripted_upstream

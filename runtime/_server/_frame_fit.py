@@ -1,22 +1,49 @@
-"""Task frames cut to fit ``[server] max_frame_bytes`` (docs/design/protocol.md P15): a
-``task_list`` carries the tasks, by id, that fit, and says how many it left out; a
-``task_view`` too large for a frame carries its latest receipts that fit, and when even none
-leaves room, its longer texts cut, marked ``truncated`` (pure)."""
+"""Server frames cut to fit ``[server] max_frame_bytes`` (docs/design/protocol.md P15): a
+``status`` or a ``task_list`` carries the rooms or tasks, sorted, that fit, and says how many
+it left out (the next page starts ``after`` the last one carried); a ``task_view`` too large
+for a frame carries its latest receipts that fit, and when even none leaves room, its longer
+texts cut, marked ``truncated`` (pure).
+
+Only what the bound counts is measured: each part's UTF-8 JSON (:data:`encode`)."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, TypeVar
 
 import msgspec
 
 from .._wire import TaskView
 from ._protocol import TaskList, TaskViewFrame
 
-__all__ = ["fit_task_list", "fit_task_view", "tasks_after"]
+__all__ = ["encode", "fit_task_list", "fit_task_view", "fitting", "sorted_after"]
 
-_encode: Final = msgspec.json.Encoder().encode
+encode: Final = msgspec.json.Encoder().encode
+"""The UTF-8 JSON of a frame or of a part of one (what the frame bound counts)."""
+_encode: Final = encode
+
+T = TypeVar("T")
+
+
+def fitting(items: Iterable[Any], room: int) -> int:
+    """How many of ``items``, from the first, fit in ``room`` bytes as the elements of a JSON
+    array (each encoded, a comma between two)."""
+    size = count = 0
+    for item in items:
+        size += len(_encode(item)) + (count > 0)  # its comma
+        if size > room:
+            break
+        count += 1
+    return count
+
+
+def sorted_after(items: Sequence[T], key: Callable[[T], str], after: str | None) -> Sequence[T]:
+    """The ``items`` (sorted by ``key``) whose key sorts after ``after``; all for ``None``."""
+    if after is None:
+        return items
+    return items[bisect.bisect_right([key(item) for item in items], after) :]
+
 
 _CUT_FIELDS: Final = (
     "session_path",
@@ -58,27 +85,14 @@ _EMPTIED: Final[dict[str, Any]] = {
 near its least with an id at its longest)."""
 
 
-def tasks_after(views: Sequence[TaskView], after: str | None) -> Sequence[TaskView]:
-    """The views (sorted by task id) of the tasks sorted after ``after``."""
-    if after is None:
-        return views
-    return views[bisect.bisect_right([view.task_id for view in views], after) :]
-
-
 def fit_task_list(views: Sequence[TaskView], bound: int) -> TaskList:
     """A ``task_list`` of ``views`` (sorted by task id) that fits ``bound`` bytes: the views
     that fit whole, in order — the first one cut (:func:`fit_task_view`) when it alone does
     not fit, so that a page always carries a task — and how many more there are."""
     size = len(_encode(TaskList(tasks=[], tasks_left_out=len(views))))  # the count at its widest
-    carried: list[TaskView] = []
-    for view in views:
-        part = len(_encode(view)) + (len(carried) > 0)  # its comma
-        if size + part > bound:
-            if not carried:
-                carried.append(_fit(view, bound - size))
-            break
-        size += part
-        carried.append(view)
+    carried = list(views[: fitting(views, bound - size)])
+    if not carried and views:
+        carried = [_fit(views[0], bound - size)]
     return TaskList(tasks=carried, tasks_left_out=len(views) - len(carried))
 
 
@@ -97,12 +111,7 @@ def _fit(view: TaskView, room: int) -> TaskView:
     receipts = view.receipts
     bare = msgspec.structs.replace(view, receipts=[], receipts_left_out=len(receipts))
     base = len(_encode(bare))
-    size, kept = base, 0
-    for receipt in reversed(receipts):
-        size += len(_encode(receipt)) + (kept > 0)  # its comma
-        if size > room:
-            break
-        kept += 1
+    kept = fitting(reversed(receipts), room - base)
     if base <= room:
         left_out = len(receipts) - kept
         return msgspec.structs.replace(
