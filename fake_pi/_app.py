@@ -90,7 +90,7 @@ def agent_dir() -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """``models.json`` / ``settings.json`` of the agent directory (``{}`` when there is none,
+    """``settings.json`` of the agent directory (``{}`` when there is none,
     or when it holds no JSON object).
 
     Error handling: a file that is not a regular file (a FIFO is not waited on), not UTF-8 or
@@ -104,6 +104,42 @@ def _read_json(path: Path) -> dict[str, Any]:
     except msgspec.DecodeError as exc:
         raise ConfigUnusable(f"cannot load {path}: {' '.join(str(exc).split())}") from None
     return data if isinstance(data, dict) else {}
+
+
+class ModelEntry(msgspec.Struct, frozen=True):
+    """One of a provider's ``models`` in ``models.json`` (the fields Fake-Pi reads, under Pi's
+    own camelCase names; Pi's others are ignored)."""
+
+    id: str
+    name: str = "Fake Model"
+    contextWindow: int = 128_000
+    maxTokens: int = 4096
+
+
+class Provider(msgspec.Struct, frozen=True):
+    """A provider of ``models.json``: its endpoint, its key (a ``$NAME`` names a variable) and
+    its models."""
+
+    baseUrl: str = ""
+    apiKey: str | None = None
+    models: tuple[ModelEntry, ...] = ()
+
+
+def read_providers(path: Path) -> dict[str, Provider]:
+    """``providers`` of ``models.json`` (none when the file is missing).
+
+    Error handling: besides :func:`_read_json`'s refusals, a document not of Pi's shape (not an
+    object, a provider that is not one, a model without an ``id``, a ``contextWindow`` that
+    is not a number...) is a :class:`ConfigUnusable` naming the file and where (F13); before,
+    each was a traceback at start."""
+    data = _read_json(path)
+    try:
+        return msgspec.convert(data.get("providers", {}), dict[str, Provider])
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        where = message.replace("`$", "`$.providers", 1) if " - at `$" in message else message
+        where = where if " - at `$" in message else f"{message} - at `$.providers`"
+        raise ConfigUnusable(f"cannot load {path}: {' '.join(where.split())}") from None
 
 
 def _why(exc: OSError) -> str:
@@ -167,7 +203,7 @@ def _setup(
         config = load_fake_config(args)
     cwd = Path.cwd()
     directory = agent_dir()
-    models = _read_json(directory / "models.json").get("providers", {})
+    providers = read_providers(directory / "models.json")
     settings = _read_json(directory / "settings.json")
     try:
         recorder = Recorder(config.record)
@@ -175,13 +211,13 @@ def _setup(
         why = "a FIFO with no reader" if exc.errno == errno.ENXIO else _why(exc)
         raise ConfigUnusable(f"cannot open --fake-config's record {config.record}: {why}") from None
     provider_name = args.provider or "fake"
-    provider = models.get(provider_name) or {}
+    provider = providers.get(provider_name) or Provider()
     model_id = args.model or "fake-model"
-    listed = [m for m in provider.get("models", []) if m.get("id") == model_id]
-    model_entry: dict[str, Any] = listed[0] if listed else {}
+    listed = [m for m in provider.models if m.id == model_id]
+    model_entry = listed[0] if listed else ModelEntry(id=model_id)
     client: ModelClient
-    if provider.get("baseUrl"):
-        client = HttpModelClient(provider["baseUrl"], _resolve_config_value(provider.get("apiKey")))
+    if provider.baseUrl:
+        client = HttpModelClient(provider.baseUrl, _resolve_config_value(provider.apiKey))
     else:
         scripted = ScriptedModel(directives=config.directives, model_id=model_id)
         if config.scenario is not None:
@@ -190,10 +226,10 @@ def _setup(
     model = ModelInfo(
         provider=provider_name,
         id=model_id,
-        name=model_entry.get("name", "Fake Model"),
-        base_url=provider.get("baseUrl", ""),
-        context_window=int(model_entry.get("contextWindow", 128000)),
-        max_tokens=int(model_entry.get("maxTokens", 4096)),
+        name=model_entry.name,
+        base_url=provider.baseUrl,
+        context_window=model_entry.contextWindow,
+        max_tokens=model_entry.maxTokens,
     )
     now = clock.time_ms()
     session_id = uuid7(now)

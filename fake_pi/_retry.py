@@ -62,11 +62,25 @@ class RetrySettings:
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> RetrySettings:
-        retry = settings.get("retry") or {}
+        """``retry.{enabled,maxRetries,baseDelayMs}``; a value of the wrong type (or a
+        ``retry`` that is not an object) is ignored, its default kept, as compaction's
+        settings are read (before, ``"retry": 5`` or ``"maxRetries": "x"`` was a traceback
+        at start)."""
+        retry = settings.get("retry")
+        retry = retry if isinstance(retry, dict) else {}
+        default = cls()
+
+        def count(key: str, fallback: int) -> int:
+            value = retry.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+            return fallback
+
+        enabled = retry.get("enabled", default.enabled)
         return cls(
-            enabled=bool(retry.get("enabled", True)),
-            max_retries=int(retry.get("maxRetries", 3)),
-            base_delay_ms=int(retry.get("baseDelayMs", 2000)),
+            enabled=enabled if isinstance(enabled, bool) else default.enabled,
+            max_retries=count("maxRetries", default.max_retries),
+            base_delay_ms=count("baseDelayMs", default.base_delay_ms),
         )
 
 

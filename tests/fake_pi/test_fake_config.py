@@ -17,6 +17,8 @@ from typing import Final
 
 import pytest
 
+from fake_pi._retry import RetrySettings
+
 LIMIT: Final = 20.0
 """Bound on one Fake-Pi process (a FIFO opened the blocking way would wait for ever)."""
 
@@ -174,6 +176,65 @@ def test_f13_an_agent_directory_file_it_cannot_read_is_one_line_and_exit_2(
     assert "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"fake-pi: cannot load {path}: "), result.stderr
+
+
+WRONG_SHAPE_MODELS: Final[dict[str, tuple[object, str]]] = {
+    "providers a list": ({"providers": []}, "`$.providers`"),
+    "a provider a list": ({"providers": {"fake": []}}, "`$.providers[...]`"),
+    "a model without an id": (
+        {"providers": {"fake": {"models": [{"name": "x"}]}}},
+        "`$.providers[...].models[0]`",
+    ),
+    "a context window in words": (
+        {"providers": {"fake": {"models": [{"id": "fake-model", "contextWindow": "big"}]}}},
+        "`$.providers[...].models[0].contextWindow`",
+    ),
+    "a base url a number": ({"providers": {"fake": {"baseUrl": 8080}}}, "baseUrl"),
+}
+
+
+@pytest.mark.parametrize(
+    ("document", "where"), WRONG_SHAPE_MODELS.values(), ids=WRONG_SHAPE_MODELS.keys()
+)
+def test_f13_a_models_json_of_the_wrong_shape_is_one_line_and_exit_2(
+    tmp_path: Path, document: object, where: str
+) -> None:
+    """F13: a ``models.json`` that is JSON but not of Pi's shape (``providers`` not an object,
+    a provider that is not one, a model without an ``id``, a number that is not one) ends
+    Fake-Pi before it reads a command, one line naming the file and where. Before, each was a
+    Python traceback (``AttributeError``, ``ValueError``) and exit status 1."""
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    path = agent / "models.json"
+    path.write_text(json.dumps(document))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    env["PI_CODING_AGENT_DIR"] = str(agent)
+    result = _fake_pi([], env, tmp_path)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"fake-pi: cannot load {path}: "), result.stderr
+    assert where in result.stderr, result.stderr
+
+
+def test_f13_retry_settings_of_the_wrong_type_are_ignored_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """F13's settings side: ``settings.json`` whose ``retry`` is not an object, or whose
+    ``maxRetries`` is not a count, keeps the defaults (as its ``compaction`` settings always
+    did) and Fake-Pi starts. Before, ``"retry": 5`` or ``"maxRetries": "x"`` was a traceback
+    at start; a good value is still taken."""
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    env["PI_CODING_AGENT_DIR"] = str(agent)
+    for settings in ({"retry": 5}, {"retry": {"maxRetries": "x", "enabled": "no"}}):
+        (agent / "settings.json").write_text(json.dumps(settings))
+        result = _fake_pi([], env, tmp_path)
+        assert (result.returncode, result.stdout, result.stderr) == (0, "", ""), settings
+    assert RetrySettings.from_settings({"retry": {"maxRetries": "x"}}) == RetrySettings()
+    assert RetrySettings.from_settings({"retry": {"maxRetries": 1, "baseDelayMs": 5}}) == (
+        RetrySettings(max_retries=1, base_delay_ms=5)
+    )
 
 
 def _record_in_a_missing_directory(directory: Path) -> Path:
