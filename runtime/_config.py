@@ -203,6 +203,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Connections at once that have not said a valid ``hello`` yet; one more handshake is
     refused HTTP 503 (``too_many_connections``): idle sockets cannot use up the server's
     file descriptors."""
+    max_authenticated: Annotated[int, msgspec.Meta(ge=1)] = 256
+    """Connections at once past a valid ``hello``; one more valid hello is answered
+    ``too_many_authenticated`` and its connection closed (1013, try again later): clients
+    holding the token cannot open connections without bound either."""
     heap_freeze_seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.25
     """How often ``serve`` freezes what survived in its heap, so no collection walks the
     long-lived state (docs/design/serve.md S7); 0 leaves Python's collector as it is."""

@@ -64,6 +64,7 @@ class ReasonCode(enum.StrEnum):
     JOURNAL_POISONED = "journal_poisoned"
     JOURNAL_CLOSED = "journal_closed"
     JOURNAL_CONFLICT = "journal_conflict"  # another writer appended that record first
+    JOURNAL_IN_USE = "journal_in_use"  # the log is open already: a second create is refused
     LANE_FENCED = "lane_fenced"  # another host claimed the lane: this one's write is refused
     # the disk itself failed: the host stops admitting
     DISK_FAILED = "disk_failed"
@@ -184,6 +185,7 @@ class ReasonCode(enum.StrEnum):
     HELLO_REQUIRED = "hello_required"
     HELLO_TIMEOUT = "hello_timeout"  # no valid hello within [server] hello_seconds
     TOO_MANY_CONNECTIONS = "too_many_connections"  # [server] max_unauthenticated reached
+    TOO_MANY_AUTHENTICATED = "too_many_authenticated"  # [server] max_authenticated reached
     ORIGIN_REFUSED = "origin_refused"
     TOO_MANY_IN_FLIGHT = "too_many_in_flight"
     # the operator page (docs/design/operations.md "The operator page")

@@ -19,6 +19,12 @@ once, not at every send. A file whose last change is less than :data:`SETTLE_MS`
 read is not remembered (a change in the same tick of the file system's coarse clock would keep
 the same stamps).
 
+A fetch sends an attachment in pieces (:meth:`AttachmentStore.open`): the file is checked
+before its first piece — by its identity while a read verified it unchanged (A13), else by its
+bytes, hashed a piece at a time — and the pieces handed out are hashed again as they are
+read, so the piece that ends the file is handed out only when every byte read was the
+attachment's. What a reader holds is one piece, never the file.
+
 Every method here blocks (file I/O): call them with ``trio.to_thread.run_sync``.
 """
 
@@ -40,7 +46,13 @@ from .._errors import ReasonCode
 from .._linux._fs import FileSystem, OsFileSystem
 from ._writer import TMP_MARK, atomic_write
 
-__all__ = ["ATTACHMENTS_DIR", "SHARED_ATTACHMENTS", "AttachmentStore", "attachment_root"]
+__all__ = [
+    "ATTACHMENTS_DIR",
+    "SHARED_ATTACHMENTS",
+    "AttachmentReader",
+    "AttachmentStore",
+    "attachment_root",
+]
 
 ATTACHMENTS_DIR: Final = "attachments"
 """The root's name in the state directory when the configuration names none."""
@@ -59,6 +71,9 @@ verified (A13): file systems stamp a change with a coarse clock (a tick; a secon
 a second change within the same stamp would leave every field of ``stat`` as it was."""
 REMEMBERED: Final = 4096
 """At most this many verified files are remembered (the oldest forgotten first)."""
+PIECE: Final = 64 * 1024
+"""Bytes read at a time when a file is hashed without being kept (:meth:`AttachmentStore.check`,
+:meth:`AttachmentStore.open`)."""
 
 _Identity = tuple[int, int, int, int, int]
 """(device, inode, size, mtime_ns, ctime_ns) of a file found intact."""
@@ -166,6 +181,68 @@ class AttachmentStore:
             self._verified.remember(sha256, _identity(info))  # info: before the read
         return data
 
+    def open(self, sha256: str, size: int) -> AttachmentReader | ReasonCode:
+        """The attachment's file, open and found intact, to be read in pieces in order
+        (:class:`AttachmentReader`; close it), or why not (see :meth:`read`). Intact is known
+        by the file's identity while a read verified it and it is unchanged since (A13), else
+        by its bytes, hashed a piece at a time; either way the reader hashes what it reads
+        again, and fails rather than end on bytes that are not the attachment's."""
+        opened = self._open_checked(sha256, size, trust_identity=True)
+        if isinstance(opened, ReasonCode):
+            return opened
+        fd, info = opened
+        return AttachmentReader(fd, sha256, size, info, self._verified)
+
+    def _open_checked(
+        self, sha256: str, size: int, *, trust_identity: bool
+    ) -> tuple[int, os.stat_result] | ReasonCode:
+        """The file open (its descriptor, and ``fstat`` before any read) once found intact,
+        or why not: its bytes hashed a piece at a time unless ``trust_identity`` and it is
+        the file a read verified, unchanged (A13). Bytes found intact in a settled file are
+        remembered as verified; a damaged file is forgotten."""
+        try:
+            fd = os.open(  # not blocked by a FIFO under its name: found not regular below
+                self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            )
+        except OSError:
+            self._verified.forget(sha256)
+            return ReasonCode.ATTACHMENT_MISSING
+        try:
+            info = os.fstat(fd)
+            problem = self._problem(fd, info, sha256, size, trust_identity=trust_identity)
+        except OSError:  # EIO: the bytes cannot be had intact
+            problem = ReasonCode.ATTACHMENT_DAMAGED
+        except BaseException:
+            os.close(fd)
+            raise
+        if problem is not None:
+            os.close(fd)
+            self._verified.forget(sha256)
+            return problem
+        return fd, info
+
+    def _problem(
+        self, fd: int, info: os.stat_result, sha256: str, size: int, *, trust_identity: bool
+    ) -> ReasonCode | None:
+        if not stat.S_ISREG(info.st_mode):
+            return ReasonCode.ATTACHMENT_MISSING
+        if info.st_size != size:
+            return ReasonCode.ATTACHMENT_DAMAGED
+        if trust_identity and self._verified.get(sha256) == _identity(info):
+            return None
+        digest = hashlib.sha256()
+        buffer = bytearray(min(PIECE, size + 1))
+        view = memoryview(buffer)
+        offset = 0
+        while count := os.preadv(fd, [buffer], offset):
+            digest.update(view[:count])
+            offset += count
+        if offset != size or digest.hexdigest() != sha256:
+            return ReasonCode.ATTACHMENT_DAMAGED
+        if info.st_ctime_ns // 1_000_000 <= self.wall.time_ms() - SETTLE_MS:
+            self._verified.remember(sha256, _identity(info))  # info: before the read
+        return None
+
     def unchanged(self, sha256: str, size: int) -> bool:
         """True when a read found this attachment intact and its file is, by ``stat``, the
         same file unchanged since (device, inode, size, mtime, ctime): no read, no hash (A13).
@@ -180,9 +257,15 @@ class AttachmentStore:
         return stat.S_ISREG(info.st_mode) and _identity(info) == known
 
     def check(self, sha256: str, size: int) -> ReasonCode | None:
-        """``None`` when the attachment is there intact; else why not (see :meth:`read`)."""
-        found = self.read(sha256, size)
-        return found if isinstance(found, ReasonCode) else None
+        """``None`` when the attachment is there intact; else why not (see :meth:`read`). Its
+        bytes are read and hashed a piece at a time, never kept; a settled file found intact
+        is remembered as verified (A13)."""
+        self._verified.forget(sha256)
+        opened = self._open_checked(sha256, size, trust_identity=False)
+        if isinstance(opened, ReasonCode):
+            return opened
+        os.close(opened[0])
+        return None
 
     def names(self) -> list[str]:
         """Every stored attachment's sha256 (temporary files excluded)."""
@@ -232,3 +315,59 @@ class AttachmentStore:
         if removed:
             self.fs.fsync_dir(str(self.root))
         return removed
+
+
+class AttachmentReader:
+    """An attachment's file, open and found intact (:meth:`AttachmentStore.open`), read in
+    order a piece at a time (blocking; :meth:`close` it).
+
+    Each piece's bytes are hashed as they are read, and the piece that reaches the recorded
+    size is handed out only once everything read is the recorded sha256: a reader never ends
+    on bytes that are not the attachment's. A file written over in place after it was checked
+    fails the reader ``attachment_damaged`` — at the first piece read after a change its
+    ``stat`` shows (size, mtime), else, the change made within one tick of the file system's
+    clock, at the end; the pieces handed out before are then the file's bytes, but not all of
+    the attachment's. A file replaced or removed by its name is not seen: the reader reads
+    the file it opened, which the change leaves as it was."""
+
+    def __init__(
+        self, fd: int, sha256: str, size: int, info: os.stat_result, verified: _Verified
+    ) -> None:
+        self._verified = verified
+        self._fd: int | None = fd
+        self.sha256 = sha256
+        self.size = size
+        self._stamp = (info.st_size, info.st_mtime_ns)
+        self._digest = hashlib.sha256()
+        self.offset = 0
+        """Bytes handed out so far."""
+
+    def next(self, limit: int) -> bytes | ReasonCode:
+        """The next piece of at most ``limit`` bytes (at least one, while any is left; the
+        empty piece of an empty attachment), or ``attachment_damaged`` (from then on)."""
+        if self._fd is None:
+            return ReasonCode.ATTACHMENT_DAMAGED
+        left = self.size - self.offset
+        try:
+            piece = os.pread(self._fd, min(limit, left), self.offset) if left else b""
+            info = os.fstat(self._fd)
+        except OSError:  # EIO
+            return self._failed()
+        if (left and not piece) or (info.st_size, info.st_mtime_ns) != self._stamp:
+            return self._failed()  # shorter than recorded, or written over since checked
+        self._digest.update(piece)
+        self.offset += len(piece)
+        if self.offset == self.size and self._digest.hexdigest() != self.sha256:
+            return self._failed()
+        return piece
+
+    def _failed(self) -> ReasonCode:
+        self._verified.forget(self.sha256)
+        self.close()
+        return ReasonCode.ATTACHMENT_DAMAGED
+
+    def close(self) -> None:
+        """Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

@@ -10,7 +10,8 @@ in short:
 
 * a connection is served only after a ``hello`` carrying the state directory's current token
   (compared in constant time, re-read per hello so ``token rotate`` acts at once) and a
-  protocol version both sides speak; a handshake with a foreign ``Origin`` is refused (S1);
+  protocol version both sides speak; a handshake with a foreign ``Origin`` is refused, and so
+  is a connection past the caps on those not past their hello yet and on those past it (S1);
 * every bad frame is answered with an ``error`` frame with a stable code, and the connection
   stays usable wherever the protocol allows (S2);
 * ``accepted`` is sent only once the admission is durable (the worker's ``deliver``); results
@@ -44,7 +45,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 import trio
@@ -126,6 +127,9 @@ FLUSH_SECONDS: Final = 5.0
 """After a drain, how long connected clients get to receive the results published so far."""
 POLICY_VIOLATION: Final = 1008
 """The websocket close code after a refused token or an unsupported protocol."""
+TRY_AGAIN_LATER: Final = 1013
+"""The websocket close code after a valid hello over ``[server] max_authenticated`` (S1): the
+client did nothing wrong and may connect again later."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,6 +189,8 @@ class _Connection:
     sent_more: trio.Event = field(default_factory=trio.Event)
     closed: bool = False
     """Its websocket closed: nothing more will be sent here."""
+    authenticated: bool = False
+    """It holds one of the server's ``max_authenticated`` places (S1), from the welcome on."""
 
     async def send(self, frame: ServerFrame) -> None:
         """Send one frame. No lock of ours: the connection's own (FIFO) lock around the
@@ -233,6 +239,8 @@ class RoomServer:
         """Client frames received on every connection so far (the heap keeper's quiet, S7)."""
         self.unauthenticated = 0
         """Connections accepted that have not said a valid ``hello`` yet (S1)."""
+        self.authenticated = 0
+        """Connections welcomed and not ended yet, at most ``max_authenticated`` (S1)."""
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
 
@@ -376,6 +384,16 @@ class RoomServer:
         self, ws: WebSocketConnection, peer: str, said_hello: Callable[[], None]
     ) -> None:
         connection = _Connection(ws, peer)
+        try:
+            await self._serve_connection(connection, said_hello)
+        finally:
+            if connection.authenticated:  # its place is free for another (S1)
+                connection.authenticated = False
+                self.authenticated -= 1
+
+    async def _serve_connection(
+        self, connection: _Connection, said_hello: Callable[[], None]
+    ) -> None:
         with trio.move_on_after(self.server.hello_seconds) as waited:
             hello = await self._handshake(connection)
         said_hello()
@@ -462,6 +480,11 @@ class RoomServer:
                 await connection.send(error_frame(error))
                 await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
                 return None
+            if self.authenticated >= self.server.max_authenticated:
+                await self._refuse_authenticated(connection)
+                return None
+            self.authenticated += 1  # no await since the count was looked at
+            connection.authenticated = True
             await connection.send(Welcome(protocol=version, worker_id=self.worker_id))
             logger.info(
                 "connection from %s: hello from %r",
@@ -470,6 +493,25 @@ class RoomServer:
                 extra=fields("connection_opened"),
             )
             return hello
+
+    async def _refuse_authenticated(self, connection: _Connection) -> None:
+        """A valid hello while ``max_authenticated`` connections are past theirs (S1):
+        ``too_many_authenticated`` and the connection closed, 1013 (try again later)."""
+        logger.warning(
+            "refused a hello from %s: %d connections are authenticated already",
+            connection.peer,
+            self.authenticated,
+            extra=fields("handshake_refused", code=ReasonCode.TOO_MANY_AUTHENTICATED),
+        )
+        await connection.send(
+            ErrorFrame(
+                code=ReasonCode.TOO_MANY_AUTHENTICATED,
+                message=f"this server has {self.server.max_authenticated} connections past "
+                "their hello already ([server] max_authenticated); connect again later",
+                ref="hello",
+            )
+        )
+        await connection.ws.aclose(TRY_AGAIN_LATER, "too many connections")
 
     async def _token_unreadable(
         self, connection: _Connection, exc: PiRuntimeError | OSError
@@ -684,19 +726,20 @@ class RoomServer:
     async def _intact(self, sha256: str, size: int) -> ReasonCode | None:
         """``None`` when the attachment is there intact, else why not (A3): by its file's
         identity while the file is the one a read verified and unchanged since — one ``stat``,
-        no hash (A13) — else by its bytes."""
+        no hash (A13) — else by its bytes, hashed a piece at a time (none kept)."""
         if await trio.to_thread.run_sync(self.attachments.unchanged, sha256, size):
             return None
-        found = await self._bytes_of(sha256, size)
-        return found if isinstance(found, ReasonCode) else None
+        problem = await trio.to_thread.run_sync(self.attachments.check, sha256, size)
+        if problem is None or await self._kept_from_the_store(sha256, size) is None:
+            return problem
+        return None
 
-    async def _bytes_of(self, sha256: str, size: int) -> bytes | ReasonCode:
-        """An attachment's intact bytes (A3), or why not. On a store several hosts share, bytes
-        this host's root lacks (or holds damaged) are taken from the store and kept here (A11);
-        a store that cannot answer leaves the local reason."""
-        found = await trio.to_thread.run_sync(self.attachments.read, sha256, size)
-        if not isinstance(found, ReasonCode) or self.worker.config.store.url is None:
-            return found
+    async def _kept_from_the_store(self, sha256: str, size: int) -> bytes | None:
+        """On a store several hosts share, the intact bytes of an attachment this host's root
+        lacks (or holds damaged), taken from the store and kept here (A11); ``None`` when
+        there is no such store, it has no intact copy, or it cannot answer."""
+        if self.worker.config.store.url is None:
+            return None
         try:
             shared = await self.worker.store.read_document(SHARED_ATTACHMENTS + sha256)
         except PiRuntimeError as error:
@@ -706,9 +749,9 @@ class RoomServer:
                 error,
                 extra=fields("attachment_unavailable", code=error.code),
             )
-            return found
+            return None
         if shared is None or len(shared) != size or hashlib.sha256(shared).hexdigest() != sha256:
-            return found
+            return None
         try:
             await trio.to_thread.run_sync(self.attachments.put, shared)
         except OSError as exc:  # not kept here (a full disk): the intact bytes still go out
@@ -720,35 +763,61 @@ class RoomServer:
             )
         return shared
 
+    async def _pieces(self, sha256: str, size: int) -> _Pieces | ReasonCode:
+        """An attachment to be read in pieces, found intact (A3), or why not: this host's
+        file (:meth:`AttachmentStore.open`: one piece held at a time) — on a store several
+        hosts share, the store's copy once kept here (A11), or held in memory when it could
+        not be kept."""
+        opened = await trio.to_thread.run_sync(self.attachments.open, sha256, size)
+        if not isinstance(opened, ReasonCode):
+            return opened
+        shared = await self._kept_from_the_store(sha256, size)
+        if shared is None:
+            return opened
+        kept = await trio.to_thread.run_sync(self.attachments.open, sha256, size)
+        return _HeldPieces(shared) if isinstance(kept, ReasonCode) else kept
+
     async def _fetch(self, connection: _Connection, attachment_id: str) -> None:
-        """``fetch_attachment`` (A9): the bytes of an attachment a published result names, checked
-        against its sha256, in ``attachment_data`` chunks paced at the configured rate."""
+        """``fetch_attachment`` (A9): the bytes of an attachment a published result names,
+        checked against its sha256 before the first chunk, in ``attachment_data`` chunks paced
+        at the configured rate. A chunk is read when it is sent, and what is read is hashed
+        again: the chunk marked ``last`` goes only when every byte sent was the sha256's, else
+        the fetch ends ``attachment_damaged`` after the chunks already sent. Held meanwhile:
+        one chunk, never the file — whatever its send waits for."""
         ref = self.worker.attachment(attachment_id)
         if ref is None:
             raise AttachmentError(ReasonCode.ATTACHMENT_UNKNOWN, "no result names this attachment")
-        found = await self._bytes_of(ref.sha256, ref.size)
-        if isinstance(found, ReasonCode):
+        pieces = await self._pieces(ref.sha256, ref.size)
+        if isinstance(pieces, ReasonCode):
             raise AttachmentError(
-                found, "its bytes are not there intact; the reply's words were sent"
+                pieces, "its bytes are not there intact; the reply's words were sent"
             )
-        view = memoryview(found)
-        offset = 0
         step = _chunk_bytes(ref.id, ref.size, self.server.max_frame_bytes)
-        while True:
-            chunk = view[offset : offset + step]
-            last = offset + len(chunk) >= len(view)
-            frame = AttachmentData(
-                id=ref.id,
-                offset=offset,
-                size=ref.size,
-                data=base64.b64encode(chunk).decode("ascii"),
-                last=last,
-            )
-            await connection.send(frame)
-            offset += len(chunk)
-            if last:
-                return
-            await trio.sleep(len(chunk) / self.fetch_rate)
+        try:
+            while True:
+                offset = pieces.offset
+                chunk = await trio.to_thread.run_sync(pieces.next, step)
+                if isinstance(chunk, ReasonCode):
+                    raise AttachmentError(
+                        chunk,
+                        f"its file changed while it was sent: discard the {offset} bytes sent "
+                        "before this error (a new fetch checks the file again)",
+                    )
+                last = pieces.offset >= ref.size
+                frame = AttachmentData(
+                    id=ref.id,
+                    offset=offset,
+                    size=ref.size,
+                    data=base64.b64encode(chunk).decode("ascii"),
+                    last=last,
+                )
+                del chunk  # held while the send waits: the frame only
+                await connection.send(frame)
+                if last:
+                    return
+                await trio.sleep((pieces.offset - offset) / self.fetch_rate)
+        finally:
+            pieces.close()
 
     async def flush(self, seconds: float) -> None:
         """Let every connection receive the results published so far, for up to ``seconds``
@@ -761,6 +830,34 @@ class RoomServer:
     async def _send_events(self, connection: _Connection) -> None:
         async for event in connection.events[1]:
             await connection.send(event)
+
+
+class _Pieces(Protocol):
+    """An attachment read in order a piece at a time (:class:`AttachmentReader`)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    def next(self, limit: int) -> bytes | ReasonCode: ...
+
+    def close(self) -> None: ...
+
+
+class _HeldPieces:
+    """Checked bytes held in memory, read as :class:`AttachmentReader` reads a file: the
+    store's copy of an attachment this host could not keep (A11, a full disk)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.offset = 0
+
+    def next(self, limit: int) -> bytes | ReasonCode:
+        piece = self._data[self.offset : self.offset + limit]
+        self.offset += len(piece)
+        return piece
+
+    def close(self) -> None:
+        self._data = b""
 
 
 def _chunk_bytes(attachment_id: str, size: int, max_frame_bytes: int) -> int:

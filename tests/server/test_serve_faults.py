@@ -120,6 +120,40 @@ async def test_s1_raw_connections_that_never_send_an_upgrade_cannot_crowd_out_th
             await second.aclose()
 
 
+async def test_s1_authenticated_connections_are_capped(tmp_path: Path) -> None:
+    """S1: with ``[server] max_authenticated`` connections past their hello, one more valid
+    hello is answered ``too_many_authenticated`` (ref ``hello``) and its connection closed
+    (1013, try again later) — never welcomed, sent no result; a wrong token over the cap is
+    still ``token_invalid`` (the token is checked first). Once a welcomed client goes away, a
+    new one is welcomed again. Before, any number of clients holding the token (or one client
+    in a loop) could each keep a connection — its result stream, its signal queue, a file
+    descriptor — without bound. A cap of 0 is refused at start."""
+    settings = {"server": {"max_authenticated": 2}}
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, settings) as r, r.connect() as first:
+            await first.send(message("d1"))
+            await first.result("d1")  # sent: the server holds its connection
+            (first_here,) = r.server.connections
+            async with r.connect() as second:
+                async with r.connect(hello=False) as wrong:
+                    assert error(await wrong.hello("x")) == ("token_invalid", "hello")
+                async with r.connect(hello=False) as third:
+                    refused = error(await third.hello(r.token))
+                    with pytest.raises(ConnectionClosed) as closed:
+                        await third.receive()  # no welcome, no result: closed
+                await first.ws.aclose()
+                await first_here.sent_up_to(2**62)  # returns once the server ended it
+                async with r.connect() as later:  # welcomed (r.connect asserts it)
+                    await later.result("d1")  # unacknowledged: sent again
+                await still_usable(second)
+    assert refused == (ReasonCode.TOO_MANY_AUTHENTICATED, "hello")
+    assert closed.value.reason is not None
+    assert closed.value.reason.code == 1013
+    with pytest.raises(ConfigError) as invalid:
+        config_from_dict({"server": {"max_authenticated": 0}}, base=tmp_path)
+    assert invalid.value.setting == "server.max_authenticated"
+
+
 async def test_s2_a_fault_in_one_frame_is_answered_and_the_connection_stays_usable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
