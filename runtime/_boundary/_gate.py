@@ -489,8 +489,12 @@ def _error_body(code: ReasonCode, message: str) -> bytes:
 
 
 def _refused(status: int) -> bytes:
-    """The body of a request refused before the gate saw it (malformed, too large, not whole
-    in time: B8)."""
+    """The body of a request refused before the gate saw it whole (malformed, too large, not
+    whole in time, without the secret: B8)."""
+    if status == 401:
+        return _error_body(
+            ReasonCode.GATE_UNAUTHORIZED, "this request does not carry the current secret"
+        )
     return _error_body(ReasonCode.GATE_BAD_REQUEST, refusal_text(status))
 
 
@@ -520,13 +524,19 @@ class Gate:
             token.strip().encode(), self._secret.encode()
         )
 
+    def authorize(self, head: Request) -> bool:
+        """Whether a request may go on, by its head alone (T1, B8): asked as soon as the head
+        has arrived, so that one without the secret is answered 401 before its body is read.
+        :meth:`handle` asks again once it is whole (T16: a fence may come in between)."""
+        if self._authorized(head):
+            return True
+        self.refused_unauthorized += 1
+        return False
+
     async def handle(self, request: Request, response: ResponseWriter) -> None:
-        if not self._authorized(request):  # T1
+        if not self._authorized(request):  # T1, T16: the secret rotated while the body came
             self.refused_unauthorized += 1
-            body = _error_body(
-                ReasonCode.GATE_UNAUTHORIZED, "this request does not carry the current secret"
-            )
-            await response.respond(401, body, close=True)  # B8: no idle connection kept
+            await response.respond(401, _refused(401), close=True)  # B8: no idle connection
             return
         target = request.target.split("?", 1)[0]
         if request.method != "POST" or target not in ("/before", "/after"):
@@ -658,7 +668,11 @@ async def serve_gate(
 
                 async def serve(stream: trio.SocketStream) -> None:
                     await _serve_connection(
-                        stream, gate.handle, refusal=_refused, arrival_seconds=arrival_seconds
+                        stream,
+                        gate.handle,
+                        refusal=_refused,
+                        arrival_seconds=arrival_seconds,
+                        authorize=gate.authorize,  # B8: the secret before the body
                     )
 
                 nursery.start_soon(

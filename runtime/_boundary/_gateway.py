@@ -63,6 +63,7 @@ from .._pi._pijson import loads
 from .._pi._provider_errors import USAGE_LIMIT_PATTERN
 from ._http import (
     ARRIVAL_SECONDS,
+    PENDING_CONNECTIONS,
     ConnectionPool,
     HttpClientError,
     HttpServer,
@@ -144,9 +145,14 @@ def _error_body(code: ReasonCode, message: str) -> bytes:
     return _json.encode({"error": {"message": f"{code}: {message}", "type": str(code)}})
 
 
+_UNAUTHORIZED: Final = "this request does not carry the current epoch's secret"
+
+
 def _refused(status: int) -> bytes:
-    """The body of a request refused before the gateway saw it (malformed, too large, not
-    whole in time: B8)."""
+    """The body of a request refused before the gateway saw it whole (malformed, too large,
+    not whole in time, without the secret: B8)."""
+    if status == 401:
+        return _error_body(ReasonCode.GATEWAY_UNAUTHORIZED, _UNAUTHORIZED)
     return _error_body(ReasonCode.GATEWAY_BAD_REQUEST, refusal_text(status))
 
 
@@ -202,6 +208,9 @@ class GatewayConfig:
     """B8: how long a request may take to arrive whole from its first byte (and a new
     connection to send its first byte); longer, it is answered 408 and its connection closed.
     The wait between a worker's requests on its kept-alive connection is not bounded."""
+    pending_connections: int = PENDING_CONNECTIONS
+    """B9: how many connections on which no request has carried the secret yet are kept open
+    at once; one more closes the oldest of them. A connection that has is not counted."""
     park_unavailable: bool = False
     """PB1: an upstream that is unavailable (:attr:`UpstreamFailure.unavailable`) ends the
     worker's turn at once with :data:`PARKED_MESSAGE`, which the worker does not retry: the
@@ -397,20 +406,25 @@ class Gateway:
             token.strip().encode(), self._secret.encode()
         )
 
+    def authorize(self, head: Request) -> bool:
+        """Whether a request may go on, by its head alone (B8, G8): the HTTP shell asks as
+        soon as the head has arrived and answers one refused 401 before reading its body (a
+        client without the secret makes the gateway hold none of it). :meth:`handle` asks
+        again once the request is whole: the secret may have rotated while the body came."""
+        if self._authorized(head):
+            return True
+        self._stats["requests"] += 1
+        self._stats["refused"] += 1
+        return False
+
     async def handle(self, request: Request, response: ResponseWriter) -> None:
         """The HTTP handler (for :func:`~runtime._boundary._http.serve_http`)."""
         journal = self.journal  # G14: the delivery attached as the request arrives is its own
         self._stats["requests"] += 1
         if not self._authorized(request):  # G8: nothing reaches upstream
             self._stats["refused"] += 1
-            await response.respond(
-                401,
-                _error_body(
-                    ReasonCode.GATEWAY_UNAUTHORIZED,
-                    "this request does not carry the current epoch's secret",
-                ),
-                close=True,  # B8: no idle connection is kept for a client without the secret
-            )
+            # B8: no idle connection is kept for a client without the secret
+            await response.respond(401, _refused(401), close=True)
             return
         secret = self._secret  # G8: the epoch it is served for, checked again when its turn comes
         target = request.target.split("?", 1)[0].rstrip("/")
@@ -728,6 +742,8 @@ async def serve_gateway(
                         host=host,
                         port=port,
                         arrival_seconds=gateway.config.request_arrival,  # B8
+                        authorize=gateway.authorize,  # B8: the secret before the body
+                        max_pending=gateway.config.pending_connections,  # B9
                         refusal=_refused,
                         task_status=task_status,
                     )

@@ -16,10 +16,13 @@ SSE: :func:`iter_sse` turns a byte stream into events (data payloads and comment
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import functools
 import itertools
 import logging
 import math
+import os
 import select
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -54,6 +57,11 @@ ARRIVAL_SECONDS: Final = 30.0
 its last, and a new connection to send its first byte (boundaries.md B8). The worker builds a
 request in memory and writes it at once over loopback: a request still arriving after this
 long is not a worker's, and a connection that has sent nothing after it neither."""
+PENDING_CONNECTIONS: Final = 64
+"""How many connections on which no request has been authorized yet the gateway keeps open at
+once (boundaries.md B9); one more closes the oldest of them. Far above what a worker opens (its
+model requests come one at a time), and a worker's new connection is the newest, never the
+oldest: its request's head arrives at once, and with it the secret that takes it off the count."""
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError)
 """What a connection the client dropped (or that was closed under a write) raises."""
 
@@ -142,28 +150,52 @@ async def _next_event(
         conn.receive_data(bytes(await stream.receive_some(_READ)))
 
 
+Authorize = Callable[[Request], bool]
+"""Whether a request may go on, judged by its head alone (its :attr:`Request.body` empty)."""
+
+
+class _Unauthorized(Exception):
+    """A request's head that ``authorize`` refused: its body is not to be read."""
+
+
+def _admit_any(head: Request) -> bool:
+    return True
+
+
+def _nothing() -> None:
+    return None
+
+
 async def _read_request(
     stream: trio.abc.Stream,
     conn: h11.Connection,
     limit: int = _MAX_REQUEST,
     connection: int = 0,
     peer: str = "",
+    authorize: Authorize = _admit_any,
+    admitted: Callable[[], None] = _nothing,
 ) -> Request | None:
-    head: h11.Request | None = None
+    """The next whole request, or ``None`` at the connection's end. Its head goes to
+    ``authorize`` as soon as it has arrived, before any of the body is read: refused, this
+    raises :class:`_Unauthorized` (B8); admitted, ``admitted()`` is called (B9)."""
+    head: Request | None = None
     body = bytearray()
     while True:
         event = await _next_event(stream, conn)
         if isinstance(event, h11.Request):
-            head = event
+            headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
+            method, target = event.method.decode(), event.target.decode()
+            head = Request(method, target, headers, b"", connection, peer)
+            if not authorize(head):
+                raise _Unauthorized
+            admitted()
         elif isinstance(event, h11.Data):
             body += event.data
             if len(body) > limit:
                 raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
         elif isinstance(event, h11.EndOfMessage):
             assert head is not None
-            headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
-            method, target = head.method.decode(), head.target.decode()
-            return Request(method, target, headers, bytes(body), connection, peer)
+            return dataclasses.replace(head, body=bytes(body))
         elif isinstance(event, h11.ConnectionClosed):
             return None
         else:  # pragma: no cover - h11 yields nothing else for a server
@@ -188,12 +220,16 @@ async def _serve_connection(
     refusal: Callable[[int], bytes] | None = None,
     *,
     arrival_seconds: float = math.inf,
+    authorize: Authorize = _admit_any,
+    admitted: Callable[[], None] = _nothing,
 ) -> None:
     """Serve one connection. ``request_seconds`` bounds each request's wait and arrival
     together (a keep-alive wait included); ``arrival_seconds`` bounds the wait for a new
     connection's first byte and each request from its first byte to its last, not the wait
     between requests (B8). A request that takes longer is answered ``408`` if its head
-    has arrived, and its connection closed."""
+    has arrived, and its connection closed. A request whose head ``authorize`` refuses is
+    answered ``401`` (``refusal(401)``) before its body is read, and its connection closed
+    (B8); ``admitted()`` is called for each head it lets through (B9)."""
     conn = h11.Connection(h11.SERVER)
     try:
         first = True
@@ -205,13 +241,18 @@ async def _serve_connection(
                         await _first_byte(stream, conn)
                     with trio.move_on_after(arrival_seconds) as arriving:
                         if not idle.cancelled_caught:
-                            request = await _read_request(stream, conn, limit, connection, peer)
+                            request = await _read_request(
+                                stream, conn, limit, connection, peer, authorize, admitted
+                            )
                 if waited.cancelled_caught or idle.cancelled_caught:
                     return  # no whole request in time (a head, a body, an idle keep-alive)
                 if arriving.cancelled_caught:  # B8: begun, and not whole in time
                     await _refuse_late(stream, conn, refusal)
                     return
                 first = False
+            except _Unauthorized:  # B8: refused on its head, its body never read
+                await _refuse_unauthorized(stream, conn, refusal)
+                return
             except h11.RemoteProtocolError as exc:
                 with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
                     status = exc.error_status_hint
@@ -243,7 +284,11 @@ async def _serve_connection(
 
 
 _LATE_BODY: Final = b'{"error":"the request did not arrive whole in time"}'
+_UNAUTHORIZED_BODY: Final = b'{"error":"the request does not carry the current secret"}'
+_DRAIN_BYTES: Final = 4 * 1024 * 1024
+"""What of a refused request's body is read, and dropped, before its connection is closed."""
 _REFUSED: Final = {
+    401: "the request does not carry the current secret",
     408: "the request did not arrive whole in time",
     413: "the request body is too large",
     431: "the request head is too large",
@@ -270,6 +315,32 @@ async def _refuse_late(
     ):
         body = refusal(408) if refusal is not None else _LATE_BODY
         await ResponseWriter(stream, conn).respond(408, body, close=True)
+
+
+async def _refuse_unauthorized(
+    stream: trio.abc.Stream, conn: h11.Connection, refusal: Callable[[int], bytes] | None
+) -> None:
+    """Answer a request whose head ``authorize`` refused ``401`` and end its connection
+    without reading its body into memory (B8): what of it comes next is read and dropped —
+    a close with unread bytes would reset the connection, the answer perhaps unread — up to
+    :data:`_DRAIN_BYTES` and :data:`_REFUSE_SECONDS`, then the connection is closed."""
+    with (
+        trio.move_on_after(_REFUSE_SECONDS),
+        contextlib.suppress(h11.LocalProtocolError, *_GONE),
+    ):
+        body = refusal(401) if refusal is not None else _UNAUTHORIZED_BODY
+        await ResponseWriter(stream, conn).respond(401, body, close=True)
+        await _drain(stream, _DRAIN_BYTES)
+
+
+async def _drain(stream: trio.abc.Stream, limit: float = math.inf) -> None:
+    """Say the end of what is sent (when the stream can), then read and drop what the client
+    sends until its end or ``limit`` bytes."""
+    if isinstance(stream, trio.abc.HalfCloseableStream):
+        await stream.send_eof()
+    dropped = 0
+    while dropped < limit and (data := await stream.receive_some(_READ)):
+        dropped += len(data)
 
 
 _FAULT_BODY: Final = (
@@ -326,6 +397,8 @@ async def serve_http(
     max_connections: int | None = None,
     refusal: Callable[[int], bytes] | None = None,
     arrival_seconds: float = math.inf,
+    authorize: Authorize = _admit_any,
+    max_pending: int | None = None,
     task_status: trio.TaskStatus[HttpServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` until cancelled; ``task_status.started`` once listening; HTTPS
@@ -346,6 +419,15 @@ async def serve_http(
     the gateway, where a worker keeps its connection between model calls): a request that
     takes longer is answered ``408`` (``refusal(408)``) and its connection closed.
 
+    ``authorize`` judges each request by its head, as soon as the head has arrived: one it
+    refuses is answered ``401`` (``refusal(401)``) and its connection closed, its body never
+    read into memory (B8: a client without the secret costs no 64 MiB buffer).
+    ``max_pending`` is how many connections on which no request's head was authorized yet (a
+    connection still silent, in its TLS handshake, or sending its first head) are kept at
+    once: one more closes the oldest of them, unanswered (B9: the gateway, where any local user
+    can connect, and the worker that holds the secret must still get in). A connection whose
+    head was authorized is not counted any more, whatever it does next.
+
     A handler that returns without ending its response has the connection
     closed under it — the way to simulate a stream cut mid-way.
 
@@ -360,22 +442,28 @@ async def serve_http(
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     accepted = itertools.count(1)
+    pending = _Pending(max_pending)
     open_now = 0
     async with trio.open_nursery() as nursery:
         task_status.started(HttpServer(host=bound[0], port=bound[1]))
 
-        async def serve(stream: trio.SocketStream) -> None:
+        async def serve(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
             nonlocal open_now
-            if max_connections is not None and open_now >= max_connections:
-                await _refuse_connection(stream, min(request_seconds, _REFUSE_SECONDS))
-                return
-            open_now += 1
             try:
-                await _serve_one(stream)
+                with scope:  # cancelled: a newer connection closed it (B9)
+                    if max_connections is not None and open_now >= max_connections:
+                        await _refuse_connection(stream, min(request_seconds, _REFUSE_SECONDS))
+                        return
+                    open_now += 1
+                    try:
+                        await _serve_one(stream, scope)
+                    finally:
+                        open_now -= 1
             finally:
-                open_now -= 1
+                pending.leave(scope)
+                await trio.aclose_forcefully(stream)
 
-        async def _serve_one(stream: trio.SocketStream) -> None:
+        async def _serve_one(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
             connection = next(accepted)
             peer = _peer(stream)
             serve = functools.partial(
@@ -387,6 +475,8 @@ async def serve_http(
                 peer=peer,
                 refusal=refusal,
                 arrival_seconds=arrival_seconds,
+                authorize=authorize,
+                admitted=functools.partial(pending.leave, scope),
             )
             if ssl_context is None:
                 await serve(stream)
@@ -403,7 +493,65 @@ async def serve_http(
                 return
             await serve(tls)
 
-        await trio.serve_listeners(serve, listeners, handler_nursery=nursery)
+        for listener in listeners:
+            nursery.start_soon(_accept, listener, pending, serve, nursery)
+
+
+async def _accept(
+    listener: trio.SocketListener,
+    pending: _Pending,
+    serve: Callable[[trio.SocketStream, trio.CancelScope], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    """Accept connections for ever, each served by ``serve`` in ``nursery`` and counted in
+    ``pending`` (B9) the moment it is accepted — in the order of arrival, before any of them
+    runs. As :func:`trio.serve_listeners`: out of descriptors or memory, wait and go on."""
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_CAPACITY:
+                    raise
+                logger.error(
+                    "accept failed (%s); retrying in %s s",
+                    os.strerror(exc.errno),
+                    _ACCEPT_RETRY,
+                    extra={"event": "accept_failed"},
+                )
+                await trio.sleep(_ACCEPT_RETRY)
+                continue
+            nursery.start_soon(serve, stream, pending.arrive())
+
+
+_ACCEPT_CAPACITY: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""What ``accept`` fails with when the host is out of descriptors or memory for now."""
+_ACCEPT_RETRY: Final = 0.1
+
+
+class _Pending:
+    """A server's connections on which no request has been authorized yet, oldest first
+    (B9): at most ``limit`` of them (``None``: any number); one more closes the oldest."""
+
+    def __init__(self, limit: int | None) -> None:
+        self._limit = limit
+        self._scopes: dict[trio.CancelScope, None] = {}
+        """In the order of arrival (a dict keeps its insertion order)."""
+
+    def arrive(self) -> trio.CancelScope:
+        """The scope a new connection is served in, counted; the oldest cancelled if full."""
+        scope = trio.CancelScope()
+        if self._limit is not None:
+            while len(self._scopes) >= self._limit:
+                oldest = next(iter(self._scopes))
+                del self._scopes[oldest]
+                oldest.cancel()
+            self._scopes[scope] = None
+        return scope
+
+    def leave(self, scope: trio.CancelScope) -> None:
+        """``scope``'s connection is not counted any more: authorized, or closed."""
+        self._scopes.pop(scope, None)
 
 
 def _peer(stream: trio.SocketStream) -> str:
@@ -432,9 +580,7 @@ async def _refuse_connection(stream: trio.SocketStream, seconds: float) -> None:
         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
     ):
         await stream.send_all(_TOO_MANY)
-        await stream.send_eof()  # then drain what the client sent: a close with unread
-        while await stream.receive_some(_READ):  # bytes would reset it, answer unread
-            pass
+        await _drain(stream)  # a close with unread bytes would reset it, answer unread
     await trio.aclose_forcefully(stream)
 
 

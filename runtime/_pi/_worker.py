@@ -103,16 +103,30 @@ _ENTER_CGROUP: Final = 'echo $$ > "$0" || exit 126; exec "$@"'
 _STDERR_TAIL: Final = 64 * 1024
 _REDACTED: Final = b"[secret]"
 _FRAGMENT: Final = 4
-"""The shortest end of a secret that the stderr tail's cut start is taken to have kept."""
+"""The shortest piece of a secret that a cut edge of the stderr tail is taken to have kept
+(G9). A piece of 1 to 3 bytes is left as it is, and is no leak: it is all of that occurrence
+the text holds (the rest was dropped before the tail, or is not read yet), so it tells at most
+3 of the 43 characters of an epoch secret (18 of its 256 bits) or of a provider key (at its
+start the key's public format prefix, at its end fewer than the last four characters most
+providers show in their own errors and consoles). Quotes of the tail taken at different times,
+put together, show at most a secret's first three and last three bytes (36 of 256 bits).
+Matching so few bytes would also blot out ordinary text at many cuts."""
 _encode = msgspec.json.Encoder()
 
 
 def _redacted(data: bytes, secrets: Sequence[bytes], *, cut: bool) -> bytes:
     """``data`` with every occurrence of each secret (longest first) replaced by ``[secret]``;
-    with ``cut`` (``data`` is a tail cut at an arbitrary byte), also the end of a secret that
-    the cut left at its start — at least its last :data:`_FRAGMENT` bytes."""
+    also the beginning of a secret that ends ``data`` — a tail read while the worker writes:
+    one read brought the secret's first part and the next its rest, and the tail was taken
+    between them — and, with ``cut`` (``data`` is a tail cut at an arbitrary byte), the end of
+    a secret that the cut left at its start; either at least :data:`_FRAGMENT` bytes long."""
     for secret in secrets:
         data = data.replace(secret, _REDACTED)
+    for secret in secrets:
+        for size in range(len(secret) - 1, _FRAGMENT - 1, -1):
+            if data.endswith(secret[:size]):
+                data = data[:-size] + _REDACTED
+                break
     if cut:
         for secret in secrets:
             for size in range(len(secret) - 1, _FRAGMENT - 1, -1):
@@ -208,8 +222,9 @@ class Epoch:
     def stderr_tail(self) -> bytes:
         """The last 64 KiB the worker (or anything it started) wrote to stderr, with every
         secret the epoch was given to hide (``secrets`` of :func:`open_epoch`) replaced by
-        ``[secret]``: this text is quoted in the error a worker's exit raises, which reaches
-        logs and the API — a worker may print a provider's error quoting the key (G9)."""
+        ``[secret]`` — also a piece of one that an edge of the tail cut (G9): this text is
+        quoted in the error a worker's exit raises, which reaches logs and the API, and a
+        worker may print a provider's error quoting the key."""
         return _redacted(bytes(self._stderr), self._secrets, cut=self._stderr_cut)
 
     def proof(self) -> TreeProof:

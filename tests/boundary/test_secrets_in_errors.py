@@ -80,6 +80,40 @@ async def test_g9_a_key_cut_by_the_stderr_tails_start_leaves_no_fragment(tmp_pat
     assert KEY[-8:] not in text
 
 
+_HALF_READ: Final = """
+import fcntl, os, struct, sys, termios
+key = sys.argv[1].encode()
+os.write(2, b"Error: 401 Incorrect API key provided: " + key[:{half}])
+while struct.unpack("i", fcntl.ioctl(2, termios.FIONREAD, b"0000"))[0]:
+    pass  # until the runtime has read all of it: the key's first part is in its tail
+os.close(1)  # the runtime sees the worker gone, and quotes its stderr now
+sys.stdin.buffer.read()  # the rest of the key would come after (it never does: TERM)
+os.write(2, key[{half}:])
+"""
+
+
+async def test_g9_a_key_half_read_when_the_worker_exits_leaves_no_prefix(tmp_path: Path) -> None:
+    """G9: the worker writes a line quoting the key; the runtime has read the key's first part
+    and not yet its rest when the worker's stdout ends, so the error is made with a tail that
+    ends in the middle of the key (two reads of the pipe, the quote taken between them). The
+    key's beginning is blotted out too. Before, only a whole key or the end of one at the tail's
+    start was: the error text carried the key's first 30 of 44 characters."""
+    half = 30
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    argv = [sys.executable, "-c", _HALF_READ.format(half=half), KEY]
+    with trio.fail_after(LIMIT):
+        async with open_epoch(argv, env=env, cwd=tmp_path, secrets=(KEY,)) as epoch:
+            channel = open_rpc_channel(epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail)
+            async with channel as rpc:
+                with pytest.raises(WorkerExitedError) as caught:
+                    await rpc.request({"type": "get_state"})
+    text = str(caught.value) + "\n" + caught.value.stderr.decode(errors="replace")
+    assert "Incorrect API key provided" in text  # the stderr is quoted, up to the key
+    assert KEY[:half] not in text
+    assert KEY[:8] not in text
+    assert text.rstrip().endswith("[secret]"), text
+
+
 async def test_b5_the_boundaries_name_every_secret_a_worker_must_not_print(
     tmp_path: Path,
 ) -> None:
