@@ -27,6 +27,7 @@ __all__ = [
     "Closed",
     "Conn",
     "Connection",
+    "RolledBack",
     "Unreachable",
     "Unsettled",
     "Vanished",
@@ -35,6 +36,7 @@ __all__ = [
     "lost",
     "parse_dsn",
     "redact_dsn",
+    "rolled_back",
     "server_reason",
 ]
 
@@ -109,6 +111,13 @@ class Broken(Exception):
     is scrubbed."""
 
 
+class RolledBack(Exception):
+    """The server rolled the call back whole and the session lives on: a statement cancelled
+    (``statement_timeout``, ``lock_timeout``, an operator's ``pg_cancel_backend``), a
+    deadlock, a serialization failure. Nothing of the call took effect, and nothing about
+    what it wrote was refused: it may be tried again. Its text is scrubbed."""
+
+
 class Closed(Exception):
     """The store is closed: no connection is made any more."""
 
@@ -140,23 +149,45 @@ _SESSION_ENDED: Final = "57P"
 crash, a dropped database, an idle-session timeout) — the call's outcome is not its answer."""
 
 
+_ROLLED_BACK: Final = frozenset({"40001", "40P01", "55P03", "57014"})
+"""SQLSTATEs of a call the server rolled back for a passing reason, not for what it wrote:
+``serialization_failure``, ``deadlock_detected``, ``lock_not_available`` (``lock_timeout``),
+``query_canceled`` (``statement_timeout``, ``pg_cancel_backend``)."""
+
+
 def lost(conn: Conn, exc: psycopg.Error) -> bool:
     """Whether ``exc`` means the session is gone (not a refusal of what was sent)."""
     state = exc.sqlstate or ""
     return conn.closed or state.startswith("08") or state.startswith(_SESSION_ENDED)
 
 
+def rolled_back(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` (the session alive) rolled the call back for a passing reason: what
+    it sent did not take effect, and trying it again may work (PG12)."""
+    return exc.sqlstate in _ROLLED_BACK
+
+
 # -- connections ------------------------------------------------------------------------------
 
 
+_SESSION: Final = (
+    "SELECT current_setting('synchronous_commit'), current_setting('transaction_isolation')"
+)
+
+
 def connect(params: Mapping[str, Any]) -> Conn:
-    """A new autocommit connection whose commits are synchronous (blocking)."""
+    """A new autocommit connection whose commits are synchronous (blocking) and whose
+    transactions are ``read committed``, whatever the server's defaults (PG4)."""
     try:
         conn = psycopg.connect(autocommit=True, **params)
         try:
-            row = conn.execute("SHOW synchronous_commit").fetchone()
+            row = conn.execute(_SESSION).fetchone()
             if row is not None and row[0] == "off":  # COMMIT must mean durable (J1)
                 conn.execute("SET synchronous_commit TO on")
+            if row is not None and row[1] != "read committed":
+                # a fence re-checks its lease row after waiting for a renewal, a resolution
+                # finds the row a waited-for backend committed: both only at read committed
+                conn.execute("SET default_transaction_isolation TO 'read committed'")
         except BaseException:
             conn.close()
             raise
@@ -181,8 +212,9 @@ class Connection:
     async def run(self, fn: Callable[[Conn], _T]) -> _T:
         """Run ``fn(connection)`` once, in a worker thread. Raises :class:`Unreachable` when
         no connection can be made (nothing was sent), :class:`Broken` when the connection
-        broke during the call (what it sent may have taken effect), :class:`Closed` once
-        closed, and the driver's error when the server refused (a definite answer)."""
+        broke during the call (what it sent may have taken effect), :class:`RolledBack` when
+        the server rolled it back for a passing reason (nothing took effect), :class:`Closed`
+        once closed, and the driver's error when the server refused (a definite answer)."""
         return await trio.to_thread.run_sync(self._call, fn, limiter=self._limiter)
 
     def _live(self) -> Conn:
@@ -198,14 +230,15 @@ class Connection:
         try:
             return fn(conn)
         except psycopg.Error as exc:
-            if not lost(conn, exc):
+            broken = lost(conn, exc)
+            if not broken and not rolled_back(exc):
                 raise
-            problem = (
-                f"the connection to the database {describe(self._params)} broke: "
-                f"{server_reason(exc, self._params)}"
-            )
+            why = server_reason(exc, self._params)
+        if not broken:  # the session lives on: nothing took effect, it may be tried again
+            raise RolledBack(f"the database {describe(self._params)} rolled a call back: {why}")
         self._conn = None
         conn.close()
+        problem = f"the connection to the database {describe(self._params)} broke: {why}"
         raise Broken(problem)  # outside the handler: no driver text rides along as context
 
     async def aclose(self) -> None:

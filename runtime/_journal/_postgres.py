@@ -77,6 +77,7 @@ from ._pg_connection import (
     Closed,
     Conn,
     Connection,
+    RolledBack,
     Unreachable,
     Unsettled,
     Vanished,
@@ -385,8 +386,8 @@ def _insert(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[
 def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[[Conn], _Landed]:
     """An append after an attempt whose outcome is unknown: ``OURS`` if the row is there now
     with exactly ``frame`` (inserted by this call, or committed by the earlier attempt),
-    ``THEIRS`` if it holds other bytes (another writer's record), ``FENCED`` if it is absent
-    and the fence no longer holds."""
+    ``THEIRS`` if it holds other bytes (another writer's record), ``FENCED`` if it is absent,
+    or holds other bytes (the lane's new owner's record), and the fence no longer holds."""
 
     def resolve(conn: Conn) -> _Landed:
         if fence is None:
@@ -401,7 +402,14 @@ def _resolve(rel: str, seq: int, frame: bytes, fence: Fence | None) -> Callable[
             if fence is not None:
                 return _Landed.FENCED
             raise Vanished(f"record {seq} was neither inserted nor found")
-        return _Landed.OURS if bytes(row[0]) == frame else _Landed.THEIRS
+        if bytes(row[0]) == frame:
+            return _Landed.OURS
+        if (
+            fence is not None
+            and conn.execute(_FENCE_HOLDS, _fence_params(fence)).fetchone() is None
+        ):
+            return _Landed.FENCED  # the lane's new owner wrote it (S11), not a rival writer
+        return _Landed.THEIRS
 
     return resolve
 
@@ -485,15 +493,22 @@ GROUP_MAX: Final = 256
 class _Queued:
     """One record waiting for its group (S22), and its fate once the group is written."""
 
-    __slots__ = ("done", "error", "key", "payload", "seq", "unless")
+    __slots__ = ("decided", "error", "key", "payload", "seq", "unless", "wake")
 
     def __init__(self, payload: bytes, unless: Callable[[], bool] | None, key: str) -> None:
         self.payload = payload
         self.unless = unless
         self.key = key
-        self.done = trio.Event()
+        self.decided = False
+        """Its fate is known (``seq``, ``error``; neither: not written)."""
+        self.wake = trio.Event()
+        """Set when its fate is known, or when its caller is to write the next groups."""
         self.seq: int | None = None
         self.error: Exception | None = None
+
+    def settle(self) -> None:
+        self.decided = True
+        self.wake.set()
 
 
 class PgLog:
@@ -649,33 +664,43 @@ class PgLog:
     async def _grouped(
         self, payload: bytes, unless: Callable[[], bool] | None, key: str
     ) -> int | None:
-        """S22: an unfenced append to a shared log (an admission) joins the next group; the
-        first caller to find no group being written writes every queued one, in call order,
-        each group one statement (``GROUP_MAX`` records at most), while later callers queue
-        behind it. Once queued, a record's fate is waited for shielded (its group may commit),
-        bounded by the store's retry policy, as a single append's is once sent."""
+        """S22: an unfenced append to a shared log (an admission) joins the next group; a
+        caller that finds no group being written writes the queued ones, in call order, each
+        group one statement (``GROUP_MAX`` records at most), until its own record's group is
+        written, while later callers queue behind it; then the first caller still in line
+        writes the next groups. So a caller waits for the groups before its own, never for
+        the records queued after it. Once queued, a record's fate is waited for shielded (its
+        group may commit), bounded by the store's retry policy, as a single append's is once
+        sent."""
         queued = _Queued(payload, unless, key)
         self._queued.append(queued)
         with trio.CancelScope(shield=True):
-            if not self._flushing:
+            while not queued.decided:
+                if self._flushing:  # another caller writes: its fate, or its turn, comes
+                    await queued.wake.wait()
+                    queued.wake = trio.Event()
+                    continue
                 self._flushing = True
                 try:
-                    await self._flush()
+                    await self._flush(until=queued)
                 finally:
                     self._flushing = False
-            await queued.done.wait()
+                    if self._queued:  # the next caller in line writes what is left
+                        self._queued[0].wake.set()
         if queued.error is not None:
             raise queued.error
         return queued.seq
 
-    async def _flush(self) -> None:
+    async def _flush(self, *, until: _Queued) -> None:
+        """Write the queued records, group after group in call order, until ``until``'s
+        fate is known."""
         async with self._lock:
-            while self._queued:
+            while self._queued and not until.decided:
                 group, self._queued = self._queued[:GROUP_MAX], self._queued[GROUP_MAX:]
                 for q in group:  # decided now, after every refresh before this group
                     if q.unless is not None and q.unless():
-                        q.done.set()  # seq None: not written
-                group = [q for q in group if not q.done.is_set()]
+                        q.settle()  # seq None: not written
+                group = [q for q in group if not q.decided]
                 if not group:
                     continue
                 try:
@@ -684,11 +709,11 @@ class PgLog:
                 except Exception as error:  # every record of the group shares its fate
                     for q in group:
                         q.error = error
-                        q.done.set()
+                        q.settle()
                     continue
                 for i, q in enumerate(group):
                     q.seq = None if first is None else first + i
-                    q.done.set()
+                    q.settle()
 
     async def _append_locked(
         self, payloads: list[bytes], fence: Fence | None, *, shared: bool, keys: list[str]
@@ -740,8 +765,9 @@ class PgLog:
         self, seq: int, frames: list[bytes], fence: Fence | None, keys: list[str]
     ) -> _Landed:
         """Commit the rows ``(rel, seq…, frames)`` under ``fence`` (a group of more than one:
-        unfenced, in one statement). Retried under the store's
-        policy while the connection breaks or cannot be made; once an attempt was sent (its
+        unfenced, in one statement). Retried under the store's policy while the connection
+        breaks or cannot be made, or the server rolls an attempt back for a passing reason (a
+        cancel, a timeout, a deadlock: :class:`RolledBack`); once an attempt was sent (its
         outcome unknown) every later one resolves it (:func:`_resolve`), shielded from
         cancellation: the log's next number depends on it. Raises :class:`Unsettled` when
         the bound is spent, the driver's error on a definite refusal."""
@@ -762,7 +788,7 @@ class PgLog:
                     work = many(self._rel, seq, frames, guard)
                 try:
                     return await self._connection.run(work)
-                except Unreachable as exc:  # nothing sent this time
+                except (Unreachable, RolledBack) as exc:  # nothing took effect this time
                     problem = str(exc)
                 except Broken as exc:
                     sent = True
@@ -774,7 +800,7 @@ class PgLog:
                 "if and only if it committed"
             )
         else:
-            why = f"record {seq} could not be sent in {policy.attempts} attempts ({problem})"
+            why = f"record {seq} could not be written in {policy.attempts} attempts ({problem})"
         raise Unsettled(why)
 
     def _fenced(self, fence: Fence) -> JournalError:
@@ -947,15 +973,16 @@ class PgStore:
 
     async def _retrying(self, connection: Connection, fn: Callable[[Conn], _T]) -> _T:
         """Idempotent work (a read, an upsert) on ``connection``, run again under the retry
-        policy while the connection breaks or cannot be made; :class:`Unreachable` when the
-        bound is spent. A definite refusal (the driver's error) is not retried."""
+        policy while the connection breaks or cannot be made, or the server rolls the work
+        back for a passing reason (:class:`RolledBack`); :class:`Unreachable` when the bound
+        is spent. A definite refusal (the driver's error) is not retried."""
         problem = ""
         for attempt in range(self.retry.attempts):
             if attempt:
                 await trio.sleep(self.retry.delay(attempt))
             try:
                 return await connection.run(fn)
-            except (Unreachable, Broken) as exc:
+            except (Unreachable, Broken, RolledBack) as exc:
                 problem = str(exc)
         raise Unreachable(f"{problem} (in {self.retry.attempts} attempts)")
 
