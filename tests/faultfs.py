@@ -14,7 +14,8 @@ them unchanged (``open_store(root, fs=...)``):
   bytes up to a 512-byte sector boundary of the file (a disk writes a sector whole); past
   the old end of a file the rest reads as zeros (as on ext4, XFS and btrfs), never as
   stale data. :meth:`PowerLossFileSystem.kill` ends the process instead (the page cache
-  stays, synced or not, for the next one to read), and
+  stays, synced or not, for the next one to read; the next start's ``sync_tree``, J23, makes
+  it durable), and
   :meth:`PowerLossFileSystem.fail_next_sync` fails a sync as Linux does (fsyncgate).
 """
 
@@ -40,8 +41,10 @@ __all__ = [
     "When",
 ]
 
-OpKind = Literal["write", "sync", "rename", "truncate", "close", "allocate"]
-"""``sync`` counts ``fdatasync``, ``fsync`` and ``fsync_dir`` alike."""
+OpKind = Literal["write", "sync", "rename", "truncate", "close", "allocate", "sync_tree"]
+"""``sync`` counts ``fdatasync``, ``fsync`` and ``fsync_dir`` alike; ``sync_tree`` (the whole
+state directory made durable at a start, J23) is counted apart, so that a start does not move
+the count of the *N*-th sync a test aims at."""
 
 When = Literal["before", "after", "short"]
 """``before``: nothing is done. ``after``: the operation is done, then it raises.
@@ -214,6 +217,9 @@ class FaultyFileSystem:
 
     def fsync_dir(self, path: str) -> None:
         self._simple("sync", "fsync_dir", path, lambda: self.inner.fsync_dir(path))
+
+    def sync_tree(self, path: str) -> None:
+        self._simple("sync_tree", "sync_tree", path, lambda: self.inner.sync_tree(path))
 
     def truncate(self, handle: int, length: int) -> None:
         path = self.path_of(handle)
@@ -692,6 +698,26 @@ class PowerLossFileSystem:
             if not isinstance(node, _Dir):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
             node.durable = dict(node.entries)
+
+    def sync_tree(self, path: str) -> None:
+        """``syncfs``: every file under ``path`` gets its changes since its last sync to the
+        disk — only those: pages a failed sync dropped stay off it (:meth:`fail_next_sync`) —
+        and every directory under it its entries. Only what is under ``path``: a real
+        ``syncfs`` does the whole file system, the fallback walk no more than this."""
+        with self._lock:
+            self._tick("sync_tree")
+            node = self._lookup(path)
+            if not isinstance(node, _Dir):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            stack = [node]
+            while stack:
+                directory = stack.pop()
+                directory.durable = dict(directory.entries)
+                for child in directory.entries.values():
+                    if isinstance(child, _Dir):
+                        stack.append(child)
+                    else:
+                        child.sync()
 
     def makedirs(self, path: str) -> None:
         with self._lock:

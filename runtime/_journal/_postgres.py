@@ -1118,7 +1118,11 @@ class PgStore:
         """Create a log whose header is committed before this returns; ``FileExistsError``
         if the log holds a record or a poison."""
         if self._cached(rel, fence) is not None:
-            raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
+            raise JournalError(
+                ReasonCode.JOURNAL_IN_USE,
+                "log is already open: it is not created a second time",
+                path=rel,
+            )
 
         if await self.exists(rel):
             raise FileExistsError(f"{rel} already exists")

@@ -559,7 +559,11 @@ class Store:
         document with no file is a removed log's (J22): removed first too.
         """
         if rel in self._open:
-            raise JournalError(ReasonCode.JOURNAL_CORRUPT, "log is already open", path=rel)
+            raise JournalError(
+                ReasonCode.JOURNAL_IN_USE,
+                "log is already open: it is not created a second time",
+                path=rel,
+            )
         path = self.path(rel)
         fs = self.fs
         found, poisoned = await trio.to_thread.run_sync(  # one trip off the loop for both
@@ -810,11 +814,27 @@ def _sweep_temporaries(fs: FileSystem, root: Path) -> None:
                     fs.unlink(os.path.join(directory, name))
 
 
+def _sync_what_was_left(fs: FileSystem, root: Path) -> None:
+    """Make everything in the state directory durable before anything reads it (J23): what a
+    killed process wrote and never synced is in the page cache, where this start would read
+    it and act on it, and a power loss afterwards would take it back. A failed sync is a
+    disk failure whatever its errno (J6): what would be read may be on no disk."""
+    try:
+        fs.sync_tree(str(root))
+    except OSError as exc:
+        known = disk_error(exc, ".")
+        raise DiskFailedError(
+            known.code if known is not None else ReasonCode.DISK_FAILED,
+            f"the state directory {root} could not be made durable before it is read "
+            f"({exc.strerror or exc}); nothing was read: check the disk, then start again",
+        ) from exc
+
+
 def _take_over(
     root: Path | str, fs: FileSystem, clocks: Clocks
 ) -> tuple[Path, int, OwnerRecord, OwnerRecord | None, Redone]:
-    """Lock the directory, prove the previous owner dead, write our owner record, replay
-    the sync log (J14)."""
+    """Lock the directory, prove the previous owner dead, make what it left durable (J23),
+    write our owner record, replay the sync log (J14)."""
     root = Path(root).absolute()
     _prepare_root(root)
     fd = _acquire_lock(root)
@@ -827,6 +847,7 @@ def _take_over(
                 "although it no longer holds the lock; stop it before taking over",
                 owner_pid=previous.pid,
             )
+        _sync_what_was_left(fs, root)
         owner = OwnerRecord(
             pid=me.pid,
             start_time=me.start_time,
@@ -866,9 +887,11 @@ async def open_store(
 
     Creates it (0700) if missing and refuses one that others can read. Takes
     the directory lock; raises :class:`StateDirLockedError` naming the owner
-    when a live process holds it. Reads the shared logs: damage in the middle
-    of one raises :class:`JournalError` (``journal_corrupt``) naming the file
-    and offset, and nothing starts.
+    when a live process holds it. Makes everything in the directory durable
+    before it reads any of it (J23: what a killed process left unsynced); a
+    failed sync raises :class:`DiskFailedError` and nothing is read. Reads the
+    shared logs: damage in the middle of one raises :class:`JournalError`
+    (``journal_corrupt``) naming the file and offset, and nothing starts.
 
     Resource handling: on exit, however the block ends, every open log is
     closed, the writer threads stop, the owner record is removed (a clean

@@ -251,6 +251,27 @@ async def test_sc_j2_a_delivery_log_is_created_once(backend: Backend) -> None:
             await store.close_log(again)
 
 
+async def test_sc_j19_a_second_create_of_an_open_log_is_in_use_not_corrupt(
+    backend: Backend,
+) -> None:
+    """J19: creating a delivery's log while it is open (the first create's journal in hand)
+    is refused ``journal_in_use`` naming the log — never ``journal_corrupt``, which sends an
+    operator looking for a damaged disk when the log is healthy — and the log is left as it
+    was: the open journal appends on, and a read finds its records."""
+    with trio.fail_after(LIMIT):
+        async with backend.open() as store:
+            log = await store.create_delivery_log("d0")
+            await log.append(_action("d0", 1))
+            with pytest.raises(JournalError) as info:
+                await store.create_delivery_log("d0")
+            assert info.value.code is ReasonCode.JOURNAL_IN_USE
+            assert info.value.path == log.rel
+            await log.append(_action("d0", 2))
+            await store.close_log(log)
+            contents = await store.read_delivery_log("d0")
+            assert list(contents.records[1:]) == [_action("d0", 1), _action("d0", 2)]
+
+
 async def test_sc_j2_appends_after_the_store_closed_are_refused(backend: Backend) -> None:
     """J2: once its store is closed, a log takes no more appends (``journal_closed``)."""
     with trio.fail_after(LIMIT):

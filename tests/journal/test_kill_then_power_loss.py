@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from runtime import JournalError, open_store
+from runtime import Journal, JournalError, ReasonCode, Store, open_store
 from runtime._errors import DiskFailedError
 from runtime._journal._journal import decode_log
 from runtime._journal._sync_log import SYNC_DIR, generation_name, owed_in, with_owed
@@ -109,3 +109,102 @@ async def test_j14_a_replay_whose_sync_failed_never_trusts_the_page_cache_at_the
         async with open_store(root, fs=fs) as store:
             assert (await store.read(rel)).records[1:] == (_record("x"),)
         assert _after_any_power_loss(fs, root, rel)[1:] == (_record("x"),)
+
+
+# -- J23: the next start makes what the killed process left durable before it reads it -------
+
+
+async def _log_of(store: Store, which: str) -> Journal:
+    if which == "admissions":
+        return store.admissions
+    if which == "lane":
+        return await store.open_lane_log("dm:1")
+    return await store.create_delivery_log("d0")
+
+
+@pytest.mark.parametrize("which", ["admissions", "lane", "delivery"])
+async def test_j23_a_record_a_killed_writer_never_synced_survives_a_power_loss_once_read(
+    tmp_path: Path, which: str
+) -> None:
+    """J23, J2: a process writes a record to a log — the shared admissions log, a lane's
+    log, a delivery's own log — and is killed before that file's sync: never acknowledged.
+    A SIGKILL keeps the page cache, so the next process reads the record as if it were on the
+    disk and acts on it (an admission answered, a tool intent read as "the tool may have
+    run"). A power loss afterwards must not take it back: the start would then have acted on
+    a record that the one after it never sees (the tool run again, nobody told). So the
+    start makes everything in the state directory durable before it reads any of it."""
+    root = tmp_path / "state"
+    fs = PowerLossFileSystem(root)
+    with trio.fail_after(20):
+        async with open_store(root, fs=fs) as store:
+            journal = await _log_of(store, which)
+            await journal.append(_record("synced"))
+            rel = journal.rel
+            fs.cut_at_sync(rel)  # killed between the record's write and its sync
+            with pytest.raises((JournalError, OSError)):
+                await journal.append(_record("written"))
+        fs.kill()
+        async with open_store(root, fs=fs) as store:
+            read = (await store.read(rel)).records[1:]
+        assert read == (_record("synced"), _record("written")), "the page cache shows it"
+        assert _after_any_power_loss(fs, root, rel)[1:] == read
+        fs.crash(random.Random(0))
+        async with open_store(root, fs=fs) as store:
+            assert (await store.read(rel)).records[1:] == read
+
+
+async def test_j23_a_log_a_killed_writer_created_stays_created_once_a_start_read_it(
+    tmp_path: Path,
+) -> None:
+    """J23, J13: a process creates a lane's log — its directory, its file, its header —
+    and is killed at the header's sync, before any directory entry of it was synced. The
+    next start finds the lane and reads its header; a power loss afterwards must not leave
+    a state directory without it (the directory entries are made durable too)."""
+    root = tmp_path / "state"
+    fs = PowerLossFileSystem(root)
+    with trio.fail_after(20):
+        async with open_store(root, fs=fs) as store:
+            rel = store.lane_rel("dm:1")
+            fs.cut_at_sync(rel)
+            with pytest.raises((JournalError, OSError)):
+                await store.open_lane_log("dm:1")
+        fs.kill()
+        async with open_store(root, fs=fs) as store:
+            assert await store.lane_logs() == [rel]
+            header = (await store.read(rel)).records
+        assert len(header) == 1
+        assert fs.durable_read(str(root / rel)) is not None, "a power loss would remove it"
+        assert _after_any_power_loss(fs, root, rel) == header
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (errno.EIO, ReasonCode.DISK_FAILED),
+        (errno.ENOSPC, ReasonCode.DISK_FULL),
+        (errno.EBADF, ReasonCode.DISK_FAILED),
+    ],
+    ids=["EIO", "ENOSPC", "EBADF"],
+)
+async def test_j23_j6_a_start_whose_sync_fails_is_refused_as_a_disk_failure(
+    tmp_path: Path, error: int, code: ReasonCode
+) -> None:
+    """J23, J6: the sync that makes the state directory durable at the start fails (a
+    writeback error of what the killed process left, a dying disk). What the start would
+    read may be what no disk holds: it is refused with the disk failure's code, whatever
+    the errno, before it reads, writes or creates anything (not even its owner record)."""
+    root = tmp_path / "state"
+    power = PowerLossFileSystem(root)
+    with trio.fail_after(20):
+        async with open_store(root, fs=power) as store:
+            await store.admissions.append(_record("a"))
+        ops = power.ops
+        faulty = FaultyFileSystem(power, Fault("sync_tree", errno=error))
+        with pytest.raises(DiskFailedError) as info:
+            async with open_store(root, fs=faulty):
+                pass
+        assert info.value.code is code
+        assert [hit.op for hit in faulty.hits] == ["sync_tree"]
+        assert power.ops == ops, "the start went on after its sync failed"
+        async with open_store(root, fs=power) as store:  # the disk is back: it starts
+            assert store.admissions.contents.records[1:] == (_record("a"),)

@@ -201,8 +201,8 @@ async def test_j19_two_tasks_creating_one_delivery_log_at_once_never_both_write_
     come of it: two would each write their header at offset 0 and their records over each
     other's (a log written in place, J19), and the log would lose acknowledged records. The
     loser of a create is refused as a create of an existing log is (``FileExistsError``, or
-    the ``JournalError`` of a log already open), or handed the one journal, and every record
-    either appends is read back."""
+    ``journal_in_use`` for a log already open — never ``journal_corrupt``: the log is
+    healthy), or handed the one journal, and every record either appends is read back."""
     root = tmp_path / "state"
     async with open_store(root) as store:
         journals: list[object] = []
@@ -226,6 +226,8 @@ async def test_j19_two_tasks_creating_one_delivery_log_at_once_never_both_write_
             nursery.start_soon(create, 0)
             nursery.start_soon(create, 1)
         assert len(journals) + len(refused) == 2
+        codes = [exc.code for exc in refused if isinstance(exc, JournalError)]
+        assert all(code is ReasonCode.JOURNAL_IN_USE for code in codes), codes
         assert len({id(j) for j in journals}) == 1, "two journals write one log"
         records = (await store.read(store.delivery_rel("d"))).records[1:]
         steps = [r.step for r in records if isinstance(r, StepAbandoned)]
