@@ -17,12 +17,13 @@ import msgspec
 from ._config import RetentionConfig, RoomWorkerConfig
 from ._errors import ConfigError, JournalError, ReasonCode
 from ._journal._interface import JournalStore
-from ._journal._store import require_journal
+from ._journal._store import Store, require_journal
 
 __all__ = [
     "SETTINGS_DOC",
     "RetentionSettings",
     "check_settings",
+    "follow_forget_days",
     "join_settings",
     "offline_settings",
     "record_settings",
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 SETTINGS_DOC: Final = "retention.json"
+DAY_MS: Final = 86_400_000
 
 _DECIDING: Final = ("journal_days", "idempotency_days", "forget_days")
 """The ``[retention]`` settings that decide what a pass removes (the others say when)."""
@@ -96,6 +98,7 @@ async def record_settings(store: JournalStore, settings: RetentionSettings) -> N
     data = _encode(settings)
     if await store.read_document(SETTINGS_DOC) != data:
         await store.write_document(SETTINGS_DOC, data)
+    await follow_forget_days(store, settings.retention)
 
 
 async def join_settings(store: JournalStore, settings: RetentionSettings) -> None:
@@ -105,8 +108,25 @@ async def join_settings(store: JournalStore, settings: RetentionSettings) -> Non
     data = await store.read_document(SETTINGS_DOC)
     if data is None:
         await store.write_document(SETTINGS_DOC, _encode(settings))
+    else:
+        _refuse_disagreement(_decode(data), settings)
+    await follow_forget_days(store, settings.retention)
+
+
+async def follow_forget_days(store: JournalStore, retention: RetentionConfig) -> None:
+    """Make a file store's expired-id filters (the deliveries', the tasks') count with
+    ``retention``'s ``forget_days`` before anything asks them (RT4): a host started with
+    another ``forget_days`` than the one that wrote a filter rewrites it, so that every id
+    in it is held back ``forget_days`` from its own time — at once, not from the next
+    expiry on — and those already past it are let go. Nothing is written when they count
+    with it already (or hold nothing)."""
+    if not isinstance(store, Store):
         return
-    _refuse_disagreement(_decode(data), settings)
+    forget_ms = int(retention.forget_days * DAY_MS)
+    if not store.expired.counts_with(forget_ms):
+        await store.expire({}, forget_ms=forget_ms)
+    if not store.expired_tasks.counts_with(forget_ms):
+        await store.expire_tasks({}, forget_ms=forget_ms)
 
 
 def recorded_settings(state_dir: Path) -> RetentionSettings | None:

@@ -192,9 +192,9 @@ class Store:
         self.admissions: Journal
         self.results: Journal
         self.expired = ExpiredIds()
-        """The expired-id filter (RT4): ``delivery_key(id) in store.expired``."""
+        """The expired-id filter (RT4): ``store.expired.holds(delivery_key(id), now_ms=…)``."""
         self.expired_tasks = ExpiredIds()
-        """The expired task ids (RT12): ``lane_key(f"task:{id}") in store.expired_tasks``."""
+        """The expired task ids (RT12): ``store.expired_tasks.holds(lane_key(…), now_ms=…)``."""
         self._expiring = trio.Lock()
         """One expiry at a time: each reads the filter it adds to, and replaces the file."""
         self.redone = Redone(0, 0, (), ())
@@ -273,28 +273,32 @@ class Store:
 
     # -- compaction (docs/design/retention.md RT4-RT7) -----------------------------------
 
-    async def expire(self, forget_after_ms: Mapping[str, int]) -> None:
-        """Add deliveries to the expired-id filter, each until its forget-after time (RT4),
-        durably (the file replaced atomically); the entries past theirs are dropped."""
+    async def expire(self, since_ms: Mapping[str, int], *, forget_ms: int) -> None:
+        """Add deliveries to the expired-id filter, each held back ``forget_ms`` (``[retention]
+        forget_days``) from its time in ``since_ms`` (RT4), durably (the file replaced
+        atomically), every entry counted with ``forget_ms`` from then on; those past it are
+        dropped."""
         async with self._expiring:  # never two built on the same filter (the last would win)
             now = self.clocks.wall.time_ms()
-            keyed = {delivery_key(d): when for d, when in forget_after_ms.items()}
+            keyed = {delivery_key(d): when for d, when in since_ms.items()}
             # off the loop: the whole filter is decoded, sorted and joined (a million
             # entries take seconds, and admissions would wait that long)
-            merge = functools.partial(self.expired.merged, keyed, now_ms=now)
+            merge = functools.partial(self.expired.merged, keyed, now_ms=now, forget_ms=forget_ms)
             data = await trio.to_thread.run_sync(merge)
             await self._blocking(EXPIRED, atomic_write, self.fs, self.path(EXPIRED), data)
             # what is on disk now, checked as a start would check it
             self.expired = await trio.to_thread.run_sync(read_expired, self.fs, self.path(EXPIRED))
 
-    async def expire_tasks(self, forget_after_ms: Mapping[str, int]) -> None:
-        """Add tasks (by id) to the expired-task filter (``tasks-expired.ids``, RT12), each
-        until its forget-after time, durably; the entries past theirs are dropped. A filter of
-        its own: the room compaction replaces ``expired.ids`` on its own schedule."""
+    async def expire_tasks(self, since_ms: Mapping[str, int], *, forget_ms: int) -> None:
+        """Add tasks (by id) to the expired-task filter (``tasks-expired.ids``, RT12), as
+        :meth:`expire` does deliveries. A filter of its own: the room compaction replaces
+        ``expired.ids`` on its own schedule."""
         async with self._expiring:  # the periodic retention and a ``task forget`` at once
             now = self.clocks.wall.time_ms()
-            keyed = {lane_key(f"task:{t}"): when for t, when in forget_after_ms.items()}
-            merge = functools.partial(self.expired_tasks.merged, keyed, now_ms=now)
+            keyed = {lane_key(f"task:{t}"): when for t, when in since_ms.items()}
+            merge = functools.partial(
+                self.expired_tasks.merged, keyed, now_ms=now, forget_ms=forget_ms
+            )
             data = await trio.to_thread.run_sync(merge)
             path = self.path(TASKS_EXPIRED)
             await self._blocking(TASKS_EXPIRED, atomic_write, self.fs, path, data)

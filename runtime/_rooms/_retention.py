@@ -15,12 +15,16 @@ A finished delivery — its result acknowledged, its room idle — passes throug
 A room's latest result is never removed (its lane's recovery reads it, and it keeps the room
 warm). What is not finished is never touched, whatever its age (RT1). Removal is ordered so a
 crash between any two steps leaves more, never less (RT5): the step journal, then the
-filter, then the admission log, then the result log (:func:`compact_shared`).
+filter, then the admission log, then the result log (:func:`compact_shared`). A delivery
+whose files cannot be removed is left as it is, and its room with it in a compaction, while
+the others go on (RT18): a fault of one room's retention stays in that room.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -34,6 +38,8 @@ from .._clock import Clocks
 from .._config import RetentionConfig
 from .._journal._interface import JournalStore, LeaseStore, SharedRows
 from .._journal._store import Store, delivery_key, lane_key, open_store, require_journal
+from .._journal._writer import disk_error
+from .._logs import fields
 from .._records import Admission, Record, ResultAcked, ResultPublished, Settled
 from .._retention import RetentionSettings, check_settings
 from .._wire import DeliveryResult
@@ -52,6 +58,8 @@ __all__ = [
 ]
 
 DAY_MS: Final = 86_400_000
+
+logger = logging.getLogger("pi_runtime.retention")
 
 Admitted = Admission | Settled
 """What the admission log holds of a delivery: its admission, or its idempotency record."""
@@ -79,6 +87,9 @@ class Compaction:
     orphaned: set[str] = field(default_factory=set)
     """Results whose delivery the admission log no longer holds (an earlier compaction
     stopped between its two rewrites): left out of the result log."""
+    left: tuple[tuple[str, str], ...] = ()
+    """The rooms left as they were, with why: a delivery's files there could not be
+    removed (RT18). The next compaction tries them again."""
 
     @property
     def changes(self) -> bool:
@@ -200,24 +211,44 @@ async def compact_shared(
     outbox's lock. Both rewrites write at most ``bytes_per_second`` (``0``: at once; RT10).
     What it did (nothing, when nothing was due)."""
     now = store.clocks.wall.time_ms()
-    plan = plan_compaction(
-        admitted(),
+    records, published, acked, latest = (
+        list(admitted()),
         outbox.published(),
-        acked=outbox.acked,
-        busy=busy,
-        latest=outbox.last_of_room,
-        journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
-        idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
-        privileged=privileged,
+        outbox.acked,
+        {**outbox.last_of_room},
     )
+
+    def planned(busy: Callable[[str], bool]) -> Compaction:
+        return plan_compaction(
+            records,
+            published,
+            acked=acked,
+            busy=busy,
+            latest=latest,
+            journal_cutoff_ms=int(now - retention.journal_days * DAY_MS),
+            idempotency_cutoff_ms=int(now - retention.idempotency_days * DAY_MS),
+            privileged=privileged,
+        )
+
+    plan = planned(busy)
     if not plan.changes:
         return plan
     going = [(s.delivery_id, s.room) for s in plan.settled.values()]
     going += [(d, e.room) for d, e in plan.expired.items()]
-    await remove_step_journals(store, going)
+    faults: dict[str, str] = {}
+    await remove_step_journals(store, going, left=faults)
+    if faults:  # RT18: those rooms as they were (a busy room's way), the others go on
+        rooms = {room: faults[d] for d, room in going if d in faults}
+        plan = planned(lambda room: room in rooms or busy(room))
+        plan = dataclasses.replace(plan, left=tuple(sorted(rooms.items())))
+        _report_left(plan.left, "compaction")
+        if not plan.changes:
+            return plan
     if plan.expired:
-        forget = int(retention.forget_days * DAY_MS)
-        await store.expire({d: e.published_ms + forget for d, e in plan.expired.items()})
+        await store.expire(
+            {d: e.published_ms for d, e in plan.expired.items()},
+            forget_ms=int(retention.forget_days * DAY_MS),
+        )
     await store.rewrite_shared(
         store.admissions, list(plan.admissions), held=held, bytes_per_second=bytes_per_second
     )
@@ -326,26 +357,79 @@ def plan_shared_compaction(
     )
 
 
-async def remove_step_journals(store: JournalStore, deliveries: Sequence[tuple[str, str]]) -> int:
+async def remove_step_journals(
+    store: JournalStore,
+    deliveries: Sequence[tuple[str, str]],
+    *,
+    left: dict[str, str] | None = None,
+) -> int:
     """Remove the step journal and one-shot session of each ``(delivery id, room)``, durably
     and in one trip to the store (on a shared store, the session's document too); how many
-    had a journal left."""
+    had a journal left. With ``left`` (a file store), a delivery whose files cannot be
+    removed is noted there (delivery id → why), its journal kept, and the others go on
+    (RT18); a disk failure still ends it all (J6)."""
     if not deliveries:
         return 0
-    removed = await store.remove_logs([store.delivery_rel(d) for d, _ in deliveries])
-    sessions = [f"lanes/{lane_key(room)}/oneshot/{delivery_key(d)}.jsonl" for d, room in deliveries]
-    await trio.to_thread.run_sync(_unlink_all, [store.root / rel for rel in sessions])
-    if not isinstance(store, Store):  # S13: shared, a one-shot session travels as a document
-        await cast(LeaseStore, store).delete_documents(
-            [SESSIONS + rel for rel in sessions], with_parts=True
-        )
+    sessions = {d: _oneshot_rel(d, room) for d, room in deliveries}
+    if left is None or not isinstance(store, Store):
+        removed = await store.remove_logs([store.delivery_rel(d) for d, _ in deliveries])
+        await trio.to_thread.run_sync(_unlink_all, [store.root / rel for rel in sessions.values()])
+        if not isinstance(store, Store):  # S13: shared, a one-shot session travels as a document
+            await cast(LeaseStore, store).delete_documents(
+                [SESSIONS + rel for rel in sessions.values()], with_parts=True
+            )
+        return removed
+    # the session first: a delivery whose session stays keeps its journal, and is tried again
+    left.update(await trio.to_thread.run_sync(_unlink_each, store.root, sessions))
+    rels = {d: store.delivery_rel(d) for d, _ in deliveries if d not in left}
+    try:
+        return await store.remove_logs(list(rels.values()))
+    except OSError:  # (a disk failure is a DiskFailedError: it ends the pass)
+        pass
+    removed = 0  # one of them cannot go: each on its own, so that the others do
+    for delivery_id, rel in rels.items():
+        try:
+            removed += await store.remove_logs([rel])
+        except OSError as exc:
+            left[delivery_id] = f"{rel}: {exc.strerror or exc}"
     return removed
+
+
+def _oneshot_rel(delivery_id: str, room: str) -> str:
+    return f"lanes/{lane_key(room)}/oneshot/{delivery_key(delivery_id)}.jsonl"
 
 
 def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _unlink_each(root: Path, rels: Mapping[str, str]) -> dict[str, str]:
+    """Unlink each file (blocking); those that could not go, by key, with why. A disk
+    failure is raised (it is no one file's fault)."""
+    failed: dict[str, str] = {}
+    for key, rel in rels.items():
+        try:
+            (root / rel).unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if disk_error(exc, rel) is not None:
+                raise
+            failed[key] = f"{rel}: {exc.strerror or exc}"
+    return failed
+
+
+def _report_left(left: Iterable[tuple[str, str]], what: str) -> None:
+    for room, why in left:
+        logger.warning(
+            "retention (%s) left room %s as it is, for the next pass: %s",
+            what,
+            room,
+            why,
+            extra=fields("retention_left", room=room),
+        )
 
 
 async def expire_step_journals(
@@ -392,7 +476,12 @@ async def expire_step_journals(
             indexes[result.delivery_id] = index
         if settled:
             position = index + 1
-    removed = await remove_step_journals(store, going)
+    faults: dict[str, str] = {}
+    removed = await remove_step_journals(store, going, left=faults)
+    if faults:  # RT18: each tried again at the next look; the others went
+        position = min([position, *(indexes.pop(d) for d in faults)])
+        rooms = dict(going)
+        _report_left(((rooms[d], why) for d, why in sorted(faults.items())), "step journals")
     if removed_ahead is not None:
         removed_ahead.update(indexes)
         for delivery_id in [d for d, i in removed_ahead.items() if i < position]:

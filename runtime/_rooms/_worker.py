@@ -403,7 +403,8 @@ class RoomWorker:
         if self.leases is not None:  # a shared store: by id, as of its last look (RT11)
             return delivery_id in self.leases.store.expired
         expired = self.store.expired if isinstance(self.store, Store) else None
-        return expired is not None and bool(expired) and delivery_key(delivery_id) in expired
+        now = self._host.clocks.wall.time_ms()  # RT4: held back until its forget_days
+        return expired is not None and expired.holds(delivery_key(delivery_id), now_ms=now)
 
     def _check_not_expired(self, delivery_id: str) -> None:
         """RT4: a delivery whose idempotency record retention removed is never run again."""
@@ -1474,7 +1475,7 @@ async def request_cancel(
         records = store.admissions.contents.records
         admitted = (Admission, Settled)
         if not any(isinstance(r, admitted) and r.delivery_id == delivery_id for r in records):
-            if delivery_key(delivery_id) in store.expired:
+            if store.expired.holds(delivery_key(delivery_id), now_ms=store.clocks.wall.time_ms()):
                 return "finished"  # long ago: retention removed its result (RT4)
             raise DeliveryError(ReasonCode.DELIVERY_UNKNOWN, f"no delivery {delivery_id}")
         if ResultOutbox(store.results).result_of(delivery_id) is not None:

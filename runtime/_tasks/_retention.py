@@ -27,7 +27,9 @@ directory goes, and each step is idempotent, so the next pass finishes what a cr
 A directory that goes whole (an expired task's work directories, then its lane directory) is
 renamed into a ``trash/`` first and removed there (RT15), and every pass first empties the
 trash: a crash in the middle of removing one leaves nothing under its name, and nothing a
-later pass could fail to find.
+later pass could fail to find. A pass and an operator's ``task forget`` never run at once on
+one store (the runner's lock, the state directory's with no server), and a task whose id is
+expired already is only let go, never slimmed or expired again.
 """
 
 from __future__ import annotations
@@ -190,39 +192,53 @@ async def retain_ended_tasks(
     in_use: Callable[[], Worktrees] = _nothing_in_use,
 ) -> TaskRetention:
     """One retention pass over the ended tasks ``ended`` (task id → its end's wall-clock
-    ms): slim those past ``journal_days``, expire those past ``idempotency_days``. An end
-    time of 0 (a log written before ends were timed) is not aged: it is kept. ``in_use()``:
-    the worktrees of the tasks still known, asked before each removal of a task's work
-    directories (after the last await): one that holds any is kept, and reported (RT17)."""
+    ms): slim those past ``journal_days``, expire those past ``idempotency_days``; one whose
+    id is expired already (a forget or a pass cut short after the filter) is let go — its
+    directories removed, reported among the expired — never slimmed again. An end time of 0
+    (a log written before ends were timed) is not aged: it is kept. ``in_use()``: the
+    worktrees of the tasks still known, asked before each removal of a task's work
+    directories (after the last await): one that holds any is kept, and reported (RT17); a
+    lane directory of a task it names is never removed as another's leftover. The caller
+    runs one pass or ``task forget`` at a time (RT12: :meth:`TaskRunner.retain`)."""
     journal_cut = now_ms - retention.journal_days * DAY_MS
     expiry_cut = now_ms - retention.idempotency_days * DAY_MS
+    forget_ms = int(retention.forget_days * DAY_MS)
     slimmed: list[str] = []
     expired: dict[str, int] = {}
     left: list[tuple[str, str]] = []
     with _fault_stays(left, TRASH_LEFT):  # RT15: what a crash left of a removal, first
         await store.sweep_trash()
         await trio.to_thread.run_sync(sweep_trash, OsFileSystem(), str(work_root))
+    going: dict[str, str] = {}  # lane key → the task whose directories go now
     for task_id, ended_ms in sorted(ended.items()):
+        if store.expired_tasks.holds(_key(task_id), now_ms=now_ms):
+            going[_key(task_id)] = task_id  # expired already (a forget or a pass cut short
+            continue  # after the filter): not slimmed or expired again, its lane goes
         if ended_ms <= 0 or ended_ms > journal_cut:
             continue
         if ended_ms <= expiry_cut:
-            expired[task_id] = ended_ms + int(retention.forget_days * DAY_MS)
+            expired[task_id] = ended_ms
             continue
         with _fault_stays(left, task_id):
             await _slim(store, task_id, work_root, in_use, slimmed)
-    gone: list[str] = []
     if expired:
-        await store.expire_tasks(expired)  # RT5: the filter is durable first
-        for task_id in expired:
-            with _fault_stays(left, task_id):  # (expired; its directories go next pass)
-                await _remove_lane(store, _key(task_id), work_root, in_use)
-                gone.append(task_id)
+        await store.expire_tasks(expired, forget_ms=forget_ms)  # RT5: the filter first
+        going.update((_key(task_id), task_id) for task_id in expired)
+    gone: list[str] = []
+    for key, task_id in sorted(going.items(), key=lambda item: item[1]):
+        with _fault_stays(left, task_id):  # (expired; its directories go next pass)
+            await _remove_lane(store, key, work_root, in_use)
+            gone.append(task_id)
     # what a crash between the filter and a removal left: a lane directory whole, its task
-    # expired (no longer listed); the filter says whose it was (a crash *in* a removal left
-    # its part in the trash, emptied above)
-    tried = {_key(task_id) for task_id in expired}  # (each reported once, above)
+    # expired (no longer known here); the filter says whose it was (a crash *in* a removal
+    # left its part in the trash, emptied above). Never a known task's: an id the filter let
+    # go may be submitted again — asked now, after the last await, and at the time now (a
+    # submission is admitted once the id's time has passed; a clock set back would find it
+    # expired once more)
     for key in await _lane_dirs(store.root):
-        if key not in store.expired_tasks or key in tried:
+        if key in going or not store.expired_tasks.holds(key, now_ms=store.clocks.wall.time_ms()):
+            continue
+        if key in {_key(task_id) for task_id in in_use()}:
             continue
         with _fault_stays(left, key):
             await _remove_lane(store, key, work_root, in_use)
@@ -467,7 +483,8 @@ async def forget_task(
     directory and work directories — the id expired first, so a later submission under it is
     ``task_expired`` until ``forget_days`` after its end. What was removed, for the operator.
     Refused ``worktree_leased``, nothing removed, while its work directories hold a worktree
-    ``in_use()`` names (RT17)."""
+    ``in_use()`` names (RT17). Never beside a retention pass on the same store (the caller's
+    to keep: :meth:`TaskRunner.forget`; with no server, the state directory's lock)."""
     key = _key(submitted.task_id)
     await trio.to_thread.run_sync(_refuse_in_use, work_root, key, in_use())
     removed: list[str] = []
@@ -483,8 +500,10 @@ async def forget_task(
         ref = str(candidate.get("git_ref") or CANDIDATE_REF_PREFIX + submitted.task_id)
         if await trio.to_thread.run_sync(_delete_ref, submitted.worktree, ref):
             removed.append(f"{ref} in {submitted.worktree}")
-    forget_after = max(ended.ended_ms, now_ms) + int(retention.forget_days * DAY_MS)
-    await store.expire_tasks({submitted.task_id: forget_after})
+    since = max(ended.ended_ms, now_ms)  # held back forget_days from now, at the least
+    await store.expire_tasks(
+        {submitted.task_id: since}, forget_ms=int(retention.forget_days * DAY_MS)
+    )
     await _remove_lane(store, key, work_root, in_use)
     removed.append(_lane_dir(submitted.task_id))
     return removed
@@ -533,7 +552,7 @@ async def forget_offline(
     log; refused ``task_expired``, ``task_unknown``, ``task_not_ended``."""
     async with open_store(state_dir, clocks=clocks) as store:
         await check_settings(store, settings)  # RT14, under the lock
-        if lane_key(f"task:{task_id}") in store.expired_tasks:
+        if store.expired_tasks.holds(lane_key(f"task:{task_id}"), now_ms=clocks.wall.time_ms()):
             raise TaskError(ReasonCode.TASK_EXPIRED, f"task {task_id!r} was let go already")
         rel = store.lane_rel(f"task:{task_id}")
         if not await store.exists(rel):

@@ -167,6 +167,9 @@ class TaskRunner:
         """This host's own lease, ``host:<owner>``, held while it runs (S35)."""
         self._seen = SeenHere()
         """What retention did here already (RT13)."""
+        self._retaining = trio.Lock()
+        """One retention pass or ``task forget`` at a time (RT12): each reads which tasks
+        are ended and removes their directories, and two at once would act on one task."""
         self._expired_here: dict[str, int] = {}
         """On a shared store: the tasks this runner learned had expired (RT13), by id: until
         when a submission under the id is refused."""
@@ -416,7 +419,9 @@ class TaskRunner:
         store = self.host.store
         if self.shared is not None:
             return task_id in self._expired_here
-        return isinstance(store, Store) and lane_key(lane_name(task_id)) in store.expired_tasks
+        return isinstance(store, Store) and store.expired_tasks.holds(
+            lane_key(lane_name(task_id)), now_ms=self.host.clocks.wall.time_ms()
+        )
 
     @staticmethod
     def _expired_error(task_id: str) -> TaskError:
@@ -436,22 +441,23 @@ class TaskRunner:
         slimmed to their idempotency record, tasks past ``idempotency_days`` expired and let
         go here too. On a shared store: :meth:`_retain_shared` (RT13)."""
         store = self.host.store
-        if self.shared is not None:
-            return await self._retain_shared(retention)
-        if not isinstance(store, Store):
-            return TaskRetention()
-        ended = {task_id: e.ended.ended_ms for task_id, e in self.ended.items()}
-        done = await retain_ended_tasks(
-            store,
-            ended,
-            now_ms=self.host.clocks.wall.time_ms(),
-            retention=retention,
-            work_root=self._work_root(),
-            in_use=self._worktrees,
-        )
-        for task_id in done.expired:  # the filter is durable: a duplicate is task_expired
-            self.ended.pop(task_id, None)
-        return done
+        async with self._retaining:  # never beside a ``task forget`` (RT12)
+            if self.shared is not None:
+                return await self._retain_shared(retention)
+            if not isinstance(store, Store):
+                return TaskRetention()
+            ended = {task_id: e.ended.ended_ms for task_id, e in self.ended.items()}
+            done = await retain_ended_tasks(
+                store,
+                ended,
+                now_ms=self.host.clocks.wall.time_ms(),
+                retention=retention,
+                work_root=self._work_root(),
+                in_use=self._worktrees,
+            )
+            for task_id in done.expired:  # the filter is durable: a duplicate is task_expired
+                self.ended.pop(task_id, None)
+            return done
 
     async def _retain_shared(self, retention: RetentionConfig) -> TaskRetention:
         """RT13: one pass over the deployment's ended tasks this host knows (those it ended,
@@ -496,28 +502,39 @@ class TaskRunner:
 
     async def forget(self, task_id: str, retention: RetentionConfig) -> list[str]:
         """``pi-runtime task forget``: remove what is left of an ended task now, its
-        candidate too (RT12); refused ``task_not_ended`` for a live task. What was removed."""
+        candidate too (RT12); refused ``task_not_ended`` for a live task. What was removed.
+        One at a time with the retention pass (it waits for one under way), and once begun
+        it runs to its end, whoever cancels the caller; cut short by a failure after its
+        id was expired, the task is let go here all the same (the next pass removes what is
+        left)."""
         store = self.host.store
         if not isinstance(store, Store) or self.shared is not None:
             raise TaskError(ReasonCode.TASK_INVALID, "task forget is for the file store only")
-        ended = self.ended.get(task_id)
-        if ended is None:
-            if task_id in self.lanes:
-                raise TaskError(
-                    ReasonCode.TASK_NOT_ENDED,
-                    f"task {task_id!r} has not ended: abort or fail it first",
-                )
-            raise self._not_live(task_id)
-        removed = await forget_task(
-            store,
-            ended.ended,
-            ended.task,
-            now_ms=self.host.clocks.wall.time_ms(),
-            retention=retention,
-            work_root=self._work_root(),
-            in_use=lambda: {t: w for t, w in self._worktrees().items() if t != task_id},
-        )
-        self.ended.pop(task_id, None)
+        async with self._retaining:
+            ended = self.ended.get(task_id)
+            if ended is None:
+                if task_id in self.lanes:
+                    raise TaskError(
+                        ReasonCode.TASK_NOT_ENDED,
+                        f"task {task_id!r} has not ended: abort or fail it first",
+                    )
+                raise self._not_live(task_id)
+            try:
+                with trio.CancelScope(shield=True):  # bounded: git's own timeout, the disk
+                    removed = await forget_task(
+                        store,
+                        ended.ended,
+                        ended.task,
+                        now_ms=self.host.clocks.wall.time_ms(),
+                        retention=retention,
+                        work_root=self._work_root(),
+                        in_use=lambda: {t: w for t, w in self._worktrees().items() if t != task_id},
+                    )
+            except BaseException:
+                if self._expired(task_id):  # its id is expired: never known as ended again
+                    self.ended.pop(task_id, None)
+                raise
+            self.ended.pop(task_id, None)
         self.host.log(f"task {task_id}: forgotten by the operator ({len(removed)} removed)")
         return removed
 

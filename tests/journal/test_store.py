@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from pathlib import Path
@@ -147,12 +148,12 @@ async def test_rt4_rt12_two_expiries_at_once_both_stand(tmp_path: Path, which: s
     ``task forget``) must not build on the same filter and leave only the second: every id
     of both stands, in memory and on disk — else an expired task (or delivery) could be
     submitted again as new."""
-    forget = 2_000_000_000_000  # forget-after, far in the future
+    since = 2_000_000_000_000  # far in the future: held back whatever forget_days
     async with open_store(tmp_path / "state") as store:
-        expire = getattr(store, which)
+        expire = functools.partial(getattr(store, which), forget_ms=86_400_000)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(expire, {"first": forget})
-            nursery.start_soon(expire, {"second": forget})
+            nursery.start_soon(expire, {"first": since})
+            nursery.start_soon(expire, {"second": since})
         held = store.expired_tasks if which == "expire_tasks" else store.expired
     async with open_store(tmp_path / "state") as reopened:
         again = reopened.expired_tasks if which == "expire_tasks" else reopened.expired

@@ -189,8 +189,8 @@ def install_pause(point: str, nth: int, results: int = 0) -> None:
     elif point == "compaction:journal":
         remove = _retention.remove_step_journals
 
-        async def after_removal(store: JournalStore, deliveries: Any) -> int:
-            removed = await remove(store, deliveries)
+        async def after_removal(store: JournalStore, deliveries: Any, **kw: Any) -> int:
+            removed = await remove(store, deliveries, **kw)
             if removed:
                 await barrier()
             return removed
@@ -209,8 +209,8 @@ def install_pause(point: str, nth: int, results: int = 0) -> None:
     elif point == "compaction:expired":
         expire = Store.expire
 
-        async def after_expire(self: Store, forget_after_ms: Any) -> None:
-            await expire(self, forget_after_ms)
+        async def after_expire(self: Store, since_ms: Any, **kw: Any) -> None:
+            await expire(self, since_ms, **kw)
             await barrier()
 
         Store.expire = after_expire  # type: ignore[method-assign]

@@ -4,6 +4,7 @@ past the retention period."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Final
@@ -15,10 +16,15 @@ from fake_pi.scenario import Hang, Step, Text
 from runtime._cli import main
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
+from runtime._errors import DeliveryError
 from runtime._journal._inspect import verify_journal
-from runtime._rooms._worker import open_room_worker
+from runtime._journal._store import Store, delivery_key, lane_key
+from runtime._records import Admission, Settled
+from runtime._rooms._retention import room_of
+from runtime._rooms._worker import RoomWorker, open_room_worker
 
 from .._workers import scripted_upstream
+from .test_room_compaction import asked
 from .test_room_worker import message, next_results
 
 LIMIT: Final = 60.0
@@ -117,3 +123,129 @@ async def test_rt10_journal_compact_removes_them_on_demand_and_waits_for_no_serv
     assert await trio.to_thread.run_sync(main, elsewhere) == 1
     assert "holds no file-store journal" in caplog.text
     assert not await trio.to_thread.run_sync((tmp_path / "elsewhere").exists)  # not created
+
+
+def shared_admissions(store: Store) -> list[Admission | Settled]:
+    """What the admission log holds of the deliveries, as the host last rewrote it."""
+    records = store.admissions.contents.records
+    return [r for r in records if isinstance(r, Admission | Settled)]
+
+
+async def _answer(worker: RoomWorker, delivery_id: str) -> str:
+    """How a delivery of ``delivery_id`` to room A is answered: its disposition, or the
+    refusal's code."""
+    try:
+        return (await worker.deliver(message(delivery_id, room=A))).disposition
+    except DeliveryError as error:
+        return str(error.code)
+
+
+@pytest.mark.parametrize(
+    ("first_days", "then_days"),
+    [(40, 40), (400, 40), (40, 400)],
+    ids=["unchanged", "lowered", "raised"],
+)
+async def test_rt4_the_expired_id_filter_follows_forget_days_at_once(
+    tmp_path: Path, first_days: int, then_days: int
+) -> None:
+    """RT4: a1's idempotency record expires at day 31 (``idempotency_days`` 30) under
+    ``forget_days`` = ``first_days``; the host is restarted at day 41 with ``forget_days`` =
+    ``then_days`` and a duplicate of a1 comes at once, then again at day 62 after a
+    compaction that expires another delivery (a rewrite of the filter). Past its
+    ``forget_days`` (40, counted from its result at day 0) a1 is let go at once — admitted
+    and run again, the documented bound — and within them (400) it is ``delivery_expired``,
+    never run again, whenever the filter was last rewritten. Before, an entry was let go
+    only by a rewrite of the filter, at the forget-after time it was written with: past its
+    time it was still refused until some other delivery expired, a lowered ``forget_days``
+    held it to the old one, and a raised one did not keep it — the next rewrite let it go
+    at day 40, and a duplicate inside the configured window ran again."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(6)]
+
+    def config(url: str, forget_days: int) -> RoomWorkerConfig:
+        retention = RetentionConfig(journal_days=7, idempotency_days=30, forget_days=forget_days)
+        return RoomWorkerConfig(model=ModelConfig(base_url=url), retention=retention)
+
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (model, url):
+            async with open_room_worker(
+                config(url, first_days), base_dir=tmp_path, clocks=clocks
+            ) as worker:
+                for delivery_id in ("a1", "a2"):
+                    await worker.deliver(message(delivery_id, room=A))
+                first = await next_results(worker, 2)
+                await worker.ack(max(r.seq for r in first))
+                wall.advance(31 * DAY)
+                expired = set((await worker.compact()).expired)
+            wall.advance(10 * DAY)  # day 41
+            async with open_room_worker(
+                config(url, then_days), base_dir=tmp_path, clocks=clocks
+            ) as worker:
+                day41 = await _answer(worker, "a1")
+                await worker.deliver(message("a3", room=A))
+                again = 2 if day41 == "started" else 1  # a1 again (if run), a3
+                done = await next_results(worker, again, after=max(r.seq for r in first))
+                await worker.ack(max(r.seq for r in done))
+                wall.advance(21 * DAY)  # day 62: a2 (no longer room A's latest) expires
+                later = set((await worker.compact()).expired)
+                day62 = await _answer(worker, "a1")
+    assert expired == {"a1"}
+    assert later == {"a2"}
+    if then_days > 62:  # within its forget_days throughout: never run again
+        assert (day41, day62) == ("delivery_expired", "delivery_expired")
+        assert asked(model, "a1") == 1
+    else:  # let go at once at day 41: admitted again, then a duplicate of that one
+        assert (day41, day62) == ("started", "duplicate")
+        assert asked(model, "a1") == 2
+
+
+async def test_rt18_a_fault_in_one_rooms_retention_stays_in_that_room(tmp_path: Path) -> None:
+    """RT18: room A's finished delivery a1 cannot have its files removed (a directory stands
+    where its one-shot session would be: the unlink fails ``EISDIR``, as an unwritable room
+    directory would with ``EACCES``). At day 8 the sweep removes every other journal — room
+    B's and A's a2 — and leaves a1's whole, the compaction slims room B and leaves room A as
+    it was, both saying which room they left; once the fault is gone, the next sweep and
+    compaction finish room A. A duplicate of a1 is answered from its record throughout.
+    Before, the first failing unlink ended the whole pass: no room's journals went and no
+    compaction ran — at every sweep again, for as long as the fault lasted."""
+    wall = MockWallClock()
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    steps: list[Step] = [Text(text=f"answer {n}") for n in range(4)]
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps) as (_model, url):
+            config = RoomWorkerConfig(
+                model=ModelConfig(base_url=url),
+                retention=RetentionConfig(journal_days=7, idempotency_days=30),
+            )
+            async with open_room_worker(config, base_dir=tmp_path, clocks=clocks) as worker:
+                store = worker.store
+                assert isinstance(store, Store)
+                for delivery_id, room in (("a1", A), ("b1", B), ("a2", A), ("b2", B)):
+                    await worker.deliver(message(delivery_id, room=room))
+                done = await next_results(worker, 4)
+                await worker.ack(max(r.seq for r in done))
+                session = (
+                    store.root / "lanes" / lane_key(A) / "oneshot" / f"{delivery_key('a1')}.jsonl"
+                )
+                (session / "in-the-way").mkdir(parents=True)
+                wall.advance(8 * DAY)
+                removed = await worker.expire_journals()
+                kept = {d: await store.exists(store.delivery_rel(d)) for d in ("a1", "a2", "b1")}
+                plan = await worker.compact()
+                duplicate = (await worker.deliver(message("a1", room=A))).disposition
+                admissions = {type(r).__name__ for r in shared_admissions(store) if room_of(r) == A}
+                await trio.to_thread.run_sync(shutil.rmtree, session)
+                removed_after = await worker.expire_journals()
+                plan_after = await worker.compact()
+                a1_gone = not await store.exists(store.delivery_rel("a1"))
+    assert removed == 3
+    assert kept == {"a1": True, "a2": False, "b1": False}
+    assert set(plan.settled) == {"b1", "b2"}  # room A left as it was
+    assert [room for room, _why in plan.left] == [A]
+    assert duplicate == "duplicate"
+    assert admissions == {"Admission"}
+    assert removed_after == 1
+    assert set(plan_after.settled) == {"a1", "a2"}
+    assert plan_after.left == ()
+    assert a1_gone

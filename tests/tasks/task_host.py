@@ -29,7 +29,8 @@ real process on a loaded machine, not a threshold of the clocks; a quick answer 
 ``retention`` (a ``[retention]`` table) with ``retain_at_days`` (after the task ends, one
 retention pass with the wall clock moved on by each of these days, then a resubmission of
 the task, unless ``resubmit`` is false: ``{"retained": …}`` and ``{"resubmitted":
-STATE_OR_CODE}`` facts, RT12),
+STATE_OR_CODE}`` facts, RT12) and ``forget_at_days`` (before those, an operator's ``task
+forget`` of the task that many days on: a ``{"forgotten": REMOVED}`` fact),
 ``store`` (a PostgreSQL DSN: the host is one of a deployment on it, its lease owner ``owner``,
 default ``a``, the same across its restarts, RT13).
 
@@ -336,6 +337,9 @@ async def retain(runner: TaskRunner, spec: Mapping[str, Any], wall: ShiftedWall)
     """The spec's retention passes (``retain_at_days``), each at that many days on, then a
     resubmission of the task: each one fact."""
     retention = msgspec.convert(spec["retention"], RetentionConfig)
+    if "forget_at_days" in spec:
+        wall.days = float(spec["forget_at_days"])
+        emit({"forgotten": await runner.forget(spec["task"]["task_id"], retention)})
     for days in spec.get("retain_at_days", []):
         wall.days = float(days)
         done = await runner.retain(retention)

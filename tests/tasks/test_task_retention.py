@@ -9,6 +9,7 @@ never touched. ``task forget`` removes the rest of an ended task now, its candid
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Final
 
@@ -418,3 +419,217 @@ async def test_rt17_a_work_directory_holding_another_tasks_worktree_is_kept(
     assert home.is_dir()
     assert tmp.is_dir()  # (both of the task's work directories, or neither)
     assert live_state == "waiting"
+
+
+# -- RT12: an operator's ``task forget`` and the retention pass, on one task ------------------
+
+
+async def _quiet() -> None:
+    """Until every task waits and no thread works: virtual time (the I/O-aware autojump
+    clock) moves only then, so a virtual second has passed once nothing can go on."""
+    await trio.sleep(1)
+
+
+@pytest.mark.parametrize("inside", ["forget-inside-pass", "pass-inside-forget"])
+async def test_rt12_task_forget_and_a_retention_pass_on_one_task_run_one_after_the_other(
+    inside: str,
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT12: an operator's ``task forget`` lands between two awaits of the retention pass on
+    the same ended task (day 8: the pass has read the lane log and is about to slim it), or
+    the pass lands between two of the forget's (its id expired, its directories not yet
+    removed). Each must act as if the other came wholly before or after it: the pass
+    reports no fault and slims only a task not forgotten yet, the forget removes everything,
+    and the task is ``task_expired`` after. They ran at once: the pass slimmed a task the
+    operator was forgetting, or reported the forgotten task's missing log as a fault of
+    its own (``left``: no such file) for the next pass."""
+    async with open_rig(tmp_path, clocks, STEPS[:2]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.ended(TASK)
+        home, _tmp = work_dirs(tmp_path / "work", TASK)
+        store = rig.store
+        reached, go = trio.Event(), trio.Event()
+        hooked = "slim_log" if inside == "forget-inside-pass" else "expire_tasks"
+        real = getattr(store, hooked)
+
+        async def pausing(*args: object, **kwargs: object) -> object:
+            if inside == "forget-inside-pass":  # the pass read the log; its slim comes next
+                reached.set()
+                await go.wait()
+                return await real(*args, **kwargs)
+            done = await real(*args, **kwargs)  # the forget's expiry; its removal comes next
+            reached.set()
+            await go.wait()
+            return done
+
+        setattr(store, hooked, pausing)
+        wall_clock.advance(8 * DAY)
+        passes: list[TaskRetention] = []
+        forgotten: list[list[str]] = []
+
+        async def retain() -> None:
+            passes.append(await rig.runner.retain(RETENTION))
+
+        async def forget() -> None:
+            forgotten.append(await rig.runner.forget(TASK, RETENTION))
+
+        first, second = (retain, forget) if inside == "forget-inside-pass" else (forget, retain)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await reached.wait()
+            nursery.start_soon(second)
+            await _quiet()  # the second has done what it could meanwhile
+            go.set()
+        setattr(store, hooked, real)
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            rig.runner.show(TASK)
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.submit(rig.spec())
+        again = await rig.runner.retain(RETENTION)
+    (done,) = passes
+    if inside == "forget-inside-pass":  # the pass, then the forget
+        assert done == TaskRetention(slimmed=(TASK,))
+    else:  # the forget, then a pass with nothing to do
+        assert done == TaskRetention()
+    assert again == TaskRetention()
+    assert any(lane_key(f"task:{TASK}") in item for item in forgotten[0])
+    assert not lane_dir(rig).exists()
+    assert not home.exists()
+    assert not list((tmp_path / "state" / "trash").iterdir())
+
+
+@pytest.mark.parametrize("cut", ["failed", "cancelled"])
+async def test_rt12_a_forget_cut_short_after_the_expiry_leaves_its_task_let_go(
+    cut: str,
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT12: a ``task forget`` whose id is expired but whose lane directory is not removed
+    yet is cut short there — the removal fails (``EACCES`` renaming it), or its caller gives
+    up waiting (the admin socket's deadline cancels the handler). The task must not come
+    back: it is ``task_expired`` (for ``task show``, a submission, another forget) from then
+    on, as after a restart, and the next pass removes what is left. A cancelled forget runs
+    to its end (its removals are bounded; one cut half-way would leave the rest to a pass).
+    Before, the host kept the task as ended in memory — ``task show`` said ``done`` and a
+    duplicate submission was answered from the record of a task whose id was expired and
+    whose log the next pass removed, until a restart said ``task_expired``."""
+    async with open_rig(tmp_path, clocks, STEPS[:2]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.ended(TASK)
+        store = rig.store
+        real = store.remove_tree
+        reached, go = trio.Event(), trio.Event()
+
+        async def cut_short(rel: str) -> bool:
+            if cut == "failed":
+                raise PermissionError(errno.EACCES, "Permission denied", rel)
+            reached.set()
+            await go.wait()
+            return await real(rel)
+
+        store.remove_tree = cut_short  # type: ignore[method-assign]
+        wall_clock.advance(8 * DAY)
+        forgotten: list[object] = []
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def forget() -> None:
+                with scope:
+                    try:
+                        forgotten.append(await rig.runner.forget(TASK, RETENTION))
+                    except OSError as error:
+                        forgotten.append(error)
+
+            nursery.start_soon(forget)
+            if cut == "cancelled":
+                await reached.wait()
+                scope.cancel()  # the caller gives up waiting
+                await _quiet()
+                go.set()
+        store.remove_tree = real  # type: ignore[method-assign]
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            rig.runner.show(TASK)
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.submit(rig.spec())
+        with _Refused(ReasonCode.TASK_EXPIRED):
+            await rig.runner.forget(TASK, RETENTION)
+        assert TASK not in rig.runner.task_ids()
+        done = await rig.runner.retain(RETENTION)
+    assert done.left == ()
+    assert not lane_dir(rig).exists()
+    if cut == "failed":
+        (error,) = forgotten
+        assert isinstance(error, PermissionError)
+    else:  # it ran to its end
+        (removed,) = forgotten
+        assert isinstance(removed, list)
+        assert any(lane_key(f"task:{TASK}") in item for item in removed)
+
+
+async def test_rt12_a_host_killed_in_a_task_forget_lets_the_task_go_at_the_next_pass(
+    tmp_path: Path,
+) -> None:
+    """RT12: a task-runner host (``tests/tasks/task_host.py``, real Fake-Pi workers) ends a
+    task, and an operator forgets it at day 8; the host is SIGKILLed right after the forget
+    made the id expired, before its lane directory went. The next host on the same state
+    directory runs its first pass (day 8: past ``journal_days`` of the task's end, inside
+    ``idempotency_days``): it removes the lane directory and lets the task go, and a
+    resubmission is ``task_expired`` — the task never runs again, the model is asked
+    nothing more. Before, the pass took the task for one still to slim: it slimmed the log
+    of a forgotten task, removed its directory as expired, but kept it known as ended — a
+    resubmission was answered ``done`` from memory until the next restart."""
+    async with crash_rig(tmp_path, CRASH_STEPS) as (model, url, _workers):
+        spec = {
+            **task_spec(url),
+            "retention": {"journal_days": 7, "idempotency_days": 30, "forget_days": 365},
+            "resubmit": False,
+            "forget_at_days": 8,
+        }
+        facts = await kill_when_paused(tmp_path, spec, "retention:expire_tasks")
+        (ended,) = [f["ended"] for f in facts if "ended" in f]
+        assert not [f for f in facts if "forgotten" in f]
+        asked = model.request_count
+        del spec["forget_at_days"]
+        facts = await recover(tmp_path, {**spec, "retain_at_days": [8], "resubmit": True})
+    assert model.request_count == asked
+    (retained,) = [f["retained"] for f in facts if "retained" in f]
+    assert retained == {"days": 8, "slimmed": [], "expired": [TASK]}
+    assert [f["resubmitted"] for f in facts if "resubmitted" in f] == ["task_expired"]
+    assert not (tmp_path / "state" / "lanes" / lane_key(f"task:{TASK}")).exists()
+    assert not work_dirs(tmp_path / "work", TASK)[0].exists()
+    assert not (tmp_path / "state" / ended["candidate"]["ref"]).exists()  # the forget's first
+
+
+async def test_rt4_rt12_a_task_id_let_go_at_its_time_is_new_again_and_kept(
+    tmp_path: Path,
+    clocks: Clocks,
+    wall_clock: MockWallClock,
+    io_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RT4, RT12: a task expired at day 31 with ``forget_days`` 40 is let go at day 40 by the
+    lookup itself — a submission under its id at day 41 is a new task, although nothing
+    rewrote the filter since (before, it was ``task_expired`` until some later expiry did).
+    That new task, waiting, is never taken for the old one's leftover: a pass with the wall
+    clock set back two days — the old entry holding its id back again — keeps its lane."""
+    retention = RetentionConfig(journal_days=7, idempotency_days=30, forget_days=40)
+    async with open_rig(tmp_path, clocks, STEPS) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.ended(TASK)
+        wall_clock.advance(31 * DAY)
+        assert (await rig.runner.retain(retention)).expired == (TASK,)
+        wall_clock.advance(10 * DAY)
+        again = await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+        wall_clock.advance(-2 * DAY)
+        done_ = await rig.runner.retain(retention)
+        state = rig.runner.show(TASK).state
+        kept = lane_dir(rig).is_dir()
+    assert again.state != "done"  # a new task, not the old one's record
+    assert done_ == TaskRetention()
+    assert state == "waiting"
+    assert kept
