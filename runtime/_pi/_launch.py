@@ -199,8 +199,11 @@ def check_launch(launch: WorkerLaunch) -> None:
                 ReasonCode.WORKER_CONFIG_INVALID,
                 f"{name} {path} is inside the state directory; give workers a directory outside it",
             )
+    # Pi reads the persona from a file when ``existsSync(text)`` (its cwd is the lane's); asked
+    # the way Node asks it: a text no file can be named by (a line over 255 bytes, a text over
+    # 4095) names none, where ``Path.exists()`` raised ``OSError`` (W9)
     if launch.persona is not None and (
-        Path(launch.persona).exists() or (launch.cwd / launch.persona).exists()
+        os.path.exists(launch.persona) or os.path.exists(launch.cwd / launch.persona)
     ):
         raise WorkerError(
             ReasonCode.WORKER_CONFIG_INVALID,

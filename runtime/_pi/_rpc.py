@@ -249,10 +249,10 @@ class RpcChannel:
 
     async def _call(self, command: Mapping[str, Any]) -> tuple[Response, int]:
         await trio.lowlevel.checkpoint()  # a checkpoint even when refused at once
-        if self._stdin_closed or (self._closing and command.get("type") != "abort"):
-            raise RpcClosedError
         if self._exit_error is not None:
             raise self._exit_error
+        if self._stdin_closed or (self._closing and command.get("type") != "abort"):
+            raise RpcClosedError
         record = self._state.command(command)
         rid = record["id"]
         slot = self._slots[rid] = _Slot()
@@ -295,9 +295,11 @@ class RpcChannel:
                 self._stdin_closed = True
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await self._stdin.aclose()
-                raise WorkerExitedError(
+                gone = WorkerExitedError(
                     f"the worker has not read its stdin for {self._stdin_stall:g} s"
                 )
+                self._end(gone)  # taken as gone: every waiter learns it, not this one alone
+                raise gone
 
     async def _close_stdin(self) -> None:
         async with self._send_lock:
@@ -338,6 +340,8 @@ class RpcChannel:
         self._notify()
 
     def _dispatch(self, line: bytes) -> None:
+        if self._exit_error is not None:  # the worker was taken as gone (R3): nobody listens
+            return
         received = self._state.receive(line)
         if received.response is not None:
             slot = self._slots.pop(received.response.id or "", None)

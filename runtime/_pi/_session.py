@@ -160,15 +160,22 @@ class Session:
     def path_to_root(self, entry_id: str | None = None) -> tuple[SessionEntry, ...]:
         """Root first, ending at ``entry_id`` (default: the leaf; ``()`` if no entries).
 
-        Terminates, since a parent always lies on an earlier line (S4); an unknown parent
-        ends the path.
+        An unknown parent ends the path. A forward reference is followed, as Pi follows it;
+        one that closes a loop (an entry that is its own ancestor: only a damaged file has
+        one) raises ``SessionError(SESSION_MALFORMED)`` at the line whose ``parentId`` closes
+        it, where Pi would loop for ever (S4).
         """
         if entry_id is None:
             if self.leaf is None:
                 return ()
             entry_id = self.leaf.id
         path = [self.get(entry_id)]
+        on_path = {entry_id}
         while (parent := path[-1].parent_id) is not None and parent in self._by_id:
+            if parent in on_path:
+                message = f"the parentId {parent!r} on line {path[-1].line} closes a loop"
+                raise SessionError(ReasonCode.SESSION_MALFORMED, message, line=path[-1].line)
+            on_path.add(parent)
             path.append(self._by_id[parent])
         return tuple(reversed(path))
 

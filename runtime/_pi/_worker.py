@@ -25,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import functools
 import os
 import shutil
 import signal
+import struct
 import subprocess
+import termios
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +115,23 @@ providers show in their own errors and consoles). Quotes of the tail taken at di
 put together, show at most a secret's first three and last three bytes (36 of 256 bits).
 Matching so few bytes would also blot out ordinary text at many cuts."""
 _encode = msgspec.json.Encoder()
+_LINGERS: Final = 15
+"""W14: how many more ``exit_linger`` periods a dead worker's stdout stays open while it
+still holds unread bytes (30 s at the default)."""
+
+
+def _unread(stream: trio.abc.ReceiveStream) -> int:
+    """Bytes waiting in a pipe stream's kernel buffer (``FIONREAD``); 0 when unknown (closed,
+    or no descriptor)."""
+    fileno = getattr(stream, "fileno", None)
+    if fileno is None:
+        return 0
+    try:
+        answer = fcntl.ioctl(fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):  # closed meanwhile
+        return 0
+    count: int = struct.unpack("i", answer)[0]
+    return count
 
 
 def _redacted(data: bytes, secrets: Sequence[bytes], *, cut: bool) -> bytes:
@@ -160,6 +180,10 @@ class StopPolicy:
     """How long killing the tree and reaping may take before survivors are reported."""
     reap_interval: float = 5.0
     """How often a subreaper epoch reaps the adopted orphans it proved while they lived."""
+    exit_linger: float = 2.0
+    """How long the worker's stdout is still read after the worker exited before it is
+    ended (W14): what the worker wrote is read by then, and a descendant that inherited the
+    pipe cannot hold it open."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,6 +320,22 @@ class Epoch:
                 if len(self._stderr) > _STDERR_TAIL:
                     self._stderr_cut = True
                     del self._stderr[:-_STDERR_TAIL]
+
+    async def _end_stdout_after_exit(self) -> None:
+        """W14: the worker's exit ends its stdout, ``exit_linger`` later, even while a
+        descendant holds the pipe's write end (stdout would otherwise end only when the tree
+        is stopped): a reader blocked on it gets ``ClosedResourceError``, its end of stream.
+        Never while the pipe still holds bytes the reader has not taken (a loop busy past the
+        linger: what the worker wrote last is its turn's end, and is read first), for up to
+        :data:`_LINGERS` lingers more — a descendant that writes on and on is not waited for."""
+        await self.process.wait()
+        await trio.sleep(self.policy.exit_linger)
+        for _ in range(_LINGERS):
+            if not _unread(self.stdout):
+                break
+            await trio.sleep(self.policy.exit_linger)
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            await self.stdout.aclose()
 
     async def _reap_adopted(self) -> None:
         """As subreaper: prove adopted orphans while they live, reap them once they die (W4)."""
@@ -507,6 +547,7 @@ async def open_epoch(
                             ) from error
                         raise
                     nursery.start_soon(epoch._drain_stderr)
+                    nursery.start_soon(epoch._end_stdout_after_exit)
                     if epoch.containment is Containment.SUBREAPER or is_child_subreaper():
                         nursery.start_soon(epoch._reap_adopted)
                     yield epoch

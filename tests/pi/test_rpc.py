@@ -425,6 +425,45 @@ async def test_r3_w10_a_fence_leaves_a_write_the_worker_never_reads(
     assert never_read is not None
 
 
+async def test_r3_r5_a_worker_taken_as_gone_fails_every_waiter(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """R3, R5, R11: a run is in flight (``agent_start`` read) when the worker stops reading
+    its stdin; a ``steer``'s write runs out of its bound (``stdin_stall``) and the worker is
+    taken as gone (``worker_exited``). Before, only that writer was told: the channel stayed
+    ``running``, a task waiting for the run's ``agent_settled`` waited for ever, and so did
+    the block's normal end (``aclose`` waits for idle) — a stop of the lane never ended.
+    Now every waiter learns the same error at once, a new command too, and the block ends."""
+    stdin, never_read = trio.testing.lockstep_stream_one_way_pair()  # a send waits for a read
+    worker, stdout = trio.testing.memory_stream_one_way_pair()
+    await worker.send_all(_line({"type": "agent_start"}) + b"\n")
+    with trio.move_on_after(60) as hung:
+        async with open_rpc_channel(stdin, stdout, stdin_stall=5) as channel:
+            await trio.testing.wait_all_tasks_blocked()
+            assert channel.running
+            async with trio.open_nursery() as nursery:
+                waited: list[BaseException] = []
+
+                async def wait_for_the_run() -> None:
+                    try:
+                        await channel.wait_settled(0)
+                    except WorkerExitedError as error:
+                        waited.append(error)
+
+                nursery.start_soon(wait_for_the_run)
+                with pytest.raises(WorkerExitedError) as stalled:
+                    await channel.steer("x")
+            assert waited == [stalled.value]
+            assert (channel.idle, channel.running) == (True, False)
+            with pytest.raises(WorkerExitedError):
+                await channel.request({"type": "get_state"})
+            assert (await channel.next_event()).type == "agent_start"  # what was read
+            with pytest.raises(WorkerExitedError):
+                await channel.next_event()
+    assert not hung.cancelled_caught
+    assert never_read is not None
+
+
 async def test_r3_a_cancelled_request_drops_its_late_response(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from runtime._pi._session_files import (
     read_session,
     truncate_torn_tail,
 )
+from runtime._pi._session_settle import dangling_tool_calls
 
 from .._samples import FACTS, PI_VERSION, SAMPLES, SESSION_NAMES, facts
 from .._samples import session_sample as sample
@@ -352,6 +354,59 @@ def test_s3_malformed_line_is_reported_with_its_line_number(
         5,
         "x.jsonl",
     )
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``, or ``TimeoutError`` once ``seconds`` of real time passed (a pure-Python
+    loop is interrupted between two bytecodes: the bound of a test of a would-be hang)."""
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return call()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        [b'{"type":"custom","id":"aaaaaaaa","parentId":"aaaaaaaa"}'],
+        [
+            b'{"type":"custom","id":"aaaaaaaa","parentId":"bbbbbbbb"}',
+            b'{"type":"custom","id":"bbbbbbbb","parentId":"aaaaaaaa"}',
+        ],
+    ],
+    ids=["its-own-parent", "each-the-others-parent"],
+)
+def test_s4_a_parent_loop_is_refused_not_followed_for_ever(loop: list[bytes]) -> None:
+    """S4: Pi only ever names an earlier line as a parent, but a damaged or edited file can
+    close a loop through a forward reference: an entry that is its own parent, or two that
+    are each other's. Both are kept (``unknown_parent``, as Pi keeps them), so the path from
+    the leaf came back round for ever — before, ``path_to_root`` looped (memory growing) on
+    whatever thread asked: the attestation, the dangling calls a relaunch settles, on the
+    host's Trio thread. Now the path, the attestation and the dangling calls refuse the
+    session with ``session_malformed`` at line 5, whose ``parentId`` closes the loop; paths
+    that do not reach the loop are unchanged."""
+    lines = sample_lines("basic")[:4]
+    data = b"\n".join([*lines, *loop]) + b"\n"
+    result = parse_session(data)
+    assert [(i.kind, i.line) for i in result.issues] == [(K.UNKNOWN_PARENT, 5)]
+    session = result.session
+    for look in (
+        session.path_to_root,
+        lambda: attest(session),
+        lambda: dangling_tool_calls(session),
+    ):
+        with pytest.raises(SessionError) as info:
+            _within(1.0, look)
+        assert (info.value.code, info.value.line) == (ReasonCode.SESSION_MALFORMED, 5)
+    line4 = msgspec.json.decode(lines[3])["id"]
+    assert [e.line for e in session.path_to_root(line4)] == [2, 3, 4]
 
 
 @pytest.mark.parametrize(

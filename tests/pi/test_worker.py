@@ -13,6 +13,7 @@ depend on Pi; the launch tests use Fake-Pi and the real Pi. Survivors are looked
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,7 +30,7 @@ import trio
 import trio.lowlevel
 
 from runtime._cli import main as cli_main
-from runtime._errors import ReasonCode, WorkerError
+from runtime._errors import ReasonCode, WorkerError, WorkerExitedError
 from runtime._linux._proc import ProcessIdentity, boot_id, identity_of, is_alive
 from runtime._linux._proctree import (
     EPOCH_ENV,
@@ -44,6 +45,7 @@ from runtime._linux._proctree import (
 )
 from runtime._pi import _worker
 from runtime._pi._pi_install import PiInstall
+from runtime._pi._rpc import open_rpc_channel
 from runtime._pi._worker import (
     ENV_ALLOWED,
     QUIET_FLAGS,
@@ -367,6 +369,30 @@ async def test_launch_problems_are_typed(tmp_path: Path) -> None:
     assert caught.value.code is ReasonCode.WORKER_CONFIG_INVALID
 
 
+@pytest.mark.parametrize(
+    "persona",
+    [
+        pytest.param("Answer tersely, in the language of the room. " * 6, id="a-long-line"),
+        pytest.param("Keep answers short/plain. " * 200, id="longer-than-a-path"),
+    ],
+)
+async def test_w9_a_persona_that_can_name_no_file_is_launched(tmp_path: Path, persona: str) -> None:
+    """W9: a persona that names an existing file is refused (Pi would read the file), and the
+    check asks what Pi asks, ``existsSync``: false for a text no file can have as its name —
+    a line over 255 bytes, a text over 4095. Before, the check's ``Path.exists()`` raised
+    ``OSError`` (``File name too long``) for such a text: every launch of a lane with an
+    ordinary paragraph of persona failed, and not with a ``worker_*`` code."""
+    launch = launch_for(tmp_path, WorkerProgram.fake_pi(), persona=persona)
+    with trio.fail_after(LIMIT):
+        async with (
+            open_worker(launch) as epoch,
+            open_rpc_channel(epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail) as channel,
+        ):
+            assert (await channel.request({"type": "get_state"})).success
+    argv = worker_argv(launch)
+    assert argv[argv.index("--append-system-prompt") + 1] == persona
+
+
 async def test_w12_a_launch_fenced_while_its_cgroup_is_made_leaves_no_cgroup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -536,6 +562,77 @@ async def test_a_fence_is_a_cancellation(tmp_path: Path, containment: Containmen
     assert len(tree) == 3
     assert not any(is_alive(member) for member in tree)
     assert alive_with_nonce(epoch.nonce) == []
+
+
+HOLDS_STDOUT: Final = (
+    "sleep 300 & "  # a descendant that inherited the worker's stdout, and outlives it
+    "read -r line; "
+    'echo \'{"id":"rpc-1","type":"response","command":"get_state","success":true}\'; '
+    "echo 'worker: gone' >&2; exit 3"
+)
+"""A stand-in worker: answers one command, then exits while a background job it started
+still holds its stdout open (a tool's daemon, an extension's helper with inherited stdio)."""
+
+
+async def test_w14_a_dead_workers_stdout_ends_though_a_descendant_holds_it(
+    tmp_path: Path,
+) -> None:
+    """W14, R5: the worker answers, then exits; a background job it started still holds the
+    write end of its stdout. Before, the RPC channel never saw the end: a run's events were
+    waited for until something stopped the epoch (a room turn's 300 s backstop, a task's
+    hard threshold), where a worker's death is a replay at once. Now what the worker wrote
+    is read, then its stdout ends ``exit_linger`` after the exit and the channel says
+    ``worker_exited``, quoting its stderr."""
+    policy = StopPolicy(exit_linger=0.2)
+    env = tree_env(tmp_path)
+    with trio.fail_after(LIMIT):
+        async with (
+            open_epoch(["sh", "-c", HOLDS_STDOUT], env=env, cwd=tmp_path, policy=policy) as epoch,
+            open_rpc_channel(epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail) as channel,
+        ):
+            assert (await channel.request({"type": "get_state"})).success
+            holder = next(m for m in await epoch.members() if m.pid != epoch.pid)
+            assert await epoch.wait() == 3
+            assert is_alive(holder)
+            with pytest.raises(WorkerExitedError) as ended:
+                await channel.next_event()
+            assert b"worker: gone" in ended.value.stderr
+            report = await epoch.stop()
+    assert report.clean
+    assert not is_alive(holder)
+
+
+WRITES_THEN_EXITS: Final = (
+    "sleep 300 & "  # a descendant holding the worker's stdout, as above
+    "read -r line; "  # launched and proved: then its last words, and exit
+    'i=0; while [ $i -lt 200 ]; do echo "line $i of the worker\'s last words"; i=$((i+1)); done; '
+    "exit 0"
+)
+
+
+async def test_w14_a_dead_workers_last_words_are_never_cut_off_by_the_linger(
+    tmp_path: Path,
+) -> None:
+    """W14's other side: stdout ends ``exit_linger`` after the exit only once the reader has
+    taken what the worker wrote. Here the reader comes late (a loop busy past the linger:
+    it starts reading three lingers after the exit), and still reads every line the worker
+    wrote before the end of stream. Closing at the linger alone dropped them unread."""
+    policy = StopPolicy(exit_linger=0.1)
+    env = tree_env(tmp_path)
+    with trio.fail_after(LIMIT):
+        async with open_epoch(
+            ["sh", "-c", WRITES_THEN_EXITS], env=env, cwd=tmp_path, policy=policy
+        ) as epoch:
+            await epoch.stdin.send_all(b"go\n")  # once launched: speak, and exit
+            assert await epoch.wait() == 0
+            await trio.sleep(3 * policy.exit_linger)  # the late reader: the fault injected
+            data = bytearray()
+            with contextlib.suppress(trio.ClosedResourceError):
+                while chunk := await epoch.stdout.receive_some():
+                    data += chunk
+            await epoch.stop()
+    lines = data.decode().splitlines()
+    assert lines == [f"line {i} of the worker's last words" for i in range(200)]
 
 
 async def test_term_ignoring_worker_is_killed_after_the_bound(tmp_path: Path) -> None:
