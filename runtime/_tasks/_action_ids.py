@@ -1,9 +1,9 @@
 """The ids of a task lane's outbox actions (TL6 of ``docs/design/watchdog.md``).
 
 Every action a lane takes that must not be taken twice (an attestation, a reserve, a signal,
-a continuation prompt, a grant, a recovery's charge) is recorded under an id derived from the
-task's generation and attempt and the epoch or continuation it belongs to. The same id is
-derived again after a host restart, so the lane finds the action already recorded instead of
+a continuation prompt, a grant, a recovery's start or charge) is recorded under an id derived
+from the task's generation and attempt and the epoch or continuation it belongs to. The same id
+is derived again after a host restart, so the lane finds the action already recorded instead of
 repeating it. Pure: no trio, no I/O.
 """
 
@@ -55,6 +55,10 @@ class ActionIds:
     def recovery(self, number: int) -> str:
         """The charge of the ``number``-th recovery's time (WD11)."""
         return f"{self.prefix}/recovery{number}"
+
+    def recovery_start(self, number: int) -> str:
+        """The start of the ``number``-th recovery, when no reserve starts it (WD11)."""
+        return f"{self.prefix}/recovery{number}/start"
 
     def next_continuation(
         self,

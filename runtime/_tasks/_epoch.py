@@ -113,7 +113,7 @@ class EpochOwner(LaneFacts, Protocol):
     ) -> None: ...
     async def reserve(self) -> bool: ...
     async def end_recovery(self) -> float | None: ...
-    def recovery_resumes(self) -> None:
+    async def recovery_resumes(self) -> None:
         """A relaunched worker that waited out a park is prompted now (PB6, WD11)."""
 
     @property
@@ -388,7 +388,7 @@ class EpochWatch:
             go = await self._wait_for_route()
             nursery.cancel_scope.cancel()
         if go and self.end is None:
-            lane.recovery_resumes()  # WD11: from its prompt, if it waited (the outage's time)
+            await lane.recovery_resumes()  # WD11: from its prompt, if it waited (the outage's)
         return go and self.end is None
 
     async def _wait_for_route(self) -> bool:

@@ -850,13 +850,25 @@ class TaskLane:
         await self.record_action(self.ids.recovery(number), "recovery_time", "done", detail)
         return float(detail["seconds"])
 
-    def recovery_resumes(self) -> None:
+    async def recovery_resumes(self) -> None:
         """A relaunched worker that waited out an unavailable provider before its first
         prompt (PB6) is prompted now: the recovery that wait ended (its time is the
         outage's, never charged) runs again from here until the worker's first progress
-        (WD11). Nothing when the worker progressed already, or no recovery was waiting."""
-        if self.recovery.awaiting_progress and self.recovery.started_ms is None:
-            self.recovery.relaunched(self.wall_ms())
+        (WD11), its start durable. Nothing when the worker progressed already, or no
+        recovery was waiting."""
+        if self.recovery.awaiting_progress:
+            await self.start_recovery()
+
+    async def start_recovery(self) -> None:
+        """Start a recovery that no reserve starts — an operator's resume on a reserve
+        charged before, the prompt after a park — durably (WD11): a ``recovery_start``
+        action, so a host restart counts on from it as from a reserve's ``at_ms`` and never
+        resets the clock. Nothing when a recovery runs already."""
+        detail = self.recovery.start(self.wall_ms())
+        if detail is None:
+            return
+        number = self.recovery.recoveries + 1
+        await self.record_action(self.ids.recovery_start(number), "recovery_start", "done", detail)
 
     def check_recovery_budget(self) -> None:
         """A recovery that outlasts the seconds left holds the task (WD11)."""
@@ -937,6 +949,14 @@ class TaskLane:
             self.watchdog.feed(Hold(reason))
             return
         if not await self._survivors_gone():
+            return
+        if self.kernel.state is TaskState.WAITING:
+            # LK5, WD11: a waiting task is woken by its reply, never by a continuation — the
+            # hold is lifted and the task waits again; no worker is launched, so nothing is
+            # charged (the reply's epoch is no replacement, TL9)
+            self.watchdog.feed(TerminalAccepted("wait"))
+            await self.note_hold()
+            self.changed()
             return
         self._restarted = False  # the resume is the replacement a restart would have made
         self.watchdog.classification = Classification.RESUMING

@@ -7,9 +7,10 @@ action) from the detail these methods return; :func:`~runtime._tasks._state.read
 the same state from those records after a restart.
 
 A replacement epoch is charged before its launch, once, never refunded. A recovery runs from
-the reserve that starts it (or the relaunch, for an operator's resume) until the relaunched
-worker's first progress or a hold; its seconds are charged when it ends. It runs across a host
-restart too, since its start is a reserve's ``at_ms`` in the log.
+the reserve that starts it (or, on a reserve charged before, from the operator's resume or the
+prompt after a park) until the relaunched worker's first progress or a hold; its seconds are
+charged when it ends. It runs across a host restart too, since its start is in the log: a
+reserve's ``at_ms``, or a ``recovery_start`` action's when no reserve started it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ class Recovery:
         self.continuations += 1
         self.started_ms = self.started_ms or at_ms
         return {"epochs": 1, "at_ms": at_ms}
+
+    def start(self, at_ms: int) -> dict[str, Any] | None:
+        """Start a recovery that no reserve starts (on a reserve charged before); the
+        ``recovery_start`` action's detail, or ``None`` when one runs already."""
+        if self.started_ms is not None:
+            return None
+        self.started_ms = at_ms
+        return {"at_ms": at_ms}
 
     def relaunched(self, at_ms: int) -> None:
         """A replacement is queued: the recovery runs (from its reserve, or from now) until

@@ -6,7 +6,9 @@ re-attested, and the one continuation prompt is queued.
 
 Each step that acts reads its proof again after its last await: the route and session before
 anything is charged, and again after the reserve, before the first write. A failed or unknown
-proof holds the task (:meth:`ReplacementOwner.hold`); nothing falls back.
+proof holds the task (:meth:`ReplacementOwner.hold`); nothing falls back. The task must still be
+open after every await too (LK6, WD11): an end decided meanwhile (an operator's abort or fail)
+means no launch will be attempted, so nothing more is charged, held or written for it.
 
 These functions see the lane only through :class:`ReplacementOwner` (``TaskLane`` is the one
 implementation), so what a replacement reads and writes of it is on one page.
@@ -30,6 +32,7 @@ from .._pi._session import Attestation, attest, contains_path
 from .._pi._session_files import aread_session
 from .._records import OutboxAction, TaskSubmitted, ToolIntent
 from ._action_ids import ActionIds
+from ._lifecycle import TaskState
 from ._recovery import Recovery
 from ._session import marker_in_session, reanswer_orphaned
 from ._state import continuation_prompt, route_change, session_route_change
@@ -81,6 +84,7 @@ class ReplacementOwner(LaneFacts, Protocol):
     def changed(self) -> None: ...
     async def hold(self, reason: str) -> None: ...
     async def reserve(self) -> bool: ...
+    async def start_recovery(self) -> None: ...
     async def record_marker(self, action_id: str) -> None: ...
     async def record_action(
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
@@ -99,7 +103,13 @@ async def prepare_replacement(
     continuation ``(prompt, action id)`` to send it, or ``None`` when the lane holds.
     ``forced``: an operator's resume, which continues past a possibly-run effect (settled
     "possibly ran"); ``reply``: the user's reply the worker has not had yet (LK8);
-    ``task``: the task's prompt, when no worker answered it yet (one died before it, TL5)."""
+    ``task``: the task's prompt, when no worker answered it yet (one died before it, TL5).
+    ``None`` too, with nothing written, once the task is not open (LK6): the kernel is read
+    again after every await, so an abort decided before the reserve's write charges nothing,
+    and one decided after it leaves that charge — made while the task was open, before its
+    launch — as it is, never refunded (WD11)."""
+    if _closed(lane):
+        return None
     never = lane.unsettled_effects()
     if never and not forced:  # WD13: auto-continue only on proof
         await lane.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
@@ -108,24 +118,30 @@ async def prepare_replacement(
     if problem is not None:
         await lane.hold(problem)
         return None
-    if not await reconcile_marker(lane):
+    if not await reconcile_marker(lane) or _closed(lane):
         return None
     recovery = lane.recovery
     reserve_id = lane.ids.next_continuation(
         recovery.continuations, "reserve", lane.actions, lane.markers
     )
-    if reserve_id not in lane.actions:
-        if recovery.budget.exhausted:  # the hold names what ran out (WD11)
-            await lane.hold(f"budget_exhausted:{recovery.exhausted_by()}")
-            return None
+    if reserve_id in lane.actions:  # charged before (a fence's, or one a hold left unsent):
+        await lane.start_recovery()  # a recovery no reserve starts, its start durable (WD11)
+    elif recovery.budget.exhausted:  # the hold names what ran out (WD11)
+        await lane.hold(f"budget_exhausted:{recovery.exhausted_by()}")
+        return None
+    else:
         await lane.reserve()
     number = recovery.continuations
     problem = await route_problem(lane)  # TL4: again after the awaits, before the write
+    if _closed(lane):
+        return None
     if problem is not None:
         await lane.hold(problem)
         return None
     await settle_session(lane)
     read = await aread_session(lane.session)
+    if _closed(lane):
+        return None
     lane.attestation = attest(read.session) if read.session.leaf is not None else None
     await lane.record_action(
         lane.ids.continuation(number, "attest"),
@@ -138,6 +154,12 @@ async def prepare_replacement(
     action_id = lane.ids.continuation(number, "prompt")
     lane.changed()
     return continuation_prompt(action_id, observed, reply=reply, task=task), action_id
+
+
+def _closed(lane: ReplacementOwner) -> bool:
+    """The task is no longer open (an end or a wait decided): no replacement will launch
+    (LK6), so nothing is charged or written for one (WD11)."""
+    return lane.kernel.state is not TaskState.OPEN
 
 
 async def route_problem(lane: ReplacementOwner) -> str | None:

@@ -154,7 +154,8 @@ class LaneState:
     recoveries: int = 0
     """Recoveries whose time is charged."""
     recovery_started_ms: int | None = None
-    """The start (its first reserve's ``at_ms``) of a recovery still running (WD11)."""
+    """The start of a recovery still running (WD11): the ``at_ms`` of its first reserve, or
+    of its ``recovery_start`` when no reserve started it."""
 
     def launched_in_host(self, epoch: int) -> bool:
         """Epoch ``epoch`` was launched, recorded as a worker inside its host (it died with
@@ -255,6 +256,10 @@ def _apply_action(state: LaneState, action: OutboxAction) -> None:
         state.hold = str(action.detail.get("reason"))
     elif action.kind == "unhold":
         state.hold = None
+    elif action.kind == "recovery_start" and action.state == "done":  # no reserve started it
+        at_ms = action.detail.get("at_ms")
+        if state.recovery_started_ms is None and isinstance(at_ms, int):
+            state.recovery_started_ms = at_ms
     elif action.kind == "recovery_time" and action.state == "done":
         state.budget = state.budget.charge_seconds(float(action.detail.get("seconds", 0.0)))
         state.recoveries += 1
