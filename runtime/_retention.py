@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import msgspec
 
 from ._config import RetentionConfig, RoomWorkerConfig
 from ._errors import ConfigError, JournalError, ReasonCode
-from ._journal._interface import JournalStore
+from ._journal._interface import JournalStore, LeaseStore
 from ._journal._store import Store, require_journal
 
 __all__ = [
@@ -114,15 +114,17 @@ async def join_settings(store: JournalStore, settings: RetentionSettings) -> Non
 
 
 async def follow_forget_days(store: JournalStore, retention: RetentionConfig) -> None:
-    """Make a file store's expired-id filters (the deliveries', the tasks') count with
-    ``retention``'s ``forget_days`` before anything asks them (RT4): a host started with
-    another ``forget_days`` than the one that wrote a filter rewrites it, so that every id
-    in it is held back ``forget_days`` from its own time — at once, not from the next
+    """Make a store's expired ids (the deliveries', the tasks') count with ``retention``'s
+    ``forget_days`` before anything asks them (RT4): a host started with another
+    ``forget_days`` than the one that wrote a file store's filter rewrites it, so that every
+    id in it is held back ``forget_days`` from its own time — at once, not from the next
     expiry on — and those already past it are let go. Nothing is written when they count
-    with it already (or hold nothing)."""
-    if not isinstance(store, Store):
-        return
+    with it already (or hold nothing). On a shared store (RT11, RT13) the database records
+    the count for every host: this host's start sets it."""
     forget_ms = int(retention.forget_days * DAY_MS)
+    if not isinstance(store, Store):  # the only other store is a shared one
+        await cast(LeaseStore, store).follow_forget_days(forget_ms)
+        return
     if not store.expired.counts_with(forget_ms):
         await store.expire({}, forget_ms=forget_ms)
     if not store.expired_tasks.counts_with(forget_ms):

@@ -204,7 +204,10 @@ class LeaseStore(JournalStore, Protocol):
     """The compaction generation whose expired deliveries this store has learned."""
     expired: dict[str, int]
     """The deliveries expired since the store was opened (id to the time a duplicate is no
-    longer refused for it); those before: :meth:`expired_among`."""
+    longer refused for it: a decision compares it with the wall clock); those before:
+    :meth:`expired_among`."""
+    forget_ms: int | None
+    """The ``forget_days`` (ms) the expired ids count with, as of the last look."""
     on_expired: Callable[[Mapping[str, int]], object] | None
     """Told the deliveries each :meth:`sync_expired` learned."""
 
@@ -213,13 +216,18 @@ class LeaseStore(JournalStore, Protocol):
         ...
 
     async def expired_among(self, delivery_ids: Sequence[str]) -> dict[str, int]:
-        """Which of ``delivery_ids`` the database holds as expired now (with their
-        forget-after times)."""
+        """Which of ``delivery_ids`` the database holds as expired now, at this host's wall
+        clock (with the times they are let go)."""
         ...
 
     async def learn_expired(self, delivery_ids: Sequence[str]) -> dict[str, int]:
         """:meth:`sync_expired`, and those of ``delivery_ids`` the database holds as expired
         from before, now in :attr:`expired`; what was learned."""
+        ...
+
+    async def follow_forget_days(self, forget_ms: int) -> int | None:
+        """Make every expired id count with ``forget_ms`` from its own time (a host's start,
+        RT4); the count it replaced."""
         ...
 
     async def read_shared(self) -> SharedRows:
@@ -234,9 +242,11 @@ class LeaseStore(JournalStore, Protocol):
         admissions: Sequence[int],
         results: Sequence[int],
         expire: Mapping[str, int],
+        forget_ms: int,
     ) -> int | None:
-        """One compaction in one transaction under ``fence``: its generation, or ``None``
-        when the fence no longer held (nothing changed)."""
+        """One compaction in one transaction under ``fence`` (``expire``: each delivery's
+        publication time): its generation, or ``None`` when the fence no longer held
+        (nothing changed)."""
         ...
 
     # ended task lanes' retention (docs/design/retention.md RT13)
@@ -246,13 +256,15 @@ class LeaseStore(JournalStore, Protocol):
         in one transaction under ``fence``; whether it was (the fence and the log held)."""
         ...
 
-    async def expire_task(self, task_id: str, forget_after_ms: int, *, fence: Fence) -> bool:
-        """Record the task expired and remove its lane log in one transaction under
-        ``fence``; whether this call recorded it."""
+    async def expire_task(
+        self, task_id: str, since_ms: int, *, forget_ms: int, fence: Fence
+    ) -> bool:
+        """Record the task expired from ``since_ms`` (its end) and remove its lane log in one
+        transaction under ``fence``; whether this call recorded it."""
         ...
 
     async def forget_expired_tasks(self) -> int:
-        """Let go of the expired tasks past their forget-after time; how many."""
+        """Remove the expired tasks' rows past their days; how many."""
         ...
 
     async def expired_task_keys(self, keys: Sequence[str]) -> dict[str, int]:

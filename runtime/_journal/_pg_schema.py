@@ -135,6 +135,18 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )""",
         f"CREATE INDEX task_worktrees_by_path ON {SCHEMA}.task_worktrees (worktree)",
     ),
+    # 7: the expired ids count [retention] forget_days at lookup (retention.md RT4, RT11,
+    # RT13): each row's own time, and the deployment's count in one row. A row written
+    # before has no since_ms and keeps its forget-after time.
+    (
+        f"ALTER TABLE {SCHEMA}.expired_deliveries ADD COLUMN since_ms bigint",
+        f"ALTER TABLE {SCHEMA}.expired_tasks ADD COLUMN since_ms bigint",
+        f"""CREATE TABLE {SCHEMA}.retention (
+            singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+            forget_ms bigint CHECK (forget_ms >= 0)
+        )""",
+        f"INSERT INTO {SCHEMA}.retention (forget_ms) VALUES (NULL)",
+    ),
 )
 """``MIGRATIONS[n - 1]`` takes the schema from version ``n - 1`` to ``n``. Only appended to,
 never edited: a database migrated once must mean the same thing to every later version."""

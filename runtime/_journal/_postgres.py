@@ -138,15 +138,25 @@ SELECT %s, %s + t.ord - 1, t.frame FROM unnest(%s::bytea[]) WITH ORDINALITY AS t
 """A group of consecutive records in one statement, so one transaction: all or none (S22)."""
 _INSERT_MANY_IF_ABSENT: Final = f"""{_INSERT_MANY}
 ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
+_UNTIL: Final = (
+    f"COALESCE(e.since_ms + (SELECT forget_ms FROM {SCHEMA}.retention), e.forget_after_ms)"
+)
+"""RT4, RT11, RT13: until when (wall clock ms) the expired row ``e`` holds its id back:
+``forget_days`` — the deployment's count, :meth:`PgStore.follow_forget_days` — from its own
+time (``since_ms``: a delivery's publication, a task's end). A row an earlier version wrote
+(no ``since_ms``), and any row while no host has recorded a count: the forget-after time it
+was written with. Every lookup compares it with the asking host's wall clock."""
 _GUARD: Final = f"""
  WHERE EXISTS (SELECT FROM {SCHEMA}.compaction WHERE generation = %s FOR SHARE)
-   AND NOT EXISTS (SELECT FROM {SCHEMA}.expired_deliveries WHERE delivery_id = ANY(%s::text[]))"""
+   AND NOT EXISTS (SELECT FROM {SCHEMA}.expired_deliveries e
+                    WHERE e.delivery_id = ANY(%s::text[]) AND {_UNTIL} > %s)"""
 """RT11: admissions are written only while no compaction committed since the writer last
 learned the expired deliveries (the generation it names) — the row locked for share until the
 write commits, so a compaction (an ``UPDATE`` of the row) waits for the write, or the write,
 waiting for the compaction, finds the generation changed and writes nothing — and only when
-none of them is an expired delivery (those expired before this host started, which it does not
-hold in memory): a host can never admit an expired delivery again as new."""
+none of them is an expired delivery held back at the writer's time (those expired before this
+host started, which it does not hold in memory, too; RT4: one past its ``forget_days`` is
+not): a host can never admit an expired delivery again as new."""
 _INSERT_GUARDED: Final = f"{_INSERT_MANY}{_GUARD}"
 _INSERT_GUARDED_IF_ABSENT: Final = f"""{_INSERT_MANY}{_GUARD}
 ON CONFLICT (log, seq) DO NOTHING RETURNING seq"""
@@ -163,31 +173,46 @@ UPDATE {SCHEMA}.log_records AS r SET frame = t.frame
 _COMPACT_DELETE: Final = f"""
 DELETE FROM {SCHEMA}.log_records WHERE log = %s AND seq = ANY(%s::bigint[]) AND seq > 0"""
 _COMPACT_EXPIRE: Final = f"""
-INSERT INTO {SCHEMA}.expired_deliveries (delivery_id, forget_after_ms, generation)
-SELECT t.id, t.until, %s FROM unnest(%s::text[], %s::bigint[]) AS t (id, until)
+INSERT INTO {SCHEMA}.expired_deliveries (delivery_id, since_ms, forget_after_ms, generation)
+SELECT t.id, t.since, t.since + %s, %s FROM unnest(%s::text[], %s::bigint[]) AS t (id, since)
 ON CONFLICT (delivery_id) DO NOTHING"""
-_COMPACT_FORGET: Final = f"DELETE FROM {SCHEMA}.expired_deliveries WHERE forget_after_ms <= %s"
+"""Each row its own time, and the forget-after time under the writer's ``forget_days`` (what
+it is held to while no host has recorded a count: :data:`_UNTIL`)."""
+_COMPACT_FORGET: Final = f"DELETE FROM {SCHEMA}.expired_deliveries e WHERE {_UNTIL} <= %s"
+"""The rows past their days: before the new ones go in, so that an id let go, admitted
+again and expired again is recorded afresh."""
 _COMPACT_END: Final = f"SELECT pg_notify('{CHANNEL}', 'compaction')"
 _EXPIRED_AMONG: Final = f"""
-SELECT delivery_id, forget_after_ms FROM {SCHEMA}.expired_deliveries
- WHERE delivery_id = ANY(%s::text[])"""
+SELECT e.delivery_id, {_UNTIL} FROM {SCHEMA}.expired_deliveries e
+ WHERE e.delivery_id = ANY(%s::text[]) AND {_UNTIL} > %s"""
 _EXPIRED_SINCE: Final = f"""
-SELECT NULL, NULL, generation FROM {SCHEMA}.compaction
+SELECT NULL, NULL, generation, (SELECT forget_ms FROM {SCHEMA}.retention)
+  FROM {SCHEMA}.compaction
 UNION ALL
-SELECT delivery_id, forget_after_ms, generation FROM {SCHEMA}.expired_deliveries
- WHERE generation > %s"""
-"""The generation now and every delivery expired after the one named, in one snapshot."""
+SELECT e.delivery_id, {_UNTIL}, e.generation, NULL FROM {SCHEMA}.expired_deliveries e
+ WHERE e.generation > %s"""
+"""The generation and the count now, and every delivery expired after the generation named
+(with until when it is held back), in one snapshot."""
+_COUNT_FOR_UPDATE: Final = f"SELECT forget_ms FROM {SCHEMA}.retention FOR UPDATE"
+_COUNT_WITH: Final = f"UPDATE {SCHEMA}.retention SET forget_ms = %s"
 _FENCE_HOLDS: Final = f"SELECT true {_LEASED}"
 _DELETE_LOG: Final = f"DELETE FROM {SCHEMA}.log_records WHERE log = %s RETURNING seq"
 _INSERT_LOG: Final = f"""
 INSERT INTO {SCHEMA}.log_records (log, seq, frame)
 SELECT %s, t.ord - 1, t.frame FROM unnest(%s::bytea[]) WITH ORDINALITY AS t (frame, ord)"""
 _EXPIRE_TASK: Final = f"""
-INSERT INTO {SCHEMA}.expired_tasks (lane_key, task_id, forget_after_ms) VALUES (%s, %s, %s)
+INSERT INTO {SCHEMA}.expired_tasks (lane_key, task_id, since_ms, forget_after_ms)
+VALUES (%s, %s, %s, %s)
 ON CONFLICT (lane_key) DO NOTHING"""
-_FORGET_TASKS: Final = f"DELETE FROM {SCHEMA}.expired_tasks WHERE forget_after_ms <= %s"
+_FORGET_TASK: Final = (
+    f"DELETE FROM {SCHEMA}.expired_tasks e WHERE e.lane_key = %s AND {_UNTIL} <= %s"
+)
+"""One lane's row past its days, before its task is recorded expired again (an id let go,
+submitted again, ended and expired once more)."""
+_FORGET_TASKS: Final = f"DELETE FROM {SCHEMA}.expired_tasks e WHERE {_UNTIL} <= %s"
 _EXPIRED_TASKS_AMONG: Final = f"""
-SELECT lane_key, forget_after_ms FROM {SCHEMA}.expired_tasks WHERE lane_key = ANY(%s::text[])"""
+SELECT e.lane_key, {_UNTIL} FROM {SCHEMA}.expired_tasks e
+ WHERE e.lane_key = ANY(%s::text[]) AND {_UNTIL} > %s"""
 _WORKTREE_LOCK: Final = zlib.crc32(b"pi-runtime task worktrees")
 """The transaction-level advisory lock that serialises worktree leases (S33)."""
 _WORKTREE_HOLDERS: Final = f"""
@@ -424,9 +449,9 @@ class _Mixed(Exception):
     rolled back (it is all or none)."""
 
 
-_Guard = tuple[int, list[str]]
-"""An admission group's guard (:data:`_GUARD`): the compaction generation its writer knows, and
-the delivery ids it admits."""
+_Guard = tuple[int, list[str], int]
+"""An admission group's guard (:data:`_GUARD`): the compaction generation its writer knows,
+the delivery ids it admits, and its writer's wall clock (ms) when it decided."""
 
 
 def _insert_many(
@@ -772,8 +797,9 @@ class PgLog:
         cancellation: the log's next number depends on it. Raises :class:`Unsettled` when
         the bound is spent, the driver's error on a definite refusal."""
         policy = self._store.retry
-        # what the decision knew: the generation, and the deliveries it admits
-        guard = (self._store.generation, [k for k in keys if k]) if self._guarded else None
+        # what the decision knew: the generation, the deliveries it admits, and when
+        now = self._store.clocks.wall.time_ms()
+        guard = (self._store.generation, [k for k in keys if k], now) if self._guarded else None
         sent = False
         problem = ""
         for attempt in range(policy.attempts):
@@ -944,10 +970,18 @@ class PgStore:
         every admission is written under it (:data:`_GUARD`)."""
         self.expired: dict[str, int] = {}
         """RT4, RT11: the deliveries expired since this store was opened — id to the time a
-        duplicate is no longer refused (``delivery_expired``) for it — as of
-        :attr:`generation`. Those expired before are not held (a year of them would be
-        millions): :meth:`expired_among` asks the database, and an admission of one is
-        refused by the database itself (:data:`_GUARD`)."""
+        duplicate is no longer refused (``delivery_expired``) for it, counted with
+        :attr:`forget_ms` — as of :attr:`generation`; a decision compares that time with
+        the wall clock (an entry past it is let go, though still listed until the next
+        look). Those expired before are not held (a year of them would be millions):
+        :meth:`expired_among` asks the database, and an admission of one is refused by the
+        database itself (:data:`_GUARD`)."""
+        self.forget_ms: int | None = None
+        """The ``[retention] forget_days`` (ms) the database's expired rows count with, as of
+        the last look (:meth:`sync_expired`, :meth:`follow_forget_days`); ``None`` while no
+        host has recorded one (each row is then held to its forget-after time)."""
+        self._learning = trio.Lock()
+        """One :meth:`sync_expired` at a time."""
         self.on_expired: Callable[[Mapping[str, int]], object] | None = None
         """Called with the deliveries each :meth:`sync_expired` learned (a host forgetting
         what it knows of them)."""
@@ -1252,30 +1286,39 @@ class PgStore:
 
     async def sync_expired(self) -> dict[str, int]:
         """Learn the deliveries compactions expired since :attr:`generation` (one statement,
-        one snapshot: the generation now and what was expired up to it); the new ones, also
-        handed to :attr:`on_expired`. Those past their forget-after time are let go."""
+        one snapshot: the generation and the count now, and what was expired up to it); the
+        new ones, also handed to :attr:`on_expired` (whether or not they are still held back:
+        their records left the logs). Those past their time are let go; when the count
+        changed (a host started with another ``forget_days``), those held are asked again."""
+        async with self._learning:  # one at a time: a recount reads and replaces them all
 
-        def read(conn: Conn) -> list[tuple[str | None, int | None, int]]:
-            return conn.execute(_EXPIRED_SINCE, [self.generation]).fetchall()
+            def read(conn: Conn) -> list[tuple[str | None, int | None, int, int | None]]:
+                return conn.execute(_EXPIRED_SINCE, [self.generation]).fetchall()
 
-        rows = await self._run(None, read)
-        now = self.clocks.wall.time_ms()
-        learned = {d: until for d, until, _g in rows if d is not None and until is not None}
-        generation = max(g for d, _u, g in rows if d is None)
-        if generation <= self.generation:
-            return {}
-        self.expired = {d: u for d, u in (self.expired | learned).items() if u > now}
-        self.generation = generation
-        if learned and self.on_expired is not None:
-            self.on_expired(learned)
-        return learned
+            rows = await self._run(None, read)
+            learned = {d: u for d, u, _g, _f in rows if d is not None and u is not None}
+            generation, forget_ms = next((g, f) for d, _u, g, f in rows if d is None)
+            recount = forget_ms != self.forget_ms
+            if generation <= self.generation and not recount:
+                return {}
+            if recount:  # each until moved: asked again (those let go are not returned)
+                held = await self.expired_among(list(self.expired))
+                self.forget_ms, self.expired = forget_ms, held
+            now = self.clocks.wall.time_ms()
+            self.expired = {d: u for d, u in (self.expired | learned).items() if u > now}
+            self.generation = generation
+            if learned and self.on_expired is not None:
+                self.on_expired(learned)
+            return learned
 
     async def expired_among(self, delivery_ids: Sequence[str]) -> dict[str, int]:
-        """Which of ``delivery_ids`` the database holds as expired (RT11) now, each with
-        its forget-after time."""
+        """Which of ``delivery_ids`` the database holds as expired (RT11) now — held back
+        at this host's wall clock, counted with the database's ``forget_days`` (RT4) — each
+        with the time it is let go."""
+        now = self.clocks.wall.time_ms()
 
         def read(conn: Conn) -> dict[str, int]:
-            rows = conn.execute(_EXPIRED_AMONG, [list(delivery_ids)]).fetchall()
+            rows = conn.execute(_EXPIRED_AMONG, [list(delivery_ids), now]).fetchall()
             return {str(d): int(until) for d, until in rows}
 
         return await self._run(None, read) if delivery_ids else {}
@@ -1292,6 +1335,28 @@ class PgStore:
             if self.on_expired is not None:
                 self.on_expired(older)
         return learned | older
+
+    async def follow_forget_days(self, forget_ms: int) -> int | None:
+        """Make the database's expired ids — the deliveries' and the tasks' — count with
+        ``forget_ms`` (``[retention] forget_days``, RT4): a host's start, as the file store
+        rewrites its filters. One row: every id is held back ``forget_ms`` from its own time
+        from the commit on, for every host (their lookups read the count; each host's memory
+        follows at its next look, told at once). The count it replaced (``None``: none was
+        recorded; nothing is written when it is ``forget_ms`` already)."""
+
+        def follow(conn: Conn) -> int | None:
+            with conn.transaction():
+                row = conn.execute(_COUNT_FOR_UPDATE).fetchone()
+                assert row is not None, "migration 7 inserts the row"
+                before = None if row[0] is None else int(row[0])
+                if before != forget_ms:
+                    conn.execute(_COUNT_WITH, [forget_ms])
+                    conn.execute(_COMPACT_END)  # every host looks again
+                return before
+
+        before = await self._run(None, follow)
+        await self.sync_expired()
+        return before
 
     async def read_shared(self) -> SharedRows:
         """The shared logs as a compaction plans on them (RT11): the result log's records
@@ -1318,15 +1383,18 @@ class PgStore:
         admissions: Sequence[int],
         results: Sequence[int],
         expire: Mapping[str, int],
+        forget_ms: int,
     ) -> int | None:
         """One compaction of the shared logs (RT11), in one transaction, while ``fence`` (the
         compaction's lease) holds: the admission rows numbered in ``slim`` rewritten as those
         records (each framed under its own number), the rows numbered ``admissions`` and
         ``results`` deleted from their logs (never a header, nor a log's last row: the caller
-        leaves it out), ``expire``'s deliveries recorded as expired until their times, those
-        expired before past theirs let go, and every host told. The compaction's generation,
-        or ``None`` when the fence no longer held (nothing changed). Idempotent: done again
-        it changes nothing more than a first time would."""
+        leaves it out), those expired before and past their days let go, ``expire``'s
+        deliveries recorded as expired from their times (each its publication: held back
+        ``forget_days`` from it, RT4; ``forget_ms``, the caller's, counts only while no host
+        has recorded one), and every host told. The compaction's generation, or ``None``
+        when the fence no longer held (nothing changed). Idempotent: done again it changes
+        nothing more than a first time would."""
         now = self.clocks.wall.time_ms()
         seqs = list(slim)
         frames = [encode_frame(seq, [encode_record(slim[seq])]) for seq in seqs]
@@ -1342,10 +1410,10 @@ class PgStore:
                 for rel, numbers in ((ADMISSIONS, admissions), (RESULTS, results)):
                     if numbers:
                         conn.execute(_COMPACT_DELETE, [rel, list(numbers)])
-                if expire:
-                    params = [generation, list(expire), list(expire.values())]
-                    conn.execute(_COMPACT_EXPIRE, params)
                 conn.execute(_COMPACT_FORGET, [now])
+                if expire:
+                    params = [forget_ms, generation, list(expire), list(expire.values())]
+                    conn.execute(_COMPACT_EXPIRE, params)
                 conn.execute(_COMPACT_END)
                 return generation
 
@@ -1383,19 +1451,26 @@ class PgStore:
         except _Changed:
             return False
 
-    async def expire_task(self, task_id: str, forget_after_ms: int, *, fence: Fence) -> bool:
-        """Record the task ``task_id`` expired until ``forget_after_ms`` and remove its lane
-        log (its rows and any poison) in one transaction while ``fence`` — the claim of its
-        lane a retention pass made — holds. Whether this call recorded it (``False``: the
-        fence no longer held, or it was expired already). Idempotent."""
+    async def expire_task(
+        self, task_id: str, since_ms: int, *, forget_ms: int, fence: Fence
+    ) -> bool:
+        """Record the task ``task_id`` expired from ``since_ms`` (its end: held back
+        ``forget_days`` from it, RT4, RT13; ``forget_ms``, the caller's, counts only while no
+        host has recorded one) and remove its lane log (its rows and any poison) in one
+        transaction while ``fence`` — the claim of its lane a retention pass made — holds.
+        Whether this call recorded it (``False``: the fence no longer held, or it was expired
+        already). Idempotent."""
         subject = f"task:{task_id}"
         rel = self.lane_rel(subject)
+        now = self.clocks.wall.time_ms()
 
         def expire(conn: Conn) -> bool:
             with conn.transaction():
                 if conn.execute(_FENCE_HOLDS, _fence_params(fence)).fetchone() is None:
                     return False
-                params = [lane_key(subject), task_id, forget_after_ms]
+                key = lane_key(subject)
+                conn.execute(_FORGET_TASK, [key, now])
+                params = [key, task_id, since_ms, since_ms + forget_ms]
                 recorded = conn.execute(_EXPIRE_TASK, params).rowcount == 1
                 conn.execute(_DELETE_LOGS, [[rel], [rel]])
                 conn.execute(_RELEASE_WORKTREE, [task_id])  # S33: ended long ago
@@ -1432,17 +1507,20 @@ class PgStore:
         await self._run(None, lambda conn: conn.execute(_RELEASE_WORKTREE, [task_id]))
 
     async def forget_expired_tasks(self) -> int:
-        """Let go of the expired tasks past their forget-after time (on this host's wall
-        clock, as it set them): a submission under such an id is new again. How many."""
+        """Remove the rows of the expired tasks past their days (on this host's wall clock,
+        counted with the database's ``forget_days``): a submission under such an id is new
+        again — as it is from their time on already, for every lookup. How many."""
         now = self.clocks.wall.time_ms()
         return await self._run(None, lambda conn: conn.execute(_FORGET_TASKS, [now]).rowcount)
 
     async def expired_task_keys(self, keys: Sequence[str]) -> dict[str, int]:
         """Which of the lane keys ``keys`` (``lane_key(f"task:{id}")``) name a task the
-        database holds as expired now (RT13), each with the time it is let go."""
+        database holds as expired now (RT13) — held back at this host's wall clock, counted
+        with the database's ``forget_days`` (RT4) — each with the time it is let go."""
+        now = self.clocks.wall.time_ms()
 
         def read(conn: Conn) -> dict[str, int]:
-            rows = conn.execute(_EXPIRED_TASKS_AMONG, [list(keys)]).fetchall()
+            rows = conn.execute(_EXPIRED_TASKS_AMONG, [list(keys), now]).fetchall()
             return {str(key): int(until) for key, until in rows}
 
         return await self._run(None, read) if keys else {}

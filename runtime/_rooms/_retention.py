@@ -284,7 +284,11 @@ class SharedCompaction:
     """The result rows to delete: the expired deliveries' results, and every acknowledgement
     but the last."""
     expire: dict[str, int] = field(default_factory=dict)
-    """The deliveries to record as expired, each until its forget-after time."""
+    """The deliveries to record as expired, each with its publication time: held back
+    ``forget_days`` from it (RT4)."""
+    forget_ms: int = 0
+    """``[retention] forget_days`` in ms, as planned (what the rows count with while no host
+    has recorded a count: :meth:`~runtime._journal._interface.LeaseStore.follow_forget_days`)."""
     named: set[str] = field(default_factory=set)
     """The sha256 of every attachment a result that stays names (their documents stay, and
     those an unfinished delivery's log names: :attr:`unfinished`)."""
@@ -351,7 +355,8 @@ def plan_shared_compaction(
         slim={at[d]: settled for d, settled in plan.settled.items()},
         admissions=sorted(at[d] for d in expired),
         results=sorted(n for n in [*gone, *acked_before] if n != last_result),
-        expire={d: e.published_ms + forget for d, e in expired.items()},
+        expire={d: e.published_ms for d, e in expired.items()},
+        forget_ms=forget,
         named=named,
         unfinished=[r.delivery_id for _n, r in admitted if r.delivery_id not in finished],
     )

@@ -91,7 +91,7 @@ from .._records import (
     Settled,
     ToolOutcome,
 )
-from .._retention import RetentionSettings, record_settings
+from .._retention import RetentionSettings, follow_forget_days, record_settings
 from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
 from ._admission import (
     Delivery,
@@ -400,10 +400,10 @@ class RoomWorker:
 
     def _expired(self, delivery_id: str) -> bool:
         """RT4, RT11: whether retention removed the delivery's idempotency record."""
-        if self.leases is not None:  # a shared store: by id, as of its last look (RT11)
-            return delivery_id in self.leases.store.expired
-        expired = self.store.expired if isinstance(self.store, Store) else None
         now = self._host.clocks.wall.time_ms()  # RT4: held back until its forget_days
+        if self.leases is not None:  # a shared store: as of its last look (RT11)
+            return self.leases.store.expired.get(delivery_id, 0) > now
+        expired = self.store.expired if isinstance(self.store, Store) else None
         return expired is not None and expired.holds(delivery_key(delivery_id), now_ms=now)
 
     def _check_not_expired(self, delivery_id: str) -> None:
@@ -1194,6 +1194,7 @@ class RoomWorker:
                     admissions=planned.admissions,
                     results=planned.results,
                     expire=planned.expire,
+                    forget_ms=planned.forget_ms,
                 )
                 if done is None:  # the lease was lost meanwhile: the next holder does it
                     return Compaction()
@@ -1538,6 +1539,8 @@ async def open_room_worker(
     ):
         if isinstance(store, Store):  # a pass with no server acts with these (RT14)
             await record_settings(store, RetentionSettings.of(config))
+        else:  # RT4, RT11: the deployment's expired ids count with this host's forget_days
+            await follow_forget_days(store, config.retention)
         model = config.model
         base_url, route = await start_model(model, nursery)
         thresholds = config.thresholds

@@ -360,8 +360,8 @@ async def _retain_one_shared(
         return
     try:
         if ended_ms <= expiry_cut:
-            forget_after = ended_ms + int(retention.forget_days * DAY_MS)
-            if await store.expire_task(task_id, forget_after, fence=fence):
+            forget_ms = int(retention.forget_days * DAY_MS)  # RT4: from its end
+            if await store.expire_task(task_id, ended_ms, forget_ms=forget_ms, fence=fence):
                 expired.append(task_id)
         else:
             with contextlib.suppress(FileNotFoundError):  # expired by another host

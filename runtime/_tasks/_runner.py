@@ -209,8 +209,8 @@ class TaskRunner:
                 if not _same_task(record, existing.task):
                     raise _conflict(spec.task_id)
                 return self.show(spec.task_id), False
-            if self._expired(spec.task_id):  # RT12: never run again as new
-                raise self._expired_error(spec.task_id)
+            if self._expired(spec.task_id) and await self._expired_now(spec.task_id):
+                raise self._expired_error(spec.task_id)  # RT12: never run again as new
             record = submitted_record(
                 spec,
                 route=self.host.route,
@@ -417,11 +417,26 @@ class TaskRunner:
         """Whether retention expired the task (RT12): its id is in the expired-task filter
         (on a shared store: among those this runner learned had expired, RT13)."""
         store = self.host.store
+        now = self.host.clocks.wall.time_ms()  # RT4: held back until its forget_days
         if self.shared is not None:
-            return task_id in self._expired_here
+            return self._expired_here.get(task_id, 0) > now
         return isinstance(store, Store) and store.expired_tasks.holds(
-            lane_key(lane_name(task_id)), now_ms=self.host.clocks.wall.time_ms()
+            lane_key(lane_name(task_id)), now_ms=now
         )
+
+    async def _expired_now(self, task_id: str) -> bool:
+        """RT4, RT13: on a shared store, a task this runner learned had expired asked again
+        of the database before a submission is refused (a host's start may have changed
+        ``forget_days`` since); on a file store its filter answered already."""
+        if self.shared is None:
+            return True
+        key = lane_key(lane_name(task_id))
+        until = (await self.shared.store.expired_task_keys([key])).get(key)
+        if until is None:
+            self._expired_here.pop(task_id, None)
+            return False
+        self._expired_here[task_id] = until
+        return True
 
     @staticmethod
     def _expired_error(task_id: str) -> TaskError:
@@ -490,7 +505,10 @@ class TaskRunner:
             rel = store.lane_rel(lane_name(task_id))
             self._subjects.pop(rel, None)
             self._not_tasks.discard(rel)
-        self._expired_here = {t: u for t, u in self._expired_here.items() if u > now}
+        # RT4: those held back asked again (a host's start may have changed forget_days)
+        held = {lane_key(lane_name(t)): t for t in self._expired_here}
+        found = await store.expired_task_keys(list(held))
+        self._expired_here = {held[key]: u for key, u in found.items()}
         return done
 
     def _worktrees(self) -> dict[str, str]:

@@ -25,14 +25,17 @@ from typing import Final
 import pytest
 import trio
 
+from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
+from runtime._config import RetentionConfig
 from runtime._errors import JournalError, ReasonCode
 from runtime._journal._frame import HEADER_SIZE, encode_frame, scan
 from runtime._journal._interface import JournalStore
 from runtime._journal._journal import encode_record
 from runtime._journal._postgres import PgStore, open_pg_store
-from runtime._journal._store import Store, open_store
+from runtime._journal._store import Store, delivery_key, lane_key, open_store
 from runtime._linux._fs import OsFileSystem
 from runtime._records import SCHEMA_VERSION, Header, LogKind, OutboxAction, Record
+from runtime._retention import follow_forget_days
 
 from ..faultfs import Fault, FaultyFileSystem
 from .pg_fixtures import execute
@@ -64,6 +67,8 @@ class Backend:
     """Make the store's next append fail (the store is open)."""
     mend_writes: Callable[[], Awaitable[None]]
     """Let appends succeed again."""
+    open_at: Callable[[Clocks], contextlib.AbstractAsyncContextManager[JournalStore]]
+    """:attr:`open` with these clocks (a wall clock a test moves days on)."""
 
 
 class _FileBackend:
@@ -72,9 +77,9 @@ class _FileBackend:
         self.faulty = FaultyFileSystem(OsFileSystem(), armed=False)
 
     @contextlib.asynccontextmanager
-    async def open(self) -> AsyncIterator[JournalStore]:
+    async def open(self, clocks: Clocks | None = None) -> AsyncIterator[JournalStore]:
         self.faulty.disarm()
-        async with open_store(self.root, fs=self.faulty) as store:
+        async with open_store(self.root, fs=self.faulty, clocks=clocks) as store:
             yield store
 
     async def damage(self, rel: str, seq: int) -> None:
@@ -107,7 +112,13 @@ class _FileBackend:
 def _file(tmp_path: Path) -> Backend:
     files = _FileBackend(tmp_path / "state")
     return Backend(
-        "file", files.open, files.damage, files.put_frame, files.break_writes, files.mend_writes
+        "file",
+        files.open,
+        files.damage,
+        files.put_frame,
+        files.break_writes,
+        files.mend_writes,
+        files.open,
     )
 
 
@@ -121,8 +132,8 @@ class _PgBackend:
         self.root = root
 
     @contextlib.asynccontextmanager
-    async def open(self) -> AsyncIterator[JournalStore]:
-        async with open_pg_store(self.dsn, root=self.root) as store:
+    async def open(self, clocks: Clocks | None = None) -> AsyncIterator[JournalStore]:
+        async with open_pg_store(self.dsn, root=self.root, clocks=clocks) as store:
             yield store
 
     async def damage(self, rel: str, seq: int) -> None:
@@ -175,7 +186,9 @@ class _PgBackend:
 
 def _postgresql(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     pg = _PgBackend(request.getfixturevalue("pg_dsn"), tmp_path / "state")
-    return Backend("postgresql", pg.open, pg.damage, pg.put_frame, pg.break_writes, pg.mend_writes)
+    return Backend(
+        "postgresql", pg.open, pg.damage, pg.put_frame, pg.break_writes, pg.mend_writes, pg.open
+    )
 
 
 BACKENDS: Final[dict[str, Callable[[pytest.FixtureRequest, Path], Backend]]] = {
@@ -477,3 +490,99 @@ async def test_sc_j8_next_seq_is_where_the_next_append_lands_with_appends_in_fli
             await store.close_log(log)
     assert [expected for expected, _ in landed] == [seq for _, seq in landed]
     assert sorted(seq for _, seq in landed) == list(range(1, 13))
+
+
+# -- RT4, RT11-RT13: an expired id is held back forget_days from its own time -------------
+
+DAY_MS: Final = 86_400_000
+T0: Final = 1_795_000_000_000
+
+
+def _retention(forget_days: int) -> RetentionConfig:
+    return RetentionConfig(journal_days=7, idempotency_days=30, forget_days=forget_days)
+
+
+async def _expire(store: JournalStore, delivery: str, task: str, since_ms: int, days: int) -> None:
+    """Expire ``delivery`` and ``task`` (each since ``since_ms``) as a retention pass of a
+    host configured with ``forget_days`` = ``days`` does on this store: the file store's
+    filters rewritten; on PostgreSQL a compaction of the shared rows and a task lane's expiry,
+    then the pass's letting go of those past their days."""
+    forget_ms = days * DAY_MS
+    if isinstance(store, Store):
+        await store.expire({delivery: since_ms}, forget_ms=forget_ms)
+        await store.expire_tasks({task: since_ms}, forget_ms=forget_ms)
+        return
+    assert isinstance(store, PgStore)
+    fence = await store.claim("retention:shared", 60)
+    assert fence is not None
+    expire = {delivery: since_ms}
+    done = await store.compact_shared(
+        fence, slim={}, admissions=[], results=[], expire=expire, forget_ms=forget_ms
+    )
+    assert done is not None
+    await store.release(fence)
+    fence = await store.claim(f"task:{task}", 60)
+    assert fence is not None
+    assert await store.expire_task(task, since_ms, forget_ms=forget_ms, fence=fence)
+    await store.release(fence)
+    await store.forget_expired_tasks()
+
+
+async def _held(store: JournalStore, delivery: str, task: str) -> tuple[bool, bool]:
+    """Whether a duplicate of ``delivery`` and a submission of ``task`` are refused as
+    expired now, as the store answers the host's decision: the file store's filters; on
+    PostgreSQL what a host that has not seen the expiry asks the database (a ``cancel``, a
+    refused admission, a submission whose lane log is absent)."""
+    task_key = lane_key(f"task:{task}")
+    if isinstance(store, Store):
+        now = store.clocks.wall.time_ms()
+        return (
+            store.expired.holds(delivery_key(delivery), now_ms=now),
+            store.expired_tasks.holds(task_key, now_ms=now),
+        )
+    assert isinstance(store, PgStore)
+    return (
+        bool(await store.expired_among([delivery])),
+        bool(await store.expired_task_keys([task_key])),
+    )
+
+
+@pytest.mark.parametrize(
+    ("first_days", "then_days"),
+    [(40, 40), (400, 40), (40, 400)],
+    ids=["unchanged", "lowered", "raised"],
+)
+async def test_sc_rt4_rt13_an_expired_id_follows_forget_days_at_once(
+    backend: Backend, first_days: int, then_days: int
+) -> None:
+    """RT4 (file store), RT11 and RT13 (PostgreSQL), same scenario, same answers: a delivery
+    and a task published and ended at day 0 are expired at day 31 by a host configured with
+    ``forget_days`` = ``first_days``; a host started at day 41 with ``then_days`` asks at
+    once, and again at day 62 after it expired another delivery and task (a rewrite, a
+    compaction, a pass). Past their ``forget_days`` (40, from day 0) both are let go at
+    once; within them (400) both are refused at both times. Before, PostgreSQL kept the
+    forget-after time a row was written with and a lookup ignored it: an id past its time
+    was still refused until a later compaction or pass, a lowered ``forget_days`` held it to
+    the old one, and a raised one let the next compaction or pass forget it at day 40 —
+    a duplicate inside the configured window would then run again as new."""
+    wall = MockWallClock.reading(T0 + 31 * DAY_MS)  # day 31
+    clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
+    with trio.fail_after(LIMIT):
+        async with backend.open_at(clocks) as store:
+            await follow_forget_days(store, _retention(first_days))
+            await _expire(store, "a1", "t1", T0, first_days)
+            day31 = await _held(store, "a1", "t1")
+        wall.advance(10 * DAY_MS / 1000)
+        async with backend.open_at(clocks) as store:
+            await follow_forget_days(store, _retention(then_days))  # a host's start
+            day41 = await _held(store, "a1", "t1")
+            wall.advance(21 * DAY_MS / 1000)
+            await _expire(store, "a2", "t2", T0 + 31 * DAY_MS, then_days)
+            day62 = await _held(store, "a1", "t1")
+            others = await _held(store, "a2", "t2")
+    assert day31 == (True, True)
+    assert others == (True, True)
+    if then_days > 62:
+        assert (day41, day62) == ((True, True), (True, True))
+    else:
+        assert (day41, day62) == ((False, False), (False, False))

@@ -429,8 +429,9 @@ async def test_s23_an_append_to_a_shared_log_is_announced_to_other_hosts(
 async def test_the_lease_schema_is_version_2(pg_dsn: str) -> None:
     """The lease table and the announcement trigger are migration 2 (3 adds the receipt
     store's tables, receipts.md R9; 4 the shared logs' compaction, retention.md RT11; 5 the
-    expired task lanes, RT13; 6 the tasks' worktrees, S33)."""
-    assert STORE_SCHEMA_VERSION == 6
+    expired task lanes, RT13; 6 the tasks' worktrees, S33; 7 the expired ids' own times and
+    the forget_days they count with, RT4)."""
+    assert STORE_SCHEMA_VERSION == 7
     triggers = await execute(
         pg_dsn,
         "SELECT tgname FROM pg_trigger WHERE tgrelid = 'pi_runtime.log_records'::regclass "
@@ -441,7 +442,7 @@ async def test_the_lease_schema_is_version_2(pg_dsn: str) -> None:
 
 async def test_a_version_1_database_is_refused_until_migrated(pg_dsn: str, tmp_path: Path) -> None:
     """A database at store schema 1 (the single-host slice) is refused by this pi-runtime
-    until ``migrate`` added migrations 2 to 6, which keep what version 1 held."""
+    until ``migrate`` added migrations 2 to 7, which keep what version 1 held."""
     from runtime._journal._postgres import migrate
 
     async with open_pg_store(pg_dsn, root=tmp_path / "a") as store:
@@ -454,6 +455,7 @@ async def test_a_version_1_database_is_refused_until_migrated(pg_dsn: str, tmp_p
         "pi_runtime.receipts",
         "DROP TABLE pi_runtime.compaction, pi_runtime.expired_deliveries",
         "DROP TABLE pi_runtime.expired_tasks, pi_runtime.task_worktrees",
+        "DROP TABLE pi_runtime.retention",
         "UPDATE pi_runtime.schema_version SET version = 1",
     ):
         await execute(pg_dsn, statement)
@@ -463,7 +465,7 @@ async def test_a_version_1_database_is_refused_until_migrated(pg_dsn: str, tmp_p
                 pass  # pragma: no cover - refused
         assert refused.value.code is ReasonCode.STORE_SCHEMA_MISSING
         assert "store schema 1" in str(refused.value)
-        assert await migrate(pg_dsn) == STORE_SCHEMA_VERSION == 6
+        assert await migrate(pg_dsn) == STORE_SCHEMA_VERSION == 7
         async with open_pg_store(pg_dsn, root=tmp_path / "a") as store:
             assert store.admissions.contents.records[1:] == (_action(1),)
             assert await store.claim("room-1", TTL) is not None

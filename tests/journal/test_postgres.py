@@ -99,7 +99,7 @@ async def test_migrate_is_idempotent_and_versioned(pg_blank_dsn: str) -> None:
     """``migrate`` creates the schema and records its version in a one-row table; run again
     (also by several processes at once) it changes nothing and answers the same version."""
     with trio.fail_after(LIMIT):
-        assert await migrate(pg_blank_dsn) == STORE_SCHEMA_VERSION == 6
+        assert await migrate(pg_blank_dsn) == STORE_SCHEMA_VERSION == 7
         async with trio.open_nursery() as nursery:
             for _ in range(3):
                 nursery.start_soon(migrate, pg_blank_dsn)
@@ -122,6 +122,7 @@ async def test_migrate_is_idempotent_and_versioned(pg_blank_dsn: str) -> None:
             ("receipt_documents",),
             ("receipt_revisions",),
             ("receipts",),
+            ("retention",),
             ("schema_version",),
             ("task_worktrees",),
         ]

@@ -15,7 +15,7 @@ import trio
 from fake_pi.scenario import Hang, Step, Text
 from runtime._cli import main
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
-from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig
+from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig, StoreConfig
 from runtime._errors import DeliveryError
 from runtime._journal._inspect import verify_journal
 from runtime._journal._store import Store, delivery_key, lane_key
@@ -24,9 +24,11 @@ from runtime._rooms._retention import room_of
 from runtime._rooms._worker import RoomWorker, open_room_worker
 
 from .._workers import scripted_upstream
+from ..journal.pg_fixtures import pg_dsn, pg_server
 from .test_room_compaction import asked
 from .test_room_worker import message, next_results
 
+__all__ = ["pg_dsn", "pg_server"]  # the fixtures the PostgreSQL cases use
 LIMIT: Final = 60.0
 DAY: Final = 86_400.0
 A, B = "dm:1", "dm:2"
@@ -140,13 +142,22 @@ async def _answer(worker: RoomWorker, delivery_id: str) -> str:
         return str(error.code)
 
 
+@pytest.fixture(params=["file", "postgresql"])
+def store_config(request: pytest.FixtureRequest) -> StoreConfig:
+    """A room worker's store: the file store in its state directory, or a fresh PostgreSQL
+    database (``tests/journal/pg_fixtures.py``)."""
+    if request.param == "file":
+        return StoreConfig()
+    return StoreConfig(url=request.getfixturevalue("pg_dsn"), lease_seconds=60, poll_seconds=0.05)
+
+
 @pytest.mark.parametrize(
     ("first_days", "then_days"),
     [(40, 40), (400, 40), (40, 400)],
     ids=["unchanged", "lowered", "raised"],
 )
 async def test_rt4_the_expired_id_filter_follows_forget_days_at_once(
-    tmp_path: Path, first_days: int, then_days: int
+    tmp_path: Path, store_config: StoreConfig, first_days: int, then_days: int
 ) -> None:
     """RT4: a1's idempotency record expires at day 31 (``idempotency_days`` 30) under
     ``forget_days`` = ``first_days``; the host is restarted at day 41 with ``forget_days`` =
@@ -158,14 +169,19 @@ async def test_rt4_the_expired_id_filter_follows_forget_days_at_once(
     only by a rewrite of the filter, at the forget-after time it was written with: past its
     time it was still refused until some other delivery expired, a lowered ``forget_days``
     held it to the old one, and a raised one did not keep it — the next rewrite let it go
-    at day 40, and a duplicate inside the configured window ran again."""
+    at day 40, and a duplicate inside the configured window ran again. The same on
+    PostgreSQL (RT11: the ``expired_deliveries`` rows, the host's memory of them and the
+    admission's guard), where each of those three happened until the rows counted
+    ``forget_days`` at lookup too."""
     wall = MockWallClock()
     clocks = Clocks(silence=SystemSilenceClock(), wall=wall)
     steps: list[Step] = [Text(text=f"answer {n}") for n in range(6)]
 
     def config(url: str, forget_days: int) -> RoomWorkerConfig:
         retention = RetentionConfig(journal_days=7, idempotency_days=30, forget_days=forget_days)
-        return RoomWorkerConfig(model=ModelConfig(base_url=url), retention=retention)
+        return RoomWorkerConfig(
+            model=ModelConfig(base_url=url), retention=retention, store=store_config
+        )
 
     with trio.fail_after(LIMIT):
         async with scripted_upstream(steps) as (model, url):
