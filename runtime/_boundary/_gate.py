@@ -45,6 +45,7 @@ import trio
 
 from .._errors import GateError, PiRuntimeError, ReasonCode
 from .._metrics import TOOL_CALLS, labelled
+from .._pi._pijson import loads, nesting
 from .._pi._session_settle import interrupted_text, not_started_text
 from .._records import AttachmentRef, Record, ReplayClass, ToolIntent, ToolOutcome
 from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
@@ -53,6 +54,7 @@ from ._receipts import RECEIPT_OPERATIONS
 from ._tools import RUNTIME_TOOLS
 
 __all__ = [
+    "ARGS_MAX_DEPTH",
     "EXTENSION_PATH",
     "GATE_SECRET_ENV",
     "GATE_SOCKET_ENV",
@@ -83,6 +85,11 @@ PI_TOOL_CLASSES: Final[Mapping[str, ReplayClass]] = {
 }
 """Declared replay classes of Pi's gated tools; any other tool is ``never``
 (docs/design/gate.md)."""
+ARGS_MAX_DEPTH: Final = 256
+"""How deeply a call's arguments may nest (levels of objects and arrays, the arguments object
+itself the first): a deeper call is refused and never runs (T17). Far above what a tool's
+schema asks for, and far below where msgspec and the stdlib stop recursing (about a thousand
+levels), so everything the runtime derives from a call it lets run reads and writes as usual."""
 
 _json = msgspec.json.Encoder()
 
@@ -275,6 +282,8 @@ class RecordingGateJournal:
                         is_error=True,
                     )
                 )
+            if (depth := nesting(call.args)) > ARGS_MAX_DEPTH:  # T17: nothing recorded
+                return Refuse(_too_deep_result(call, depth))
             previous = self._intents.get((step, call.tool_call_id))
             if self.mismatch is not None and self._on_mismatch is not None:
                 return Refuse(_mismatch_result(call, self.mismatch))  # T14: the delivery failed
@@ -454,6 +463,17 @@ def _same_call(intent: ToolIntent, call: GateCall) -> bool:
     return intent.name == call.name and intent.args == canonical_args(call.args)
 
 
+def _too_deep_result(call: GateCall, depth: int) -> GateResult:
+    """The error result of a call whose arguments nest deeper than :data:`ARGS_MAX_DEPTH`
+    (T17): refused, it did not run."""
+    return GateResult.text(
+        f"tool {call.name} was refused and did not run: its arguments nest {depth} levels "
+        f"deep, more than the {ARGS_MAX_DEPTH} the runtime accepts; send them less deeply "
+        f"nested ({ReasonCode.GATE_BAD_REQUEST})",
+        is_error=True,
+    )
+
+
 def _running_result(call: GateCall, intent: ToolIntent) -> GateResult:
     """The error result of a call asked again while it runs in this epoch (T15): not run
     again, and not settled either — its own outcome is still to come."""
@@ -595,8 +615,12 @@ class Gate:
 
 
 def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | None]:
+    deep = False
     try:
-        data = msgspec.json.decode(body)
+        try:
+            data = msgspec.json.decode(body)
+        except RecursionError:  # T17: deeper than msgspec recurses, read to be judged
+            data, deep = loads(body), True
     except msgspec.DecodeError as error:
         raise ValueError(f"the body is not JSON: {error}") from error
     if not isinstance(data, dict):
@@ -605,10 +629,14 @@ def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | No
     if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
         raise ValueError("tool_call_id and name must be non-empty strings")
     if with_result:
+        if deep or nesting(data.get("result")) > ARGS_MAX_DEPTH:  # T17: none kept that deep
+            raise ValueError(f"the body nests deeper than the gate reads ({ARGS_MAX_DEPTH} levels)")
         return GateCall(call_id, name, {}), GateResult.from_json(data.get("result"))
     args = data.get("args", {})
     if not isinstance(args, dict):
         raise ValueError("args must be an object")
+    if deep and nesting(args) <= ARGS_MAX_DEPTH:  # deep elsewhere: no body the extension sends
+        raise ValueError("the body nests deeper than the gate reads, outside its arguments")
     return GateCall(call_id, name, args), None
 
 

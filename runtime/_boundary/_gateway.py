@@ -434,16 +434,16 @@ class Gateway:
                 _error_body(ReasonCode.GATEWAY_BAD_REQUEST, "only POST …/chat/completions"),
             )
             return
+        problem = "the body is not a JSON object"
         try:  # G1: JSON as JavaScript writes it, lone surrogates (``\ud83d``) included
-            body = loads(request.body)
+            body = loads(request.body, deep=False)  # G19: Pi nests arguments in strings only
             digest = request_digest(body) if isinstance(body, dict) else ""
-        except ValueError:  # not JSON (msgspec.DecodeError), a key no digest can hold
-            body = None
+        except ValueError as error:  # not JSON (msgspec.DecodeError), a key no digest can hold
+            body, problem = None, f"{problem}: {error}"
+        except RecursionError:  # G19: the digest's encoder recurses, as deep as the decoder
+            body, problem = None, f"{problem}: JSON nested too deeply"
         if not isinstance(body, dict):
-            await response.respond(
-                400,
-                _error_body(ReasonCode.GATEWAY_BAD_REQUEST, "the body is not a JSON object"),
-            )
+            await response.respond(400, _error_body(ReasonCode.GATEWAY_BAD_REQUEST, problem))
             return
         downstream = _Downstream(response)
         async with trio.open_nursery() as nursery:

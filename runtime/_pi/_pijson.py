@@ -14,6 +14,12 @@ So :func:`stringify` rewrites the value first (numbers pre-rendered with ECMAScr
 ``Number::toString`` as ``msgspec.Raw``, index keys moved to the front, strings holding
 surrogates rendered as JavaScript renders them) and lets msgspec do the rest, and
 :func:`loads` falls back to the stdlib for the escapes msgspec rejects.
+
+Depth: msgspec and the stdlib recurse, and stop at about a thousand levels (fewer on a deep
+stack). JavaScript's ``JSON.parse`` does not, and Pi writes what a model sent — tool
+arguments nested a few thousand levels deep included (``docs/design/pi-observed.md`` §11).
+So :func:`loads` reads JSON nested deeper than they go with an iterative reader of the same
+semantics, up to :data:`MAX_DEPTH` levels, and refuses deeper JSON as a decode error.
 """
 
 from __future__ import annotations
@@ -23,12 +29,18 @@ import decimal
 import json
 import math
 import re
+from _json import scanstring  # the stdlib's C string scanner, as json.loads uses it
 from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
 
-__all__ = ["iso_timestamp", "loads", "stringify"]
+__all__ = ["MAX_DEPTH", "iso_timestamp", "loads", "nesting", "stringify"]
+
+MAX_DEPTH: Final = 5_000
+"""How deep :func:`loads` reads: more levels of arrays and objects than Pi can write. Node's
+recursive ``JSON.stringify`` stops at about 4,160 levels with its default stack (Pi 1.6.0 on
+Node 22), and Pi fails its own model call before that (pi-observed.md §11)."""
 
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _encoder: Final = msgspec.json.Encoder()
@@ -46,33 +58,156 @@ def stringify(value: Any) -> bytes:
     ``JSON.stringify`` turns into ``null``; an integer no JavaScript number holds exactly),
     never rounding it, and ``TypeError`` for a non-string key or any other type. Object keys
     holding surrogates are refused too (``UnicodeEncodeError``, a ``ValueError``), although
-    JavaScript could write them.
+    JavaScript could write them, and so is a value nested deeper than Python recurses (about
+    a thousand levels; the runtime writes no such line).
     """
-    return _encoder.encode(_js_ready(value))
+    try:
+        return _encoder.encode(_js_ready(value))
+    except RecursionError:
+        raise ValueError("nested too deeply for this encoder (about a thousand levels)") from None
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes, *, deep: bool = True) -> Any:
     """Decode one JSON text; ``stringify(loads(data)) == data`` for what ``stringify`` wrote.
 
     Objects keep their key order. Unlike ``msgspec.json.decode`` it accepts the escapes of
     lone surrogates. Raises ``msgspec.DecodeError`` (a ``ValueError``) for anything that is
-    not JSON, including invalid UTF-8 and the constants ``NaN`` and ``Infinity``, and for
-    JSON nested too deeply to decode (msgspec's ``RecursionError``, from about a thousand
-    levels: a model's tool arguments can be that, and a line is never let crash a reader).
+    not JSON, including invalid UTF-8 and the constants ``NaN`` and ``Infinity``.
+
+    JSON nested deeper than msgspec and the stdlib recurse (about a thousand levels) is read
+    by an iterative reader with the same results, up to :data:`MAX_DEPTH` levels: a line Pi
+    wrote for a model's deeply nested tool arguments is read like any other. Deeper JSON is
+    a ``msgspec.DecodeError``, never a ``RecursionError``. With ``deep=False`` JSON that
+    deep is refused at once: for input the runtime never needs to read that deep, so that a
+    large body is not read by the slower reader only to be refused.
+
+    A value read this deep is as deep: code that walks it must not recurse (the runtime
+    only reads its top levels; :func:`nesting` measures it without recursing).
     """
     try:
         return msgspec.json.decode(data)
-    except RecursionError:  # nested too deep for any decoder here: refused as a line
-        raise msgspec.DecodeError("JSON nested too deeply") from None
+    except RecursionError:  # deeper than msgspec recurses: read without recursing
+        pass
     except msgspec.DecodeError:
         try:
             return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-        except (ValueError, RecursionError):
+        except RecursionError:  # a lone surrogate's escape, and as deep
+            pass
+        except ValueError:
             raise msgspec.DecodeError("invalid JSON") from None
+    if not deep:
+        raise msgspec.DecodeError("JSON nested too deeply")
+    try:
+        return _loads_deep(data.decode("utf-8"))
+    except ValueError as error:  # UnicodeDecodeError too
+        raise msgspec.DecodeError(f"invalid JSON: {error}") from None
+
+
+def nesting(value: Any) -> int:
+    """How many levels of lists and dicts ``value`` nests (a scalar 0, ``{}`` and ``[]`` 1,
+    ``{"a": [1]}`` 2), measured without recursing however deep it is."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        level.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+_SPACE: Final = re.compile(r"[ \t\n\r]*")
+_NUMBER: Final = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+_LITERALS: Final = {"true": True, "false": False, "null": None}
+
+
+def _skip_space(text: str, at: int) -> int:
+    found = _SPACE.match(text, at)
+    assert found is not None  # it matches the empty string too
+    return found.end()
+
+
+def _loads_deep(text: str) -> Any:
+    """JSON as :func:`loads` reads it, with an explicit stack instead of recursion.
+
+    The same results: objects in key order (a repeated key keeps its first place and its
+    last value), integers as ``int`` and numbers with a fraction or exponent as ``float``,
+    strings by the stdlib's own scanner (lone surrogates' escapes included, raw control
+    characters refused). Raises ``ValueError`` for anything else, and for more than
+    :data:`MAX_DEPTH` levels.
+    """
+    space, scan = _skip_space, scanstring
+    stack: list[list[Any] | dict[str, Any]] = []
+    keys: list[str] = []  # the pending key of each open object, innermost last
+    end = len(text)
+    at = space(text, 0)
+
+    def key_at(at: int) -> tuple[str, int]:
+        if text.startswith('"', at):
+            key, at = scan(text, at + 1, True)
+            at = space(text, at)
+            if text.startswith(":", at):
+                return key, space(text, at + 1)
+        raise ValueError(f"expected a key and ':' at {at}")
+
+    while True:
+        char = text[at : at + 1]
+        value: Any
+        if char in ("[", "{"):
+            if len(stack) >= MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+            at = space(text, at + 1)
+            if text.startswith("]" if char == "[" else "}", at):
+                value, at = ([] if char == "[" else {}), at + 1
+            elif char == "[":
+                stack.append([])
+                continue
+            else:
+                key, at = key_at(at)
+                stack.append({})
+                keys.append(key)
+                continue
+        elif char == '"':
+            value, at = scan(text, at + 1, True)
+        elif (number := _NUMBER.match(text, at)) is not None:
+            fraction, exponent = number.groups()
+            value = float(number[0]) if fraction or exponent else int(number[0])
+            at = number.end()
+        else:
+            word = next((w for w in _LITERALS if text.startswith(w, at)), None)
+            if word is None:
+                raise ValueError(f"expected a value at {at}")
+            value, at = _LITERALS[word], at + len(word)
+        while True:  # place the value; close every container it ends
+            at = space(text, at)
+            if not stack:
+                if at != end:
+                    raise ValueError(f"trailing characters at {at}")
+                return value
+            top = stack[-1]
+            if isinstance(top, list):
+                top.append(value)
+            else:
+                top[keys[-1]] = value
+            char = text[at : at + 1]
+            if char == ",":
+                at = space(text, at + 1)
+                if isinstance(top, dict):
+                    keys[-1], at = key_at(at)
+                break
+            if char != ("]" if isinstance(top, list) else "}"):
+                raise ValueError(f"expected ',' or the container's end at {at}")
+            value, at = stack.pop(), at + 1
+            if isinstance(value, dict):
+                keys.pop()
 
 
 def _js_number(value: float) -> str:

@@ -272,10 +272,12 @@ class SessionReadResult:
         raise SessionError(code, first.message, path=self.path, line=first.line)
 
 
-def _check_line(
-    raw_line: bytes, seen: Mapping[str, SessionEntry], *, tail: bool
+def _decode_line(
+    raw_line: bytes, *, tail: bool
 ) -> tuple[SessionIssueKind | None, str, dict[str, Any] | None]:
-    """Classify one line after the header: (issue or None, message, entry object or None)."""
+    """Decode one line after the header and check its shape, before any id is compared:
+    (issue or None, message, entry object or None). Shared by :func:`parse_session` and
+    the index of ``runtime._pi._session_index`` (S14), so both classify a line alike."""
     kind = SessionIssueKind
     try:
         obj = loads(raw_line)
@@ -293,6 +295,17 @@ def _check_line(
         return kind.MISSING_FIELD, "entry lacks a string 'type' or 'id'", None
     if not isinstance(obj.get("parentId", 0), str | None):
         return kind.MISSING_FIELD, "entry lacks 'parentId' (a string or null)", None
+    return None, "", obj
+
+
+def _check_line(
+    raw_line: bytes, seen: Mapping[str, SessionEntry], *, tail: bool
+) -> tuple[SessionIssueKind | None, str, dict[str, Any] | None]:
+    """Classify one line after the header: (issue or None, message, entry object or None)."""
+    kind = SessionIssueKind
+    issue, message, obj = _decode_line(raw_line, tail=tail)
+    if obj is None:
+        return issue, message, None
     if (twin := seen.get(obj["id"])) is not None:
         return kind.DUPLICATE_ID, f"id {obj['id']!r} repeats line {twin.line}", None
     if (parent := obj["parentId"]) is not None and parent not in seen:

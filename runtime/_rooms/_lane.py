@@ -75,6 +75,7 @@ from .._pi._session_files import (
     create_session,
     open_session_writer,
 )
+from .._pi._session_index import SessionIndex
 from .._records import (
     AbsorbedInput,
     Admission,
@@ -201,6 +202,8 @@ class Lane:
         self.last_used = 0.0
         self.dir = host.store.root / "lanes" / self.key
         self.session = self.dir / "session.jsonl"
+        self._session_index = SessionIndex(self.session)
+        """The room session's leaf, read by difference (sessions.md S14)."""
         self.cwd = host.work_root / "rooms" / self.key
         self.home = host.work_root / "homes" / self.key
         self.tmp = host.work_root / "tmp" / self.key
@@ -901,10 +904,13 @@ class Lane:
         return self._session_copies
 
     async def _leaf(self, session: Path) -> str | None:
+        """The session's leaf, its file created first if missing and fsynced. The room
+        session's is read by difference (S14): only what was appended since the last read,
+        whatever the history; a one-shot session's is read whole (it is new)."""
         await trio.to_thread.run_sync(self._create_session, session)
         await self._fsync(session)
-        read = await aread_session(session)
-        return read.session.leaf.id if read.session.leaf is not None else None
+        index = self._session_index if session == self.session else SessionIndex(session)
+        return (await index.aread()).leaf
 
     async def _fsync(self, session: Path) -> None:
         """Make Pi's unsynced appends durable before the journal depends on them."""
