@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -14,22 +15,30 @@ from typing import Any, Final
 import msgspec
 import pytest
 import trio
+from prometheus_client import ProcessCollector
+from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from fake_pi.scenario import Text
+from fake_pi.scenario import Step, Text
 from runtime._boundary._http import open_request
 from runtime._cli._serve import _config
 from runtime._config import config_from_dict
 from runtime._errors import ConfigError
+from runtime._metrics import REGISTRY
 from runtime._records import Outcome, ReplayClass
+from runtime._rooms import _worker
+from runtime._rooms._census import RoomTotals, room_totals
+from runtime._rooms._worker import RoomWorker
 from runtime._server import _metrics, _page
 from runtime._server._metrics import ServerCollector
 from runtime._server._serve import ServeOptions, check_bind
 from runtime._tasks._watchdog import Classification
+from runtime._wire import RoomStatus
 
 from .._failing import fails_once
 from .._wire import message
+from .._workers import waiting_bash
 from .test_serve import Rig, rig
 
 LIMIT: Final = 60.0
@@ -459,3 +468,153 @@ async def test_m6_a_scraper_that_reads_nothing_is_closed(
                         got += len(chunk)
             assert got > 0
             assert (await scrape(port))[0] == 200
+
+
+# -- M8: a scrape costs what is under way, not the rooms known --------------------------------
+
+
+async def test_m8_a_scrape_builds_no_room_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M8: a scrape sums the room lanes without building a status per room. Three rooms that
+    had a delivery each and are idle: a scrape builds none of their statuses (before: one per
+    room the host knows, at every scrape, on the Trio thread while admissions waited — 30 ms
+    at 10,000 rooms) and still says three lanes, none running, three live workers."""
+    built = [0]
+
+    def counted(**fields: Any) -> RoomStatus:
+        built[0] += 1
+        return RoomStatus(**fields)
+
+    monkeypatch.setattr(_worker, "RoomStatus", counted)
+    steps: list[Step] = [Text(text="one"), Text(text="two"), Text(text="three")]
+    settings = {"metrics": {"listen": "127.0.0.1:0"}}
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, settings, steps=steps) as r, r.connect() as client:
+            for room in ("dm:1", "dm:2", "dm:3"):
+                await client.send(message(f"d-{room}", "hello", room=room))
+                await client.result(f"d-{room}")
+            built[0] = 0
+            status, _, text = await scrape(_port(r))
+            assert (status, built[0]) == (200, 0)
+    found = samples(text)
+    assert value(found, "pi_runtime_room_lanes") == 3
+    assert value(found, "pi_runtime_room_lanes_running") == 0
+    assert value(found, "pi_runtime_room_workers_live") == 3
+    assert value(found, "pi_runtime_deliveries_pending") == 0
+
+
+class _SameAsStatuses(trio.abc.Instrument):
+    """After every task step — every state a scrape can see, since a scrape runs within one
+    step — compares :func:`room_totals` with ``status()`` summed, and keeps the largest of
+    each figure seen (so the test knows the work it watched was not all idle)."""
+
+    def __init__(self, worker: RoomWorker) -> None:
+        self.worker = worker
+        self.differences: list[tuple[RoomTotals, RoomTotals]] = []
+        self.largest: dict[str, int] = {}
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        rows, pending = self.worker.status(), len(self.worker.pending())
+        expected = RoomTotals(
+            lanes=len(rows),
+            running=sum(row.state == "running" for row in rows),
+            live_workers=sum(row.live_worker for row in rows),
+            queued=sum(row.queued for row in rows),
+            pending=pending,
+        )
+        got = room_totals(self.worker)
+        if got != expected and len(self.differences) < 5:
+            self.differences.append((got, expected))
+        for name in ("running", "live_workers", "queued", "pending"):
+            self.largest[name] = max(self.largest.get(name, 0), getattr(expected, name))
+
+
+async def test_m8_the_room_totals_are_the_statuses_summed_at_every_step(tmp_path: Path) -> None:
+    """M8: what the scrape reads in place of every room's status — only the lanes of a pending
+    delivery or a live worker — equals ``status()`` summed after every task step of a real
+    server's work that goes through each way a lane's state changes: a turn that runs a tool
+    with two deliveries steered into it (their results written after the owner's: ``absorbed``),
+    a second room's lane waiting for the one live worker allowed (running, no worker) with a
+    delivery queued behind it and one cancelled out of its queue, the first room's idle worker
+    stopped for the second's, and both rooms' turns ending with their workers kept live."""
+    started, release, waiting = waiting_bash(tmp_path)
+    steps: list[Step] = [waiting, Text(text="for all three"), Text(text="e1"), Text(text="e2")]
+    settings = {
+        "metrics": {"listen": "127.0.0.1:0"},
+        "caps": {"max_live_workers": 1},
+        "rooms": {"dm:1": {"grants": ["bash", "send_text_update"]}, "dm:2": {}},
+    }
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, settings, steps=steps) as r, r.connect() as client:
+            watch = _SameAsStatuses(r.server.worker)
+            trio.lowlevel.add_instrument(watch)
+            try:
+                await client.send(message("d1", "first"))
+                await trio.to_thread.run_sync(started.read_bytes)
+                for frame in (
+                    message("d2", "second"),
+                    message("d3", "third"),
+                    message("e1", "one", room="dm:2"),
+                    message("e2", "two", room="dm:2"),
+                    message("e3", "three", room="dm:2"),
+                ):
+                    await client.send(frame)
+                    await client.until(lambda f: f["type"] == "accepted")
+                await client.send({"type": "cancel", "delivery_id": "e3"})
+                assert (await client.result("e3"))["outcome"] == "cancelled"
+                await trio.to_thread.run_sync(release.write_text, "done\n")
+                outcomes: dict[str, str] = {}
+                while len(outcomes) < 5:
+                    frame = await client.until(lambda f: f["type"] == "result")
+                    outcomes[frame["delivery_id"]] = frame["outcome"]
+            finally:
+                trio.lowlevel.remove_instrument(watch)
+    assert outcomes == {
+        "d1": "reply",
+        "d2": "absorbed",
+        "d3": "absorbed",
+        "e1": "reply",
+        "e2": "reply",
+    }
+    assert watch.differences == []
+    assert watch.largest["running"] == 2  # dm:1's turn, and dm:2's waiting for the worker
+    assert watch.largest["queued"] >= 1
+    assert watch.largest["live_workers"] == 1
+    assert watch.largest["pending"] >= 5
+
+
+def test_m8_a_scrape_counts_the_open_descriptors_without_listing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """M8: the serve process keeps a descriptor open per room lane's log, and
+    ``prometheus_client``'s process collector listed ``/proc/self/fd`` at every scrape — one
+    entry per room, on the Trio thread. With 300 more descriptors open, a scrape of the
+    runtime's registry lists no descriptor directory where Linux gives the directory's size
+    (the count it keeps, since 6.2), and says that count; the process metrics are the
+    library's otherwise: the same names, types and help."""
+    listed: list[str] = []
+    listdir = os.listdir
+
+    def listing(path: Any = ".") -> list[str]:
+        listed.append(str(path))
+        return listdir(path)
+
+    with contextlib.ExitStack() as files:
+        for _ in range(300):
+            files.enter_context(open(os.devnull, "rb"))
+        monkeypatch.setattr(os, "listdir", listing)
+        text = generate_latest(REGISTRY).decode()
+        monkeypatch.undo()
+        size = os.stat("/proc/self/fd").st_size
+        counted = size or len(os.listdir("/proc/self/fd"))
+    assert [path for path in listed if path.endswith("/fd")] == ([] if size else ["/proc/self/fd"])
+    found = samples(text)
+    assert value(found, "process_open_fds") == counted >= 300
+    library = ProcessCollector(registry=None).collect()
+    ours = {
+        family.name: (family.type, family.documentation)
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("process_")
+    }
+    assert ours == {family.name: (family.type, family.documentation) for family in library}
