@@ -69,6 +69,9 @@ class ReasonCode(enum.StrEnum):
     # the disk itself failed: the host stops admitting
     DISK_FAILED = "disk_failed"
     DISK_FULL = "disk_full"
+    # the process (EMFILE) or the system (ENFILE) has no file descriptor left: not the
+    # disk's fault; the lane that met it waits and tries again (docs/design/lanes.md L21)
+    TOO_MANY_OPEN_FILES = "too_many_open_files"
     # the PostgreSQL journal store (docs/design/postgres-store.md); store_unavailable: the
     # database cannot be reached or failed, the host stops admitting (as for disk_failed)
     STORE_UNAVAILABLE = "store_unavailable"

@@ -27,6 +27,10 @@ A failed write, short write or sync **poisons** the file: it is truncated back
 to its last good frame, a poison document is written beside it, and every
 later append is refused (``journal_poisoned``). ``EIO``/``ENOSPC`` are reported
 as :class:`~runtime._errors.DiskFailedError`, so the host can stop admitting.
+A log whose file cannot be *opened* for want of a file descriptor (``EMFILE``/``ENFILE``)
+before anything was written to it is not poisoned: nothing reached its file, so there is
+nothing to bound; its appends are refused ``too_many_open_files`` and the log must be opened
+anew (:func:`descriptors_exhausted`, lanes.md L21).
 After a failed ``fdatasync`` nothing is retried: the page cache can no longer
 be trusted (the kernel may have dropped the dirty pages).
 """
@@ -59,6 +63,7 @@ __all__ = [
     "StagedFile",
     "WriterPool",
     "atomic_write",
+    "descriptors_exhausted",
     "disk_error",
     "handoffs_in_flight",
 ]
@@ -84,6 +89,8 @@ _DISK_ERRNOS: Final = {
     errno.EDQUOT: ReasonCode.DISK_FULL,
     errno.EROFS: ReasonCode.DISK_FAILED,
 }
+_EXHAUSTED_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE})
+"""No file descriptor left, in the process or the system: a resource, not the disk."""
 
 
 class LogTarget:
@@ -719,6 +726,12 @@ class WriterPool:
         frame = encode_frame(first, payloads)
         try:
             handle = self._open(target)
+        except OSError as exc:
+            error = self._open_failed(target, exc)
+            for item in group:
+                item.error = error
+            return error
+        try:
             written = self._put(target, handle, frame)
             if written != len(frame):
                 raise OSError(errno.EIO, f"short write: {written} of {len(frame)} bytes")
@@ -740,6 +753,22 @@ class WriterPool:
             if self._sync is not None:
                 self._sync.written(target)
         return None
+
+    def _open_failed(self, target: LogTarget, exc: OSError) -> JournalError:
+        """Opening ``target``'s file failed. For want of a file descriptor (L21), with nothing
+        owed to the file, nothing reached it: the log is not poisoned (no write failed, J5)
+        but refused ``too_many_open_files`` in memory — its next opening reads the file anew
+        (its numbering too: the refused records took sequence numbers). Any other failure
+        poisons it, as a failed write does."""
+        if exc.errno in _EXHAUSTED_ERRNOS and not target._pending:
+            target.poisoned = JournalError(
+                ReasonCode.TOO_MANY_OPEN_FILES,
+                f"the log's file could not be opened: {exc.strerror or exc}; "
+                "it is opened again once descriptors are free",
+                path=target.rel,
+            )
+            return target.poisoned
+        return self._poison(target, exc)
 
     def _open(self, target: LogTarget) -> int:
         """The log's handle, opened (and the file created) on first use. A log allocated
@@ -795,6 +824,14 @@ class WriterPool:
         for target, group in groups:
             try:
                 self._open(target)  # J13: the file is durable before its records
+            except OSError as exc:  # this log's own fault (J15)
+                error = self._open_failed(target, exc)
+                for item in group:
+                    item.error = error
+                if failure is None and isinstance(error, DiskFailedError):
+                    failure = error
+                continue
+            try:
                 if target._create:
                     fs.fsync_dir(os.path.dirname(target.path))
                     target._create = False
@@ -1095,6 +1132,15 @@ def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
         staged.commit()
     finally:
         staged.discard()
+
+
+def descriptors_exhausted(error: BaseException) -> bool:
+    """Whether ``error`` is the want of a file descriptor (``EMFILE``/``ENFILE``): an
+    ``OSError`` with that errno, or a log refused for it (``too_many_open_files``, L21). Not
+    a disk failure, nor a poison: the opening is tried again later."""
+    if isinstance(error, JournalError):
+        return error.code is ReasonCode.TOO_MANY_OPEN_FILES
+    return isinstance(error, OSError) and error.errno in _EXHAUSTED_ERRNOS
 
 
 def disk_error(exc: OSError, rel: str) -> DiskFailedError | None:

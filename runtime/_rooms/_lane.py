@@ -66,6 +66,7 @@ from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
+from .._journal._writer import descriptors_exhausted
 from .._logs import fields
 from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS, labelled
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -103,6 +104,10 @@ __all__ = ["Lane", "LaneHost"]
 
 _PROVIDER_CODES: Final = (ReasonCode.MODEL_FAILED, ReasonCode.USAGE_LIMIT_REACHED)
 """The turn ends a provider's failure gets (``_outcome.py``): the ones parking replaces."""
+_EXHAUSTED_FIRST: Final = 0.25
+_EXHAUSTED_MOST: Final = 30.0
+"""L21: the first and the longest wait before a lane opens a log again, for want of a file
+descriptor (seconds)."""
 REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
 logger = logging.getLogger("runtime.rooms")
@@ -215,6 +220,11 @@ class Lane:
         self._running: Turn | None = None
         self._cancelled = trio.Event()
         """Set when the current delivery is cancelled (a parked one stops waiting)."""
+        self._exhausted = 0
+        """Openings refused in a row for want of a file descriptor (L21): the backoff grows."""
+        self._retry_at: float | None = None
+        """When the first queued delivery, whose log could not be opened for want of a file
+        descriptor, is tried again (L21); ``None``: at once."""
 
     # -- the host's view ---------------------------------------------------------------
 
@@ -360,13 +370,18 @@ class Lane:
     async def _serve(self) -> None:
         if self.host.shared:
             await self._restore_session(self.session)
-        await trio.to_thread.run_sync(self._prepare)
-        try:
-            self.log = await self.host.store.open_lane_log(self.room, fence=self.fence)
-        except JournalError as error:
-            if fenced_out(error):
-                await self._give_up()
-            raise
+        while True:  # L21: out of file descriptors, the lane waits, not the host's fault
+            try:
+                await trio.to_thread.run_sync(self._prepare)
+                self.log = await self.host.store.open_lane_log(self.room, fence=self.fence)
+                break
+            except (JournalError, OSError) as error:
+                if fenced_out(error):
+                    await self._give_up()
+                if not descriptors_exhausted(error):
+                    raise
+                await trio.sleep(self._backoff(error, "its session or its log"))
+        self._exhausted = 0
         self.epochs = max(  # W13: a launch a crash cut before it started used its number too
             (
                 r.epoch
@@ -380,6 +395,11 @@ class Lane:
                 if not self.queue:
                     await self._idle()
                     continue
+                if self._retry_at is not None:  # L21: the first one waits for descriptors
+                    await trio.sleep_until(self._retry_at)
+                    self._retry_at = None
+                    if not self.queue:  # (cancelled meanwhile)
+                        continue
                 pending = self.queue.popleft()
                 self._riding -= len(pending.absorbed)  # counted as the current's from here
                 self.current = pending
@@ -393,6 +413,27 @@ class Lane:
                     self.current = None
                     self.last_used = trio.current_time()
                     self.host.lane_idle(self)
+
+    def _backoff(self, error: BaseException, what: str) -> float:
+        """L21: how long to wait before opening ``what`` again, the process (or the system)
+        having no file descriptor left — doubling from :data:`_EXHAUSTED_FIRST` up to
+        :data:`_EXHAUSTED_MOST`; logged with the stable code ``too_many_open_files``."""
+        self._exhausted += 1
+        delay: float = min(_EXHAUSTED_MOST, _EXHAUSTED_FIRST * 2.0 ** min(self._exhausted - 1, 16))
+        logger.warning(
+            "lane %s could not open %s (%s); it tries again in %.2fs, its deliveries wait",
+            self.key,
+            what,
+            getattr(error, "strerror", None) or error,
+            delay,
+            extra=fields(
+                "descriptors_exhausted",
+                room=self.room,
+                lane=self.key,
+                code=ReasonCode.TOO_MANY_OPEN_FILES,
+            ),
+        )
+        return delay
 
     async def _journal_failed(self, pending: Pending, refused: str | None) -> None:
         """A delivery whose log was poisoned — now, or before the host restarted — ends
@@ -468,13 +509,20 @@ class Lane:
         store = self.host.store
         try:
             log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
-        except JournalError as error:
+        except (JournalError, OSError) as error:
             if fenced_out(error):  # S11: another host's lane now
                 await self._give_up()
+            if descriptors_exhausted(error):  # L21: it waits, first in its queue
+                self.submit(pending, front=True)
+                self._retry_at = trio.current_time() + self._backoff(error, "a delivery's log")
+                return
+            if not isinstance(error, JournalError):
+                raise
             # poisoned before a restart: as if now (L17); found damaged: refused (L11)
             damaged = pending.recovering and error.code is not ReasonCode.JOURNAL_POISONED
             await self._journal_failed(pending, "journal" if damaged else None)
             return
+        self._exhausted = 0
         try:
             try:
                 existing = log.contents.records
