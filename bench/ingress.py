@@ -97,7 +97,9 @@ from trio_websocket import (
 )
 
 if TYPE_CHECKING:
+    from runtime._config import RoomWorkerConfig, ServerConfig
     from runtime._journal._interface import Log
+    from runtime._rooms._admission import Delivery
     from runtime._server._heap import HeapKeeper
     from runtime._wire import Accepted
 
@@ -287,15 +289,7 @@ async def runtime_server(
     besides the websocket (:func:`bisected_deliver`)."""
     from fake_pi.model_server import ScriptedModel, serve_model
     from fake_pi.scenario import Hang, Scenario
-    from runtime._config import (
-        Caps,
-        MetricsConfig,
-        ModelConfig,
-        RoomWorkerConfig,
-        ServerConfig,
-        Thresholds,
-    )
-    from runtime._rooms._admission import Author, Delivery
+    from runtime._config import ServerConfig
     from runtime._server._heap import keep_heap
     from runtime._server._serve import ServeOptions, heap_policy, open_server
 
@@ -305,20 +299,13 @@ async def runtime_server(
     collections = GcWatch()
     async with trio.open_nursery() as nursery:
         upstream = await nursery.start(serve_model, model)
-        config = RoomWorkerConfig(
-            agent="fake",
-            model=ModelConfig(base_url=f"{upstream.url}/v1"),
-            thresholds=Thresholds(
-                stall_seconds=hour,
-                upstream_inactivity_seconds=hour / 2,
-                idle_stop_seconds=hour,
-                drain_timeout_seconds=1.0,
-            ),
-            caps=Caps(max_live_workers=1, queue_limit=capacity),
+        config = held_config(
+            upstream.url,
+            capacity,
             server=ServerConfig(max_in_flight=capacity)
             if heap_freeze is None
             else ServerConfig(max_in_flight=capacity, heap_freeze_seconds=heap_freeze),
-            metrics=MetricsConfig(listen="127.0.0.1:0" if metrics == "on" else None),
+            metrics_listen="127.0.0.1:0" if metrics == "on" else None,
         )
         if metrics == "off":
             instruments_off()
@@ -330,14 +317,7 @@ async def runtime_server(
             worker = server.worker
 
             def delivery(room: str, delivery_id: str) -> Delivery:
-                author = Author(id="u-warm", name="Ann")
-                return Delivery(
-                    delivery_id=delivery_id,
-                    room=room,
-                    author=author,
-                    message_id=f"m-{delivery_id}",
-                    text=TEXT,
-                )
+                return text_delivery(room, delivery_id, author_id="u-warm")
 
             started = time.perf_counter()
             with trio.fail_after(120):
@@ -392,6 +372,47 @@ async def runtime_server(
             )
             await _until_stdin_closes(on_line)
         nursery.cancel_scope.cancel()
+
+
+def held_config(
+    upstream_url: str,
+    capacity: int,
+    *,
+    server: ServerConfig,
+    metrics_listen: str | None,
+) -> RoomWorkerConfig:
+    """A room worker on Fake-Pi whose turns the scripted model at ``upstream_url`` holds back
+    for an hour (nothing times out meanwhile), one live worker, ``capacity`` deliveries
+    queued per room: the bench servers' configuration (this one's and bench.scrape_rooms')."""
+    from runtime._config import Caps, MetricsConfig, ModelConfig, RoomWorkerConfig, Thresholds
+
+    hour = 3600.0
+    return RoomWorkerConfig(
+        agent="fake",
+        model=ModelConfig(base_url=f"{upstream_url}/v1"),
+        thresholds=Thresholds(
+            stall_seconds=hour,
+            upstream_inactivity_seconds=hour / 2,
+            idle_stop_seconds=hour,
+            drain_timeout_seconds=1.0,
+        ),
+        caps=Caps(max_live_workers=1, queue_limit=capacity),
+        server=server,
+        metrics=MetricsConfig(listen=metrics_listen),
+    )
+
+
+def text_delivery(room: str, delivery_id: str, *, author_id: str) -> Delivery:
+    """A delivery of :data:`TEXT` into ``room`` by Ann."""
+    from runtime._rooms._admission import Author, Delivery
+
+    return Delivery(
+        delivery_id=delivery_id,
+        room=room,
+        author=Author(id=author_id, name="Ann"),
+        message_id=f"m-{delivery_id}",
+        text=TEXT,
+    )
 
 
 async def poll(condition: Callable[[], bool]) -> None:

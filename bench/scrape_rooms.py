@@ -63,7 +63,7 @@ from trio_websocket import WebSocketConnection, connect_websocket
 
 from runtime._boundary._http import open_request
 
-from .ingress import REPO, TEXT, Server, _lines, _say, poll, stop
+from .ingress import REPO, TEXT, Server, _lines, _say, held_config, poll, stop, text_delivery
 
 if TYPE_CHECKING:
     from runtime._rooms._census import RoomTotals
@@ -180,16 +180,9 @@ async def server_role(base: Path) -> None:
 
     from fake_pi.model_server import ScriptedModel, serve_model
     from fake_pi.scenario import Hang, Scenario
-    from runtime._config import (
-        Caps,
-        MetricsConfig,
-        ModelConfig,
-        RoomWorkerConfig,
-        ServerConfig,
-        Thresholds,
-    )
+    from runtime._config import ServerConfig
     from runtime._metrics import PROCESS, REGISTRY
-    from runtime._rooms._admission import Author, Delivery
+    from runtime._rooms._admission import Delivery
     from runtime._rooms._census import room_totals
     from runtime._server import _metrics
     from runtime._server._page import OperatorPage
@@ -211,31 +204,18 @@ async def server_role(base: Path) -> None:
     lag = Lag()
     async with trio.open_nursery() as nursery:
         upstream = await nursery.start(serve_model, model)
-        config = RoomWorkerConfig(
-            agent="fake",
-            model=ModelConfig(base_url=f"{upstream.url}/v1"),
-            thresholds=Thresholds(
-                stall_seconds=hour,
-                upstream_inactivity_seconds=hour / 2,
-                idle_stop_seconds=hour,
-                drain_timeout_seconds=1.0,
-            ),
-            caps=Caps(max_live_workers=1, queue_limit=100_000),
+        config = held_config(
+            upstream.url,
+            100_000,
             server=ServerConfig(max_in_flight=100_000),
-            metrics=MetricsConfig(listen="127.0.0.1:0"),
+            metrics_listen="127.0.0.1:0",
         )
         async with open_server(config, ServeOptions(port=0), base_dir=base) as server:
             worker = server.worker
             page = OperatorPage(server, secure=False, allowed_hosts=frozenset())
 
             def delivery(room: str, delivery_id: str) -> Delivery:
-                return Delivery(
-                    delivery_id=delivery_id,
-                    room=room,
-                    author=Author(id="u1", name="Ann"),
-                    message_id=f"m-{delivery_id}",
-                    text=TEXT,
-                )
+                return text_delivery(room, delivery_id, author_id="u1")
 
             with trio.fail_after(120):
                 await worker.deliver(delivery(HOLD_ROOM, "hold"))
