@@ -559,9 +559,13 @@ def _ticks(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def start_server(role: str, *extra: str) -> contextlib.AbstractAsyncContextManager[Server]:
+    return server_process([sys.executable, "-m", "bench.ingress", "--role", role, *extra])
+
+
 @contextlib.asynccontextmanager
-async def start_server(role: str, *extra: str) -> AsyncIterator[Server]:
-    command = [sys.executable, "-m", "bench.ingress", "--role", role, *extra]
+async def server_process(command: list[str]) -> AsyncIterator[Server]:
+    """A bench server subprocess (``command``), once it has said ``READY``; stopped after."""
     process = await trio.lowlevel.open_process(command, stdin=-1, stdout=-1, cwd=str(REPO))
     try:
         assert process.stdout is not None

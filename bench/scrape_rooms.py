@@ -63,7 +63,17 @@ from trio_websocket import WebSocketConnection, connect_websocket
 
 from runtime._boundary._http import open_request
 
-from .ingress import REPO, TEXT, Server, _lines, _say, held_config, poll, stop, text_delivery
+from .ingress import (
+    REPO,
+    TEXT,
+    Server,
+    _lines,
+    _say,
+    held_config,
+    poll,
+    server_process,
+    text_delivery,
+)
 
 if TYPE_CHECKING:
     from runtime._rooms._census import RoomTotals
@@ -309,18 +319,9 @@ async def server_role(base: Path) -> None:
 # -- the bench ---------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def start_server(base: Path) -> AsyncIterator[Server]:
+def start_server(base: Path) -> contextlib.AbstractAsyncContextManager[Server]:
     command = [sys.executable, "-m", "bench.scrape_rooms", "--role", "server", "--dir", str(base)]
-    process = await trio.lowlevel.open_process(command, stdin=-1, stdout=-1, cwd=str(REPO))
-    try:
-        assert process.stdout is not None
-        server = Server(process, _lines(process.stdout))
-        server.ready = await server.expect("READY")
-        yield server
-    finally:
-        with trio.CancelScope(shield=True):
-            await stop(process)
+    return server_process(command)
 
 
 @contextlib.asynccontextmanager
