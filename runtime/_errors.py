@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NoReturn, ParamSpec, TypeVar
@@ -439,6 +440,27 @@ class WatchdogConfigError(ConfigError):
 
     def __init__(self, setting: str, message: str) -> None:
         super().__init__(setting, message, code=ReasonCode.WATCHDOG_CONFIG_INVALID)
+
+
+# ---------------------------------------- out of file descriptors (docs/design/lanes.md L21)
+
+_EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
+"""No file descriptor left, in the process or the system: a resource, not the disk."""
+
+
+def descriptors_exhausted(error: BaseException) -> bool:
+    """Whether ``error`` is the want of a file descriptor (``EMFILE``/``ENFILE``), the only
+    reason it was raised: an ``OSError`` with that errno, a runtime error carrying the code
+    ``too_many_open_files`` (a log refused for it, a worker that could not be launched for
+    it), or a group of such (what a nursery raises; a cancellation in it is the group's own
+    business, not a cause). Not a disk failure, nor a poison, nor a worker's death: what
+    met it is tried again once descriptors are free (L21)."""
+    if isinstance(error, BaseExceptionGroup):
+        leaves = _leaves(error)
+        return all(descriptors_exhausted(leaf) for leaf in leaves) and bool(leaves)
+    if isinstance(error, PiRuntimeError):
+        return error.code is ReasonCode.TOO_MANY_OPEN_FILES
+    return isinstance(error, OSError) and error.errno in _EXHAUSTED_ERRNOS
 
 
 # ---------------------------------------- one error out of a public API (docs/design/lanes.md L16)

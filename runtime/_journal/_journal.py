@@ -315,6 +315,11 @@ class Journal:
         """Nothing: this process is the file's only writer."""
         return []
 
+    async def hold_open(self) -> None:
+        """Open the file now and keep it open until :meth:`aclose` (a shared log: its
+        appends then never need a file descriptor, L21)."""
+        await self._pool.open_target(self._target)
+
     async def flush(self) -> None:
         """Make the file hold every record acknowledged so far (a delivery's log may owe
         some to it, made durable in the sync log: J12)."""

@@ -422,7 +422,11 @@ class Store:
                     create=False,
                 )
                 contents = LogContents(rel, tuple(written), len(data), 0)
-                return self._adopt(Journal(self._pool, target, contents))
+                adopted = self._adopt(Journal(self._pool, target, contents))
+                # L21: opened while appends still wait, in the descriptor the old file's
+                # close just gave back — so no admission ever opens it
+                await adopted.hold_open()
+                return adopted
         finally:
             await trio.to_thread.run_sync(staged.discard)
 
@@ -934,6 +938,8 @@ async def open_store(
         try:
             store._adopt(await store._open_or_create(ADMISSIONS, LogKind.ADMISSIONS, "admissions"))
             store._adopt(await store._open_or_create(RESULTS, LogKind.RESULTS, "results"))
+            for shared in (store.admissions, store.results):  # L21: no append of theirs
+                await shared.hold_open()  # ever waits for a descriptor
             store.expired = await trio.to_thread.run_sync(
                 read_expired, store.fs, store.path(EXPIRED)
             )

@@ -30,7 +30,7 @@ as :class:`~runtime._errors.DiskFailedError`, so the host can stop admitting.
 A log whose file cannot be *opened* for want of a file descriptor (``EMFILE``/``ENFILE``)
 before anything was written to it is not poisoned: nothing reached its file, so there is
 nothing to bound; its appends are refused ``too_many_open_files`` and the log must be opened
-anew (:func:`descriptors_exhausted`, lanes.md L21).
+anew (:func:`~runtime._errors.descriptors_exhausted`, lanes.md L21).
 After a failed ``fdatasync`` nothing is retried: the page cache can no longer
 be trusted (the kernel may have dropped the dirty pages).
 """
@@ -51,7 +51,7 @@ from typing import Final
 import trio
 
 from .._clock import perf_seconds
-from .._errors import DiskFailedError, JournalError, ReasonCode
+from .._errors import DiskFailedError, JournalError, ReasonCode, descriptors_exhausted
 from .._linux._fs import FileSystem
 from .._metrics import JOURNAL_APPEND_SECONDS, JOURNAL_BATCH_RECORDS, JOURNAL_FDATASYNC_SECONDS
 from ._frame import encode_frame
@@ -63,7 +63,6 @@ __all__ = [
     "StagedFile",
     "WriterPool",
     "atomic_write",
-    "descriptors_exhausted",
     "disk_error",
     "handoffs_in_flight",
 ]
@@ -89,8 +88,6 @@ _DISK_ERRNOS: Final = {
     errno.EDQUOT: ReasonCode.DISK_FULL,
     errno.EROFS: ReasonCode.DISK_FAILED,
 }
-_EXHAUSTED_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE})
-"""No file descriptor left, in the process or the system: a resource, not the disk."""
 
 
 class LogTarget:
@@ -228,6 +225,12 @@ class _Close(_Handoff):
     __slots__ = ()
 
 
+class _Open(_Handoff):
+    """Open a log's file now (a log that lives as long as the store, L21)."""
+
+    __slots__ = ()
+
+
 class _Flush(_Handoff):
     """Write a log's pending records to its file (and sync it) before it is read (J12)."""
 
@@ -250,7 +253,7 @@ _end_of_pass = trio.lowlevel.cancel_shielded_checkpoint
 """Yield once, uncancellably, so every task runnable in this scheduler pass runs first (a
 test may hold it longer)."""
 
-_LogWork = _Append | _Close | _Flush
+_LogWork = _Append | _Close | _Flush | _Open
 _Work = _LogWork | _Retire
 _Item = _Work | list[_Work] | None
 
@@ -492,6 +495,15 @@ class WriterPool:
             return
         await self._handoff(_Close(target))
 
+    async def open_target(self, target: LogTarget) -> None:
+        """Open the log's file now, not at its first append: a log the store keeps open for
+        its whole life (the shared logs) then never needs a file descriptor to append, and
+        a want of one is met here, at the store's start (L21), where it fails the start
+        (``too_many_open_files``) instead of every later append."""
+        if self._closed:
+            raise JournalError(ReasonCode.JOURNAL_CLOSED, "the store is closed", path=target.rel)
+        await self._handoff(_Open(target))
+
     async def flush_target(self, target: LogTarget) -> None:
         """Write the log's pending records to its file, synced, so that reading the file
         finds every record acknowledged before this call (J12)."""
@@ -646,6 +658,14 @@ class WriterPool:
             if isinstance(item, _Retire):
                 note(self._retire(item))
                 continue
+            if isinstance(item, _Open):
+                if item.target.poisoned is None:
+                    try:
+                        self._ready(item.target)
+                    except OSError as exc:
+                        item.error = self._open_failed(item.target, exc)
+                        note(item.error)
+                continue
             if item.target._pending:  # a close or a flush: the file first gets its records
                 note(self._write_group(item.target, []))
             if isinstance(item, _Close):
@@ -725,7 +745,7 @@ class WriterPool:
             payloads = [item.payload for item in group]
         frame = encode_frame(first, payloads)
         try:
-            handle = self._open(target)
+            handle = self._ready(target)
         except OSError as exc:
             error = self._open_failed(target, exc)
             for item in group:
@@ -739,9 +759,6 @@ class WriterPool:
             fs.fdatasync(handle)
             JOURNAL_FDATASYNC_SECONDS.observe(perf_seconds() - synced)
             JOURNAL_BATCH_RECORDS.observe(len(payloads))
-            if target._create:
-                fs.fsync_dir(os.path.dirname(target.path))
-                target._create = False
         except OSError as exc:
             error = self._poison(target, exc)
             for item in group:
@@ -755,12 +772,17 @@ class WriterPool:
         return None
 
     def _open_failed(self, target: LogTarget, exc: OSError) -> JournalError:
-        """Opening ``target``'s file failed. For want of a file descriptor (L21), with nothing
-        owed to the file, nothing reached it: the log is not poisoned (no write failed, J5)
-        but refused ``too_many_open_files`` in memory — its next opening reads the file anew
+        """Making ``target`` ready for a write (:meth:`_ready`) failed: nothing of this write
+        reached its file. For want of a file descriptor (L21), with nothing owed to the file,
+        the log is not poisoned (no write failed, J5) but refused ``too_many_open_files`` in
+        memory, its handle (if it was opened) closed — its next opening reads the file anew
         (its numbering too: the refused records took sequence numbers). Any other failure
         poisons it, as a failed write does."""
-        if exc.errno in _EXHAUSTED_ERRNOS and not target._pending:
+        if descriptors_exhausted(exc) and not target._pending:
+            if target._handle is not None:
+                with contextlib.suppress(OSError):
+                    self._fs.close(target._handle)
+                target._handle = None
             target.poisoned = JournalError(
                 ReasonCode.TOO_MANY_OPEN_FILES,
                 f"the log's file could not be opened: {exc.strerror or exc}; "
@@ -769,6 +791,16 @@ class WriterPool:
             )
             return target.poisoned
         return self._poison(target, exc)
+
+    def _ready(self, target: LogTarget) -> int:
+        """The log's handle (:meth:`_open`), and for a file it created, its directory entry
+        synced before any record goes in (J13): a sync of the directory takes a descriptor
+        too, so a want of one meets the log before anything is written to it (L21)."""
+        handle = self._open(target)
+        if target._create:
+            self._fs.fsync_dir(os.path.dirname(target.path))
+            target._create = False
+        return handle
 
     def _open(self, target: LogTarget) -> int:
         """The log's handle, opened (and the file created) on first use. A log allocated
@@ -823,20 +855,9 @@ class WriterPool:
         ready: list[tuple[LogTarget, list[_Append]]] = []
         for target, group in groups:
             try:
-                self._open(target)  # J13: the file is durable before its records
+                self._ready(target)  # J13: the file is durable before its records
             except OSError as exc:  # this log's own fault (J15)
                 error = self._open_failed(target, exc)
-                for item in group:
-                    item.error = error
-                if failure is None and isinstance(error, DiskFailedError):
-                    failure = error
-                continue
-            try:
-                if target._create:
-                    fs.fsync_dir(os.path.dirname(target.path))
-                    target._create = False
-            except OSError as exc:  # this log's own fault (J15)
-                error = self._poison(target, exc)
                 for item in group:
                     item.error = error
                 if failure is None and isinstance(error, DiskFailedError):
@@ -1132,15 +1153,6 @@ def atomic_write(fs: FileSystem, path: str, data: bytes) -> None:
         staged.commit()
     finally:
         staged.discard()
-
-
-def descriptors_exhausted(error: BaseException) -> bool:
-    """Whether ``error`` is the want of a file descriptor (``EMFILE``/``ENFILE``): an
-    ``OSError`` with that errno, or a log refused for it (``too_many_open_files``, L21). Not
-    a disk failure, nor a poison: the opening is tried again later."""
-    if isinstance(error, JournalError):
-        return error.code is ReasonCode.TOO_MANY_OPEN_FILES
-    return isinstance(error, OSError) and error.errno in _EXHAUSTED_ERRNOS
 
 
 def disk_error(exc: OSError, rel: str) -> DiskFailedError | None:

@@ -42,7 +42,7 @@ import msgspec
 import trio
 import trio.lowlevel
 
-from .._errors import ReasonCode, WorkerError, reraise
+from .._errors import ReasonCode, WorkerError, descriptors_exhausted, reraise
 from .._linux._proc import ProcessIdentity, boot_id, process_start_time
 from .._linux._proctree import (
     CGROUP_PARENT_NAME,
@@ -369,6 +369,8 @@ def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, P
         try:
             return Containment.CGROUP, create_cgroup(support.parent, nonce)
         except OSError as error:
+            if descriptors_exhausted(error):  # not a cgroup's fault: never contained less
+                raise _exhausted(f"cannot create the epoch's cgroup: {error}") from error
             if containment is Containment.CGROUP:
                 raise WorkerError(
                     ReasonCode.WORKER_LAUNCH_FAILED, f"cannot create the epoch's cgroup: {error}"
@@ -380,6 +382,12 @@ def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, P
     if containment is not Containment.SCAN and set_child_subreaper():
         return Containment.SUBREAPER, None
     return Containment.SCAN, None
+
+
+def _exhausted(why: str) -> WorkerError:
+    """A launch refused for want of a file descriptor (``EMFILE``/``ENFILE``): no worker
+    ran, so nothing of it died — the caller waits and launches again (lanes.md L21)."""
+    return WorkerError(ReasonCode.TOO_MANY_OPEN_FILES, why)
 
 
 def _resolve(argv0: str, env: Mapping[str, str]) -> str:
@@ -425,9 +433,10 @@ async def _launch(
             remove_cgroup(cgroup)
         if not isinstance(error, OSError):
             raise
-        raise WorkerError(
-            ReasonCode.WORKER_LAUNCH_FAILED, f"cannot start {argv[0]} in {cwd}: {error}"
-        ) from error
+        why = f"cannot start {argv[0]} in {cwd}: {error}"
+        if descriptors_exhausted(error):
+            raise _exhausted(why) from error
+        raise WorkerError(ReasonCode.WORKER_LAUNCH_FAILED, why) from error
     start_time = process_start_time(process.pid)
     identity = ProcessIdentity(pid=process.pid, start_time=start_time or 0, boot_id=boot_id())
     return Epoch(
@@ -580,7 +589,13 @@ async def open_worker(
     """Launch Pi or Fake-Pi (the same way, W9) as one epoch: :func:`open_epoch` for workers.
     ``secrets`` as there (a lane passes ``Boundaries.worker_secrets()``)."""
     check_launch(launch)
-    write_agent_files(launch)
+    try:
+        write_agent_files(launch)
+    except OSError as error:  # the worker's home: this launch's failure, never the host's
+        why = f"cannot write the worker's settings in {launch.agent_dir}: {error}"
+        if descriptors_exhausted(error):
+            raise _exhausted(why) from error
+        raise WorkerError(ReasonCode.WORKER_LAUNCH_FAILED, why) from error
     env = worker_environment(
         home=launch.home,
         agent_dir=launch.agent_dir,

@@ -37,10 +37,10 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import msgspec
 import trio
@@ -60,13 +60,13 @@ from .._errors import (
     RpcError,
     SessionError,
     WorkerError,
+    descriptors_exhausted,
 )
 from .._journal._attachments import SHARED_ATTACHMENTS
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import fenced_out
 from .._journal._store import delivery_key, lane_key
-from .._journal._writer import descriptors_exhausted
 from .._logs import fields
 from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS, labelled
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
@@ -111,6 +111,7 @@ descriptor (seconds)."""
 REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
 logger = logging.getLogger("runtime.rooms")
+_T = TypeVar("_T")
 
 EXHAUSTED: Final = TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.RECOVERY_EXHAUSTED)
 
@@ -181,6 +182,29 @@ class _WorkerDied(Exception):
     """The epoch ended mid-turn (exit, launch failure or a broken channel)."""
 
 
+class _OutOfDescriptors(Exception):
+    """A want of file descriptors met before the delivery's turn began — its slot's
+    boundaries, its session's leaf, its replay's branch, its worker's launch (L21): nothing
+    of the turn reached the worker or the session, so it is taken up again later,
+    uncharged. ``lane_log``: the lane's log refused the launch's record (opened anew)."""
+
+    def __init__(self, what: str, cause: BaseException, *, lane_log: bool = False) -> None:
+        super().__init__(f"{what}: {cause}")
+        self.what, self.cause, self.lane_log = what, cause, lane_log
+
+
+@contextlib.contextmanager
+def _before_the_turn(what: str) -> Iterator[None]:
+    """Raise :class:`_OutOfDescriptors` for a want of descriptors the block meets."""
+    try:
+        yield
+    except BaseException as error:
+        if not descriptors_exhausted(error):
+            raise
+        lane_log = isinstance(error, JournalError)  # the only log a launch appends to
+        raise _OutOfDescriptors(what, error, lane_log=lane_log) from error
+
+
 class Lane:
     """One room's lane; the host starts :meth:`run` in the lane's own nursery."""
 
@@ -223,8 +247,12 @@ class Lane:
         self._exhausted = 0
         """Openings refused in a row for want of a file descriptor (L21): the backoff grows."""
         self._retry_at: float | None = None
-        """When the first queued delivery, whose log could not be opened for want of a file
-        descriptor, is tried again (L21); ``None``: at once."""
+        """When the first queued delivery, whose log could not be opened — or whose turn
+        could not begin — for want of a file descriptor, is tried again (L21); ``None``: at
+        once."""
+        self._log_refused = False
+        """The lane's log refused a launch's record for want of a descriptor (L21): opened
+        anew before the delivery is tried again."""
 
     # -- the host's view ---------------------------------------------------------------
 
@@ -370,18 +398,7 @@ class Lane:
     async def _serve(self) -> None:
         if self.host.shared:
             await self._restore_session(self.session)
-        while True:  # L21: out of file descriptors, the lane waits, not the host's fault
-            try:
-                await trio.to_thread.run_sync(self._prepare)
-                self.log = await self.host.store.open_lane_log(self.room, fence=self.fence)
-                break
-            except (JournalError, OSError) as error:
-                if fenced_out(error):
-                    await self._give_up()
-                if not descriptors_exhausted(error):
-                    raise
-                await trio.sleep(self._backoff(error, "its session or its log"))
-        self._exhausted = 0
+        self.log = await self._open_log(prepare=True)
         self.epochs = max(  # W13: a launch a crash cut before it started used its number too
             (
                 r.epoch
@@ -398,6 +415,8 @@ class Lane:
                 if self._retry_at is not None:  # L21: the first one waits for descriptors
                     await trio.sleep_until(self._retry_at)
                     self._retry_at = None
+                    if self._log_refused:  # a launch's record refused: the log opened anew
+                        await self._reopen_log()
                     if not self.queue:  # (cancelled meanwhile)
                         continue
                 pending = self.queue.popleft()
@@ -413,6 +432,34 @@ class Lane:
                     self.current = None
                     self.last_used = trio.current_time()
                     self.host.lane_idle(self)
+
+    async def _open_log(self, *, prepare: bool = False) -> Log:
+        """The lane's log, opened (``prepare``: its directories and session made first).
+        Out of file descriptors the lane waits and tries again (L21): not the host's fault."""
+        while True:
+            try:
+                if prepare:
+                    await trio.to_thread.run_sync(self._prepare)
+                log = await self.host.store.open_lane_log(self.room, fence=self.fence)
+            except (JournalError, OSError) as error:
+                if fenced_out(error):
+                    await self._give_up()
+                if not descriptors_exhausted(error):
+                    raise
+                await trio.sleep(self._backoff(error, "its session or its log"))
+                continue
+            self._exhausted = 0
+            return log
+
+    async def _reopen_log(self) -> None:
+        """The lane's log refused a launch's record for want of a file descriptor (L21): it
+        refuses every later one (the refused record took a sequence number), so it is
+        closed and opened anew, its records read again. Until the new one is open the old
+        one stays :attr:`log`: an epoch's end met meanwhile is refused, as it was."""
+        assert self.log is not None
+        await self.host.store.close_log(self.log)
+        self.log = await self._open_log()
+        self._log_refused = False
 
     def _backoff(self, error: BaseException, what: str) -> float:
         """L21: how long to wait before opening ``what`` again, the process (or the system)
@@ -434,6 +481,29 @@ class Lane:
             ),
         )
         return delay
+
+    def _wait_for_descriptors(self, pending: Pending, error: BaseException, what: str) -> None:
+        """L21: ``pending`` met a want of file descriptors before its turn began: it goes
+        back first in its queue — admitted, durable, cancellable, charged nothing — and is
+        taken up again after the lane's backoff."""
+        self.submit(pending, front=True)
+        self._retry_at = trio.current_time() + self._backoff(error, what)
+
+    async def _patiently(
+        self, what: str, work: Callable[[Path], Awaitable[_T]], session: Path
+    ) -> _T:
+        """``work(session)``, waited out and tried again while the process has no file
+        descriptor left (L21): after a turn ran, its delivery cannot go back to its queue."""
+        while True:
+            try:
+                done = await work(session)
+            except OSError as error:
+                if not descriptors_exhausted(error):
+                    raise
+                await trio.sleep(self._backoff(error, what))
+                continue
+            self._exhausted = 0
+            return done
 
     async def _journal_failed(self, pending: Pending, refused: str | None) -> None:
         """A delivery whose log was poisoned — now, or before the host restarted — ends
@@ -513,8 +583,7 @@ class Lane:
             if fenced_out(error):  # S11: another host's lane now
                 await self._give_up()
             if descriptors_exhausted(error):  # L21: it waits, first in its queue
-                self.submit(pending, front=True)
-                self._retry_at = trio.current_time() + self._backoff(error, "a delivery's log")
+                self._wait_for_descriptors(pending, error, "a delivery's log")
                 return
             if not isinstance(error, JournalError):
                 raise
@@ -532,6 +601,10 @@ class Lane:
                     await log.append(recorded)
             finally:
                 await store.close_log(log)
+        except _OutOfDescriptors as out:  # L21: its turn never began; it waits, first
+            self._log_refused = self._log_refused or out.lane_log
+            self._wait_for_descriptors(pending, out.cause, out.what)
+            return
         except JournalError as error:  # this delivery's log failed: it ends here (L17)
             if fenced_out(error):  # S11: not failed — another host's lane now
                 await self._give_up()
@@ -582,7 +655,8 @@ class Lane:
         slot = await self._slot_for(pending)
         if started is None:
             try:
-                leaf = await self._leaf(slot.session)
+                with _before_the_turn("its session"):
+                    leaf = await self._leaf(slot.session)
             except (SessionError, OSError):  # L18: the session cannot be read: fail closed
                 return self._refused("session")
             started = msgspec.structs.replace(
@@ -592,7 +666,8 @@ class Lane:
             await log.append(started)
         elif self.host.shared and slot.session != self.session:  # a one-shot session
             await self._restore_session(slot.session)
-        boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
+        with _before_the_turn("its worker's boundaries"):
+            boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
         branch = attempts > 0 or bool(parks)  # the session goes back to the admission leaf
         try:
             while True:
@@ -603,8 +678,11 @@ class Lane:
                 if isinstance(probe, TurnEnd):  # cancelled, or past its bounds, while parked
                     return self._result(probe)
                 try:  # a probe ended before it asks said nothing of the route (PB4: finally)
-                    if branch and not await self._branch(slot.session, started):
-                        return self._refused("session")
+                    if branch:
+                        with _before_the_turn("its session"):
+                            branched = await self._branch(slot.session, started)
+                        if not branched:
+                            return self._refused("session")
                     gateway = boundaries.gateway
                     gateway.upstream_failure = None  # PB1: what this turn meets
                     answered = gateway.statistics().journaled
@@ -646,14 +724,14 @@ class Lane:
                     branch = True  # PB1: parked; the same turn again, from the journal
                     continue
                 end = ended
-                try:
-                    await self._fsync(slot.session)
+                try:  # (the turn ran: out of descriptors this waits in place, L21)
+                    await self._patiently("its session", self._fsync, slot.session)
                 except OSError:  # L18: the leaf it would name cannot be made durable (EIO):
                     return self._refused("session")  # this delivery ends, as _leaf's do
                 if boundaries.steps.mismatch is not None:  # G13: the replay diverged
                     return self._refused("replay")
                 try:
-                    leaf = await self._leaf(slot.session)
+                    leaf = await self._patiently("its session", self._leaf, slot.session)
                 except (SessionError, OSError):  # L18
                     return self._refused("session")
                 await self._store_session(slot.session)  # S13: before the result
@@ -775,7 +853,8 @@ class Lane:
 
     async def _turn(self, nursery: trio.Nursery, slot: Slot, pending: Pending, log: Log) -> TurnEnd:
         try:
-            live = await slot.ensure_live(nursery)
+            with _before_the_turn("its worker"):
+                live = await slot.ensure_live(nursery)
             boundaries = slot.boundaries  # held: a journal failure drops the slot's (L17)
             assert boundaries is not None
             turn = Turn(self.host, self.room, pending, live.rpc, log, outside=nursery)

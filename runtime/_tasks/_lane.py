@@ -100,6 +100,9 @@ from ._workers import EpochRequest, Stopped, TaskWorker, WorkerFactory
 
 __all__ = ["TaskHost", "TaskLane"]
 
+_LAUNCH_FAILED = frozenset({ReasonCode.WORKER_LAUNCH_FAILED, ReasonCode.TOO_MANY_OPEN_FILES})
+"""A worker that could not be launched (W1), or not for want of a file descriptor."""
+
 
 @dataclass
 class TaskHost:
@@ -745,7 +748,9 @@ class TaskLane:
             # other (TL2, WD8), not the lane's failure. Its tree was stopped on the way out
             # of ``open`` (W10), and a launch whose stop left a survivor raises
             # ``worker_tree_survived`` instead (W6), which stays the lane's failure (TL11).
-            if opened or error.code is not ReasonCode.WORKER_LAUNCH_FAILED:
+            # A launch refused for want of a file descriptor is taken as such an exit too
+            # (charged: lanes.md L21 lists it as not yet waited out for tasks).
+            if opened or error.code not in _LAUNCH_FAILED:
                 raise
             stopped = Stopped(True)
             failed = {**identity, "code": str(error.code)}

@@ -9,8 +9,12 @@ other rooms' descriptors are freed meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
+import resource
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -21,8 +25,10 @@ from fake_pi.scenario import Text
 from runtime._config import RoomConfig
 from runtime._journal._store import delivery_key, lane_key
 from runtime._linux._fs import OsFileSystem
-from runtime._records import Outcome
-from runtime._rooms._worker import open_room_worker
+from runtime._records import Outcome, StepAbandoned
+from runtime._rooms import _lane as lane_module
+from runtime._rooms._worker import RoomWorker, open_room_worker
+from runtime._wire import DeliveryResult
 
 from .._workers import scripted_upstream
 from .test_room_worker import LIMIT, ROOM, config, message, next_results
@@ -70,7 +76,7 @@ def _poisons(root: Path) -> list[Path]:
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
 @pytest.mark.parametrize("whose", ["lane", "delivery"])
 async def test_l21_a_lane_out_of_descriptors_waits_and_the_host_goes_on(
-    tmp_path: Path, code: int, whose: str
+    tmp_path: Path, code: int, whose: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """L21: the open of a room's lane log (or of its delivery's log) fails with
     ``EMFILE``/``ENFILE`` three times. Tries to break: the failure leaving the room worker's
@@ -79,6 +85,7 @@ async def test_l21_a_lane_out_of_descriptors_waits_and_the_host_goes_on(
     a disk failure and refusing admissions, or the admitted delivery lost or ended with a
     wrong code. Expected: another room is served meanwhile, admissions go on, the delivery
     waits and then runs once descriptors are back — exactly one result, a reply."""
+    monkeypatch.setattr(lane_module, "_EXHAUSTED_FIRST", 0.01)  # (how long is not tested)
     marker = lane_key(OTHER) if whose == "lane" else delivery_key("b1")
     fs = OutOfDescriptors(marker, code, times=3)
     rooms = {ROOM: RoomConfig(), OTHER: RoomConfig()}
@@ -102,3 +109,131 @@ async def test_l21_a_lane_out_of_descriptors_waits_and_the_host_goes_on(
         "a2": (Outcome.REPLY, None),
     }
     assert _poisons(state) == []
+
+
+# ------------------------------------------------------------ the process really out of them
+
+
+class _Noticed(logging.Handler):
+    """Sets ``event`` at the first record of WARNING or above, from any logger: every want
+    of a descriptor the host meets must be said (the lane's ``descriptors_exhausted``, an
+    accept loop's retry) — one it swallowed would leave the test waiting, and failing."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = trio.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        self.event.set()
+
+
+@contextlib.contextmanager
+def _descriptors_left(left: int) -> Iterator[Callable[[], None]]:
+    """The process's descriptor table made small and filled but for ``left`` free places
+    (``RLIMIT_NOFILE``, real ``EMFILE`` from the kernel); yields the release, which frees
+    them all and puts the limit back (also when the block ends)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+    hog: list[int] = []
+
+    def release() -> None:
+        while hog:
+            os.close(hog.pop())
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                hog.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        for _ in range(left):
+            os.close(hog.pop())
+        yield release
+    finally:
+        release()
+
+
+SWEEP: Final = range(15)
+"""Free descriptors left when a delivery comes: from none to more than its whole turn needs
+(its lane log, session, delivery log, boundaries' sockets, the worker's pipes and files)."""
+
+
+@pytest.mark.parametrize("room_before", ["new", "served_before_a_restart"])
+async def test_l21_the_process_really_out_of_descriptors_at_every_step_of_a_turn(
+    tmp_path: Path, room_before: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L21 with the kernel's own ``EMFILE``: for each number of free descriptors in
+    :data:`SWEEP`, a delivery comes to a room of its own — a new room, or one served before
+    the host restarted (its lane log's first append after a restart) — while the process has
+    only that many left; the table is freed once the host says it met the want (or the
+    reply came). Tries to break, at whichever step the descriptors run out: the lane's log
+    poisoned by its directory's sync (the host stopped ``journal_poisoned``), the worker's
+    settings file or its cgroup failing the lane (the host stopped), the delivery's log
+    poisoned (``failed journal_poisoned``), the spawn charged as the worker's death until
+    ``failed recovery_exhausted``, a want met and never said. Expected: every delivery
+    replies exactly once, charged no recovery attempt (its log holds no abandoned step),
+    the host serves another room after each, nothing is poisoned, and the sweep spans both
+    ends — its first step meets the want, its last does not."""
+    monkeypatch.setattr(lane_module, "_EXHAUSTED_FIRST", 0.01)  # (how long is not tested)
+    rooms = {f"dm:3{k:02d}": RoomConfig() for k in SWEEP}
+    rooms[ROOM] = RoomConfig()
+    noticed_at: dict[int, list[str]] = {}
+    with trio.fail_after(LIMIT * 2):
+        async with scripted_upstream([Text(text="hi")] * (3 * len(SWEEP) + 2)) as (_model, url):
+            cfg = config("fake", url, rooms=rooms)
+            after = None
+            if room_before != "new":
+                async with open_room_worker(cfg, base_dir=tmp_path) as w:
+                    for room in rooms:
+                        await w.deliver(message(f"b-{room}", room=room))
+                    after = (await next_results(w, len(rooms)))[-1].seq
+            async with open_room_worker(cfg, base_dir=tmp_path) as w:
+                for k in SWEEP:
+                    room = f"dm:3{k:02d}"
+                    noticed = _Noticed()
+                    logging.getLogger().addHandler(noticed)
+                    try:
+                        replied = trio.Event()
+                        found: list[DeliveryResult] = []
+
+                        async with trio.open_nursery() as nursery:
+                            with _descriptors_left(k) as release:
+                                await w.deliver(message(f"d{k}", room=room))
+                                nursery.start_soon(_collect, w, after, found, replied)
+                                async with trio.open_nursery() as first:
+                                    for event in (noticed.event, replied):
+                                        first.start_soon(_then_cancel, event, first.cancel_scope)
+                                release()
+                    finally:
+                        logging.getLogger().removeHandler(noticed)
+                    noticed_at[k] = noticed.messages
+                    (result,) = found
+                    assert (result.delivery_id, result.outcome, result.code) == (
+                        f"d{k}",
+                        Outcome.REPLY,
+                        None,
+                    ), k
+                    records = (await w.store.read_delivery_log(f"d{k}")).records
+                    assert not [r for r in records if isinstance(r, StepAbandoned)], k  # L19
+                    await w.deliver(message(f"a{k}"))  # the host goes on
+                    (other,) = await next_results(w, 1, after=result.seq)
+                    assert (other.delivery_id, other.outcome) == (f"a{k}", Outcome.REPLY)
+                    after = other.seq
+                assert w.store.disk_failure is None
+                state = w.store.root
+    assert _poisons(state) == []
+    assert noticed_at[SWEEP[0]], "the sweep's first step met no want of a descriptor"
+    assert not noticed_at[SWEEP[-1]], noticed_at[SWEEP[-1]]
+
+
+async def _collect(
+    w: RoomWorker, after: int | None, found: list[DeliveryResult], replied: trio.Event
+) -> None:
+    found.extend(await next_results(w, 1, after=after))
+    replied.set()
+
+
+async def _then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
