@@ -87,11 +87,6 @@ TICK: Final = 0.002
 GROW_AT_ONCE: Final = 256
 GROW_STEP: Final = 5000
 """Rooms made per command (each answered well within the bench's 180 s a command)."""
-KEEP_OPEN: Final = 15_000
-"""Rooms whose lane log stays open as the runtime keeps it: one descriptor per room
-(performance.md T1), and this machine allows 20,000. Past it the bench closes each new
-room's lane log once its delivery has ended (the scrape, the page and ``status`` never read
-it), so a host of 50,000 rooms fits."""
 WAYS: Final = ("before", "after")
 ROOM_GAUGES: Final = (
     "pi_runtime_room_",
@@ -250,11 +245,6 @@ async def server_role(base: Path) -> None:
                         delivery_id = f"idle-{i}"
                         await worker.deliver(delivery(idle_room(i), delivery_id))
                         await worker.cancel(delivery_id)
-                        if i >= KEEP_OPEN:
-                            lane = worker._lanes[idle_room(i)]
-                            await poll(lambda: lane.log is not None)
-                            assert lane.log is not None
-                            await worker.store.close_log(lane.log)
 
                 async with trio.open_nursery() as growing:
                     for i in range(made, rooms):
@@ -267,6 +257,10 @@ async def server_role(base: Path) -> None:
 
             def status() -> object:
                 return msgspec.to_builtins(server._status(None))  # what ``status`` answers
+
+            def status_frame() -> bytes:  # what the websocket ``status`` frame answers (P15)
+                bound = config.server.max_frame_bytes
+                return msgspec.json.encode(server._status(None, bound=bound))
 
             def scrape() -> bytes:
                 return generate_latest(REGISTRY)
@@ -285,6 +279,7 @@ async def server_role(base: Path) -> None:
                         "page": timed(state),
                         "page_bytes": len(state()),
                         "status": timed(status),
+                        "status_frame": timed(status_frame),
                         "rss_mib": rss_mib(),
                         "fds": len(os.listdir("/proc/self/fd")),
                     }
@@ -479,7 +474,9 @@ def report(row: dict[str, Any], first: dict[str, Any]) -> None:
     )
     lines.append(
         f"  admin status: Trio thread {row['status']['wall_ms']:.1f} ms (CPU "
-        f"{row['status']['cpu_ms']:.1f}, {ratio(row['status'], first['status'])})"
+        f"{row['status']['cpu_ms']:.1f}, {ratio(row['status'], first['status'])}); "
+        f"a status frame: {row['status_frame']['wall_ms']:.2f} ms (CPU "
+        f"{row['status_frame']['cpu_ms']:.2f}, {ratio(row['status_frame'], first['status_frame'])})"
     )
     print("\n".join(lines), flush=True)
 

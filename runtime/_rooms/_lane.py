@@ -186,11 +186,11 @@ class _OutOfDescriptors(Exception):
     """A want of file descriptors met before the delivery's turn began — its slot's
     boundaries, its session's leaf, its replay's branch, its worker's launch (L21): nothing
     of the turn reached the worker or the session, so it is taken up again later,
-    uncharged. ``lane_log``: the lane's log refused the launch's record (opened anew)."""
+    uncharged."""
 
-    def __init__(self, what: str, cause: BaseException, *, lane_log: bool = False) -> None:
+    def __init__(self, what: str, cause: BaseException) -> None:
         super().__init__(f"{what}: {cause}")
-        self.what, self.cause, self.lane_log = what, cause, lane_log
+        self.what, self.cause = what, cause
 
 
 @contextlib.contextmanager
@@ -201,8 +201,7 @@ def _before_the_turn(what: str) -> Iterator[None]:
     except BaseException as error:
         if not descriptors_exhausted(error):
             raise
-        lane_log = isinstance(error, JournalError)  # the only log a launch appends to
-        raise _OutOfDescriptors(what, error, lane_log=lane_log) from error
+        raise _OutOfDescriptors(what, error) from error
 
 
 class Lane:
@@ -237,6 +236,10 @@ class Lane:
         self.home = host.work_root / "homes" / self.key
         self.tmp = host.work_root / "tmp" / self.key
         self.log: Log | None = None
+        """The lane's log while an epoch of it runs (:meth:`hold_log`); ``None`` otherwise:
+        an idle lane holds no descriptor for it (L21)."""
+        self._log_users = 0
+        self._log_lock = trio.Lock()
         self.epochs = 0
         """Epochs this lane ever started (numbers them; from the lane log at start)."""
         self._room: Slot | None = None
@@ -250,9 +253,6 @@ class Lane:
         """When the first queued delivery, whose log could not be opened — or whose turn
         could not begin — for want of a file descriptor, is tried again (L21); ``None``: at
         once."""
-        self._log_refused = False
-        """The lane's log refused a launch's record for want of a descriptor (L21): opened
-        anew before the delivery is tried again."""
 
     # -- the host's view ---------------------------------------------------------------
 
@@ -398,15 +398,12 @@ class Lane:
     async def _serve(self) -> None:
         if self.host.shared:
             await self._restore_session(self.session)
-        self.log = await self._open_log(prepare=True)
+        log = await self._open_log(prepare=True)
         self.epochs = max(  # W13: a launch a crash cut before it started used its number too
-            (
-                r.epoch
-                for r in self.log.contents.records
-                if isinstance(r, EpochLaunching | EpochStarted)
-            ),
+            (r.epoch for r in log.contents.records if isinstance(r, EpochLaunching | EpochStarted)),
             default=0,
         )
+        await self.host.store.close_log(log)  # opened again by the first epoch (L21)
         async with trio.open_nursery() as nursery:
             while True:
                 if not self.queue:
@@ -415,8 +412,6 @@ class Lane:
                 if self._retry_at is not None:  # L21: the first one waits for descriptors
                     await trio.sleep_until(self._retry_at)
                     self._retry_at = None
-                    if self._log_refused:  # a launch's record refused: the log opened anew
-                        await self._reopen_log()
                     if not self.queue:  # (cancelled meanwhile)
                         continue
                 pending = self.queue.popleft()
@@ -451,15 +446,32 @@ class Lane:
             self._exhausted = 0
             return log
 
-    async def _reopen_log(self) -> None:
-        """The lane's log refused a launch's record for want of a file descriptor (L21): it
-        refuses every later one (the refused record took a sequence number), so it is
-        closed and opened anew, its records read again. Until the new one is open the old
-        one stays :attr:`log`: an epoch's end met meanwhile is refused, as it was."""
-        assert self.log is not None
-        await self.host.store.close_log(self.log)
-        self.log = await self._open_log()
-        self._log_refused = False
+    async def hold_log(self) -> Log:
+        """The lane's log for an epoch, from its launch's record to its end's
+        (:meth:`let_log_go`): opened by the first epoch that needs it, closed when the last
+        one ends, so an idle lane holds no descriptor for it (L21). A log that refused a
+        record for want of a descriptor refuses every later one (the refused record took a
+        sequence number): it is closed and opened anew. Its opening's failure is the
+        caller's (a launch: the delivery waits, L21)."""
+        async with self._log_lock:
+            store = self.host.store
+            if self.log is not None and self.log.poisoned:
+                await store.close_log(self.log)
+                self.log = None
+            if self.log is None:
+                self.log = await store.open_lane_log(self.room, fence=self.fence)
+            self._log_users += 1
+            return self.log
+
+    async def let_log_go(self) -> None:
+        """An epoch's end was recorded: the last one to end closes the lane's log. Not
+        cancellable: it closes, whatever comes."""
+        with trio.CancelScope(shield=True):
+            async with self._log_lock:
+                self._log_users -= 1
+                if self._log_users == 0 and self.log is not None:
+                    log, self.log = self.log, None
+                    await self.host.store.close_log(log)
 
     def _backoff(self, error: BaseException, what: str) -> float:
         """L21: how long to wait before opening ``what`` again, the process (or the system)
@@ -549,7 +561,15 @@ class Lane:
 
     async def _idle(self) -> None:
         self._wake = trio.Event()
-        live = self._room is not None and self._room.live is not None
+        room = self._room
+        if room is not None and room.live is None:
+            # L21: an idle lane with no worker holds no descriptor — its slot's boundaries
+            # (the gateway's and the gate's listeners, the upstream connection) end here;
+            # the next delivery opens new ones, as a change of grants does (L6)
+            self._room = None
+            await room.end_boundaries()
+            return
+        live = room is not None and room.live is not None
         with trio.move_on_after(self.host.idle_stop if live else math.inf):
             await self._wake.wait()
             return
@@ -602,7 +622,6 @@ class Lane:
             finally:
                 await store.close_log(log)
         except _OutOfDescriptors as out:  # L21: its turn never began; it waits, first
-            self._log_refused = self._log_refused or out.lane_log
             self._wait_for_descriptors(pending, out.cause, out.what)
             return
         except JournalError as error:  # this delivery's log failed: it ends here (L17)
@@ -644,8 +663,10 @@ class Lane:
         attempts = sum(isinstance(r, StepAbandoned) for r in existing)
         parks = [r for r in existing if isinstance(r, Parked)]
         resting = bool(existing) and isinstance(existing[-1], Parked)  # PB2: nothing ran since
-        if pending.recovering and not resting:  # the host died during its turn: charged (L19)
+        if pending.recovering and not resting and not pending.restart_charged:
+            # the host died during its turn: charged (L19), once (L21: taken up again)
             await log.append(StepAbandoned(step=-1, reason="host_restart", epoch=0))
+            pending.restart_charged = True
             attempts += 1
             RECOVERY_ATTEMPTS.inc()
         self._cancelled = trio.Event()
@@ -1141,7 +1162,10 @@ class Lane:
         await self.host.reserve_worker(self, slot)
 
     def release_worker(self, slot: Slot) -> None:
+        """``slot``'s epoch ended (or never started): its live-worker place goes back, and
+        an idle lane wakes to let its slot go (:meth:`_idle`, L21)."""
         self.host.release_worker(self, slot)
+        self._wake.set()
 
     def idle_worker(self, slot: Slot) -> bool:
         """Whether ``slot``'s live worker may be stopped for another's place (L8): the

@@ -22,6 +22,9 @@ class Pending:
     recovering: bool = False
     """Found unfinished at a start with its turn begun by a run before (its own log exists):
     charged a recovery attempt before its turn runs again (L19)."""
+    restart_charged: bool = False
+    """Its ``host_restart`` attempt is recorded: a turn taken up again in this run — having
+    waited for file descriptors before it began (L21) — is charged no second one."""
     cancelled: bool = False
     absorbed: tuple[Absorbed, ...] = ()
     """Deliveries steered into this one's run (it is their owner); a tuple, so a delivery

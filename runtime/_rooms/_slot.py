@@ -28,8 +28,14 @@ class SlotOwner(Protocol):
     epochs: int
     """Epochs started in the lane, over its whole log: the next one's number is one more."""
 
-    @property
-    def log(self) -> Log | None: ...
+    async def hold_log(self) -> Log:
+        """The lane's log, held open for an epoch from its launch's record to its end's."""
+        ...
+
+    async def let_log_go(self) -> None:
+        """The epoch's end was recorded (or could not be): its hold on the log ends."""
+        ...
+
     def launch(self, session: Path) -> WorkerLaunch: ...
     async def reserve_worker(self, slot: Slot) -> None:
         """Wait for a live-worker place of the host for ``slot``'s worker (L8): each worker
@@ -59,7 +65,8 @@ class Live:
 
 class Slot:
     """A worker of one authority for one session: its boundaries (opened with the first
-    delivery it serves, kept while the lane lives) and at most one live epoch.
+    delivery it serves, kept while its worker lives or a delivery runs: an idle lane with no
+    worker lets its slot go, L21) and at most one live epoch.
 
     The room's own slot lives as long as the lane; a privileged delivery's one-shot slot
     only as long as that delivery (L6).
@@ -152,21 +159,21 @@ class Slot:
         self, launch: WorkerLaunch, number: int, task_status: trio.TaskStatus[Live]
     ) -> None:
         lane = self.lane
-        assert lane.log is not None
         live: Live | None = None
+        log = await lane.hold_log()  # closed again once no epoch of the lane runs (L21)
         try:
             with trio.CancelScope() as scope:
                 # W13: the nonce (and so the cgroup's name) is durable before the spawn, so a
                 # crash before ``EpochStarted`` leaves no tree that no record names
                 nonce = new_nonce()
-                await lane.log.append(
+                await log.append(
                     EpochLaunching(
                         epoch=number, nonce=nonce, boot_id=boot_id(), launching_ms=lane.now_ms()
                     )
                 )
                 secrets = self.boundaries.worker_secrets() if self.boundaries else ()
                 async with open_worker(launch, nonce=nonce, secrets=secrets) as worker:
-                    await lane.log.append(worker.record(number, started_ms=lane.now_ms()))
+                    await log.append(worker.record(number, started_ms=lane.now_ms()))
                     async with open_rpc_channel(
                         worker.stdin, worker.stdout, stderr=worker.stderr_tail
                     ) as rpc:
@@ -179,7 +186,7 @@ class Slot:
             reason = "fenced" if scope.cancelled_caught else "stopped"
             with trio.CancelScope(shield=True):
                 try:
-                    await lane.log.append(
+                    await log.append(
                         EpochFenced(epoch=number, reason=reason, fenced_ms=lane.now_ms())
                     )
                 except JournalError as error:
@@ -188,6 +195,7 @@ class Slot:
                     # means (lost to another host: it stops)
                     lane.lane_log_failed(error)
         finally:
+            await lane.let_log_go()
             if live is not None:
                 live.ended.set()
             if self.live is live:
@@ -231,6 +239,11 @@ class Slot:
         with trio.move_on_after(grace):
             await self.stop()
         await self.fence()
+        await self.end_boundaries()
+
+    async def end_boundaries(self) -> None:
+        """End the boundaries and wait for them: no epoch of the slot runs (it was stopped,
+        or the lane is idle with none, L21)."""
         self._scope.cancel()
         if self.boundaries is not None:
             await self._served.wait()
