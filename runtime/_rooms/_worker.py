@@ -30,15 +30,15 @@ readers in one ``seq`` order.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
-import heapq
 import itertools
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, cast
 
@@ -177,6 +177,9 @@ class RoomWorker:
         self._host = host
         self._nursery = nursery
         self._lanes: dict[str, Lane] = {}
+        self._names: list[str] = []
+        """The rooms of :attr:`_lanes`, kept sorted: a page of statuses costs its own size,
+        whatever the number of rooms (operations.md OP6, protocol.md P15)."""
         self._known: dict[str, Known] = {}
         self._pending: dict[str, Pending] = {}
         self._admitting = True
@@ -468,23 +471,33 @@ class RoomWorker:
         """Each room lane this host has (or only ``room``), sorted by room; with ``limit``,
         the first ``limit`` of them only, the others' statuses not built (the operator page
         lists 500 of any number: operations.md OP6)."""
-        lanes, outbox = self._lanes, self._host.outbox
         if room is not None:
-            names = [room] if room in lanes and (limit is None or limit > 0) else []
-        elif limit is None:
-            names = sorted(lanes)
-        else:
-            names = heapq.nsmallest(limit, lanes)  # sorted, and no more than it keeps
-        return [
-            RoomStatus(
-                room=name,
-                state="running" if lanes[name].current is not None else "idle",
-                queued=len(lanes[name].queue),
-                live_worker=lanes[name].live_worker,
-                last_result_seq=last.seq if (last := outbox.last_of_room.get(name)) else 0,
-            )
-            for name in names
-        ]
+            found = room in self._lanes and (limit is None or limit > 0)
+            return [self._status_of(room)] if found else []
+        return list(itertools.islice(self.statuses(), limit))
+
+    def statuses(self, *, after: str | None = None) -> Iterator[RoomStatus]:
+        """The rooms' statuses sorted by room, from the first after ``after``, each built
+        as it is taken: a caller that takes a page builds that page only (P15). Taken
+        without an await between (the rooms may change at one)."""
+        names = self._names
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        return (self._status_of(names[i]) for i in range(start, len(names)))
+
+    def rooms_after(self, after: str | None) -> int:
+        """How many rooms sort after ``after`` (all for ``None``), no status built."""
+        return len(self._names) - (0 if after is None else bisect.bisect_right(self._names, after))
+
+    def _status_of(self, name: str) -> RoomStatus:
+        lane = self._lanes[name]
+        last = self._host.outbox.last_of_room.get(name)
+        return RoomStatus(
+            room=name,
+            state="running" if lane.current is not None else "idle",
+            queued=len(lane.queue),
+            live_worker=lane.live_worker,
+            last_result_seq=last.seq if last is not None else 0,
+        )
 
     @property
     def room_count(self) -> int:
@@ -542,6 +555,7 @@ class RoomWorker:
             assert self.leases is None or fence is not None, "a shared lane runs under a lease"
             lane = Lane(self._host, room, fence)
             self._lanes[room] = lane
+            bisect.insort(self._names, room)
             self._nursery.start_soon(self._run_lane, lane)
         return lane
 
@@ -859,6 +873,7 @@ class RoomWorker:
         """A lost lane has stopped: forget it and its deliveries (another host runs them)."""
         if self._lanes.get(lane.room) is lane:
             del self._lanes[lane.room]
+            del self._names[bisect.bisect_left(self._names, lane.room)]
         self._ready.discard(lane.room)
         for delivery_id, pending in list(self._pending.items()):
             if pending.delivery.room == lane.room:

@@ -17,7 +17,7 @@ import msgspec
 from .._wire import TaskView
 from ._protocol import TaskList, TaskViewFrame
 
-__all__ = ["encode", "fit_task_list", "fit_task_view", "fitting", "sorted_after"]
+__all__ = ["encode", "fit_prefix", "fit_task_list", "fit_task_view", "fitting", "sorted_after"]
 
 encode: Final = msgspec.json.Encoder().encode
 """The UTF-8 JSON of a frame or of a part of one (what the frame bound counts)."""
@@ -29,13 +29,20 @@ T = TypeVar("T")
 def fitting(items: Iterable[Any], room: int) -> int:
     """How many of ``items``, from the first, fit in ``room`` bytes as the elements of a JSON
     array (each encoded, a comma between two)."""
-    size = count = 0
+    return len(fit_prefix(items, room))
+
+
+def fit_prefix(items: Iterable[T], room: int) -> list[T]:
+    """The first of ``items`` that fit in ``room`` bytes as the elements of a JSON array
+    (:func:`fitting`); an iterator is taken no further than the first that does not fit."""
+    size = 0
+    fit: list[T] = []
     for item in items:
-        size += len(_encode(item)) + (count > 0)  # its comma
+        size += len(_encode(item)) + bool(fit)  # its comma
         if size > room:
             break
-        count += 1
-    return count
+        fit.append(item)
+    return fit
 
 
 def sorted_after(items: Sequence[T], key: Callable[[T], str], after: str | None) -> Sequence[T]:

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
+import pytest
 import trio
 
 from runtime._errors import ReasonCode
 from runtime._records import Outcome
-from runtime._wire import Attachment, DeliveryResult, fit_result
+from runtime._rooms import _worker
+from runtime._wire import Attachment, DeliveryResult, RoomStatus, fit_result
 
 from .._wire import Client, Frame, message
 from .test_serve import LIMIT, Rig, error, rig, still_usable
@@ -63,14 +65,23 @@ async def _statuses(client: Client, **asked: Any) -> Frame:
 
 
 async def test_p15_a_status_of_more_rooms_than_a_frame_holds_fits_and_pages(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """P15: twelve rooms whose ids are at their longest make a ``status`` of every room
     larger than the bound (about 11 KB at 8 KiB). The answer fits: the rooms it carries, in
     order, and ``rooms_left_out`` says how many more there are; ``status {after}`` pages on
     from the last room carried, until every room was reported once. Before, the whole list
-    went out in one frame, and the client's connection was closed (1009) at every ``status``."""
+    went out in one frame, and the client's connection was closed (1009) at every ``status``.
+    Each page builds the statuses it carries and one more (the first that did not fit), not
+    every room's: at 50,000 rooms a frame cost the loop 140 ms."""
     rooms = [f"{LONG_ROOM[:-2]}{n:02d}" for n in range(12)]
+    built = [0]
+
+    def counted(**fields: Any) -> RoomStatus:
+        built[0] += 1
+        return RoomStatus(**fields)
+
+    monkeypatch.setattr(_worker, "RoomStatus", counted)
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, SETTINGS) as r, bounded(r) as client:
             for n, room in enumerate(rooms):
@@ -80,8 +91,10 @@ async def test_p15_a_status_of_more_rooms_than_a_frame_holds_fits_and_pages(
             pages = 0
             after: dict[str, str] = {}
             while True:
+                built[0] = 0
                 page = await _statuses(client, **after)
                 pages += 1
+                assert built[0] <= len(page["rooms"]) + 1, (built, len(page["rooms"]))
                 seen += [status["room"] for status in page["rooms"]]
                 if page["rooms_left_out"] == 0:
                     break
