@@ -50,6 +50,7 @@ from .._errors import (
     ReasonCode,
     StateDirError,
     StateDirLockedError,
+    descriptors_exhausted,
 )
 from .._linux._fs import FileSystem, OsFileSystem
 from .._linux._proc import ProcessIdentity, current_identity, is_alive
@@ -91,6 +92,9 @@ commits no size change, only each growth does (performance.md, "Item 2: a log al
 ahead"). Cut back to the frames when the log is closed."""
 COMPACT_CHUNK: Final = 1024 * 1024
 """The piece a compaction writes at a time (:meth:`Store.rewrite_shared`)."""
+DIR_SYNC_RETRY: Final = 0.05
+"""The first wait before a replacement's directory sync, refused for want of a file
+descriptor, is tried again (doubling, seven tries: about 6 s in all; lanes.md L21)."""
 
 
 class OwnerRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -399,19 +403,11 @@ class Store:
                         rel, _commit_with_head, self.fs, staged, _head(header, mark)
                     )
                 except BaseException as exc:
-                    self._adopt(await self._open_existing(rel, kind))  # what is there now
-                    if staged.renamed and isinstance(exc, OSError):
-                        # only the directory sync failed, with an errno that is not a disk
-                        # one: the new file is the log, but its name — and whatever is
-                        # appended to it — may not survive a power loss (J6)
-                        error = DiskFailedError(
-                            ReasonCode.DISK_FAILED,
-                            f"the directory sync after replacing the log failed: {exc}",
-                            path=rel,
-                        )
-                        self._on_disk_failure(error)
-                        raise error from exc
-                    raise
+                    if staged.renamed and await self._dir_synced_after_all(exc, path):
+                        pass  # (L21) the new file is the log, its name durable: go on
+                    else:
+                        await self._failed_rewrite(rel, kind, staged, exc)
+                        raise
                 # the file holds exactly what was framed and synced: not read back
                 target = LogTarget(
                     path=path,
@@ -424,11 +420,51 @@ class Store:
                 contents = LogContents(rel, tuple(written), len(data), 0)
                 adopted = self._adopt(Journal(self._pool, target, contents))
                 # L21: opened while appends still wait, in the descriptor the old file's
-                # close just gave back — so no admission ever opens it
-                await adopted.hold_open()
+                # close just gave back — so no admission opens it (refused: at its next)
+                with contextlib.suppress(JournalError):
+                    await adopted.hold_open()
                 return adopted
         finally:
             await trio.to_thread.run_sync(staged.discard)
+
+    async def _dir_synced_after_all(self, exc: BaseException, path: str) -> bool:
+        """A replacement's directory sync after its rename met a want of file descriptors
+        (the sync opens the directory): tried again a few times over about 6 s while appends
+        still wait (L21). Whether it worked — the new name is then durable, as if the first
+        had."""
+        if not descriptors_exhausted(exc):
+            return False
+        delay = DIR_SYNC_RETRY
+        for _ in range(7):
+            await trio.sleep(delay)
+            delay *= 2
+            try:
+                await trio.to_thread.run_sync(self.fs.fsync_dir, os.path.dirname(path))
+            except OSError as again:
+                if not descriptors_exhausted(again):
+                    return False
+                continue
+            return True
+        return False
+
+    async def _failed_rewrite(
+        self, rel: str, kind: LogKind, staged: StagedFile, exc: BaseException
+    ) -> None:
+        """A replacement of the shared log ``rel`` failed: what is there now is the log —
+        the old file, unless only the directory sync after the rename failed — held open
+        again (L21). That directory sync's failure is a disk failure whatever its errno (J6):
+        the new name may not survive a power loss, nor what is appended to it."""
+        adopted = self._adopt(await self._open_existing(rel, kind))
+        with contextlib.suppress(JournalError):  # (refused: opened at its next append)
+            await adopted.hold_open()
+        if staged.renamed and isinstance(exc, OSError):
+            error = DiskFailedError(
+                ReasonCode.DISK_FAILED,
+                f"the directory sync after replacing the log failed: {exc}",
+                path=rel,
+            )
+            self._on_disk_failure(error)
+            raise error from exc
 
     def _adopt(self, journal: Journal) -> Journal:
         """``journal`` is the shared log of its kind from now on (its hand-offs grouped)."""

@@ -663,7 +663,7 @@ class WriterPool:
                     try:
                         self._ready(item.target)
                     except OSError as exc:
-                        item.error = self._open_failed(item.target, exc)
+                        item.error = self._not_opened(item.target, exc)
                         note(item.error)
                 continue
             if item.target._pending:  # a close or a flush: the file first gets its records
@@ -791,6 +791,22 @@ class WriterPool:
             )
             return target.poisoned
         return self._poison(target, exc)
+
+    def _not_opened(self, target: LogTarget, exc: OSError) -> JournalError:
+        """An :class:`_Open` failed. For want of a file descriptor, with nothing owed, the log
+        is refused this once only — no record took a number — and opened at its next
+        append; any other failure as :meth:`_open_failed`."""
+        if not descriptors_exhausted(exc) or target._pending:
+            return self._open_failed(target, exc)
+        if target._handle is not None:
+            with contextlib.suppress(OSError):
+                self._fs.close(target._handle)
+            target._handle = None
+        return JournalError(
+            ReasonCode.TOO_MANY_OPEN_FILES,
+            f"the log's file could not be opened: {exc.strerror or exc}",
+            path=target.rel,
+        )
 
     def _ready(self, target: LogTarget) -> int:
         """The log's handle (:meth:`_open`), and for a file it created, its directory entry

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from runtime import JournalError, ReasonCode, open_store
+from runtime import DiskFailedError, JournalError, ReasonCode, open_store
+from runtime._journal import _store
 from runtime._linux._fs import OsFileSystem
 from runtime._records import OutboxAction
+
+from ..faultfs import Fault, FaultyFileSystem
 
 
 def _action(n: int) -> OutboxAction:
@@ -113,3 +116,45 @@ async def test_l21_the_shared_logs_never_need_a_descriptor_to_append(tmp_path: P
                 _action(1),
                 _action(2),
             ]
+
+
+@pytest.mark.parametrize("refusals", ["once", "always"])
+async def test_l21_j6_a_compactions_directory_sync_out_of_descriptors(
+    tmp_path: Path, refusals: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L21, J6, RT7: a compaction renamed the new admission log over the old one, and the
+    directory sync after it (which opens the directory) found no descriptor. Tries to
+    break: a want of a descriptor for an instant taken for a failed disk — the host stops
+    admitting. Expected: the sync is tried again while admissions still wait; once it works
+    the new file is the log, no disk failure, and appends go on; if it never does, it is a
+    disk failure as any failed directory sync after a rename is (the name may not survive a
+    power loss)."""
+    monkeypatch.setattr(_store, "DIR_SYNC_RETRY", 0.001)  # (how long is not tested)
+    root = tmp_path / "state"
+    faulty = FaultyFileSystem(OsFileSystem(), (), armed=False)
+    with trio.fail_after(20):
+        async with open_store(root, fs=faulty) as store:
+            for i in range(1, 4):
+                await store.admissions.append(_action(i))
+            records = list(store.admissions.contents.records[1:3])
+            directory = str(root / "admissions")
+            # the first sync under it is the new file's fsync, the second the directory's
+            faulty.arm(
+                Fault("sync", 2, "before", errno.EMFILE, path_contains=directory, sticky=True)
+                if refusals == "always"
+                else Fault("sync", 2, "before", errno.EMFILE, path_contains=directory)
+            )
+            if refusals == "always":
+                with pytest.raises(DiskFailedError):
+                    await store.rewrite_shared(store.admissions, records)
+                assert len(faulty.hits) == 8  # the first and seven tries
+                assert store.disk_failure is not None
+                return
+            journal = await store.rewrite_shared(store.admissions, records)
+            assert [hit.path for hit in faulty.hits] == [directory]
+            assert store.disk_failure is None
+            faulty.disarm()
+            assert await journal.append(_action(9)) == len(records) + 2
+        async with open_store(root) as store:
+            kept = (await store.read(store.admissions.rel)).records[2:]
+            assert list(kept) == [*records, _action(9)]
