@@ -779,15 +779,8 @@ class WriterPool:
         (its numbering too: the refused records took sequence numbers). Any other failure
         poisons it, as a failed write does."""
         if descriptors_exhausted(exc) and not target._pending:
-            if target._handle is not None:
-                with contextlib.suppress(OSError):
-                    self._fs.close(target._handle)
-                target._handle = None
-            target.poisoned = JournalError(
-                ReasonCode.TOO_MANY_OPEN_FILES,
-                f"the log's file could not be opened: {exc.strerror or exc}; "
-                "it is opened again once descriptors are free",
-                path=target.rel,
+            target.poisoned = self._refused(
+                target, exc, "; it is opened again once descriptors are free"
             )
             return target.poisoned
         return self._poison(target, exc)
@@ -798,13 +791,18 @@ class WriterPool:
         append; any other failure as :meth:`_open_failed`."""
         if not descriptors_exhausted(exc) or target._pending:
             return self._open_failed(target, exc)
+        return self._refused(target, exc)
+
+    def _refused(self, target: LogTarget, exc: OSError, then: str = "") -> JournalError:
+        """``target`` could not be made ready for want of a file descriptor: its handle, if
+        it was opened, closed (a refused log holds none); the refusal (L21)."""
         if target._handle is not None:
             with contextlib.suppress(OSError):
                 self._fs.close(target._handle)
             target._handle = None
         return JournalError(
             ReasonCode.TOO_MANY_OPEN_FILES,
-            f"the log's file could not be opened: {exc.strerror or exc}",
+            f"the log's file could not be opened: {exc.strerror or exc}{then}",
             path=target.rel,
         )
 

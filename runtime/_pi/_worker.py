@@ -369,12 +369,10 @@ def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, P
         try:
             return Containment.CGROUP, create_cgroup(support.parent, nonce)
         except OSError as error:
-            if descriptors_exhausted(error):  # not a cgroup's fault: never contained less
-                raise _exhausted(f"cannot create the epoch's cgroup: {error}") from error
-            if containment is Containment.CGROUP:
-                raise WorkerError(
-                    ReasonCode.WORKER_LAUNCH_FAILED, f"cannot create the epoch's cgroup: {error}"
-                ) from error
+            # for want of a descriptor it is not the cgroup's fault: never contained less
+            if descriptors_exhausted(error) or containment is Containment.CGROUP:
+                why = f"cannot create the epoch's cgroup: {error}"
+                raise _launch_failed(why, error) from error
     elif containment is Containment.CGROUP:
         raise WorkerError(
             ReasonCode.WORKER_LAUNCH_FAILED, f"no usable cgroup v2 here: {support.reason}"
@@ -384,10 +382,13 @@ def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, P
     return Containment.SCAN, None
 
 
-def _exhausted(why: str) -> WorkerError:
-    """A launch refused for want of a file descriptor (``EMFILE``/``ENFILE``): no worker
-    ran, so nothing of it died — the caller waits and launches again (lanes.md L21)."""
-    return WorkerError(ReasonCode.TOO_MANY_OPEN_FILES, why)
+def _launch_failed(why: str, error: OSError) -> WorkerError:
+    """A launch that failed for ``error``: ``worker_launch_failed``, or, for want of a file
+    descriptor (``EMFILE``/``ENFILE``), ``too_many_open_files`` — no worker ran, so nothing
+    of it died: the caller waits and launches again (lanes.md L21)."""
+    exhausted = descriptors_exhausted(error)
+    code = ReasonCode.TOO_MANY_OPEN_FILES if exhausted else ReasonCode.WORKER_LAUNCH_FAILED
+    return WorkerError(code, why)
 
 
 def _resolve(argv0: str, env: Mapping[str, str]) -> str:
@@ -433,10 +434,7 @@ async def _launch(
             remove_cgroup(cgroup)
         if not isinstance(error, OSError):
             raise
-        why = f"cannot start {argv[0]} in {cwd}: {error}"
-        if descriptors_exhausted(error):
-            raise _exhausted(why) from error
-        raise WorkerError(ReasonCode.WORKER_LAUNCH_FAILED, why) from error
+        raise _launch_failed(f"cannot start {argv[0]} in {cwd}: {error}", error) from error
     start_time = process_start_time(process.pid)
     identity = ProcessIdentity(pid=process.pid, start_time=start_time or 0, boot_id=boot_id())
     return Epoch(
@@ -593,9 +591,7 @@ async def open_worker(
         write_agent_files(launch)
     except OSError as error:  # the worker's home: this launch's failure, never the host's
         why = f"cannot write the worker's settings in {launch.agent_dir}: {error}"
-        if descriptors_exhausted(error):
-            raise _exhausted(why) from error
-        raise WorkerError(ReasonCode.WORKER_LAUNCH_FAILED, why) from error
+        raise _launch_failed(why, error) from error
     env = worker_environment(
         home=launch.home,
         agent_dir=launch.agent_dir,

@@ -398,7 +398,7 @@ class Lane:
     async def _serve(self) -> None:
         if self.host.shared:
             await self._restore_session(self.session)
-        log = await self._open_log(prepare=True)
+        log = await self._patiently("its session or its log", self._prepare_and_open)
         self.epochs = max(  # W13: a launch a crash cut before it started used its number too
             (r.epoch for r in log.contents.records if isinstance(r, EpochLaunching | EpochStarted)),
             default=0,
@@ -428,23 +428,10 @@ class Lane:
                     self.last_used = trio.current_time()
                     self.host.lane_idle(self)
 
-    async def _open_log(self, *, prepare: bool = False) -> Log:
-        """The lane's log, opened (``prepare``: its directories and session made first).
-        Out of file descriptors the lane waits and tries again (L21): not the host's fault."""
-        while True:
-            try:
-                if prepare:
-                    await trio.to_thread.run_sync(self._prepare)
-                log = await self.host.store.open_lane_log(self.room, fence=self.fence)
-            except (JournalError, OSError) as error:
-                if fenced_out(error):
-                    await self._give_up()
-                if not descriptors_exhausted(error):
-                    raise
-                await trio.sleep(self._backoff(error, "its session or its log"))
-                continue
-            self._exhausted = 0
-            return log
+    async def _prepare_and_open(self) -> Log:
+        """The lane's directories and session made, then its log opened."""
+        await trio.to_thread.run_sync(self._prepare)
+        return await self.host.store.open_lane_log(self.room, fence=self.fence)
 
     async def hold_log(self) -> Log:
         """The lane's log for an epoch, from its launch's record to its end's
@@ -501,15 +488,17 @@ class Lane:
         self.submit(pending, front=True)
         self._retry_at = trio.current_time() + self._backoff(error, what)
 
-    async def _patiently(
-        self, what: str, work: Callable[[Path], Awaitable[_T]], session: Path
-    ) -> _T:
-        """``work(session)``, waited out and tried again while the process has no file
-        descriptor left (L21): after a turn ran, its delivery cannot go back to its queue."""
+    async def _patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
+        """``work()``, waited out and tried again while the process has no file descriptor
+        left (L21) — where nothing can go back to the queue instead: the lane's start, and
+        a turn that ran. A write refused under a lease another host holds gives the lane up
+        (S11)."""
         while True:
             try:
-                done = await work(session)
-            except OSError as error:
+                done = await work()
+            except (JournalError, OSError) as error:
+                if fenced_out(error):
+                    await self._give_up()
                 if not descriptors_exhausted(error):
                     raise
                 await trio.sleep(self._backoff(error, what))
@@ -746,13 +735,13 @@ class Lane:
                     continue
                 end = ended
                 try:  # (the turn ran: out of descriptors this waits in place, L21)
-                    await self._patiently("its session", self._fsync, slot.session)
+                    await self._patiently("its session", lambda: self._fsync(slot.session))
                 except OSError:  # L18: the leaf it would name cannot be made durable (EIO):
                     return self._refused("session")  # this delivery ends, as _leaf's do
                 if boundaries.steps.mismatch is not None:  # G13: the replay diverged
                     return self._refused("replay")
                 try:
-                    leaf = await self._patiently("its session", self._leaf, slot.session)
+                    leaf = await self._patiently("its session", lambda: self._leaf(slot.session))
                 except (SessionError, OSError):  # L18
                     return self._refused("session")
                 await self._store_session(slot.session)  # S13: before the result
