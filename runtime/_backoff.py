@@ -19,25 +19,37 @@ than the provider's ``Retry-After``. A delivery ends with its provider's failure
 own (PB3) — the bounds in force at that first failure, which every park of the episode
 records (PB7): a restart with another ``[backoff]`` changes the pace of the tries (the
 route's schedule), never when an episode already parked gives up.
+
+And the wait of a lane whose host has no file descriptor left (docs/design/lanes.md L21):
+:class:`DescriptorWait` and :func:`patiently`, shared by room and task lanes.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import trio
 
 from ._boundary._stream import UpstreamFailure
 from ._clock import Clocks
 from ._config import BackoffConfig
-from ._errors import ReasonCode
+from ._errors import ReasonCode, descriptors_exhausted
 from ._records import Parked
 
-__all__ = ["Admit", "RouteBreaker", "episode_bounds", "failure_park", "past_bounds", "route_park"]
+__all__ = [
+    "Admit",
+    "DescriptorWait",
+    "RouteBreaker",
+    "episode_bounds",
+    "failure_park",
+    "past_bounds",
+    "patiently",
+    "route_park",
+]
 
 MINUTE_MS: Final = 60_000
 SLACK_MS: Final = 1_000
@@ -270,3 +282,55 @@ def route_park(
         deadline_minutes=deadline_minutes,
         max_attempts=max_attempts,
     )
+
+
+# ---------------------------------------- out of file descriptors (docs/design/lanes.md L21)
+
+DESCRIPTORS_FIRST: Final = 0.25
+DESCRIPTORS_MOST: Final = 30.0
+"""L21: the first and the longest wait before a lane tries again what a want of file
+descriptors refused (seconds)."""
+
+_T = TypeVar("_T")
+
+
+class DescriptorWait:
+    """One lane's wait for file descriptors (L21): doubling from :data:`DESCRIPTORS_FIRST`
+    up to :data:`DESCRIPTORS_MOST` for each want in a row, reset by the next try that works."""
+
+    __slots__ = ("wants",)
+
+    def __init__(self) -> None:
+        self.wants = 0
+        """Wants met in a row since the last try that worked."""
+
+    def next(self) -> float:
+        """The wait before the next try (seconds), counting one more want."""
+        self.wants += 1
+        return min(DESCRIPTORS_MOST, DESCRIPTORS_FIRST * 2.0 ** min(self.wants - 1, 16))
+
+    def met(self) -> None:
+        """A try worked: the next want waits :data:`DESCRIPTORS_FIRST` again."""
+        self.wants = 0
+
+
+async def patiently(
+    work: Callable[[], Awaitable[_T]],
+    wait: DescriptorWait,
+    waiting: Callable[[BaseException, float], None],
+) -> _T:
+    """``work()``, tried again after ``wait``'s next delay each time it meets a want of file
+    descriptors (``waiting(error, delay)`` says so first), for as long as that lasts; any
+    other error is raised. Only for work that can be tried again as it is (L21)."""
+    while True:
+        try:
+            done = await work()
+        except Exception as error:
+            if not descriptors_exhausted(error):
+                raise
+            delay = wait.next()
+            waiting(error, delay)
+            await trio.sleep(delay)
+            continue
+        wait.met()
+        return done

@@ -23,7 +23,8 @@ The invariants are in ``docs/design/boundaries.md``.
 Resource handling: :func:`open_boundaries` runs both servers in its own nursery and stops them
 on exit; the gate's socket file is removed. Error handling: a journal failure in either server
 is raised out of :func:`open_boundaries` as that :class:`~runtime._errors.PiRuntimeError`,
-cancelling the body (the lane then fences the epoch).
+cancelling the body (the lane then fences the epoch); whatever the body raises (a worker's
+launch failure) comes out as itself too, never inside an ``ExceptionGroup``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, Final
 import trio
 
 from .._clock import WallClock
-from .._errors import PiRuntimeError
+from .._errors import PiRuntimeError, single_error
 from .._journal._interface import Log
 from .._pi._launch import ModelRoute, WorkerKind, WorkerLaunch
 from .._pi._session_files import aread_session, atruncate_torn_tail
@@ -289,10 +290,11 @@ async def open_boundaries(
 
     gateway = Gateway(config.upstream, steps, gate_barrier=hold_until_outcomes_durable)
     boundaries = Boundaries(config, gateway, Gate(tools), steps, tools)
-    async with trio.open_nursery() as nursery:
-        boundaries.gateway_server = await nursery.start(serve_gateway, gateway)
-        boundaries.gate_server = await nursery.start(
-            serve_gate, boundaries.gate, config.socket_dir / config.socket_name
-        )
-        yield boundaries
-        nursery.cancel_scope.cancel()
+    with single_error():  # what failed comes out as itself (a worker's launch, a journal's)
+        async with trio.open_nursery() as nursery:
+            boundaries.gateway_server = await nursery.start(serve_gateway, gateway)
+            boundaries.gate_server = await nursery.start(
+                serve_gate, boundaries.gate, config.socket_dir / config.socket_name
+            )
+            yield boundaries
+            nursery.cancel_scope.cancel()

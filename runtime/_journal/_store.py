@@ -722,11 +722,12 @@ class Store:
         self.fs.fsync_dir(os.path.dirname(path))
 
     def _makedirs_durable(self, rel_dir: str) -> None:
-        """Create a directory below the root and make its entry durable."""
+        """Create a directory below the root and make its entry durable — also one found
+        there: an earlier creation whose sync failed (the want of a descriptor, L21) left
+        it made but its entry perhaps not durable."""
         path = self.path(rel_dir)
-        if self.fs.exists(path):
-            return
-        self.fs.makedirs(path)
+        if not self.fs.exists(path):
+            self.fs.makedirs(path)
         self.fs.fsync_dir(os.path.dirname(path))
 
     # -- documents -----------------------------------------------------------------

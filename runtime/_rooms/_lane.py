@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 import msgspec
 import trio
 
-from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
+from .._backoff import (
+    DescriptorWait,
+    RouteBreaker,
+    failure_park,
+    past_bounds,
+    patiently,
+    route_park,
+)
 from .._boundary._boundaries import BoundaryConfig
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
 from .._boundary._gateway import GatewayConfig
@@ -104,10 +111,6 @@ __all__ = ["Lane", "LaneHost"]
 
 _PROVIDER_CODES: Final = (ReasonCode.MODEL_FAILED, ReasonCode.USAGE_LIMIT_REACHED)
 """The turn ends a provider's failure gets (``_outcome.py``): the ones parking replaces."""
-_EXHAUSTED_FIRST: Final = 0.25
-_EXHAUSTED_MOST: Final = 30.0
-"""L21: the first and the longest wait before a lane opens a log again, for want of a file
-descriptor (seconds)."""
 REPLAY_MARKER: Final = "pi-runtime/replay"
 """``customType`` of the session entry that branches a replay back to the admission leaf."""
 logger = logging.getLogger("runtime.rooms")
@@ -247,8 +250,8 @@ class Lane:
         self._running: Turn | None = None
         self._cancelled = trio.Event()
         """Set when the current delivery is cancelled (a parked one stops waiting)."""
-        self._exhausted = 0
-        """Openings refused in a row for want of a file descriptor (L21): the backoff grows."""
+        self._descriptors = DescriptorWait()
+        """Openings refused in a row for want of a file descriptor (L21): the wait grows."""
         self._retry_at: float | None = None
         """When the first queued delivery, whose log could not be opened — or whose turn
         could not begin — for want of a file descriptor, is tried again (L21); ``None``: at
@@ -462,10 +465,13 @@ class Lane:
 
     def _backoff(self, error: BaseException, what: str) -> float:
         """L21: how long to wait before opening ``what`` again, the process (or the system)
-        having no file descriptor left — doubling from :data:`_EXHAUSTED_FIRST` up to
-        :data:`_EXHAUSTED_MOST`; logged with the stable code ``too_many_open_files``."""
-        self._exhausted += 1
-        delay: float = min(_EXHAUSTED_MOST, _EXHAUSTED_FIRST * 2.0 ** min(self._exhausted - 1, 16))
+        having no file descriptor left (the lane's :class:`DescriptorWait`), said first."""
+        delay = self._descriptors.next()
+        self._waiting(error, what, delay)
+        return delay
+
+    def _waiting(self, error: BaseException, what: str, delay: float) -> None:
+        """Log a want of descriptors, with the stable code ``too_many_open_files`` (L21)."""
         logger.warning(
             "lane %s could not open %s (%s); it tries again in %.2fs, its deliveries wait",
             self.key,
@@ -479,7 +485,6 @@ class Lane:
                 code=ReasonCode.TOO_MANY_OPEN_FILES,
             ),
         )
-        return delay
 
     def _wait_for_descriptors(self, pending: Pending, error: BaseException, what: str) -> None:
         """L21: ``pending`` met a want of file descriptors before its turn began: it goes
@@ -493,18 +498,14 @@ class Lane:
         left (L21) — where nothing can go back to the queue instead: the lane's start, and
         a turn that ran. A write refused under a lease another host holds gives the lane up
         (S11)."""
-        while True:
-            try:
-                done = await work()
-            except (JournalError, OSError) as error:
-                if fenced_out(error):
-                    await self._give_up()
-                if not descriptors_exhausted(error):
-                    raise
-                await trio.sleep(self._backoff(error, what))
-                continue
-            self._exhausted = 0
-            return done
+        try:
+            return await patiently(
+                work, self._descriptors, lambda error, delay: self._waiting(error, what, delay)
+            )
+        except JournalError as error:
+            if fenced_out(error):
+                await self._give_up()
+            raise
 
     async def _journal_failed(self, pending: Pending, refused: str | None) -> None:
         """A delivery whose log was poisoned — now, or before the host restarted — ends
@@ -600,7 +601,7 @@ class Lane:
             damaged = pending.recovering and error.code is not ReasonCode.JOURNAL_POISONED
             await self._journal_failed(pending, "journal" if damaged else None)
             return
-        self._exhausted = 0
+        self._descriptors.met()
         try:
             try:
                 existing = log.contents.records

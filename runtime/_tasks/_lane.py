@@ -22,15 +22,16 @@ watch (``_epoch.py``, through the ``EpochOwner`` protocol).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import trio
 
-from .._backoff import RouteBreaker
+from .._backoff import DescriptorWait, RouteBreaker, patiently
 from .._boundary._boundaries import BoundaryConfig, make_journals
 from .._boundary._calls import RuntimeTool
 from .._boundary._gate import RecordingGateJournal
@@ -39,7 +40,13 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode, TaskError, WorkerError
+from .._errors import (
+    PiRuntimeError,
+    ReasonCode,
+    TaskError,
+    WorkerError,
+    descriptors_exhausted,
+)
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
@@ -100,6 +107,7 @@ from ._workers import EpochRequest, Stopped, TaskWorker, WorkerFactory
 
 __all__ = ["TaskHost", "TaskLane"]
 
+_T = TypeVar("_T")
 _LAUNCH_FAILED = frozenset({ReasonCode.WORKER_LAUNCH_FAILED, ReasonCode.TOO_MANY_OPEN_FILES})
 """A worker that could not be launched (W1), or not for want of a file descriptor."""
 
@@ -137,6 +145,7 @@ class TaskLane:
 
     __slots__ = (
         "_came_home",
+        "_descriptors",
         "_fenced",
         "_finished",
         "_granting",
@@ -235,6 +244,8 @@ class TaskLane:
         self.pending_action: str | None = None
         self.telemetry = Telemetry()
         self._wake = trio.Event()
+        self._descriptors = DescriptorWait()
+        """Tries refused in a row for want of a file descriptor (L21): the wait grows."""
         self._operator: str | None = None
         self._restarted = False
         self._restart_survivors: tuple[int, ...] | None = None
@@ -443,8 +454,9 @@ class TaskLane:
             self.moved_from = None
         else:
             self.moved_from = self.moved_from or self._last_launch_elsewhere()
-        self._lost = await self._host_lost()  # before a session could be made here
-        await self._prepare()
+        # before a session could be made here; each waits out a want of descriptors (L21)
+        self._lost = await self._patiently("look for its session", self._host_lost)
+        await self._patiently("prepare its session", self._prepare)
         await self._restore()
         if self._came_home:
             await self.note_hold()  # S35: the void host_lost hold lifted, durably, first
@@ -677,8 +689,8 @@ class TaskLane:
             return
         self._fenced = False
         if self._settle_first:  # the dead host's worker may have left a call unanswered
+            await self._patiently("settle its session", lambda: settle_session(self))
             self._settle_first = False
-            await settle_session(self)
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
         identity: dict[str, Any] = {  # LK2 keys, restored; in_host: whether it dies with it
@@ -693,7 +705,7 @@ class TaskLane:
         await self.record_action(launch, "launch", "reserved", identity)
         self.launching = identity.get("nonce")
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
-            read = await aread_session(self.session)
+            read = await self._patiently("read its session", lambda: aread_session(self.session))
             if read.session.leaf is not None:
                 self.attestation = attest(read.session)
                 await self.record_action(
@@ -725,7 +737,8 @@ class TaskLane:
         self._unprompted = None
         opened = False
         try:
-            async with self.host.workers.open(request) as worker:
+            async with contextlib.AsyncExitStack() as stack:
+                worker = await self._launched(stack, request)
                 opened = True
                 self.worker = worker
                 self.record = worker.record
@@ -748,14 +761,15 @@ class TaskLane:
             # other (TL2, WD8), not the lane's failure. Its tree was stopped on the way out
             # of ``open`` (W10), and a launch whose stop left a survivor raises
             # ``worker_tree_survived`` instead (W6), which stays the lane's failure (TL11).
-            # A launch refused for want of a file descriptor is taken as such an exit too
-            # (charged: lanes.md L21 lists it as not yet waited out for tasks).
+            # A launch refused for want of a file descriptor was tried again (L21); refused
+            # still when the task's end was decided meanwhile, it is no exit: not charged.
             if opened or error.code not in _LAUNCH_FAILED:
                 raise
             stopped = Stopped(True)
             failed = {**identity, "code": str(error.code)}
             await self.record_action(launch, "launch", "failed", failed)
-            await self.exited_unprompted(error)
+            if error.code is ReasonCode.WORKER_LAUNCH_FAILED:
+                await self.exited_unprompted(error)
         clean = stopped.clean
         self.quiescent_epoch = number if clean else None
         reason = "fence" if end in (EpochEnd.FENCE, EpochEnd.RESUME) else str(end)
@@ -799,6 +813,56 @@ class TaskLane:
                 if self._unprompted is None
                 else f"the worker exited before it answered its prompt ({self._unprompted})"
             )
+
+    async def _launched(
+        self, stack: contextlib.AsyncExitStack, request: EpochRequest
+    ) -> TaskWorker:
+        """The epoch's worker, opened on ``stack`` — its launch tried again while the
+        process (or the system) has no file descriptor left (L21): the gateway's and the
+        gate's sockets, the worker's settings files, its cgroup, its pipes. Nothing of the
+        epoch ran (a spawn refused is no worker; one refused after it started was stopped
+        whole, W10), so nothing is charged, and the same epoch, under the same nonce, is
+        launched again. The wait ends early for an operator's control: a task whose end
+        was decided meanwhile launches nothing (``WorkerError`` ``too_many_open_files``)."""
+        while True:
+            try:
+                worker: TaskWorker = await stack.enter_async_context(
+                    self.host.workers.open(request)
+                )
+            except Exception as error:
+                if not descriptors_exhausted(error):
+                    raise
+                refused = error
+            else:
+                self._descriptors.met()
+                return worker
+            delay = self._descriptors.next()
+            self._waiting(refused, "launch its worker", delay)
+            with trio.move_on_after(delay):
+                await self._wake.wait()
+            if self._wake.is_set():  # taken: the next want waits again (the request, if
+                self._wake = trio.Event()  # any, is the task's state, looked at below)
+            if self._end_decided():
+                raise WorkerError(
+                    ReasonCode.TOO_MANY_OPEN_FILES,
+                    f"the worker was not launched: {refused}; the task's end was decided",
+                ) from refused
+
+    async def _patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
+        """``work()``, waited out and tried again while the process has no file descriptor
+        left (L21): a step before the epoch's worker runs that can be taken again as it is."""
+        return await patiently(
+            work, self._descriptors, lambda error, delay: self._waiting(error, what, delay)
+        )
+
+    def _waiting(self, error: BaseException, what: str, delay: float) -> None:
+        """Say a want of descriptors, with its stable code (L21)."""
+        code = ReasonCode.TOO_MANY_OPEN_FILES
+        detail = str(getattr(error, "strerror", None) or error).removeprefix(f"{code}: ")
+        self.host.log(
+            f"task {self.task_id}: could not {what} for want of a file descriptor, it tries "
+            f"again in {delay:.2f}s ({code}): {detail}"
+        )
 
     # -- what an epoch's watch uses (runtime/_tasks/_epoch.py) -------------------------------------
 

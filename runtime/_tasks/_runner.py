@@ -25,7 +25,7 @@ from .._boundary._gateway import GatewayConfig
 from .._boundary._receipts import ReceiptStore
 from .._clock import Clocks
 from .._config import BackoffConfig, RetentionConfig
-from .._errors import JournalError, ReasonCode, TaskError
+from .._errors import JournalError, ReasonCode, TaskError, descriptors_exhausted
 from .._journal._fence import Fence, Lease
 from .._journal._interface import JournalStore, LeaseStore, Log
 from .._journal._leases import LaneLeases, fenced_out
@@ -227,11 +227,20 @@ class TaskRunner:
             )
             if holder is not None:  # TL13: one live task per worktree
                 raise _worktree_leased(record.worktree, holder)
-            if self.leases is None:
-                log = await self.host.store.open_lane_log(lane_name(spec.task_id))
-                fence = None
-            else:
-                log, fence = await self._claim_new(record)
+            try:
+                if self.leases is None:
+                    log = await self.host.store.open_lane_log(lane_name(spec.task_id))
+                    fence = None
+                else:
+                    log, fence = await self._claim_new(record)
+            except Exception as error:
+                if not descriptors_exhausted(error):
+                    raise
+                raise TaskError(  # L21: nothing was admitted; asked again, it may be
+                    ReasonCode.TOO_MANY_OPEN_FILES,
+                    f"task {spec.task_id!r} was not admitted: the host has no file descriptor "
+                    f"left ({error}); submit it again",
+                ) from error
             try:
                 # durable before anything runs; and once the lane is claimed, written whole
                 # whoever cancels the caller: a claimed lane with no submission and no task

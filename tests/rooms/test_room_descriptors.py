@@ -13,8 +13,6 @@ import contextlib
 import errno
 import logging
 import os
-import resource
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -22,17 +20,18 @@ import pytest
 import trio
 
 from fake_pi.scenario import Hang, Step, Text
+from runtime import _backoff as backoff_module
 from runtime._boundary._boundaries import Boundaries
 from runtime._config import Caps, RoomConfig
 from runtime._journal._interface import Log
 from runtime._journal._store import delivery_key, lane_key
 from runtime._linux._fs import OsFileSystem
 from runtime._records import Outcome, StepAbandoned
-from runtime._rooms import _lane as lane_module
 from runtime._rooms import _slot as slot_module
 from runtime._rooms._worker import RoomWorker, open_room_worker
 from runtime._wire import DeliveryResult
 
+from .._descriptors import descriptors_left, then_cancel
 from .._workers import scripted_upstream
 from .test_room_worker import LIMIT, ROOM, config, message, next_results
 
@@ -88,7 +87,7 @@ async def test_l21_a_lane_out_of_descriptors_waits_and_the_host_goes_on(
     a disk failure and refusing admissions, or the admitted delivery lost or ended with a
     wrong code. Expected: another room is served meanwhile, admissions go on, the delivery
     waits and then runs once descriptors are back — exactly one result, a reply."""
-    monkeypatch.setattr(lane_module, "_EXHAUSTED_FIRST", 0.01)  # (how long is not tested)
+    monkeypatch.setattr(backoff_module, "DESCRIPTORS_FIRST", 0.01)  # (how long is not tested)
     marker = lane_key(OTHER) if whose == "lane" else delivery_key("b1")
     fs = OutOfDescriptors(marker, code, times=3)
     rooms = {ROOM: RoomConfig(), OTHER: RoomConfig()}
@@ -136,31 +135,6 @@ class _Noticed(logging.Handler):
         self.event.set()
 
 
-@contextlib.contextmanager
-def _descriptors_left(left: int) -> Iterator[Callable[[], None]]:
-    """The process's descriptor table made small and filled but for ``left`` free places
-    (``RLIMIT_NOFILE``, real ``EMFILE`` from the kernel); yields the release, which frees
-    them all and puts the limit back (also when the block ends)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
-    hog: list[int] = []
-
-    def release() -> None:
-        while hog:
-            os.close(hog.pop())
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                hog.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        for _ in range(left):
-            os.close(hog.pop())
-        yield release
-    finally:
-        release()
-
-
 SWEEP: Final = range(15)
 """Free descriptors left when a delivery comes: from none to more than its whole turn needs
 (its lane log, session, delivery log, boundaries' sockets, the worker's pipes and files)."""
@@ -182,7 +156,7 @@ async def test_l21_the_process_really_out_of_descriptors_at_every_step_of_a_turn
     replies exactly once, charged no recovery attempt (its log holds no abandoned step),
     the host serves another room after each, nothing is poisoned, and the sweep spans both
     ends — its first step meets the want, its last does not."""
-    monkeypatch.setattr(lane_module, "_EXHAUSTED_FIRST", 0.01)  # (how long is not tested)
+    monkeypatch.setattr(backoff_module, "DESCRIPTORS_FIRST", 0.01)  # (how long is not tested)
     rooms = {f"dm:3{k:02d}": RoomConfig() for k in SWEEP}
     rooms[ROOM] = RoomConfig()
     noticed_at: dict[int, list[str]] = {}
@@ -205,12 +179,12 @@ async def test_l21_the_process_really_out_of_descriptors_at_every_step_of_a_turn
                         found: list[DeliveryResult] = []
 
                         async with trio.open_nursery() as nursery:
-                            with _descriptors_left(k) as release:
+                            with descriptors_left(k) as release:
                                 await w.deliver(message(f"d{k}", room=room))
                                 nursery.start_soon(_collect, w, after, found, replied)
                                 async with trio.open_nursery() as first:
                                     for event in (noticed.event, replied):
-                                        first.start_soon(_then_cancel, event, first.cancel_scope)
+                                        first.start_soon(then_cancel, event, first.cancel_scope)
                                 release()
                     finally:
                         logging.getLogger().removeHandler(noticed)
@@ -239,11 +213,6 @@ async def _collect(
 ) -> None:
     found.extend(await next_results(w, 1, after=after))
     replied.set()
-
-
-async def _then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
 
 
 def _open_files() -> list[str]:
@@ -293,7 +262,7 @@ async def test_l21_l19_a_recovered_delivery_that_waits_for_descriptors_is_charge
     taking-up again charging the restart anew (the delivery ends ``failed
     recovery_exhausted`` having never run again). Expected: it is answered, and its log
     holds exactly one abandoned step, the restart's."""
-    monkeypatch.setattr(lane_module, "_EXHAUSTED_FIRST", 0.01)  # (how long is not tested)
+    monkeypatch.setattr(backoff_module, "DESCRIPTORS_FIRST", 0.01)  # (how long is not tested)
     asked = trio.Event()
 
     async def arrived(n: int) -> None:
