@@ -720,6 +720,15 @@ class WriterPool:
         if stays:
             exc = sync.left_error or OSError(errno.EIO, "a sync log generation stays")
             rel = os.path.relpath(stays[0].path, os.path.dirname(sync.directory))
+            if descriptors_exhausted(exc):  # L21: not the disk's (J6); asked again, tried again
+                item.error = JournalError(
+                    ReasonCode.TOO_MANY_OPEN_FILES,
+                    "a sync log generation holding these logs' records could not be removed "
+                    f"for want of a file descriptor ({exc.strerror or exc}); the removal is "
+                    "refused, and tried again when asked again",
+                    path=rel,
+                )
+                return failure
             refused = disk_error(exc, rel) or DiskFailedError(
                 ReasonCode.DISK_FAILED,
                 f"a sync log generation holding these logs' records cannot be removed: {exc}",

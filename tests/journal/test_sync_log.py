@@ -799,6 +799,47 @@ async def test_j18_a_log_is_not_removed_while_a_generation_holding_it_stays(
                 assert (await store.read(log.rel)).records[1:] == (_record(f"old-{i}"),)
 
 
+class DirSyncOutOfDescriptors(Holding):
+    """The sync log's directory sync fails for want of a file descriptor while
+    :attr:`failing` (a directory's sync opens it: ``EMFILE``)."""
+
+    failing = False
+
+    def fsync_dir(self, path: str) -> None:
+        if self.failing and path.rstrip("/").endswith(SYNC_DIR):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), path)
+        self.inner.fsync_dir(path)
+
+
+async def test_j18_l21_a_generation_whose_removal_wants_a_descriptor_refuses_but_fails_no_disk(
+    tmp_path: Path,
+) -> None:
+    """J18, L21, J6: the generation holding a log's records cannot be removed durably for
+    want of a file descriptor (the sync of the sync log's directory, ``EMFILE``). Tries to
+    break: the log's removal reported as a disk failure, which stops the host's admissions.
+    Expected: the removal is refused ``too_many_open_files`` (the file left in place), no disk
+    failure, and asked again once descriptors are free it removes both."""
+    root = tmp_path / "state"
+    fs = DirSyncOutOfDescriptors(OsFileSystem())
+    with trio.fail_after(20):
+        async with open_store(root, fs=_fs(fs)) as store:
+            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
+            await _one_batch(fs, store, logs, "old")
+            rel = logs[0].rel
+            await store.close_log(logs[0])
+            fs.failing = True
+            with pytest.raises(JournalError) as refused:
+                await store.remove_logs([rel])
+            assert refused.value.code is ReasonCode.TOO_MANY_OPEN_FILES, refused.value
+            assert store.disk_failure is None  # J6: a want of descriptors is not the disk's
+            assert (root / rel).exists()
+            fs.failing = False
+            assert await store.remove_logs([rel]) == 1
+            assert not (root / rel).exists()
+            assert not (root / SYNC_DIR / generation_name(0)).exists()
+            assert store.disk_failure is None
+
+
 async def test_j12_the_bound_on_full_generations_counts_those_that_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
