@@ -44,6 +44,7 @@ from typing import Final
 import trio
 import trio.lowlevel
 
+from .._errors import descriptors_exhausted
 from ._proc import ProcessIdentity, boot_id, process_start_time
 
 __all__ = [
@@ -133,7 +134,9 @@ def _read_stat(pid: int) -> ProcInfo | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:  # gone, or never there
+    except OSError as error:  # gone, or never there — or not looked at (L21): raised
+        if descriptors_exhausted(error):
+            raise
         return None
     rest = stat[stat.rindex(b")") + 2 :].split()
     state = rest[0]
@@ -199,7 +202,9 @@ def _read_bytes(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
             return f.read()
-    except OSError:  # gone, or not ours to read
+    except OSError as error:  # gone, or not ours to read — or not looked at (L21): raised
+        if descriptors_exhausted(error):
+            raise
         return None
 
 
@@ -504,7 +509,10 @@ def reap_proven(proven: dict[int, int]) -> list[int]:
     me = os.getpid()
     reaped = []
     for pid, start_time in list(proven.items()):
-        info = _read_stat(pid)
+        try:
+            info = _read_stat(pid)
+        except OSError:  # not looked at for want of a descriptor (L21): a later call reaps it
+            continue
         if info is None or info.start_time != start_time:
             proven.pop(pid, None)
             continue
@@ -625,7 +633,9 @@ def _open_verified(pid: int, start_time: int) -> int | None:
     """A pidfd for ``pid`` if it is still the process that started at ``start_time``."""
     try:
         fd = os.pidfd_open(pid)
-    except OSError:
+    except OSError as error:
+        if descriptors_exhausted(error):  # not looked at (L21): raised
+            raise
         return None
     if process_start_time(pid) != start_time:
         os.close(fd)
@@ -681,6 +691,8 @@ class _Kill:
         return any(pid not in self.refused for pid in live)
 
 
+_WANT_AGAIN: Final = 0.01
+"""How long a kill waits before it looks again after a want of file descriptors (seconds)."""
 _FINAL_SCAN_BOUND: Final = 1.0
 """How long the scan that writes the report may wait for a process inside an exec."""
 
@@ -701,10 +713,21 @@ async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
     state = _Kill(proof)
     cgroup_killed = proof.cgroup is not None and _cgroup_kill(proof.cgroup)
     with trio.move_on_after(give_up_after):
-        while live := (await state.scan(give_up_after)).live():
-            if not await state.round(live):
-                break
-    last = await state.scan(_FINAL_SCAN_BOUND)
+        while True:
+            try:
+                live = (await state.scan(give_up_after)).live()
+                if not live or not await state.round(live):
+                    break
+            except OSError as error:  # a scan or a pidfd wanted a descriptor (L21): again
+                if not descriptors_exhausted(error):
+                    raise
+                await trio.sleep(_WANT_AGAIN)
+    try:
+        last = await state.scan(_FINAL_SCAN_BOUND)
+    except OSError as error:  # the last look could not be taken: nothing is proven gone
+        if not descriptors_exhausted(error):
+            raise
+        last = TreeScan({}, frozenset(state.proven) | {root.pid for root in proof.roots})
     live = last.live()
     state.reaped += reap_proven(state.proven)
     removed = True

@@ -342,9 +342,13 @@ class Epoch:
         me = os.getpid()
         while True:
             await trio.sleep(self.policy.reap_interval)
-            for info in proc_table().values():
-                if info.ppid == me and info.alive and carries_nonce(info.pid, self.nonce):
-                    self._adopted[info.pid] = info.start_time
+            try:
+                for info in proc_table().values():
+                    if info.ppid == me and info.alive and carries_nonce(info.pid, self.nonce):
+                        self._adopted[info.pid] = info.start_time
+            except OSError as error:  # no descriptor to look with (L21): next time
+                if not descriptors_exhausted(error):
+                    raise
             reap_proven(self._adopted)
 
     async def _close_streams(self) -> None:
@@ -570,7 +574,8 @@ async def open_epoch(
     if not report.clean:
         raise WorkerError(
             ReasonCode.WORKER_TREE_SURVIVED,
-            f"epoch {epoch.nonce}: survivors {list(report.kill.survivors)}, worker status "
+            f"epoch {epoch.nonce}: survivors {list(report.kill.survivors)}, undecided "
+            f"{list(report.kill.undecided)}, worker status "
             f"{report.exit_status}, cgroup removed: {report.kill.cgroup_removed}",
         )
 

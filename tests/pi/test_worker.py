@@ -67,6 +67,7 @@ from runtime._pi._worker import (
 )
 from runtime._records import EpochStarted
 
+from .._descriptors import descriptors_left
 from .._pi import real_pi
 from .._procs import alive_with_nonce
 
@@ -486,6 +487,45 @@ async def test_stop_leaves_no_descendant(tmp_path: Path, containment: Containmen
     assert alive_with_nonce(epoch.nonce) == []
     if epoch.cgroup is not None:
         assert not exists(epoch.cgroup)
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_w6_l21_a_stop_out_of_descriptors_reports_what_it_knows(
+    tmp_path: Path, containment: Containment
+) -> None:
+    """W6, L21: a tree is stopped while the process has no file descriptor left, for each
+    number of free descriptors from 0 to 5 (the kernel's own ``EMFILE``): the scans of
+    ``/proc``, the pidfds and the reads of each process's identity all want one. Tries to
+    break: a stop that raises a raw ``OSError`` (stop is bounded and returns a report, never
+    an exception), or one that reports clean while a member of the tree lives (a process
+    whose ``/proc`` could not be read taken for one that is gone). Expected: each stop
+    returns a report; it is clean only when nothing of the tree is alive, and one that is
+    not ends the block ``worker_tree_survived``, as any unproven stop does."""
+    policy = StopPolicy(term_grace=1.0, kill_bound=0.5)
+    for left in range(6):
+        survived: WorkerError | None = None
+        with trio.fail_after(LIMIT):
+            try:
+                async with open_epoch(
+                    tree_argv(tmp_path),
+                    env=tree_env(tmp_path),
+                    cwd=tmp_path,
+                    containment=containment,
+                    policy=policy,
+                ) as epoch:
+                    await tree_ready(epoch)
+                    tree = await epoch.members()
+                    with descriptors_left(left):
+                        report = await epoch.stop()
+            except WorkerError as error:
+                survived = error
+        alive = [member.pid for member in tree if is_alive(member)] + alive_with_nonce(epoch.nonce)
+        for pid in alive:  # (what an unproven stop left, stopped by the test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert not (report.clean and alive), (left, report, alive)
+        assert (survived is None) is report.clean, (left, report, survived)
+        assert survived is None or survived.code is ReasonCode.WORKER_TREE_SURVIVED, survived
 
 
 NESTED_CGROUP: Final = """
