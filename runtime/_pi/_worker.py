@@ -544,7 +544,14 @@ async def open_epoch(
             async with trio.open_nursery() as nursery:
                 try:
                     try:
-                        await _prove(epoch)
+                        try:
+                            await _prove(epoch)
+                        except OSError as error:  # its identity not read back (L21: EMFILE)
+                            raise _launch_failed(
+                                f"epoch {epoch.nonce}: the worker's identity could not be "
+                                f"read back: {error}",
+                                error,
+                            ) from error
                     except WorkerError as error:
                         # A launch that failed is stopped like any epoch; no block of the
                         # caller's ran, so a survivor of that stop is news it must get (W6):

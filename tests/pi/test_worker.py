@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -456,6 +457,41 @@ async def test_w6_a_failed_launch_whose_stop_left_a_survivor_says_so(
     assert "4242" in str(caught.value)
     assert isinstance(caught.value.__cause__, WorkerError)
     assert caught.value.__cause__.code is ReasonCode.WORKER_LAUNCH_FAILED
+
+
+@pytest.mark.parametrize("stop", ["clean", "survivor"])
+async def test_w6_l21_a_launch_whose_proof_wants_a_descriptor_is_stopped_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    """W6, W10, L21: the read of a new worker's environment (its nonce, the launch's proof)
+    finds no file descriptor (``EMFILE``, injected: the process's own exhaustion cannot
+    reach that read, the spawn having just freed its pipes' far ends). Tries to break: the
+    raw ``OSError`` raised out of the launch without the stop's verdict, so a stop that left
+    a survivor reads as "nothing launched, try again" (two trees). Expected: the launch's
+    epoch is stopped; a clean stop makes it ``too_many_open_files`` (nothing of it alive:
+    the caller waits and launches again), one that left a survivor ``worker_tree_survived``."""
+    from runtime._pi import _worker
+
+    def wanting(pid: int) -> bytes | None:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), f"/proc/{pid}/environ")
+
+    real_stop = Epoch._stop
+
+    async def survived(epoch: Epoch) -> Any:
+        report = await real_stop(epoch)  # the real stop: nothing is left behind by the test
+        return dataclasses.replace(report, kill=dataclasses.replace(report.kill, survivors=(4242,)))
+
+    monkeypatch.setattr(_worker, "read_environ", wanting)
+    if stop == "survivor":
+        monkeypatch.setattr(Epoch, "_stop", survived)
+    with trio.fail_after(LIMIT), pytest.raises(WorkerError) as caught:
+        async with open_epoch(["sleep", "30"], env=tree_env(tmp_path), cwd=tmp_path):
+            pass  # pragma: no cover
+    if stop == "clean":
+        assert caught.value.code is ReasonCode.TOO_MANY_OPEN_FILES, caught.value
+    else:
+        assert caught.value.code is ReasonCode.WORKER_TREE_SURVIVED, caught.value
+        assert "4242" in str(caught.value)
 
 
 # --------------------------------------------------------------------------- the tree
