@@ -769,36 +769,6 @@ class FailingUnlink(Holding):
         self.inner.unlink(path)
 
 
-async def test_j18_a_log_is_not_removed_while_a_generation_holding_it_stays(
-    tmp_path: Path,
-) -> None:
-    """J18: when the generation holding a log's records cannot be removed, the log's
-    removal is refused (a disk failure, the file left in place); once the generation can be
-    removed, the next removal removes both."""
-    root = tmp_path / "state"
-    fs = FailingUnlink(OsFileSystem())
-    with trio.fail_after(20):
-        async with open_store(root, fs=_fs(fs)) as store:
-            logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
-            await _one_batch(fs, store, logs, "old")
-            rel = logs[0].rel
-            await store.close_log(logs[0])
-            fs.failing = True
-            with pytest.raises(JournalError) as refused:
-                await store.remove_logs([rel])
-            assert refused.value.code is ReasonCode.DISK_FAILED
-            assert refused.value.path == f"{SYNC_DIR}/{generation_name(0)}"
-            assert store.disk_failure is not None  # reported: the host stops admitting (J6)
-            assert (root / rel).exists()
-            assert (root / SYNC_DIR / generation_name(0)).exists()
-            fs.failing = False
-            assert await store.remove_logs([rel]) == 1
-            assert not (root / SYNC_DIR / generation_name(0)).exists()
-            for i, log in enumerate(logs[1:], 1):  # the others' records reached their files
-                assert _file_records(root, log.rel) == 2
-                assert (await store.read(log.rel)).records[1:] == (_record(f"old-{i}"),)
-
-
 class DirSyncOutOfDescriptors(Holding):
     """The sync log's directory sync fails for want of a file descriptor while
     :attr:`failing` (a directory's sync opens it: ``EMFILE``)."""
@@ -811,16 +781,19 @@ class DirSyncOutOfDescriptors(Holding):
         self.inner.fsync_dir(path)
 
 
-async def test_j18_l21_a_generation_whose_removal_wants_a_descriptor_refuses_but_fails_no_disk(
-    tmp_path: Path,
+@pytest.mark.parametrize("fault", ["unlink_eio", "dir_sync_emfile"])
+async def test_j18_a_log_is_not_removed_while_a_generation_holding_it_stays(
+    tmp_path: Path, fault: str
 ) -> None:
-    """J18, L21, J6: the generation holding a log's records cannot be removed durably for
-    want of a file descriptor (the sync of the sync log's directory, ``EMFILE``). Tries to
-    break: the log's removal reported as a disk failure, which stops the host's admissions.
-    Expected: the removal is refused ``too_many_open_files`` (the file left in place), no disk
-    failure, and asked again once descriptors are free it removes both."""
+    """J18: when the generation holding a log's records cannot be removed, the log's
+    removal is refused (the file left in place); once the generation can be removed, the
+    next removal removes both. The removal's unlink failing (``EIO``) is a disk failure,
+    reported (J6: the host stops admitting); its directory's sync wanting a file descriptor
+    (``EMFILE``, L21) is not — tries to break: that reported as a disk failure too — it is
+    refused ``too_many_open_files`` and nothing is reported."""
     root = tmp_path / "state"
-    fs = DirSyncOutOfDescriptors(OsFileSystem())
+    inner = OsFileSystem()
+    fs = FailingUnlink(inner) if fault == "unlink_eio" else DirSyncOutOfDescriptors(inner)
     with trio.fail_after(20):
         async with open_store(root, fs=_fs(fs)) as store:
             logs = [await store.create_delivery_log(f"d{i}") for i in range(LOGS)]
@@ -830,14 +803,22 @@ async def test_j18_l21_a_generation_whose_removal_wants_a_descriptor_refuses_but
             fs.failing = True
             with pytest.raises(JournalError) as refused:
                 await store.remove_logs([rel])
-            assert refused.value.code is ReasonCode.TOO_MANY_OPEN_FILES, refused.value
-            assert store.disk_failure is None  # J6: a want of descriptors is not the disk's
+            assert refused.value.path == f"{SYNC_DIR}/{generation_name(0)}"
+            if fault == "unlink_eio":
+                assert refused.value.code is ReasonCode.DISK_FAILED
+                assert store.disk_failure is not None  # reported: the host stops admitting
+            else:
+                assert refused.value.code is ReasonCode.TOO_MANY_OPEN_FILES, refused.value
+                assert store.disk_failure is None  # J6: a want of descriptors is not the disk's
             assert (root / rel).exists()
+            assert (root / SYNC_DIR / generation_name(0)).exists() is (fault == "unlink_eio")
             fs.failing = False
             assert await store.remove_logs([rel]) == 1
             assert not (root / rel).exists()
             assert not (root / SYNC_DIR / generation_name(0)).exists()
-            assert store.disk_failure is None
+            for i, log in enumerate(logs[1:], 1):  # the others' records reached their files
+                assert _file_records(root, log.rel) == 2
+                assert (await store.read(log.rel)).records[1:] == (_record(f"old-{i}"),)
 
 
 async def test_j12_the_bound_on_full_generations_counts_those_that_wait(
