@@ -43,10 +43,12 @@ __all__ = [
     "aappend_entry",
     "acreate_session",
     "afsync",
+    "afsync_session",
     "append_entry",
     "aread_session",
     "atruncate_torn_tail",
     "create_session",
+    "fsync_session",
     "open_session_writer",
     "read_session",
     "truncate_torn_tail",
@@ -64,6 +66,17 @@ def read_session(path: StrPath) -> SessionReadResult:
     except FileNotFoundError:
         message = "no session file"
         raise SessionError(ReasonCode.SESSION_MISSING, message, path=os.fspath(path)) from None
+
+
+def fsync_session(path: StrPath) -> None:
+    """Make what is in the session file durable (``fsync``): Pi appends without a sync, so
+    its last lines may be in the page cache only — the runtime syncs them before it acts on
+    what it read there (S15)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def truncate_torn_tail(path: StrPath) -> int:
@@ -316,6 +329,9 @@ atruncate_torn_tail = _in_thread(truncate_torn_tail)
 
 
 afsync = _in_thread(SessionWriter.fsync)
+
+
+afsync_session = _in_thread(fsync_session)
 
 
 async def acreate_session(

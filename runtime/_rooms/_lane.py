@@ -35,7 +35,6 @@ import contextlib
 import functools
 import logging
 import math
-import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -78,6 +77,7 @@ from .._logs import fields
 from .._metrics import RECOVERY_ATTEMPTS, RECOVERY_REFUSALS, labelled
 from .._pi._launch import ModelRoute, RetrySettings, WorkerLaunch, WorkerProgram
 from .._pi._session_files import (
+    afsync_session,
     aread_session,
     atruncate_torn_tail,
     create_session,
@@ -1052,15 +1052,7 @@ class Lane:
 
     async def _fsync(self, session: Path) -> None:
         """Make Pi's unsynced appends durable before the journal depends on them."""
-
-        def sync() -> None:
-            fd = os.open(session, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        await trio.to_thread.run_sync(sync)
+        await afsync_session(session)
 
     async def _branch(self, session: Path, started: Admission) -> bool:
         """Point the session back at the admission leaf (the worker is proven dead): a

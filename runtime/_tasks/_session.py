@@ -19,7 +19,7 @@ from .._boundary._calls import GateCall
 from .._boundary._gate import RecordingGateJournal
 from .._clock import WallClock
 from .._errors import PiRuntimeError, ReasonCode
-from .._pi._session_files import SessionWriter, aread_session, atruncate_torn_tail
+from .._pi._session_files import SessionWriter, afsync_session, aread_session, atruncate_torn_tail
 from ._state import continuation_marker
 
 __all__ = ["marker_in_session", "reanswer_orphaned", "session_size"]
@@ -96,10 +96,16 @@ async def marker_in_session(session: Path, action_id: str) -> bool | None:
         return None
     marker = continuation_marker(action_id)
     needle = json.dumps(marker)[1:-1].encode()
-    return any(
+    present = any(
         needle in entry.raw_line and _prompt_begins(entry.raw, marker)
         for entry in read.session.by_id.values()
     )
+    if present:  # evidence the caller acts on: durable first (Pi appends without a sync, S15)
+        try:
+            await afsync_session(session)
+        except OSError:
+            return None
+    return present
 
 
 def _prompt_begins(entry: Mapping[str, Any], marker: str) -> bool:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -1226,6 +1228,48 @@ async def test_tl5_a_marker_counts_only_in_an_entry_pi_loads_and_an_unreadable_s
     session.write_bytes(b"not a session header\n" + session.read_bytes())
     assert await marker_in_session(session, action) is None  # nobody can say
     assert await marker_in_session(tmp_path / "none.jsonl", action) is False
+
+
+@pytest.mark.parametrize("sync", ["works", "fails"])
+async def test_s15_j23_a_marker_found_is_made_durable_before_it_is_acted_on(
+    tmp_path: Path, clocks: Clocks, monkeypatch: pytest.MonkeyPatch, sync: str
+) -> None:
+    """S15, J23, TL5, LK8: Pi appends its prompt's line without a sync (the worker's own, or
+    one a restart killed after the start's sync), so a marker read through the page cache
+    may be gone after a power loss — after the lane recorded the continuation as sent, or
+    decided at a restart that a reply was delivered and need not be sent again. Tries to
+    break: a "present" answered from a line no sync made durable. Expected: the session is
+    fsynced (the real ``fsync``, watched) before the answer is yes; an absent marker needs no
+    sync (nothing is decided on what could vanish); a sync that fails answers "unknown"
+    (``None``: the caller holds rather than guess)."""
+    session = tmp_path / "session.jsonl"
+    created = create_session(session, cwd=str(tmp_path), provider="fake", model_id="m",
+                             clock=clocks.wall)  # fmt: skip
+    action = "task-1/g1/a1/c1/prompt"
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def watched(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if sync == "fails" and path == str(session):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        real_fsync(fd)
+        synced.append(path)
+
+    monkeypatch.setattr(os, "fsync", watched)  # (what _session_files calls)
+    assert await marker_in_session(session, action) is False
+    assert synced == []  # absent: nothing to make durable
+    assert created.leaf is not None
+    message = {"role": "user", "content": continuation_marker(action)}
+    entry = {"type": "message", "id": "0badf00d", "parentId": created.leaf.id, "message": message}
+    with session.open("ab") as f:  # as Pi appends: no sync
+        f.write(json.dumps(entry).encode() + b"\n")
+    found = await marker_in_session(session, action)
+    if sync == "works":
+        assert found is True
+        assert synced == [str(session)]
+    else:
+        assert found is None
 
 
 async def test_lk8_a_reply_whose_carrier_cannot_be_checked_holds_instead_of_resending(
