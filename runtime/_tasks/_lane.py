@@ -55,7 +55,7 @@ from .._linux._proctree import new_nonce
 from .._metrics import TASK_BUDGET_CHARGES, TASK_CONTINUATIONS
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest
-from .._pi._session_files import aread_session, create_session
+from .._pi._session_files import afsync_session, aread_session, create_session
 from .._pi._worker import StopPolicy, kill_epoch_leftovers, kill_launch_leftovers
 from .._records import (
     ContinuationSent,
@@ -707,6 +707,8 @@ class TaskLane:
         if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
             read = await self._patiently("read its session", lambda: aread_session(self.session))
             if read.session.leaf is not None:
+                # what it names is durable before it is recorded (S15: Pi does not sync)
+                await self._patiently("sync its session", lambda: afsync_session(self.session))
                 self.attestation = attest(read.session)
                 await self.record_action(
                     self.epoch_action_id("attest"),

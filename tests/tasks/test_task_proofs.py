@@ -1272,6 +1272,40 @@ async def test_s15_j23_a_marker_found_is_made_durable_before_it_is_acted_on(
         assert found is None
 
 
+async def test_s15_tl4_the_session_an_attestation_names_is_durable_before_it_is_recorded(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S15, TL4: the attestation names the session's path as the lane read it, and the lane
+    log records it; Pi's lines are not synced. Tries to break: the attestation recorded
+    while the path it names is in the page cache only. Expected: the session file itself is
+    fsynced (the real ``fsync``, watched) after it is read and before the attestation's
+    record."""
+    events: list[str] = []
+    real_fsync = os.fsync
+
+    def watched(fd: int) -> None:
+        real_fsync(fd)
+        events.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}")
+
+    real_record = TaskLane.record_action
+
+    async def recorded(lane: TaskLane, action_id: str, kind: str, *args: Any) -> None:
+        await real_record(lane, action_id, kind, *args)
+        events.append(f"record {kind}")
+
+    monkeypatch.setattr(os, "fsync", watched)
+    monkeypatch.setattr(TaskLane, "record_action", recorded)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.ended(TASK)
+        session = str(rig.store.root / rig.runner.show(TASK).session_path)
+    attested = events.index("record attest")
+    assert f"fsync {session}" in events[events.index("record launch") : attested], events
+
+
 async def test_lk8_a_reply_whose_carrier_cannot_be_checked_holds_instead_of_resending(
     tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
 ) -> None:
