@@ -152,13 +152,17 @@ def _live_thread(pid: int) -> tuple[int, bytes | None]:
     environment is read through a live thread (``/proc/<pid>/environ`` reads empty)."""
     try:
         tids = [int(name) for name in os.listdir(f"/proc/{pid}/task") if int(name) != pid]
-    except OSError:
+    except OSError as error:
+        if descriptors_exhausted(error):  # not looked at (L21): raised, never "no thread"
+            raise
         return pid, None
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
                 stat = f.read()
-        except OSError:  # exited meanwhile
+        except OSError as error:  # exited meanwhile — or not looked at (L21): raised
+            if descriptors_exhausted(error):
+                raise
             continue
         state = stat[stat.rindex(b")") + 2 :].split()[0]
         if state not in _GONE:
@@ -220,7 +224,9 @@ def exec_pending(pid: int) -> bool:
                 return False
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:  # gone, or not ours to read
+    except OSError as error:  # gone, or not ours to read — or not looked at (L21): raised
+        if descriptors_exhausted(error):
+            raise
         return False
     rest = stat[stat.rindex(b")") + 2 :].split()
     # (a kernel before 3.5 has no such field: the empty reads alone decide, as before)
@@ -290,7 +296,9 @@ def cgroup2_mount(mounts: str | None = None) -> Path | None:
     if mounts is None:
         try:
             mounts = Path("/proc/self/mounts").read_text()
-        except OSError:
+        except OSError as error:  # not looked at for want of a descriptor: raised (L21)
+            if descriptors_exhausted(error):
+                raise
             return None
     found = [line.split()[1] for line in mounts.splitlines() if line.split()[2:3] == ["cgroup2"]]
     for preferred in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
@@ -318,7 +326,8 @@ class CgroupSupport:
 
 @functools.cache
 def probe_cgroups(mount: Path | None = None) -> CgroupSupport:
-    """Try to create (and remove) a cgroup under ``<mount>/pi-runtime``; cached per mount."""
+    """Try to create (and remove) a cgroup under ``<mount>/pi-runtime``; cached per mount.
+    A want of file descriptors is raised, never cached as an answer (L21)."""
     mount = mount or cgroup2_mount()
     if mount is None:
         return CgroupSupport(mount=None, parent=None, kill=False, reason="no cgroup2 mount")

@@ -367,7 +367,10 @@ def _sweep_once(parent: Path) -> int:
 
 def _choose(containment: Containment | None, nonce: str) -> tuple[Containment, Path | None]:
     """How the epoch is contained (blocking: called in a thread)."""
-    support = probe_cgroups()
+    try:
+        support = probe_cgroups()
+    except OSError as error:  # a want of descriptors (L21): never contained less for it
+        raise _launch_failed(f"cannot look for a cgroup v2 mount: {error}", error) from error
     if containment in (None, Containment.CGROUP) and support.parent is not None:
         _sweep_once(support.parent)
         try:

@@ -40,6 +40,7 @@ from runtime._linux._proctree import (
     new_nonce,
     probe_cgroups,
     proc_table,
+    remove_cgroup,
     set_child_subreaper,
     settled_environ,
     trio_managed,
@@ -457,6 +458,28 @@ async def test_w6_a_failed_launch_whose_stop_left_a_survivor_says_so(
     assert "4242" in str(caught.value)
     assert isinstance(caught.value.__cause__, WorkerError)
     assert caught.value.__cause__.code is ReasonCode.WORKER_LAUNCH_FAILED
+
+
+def test_w2_l21_a_cgroup_probe_out_of_descriptors_is_no_answer() -> None:
+    """W2, L21: the host's first look for a cgroup v2 mount (``/proc/self/mounts``) meets the
+    kernel's own ``EMFILE``. Tries to break: "no cgroup2 mount" taken as the answer — and
+    cached for the life of the process, so every later worker is contained less (by the
+    subreaper) on a host whose cgroups work. Expected: the look is refused
+    (``too_many_open_files``, the launch waits and tries again), nothing is cached, and once
+    descriptors are free the epoch gets its cgroup."""
+    assert CGROUPS.usable, CGROUPS.reason
+    probe_cgroups.cache_clear()
+    try:
+        with descriptors_left(0), pytest.raises(WorkerError) as refused:
+            _worker._choose(None, new_nonce())
+        assert refused.value.code is ReasonCode.TOO_MANY_OPEN_FILES, refused.value
+        mode, cgroup = _worker._choose(None, new_nonce())
+        assert cgroup is not None
+        remove_cgroup(cgroup)
+        assert mode is Containment.CGROUP
+    finally:
+        probe_cgroups.cache_clear()
+        probe_cgroups()
 
 
 @pytest.mark.parametrize("stop", ["clean", "survivor"])
