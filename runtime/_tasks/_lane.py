@@ -81,7 +81,7 @@ from ._lane_log import LaneLog
 from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
 from ._recovery import Recovery
-from ._replacement import prepare_replacement, route_problem, settle_session
+from ._replacement import TaskClosed, prepare_replacement, route_problem, settle_session
 from ._session import marker_in_session
 from ._state import (
     CONTINUATION_VERSION,
@@ -108,8 +108,6 @@ from ._workers import EpochRequest, Stopped, TaskWorker, WorkerFactory
 __all__ = ["TaskHost", "TaskLane"]
 
 _T = TypeVar("_T")
-_LAUNCH_FAILED = frozenset({ReasonCode.WORKER_LAUNCH_FAILED, ReasonCode.TOO_MANY_OPEN_FILES})
-"""A worker that could not be launched (W1), or not for want of a file descriptor."""
 
 
 @dataclass
@@ -567,11 +565,17 @@ class TaskLane:
         )
         if self.kernel.state is TaskState.WAITING:
             self.watchdog.feed(TerminalAccepted("wait"))
-        if self.epochs > 0 and self.ended is None and self.kernel.state is TaskState.OPEN:
+        # TL7: a worker that ran before the restart is replaced; when none ever ran (each
+        # launch refused or cut before its start: L21's wait, a crash in the launch window)
+        # there is nothing to replace, and the next epoch is a first one: the task itself
+        ran = self.record is not None or any(
+            a.kind == "launch" and a.state == "done" for a in self.actions.values()
+        )
+        if ran and self.ended is None and self.kernel.state is TaskState.OPEN:
             self._restarted = True
             self._fenced = True  # the dead host's epoch is superseded: its fence moves (LK2)
         self._settle_first = self.epochs > 0 and self.ended is None
-        self._task_undelivered = self.epochs == 0
+        self._task_undelivered = not ran
         lost = self._lost
         last_boot = (
             unstarted.detail.get("boot_id")
@@ -689,7 +693,10 @@ class TaskLane:
             return
         self._fenced = False
         if self._settle_first:  # the dead host's worker may have left a call unanswered
-            await self._patiently("settle its session", lambda: settle_session(self))
+            try:
+                await self.patiently("settle its session", lambda: settle_session(self))
+            except TaskClosed:  # (L21) its end decided while it waited: nothing launches
+                return
             self._settle_first = False
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
@@ -704,18 +711,11 @@ class TaskLane:
             identity["nonce"], identity["boot_id"] = new_nonce(), boot_id()
         await self.record_action(launch, "launch", "reserved", identity)
         self.launching = identity.get("nonce")
-        if self.attestation is None:  # TL4: the session the attempt owns, by path prefix
-            read = await self._patiently("read its session", lambda: aread_session(self.session))
-            if read.session.leaf is not None:
-                # what it names is durable before it is recorded (S15: Pi does not sync)
-                await self._patiently("sync its session", lambda: afsync_session(self.session))
-                self.attestation = attest(read.session)
-                await self.record_action(
-                    self.epoch_action_id("attest"),
-                    "attest",
-                    "done",
-                    msgspec.to_builtins(self.attestation),
-                )
+        try:
+            await self._attest()
+        except TaskClosed as closed:
+            await self._not_launched(number, launch, identity, closed)
+            return
         kind, text, action_id = self._next
         steps, tools = self._log.journals()
         request = EpochRequest(
@@ -740,7 +740,12 @@ class TaskLane:
         opened = False
         try:
             async with contextlib.AsyncExitStack() as stack:
-                worker = await self._launched(stack, request)
+                if self.kernel.state is not TaskState.OPEN:  # its end decided meanwhile
+                    raise TaskClosed(ReasonCode.TASK_ENDED)
+                worker = await self.patiently(  # L21: no descriptor: the same launch again
+                    "launch its worker",
+                    lambda: stack.enter_async_context(self.host.workers.open(request)),
+                )
                 opened = True
                 self.worker = worker
                 self.record = worker.record
@@ -758,20 +763,21 @@ class TaskLane:
                             )
                         stopped = await worker.stop()
                         self.worker = None
+        except TaskClosed as closed:  # never launched: its end decided as it waited (L21)
+            await self._not_launched(number, launch, identity, closed)
+            return
         except WorkerError as error:
             # The worker exited during its launch (W1): an exit before its prompt like any
             # other (TL2, WD8), not the lane's failure. Its tree was stopped on the way out
             # of ``open`` (W10), and a launch whose stop left a survivor raises
             # ``worker_tree_survived`` instead (W6), which stays the lane's failure (TL11).
-            # A launch refused for want of a file descriptor was tried again (L21); refused
-            # still when the task's end was decided meanwhile, it is no exit: not charged.
-            if opened or error.code not in _LAUNCH_FAILED:
+            # (A launch refused for want of a file descriptor is tried again: L21.)
+            if opened or error.code is not ReasonCode.WORKER_LAUNCH_FAILED:
                 raise
             stopped = Stopped(True)
             failed = {**identity, "code": str(error.code)}
             await self.record_action(launch, "launch", "failed", failed)
-            if error.code is ReasonCode.WORKER_LAUNCH_FAILED:
-                await self.exited_unprompted(error)
+            await self.exited_unprompted(error)
         clean = stopped.clean
         self.quiescent_epoch = number if clean else None
         reason = "fence" if end in (EpochEnd.FENCE, EpochEnd.RESUME) else str(end)
@@ -804,7 +810,8 @@ class TaskLane:
             # LK8: the worker asked, the user answered before it stopped; the reply starts
             # the next epoch as a reply always does (not a replacement: not charged).
             self._fenced = True
-            await settle_session(self)
+            with contextlib.suppress(TaskClosed):  # (its end decided as it waited: L21)
+                await self.patiently("settle its session", lambda: settle_session(self))
         elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
             self._fenced = True
             if self._held():  # WD8: the core held (an exit after the completion prompt)
@@ -816,43 +823,61 @@ class TaskLane:
                 else f"the worker exited before it answered its prompt ({self._unprompted})"
             )
 
-    async def _launched(
-        self, stack: contextlib.AsyncExitStack, request: EpochRequest
-    ) -> TaskWorker:
-        """The epoch's worker, opened on ``stack`` — its launch tried again while the
-        process (or the system) has no file descriptor left (L21): the gateway's and the
-        gate's sockets, the worker's settings files, its cgroup, its pipes. Nothing of the
-        epoch ran (a spawn refused is no worker; one refused after it started was stopped
-        whole, W10), so nothing is charged, and the same epoch, under the same nonce, is
-        launched again. The wait ends early for an operator's control: a task whose end
-        was decided meanwhile launches nothing (``WorkerError`` ``too_many_open_files``)."""
+    async def _attest(self) -> None:
+        """TL4: the session the attempt owns, by path prefix — once, from the first epoch on;
+        what it names durable before it is recorded (S15: Pi does not sync)."""
+        if self.attestation is not None:
+            return
+        read = await self.patiently("read its session", lambda: aread_session(self.session))
+        if read.session.leaf is None:
+            return
+        await self.patiently("sync its session", lambda: afsync_session(self.session))
+        self.attestation = attest(read.session)
+        await self.record_action(
+            self.epoch_action_id("attest"), "attest", "done", msgspec.to_builtins(self.attestation)
+        )
+
+    async def _not_launched(
+        self, number: int, launch: str, identity: dict[str, Any], closed: TaskClosed
+    ) -> None:
+        """Epoch ``number``'s launch, reserved, never made: the task's end was decided while
+        it waited (L21, TL8). Recorded failed with why, and ended; nothing ran, so nothing
+        is charged and the epoch is quiescent."""
+        await self.record_action(launch, "launch", "failed", {**identity, "code": closed.code})
+        self.quiescent_epoch = number
+        await self.append(
+            EpochFenced(epoch=number, reason=closed.code, fenced_ms=self.host.clocks.wall.time_ms())
+        )
+
+    async def patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
+        """``work()`` — a step before the epoch's worker runs, which can be taken again as it
+        is — tried again while the process (or the system) has no file descriptor left
+        (L21): said with the stable code, after a wait that doubles (the lane's
+        :class:`DescriptorWait`), charged nothing. The wait ends early for an operator's
+        control; once the task is not open any more (an end decided) it raises
+        :class:`TaskClosed` instead of trying again."""
         while True:
             try:
-                worker: TaskWorker = await stack.enter_async_context(
-                    self.host.workers.open(request)
-                )
+                done = await work()
             except Exception as error:
                 if not descriptors_exhausted(error):
                     raise
                 refused = error
             else:
                 self._descriptors.met()
-                return worker
+                return done
             delay = self._descriptors.next()
-            self._waiting(refused, "launch its worker", delay)
+            self._waiting(refused, what, delay)
             with trio.move_on_after(delay):
                 await self._wake.wait()
             if self._wake.is_set():  # taken: the next want waits again (the request, if
                 self._wake = trio.Event()  # any, is the task's state, looked at below)
-            if self._end_decided():
-                raise WorkerError(
-                    ReasonCode.TOO_MANY_OPEN_FILES,
-                    f"the worker was not launched: {refused}; the task's end was decided",
-                ) from refused
+            if self.kernel.state is not TaskState.OPEN:
+                raise TaskClosed(ReasonCode.TOO_MANY_OPEN_FILES) from refused
 
     async def _patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
-        """``work()``, waited out and tried again while the process has no file descriptor
-        left (L21): a step before the epoch's worker runs that can be taken again as it is."""
+        """:meth:`patiently` for the lane's opening, before its task is restored: waited out
+        whatever comes (its end is looked at once it is open)."""
         return await patiently(
             work, self._descriptors, lambda error, delay: self._waiting(error, what, delay)
         )

@@ -16,9 +16,9 @@ implementation), so what a replacement reads and writes of it is on one page.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -26,7 +26,7 @@ from .._boundary._boundaries import settle_session as settle_dangling
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._steps import DeliveryStepJournal
 from .._clock import Clocks
-from .._errors import PiRuntimeError
+from .._errors import PiRuntimeError, ReasonCode
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest, contains_path
 from .._pi._session_files import aread_session
@@ -41,6 +41,7 @@ from ._watchdog import Relaunched
 
 __all__ = [
     "ReplacementOwner",
+    "TaskClosed",
     "prepare_replacement",
     "reconcile_marker",
     "route_problem",
@@ -57,6 +58,19 @@ class ReplacementHost(Protocol):
     def clocks(self) -> Clocks: ...
     @property
     def leaseholder(self) -> Callable[[TaskSubmitted], str | None]: ...
+
+
+_T = TypeVar("_T")
+
+
+class TaskClosed(Exception):
+    """A step before a worker's launch waited for file descriptors (docs/design/lanes.md
+    L21), and the task is not open any more (its end was decided meanwhile): nothing is
+    launched for it. ``code``: why, as the launch's record says it."""
+
+    def __init__(self, code: ReasonCode) -> None:
+        super().__init__(f"the task is not open any more ({code})")
+        self.code = str(code)
 
 
 class ReplacementOwner(LaneFacts, Protocol):
@@ -86,6 +100,7 @@ class ReplacementOwner(LaneFacts, Protocol):
     async def reserve(self) -> bool: ...
     async def start_recovery(self) -> None: ...
     async def record_marker(self, action_id: str) -> None: ...
+    async def patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T: ...
     async def record_action(
         self, action_id: str, kind: str, state: str, detail: dict[str, Any] | None = None
     ) -> None: ...
@@ -138,8 +153,11 @@ async def prepare_replacement(
     if problem is not None:
         await lane.hold(problem)
         return None
-    await settle_session(lane)
-    read = await aread_session(lane.session)
+    try:  # (L21: each waits out a want of descriptors; the charge above stays, WD11)
+        await lane.patiently("settle its session", lambda: settle_session(lane))
+        read = await lane.patiently("read its session", lambda: aread_session(lane.session))
+    except TaskClosed:
+        return None
     if _closed(lane):
         return None
     lane.attestation = attest(read.session) if read.session.leaf is not None else None

@@ -9,20 +9,34 @@ leave the test waiting, and failing), or the task ended.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 import trio
 
+from fake_pi._behaviours import Behaviours
 from runtime import _backoff as backoff_module
+from runtime._clock import Clocks
 from runtime._errors import ReasonCode, TaskError
+from runtime._pi._session_files import aread_session
 from runtime._records import EpochFenced, OutboxAction, Record
+from runtime._tasks import _lane as lane_module
+from runtime._tasks import _replacement
+from runtime._tasks._runner import TaskRunner
+from runtime._tasks._session import reanswer_orphaned
+from runtime._tasks._workers import EpochRequest
 from runtime._wire import TaskSpec
+from runtime.testing._in_process import InProcessWorkers
 
 from .._descriptors import descriptors_left, then_cancel
+from ..task_harness import TASK, done, open_rig, say
 from .test_task_fence import LIMIT, DoneOnEveryPrompt, FenceRig, open_fence_rig
 
 pytestmark = pytest.mark.slow
@@ -43,18 +57,18 @@ def _spec(tmp_path: Path, task_id: str) -> TaskSpec:
     )
 
 
-def _said(rig: FenceRig) -> trio.Event:
+def _said(runner: TaskRunner) -> trio.Event:
     """Set at the runner's first log line that names the want of a descriptor — or a lane's
     failure, which the test then reports."""
     event = trio.Event()
-    log = rig.runner.host.log
+    log = runner.host.log
 
     def noticing(line: str) -> None:
         log(line)
         if str(WANT) in line or "lane failed" in line:
             event.set()
 
-    rig.runner.host.log = noticing
+    runner.host.log = noticing
     return event
 
 
@@ -106,7 +120,7 @@ async def test_l21_tl2_a_task_really_out_of_descriptors_at_every_step_of_its_sta
             for k in SWEEP:
                 task_id = f"t{k}"
                 spec = _spec(tmp_path, task_id)
-                said = _said(rig)
+                said = _said(rig.runner)
                 with descriptors_left(k) as release:
                     try:
                         await rig.runner.submit(spec)
@@ -150,7 +164,7 @@ async def test_l21_tl8_an_abort_while_the_launch_waits_for_descriptors_launches_
     with trio.fail_after(LIMIT):
         async with open_fence_rig(tmp_path, "fake", DoneOnEveryPrompt()) as rig:
             task_id = "t-abort"
-            said = _said(rig)
+            said = _said(rig.runner)
             with descriptors_left(4):  # its lane log and session, not its boundaries' sockets
                 await rig.runner.submit(_spec(tmp_path, task_id))
                 await said.wait()
@@ -164,3 +178,108 @@ async def test_l21_tl8_an_abort_while_the_launch_waits_for_descriptors_launches_
     assert launches == [("reserved", None), ("failed", str(WANT))]
     assert _actions(records, "reserve") == []
     assert [r.epoch for r in records if isinstance(r, EpochFenced)] == [1]
+
+
+# ------------------------------------------- the same in process, the want injected (L21)
+
+
+def _wants_once(real: Callable[..., Awaitable[Any]], wants: list[int]) -> Callable[..., Any]:
+    """``real``, refused ``EMFILE`` while ``wants`` holds an item (one taken per refusal)."""
+
+    async def wanting(*args: Any, **kwargs: Any) -> Any:
+        if wants:
+            wants.pop()
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return await real(*args, **kwargs)
+
+    return wanting
+
+
+async def test_l21_tl7_a_restart_while_the_first_launch_waits_charges_nothing_and_keeps_the_task(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L21, TL7, TL5, WD11: a task's first launch finds no descriptor, and the host stops
+    while the lane waits (the launch reserved, never made). Tries to break: the restart
+    taken as one that replaced a worker — a replacement charged for a worker that never
+    ran, and its continuation sent without the task, which no worker ever heard (the task
+    lost). Expected: after the restart the first launch is made again, with the task as its
+    prompt, and nothing is charged."""
+    opened = InProcessWorkers.open
+
+    @contextlib.asynccontextmanager
+    async def refused(self: InProcessWorkers, request: EpochRequest) -> AsyncIterator[Any]:
+        await trio.lowlevel.checkpoint()
+        if request.number > 0:  # (every launch: the host has no descriptor left)
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(InProcessWorkers, "open", refused)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        said = _said(rig.runner)
+        await rig.runner.submit(rig.spec("paint the shed blue"))
+        await said.wait()
+        assert "launch its worker" in rig.lines[-1], rig.lines[-1]
+    monkeypatch.setattr(InProcessWorkers, "open", opened)  # the host starts again
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+        first = rig.model.requests[0].body["messages"]
+    assert ended.state == "done"
+    assert _actions(records, "reserve") == []  # nothing charged (WD11)
+    assert "paint the shed blue" in json.dumps(first)  # the task reached a worker (TL5)
+
+
+async def test_l21_a_replacements_settling_out_of_descriptors_waits_and_the_lane_goes_on(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L21, TL11: the first worker exits before it answers; its replacement's settling of
+    the session finds no descriptor. Tries to break: the raw ``OSError`` failing the lane
+    (``task_lane_failed``, no reason code, the task stuck). Expected: the want is said, the
+    settling waits and is tried again, and the replacement finishes the task."""
+    wants = [1]
+    monkeypatch.setattr(_replacement, "reanswer_orphaned", _wants_once(reanswer_orphaned, wants))
+    behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        ended = await rig.ended(TASK)
+    assert wants == []  # the want was met
+    assert any("settle its session" in line and str(WANT) in line for line in rig.lines)
+    assert ended.state == "done"
+
+
+async def test_l21_tl8_an_abort_while_a_step_before_the_launch_waits_launches_nothing(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L21, TL8: the first epoch's read of the session (its attestation, after the launch
+    is reserved) finds no descriptor and waits as long as it may; the operator aborts the
+    task, and descriptors come back at once. Tries to break: the abort waiting out the
+    lane's backoff, and a worker launched for a task whose end is decided. Expected: the
+    task ends aborted at once (virtual time), no worker was launched, and the reserved
+    launch is recorded failed ``too_many_open_files``."""
+    monkeypatch.setattr(backoff_module, "DESCRIPTORS_FIRST", 600.0)
+    wants = [1]
+    monkeypatch.setattr(lane_module, "aread_session", _wants_once(aread_session, wants))
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        said = _said(rig.runner)
+        await rig.runner.submit(rig.spec())
+        await said.wait()
+        assert "read its session" in rig.lines[-1], rig.lines[-1]
+        asked = trio.current_time()
+        await rig.runner.abort(TASK)
+        ended = await rig.ended(TASK)
+        took = trio.current_time() - asked
+        records = await rig.records()
+    assert ended.state == "aborted"
+    assert took < 1.0, took
+    assert rig.workers.launched == []
+    launches = [(a.state, a.detail.get("code")) for a in _actions(records, "launch")]
+    assert launches == [("reserved", None), ("failed", str(WANT))]
