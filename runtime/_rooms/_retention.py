@@ -36,6 +36,7 @@ import trio
 
 from .._clock import Clocks
 from .._config import RetentionConfig
+from .._errors import JournalError, descriptors_exhausted
 from .._journal._interface import JournalStore, LeaseStore, SharedRows
 from .._journal._store import Store, delivery_key, lane_key, open_store, require_journal
 from .._journal._writer import disk_error
@@ -389,15 +390,25 @@ async def remove_step_journals(
     rels = {d: store.delivery_rel(d) for d, _ in deliveries if d not in left}
     try:
         return await store.remove_logs(list(rels.values()))
-    except OSError:  # (a disk failure is a DiskFailedError: it ends the pass)
-        pass
+    except (OSError, JournalError) as exc:  # (a disk failure ends the pass, J6)
+        if not _one_logs(exc):
+            raise
     removed = 0  # one of them cannot go: each on its own, so that the others do
     for delivery_id, rel in rels.items():
         try:
             removed += await store.remove_logs([rel])
-        except OSError as exc:
-            left[delivery_id] = f"{rel}: {exc.strerror or exc}"
+        except (OSError, JournalError) as exc:
+            if not _one_logs(exc):
+                raise
+            left[delivery_id] = f"{rel}: {getattr(exc, 'strerror', None) or exc}"
     return removed
+
+
+def _one_logs(error: BaseException) -> bool:
+    """A removal refused for the log's own sake (a file in the way, no permission) or for
+    want of a file descriptor (L21, J18: asked again, tried again) — not the disk's failure,
+    which ends the pass (J6)."""
+    return isinstance(error, OSError) or descriptors_exhausted(error)
 
 
 def _oneshot_rel(delivery_id: str, room: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -16,11 +17,11 @@ from fake_pi.scenario import Hang, Step, Text
 from runtime._cli import main
 from runtime._clock import Clocks, MockWallClock, SystemSilenceClock
 from runtime._config import ModelConfig, RetentionConfig, RoomWorkerConfig, StoreConfig
-from runtime._errors import DeliveryError
+from runtime._errors import DeliveryError, DiskFailedError, JournalError, ReasonCode
 from runtime._journal._inspect import verify_journal
-from runtime._journal._store import Store, delivery_key, lane_key
+from runtime._journal._store import Store, delivery_key, lane_key, open_store
 from runtime._records import Admission, Settled
-from runtime._rooms._retention import room_of
+from runtime._rooms._retention import remove_step_journals, room_of
 from runtime._rooms._worker import RoomWorker, open_room_worker
 
 from .._workers import scripted_upstream
@@ -265,3 +266,40 @@ async def test_rt18_a_fault_in_one_rooms_retention_stays_in_that_room(tmp_path: 
     assert set(plan_after.settled) == {"a1", "a2"}
     assert plan_after.left == ()
     assert a1_gone
+
+
+@pytest.mark.parametrize("refusal", ["too_many_open_files", "disk_failed"])
+async def test_rt18_l21_a_removal_refused_for_want_of_a_descriptor_stays_with_that_delivery(
+    tmp_path: Path, refusal: str
+) -> None:
+    """RT18, L21, J18: one delivery's journal cannot be removed now because the sync log
+    generation that names it wanted a file descriptor to go (the store refuses it
+    ``too_many_open_files``, no disk failure). Tries to break: that refusal, which is not an
+    ``OSError``, ending the whole sweep (no other journal removed, the pass skipped until the
+    next). Expected: the others are removed, that one is noted and kept for the next sweep —
+    while a disk failure (``disk_failed``) still ends the pass (J6)."""
+    async with open_store(tmp_path / "state") as store:
+        for delivery_id in ("d1", "d2", "d3"):
+            await store.close_log(await store.create_delivery_log(delivery_id))
+        stuck = store.delivery_rel("d2")
+        remove = store.remove_logs
+
+        async def refusing(rels: Sequence[str]) -> int:
+            if stuck in rels:
+                if refusal == "disk_failed":
+                    raise DiskFailedError(ReasonCode.DISK_FAILED, "the disk failed", path=stuck)
+                raise JournalError(ReasonCode.TOO_MANY_OPEN_FILES, "no descriptor", path=stuck)
+            return await remove(rels)
+
+        store.remove_logs = refusing  # type: ignore[method-assign]
+        left: dict[str, str] = {}
+        going = [(d, A) for d in ("d1", "d2", "d3")]
+        if refusal == "disk_failed":
+            with pytest.raises(DiskFailedError):
+                await remove_step_journals(store, going, left=left)
+            return
+        removed = await remove_step_journals(store, going, left=left)
+        kept = {d: await store.exists(store.delivery_rel(d)) for d in ("d1", "d2", "d3")}
+    assert removed == 2
+    assert list(left) == ["d2"]
+    assert kept == {"d1": False, "d2": True, "d3": False}
