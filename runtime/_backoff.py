@@ -49,6 +49,7 @@ __all__ = [
     "past_bounds",
     "patiently",
     "route_park",
+    "sleeping",
 ]
 
 MINUTE_MS: Final = 60_000
@@ -314,23 +315,38 @@ class DescriptorWait:
         self.wants = 0
 
 
+_Pause = Callable[[BaseException, float], Awaitable[None]]
+"""How :func:`patiently` waits between tries (and says why): it may raise, to give up."""
+
+
 async def patiently(
     work: Callable[[], Awaitable[_T]],
     wait: DescriptorWait,
-    waiting: Callable[[BaseException, float], None],
+    pause: _Pause,
 ) -> _T:
-    """``work()``, tried again after ``wait``'s next delay each time it meets a want of file
-    descriptors (``waiting(error, delay)`` says so first), for as long as that lasts; any
-    other error is raised. Only for work that can be tried again as it is (L21)."""
+    """``work()``, tried again each time it meets a want of file descriptors, after
+    ``pause(error, delay)`` (``delay``: ``wait``'s next), for as long as that lasts — or until
+    ``pause`` raises, to give up; any other error is raised. Only for work that can be tried
+    again as it is (L21)."""
     while True:
         try:
             done = await work()
         except Exception as error:
             if not descriptors_exhausted(error):
                 raise
-            delay = wait.next()
-            waiting(error, delay)
-            await trio.sleep(delay)
+            await pause(error, wait.next())
             continue
         wait.met()
         return done
+
+
+def sleeping(
+    say: Callable[[BaseException, float], None],
+) -> Callable[[BaseException, float], Awaitable[None]]:
+    """A :func:`patiently` pause that says the want (``say(error, delay)``) and sleeps."""
+
+    async def pause(error: BaseException, delay: float) -> None:
+        say(error, delay)
+        await trio.sleep(delay)
+
+    return pause

@@ -51,6 +51,7 @@ from .._backoff import (
     past_bounds,
     patiently,
     route_park,
+    sleeping,
 )
 from .._boundary._boundaries import BoundaryConfig
 from .._boundary._calls import GateCall, GateResult, RuntimeTool
@@ -499,9 +500,8 @@ class Lane:
         a turn that ran. A write refused under a lease another host holds gives the lane up
         (S11)."""
         try:
-            return await patiently(
-                work, self._descriptors, lambda error, delay: self._waiting(error, what, delay)
-            )
+            pause = sleeping(lambda error, delay: self._waiting(error, what, delay))
+            return await patiently(work, self._descriptors, pause)
         except JournalError as error:
             if fenced_out(error):
                 await self._give_up()

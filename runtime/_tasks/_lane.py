@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import msgspec
 import trio
 
-from .._backoff import DescriptorWait, RouteBreaker, patiently
+from .._backoff import DescriptorWait, RouteBreaker, patiently, sleeping
 from .._boundary._boundaries import BoundaryConfig, make_journals
 from .._boundary._calls import RuntimeTool
 from .._boundary._gate import RecordingGateJournal
@@ -45,7 +45,6 @@ from .._errors import (
     ReasonCode,
     TaskError,
     WorkerError,
-    descriptors_exhausted,
 )
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
@@ -859,17 +858,8 @@ class TaskLane:
         :class:`DescriptorWait`), charged nothing. The wait ends early for an operator's
         control; once the task is not open any more (an end decided) it raises
         :class:`TaskClosed` instead of trying again."""
-        while True:
-            try:
-                done = await work()
-            except Exception as error:
-                if not descriptors_exhausted(error):
-                    raise
-                refused = error
-            else:
-                self._descriptors.met()
-                return done
-            delay = self._descriptors.next()
+
+        async def pause(refused: BaseException, delay: float) -> None:
             self._waiting(refused, what, delay)
             with trio.move_on_after(delay):
                 await self._wake.wait()
@@ -878,12 +868,13 @@ class TaskLane:
             if self.kernel.state is not TaskState.OPEN:
                 raise TaskClosed(ReasonCode.TOO_MANY_OPEN_FILES) from refused
 
+        return await patiently(work, self._descriptors, pause)
+
     async def _patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
         """:meth:`patiently` for the lane's opening, before its task is restored: waited out
         whatever comes (its end is looked at once it is open)."""
-        return await patiently(
-            work, self._descriptors, lambda error, delay: self._waiting(error, what, delay)
-        )
+        pause = sleeping(lambda error, delay: self._waiting(error, what, delay))
+        return await patiently(work, self._descriptors, pause)
 
     def _waiting(self, error: BaseException, what: str, delay: float) -> None:
         """Say a want of descriptors, with its stable code (L21)."""
