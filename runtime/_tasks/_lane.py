@@ -648,7 +648,9 @@ class TaskLane:
             return False
         if carrier is None:
             return True
-        present = await marker_in_session(self.session, carrier)
+        present = await self._patiently(  # (L21: a want of descriptors is waited out)
+            "read its session", lambda: marker_in_session(self.session, carrier, wants=True)
+        )
         return None if present is None else not present
 
     @property
@@ -1008,7 +1010,10 @@ class TaskLane:
     async def route_problem(self) -> str | None:
         """Why the next worker would not continue the task's own session on its own route
         (TL4, TL13), as a hold reason; None when every part is attested."""
-        return await route_problem(self)
+        try:
+            return await route_problem(self)
+        except OSError:  # a want of descriptors (L21): the session is not read, so unproven
+            return "session_unreadable"
 
     def journals(self) -> tuple[DeliveryStepJournal, RecordingGateJournal]:
         return self._log.journals()

@@ -26,7 +26,7 @@ from .._boundary._boundaries import settle_session as settle_dangling
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._steps import DeliveryStepJournal
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import PiRuntimeError, ReasonCode, descriptors_exhausted
 from .._pi._launch import ModelRoute
 from .._pi._session import Attestation, attest, contains_path
 from .._pi._session_files import aread_session
@@ -129,11 +129,14 @@ async def prepare_replacement(
     if never and not forced:  # WD13: auto-continue only on proof
         await lane.hold("effect_possibly_ran:" + ",".join(i.name for i in never))
         return None
-    problem = await route_problem(lane)  # TL4: before anything is charged or written
-    if problem is not None:
-        await lane.hold(problem)
-        return None
-    if not await reconcile_marker(lane) or _closed(lane):
+    try:  # (L21: a want of descriptors is waited out, not taken for an unreadable session)
+        problem = await lane.patiently("read its session", lambda: route_problem(lane))
+        if problem is not None:  # TL4: before anything is charged or written
+            await lane.hold(problem)
+            return None
+        if not await reconcile_marker(lane) or _closed(lane):
+            return None
+    except TaskClosed:
         return None
     recovery = lane.recovery
     reserve_id = lane.ids.next_continuation(
@@ -147,7 +150,10 @@ async def prepare_replacement(
     else:
         await lane.reserve()
     number = recovery.continuations
-    problem = await route_problem(lane)  # TL4: again after the awaits, before the write
+    try:  # TL4: again after the awaits, before the write
+        problem = await lane.patiently("read its session", lambda: route_problem(lane))
+    except TaskClosed:
+        return None
     if _closed(lane):
         return None
     if problem is not None:
@@ -186,7 +192,8 @@ async def route_problem(lane: ReplacementOwner) -> str | None:
     frozen one (provider, model, endpoint, API kind, reasoning level), the session's path
     begins with the attested one and names the frozen model and level, and the worktree is
     there and leased to this task alone (TL13). An unreadable session proves nothing and is
-    a reason too."""
+    a reason too; one not read for want of a file descriptor is raised (L21: the caller
+    waits it out, or takes it for unreadable)."""
     change = route_change(lane.task.route, lane.host.route)
     if change is not None:
         return change
@@ -197,7 +204,9 @@ async def route_problem(lane: ReplacementOwner) -> str | None:
         return f"worktree_leased:{holder}"
     try:
         read = await aread_session(lane.session)
-    except (OSError, PiRuntimeError):
+    except (OSError, PiRuntimeError) as error:
+        if descriptors_exhausted(error):
+            raise
         return "session_unreadable"
     if lane.attestation is not None and not contains_path(read.session, lane.attestation):
         return "session_attestation_mismatch"
@@ -213,7 +222,9 @@ async def reconcile_marker(lane: ReplacementOwner) -> bool:
     action_id = lane.ids.continuation(number, "prompt")
     if number == 0 or lane.ids.sent(number, lane.markers):
         return True
-    present = await marker_in_session(lane.session, action_id)
+    present = await lane.patiently(  # (L21: a want of descriptors is waited out)
+        "read its session", lambda: marker_in_session(lane.session, action_id, wants=True)
+    )
     if present is None:  # it may be in the session or not: hold, never guess
         await lane.hold(f"prompt_marker_unknown:{action_id}")
         return False

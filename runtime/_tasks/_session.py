@@ -18,7 +18,7 @@ import trio
 from .._boundary._calls import GateCall
 from .._boundary._gate import RecordingGateJournal
 from .._clock import WallClock
-from .._errors import PiRuntimeError, ReasonCode
+from .._errors import PiRuntimeError, ReasonCode, descriptors_exhausted
 from .._pi._session_files import SessionWriter, afsync_session, aread_session, atruncate_torn_tail
 from ._state import continuation_marker
 
@@ -80,19 +80,22 @@ async def reanswer_orphaned(
     await trio.to_thread.run_sync(branch)
 
 
-async def marker_in_session(session: Path, action_id: str) -> bool | None:
+async def marker_in_session(session: Path, action_id: str, *, wants: bool = False) -> bool | None:
     """Whether prompt ``action_id`` (a continuation or a reply) is in the session as Pi
     loads it (TL5, LK8): the prompt itself — a user message whose text begins with its
     marker — inside an entry Pi reads. A malformed or torn line, which Pi skips, does not
     count, nor does the marker's text quoted anywhere else (a tool's result that read a
     file holding it, the model's own words): that is not the prompt, and the worker was
     never sent it. ``None`` when the session cannot be read: nobody knows whether the
-    worker has it, and the caller holds (``prompt_marker_unknown``) rather than guess."""
+    worker has it, and the caller holds (``prompt_marker_unknown``) rather than guess.
+    ``wants``: a want of file descriptors is raised instead (the caller waits it out, L21)."""
     try:
         read = await aread_session(session)
     except PiRuntimeError as error:
         return False if error.code == ReasonCode.SESSION_MISSING else None
-    except OSError:
+    except OSError as error:
+        if wants and descriptors_exhausted(error):
+            raise
         return None
     marker = continuation_marker(action_id)
     needle = json.dumps(marker)[1:-1].encode()
@@ -103,7 +106,9 @@ async def marker_in_session(session: Path, action_id: str) -> bool | None:
     if present:  # evidence the caller acts on: durable first (Pi appends without a sync, S15)
         try:
             await afsync_session(session)
-        except OSError:
+        except OSError as error:
+            if wants and descriptors_exhausted(error):
+                raise
             return None
     return present
 

@@ -283,3 +283,32 @@ async def test_l21_tl8_an_abort_while_a_step_before_the_launch_waits_launches_no
     assert rig.workers.launched == []
     launches = [(a.state, a.detail.get("code")) for a in _actions(records, "launch")]
     assert launches == [("reserved", None), ("failed", str(WANT))]
+
+
+async def test_l21_tl4_a_replacements_route_check_out_of_descriptors_waits_not_holds(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L21, TL4: the first worker exits before it answers; its replacement's route check
+    reads the session (TL4: the attested path, the frozen model) and finds no descriptor.
+    Tries to break: the want taken for an unreadable session (held ``session_unreadable``:
+    an operator needed for a want that passes). Expected: the read waits and is tried
+    again; the task ends done, never held."""
+    wants = [1]
+    monkeypatch.setattr(_replacement, "aread_session", _wants_once(aread_session, wants))
+    behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(
+            lambda: rig.runner.has_ended(TASK) or rig.runner.show(TASK).hold_reason is not None,
+            within=3600,
+        )
+        held = rig.runner.show(TASK).hold_reason
+        if held is not None:
+            await rig.runner.abort(TASK)
+        ended = await rig.runner.wait(TASK)
+    assert held is None
+    assert wants == []
+    assert ended.state == "done"

@@ -864,10 +864,10 @@ async def test_wd14_a_restart_with_other_thresholds_fences_on_the_frozen_ones(
     async with open_rig(tmp_path, clocks, [done(), say()], policy=slow,
                         behaviours=behaviours) as rig:  # fmt: skip
         await rig.until_logged(lambda log: launched(log, 2))
-        start = trio.current_time()
-        await rig.until_logged(lambda log: bool(actions(log, "fence")))
+        start = trio.current_time()  # (seen up to a second late: until_logged looks once a
+        await rig.until_logged(lambda log: bool(actions(log, "fence")))  # virtual second)
         fenced = trio.current_time() - start
-        assert 900 + 120 <= fenced < 1800
+        assert 900 + 120 - 1 <= fenced < 1800
         assert (await rig.ended(TASK)).state == "done"
 
 
