@@ -768,6 +768,8 @@ class TaskLane:
                         stopped = await worker.stop()
                         self.worker = None
         except TaskClosed as closed:  # never launched: its end decided as it waited (L21)
+            if opened:
+                raise
             await self._not_launched(number, launch, identity, closed)
             return
         except WorkerError as error:
