@@ -82,7 +82,7 @@ from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
 from ._recovery import Recovery
 from ._replacement import TaskClosed, prepare_replacement, route_problem, settle_session
-from ._session import marker_in_session
+from ._session import marker_in_session, prompt_in_session
 from ._state import (
     CONTINUATION_VERSION,
     LIFECYCLE_TOOLS,
@@ -595,6 +595,13 @@ class TaskLane:
                 self._restart_survivors = stopped.survivors
         elif self.epochs > 0 and state.launched_in_host(self.epochs) and self.moved_from is None:
             self.quiescent_epoch = self.epochs  # it lived in the host that died (LK4)
+        if self._restarted and lost is None and not foreign:
+            # TL5: a worker ran, but one that died before Pi wrote its first prompt in the
+            # session never kept the task: its replacement's continuation carries it
+            heard = await self._patiently(
+                "read its session", lambda: prompt_in_session(self.session, wants=True)
+            )
+            self._task_undelivered = heard is False
         undelivered = await self._reply_undelivered(state.last_reply, state.reply_carrier)
         if undelivered is not False:
             assert state.last_reply is not None

@@ -22,7 +22,7 @@ from .._errors import PiRuntimeError, ReasonCode, descriptors_exhausted
 from .._pi._session_files import SessionWriter, afsync_session, aread_session, atruncate_torn_tail
 from ._state import continuation_marker
 
-__all__ = ["marker_in_session", "reanswer_orphaned", "session_size"]
+__all__ = ["marker_in_session", "prompt_in_session", "reanswer_orphaned", "session_size"]
 
 
 async def reanswer_orphaned(
@@ -111,6 +111,36 @@ async def marker_in_session(session: Path, action_id: str, *, wants: bool = Fals
                 raise
             return None
     return present
+
+
+async def prompt_in_session(session: Path, *, wants: bool = False) -> bool | None:
+    """Whether any prompt is in the session as Pi loads it — a user message in an entry Pi
+    reads (TL5): the task's, the first a worker of the lane is sent, or a later one that
+    carried it. A worker that was sent the task and died before Pi wrote it there never kept
+    it. What it finds it makes durable first (S15). ``None`` when the session cannot say;
+    ``wants``: a want of file descriptors is raised instead (L21)."""
+    try:
+        read = await aread_session(session)
+    except PiRuntimeError as error:
+        return False if error.code == ReasonCode.SESSION_MISSING else None
+    except OSError as error:
+        if wants and descriptors_exhausted(error):
+            raise
+        return None
+    present = any(_user_message(entry.raw) for entry in read.session.by_id.values())
+    if present:
+        try:
+            await afsync_session(session)
+        except OSError as error:
+            if wants and descriptors_exhausted(error):
+                raise
+            return None
+    return present
+
+
+def _user_message(entry: Mapping[str, Any]) -> bool:
+    message = entry.get("message") if entry.get("type") == "message" else None
+    return isinstance(message, dict) and message.get("role") == "user"
 
 
 def _prompt_begins(entry: Mapping[str, Any], marker: str) -> bool:

@@ -40,6 +40,7 @@ from runtime._records import (
     TaskEnded,
     TaskReply,
 )
+from runtime._tasks._epoch import EpochEnd, EpochWatch
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._service import TaskService
 from runtime._tasks._session import marker_in_session
@@ -693,7 +694,6 @@ async def test_tl8_progress_while_a_resume_is_checked_calls_the_resume_off(
     guards are read (the session, the route: awaits), the worker shows progress, which lifts
     the hold. The resume's premise — a held worker — is gone: the working worker is not
     fenced and nothing is relaunched (it would be killed, and an epoch charged, for nothing)."""
-    from runtime._tasks._epoch import EpochWatch
 
     guards = EpochWatch._manual_resume_guards
     spoke: list[bool] = []
@@ -750,7 +750,6 @@ async def test_lk6_an_abort_while_the_epoch_launches_prompts_nothing(
     """LK6, TL8: the operator aborts the task while its epoch is being launched (after the
     epoch's compare-and-set, before its prompt). The task is over: the worker must not be
     prompted — its first model request would be paid for a task nobody runs any more."""
-    from runtime._tasks._epoch import EpochWatch
 
     route_open = EpochWatch._route_open
     aborted: list[bool] = []
@@ -1410,3 +1409,34 @@ async def test_tl11_a_lane_log_a_crash_cut_short_or_damaged_stops_no_start(
         ended = await rig.ended(TASK)
     assert known == [TASK]
     assert ended.state == "done"
+
+
+async def test_tl5_tl7_a_restart_after_a_launch_before_its_prompt_keeps_the_task(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TL5, TL7: the first worker is launched (its launch recorded ``done``) and the host
+    stops before the task's prompt reaches it. Tries to break: the restart taking the task
+    as heard — a worker ran — so its replacement's continuation goes without the task, which
+    no worker ever kept (the session holds no prompt): the task lost. Expected: the
+    replacement's continuation carries the task (one replacement charged: a worker ran)."""
+    prompt_and_watch = EpochWatch._prompt_and_watch
+
+    async def host_stops_first(self: EpochWatch, *args: Any) -> EpochEnd:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    monkeypatch.setattr(EpochWatch, "_prompt_and_watch", host_stops_first)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.runner.submit(rig.spec("paint the shed blue"))
+        await rig.until_logged(lambda log: launched(log, 1))
+    monkeypatch.setattr(EpochWatch, "_prompt_and_watch", prompt_and_watch)
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        ended = await rig.ended(TASK)
+        records = await rig.records()
+        first = _user_texts(rig)[0]
+    assert ended.state == "done"
+    assert "paint the shed blue" in first, first
+    assert len(actions(records, "reserve")) == 1
