@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol, assert_never
+from typing import Any, Protocol, TypeVar, assert_never
 
 import trio
 
@@ -31,6 +31,7 @@ from .._pi._rpc_protocol import Event
 from .._records import Parked, ToolIntent
 from ._guards import GuardEvidence, failed_guards
 from ._lifecycle import TaskState
+from ._replacement import TaskClosed
 from ._session import marker_in_session, session_size
 from ._state import continuation_prompt
 from ._view import LaneFacts
@@ -68,6 +69,9 @@ PROMPT_ALREADY_SENT = "prompt_already_sent:"
 """The hold of a continuation the core asked for that its marker says was sent (WD8, TL5)."""
 MANUAL_RESUME_GUARDS = ("process_identity", "no_terminal", "budget_left", "attested")
 """What an operator's resume must still prove (TL8): the look stands in for the rest."""
+
+
+_T = TypeVar("_T")
 
 
 class EpochEnd(enum.StrEnum):
@@ -131,6 +135,10 @@ class EpochOwner(LaneFacts, Protocol):
     async def hold(self, reason: str) -> None: ...
 
     async def record_marker(self, action_id: str) -> None: ...
+    async def patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
+        """``work()``, a want of file descriptors waited out (L21); ``TaskClosed`` once the
+        task is not open any more."""
+
     async def exited_unprompted(self, error: PiRuntimeError) -> None:
         """The epoch's worker exited before it answered its first prompt (TL2, WD8)."""
 
@@ -179,7 +187,10 @@ class EpochWatch:
 
     async def _prompt_and_watch(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
         lane = self.lane
-        present = False if action_id is None else await marker_in_session(lane.session, action_id)
+        try:
+            present = False if action_id is None else await self._marker_present(action_id)
+        except TaskClosed:  # its end decided while the look waited for a descriptor (L21)
+            return EpochEnd.TERMINAL
         prompted = False
         if present is None:  # the session cannot say whether it was sent: hold, never guess
             await lane.hold(f"prompt_marker_unknown:{action_id}")
@@ -670,6 +681,14 @@ class EpochWatch:
         ):
             await lane.hold(f"{PROMPT_ALREADY_SENT}{action_id}")
 
+    async def _marker_present(self, action_id: str) -> bool | None:
+        """:func:`marker_in_session`, a want of file descriptors waited out (L21): never an
+        "unknown" (a hold for an operator) for a want that passes."""
+        session = self.lane.session
+        return await self.lane.patiently(
+            "read its session", lambda: marker_in_session(session, action_id, wants=True)
+        )
+
     async def _send_prompt(self, action_id: str, text: str) -> bool | None:
         """Prompt the live worker with ``text`` once (its marker in the log or the session
         means it was sent: TL5). True: sent now; False: the worker has it already; None:
@@ -680,7 +699,10 @@ class EpochWatch:
         lane = self.lane
         if action_id in lane.markers:
             return False
-        present = await marker_in_session(lane.session, action_id)
+        try:
+            present = await self._marker_present(action_id)
+        except TaskClosed:  # (L21: its end decided while the look waited)
+            return None
         if lane.kernel.state is not TaskState.OPEN:
             return None
         if present is None:  # unknown whether the worker has it: hold (TL5)

@@ -27,10 +27,11 @@ from runtime._clock import Clocks
 from runtime._errors import ReasonCode, TaskError
 from runtime._pi._session_files import aread_session
 from runtime._records import EpochFenced, OutboxAction, Record
+from runtime._tasks import _epoch as epoch_module
 from runtime._tasks import _lane as lane_module
 from runtime._tasks import _replacement
 from runtime._tasks._runner import TaskRunner
-from runtime._tasks._session import reanswer_orphaned
+from runtime._tasks._session import marker_in_session, reanswer_orphaned
 from runtime._tasks._workers import EpochRequest
 from runtime._wire import TaskSpec
 from runtime.testing._in_process import InProcessWorkers
@@ -298,6 +299,35 @@ async def test_l21_tl4_a_replacements_route_check_out_of_descriptors_waits_not_h
     again; the task ends done, never held."""
     wants = [1]
     monkeypatch.setattr(_replacement, "aread_session", _wants_once(aread_session, wants))
+    behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(
+            lambda: rig.runner.has_ended(TASK) or rig.runner.show(TASK).hold_reason is not None,
+            within=3600,
+        )
+        held = rig.runner.show(TASK).hold_reason
+        if held is not None:
+            await rig.runner.abort(TASK)
+        ended = await rig.runner.wait(TASK)
+    assert held is None
+    assert wants == []
+    assert ended.state == "done"
+
+
+async def test_l21_tl5_a_continuations_marker_check_out_of_descriptors_waits_not_holds(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L21, TL5: the first worker exits before it answers; its replacement, before it sends
+    the continuation, looks in the session for the continuation's marker (was it sent
+    already?) and finds no descriptor. Tries to break: the want answered "unknown" — held
+    ``prompt_marker_unknown``, an operator needed for a want that passes. Expected: the look
+    waits and is tried again; the continuation is sent once and the task ends done."""
+    wants = [1]
+    monkeypatch.setattr(epoch_module, "marker_in_session", _wants_once(marker_in_session, wants))
     behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
     async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
         await rig.runner.submit(rig.spec())

@@ -175,8 +175,10 @@ async def test_lk6_an_abort_during_a_completion_prompts_marker_check_prompts_not
     nobody runs any more, and the prompt would arm the watchdog of an ended task again."""
     aborted: list[bool] = []
 
-    async def aborted_meanwhile(session: Path, action_id: str) -> bool | None:
-        present = await marker_in_session(session, action_id)
+    async def aborted_meanwhile(
+        session: Path, action_id: str, *, wants: bool = False
+    ) -> bool | None:
+        present = await marker_in_session(session, action_id, wants=wants)
         if action_id.endswith("/completion") and not aborted:
             aborted.append(True)
             await rig.runner.abort(TASK, "the operator gave up")
@@ -219,10 +221,12 @@ async def test_lk8_a_reply_to_a_live_worker_whose_marker_cannot_be_read_holds_an
     that was asked nothing run on to fence it."""
     reply_id = f"{TASK}/g1/a1/reply1"
 
-    async def unreadable_for_the_reply(session: Path, action_id: str) -> bool | None:
+    async def unreadable_for_the_reply(
+        session: Path, action_id: str, *, wants: bool = False
+    ) -> bool | None:
         if action_id == reply_id:
             return None  # the session cannot say
-        return await marker_in_session(session, action_id)
+        return await marker_in_session(session, action_id, wants=wants)
 
     monkeypatch.setattr(_epoch, "marker_in_session", unreadable_for_the_reply)
     behaviours = {1: Behaviours(at={"after_tool:1": "delay:30"})}
