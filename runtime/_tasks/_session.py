@@ -9,7 +9,7 @@ Each takes the session's path and does its file work off the Trio thread or thro
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from .._boundary._calls import GateCall
 from .._boundary._gate import RecordingGateJournal
 from .._clock import WallClock
 from .._errors import PiRuntimeError, ReasonCode, descriptors_exhausted
+from .._pi._session import SessionEntry
 from .._pi._session_files import SessionWriter, afsync_session, aread_session, atruncate_torn_tail
 from ._state import continuation_marker
 
@@ -89,36 +90,28 @@ async def marker_in_session(session: Path, action_id: str, *, wants: bool = Fals
     never sent it. ``None`` when the session cannot be read: nobody knows whether the
     worker has it, and the caller holds (``prompt_marker_unknown``) rather than guess.
     ``wants``: a want of file descriptors is raised instead (the caller waits it out, L21)."""
-    try:
-        read = await aread_session(session)
-    except PiRuntimeError as error:
-        return False if error.code == ReasonCode.SESSION_MISSING else None
-    except OSError as error:
-        if wants and descriptors_exhausted(error):
-            raise
-        return None
     marker = continuation_marker(action_id)
     needle = json.dumps(marker)[1:-1].encode()
-    present = any(
-        needle in entry.raw_line and _prompt_begins(entry.raw, marker)
-        for entry in read.session.by_id.values()
-    )
-    if present:  # evidence the caller acts on: durable first (Pi appends without a sync, S15)
-        try:
-            await afsync_session(session)
-        except OSError as error:
-            if wants and descriptors_exhausted(error):
-                raise
-            return None
-    return present
+
+    def found(entry: SessionEntry) -> bool:
+        return needle in entry.raw_line and _prompt_begins(entry.raw, marker)
+
+    return await _in_session(session, found, wants=wants)
 
 
 async def prompt_in_session(session: Path, *, wants: bool = False) -> bool | None:
     """Whether any prompt is in the session as Pi loads it — a user message in an entry Pi
     reads (TL5): the task's, the first a worker of the lane is sent, or a later one that
     carried it. A worker that was sent the task and died before Pi wrote it there never kept
-    it. What it finds it makes durable first (S15). ``None`` when the session cannot say;
-    ``wants``: a want of file descriptors is raised instead (L21)."""
+    it. ``None`` when the session cannot say; ``wants`` as for :func:`marker_in_session`."""
+    return await _in_session(session, lambda entry: _user_message(entry.raw), wants=wants)
+
+
+async def _in_session(
+    session: Path, found: Callable[[SessionEntry], bool], *, wants: bool
+) -> bool | None:
+    """Whether an entry Pi loads from ``session`` is ``found``; what it finds it makes
+    durable first (S15: the caller acts on it, and Pi appends without a sync)."""
     try:
         read = await aread_session(session)
     except PiRuntimeError as error:
@@ -127,15 +120,15 @@ async def prompt_in_session(session: Path, *, wants: bool = False) -> bool | Non
         if wants and descriptors_exhausted(error):
             raise
         return None
-    present = any(_user_message(entry.raw) for entry in read.session.by_id.values())
-    if present:
-        try:
-            await afsync_session(session)
-        except OSError as error:
-            if wants and descriptors_exhausted(error):
-                raise
-            return None
-    return present
+    if not any(found(entry) for entry in read.session.by_id.values()):
+        return False
+    try:
+        await afsync_session(session)
+    except OSError as error:
+        if wants and descriptors_exhausted(error):
+            raise
+        return None
+    return True
 
 
 def _user_message(entry: Mapping[str, Any]) -> bool:

@@ -286,48 +286,27 @@ async def test_l21_tl8_an_abort_while_a_step_before_the_launch_waits_launches_no
     assert launches == [("reserved", None), ("failed", str(WANT))]
 
 
-async def test_l21_tl4_a_replacements_route_check_out_of_descriptors_waits_not_holds(
+@pytest.mark.parametrize("look", ["route_check", "marker_check"])
+async def test_l21_tl4_tl5_a_replacements_look_at_the_session_out_of_descriptors_waits_not_holds(
     tmp_path: Path,
     clocks: Clocks,
     io_autojump_clock: trio.testing.MockClock,
     monkeypatch: pytest.MonkeyPatch,
+    look: str,
 ) -> None:
-    """L21, TL4: the first worker exits before it answers; its replacement's route check
-    reads the session (TL4: the attested path, the frozen model) and finds no descriptor.
-    Tries to break: the want taken for an unreadable session (held ``session_unreadable``:
-    an operator needed for a want that passes). Expected: the read waits and is tried
-    again; the task ends done, never held."""
+    """L21, TL4, TL5: the first worker exits before it answers; its replacement looks at the
+    session and finds no descriptor — its route check's read (TL4: the attested path, the
+    frozen model), or, before it sends the continuation, the look for that continuation's
+    marker (TL5: sent already?). Tries to break: the want taken for an unreadable session —
+    held ``session_unreadable`` or ``prompt_marker_unknown``, an operator needed for a want
+    that passes. Expected: the look waits and is tried again; the task ends done, never
+    held."""
     wants = [1]
-    monkeypatch.setattr(_replacement, "aread_session", _wants_once(aread_session, wants))
-    behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
-    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
-        await rig.runner.submit(rig.spec())
-        await rig.until(
-            lambda: rig.runner.has_ended(TASK) or rig.runner.show(TASK).hold_reason is not None,
-            within=3600,
-        )
-        held = rig.runner.show(TASK).hold_reason
-        if held is not None:
-            await rig.runner.abort(TASK)
-        ended = await rig.runner.wait(TASK)
-    assert held is None
-    assert wants == []
-    assert ended.state == "done"
-
-
-async def test_l21_tl5_a_continuations_marker_check_out_of_descriptors_waits_not_holds(
-    tmp_path: Path,
-    clocks: Clocks,
-    io_autojump_clock: trio.testing.MockClock,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """L21, TL5: the first worker exits before it answers; its replacement, before it sends
-    the continuation, looks in the session for the continuation's marker (was it sent
-    already?) and finds no descriptor. Tries to break: the want answered "unknown" — held
-    ``prompt_marker_unknown``, an operator needed for a want that passes. Expected: the look
-    waits and is tried again; the continuation is sent once and the task ends done."""
-    wants = [1]
-    monkeypatch.setattr(epoch_module, "marker_in_session", _wants_once(marker_in_session, wants))
+    if look == "route_check":
+        monkeypatch.setattr(_replacement, "aread_session", _wants_once(aread_session, wants))
+    else:
+        wanting = _wants_once(marker_in_session, wants)
+        monkeypatch.setattr(epoch_module, "marker_in_session", wanting)
     behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
     async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
         await rig.runner.submit(rig.spec())
