@@ -340,9 +340,7 @@ async def patiently(
         return done
 
 
-def sleeping(
-    say: Callable[[BaseException, float], None],
-) -> Callable[[BaseException, float], Awaitable[None]]:
+def sleeping(say: Callable[[BaseException, float], None]) -> _Pause:
     """A :func:`patiently` pause that says the want (``say(error, delay)``) and sleeps."""
 
     async def pause(error: BaseException, delay: float) -> None:

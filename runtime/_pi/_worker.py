@@ -473,7 +473,18 @@ async def _environ_after_exec(process: trio.Process, nonce: str) -> bytes | None
 
 
 async def _prove(epoch: Epoch) -> None:
-    """Read the identity back: the new process must carry the nonce and be in its cgroup (W1)."""
+    """Read the identity back: the new process must carry the nonce and be in its cgroup (W1).
+    An identity that could not be read (for want of a file descriptor, L21) fails the launch
+    as a ``WorkerError`` too, so the caller stops the epoch before it says so (W6)."""
+    try:
+        await _proven(epoch)
+    except OSError as error:
+        why = f"epoch {epoch.nonce}: the worker's identity could not be read back: {error}"
+        raise _launch_failed(why, error) from error
+
+
+async def _proven(epoch: Epoch) -> None:
+    """:func:`_prove`'s reads and checks."""
     process = epoch.process
     if epoch.cgroup is not None:
         try:  # the shim already did this before exec; a second write is a no-op
@@ -547,14 +558,7 @@ async def open_epoch(
             async with trio.open_nursery() as nursery:
                 try:
                     try:
-                        try:
-                            await _prove(epoch)
-                        except OSError as error:  # its identity not read back (L21: EMFILE)
-                            raise _launch_failed(
-                                f"epoch {epoch.nonce}: the worker's identity could not be "
-                                f"read back: {error}",
-                                error,
-                            ) from error
+                        await _prove(epoch)
                     except WorkerError as error:
                         # A launch that failed is stopped like any epoch; no block of the
                         # caller's ran, so a survivor of that stop is news it must get (W6):

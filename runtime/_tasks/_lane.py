@@ -40,12 +40,7 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import (
-    PiRuntimeError,
-    ReasonCode,
-    TaskError,
-    WorkerError,
-)
+from .._errors import PiRuntimeError, ReasonCode, TaskError, WorkerError
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
