@@ -10,6 +10,7 @@ refuses to append when the file changed size behind it (S8).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -166,11 +167,16 @@ def create_session(
             raise SessionError(exists, "session file exists", path=os.fspath(path)) from None
     finally:
         os.unlink(temp)
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:  # its name may not be durable (EMFILE, L21; EIO): no session,
+        with contextlib.suppress(OSError):  # so that the next try creates it whole again
+            os.unlink(target)
+        raise
     return session
 
 

@@ -44,7 +44,6 @@ from .._errors import PiRuntimeError, ReasonCode, TaskError, WorkerError
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
 from .._journal._store import lane_key
-from .._linux._fs import OsFileSystem
 from .._linux._proc import boot_id
 from .._linux._proctree import new_nonce
 from .._metrics import TASK_BUDGET_CHARGES, TASK_CONTINUATIONS
@@ -516,9 +515,7 @@ class TaskLane:
         def prepare() -> None:
             for path in (self.home, self.tmp, self.archive_dir, self.session.parent):
                 path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if self.session.exists():  # its entry made durable: also one whose creation's
-                OsFileSystem().fsync_dir(str(self.session.parent))  # sync failed (L21)
-            elif self._lost is None:  # S32: never a new one
+            if not self.session.exists() and self._lost is None:  # S32: never a new one
                 create_session(
                     self.session,
                     cwd=str(self.worktree),

@@ -5,6 +5,7 @@ themselves or from the recorder's ``facts.json``, never from a particular record
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import re
@@ -259,6 +260,31 @@ def test_s7_create_is_exclusive(tmp_path: Path) -> None:
         new_session(path)
     assert info.value.code is ReasonCode.SESSION_EXISTS
     assert path.read_bytes() == data
+
+
+def test_s7_l21_a_creation_whose_directory_sync_fails_leaves_no_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S7, L21: the session is linked into place, then its directory's sync cannot open the
+    directory (``EMFILE``: no descriptor left). Tries to break: the session left there with
+    its name perhaps not durable, and a retry that finds it and never syncs it. Expected: the
+    error is raised and no session is left, so the next try creates it whole (and syncs)."""
+    path = tmp_path / "s.jsonl"
+    real_open = os.open
+
+    def no_descriptor_for_a_directory(file: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECTORY:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), file)
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_descriptor_for_a_directory)
+    with pytest.raises(OSError, match="Too many open files") as refused:
+        new_session(path)
+    assert refused.value.errno == errno.EMFILE
+    assert not path.exists()
+    monkeypatch.setattr(os, "open", real_open)
+    new_session(path)
+    assert read_session(path).session.leaf is not None
 
 
 def test_s7_create_keeps_given_ids_and_parent_session(tmp_path: Path) -> None:
