@@ -31,7 +31,7 @@ from .._pi._rpc_protocol import Event
 from .._records import Parked, ToolIntent
 from ._guards import GuardEvidence, failed_guards
 from ._lifecycle import TaskState
-from ._replacement import TaskClosed
+from ._replacement import RecoveryOverdue, TaskClosed
 from ._session import marker_in_session, session_size
 from ._state import continuation_prompt
 from ._view import LaneFacts
@@ -187,12 +187,17 @@ class EpochWatch:
 
     async def _prompt_and_watch(self, kind: str, text: str, action_id: str | None) -> EpochEnd:
         lane = self.lane
+        held = False
         try:
             present = False if action_id is None else await self._marker_present(action_id)
+        except RecoveryOverdue:  # (WD11) its seconds ran out as the look waited (L21): the
+            present, held = False, True  # live worker is held, watched, never prompted
         except TaskClosed:  # its end decided while the look waited for a descriptor (L21)
             return EpochEnd.TERMINAL
         prompted = False
-        if present is None:  # the session cannot say whether it was sent: hold, never guess
+        if held:
+            pass
+        elif present is None:  # the session cannot say whether it was sent: hold, never guess
             await lane.hold(f"prompt_marker_unknown:{action_id}")
         elif present:
             prompted = True  # TL5: this continuation is already in the session; never twice

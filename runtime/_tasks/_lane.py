@@ -75,7 +75,13 @@ from ._lane_log import LaneLog
 from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
 from ._recovery import Recovery
-from ._replacement import TaskClosed, prepare_replacement, route_problem, settle_session
+from ._replacement import (
+    RecoveryOverdue,
+    TaskClosed,
+    prepare_replacement,
+    route_problem,
+    settle_session,
+)
 from ._session import marker_in_session, prompt_in_session
 from ._state import (
     CONTINUATION_VERSION,
@@ -692,15 +698,15 @@ class TaskLane:
 
     async def _run_epoch(self) -> None:
         number = self.epochs + 1
-        if not self.kernel.begin_epoch(number, fenced=self._fenced):  # LK6
+        if self._settle_first and self.kernel.may_begin():
+            try:  # the dead host's worker may have left a call unanswered
+                await self.patiently("settle its session", lambda: settle_session(self))
+            except TaskClosed:  # (L21) its end decided, or it was held (WD11), while it
+                return  # waited: nothing launches, and no epoch was begun
+            self._settle_first = False
+        if not self.kernel.begin_epoch(number, fenced=self._fenced):  # LK6, after the await
             return
         self._fenced = False
-        if self._settle_first:  # the dead host's worker may have left a call unanswered
-            try:
-                await self.patiently("settle its session", lambda: settle_session(self))
-            except TaskClosed:  # (L21) its end decided while it waited: nothing launches
-                return
-            self._settle_first = False
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
         identity: dict[str, Any] = {  # LK2 keys, restored; in_host: whether it dies with it
@@ -860,9 +866,13 @@ class TaskLane:
         (L21): said with the stable code, after a wait that doubles (the lane's
         :class:`DescriptorWait`), charged nothing. The wait ends early for an operator's
         control; once the task is not open any more (an end decided) it raises
-        :class:`TaskClosed` instead of trying again."""
+        :class:`TaskClosed` instead of trying again. A running recovery bounds it (WD11):
+        the wait ends as the recovery's seconds run out, and then the task is held
+        ``budget_exhausted:recovery_seconds`` and :class:`RecoveryOverdue` is raised."""
 
         async def pause(refused: BaseException, delay: float) -> None:
+            due = self.recovery.due_in(self.wall_ms())
+            delay = delay if due is None else max(0.0, min(delay, due))
             self._waiting(refused, what, delay)
             with trio.move_on_after(delay):
                 await self._wake.wait()
@@ -870,6 +880,9 @@ class TaskLane:
                 self._wake = trio.Event()  # any, is the task's state, looked at below)
             if self.kernel.state is not TaskState.OPEN:
                 raise TaskClosed(ReasonCode.TOO_MANY_OPEN_FILES) from refused
+            if self.recovery.overdue(self.wall_ms()):  # read after the wait (WD11)
+                await self.hold(RECOVERY_SPENT)
+                raise RecoveryOverdue from refused
 
         return await patiently(work, self._descriptors, pause)
 
@@ -968,7 +981,7 @@ class TaskLane:
         if self.watchdog.classification is not Classification.RESUMING:
             return
         if self.recovery.overdue(self.host.clocks.wall.time_ms()):
-            self.watchdog.feed(Hold("budget_exhausted:recovery_seconds"))
+            self.watchdog.feed(Hold(RECOVERY_SPENT))
 
     async def reserve(self) -> bool:
         """Charge one replacement epoch before its launch, once (WD11, TL6); whether this
@@ -1224,6 +1237,7 @@ class TaskLane:
 
 UNFINISHED = "finalization_incomplete:"
 HOST_LOST = "host_lost:"
+RECOVERY_SPENT = "budget_exhausted:recovery_seconds"
 
 
 def recorded_hold(records: Sequence[Record]) -> str | None:

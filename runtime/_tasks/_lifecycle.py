@@ -137,13 +137,18 @@ class LifecycleKernel:
                 return receipt
         return None
 
+    def may_begin(self) -> bool:
+        """Whether a new process epoch may own the task (LK6): no terminal accepted, and no
+        wait — a parked task is woken by its reply (LK5), not by a continuation."""
+        return not self.state.terminal and self.state is not TaskState.WAITING
+
     def begin_epoch(self, epoch: int, *, fenced: bool) -> bool:
         """The epoch compare-and-set (LK6): a new process epoch may own the task only while
         no terminal (nor a wait: docs/design/watchdog.md, "park") was accepted. ``fenced``: the old
         epoch was
         fenced (the fence counter moves, so its late reports are old-fence evidence)."""
-        if self.state.terminal or self.state is TaskState.WAITING:
-            return False  # a parked task is woken by its reply (LK5), not by a continuation
+        if not self.may_begin():
+            return False
         if epoch <= self.epoch:
             raise ValueError(f"epoch {epoch} is not after the current epoch {self.epoch}")
         self.epoch = epoch

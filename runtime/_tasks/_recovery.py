@@ -77,11 +77,17 @@ class Recovery:
         self.recoveries += 1
         return {"seconds": seconds, "from_ms": started, "to_ms": now_ms}
 
+    def due_in(self, now_ms: int) -> float | None:
+        """Seconds until the running recovery has used every second left (zero or less:
+        overdue); ``None`` when none runs."""
+        if self.started_ms is None:
+            return None
+        return self.budget.seconds_left - (now_ms - self.started_ms) / 1000
+
     def overdue(self, now_ms: int) -> bool:
         """The running recovery has used every second left (the task must hold)."""
-        if self.started_ms is None:
-            return False
-        return (now_ms - self.started_ms) / 1000 >= self.budget.seconds_left
+        due = self.due_in(now_ms)
+        return due is not None and due <= 0
 
     def exhausted_by(self) -> str:
         """What ran out, for the hold reason: ``epochs`` or ``recovery_seconds``."""

@@ -40,6 +40,7 @@ from ._view import LaneFacts
 from ._watchdog import Relaunched
 
 __all__ = [
+    "RecoveryOverdue",
     "ReplacementOwner",
     "TaskClosed",
     "prepare_replacement",
@@ -68,9 +69,20 @@ class TaskClosed(Exception):
     L21), and the task is not open any more (its end was decided meanwhile): nothing is
     launched for it. ``code``: why, as the launch's record says it."""
 
-    def __init__(self, code: ReasonCode) -> None:
-        super().__init__(f"the task is not open any more ({code})")
+    def __init__(self, code: ReasonCode, why: str = "the task is not open any more") -> None:
+        super().__init__(f"{why} ({code})")
         self.code = str(code)
+
+
+class RecoveryOverdue(TaskClosed):
+    """A step of a running recovery waited for file descriptors until the recovery's seconds
+    were spent (L21, WD11): the task is held ``budget_exhausted:recovery_seconds`` — durably,
+    before this is raised — and the step is not taken (nothing launched, no prompt sent)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            ReasonCode.TOO_MANY_OPEN_FILES, "the recovery's seconds ran out as it waited"
+        )
 
 
 class ReplacementOwner(LaneFacts, Protocol):

@@ -26,10 +26,11 @@ from runtime import _backoff as backoff_module
 from runtime._clock import Clocks
 from runtime._errors import ReasonCode, TaskError
 from runtime._pi._session_files import aread_session
-from runtime._records import EpochFenced, OutboxAction, Record
+from runtime._records import ContinuationSent, EpochFenced, OutboxAction, Record
 from runtime._tasks import _epoch as epoch_module
 from runtime._tasks import _lane as lane_module
 from runtime._tasks import _replacement
+from runtime._tasks._replacement import settle_session
 from runtime._tasks._runner import TaskRunner
 from runtime._tasks._session import marker_in_session, reanswer_orphaned
 from runtime._tasks._workers import EpochRequest
@@ -321,3 +322,108 @@ async def test_l21_tl4_tl5_a_replacements_look_at_the_session_out_of_descriptors
     assert held is None
     assert wants == []
     assert ended.state == "done"
+
+
+def _refused_while(real: Callable[..., Awaitable[Any]], refusing: list[bool]) -> Callable[..., Any]:
+    """``real``, refused ``EMFILE`` for as long as ``refusing`` holds ``True``."""
+
+    async def wanting(*args: Any, **kwargs: Any) -> Any:
+        if refusing[0]:
+            await trio.lowlevel.checkpoint()
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return await real(*args, **kwargs)
+
+    return wanting
+
+
+@pytest.mark.parametrize("step", ["settle", "launch", "marker_check"])
+async def test_l21_wd11_a_recovery_that_waits_for_descriptors_past_its_seconds_holds(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+) -> None:
+    """L21, WD11: the first worker exits before it answers, and its replacement — a running
+    recovery, 1800 s of budget — meets a host that has no descriptor left for good at one
+    step: its settling of the session, its worker's launch, or (the worker launched) its
+    look for the continuation's marker. Tries to break: a recovery that waits past its
+    seconds for ever, never held — a finite budget that does not bound — or one held only
+    once a worker is launched after the want passes. Expected: the task holds
+    ``budget_exhausted:recovery_seconds`` as the seconds run out (the wait ends then, not at
+    its next doubling), the recovery charged 1800 s and no more; before the launch nothing
+    is launched (a launch reserved is recorded failed ``too_many_open_files``), after it the
+    live worker is held and never prompted. Once descriptors are back, a grant and a resume
+    finish the task."""
+    refusing = [True]
+    launched = {"settle": [1], "launch": [1], "marker_check": [1, 2]}[step]
+    if step == "settle":
+        refused_settle = _refused_while(reanswer_orphaned, refusing)
+        monkeypatch.setattr(_replacement, "reanswer_orphaned", refused_settle)
+    elif step == "launch":
+        opened = InProcessWorkers.open
+
+        def launch(self: InProcessWorkers, request: EpochRequest) -> Any:
+            if request.number > 1 and refusing[0]:  # the replacement's launch
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return opened(self, request)
+
+        monkeypatch.setattr(InProcessWorkers, "open", launch)
+    else:
+        refused_look = _refused_while(marker_in_session, refusing)
+        monkeypatch.setattr(epoch_module, "marker_in_session", refused_look)
+    behaviours = {1: Behaviours(at={"prompt:1": "exit:1"})}
+    spent = "budget_exhausted:recovery_seconds"
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == spent, within=7200)
+        await trio.sleep(60)  # (virtual time) the lane's writes after the hold's are made
+        assert rig.workers.launched == launched
+        assert rig.runner.lane(TASK).live is (step == "marker_check")  # held, never killed
+        records = await rig.records()
+        (charged,) = _actions(records, "recovery_time")
+        assert 1800 <= charged.detail["seconds"] < 1801, charged.detail
+        launches = [(a.state, a.detail.get("code")) for a in _actions(records, "launch")]
+        last = {"settle": "done", "launch": "failed", "marker_check": "done"}[step]
+        assert launches[-1] == (last, str(WANT) if last == "failed" else None), launches
+        assert not [r for r in records if isinstance(r, ContinuationSent)], "a prompt was sent"
+        refusing[0] = False
+        await rig.runner.grant(TASK, seconds=600, reason="descriptors are back")
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK)
+    assert ended.state == "done"
+
+
+async def test_l21_wd11_lk6_a_restarts_settling_held_for_its_seconds_begins_no_epoch(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L21, WD11, LK6: the host stops while a worker runs; at the restart the lane's
+    settling of the session before its next epoch (the dead host's worker may have left a
+    call unanswered) finds no descriptor until the restart's recovery has spent its
+    seconds. Tries to break: the epoch begun before the settling's wait (its number taken
+    in the kernel), so that the operator's resume after the hold asks to begin the same
+    number again and fails the lane. Expected: held ``budget_exhausted:recovery_seconds``,
+    nothing launched; once descriptors are back, a grant and a resume launch epoch 2 and
+    the task ends done."""
+    refusing = [False]
+    monkeypatch.setattr(lane_module, "settle_session", _refused_while(settle_session, refusing))
+    behaviours = {1: Behaviours(at={"before_model:1": "hang"})}
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.runner.lane(TASK).live)
+    refusing[0] = True  # the host starts again, with no descriptor to spare
+    spent = "budget_exhausted:recovery_seconds"
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == spent, within=7200)
+        await trio.sleep(60)  # (virtual time) the lane's writes after the hold's are made
+        assert rig.workers.launched == []
+        assert [a.detail["epoch"] for a in _actions(await rig.records(), "launch")] == [1, 1]
+        refusing[0] = False
+        await rig.runner.grant(TASK, seconds=600, reason="descriptors are back")
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK)
+    assert ended.state == "done"  # (a lane failed on the epoch's number never ends)
+    assert rig.workers.launched == [2]
