@@ -74,7 +74,7 @@ from ._guards import Budget, check_grant
 from ._lane_log import LaneLog
 from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
-from ._recovery import Recovery
+from ._recovery import RECOVERY_SPENT, Recovery
 from ._replacement import (
     RecoveryOverdue,
     TaskClosed,
@@ -1237,7 +1237,6 @@ class TaskLane:
 
 UNFINISHED = "finalization_incomplete:"
 HOST_LOST = "host_lost:"
-RECOVERY_SPENT = "budget_exhausted:recovery_seconds"
 
 
 def recorded_hold(records: Sequence[Record]) -> str | None:

@@ -16,11 +16,14 @@ reserve's ``at_ms``, or a ``recovery_start`` action's when no reserve started it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from ._guards import Budget
 
-__all__ = ["Recovery"]
+__all__ = ["RECOVERY_SPENT", "Recovery"]
+
+RECOVERY_SPENT: Final = "budget_exhausted:recovery_seconds"
+"""The hold of a recovery that outlasted the seconds left (WD11)."""
 
 
 @dataclass(slots=True)

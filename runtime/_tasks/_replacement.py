@@ -33,7 +33,7 @@ from .._pi._session_files import aread_session
 from .._records import OutboxAction, TaskSubmitted, ToolIntent
 from ._action_ids import ActionIds
 from ._lifecycle import TaskState
-from ._recovery import Recovery
+from ._recovery import RECOVERY_SPENT, Recovery
 from ._session import marker_in_session, reanswer_orphaned
 from ._state import continuation_prompt, route_change, session_route_change
 from ._view import LaneFacts
@@ -151,6 +151,9 @@ async def prepare_replacement(
     except TaskClosed:
         return None
     recovery = lane.recovery
+    if recovery.overdue(lane.host.clocks.wall.time_ms()):  # WD11: its seconds ran out
+        await lane.hold(RECOVERY_SPENT)  # before this worker (a host down longer, say):
+        return None  # held before anything is charged or launched
     reserve_id = lane.ids.next_continuation(
         recovery.continuations, "reserve", lane.actions, lane.markers
     )

@@ -517,13 +517,12 @@ async def test_repeated_restarts_exhaust_the_budget_then_a_grant_continues_charg
     nothing), and so does the fifth; an operator grant of one epoch (audited) and a resume let
     it continue, charged once, to an explicit done. The recovery that ran across the four
     hosts (no progress since the first reserve) is charged when the hold ends it, never
-    reset by a restart; the grant adds seconds too, since under load those hosts may take
-    longer than the scaled 6 s."""
+    reset by a restart; the grant adds seconds too."""
     behaviours = {n: HANG for n in (1, 2, 3, 4)}
     async with crash_rig(tmp_path, STEPS) as (model, url, workers):
-        # The epochs must run out first: with the scaled 6 s of recovery time, five loaded
-        # host starts could exhaust the seconds first, a hold that is durable too (WD12).
-        spec = {**task_spec(url, behaviours=behaviours), "recovery_seconds": 600.0}
+        # The epochs must run out first: the host's recovery time (600 s) is not run out by
+        # five loaded host starts, a hold that would be durable too (WD12).
+        spec = task_spec(url, behaviours=behaviours)
         facts = await kill_when_paused(tmp_path, spec, "record:epoch_started")
         for name in ("b", "c", "d"):
             facts += await kill_when_paused(tmp_path, spec, "record:continuation_sent", name=name)

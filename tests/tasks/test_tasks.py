@@ -342,6 +342,46 @@ async def test_wd11_a_hold_for_spent_recovery_seconds_ends_the_recovery_a_resume
     assert rig.workers.launched == [1, 2, 3]
 
 
+async def test_wd11_a_restart_after_its_recovery_ran_out_holds_before_it_charges_or_launches(
+    tmp_path: Path, clocks: Clocks, io_autojump_clock: trio.testing.MockClock
+) -> None:
+    """WD11, TL7: a worker is fenced and its replacement runs without progress; the host stops
+    and is down longer than the recovery's seconds (the time it was down is recovery time).
+    Tries to break: the restart taken as one more replacement of an overdue recovery — an
+    epoch of the budget charged, a worker launched only to be held at its first tick, and the
+    operator's resume then killing it and charging again. Expected: the restarted host holds
+    the task ``budget_exhausted:recovery_seconds`` at once, nothing charged (one reserve: the
+    fence's), nothing launched; the recovery charged from the fence's reserve; a grant and a
+    resume then finish the task on one more epoch."""
+    behaviours = {
+        1: Behaviours(at={"before_model:1": "hang"}),  # fenced after hard + grace
+        2: Behaviours(at={"agent_start:1": "hang"}),  # relaunched, never progresses
+    }
+    async with open_rig(tmp_path, clocks, [done(), say()], behaviours=behaviours) as rig:
+        await rig.runner.submit(rig.spec())
+        await rig.until(lambda: rig.workers.launched == [1, 2] and rig.runner.lane(TASK).live)
+    await trio.sleep(2000)  # (virtual time) the host is down past the 1800 s
+    spent = "budget_exhausted:recovery_seconds"
+    async with open_rig(tmp_path, clocks, [done(), say()]) as rig:
+        await rig.until(lambda: rig.runner.show(TASK).hold_reason == spent)
+        await trio.sleep(60)  # (virtual time) anything the lane would do after the hold, done
+        records = await rig.records()
+        view = rig.runner.show(TASK)
+        assert rig.workers.launched == []
+        reserves = [r for r in records if isinstance(r, OutboxAction) and r.kind == "reserve"]
+        assert len(reserves) == 1, reserves
+        assert view.budget["epochs_used"] == 1
+        (charged,) = [
+            r for r in records if isinstance(r, OutboxAction) and r.kind == "recovery_time"
+        ]
+        assert charged.detail["from_ms"] == reserves[0].detail["at_ms"]
+        await rig.runner.grant(TASK, seconds=600, reason="back after the outage")
+        rig.runner.resume(TASK)
+        ended = await rig.ended(TASK)
+    assert ended.state == "done"
+    assert rig.workers.launched == [3]
+
+
 async def test_wd11_a_charge_made_while_a_grant_is_written_is_not_refunded(
     tmp_path: Path,
     clocks: Clocks,
