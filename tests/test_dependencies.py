@@ -84,6 +84,8 @@ def _py(folder: str) -> list[Path]:
 
 OPTIONAL: Final = {
     "runtime/_journal/_postgres.py": "postgres",
+    "runtime/_journal/_pg_log.py": "postgres",
+    "runtime/_journal/_pg_rows.py": "postgres",
     "runtime/_journal/_pg_connection.py": "postgres",
     "runtime/_journal/_pg_schema.py": "postgres",
     "runtime/_boundary/_receipts_pg.py": "postgres",
