@@ -131,12 +131,8 @@ class ProcInfo:
 
 
 def _read_stat(pid: int) -> ProcInfo | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError as error:  # gone, or never there — or not looked at (L21): raised
-        if descriptors_exhausted(error):
-            raise
+    stat = _read_bytes(f"/proc/{pid}/stat")
+    if stat is None:  # gone, or never there
         return None
     rest = stat[stat.rindex(b")") + 2 :].split()
     state = rest[0]
@@ -157,12 +153,8 @@ def _live_thread(pid: int) -> tuple[int, bytes | None]:
             raise
         return pid, None
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError as error:  # exited meanwhile — or not looked at (L21): raised
-            if descriptors_exhausted(error):
-                raise
+        stat = _read_bytes(f"/proc/{pid}/task/{tid}/stat")
+        if stat is None:  # exited meanwhile
             continue
         state = stat[stat.rindex(b")") + 2 :].split()[0]
         if state not in _GONE:
@@ -203,6 +195,8 @@ def read_environ(pid: int) -> bytes | None:
 
 
 def _read_bytes(path: str) -> bytes | None:
+    """``path``'s bytes, or ``None`` when it is gone or not ours to read. A want of file
+    descriptors is raised (L21): a file not looked at is never taken for one that is gone."""
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -294,12 +288,10 @@ def cgroup2_mount(mounts: str | None = None) -> Path | None:
     one; any other cgroup2 mount as a last resort.
     """
     if mounts is None:
-        try:
-            mounts = Path("/proc/self/mounts").read_text()
-        except OSError as error:  # not looked at for want of a descriptor: raised (L21)
-            if descriptors_exhausted(error):
-                raise
+        data = _read_bytes("/proc/self/mounts")
+        if data is None:
             return None
+        mounts = os.fsdecode(data)
     found = [line.split()[1] for line in mounts.splitlines() if line.split()[2:3] == ["cgroup2"]]
     for preferred in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
         if preferred in found:
