@@ -553,9 +553,10 @@ async def _call(
 async def _dispatch(
     handler: AdminHandler, tasks: TaskAdminHandler | None, request: _AnyRequest, deadline: float
 ) -> dict[str, Any]:
-    result: dict[str, Any] | None = None
+    result: object = None
+    waited = trio.move_on_after(deadline)
     try:
-        with trio.move_on_after(deadline):
+        with waited:
             result = await _call(handler, tasks, request)
     except PiRuntimeError as error:
         return _refusal(error.code, error.message)
@@ -566,13 +567,15 @@ async def _dispatch(
             extra=fields("admin_failed", code=ReasonCode.ADMIN_FAILED),
         )
         return _refusal(ReasonCode.ADMIN_FAILED, "the server failed to answer; see its log")
-    if result is None:
+    if not isinstance(result, dict) and waited.cancel_called:
         return _refusal(ReasonCode.ADMIN_TIMEOUT, f"no answer within {deadline:g} s")
     try:
+        if not isinstance(result, dict):  # nothing, a list, …: no response (O7)
+            raise TypeError(f"an answer is a JSON object, not {type(result).__name__}")
         msgspec.json.encode(result)
     except (TypeError, msgspec.EncodeError):
         logger.exception(
-            "admin handler answered with data that is not JSON",
+            "admin handler answered with data that is not a JSON object",
             extra=fields("admin_failed", code=ReasonCode.ADMIN_FAILED),
         )
         return _refusal(ReasonCode.ADMIN_FAILED, "the server failed to answer; see its log")

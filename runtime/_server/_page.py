@@ -132,6 +132,7 @@ class _Session:
     token_digest: bytes
     """The token it logged in with: a rotated token ends the session (OP2)."""
     expires: float
+    """When it ends, on the host's clock that counts a suspend (:meth:`OperatorPage._now`)."""
 
 
 class _Refused(Exception):
@@ -443,6 +444,12 @@ class OperatorPage:
                 return value
         return None
 
+    def _now(self) -> float:
+        """The host's time, the time it spent suspended included (``CLOCK_BOOTTIME``,
+        clocks.md): a session's 12 hours count a suspend (OP2); Trio's clock stands still
+        through one."""
+        return self.server.worker.store.clocks.silence.read().boottime
+
     async def _current_token(self) -> str | None:
         return await trio.to_thread.run_sync(read_token, self.server.state_dir)
 
@@ -457,7 +464,7 @@ class OperatorPage:
         if self._sessions.get(key) is not session:  # logged out while the token was read
             return None
         if (
-            session.expires <= trio.current_time()
+            session.expires <= self._now()
             or token is None
             or not secrets.compare_digest(session.token_digest, _digest(token))
         ):
@@ -523,10 +530,7 @@ class OperatorPage:
     async def _login(self, request: Request, response: ResponseWriter) -> None:
         self._check_origin(request)
         client = client_of(request.peer)
-        try:
-            self._throttled(client)
-        except _Refused as refused:
-            await self._login_form(response, refused.status, f"{refused.code}: {refused.message}")
+        if await self._login_throttled(response, client):  # (then no file is read)
             return
         try:
             form = parse_qs(request.body.decode("utf-8", "replace"), max_num_fields=4)
@@ -535,6 +539,11 @@ class OperatorPage:
             return
         presented = (form.get("token") or [""])[0].strip()
         token = await self._current_token()
+        # OP2: asked again once the token is read, and nothing awaited from here to the
+        # failure's count: the logins one client has in flight at once are not all let
+        # through by checks made before any of them was counted
+        if await self._login_throttled(response, client):
+            return
         if token is None or not token_matches(token, presented):
             self._count_failure(client)
             await self._login_form(response, 401, "token_invalid: the token is missing or wrong")
@@ -545,7 +554,7 @@ class OperatorPage:
         self._sessions[key] = _Session(
             csrf=secrets.token_urlsafe(32),
             token_digest=_digest(token),
-            expires=trio.current_time() + SESSION_SECONDS,
+            expires=self._now() + SESSION_SECONDS,
         )
         logger.info("operator page: a login", extra=fields("page_login"))
         cookie = self._set_cookie(key)
@@ -554,6 +563,16 @@ class OperatorPage:
                 303, [("location", "/"), ("content-length", "0"), ("set-cookie", cookie)]
             )
             await response.end()
+
+    async def _login_throttled(self, response: ResponseWriter, client: str) -> bool:
+        """Whether ``client`` is throttled (OP2); if so its login is answered so, the form
+        with ``login_throttled``."""
+        try:
+            self._throttled(client)
+        except _Refused as refused:
+            await self._login_form(response, refused.status, f"{refused.code}: {refused.message}")
+            return True
+        return False
 
     def _set_cookie(self, value: str, max_age: int | None = None) -> str:
         parts = [f"{COOKIE}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]

@@ -74,7 +74,9 @@ def read_token(state_dir: Path | str) -> str | None:
     """
     path = token_path(state_dir)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO's open returns at once, not once a writer comes (then refused
+        # below as no regular file); a regular file's reads are what they are without it
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -82,6 +84,11 @@ def read_token(state_dir: Path | str) -> str | None:
             raise StateDirError(
                 ReasonCode.TOKEN_INSECURE,
                 f"{path} is a symbolic link; remove it and run `pi-runtime token rotate`",
+            ) from None
+        if exc.errno == errno.ENXIO:  # a Unix socket (or a device without its driver)
+            raise StateDirError(
+                ReasonCode.TOKEN_INSECURE,
+                f"{path} is not a regular file; remove it and run `pi-runtime token rotate`",
             ) from None
         raise
     try:

@@ -268,6 +268,36 @@ async def test_o7_a_failing_handler_is_answered_admin_failed(
     assert "admin handler" in caplog.text
 
 
+@pytest.mark.parametrize("answered", [None, ["rooms"], "status"])
+async def test_o7_a_handler_answering_no_json_object_is_admin_failed_not_a_timeout(
+    tmp_path: Path, answered: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """O7: a handler that answers at once with something that is no JSON object — nothing, a
+    list, a string — is ``admin_failed`` (logged), and the next request is answered. Before,
+    nothing (``None``) was taken for the handler's deadline passing: a handler that answered
+    in no time was told ``admin_timeout`` "no answer within 30 s"; and a list or a string
+    failed outside the handler's guard, so the client got no answer at all."""
+
+    class Odd(FakeHandler):
+        async def status(self) -> dict[str, Any]:
+            if self.fail == "odd":
+                result: dict[str, Any] = answered
+                return result
+            return await super().status()
+
+    state = state_dir(tmp_path)
+    handler = Odd()
+    handler.fail = "odd"
+    with trio.fail_after(LIMIT):
+        async with serving(state, handler):
+            answer = await admin_request(state, {"command": "status"})
+            assert answer is not None
+            assert (answer["ok"], answer["code"]) == (False, "admin_failed"), answer
+            handler.fail = None
+            assert (await admin_request(state, {"command": "status"}) or {})["ok"] is True
+    assert "admin handler" in caplog.text
+
+
 async def test_o7_slow_clients_and_slow_handlers_are_answered_admin_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

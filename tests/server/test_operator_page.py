@@ -11,9 +11,11 @@ import functools
 import http.cookies
 import re
 import ssl
+import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Final
+from types import SimpleNamespace
+from typing import Any, Final, cast
 
 import h11
 import msgspec
@@ -23,6 +25,7 @@ import trustme
 
 from fake_pi.scenario import Hang, Step, Text
 from runtime._boundary._http import Request, ResponseWriter, open_request, serve_http
+from runtime._clock import Clocks, MockSilenceClock
 from runtime._config import config_from_dict
 from runtime._errors import ReasonCode
 from runtime._journal._inspect import delivery_records
@@ -32,7 +35,7 @@ from runtime._server._admin import admin_request
 from runtime._server._metrics import _handle, allowed_hosts
 from runtime._server._page import OperatorPage
 from runtime._server._serve import ServeOptions, open_server
-from runtime._server._token import rotate_token
+from runtime._server._token import ensure_token, read_token, rotate_token
 from runtime._tasks._service import TaskService
 from runtime._wire import RoomStatus
 
@@ -271,6 +274,74 @@ async def test_op2_the_throttle_is_per_client_and_never_refuses_the_right_bearer
             assert (still.status, still.code) == (429, "login_throttled")
             other = await ask_from(operator, port, "/api/state", headers=wrong_bearer)
             assert (other.status, other.code) == (401, "token_invalid")
+
+
+async def test_op2_wrong_logins_sent_at_once_are_throttled_after_five(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OP2: one client sends many wrong logins at once, each on its own connection, so that
+    every one of them has been let in while the first one's read of the token file is still
+    under way (the reads are held until all have begun: the order of events a guesser with
+    many connections gets for free). Still only five of them are compared and answered
+    ``token_invalid`` (five ``page_login_refused`` lines); the others are ``login_throttled``.
+    Before, the throttle was asked before that read and the failure counted after it: every
+    login in flight was compared, and a guesser had as many tries a minute as connections."""
+    tries = 4 * _throttle.LOGIN_FAILURES
+    gathered = threading.Barrier(tries, timeout=LIMIT / 4)
+
+    def held(state_dir: Path) -> str | None:
+        gathered.wait()  # every login's read has begun
+        return read_token(state_dir)
+
+    monkeypatch.setattr(_page, "read_token", held)
+    statuses: list[int] = []
+
+    async def guess(port: int) -> None:
+        answer = await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
+        statuses.append(answer.status)
+
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            caplog.clear()
+            async with trio.open_nursery() as nursery:
+                for _ in range(tries):
+                    nursery.start_soon(guess, port_of(r))
+            logged = [getattr(one, "event", None) for one in caplog.records]
+    assert sorted(statuses) == [401] * _throttle.LOGIN_FAILURES + [429] * (
+        tries - _throttle.LOGIN_FAILURES
+    ), statuses
+    assert logged.count("page_login_refused") == _throttle.LOGIN_FAILURES
+
+
+async def test_op2_a_session_ends_after_12_hours_a_host_suspend_included(tmp_path: Path) -> None:
+    """OP2: a session lasts at most ``SESSION_SECONDS`` of the host's time, the time it spent
+    suspended included (the suspend-aware clock, clocks.md): an operator's laptop that slept
+    through a weekend with the page open wakes to the login form, not to a session of three
+    days. Before, the session's end was on Trio's clock, which stands still while the host is
+    suspended, so a session outlived its 12 hours by every suspend. The page here is served
+    alone on 127.0.0.1, its server a stub that has the state directory and the clocks."""
+    clock = MockSilenceClock()
+    state = tmp_path / "state"
+    token, _ = await trio.to_thread.run_sync(ensure_token, state)
+    served = SimpleNamespace(
+        state_dir=state, worker=SimpleNamespace(store=SimpleNamespace(clocks=Clocks(silence=clock)))
+    )
+    page = OperatorPage(cast("Any", served), secure=False, allowed_hosts=frozenset())
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve_http, page.handle)
+            port = server.port
+            cookie, _csrf = await login(port, token)
+            clock.suspend(_page.SESSION_SECONDS / 2)  # a night: the session goes on
+            opened = await ask(port, "/", headers=[("cookie", cookie)])
+            assert b"csrf-token" in opened.body
+            clock.suspend(_page.SESSION_SECONDS / 2)  # and another: it has lasted 12 h
+            ended = await ask(port, "/api/state", headers=[("cookie", cookie)])
+            assert (ended.status, ended.code) == (401, "login_required")
+            form = await ask(port, "/", headers=[("cookie", cookie)])
+            assert b"csrf-token" not in form.body
+            assert b'action="/login"' in form.body
+            nursery.cancel_scope.cancel()
 
 
 async def test_op2_the_throttle_remembers_a_bounded_number_of_clients(

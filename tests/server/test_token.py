@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hmac
 import os
+import socket
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,60 @@ def test_o2_a_link_a_directory_or_an_empty_file_is_refused(tmp_path: Path) -> No
         with pytest.raises(StateDirError) as empty:
             read_token(state)
         assert empty.value.code is ReasonCode.TOKEN_INVALID
+
+
+def _read_within(call: Callable[[Path], object], state: Path, path: Path) -> object:
+    """``call(state)``'s result or exception, from a thread given 10 s; a FIFO at ``path``
+    that keeps it waiting is opened for writing (which releases it) and the test fails."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call(state))
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    reader = threading.Thread(target=run, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer: the open returns
+        reader.join(timeout=10)
+        pytest.fail(f"{call.__name__} waited for a writer of the FIFO at the token's path")
+    (found,) = outcome
+    return found
+
+
+def test_o2_a_fifo_or_a_socket_at_the_tokens_path_is_refused_at_once(tmp_path: Path) -> None:
+    """O2: a FIFO or a Unix socket where the token should be is no regular file:
+    ``token_insecure``, at once. Before, opening the FIFO waited for a writer — ``serve``
+    never started, and a running server's every ``hello`` and page request held one of its
+    worker threads for ever (forty of them stall everything else the process does in a
+    thread) — and opening the socket failed ``ENXIO``, an ``OSError`` (``server_fault``)
+    instead of the token's code."""
+    state = tmp_path / "s"
+    ensure_token(state)
+    path = token_path(state)
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    for call in (read_token, ensure_token):
+        refused = _read_within(call, state, path)
+        assert isinstance(refused, StateDirError), refused
+        assert refused.code is ReasonCode.TOKEN_INSECURE
+        assert "token rotate" in str(refused)
+    path.unlink()
+    directory = os.open(state, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+            listening.bind(f"/proc/self/fd/{directory}/{TOKEN_FILE}")  # any length of path
+            for call in (read_token, ensure_token):
+                refused = _read_within(call, state, path)
+                assert isinstance(refused, StateDirError), refused
+                assert refused.code is ReasonCode.TOKEN_INSECURE
+    finally:
+        os.close(directory)
+    path.unlink()
+    assert read_token(state) is None  # and nothing was left in its place
 
 
 def test_o2_a_state_directory_others_can_read_is_refused(tmp_path: Path) -> None:
