@@ -46,6 +46,7 @@ __all__ = [
     "RouteBreaker",
     "episode_bounds",
     "failure_park",
+    "give_up_ms",
     "past_bounds",
     "patiently",
     "route_park",
@@ -232,6 +233,16 @@ def past_bounds(config: BackoffConfig, parks: Sequence[Parked], now_ms: int) -> 
     if parks[-1].attempt >= max_attempts:
         return True
     return now_ms - parks[0].first_failure_ms >= deadline_minutes * MINUTE_MS
+
+
+def give_up_ms(config: BackoffConfig, parks: Sequence[Parked]) -> int | None:
+    """PB3: when, on the wall clock, an episode parked ``parks`` so far reaches its deadline
+    (the episode's, :func:`episode_bounds`); ``None`` before its first park. No wait of a
+    parked delivery outlasts it — neither the route's step nor a ``Retry-After`` past it."""
+    if not parks:
+        return None
+    deadline_minutes, _ = episode_bounds(config, parks)
+    return parks[0].first_failure_ms + math.ceil(deadline_minutes * MINUTE_MS)
 
 
 def failure_park(

@@ -12,7 +12,14 @@ import pytest
 import trio
 import trio.testing
 
-from runtime._backoff import RouteBreaker, episode_bounds, failure_park, past_bounds, route_park
+from runtime._backoff import (
+    RouteBreaker,
+    episode_bounds,
+    failure_park,
+    give_up_ms,
+    past_bounds,
+    route_park,
+)
 from runtime._boundary._stream import (
     UpstreamFailure,
     carries_answer,
@@ -292,6 +299,27 @@ def test_pb3_the_bounds() -> None:
     assert not past_bounds(CONFIG, [parked(11, 0)], 29 * 60_000)
     assert past_bounds(CONFIG, [parked(12, 0)], 0)
     assert past_bounds(CONFIG, [parked(1, 0)], 30 * 60_000)
+
+
+def test_pb3_pb7_no_wait_outlasts_the_episodes_deadline() -> None:
+    """PB3: the time a parked delivery's waits end by at the latest is its episode's deadline
+    — the one its first park recorded (PB7), not the configuration of the host deciding — and
+    at that time it is past its bounds; nothing before its first park."""
+    promised = BackoffConfig(deadline_minutes=0.5)
+    down = UpstreamFailure(503)
+    first = failure_park(
+        promised, [], down, next_attempt_ms=9, now_ms=1_000, code="model_failed", route_failures=1
+    )
+    assert give_up_ms(CONFIG, []) is None
+    assert give_up_ms(CONFIG, [first]) == 31_000  # 30 s after the first failure, not 30 min
+    assert not past_bounds(CONFIG, [first], 30_999)
+    assert past_bounds(CONFIG, [first], 31_000)
+    # a park that kept no bounds (an older version's) reads the configuration; 0.6 ms is
+    # rounded up, so that the wait's end is past its bounds, never a millisecond before
+    older = msgspec.structs.replace(first, deadline_minutes=None, max_attempts=None)
+    odd = BackoffConfig(deadline_minutes=1e-5)
+    assert give_up_ms(odd, [older]) == 1_001
+    assert past_bounds(odd, [older], 1_001)
 
 
 def test_pb7_an_episode_gives_up_by_the_bounds_of_its_first_failure() -> None:

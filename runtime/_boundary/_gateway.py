@@ -351,6 +351,9 @@ class Gateway:
         self._locks: dict[str, trio.Lock] = {}
         self._failure: PiRuntimeError | None = None
         self._failed = trio.Event()
+        self.on_answered: Callable[[], None] | None = None
+        """Called once a call upstream was answered and its answer journaled: the provider
+        is up (PB4: the route's breaker closes then, not when the turn ends)."""
         self.upstream_failure: UpstreamFailure | None = None
         """How the last call upstream failed (PB1): a status, no response, an error inside
         the stream, a stream cut short — what the backoff judges a turn that ends on it by.
@@ -679,6 +682,8 @@ class Gateway:
             self._fail(exc)
             return
         self._stats["journaled"] += 1
+        if self.on_answered is not None:
+            self.on_answered()
         await downstream.finish(b"".join(map(sse_data, held)))  # the terminal part, one write
 
     async def _park(self, downstream: _Downstream) -> None:

@@ -48,6 +48,7 @@ from .._backoff import (
     DescriptorWait,
     RouteBreaker,
     failure_park,
+    give_up_ms,
     past_bounds,
     patiently,
     route_park,
@@ -696,6 +697,8 @@ class Lane:
                             return self._refused("session")
                     gateway = boundaries.gateway
                     gateway.upstream_failure = None  # PB1: what this turn meets
+                    breaker = self.host.breaker  # PB4: its first answer closes the route's
+                    gateway.on_answered = None if breaker is None else breaker.succeeded
                     answered = gateway.statistics().journaled
                     end = await self._turn(nursery, slot, pending, log)
                     ended = await self._park(
@@ -772,11 +775,13 @@ class Lane:
         while True:
             if pending.cancelled:
                 return TurnEnd(outcome=Outcome.CANCELLED)
+            # PB3: weighed before every try — after each wait, at a restart — whatever the
+            # breaker says (half-open, or closed meanwhile): past its bounds it asks nothing
+            if past_bounds(breaker.config, parks, wall.time_ms()):
+                return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
             admit = breaker.admit()
             if admit.until_ms is None:
                 return admit.probe
-            if past_bounds(breaker.config, parks, wall.time_ms()):
-                return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
             if not parks or parks[-1].next_attempt_ms != admit.until_ms:
                 record = route_park(
                     breaker.config,
@@ -786,7 +791,9 @@ class Lane:
                     route_failures=breaker.failures,
                 )
                 await self._parked(pending, log, parks, record)
-            await breaker.wait(admit.until_ms, self._cancelled)
+            ends = give_up_ms(breaker.config, parks)  # PB3: no wait outlasts the deadline
+            until = admit.until_ms if ends is None else min(admit.until_ms, ends)
+            await breaker.wait(until, self._cancelled)
 
     async def _parked(
         self, pending: Pending, log: Log, parks: list[Parked], record: Parked

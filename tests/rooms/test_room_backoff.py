@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from fake_pi.model_server import ScriptedModel
+from fake_pi.scenario import Call, Scenario, Text, ToolCalls
 from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._clock import Clocks
 from runtime._config import BackoffConfig, ModelConfig, RoomWorkerConfig
@@ -388,9 +389,10 @@ async def test_pb7_a_restart_with_new_bounds_keeps_the_bounds_a_delivery_parked_
     }
     answered = ends[0] is Outcome.REPLY
     assert outage.up == (1 if answered else 0)  # nothing answered past its bounds
-    # answered: every refusal was a try; ended: the longer deadline may end it at the
-    # restart (past 0.6 s) or at its next try's refusal, whichever the machine's pace brings
-    assert len(outage.down) == refusals if answered else 1 <= len(outage.down) <= refusals
+    # every refusal was a try — but past the longer deadline's 0.6 s, which ends it at the
+    # restart or at the end of a wait cut to it (PB3), never by a try after it
+    tries = 1 if before.deadline_minutes < after.deadline_minutes else refusals
+    assert len(outage.down) == tries, outage.down
 
 
 async def test_pb1_a_usage_limit_with_a_reset_time_is_waited_for(tmp_path: Path) -> None:
@@ -541,3 +543,35 @@ async def test_pb4_a_probe_refused_before_it_asks_passes_the_probe_on(
     )
     assert (answered.delivery_id, answered.outcome, answered.code) == ("d2", Outcome.REPLY, None)
     assert outage.up == 1
+
+
+async def test_pb4_the_probes_first_answer_lets_the_others_go(
+    tmp_path: Path, parked: trio.Event
+) -> None:
+    """PB4: d1 (one room) is parked; d2 (another room) arrives while it waits and parks by
+    the route. At the half-open breaker one of them probes; the provider is back and answers
+    its first request (a tool call) at once, but its turn goes on for seconds (the answer
+    after the tool streams slowly). The other waits for the route's answer, not for the
+    probe's turn: it goes on once that first request is answered — within its 9 s deadline
+    — and both are answered. (Before, the breaker closed only when the probe's turn ended:
+    the other waited for the whole of it and ended ``model_failed`` at its deadline while the
+    provider was answering.)"""
+    slow_answer = Text(text=" ".join(f"w{n}" for n in range(24)), delay=0.5)  # 12 s
+    looking = Call(name="send_text_update", arguments={"text": "looking"})
+    model = ScriptedModel(scenario=Scenario(steps=[ToolCalls(calls=[looking]), slow_answer]))
+    outage = Outage(seconds=0, at_least=1, model=model)
+    backoff = BackoffConfig(first_seconds=2, max_seconds=2, deadline_minutes=0.15)
+    with trio.fail_after(LIMIT):
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(config(url, backoff), base_dir=tmp_path, clocks=clocks()) as worker,
+        ):
+            await worker.deliver(message("d1", room="dm:1"))
+            await parked.wait()  # (its next try 1 to 2 s away)
+            await worker.deliver(message("d2", room="dm:2"))
+            results = by_id(await next_results(worker, 2))
+            waited = await parks_of(worker, "d2")
+    assert (len(outage.down), outage.asked) == (1, ["m-d1"])  # d2 never met the outage
+    assert waited  # it waited by the route
+    assert all(p.by_route for p in waited)
+    assert {(r.outcome, r.code) for r in results.values()} == {(Outcome.REPLY, None)}, results

@@ -8,7 +8,8 @@ journal files with fsync, a real upstream on loopback); Trio's clock is
 lives and no journal write is in flight — exactly while every delivery is parked (a parked
 delivery keeps no worker, PB1). The breaker's waits are the wall clock's, a
 :class:`MockWallClock` that follows Trio's. So the twenty minutes take a few seconds of real
-time, spent launching the workers that probe.
+time, spent launching the workers that probe. So do the deadline's cases (PB3): an account
+limit that resets past it, a host restarted after it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from runtime._rooms._worker import open_room_worker
 from runtime.testing import io_aware_autojump_clock
 
 from .test_room_backoff import Outage, outage_upstream, parks_of
+from .test_room_backoff import parked as parked
 from .test_room_worker import message, next_results
 
 MINUTES: Final = 20
@@ -163,3 +165,60 @@ async def test_pb2_a_host_restarted_during_a_twenty_minute_outage_keeps_its_sche
     assert sorted(r.delivery_id for r in results) == sorted(f"{room}-1" for room in ROOMS)
     assert all(r.outcome is Outcome.REPLY for r in results), results
     assert not any(isinstance(r, StepAbandoned) for log in logs for r in log)
+
+
+QUOTA: Final = "You exceeded your current quota, please check your plan and billing details."
+DEADLINE: Final = DEFAULTS.deadline_minutes * 60
+
+
+async def test_pb3_a_reset_later_than_the_deadline_ends_the_delivery_at_its_deadline(
+    tmp_path: Path, clock: trio.testing.MockClock, clocks: Clocks
+) -> None:
+    """PB3 at the shipped defaults: the provider refuses the first try with an account limit
+    that resets in an hour (429, ``Retry-After: 3600``) — later than the delivery's 30-minute
+    deadline — and is back after 40 minutes. The delivery ends ``usage_limit_reached`` at its
+    deadline, the provider asked once: it is not held an hour and then answered by a try past
+    its bounds. (Before, the wait ran to the breaker's time, past the deadline, and the try
+    after a wait was not weighed against the bounds: it was answered an hour after its first
+    failure.)"""
+    limited = Outage(seconds=40 * 60, status=429, retry_after="3600", message=QUOTA)
+    with trio.fail_after(3 * 60 * 60):  # virtual: a hang fails, it does not wait
+        async with (
+            outage_upstream(limited) as url,
+            open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as worker,
+        ):
+            await worker.deliver(message("d1"))
+            (result,) = await next_results(worker, 1)
+            ended_at = trio.current_time()
+            parks = await parks_of(worker, "d1")
+    assert (result.outcome, result.code) == (Outcome.FAILED, "usage_limit_reached")
+    assert (len(limited.down), limited.up) == (1, 0)
+    assert parks[0].next_attempt_ms - parks[0].first_failure_ms >= 3599 * 1000  # the reset
+    first = limited.down[0]
+    assert first + DEADLINE <= ended_at <= first + DEADLINE + LAUNCH, (first, ended_at)
+
+
+async def test_pb3_pb7_a_host_restarted_past_the_deadline_ends_the_delivery_asking_nothing(
+    tmp_path: Path, clock: trio.testing.MockClock, clocks: Clocks, parked: trio.Event
+) -> None:
+    """PB3, PB7: the host is stopped while d1 is parked (its first try refused, the next a
+    few seconds away), and the next one starts on the same state directory 31 minutes later,
+    the provider back. Past its 30-minute deadline d1 ends ``model_failed`` at the restart,
+    the provider asked nothing more and nothing recorded. (Before, the restart found the
+    recorded next attempt gone by and the breaker half-open: d1, its one probe, asked and was
+    answered half an hour late — the bounds were weighed only while the breaker was open.)"""
+    outage = Outage(seconds=0, at_least=1)
+    with trio.fail_after(3 * 60 * 60):
+        async with outage_upstream(outage) as url:
+            async with open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as first:
+                await first.deliver(message("d1"))
+                await parked.wait()
+                (park,) = await parks_of(first, "d1")
+            await trio.sleep(31 * 60)  # virtual time: no host runs
+            async with open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as second:
+                (result,) = await next_results(second, 1)
+                parks = await parks_of(second, "d1")
+    assert clocks.wall.time_ms() - park.first_failure_ms >= DEADLINE * 1000
+    assert (result.outcome, result.code) == (Outcome.FAILED, "model_failed")
+    assert (len(outage.down), outage.up) == (1, 0)
+    assert parks == [park]
