@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar, assert_never
 
 import trio
 
-from .._backoff import RouteBreaker, failure_park, past_bounds, route_park
+from .._backoff import RouteBreaker, failure_park, give_up_ms, past_bounds, route_park
 from .._errors import PiRuntimeError, ReasonCode, RpcError, WorkerExitedError
 from .._metrics import TASK_FENCES, TASK_PROBES, labelled
 from .._pi._rpc_protocol import Event
@@ -415,13 +415,15 @@ class EpochWatch:
         assert breaker is not None
         never = trio.Event()  # the epoch's own cancellation ends the wait (abort, fail)
         while True:
+            # PB3: weighed before every try — after each wait, at a restart — whatever the
+            # breaker says (half-open, or closed meanwhile): past its bounds it asks nothing
+            if past_bounds(breaker.config, lane.parks, lane.wall_ms()):
+                await lane.hold(f"{PROVIDER_UNAVAILABLE}{lane.parks[-1].code}")
+                return False
             admit = breaker.admit()
             if admit.until_ms is None:
                 self._probe_token = admit.probe
                 return True
-            if past_bounds(breaker.config, lane.parks, lane.wall_ms()):
-                await lane.hold(f"{PROVIDER_UNAVAILABLE}{lane.parks[-1].code}")
-                return False
             if lane.parks[-1].next_attempt_ms != admit.until_ms:
                 record = route_park(
                     breaker.config,
@@ -434,7 +436,8 @@ class EpochWatch:
             # PB6, WD11: the wait is the outage's, never recovery time — a recovery running
             # (a worker relaunched, by a restart say, that has not progressed yet) ends here
             await lane.end_recovery()
-            await breaker.wait(admit.until_ms, never)
+            ends = give_up_ms(breaker.config, lane.parks)  # PB3: no wait outlasts the deadline
+            await breaker.wait(admit.until_ms if ends is None else min(admit.until_ms, ends), never)
 
     async def _tick(self) -> None:
         """Re-read the suspend-aware clock every tick (WD6) and act on what the core says."""

@@ -213,6 +213,31 @@ async def test_pb6_past_its_bounds_the_task_is_held_for_the_operator(
             await rig.runner.abort(TASK)
 
 
+async def test_pb3_pb6_a_retry_after_past_the_deadline_holds_the_task_at_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """PB3, PB6: the provider answers 503 with ``Retry-After: 3600`` (an account limit that
+    resets in an hour) and is back at once; the backoff's deadline is 1.2 s. Tries to break:
+    the parked task waiting out the whole hour — its bound not a bound — and then asking the
+    provider again as the half-open breaker's probe, with no look at the deadline. Expected:
+    held ``provider_unavailable:model_failed`` at the deadline, the provider asked once."""
+    short = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.02)
+    model = DoneOnEveryPrompt()
+    outage = Outage(seconds=0.0, at_least=1, retry_after="3600", model=model)
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path, "fake", model, handler=outage.handle, backoff=short
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            await rig.until(lambda: rig.runner.show(TASK).hold_reason is not None)
+            view = rig.runner.show(TASK)
+            assert view.hold_reason == "provider_unavailable:model_failed"
+            assert len(outage.down) == 1
+            assert outage.up == 0  # never asked again past the deadline
+            await rig.runner.abort(TASK)
+            await rig.runner.wait(TASK)
+
+
 @dataclass
 class WallOutage(Outage):
     """An :class:`Outage` that also notes the wall-clock time of every request (a restarted
@@ -285,8 +310,8 @@ async def test_pb7_a_host_killed_while_parked_keeps_the_bounds_after_a_restart_w
     bound held the task at once, the raised one let it try again and end done.)"""
     make_worktree(tmp_path)
     outage = Outage(seconds=0, at_least=refusals, model=DoneOnEveryPrompt())
-    # a try every 4 to 8 s: the next host starts before it (a try due by then would be the
-    # half-open breaker's probe, which goes ahead whatever the bounds, PB4)
+    # a try every 4 to 8 s: the next host starts before it, and meets the park's wait
+    # still running (the bounds are weighed before every try too, PB3)
     pace = {"first_seconds": 8.0, "max_seconds": 8.0, "deadline_minutes": 1.0}
     with trio.fail_after(LIMIT):
         async with serving(outage) as url:
