@@ -137,7 +137,8 @@ class EpochOwner(LaneFacts, Protocol):
     async def record_marker(self, action_id: str) -> None: ...
     async def patiently(self, what: str, work: Callable[[], Awaitable[_T]]) -> _T:
         """``work()``, a want of file descriptors waited out (L21); ``TaskClosed`` once the
-        task is not open any more."""
+        task is not open any more, :class:`RecoveryOverdue` (held) once its recovery's
+        seconds ran out (WD11)."""
 
     async def exited_unprompted(self, error: PiRuntimeError) -> None:
         """The epoch's worker exited before it answered its first prompt (TL2, WD8)."""
@@ -709,7 +710,7 @@ class EpochWatch:
             return False
         try:
             present = await self._marker_present(action_id)
-        except TaskClosed:  # (L21: its end decided while the look waited)
+        except TaskClosed:  # (L21: its end decided, or it was held, while the look waited)
             return None
         if lane.kernel.state is not TaskState.OPEN:
             return None

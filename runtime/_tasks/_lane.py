@@ -772,7 +772,7 @@ class TaskLane:
                             )
                         stopped = await worker.stop()
                         self.worker = None
-        except TaskClosed as closed:  # never launched: its end decided as it waited (L21)
+        except TaskClosed as closed:  # never launched: ended or held as it waited (L21)
             if opened:
                 raise
             await self._not_launched(number, launch, identity, closed)
@@ -821,7 +821,7 @@ class TaskLane:
             # LK8: the worker asked, the user answered before it stopped; the reply starts
             # the next epoch as a reply always does (not a replacement: not charged).
             self._fenced = True
-            with contextlib.suppress(TaskClosed):  # (its end decided as it waited: L21)
+            with contextlib.suppress(TaskClosed):  # (ended or held as it waited: L21)
                 await self.patiently("settle its session", lambda: settle_session(self))
         elif end is EpochEnd.EXITED and self.kernel.state is TaskState.OPEN:
             self._fenced = True
@@ -852,8 +852,9 @@ class TaskLane:
         self, number: int, launch: str, identity: dict[str, Any], closed: TaskClosed
     ) -> None:
         """Epoch ``number``'s launch, reserved, never made: the task's end was decided while
-        it waited (L21, TL8). Recorded failed with why, and ended; nothing ran, so nothing
-        is charged and the epoch is quiescent."""
+        it waited (L21, TL8), or its recovery's seconds ran out and it is held (WD11).
+        Recorded failed with why, and ended; nothing ran, so nothing more is charged and the
+        epoch is quiescent."""
         await self.record_action(launch, "launch", "failed", {**identity, "code": closed.code})
         self.quiescent_epoch = number
         await self.append(

@@ -66,8 +66,9 @@ _T = TypeVar("_T")
 
 class TaskClosed(Exception):
     """A step before a worker's launch waited for file descriptors (docs/design/lanes.md
-    L21), and the task is not open any more (its end was decided meanwhile): nothing is
-    launched for it. ``code``: why, as the launch's record says it."""
+    L21), and the task is not open any more (its end was decided meanwhile) — or, as
+    :class:`RecoveryOverdue`, it was held: nothing is launched for it. ``code``: why, as the
+    launch's record says it."""
 
     def __init__(self, code: ReasonCode, why: str = "the task is not open any more") -> None:
         super().__init__(f"{why} ({code})")
