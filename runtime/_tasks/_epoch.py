@@ -180,6 +180,10 @@ class EpochWatch:
         """Prompt the epoch (``kind``: a task, a reply or a continuation ``action_id``) and
         watch it until it must end (TL2)."""
         lane = self.lane
+        gateway, breaker = self.worker.gateway, lane.breaker
+        if gateway is not None and breaker is not None:
+            # PB4: the route's first answer closes its breaker, not the end of the probe's turn
+            gateway.on_answered = breaker.succeeded
         try:
             return await self._prompt_and_watch(kind, text, action_id)
         finally:
@@ -305,14 +309,16 @@ class EpochWatch:
             await lane.reply_recorded()  # LK8: a reply accepted as the turn settled
             if lane.kernel.state is not TaskState.OPEN:
                 return EpochEnd.TERMINAL
+            # PB6 first: a turn that ended on an outage is parked before anything is asked
+            # again — a pending reply too waits out the schedule (it goes at the next settle)
+            if await self._provider_unavailable():
+                return None  # parked, then prompted again (or held past the bounds)
             pending = lane.pending_reply()
             if pending is not None:  # LK8: the reply that came mid-turn, now the turn is over
-                if await self._send_prompt(*pending) is not None:  # the worker has it now
+                if await self._send_prompt(*pending, reply=True) is not None:  # it has it now
                     lane.prompted()  # (not when held unknown: it stays the next prompt's)
                 lane.changed()
                 return None
-            if await self._provider_unavailable():
-                return None  # PB6: parked, then prompted again (or held past the bounds)
             actions = wd.feed(Settled())
             await lane.note_hold()  # a second settle without a terminal holds (WD8, WD12)
             lane.changed()
@@ -358,6 +364,8 @@ class EpochWatch:
             elif probe is not None:
                 breaker.abandoned(probe)
             return False
+        if answered:  # PB7: the provider answered this turn before it failed: a new episode,
+            lane.answered()  # as a restart reads it (the parks after the last answer)
         next_attempt = breaker.failed(failure, probe)
         now = lane.wall_ms()
         record = failure_park(
@@ -391,11 +399,19 @@ class EpochWatch:
 
     async def _route_open(self) -> bool:
         """Before the epoch's first prompt: a lane whose log ends parked (a restart while it
-        waited, PB6) waits out the recorded schedule first. False: held past the bounds."""
+        waited, PB6) waits out the recorded schedule first, and one that is not parked waits
+        while the route's breaker is open (another task's outage, PB4: a new task, or a new
+        epoch, asks the provider nothing a parked one may not). False: held past the bounds."""
         lane, breaker = self.lane, self.lane.breaker
-        if breaker is None or not lane.parks:
+        if breaker is None:
             return True
-        breaker.resume(lane.parks[-1])
+        if lane.parks:
+            breaker.resume(lane.parks[-1])
+        else:
+            admit = breaker.admit()
+            if admit.until_ms is None:  # closed, or this turn is the half-open one's probe
+                self._probe_token = admit.probe
+                return True
         lane.watchdog.feed(ProviderParked())
         lane.changed()
         go = False
@@ -425,7 +441,7 @@ class EpochWatch:
             if admit.until_ms is None:
                 self._probe_token = admit.probe
                 return True
-            if lane.parks[-1].next_attempt_ms != admit.until_ms:
+            if not lane.parks or lane.parks[-1].next_attempt_ms != admit.until_ms:
                 record = route_park(
                     breaker.config,
                     lane.parks,
@@ -698,13 +714,15 @@ class EpochWatch:
             "read its session", lambda: marker_in_session(session, action_id, wants=True)
         )
 
-    async def _send_prompt(self, action_id: str, text: str) -> bool | None:
+    async def _send_prompt(self, action_id: str, text: str, *, reply: bool = False) -> bool | None:
         """Prompt the live worker with ``text`` once (its marker in the log or the session
         means it was sent: TL5). True: sent now; False: the worker has it already; None:
         not sent and the worker does not have it — whether it does is unknown (the task
         holds ``prompt_marker_unknown``, TL5), or the task ended during the marker's look,
         the last await, and its worker is asked nothing more (LK6). A prompt not sent stays
-        the next one's to carry (a reply: LK8)."""
+        the next one's to carry (a reply: LK8). ``reply``: this prompt carries the pending
+        reply, which the worker has heard once it is sent — a continuation does not carry
+        it (LK8: a reply that came during a park's wait goes after the continuation)."""
         lane = self.lane
         if action_id in lane.markers:
             return False
@@ -720,6 +738,7 @@ class EpochWatch:
         if present:
             return False
         await self.worker.rpc.prompt(text)
-        lane.kernel.reply_heard()  # LK8
+        if reply:
+            lane.kernel.reply_heard()  # LK8: before any await, so no report comes between
         await lane.record_marker(action_id)
         return True

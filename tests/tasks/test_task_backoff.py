@@ -10,21 +10,25 @@ hold. Nothing sleeps on the real clock to wait: a test waits for the lane's even
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import msgspec
 import pytest
 import trio
 
-from fake_pi.scenario import Scenario, Text
+from fake_pi.model_server import ReceivedRequest, body_digest
+from fake_pi.scenario import Call, HttpError, Scenario, Step, Text, ToolCalls
 from runtime._boundary._http import Request, ResponseWriter, serve_http
 from runtime._config import BackoffConfig
 from runtime._records import ContinuationSent, EpochStarted, OutboxAction, Parked
+from runtime._wire import TaskSpec
 
 from ..rooms.test_room_backoff import OVERLOADED, Outage
 from .test_task_crash import (
@@ -39,6 +43,7 @@ from .test_task_crash import (
 from .test_task_fence import (
     KINDS,
     LIMIT,
+    POLICY,
     TASK,
     DoneOnEveryPrompt,
     FenceRig,
@@ -363,3 +368,227 @@ async def test_pb6_an_operator_abort_ends_a_parked_task_at_once(tmp_path: Path) 
     assert not [
         r for r in records if isinstance(r, OutboxAction) and r.kind in ("fence", "reserve")
     ]
+
+
+SECOND: Final = "task-2"
+PATIENT: Final = dataclasses.replace(
+    POLICY, soft_seconds=LIMIT, hard_seconds=dict.fromkeys(POLICY.hard_seconds, 3 * LIMIT)
+)
+""":data:`POLICY` with no silence the tests below could reach: a held model request is theirs
+to release, not the watchdog's to suspect."""
+
+
+def second_task(tmp_path: Path, prompt: str = "do the second task") -> TaskSpec:
+    """A second task, in a worktree of its own, for the rig's runner."""
+    worktree = tmp_path / "worktree-2"
+    worktree.mkdir()
+    (worktree / "README.md").write_text("the second task's worktree\n")
+    return TaskSpec(
+        task_id=SECOND, prompt=prompt, worktree=str(worktree.resolve()), grants=frozenset({"read"})
+    )
+
+
+async def task_parks(rig: FenceRig, task_id: str) -> list[Parked]:
+    contents = await rig.store.read(rig.runner.log_rel(task_id))
+    return [r for r in contents.records if isinstance(r, Parked)]
+
+
+async def test_pb4_pb6_a_new_task_asks_nothing_while_the_route_is_open(tmp_path: Path) -> None:
+    """PB4, PB6: the first task's provider answers 503 with ``Retry-After: 3600``, so the
+    host's route is open for an hour. A second task submitted meanwhile must not ask the
+    provider: it waits by the route (a ``Parked`` of no try of its own) and, its deadline
+    reached (1.2 s), is held ``provider_unavailable:model_failed``, the provider asked once
+    in all. Tries to break: a task with no park of its own prompting its worker at once
+    while the route is open — the provider asked again by every new task, which a new room
+    delivery never is. (Before, only a task whose own log ended parked looked at the
+    breaker before its first prompt.)"""
+    short = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.02)
+    model = DoneOnEveryPrompt()
+    outage = Outage(seconds=3600.0, retry_after="3600", model=model)
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path, "fake", model, handler=outage.handle, backoff=short
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            await rig.until_classification("Parked")
+            await rig.runner.submit(second_task(tmp_path))
+            await rig.until(
+                lambda: rig.runner.show(SECOND).hold_reason is not None or len(outage.down) > 1
+            )
+            view = rig.runner.show(SECOND)
+            parks = await task_parks(rig, SECOND)
+            for task_id in (TASK, SECOND):
+                await rig.runner.abort(task_id)
+                await rig.runner.wait(task_id)
+    assert len(outage.down) == 1, outage.down  # the first task's: no other request was made
+    assert view.hold_reason == "provider_unavailable:model_failed", view
+    assert parks
+    assert all(p.by_route and p.attempt == 0 for p in parks), parks
+
+
+@dataclass
+class ProbeHeld(Upstream):
+    """A provider down for its first request (503) and up after it. The first request after
+    the outage — the half-open breaker's probe — waits for ``go`` and is answered with a
+    ``read`` call; the probe's next request (the tool's result) waits until the other task
+    has asked; the rest as :class:`DoneOnEveryPrompt` does. ``asked``: whose each request
+    was (``first``, ``second``: by the task's prompt), in order of arrival."""
+
+    go: trio.Event = field(default_factory=trio.Event)
+    other_asked: trio.Event = field(default_factory=trio.Event)
+    probe: str | None = None
+    asked: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def whose(body: dict[str, Any]) -> tuple[str, int]:
+        """Which task asked (by its prompt), and how many tool results its request carries."""
+        messages = body.get("messages") or []
+        who = "second" if "do the second task" in str(messages) else "first"
+        return who, sum(m.get("role") == "tool" for m in messages)
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        who, results = self.whose(msgspec.json.decode(request.body))
+        self.asked.append(who)
+        self.arrived.pulse()
+        if len(self.asked) > 1:
+            if self.probe is None:
+                self.probe = who
+                await self.go.wait()
+            elif who == self.probe and results == 1:
+                await self.other_asked.wait()
+            elif who != self.probe:
+                self.other_asked.set()
+        await super().handle(request, response)
+
+    def next_step(self, body: dict[str, Any]) -> Step:
+        who, results = self.whose(body)
+        step: Step
+        if len(self.asked) == 1:
+            step = HttpError(status=503, message="the service is overloaded")
+        elif who == self.probe and results == 0:
+            step = ToolCalls(calls=[Call(name="read", arguments={"path": "README.md"})])
+        elif (who == self.probe and results == 1) or (who != self.probe and results == 0):
+            step = done()
+        else:
+            step = FINISHED
+        self.requests.append(ReceivedRequest(body, body_digest(body), step))
+        return step
+
+
+async def test_pb4_pb6_the_probes_first_answer_lets_the_other_task_go(tmp_path: Path) -> None:
+    """PB4 for task lanes: the first task's first request meets a 503 and it parks; a second
+    task arrives while the half-open breaker's probe is under way and waits by the route. The
+    provider answers the probe's first request with a tool call, and its next request is held
+    until the other task has asked. The other task must go as soon as that first answer is
+    journaled — the route is up — not when the probe's turn ends: both tasks end done. (Before,
+    a task lane's breaker closed only when the probing turn settled: the other task waited for
+    the whole of it, here for ever, and in production until its deadline held it while the
+    provider was answering.)"""
+    model = ProbeHeld()
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(tmp_path, "fake", model, backoff=BACKOFF, policy=PATIENT) as rig:
+            await rig.runner.submit(rig.spec("do the first task"))
+            await rig.until_classification("Parked")
+            await rig.runner.submit(second_task(tmp_path))
+            task_of = {"first": TASK, "second": SECOND}
+
+            def probing() -> bool:
+                return model.probe is not None and (
+                    rig.runner.show(
+                        task_of[{"first": "second", "second": "first"}[model.probe]]
+                    ).classification
+                    == "Parked"
+                )
+
+            await rig.until(lambda: probing() or model.asked.count("second") > 0)
+            assert model.probe is not None, model.asked
+            other = {"first": "second", "second": "first"}[model.probe]
+            assert other not in model.asked[1:], model.asked  # it waited by the route
+            model.go.set()
+            ended = [await rig.runner.wait(task_id) for task_id in (TASK, SECOND)]
+            waited = await task_parks(rig, task_of[other])
+    assert [e.state for e in ended] == ["done", "done"], ended
+    assert model.asked[0] == "first"
+    assert any(p.by_route for p in waited), waited
+    # the other's first request came after the probe's first answer, while the probe's turn
+    # was held (its second request waits for the other's: its third cannot come before)
+    probe_at = [n for n, who in enumerate(model.asked) if who == model.probe and n > 0]
+    assert probe_at[0] < model.asked.index(other, 1) < probe_at[2], model.asked
+
+
+async def test_pb6_pb7_an_answer_inside_the_failing_turn_ends_the_episode(tmp_path: Path) -> None:
+    """PB6, PB7: the task's first request meets a 503 (parked, try 1); after the wait the
+    provider answers the next request (a ``read`` call), and the request after the tool's
+    result meets a 503 again, in the same turn. The provider answered in between, so that is
+    a new episode: its park is try 1 again, its deadline from its own failure — as a restart
+    reads the log (the parks after the last answer). Tries to break: the episode kept across
+    an answer in the failing turn (try 2, the first failure's deadline), which a host
+    restarted there would count as try 1."""
+    read = ToolCalls(calls=[Call(name="read", arguments={"path": "README.md"})])
+    model = Upstream(scenario=Scenario(steps=[read, done(), FINISHED]))
+    upstream = Refusing(model, frozenset({1, 3}))
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path, "fake", model, handler=upstream.handle, backoff=BACKOFF
+        ) as rig:
+            await rig.runner.submit(rig.spec())
+            ended = await until_ended(rig)
+            parks = await parks_of(rig)
+    assert ended.state == "done", ended
+    assert [p.attempt for p in parks] == [1, 1], parks
+    assert parks[1].first_failure_ms > parks[0].first_failure_ms
+
+
+@dataclass
+class HeldUntilReplied(Upstream):
+    """The scripted model, its second request held until ``replied`` is set (the operator's
+    reply is in before that request's answer ends the turn); each request's wall-clock time
+    noted."""
+
+    replied: trio.Event = field(default_factory=trio.Event)
+    asked_ms: list[int] = field(default_factory=list)
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        self.asked_ms.append(time.time_ns() // 1_000_000)
+        if len(self.asked_ms) == 2:
+            await self.replied.wait()
+        await super().handle(request, response)
+
+
+async def test_pb6_lk8_a_turn_ending_on_an_outage_parks_before_a_pending_reply_is_sent(
+    tmp_path: Path,
+) -> None:
+    """PB6, LK8: the agent asks the operator (``task_wait``) and its turn goes on; the
+    operator replies, and then the turn's next request meets a 503. At the settle the turn's
+    outage is judged first: parked (try 1), the wait kept, and only then is the worker
+    prompted — the continuation after the park, then the reply, once. Tries to break: the
+    pending reply sent at the settle at once, asking the provider again with no wait and the
+    failure never counted (no ``Parked``: the route's breaker blind to it)."""
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="task_wait", arguments={"question": "which one?"})]),
+        HttpError(status=503, message="the service is overloaded"),
+        Text(text="waited"),
+        done(),
+        FINISHED,
+    ]
+    model = HeldUntilReplied(scenario=Scenario(steps=steps))
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(tmp_path, "fake", model, backoff=BACKOFF, policy=PATIENT) as rig:
+            await rig.runner.submit(rig.spec())
+            await rig.until(lambda: rig.runner.show(TASK).state == "waiting")
+            await rig.runner.reply(TASK, "the blue one")
+            model.replied.set()
+            ended = await until_ended(rig)
+            records = await rig.records()
+    assert ended.state == "done", ended
+    parks = [r for r in records if isinstance(r, Parked)]
+    assert [p.attempt for p in parks] == [1], parks
+    assert model.asked_ms[2] >= parks[0].next_attempt_ms  # the wait was kept
+    sent = [r.action_id.rsplit("/", 1)[-1] for r in records if isinstance(r, ContinuationSent)]
+    assert sent == ["unpark1", "reply1"], sent
+    texts = [
+        str(m.get("content"))
+        for m in model.requests[-1].body["messages"]
+        if m.get("role") == "user"
+    ]
+    assert sum("the blue one" in t for t in texts) == 1, texts

@@ -210,11 +210,13 @@ async def open_fence_rig(
     identity_override: Callable[[EpochStarted], EpochStarted] | None = None,
     handler: Handler | None = None,
     backoff: BackoffConfig | None = None,
+    policy: WatchdogPolicy = POLICY,
 ) -> AsyncIterator[FenceRig]:
     """A runner whose lanes run the real Pi (``kind == "pi"``) or Fake-Pi as subprocesses,
     the scripted model ``steps`` (or a given model) upstream; ``behaviours`` per epoch number
     (Fake-Pi only). ``handler``: what serves the upstream instead of the model's own handler
-    (an outage in front of it); ``backoff``: an unavailable provider parks the turn (PB6)."""
+    (an outage in front of it); ``backoff``: an unavailable provider parks the turn (PB6);
+    ``policy``: the watchdog's, :data:`POLICY` unless a test's silences are not under test."""
     epoch_env: dict[int, dict[str, str]] = {}
     for number, wanted in (behaviours or {}).items():
         assert kind == "fake", "behaviour barriers are Fake-Pi's"
@@ -249,7 +251,7 @@ async def open_fence_rig(
             store,
             workers=workers,
             route=ROUTE,
-            policy=POLICY,
+            policy=policy,
             clocks=clocks,
             work_root=tmp_path / "work",
             backoff=backoff,
