@@ -61,6 +61,7 @@ from .._logs import fields
 __all__ = [
     "ADMIN_SOCKET",
     "COMMANDS",
+    "MAX_ID_CHARS",
     "MAX_REQUEST",
     "AdminHandler",
     "TaskAdminHandler",
@@ -68,10 +69,13 @@ __all__ = [
     "admin_socket_path",
     "answer",
     "handler_deadline",
+    "id_problem",
     "serve_admin",
 ]
 
 ADMIN_SOCKET: Final = "admin.sock"
+MAX_ID_CHARS: Final = 200
+"""Longest ``task_id`` or ``delivery_id`` a request may carry (:func:`id_problem`)."""
 MAX_REQUEST: Final = 64 * 1024
 """Longest request line, in bytes (a longer one is ``admin_request_too_large``)."""
 MAX_RESPONSE: Final = 64 * 1024 * 1024
@@ -265,20 +269,20 @@ def _parse(line: bytes, commands: frozenset[str] = COMMANDS) -> _AnyRequest | di
         request = _REQUEST.decode(line)
     except msgspec.ValidationError as exc:
         return _refusal(ReasonCode.ADMIN_BAD_REQUEST, f"{command}: {exc}")
-    if isinstance(request, CancelRequest) and not (
-        0 < len(request.delivery_id) <= 200 and request.delivery_id.isprintable()
-    ):
-        return _refusal(
-            ReasonCode.ADMIN_BAD_REQUEST,
-            "cancel: delivery_id must be 1 to 200 printable characters",
-        )
-    task_id = getattr(request, "task_id", None)
-    if task_id is not None and not (0 < len(task_id) <= 200 and task_id.isprintable()):
-        return _refusal(
-            ReasonCode.ADMIN_BAD_REQUEST,
-            f"{command}: task_id must be 1 to 200 printable characters",
-        )
+    for name in ("delivery_id", "task_id"):
+        value = getattr(request, name, None)
+        if value is not None and (problem := id_problem(name, value)) is not None:
+            return _refusal(ReasonCode.ADMIN_BAD_REQUEST, f"{command}: {problem}")
     return request
+
+
+def id_problem(name: str, value: str) -> str | None:
+    """Why ``value`` is no ``name`` (``task_id``, ``delivery_id``) a request may carry, or
+    ``None``: an id is 1 to ``MAX_ID_CHARS`` printable characters (O7; the operator page's
+    views check theirs with it too, OP7). What is answered for one is ``admin_bad_request``."""
+    if 0 < len(value) <= MAX_ID_CHARS and value.isprintable():
+        return None
+    return f"{name} must be 1 to {MAX_ID_CHARS} printable characters"
 
 
 # -- paths -------------------------------------------------------------------------------

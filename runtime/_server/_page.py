@@ -44,7 +44,7 @@ from .._boundary._http import Request, ResponseWriter
 from .._errors import PiRuntimeError, ReasonCode
 from .._journal._inspect import delivery_records, delivery_records_in_database
 from .._logs import fields
-from ._admin import MAX_REQUEST, answer
+from ._admin import MAX_REQUEST, answer, id_problem
 from ._throttle import LOGIN_FAILURES, LOGIN_WINDOW, LoginThrottle, client_of
 from ._token import read_token, token_matches
 
@@ -274,7 +274,7 @@ class OperatorPage:
         elif path == "events":
             await self._events(request, response)
         elif path.startswith("tasks/"):
-            task_id = unquote(path[len("tasks/") :])
+            task_id = _checked_id("task_show", "task_id", unquote(path[len("tasks/") :]))
             shown = await self.server.tasks.task_show(task_id)
             timeline = [
                 {"at_ms": at, "classification": c, "state": s}
@@ -282,7 +282,9 @@ class OperatorPage:
             ]
             await self._json(response, 200, {**shown, "timeline": timeline})
         elif path.startswith("journal/"):
-            delivery_id = unquote(path[len("journal/") :])
+            delivery_id = _checked_id(
+                "journal_show", "delivery_id", unquote(path[len("journal/") :])
+            )
             await self._json(response, 200, await self._journal(delivery_id))
         else:
             raise _Refused(404, ReasonCode.PAGE_NOT_FOUND, f"nothing at /api/{path}")
@@ -331,10 +333,6 @@ class OperatorPage:
         return sorted(chosen[:TASKS_SHOWN])
 
     async def _journal(self, delivery_id: str) -> dict[str, Any]:
-        if not 0 < len(delivery_id) <= 200 or not delivery_id.isprintable():
-            raise _Refused(
-                400, ReasonCode.ADMIN_BAD_REQUEST, "a delivery id is 1 to 200 printable characters"
-            )
         url = self.server.worker.config.store.url
         if url is not None:
             records, note = await delivery_records_in_database(url, delivery_id)
@@ -347,8 +345,9 @@ class OperatorPage:
     async def _events(self, request: Request, response: ResponseWriter) -> None:
         """The state as server-sent events (OP6): an ``event: state`` whenever it differs from
         the last one sent, checked when a task changes and at least once a second; a comment
-        every ``KEEPALIVE_SECONDS`` of no change; an ``event: logout`` and the end once the
-        session is gone. A write the client has not taken within ``SEND_SECONDS`` ends it and
+        every ``KEEPALIVE_SECONDS`` of no change; an ``event: logout`` (its data: the code and
+        message of :meth:`_stream_end`) and the end once the session is gone or the token file
+        cannot be used. A write the client has not taken within ``SEND_SECONDS`` ends it and
         closes its connection."""
         if self._streams >= MAX_STREAMS:
             raise _Refused(503, ReasonCode.PAGE_BUSY, f"at most {MAX_STREAMS} open pages")
@@ -360,9 +359,12 @@ class OperatorPage:
             last = b""
             quiet = 0.0
             while True:
-                if not await self._still_authorized(request):
+                ended = await self._stream_end(request)
+                if ended is not None:
                     with write_bound():
-                        await response.send(b"event: logout\ndata: {}\n\n")
+                        await response.send(
+                            b"event: logout\ndata: " + _JSON.encode(ended) + b"\n\n"
+                        )
                     break
                 body = _JSON.encode(await self.snapshot())
                 if body != last:
@@ -506,12 +508,21 @@ class OperatorPage:
         if not secrets.compare_digest(presented.encode(), session.csrf.encode()):
             raise _Refused(403, ReasonCode.CSRF_REFUSED, "this request is not from the page")
 
-    async def _still_authorized(self, request: Request) -> bool:
+    async def _stream_end(self, request: Request) -> dict[str, str] | None:
+        """Why the event stream of ``request`` ends now — its ``logout``'s data, the code and
+        the message the same request would be refused with — or ``None`` while its session
+        or bearer token holds (OP2): ``login_required`` for a session gone (a rotated token,
+        its 12 hours, a log out), ``token_insecure`` or ``token_invalid`` for a token file
+        that cannot be used any more (O2), so the page can tell the operator why. A failed
+        read of the token file ends the stream with no ``logout``: the page's next stream
+        may find it readable again."""
         try:
             await self._authorized(request, state_changing=False)
-        except _Refused:
-            return False
-        return True
+        except _Refused as refused:
+            return {"code": str(refused.code), "message": refused.message}
+        except PiRuntimeError as error:
+            return {"code": str(error.code), "message": error.message}
+        return None
 
     def _throttled(self, client: str) -> None:
         """OP2: ``login_throttled`` for a client with ``LOGIN_FAILURES`` refused tokens in the
@@ -650,6 +661,17 @@ def write_bound() -> Iterator[None]:
         yield
     if bound.cancelled_caught:
         raise trio.BrokenResourceError(f"the client read nothing for {SEND_SECONDS:g} s")
+
+
+def _checked_id(view: str, name: str, value: str) -> str:
+    """``value``, the id the path of ``view`` names, if the admin socket would take it as
+    ``name`` (:func:`~._admin.id_problem`: 1 to 200 printable characters); else it is refused
+    400 ``admin_bad_request`` with the admin socket's message, before anything looks it up
+    (OP7)."""
+    problem = id_problem(name, value)
+    if problem is not None:
+        raise _Refused(400, ReasonCode.ADMIN_BAD_REQUEST, f"{view}: {problem}")
+    return value
 
 
 def _room_row(room: RoomStatus, last: DeliveryResult | None) -> dict[str, Any]:

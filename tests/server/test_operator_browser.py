@@ -149,6 +149,14 @@ def drive(
             expect(row(page, ".state")).to_have_text("done", timeout=WAIT_MS)
             save(page, root, "operator-page-done.png")
             timeline = page.request.get(f"{url}api/tasks/t1").json()["timeline"]
+            # the token file turns group-readable: the page's stream ends and it says why (OP2)
+            token_file = root / "state" / "token"
+            token_file.chmod(0o640)
+            expect(page.locator("#message")).to_contain_text(
+                "logged out: token_insecure", timeout=WAIT_MS
+            )
+            expect(page.locator("#live")).to_have_text("logged out")
+            token_file.chmod(0o600)
             page.click("#logout")
             expect(page.locator("#token")).to_be_visible()
             after = page.request.get(f"{url}api/state")

@@ -248,32 +248,95 @@ async def ask_from(
                 return Answer(status, got, data)
 
 
-async def test_op2_the_throttle_is_per_client_and_never_refuses_the_right_bearer(
-    tmp_path: Path,
+def test_op2_the_throttle_is_per_client_an_ipv6_one_by_its_64_every_loopback_address_one() -> None:
+    """OP2 (the pure core): five wrong tokens throttle their client alone — an address, an
+    IPv6 one by its /64, an IPv4-mapped one as its IPv4 address — and every loopback address
+    (``127.0.0.0/8``, ``::1``) is one client: this host."""
+    throttle, now = _throttle.LoginThrottle(), 100.0
+    for peer in ("192.0.2.7", "2001:db8:0:1::a", "127.0.0.2"):
+        for _ in range(_throttle.LOGIN_FAILURES):
+            throttle.failed(_throttle.client_of(peer), now)
+    throttled = {
+        "192.0.2.7": True,
+        "::ffff:192.0.2.7": True,
+        "192.0.2.8": False,
+        "2001:db8:0:1::b": True,  # the same /64
+        "2001:db8:0:2::a": False,
+        "127.0.0.2": True,
+        "127.0.0.1": True,
+        "127.255.0.9": True,
+        "::1": True,
+        "::ffff:127.0.0.3": True,
+    }
+    for peer, expected in throttled.items():
+        assert throttle.throttled(_throttle.client_of(peer), now) is expected, peer
+    assert not throttle.throttled(_throttle.client_of("127.0.0.1"), now + _throttle.LOGIN_WINDOW)
+
+
+def test_op2_the_throttle_remembers_a_bounded_number_of_clients(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """OP2: five wrong tokens from one client throttle that client alone: another client's
-    login opens a session, and the right bearer token is answered — from the guessing
-    client too — while that client's wrong tokens stay ``login_throttled``."""
+    """OP2: the throttle keeps at most ``MAX_CLIENTS`` clients — guesses from many addresses
+    cannot grow it — and the one that failed least recently is the one let go."""
+    monkeypatch.setattr(_throttle, "MAX_CLIENTS", 2)
+    throttle, now = _throttle.LoginThrottle(), 100.0
+    for _ in range(_throttle.LOGIN_FAILURES):
+        throttle.failed("192.0.2.2", now)
+    assert throttle.throttled("192.0.2.2", now)
+    for source in ("192.0.2.3", "192.0.2.4"):  # two more: the first one goes
+        throttle.failed(source, now + 1)
+    assert not throttle.throttled("192.0.2.2", now + 1)
+
+
+async def test_op2_a_guesser_on_many_loopback_addresses_is_one_client_and_flushes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP2: a local guesser sends each wrong token from a new loopback address (127.0.0.0/8 is
+    16 million of them, all this host), with the throttle's table small enough to flush
+    (``MAX_CLIENTS`` 2). Five wrong tokens in all, then every address's logins are
+    ``login_throttled`` — the one already throttled too, whatever new addresses come after,
+    and the operator's ``127.0.0.1`` (the same host). Before, each address was a client of its
+    own: five tries a minute each, and new addresses pushed the throttled one out of the
+    table."""
+    monkeypatch.setattr(_throttle, "MAX_CLIENTS", 2)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            for n in range(_throttle.LOGIN_FAILURES):
+                wrong = await ask_from(f"127.0.0.{2 + n}", port, "/login", "POST", body=b"token=g")
+                assert wrong.status == 401, n
+            for source in ("127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.0.2", "127.0.0.1"):
+                held = await ask_from(source, port, "/login", "POST", body=b"token=guess")
+                assert held.status == 429, source
+                assert b"login_throttled" in held.body
+
+
+async def test_op2_the_throttle_never_refuses_the_right_bearer(tmp_path: Path) -> None:
+    """OP2: five wrong tokens from a client throttle its wrong tokens and logins (the right
+    token's login too: every loopback address is that client), but the right bearer token is
+    answered from every address, the guessing one's too, and a session opened before goes
+    on."""
     guesser, operator = "127.0.0.2", "127.0.0.1"
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, PAGE) as r:
             port = port_of(r)
-            for _ in range(_throttle.LOGIN_FAILURES):
-                wrong = await ask_from(guesser, port, "/login", "POST", body=b"token=guess")
-                assert wrong.status == 401
-            assert (await ask_from(guesser, port, "/login", "POST", body=b"token=x")).status == 429
             form = f"token={r.token}".encode()
             opened = await ask_from(operator, port, "/login", "POST", body=form)
             assert opened.status == 303, opened
+            cookie = opened.headers["set-cookie"].split(";", 1)[0]
+            for _ in range(_throttle.LOGIN_FAILURES):
+                wrong = await ask_from(guesser, port, "/login", "POST", body=b"token=guess")
+                assert wrong.status == 401
+            assert (await ask_from(operator, port, "/login", "POST", body=form)).status == 429
             bearer = [("authorization", f"Bearer {r.token}")]
             for source in (operator, guesser):
                 state = await ask_from(source, port, "/api/state", headers=bearer)
                 assert state.status == 200, (source, state.body)
-            wrong_bearer = [("authorization", "Bearer guess")]
-            still = await ask_from(guesser, port, "/api/state", headers=wrong_bearer)
-            assert (still.status, still.code) == (429, "login_throttled")
-            other = await ask_from(operator, port, "/api/state", headers=wrong_bearer)
-            assert (other.status, other.code) == (401, "token_invalid")
+                wrong_bearer = [("authorization", "Bearer guess")]
+                still = await ask_from(source, port, "/api/state", headers=wrong_bearer)
+                assert (still.status, still.code) == (429, "login_throttled")
+            session = await ask_from(operator, port, "/api/state", headers=[("cookie", cookie)])
+            assert session.status == 200
 
 
 async def test_op2_wrong_logins_sent_at_once_are_throttled_after_five(
@@ -342,25 +405,6 @@ async def test_op2_a_session_ends_after_12_hours_a_host_suspend_included(tmp_pat
             assert b"csrf-token" not in form.body
             assert b'action="/login"' in form.body
             nursery.cancel_scope.cancel()
-
-
-async def test_op2_the_throttle_remembers_a_bounded_number_of_clients(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """OP2: the throttle keeps at most ``MAX_CLIENTS`` clients — guesses from many addresses
-    cannot grow it — and the one that failed least recently is the one let go."""
-    monkeypatch.setattr(_throttle, "MAX_CLIENTS", 2)
-    with trio.fail_after(LIMIT):
-        async with rig(tmp_path, PAGE) as r:
-            port = port_of(r)
-            for _ in range(_throttle.LOGIN_FAILURES):
-                await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
-            held = await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
-            assert held.status == 429
-            for source in ("127.0.0.3", "127.0.0.4"):  # two more: the first one goes
-                await ask_from(source, port, "/login", "POST", body=b"token=guess")
-            let_go = await ask_from("127.0.0.2", port, "/login", "POST", body=b"token=guess")
-            assert let_go.status == 401
 
 
 async def test_op6_the_event_stream_of_the_right_bearer_token_outlasts_a_guesser(
@@ -577,6 +621,64 @@ async def test_op6_the_event_stream_pushes_a_new_state_when_something_changes(
                     assert all(s["pending"] == ["d1"] for s in left)
 
 
+async def test_op2_a_token_file_turned_insecure_ends_an_open_stream_with_a_logout_saying_so(
+    tmp_path: Path,
+) -> None:
+    """OP2, O2: while a page's event stream (a session's) and a script's (a bearer token's)
+    are open, the token file's mode turns group-readable. Each stream ends with an
+    ``event: logout`` whose data names ``token_insecure`` and says what to do (never the
+    token), as a rotated token's end names ``login_required``. Before, the token's read
+    raised out of the stream: it was cut with no ``logout``, and the page could not tell the
+    operator why (its browser reconnected into a refusal, "reconnecting" for ever)."""
+    token_file = tmp_path / "state" / "token"
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            cookie, _csrf = await login(port, r.token)
+            url = f"http://127.0.0.1:{port}/api/events"
+            bearer = [("authorization", f"Bearer {r.token}")]
+            async with (
+                open_request("GET", url, headers=[("cookie", cookie)]) as page,
+                open_request("GET", url, headers=bearer) as script,
+            ):
+                streams = [_events_of(page.iter_bytes()), _events_of(script.iter_bytes())]
+                for events in streams:
+                    assert (await anext(events))[0] == "state"
+                await trio.to_thread.run_sync(token_file.chmod, 0o640)
+                for events in streams:
+                    left = [event async for event in events]  # to the stream's end
+                    kind, data = left[-1]
+                    assert kind == "logout", left
+                    assert data["code"] == "token_insecure"
+                    assert "pi-runtime token rotate" in data["message"]
+                    assert r.token not in data["message"]
+                    assert all(kind == "state" for kind, _ in left[:-1])
+            # the file private again, the session is usable again; a rotated token ends its
+            # stream with a logout that says so (the login form says what to do then)
+            await trio.to_thread.run_sync(token_file.chmod, 0o600)
+            async with open_request("GET", url, headers=[("cookie", cookie)]) as page:
+                events = _events_of(page.iter_bytes())
+                assert (await anext(events))[0] == "state"
+                await trio.to_thread.run_sync(rotate_token, tmp_path / "state")
+                left = [event async for event in events]
+                assert left[-1] == (
+                    "logout",
+                    {"code": "login_required", "message": "log in with the access token first"},
+                )
+
+
+async def _events_of(chunks: Any) -> Any:
+    """Each server-sent event of a stream as ``(event, data)``, to the stream's end."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            if event.startswith(b"event: "):
+                head, _, data = event.partition(b"\ndata: ")
+                yield head[len(b"event: ") :].decode(), msgspec.json.decode(data)
+
+
 async def _states(chunks: Any) -> Any:
     buffer = b""
     async for chunk in chunks:
@@ -791,6 +893,62 @@ async def test_op7_a_deliverys_journal_is_what_journal_show_prints(tmp_path: Pat
             assert (unknown.status, unknown.code) == (404, "delivery_unknown")
             task = await ask(port, "/api/tasks/nope", headers=[("cookie", cookie)])
             assert (task.status, task.code) == (404, "task_unknown")
+
+
+async def test_op7_a_task_id_not_of_the_admin_sockets_form_is_refused_before_any_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OP7: ``GET /api/tasks/<id>`` checks the id as the admin socket's ``task_show`` does
+    (``pi-runtime task show``, O7): an id with a NUL or another control character (sent
+    percent-encoded, as a URL carries it), an empty one or one over 200 characters is 400
+    ``admin_bad_request`` — the command line's very answer — and never reaches the task
+    service. Ids that try to climb out of a directory (``..``, ``%2e%2e``, encoded slashes)
+    are ids like any other: looked up by id (a dictionary key, a hash on disk, never a path)
+    and ``task_unknown``. Before, every id reached the task service as it was: a NUL or a
+    kilobyte of id was ``task_unknown``, not the bad request the command line answers."""
+    reached: list[str] = []
+    task_show = TaskService.task_show
+
+    async def spied(self: TaskService, task_id: str) -> dict[str, Any]:
+        reached.append(task_id)
+        return await task_show(self, task_id)
+
+    monkeypatch.setattr(TaskService, "task_show", spied)
+    bad = {
+        "%00": "\x00",
+        "t%001": "t\x001",
+        "t%0A1": "t\n1",
+        "%1B%5B2J": "\x1b[2J",
+        "": "",
+        "t" * 201: "t" * 201,
+        "%C2%85": "\x85",  # a C1 control (NEL), UTF-8 encoded
+    }
+    climbing = {
+        "..": "..",
+        "%2e%2e": "..",
+        "..%2F..%2Fetc%2Fpasswd": "../../etc/passwd",
+        "%2F": "/",
+        "a%5C..%5Cb": "a\\..\\b",
+    }
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, PAGE) as r:
+            port = port_of(r)
+            bearer = [("authorization", f"Bearer {r.token}")]
+            for raw, task_id in bad.items():
+                answer = await ask(port, f"/api/tasks/{raw}", headers=bearer)
+                cli = await admin_request(
+                    tmp_path / "state", {"command": "task_show", "task_id": task_id}
+                )
+                assert cli is not None
+                assert (answer.status, answer.code) == (400, cli["code"]), raw
+                assert cli["code"] == "admin_bad_request"
+                assert answer.json()["message"] == cli["message"], raw
+            assert reached == []  # none of them reached the task service
+            for raw in climbing:
+                answer = await ask(port, f"/api/tasks/{raw}", headers=bearer)
+                assert (answer.status, answer.code) == (404, "task_unknown"), raw
+            assert reached == list(climbing.values())
+            assert (await ask(port, "/api/state", headers=bearer)).status == 200
 
 
 async def test_op8_a_failing_view_is_its_own_500_and_the_page_goes_on(

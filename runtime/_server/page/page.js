@@ -198,7 +198,20 @@ function connect() {
   events.addEventListener("open", () => { live.textContent = "live"; live.className = "badge on"; });
   events.addEventListener("error", () => { live.textContent = "reconnecting"; live.className = "badge off"; });
   events.addEventListener("state", (event) => render(JSON.parse(event.data)));
-  events.addEventListener("logout", () => { events.close(); window.location.assign("/"); });
+  events.addEventListener("logout", (event) => {
+    // login_required: the session is gone, the login form says what to do; any other code
+    // (token_insecure, token_invalid: the token file cannot be used) is said here, as the
+    // login form cannot be shown until the operator has replaced the token
+    events.close();
+    const why = JSON.parse(event.data || "{}");
+    if (!why.code || why.code === "login_required") {
+      window.location.assign("/");
+      return;
+    }
+    live.textContent = "logged out";
+    live.className = "badge off";
+    say(`logged out: ${why.code}: ${why.message}`, true);
+  });
 }
 
 document.getElementById("journal-form").addEventListener("submit", (event) => {
