@@ -87,16 +87,28 @@ class RouteBreaker:
         clock set back meanwhile does not lengthen it (:meth:`_open_until`)."""
         self.failures = 0
         """The route's failures in a row (the next wait's exponent)."""
+        self.down_since_ms: int | None = None
+        """When the route's failures in a row began, on the wall clock: the first this process
+        saw, or the earliest first failure of the parks it resumed (PB2); ``None`` once it
+        answered. A delivery that waited for it before it could park — queued behind a
+        parked delivery of its room — waited from then at the earliest (PB3)."""
         self._probing: object | None = None
         """The token of the turn probing the half-open breaker."""
         self._seen = False
         """Whether a turn of this process has said anything about the route yet."""
+        self._counted: tuple[UpstreamFailure, int] | None = None
+        """The last failure counted, and the time it opened the breaker until: told again
+        (by the gateway at once, then at its turn's end, PB4), it is not counted twice."""
         self._changed = trio.Event()
 
     def resume(self, parked: Parked) -> None:
         """A delivery this process found parked (PB2): until a turn of this process says
         otherwise, its recorded schedule is the route's."""
-        if self._seen or parked.next_attempt_ms <= (self.open_until_ms or 0):
+        if self._seen:
+            return
+        first, since = parked.first_failure_ms, self.down_since_ms
+        self.down_since_ms = first if since is None else min(since, first)
+        if parked.next_attempt_ms <= (self.open_until_ms or 0):
             return
         self._open(until_ms=parked.next_attempt_ms)  # to the millisecond the park says
         self.failures = max(self.failures, parked.route_failures or parked.attempt)
@@ -117,22 +129,29 @@ class RouteBreaker:
         """A turn met the provider unavailable: the breaker opens (again); the time of the
         next attempt. A failure while it is already open for longer changes nothing. Only
         the probing turn (``probe``, its token) ends the probe: a turn that began before the
-        breaker opened and fails meanwhile leaves the probe running, so two never overlap."""
+        breaker opened and fails meanwhile leaves the probe running, so two never overlap.
+        The same failure told again (the gateway tells it as it comes, the turn's end once
+        more, PB4) is counted once: the time it opened the breaker until, whatever the
+        breaker did since (half-open after a short wait, closed by an answer)."""
         self._seen = True
         if probe is not None and probe is self._probing:
             self._probing = None
+        if self._counted is not None and self._counted[0] is failure:
+            return self._counted[1]
+        if self.down_since_ms is None:
+            self.down_since_ms = self._clocks.wall.time_ms()
         until = self._open_until()
-        if until is not None:
-            self._wake()
-            return until
-        self.failures += 1
-        until = self._open(wait_ms=self._wait_ms(failure.retry_after))
+        if until is None:
+            self.failures += 1
+            until = self._open(wait_ms=self._wait_ms(failure.retry_after))
+        self._counted = (failure, until)
         self._wake()
         return until
 
     def succeeded(self) -> None:
         """A turn got through (or failed for a reason of its own): the route is up."""
         self._seen = True
+        self.down_since_ms = None
         if self.open_until_ms is None and self._probing is None:
             return
         self.open_until_ms, self.failures, self._probing = None, 0, None
@@ -223,12 +242,16 @@ def episode_bounds(config: BackoffConfig, parks: Sequence[Parked]) -> tuple[floa
     return config.deadline_minutes, config.max_attempts
 
 
-def past_bounds(config: BackoffConfig, parks: Sequence[Parked], now_ms: int) -> bool:
+def past_bounds(
+    config: BackoffConfig, parks: Sequence[Parked], now_ms: int, *, since_ms: int | None = None
+) -> bool:
     """PB3: whether a delivery parked ``parks`` so far has waited long enough — its own tries
     reached ``max_attempts``, or ``deadline_minutes`` passed since its first failure: the
-    episode's bounds (:func:`episode_bounds`, PB7)."""
+    episode's bounds (:func:`episode_bounds`, PB7). Before its first park, ``since_ms``: when
+    it began to wait for the route's outage, if it did (queued behind a parked delivery of
+    its room), from which its deadline runs."""
     if not parks:
-        return False
+        return since_ms is not None and now_ms - since_ms >= config.deadline_minutes * MINUTE_MS
     deadline_minutes, max_attempts = episode_bounds(config, parks)
     if parks[-1].attempt >= max_attempts:
         return True
@@ -254,15 +277,17 @@ def failure_park(
     now_ms: int,
     code: str,
     route_failures: int,
+    since_ms: int | None = None,
 ) -> Parked:
     """The park of a try that met ``failure`` after ``parks`` (PB1): its own try counted, the
-    deadline running from the first failure, the episode's bounds recorded (PB7); ``code``
-    what it ends with past its bounds (``usage_limit_reached`` instead for an account
-    limit)."""
+    deadline running from the first failure — or, for a first park, from ``since_ms``, when
+    the delivery began to wait for the route's outage if it did before (PB3) — the episode's
+    bounds recorded (PB7); ``code`` what it ends with past its bounds
+    (``usage_limit_reached`` instead for an account limit)."""
     deadline_minutes, max_attempts = episode_bounds(config, parks)
     return Parked(
         attempt=(parks[-1].attempt if parks else 0) + 1,
-        first_failure_ms=parks[0].first_failure_ms if parks else now_ms,
+        first_failure_ms=_first_ms(parks, now_ms, since_ms),
         next_attempt_ms=next_attempt_ms,
         status=failure.status,
         code=str(ReasonCode.USAGE_LIMIT_REACHED if failure.account_limit else code),
@@ -279,14 +304,16 @@ def route_park(
     until_ms: int,
     now_ms: int,
     route_failures: int,
+    since_ms: int | None = None,
 ) -> Parked:
     """A park the route's open breaker decided (PB4): no try of its own, so the count
     repeats; ``model_failed`` past its bounds unless a park of its own said otherwise; the
-    episode's bounds recorded (PB7)."""
+    deadline running from the first park — or from ``since_ms``, as for
+    :func:`failure_park`; the episode's bounds recorded (PB7)."""
     deadline_minutes, max_attempts = episode_bounds(config, parks)
     return Parked(
         attempt=parks[-1].attempt if parks else 0,
-        first_failure_ms=parks[0].first_failure_ms if parks else now_ms,
+        first_failure_ms=_first_ms(parks, now_ms, since_ms),
         next_attempt_ms=until_ms,
         by_route=True,
         code=parks[-1].code if parks else str(ReasonCode.MODEL_FAILED),
@@ -294,6 +321,14 @@ def route_park(
         deadline_minutes=deadline_minutes,
         max_attempts=max_attempts,
     )
+
+
+def _first_ms(parks: Sequence[Parked], now_ms: int, since_ms: int | None) -> int:
+    """When an episode began: its first park's, or for a first park ``since_ms`` (the delivery
+    waited for the outage before it could park, PB3) — never later than ``now_ms``."""
+    if parks:
+        return parks[0].first_failure_ms
+    return now_ms if since_ms is None else min(since_ms, now_ms)
 
 
 # ---------------------------------------- out of file descriptors (docs/design/lanes.md L21)

@@ -476,3 +476,94 @@ async def test_pb3_pb4_a_wall_clock_set_back_during_a_wait_does_not_lengthen_it(
         await route.wait(admit.until_ms, trio.Event())
     assert admit.probe is not None
     assert trio.current_time() - opened <= CONFIG.first_seconds
+
+
+async def test_pb4_a_failure_told_twice_is_counted_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """PB4: the gateway tells the breaker of an outage as it meets it, and the turn's end
+    tells the same failure again. It is one failure of the route: counted once, and the
+    second telling gets the time the first opened the breaker until — even after that wait
+    ran out (a short step, a slow turn end: counted twice, the next wait was doubled) or an
+    answer closed the breaker meanwhile (the route is up: nothing opens it again). Another
+    failure is counted as ever."""
+    route, wall = breaker()
+    probe = route.admit().probe  # closed: go
+    down = UpstreamFailure(503)
+    until = route.failed(down, probe)
+    await trio.sleep((until - wall.time_ms()) / 1000 + 0.01)  # the wait ran out: half-open
+    assert route.failed(down, probe) == until
+    assert route.failures == 1
+    assert route.admit().probe is not None  # still half-open: the next turn probes
+    route.succeeded()
+    assert route.failed(down) == until
+    assert (route.open_until_ms, route.failures) == (None, 0)  # the answer stands
+    again = route.failed(UpstreamFailure(503))
+    assert again > wall.time_ms()
+    assert route.failures == 1
+
+
+async def test_pb3_the_route_knows_since_when_it_is_down(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """PB3: the breaker keeps when the route's failures in a row began (``down_since_ms``) —
+    its first failure this process saw, kept through later failures and the half-open
+    breaker, or the earliest first failure of the parks a start resumed (PB2) — and forgets
+    it once the route answers: a delivery that waited for the outage before it could park
+    counts its deadline from then at the earliest."""
+    route, wall = breaker()
+    assert [route.down_since_ms] == [None]  # (not narrowed: it changes below)
+    began = wall.time_ms()
+    until = route.failed(UpstreamFailure(503))
+    await trio.sleep((until - wall.time_ms()) / 1000 + 0.01)
+    probe = route.admit().probe
+    route.failed(UpstreamFailure(503), probe)
+    assert route.down_since_ms == began
+    route.succeeded()
+    assert [route.down_since_ms] == [None]
+    resumed, _ = breaker()
+    for first in (5_000, 2_000, 9_000):
+        resumed.resume(
+            Parked(
+                attempt=1,
+                first_failure_ms=first,
+                next_attempt_ms=wall.time_ms() + first,
+                code="model_failed",
+            )
+        )
+    assert resumed.down_since_ms == 2_000
+
+
+def test_pb3_a_delivery_that_waited_before_its_first_park_counts_its_deadline_from_then() -> None:
+    """PB3: a delivery that waited for the route's outage before it could park (``since_ms``:
+    queued behind a parked delivery of its room) is past its deadline ``deadline_minutes``
+    after that, before any park of its own; its first park — by the route or its own try —
+    records that time as its episode's first, never one later than now; a delivery that did
+    not wait is judged as before (nothing before its first park)."""
+    minutes = int(CONFIG.deadline_minutes * 60_000)
+    assert not past_bounds(CONFIG, [], 10**12)
+    assert not past_bounds(CONFIG, [], minutes - 1, since_ms=0)
+    assert past_bounds(CONFIG, [], minutes, since_ms=0)
+    by_route = route_park(
+        CONFIG, [], until_ms=99_000, now_ms=60_000, route_failures=3, since_ms=1_000
+    )
+    own = failure_park(
+        CONFIG,
+        [],
+        UpstreamFailure(503),
+        next_attempt_ms=99_000,
+        now_ms=60_000,
+        code="model_failed",
+        route_failures=3,
+        since_ms=1_000,
+    )
+    assert by_route.first_failure_ms == own.first_failure_ms == 1_000
+    assert give_up_ms(CONFIG, [by_route]) == 1_000 + minutes
+    ahead = route_park(
+        CONFIG, [], until_ms=99_000, now_ms=60_000, route_failures=3, since_ms=70_000
+    )
+    assert ahead.first_failure_ms == 60_000
+    later = route_park(
+        CONFIG, [own], until_ms=99_000, now_ms=90_000, route_failures=4, since_ms=50_000
+    )
+    assert later.first_failure_ms == 1_000  # the episode's first park governs

@@ -25,7 +25,9 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
   runtime's backoff (PB1), by one rule: while nothing of the answer was passed on
   (:func:`carries_answer`);
 * :attr:`Gateway.upstream_failure` is how the last call upstream ended, set afresh by each
-  call: the failure the backoff judges a turn that ends on it by (PB1).
+  call: the failure the backoff judges a turn that ends on it by (PB1); an outage that ends
+  the worker's turn is told at once too (:attr:`Gateway.on_unavailable`, PB4), as an
+  answer is (:attr:`Gateway.on_answered`).
 
 The pure reading of a stream (:func:`~runtime._boundary._stream.request_digest`,
 :func:`~runtime._boundary._stream.is_terminal`, :func:`~runtime._boundary._stream.stream_failure`,
@@ -354,6 +356,13 @@ class Gateway:
         self.on_answered: Callable[[], None] | None = None
         """Called once a call upstream was answered and its answer journaled: the provider
         is up (PB4: the route's breaker closes then, not when the turn ends)."""
+        self.on_unavailable: Callable[[UpstreamFailure], object] | None = None
+        """Called with the failure once a call upstream met an unavailable provider before
+        any of the answer — the one that ends the worker's turn with :data:`PARKED_MESSAGE`
+        (PB1): the provider is down (PB4: the route's breaker counts it then, whatever
+        becomes of the turn — cancelled, its worker dead, its lane stopped — before the
+        turn's end is read). The one set when the call went upstream is called, even if its
+        delivery has ended since (G14): the word is the route's, not the turn's."""
         self.upstream_failure: UpstreamFailure | None = None
         """How the last call upstream failed (PB1): a status, no response, an error inside
         the stream, a stream cut short — what the backoff judges a turn that ends on it by.
@@ -555,6 +564,7 @@ class Gateway:
             headers.append(("authorization", f"Bearer {key}"))
         url = self.config.upstream_url.rstrip("/") + "/chat/completions"
         park = self.config.park_unavailable
+        told = self.on_unavailable  # PB4: the route's, as it was when this call went up
         limit = self.config.upstream_inactivity
         data_limit = self.config.upstream_data_inactivity
         if journal is self.journal:  # G14: a request of an ended delivery judges no turn
@@ -566,10 +576,13 @@ class Gateway:
             the next delivery's turn), and whether it parks the turn — PB1, the one rule for
             every way an outage shows (a status, an error inside the stream, a cut): while
             nothing of the answer has been passed to the worker (keepalives, its role, empty
-            deltas: :func:`carries_answer`)."""
+            deltas: :func:`carries_answer`) — told to ``on_unavailable`` then (PB4)."""
             if journal is self.journal:
                 self.upstream_failure = failure
-            return park and failure.unavailable and not answering
+            parks = park and failure.unavailable and not answering
+            if parks and told is not None:  # PB4: the route's word, whatever the turn becomes
+                told(failure)
+            return parks
 
         with (
             trio.CancelScope(deadline=trio.current_time() + limit) as silence,

@@ -681,26 +681,31 @@ class Lane:
         with _before_the_turn("its worker's boundaries"):
             boundaries = await slot.serve(nursery, log, delivery_key(pending.delivery_id))
         branch = attempts > 0 or bool(parks)  # the session goes back to the admission leaf
+        gateway, breaker = boundaries.gateway, self.host.breaker
+        waited = self._waited_from(pending, parks)  # PB3: its wait for the outage began then
         try:
             while True:
                 if attempts > self.host.recovery_attempts:  # L19: that many replays
                     labelled(RECOVERY_REFUSALS, str(ReasonCode.RECOVERY_EXHAUSTED)).inc()
                     return self._result(EXHAUSTED)
-                probe = await self._wait_for_route(pending, log, parks)
+                probe = await self._wait_for_route(pending, log, parks, waited, slot)
                 if isinstance(probe, TurnEnd):  # cancelled, or past its bounds, while parked
                     return self._result(probe)
+                judged = False  # whether _park told the route's breaker how the turn ended
                 try:  # a probe ended before it asks said nothing of the route (PB4: finally)
+                    gateway.upstream_failure = None  # PB1: what this turn meets
                     if branch:
                         with _before_the_turn("its session"):
                             branched = await self._branch(slot.session, started)
                         if not branched:
                             return self._refused("session")
-                    gateway = boundaries.gateway
-                    gateway.upstream_failure = None  # PB1: what this turn meets
-                    breaker = self.host.breaker  # PB4: its first answer closes the route's
-                    gateway.on_answered = None if breaker is None else breaker.succeeded
+                    if breaker is not None:  # PB4: told at once — the route's first answer
+                        # closes its breaker, an outage that ends the turn opens it again
+                        gateway.on_answered = breaker.succeeded
+                        gateway.on_unavailable = functools.partial(breaker.failed, probe=probe)
                     answered = gateway.statistics().journaled
                     end = await self._turn(nursery, slot, pending, log)
+                    judged = True  # (_park tells the breaker before its first await)
                     ended = await self._park(
                         pending,
                         slot,
@@ -710,6 +715,7 @@ class Lane:
                         gateway.upstream_failure,
                         answered=gateway.statistics().journaled > answered,
                         probe=probe,
+                        waited=waited,
                     )
                 except _WorkerDied:
                     await slot.fence()
@@ -729,8 +735,10 @@ class Lane:
                     )
                     continue
                 finally:
-                    if self.host.breaker is not None:  # no word on the route: another probes
-                        self.host.breaker.abandoned(probe)
+                    if breaker is not None:
+                        if not judged:  # died, stopped: what its last call upstream met
+                            self._unjudged(breaker, gateway.upstream_failure, probe)
+                        breaker.abandoned(probe)  # no word on the route: another probes
                 if slot.failure is not None:  # L17: re-checked after the turn's last await
                     await slot.fence()
                     return await self._journal_lost(slot.failure)
@@ -760,14 +768,41 @@ class Lane:
 
     # -- an unavailable provider (docs/design/retention.md PB1-PB4) ----------------------
 
+    def _waited_from(self, pending: Pending, parks: list[Parked]) -> int | None:
+        """PB3: when a delivery reaching the head of its queue with no park of its own began
+        to wait for the route's outage — admitted while the route was down (behind a parked
+        delivery of its room: there is no live run to steer into), or queued when it went
+        down — on the wall clock; ``None`` when the route is not down, or it has parks (its
+        episode's first failure governs)."""
+        breaker = self.host.breaker
+        if parks or breaker is None or breaker.down_since_ms is None:
+            return None
+        now = self.host.clocks.wall.time_ms()
+        return min(now, max(pending.admission.admitted_ms, breaker.down_since_ms))
+
+    def _outage_since(self, waited: int | None) -> int | None:
+        """``waited`` (:meth:`_waited_from`) while the route is still down; the later start of
+        an outage begun after it answered meanwhile; ``None`` once it is up."""
+        breaker = self.host.breaker
+        if waited is None or breaker is None or breaker.down_since_ms is None:
+            return None
+        return max(waited, breaker.down_since_ms)
+
     async def _wait_for_route(
-        self, pending: Pending, log: Log, parks: list[Parked]
+        self,
+        pending: Pending,
+        log: Log,
+        parks: list[Parked],
+        waited: int | None = None,
+        slot: Slot | None = None,
     ) -> TurnEnd | object | None:
         """Before a turn asks the provider: wait while the route's breaker is open (PB4) —
         its schedule is the one this delivery's last :class:`Parked` recorded, or another
-        delivery's failure set — recording each new wait (a restart resumes there, PB2).
+        delivery's failure set — recording each new wait (a restart resumes there, PB2), and
+        keeping no worker meanwhile (PB1: ``slot``'s, warm from the turn before, is stopped).
         ``None``: go; a token: go, as the half-open breaker's one probe; a
-        :class:`TurnEnd`: it ends here (cancelled, or past its bounds, PB3)."""
+        :class:`TurnEnd`: it ends here (cancelled, or past its bounds, PB3 — before its first
+        park, counted from ``waited``: :meth:`_waited_from`)."""
         breaker = self.host.breaker
         if breaker is None:
             return None
@@ -777,8 +812,10 @@ class Lane:
                 return TurnEnd(outcome=Outcome.CANCELLED)
             # PB3: weighed before every try — after each wait, at a restart — whatever the
             # breaker says (half-open, or closed meanwhile): past its bounds it asks nothing
-            if past_bounds(breaker.config, parks, wall.time_ms()):
-                return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(parks[-1].code))
+            since = None if parks else self._outage_since(waited)
+            if past_bounds(breaker.config, parks, wall.time_ms(), since_ms=since):
+                code = parks[-1].code if parks else ReasonCode.MODEL_FAILED
+                return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode(code))
             admit = breaker.admit()
             if admit.until_ms is None:
                 return admit.probe
@@ -789,10 +826,13 @@ class Lane:
                     until_ms=admit.until_ms,
                     now_ms=wall.time_ms(),
                     route_failures=breaker.failures,
+                    since_ms=since,
                 )
                 await self._parked(pending, log, parks, record)
             ends = give_up_ms(breaker.config, parks)  # PB3: no wait outlasts the deadline
             until = admit.until_ms if ends is None else min(admit.until_ms, ends)
+            if slot is not None and slot.live is not None:  # PB1: parked, it keeps no worker
+                await slot.fence()  # (its last turn settled: the next try is a new epoch)
             await breaker.wait(until, self._cancelled)
 
     async def _parked(
@@ -824,6 +864,7 @@ class Lane:
         *,
         answered: bool,
         probe: object | None,
+        waited: int | None = None,
     ) -> TurnEnd | None:
         """After a turn: ``None`` when it met an unavailable provider and is parked (PB1) —
         its schedule durable in its journal, its worker stopped — else how it ends: as it
@@ -831,13 +872,18 @@ class Lane:
         past its bounds (PB3), with the provider's failure code (``usage_limit_reached`` for
         an account limit the gateway kept from the worker), or ``cancelled``. The provider
         answering (a response, or a definite refusal) closes the route's breaker; a turn
-        that never reached it (all replayed) says nothing."""
+        that never reached it (all replayed) says nothing; one whose last call upstream met
+        it unavailable counts that failure however the turn ended (PB4: cancelled meanwhile,
+        it is not parked, but the breaker opens again with the next wait). The breaker is
+        told before the first await."""
         breaker = self.host.breaker
         if breaker is None:
             return end
         failed = end.outcome is Outcome.FAILED and end.code in _PROVIDER_CODES
         if not failed or failure is None or not failure.unavailable:
-            if answered or (failure is not None and not failure.unavailable):
+            if failure is not None and failure.unavailable:  # the route's word: down
+                breaker.failed(failure, probe)
+            elif answered or failure is not None:  # answered, or a refusal of its own
                 breaker.succeeded()
             return end
         next_attempt = breaker.failed(failure, probe)
@@ -850,6 +896,7 @@ class Lane:
             now_ms=now,
             code=str(end.code),
             route_failures=breaker.failures,
+            since_ms=None if parks else self._outage_since(waited),  # PB3
         )
         if pending.cancelled:
             return TurnEnd(outcome=Outcome.CANCELLED)
@@ -858,6 +905,20 @@ class Lane:
         await self._parked(pending, log, parks, record)
         await slot.fence()  # no worker is kept while parked; the next try is a new epoch
         return None
+
+    @staticmethod
+    def _unjudged(breaker: RouteBreaker, failure: UpstreamFailure | None, probe: object) -> None:
+        """PB4: a turn that ended before :meth:`_park` judged it (its worker died, its lane
+        stopped) still tells the route's breaker what its last call upstream met — an
+        outage (counted, as the gateway's ``on_unavailable`` may have already: the breaker is
+        open, and counts it once) or a refusal of the request's own (the provider is up); an
+        answer told it already (``on_answered``), and nothing heard says nothing."""
+        if failure is None:
+            return
+        if failure.unavailable:
+            breaker.failed(failure, probe)
+        else:
+            breaker.succeeded()
 
     async def _journal_lost(self, failure: PiRuntimeError) -> Result:
         """L17: the delivery's journal failed mid-turn and its worker is fenced. A journal

@@ -86,6 +86,7 @@ from .._records import (
     EpochLaunching,
     EpochStarted,
     Outcome,
+    Parked,
     Record,
     Result,
     Settled,
@@ -983,6 +984,7 @@ class RoomWorker:
             r.delivery_id: await self.store.exists(self.store.delivery_rel(r.delivery_id))
             for r in running
         }
+        await self._resume_schedules([d for d, logged in began.items() if logged])
         # a refused or cancelled delivery whose result is recorded in its log already is
         # published with that one (L5): read for each such one, again while the reads let a
         # cancel arrive (S26) that makes one more such
@@ -1029,6 +1031,20 @@ class RoomWorker:
                 continue
             replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)
+
+    async def _resume_schedules(self, delivery_ids: list[str]) -> None:
+        """PB2: the route's breaker takes the schedule of every delivery found parked (its log
+        ends in a :class:`Parked`: nothing ran since) before any lane runs — so no delivery
+        admitted after the start, nor another recovered one, asks the provider sooner than
+        the schedule recorded, nor restarts the route's failures in a row, whichever lane
+        reads its log first. (The lanes' own look at their park changes nothing after it.)"""
+        breaker = self._host.breaker
+        if breaker is None:
+            return
+        for delivery_id in delivery_ids:
+            records = await self._log_records(delivery_id)
+            if records and isinstance(last := records[-1], Parked):
+                breaker.resume(last)
 
     def _decide(
         self,

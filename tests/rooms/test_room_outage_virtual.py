@@ -222,3 +222,43 @@ async def test_pb3_pb7_a_host_restarted_past_the_deadline_ends_the_delivery_aski
     assert (result.outcome, result.code) == (Outcome.FAILED, "model_failed")
     assert (len(outage.down), outage.up) == (1, 0)
     assert parks == [park]
+
+
+async def test_pb3_messages_queued_behind_a_parked_delivery_wait_one_deadline_not_one_each(
+    tmp_path: Path, clock: trio.testing.MockClock, clocks: Clocks
+) -> None:
+    """PB3 at the shipped defaults: the provider is down for two hours. d1 parks at once; d2,
+    d3 and d4 come for the same room a minute apart and queue behind it (there is no live run
+    to steer into). d1 ends ``model_failed`` at its 30-minute deadline, and each queued
+    message at the latest 30 minutes after it was admitted — its wait on the route's outage
+    began then, as a message to an idle room would park at once — not 30 minutes after the
+    one before it ended: the room is done with the outage half an hour after its last
+    message, not after four deadlines in a row, and the provider is asked no sooner than the
+    route's schedule allows throughout. (Before, each queued message began a fresh deadline
+    when it reached the head of its queue: d4 ended two hours in.)"""
+    outage = Outage(seconds=2 * 60 * 60)
+    ids = ("d1", "d2", "d3", "d4")
+    admitted: dict[str, float] = {}
+    ended: dict[str, tuple[float, Outcome, str | None]] = {}
+    with trio.fail_after(4 * 60 * 60):  # virtual: a hang fails, it does not wait
+        async with (
+            outage_upstream(outage) as url,
+            open_room_worker(settings(url), base_dir=tmp_path, clocks=clocks) as worker,
+        ):
+            for n, delivery_id in enumerate(ids):
+                if n:
+                    await trio.sleep(60)  # virtual time: the outage goes on
+                admitted[delivery_id] = trio.current_time()
+                await worker.deliver(message(delivery_id))
+            async for result in worker.results():
+                ended[result.delivery_id] = (trio.current_time(), result.outcome, result.code)
+                if len(ended) == len(ids):
+                    break
+    assert {d: (o, c) for d, (_, o, c) in ended.items()} == dict.fromkeys(
+        ids, (Outcome.FAILED, "model_failed")
+    )
+    for delivery_id in ids:
+        waited = ended[delivery_id][0] - admitted[delivery_id]
+        assert waited <= DEADLINE + LAUNCH, (delivery_id, waited, ended)
+    for n, (a, b) in enumerate(itertools.pairwise(outage.down), start=1):
+        assert b - a >= step(n) / 2, (n, outage.down)  # never sooner than the schedule
