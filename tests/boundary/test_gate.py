@@ -16,7 +16,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -659,9 +659,16 @@ def _text(content: list[dict[str, Any]]) -> str:
 
 @contextlib.asynccontextmanager
 async def model_and_gate(
-    steps: Sequence[Step], sock_dir: Path, log: MemoryLog, granted: Sequence[str]
+    steps: Sequence[Step] | ScriptedModel,
+    sock_dir: Path,
+    log: MemoryLog,
+    granted: Sequence[str],
 ) -> AsyncIterator[tuple[ScriptedModel, HttpServer, Rig]]:
-    model = ScriptedModel(scenario=Scenario(steps=list(steps)))
+    model = (
+        steps
+        if isinstance(steps, ScriptedModel)
+        else ScriptedModel(scenario=Scenario(steps=list(steps)))
+    )
     async with trio.open_nursery() as nursery:
         up: HttpServer = await nursery.start(serve_model_http, model)
         async with rig(sock_dir, log=log, granted=granted) as r:
@@ -770,6 +777,71 @@ async def test_e2e_t2_intent_durable_before_the_tool_starts(
     assert seen_at_return == [False]
     assert effect.exists()
     assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome]
+
+
+@dataclass
+class Counted(ScriptedModel):
+    """The scripted model, setting ``second`` as its second request arrives."""
+
+    second: trio.Event = field(default_factory=trio.Event)
+
+    def next_step(self, body: dict[str, Any]) -> Step:
+        step = super().next_step(body)
+        if self.request_count == 2:
+            self.second.set()
+        return step
+
+
+async def test_e2e_t18_pis_result_is_not_held_for_its_outcomes_answer(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """T18, T11: with the real Pi, a call's result goes back to Pi as soon as the tool ran;
+    the extension reports its outcome (``/after``) without waiting for the answer — the
+    gateway's barrier (T11) is what holds a model request carrying a result the journal does
+    not hold yet. So while the outcome's append is held, Pi's next model request (carrying the
+    result) already reaches the model. The next call's ``/before`` waits for that answer: the
+    gate sees each outcome before the next intent, and both calls ran once, in order. (Before,
+    every call waited for its ``/after`` round trip before Pi saw its result: a round trip on
+    the path of every tool call.)"""
+    entered = trio.Event()
+    release = trio.Event()
+
+    async def hold(record: Record) -> None:
+        if isinstance(record, ToolOutcome) and not entered.is_set():
+            entered.set()
+            await release.wait()
+
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[Call(name="bash", arguments={"command": "echo one | tee -a order"}, id="c1")]
+        ),
+        ToolCalls(
+            calls=[Call(name="bash", arguments={"command": "echo two | tee -a order"}, id="c2")]
+        ),
+        Text(text="done"),
+    ]
+    model = Counted(scenario=Scenario(steps=steps))
+    log = MemoryLog(on_append=hold)
+    with trio.fail_after(PROCESS_LIMIT):
+        async with model_and_gate(model, sock_dir, log, ("bash",)) as (_model, up, r):
+            launch = _launch("pi", tmp_path, up, gate_env=gate_environment(r.server, r.gate))
+            async with (
+                open_worker(launch) as worker,
+                open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+            ):
+                prompted = await rpc.prompt("go")
+                await entered.wait()
+                await model.second.wait()  # the result reached the model; its outcome is held
+                held = [type(x) for x in log.records]
+                release.set()
+                settled = await rpc.wait_settled(prompted.settled_before)
+                assert settled.record["aborted"] is False
+    assert held == [ToolIntent]
+    assert tool_messages(model.requests[1].body)["c1"].strip() == "one"
+    assert (tmp_path / "work" / "order").read_text() == "one\ntwo\n"
+    records = log.records
+    assert [type(x) for x in records] == [ToolIntent, ToolOutcome, ToolIntent, ToolOutcome]
+    assert [x.tool_call_id for x in records if isinstance(x, ToolIntent)] == ["c1", "c2"]
 
 
 async def test_e2e_t7_pi_schemas_and_prompt_unchanged_by_the_extension(

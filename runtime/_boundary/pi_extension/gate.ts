@@ -7,7 +7,11 @@
  * result is persisted as it ends, T8). Each call first asks the runtime over a Unix socket:
  *   POST /before {tool_call_id, name, args} -> run | saved(result) | refused(result)
  * A saved result is returned verbatim and a refusal as an error result; neither runs the tool.
- * After a run, the outcome is reported: POST /after {tool_call_id, name, result}.
+ * After a run, the outcome is reported: POST /after {tool_call_id, name, result}. The result
+ * goes back to Pi without waiting for that answer (T11: the gateway holds the model request
+ * that carries it until its outcome is durable); the next call's /before waits for it, so the
+ * gate sees a call's outcome before the next call's intent, and a report that failed fails
+ * every later call closed (the tool does not run).
  *
  * The runtime's own tools (send_text_update, the lifecycle tools, the test tool `effect`) are
  * declared by the runtime in PI_RUNTIME_TOOLS (a JSON list of {name, description, parameters},
@@ -128,6 +132,22 @@ function post(path: string, body: unknown, signal?: AbortSignal): Promise<any> {
 	});
 }
 
+/** The last outcome reported (/after); the next /before waits for it (T11, T18). */
+let reported: Promise<unknown> = Promise.resolve();
+
+/** Report a call's outcome without holding its result back: the next call waits for it. */
+function report(body: unknown): void {
+	const answered = post("/after", body);
+	answered.catch(() => undefined); // its failure is the next call's: never unhandled
+	reported = answered;
+}
+
+/** Ask the gate about a call, once the outcome reported before it was answered. */
+async function before(body: unknown, signal?: AbortSignal): Promise<any> {
+	await reported; // a failed report fails this call closed: it does not run
+	return post("/before", body, signal);
+}
+
 function asResult(value: any): any {
 	return { content: value?.content ?? [], details: value?.details, isError: value?.isError === true };
 }
@@ -154,7 +174,7 @@ export default function (pi: ExtensionAPI) {
 			...builtin,
 			executionMode: "sequential" as const,
 			async execute(toolCallId: string, params: any, signal: AbortSignal | undefined, onUpdate: any, ctx: any) {
-				const decision = await post("/before", { tool_call_id: toolCallId, name, args: params }, signal);
+				const decision = await before({ tool_call_id: toolCallId, name, args: params }, signal);
 				if (decision?.decision === "saved") return asResult(decision.result);
 				if (decision?.decision === "refused") return { ...asResult(decision.result), isError: true };
 				if (decision?.decision !== "run") throw new Error(`tool gate: unknown decision ${JSON.stringify(decision)}`);
@@ -165,14 +185,14 @@ export default function (pi: ExtensionAPI) {
 				} catch (error: any) {
 					// Pi hands the model the error's message as an error result: report exactly that
 					const text = error instanceof Error ? error.message : String(error);
-					await post("/after", {
+					report({
 						tool_call_id: toolCallId,
 						name,
 						result: { content: [{ type: "text", text }], isError: true },
 					});
 					throw error;
 				}
-				await post("/after", {
+				report({
 					tool_call_id: toolCallId,
 					name,
 					result: { content: result?.content ?? [], details: result?.details, isError: result?.isError === true },
@@ -190,7 +210,7 @@ export default function (pi: ExtensionAPI) {
 			executionMode: "sequential" as const,
 			async execute(toolCallId: string, params: any, signal: AbortSignal | undefined) {
 				// T10: the runtime runs it behind the gate; this process only carries the call
-				const decision = await post("/before", { tool_call_id: toolCallId, name: tool.name, args: params }, signal);
+				const decision = await before({ tool_call_id: toolCallId, name: tool.name, args: params }, signal);
 				if (decision?.decision === "saved") return asResult(decision.result);
 				if (decision?.decision === "refused") return { ...asResult(decision.result), isError: true };
 				throw new Error(`tool gate: ${tool.name} is a runtime tool; unexpected decision ${JSON.stringify(decision)}`);
