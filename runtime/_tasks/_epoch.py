@@ -182,8 +182,11 @@ class EpochWatch:
         lane = self.lane
         gateway, breaker = self.worker.gateway, lane.breaker
         if gateway is not None and breaker is not None:
-            # PB4: the route's first answer closes its breaker, not the end of the probe's turn
+            # PB4: told as it is seen, not when the turn settles — the route's first answer
+            # closes its breaker, an outage that ends the turn opens it (counted once: the
+            # settle tells the same failure again, and a worker dead before it told nothing)
             gateway.on_answered = breaker.succeeded
+            gateway.on_unavailable = lambda failure: breaker.failed(failure, self._probe_token)
         try:
             return await self._prompt_and_watch(kind, text, action_id)
         finally:

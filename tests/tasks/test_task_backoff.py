@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import trio
 
+from fake_pi._behaviours import Behaviours
 from fake_pi.model_server import ReceivedRequest, body_digest
 from fake_pi.scenario import Call, HttpError, Scenario, Step, Text, ToolCalls
 from runtime._boundary._http import Request, ResponseWriter, serve_http
@@ -47,6 +48,7 @@ from .test_task_fence import (
     TASK,
     DoneOnEveryPrompt,
     FenceRig,
+    Pulse,
     Upstream,
     done,
     open_fence_rig,
@@ -592,3 +594,56 @@ async def test_pb6_lk8_a_turn_ending_on_an_outage_parks_before_a_pending_reply_i
         if m.get("role") == "user"
     ]
     assert sum("the blue one" in t for t in texts) == 1, texts
+
+
+async def test_pb4_pb6_an_outage_opens_the_route_when_it_is_seen_not_at_the_settle(
+    tmp_path: Path,
+) -> None:
+    """PB4, PB6: the first task's request meets a 503 with ``Retry-After: 3600``, and its
+    worker then stops dead before it settles (a Fake-Pi barrier after the model: a worker
+    wedged, or killed, between the outage and its settle). The route is down from the moment
+    the gateway saw it: a second task submitted meanwhile waits by the route and is held at
+    its deadline, the provider asked once in all. Tries to break: a task lane telling its
+    breaker of an outage only at the settle — the other task asked the provider at once, and
+    a worker that never settles never told the route at all."""
+    short = BackoffConfig(first_seconds=0.1, max_seconds=0.8, deadline_minutes=0.02)
+    model = DoneOnEveryPrompt()
+    outage = Outage(seconds=3600.0, retry_after="3600", model=model)
+    wedged = {1: Behaviours(at={"after_model:1": "hang"})}
+    refused = trio.Event()
+    changed: list[Pulse] = []  # the rig's, once it is open: each refusal wakes its waits
+
+    async def handle(request: Request, response: ResponseWriter) -> None:
+        await outage.handle(request, response)
+        refused.set()  # the 503 went out whole
+        for pulse in changed:
+            pulse.pulse()
+
+    with trio.fail_after(LIMIT):
+        async with open_fence_rig(
+            tmp_path,
+            "fake",
+            model,
+            behaviours=wedged,
+            handler=handle,
+            backoff=short,
+            policy=PATIENT,
+        ) as rig:
+            changed.append(rig.changed)
+            await rig.runner.submit(rig.spec())
+            await refused.wait()
+            await rig.runner.submit(second_task(tmp_path))
+            await rig.until(
+                lambda: rig.runner.show(SECOND).hold_reason is not None or len(outage.down) > 1
+            )
+            view = rig.runner.show(SECOND)
+            parks = await task_parks(rig, SECOND)
+            first = rig.runner.show(TASK)
+            for task_id in (TASK, SECOND):
+                await rig.runner.abort(task_id)
+                await rig.runner.wait(task_id)
+    assert len(outage.down) == 1, outage.down
+    assert view.hold_reason == "provider_unavailable:model_failed", view
+    assert parks
+    assert all(p.by_route and p.attempt == 0 for p in parks), parks
+    assert first.classification != "Parked", first  # it never settled: the gateway told it
