@@ -47,7 +47,7 @@ from .._errors import GateError, PiRuntimeError, ReasonCode
 from .._metrics import TOOL_CALLS, labelled
 from .._pi._pijson import loads, nesting
 from .._pi._session_settle import interrupted_text, not_started_text
-from .._records import AttachmentRef, Record, ReplayClass, ToolIntent, ToolOutcome
+from .._records import AttachmentRef, Header, Record, ReplayClass, ToolIntent, ToolOutcome
 from ._calls import Decision, GateCall, GateResult, Refuse, RuntimeTool, RunTool, Saved
 from ._http import ARRIVAL_SECONDS, Request, ResponseWriter, _serve_connection, refusal_text
 from ._receipts import RECEIPT_OPERATIONS
@@ -173,10 +173,12 @@ class RecordingGateJournal:
     ``log`` is the delivery's :class:`~runtime._journal._journal.Journal` (or a :class:`MemoryLog`);
     ``existing`` the records it held when opened (``journal.contents.records``), from which
     recorded outcomes are answered. ``key`` is the delivery key, so intent ids are
-    ``<key>:<seq>`` with ``seq`` the intent's own sequence number in the log. ``granted``
-    names the tools this lane may run; ``classes`` their declared replay classes (the runtime
-    tools' own classes are added). ``runtime_tools`` are the handlers of the granted runtime
-    tools (``runtime/_boundary/_tools.py``): the gate runs them itself and answers *saved* (T10).
+    ``<key>:<made>:<seq>`` with ``made`` the log header's ``created_ms`` (``<key>:<seq>`` when
+    ``existing`` holds no header) and ``seq`` the intent's own sequence number in the log.
+    ``granted`` names the tools this lane may run; ``classes`` their declared replay classes
+    (the runtime tools' own classes are added). ``runtime_tools`` are the handlers of the
+    granted runtime tools (``runtime/_boundary/_tools.py``): the gate runs them itself and
+    answers *saved* (T10).
     ``step`` returns the current round (the model step whose response carried the calls); the
     lane wires it to the gateway's step, tests may leave it at 0. Set :attr:`epoch` per epoch.
 
@@ -220,7 +222,14 @@ class RecordingGateJournal:
         self._on_mismatch = on_mismatch
         self.mismatch: GateError | None = None
         """The first replayed call refused for not being the recorded one (T14)."""
+        self._minted = key
+        """What this log's intent ids begin with (T2, receipts R1): the key and, when
+        ``existing`` holds the log's header, the time the log was made — so a log made again
+        under the same key (a delivery or task id let go after ``forget_days`` and used
+        again) never mints an intent id, a receipt's key, that the one before it minted."""
         for record in existing:
+            if isinstance(record, Header):
+                pass
             self._learn(record)
 
     def _learn(self, record: Record) -> None:
@@ -251,8 +260,20 @@ class RecordingGateJournal:
         if handler is None or not isinstance(decision, RunTool):
             return decision
         result = await self._run_runtime_tool(handler, call, decision.intent_id)  # T10
-        await self.record_outcome(call, result)
-        return Saved(result)
+        return Saved(await self._record_ran(call, decision.intent_id, result))
+
+    async def _record_ran(self, call: GateCall, intent_id: str, result: GateResult) -> GateResult:
+        """Record ``result`` as the outcome of the runtime tool this gate ran for ``intent_id``
+        and return the call's answer. T13: a receipt write re-run for a new epoch while an
+        earlier epoch's run of it is still under way here is the same guarded write twice (the
+        store serialises them: one applies, the other replays its receipt); whichever ends
+        second finds the outcome recorded and answers that, never an error for a write that
+        applied."""
+        async with self._lock:
+            outcome = self._outcomes.get(intent_id)
+            if outcome is not None:
+                return GateResult.recorded(outcome)
+            return await self._record_settled(self._let_run_intent(call), call, result)
 
     async def _run_runtime_tool(
         self, handler: RuntimeTool, call: GateCall, intent_id: str
@@ -306,7 +327,7 @@ class RecordingGateJournal:
                 if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
                     return Saved(await self._record_interrupted(previous, call))
                 declared = cls
-            intent_id = f"{self.key}:{self._log.next_seq}"
+            intent_id = f"{self._minted}:{self._log.next_seq}"
             intent = ToolIntent(
                 intent_id=intent_id,
                 step=step,
@@ -318,7 +339,7 @@ class RecordingGateJournal:
             )
             seq = await self._append(intent)  # T2: durable before "run" is answered
             labelled(TOOL_CALLS, call.name, str(declared)).inc()
-            if f"{self.key}:{seq}" != intent_id:  # pragma: no cover - a second appender raced
+            if f"{self._minted}:{seq}" != intent_id:  # pragma: no cover - a second appender raced
                 raise GateError(
                     ReasonCode.GATE_JOURNAL_FAILED,
                     f"intent {intent_id} landed at seq {seq}: another task appended meanwhile",
@@ -334,13 +355,17 @@ class RecordingGateJournal:
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None:
         async with self._lock:
-            intent = self._running.get(call.tool_call_id)
-            if intent is None:
-                raise GateError(
-                    ReasonCode.GATE_BAD_REQUEST,
-                    f"an outcome for {call.tool_call_id!r}, which the gate did not let run",
-                )
-            await self._record_settled(intent, call, result)
+            await self._record_settled(self._let_run_intent(call), call, result)
+
+    def _let_run_intent(self, call: GateCall) -> ToolIntent:
+        """The intent ``call`` was let run under, awaiting its outcome (lock held)."""
+        intent = self._running.get(call.tool_call_id)
+        if intent is None:
+            raise GateError(
+                ReasonCode.GATE_BAD_REQUEST,
+                f"an outcome for {call.tool_call_id!r}, which the gate did not let run",
+            )
+        return intent
 
     async def settle(self, call: GateCall) -> GateResult:
         """The result for a call the dead worker's session left without one (T12): the
@@ -359,7 +384,10 @@ class RecordingGateJournal:
             cls = replay_class_of(call.name, self.classes, intent.replay_class)
             handler = self.runtime_tools.get(call.name)
             if cls is ReplayClass.RECEIPT and handler is not None:  # T13
-                result = await self._run_runtime_tool(handler, call, intent.intent_id)
+                # the write the intent recorded: the session holds the arguments before Pi
+                # coerced them (T14), and only the recorded ones are this intent's write
+                recorded = GateCall(call.tool_call_id, call.name, msgspec.json.decode(intent.args))
+                result = await self._run_runtime_tool(handler, recorded, intent.intent_id)
                 return await self._record_settled(intent, call, result)
             return await self._record_interrupted(intent, call)
 

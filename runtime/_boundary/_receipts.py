@@ -44,6 +44,7 @@ __all__ = [
     "RECEIPT_DB",
     "RECEIPT_OPERATIONS",
     "STORE_RETRY",
+    "ReceiptDamaged",
     "ReceiptStore",
     "SqliteReceiptStore",
     "Tables",
@@ -53,6 +54,7 @@ __all__ = [
     "open_receipt_store",
     "read_head",
     "receipt_store",
+    "revision_of",
 ]
 
 RECEIPT_DB: Final = "receipts.sqlite"
@@ -123,6 +125,12 @@ def _convert(args: Mapping[str, Any], kind: type[_T]) -> _T:
         value = msgspec.convert(dict(args), kind)
     except msgspec.ValidationError as error:
         raise ReceiptRefusal(ReasonCode.DOCUMENT_INVALID, str(error)) from None
+    for field, text in msgspec.to_builtins(value).items():
+        if isinstance(text, str) and not _is_unicode_text(text):
+            raise ReceiptRefusal(
+                ReasonCode.DOCUMENT_INVALID,
+                f"{field} is not Unicode text: it holds a lone surrogate (half of a pair)",
+            )
     document_id = getattr(value, "document_id", "")
     if not 0 < len(document_id) <= MAX_DOCUMENT_ID or not document_id.isprintable():
         raise ReceiptRefusal(
@@ -130,6 +138,16 @@ def _convert(args: Mapping[str, Any], kind: type[_T]) -> _T:
             f"document_id must be 1 to {MAX_DOCUMENT_ID} printable characters",
         )
     return value
+
+
+def _is_unicode_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: a lone surrogate is a Python ``str`` but no text
+    either store can hold (nor the fingerprint encode), so it is refused, never a failure."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def input_fingerprint(operation: str, args: Mapping[str, Any]) -> str:
@@ -161,6 +179,9 @@ Execute = Callable[[str, Sequence[Any]], list[tuple[Any, ...]]]
 """Run one statement of the open transaction and return its rows (none for a write)."""
 
 _SAVED: Final = "SELECT input_fingerprint, result FROM {receipts} WHERE intent_id = ?"
+_REVISION: Final = (
+    "SELECT document_id, base_revision_id, content FROM {revisions} WHERE revision_id = ?"
+)
 _HEAD: Final = "SELECT head_revision_id FROM {documents} WHERE document_id = ?"
 _ADD_REVISION: Final = (
     "INSERT INTO {revisions} (revision_id, document_id, base_revision_id, content, created_ms) "
@@ -190,20 +211,72 @@ class WriteRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     created_ms: int
 
 
+class ReceiptDamaged(Exception):
+    """A receipt (or the revision it proves) does not say what it was written to say: a
+    byte of the store changed behind the runtime's back. Not a refusal (R5): the call stays
+    unsettled, ``receipt_store_failed``, and nothing is written (R2)."""
+
+
+def revision_of(intent_id: str) -> str:
+    """The id of the revision ``intent_id``'s write makes (a function of the intent alone,
+    so a revision names the receipt that must stand beside it)."""
+    return "rev-" + hashlib.sha256(intent_id.encode()).hexdigest()[:24]
+
+
+def _proven(
+    tables: Tables, execute: Execute, intent_id: str, saved: tuple[Any, ...]
+) -> tuple[str, dict[str, Any]]:
+    """The fingerprint and saved result of ``intent_id``'s receipt row ``saved``, once they
+    are checked against the revision that receipt stands beside (R2): its fingerprint
+    recomputed from the revision's document, base and content, and its result rebuilt from
+    them, must be what is stored. Anything else is :class:`ReceiptDamaged` — never a
+    refusal nor an answer."""
+    fingerprint, encoded = saved
+    revision = revision_of(intent_id)
+    rows = execute(tables.sql(_REVISION), (revision,))
+
+    def damaged(what: str) -> ReceiptDamaged:
+        return ReceiptDamaged(
+            f"the receipt of intent {intent_id} is damaged ({what}): the store no longer "
+            "proves whether it applied; inspect the store"
+        )
+
+    if not rows:
+        raise damaged(f"its revision {revision} is missing")
+    document_id, base, content = rows[0]
+    made = {"document_id": document_id, "content": content, "base_revision_id": base}
+    if fingerprint != input_fingerprint("write_document", made):
+        raise damaged("its fingerprint is not its revision's input")
+    try:
+        result = msgspec.json.decode(encoded)
+    except msgspec.DecodeError:
+        raise damaged("its saved result is not JSON") from None
+    if result != {"document_id": document_id, "revision_id": revision, "base_revision_id": base}:
+        raise damaged("its saved result is not its revision's")
+    return str(fingerprint), dict(result)
+
+
 def apply_write(tables: Tables, execute: Execute, request: WriteRequest) -> dict[str, Any]:
     """The guarded write, inside the caller's open transaction, on either backend: the saved
     result of the intent's receipt (R2), or the revision, the document's new head and the
-    receipt, to commit together (R3). Raises :class:`ReceiptRefusal` for a definite refusal;
-    the caller rolls back on any exception."""
+    receipt, to commit together (R3). Raises :class:`ReceiptRefusal` for a definite refusal
+    and :class:`ReceiptDamaged` for a receipt the store no longer holds intact; the caller
+    rolls back on any exception."""
+    revision = revision_of(request.intent_id)
     saved = execute(tables.sql(_SAVED), (request.intent_id,))
-    if saved:  # R2: proof it applied
-        if saved[0][0] != request.fingerprint:
+    if saved:  # R2: proof it applied, once it is checked intact
+        fingerprint, result = _proven(tables, execute, request.intent_id, saved[0])
+        if fingerprint != request.fingerprint:
             raise ReceiptRefusal(
                 ReasonCode.RECEIPT_KEY_CONFLICT,
                 f"intent {request.intent_id} was applied with other input; it cannot apply again",
             )
-        result: dict[str, Any] = msgspec.json.decode(saved[0][1])
         return result
+    if execute(tables.sql(_REVISION), (revision,)):  # R2: applied, its receipt lost
+        raise ReceiptDamaged(
+            f"intent {request.intent_id} made revision {revision} but its receipt is not "
+            "found under its key: the store no longer proves what it applied; inspect the store"
+        )
     head = execute(tables.sql(_HEAD), (request.document_id,))
     current = head[0][0] if head else None
     if request.base_revision_id != current:  # R3: compare-and-swap
@@ -212,7 +285,6 @@ def apply_write(tables: Tables, execute: Execute, request: WriteRequest) -> dict
             f"document {request.document_id} is at revision {current}, not "
             f"{request.base_revision_id}: read it again, then write on its revision",
         )
-    revision = "rev-" + hashlib.sha256(request.intent_id.encode()).hexdigest()[:24]
     execute(
         tables.sql(_ADD_REVISION),
         (revision, request.document_id, current, request.content, request.created_ms),

@@ -33,9 +33,11 @@ DELIVERY: Final = "delivery-1"
 
 
 def _worker(stderr: str) -> list[str]:
-    """A worker that writes the bytes the Python expression ``stderr`` makes and exits at
-    once, before it answers anything."""
-    code = f"import sys; sys.stderr.buffer.write({stderr}); sys.exit(3)"
+    """A worker that, once its first command arrives, writes the bytes the Python expression
+    ``stderr`` makes and exits, before it answers anything. (It waits for the command: one that
+    exited at once could exit during the launch's proof on a loaded machine, and its error
+    would be the launch's, ``worker_launch_failed``, not the exit's the test reads.)"""
+    code = f"import sys; sys.stdin.readline(); sys.stderr.buffer.write({stderr}); sys.exit(3)"
     return [sys.executable, "-c", code]
 
 
