@@ -186,7 +186,9 @@ class ToolIntent(_Record, tag="tool_intent", frozen=True, kw_only=True):
     """A tool call is about to run; durable before it starts."""
 
     intent_id: str
-    """Runtime-minted: ``<delivery hash>:<journal seq>``. Never the provider's id."""
+    """Runtime-minted: ``<delivery key>:<log created_ms>:<journal seq>`` (``<delivery key>:<journal
+    seq>`` before receipts R1, and in a log with no header); never minted twice, never the
+    provider's id."""
     step: int
     tool_call_id: str
     name: str

@@ -121,7 +121,9 @@ class AttachTool:
             ref, data = await trio.to_thread.run_sync(self._read, path, name)
         except _Refused as refused:
             return _refusal(refused.code, str(refused))
-        key = intent_id.rpartition(":")[0]  # the gate's intent ids are "<delivery key>:<seq>"
+        # the gate's intent ids are "<delivery key>:<made>:<seq>" (gate T2): all but the seq
+        # is one delivery's log
+        key = intent_id.rpartition(":")[0]
         handed = self._handed.setdefault(key, set())
         for other in [k for k in self._handed if k != key]:
             del self._handed[other]

@@ -229,7 +229,7 @@ class RecordingGateJournal:
         again) never mints an intent id, a receipt's key, that the one before it minted."""
         for record in existing:
             if isinstance(record, Header):
-                pass
+                self._minted = f"{key}:{record.created_ms}"
             self._learn(record)
 
     def _learn(self, record: Record) -> None:
