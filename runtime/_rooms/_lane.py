@@ -737,7 +737,7 @@ class Lane:
                 finally:
                     if breaker is not None:
                         if not judged:  # died, stopped: what its last call upstream met
-                            self._unjudged(breaker, gateway.upstream_failure, probe)
+                            self._tell_route(breaker, gateway.upstream_failure, probe)
                         breaker.abandoned(probe)  # no word on the route: another probes
                 if slot.failure is not None:  # L17: re-checked after the turn's last await
                     await slot.fence()
@@ -881,10 +881,7 @@ class Lane:
             return end
         failed = end.outcome is Outcome.FAILED and end.code in _PROVIDER_CODES
         if not failed or failure is None or not failure.unavailable:
-            if failure is not None and failure.unavailable:  # the route's word: down
-                breaker.failed(failure, probe)
-            elif answered or failure is not None:  # answered, or a refusal of its own
-                breaker.succeeded()
+            self._tell_route(breaker, failure, probe, answered=answered)
             return end
         next_attempt = breaker.failed(failure, probe)
         now = self.host.clocks.wall.time_ms()
@@ -907,17 +904,22 @@ class Lane:
         return None
 
     @staticmethod
-    def _unjudged(breaker: RouteBreaker, failure: UpstreamFailure | None, probe: object) -> None:
-        """PB4: a turn that ended before :meth:`_park` judged it (its worker died, its lane
-        stopped) still tells the route's breaker what its last call upstream met — an
-        outage (counted, as the gateway's ``on_unavailable`` may have already: the breaker is
-        open, and counts it once) or a refusal of the request's own (the provider is up); an
-        answer told it already (``on_answered``), and nothing heard says nothing."""
-        if failure is None:
-            return
-        if failure.unavailable:
+    def _tell_route(
+        breaker: RouteBreaker,
+        failure: UpstreamFailure | None,
+        probe: object,
+        *,
+        answered: bool = False,
+    ) -> None:
+        """PB4: tell the route's breaker what a turn not parked met — its last call upstream
+        unavailable (counted, as the gateway's ``on_unavailable`` may have already: the
+        breaker counts it once), a refusal of the request's own or an answer (the provider is
+        up); nothing heard says nothing. Also for a turn that ended before :meth:`_park`
+        judged it (its worker died, its lane stopped): an answer told it already then
+        (``on_answered``)."""
+        if failure is not None and failure.unavailable:
             breaker.failed(failure, probe)
-        else:
+        elif answered or failure is not None:
             breaker.succeeded()
 
     async def _journal_lost(self, failure: PiRuntimeError) -> Result:

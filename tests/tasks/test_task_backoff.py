@@ -62,8 +62,9 @@ FINISHED: Final = Text(text="finished")
 NEVER_SILENT: Final = ("Suspect", "HardResumeEligible", "Fencing", "Resuming")
 
 
-async def parks_of(rig: FenceRig) -> list[Parked]:
-    return [r for r in await rig.records() if isinstance(r, Parked)]
+async def parks_of(rig: FenceRig, task_id: str = TASK) -> list[Parked]:
+    contents = await rig.store.read(rig.runner.log_rel(task_id))
+    return [r for r in contents.records if isinstance(r, Parked)]
 
 
 @pytest.mark.parametrize("how", ["status", "in-stream"])
@@ -390,11 +391,6 @@ def second_task(tmp_path: Path, prompt: str = "do the second task") -> TaskSpec:
     )
 
 
-async def task_parks(rig: FenceRig, task_id: str) -> list[Parked]:
-    contents = await rig.store.read(rig.runner.log_rel(task_id))
-    return [r for r in contents.records if isinstance(r, Parked)]
-
-
 async def test_pb4_pb6_a_new_task_asks_nothing_while_the_route_is_open(tmp_path: Path) -> None:
     """PB4, PB6: the first task's provider answers 503 with ``Retry-After: 3600``, so the
     host's route is open for an hour. A second task submitted meanwhile must not ask the
@@ -418,7 +414,7 @@ async def test_pb4_pb6_a_new_task_asks_nothing_while_the_route_is_open(tmp_path:
                 lambda: rig.runner.show(SECOND).hold_reason is not None or len(outage.down) > 1
             )
             view = rig.runner.show(SECOND)
-            parks = await task_parks(rig, SECOND)
+            parks = await parks_of(rig, SECOND)
             for task_id in (TASK, SECOND):
                 await rig.runner.abort(task_id)
                 await rig.runner.wait(task_id)
@@ -508,7 +504,7 @@ async def test_pb4_pb6_the_probes_first_answer_lets_the_other_task_go(tmp_path: 
             assert other not in model.asked[1:], model.asked  # it waited by the route
             model.go.set()
             ended = [await rig.runner.wait(task_id) for task_id in (TASK, SECOND)]
-            waited = await task_parks(rig, task_of[other])
+            waited = await parks_of(rig, task_of[other])
     assert [e.state for e in ended] == ["done", "done"], ended
     assert model.asked[0] == "first"
     assert any(p.by_route for p in waited), waited
@@ -637,7 +633,7 @@ async def test_pb4_pb6_an_outage_opens_the_route_when_it_is_seen_not_at_the_sett
                 lambda: rig.runner.show(SECOND).hold_reason is not None or len(outage.down) > 1
             )
             view = rig.runner.show(SECOND)
-            parks = await task_parks(rig, SECOND)
+            parks = await parks_of(rig, SECOND)
             first = rig.runner.show(TASK)
             for task_id in (TASK, SECOND):
                 await rig.runner.abort(task_id)
