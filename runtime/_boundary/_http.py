@@ -1,11 +1,12 @@
-"""A small HTTP/1.1 server and client on Trio and h11, enough for model traffic.
+"""A small HTTP/1.1 server and client on Trio, enough for model traffic.
 
 Both the scripted model server (``fake_pi.model_server``) and the runtime's model
 gateway speak OpenAI-compatible ``chat/completions`` with server-sent events
 over loopback. That needs very little of HTTP — one request, a streamed
 response, keep-alive — but it needs full control over the stream: deliver each
 chunk as it is produced, hold one back, go silent, or cut the connection in the
-middle. A sans-I/O protocol core (h11) with a thin Trio shell gives exactly that.
+middle. A sans-I/O protocol core (:mod:`._h1`, boundaries.md B10) with a thin Trio shell
+gives exactly that.
 
 Server: :func:`serve_http` runs ``handler(request, response)`` per request.
 Client: :func:`open_request` returns a streamed response on a fresh connection;
@@ -27,13 +28,24 @@ import select
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
 from .._errors import ReasonCode
+from ._h1 import (
+    END,
+    NEED_DATA,
+    ClientConnection,
+    Data,
+    Event,
+    LocalProtocolError,
+    RemoteProtocolError,
+    RequestHead,
+    ResponseHead,
+    ServerConnection,
+)
 
 __all__ = [
     "ConnectionPool",
@@ -85,7 +97,7 @@ class ResponseWriter:
     """Writes one response. Without ``content-length`` the body is chunked."""
 
     def __init__(
-        self, stream: trio.abc.Stream, conn: h11.Connection, *, head: bool = False
+        self, stream: trio.abc.Stream, conn: ServerConnection, *, head: bool = False
     ) -> None:
         self._stream = stream
         self._conn = conn
@@ -94,22 +106,18 @@ class ResponseWriter:
         self.started = False
         self.ended = False
 
-    async def _send(self, event: h11.Event) -> None:
-        data = self._conn.send(event)
-        if data:
-            await self._stream.send_all(data)
-
     async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
         self.started = True
-        await self._send(h11.Response(status_code=status, headers=headers))
+        await self._stream.send_all(self._conn.response(status, headers))
 
     async def send(self, data: bytes) -> None:
         if data and not self._head:
-            await self._send(h11.Data(data=data))
+            await self._stream.send_all(self._conn.data(data))
 
     async def end(self) -> None:
         self.ended = True
-        await self._send(h11.EndOfMessage())
+        if data := self._conn.end():
+            await self._stream.send_all(data)
 
     async def respond(
         self,
@@ -139,15 +147,11 @@ class HttpServer:
         return f"http://{self.host}:{self.port}"
 
 
-async def _next_event(
-    stream: trio.abc.Stream, conn: h11.Connection
-) -> h11.Event | type[h11.PAUSED]:
-    """The connection's next event, reading from ``stream`` as long as h11 needs data."""
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return cast("h11.Event | type[h11.PAUSED]", event)  # (mypy cannot narrow `is not`)
+async def _next_event(stream: trio.abc.Stream, conn: ServerConnection | ClientConnection) -> Event:
+    """The connection's next event, reading from ``stream`` as long as it needs data."""
+    while (event := conn.next_event()) is NEED_DATA:
         conn.receive_data(bytes(await stream.receive_some(_READ)))
+    return event
 
 
 Authorize = Callable[[Request], bool]
@@ -168,7 +172,7 @@ def _nothing() -> None:
 
 async def _read_request(
     stream: trio.abc.Stream,
-    conn: h11.Connection,
+    conn: ServerConnection,
     limit: int = _MAX_REQUEST,
     connection: int = 0,
     peer: str = "",
@@ -182,31 +186,26 @@ async def _read_request(
     body = bytearray()
     while True:
         event = await _next_event(stream, conn)
-        if isinstance(event, h11.Request):
-            headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
-            method, target = event.method.decode(), event.target.decode()
-            head = Request(method, target, headers, b"", connection, peer)
+        if isinstance(event, Data):
+            body += event.data
+            if len(body) > limit:
+                raise RemoteProtocolError("request body too large", 413)
+        elif isinstance(event, RequestHead):
+            head = Request(event.method, event.target, event.headers, b"", connection, peer)
             if not authorize(head):
                 raise _Unauthorized
             admitted()
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > limit:
-                raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
-        elif isinstance(event, h11.EndOfMessage):
+        elif event is END:
             assert head is not None
             return dataclasses.replace(head, body=bytes(body))
-        elif isinstance(event, h11.ConnectionClosed):
-            return None
-        else:  # pragma: no cover - h11 yields nothing else for a server
+        else:  # CLOSED: the client ended the connection between requests
             return None
 
 
-async def _first_byte(stream: trio.abc.Stream, conn: h11.Connection) -> None:
+async def _first_byte(stream: trio.abc.Stream, conn: ServerConnection) -> None:
     """Wait until the next request has begun: a byte of it is in ``conn`` (or its end of
     file, which the request's read then finds)."""
-    buffered, closed = conn.trailing_data
-    if not buffered and not closed:
+    if not conn.buffered:
         conn.receive_data(bytes(await stream.receive_some(_READ)))
 
 
@@ -230,7 +229,7 @@ async def _serve_connection(
     has arrived, and its connection closed. A request whose head ``authorize`` refuses is
     answered ``401`` (``refusal(401)``) before its body is read, and its connection closed
     (B8); ``admitted()`` is called for each head it lets through (B9)."""
-    conn = h11.Connection(h11.SERVER)
+    conn = ServerConnection()
     try:
         first = True
         while True:
@@ -253,12 +252,12 @@ async def _serve_connection(
             except _Unauthorized:  # B8: refused on its head, its body never read
                 await _refuse_unauthorized(stream, conn, refusal)
                 return
-            except h11.RemoteProtocolError as exc:
-                with contextlib.suppress(h11.LocalProtocolError, trio.BrokenResourceError):
-                    status = exc.error_status_hint
+            except RemoteProtocolError as exc:
+                with contextlib.suppress(LocalProtocolError, trio.BrokenResourceError):
+                    status = exc.status
                     body = refusal(status) if refusal is not None else b'{"error":"bad request"}'
                     writer = ResponseWriter(stream, conn)
-                    await writer.respond(status, body)
+                    await writer.respond(status, body, close=True)
                 return
             if request is None:
                 return
@@ -268,14 +267,9 @@ async def _serve_connection(
             except Exception as exc:  # B7: a fault stays in its request (BaseException passes)
                 await _handler_failed(exc, request, writer)
                 return  # the connection ends: its state is whatever the handler left
-            if not writer.ended or conn.our_state is not h11.DONE:
-                return  # the handler cut the response: drop the connection
-            if conn.their_state is not h11.DONE:
-                return
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:
-                return
+            if not writer.ended or not conn.can_continue:
+                return  # the handler cut the response, or either side ends the connection
+            conn.start_next_cycle()
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return
     finally:
@@ -302,23 +296,23 @@ def refusal_text(status: int) -> str:
 
 
 async def _refuse_late(
-    stream: trio.abc.Stream, conn: h11.Connection, refusal: Callable[[int], bytes] | None
+    stream: trio.abc.Stream, conn: ServerConnection, refusal: Callable[[int], bytes] | None
 ) -> None:
     """Answer a request that did not arrive whole in time ``408`` (B8) — when its head has
     arrived, so that there is a request to answer — within a short bound (a client that
     does not read gets the close alone)."""
-    if conn.their_state is not h11.SEND_BODY:
+    if not conn.reading_body:
         return
     with (
         trio.move_on_after(_REFUSE_SECONDS),
-        contextlib.suppress(h11.LocalProtocolError, *_GONE),
+        contextlib.suppress(LocalProtocolError, *_GONE),
     ):
         body = refusal(408) if refusal is not None else _LATE_BODY
         await ResponseWriter(stream, conn).respond(408, body, close=True)
 
 
 async def _refuse_unauthorized(
-    stream: trio.abc.Stream, conn: h11.Connection, refusal: Callable[[int], bytes] | None
+    stream: trio.abc.Stream, conn: ServerConnection, refusal: Callable[[int], bytes] | None
 ) -> None:
     """Answer a request whose head ``authorize`` refused ``401`` and end its connection
     without reading its body into memory (B8): what of it comes next is read and dropped —
@@ -326,7 +320,7 @@ async def _refuse_unauthorized(
     :data:`_DRAIN_BYTES` and :data:`_REFUSE_SECONDS`, then the connection is closed."""
     with (
         trio.move_on_after(_REFUSE_SECONDS),
-        contextlib.suppress(h11.LocalProtocolError, *_GONE),
+        contextlib.suppress(LocalProtocolError, *_GONE),
     ):
         body = refusal(401) if refusal is not None else _UNAUTHORIZED_BODY
         await ResponseWriter(stream, conn).respond(401, body, close=True)
@@ -373,7 +367,7 @@ async def _handler_failed(exc: Exception, request: Request, writer: ResponseWrit
     )
     if writer.started:
         return
-    with contextlib.suppress(h11.LocalProtocolError, *_GONE):
+    with contextlib.suppress(LocalProtocolError, *_GONE):
         await writer.start(
             500,
             [
@@ -412,7 +406,8 @@ async def serve_http(
     and closes it, so idle clients cannot take the process's file descriptors.
     ``refusal`` makes the JSON body answering a request the protocol refuses before the
     handler sees it, from its status (400 malformed, 413 body over ``max_request``, 431 head
-    too large, 501 a transfer coding h11 cannot read); default ``{"error":"bad request"}``.
+    too large, 501 a transfer coding it cannot read, 505 an HTTP version other than 1.x);
+    default ``{"error":"bad request"}``.
     Each request carries its client's address (:attr:`Request.peer`).
     ``arrival_seconds`` bounds a new connection's wait for its first byte and each request
     from its first byte to its last, but not the wait between requests (boundaries.md B8:
@@ -596,7 +591,7 @@ class Response:
     status: int
     headers: dict[str, str]
     _stream: trio.abc.Stream
-    _conn: h11.Connection
+    _conn: ClientConnection
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
         """The body as it arrives; :class:`HttpClientError` if it is cut short."""
@@ -605,14 +600,14 @@ class Response:
                 event = await _next_event(self._stream, self._conn)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise HttpClientError(f"connection lost: {exc}") from exc
-            except h11.RemoteProtocolError as exc:
+            except RemoteProtocolError as exc:
                 raise HttpClientError(f"response cut short: {exc}") from exc
-            if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+            if isinstance(event, Data):
+                yield event.data
+            elif event is END:
                 return
-            else:
-                raise HttpClientError(f"unexpected {type(event).__name__} in the response body")
+            else:  # pragma: no cover - a client's connection yields nothing else in a body
+                raise HttpClientError(f"unexpected {event!r} in the response body")
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.iter_bytes()])
@@ -625,8 +620,10 @@ def _default_ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+@functools.lru_cache(maxsize=64)
 def _origin(url: str) -> tuple[str, str, int, str, str]:
-    """``(scheme, hostname, port, host header, target)`` of an http(s) URL."""
+    """``(scheme, hostname, port, host header, target)`` of an http(s) URL (kept for the
+    URLs used last: the gateway asks for one upstream URL on every request)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"unsupported URL {url!r}")
@@ -650,7 +647,7 @@ async def _connect(
 
 async def _exchange(
     stream: trio.abc.Stream,
-    conn: h11.Connection,
+    conn: ClientConnection,
     method: str,
     url: str,
     headers: list[tuple[str, str]],
@@ -658,24 +655,19 @@ async def _exchange(
 ) -> Response:
     """Send one request on ``stream`` and read its response head."""
     _, _, _, host, target = _origin(url)
-    all_headers = [("host", host), ("content-length", str(len(body))), *headers]
     try:
-        await stream.send_all(
-            conn.send(h11.Request(method=method, target=target, headers=all_headers))
-            + conn.send(h11.Data(data=body))
-            + conn.send(h11.EndOfMessage())
-        )
-        while True:
-            event = await _next_event(stream, conn)
-            if isinstance(event, h11.Response):
-                break
-            if isinstance(event, h11.InformationalResponse):
-                continue
-            raise HttpClientError(f"no response head (got {type(event).__name__})")
-    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+        await stream.send_all(conn.request(method, target, [("host", host), *headers], body))
+        event = await _next_event(stream, conn)
+    except (
+        trio.BrokenResourceError,
+        trio.ClosedResourceError,
+        RemoteProtocolError,
+        LocalProtocolError,
+    ) as exc:
         raise HttpClientError(f"request to {url} failed: {exc}") from exc
-    response_headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
-    return Response(event.status_code, response_headers, stream, conn)
+    if not isinstance(event, ResponseHead):  # pragma: no cover - the head comes first
+        raise HttpClientError(f"no response head (got {event!r})")
+    return Response(event.status, event.headers, stream, conn)
 
 
 @contextlib.asynccontextmanager
@@ -695,7 +687,7 @@ async def open_request(
     scheme, hostname, port, _, _ = _origin(url)
     stream = await _connect(scheme, hostname, port, ssl_context)
     async with stream:
-        conn = h11.Connection(h11.CLIENT)
+        conn = ClientConnection()
         yield await _exchange(stream, conn, method, url, headers or [], body)
 
 
@@ -722,7 +714,7 @@ def _dropped(stream: trio.abc.Stream) -> bool:
 @dataclass(slots=True)
 class _Idle:
     stream: trio.abc.Stream
-    conn: h11.Connection
+    conn: ClientConnection
     since: float
 
 
@@ -781,7 +773,7 @@ class ConnectionPool:
         found = self._take(origin)
         if found is None:
             stream = await _connect(scheme, hostname, port, self._ssl_context)
-            conn = h11.Connection(h11.CLIENT)
+            conn = ClientConnection()
             self.opened += 1
         else:
             stream, conn = found.stream, found.conn
@@ -789,7 +781,7 @@ class ConnectionPool:
         kept = False
         try:
             yield await _exchange(stream, conn, method, url, headers or [], body)
-            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            if conn.reusable:
                 conn.start_next_cycle()
                 idle = self._idle.setdefault(origin, [])
                 if len(idle) < self.max_idle:
@@ -835,21 +827,21 @@ class SseParser:
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
         events: list[SseEvent] = []
-        buffer = self._buffer + chunk
-        start = 0
-        while (newline := buffer.find(b"\n", start)) >= 0:
-            line = buffer[start:newline].rstrip(b"\r").decode(errors="replace")  # never raises
-            start = newline + 1
+        lines = (self._buffer + chunk if self._buffer else chunk).split(b"\n")
+        self._buffer = lines.pop()  # after the last newline: not a whole line yet
+        data_lines = self._data_lines
+        for line in lines:
+            if line.endswith(b"\r"):
+                line = line[:-1]
             if not line:
-                if self._data_lines:
-                    events.append(SseEvent(data="\n".join(self._data_lines)))
-                    self._data_lines = []
-            elif line.startswith(":"):
-                events.append(SseEvent(comment=line[1:].strip()))
-            elif line.startswith("data:"):
-                self._data_lines.append(line[5:].removeprefix(" "))
+                if data_lines:
+                    events.append(SseEvent(data="\n".join(data_lines)))
+                    data_lines = self._data_lines = []
+            elif line.startswith(b"data:"):  # decoding never raises
+                data_lines.append(line[5:].removeprefix(b" ").decode(errors="replace"))
+            elif line.startswith(b":"):
+                events.append(SseEvent(comment=line[1:].decode(errors="replace").strip()))
             # other fields (event:, id:, retry:) are not used by chat completions
-        self._buffer = buffer[start:]
         return events
 
     def end(self) -> list[SseEvent]:

@@ -29,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from .._boundary._h1 import MAX_HEAD
 from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
 from .._errors import ReasonCode
 from .._logs import fields
@@ -61,8 +62,8 @@ opening) is closed: an idle or slow client holds no file descriptor for longer (
 MAX_CONNECTIONS: Final = 64
 """Connections open at once; one more is answered ``503 too_many_connections`` (M6)."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
-_HEAD_MAX: Final = 16 * 1024
-"""h11's bound on a request line and its headers (``max_incomplete_event_size``)."""
+_HEAD_MAX: Final = MAX_HEAD
+"""The HTTP shell's bound on a request line and its headers (boundaries.md B10)."""
 
 
 class ServerCollector(Collector):
