@@ -96,6 +96,9 @@ class RouteBreaker:
         """The token of the turn probing the half-open breaker."""
         self._seen = False
         """Whether a turn of this process has said anything about the route yet."""
+        self._resumed_ms = 0
+        """The latest recorded time :meth:`resume` took: a lane's own look at the same park
+        (after the start's, PB2) opens nothing again."""
         self._counted: tuple[UpstreamFailure, int] | None = None
         """The last failure counted, and the time it opened the breaker until: told again
         (by the gateway at once, then at its turn's end, PB4), it is not counted twice."""
@@ -103,14 +106,24 @@ class RouteBreaker:
 
     def resume(self, parked: Parked) -> None:
         """A delivery this process found parked (PB2): until a turn of this process says
-        otherwise, its recorded schedule is the route's."""
+        otherwise, its recorded schedule is the route's.
+
+        The wait left is the recorded time less the wall clock now — but never counted from
+        before the episode's first failure (clocks.md C5): the park was written after it, so
+        a wall clock that reads earlier was set back since, and the wait is then at most what
+        the park recorded from the first failure on. Before, a host restarted with its clock
+        set back an hour waited that hour more before it asked again (set back a year, a
+        year), whatever the episode's deadline."""
         if self._seen:
             return
         first, since = parked.first_failure_ms, self.down_since_ms
         self.down_since_ms = first if since is None else min(since, first)
-        if parked.next_attempt_ms <= (self.open_until_ms or 0):
+        if parked.next_attempt_ms <= max(self.open_until_ms or 0, self._resumed_ms):
             return
-        self._open(until_ms=parked.next_attempt_ms)  # to the millisecond the park says
+        self._resumed_ms = parked.next_attempt_ms
+        # to the millisecond the park says (PB2), its wait counted from its first failure at
+        # the earliest (C5)
+        self._open(until_ms=parked.next_attempt_ms, not_before_ms=first)
         self.failures = max(self.failures, parked.route_failures or parked.attempt)
 
     def admit(self) -> Admit:
@@ -182,14 +195,18 @@ class RouteBreaker:
                 nursery.start_soon(on, changed)
                 nursery.start_soon(on, cancelled)
 
-    def _open(self, *, wait_ms: int | None = None, until_ms: int | None = None) -> int:
+    def _open(
+        self, *, wait_ms: int | None = None, until_ms: int | None = None, not_before_ms: int = 0
+    ) -> int:
         """Open the breaker for ``wait_ms`` from now, or until ``until_ms`` on the wall clock;
         the wall-clock time it opens until. The wall clock is read once: a tick between two
-        reads would move a recorded time on (PB2)."""
+        reads would move a recorded time on (PB2). The wait is measured on Trio's clock from
+        ``not_before_ms`` when the wall clock reads earlier (set back since that time, C5):
+        :meth:`_open_until` then moves the time given for a record back with the clock."""
         now = self._clocks.wall.time_ms()
         until = now + (wait_ms or 0) if until_ms is None else until_ms
         self.open_until_ms = until
-        self._open_until_trio = trio.current_time() + max(0, until - now) / 1000
+        self._open_until_trio = trio.current_time() + max(0, until - max(now, not_before_ms)) / 1000
         return until
 
     def _open_until(self) -> int | None:

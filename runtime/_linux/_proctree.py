@@ -35,7 +35,6 @@ import os
 import re
 import secrets
 import signal
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Final
 import trio
 import trio.lowlevel
 
+from .._clock import SystemWallClock
 from .._errors import descriptors_exhausted
 from ._proc import ProcessIdentity, boot_id, process_start_time
 
@@ -360,9 +360,15 @@ def sweep_stale_cgroups(
     ones its records name. Every host on the machine shares ``parent``, so none may take
     another's: a cgroup with a member, in it or in a cgroup below it (which the tree may have
     made, and which goes with it), is left whole, and an epoch enters its cgroup moments
-    after creating it, so the age leaves alone the only empty cgroup a live epoch has."""
-    # the real wall clock, not an injected one: it is compared with the kernel's ctime
-    now = time.time() if now is None else now
+    after creating it, so the age leaves alone the only empty cgroup a live epoch has.
+
+    The system's wall clock, never an injected one (docs/design/clocks.md C4): it is compared
+    with the ctime the kernel stamped on that clock. A step of it moves the age by as much: set
+    back, an empty cgroup stays that much longer (removed by a later start); set forward by
+    more than ``older_than`` in the moment between a live epoch's ``mkdir`` and its entering,
+    that one launch fails (``worker_launch_failed``: its cgroup is gone), as any failed launch
+    does."""
+    now = SystemWallClock().time_ms() / 1000 if now is None else now
     removed = 0
     try:
         names = os.listdir(parent)

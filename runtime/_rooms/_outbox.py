@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Final
 
 import trio
 
+from .._clock import Clocks
 from .._journal._fence import Fence
 from .._journal._interface import Log
 from .._logs import fields
@@ -59,10 +59,12 @@ class ResultOutbox:
         log: Log,
         existing: Iterable[Record] | None = None,
         *,
-        now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        now_ms: Callable[[], int] | None = None,
     ) -> None:
         self._log = log
-        self._now_ms = now_ms
+        self._now_ms = now_ms or Clocks.system().wall.time_ms
+        """The wall clock a result's ``published_ms`` is read from (clocks.md C4: the host's
+        ``clocks.wall``; the system's when none is given — an outbox only read needs none)."""
         self._lock = trio.Lock()
         self._changed = trio.Event()
         self._forget()

@@ -12,10 +12,11 @@ Two static clocks (WD2 to WD6):
   probe**. The probe decides nothing: it cannot prompt, signal or fence;
 * **hard** — a per-phase threshold (≥ 900 s for ``provider`` and ``generation``; none for
   ``unknown``, ``tool`` and ``settled``) measured in *awake* time (monotonic axis) since the
-  later of the last progress and the last wake from a suspend; a separate grace (120 s) starts
-  only once it is crossed. After both → :attr:`Classification.HARD_RESUME_ELIGIBLE`, one fresh
-  probe; only when it brings no new evidence does the core ask the shell to check the fencing
-  guards (``runtime/_tasks/_guards.py``). The core itself never fences.
+  later of the last progress and the first wake from a suspend after it; a separate grace
+  (120 s) starts only once it is crossed. After both →
+  :attr:`Classification.HARD_RESUME_ELIGIBLE`, one fresh probe; only when it brings no new
+  evidence does the core ask the shell to check the fencing guards
+  (``runtime/_tasks/_guards.py``). The core itself never fences.
 
 Progress is a monotonic sequence advanced only by meaningful events (tokens, thinking, tool
 calls, session appends, worktree changes); probes, polls, logs and heartbeats are not events
@@ -418,7 +419,8 @@ class Watchdog:
     """Boottime of the last meaningful event (or of the prompt that started the phase)."""
     last_progress_awake: float = 0.0
     wake_awake: float = -math.inf
-    """Monotonic time of the last wake from a suspend: hard clocks count from here (WD6)."""
+    """Monotonic time of the first wake from a suspend since the last progress: hard clocks
+    count from here (WD6)."""
     suspended_total: float | None = None
     leases: dict[str, float] = field(default_factory=dict)
     armed: bool = False
@@ -477,7 +479,8 @@ class Watchdog:
         return max(0.0, now - self.last_progress)
 
     def awake_silence(self, awake: float) -> float:
-        """Silence in awake time since the later of the last progress and the last wake."""
+        """Silence in awake time since the later of the last progress and the first wake
+        after it."""
         return max(0.0, awake - max(self.last_progress_awake, self.wake_awake))
 
     def lease_deadline(self) -> float | None:
@@ -585,7 +588,10 @@ class Watchdog:
         gap = event.now - event.awake
         last = self.suspended_total
         if last is not None and gap - last > SUSPEND_EVIDENCE_SECONDS:
-            self.wake_awake = event.awake  # WD6: hard clocks restart in awake time
+            if self.wake_awake <= self.last_progress_awake:
+                # WD6: hard clocks restart in awake time — at the first wake of a silence
+                # only, so a host that sleeps more often than hard + grace still fences
+                self.wake_awake = event.awake
             self.grace_started_awake = None
             self.probes.pop("fence", None)  # so does eligibility: a new fresh probe is due
             if self.classification is Classification.HARD_RESUME_ELIGIBLE:
