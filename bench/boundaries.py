@@ -11,9 +11,9 @@ the gate, against the same scenario without them, measured in the same run, for 
 Pi 1.6.0 and for Fake-Pi. Target: at most 0.8 ms per crossing (issue #23 item 5; issue #4
 asked 2 ms), not counting the durable appends themselves.
 
-How. For each worker kind, three warm worker processes run side by side, one per
-configuration (a fresh set every ``block`` repetitions, so the conversation, and with it the
-request body, stays between about 5 and 80 KiB instead of growing all run long):
+How. For each worker kind, warm worker processes run side by side, one per configuration
+(three; four for Pi), a fresh set every ``block`` repetitions, so the conversation, and with
+it the request body, stays between about 5 and 80 KiB instead of growing all run long:
 
 * ``direct``: worker -> scripted model (Pi without the gate extension; Fake-Pi without the
   gate environment): the baseline;
@@ -22,23 +22,29 @@ request body, stays between about 5 and 80 KiB instead of growing all run long):
 * ``gate``: as ``gateway``, plus the tool gate (``RecordingGateJournal`` on a ``MemoryLog``,
   ``read`` granted): Pi loads ``runtime/_boundary/pi_extension/gate.ts``, Fake-Pi gets the gate
   environment; the gateway holds each request until the outcomes of the tool results it
-  carries are recorded, as ``runtime/_boundary/_boundaries.py`` wires a lane (B4).
+  carries are recorded, as ``runtime/_boundary/_boundaries.py`` wires a lane (B4);
+* ``gate-local`` (Pi only; bench code): as ``gateway``, with Pi loading a copy of the gate
+  extension whose two round trips are answered inside Pi (``/before`` "run", ``/after``
+  nothing, no socket): the same tools registered the same way, so what Pi's own side of the
+  gate costs — its extension machinery — apart from the runtime's.
 
 The journals are in memory, so the durable appends are excluded, as the target says. Every
 turn is the same scenario: ``R`` rounds, each a model response with one ``read`` call of a
 small file in the worker's cwd, then a final text; so a turn is ``R + 1`` model requests and
 ``R`` tool calls. A turn is timed from ``prompt`` to ``agent_settled``. After one warm-up turn
-per configuration, the configurations take turns (``direct, gateway, gate``, the order
-rotated every repetition) so drift hits all three alike. Each repetition ``k`` is the ``k``-th
-turn of every worker, so the three conversations have the same length when compared. Garbage
+per configuration, the configurations take turns (``direct, gateway, [gate-local,] gate``, the order
+rotated every repetition) so drift hits them all alike. Each repetition ``k`` is the ``k``-th
+turn of every worker, so the conversations have the same length when compared. Garbage
 is collected between turns, outside the timed window, and the model keeps no old bodies.
 
 From each repetition: gateway cost per model request = (gateway - direct) / (R + 1); gate cost
 per tool call = (gate - gateway) / R (a tool call is two gate round trips, ``/before`` and
-``/after``). The table shows medians over repetitions with min and max, and ratios to
-``direct`` computed per repetition. CPU is measured too: this process's (the model, gateway,
-gate and RPC all live here, as in the runtime) with ``getrusage``, and the worker's from
-``/proc/<pid>/stat`` (10 ms ticks, so it is summed over all repetitions before dividing).
+``/after``); for Pi, split into Pi's side = (gate-local - gateway) / R and the runtime's
+round trips = (gate - gate-local) / R. The table shows medians over repetitions with min and
+max, and ratios to ``direct`` computed per repetition. CPU is measured too: this process's
+(the model, gateway, gate and RPC all live here, as in the runtime) with ``getrusage``, and
+the worker's from ``/proc/<pid>/stat`` (10 ms ticks, so it is summed over all repetitions
+before dividing).
 
 Where the time goes: an in-process breakdown without any worker. A Python client (a fresh
 connection per request, as Fake-Pi) sends real request bodies of the run straight to the
@@ -81,6 +87,8 @@ from fake_pi.scenario import Call, Scenario, Step, Text, ToolCalls
 from runtime._boundary._boundaries import carried_tool_results
 from runtime._boundary._gate import (
     EXTENSION_PATH,
+    GATE_SECRET_ENV,
+    GATE_SOCKET_ENV,
     Gate,
     GateServer,
     MemoryLog,
@@ -114,6 +122,8 @@ from runtime._pi._worker import (
 
 REPO: Final = Path(__file__).resolve().parents[1]
 CONFIGS: Final = ("direct", "gateway", "gate")
+PI_CONFIGS: Final = ("direct", "gateway", "gate-local", "gate")
+"""Pi's: with ``gate-local``, its extension answering the gate itself (the module docstring)."""
 KINDS: Final = ("fake", "pi")
 KIND_LABEL: Final = {"fake": "Fake-Pi", "pi": "Pi 1.6.0"}
 TARGET_MS: Final = 0.8
@@ -212,6 +222,27 @@ def find_real_pi(explicit: str | None) -> PiInstall | None:
     return None
 
 
+def configs_of(kind: str) -> tuple[str, ...]:
+    return PI_CONFIGS if kind == "pi" else CONFIGS
+
+
+def local_gate_extension(base: Path) -> Path:
+    """A copy of Pi's gate extension whose ``post`` answers in Pi itself — ``/before`` "run",
+    ``/after`` nothing — with everything else as it is (bench code, never the runtime's): what
+    Pi's side of a gated tool call costs without a round trip to the runtime."""
+    text = EXTENSION_PATH.read_text(encoding="utf-8")
+    start = text.index("function post(")
+    end = text.index("\n}\n", start) + len("\n}\n")
+    local = (
+        "function post(path: string, body: unknown, signal?: AbortSignal): Promise<any> {\n"
+        '\treturn Promise.resolve(path === "/before" ? { decision: "run" } : {});\n'
+        "}\n"
+    )
+    path = base / "gate-local.ts"
+    path.write_text(text[:start] + local + text[end:], encoding="utf-8")
+    return path
+
+
 def make_launch(
     kind: str,
     root: Path,
@@ -220,6 +251,7 @@ def make_launch(
     *,
     gateway: Gateway | None,
     gate_env: dict[str, str] | None,
+    extension: Path | None = None,
 ) -> WorkerLaunch:
     for sub in ("work", "home", "tmp"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -246,7 +278,7 @@ def make_launch(
         route=ModelRoute(provider="fake", model="fake-model", base_url=base_url, api_key=api_key),
         retry=RetrySettings(max_retries=0),
         settings={"compaction": {"enabled": False}},
-        extensions=(EXTENSION_PATH,) if kind == "pi" and gate_env is not None else (),
+        extensions=(extension,) if kind == "pi" and extension is not None else (),
         extra_env=extra_env,
     )
 
@@ -269,13 +301,17 @@ async def open_rig(
         gate_log: MemoryLog | None = None
         gate_env: dict[str, str] | None = None
         journal: RecordingGateJournal | None = None
+        extension: Path | None = EXTENSION_PATH if config == "gate" else None
+        if config == "gate-local":  # the extension needs its variables; nothing listens
+            gate_env = {GATE_SOCKET_ENV: str(base / "none.sock"), GATE_SECRET_ENV: "bench-local"}
+            extension = local_gate_extension(base)
         if config == "gate":
             gate_log = MemoryLog()
             journal = RecordingGateJournal(gate_log, key="bench", epoch=1, granted=("read",))
             gate = Gate(journal)
             server: GateServer = await nursery.start(serve_gate, gate, base / f"{kind}.sock")
             gate_env = gate_environment(server, gate)
-        if config in ("gateway", "gate"):
+        if config in ("gateway", "gate-local", "gate"):
             barrier = None
             if journal is not None:
                 tools = journal
@@ -290,7 +326,9 @@ async def open_rig(
             )
             served: HttpServer = await nursery.start(functools.partial(serve_gateway, gateway))
             base_url = f"{served.url}/v1"
-        launch = make_launch(kind, root, base_url, pi, gateway=gateway, gate_env=gate_env)
+        launch = make_launch(
+            kind, root, base_url, pi, gateway=gateway, gate_env=gate_env, extension=extension
+        )
         async with (
             open_worker(launch) as epoch,
             open_rpc_channel(epoch.stdin, epoch.stdout, stderr=epoch.stderr_tail) as rpc,
@@ -362,28 +400,29 @@ async def measure_kind(
     pi: PiInstall | None,
     log: Callable[[str], None],
 ) -> tuple[dict[str, list[Turn]], list[dict[str, Any]]]:
-    """Per block: three fresh workers, warm-up, then the configurations take turns. Every
-    worker is stopped when its block ends."""
-    turns: dict[str, list[Turn]] = {config: [] for config in CONFIGS}
+    """Per block: a fresh worker per configuration, warm-up, then the configurations take
+    turns. Every worker is stopped when its block ends."""
+    configs = configs_of(kind)
+    turns: dict[str, list[Turn]] = {config: [] for config in configs}
     bodies: list[dict[str, Any]] = []
     rep = 0
     while rep < settings.reps:
         block = min(settings.block, settings.reps - rep)
         async with contextlib.AsyncExitStack() as stack:
             rigs: dict[str, Rig] = {}
-            for config in CONFIGS:  # a launch proves itself or fails; turns are bounded
+            for config in configs:  # a launch proves itself or fails; turns are bounded
                 rigs[config] = await stack.enter_async_context(
                     open_rig(kind, config, base, settings, pi)
                 )
             for _ in range(settings.warmup):
-                for config in CONFIGS:
+                for config in configs:
                     await run_turn(rigs[config], settings)
             for _ in range(block):
-                shift = rep % len(CONFIGS)
-                for config in CONFIGS[shift:] + CONFIGS[:shift]:
+                shift = rep % len(configs)
+                for config in configs[shift:] + configs[:shift]:
                     turns[config].append(await run_turn(rigs[config], settings))
                 rep += 1
-                walls = ", ".join(f"{c} {turns[c][-1].wall * 1e3:.0f}" for c in CONFIGS)
+                walls = ", ".join(f"{c} {turns[c][-1].wall * 1e3:.0f}" for c in configs)
                 log(f"  {kind} rep {rep}/{settings.reps}: turn ms {walls}")
             bodies = rigs["gateway"].bodies
     return turns, bodies
@@ -564,6 +603,7 @@ class Spread:
 
 def analyse(turns: dict[str, list[Turn]], settings: Settings) -> dict[str, Any]:
     """Per-repetition differences and ratios, then medians; CPU from totals over reps."""
+    configs = tuple(turns)
     direct, gateway, gate = (turns[c] for c in CONFIGS)
     requests, calls = settings.rounds + 1, settings.rounds
     reps = len(direct)
@@ -576,16 +616,34 @@ def analyse(turns: dict[str, list[Turn]], settings: Settings) -> dict[str, Any]:
         (g.wall - d.wall) / requests * 1e3 for d, g in zip(direct, gateway, strict=True)
     ]
     gate_added = [(c.wall - g.wall) / calls * 1e3 for g, c in zip(gateway, gate, strict=True)]
+    split: dict[str, Any] = {}
+    if "gate-local" in turns:  # Pi: its side of the gate, and the runtime's round trips
+        local = turns["gate-local"]
+        split = {
+            "pi_side_ms_per_call": Spread.of(
+                [(x.wall - g.wall) / calls * 1e3 for g, x in zip(gateway, local, strict=True)]
+            ),
+            "round_trips_ms_per_call": Spread.of(
+                [(c.wall - x.wall) / calls * 1e3 for x, c in zip(local, gate, strict=True)]
+            ),
+            "pi_side_worker_cpu": cpu_per("gate-local", "worker_cpu", calls)
+            - cpu_per("gateway", "worker_cpu", calls),
+            "round_trips_runtime_cpu": cpu_per("gate", "runtime_cpu", calls)
+            - cpu_per("gate-local", "runtime_cpu", calls),
+            "round_trips_worker_cpu": cpu_per("gate", "worker_cpu", calls)
+            - cpu_per("gate-local", "worker_cpu", calls),
+        }
     return {
+        **split,
         "body_kib": Spread.of([t.body_bytes / 1024 for t in gateway]),
-        "turn_ms": {c: Spread.of([t.wall * 1e3 for t in turns[c]]) for c in CONFIGS},
-        "round_ms": {c: Spread.of([t.wall * 1e3 / requests for t in turns[c]]) for c in CONFIGS},
+        "turn_ms": {c: Spread.of([t.wall * 1e3 for t in turns[c]]) for c in configs},
+        "round_ms": {c: Spread.of([t.wall * 1e3 / requests for t in turns[c]]) for c in configs},
         "ratio": {
             c: Spread.of([t.wall / d.wall for t, d in zip(turns[c], direct, strict=True)])
-            for c in CONFIGS
+            for c in configs
         },
-        "runtime_cpu_ms_per_request": {c: cpu_per(c, "runtime_cpu", requests) for c in CONFIGS},
-        "worker_cpu_ms_per_request": {c: cpu_per(c, "worker_cpu", requests) for c in CONFIGS},
+        "runtime_cpu_ms_per_request": {c: cpu_per(c, "runtime_cpu", requests) for c in configs},
+        "worker_cpu_ms_per_request": {c: cpu_per(c, "worker_cpu", requests) for c in configs},
         "gateway_ms_per_request": Spread.of(gateway_added),
         "gate_ms_per_call": Spread.of(gate_added),
         "gateway_runtime_cpu": cpu_per("gateway", "runtime_cpu", requests)
@@ -617,7 +675,7 @@ def report(kind: str, result: dict[str, Any], settings: Settings) -> list[str]:
         "| runtime CPU ms/request | worker CPU ms/request |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for config in CONFIGS:
+    for config in result["turn_ms"]:
         lines.append(
             f"| {config} | {result['turn_ms'][config].text('.0f')} "
             f"| {result['round_ms'][config].median:.2f} "
@@ -637,6 +695,16 @@ def report(kind: str, result: dict[str, Any], settings: Settings) -> list[str]:
         f"| {result['gate_runtime_cpu']:.2f} | {result['gate_worker_cpu']:.2f} "
         f"| {verdict(gate)} |",
     ]
+    if "pi_side_ms_per_call" in result:
+        lines += [
+            f"| … of it Pi's side: its extension answering itself (gate-local - gateway) "
+            f"| {result['pi_side_ms_per_call'].text()} | — "
+            f"| {result['pi_side_worker_cpu']:.2f} | |",
+            f"| … of it the round trips to the runtime (gate - gate-local) "
+            f"| {result['round_trips_ms_per_call'].text()} "
+            f"| {result['round_trips_runtime_cpu']:.2f} "
+            f"| {result['round_trips_worker_cpu']:.2f} | |",
+        ]
     return lines
 
 
@@ -697,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
             turns, samples = trio.run(measure_kind, kind, base, settings, pi, log)
             stalls[kind] = pressure_since(pressure)
             results[kind] = analyse(turns, settings)
-            raw[kind] = {c: [t.__dict__ for t in turns[c]] for c in CONFIGS}
+            raw[kind] = {c: [t.__dict__ for t in turns[c]] for c in turns}
             bodies = samples  # the last kind's (Pi's, when it ran): real bodies
         log("  in-process breakdown")
         tiny = {
