@@ -253,3 +253,120 @@ def test_the_sse_parser_returns_what_each_read_completed() -> None:
     assert parser.feed(b"data: 4\n\n") == [SseEvent(data="3\n4")]
     assert parser.feed(b"data: 5\n") == []
     assert parser.end() == [SseEvent(data="5")]
+
+
+# -- B10: the shell's own codec on a real socket, read by h11 --------------------------------
+
+
+async def _exchange_raw(server: HttpServer, wire: bytes) -> list[h11.Event]:
+    """Send ``wire`` on a fresh connection in one write and read until the server closes the
+    connection (each case here must end with the close: the test's bound fails one that
+    does not); every event h11, as the client, reads from what came back."""
+    stream = await trio.open_tcp_stream(server.host, server.port)
+    async with stream:
+        await stream.send_all(wire)
+        received = bytearray()
+        while data := await stream.receive_some(65536):
+            received += data
+    client = h11.Connection(h11.CLIENT)
+    client.receive_data(bytes(received))
+    client.receive_data(b"")  # the server's close, after all of it
+    events: list[h11.Event] = []
+    for _ in range(wire.count(b" HTTP/1.")):
+        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        while True:
+            event = client.next_event()
+            assert isinstance(event, h11.Event), event  # all of it is here: never NEED_DATA
+            events.append(event)
+            if isinstance(event, h11.EndOfMessage):
+                break
+        if client.our_state is h11.MUST_CLOSE or client.their_state is h11.MUST_CLOSE:
+            break
+        client.start_next_cycle()
+    return events
+
+
+_LENGTH_3 = b"content-length: 3\r\n\r\n"
+
+
+def _bodies(events: list[h11.Event]) -> list[bytes]:
+    bodies: list[bytes] = []
+    for event in events:
+        if isinstance(event, h11.Response):
+            bodies.append(b"")
+        elif isinstance(event, h11.Data):
+            bodies[-1] += bytes(event.data)
+    return bodies
+
+
+async def test_b10_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
+    """B10: two requests in one write are two answers, in order, on the one connection (the
+    second waits in the codec's buffer for the first's cycle to end) — never the second lost
+    or answered first."""
+    wire = (
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nfirst"
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 6\r\nconnection: close\r\n\r\nsecond"
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(functools.partial(serve_http, _handler))
+            events = await _exchange_raw(server, wire)  # the second says close: it ends there
+            nursery.cancel_scope.cancel()
+    assert _bodies(events) == [b"first", b"second"]
+
+
+async def test_b10_an_http_1_0_client_gets_a_stream_ended_by_the_close() -> None:
+    """B10: an HTTP/1.0 client cannot read chunked: a response of no length goes to it
+    unframed, with ``connection: close``, and ends with the connection."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(functools.partial(serve_http, _handler))
+            events = await _exchange_raw(server, b"GET /stream HTTP/1.0\r\n\r\n")
+            nursery.cancel_scope.cancel()
+    response = events[0]
+    assert isinstance(response, h11.Response)
+    headers = dict(response.headers)
+    assert b"transfer-encoding" not in headers
+    assert headers[b"connection"] == b"close"
+    assert b"".join(_bodies(events)).endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("wire", "status"),
+    [
+        (b"GET / HTTP/1.1\r\nhost: x\r\nx: folded\r\n  on\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n", 501),
+        (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n" + _LENGTH_3, 400),
+        (b"GET / HTTP/2.0\r\nhost: x\r\n\r\n", 505),
+        (b"GET / HTTP/1.1\r\nhost: x\r\n" + b"x: " + b"y" * 17_000 + b"\r\n\r\n", 431),
+    ],
+    ids=["folded", "gzip", "te-and-cl", "http-2", "head-too-large"],
+)
+async def test_b10_a_request_the_codec_refuses_is_answered_its_status_and_closed(
+    wire: bytes, status: int
+) -> None:
+    """B10: a request outside the grammar never reaches the handler: it is answered the status
+    the codec names (``refusal(status)``'s body) and its connection is closed — nothing after
+    it is read as a request."""
+    seen: list[str] = []
+
+    async def handler(request: Request, response: ResponseWriter) -> None:
+        seen.append(request.target)
+        await response.respond(200, b"{}")
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server: HttpServer = await nursery.start(
+                functools.partial(
+                    serve_http, handler, refusal=lambda code: b'{"refused":%d}' % code
+                )
+            )
+            events = await _exchange_raw(server, wire + b"GET /after HTTP/1.1\r\nhost: x\r\n\r\n")
+            nursery.cancel_scope.cancel()
+    response = events[0]
+    assert isinstance(response, h11.Response)
+    assert response.status_code == status
+    assert _bodies(events)[0] == b'{"refused":%d}' % status
+    assert dict(response.headers)[b"connection"] == b"close"
+    assert seen == []
