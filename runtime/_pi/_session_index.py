@@ -8,12 +8,14 @@ bytes past that. What it keeps is small: 4 bytes an entry for Pi's 8-hex ids, no
 
 Nothing kept is trusted blindly. Before each read by difference the file must still be the
 one read (same device and inode), at least as long as what was read, its first line and the
-last line read must still hold the same bytes at the same offsets, and a file of the same size
-as at the last read must also have the same modification and change times. Anything else — a
-file replaced (a restored copy is renamed into place), truncated, rewritten in place — is read
-whole, as the first read of a lane is. Only whole lines (up to the last LF) are kept: the
-bytes after the last LF (a torn tail, or a complete last line without its LF, S6) are read
-again every time, so a tail completed, cut or replaced later is seen as it then is.
+last line read must still hold the same bytes at the same offsets, and a file of the size
+the last read reached must also have the modification and change times seen before that
+read (none are kept when Pi's append overtook the read: a read at that size is then whole).
+Anything else — a file replaced (a restored copy is renamed into place), truncated,
+rewritten in place — is read whole, as the first read of a lane is. Only whole lines (up to
+the last LF) are kept: the bytes after the last LF (a torn tail, or a complete last line
+without its LF, S6) are read again every time, so a tail completed, cut or replaced later is
+seen as it then is.
 
 What these checks cannot see without reading it all: a line between the first and the last
 read changed in place while the file also grew, or in the same tick of the file system's
@@ -130,8 +132,10 @@ class _Known:
     identity: tuple[int, int]
     """``st_dev``, ``st_ino``."""
     size: int
-    times: tuple[int, int]
-    """``st_mtime_ns``, ``st_ctime_ns`` at ``size``."""
+    """The size the read reached (the offset after its tail)."""
+    times: tuple[int, int] | None
+    """``st_mtime_ns``, ``st_ctime_ns`` at ``size``; ``None`` when they are not known (the
+    file changed size while it was read, so the times seen before it are of another size)."""
     consumed: int
     """The offset just past the last LF read."""
     probes: tuple[tuple[int, bytes], ...]
@@ -295,13 +299,19 @@ class SessionIndex:
         *,
         extra: int,
     ) -> LeafReading:
-        """Keep what ``scan`` read for the next read, and say what the leaf is now."""
+        """Keep what ``scan`` read for the next read, and say what the leaf is now.
+
+        The times of ``st`` (taken before the read) are kept only for the size they were
+        taken at: if the read went further (Pi appended meanwhile), a later rewrite in place
+        that keeps the size reached would leave them unchanged, so none are kept and a read
+        at that size is whole."""
         tail = scan.tail_entry(ids)
         ids.add_new(scan.fresh)
+        reached = scan.consumed + len(scan.tail)
         self._known = _Known(
             identity=(st.st_dev, st.st_ino),
-            size=st.st_size,
-            times=(st.st_mtime_ns, st.st_ctime_ns),
+            size=reached,
+            times=(st.st_mtime_ns, st.st_ctime_ns) if reached == st.st_size else None,
             consumed=scan.consumed,
             probes=probes,
             ids=ids,
@@ -310,7 +320,7 @@ class SessionIndex:
         return LeafReading(
             leaf=tail if tail is not None else scan.leaf,
             entries=len(ids) + (tail is not None),
-            size=scan.consumed + len(scan.tail),
+            size=reached,
             bytes_read=scan.bytes_read + extra,
             lines_parsed=scan.lines_parsed,
             whole=whole,
@@ -326,7 +336,7 @@ def _distrust(fd: int, st: os.stat_result, known: _Known | None) -> WholeRead | 
     if st.st_size < known.consumed:
         return WholeRead.TRUNCATED
     if st.st_size == known.size and (st.st_mtime_ns, st.st_ctime_ns) != known.times:
-        return WholeRead.REWRITTEN  # written, not grown: Pi only appends
+        return WholeRead.REWRITTEN  # written, not grown (Pi only appends), or times unknown
     for offset, data in known.probes:
         if _pread_all(fd, len(data), offset) != data:
             return WholeRead.REWRITTEN
