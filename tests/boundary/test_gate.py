@@ -43,7 +43,7 @@ from runtime._boundary._gate import (
     replay_class_of,
     serve_gate,
 )
-from runtime._boundary._http import HttpServer
+from runtime._boundary._http import HttpServer, Request, ResponseWriter
 from runtime._boundary._receipts import open_receipt_store
 from runtime._boundary._tools import DocumentTools
 from runtime._clock import Clocks
@@ -1127,3 +1127,135 @@ async def test_t14_a_receipt_intent_is_not_applied_with_other_arguments(tmp_path
     assert ReasonCode.GATE_REPLAY_MISMATCH in answer.result.content[0]["text"]
     assert revisions == []
     assert log.records == [intent]
+
+
+# -- B10: the extension's own HTTP/1.1 client (runtime/_boundary/pi_extension/gate.ts) -------
+
+
+@dataclass
+class HeldSecond(ScriptedModel):
+    """The scripted model, its second request (the first call's result) held until ``go``."""
+
+    go: trio.Event = field(default_factory=trio.Event)
+
+    async def handle(self, request: Request, response: ResponseWriter) -> None:
+        if self.request_count == 1:
+            await self.go.wait()
+        await super().handle(request, response)
+
+
+TWO_CALLS: Final[list[Step]] = [
+    ToolCalls(calls=[Call(name="bash", arguments={"command": "echo one | tee -a order"}, id="c1")]),
+    ToolCalls(calls=[Call(name="bash", arguments={"command": "echo two | tee -a order"}, id="c2")]),
+    Text(text="done"),
+]
+
+
+def answered_after(gate: Gate) -> trio.Event:
+    """Set once the gate has answered the first ``/after`` whole (its bytes handed to the
+    kernel): the extension's report of the first call is in, whatever the test does next."""
+    done = trio.Event()
+    handle = gate.handle
+
+    async def handled(request: Request, response: ResponseWriter) -> None:
+        await handle(request, response)
+        if request.target == "/after":
+            done.set()
+
+    gate.handle = handled  # type: ignore[method-assign]
+    return done
+
+
+async def _two_calls(
+    tmp_path: Path,
+    sock_dir: Path,
+    between: Callable[[Gate, trio.Nursery, trio.CancelScope], Awaitable[None]],
+) -> tuple[HeldSecond, MemoryLog]:
+    """The real Pi makes two ``bash`` calls through the gate; ``between`` runs once the first
+    call's outcome was answered and before the model asks for the second."""
+    model = HeldSecond(scenario=Scenario(steps=list(TWO_CALLS)))
+    log = MemoryLog()
+    gate = Gate(RecordingGateJournal(log, key=KEY, epoch=1, granted=("bash",)))
+    reported = answered_after(gate)
+    path = sock_dir / "gate.sock"
+    with trio.fail_after(PROCESS_LIMIT):
+        async with trio.open_nursery() as nursery:
+            up: HttpServer = await nursery.start(serve_model_http, model)
+            first = trio.CancelScope()
+
+            async def serve_first(task_status: trio.TaskStatus[GateServer]) -> None:
+                with first:
+                    await serve_gate(gate, path, task_status=task_status)
+
+            server: GateServer = await nursery.start(serve_first)
+            launch = _launch("pi", tmp_path, up, gate_env=gate_environment(server, gate))
+            async with (
+                open_worker(launch) as worker,
+                open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+            ):
+                prompted = await rpc.prompt("go")
+                await reported.wait()
+                await between(gate, nursery, first)
+                model.go.set()
+                settled = await rpc.wait_settled(prompted.settled_before)
+                assert settled.record["aborted"] is False
+            nursery.cancel_scope.cancel()
+    return model, log
+
+
+async def test_e2e_b10_the_extension_reconnects_once_the_gate_closed_its_connection(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """B10, T1: Pi's gate extension speaks HTTP/1.1 itself, on one kept connection. The gate
+    closes it between two calls (its server stopped, and the same gate served again on the
+    same path): the next call opens a new connection and runs — never a call failed on a
+    connection the gate closed while it was idle."""
+
+    async def restart(gate: Gate, nursery: trio.Nursery, first: trio.CancelScope) -> None:
+        first.cancel()
+        await nursery.start(serve_gate, gate, sock_dir / "gate.sock")
+
+    model, log = await _two_calls(tmp_path, sock_dir, restart)
+    assert (tmp_path / "work" / "order").read_text() == "one\ntwo\n"
+    assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome, ToolIntent, ToolOutcome]
+    assert tool_messages(model.requests[2].body)["c2"].strip() == "two"
+
+
+async def test_e2e_b10_t1_an_answer_refused_fails_the_call_closed(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """B10, T1: the gate's secret rotated between two calls (a fence's): the second call's
+    ``/before`` is answered 401 with the connection's close. The extension fails that call
+    closed — the tool does not run, Pi hands the model the refusal as an error result — and
+    nothing is recorded for it."""
+
+    async def fence(gate: Gate, nursery: trio.Nursery, first: trio.CancelScope) -> None:
+        gate.rotate_secret()
+
+    model, log = await _two_calls(tmp_path, sock_dir, fence)
+    assert (tmp_path / "work" / "order").read_text() == "one\n"
+    assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome]
+    assert "tool gate /before: HTTP 401" in tool_messages(model.requests[2].body)["c2"]
+
+
+async def test_e2e_b10_an_answer_not_framed_by_content_length_fails_the_call_closed(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """B10: the extension reads only what the gate's shell sends — one whole answer framed by
+    ``Content-Length``. An answer framed otherwise (chunked, here, with ``run`` in it) is no
+    answer: the call fails closed, the tool does not run, and the connection is dropped."""
+
+    async def chunked(gate: Gate, nursery: trio.Nursery, first: trio.CancelScope) -> None:
+        async def handled(request: Request, response: ResponseWriter) -> None:
+            await response.start(200, [("content-type", "application/json")])
+            await response.send(b'{"decision":"run"}')
+            await response.end()
+
+        gate.handle = handled  # type: ignore[method-assign]
+        first.cancel()  # served again with the handler above (new connections take it)
+        await nursery.start(serve_gate, gate, sock_dir / "gate.sock")
+
+    model, log = await _two_calls(tmp_path, sock_dir, chunked)
+    assert (tmp_path / "work" / "order").read_text() == "one\n"
+    assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome]
+    assert "Content-Length" in tool_messages(model.requests[2].body)["c2"]

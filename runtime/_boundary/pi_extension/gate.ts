@@ -37,7 +37,7 @@ import {
 	createWriteToolDefinition,
 } from "@earendil-works/pi-coding-agent";
 import { readFileSync } from "node:fs";
-import { request } from "node:http";
+import { createConnection, type Socket } from "node:net";
 import { join } from "node:path";
 
 const SOCKET_ENV = "PI_RUNTIME_GATE_SOCKET";
@@ -94,42 +94,139 @@ function runtimeTools(): Array<{ name: string; description: string; parameters: 
 	return tools;
 }
 
-function post(path: string, body: unknown, signal?: AbortSignal): Promise<any> {
-	return new Promise((resolve, reject) => {
-		const data = Buffer.from(JSON.stringify(body), "utf8");
-		const req = request(
-			{
-				socketPath: SOCKET,
-				path,
-				method: "POST",
-				headers: {
-					"content-type": "application/json",
-					"content-length": String(data.length),
-					authorization: `Bearer ${SECRET}`,
+/** A gate request's answer: its status and its body's text. */
+type Answer = { status: number; text: string };
+
+/**
+ * The connection to the gate: HTTP/1.1 over its Unix socket, written and read here rather than
+ * through node:http, whose client cost Pi four times the CPU per tool call (performance.md, "The
+ * gate's client"). One request at a time on one kept connection, opened again once the gate
+ * closed it. The gate's shell answers every request whole, framed by Content-Length
+ * (boundaries.md B10): any other answer, or bytes nobody asked for, fail the request and drop
+ * the connection — the call fails closed, as for an unreachable gate.
+ */
+class GateLink {
+	private socket: Socket | null = null;
+	private received: Buffer = Buffer.alloc(0);
+	private waiter: { resolve: (answer: Answer) => void; reject: (error: Error) => void } | null = null;
+	private tail: Promise<unknown> = Promise.resolve();
+
+	/** Send one request once every earlier one was answered (or failed); its answer. */
+	send(path: string, data: Buffer, signal?: AbortSignal): Promise<Answer> {
+		const turn = this.tail.then(() => this.exchange(path, data, signal));
+		this.tail = turn.catch(() => undefined);
+		return turn;
+	}
+
+	private exchange(path: string, data: Buffer, signal?: AbortSignal): Promise<Answer> {
+		return new Promise<Answer>((resolve, reject) => {
+			if (signal?.aborted) {
+				reject(new Error("The operation was aborted"));
+				return;
+			}
+			const socket = this.socket ?? this.open();
+			const aborted = () => this.fail(new Error("The operation was aborted"), socket);
+			signal?.addEventListener("abort", aborted, { once: true });
+			this.waiter = {
+				resolve: (answer) => {
+					signal?.removeEventListener("abort", aborted);
+					resolve(answer);
 				},
-				signal,
-			},
-			(res) => {
-				const chunks: Buffer[] = [];
-				res.on("data", (chunk: Buffer) => chunks.push(chunk));
-				res.on("error", reject);
-				res.on("end", () => {
-					const text = Buffer.concat(chunks).toString("utf8");
-					if (res.statusCode !== 200) {
-						reject(new Error(`tool gate ${path}: HTTP ${res.statusCode}: ${text}`));
-						return;
-					}
-					try {
-						resolve(JSON.parse(text));
-					} catch (error: any) {
-						reject(new Error(`tool gate ${path}: not JSON: ${error?.message ?? error}`));
-					}
-				});
-			},
-		);
-		req.on("error", (error: any) => reject(new Error(`tool gate unreachable (gate_unreachable): ${error?.message ?? error}`)));
-		req.end(data);
-	});
+				reject: (error) => {
+					signal?.removeEventListener("abort", aborted);
+					reject(error);
+				},
+			};
+			const head =
+				`POST ${path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n` +
+				`content-length: ${data.length}\r\nauthorization: Bearer ${SECRET}\r\n\r\n`;
+			socket.write(Buffer.concat([Buffer.from(head, "latin1"), data]));
+		});
+	}
+
+	private open(): Socket {
+		const socket = createConnection(SOCKET);
+		socket.on("data", (chunk: Buffer) => this.take(chunk, socket));
+		socket.on("error", (error: Error) => this.fail(error, socket));
+		socket.on("end", () => this.fail(new Error("the gate closed the connection"), socket));
+		socket.on("close", () => this.fail(new Error("the gate closed the connection"), socket));
+		this.socket = socket;
+		this.received = Buffer.alloc(0);
+		return socket;
+	}
+
+	/** ``socket`` cannot carry another request: drop it, and fail the request waiting on it
+	 * (a late event of a connection already dropped changes nothing). */
+	private fail(error: Error, socket: Socket): void {
+		if (socket !== this.socket) return;
+		this.socket = null;
+		this.received = Buffer.alloc(0);
+		socket.destroy();
+		const waiter = this.waiter;
+		this.waiter = null;
+		waiter?.reject(error);
+	}
+
+	private take(chunk: Buffer, socket: Socket): void {
+		if (socket !== this.socket) return;
+		this.received = this.received.length ? Buffer.concat([this.received, chunk]) : chunk;
+		const end = this.received.indexOf("\r\n\r\n");
+		if (end < 0) {
+			if (this.received.length > 65536) this.fail(new Error("the gate's answer has no head"), socket);
+			return;
+		}
+		const lines = this.received.subarray(0, end).toString("latin1").split("\r\n");
+		const status = /^HTTP\/1\.[01] ([0-9]{3})(?: |$)/.exec(lines[0]);
+		let length = -1;
+		let close = false;
+		for (const line of lines.slice(1)) {
+			const colon = line.indexOf(":");
+			const name = line.slice(0, colon).trim().toLowerCase();
+			const value = line.slice(colon + 1).trim().toLowerCase();
+			if (colon < 0 || name === "transfer-encoding") length = -2;
+			else if (name === "content-length") length = length === -1 && /^[0-9]+$/.test(value) ? Number(value) : -2;
+			else if (name === "connection") close = close || value.split(",").some((token) => token.trim() === "close");
+		}
+		if (status === null || length < 0) {
+			this.fail(new Error("the gate's answer is not HTTP/1.1 framed by one Content-Length"), socket);
+			return;
+		}
+		const whole = end + 4 + length;
+		if (this.received.length < whole) return;
+		const waiter = this.waiter;
+		if (waiter === null || this.received.length > whole) {
+			this.fail(new Error("the gate sent what no request asked for"), socket);
+			return;
+		}
+		const text = this.received.subarray(end + 4, whole).toString("utf8");
+		this.waiter = null;
+		this.received = Buffer.alloc(0);
+		if (close) {
+			this.socket = null;
+			socket.destroy();
+		}
+		waiter.resolve({ status: Number(status[1]), text });
+	}
+}
+
+const link = new GateLink();
+
+async function post(path: string, body: unknown, signal?: AbortSignal): Promise<any> {
+	const data = Buffer.from(JSON.stringify(body), "utf8");
+	let answer: Answer;
+	try {
+		answer = await link.send(path, data, signal);
+	} catch (error: any) {
+		throw new Error(`tool gate unreachable (gate_unreachable): ${error?.message ?? error}`);
+	}
+	if (answer.status !== 200) {
+		throw new Error(`tool gate ${path}: HTTP ${answer.status}: ${answer.text}`);
+	}
+	try {
+		return JSON.parse(answer.text);
+	} catch (error: any) {
+		throw new Error(`tool gate ${path}: not JSON: ${error?.message ?? error}`);
+	}
 }
 
 /** The last outcome reported (/after); the next /before waits for it (T11, T18). */
