@@ -583,18 +583,20 @@ def find_members(proof: TreeProof, table: dict[int, ProcInfo]) -> TreeScan:
                 members[pid] = info
         except _Undecided:
             undecided.add(pid)
+    # the runtime, its ancestors and PID 1 are never members, nor a way in: a root that names
+    # one of them (a record's exact identity) must not make their other children members (W5)
+    mine = _ancestors(table)
+    for pid in mine:
+        members.pop(pid, None)
     children: dict[int, list[int]] = {}
     for info in table.values():
         children.setdefault(info.ppid, []).append(info.pid)
     todo = list(members)
     while todo:
         for child in children.get(todo.pop(), ()):
-            if child not in members:
+            if child not in members and child not in mine:
                 members[child] = table[child]
                 todo.append(child)
-    mine = _ancestors(table)
-    for pid in mine:
-        members.pop(pid, None)
     return TreeScan(members, frozenset(undecided - members.keys() - mine))
 
 
@@ -656,6 +658,32 @@ async def _wait_exited(fds: Iterable[int]) -> None:
         await trio.lowlevel.wait_readable(fd)
 
 
+def _last_pid() -> int:
+    """The pid the kernel gave out last (the end of ``/proc/loadavg``); 0 if unknown."""
+    loadavg = _read_bytes("/proc/loadavg")
+    try:
+        return int(loadavg.split()[-1]) if loadavg else 0
+    except ValueError:
+        return 0
+
+
+def _newest_first(pids: Iterable[int], last: int) -> list[int]:
+    """``pids`` from the most recently made back: the kernel gives pids out in a cycle, and
+    ``last`` is the last one it gave (``pid_max`` is 32768 on many hosts: the cycle wraps
+    within minutes on a busy one, so the highest pid is not the newest)."""
+    return sorted(pids, key=lambda pid: (pid > last, -pid))
+
+
+def _made_since(before: int, now: int) -> list[int]:
+    """The pids given out after ``before`` up to ``now``, newest first (``[]`` when the cycle
+    wrapped meanwhile: the caller lists ``/proc`` again)."""
+    return list(range(now, before, -1)) if now > before else []
+
+
+_CHASES: Final = 64
+"""How many times one sweep follows the pids made while it read (a tree that forks on)."""
+
+
 @dataclass
 class _Kill:
     proof: TreeProof
@@ -669,6 +697,55 @@ class _Kill:
         for pid, info in scan.members.items():
             self.proven[pid] = info.start_time
         return scan
+
+    def sweep(self) -> list[int]:
+        """Kill at once every live process that carries the nonce, newest first, each one
+        the moment it is proven (its stat, then its environment, then the pidfd): a process
+        that lives shorter than a scan of the whole table (a tree that forks and lets its
+        parent exit, on and on) is met while it lives, and cannot fork again. The pids it
+        signalled: the tree was not gone then, whatever the next scan finds (W3, W6)."""
+        mine = _ancestors({})
+        found: list[int] = []
+        last = _last_pid()
+        pids = _newest_first((int(name) for name in os.listdir("/proc") if name.isdigit()), last)
+        self._sweep(pids, mine, found)
+        for _ in range(_CHASES):  # then the pids made meanwhile: a forking tree's newest
+            newest = _last_pid()
+            if newest == last:
+                break
+            made = _made_since(last, newest)
+            if not made:  # wrapped: list again
+                made = _newest_first(
+                    (int(name) for name in os.listdir("/proc") if name.isdigit()), newest
+                )
+            self._sweep(made, mine, found)
+            last = newest
+        return found
+
+    def _sweep(self, pids: Iterable[int], mine: set[int], found: list[int]) -> None:
+        for pid in pids:
+            if pid in mine or pid in self.refused:
+                continue
+            info = _read_stat(pid)
+            if info is None or not info.alive:
+                continue
+            if not has_nonce(read_environ(pid), self.proof.nonce):
+                continue  # a stranger, or inside an exec: the scan decides it
+            fd = _open_verified(pid, info.start_time)
+            if fd is None:
+                continue
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                self.refused.add(pid)
+                continue
+            finally:
+                os.close(fd)
+            self.proven[pid] = info.start_time
+            self.killed.add(pid)
+            found.append(pid)
 
     async def round(self, live: dict[int, ProcInfo]) -> bool:
         """Kill one scan's members and wait for them; ``False`` when all refused the signal."""
@@ -710,21 +787,30 @@ async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
     With a cgroup, ``cgroup.kill`` goes first (it cannot miss a fork); then scan
     rounds kill every proven member (cgroup, nonce, roots and their descendants)
     and wait for each one's exit on its pidfd, until a scan finds none alive or
-    ``give_up_after`` seconds (Trio's clock) pass. A scan that meets a process
-    inside an exec reads again until it is decided, so "none alive" is proven, not
-    the result of an empty read; the last scan may take up to one more second.
+    ``give_up_after`` seconds (Trio's clock) pass. Without a cgroup each round starts
+    with a sweep that kills every nonce carrier the moment it is proven, newest first
+    (:meth:`_Kill.sweep`: a tree that forks and exits faster than a scan reads the table
+    is met only so); the rounds go on until a sweep and a scan both find nothing, and
+    what a sweep still kills once the bound ran out is reported a survivor. A scan that
+    meets a process inside an exec reads again until it is decided, so "none alive" is
+    proven, not the result of an empty read; the last scan may take up to one more second.
     It returns a report either way: a process it could not kill is a survivor,
     never an exception (an enclosing cancel scope still cancels it like any other
     call).
     """
     state = _Kill(proof)
     cgroup_killed = proof.cgroup is not None and _cgroup_kill(proof.cgroup)
-    with trio.move_on_after(give_up_after):
+    sweeps = proof.cgroup is None  # with a cgroup, cgroup.kill cannot miss a fork
+    with trio.move_on_after(give_up_after) as bounded:
         while True:
             try:
+                swept = state.sweep() if sweeps else []
                 live = (await state.scan(give_up_after)).live()
-                if not live or not await state.round(live):
+                if not live and not swept:
                     break
+                if live and not await state.round(live) and not swept:
+                    break
+                await trio.lowlevel.checkpoint()
             except OSError as error:  # a scan or a pidfd wanted a descriptor (L21): again
                 if not descriptors_exhausted(error):
                     raise
@@ -735,15 +821,21 @@ async def kill_tree(proof: TreeProof, *, give_up_after: float) -> KillReport:
         if not descriptors_exhausted(error):
             raise
         last = TreeScan({}, frozenset(state.proven) | {root.pid for root in proof.roots})
-    live = last.live()
+    alive = set(last.live())
+    if sweeps and bounded.cancelled_caught:  # the tree may be outrunning the scans: look again
+        try:
+            alive.update(state.sweep())
+        except OSError as error:  # the last scan's report stands (undecided, when it could not)
+            if not descriptors_exhausted(error):
+                raise
     state.reaped += reap_proven(state.proven)
     removed = True
-    if proof.cgroup is not None and not live:
+    if proof.cgroup is not None and not alive:
         removed = await _remove_when_empty(proof.cgroup, give_up_after)
     return KillReport(
         killed=tuple(sorted(state.killed)),
         reaped=tuple(sorted(state.reaped)),
-        survivors=tuple(sorted(live)),
+        survivors=tuple(sorted(alive)),
         undecided=tuple(sorted(last.undecided)),
         cgroup_killed=cgroup_killed,
         cgroup_removed=removed,

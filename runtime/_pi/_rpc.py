@@ -25,6 +25,7 @@ from .._errors import (
     WorkerExitedError,
     WorkerLaunchError,
 )
+from ._pijson import stringify
 from ._rpc_protocol import (
     MAX_LINE,
     ChannelStatistics,
@@ -54,6 +55,16 @@ STDIN_STALL_SECONDS: Final = 10.0
 """How long one line's write may wait for a worker that does not read its stdin (R3): its
 write is shielded, so without a bound a fence could never leave the block."""
 _encoder: Final = msgspec.json.Encoder()
+
+
+def _command_line(record: Mapping[str, Any]) -> bytes:
+    """One command as a JSON line. Text holding a lone surrogate (a model's text read
+    through ``_pijson.loads`` can) is written as ``JSON.stringify`` writes it, a ``\\udxxx``
+    escape Pi's ``JSON.parse`` reads back: msgspec cannot encode it (R3)."""
+    try:
+        return _encoder.encode(record) + b"\n"
+    except UnicodeEncodeError:
+        return stringify(record) + b"\n"
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -110,6 +121,8 @@ class RpcChannel:
         self._exit_error: RpcError | None = None
         self._closing = self._stdin_closed = False
         self._ui_answered = 0
+        self._dialogs_open = 0
+        """Dialogs read and not yet answered (R8): stdin is not closed under them (R11)."""
 
     # -- commands --------------------------------------------------------------------
 
@@ -197,8 +210,10 @@ class RpcChannel:
 
     @property
     def idle(self) -> bool:
-        """No run in flight and no request pending, or the worker is gone."""
-        return self._exit_error is not None or not (self._state.running or self._slots)
+        """No run in flight, no request pending and no dialog unanswered, or the worker is
+        gone."""
+        busy = self._state.running or self._slots or self._dialogs_open
+        return self._exit_error is not None or not busy
 
     async def wait_idle(self) -> None:
         while not self.idle:
@@ -215,8 +230,10 @@ class RpcChannel:
         the worker instead. Idempotent.
         """
         self._closing = True
-        await self.wait_idle()
-        await self._close_stdin()
+        while True:  # a dialog may be read while the write lock is taken: then wait again
+            await self.wait_idle()
+            if await self._close_stdin(only_idle=True):
+                break
         with trio.move_on_after(self._exit_grace):
             await self._eof.wait()
 
@@ -284,7 +301,7 @@ class RpcChannel:
         stdin would otherwise hold even a fence's cancellation here for ever, and the tree
         would never be stopped (W10). Then stdin is closed (half a line may be in it: no
         later line may follow) and the worker is taken as gone."""
-        data = _encoder.encode(record) + b"\n"
+        data = _command_line(record)
         async with self._send_lock:
             if self._stdin_closed:
                 raise trio.ClosedResourceError
@@ -301,12 +318,17 @@ class RpcChannel:
                 self._end(gone)  # taken as gone: every waiter learns it, not this one alone
                 raise gone
 
-    async def _close_stdin(self) -> None:
+    async def _close_stdin(self, *, only_idle: bool = False) -> bool:
+        """Close stdin (under the write lock, so never inside a line); with ``only_idle``
+        only if the worker is still idle once the lock is taken. Whether it is closed."""
         async with self._send_lock:
+            if only_idle and not self.idle:
+                return False
             if not self._stdin_closed:
                 self._stdin_closed = True
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await self._stdin.aclose()
+            return True
 
     async def _read(self) -> None:
         """The reader (R4): drains stdout, never awaits a consumer, a policy or stdin."""
@@ -315,6 +337,8 @@ class RpcChannel:
             while data := await self._stdout.receive_some(_CHUNK):
                 for line in self._splitter.feed(data):
                     self._dispatch(line)
+                if self._splitter.overflowed:  # after the lines before the long one (R2)
+                    raise RpcLineTooLongError(self._splitter.max_line)
             if (tail := self._splitter.finish()) is not None:
                 self._dispatch(tail)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -349,6 +373,7 @@ class RpcChannel:
                 slot.response, slot.settled_before = received.response, received.settled_before
                 slot.done.set()
         if received.ui is not None:
+            self._dialogs_open += 1
             self._ui_in.send_nowait(received.ui)
         if received.event is not None:
             self._events_in.send_nowait(received.event)
@@ -386,9 +411,13 @@ class RpcChannel:
             with trio.move_on_after(self._ui_timeout):
                 reply = await self._ui_policy(request)
         finally:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._write(ui_response(request.id, reply))
-            self._ui_answered += 1
+            try:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self._write(ui_response(request.id, reply))
+                    self._ui_answered += 1  # only an answer that was written counts
+            finally:
+                self._dialogs_open -= 1
+                self._notify()
 
 
 @contextlib.asynccontextmanager
@@ -440,7 +469,7 @@ async def open_rpc_channel(
                 finally:
                     if channel.idle:
                         with trio.move_on_after(exit_grace, shield=True):
-                            await channel._close_stdin()
+                            await channel._close_stdin(only_idle=True)
                     nursery.cancel_scope.cancel()
         finally:
             # the reader may be cancelled before stdout ended (the epoch was fenced): a

@@ -148,26 +148,45 @@ class LineSplitter:
     def __init__(self, max_line: int = MAX_LINE) -> None:
         self.max_line = max_line
         self.longest = 0
+        self.overflowed = False
+        """A line past ``max_line`` was met: every later :meth:`feed` and :meth:`finish`
+        raises :class:`RpcLineTooLongError`."""
         self._buffer = bytearray()
 
     def feed(self, data: bytes | bytearray) -> list[bytes]:
-        """The lines completed by ``data``, without their ``\\n``."""
+        """The lines completed by ``data``, without their ``\\n``.
+
+        A line longer than ``max_line`` — finished in this ``data`` or not — raises
+        :class:`RpcLineTooLongError`; when lines before it were completed by the same
+        ``data`` they are returned first (nothing before the long line is lost), with
+        :attr:`overflowed` set: the caller raises after them, and the next call does."""
+        if self.overflowed:
+            raise RpcLineTooLongError(self.max_line)
         buffer = self._buffer
         scan = len(buffer)
         buffer += data
         lines: list[bytes] = []
         start = 0
         while (end := buffer.find(b"\n", scan)) >= 0:
+            if end - start > self.max_line:  # whole in this chunk, but past the limit all the same
+                self.overflowed = True
+                break
             lines.append(bytes(buffer[start:end]))
             self.longest = max(self.longest, end - start)
             start = scan = end + 1
-        del buffer[:start]
-        if len(buffer) > self.max_line:
-            raise RpcLineTooLongError(self.max_line)
+        else:
+            del buffer[:start]
+            self.overflowed = len(buffer) > self.max_line
+        if self.overflowed:
+            self._buffer = bytearray()
+            if not lines:
+                raise RpcLineTooLongError(self.max_line)
         return lines
 
     def finish(self) -> bytes | None:
         """At end of stream: the unterminated last line, if any."""
+        if self.overflowed:
+            raise RpcLineTooLongError(self.max_line)
         rest, self._buffer = bytes(self._buffer), bytearray()
         return rest or None
 
