@@ -735,17 +735,25 @@ class _Kill:
             if fd is None:
                 continue
             try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                self.refused.add(pid)
-                continue
+                sent = self._kill(fd, pid)
             finally:
                 os.close(fd)
-            self.proven[pid] = info.start_time
-            self.killed.add(pid)
-            found.append(pid)
+            if sent:
+                self.proven[pid] = info.start_time
+                found.append(pid)
+
+    def _kill(self, fd: int, pid: int) -> bool:
+        """SIGKILL through ``fd`` (``pid``'s verified pidfd); whether it was sent — not to a
+        process already gone, nor to one that refused it (kept in :attr:`refused`)."""
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            self.refused.add(pid)
+            return False
+        self.killed.add(pid)
+        return True
 
     async def round(self, live: dict[int, ProcInfo]) -> bool:
         """Kill one scan's members and wait for them; ``False`` when all refused the signal."""
@@ -758,14 +766,7 @@ class _Kill:
                 if fd is None:
                     continue
                 fds.append(fd)
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                except ProcessLookupError:
-                    continue
-                except PermissionError:
-                    self.refused.add(pid)
-                    continue
-                self.killed.add(pid)
+                self._kill(fd, pid)
             await _wait_exited(fds)
         finally:
             for fd in fds:
