@@ -10,6 +10,7 @@ and driven by events, never by sleeping; every process is stopped by ``open_work
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import shutil
@@ -1259,3 +1260,35 @@ async def test_e2e_b10_an_answer_not_framed_by_content_length_fails_the_call_clo
     assert (tmp_path / "work" / "order").read_text() == "one\n"
     assert [type(x) for x in log.records] == [ToolIntent, ToolOutcome]
     assert "Content-Length" in tool_messages(model.requests[2].body)["c2"]
+
+
+async def test_e2e_b10_a_saved_result_of_megabytes_reaches_the_model_whole(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """B10, T3: the extension reads an answer of several megabytes (a saved result the gate
+    hands back, many reads' worth of pieces) whole, and Pi hands it to the model as it was
+    recorded; the tool does not run. (Its pieces are joined once, not at every piece.)"""
+    text = "".join(f"line {i:07d} of a large saved output\n" for i in range(80_000))  # ~3 MB
+    records: list[Record] = [
+        _intent("call_saved", args={"command": "touch saved-ran"}),
+        ToolOutcome(
+            intent_id=f"{KEY}:1",
+            tool_call_id="call_saved",
+            content=[{"type": "text", "text": text}],
+        ),
+    ]
+    steps: list[Step] = [
+        ToolCalls(
+            calls=[Call(name="bash", arguments={"command": "touch saved-ran"}, id="call_saved")]
+        ),
+        Text(text="done"),
+    ]
+    log = MemoryLog(records=records)
+    with trio.fail_after(PROCESS_LIMIT):
+        async with model_and_gate(steps, sock_dir, log, ("bash",)) as (model, up, r):
+            launch = _launch("pi", tmp_path, up, gate_env=gate_environment(r.server, r.gate))
+            # a result this large would have Pi compact its context first
+            await one_turn(dataclasses.replace(launch, settings={"compaction": {"enabled": False}}))
+    assert model.request_count == 2
+    assert not (tmp_path / "work" / "saved-ran").exists()
+    assert tool_messages(model.requests[1].body)["call_saved"] == text

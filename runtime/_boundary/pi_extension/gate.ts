@@ -107,7 +107,12 @@ type Answer = { status: number; text: string };
  */
 class GateLink {
 	private socket: Socket | null = null;
-	private received: Buffer = Buffer.alloc(0);
+	/** What arrived of the answer, in pieces: joined once its head is in, then once whole (a
+	 * saved result can be megabytes: joining at every piece would copy it over and over). */
+	private pieces: Buffer[] = [];
+	private size = 0;
+	/** The answer's head, once read: its status, where its body starts and ends, its close. */
+	private head: { status: number; start: number; whole: number; close: boolean } | null = null;
 	private waiter: { resolve: (answer: Answer) => void; reject: (error: Error) => void } | null = null;
 	private tail: Promise<unknown> = Promise.resolve();
 
@@ -151,7 +156,7 @@ class GateLink {
 		socket.on("end", () => this.fail(new Error("the gate closed the connection"), socket));
 		socket.on("close", () => this.fail(new Error("the gate closed the connection"), socket));
 		this.socket = socket;
-		this.received = Buffer.alloc(0);
+		this.forget();
 		return socket;
 	}
 
@@ -160,52 +165,65 @@ class GateLink {
 	private fail(error: Error, socket: Socket): void {
 		if (socket !== this.socket) return;
 		this.socket = null;
-		this.received = Buffer.alloc(0);
+		this.forget();
 		socket.destroy();
 		const waiter = this.waiter;
 		this.waiter = null;
 		waiter?.reject(error);
 	}
 
+	private forget(): void {
+		this.pieces = [];
+		this.size = 0;
+		this.head = null;
+	}
+
 	private take(chunk: Buffer, socket: Socket): void {
 		if (socket !== this.socket) return;
-		this.received = this.received.length ? Buffer.concat([this.received, chunk]) : chunk;
-		const end = this.received.indexOf("\r\n\r\n");
-		if (end < 0) {
-			if (this.received.length > 65536) this.fail(new Error("the gate's answer has no head"), socket);
-			return;
+		this.pieces.push(chunk);
+		this.size += chunk.length;
+		if (this.head === null) {
+			const received = this.pieces.length > 1 ? Buffer.concat(this.pieces) : chunk;
+			this.pieces = [received];
+			const end = received.indexOf("\r\n\r\n");
+			if (end < 0) {
+				if (this.size > 65536) this.fail(new Error("the gate's answer has no head"), socket);
+				return;
+			}
+			const lines = received.subarray(0, end).toString("latin1").split("\r\n");
+			const status = /^HTTP\/1\.[01] ([0-9]{3})(?: |$)/.exec(lines[0]);
+			let length = -1;
+			let close = false;
+			for (const line of lines.slice(1)) {
+				const colon = line.indexOf(":");
+				const name = line.slice(0, colon).trim().toLowerCase();
+				const value = line.slice(colon + 1).trim().toLowerCase();
+				if (colon < 0 || name === "transfer-encoding") length = -2;
+				else if (name === "content-length") length = length === -1 && /^[0-9]+$/.test(value) ? Number(value) : -2;
+				else if (name === "connection") close = close || value.split(",").some((token) => token.trim() === "close");
+			}
+			if (status === null || length < 0) {
+				this.fail(new Error("the gate's answer is not HTTP/1.1 framed by one Content-Length"), socket);
+				return;
+			}
+			this.head = { status: Number(status[1]), start: end + 4, whole: end + 4 + length, close };
 		}
-		const lines = this.received.subarray(0, end).toString("latin1").split("\r\n");
-		const status = /^HTTP\/1\.[01] ([0-9]{3})(?: |$)/.exec(lines[0]);
-		let length = -1;
-		let close = false;
-		for (const line of lines.slice(1)) {
-			const colon = line.indexOf(":");
-			const name = line.slice(0, colon).trim().toLowerCase();
-			const value = line.slice(colon + 1).trim().toLowerCase();
-			if (colon < 0 || name === "transfer-encoding") length = -2;
-			else if (name === "content-length") length = length === -1 && /^[0-9]+$/.test(value) ? Number(value) : -2;
-			else if (name === "connection") close = close || value.split(",").some((token) => token.trim() === "close");
-		}
-		if (status === null || length < 0) {
-			this.fail(new Error("the gate's answer is not HTTP/1.1 framed by one Content-Length"), socket);
-			return;
-		}
-		const whole = end + 4 + length;
-		if (this.received.length < whole) return;
+		const head = this.head;
+		if (this.size < head.whole) return;
 		const waiter = this.waiter;
-		if (waiter === null || this.received.length > whole) {
+		if (waiter === null || this.size > head.whole) {
 			this.fail(new Error("the gate sent what no request asked for"), socket);
 			return;
 		}
-		const text = this.received.subarray(end + 4, whole).toString("utf8");
+		const received = this.pieces.length > 1 ? Buffer.concat(this.pieces) : this.pieces[0];
+		const text = received.subarray(head.start, head.whole).toString("utf8");
 		this.waiter = null;
-		this.received = Buffer.alloc(0);
-		if (close) {
+		this.forget();
+		if (head.close) {
 			this.socket = null;
 			socket.destroy();
 		}
-		waiter.resolve({ status: Number(status[1]), text });
+		waiter.resolve({ status: head.status, text });
 	}
 }
 
