@@ -708,14 +708,21 @@ async def serve_gate(
     """
     if len(os.fsencode(path)) > 107:
         raise GateError(ReasonCode.GATE_BAD_REQUEST, f"socket path too long: {path}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    raw = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    sock = trio.socket.from_stdlib_socket(raw)
     failure: PiRuntimeError | None = None
-    bound: tuple[int, int] | None = None
+    held: int | None = None
+    """The socket file, held open (``O_PATH``) until this gate has ended (T1): its inode
+    cannot be freed, so a successor's socket file at the same path never gets its number —
+    the listener closes before this gate ends, and a successor bound then took the freed
+    number, which this gate took for its own file and removed."""
     try:
-        await sock.bind(str(path))
-        bound = _file_id(path)
+        # the old file's removal, the bind and the hold in one go on the Trio thread (Trio's
+        # own bind of a Unix socket runs in a worker thread, with other tasks in between)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raw.bind(str(path))
+        held = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         os.chmod(path, 0o600)
         sock.listen(64)
         listener = trio.SocketListener(sock)
@@ -743,17 +750,22 @@ async def serve_gate(
         sock.close()
         # its own socket file only: a successor may have been bound at the same path
         # (a one-shot slot's next gate) before this one finished ending
-        if bound is not None and _file_id(path) == bound:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        if held is not None:
+            try:
+                if _same_file(held, path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            finally:
+                os.close(held)
     if failure is not None:
         raise failure
 
 
-def _file_id(path: Path) -> tuple[int, int] | None:
-    """The file at ``path`` as (device, inode), or ``None`` when there is none."""
+def _same_file(held: int, path: Path) -> bool:
+    """Whether ``path`` names the file ``held`` is open on."""
     try:
         found = os.stat(path)
     except FileNotFoundError:
-        return None
-    return found.st_dev, found.st_ino
+        return False
+    mine = os.fstat(held)
+    return (found.st_dev, found.st_ino) == (mine.st_dev, mine.st_ino)
