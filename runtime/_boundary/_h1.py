@@ -375,10 +375,6 @@ class _Reader:
             raise RemoteProtocolError("the connection ended inside a chunked body")
         return NEED_DATA
 
-    @property
-    def reading_body(self) -> bool:
-        return self._framing is not _Framing.NONE
-
 
 def _check_fields(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     """Fields this side sends, encoded and checked: a name no token, or a value with a line
@@ -409,12 +405,12 @@ class _Writer:
         self.framing: _Framing | None = None
         """``None``: no message is being sent (none yet, or the last one ended)."""
         self._remaining = 0
-        self.sent_any = False
         self.done = False
+        """The message was sent whole (``framing`` is ``None`` again)."""
 
     def begin(self, framing: _Framing, length: int) -> None:
         self.framing, self._remaining = framing, length
-        self.sent_any, self.done = True, False
+        self.done = False
 
     def data(self, data: bytes) -> bytes:
         framing = self.framing
@@ -518,7 +514,7 @@ class ServerConnection:
     def response(self, status: int, headers: list[tuple[str, str]]) -> bytes:
         """A response's head, its framing added: ``Content-Length`` if given, else chunked (or,
         to an HTTP/1.0 client, the connection's end, with ``connection: close``)."""
-        if self._out.sent_any and not self._out.done:
+        if self._out.framing is not None:
             raise LocalProtocolError("a response is being sent already")
         if self._out.done:
             raise LocalProtocolError("the response was sent already")

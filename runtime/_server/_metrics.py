@@ -62,8 +62,6 @@ opening) is closed: an idle or slow client holds no file descriptor for longer (
 MAX_CONNECTIONS: Final = 64
 """Connections open at once; one more is answered ``503 too_many_connections`` (M6)."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
-_HEAD_MAX: Final = MAX_HEAD
-"""The HTTP shell's bound on a request line and its headers (boundaries.md B10)."""
 
 
 class ServerCollector(Collector):
@@ -158,7 +156,7 @@ def _refusal(status: int) -> bytes:
         413: (ReasonCode.HTTP_BODY_TOO_LARGE, f"a request body is at most {MAX_BODY} bytes"),
         431: (
             ReasonCode.HTTP_HEAD_TOO_LARGE,
-            f"a request line and its headers are at most {_HEAD_MAX} bytes",
+            f"a request line and its headers are at most {MAX_HEAD} bytes",
         ),
         501: (ReasonCode.HTTP_UNSUPPORTED, "a body is sent whole or chunked, nothing else"),
     }.get(status, (ReasonCode.HTTP_MALFORMED, "the request is not HTTP/1.1 this listener reads"))

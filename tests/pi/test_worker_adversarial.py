@@ -20,12 +20,12 @@ import trio
 import trio.lowlevel
 
 from runtime._errors import ReasonCode, WorkerError
-from runtime._linux._proctree import is_child_subreaper, set_child_subreaper
 from runtime._pi._rpc import open_rpc_channel
 from runtime._pi._worker import Containment, StopPolicy, open_epoch
 
+from .test_worker import CONTAINMENTS, _restore_subreaper  # noqa: F401 (an autouse fixture)
+
 LIMIT: Final = 20.0
-CONTAINMENTS: Final = [Containment.CGROUP, Containment.SUBREAPER, Containment.SCAN]
 WORM: Final = """
 import os, sys, time
 flag, fifo = sys.argv[1], sys.argv[2]
@@ -41,14 +41,6 @@ while os.path.exists(flag):  # the test's own way out, whatever the stop did
 """
 """A tree that is never the same process for long: fork, let the parent exit, repeat. A
 scan of ``/proc`` takes longer than one generation lives."""
-
-
-@pytest.fixture(autouse=True)
-def _restore_subreaper() -> Iterator[None]:
-    before = is_child_subreaper()
-    yield
-    if not before:
-        set_child_subreaper(False)
 
 
 @contextmanager
