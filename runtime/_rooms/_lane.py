@@ -339,9 +339,17 @@ class Lane:
             return True
 
     async def cancel(self, delivery_id: str) -> bool:
-        """Cancel a queued or running delivery of this lane; False if it is not here."""
+        """Cancel a queued or running delivery of this lane; False if it is not here. A
+        queued one recovered with its result already recorded (its turn ended before the
+        host died) is left as it is: that result is published when the lane takes it up,
+        and settles what was steered into it (L5, L10, L23)."""
+        queued = self._queued(delivery_id)
+        if queued is not None and queued.recovering:
+            if await self._result_recorded(delivery_id):
+                return True  # answered as for a finished delivery (L13)
+            queued = self._queued(delivery_id)  # still queued after the read?
         for at, pending in enumerate(self.queue):
-            if pending.delivery_id == delivery_id:
+            if pending is queued:
                 del self.queue[at]
                 self._riding -= len(pending.absorbed)
                 pending.cancelled = True
@@ -370,6 +378,22 @@ class Lane:
                     await slot.live.rpc.abort()
             return True
         return False
+
+    def _queued(self, delivery_id: str) -> Pending | None:
+        return next((p for p in self.queue if p.delivery_id == delivery_id), None)
+
+    async def _result_recorded(self, delivery_id: str) -> bool:
+        """Whether a ``Result`` is durable in the delivery's own log. A log that cannot be
+        read (damaged, or no descriptor to read it with) shows none: the cancel goes on, and
+        writing its result then meets the same fault (L11, L17, L21)."""
+        store = self.host.store
+        try:
+            if not await store.exists(store.delivery_rel(delivery_id)):
+                return False
+            records = (await store.read_delivery_log(delivery_id)).records
+        except (JournalError, OSError):
+            return False
+        return any(isinstance(r, Result) for r in records)
 
     # -- the lane's task ---------------------------------------------------------------
 
@@ -621,23 +645,53 @@ class Lane:
             self.stop_worker()  # its worker is not trusted with the next delivery
             await self._journal_failed(pending, None)
             return
+        absorbed = await self._record_absorbed(pending, recorded)
         await self._publish(pending, recorded)
-        await self._settle_absorbed(pending, recorded)
+        await self._settle_absorbed(pending, recorded, absorbed)
 
-    async def _settle_absorbed(self, owner: Pending, result: Result) -> None:
-        """Once the owner's result is durable: a steered delivery whose text a model request
-        carried ends ``absorbed`` into it, when the owner answered (reply or silent); any
-        other runs as its own turn next, in arrival order (docs/design/lanes.md, L10)."""
+    @staticmethod
+    def _absorbs(result: Result, item: Absorbed) -> bool:
+        """Whether ``item`` ends ``absorbed`` into an owner that ended with ``result``: a
+        model request carried its text, and the owner answered (reply or silent, L10)."""
         answered = result.outcome in (Outcome.REPLY, Outcome.SILENT)
+        return answered and item.first_step is not None
+
+    async def _record_absorbed(self, owner: Pending, result: Result) -> dict[str, Result]:
+        """L10, L5 (L22): with the owner's result durable in its own log and not yet
+        published, each steered delivery it absorbs has its ``absorbed`` result recorded in
+        its own log — so that a host killed after the owner's publication finds it
+        recorded, and publishes it at its next start (L5), whatever else of the room was
+        published meanwhile: recovery looks for the deliveries steered into a finished owner
+        only in the log of the room's latest one, and a queued delivery cancelled in between
+        (L13) is that one then. What each recorded, by delivery id; one whose log failed
+        ended ``journal_poisoned`` (L17) and is not among them."""
+        recorded: dict[str, Result] = {}
+        for item in owner.absorbed:
+            if not self._absorbs(result, item):
+                continue
+            absorbed = Result(
+                outcome=Outcome.ABSORBED,
+                absorbed_into=owner.delivery_id,
+                finished_ms=self.host.clocks.wall.time_ms(),
+            )
+            kept = await self.record_result(item.pending, absorbed)
+            if kept is not None:
+                recorded[item.pending.delivery_id] = kept
+        return recorded
+
+    async def _settle_absorbed(
+        self, owner: Pending, result: Result, recorded: Mapping[str, Result]
+    ) -> None:
+        """Once the owner's result is published: a steered delivery whose text a model
+        request carried ends ``absorbed`` into it, when the owner answered (reply or silent)
+        — its result recorded before (:meth:`_record_absorbed`), published now; any other
+        runs as its own turn next, in arrival order (docs/design/lanes.md, L10)."""
         retry: list[Pending] = []
         for item in owner.absorbed:
-            if answered and item.first_step is not None:
-                absorbed = Result(
-                    outcome=Outcome.ABSORBED,
-                    absorbed_into=owner.delivery_id,
-                    finished_ms=self.host.clocks.wall.time_ms(),
-                )
-                await self.write_result(item.pending, absorbed)
+            if self._absorbs(result, item):
+                kept = recorded.get(item.pending.delivery_id)
+                if kept is not None:  # (else it ended journal_poisoned: published already)
+                    await self._publish(item.pending, kept)
             else:
                 item.pending.absorbed_into = None
                 retry.append(item.pending)
@@ -1028,20 +1082,38 @@ class Lane:
         await self.write_result(pending, result)
 
     async def write_result(self, pending: Pending, result: Result) -> None:
-        """Record ``result`` in the delivery's own log (created with its admission if the
-        delivery never ran), then publish it. A log that cannot be opened or written ends
-        the delivery as :meth:`_deliver` would — ``recovery_refused:journal`` when found
-        damaged at recovery, else ``journal_poisoned`` — published from the shared outbox
-        (L11, L17): the fault stays in that delivery. Raises ``lane_fenced`` when another
-        host claimed the lane (the lane is lost: :meth:`lose`), and the outbox's failure."""
+        """Record ``result`` in the delivery's own log (:meth:`record_result`), then publish
+        what the log holds as its result: ``result``, or one recorded before (L5). Raises
+        ``lane_fenced`` when another host claimed the lane (the lane is lost: :meth:`lose`),
+        and the outbox's failure."""
+        kept = await self.record_result(pending, result)
+        if kept is None:
+            return
         try:
-            await self._write_result(pending, result)
+            await self._publish(pending, kept)
         except JournalError as error:
             if fenced_out(error):
                 self.lose()
             raise
 
-    async def _write_result(self, pending: Pending, result: Result) -> None:
+    async def record_result(self, pending: Pending, result: Result) -> Result | None:
+        """Record ``result`` in the delivery's own log (created with its admission if the
+        delivery never ran); what the log holds as its result now — a ``Result`` recorded
+        there before is kept, never followed by a second, contradicting one (L5, L23: a
+        turn that ended before a host died is published as it ended). ``None``: a log that
+        cannot be opened or written ended the delivery as :meth:`_deliver` would —
+        ``recovery_refused:journal`` when found damaged at recovery, else
+        ``journal_poisoned`` — published from the shared outbox (L11, L17): the fault stays
+        in that delivery. Raises ``lane_fenced`` when another host claimed the lane (the
+        lane is lost: :meth:`lose`)."""
+        try:
+            return await self._record_result(pending, result)
+        except JournalError as error:
+            if fenced_out(error):
+                self.lose()
+            raise
+
+    async def _record_result(self, pending: Pending, result: Result) -> Result | None:
         store = self.host.store
         try:
             log = await store.open_or_create_delivery_log(pending.delivery_id, fence=self.fence)
@@ -1050,10 +1122,14 @@ class Lane:
                 raise
             damaged = pending.recovering and error.code is not ReasonCode.JOURNAL_POISONED
             await self._journal_failed(pending, "journal" if damaged else None)
-            return
+            return None
         try:
             try:
-                if not any(isinstance(r, Admission) for r in log.contents.records):
+                records = log.contents.records
+                kept = next((r for r in records if isinstance(r, Result)), None)
+                if kept is not None:
+                    return kept
+                if not any(isinstance(r, Admission) for r in records):
                     await log.append(pending.admission)
                 await log.append(result)
             finally:
@@ -1062,8 +1138,8 @@ class Lane:
             if fenced_out(error):
                 raise
             await self._journal_failed(pending, None)
-            return
-        await self._publish(pending, result)
+            return None
+        return result
 
     # -- sessions ----------------------------------------------------------------------
 

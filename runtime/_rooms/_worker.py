@@ -1065,7 +1065,9 @@ class RoomWorker:
 
     def _finished_owners(self, unfinished: list[Admission]) -> list[str]:
         """Owners that finished while deliveries steered into them did not: the host died
-        between the owner's result and theirs (``_settle_absorbed``). Only the latest owner
+        between the owner's result and theirs. Since L22 those are recorded before the owner
+        is published, so what is found here is an owner whose result was durable but not
+        yet published, its absorbed ones not yet recorded. Only the latest owner
         of a room can be one — the room's latest result, or the owner that one was absorbed
         into — so one log per room with unfinished deliveries is read, not every log."""
         owners = []
