@@ -167,6 +167,10 @@ class EpochWatch:
         self._eligible: tuple[int, int, int] | None = None
         """(progress sequence, session size, probe number) when the fence probe found
         nothing new."""
+        self._fence_probe = 0
+        """The number of the last fence probe sent: only its answer is fresh (WD6, WD10)."""
+        self._checking = trio.Lock()
+        """Held by a guard check: one at a time, so two never reserve at once (WD11)."""
         self._journaled = 0
         """The gateway's journaled answers when the last turn ended (PB6)."""
         self._probe_token: object | None = None
@@ -564,12 +568,17 @@ class EpochWatch:
     # -- probe, guards, fence (WD2, WD3, WD10) -------------------------------------------------
 
     async def _probe(self, purpose: str) -> None:
-        """One read-only probe: ``get_state`` plus the session's size. Evidence is anything
-        new since it was sent; the answer itself is not progress (WD1)."""
+        """One read-only probe: ``get_state``, a look at the worktree and the session's size.
+        Evidence is anything new since it was sent; the answer itself is not progress (WD1).
+        A fence probe's answer counts only while no later one was sent (WD6: a wake asks
+        for a fresh one, and that one decides)."""
         lane = self.lane
         wd = lane.watchdog
         self._probes += 1
-        action_id = lane.epoch_action_id(f"probe{self._probes}")
+        number = self._probes
+        if purpose == "fence":
+            self._fence_probe = number
+        action_id = lane.epoch_action_id(f"probe{number}")
         lane.telemetry.probes += 1
         labelled(TASK_PROBES, purpose).inc()
         seq_before = wd.progress_seq
@@ -579,6 +588,9 @@ class EpochWatch:
             with contextlib.suppress(RpcError):
                 await self.worker.rpc.request({"type": "get_state"})
                 answered = True
+        # WD1: a worktree change the periodic scan has not seen yet (it looks every 30 s) is
+        # evidence too — silence counts from the last change, and a fence stands on now
+        await self._worktree_progress()
         size_after = await session_size(lane.session)
         if size_after != size_before:  # the session grew: a session append is progress (WD1)
             now, awake = lane.readings()
@@ -594,8 +606,13 @@ class EpochWatch:
         await lane.record_action(
             action_id, "probe", "done", {"purpose": purpose, "evidence": evidence}
         )
+        if purpose == "fence" and number != self._fence_probe and not evidence:
+            # WD6, WD10: a later wake asked for a fresh fence probe while this one was out;
+            # a quiet (or no) answer of the old one is no proof — the fresh one decides
+            lane.changed()
+            return
         if purpose == "fence" and evidence is False:
-            self._eligible = (wd.progress_seq, size_after, self._probes)
+            self._eligible = (wd.progress_seq, size_after, number)
             await lane.record_action(lane.epoch_action_id("eligibility"), "eligibility", "done")
         self._execute(wd.feed(ProbeAnswered(purpose, evidence)))
         await lane.note_hold()  # an unanswered probe holds (WD12)
@@ -604,7 +621,12 @@ class EpochWatch:
     async def _check_guards(self) -> None:
         """Every guard, then the reserve, then every guard again: the compare-and-set holds
         only if nothing moved during the reserve's await (WD10). Progress meanwhile means the
-        worker was not stalled: no fence, and the reserve waits for the next replacement."""
+        worker was not stalled: no fence, and the reserve waits for the next replacement.
+        One check at a time: a second one meets the first one's reserve recorded (WD11)."""
+        async with self._checking:  # (WD11: another check's reserve is recorded first)
+            await self._check_guards_once()
+
+    async def _check_guards_once(self) -> None:
         lane = self.lane
         if await self._guards_hold():
             started = await lane.reserve()
@@ -639,6 +661,8 @@ class EpochWatch:
             return False
         if lane.watchdog.classification is not Classification.HARD_RESUME_ELIGIBLE:
             return False  # progress (or a hold) came first: the worker is not to be fenced
+        if self._eligible is None or self._eligible[2] != self._fence_probe:
+            return False  # WD6: a wake meanwhile asked for a fresh probe: its answer decides
         if lane.kernel.state is not TaskState.OPEN:  # a terminal (or a wait) decided during
             return False  # the reads — its receipt still being written: nothing to fence
         if failed:

@@ -68,6 +68,10 @@ PROBE_TIMEOUT_FLOOR: Final = 2.0
 a loaded machine, it is not a threshold (too short, and a busy worker reads as wedged)."""
 SUSPEND_EVIDENCE_SECONDS: Final = 1.0
 """A growth of ``boottime - monotonic`` beyond this between two ticks is a suspend."""
+_SENT: Final = 1
+"""A probe of the episode whose answer is due (:attr:`Watchdog.probes`)."""
+_ANSWERED: Final = 2
+"""A fence probe of the episode whose answer was taken: the guards, or a hold, follow once."""
 
 
 class Classification(enum.StrEnum):
@@ -426,7 +430,9 @@ class Watchdog:
     armed: bool = False
     """Clocks run only while a prompt is being worked on (WD7)."""
     probes: dict[str, int] = field(default_factory=dict)
-    """Probes sent in the current suspicion episode, by purpose (WD2: at most one each)."""
+    """Probes sent in the current suspicion episode, by purpose (WD2: at most one each):
+    :data:`_SENT` while its answer is due, :data:`_ANSWERED` once a fence probe's answer
+    was taken (WD10: one answer, one decision)."""
     grace_started_awake: float | None = None
     suspicions: int = 0
     false_suspects: int = 0
@@ -562,7 +568,7 @@ class Watchdog:
             self.classification = Classification.SUSPECT  # WD2
             self.suspicions += 1
         if "soft" not in self.probes:
-            self.probes["soft"] = 1
+            self.probes["soft"] = _SENT
             actions.append(Probe("soft"))
         hard = self.hard_threshold() if not self.leases else None
         if hard is None:  # WD4: unknown, tool, settled: observe only
@@ -580,7 +586,7 @@ class Watchdog:
         if self.classification is Classification.SUSPECT:
             self.classification = Classification.HARD_RESUME_ELIGIBLE
         if "fence" not in self.probes:
-            self.probes["fence"] = 1
+            self.probes["fence"] = _SENT
             actions.append(Probe("fence"))
         return actions
 
@@ -608,6 +614,12 @@ class Watchdog:
             self.grace_started_awake = None
             return []
         if event.purpose == "fence" and self.classification is Classification.HARD_RESUME_ELIGIBLE:
+            # WD10: one fence probe, one decision — the same answer twice (or a second one
+            # for the same probe) never asks for the guards again: two checks at once would
+            # each reserve, and one fence charge two epochs
+            if self.probes.get("fence") != _SENT:
+                return []
+            self.probes["fence"] = _ANSWERED
             if event.evidence is None:
                 return self._hold("probe_unanswered")
             return [CheckGuards()]
@@ -665,9 +677,13 @@ class Watchdog:
         return []
 
     def _on_woken(self, event: Woken) -> list[Action]:
+        """The wait's reply: the task's input, never a proof and never the operator's
+        resume — a hold (a tree not proven gone, TL12) stands over it (WD12), and the reply
+        waits for the prompt that follows the operator's resume."""
         self.terminal = None
         self.completion_prompts = 0
-        self.classification = Classification.ACTIVE
+        if self.classification is not Classification.STALLED_OPERATOR_REQUIRED:
+            self.classification = Classification.ACTIVE
         return []
 
     def _on_fence(self, event: FenceStarted) -> list[Action]:
