@@ -322,8 +322,8 @@ def negotiate(
     """The highest version both sides speak; ``unsupported_protocol`` when there is none."""
     offers = [offered] if isinstance(offered, int) else list(offered)
     common = set(offers).intersection(supported)
-    if not common:
-        shown = ", ".join(map(str, offers[:8])) + (", ..." if len(offers) > 8 else "")
+    if not common:  # each offer shown short: the answer fits any frame bound (P16)
+        shown = ", ".join(map(_version, offers[:8])) + (", ..." if len(offers) > 8 else "")
         raise ProtocolError(
             ReasonCode.UNSUPPORTED_PROTOCOL,
             f"this server speaks protocol {', '.join(map(str, sorted(supported)))}; the client"
@@ -331,6 +331,12 @@ def negotiate(
             "hello",
         )
     return max(common)
+
+
+def _version(offer: int) -> str:
+    """An offered protocol version as an answer shows it: at most 20 digits (a JSON integer
+    may have thousands)."""
+    return str(offer) if abs(offer) < 10**20 else f"{'-' if offer < 0 else ''}{'9' * 20}..."
 
 
 # -- decoding and encoding ---------------------------------------------------------------
@@ -361,7 +367,7 @@ def decode_client_frame(data: str | bytes, *, max_size: int = MAX_FRAME_BYTES) -
         except msgspec.ValidationError as error:
             raise _refusal(data, str(error)) from error
         except (msgspec.DecodeError, UnicodeError) as error:
-            if _OUT_OF_RANGE in str(error):  # valid JSON (1e400): a value of the wrong type
+            if _out_of_range(error):  # valid JSON (1e400, 10**5000): a value of the wrong type
                 raise _refusal(data, _OUT_OF_RANGE) from error
             raise _not_json(error) from error
     except RecursionError:  # nested deeper than the decoders go (here, or in _refusal)
@@ -412,6 +418,14 @@ _UNKNOWN: Final = re.compile(r"Object contains unknown field `(?P<field>.*)`", r
 _SHOWN: Final = 80
 _OUT_OF_RANGE: Final = "Number out of range"
 """msgspec's refusal of a JSON number no float holds (``1e400``), at decode time."""
+_OUT_OF_RANGE_FORMS: Final = (_OUT_OF_RANGE, "Integer value out of range")
+"""msgspec's refusals, at decode time, of valid JSON numbers it cannot hold: a float's
+(``1e400``) and an integer of more digits than Python converts (4,300; P4)."""
+
+
+def _out_of_range(error: Exception) -> bool:
+    """Whether msgspec refused valid JSON for a number it cannot hold (P4)."""
+    return any(form in str(error) for form in _OUT_OF_RANGE_FORMS)
 
 
 def _shown(text: str) -> str:
@@ -477,10 +491,10 @@ def _refusal(data: str | bytes, message: str) -> ProtocolError:
     try:
         value = msgspec.json.decode(data)
     except msgspec.DecodeError as error:
-        if _OUT_OF_RANGE not in str(error):
+        if not _out_of_range(error):
             return _not_json(error)
-        try:  # the stdlib reads 1e400 (as inf): where it is, and whose
-            value = json.loads(data)
+        try:  # the stdlib reads 1e400 (as inf), and any integer (as a float): whose it is
+            value = json.loads(data, parse_int=float)
         except ValueError:
             return _not_json(error)
     except UnicodeError as error:

@@ -415,19 +415,17 @@ class RoomServer:
     ) -> None:
         with trio.move_on_after(self.server.hello_seconds) as waited:
             hello = await self._handshake(connection)
-        said_hello()
-        if waited.cancelled_caught:
-            await connection.send(
-                ErrorFrame(
-                    code=ReasonCode.HELLO_TIMEOUT,
-                    message=f"no valid hello within {self.server.hello_seconds:g} s",
-                    ref="hello",
-                )
+        if waited.cancelled_caught:  # still counted until let go (S1): its close takes time
+            timeout = ErrorFrame(
+                code=ReasonCode.HELLO_TIMEOUT,
+                message=f"no valid hello within {self.server.hello_seconds:g} s",
+                ref="hello",
             )
-            await connection.ws.aclose(POLICY_VIOLATION, "no hello in time")
+            await self._refuse_and_close(connection, timeout, POLICY_VIOLATION, "no hello in time")
             return
         if hello is None:
             return
+        said_hello()
         if hello.ack_seq is not None:
             try:
                 await self.worker.ack(hello.ack_seq)
@@ -483,21 +481,20 @@ class RoomServer:
                 await self._token_unreadable(connection, exc)
                 return None
             if expected is None or not token_matches(expected, hello.token):
-                await connection.send(
-                    ErrorFrame(
-                        code=ReasonCode.TOKEN_INVALID,
-                        message="the token is missing or wrong (it is in the state "
-                        "directory's token file)",
-                        ref="hello",
-                    )
+                refusal = ErrorFrame(
+                    code=ReasonCode.TOKEN_INVALID,
+                    message="the token is missing or wrong (it is in the state "
+                    "directory's token file)",
+                    ref="hello",
                 )
-                await connection.ws.aclose(POLICY_VIOLATION, "token refused")
+                await self._refuse_and_close(connection, refusal, POLICY_VIOLATION, "token refused")
                 return None
             try:
                 version = negotiate(hello.protocol)
             except ProtocolError as error:
-                await connection.send(error_frame(error))
-                await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
+                await self._refuse_and_close(
+                    connection, error_frame(error), POLICY_VIOLATION, "unsupported protocol"
+                )
                 return None
             if self.authenticated >= self.server.max_authenticated:
                 await self._refuse_authenticated(connection)
@@ -513,6 +510,21 @@ class RoomServer:
             )
             return hello
 
+    async def _refuse_and_close(
+        self, connection: _Connection, refusal: ErrorFrame, code: int, reason: str
+    ) -> None:
+        """Send ``refusal`` and close the websocket with ``code`` — for at most
+        ``hello_seconds``, then the TCP connection is closed all the same (S1).
+        trio-websocket's close waits for the client's answering close frame without end, and
+        the send for a client that reads; a client that does neither would otherwise keep its
+        connection, and a file descriptor, for ever."""
+        with trio.move_on_after(self.server.hello_seconds):
+            with contextlib.suppress(ConnectionClosed):  # gone already: closed below
+                await connection.send(refusal)
+            await connection.ws.aclose(code, reason)  # cancelled: it closes the TCP stream
+            return
+        await trio.aclose_forcefully(connection.ws)  # the send took all the time
+
     async def _refuse_authenticated(self, connection: _Connection) -> None:
         """A valid hello while ``max_authenticated`` connections are past theirs (S1):
         ``too_many_authenticated`` and the connection closed, 1013 (try again later)."""
@@ -522,15 +534,13 @@ class RoomServer:
             self.authenticated,
             extra=fields("handshake_refused", code=ReasonCode.TOO_MANY_AUTHENTICATED),
         )
-        await connection.send(
-            ErrorFrame(
-                code=ReasonCode.TOO_MANY_AUTHENTICATED,
-                message=f"this server has {self.server.max_authenticated} connections past "
-                "their hello already ([server] max_authenticated); connect again later",
-                ref="hello",
-            )
+        refusal = ErrorFrame(
+            code=ReasonCode.TOO_MANY_AUTHENTICATED,
+            message=f"this server has {self.server.max_authenticated} connections past "
+            "their hello already ([server] max_authenticated); connect again later",
+            ref="hello",
         )
-        await connection.ws.aclose(TRY_AGAIN_LATER, "too many connections")
+        await self._refuse_and_close(connection, refusal, TRY_AGAIN_LATER, "too many connections")
 
     async def _token_unreadable(
         self, connection: _Connection, exc: PiRuntimeError | OSError
@@ -543,15 +553,13 @@ class RoomServer:
             exc,
             extra=fields("token_unusable", code=code),
         )
-        await connection.send(
-            ErrorFrame(
-                code=str(code),
-                message="the server cannot check tokens now (its token file cannot be used; "
-                "the operator is told)",
-                ref="hello",
-            )
+        refusal = ErrorFrame(
+            code=str(code),
+            message="the server cannot check tokens now (its token file cannot be used; "
+            "the operator is told)",
+            ref="hello",
         )
-        await connection.ws.aclose(POLICY_VIOLATION, "token file unusable")
+        await self._refuse_and_close(connection, refusal, POLICY_VIOLATION, "token file unusable")
 
     async def _next_frame(self, connection: _Connection) -> ClientFrame | None:
         """The next client frame, or ``None`` after answering a bad one with its error (S2)."""
@@ -562,10 +570,13 @@ class RoomServer:
                 reject_binary_frame(message)
             return decode_client_frame(message, max_size=self.server.max_frame_bytes)
         except ProtocolError as error:
+            if error.code is ReasonCode.UNSUPPORTED_PROTOCOL:
+                await self._refuse_and_close(
+                    connection, error_frame(error), POLICY_VIOLATION, "unsupported protocol"
+                )
+                return None
             with contextlib.suppress(ConnectionClosed):  # the next read says it is closed
                 await connection.send(error_frame(error))
-                if error.code is ReasonCode.UNSUPPORTED_PROTOCOL:
-                    await connection.ws.aclose(POLICY_VIOLATION, "unsupported protocol")
             return None
 
     async def _read(self, connection: _Connection) -> None:
