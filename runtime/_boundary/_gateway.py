@@ -269,13 +269,15 @@ class _Downstream:
         async with self._lock:
             if self.gone or self.ended:
                 return
-            try:
-                if not self._response.started:
-                    await self._response.start(200, _SSE_HEADERS)
-                await self._response.send(data)
+            try:  # each call one write, the head with the first (G3)
                 if end:
                     self.ended = True
-                    await self._response.end()
+                if not self._response.started:
+                    await self._response.start(200, _SSE_HEADERS, data, end=end)
+                elif end:
+                    await self._response.end(data)
+                else:
+                    await self._response.send(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.gone = True
             self.last_sent = trio.current_time()

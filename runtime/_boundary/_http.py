@@ -17,7 +17,6 @@ SSE: :func:`iter_sse` turns a byte stream into events (data payloads and comment
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import itertools
@@ -97,7 +96,7 @@ class ResponseWriter:
     """Writes one response. Without ``content-length`` the body is chunked."""
 
     def __init__(
-        self, stream: trio.abc.Stream, conn: ServerConnection, *, head: bool = False
+        self, stream: trio.abc.SendStream, conn: ServerConnection, *, head: bool = False
     ) -> None:
         self._stream = stream
         self._conn = conn
@@ -106,18 +105,30 @@ class ResponseWriter:
         self.started = False
         self.ended = False
 
-    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+    async def start(
+        self, status: int, headers: list[tuple[str, str]], data: bytes = b"", *, end: bool = False
+    ) -> None:
+        """The response's head and, in the same write, ``data``, the body's first bytes (and,
+        with ``end``, its end): the peer wakes once for what is ready at once."""
         self.started = True
-        await self._stream.send_all(self._conn.response(status, headers))
+        await self._write(self._conn.response(status, headers), data, end=end)
 
     async def send(self, data: bytes) -> None:
-        if data and not self._head:
-            await self._stream.send_all(self._conn.data(data))
+        await self._write(b"", data)
 
-    async def end(self) -> None:
-        self.ended = True
-        if data := self._conn.end():
-            await self._stream.send_all(data)
+    async def end(self, data: bytes = b"") -> None:
+        """The body's last bytes, ``data``, and its end, in one write."""
+        await self._write(b"", data, end=True)
+
+    async def _write(self, head: bytes, data: bytes, *, end: bool = False) -> None:
+        out = head
+        if data and not self._head:
+            out += self._conn.data(data)
+        if end:
+            self.ended = True
+            out += self._conn.end()
+        if out:
+            await self._stream.send_all(out)
 
     async def respond(
         self,
@@ -127,11 +138,12 @@ class ResponseWriter:
         *,
         close: bool = False,
     ) -> None:
-        """A whole, non-streamed response; with ``close``, the connection ends after it."""
+        """A whole, non-streamed response; with ``close``, the connection ends after it. Its
+        head and body go in one write."""
         headers = [("content-type", content_type), ("content-length", str(len(body)))]
-        await self.start(status, [*headers, ("connection", "close")] if close else headers)
-        await self.send(body)
-        await self.end()
+        await self.start(
+            status, [*headers, ("connection", "close")] if close else headers, body, end=True
+        )
 
 
 Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
@@ -154,6 +166,55 @@ async def _next_event(stream: trio.abc.Stream, conn: ServerConnection | ClientCo
     return event
 
 
+class _NoBound:
+    """A bound that never fires: what :func:`_bounded` gives for an infinite one, entering no
+    cancel scope (a few microseconds each, on every request otherwise)."""
+
+    cancelled_caught: Final = False
+
+    def __enter__(self) -> _NoBound:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_NO_BOUND: Final = _NoBound()
+
+
+def _bounded(seconds: float) -> trio.CancelScope | _NoBound:
+    """``trio.move_on_after(seconds)``, or, for an infinite bound, no scope at all."""
+    return _NO_BOUND if seconds == math.inf else trio.move_on_after(seconds)
+
+
+class _Late(Exception):
+    """A request that did not arrive whole within its arrival bound (B8)."""
+
+
+class _Arrival:
+    """One request's arrival bound, from its first byte to its last (B8), as a deadline set
+    at the first read the request waits for: the cancel scope is entered around those reads
+    only, so a request whose bytes are all here already (most are: a worker writes one at
+    once) costs none. No time passes between its first byte and that first read but the
+    parse of what came: the deadline is the one a scope entered at the first byte sets."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._deadline: float | None = None
+
+    async def receive(self, stream: trio.abc.Stream) -> bytes:
+        """The next bytes of ``stream``; :class:`_Late` once the bound is past."""
+        if self._deadline is None:
+            scope = trio.CancelScope(relative_deadline=self._seconds)
+        else:
+            scope = trio.CancelScope(deadline=self._deadline)
+        with scope:
+            if self._deadline is None:
+                self._deadline = scope.deadline
+            return bytes(await stream.receive_some(_READ))
+        raise _Late
+
+
 Authorize = Callable[[Request], bool]
 """Whether a request may go on, judged by its head alone (its :attr:`Request.body` empty)."""
 
@@ -173,31 +234,36 @@ def _nothing() -> None:
 async def _read_request(
     stream: trio.abc.Stream,
     conn: ServerConnection,
+    arrival: _Arrival,
     limit: int = _MAX_REQUEST,
     connection: int = 0,
     peer: str = "",
     authorize: Authorize = _admit_any,
     admitted: Callable[[], None] = _nothing,
 ) -> Request | None:
-    """The next whole request, or ``None`` at the connection's end. Its head goes to
-    ``authorize`` as soon as it has arrived, before any of the body is read: refused, this
-    raises :class:`_Unauthorized` (B8); admitted, ``admitted()`` is called (B9)."""
-    head: Request | None = None
+    """The next whole request, or ``None`` at the connection's end; :class:`_Late` if it is not
+    whole within ``arrival``. Its head goes to ``authorize`` as soon as it has arrived, before
+    any of the body is read: refused, this raises :class:`_Unauthorized` (B8); admitted,
+    ``admitted()`` is called (B9)."""
+    head: RequestHead | None = None
     body = bytearray()
     while True:
-        event = await _next_event(stream, conn)
+        while (event := conn.next_event()) is NEED_DATA:
+            conn.receive_data(await arrival.receive(stream))
         if isinstance(event, Data):
             body += event.data
             if len(body) > limit:
                 raise RemoteProtocolError("request body too large", 413)
         elif isinstance(event, RequestHead):
-            head = Request(event.method, event.target, event.headers, b"", connection, peer)
-            if not authorize(head):
+            head = event
+            if not authorize(
+                Request(head.method, head.target, head.headers, b"", connection, peer)
+            ):
                 raise _Unauthorized
             admitted()
         elif event is END:
             assert head is not None
-            return dataclasses.replace(head, body=bytes(body))
+            return Request(head.method, head.target, head.headers, bytes(body), connection, peer)
         else:  # CLOSED: the client ended the connection between requests
             return None
 
@@ -235,17 +301,27 @@ async def _serve_connection(
         while True:
             request: Request | None = None
             try:
-                with trio.move_on_after(request_seconds) as waited:
-                    with trio.move_on_after(arrival_seconds if first else math.inf) as idle:
+                late = False
+                with _bounded(request_seconds) as waited:
+                    with _bounded(arrival_seconds if first else math.inf) as idle:
                         await _first_byte(stream, conn)
-                    with trio.move_on_after(arrival_seconds) as arriving:
-                        if not idle.cancelled_caught:
+                    if not idle.cancelled_caught:
+                        try:
                             request = await _read_request(
-                                stream, conn, limit, connection, peer, authorize, admitted
+                                stream,
+                                conn,
+                                _Arrival(arrival_seconds),
+                                limit,
+                                connection,
+                                peer,
+                                authorize,
+                                admitted,
                             )
+                        except _Late:
+                            late = True
                 if waited.cancelled_caught or idle.cancelled_caught:
                     return  # no whole request in time (a head, a body, an idle keep-alive)
-                if arriving.cancelled_caught:  # B8: begun, and not whole in time
+                if late:  # B8: begun, and not whole in time
                     await _refuse_late(stream, conn, refusal)
                     return
                 first = False
@@ -368,16 +444,7 @@ async def _handler_failed(exc: Exception, request: Request, writer: ResponseWrit
     if writer.started:
         return
     with contextlib.suppress(LocalProtocolError, *_GONE):
-        await writer.start(
-            500,
-            [
-                ("content-type", "application/json"),
-                ("content-length", str(len(_FAULT_BODY))),
-                ("connection", "close"),
-            ],
-        )
-        await writer.send(_FAULT_BODY)
-        await writer.end()
+        await writer.respond(500, _FAULT_BODY, close=True)
 
 
 async def serve_http(

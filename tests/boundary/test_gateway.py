@@ -39,6 +39,7 @@ from runtime._boundary._gateway import (
     inactivity_message,
     serve_gateway,
 )
+from runtime._boundary._h1 import END, ServerConnection
 from runtime._boundary._http import (
     HttpClientError,
     HttpServer,
@@ -1334,7 +1335,9 @@ class _GoneWorker:
     def __init__(self) -> None:
         self.sends = 0
 
-    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+    async def start(
+        self, status: int, headers: list[tuple[str, str]], data: bytes = b"", *, end: bool = False
+    ) -> None:
         raise trio.BrokenResourceError
 
     async def send(self, data: bytes) -> None:
@@ -1365,15 +1368,21 @@ class _SlowEndingWorker:
         self.ended = False
         self.after_end: list[bytes] = []
 
-    async def start(self, status: int, headers: list[tuple[str, str]]) -> None:
+    async def start(
+        self, status: int, headers: list[tuple[str, str]], data: bytes = b"", *, end: bool = False
+    ) -> None:
         self.started = True
+        await self.send(data)
+        if end:
+            await self.end()
 
     async def send(self, data: bytes) -> None:
         if self.ended:
             self.after_end.append(data)
             raise h11.LocalProtocolError("can't send data when our state is DONE")
 
-    async def end(self) -> None:
+    async def end(self, data: bytes = b"") -> None:
+        await self.send(data)
         await trio.sleep(2)  # the keepalive comes due meanwhile, and waits for the lock
         self.ended = True
 
@@ -1396,3 +1405,37 @@ async def test_g5_a_keepalive_due_as_the_response_ends_sends_nothing_after_it(
             nursery.cancel_scope.cancel()
     assert worker.ended
     assert worker.after_end == []
+
+
+def _writer_for_a_request() -> tuple[ResponseWriter, list[bytes]]:
+    """A response writer for one HTTP/1.1 request, and the list of its writes, each whole."""
+    conn = ServerConnection()
+    conn.receive_data(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    while conn.next_event() is not END:
+        pass
+    writes: list[bytes] = []
+    wire = trio.testing.MemorySendStream()
+
+    async def taken() -> None:  # after each write: that write's bytes, whole
+        writes.append(bytes(wire.get_data_nowait()))
+
+    wire.send_all_hook = taken
+    return ResponseWriter(wire, conn), writes
+
+
+async def test_g3_a_stream_s_head_goes_with_its_first_event_and_its_end_with_its_last() -> None:
+    """G3, G6: each send to the worker is one write — the response's head with the first
+    events, the held terminal part with the stream's end, a replay's whole answer at once —
+    so the worker wakes once for each, not for a head or an end alone."""
+    writer, writes = _writer_for_a_request()
+    downstream = _Downstream(writer)
+    await downstream.send(b"data: {}\n\n")
+    await downstream.finish(b"data: [DONE]\n\n")
+    assert len(writes) == 2
+    assert writes[0].startswith(b"HTTP/1.1 200 ")
+    assert writes[0].endswith(b"\r\n\r\na\r\ndata: {}\n\n\r\n")
+    assert writes[1] == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    replay, replayed = _writer_for_a_request()
+    await _Downstream(replay).finish(b"data: {}\n\ndata: [DONE]\n\n")
+    assert len(replayed) == 1
+    assert replayed[0].endswith(b"\r\n\r\n18\r\ndata: {}\n\ndata: [DONE]\n\n\r\n0\r\n\r\n")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import h11
 import pytest
 import trio
+import trio.testing
 
 from runtime._boundary._http import (
     ConnectionPool,
@@ -19,6 +20,7 @@ from runtime._boundary._http import (
     ResponseWriter,
     SseEvent,
     SseParser,
+    _serve_connection,
     iter_sse,
     open_request,
     serve_http,
@@ -370,3 +372,61 @@ async def test_b10_a_request_the_codec_refuses_is_answered_its_status_and_closed
     assert _bodies(events)[0] == b'{"refused":%d}' % status
     assert dict(response.headers)[b"connection"] == b"close"
     assert seen == []
+
+
+class _Writes(trio.abc.Stream):
+    """A server's side of a connection that keeps each write it is given, as one item."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def _streamed(request: Request, response: ResponseWriter) -> None:
+    if request.target == "/whole":
+        await response.respond(200, b'{"ok":true}')
+        return
+    await response.start(200, [("content-type", "text/event-stream")], b"data: 0\n\n")
+    await response.send(b"data: 1\n\n")
+    await response.end(b"data: [DONE]\n\n")
+
+
+async def test_b10_a_whole_answer_is_one_write_and_a_stream_s_head_goes_with_its_first_bytes() -> (
+    None
+):
+    """B10: what a handler has ready at once goes in one write, so the peer wakes once for it
+    (each write is a system call and, on the worker's side, a wake-up): a whole answer's head
+    and body together; a stream's head with its first bytes, its last bytes with its end."""
+    client, server_side = trio.testing.memory_stream_pair()
+    server = _Writes(server_side)
+    requests = b"".join(
+        b"GET %b HTTP/1.1\r\nhost: x\r\n\r\n" % target for target in (b"/whole", b"/stream")
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_serve_connection, server, _streamed)
+            await client.send_all(requests)
+            received = b""
+            while not received.endswith(b"0\r\n\r\n"):
+                received += await client.receive_some()
+            nursery.cancel_scope.cancel()
+    whole, head, middle, last = server.writes
+    assert whole.startswith(b"HTTP/1.1 200 ")
+    assert whole.endswith(b'\r\n\r\n{"ok":true}')
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert head.endswith(b"\r\n\r\n9\r\ndata: 0\n\n\r\n")
+    assert middle == b"9\r\ndata: 1\n\n\r\n"
+    assert last == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
