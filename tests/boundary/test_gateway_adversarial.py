@@ -12,7 +12,7 @@ from typing import Final
 
 import trio
 
-from runtime._boundary._http import Request, ResponseWriter, open_request
+from runtime._boundary._http import Request, ResponseWriter, SseParser, open_request
 from runtime._boundary._stream import DONE, request_digest, sse_data
 
 from .test_gateway import (
@@ -106,6 +106,13 @@ async def exchange_raw(r: Rig, body: bytes) -> tuple[int, bytes]:
         return response.status, await response.read()
 
 
+def _payloads(stream: bytes) -> list[str]:
+    """The data payloads of an SSE stream, its comments (keepalives, G5) left out."""
+    parser = SseParser()
+    events = [*parser.feed(stream), *parser.end()]
+    return [event.data for event in events if event.data is not None]
+
+
 async def test_g1_g6_a_body_with_a_lone_surrogate_is_served_and_replayed() -> None:
     """G1, G6: Pi removes lone surrogates from the texts it sends, but not from all of a body:
     a thinking block sent back as ``reasoning_content`` (a provider's reasoning field), a
@@ -126,7 +133,7 @@ async def test_g1_g6_a_body_with_a_lone_surrogate_is_served_and_replayed() -> No
             second = await exchange_raw(r, raw)
             stats = r.gateway.statistics()
     assert first[0] == second[0] == 200, first
-    assert first[1] == second[1]
+    assert _payloads(first[1]) == _payloads(second[1])  # a slow live one had keepalives too
     assert r.upstream_bodies == [raw]  # relayed as it came, and paid once
     assert (stats.journaled, stats.replayed) == (1, 1)
     escaped = json.loads(raw)
