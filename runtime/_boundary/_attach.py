@@ -16,7 +16,8 @@ same content-addressed write.
 Refusals are the tool's error results, each with its stable code, and nothing is stored:
 
 * ``attachment_outside_workdir`` — the path leaves the working directory (``..``, absolute
-  elsewhere), or the file has other names (hard links: they may lie anywhere on its disk);
+  elsewhere), or the file has other names (hard links: they may lie anywhere on its disk) —
+  counted again once its bytes are read, its one name then looked up again;
 * ``attachment_symlink`` — a component of the path is a symbolic link: links are not followed,
   so none can point out of the directory, not even by a swap between check and open (each
   component is opened with ``O_NOFOLLOW`` below the one before);
@@ -36,6 +37,7 @@ import errno
 import hashlib
 import os
 import stat
+import unicodedata
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -173,7 +175,8 @@ class AttachTool:
 
     def _read_inside(self, path: str) -> bytes:
         """The bytes of ``path`` below the working directory, opened one component at a time
-        with ``O_NOFOLLOW`` (no symbolic link is ever followed)."""
+        with ``O_NOFOLLOW`` (no symbolic link is ever followed), of a file whose one name, once
+        they are read, is still that path (:func:`_only_name`)."""
         workdir = self.workdir()
         given = PurePosixPath(path)
         relative: PurePosixPath | None = given
@@ -189,7 +192,9 @@ class AttachTool:
             )
         parts = relative.parts
         try:  # the working directory itself is not followed either (a worker may swap it)
-            fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            directory = os.open(
+                workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(workdir):
                 raise _Refused(
@@ -199,36 +204,66 @@ class AttachTool:
             raise
         try:
             for part in parts[:-1]:
-                below = _step(fd, part, path, os.O_RDONLY | os.O_DIRECTORY)
-                os.close(fd)
-                fd = below
+                below = _step(directory, part, path, os.O_RDONLY | os.O_DIRECTORY)
+                os.close(directory)
+                directory = below
             # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused next)
-            below = _step(fd, parts[-1], path, os.O_RDONLY | os.O_NONBLOCK)
-            os.close(fd)
-            fd = below
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise _Refused(ReasonCode.ATTACHMENT_NOT_FILE, f"{path} is not a regular file")
-            if info.st_nlink > 1:  # a hard link: its other names may lie anywhere on the disk
-                raise _Refused(
-                    ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR,
-                    f"{path} has {info.st_nlink} names (hard links), which may lie outside the "
-                    "working directory; attach a copy of it",
-                )
-            if info.st_size > self.max_bytes:
-                raise _Refused(
-                    ReasonCode.ATTACHMENT_TOO_LARGE,
-                    f"{path} has {info.st_size} bytes; at most {self.max_bytes} are attached",
-                )
-            with os.fdopen(os.dup(fd), "rb") as file:
-                data = file.read(self.max_bytes + 1)
+            fd = _step(directory, parts[-1], path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                data = self._read_file(fd, path)
+                _only_name(directory, parts[-1], fd, path)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            os.close(directory)
+        return data
+
+    def _read_file(self, fd: int, path: str) -> bytes:
+        """The bytes of the open file ``fd``, once it is found a regular file with one name
+        and not too large (before and after the read)."""
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Refused(ReasonCode.ATTACHMENT_NOT_FILE, f"{path} is not a regular file")
+        if info.st_nlink > 1:  # a hard link: its other names may lie anywhere on the disk
+            raise _Refused(
+                ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR,
+                f"{path} has {info.st_nlink} names (hard links), which may lie outside the "
+                "working directory; attach a copy of it",
+            )
+        if info.st_size > self.max_bytes:
+            raise _Refused(
+                ReasonCode.ATTACHMENT_TOO_LARGE,
+                f"{path} has {info.st_size} bytes; at most {self.max_bytes} are attached",
+            )
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(self.max_bytes + 1)
         if len(data) > self.max_bytes:  # it grew after the check
             raise _Refused(
                 ReasonCode.ATTACHMENT_TOO_LARGE, f"{path} has more than {self.max_bytes} bytes"
             )
         return data
+
+
+def _only_name(directory: int, part: str, fd: int, path: str) -> None:
+    """Refuse the file open as ``fd`` unless, now that its bytes are read, it has one name
+    and that name is ``part`` in ``directory`` (A5). A count of one taken before is no proof
+    the one name is the path's: a link made in from outside and removed after the open
+    leaves the file open with its one name outside."""
+    info = os.fstat(fd)
+    try:
+        named = os.stat(part, dir_fd=directory, follow_symlinks=False)
+    except OSError:
+        named = None
+    if (
+        info.st_nlink != 1
+        or named is None
+        or (named.st_dev, named.st_ino) != (info.st_dev, info.st_ino)
+    ):
+        raise _Refused(
+            ReasonCode.ATTACHMENT_OUTSIDE_WORKDIR,
+            f"{path} changed its names while it was read (a hard link made or removed): its "
+            "one name may lie outside the working directory; attach a copy of it",
+        )
 
 
 def _under(path: PurePosixPath, directory: Path) -> bool:
@@ -259,11 +294,20 @@ def _is_link(parent: int, part: str) -> bool:
 
 
 def _display_name(name: str) -> str:
-    """A name fit to show: its last component, control characters dropped, bounded."""
-    shown = "".join(c for c in PurePosixPath(name).name if c.isprintable()).strip()
-    if shown in ("", ".", ".."):
+    """A name fit to show, never a path: its last component — split at ``/``, at ``\\`` (a
+    Windows client's separator) and at every character compatibility normalisation (NFKC)
+    makes one of those —, control and format characters dropped, bounded; ``.`` or ``..``
+    in any spelling NFKC reads so is no name."""
+    flat = "".join("/" if _separates(c) else c for c in name)
+    shown = "".join(c for c in PurePosixPath(flat).name if c.isprintable()).strip()
+    if unicodedata.normalize("NFKC", shown) in ("", ".", ".."):
         return "attachment"
     return shown[:MAX_ATTACHMENT_NAME]
+
+
+def _separates(c: str) -> bool:
+    plain = unicodedata.normalize("NFKC", c)
+    return "/" in plain or "\\" in plain
 
 
 def _refusal(code: ReasonCode, why: str) -> GateResult:

@@ -62,6 +62,9 @@ the sha256 (A11): written before the outcome that names them, read by a host who
 lacks them."""
 
 _NAME: Final = re.compile(r"[0-9a-f]{64}")
+_TEMPORARY: Final = re.compile(r"[0-9a-f]{64}" + re.escape(TMP_MARK) + r"[0-9a-f]+")
+"""A temporary file of :func:`atomic_write` under the root: ``<sha256>.tmp-<hex>``, the one
+shape the store's writes make (A8: the sweep removes no other name as a temporary)."""
 
 logger = logging.getLogger("runtime.attachments")
 
@@ -277,7 +280,9 @@ class AttachmentStore:
 
     def sweep(self, referenced: Collection[str]) -> list[str]:
         """Remove every file of the root that no record names (``referenced``: the sha256s
-        records name) and every temporary file a crash left (A8); the names removed. An entry
+        records name) and every temporary file a crash left (A8: ``<sha256>.tmp-<hex>``, the
+        shape :func:`atomic_write` gives; a name merely holding ``.tmp-`` is not the store's and
+        stays, like any name that is no sha256); the names removed. An entry
         that is not a regular file (a directory under a sha256's name), or that cannot be
         removed, is left and logged once per sweep; the rest is swept all the same. Call it
         only while nothing is writing attachments (a start, before any lane runs)."""
@@ -288,7 +293,9 @@ class AttachmentStore:
         removed: list[str] = []
         skipped: list[str] = []
         for name in entries:
-            orphan = TMP_MARK in name or (_NAME.fullmatch(name) and name not in referenced)
+            orphan = _TEMPORARY.fullmatch(name) or (
+                _NAME.fullmatch(name) and name not in referenced
+            )
             if not orphan:
                 continue
             path = self.root / name
