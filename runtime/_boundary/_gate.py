@@ -348,14 +348,32 @@ class RecordingGateJournal:
             return RunTool(intent_id)
 
     def _let_run(self, tool_call_id: str, intent: ToolIntent, epoch: int) -> None:
-        """Note that ``intent`` was answered *run* in ``epoch``, its outcome to come."""
+        """Note that ``intent`` was answered *run* in ``epoch``, its outcome to come. A call
+        let run again (T5 ``safe``, T13) keeps the event of its earlier run, if that run never
+        settled: a model request already waiting on it (T11) is released by this run's
+        outcome, never left waiting on an event nothing sets (T20)."""
         self._running[tool_call_id] = intent
-        self._settled[tool_call_id] = trio.Event()
+        self._settled.setdefault(tool_call_id, trio.Event())
         self._let_run_in[tool_call_id] = epoch
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None:
+        """Record the outcome the worker reports for a call it was answered *run* for. One
+        that names another tool than the running call's, or a runtime tool (whose outcome is
+        its handler's, T10), is not that call's outcome: refused (``gate_bad_request``, 409),
+        nothing recorded (T19)."""
         async with self._lock:
-            await self._record_settled(self._let_run_intent(call), call, result)
+            intent = self._let_run_intent(call)
+            if intent.name != call.name:  # T19: not the running call's outcome
+                why = f"the gate let it run as {intent.name}"
+            elif intent.name in self.runtime_tools:  # T19: its outcome is its handler's (T10)
+                why = "a runtime tool, which the runtime runs and reports itself"
+            else:
+                await self._record_settled(intent, call, result)
+                return
+            raise GateError(
+                ReasonCode.GATE_BAD_REQUEST,
+                f"an outcome for {call.tool_call_id!r} as {call.name}: {why}",
+            )
 
     def _let_run_intent(self, call: GateCall) -> ToolIntent:
         """The intent ``call`` was let run under, awaiting its outcome (lock held)."""
@@ -447,11 +465,16 @@ class RecordingGateJournal:
 
     def release(self) -> None:
         """The delivery ended: forget its intents and outcomes and refuse every tool from
-        now on (an idle lane keeps no turn in memory)."""
+        now on (an idle lane keeps no turn in memory). A model request still held for an
+        outcome (T11) is released: the gateway refuses it, its delivery ended (G14, T20). A
+        late report is still answered (it lands in the throwaway log): refused, it would fail
+        the worker's next call closed (T18)."""
         self._log = MemoryLog()
         self.granted = frozenset()
         self._intents.clear()
         self._outcomes.clear()
+        for event in self._settled.values():  # T20: nothing will be recorded for them here
+            event.set()
 
     async def wait_outcomes(self, tool_call_ids: Iterable[str]) -> None:
         """Return once no call among ``tool_call_ids`` that was let run is still without a
