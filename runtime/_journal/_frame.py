@@ -121,15 +121,19 @@ def _frame_at(data: bytes | memoryview, offset: int) -> Frame | None:
 
 
 def _complete_but_damaged(data: bytes, offset: int) -> bool:
-    """Whether the invalid final bytes at ``offset`` are a whole frame — a plausible header
-    whose body ends inside the file, with no zero sector in it — that fails its checksum:
-    damage, where a torn write would have left the frame short or a sector of it zeros
-    (J3, J4)."""
+    """Whether the invalid final bytes at ``offset`` are a whole frame — a header that is
+    not all zeros, whose body ends inside the file, with no zero sector in it — that fails
+    its checksum: damage, where a torn write would have left the frame short, its header
+    zeros or a sector of it zeros (J3, J4). A zero count or a zero length in a header that
+    is not all zeros is no sign of a torn write (J3a): a torn write keeps a prefix of its new
+    bytes up to a sector boundary, so a header field it did not write is followed by a zero
+    sector, which the check finds — while one flipped bit makes a count of 1 (a delivery's
+    step) or a length of 64 zero, and the last acknowledged record vanished as torn."""
     if len(data) - offset < HEADER_SIZE:
         return False
-    length, _crc, _first, count = _HEADER.unpack_from(data, offset)
+    length, _crc, _first, _count = _HEADER.unpack_from(data, offset)
     end = offset + HEADER_SIZE + length
-    if length == 0 or length > MAX_BODY or count == 0 or end > len(data):
+    if length > MAX_BODY or end > len(data) or not any(data[offset : offset + HEADER_SIZE]):
         return False
     return not _zero_sector(data, offset, end)
 

@@ -851,10 +851,18 @@ class WriterPool:
 
     def _put(self, target: LogTarget, handle: int, frame: bytes) -> int:
         """Write ``frame`` at the log's end: appended, or over the zeros allocated ahead,
-        allocating more first when it does not fit (J19). Returns the bytes written."""
+        allocating more first when it does not fit (J19). Returns the bytes written.
+
+        A short write still poisons the log (J5), but Linux writes what fits and returns the
+        short count, and only a write of the rest says why: that one is made, so that a disk
+        that filled up in the middle of a frame raises ``ENOSPC`` — ``disk_full`` — and is not
+        reported as a failed disk (J6a). What it wrote is cut with the rest (J5)."""
         fs = self._fs
         if not target.ahead:
-            return fs.write(handle, frame)
+            written = fs.write(handle, frame)
+            if 0 < written < len(frame):
+                fs.write(handle, frame[written:])  # raises why, if the disk says
+            return written
         end = target.good_length + len(frame)
         if end > target._allocated:
             try:
@@ -866,7 +874,10 @@ class WriterPool:
                 # no room to allocate ahead: the frame alone extends the file, as an append
                 # does; only a frame that does not fit fails (and poisons the log, J5)
                 target._allocated = end
-        return fs.pwrite(handle, frame, target.good_length)
+        written = fs.pwrite(handle, frame, target.good_length)
+        if 0 < written < len(frame):
+            fs.pwrite(handle, frame[written:], target.good_length + written)  # (as above)
+        return written
 
     def _sync_group(
         self, sync: _SyncLog, groups: list[tuple[LogTarget, list[_Append]]]

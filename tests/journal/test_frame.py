@@ -36,18 +36,17 @@ def test_round_trip_batches() -> None:
 )
 def test_torn_final_frame_is_discarded(cut: int, tail: bytes) -> None:
     """J3: a final frame cut anywhere, plus zeros or garbage, is a torn tail — unless the
-    tail happens to make it a whole frame (its declared length ends inside the file, no
-    512-byte sector of it all zeros) that fails its checksum: that is damage (J4), never
-    dropped."""
+    tail happens to make it a whole frame (a header not all zeros, its declared length ending
+    inside the file, no 512-byte sector of it all zeros) that fails its checksum: that is
+    damage (J4, J3a: a count or length of 0 included), never dropped."""
     good = _log([b"1"], [b"2", b"3"])
     last = encode_frame(3, [b'"' + b"z" * 100 + b'"'])
     data = good + last[: min(cut, len(last) - 1)] + tail
     assume(not data.startswith(good + last))  # the tail happened to complete the frame
     final = data[len(good) :]
     length = int.from_bytes(final[:4], "little") if len(final) >= HEADER_SIZE else 0
-    count = int.from_bytes(final[16:20], "little") if len(final) >= HEADER_SIZE else 0
     body = final[HEADER_SIZE : HEADER_SIZE + length]
-    whole = 0 < length == len(body) and count > 0
+    whole = len(final) >= HEADER_SIZE and length == len(body) and any(final[:HEADER_SIZE])  # J3a
     if whole and not _zero_sector_in(data, len(good), len(good) + HEADER_SIZE + length):
         with pytest.raises(FrameDamage) as info:
             scan(data)
