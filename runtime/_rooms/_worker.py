@@ -1304,11 +1304,21 @@ class RoomWorker:
     async def _sweep_attachments(self, attachments: AttachmentStore) -> None:
         """Remove the attachment files no record names (A8): their writer died between the
         file and its outcome. Named are those of every published result and of every outcome
-        in the log of a delivery still unfinished (its result will carry them)."""
+        in the log of a delivery still unfinished (its result will carry them). When such a
+        log cannot be read, nothing is removed at this start: what it names is unknown."""
         referenced = self._host.outbox.referenced()
         for ids in self._unfinished.values():
             for delivery_id in ids:
-                for record in await self._log_records(delivery_id):
+                records = await self._read_log(delivery_id)
+                if records is None:  # it may name some: nothing is removed on a guess
+                    logger.warning(
+                        "attachment files are not swept at this start: the log of unfinished "
+                        "delivery %s cannot be read, and may name some of them",
+                        delivery_id,
+                        extra=fields("attachments_sweep_failed", delivery_id=delivery_id),
+                    )
+                    return
+                for record in records:
                     if isinstance(record, ToolOutcome):
                         referenced.update(ref.sha256 for ref in record.attachments)
         try:
@@ -1349,12 +1359,17 @@ class RoomWorker:
     async def _log_records(self, delivery_id: str) -> tuple[Record, ...]:
         """The records of a delivery's own log; none when its turn never began (no log) or
         the log is damaged (its lane refuses it, ``recovery_refused:journal``)."""
+        return await self._read_log(delivery_id) or ()
+
+    async def _read_log(self, delivery_id: str) -> tuple[Record, ...] | None:
+        """The records of a delivery's own log (none when its turn never began: no log);
+        ``None`` when the log cannot be read (damaged)."""
         if not await self.store.exists(self.store.delivery_rel(delivery_id)):
             return ()
         try:
             return (await self.store.read_delivery_log(delivery_id)).records
         except JournalError:
-            return ()
+            return None
 
     def _refusal(
         self, record: Admission, delivery: Delivery, grants: frozenset[str] | None

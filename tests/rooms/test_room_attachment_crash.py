@@ -161,3 +161,26 @@ async def test_a6_the_real_pis_read_of_a_picture_is_replayed_byte_for_byte(
     assert tool_results[-1].get("details") == seen.details
     assert model.request_count == 2  # the tool round once, then the answer
     assert picture["data"] in json.dumps(model.requests[1].body)
+
+
+async def test_a8_an_unfinished_log_that_cannot_be_read_sweeps_nothing(tmp_path: Path) -> None:
+    """A8, with no guess: the host dies with the outcome naming the picture durable and no
+    result, and the delivery's own log is then found damaged. What an unreadable log names
+    is unknown — a read that failed once may succeed at the next start, and its result would
+    name a file already removed — so this start removes no attachment file; the delivery
+    ends ``recovery_refused:journal`` (L11), and the next start, with nothing unfinished
+    left, sweeps the file no record names."""
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream(steps()) as (_model, url):
+            spec = {"config": config("fake", url, GRANTS)}
+            await kill_when_paused(tmp_path, spec, "attachment_outcome")
+            log = tmp_path / "state" / "deliveries" / f"{delivery_key('d1')}.log"
+            damaged = bytearray(log.read_bytes())
+            used = len(damaged.rstrip(b"\0"))  # the log is allocated ahead (J19): zeros after
+            damaged[used // 2] ^= 0x40  # inside a record: damage, never a torn tail
+            log.write_bytes(bytes(damaged))
+            (result,) = await recover(tmp_path, spec)
+            assert (result["outcome"], result["code"]) == ("failed", "recovery_refused:journal")
+            assert root_files(tmp_path) == [DIGEST]  # kept: the damaged log may name it
+            await recover(tmp_path, spec, expect=0)
+    assert root_files(tmp_path) == []  # nothing unfinished names it now: swept
