@@ -55,6 +55,7 @@ __all__ = [
     "ResponseWriter",
     "SseEvent",
     "SseParser",
+    "drain",
     "iter_sse",
     "open_request",
     "refusal_text",
@@ -400,12 +401,13 @@ async def _refuse_unauthorized(
     ):
         body = refusal(401) if refusal is not None else _UNAUTHORIZED_BODY
         await ResponseWriter(stream, conn).respond(401, body, close=True)
-        await _drain(stream, _DRAIN_BYTES)
+        await drain(stream, _DRAIN_BYTES)
 
 
-async def _drain(stream: trio.abc.Stream, limit: float = math.inf) -> None:
+async def drain(stream: trio.abc.Stream, limit: float = math.inf) -> None:
     """Say the end of what is sent (when the stream can), then read and drop what the client
-    sends until its end or ``limit`` bytes."""
+    sends until its end or ``limit`` bytes: a connection closed with unread bytes is reset,
+    and the peer may lose the answer sent before the close."""
     if isinstance(stream, trio.abc.HalfCloseableStream):
         await stream.send_eof()
     dropped = 0
@@ -642,7 +644,7 @@ async def _refuse_connection(stream: trio.SocketStream, seconds: float) -> None:
         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
     ):
         await stream.send_all(_TOO_MANY)
-        await _drain(stream)  # a close with unread bytes would reset it, answer unread
+        await drain(stream)  # a close with unread bytes would reset it, answer unread
     await trio.aclose_forcefully(stream)
 
 

@@ -52,6 +52,7 @@ from typing import Annotated, Any, Final, Literal, Protocol, get_args
 import msgspec
 import trio
 
+from .._boundary._http import drain
 from .._config import Thresholds
 from .._errors import AdminError, PiRuntimeError, ReasonCode, StateDirError
 from .._journal._store import _check_private
@@ -438,6 +439,9 @@ async def _serve_connection(
                 return
             with trio.move_on_after(_SEND_TIMEOUT):
                 await stream.send_all(_ENCODER.encode(response) + b"\n")
+            if response.get("ok") is False:  # refused, perhaps unread: read what came first
+                with trio.move_on_after(_SEND_TIMEOUT):
+                    await drain(stream, MAX_REQUEST)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the client went away: nothing to answer
     except Exception:
