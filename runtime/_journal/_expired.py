@@ -28,7 +28,9 @@ the ``forget_days`` of then.)
 A lookup is a binary search over the bytes as read: opening it decodes nothing, so start-up
 does not grow with the number of expired deliveries beyond reading the file (24 bytes each).
 The file fails closed: a wrong magic, length or checksum is ``journal_corrupt`` — a flipped
-bit must not turn an expired delivery into a new one. Pure, apart from :func:`read_expired`.
+bit must not turn an expired delivery into a new one — and so is an empty file (every filter
+written holds its header; only a missing one is an empty filter, RT19). Pure, apart from
+:func:`read_expired`.
 """
 
 from __future__ import annotations
@@ -107,6 +109,18 @@ class ExpiredIds:
         i = self._index(delivery_key)
         return i is not None and self._until(i) > now_ms
 
+    def since(self, delivery_key: str) -> int | None:
+        """The time the entry of ``delivery_key`` counts its ``forget_days`` from (a
+        delivery's publication; a task's end, or its forget); ``None`` when the file does not
+        list it, or is an earlier version's (which kept only its forget-after time). Whose
+        expiry an entry is: an id let go and used again has a later time of its own (RT4,
+        RT19)."""
+        i = self._index(delivery_key)
+        if i is None or self.forget_ms is None:
+            return None
+        when: int = _WHEN.unpack_from(self._data, i * _ENTRY + _KEY)[0]
+        return when
+
     def __contains__(self, delivery_key: object) -> bool:
         """Whether the file lists ``delivery_key``, whatever its time (what a look at the
         file shows; a decision asks :meth:`holds`)."""
@@ -147,9 +161,10 @@ class ExpiredIds:
 
 
 def decode_expired(data: bytes, *, path: str) -> ExpiredIds:
-    """The filter in ``data``; ``journal_corrupt`` naming ``path`` if it does not check out."""
-    if not data:
-        return ExpiredIds()
+    """The filter in ``data``; ``journal_corrupt`` naming ``path`` if it does not check out —
+    an empty file too: every filter written holds its header, even with no entry, so one
+    found empty lost what it held (RT4, RT19: never read as an empty filter). No file at all
+    is :func:`read_expired`'s: nothing expired yet."""
     if len(data) < _HEAD.size:
         raise JournalError(ReasonCode.JOURNAL_CORRUPT, "expired-id filter is cut short", path=path)
     magic, count, crc = _HEAD.unpack_from(data)

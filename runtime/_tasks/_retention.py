@@ -211,7 +211,7 @@ async def retain_ended_tasks(
         await trio.to_thread.run_sync(sweep_trash, OsFileSystem(), str(work_root))
     going: dict[str, str] = {}  # lane key → the task whose directories go now
     for task_id, ended_ms in sorted(ended.items()):
-        if store.expired_tasks.holds(_key(task_id), now_ms=now_ms):
+        if _expired_already(store, task_id, ended_ms, now_ms=now_ms):
             going[_key(task_id)] = task_id  # expired already (a forget or a pass cut short
             continue  # after the filter): not slimmed or expired again, its lane goes
         if ended_ms <= 0 or ended_ms > journal_cut:
@@ -243,6 +243,21 @@ async def retain_ended_tasks(
         with _fault_stays(left, key):
             await _remove_lane(store, key, work_root, in_use)
     return TaskRetention(tuple(slimmed), tuple(gone), tuple(left))
+
+
+def _expired_already(store: Store, task_id: str, ended_ms: int, *, now_ms: int) -> bool:
+    """Whether the filter holds back ``task_id`` for *this* task — the one known as ended at
+    ``ended_ms`` — so that it is let go, not aged (RT12, RT19): its entry counts from that
+    end or later (a pass expires a task from its end, a forget from then or now). An entry
+    from before it is an earlier task's under the same id — let go at its time, the id
+    submitted again, then held back once more by a raised ``forget_days`` or a clock set
+    back — and this one ages from its own end. (An earlier version's entry says no time: it
+    is taken for this task's, as before.)"""
+    key = _key(task_id)
+    if not store.expired_tasks.holds(key, now_ms=now_ms):
+        return False
+    since = store.expired_tasks.since(key)
+    return since is None or since >= ended_ms
 
 
 async def retain_shared_tasks(
