@@ -68,11 +68,24 @@ class LaneLeases:
         return sent + self.ttl * (1 - MARGIN)
 
     async def claim(self, lane: str) -> Fence | None:
-        """Claim ``lane``: its :class:`Fence`, or ``None`` while another host holds it."""
+        """Claim ``lane``: its :class:`Fence`, or ``None`` while another host holds it — or
+        while this host does under a later epoch (S12).
+
+        One fence per lane is kept, the newest: every claim moves the epoch on (S10), so
+        once a later claim of this host's committed the database refuses the earlier epoch.
+        A claim answered after a later one (its connection retried, a slow thread) proves
+        nothing now and is answered ``None``, never kept over the newer one — kept, the
+        newer would be renewed and watched by nobody. A claim that supersedes a held epoch
+        reports that one lost at once: what runs under it is refused from now on."""
         sent = trio.current_time()
         fence = await self.store.claim(lane, self.ttl)
         if fence is None:
             return None
+        held = self._held.get(lane)
+        if held is not None and held.epoch > fence.epoch:
+            return None  # superseded by a later claim of this host's, already kept
+        if held is not None and held != fence:
+            self._lose(lane, f"claimed again by this host at epoch {fence.epoch}")
         self._held[lane] = fence
         self._until[lane] = self._deadline(sent)
         self._wake()
