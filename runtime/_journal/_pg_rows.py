@@ -260,9 +260,9 @@ UPDATE {SCHEMA}.lanes AS l SET lease_until = now() + make_interval(secs => %(ttl
   FROM unnest(%(lanes)s::text[], %(epochs)s::bigint[]) AS held (lane, epoch)
  WHERE l.lane = held.lane AND l.epoch = held.epoch AND l.owner = %(owner)s
    AND l.lease_until > now()
-RETURNING l.lane"""
-"""S12: every lease this owner still holds at its epoch, extended; an expired one is not
-(it is claimed again, under a new epoch)."""
+RETURNING l.lane, l.epoch"""
+"""S12: every lease this owner still holds at its epoch, extended, by lane and epoch; an expired
+one is not (it is claimed again, under a new epoch)."""
 RELEASE: Final = f"""
 WITH released AS (
     UPDATE {SCHEMA}.lanes SET lease_until = '-infinity'

@@ -809,17 +809,18 @@ class PgStore:
         if not mine:
             return set()
 
-        def renew(conn: Conn) -> set[str]:
+        def renew(conn: Conn) -> set[tuple[str, int]]:
             params = {
                 "lanes": [fence.lane for fence in mine],
                 "epochs": [fence.epoch for fence in mine],
                 "owner": self.owner,
                 "ttl": ttl,
             }
-            return {str(row[0]) for row in conn.execute(RENEW, params).fetchall()}
+            rows = conn.execute(RENEW, params).fetchall()
+            return {(str(row[0]), int(row[1])) for row in rows}
 
-        held = await self._on_leases(renew)
-        return {fence for fence in mine if fence.lane in held}
+        held = await self._on_leases(renew)  # by lane and epoch: an older epoch is not held
+        return {fence for fence in mine if (fence.lane, fence.epoch) in held}
 
     async def release(self, fence: Fence) -> None:
         """Give ``fence``'s lease up (it runs out now; its epoch stays spent)."""

@@ -296,6 +296,23 @@ async def test_s12_a_renewal_extends_only_the_leases_still_held(
             assert again.epoch == lapsed.epoch + 1
 
 
+async def test_s12_a_renewal_of_two_epochs_of_one_lane_holds_only_the_newest(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """S12: a renewal answers by lane and epoch — given an older epoch of a lane beside the
+    one the database holds (a claim made again by this host), only the newer is held. (The
+    answer was matched by lane alone: the spent epoch came back as held.)"""
+    with trio.fail_after(LIMIT):
+        async with _host(pg_dsn, tmp_path, "a") as a:
+            old = await a.claim("room-0", TTL)
+            new = await a.claim("room-0", TTL)
+            assert old is not None
+            assert new is not None
+            assert new.epoch == old.epoch + 1
+            assert await a.renew([old, new], TTL) == {new}
+            assert await a.renew([old], TTL) == set()
+
+
 # -- S21: shared logs with many writers ----------------------------------------------------------
 
 
