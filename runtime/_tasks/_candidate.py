@@ -24,6 +24,7 @@ from .._errors import ReasonCode, WorktreeError
 from ._worktree import (
     FileEntry,
     Manifest,
+    beneath,
     check_root,
     git,
     git_env,
@@ -163,8 +164,8 @@ def _add_to_tar(tar: tarfile.TarFile, root: str, entry: FileEntry) -> None:
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     if entry.size < 0:
-        with _reading(entry.path, full):
-            target = os.readlink(full)
+        with _reading(entry.path, full), beneath(root, entry.path) as (directory, name):
+            target = os.readlink(name, dir_fd=directory)
         if hashlib.sha256(os.fsencode(target)).hexdigest() != entry.sha256:
             raise _changed(f"symlink {entry.path} changed")
         info.type = tarfile.SYMTYPE
@@ -172,8 +173,8 @@ def _add_to_tar(tar: tarfile.TarFile, root: str, entry: FileEntry) -> None:
         info.mode = 0o777
         tar.addfile(info)
         return
-    with _reading(entry.path, full):
-        f = open_regular(full)
+    with _reading(entry.path, full), beneath(root, entry.path) as (directory, name):
+        f = open_regular(directory, name)  # never through a symlink on the path (W-M4)
     if f is None:
         raise _changed(f"{entry.path} is no longer a regular file")
     with f:

@@ -16,13 +16,16 @@ import msgspec
 import trio
 import trio.lowlevel
 
+from .._linux._proctree import EPOCH_ENV, TreeProof, kill_tree, new_nonce, trio_managed
 from ._worktree import Manifest, amanifest, check_root
 
 __all__ = ["OUTPUT_TAIL_BYTES", "VALIDATION_ENV", "ValidationReceipt", "run_validation"]
 
 
-VALIDATION_ENV: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR")
-"""The only variables a validation child inherits (W-V3)."""
+VALIDATION_ENV: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", EPOCH_ENV)
+"""The only variables a validation child gets (W-V3): the runtime's values of the others, and
+for ``PI_RUNTIME_EPOCH`` a fresh nonce of the check's own, never the runtime's — what it starts
+inherits it, so what left its process group is still found and killed (W-V2)."""
 
 
 OUTPUT_TAIL_BYTES: Final = 4096
@@ -85,6 +88,14 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+async def _kill_escaped(nonce: str) -> None:
+    """SIGKILL every process carrying the check's nonce — what it started that left its
+    process group (``setsid``, a double fork) — and wait for their exits, at most
+    :data:`_REAP_SECONDS` (W-V2). A process that cleared its environment is not found: only
+    a cgroup would contain that, and the check runs in none."""
+    await kill_tree(TreeProof(nonce=nonce), give_up_after=_REAP_SECONDS)
+
+
 async def run_validation(
     root: Path,
     command: Sequence[str],
@@ -107,7 +118,9 @@ async def run_validation(
     argv = tuple(command)
     if not argv:
         raise ValueError("an empty validation command")
+    nonce = new_nonce()
     env = {key: os.environ[key] for key in VALIDATION_ENV if key in os.environ}
+    env[EPOCH_ENV] = nonce
     ran_on = (await amanifest(root)).digest
     tail = _Tail(OUTPUT_TAIL_BYTES)
     started = trio.current_time()
@@ -137,27 +150,33 @@ async def run_validation(
     assert stdout is not None
     pidfd: int | None = None
     timed_out = False
-    try:
-        # our own pidfd: it shows the exit without reaping, so the group id we kill is
-        # still the child's (a reaped leader's pid could be reused)
-        pidfd = os.pidfd_open(proc.pid)
-        async with trio.open_nursery() as nursery:
-            drained = trio.Event()
-            nursery.start_soon(_pump, stdout, tail, drained)
-            with trio.move_on_after(timeout) as bound:
-                await trio.lowlevel.wait_readable(pidfd)
-            timed_out = bound.cancelled_caught
-            _kill_group(proc.pid)  # W-V2: nothing it left behind outlives it
-            with trio.move_on_after(_DRAIN_SECONDS):
-                await drained.wait()
-            nursery.cancel_scope.cancel()
-    finally:
-        _kill_group(proc.pid)
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(_REAP_SECONDS):
-                await proc.wait()
-            await stdout.aclose()
-        if pidfd is not None:
-            os.close(pidfd)
+    swept = False
+    with trio_managed(proc.pid):  # its exit status is Trio's, never reaped by a sweep
+        try:
+            # our own pidfd: it shows the exit without reaping, so the group id we kill is
+            # still the child's (a reaped leader's pid could be reused)
+            pidfd = os.pidfd_open(proc.pid)
+            async with trio.open_nursery() as nursery:
+                drained = trio.Event()
+                nursery.start_soon(_pump, stdout, tail, drained)
+                with trio.move_on_after(timeout) as bound:
+                    await trio.lowlevel.wait_readable(pidfd)
+                timed_out = bound.cancelled_caught
+                _kill_group(proc.pid)  # W-V2: nothing it left behind outlives it
+                await _kill_escaped(nonce)  # nor what left its group (setsid, a daemon)
+                swept = True
+                with trio.move_on_after(_DRAIN_SECONDS):
+                    await drained.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            _kill_group(proc.pid)
+            with trio.CancelScope(shield=True):
+                if not swept:  # cancelled or failed before the sweep: it is done here
+                    await _kill_escaped(nonce)
+                with trio.move_on_after(_REAP_SECONDS):
+                    await proc.wait()
+                await stdout.aclose()
+            if pidfd is not None:
+                os.close(pidfd)
     status = proc.returncode if proc.returncode is not None else -signal.SIGKILL
     return receipt(status, f"timed out after {timeout:g}s\n" if timed_out else "")

@@ -7,13 +7,14 @@ share; and the watchdog's bounded progress stamp (W-S1…W-S5). Blocking file an
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Final, Literal
 
@@ -93,11 +94,41 @@ def hash_open_file(f: BinaryIO) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def open_regular(full: str) -> BinaryIO | None:
-    """The file at ``full`` opened for reading if it is a regular file (never following
-    a symlink, never blocking on a FIFO); ``None`` for anything else."""
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def beneath(root: str, rel: str) -> Iterator[tuple[int, str]]:
+    """The directory holding ``rel`` (``/``-separated, below ``root``), opened one component
+    at a time without following a symlink on the way, and ``rel``'s last name in it (W-M8).
+
+    A listed path can have changed by the time it is read: a directory on it swapped for a
+    symlink would take the read outside the worktree (to the runtime's files, to
+    ``/proc/self``), and a path would follow it. A component that is no longer a directory
+    raises :class:`NotADirectoryError`, as a path that vanished does."""
+    *parents, name = rel.split("/")
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in parents:
+            try:
+                below = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as error:
+                if error.errno == errno.ELOOP:  # a symlink now: not the directory listed
+                    raise NotADirectoryError(errno.ENOTDIR, "a symlink on the path", rel) from None
+                raise
+            os.close(fd)
+            fd = below
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+def open_regular(directory: int, name: str) -> BinaryIO | None:
+    """The file ``name`` in the open ``directory`` opened for reading if it is a regular
+    file (never following a symlink, never blocking on a FIFO); ``None`` for anything
+    else."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    fd = os.open(full, flags)
+    fd = os.open(name, flags, dir_fd=directory)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
@@ -108,13 +139,14 @@ def _entry(root: str, rel: str) -> FileEntry | None:
     """The entry of ``rel``, or ``None`` if it vanished or is not a file or symlink."""
     full = os.path.join(root, rel)
     try:
-        st = os.lstat(full)
-        if stat.S_ISLNK(st.st_mode):
-            target = os.fsencode(os.readlink(full))
-            return FileEntry(path=rel, size=-1, sha256=hashlib.sha256(target).hexdigest())
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        f = open_regular(full)
+        with beneath(root, rel) as (directory, name):
+            st = os.stat(name, dir_fd=directory, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.fsencode(os.readlink(name, dir_fd=directory))
+                return FileEntry(path=rel, size=-1, sha256=hashlib.sha256(target).hexdigest())
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            f = open_regular(directory, name)
         if f is None:
             return None
         with f:
@@ -123,36 +155,55 @@ def _entry(root: str, rel: str) -> FileEntry | None:
     except (FileNotFoundError, NotADirectoryError):
         return None  # it vanished: the tree is changing, and the digest will say so
     except OSError as error:
+        if error.errno == errno.ELOOP:  # swapped for a symlink since its lstat
+            return None
         raise unreadable(full, error) from None
 
 
-def _walk(root: str) -> list[str]:
-    """Every file and symlink under ``root`` (relative, ``/``-separated), never entering
-    a symlinked directory or anything named ``.git``."""
+def _walk(root: str, start: str = "") -> list[str]:
+    """Every file and symlink under ``root`` (relative, ``/``-separated), or under its
+    directory ``start`` only, never entering a symlinked directory or anything named
+    ``.git``."""
     found: list[str] = []
-    pending = [""]
+    pending = [start]
     while pending:
         rel_dir = pending.pop()
         directory = os.path.join(root, rel_dir) if rel_dir else root
         try:
-            with os.scandir(directory) as it:
-                entries = list(it)
+            entries = _listing_beneath(root, rel_dir)
         except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError as error:
             raise unreadable(directory, error) from None
-        for entry in entries:
-            if entry.name == ".git":
-                continue
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(rel)
-                else:
-                    found.append(rel)
-            except OSError as error:
-                raise unreadable(entry.path, error) from None
+        for name, is_dir in entries:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            (pending if is_dir else found).append(rel)
     return found
+
+
+def _listing_beneath(root: str, rel_dir: str) -> list[tuple[str, bool]]:
+    """The names in the directory ``rel_dir`` below ``root`` but ``.git``, each with whether
+    it is a directory (never following a symlink), the directory reached without following a
+    symlink on the way (W-M8): one swapped for a link since it was seen is not listed."""
+    if not rel_dir:
+        fd = os.open(root, _DIR_FLAGS)
+    else:
+        with beneath(root, rel_dir) as (parent, name):
+            try:
+                fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+            except OSError as error:
+                if error.errno == errno.ELOOP:
+                    raise NotADirectoryError(errno.ENOTDIR, "now a symlink", rel_dir) from None
+                raise
+    try:
+        with os.scandir(fd) as it:  # looked at while ``fd`` is open: it stats through it
+            return [
+                (entry.name, entry.is_dir(follow_symlinks=False))
+                for entry in it
+                if entry.name != ".git"
+            ]
+    finally:
+        os.close(fd)
 
 
 def _entries(root: str, paths: list[str]) -> tuple[FileEntry, ...]:
@@ -192,7 +243,10 @@ GIT_SECONDS: Final = 300.0
 """The longest one git call on a worktree may take (W-M6): past it, its whole process group
 is killed and the call fails with its reason code."""
 _GIT_OPTIONS: Final = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")
-"""No hook and no file-system monitor the worktree's configuration names runs (W-M6)."""
+"""No hook and no file-system monitor the worktree's configuration names runs (W-M6). Each
+call also names the worktree as git's work tree (``--work-tree``): a ``core.worktree`` in the
+worktree's configuration would otherwise make git add, and the candidate commit keep, another
+directory's files — the runtime's, outside the worktree."""
 
 
 def git(
@@ -206,7 +260,7 @@ def git(
 ) -> tuple[int, bytes]:
     try:
         process = subprocess.Popen(
-            ["git", *_GIT_OPTIONS, "-C", root, *args],
+            ["git", *_GIT_OPTIONS, "-C", root, f"--work-tree={root}", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -267,7 +321,11 @@ def _git_manifest(root: str) -> Manifest:
             continue
         meta, _, path = record.partition(b"\t")
         if meta.startswith(b"160000 "):
-            continue  # a submodule: its commit is in the tree id, it has no file content
+            # a nested repository (a submodule): the tree id holds only its HEAD commit, so
+            # its files are listed here, all of them, or a change in them would change no
+            # digest (W-M2, W-M3)
+            paths.extend(_walk(root, os.fsdecode(path)))
+            continue
         paths.append(os.fsdecode(path))
     files = _entries(root, paths)
     return Manifest(
