@@ -13,6 +13,7 @@ import trio
 
 from .._config import RoomWorkerConfig, load_config, validate_config
 from .._errors import ConfigError, PiRuntimeError
+from .._linux._proc import forbid_inspection
 from .._server._serve import ServeOptions, check_bind, serve_until_signalled
 from ._base import EXIT_OK, EXIT_USAGE, Commands, logger, timescale_option
 
@@ -81,6 +82,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 after a drained stop, 2 (usage) for refused settings."""
+    if not forbid_inspection():  # G9: its keys out of reach of its workers' user
+        logger.warning(
+            "this process stays inspectable: a process of its user can read its environment",
+            extra={"event": "inspection_allowed"},
+        )
     try:
         config = _config(args)
         options = _options(args)

@@ -7,12 +7,40 @@ they do not, and nothing may be signalled on the strength of a bare pid.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 
 import msgspec
 
-__all__ = ["ProcessIdentity", "boot_id", "identity_of", "is_alive", "process_start_time"]
+__all__ = [
+    "ProcessIdentity",
+    "boot_id",
+    "forbid_inspection",
+    "identity_of",
+    "is_alive",
+    "process_start_time",
+]
+
+_PR_SET_DUMPABLE = 4
+_PR_GET_DUMPABLE = 3
+
+
+def forbid_inspection() -> bool:
+    """Make this process undumpable (``prctl(PR_SET_DUMPABLE, 0)``): its ``/proc/<pid>``
+    files (``environ``, ``mem``, ``fd``…) become root's, so a process of the same user — a
+    worker it runs, a git filter or a validation check the worker wrote — can no longer read
+    the upstream key or a database password from its environment or memory (G9, W-M6). The
+    process itself still reads its own ``/proc/self``; its children are dumpable again after
+    ``exec``; it writes no core dump. Whether it holds now (False: ``prctl`` is not there)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        return False
+    return bool(libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 0)
 
 
 class ProcessIdentity(msgspec.Struct, frozen=True, kw_only=True):
