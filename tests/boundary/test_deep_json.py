@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -50,21 +48,11 @@ from runtime._records import ModelRequestIntent, ModelResponse, ToolIntent, Tool
 
 from .._workers import one_turn, tool_messages
 from .test_boundary import DELIVERY, PROCESS_LIMIT, base_launch, lane, read_back
+from .test_gate import sock_dir as sock_dir
 from .test_gateway import BODY, LIMIT, exchange, rig
 from .test_gateway_adversarial import exchange_raw
 
 DEPTH: Final = 2_000
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short private directory for the gate's socket (a socket path is at most 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="gate-", dir="/tmp"))
-    path.chmod(0o700)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def nested(depth: int) -> msgspec.Raw:

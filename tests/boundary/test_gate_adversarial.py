@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -26,7 +24,6 @@ import pytest
 import trio
 import trio.testing
 
-from fake_pi._gate_client import post_json
 from runtime._boundary._calls import GateCall, GateResult, RunTool
 from runtime._boundary._gate import (
     Gate,
@@ -42,33 +39,16 @@ from runtime._errors import ReasonCode
 from runtime._pi._session_settle import interrupted_text
 from runtime._records import Record, ToolIntent, ToolOutcome
 
+from .test_gate import Rig as GateRig
+from .test_gate import sock_dir as sock_dir
+
 LIMIT: Final = 10.0
 KEY: Final = "k"
 OK_CONTENT: Final[list[dict[str, Any]]] = [{"type": "text", "text": "ran\n"}]
 
 
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short private directory for sockets (a socket path is limited to 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="gatx-", dir="/tmp"))
-    path.chmod(0o700)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 @dataclass
-class Rig:
-    gate: Gate
-    server: GateServer
-    log: MemoryLog
-    journal: RecordingGateJournal
-
-    async def post(self, target: str, body: Any, secret: str | None = "") -> tuple[int, Any]:
-        given = self.gate.secret if secret == "" else secret
-        return await post_json(str(self.server.path), target, body, secret=given)
-
+class Rig(GateRig):
     async def post_raw(self, target: str, body: bytes) -> tuple[int, Any]:
         """One request whose body is sent byte for byte as given (its number formatting and
         key order untouched), on its own connection."""

@@ -32,6 +32,7 @@ from runtime._journal._postgres import DEFAULT_RETRY, PgStore, open_pg_store
 from runtime._records import OutboxAction
 
 from .pg_fixtures import cutting_proxy, execute
+from .test_leases import _expire, _lease_row
 
 LIMIT: Final = 30.0
 TTL: Final = 30.0
@@ -182,26 +183,6 @@ async def _host(
         dsn, root=root / name, owner=name, retry=retry, clocks=clocks
     ) as store:
         yield store
-
-
-async def _expire(dsn: str, lane_rel: str) -> None:
-    """The lease of ``lane_rel`` runs out now (as if its holder had stopped renewing)."""
-    await execute(
-        dsn,
-        "UPDATE pi_runtime.lanes SET lease_until = now() - interval '1 second' WHERE lane = %s",
-        [lane_rel],
-    )
-
-
-async def _lease_row(dsn: str, lane_rel: str) -> tuple[str, int, float]:
-    rows = await execute(
-        dsn,
-        "SELECT owner, epoch, extract(epoch FROM lease_until - now()) FROM pi_runtime.lanes "
-        "WHERE lane = %s",
-        [lane_rel],
-    )
-    owner, epoch, remaining = rows[0]
-    return str(owner), int(epoch), float(remaining)
 
 
 async def _lock_waiters(dsn: str) -> int:
