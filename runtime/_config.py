@@ -622,10 +622,14 @@ def _check_model(config: RoomWorkerConfig) -> None:
         try:
             url = urlsplit(model.base_url)
             host = url.hostname
+            url.port  # noqa: B018 (raises for a port out of range, as every later reader would)
         except ValueError:
             url, host = urlsplit(""), None
         if url.scheme not in ("http", "https") or not host:
-            raise ConfigError("model.base_url", "must be an http:// or https:// URL with a host")
+            raise ConfigError(
+                "model.base_url",
+                "must be an http:// or https:// URL with a host (and a port from 0 to 65535)",
+            )
     if model.scenario is not None and model.base_url is not None:
         raise ConfigError(
             "model.scenario", "is for the runtime's own scripted model: set no model.base_url"
@@ -943,7 +947,10 @@ def metrics_address(listen: str) -> tuple[str, int]:
     ``metrics.listen`` when it is not one."""
     host, sep, port = listen.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits only: "²" is a digit int() refuses (a traceback), an Arabic-Indic one a
+    # digit it takes (another port than the operator sees)
+    digits = port.isascii() and port.isdigit()
+    if not sep or not host or not digits or not 0 <= int(port) <= 65535:
         raise ConfigError("metrics.listen", f"{listen!r} is not HOST:PORT (127.0.0.1:9464)")
     return host, int(port)
 

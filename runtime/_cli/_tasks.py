@@ -20,7 +20,7 @@ import trio
 
 from .._boundary._receipts import receipt_store
 from .._clock import Clocks
-from .._config import RoomWorkerConfig, validate_config
+from .._config import RoomWorkerConfig, load_config, validate_config
 from .._errors import AdminError, ConfigError, DeliveryError, PiRuntimeError, ReasonCode
 from .._journal._store import open_store, require_journal
 from .._retention import offline_settings, recorded_settings
@@ -30,6 +30,7 @@ from .._tasks._retention import forget_offline
 from .._tasks._service import TaskService, open_task_service
 from .._tasks._view import database_views, offline_view, offline_views
 from ._base import (
+    DEFAULT_STATE_DIR,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -59,7 +60,7 @@ def register(commands: Commands) -> None:
         "lane logs when no server runs. Changes nothing.",
         _tasks_cmd,
     )
-    state_dir_option(tasks)
+    state_dir_option(tasks, with_config=True)
     config_option(tasks)
     store_option(tasks, STORE_HELP)
     tasks.add_argument("--json", action="store_true", help="print one JSON object")
@@ -101,7 +102,7 @@ def register(commands: Commands) -> None:
         default=None,
         help="standalone: the worker, fake (Fake-Pi) or pi (default: the configuration's)",
     )
-    state_dir_option(run)
+    state_dir_option(run, with_config=True)
     config_option(run)
     timescale_option(run)
     run.add_argument(
@@ -120,7 +121,7 @@ def register(commands: Commands) -> None:
         _task_show,
     )
     show.add_argument("task_id", metavar="ID", help="the task's id")
-    state_dir_option(show)
+    state_dir_option(show, with_config=True)
     config_option(show)
     store_option(show, STORE_HELP)
     show.add_argument("--json", action="store_true", help="print one JSON object")
@@ -207,11 +208,24 @@ def _in_database(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(view) | {"holder": holder} for view, holder in found]
 
 
+def _state_dir(args: argparse.Namespace) -> Path:
+    """``--state-dir``, else ``--config``'s ``state_dir`` (the one ``serve --config`` runs
+    on), else ``./state`` (O13). Before, ``--config``'s was ignored: ``task run --config F``
+    did not find the server ``serve --config F`` runs, and ran the task standalone in
+    ``./state`` beside it, with the same work root."""
+    if args.state_dir is not None:
+        given: Path = args.state_dir
+        return given
+    if args.config is not None:
+        return Path(load_config(args.config).state_dir)
+    return DEFAULT_STATE_DIR
+
+
 def _tasks_cmd(args: argparse.Namespace) -> int:
-    state_dir: Path = args.state_dir
     if args.store:
         listing: dict[str, Any] = {"source": "database", "tasks": _in_database(args)}
         return _print_tasks(listing, json=args.json)
+    state_dir = _state_dir(args)
     response = trio.run(_ask, state_dir, {"command": "tasks"})
     if response is not None and not response.get("ok"):
         return refused(response)
@@ -279,10 +293,10 @@ def _print_tasks(listing: dict[str, Any], *, json: bool) -> int:
 
 
 def _task_show(args: argparse.Namespace) -> int:
-    state_dir: Path = args.state_dir
     task_id: str = args.task_id
     if args.store:
         return _task_show_in_database(args, task_id)
+    state_dir = _state_dir(args)
     response = trio.run(_ask, state_dir, {"command": "task_show", "task_id": task_id})
     if response is not None and not response.get("ok"):
         return refused(response)
@@ -458,7 +472,7 @@ def _ended(view: dict[str, Any]) -> int:
 
 def _task_run(args: argparse.Namespace) -> int:
     spec = _spec(args)
-    state_dir: Path = args.state_dir
+    state_dir = args.state_dir = _state_dir(args)
     response = trio.run(admin_request, state_dir, {"command": "task_run", **spec})
     if response is not None:
         ignored = [
