@@ -353,9 +353,10 @@ def _bind(state_dir: Path | str) -> tuple[socket.socket, Path, os.stat_result]:
                     f"a server already answers on {path}; stop it before starting another "
                     "on this state directory",
                 )
-        tmp_name = f"{ADMIN_SOCKET}{TMP_MARK}{secrets.token_hex(4)}"
-        tmp_address = address[: -len(ADMIN_SOCKET)] + tmp_name
-        tmp_path = path.parent / tmp_name
+    tmp_path = path.parent / f"{ADMIN_SOCKET}{TMP_MARK}{secrets.token_hex(4)}"
+    # the temporary name is longer than admin.sock: its own address (a path that fits, or
+    # the directory's descriptor), or one of 95 to 107 bytes fits while its temporary does not
+    with _address(tmp_path) as tmp_address:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(tmp_address)

@@ -137,6 +137,26 @@ async def test_o5_a_state_directory_path_longer_than_a_socket_address(tmp_path: 
         assert await admin_request(state, {"command": "status"}) is None
 
 
+@pytest.mark.parametrize("length", [95, 100, 104, 107])
+async def test_o5_an_admin_socket_path_just_under_the_limit_is_served(
+    tmp_path: Path, length: int
+) -> None:
+    """O5: a path to ``admin.sock`` that fits a socket address while the temporary name it is
+    bound under first does not (13 bytes longer) is served too. Before, the temporary name
+    went to ``bind`` as it was: ``AF_UNIX path too long``, and ``serve`` did not start (a
+    test's temporary directory under xdist was of such a length)."""
+    base = len(os.fsencode(tmp_path / "s" / ADMIN_SOCKET)) - 1
+    assert base < length, "the test's temporary directory is already too long"
+    state = tmp_path / ("s" * (length - base))
+    state.mkdir(mode=0o700)
+    assert len(os.fsencode(state / ADMIN_SOCKET)) == length
+    with trio.fail_after(LIMIT):
+        async with serving(state, FakeHandler()):
+            response = await admin_request(state, {"command": "status"})
+    assert response is not None
+    assert response["ok"] is True
+
+
 async def test_o6_a_live_server_is_refused(tmp_path: Path) -> None:
     state = state_dir(tmp_path)
     with trio.fail_after(LIMIT):
