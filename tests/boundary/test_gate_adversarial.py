@@ -40,6 +40,7 @@ from runtime._pi._session_settle import interrupted_text
 from runtime._records import Record, ToolIntent, ToolOutcome
 
 from .test_gate import Rig as GateRig
+from .test_gate import _holding_the_next_append
 from .test_gate import sock_dir as sock_dir
 
 LIMIT: Final = 10.0
@@ -91,19 +92,6 @@ async def rig(
         server: GateServer = await nursery.start(serve_gate, gate, sock_dir / "gate.sock")
         yield Rig(gate, server, log, journal)
         nursery.cancel_scope.cancel()
-
-
-def _holding_the_next_append() -> tuple[Any, trio.Event, trio.Event]:
-    """A ``MemoryLog.on_append`` holding the next append (the journal's lock held) until
-    ``release`` is set; ``held`` is set once it waits. Later appends pass."""
-    held, release = trio.Event(), trio.Event()
-
-    async def hold(record: Record) -> None:
-        if not held.is_set():
-            held.set()
-            await release.wait()
-
-    return hold, held, release
 
 
 def _begin_epoch(r: Rig, epoch: int) -> None:

@@ -13,12 +13,10 @@ connection holds, and the test waits until the store's backend waits on it
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
-import psycopg
 import pytest
 import trio
 import trio.lowlevel
@@ -33,6 +31,7 @@ from runtime._records import OutboxAction
 
 from .pg_fixtures import cutting_proxy, execute
 from .test_leases import _expire, _lease_row
+from .test_postgres_adversarial import _row_locked
 
 LIMIT: Final = 30.0
 TTL: Final = 30.0
@@ -200,30 +199,6 @@ async def _until_waiting(dsn: str, count: int) -> None:
         await trio.lowlevel.checkpoint()
 
 
-@contextlib.asynccontextmanager
-async def _in_open_transaction(
-    dsn: str, statement: str, params: list[object]
-) -> AsyncIterator[None]:
-    """``statement`` run in a transaction of its own that stays open for the block (its rows
-    locked) and is committed at its end."""
-    locked, commit = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with psycopg.connect(dsn) as conn:  # not autocommit: one open transaction
-            conn.execute(statement, params)
-            locked.set()
-            commit.wait(LIMIT)
-            conn.commit()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.to_thread.run_sync, hold)
-        await trio.to_thread.run_sync(locked.wait, LIMIT)
-        try:
-            yield
-        finally:
-            commit.set()
-
-
 @pytest.mark.parametrize("lane_was", ["expired", "never claimed"])
 async def test_s10_hosts_taking_over_one_lane_at_once_leave_it_one_owner(
     pg_dsn: str, tmp_path: Path, lane_was: str
@@ -259,7 +234,7 @@ async def test_s10_hosts_taking_over_one_lane_at_once_leave_it_one_owner(
                 answers.append(await host.claim("room-1", TTL))
 
             # the transaction commits as its block ends (first), then the claims are waited for
-            async with trio.open_nursery() as nursery, _in_open_transaction(pg_dsn, hold, [rel]):
+            async with trio.open_nursery() as nursery, _row_locked(pg_dsn, hold, [rel]):
                 for host in hosts:
                     nursery.start_soon(claim, host)
                 await _until_waiting(pg_dsn, len(hosts))
@@ -325,7 +300,7 @@ async def test_s11_s12_an_append_and_a_renewal_racing_a_takeover_that_came_first
 
             async with (
                 trio.open_nursery() as nursery,
-                _in_open_transaction(pg_dsn, "SELECT pg_advisory_lock(%s)", [hold]),
+                _row_locked(pg_dsn, "SELECT pg_advisory_lock(%s)", [hold]),
             ):
                 nursery.start_soon(take_over)
                 await _until_waiting(pg_dsn, 1)  # the claim: its row updated, held
