@@ -325,6 +325,44 @@ class _Downstream:
                 await self.send(KEEPALIVE)
 
 
+class _Keepalives:
+    """G5a: one task per served gateway watches every response in flight, and starts a
+    response's own keepalive loop (:meth:`_Downstream.keepalive`, in its request's nursery)
+    only once it has been silent for ``interval`` — so a request answered in time starts
+    no task of its own."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._watched: dict[_Downstream, trio.Nursery] = {}
+        self._first = trio.Event()
+        """Set when a response is watched while none was: the watcher waits for it then."""
+
+    def watch(self, downstream: _Downstream, nursery: trio.Nursery) -> None:
+        """Watch ``downstream``, whose request runs in ``nursery``; :meth:`forget` it before
+        that nursery closes. Due no earlier than every response already watched (G5a)."""
+        self._watched[downstream] = nursery
+        self._first.set()
+
+    def forget(self, downstream: _Downstream) -> None:
+        self._watched.pop(downstream, None)
+
+    async def run(self) -> None:
+        """Until cancelled: wake when the first watched response is due, hand each due one
+        its own loop, and sleep until the next is due (``last_sent`` moves on as data flows,
+        so a response found not due yet is looked at again when it is)."""
+        while True:
+            if not self._watched:
+                await self._first.wait()
+                self._first = trio.Event()
+                continue
+            await trio.sleep_until(min(d.last_sent for d in self._watched) + self._interval)
+            now = trio.current_time()
+            for downstream, nursery in list(self._watched.items()):
+                if now >= downstream.last_sent + self._interval:
+                    del self._watched[downstream]
+                    nursery.start_soon(downstream.keepalive, self._interval)
+
+
 class Gateway:
     """The model endpoint of one worker epoch; serve it with :func:`serve_gateway`.
 
@@ -355,6 +393,8 @@ class Gateway:
         self._locks: dict[str, trio.Lock] = {}
         self._failure: PiRuntimeError | None = None
         self._failed = trio.Event()
+        self._keepalives: _Keepalives | None = None
+        """The watcher while :func:`serve_gateway` runs (G5a)."""
         self.on_answered: Callable[[], None] | None = None
         """Called once a call upstream was answered and its answer journaled: the provider
         is up (PB4: the route's breaker closes then, not when the turn ends)."""
@@ -460,8 +500,12 @@ class Gateway:
             await response.respond(400, _error_body(ReasonCode.GATEWAY_BAD_REQUEST, problem))
             return
         downstream = _Downstream(response)
+        keepalives = self._keepalives
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(downstream.keepalive, self.config.keepalive_interval)
+            if keepalives is None:  # served outside serve_gateway: no watcher (G5a)
+                nursery.start_soon(downstream.keepalive, self.config.keepalive_interval)
+            else:
+                keepalives.watch(downstream, nursery)
             try:
                 await self._barrier(body)
                 lock = self._locks.setdefault(digest, trio.Lock())
@@ -472,6 +516,8 @@ class Gateway:
                     if not lock.locked() and lock.statistics().tasks_waiting == 0:
                         self._locks.pop(digest, None)  # only requests in flight keep one
             finally:
+                if keepalives is not None:
+                    keepalives.forget(downstream)  # before the nursery closes (G5a)
                 nursery.cancel_scope.cancel()
 
     async def _answer(
@@ -753,9 +799,12 @@ async def serve_gateway(
     Raises the journal's error (e.g. ``journal_poisoned``) if an append failed.
     """
     failure: PiRuntimeError | None = None
+    keepalives = _Keepalives(gateway.config.keepalive_interval)
     try:
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(keepalives.run)
+                gateway._keepalives = keepalives  # G5a
                 server: HttpServer = await nursery.start(
                     lambda task_status: serve_http(
                         gateway.handle,
@@ -772,6 +821,8 @@ async def serve_gateway(
                 failure = await gateway.wait_failed()
                 scope.cancel()
     finally:
+        if gateway._keepalives is keepalives:
+            gateway._keepalives = None
         with trio.CancelScope(shield=True):
             await gateway.aclose()
     if failure is not None:

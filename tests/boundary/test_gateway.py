@@ -35,6 +35,7 @@ from runtime._boundary._gateway import (
     Gateway,
     GatewayConfig,
     _Downstream,
+    _Keepalives,
     data_inactivity_message,
     inactivity_message,
     serve_gateway,
@@ -1439,3 +1440,84 @@ async def test_g3_a_stream_s_head_goes_with_its_first_event_and_its_end_with_its
     await _Downstream(replay).finish(b"data: {}\n\ndata: [DONE]\n\n")
     assert len(replayed) == 1
     assert replayed[0].endswith(b"\r\n\r\n18\r\ndata: {}\n\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_g5a_a_request_answered_in_time_starts_no_keepalive_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """G5a: requests answered within the keepalive interval start no task of their own (one
+    was started and cancelled per request, about 35 µs of the loop's time); a request that
+    stays silent for the interval gets its keepalives (G5)."""
+    started: list[_Downstream] = []
+    loop = _Downstream.keepalive
+
+    async def counted(self: _Downstream, interval: float) -> None:
+        started.append(self)
+        await loop(self, interval)
+
+    monkeypatch.setattr(_Downstream, "keepalive", counted)
+    with trio.fail_after(LIMIT):
+        async with rig([Text(text=w) for w in ("one", "two", "three")], keepalive_interval=60) as r:
+            for n in range(3):
+                status, events = await exchange(r, {**BODY, "user": f"in-time-{n}"})
+                assert status == 200
+                assert data(events)[-1] == DONE
+    assert started == []
+    more = trio.Event()
+    with trio.fail_after(LIMIT):
+        async with (
+            rig(upstream=gated(more), keepalive_interval=0.05) as r,
+            open_request(
+                "POST", r.url, headers=r.headers(), body=json.dumps(BODY).encode()
+            ) as response,
+        ):
+            comments = 0
+            async for event in iter_sse(response.iter_bytes()):
+                if event.data is None:
+                    comments += 1
+                    if comments == 2:
+                        more.set()
+    assert len(started) == 1
+
+
+class _Quiet:
+    """A response the watcher sees (G5a): when data last went out, and when its own
+    keepalive loop was started."""
+
+    def __init__(self) -> None:
+        self.last_sent = trio.current_time()
+        self.looped_at: list[float] = []
+
+    async def keepalive(self, interval: float) -> None:
+        self.looped_at.append(trio.current_time())
+
+
+async def test_g5a_responses_in_flight_together_each_get_their_keepalive_on_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """G5a: the watcher starts each response's loop when that response has been silent for
+    the interval — not earlier, not later — whatever the others do: data moving one on, one
+    watched while the watcher sleeps, one forgotten (its request ended), one watched after
+    none was."""
+    keepalives = _Keepalives(15.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keepalives.run)
+        a, b, gone = _Quiet(), _Quiet(), _Quiet()
+        keepalives.watch(a, nursery)  # type: ignore[arg-type]
+        keepalives.watch(gone, nursery)  # type: ignore[arg-type]
+        await trio.sleep(5)
+        b.last_sent = trio.current_time()
+        keepalives.watch(b, nursery)  # type: ignore[arg-type]
+        await trio.sleep(3)
+        a.last_sent = trio.current_time()  # data flowed to a at 8
+        await trio.sleep(2)
+        keepalives.forget(gone)  # type: ignore[arg-type]
+        await trio.sleep(40)
+        assert b.looped_at == [20.0]
+        assert a.looped_at == [23.0]
+        assert gone.looped_at == []
+        late = _Quiet()  # none watched since 23: the watcher waits for the next
+        keepalives.watch(late, nursery)  # type: ignore[arg-type]
+        await trio.sleep(20)
+        assert late.looped_at == [65.0]
+        nursery.cancel_scope.cancel()
