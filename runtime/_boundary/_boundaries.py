@@ -162,6 +162,7 @@ class Boundaries:
         steps and tool intents are recorded there, and what it already holds is replayed."""
         self.steps, self.tools = _journals(self.config, log, key=key, epoch=self.epoch)
         self.gateway.journal = self.steps
+        self.gateway.forget_bodies()  # G1a: another delivery's requests from now on
         self.gate.journal = self.tools
 
     def release(self) -> None:
@@ -169,6 +170,7 @@ class Boundaries:
         worker still asks (G14) until the next :meth:`attach`."""
         self.steps.release()
         self.tools.release()
+        self.gateway.forget_bodies()  # G1a: nothing of its turn stays in memory
 
     def begin_epoch(self, epoch: int) -> None:
         """A new worker epoch (B2): fresh secrets for both servers (the previous epoch's stop

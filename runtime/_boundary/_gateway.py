@@ -32,7 +32,9 @@ invariants (G1…) are in ``docs/design/gateway.md``; in short:
 The pure reading of a stream (:func:`~runtime._boundary._stream.request_digest`,
 :func:`~runtime._boundary._stream.is_terminal`, :func:`~runtime._boundary._stream.stream_failure`,
 :func:`~runtime._boundary._stream.carries_answer`, …) is in :mod:`runtime._boundary._stream`
-and carries the decisions; :class:`Gateway` and :func:`serve_gateway` are the Trio shell.
+and carries the decisions; a body and its digest are read by difference from the last one
+(:class:`~runtime._boundary._bodies.RequestBodies`, G1a); :class:`Gateway` and
+:func:`serve_gateway` are the Trio shell.
 
 Resource handling: :func:`serve_gateway` runs until cancelled. Upstream connections are
 kept alive in the gateway's :class:`~runtime._boundary._http.ConnectionPool` (a lane's
@@ -61,8 +63,8 @@ import trio
 
 from .._errors import PiRuntimeError, ReasonCode, StepRefused
 from .._metrics import MODEL_REQUESTS, labelled
-from .._pi._pijson import loads
 from .._pi._provider_errors import USAGE_LIMIT_PATTERN
+from ._bodies import RequestBodies
 from ._http import (
     ARRIVAL_SECONDS,
     PENDING_CONNECTIONS,
@@ -84,7 +86,6 @@ from ._stream import (
     carries_answer,
     is_terminal,
     is_upstream_error,
-    request_digest,
     retry_after_seconds,
     sse_data,
     stream_cut,
@@ -393,6 +394,9 @@ class Gateway:
         self._locks: dict[str, trio.Lock] = {}
         self._failure: PiRuntimeError | None = None
         self._failed = trio.Event()
+        self._bodies = RequestBodies()
+        """The last request's body, which the next one repeats (G1a); forgotten with its
+        delivery (:meth:`forget_bodies`)."""
         self._keepalives: _Keepalives | None = None
         """The watcher while :func:`serve_gateway` runs (G5a)."""
         self.on_answered: Callable[[], None] | None = None
@@ -449,6 +453,11 @@ class Gateway:
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(**self._stats, upstream_connections=self._upstream.opened)
 
+    def forget_bodies(self) -> None:
+        """Keep nothing of the last request's body (its delivery ended or another is
+        attached: nothing of a turn stays in memory, G1a)."""
+        self._bodies.forget()
+
     async def aclose(self) -> None:
         """Close the kept-alive upstream connections (:func:`serve_gateway` does, at its end)."""
         await self._upstream.aclose()
@@ -489,9 +498,9 @@ class Gateway:
             )
             return
         problem = "the body is not a JSON object"
-        try:  # G1: JSON as JavaScript writes it, lone surrogates (``\ud83d``) included
-            body = loads(request.body, deep=False)  # G19: Pi nests arguments in strings only
-            digest = request_digest(body) if isinstance(body, dict) else ""
+        try:  # G1: JSON as JavaScript writes it, lone surrogates (``\ud83d``) included;
+            # G1a: by difference from the last body; G19: Pi nests arguments in strings only
+            body, digest = self._bodies.read(request.body)
         except ValueError as error:  # not JSON (msgspec.DecodeError), a key no digest can hold
             body, problem = None, f"{problem}: {error}"
         except RecursionError:  # G19: the digest's encoder recurses, as deep as the decoder
