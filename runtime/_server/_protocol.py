@@ -11,7 +11,7 @@ only ever added, with defaults).
 
 ``python -m runtime._server._protocol --schema`` prints the JSON Schema of both directions,
 generated from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them
-equal. The page is ``docs/design/protocol.md``; the invariants P1..P15 are stated there. The
+equal. The page is ``docs/design/protocol.md``; the invariants P1..P19 are stated there. The
 task frames (``task_*``) drive task lanes (docs/design/watchdog.md, issue #8): their server
 frames are the task runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
 :class:`~runtime._tasks._runner.TaskEvent`).
@@ -29,6 +29,7 @@ import msgspec
 
 from .._errors import PiRuntimeError, ProtocolError, ReasonCode
 from .._rooms._admission import Author, HistoryItem
+from .._tasks._guards import MAX_GRANT_EPOCHS, MAX_GRANT_SECONDS
 from .._wire import (
     MAX_ID,
     Accepted,
@@ -44,6 +45,7 @@ from .._wire import (
 __all__ = [
     "CLIENT_FRAME_TYPES",
     "MAX_FRAME_BYTES",
+    "MAX_VALIDATION_TIMEOUT",
     "PROTOCOL_VERSION",
     "SUPPORTED_PROTOCOLS",
     "Ack",
@@ -88,7 +90,17 @@ SUPPORTED_PROTOCOLS: Final = frozenset({PROTOCOL_VERSION})
 MAX_FRAME_BYTES: Final = 256 * 1024
 """The default bound on one client frame, in UTF-8 bytes."""
 
+MAX_VALIDATION_TIMEOUT: Final = 86_400.0
+"""The longest ``validation_timeout`` a ``task_submit`` may ask, in seconds: a day, the task
+lanes' own bound (``runtime._tasks._state``, TL1; not imported: this module stays pure)."""
+
 _Seq = Annotated[int, msgspec.Meta(ge=0)]
+# P18: a task frame's numbers are bounded where they are decoded, ``wrong_type`` naming the
+# field and its bound whatever the task's state (before, ``1e308`` seconds of an ``abort``
+# was taken and ignored, and a grant's range was looked at only once its task was found)
+_GrantEpochs = Annotated[int, msgspec.Meta(ge=0, le=MAX_GRANT_EPOCHS)]
+_GrantSeconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_GRANT_SECONDS)]
+_ValidationTimeout = Annotated[float, msgspec.Meta(gt=0, le=MAX_VALIDATION_TIMEOUT)]
 
 
 # -- client → server ---------------------------------------------------------------------
@@ -166,8 +178,9 @@ class TaskSubmit(_ClientFrame, tag="task_submit", frozen=True, kw_only=True):
     """The tools the worker may use; ``null``: ``read``, ``bash``, ``edit``, ``write``."""
     validation: list[str] | None = None
     """A command (argv) whose passing run Done needs; ``null``: none."""
-    validation_timeout: float | None = None
-    """Seconds the validation may run (killed, not passed after); ``null``: 600."""
+    validation_timeout: _ValidationTimeout | None = None
+    """Seconds the validation may run (killed, not passed after), above 0 and at most
+    :data:`MAX_VALIDATION_TIMEOUT`; ``null``: 600."""
 
 
 class TaskReplyFrame(_ClientFrame, tag="task_reply", frozen=True, kw_only=True):
@@ -186,8 +199,10 @@ class TaskControl(_ClientFrame, tag="task_control", frozen=True, kw_only=True):
     task_id: str
     action: Literal["resume", "abort", "fail", "grant"]
     reason: str | None = None
-    epochs: Annotated[int, msgspec.Meta(ge=0)] = 0
-    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    epochs: _GrantEpochs = 0
+    """Replacement epochs a ``grant`` adds: 0 to 100 (WD11)."""
+    seconds: _GrantSeconds = 0.0
+    """Recovery seconds a ``grant`` adds: 0 to 86,400 (WD11)."""
 
 
 class TaskShow(_ClientFrame, tag="task_show", frozen=True, kw_only=True):

@@ -69,6 +69,7 @@ from .._errors import (
 )
 from .._journal._attachments import SHARED_ATTACHMENTS, AttachmentStore
 from .._logs import fields
+from .._records import Outcome
 from .._rooms._worker import RoomWorker, open_room_worker
 from .._tasks._policy import loud_logging, watchdog_policy
 from .._tasks._runner import SharedTasks
@@ -128,6 +129,8 @@ EVENT_QUEUE: Final = 256
 falls further behind loses the oldest kind of thing there is to lose: signals, never results."""
 FLUSH_SECONDS: Final = 5.0
 """After a drain, how long connected clients get to receive the results published so far."""
+SHOWN_CHARS: Final = 80
+"""Characters of a client's own text a log line shows (P19), as an error frame does (P16)."""
 POLICY_VIOLATION: Final = 1008
 """The websocket close code after a refused token or an unsupported protocol."""
 TRY_AGAIN_LATER: Final = 1013
@@ -244,6 +247,9 @@ class RoomServer:
         """Connections accepted that have not said a valid ``hello`` yet (S1)."""
         self.authenticated = 0
         """Connections welcomed and not ended yet, at most ``max_authenticated`` (S1)."""
+        self._unsendable: set[int] = set()
+        """The seqs of results found unsendable and logged (P17), not acknowledged yet: each
+        is logged once, not at every re-send."""
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
 
@@ -355,8 +361,8 @@ class RoomServer:
         if origin is None or origin in self.server.allowed_origins:
             return False
         logger.warning(
-            "refused a handshake from origin %r",
-            origin,
+            "refused a handshake from origin %s",
+            _shown(origin),
             extra=fields("handshake_refused", code=ReasonCode.ORIGIN_REFUSED),
         )
         body = msgspec.json.encode(
@@ -502,10 +508,10 @@ class RoomServer:
             self.authenticated += 1  # no await since the count was looked at
             connection.authenticated = True
             await connection.send(Welcome(protocol=version, worker_id=self.worker_id))
-            logger.info(
-                "connection from %s: hello from %r",
+            logger.info(  # the client's name shown short (P19); its token never
+                "connection from %s: hello from %s",
                 connection.peer,
-                hello.client,
+                _shown(hello.client),
                 extra=fields("connection_opened"),
             )
             return hello
@@ -716,6 +722,38 @@ class RoomServer:
     # -- attachments (docs/design/attachments.md) --------------------------------------
 
     async def _checked(self, result: DeliveryResult) -> DeliveryResult:
+        """``result`` as it may be sent now (:meth:`_prepared`), or — when preparing it
+        failed unexpectedly — marked unsendable (P17): ``failed`` with ``server_fault``, its
+        seq and ids, nothing else. Results go out in seq order and again at every reconnect
+        until acknowledged, so a fault let out of here would end the connection at this
+        result every time and hold back every later one. The fault is logged once per result
+        (with its traceback), not at every re-send."""
+        try:
+            return await self._prepared(result)
+        except Exception:
+            if result.seq not in self._unsendable:
+                self._unsendable = {s for s in self._unsendable if s > self.worker.acked_seq}
+                self._unsendable.add(result.seq)
+                logger.exception(
+                    "result %d could not be prepared for sending: it is sent as failed "
+                    "(server_fault); its record is unchanged",
+                    result.seq,
+                    extra=fields(
+                        "result_unsendable",
+                        delivery_id=result.delivery_id,
+                        code=ReasonCode.SERVER_FAULT,
+                        seq=result.seq,
+                    ),
+                )
+            return DeliveryResult(
+                seq=result.seq,
+                delivery_id=result.delivery_id,
+                room=result.room,
+                outcome=Outcome.FAILED,
+                code=str(ReasonCode.SERVER_FAULT),
+            )
+
+    async def _prepared(self, result: DeliveryResult) -> DeliveryResult:
         """``result`` as it may be sent now (A7): each attachment whose bytes are not there
         intact is marked ``lost`` with its code; the words go out unchanged — unless the
         result was recorded under a larger ``max_frame_bytes`` than this server's: then its
@@ -906,6 +944,15 @@ def _listening(setting: str, address: str) -> Iterator[None]:
         yield
     except OSError as exc:
         raise ConfigError(setting, f"cannot listen on {address}: {exc.strerror}") from None
+
+
+def _shown(text: str) -> str:
+    """A client's own text as a log line shows it (P19): escaped (``%r``: no line breaks of
+    its own), at most :data:`SHOWN_CHARS` characters, with its length when cut — a ``hello``'s
+    ``client`` may be as long as a frame."""
+    if len(text) <= SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 def _peer(request: WebSocketRequest) -> str:
