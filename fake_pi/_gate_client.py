@@ -9,15 +9,17 @@ secret from the environment it is given, so the tools Fake-Pi runs never see it.
 
 Error handling: a gate that cannot be reached or answers an error fails closed — ``before``
 returns :class:`~fake_pi._gate.Refused` with the reason, so the tool does not run. A failed
-``after`` is written to stderr (Pi throws there; Fake-Pi's loop cannot change a result after
-the tool ran).
+``after`` is written to stderr (Fake-Pi's loop cannot change a result after the tool ran); as
+with Pi's extension, every ``before`` names the call reported last (``follows``), and the gate
+refuses the call while that call's outcome is missing in its delivery and epoch
+(docs/design/gate.md T21).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import h11
@@ -112,6 +114,9 @@ class RuntimeGate:
 
     socket_path: str
     secret: str = ""
+    _follows: list[str] = field(default_factory=list, compare=False)
+    """The tool-call id of the call reported last (empty before the first): what every
+    ``/before`` names as ``follows`` (T21)."""
 
     def __repr__(self) -> str:  # never show the secret
         return f"RuntimeGate(socket_path={self.socket_path!r})"
@@ -124,6 +129,8 @@ class RuntimeGate:
 
     async def before(self, call: ToolCall) -> GateDecision:
         body = {"tool_call_id": call.id, "name": call.name, "args": call.arguments}
+        if self._follows:
+            body["follows"] = self._follows[0]
         try:
             answer = await self._post("/before", body)
             decision = answer.get("decision") if isinstance(answer, dict) else None
@@ -143,6 +150,7 @@ class RuntimeGate:
         if result.details is not None:
             reported["details"] = result.details
         body = {"tool_call_id": call.id, "name": call.name, "result": reported}
+        self._follows[:] = [call.id]
         try:
             await self._post("/after", body)
         except GateClientError as error:

@@ -5,7 +5,7 @@ Boundary 3 of docs/design/boundaries.md The worker (the real Pi through
 Fake-Pi through ``fake_pi/_gate_client.py``) asks over a Unix socket (mode 0600, in the
 runtime directory) with small JSON bodies over HTTP/1.1:
 
-* ``POST /before {tool_call_id, name, args}`` →
+* ``POST /before {tool_call_id, name, args, follows?}`` →
   ``{"decision":"run","intent_id":…}`` |
   ``{"decision":"saved","result":{content,details?,isError}}`` |
   ``{"decision":"refused","result":{content,isError:true}}``
@@ -13,7 +13,9 @@ runtime directory) with small JSON bodies over HTTP/1.1:
 
 Only requests carrying the current epoch's secret (``authorization: Bearer <secret>``) are
 served; anything else gets 401 and reaches no journal (T1). A ``/before`` whose epoch was
-fenced while it waited for its turn is refused the same way, nothing decided (T16). What to
+fenced while it waited for its turn is refused the same way, nothing decided (T16). A
+``/before`` whose ``follows`` (the call the worker ran and reported last) was let run in the
+current epoch without a recorded outcome lets nothing run: that report failed (T21). What to
 answer is decided by a :class:`GateJournal`; :class:`RecordingGateJournal` is the
 implementation, on a delivery's :class:`~runtime._journal._journal.Journal` or (for tests) on a
 :class:`MemoryLog`. It makes the :class:`~runtime._records.ToolIntent` durable before it
@@ -125,9 +127,13 @@ class GateJournal(Protocol):
     anything is decided or recorded — and raises :class:`~runtime._errors.GateError`
     ``gate_unauthorized`` if it says no: the epoch the call was authorized in was fenced
     while it waited (T16). ``record_outcome`` records an outcome authorized before the fence
-    all the same: the call ran, that is its result (T16)."""
+    all the same: the call ran, that is its result (T16). ``follows`` names the call whose
+    outcome the worker reported last (T21): while the journal let it run in the current epoch
+    and holds no outcome for it, ``decide`` lets nothing run."""
 
-    async def decide(self, call: GateCall, *, authorized: Callable[[], bool]) -> Decision: ...
+    async def decide(
+        self, call: GateCall, *, authorized: Callable[[], bool], follows: str | None = None
+    ) -> Decision: ...
 
     async def record_outcome(self, call: GateCall, result: GateResult) -> None: ...
 
@@ -249,13 +255,20 @@ class RecordingGateJournal:
         return seq
 
     async def decide(
-        self, call: GateCall, *, authorized: Callable[[], bool] = lambda: True
+        self,
+        call: GateCall,
+        *,
+        authorized: Callable[[], bool] = lambda: True,
+        follows: str | None = None,
     ) -> Decision:
         """What to answer ``call``: *run* (its intent durable first), *saved* or *refused*.
         ``authorized`` says whether the epoch the call was authorized in is still the current
         one; it is asked under the lock, before anything is decided, and a call it refuses
-        raises :class:`GateError` ``gate_unauthorized``, nothing recorded (T16)."""
-        decision = await self._decide(call, authorized)
+        raises :class:`GateError` ``gate_unauthorized``, nothing recorded (T16). ``follows``
+        is the tool-call id of the call the worker ran and reported last: while that call,
+        let run here in the current epoch, has no recorded outcome (its report failed), a
+        call that would run is refused, nothing recorded (T21)."""
+        decision = await self._decide(call, authorized, follows)
         handler = self.runtime_tools.get(call.name)
         if handler is None or not isinstance(decision, RunTool):
             return decision
@@ -286,7 +299,9 @@ class RecordingGateJournal:
             code = ReasonCode.GATE_TOOL_FAILED
             return GateResult.text(f"tool {call.name} failed ({code}): {error}", is_error=True)
 
-    async def _decide(self, call: GateCall, authorized: Callable[[], bool]) -> Decision:
+    async def _decide(
+        self, call: GateCall, authorized: Callable[[], bool], follows: str | None
+    ) -> Decision:
         async with self._lock:  # one decision at a time: seq and intent id stay paired
             if not authorized():  # T16: its epoch was fenced while it waited for its turn
                 raise GateError(
@@ -321,12 +336,16 @@ class RecordingGateJournal:
                     return Refuse(_running_result(call, previous))
                 cls = replay_class_of(call.name, self.classes, previous.replay_class)
                 if cls is ReplayClass.RECEIPT and call.name in self.runtime_tools:
+                    if (unreported := self._unreported(follows, epoch)) is not None:  # T21
+                        return Refuse(_unreported_result(call, unreported))
                     # T13: the same receipt-guarded write proves or applies it (R2)
                     self._let_run(call.tool_call_id, previous, epoch)
                     return RunTool(previous.intent_id)
                 if cls is not ReplayClass.SAFE:  # T5: possibly ran; never run it again
                     return Saved(await self._record_interrupted(previous, call))
                 declared = cls
+            if (unreported := self._unreported(follows, epoch)) is not None:  # T21
+                return Refuse(_unreported_result(call, unreported))  # nothing recorded
             intent_id = f"{self._minted}:{self._log.next_seq}"
             intent = ToolIntent(
                 intent_id=intent_id,
@@ -346,6 +365,19 @@ class RecordingGateJournal:
                 )
             self._let_run(call.tool_call_id, intent, epoch)
             return RunTool(intent_id)
+
+    def _unreported(self, follows: str | None, epoch: int) -> ToolIntent | None:
+        """The intent of ``follows`` — the call the worker ran and reported last, before it
+        asked this one (it asks only once that report was answered, T18) — if this journal
+        let it run in ``epoch`` and holds no outcome for it: its report failed, and the
+        outcome the next intent must follow is missing (T21). ``None`` for a call this journal
+        did not let run (another delivery's) or let run in an earlier epoch (a dead
+        worker's), and for a runtime tool (its outcome is the gate's own, T10)."""
+        if follows is None or (intent := self._running.get(follows)) is None:
+            return None
+        if self._let_run_in.get(follows) != epoch or intent.name in self.runtime_tools:
+            return None
+        return intent
 
     def _let_run(self, tool_call_id: str, intent: ToolIntent, epoch: int) -> None:
         """Note that ``intent`` was answered *run* in ``epoch``, its outcome to come. A call
@@ -467,8 +499,9 @@ class RecordingGateJournal:
         """The delivery ended: forget its intents and outcomes and refuse every tool from
         now on (an idle lane keeps no turn in memory). A model request still held for an
         outcome (T11) is released: the gateway refuses it, its delivery ended (G14, T20). A
-        late report is still answered (it lands in the throwaway log): refused, it would fail
-        the worker's next call closed (T18)."""
+        late report is still answered (it lands in the throwaway log); one that comes after
+        the next delivery is attached is refused there (409) and fails none of its calls (T21:
+        that journal never let the call run)."""
         self._log = MemoryLog()
         self.granted = frozenset()
         self._intents.clear()
@@ -531,6 +564,18 @@ def _running_result(call: GateCall, intent: ToolIntent) -> GateResult:
     return GateResult.text(
         f"tool {call.name} was refused and did not run again: call {call.tool_call_id!r} is "
         f"already running ({intent.intent_id}); its result comes when it ends "
+        f"({ReasonCode.GATE_BAD_REQUEST})",
+        is_error=True,
+    )
+
+
+def _unreported_result(call: GateCall, unreported: ToolIntent) -> GateResult:
+    """The error result of a call refused because an earlier call of its delivery and epoch
+    has no recorded outcome (T21): its report failed, so no later call runs after it."""
+    return GateResult.text(
+        f"tool {call.name} was refused and did not run: the outcome of the earlier call "
+        f"{unreported.tool_call_id!r} ({unreported.name}, {unreported.intent_id}) was not "
+        f"recorded (its report failed), so no later call runs in this turn "
         f"({ReasonCode.GATE_BAD_REQUEST})",
         is_error=True,
     )
@@ -616,7 +661,7 @@ class Gate:
             )
             return
         try:
-            call, result = _parse(request.body, with_result=target == "/after")
+            call, result, follows = _parse(request.body, with_result=target == "/after")
         except ValueError as error:
             await response.respond(400, _error_body(ReasonCode.GATE_BAD_REQUEST, str(error)))
             return
@@ -624,7 +669,7 @@ class Gate:
         try:
             if result is None:
                 decision = await self.journal.decide(
-                    call, authorized=lambda: secret == self._secret
+                    call, authorized=lambda: secret == self._secret, follows=follows
                 )
                 answer = _decision_json(decision)
             else:  # T16: authorized before any fence, the outcome of a call that ran
@@ -665,7 +710,7 @@ class Gate:
         return self._failure
 
 
-def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | None]:
+def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | None, str | None]:
     deep = False
     try:
         try:
@@ -682,13 +727,16 @@ def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | No
     if with_result:
         if deep or nesting(data.get("result")) > ARGS_MAX_DEPTH:  # T17: none kept that deep
             raise ValueError(f"the body nests deeper than the gate reads ({ARGS_MAX_DEPTH} levels)")
-        return GateCall(call_id, name, {}), GateResult.from_json(data.get("result"))
+        return GateCall(call_id, name, {}), GateResult.from_json(data.get("result")), None
     args = data.get("args", {})
     if not isinstance(args, dict):
         raise ValueError("args must be an object")
+    follows = data.get("follows")  # T21: the call the worker ran and reported last
+    if follows is not None and (not isinstance(follows, str) or not follows):
+        raise ValueError("follows must be a non-empty string")
     if deep and nesting(args) <= ARGS_MAX_DEPTH:  # deep elsewhere: no body the extension sends
         raise ValueError("the body nests deeper than the gate reads, outside its arguments")
-    return GateCall(call_id, name, args), None
+    return GateCall(call_id, name, args), None, follows
 
 
 def _decision_json(decision: Decision) -> dict[str, Any]:

@@ -5,13 +5,17 @@
  * `create*ToolDefinition(cwd, opts)` (so the schemas and the system prompt stay byte-identical,
  * T7) with `executionMode: "sequential"` (a round's calls run one after the other, so each
  * result is persisted as it ends, T8). Each call first asks the runtime over a Unix socket:
- *   POST /before {tool_call_id, name, args} -> run | saved(result) | refused(result)
+ *   POST /before {tool_call_id, name, args, follows?} -> run | saved(result) | refused(result)
  * A saved result is returned verbatim and a refusal as an error result; neither runs the tool.
  * After a run, the outcome is reported: POST /after {tool_call_id, name, result}. The result
  * goes back to Pi without waiting for that answer (T11: the gateway holds the model request
  * that carries it until its outcome is durable); the next call's /before waits for it, so the
- * gate sees a call's outcome before the next call's intent, and a report that failed fails
- * every later call closed (the tool does not run).
+ * gate sees a call's outcome before the next call's intent. Whether a failed report fails the
+ * next call is the gate's to judge, not this process's (T21): each /before names the call
+ * this process ran and reported last (`follows`), and the gate, which knows whether it recorded
+ * that outcome in the journal of its delivery and epoch, refuses the call there if not (the
+ * tool does not run); a report refused because its delivery ended meanwhile fails no call of
+ * the next delivery.
  *
  * The runtime's own tools (send_text_update, the lifecycle tools, the test tool `effect`) are
  * declared by the runtime in PI_RUNTIME_TOOLS (a JSON list of {name, description, parameters},
@@ -247,20 +251,36 @@ async function post(path: string, body: unknown, signal?: AbortSignal): Promise<
 	}
 }
 
-/** The last outcome reported (/after); the next /before waits for it (T11, T18). */
-let reported: Promise<unknown> = Promise.resolve();
+/** The last outcome reported (/after), once answered or failed; the next /before waits for
+ * it (T11, T18). Never a rejection: a failed report is not kept here (T21). */
+let reported: Promise<void> = Promise.resolve();
+/** The tool-call id of the call this process ran and reported last: every /before names it
+ * (`follows`), and the gate refuses the call while that outcome is missing there (T21). */
+let follows: string | undefined;
 
 /** Report a call's outcome without holding its result back: the next call waits for it. */
-function report(body: unknown): void {
-	const answered = post("/after", body);
-	answered.catch(() => undefined); // its failure is the next call's: never unhandled
-	reported = answered;
+function report(body: { tool_call_id: string; name: string; result: unknown }): void {
+	follows = body.tool_call_id;
+	reported = post("/after", body).then(
+		() => undefined,
+		() => undefined,
+	);
 }
 
-/** Ask the gate about a call, once the outcome reported before it was answered. */
-async function before(body: unknown, signal?: AbortSignal): Promise<any> {
-	await reported; // a failed report fails this call closed: it does not run
-	return post("/before", body, signal);
+/**
+ * Ask the gate about a call, once the outcome reported before it was answered (T18). A report
+ * that failed fails this call closed only where the proof it withheld is needed, and the gate
+ * is what knows (T21): it refuses the call while the call it `follows`, let run in the same
+ * delivery and epoch, has no recorded outcome. Kept here, the failure failed every later call
+ * of this process — those of every later delivery too, once a report reached the gate after
+ * its delivery had ended (the next delivery's journal answers it 409).
+ */
+async function before(
+	body: { tool_call_id: string; name: string; args: unknown },
+	signal?: AbortSignal,
+): Promise<any> {
+	await reported;
+	return post("/before", follows === undefined ? body : { ...body, follows }, signal);
 }
 
 function asResult(value: any): any {
