@@ -185,6 +185,13 @@ EXPIRE_TASK: Final = f"""
 INSERT INTO {SCHEMA}.expired_tasks (lane_key, task_id, since_ms, forget_after_ms)
 VALUES (%s, %s, %s, %s)
 ON CONFLICT (lane_key) DO NOTHING"""
+EXPIRE_TASK_AGAIN: Final = f"""
+UPDATE {SCHEMA}.expired_tasks SET since_ms = %s, forget_after_ms = %s
+ WHERE lane_key = %s
+   AND (since_ms < %s OR (since_ms IS NULL AND forget_after_ms < %s))"""
+"""RT4, RT19: a task expired again under an id whose row an earlier task left held back
+(a raised ``forget_days``, a clock set back) counts from its own, later time; a row of this
+task's (its time the same or later) is left as it is."""
 FORGET_TASK: Final = (
     f"DELETE FROM {SCHEMA}.expired_tasks e WHERE e.lane_key = %s AND {_UNTIL} <= %s"
 )

@@ -100,6 +100,7 @@ from ._pg_rows import (
     DELETE_LOGS,
     DOCUMENTS,
     EXPIRE_TASK,
+    EXPIRE_TASK_AGAIN,
     EXPIRED_AMONG,
     EXPIRED_SINCE,
     EXPIRED_TASKS_AMONG,
@@ -152,6 +153,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
 
 # -- the store --------------------------------------------------------------------------------
 
@@ -684,7 +686,10 @@ class PgStore:
         host has recorded one) and remove its lane log (its rows and any poison) in one
         transaction while ``fence`` — the claim of its lane a retention pass made — holds.
         Whether this call recorded it (``False``: the fence no longer held, or it was expired
-        already). Idempotent."""
+        already). Idempotent. A row of the lane held back still — an earlier task's under
+        the same id, let go at its time and held back again by a raised ``forget_days`` or
+        a clock set back — is this task's from now on: it counts from the later time (RT4,
+        RT19), never from the earlier task's end."""
         subject = f"task:{task_id}"
         rel = self.lane_rel(subject)
         now = self.clocks.wall.time_ms()
@@ -697,6 +702,9 @@ class PgStore:
                 conn.execute(FORGET_TASK, [key, now])
                 params = [key, task_id, since_ms, since_ms + forget_ms]
                 recorded = conn.execute(EXPIRE_TASK, params).rowcount == 1
+                if not recorded:  # RT19: a row held back still may be an earlier task's
+                    params = [since_ms, since_ms + forget_ms, key, since_ms, since_ms + forget_ms]
+                    recorded = conn.execute(EXPIRE_TASK_AGAIN, params).rowcount == 1
                 conn.execute(DELETE_LOGS, [[rel], [rel]])
                 conn.execute(RELEASE_WORKTREE, [task_id])  # S33: ended long ago
                 return recorded

@@ -954,7 +954,8 @@ class TaskLane:
         if detail is None:
             return None
         number = self.recovery.recoveries
-        await self.record_action(self.ids.recovery(number), "recovery_time", "done", detail)
+        with trio.CancelScope(shield=True):  # charged in memory: written whole (WD11)
+            await self.record_action(self.ids.recovery(number), "recovery_time", "done", detail)
         return float(detail["seconds"])
 
     async def recovery_resumes(self) -> None:
@@ -975,7 +976,10 @@ class TaskLane:
         if detail is None:
             return
         number = self.recovery.recoveries + 1
-        await self.record_action(self.ids.recovery_start(number), "recovery_start", "done", detail)
+        with trio.CancelScope(shield=True):  # started in memory: written whole (WD11)
+            await self.record_action(
+                self.ids.recovery_start(number), "recovery_start", "done", detail
+            )
 
     def check_recovery_budget(self) -> None:
         """A recovery that outlasts the seconds left holds the task (WD11)."""
@@ -994,7 +998,12 @@ class TaskLane:
             return False
         starts = self.recovery.started_ms is None
         detail = self.recovery.charge_epoch(self.host.clocks.wall.time_ms())
-        await self.record_action(action_id, "reserve", "done", detail)
+        # charged in memory now (one reserve at a time: the next sees it), so written whole
+        # whoever cancels the caller (WD11): cut at the write's first checkpoint (a log's
+        # lock), the charge stood in memory alone — the next reserve charged again under the
+        # next continuation's id, and a restart counted one
+        with trio.CancelScope(shield=True):
+            await self.record_action(action_id, "reserve", "done", detail)
         TASK_BUDGET_CHARGES.inc()
         return starts
 

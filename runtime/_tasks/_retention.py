@@ -62,6 +62,7 @@ __all__ = [
     "SeenHere",
     "TaskRetention",
     "ended_tasks",
+    "expired_already",
     "forget_offline",
     "forget_task",
     "retain_ended_tasks",
@@ -211,7 +212,7 @@ async def retain_ended_tasks(
         await trio.to_thread.run_sync(sweep_trash, OsFileSystem(), str(work_root))
     going: dict[str, str] = {}  # lane key → the task whose directories go now
     for task_id, ended_ms in sorted(ended.items()):
-        if _expired_already(store, task_id, ended_ms, now_ms=now_ms):
+        if expired_already(store, task_id, ended_ms, now_ms=now_ms):
             going[_key(task_id)] = task_id  # expired already (a forget or a pass cut short
             continue  # after the filter): not slimmed or expired again, its lane goes
         if ended_ms <= 0 or ended_ms > journal_cut:
@@ -245,7 +246,7 @@ async def retain_ended_tasks(
     return TaskRetention(tuple(slimmed), tuple(gone), tuple(left))
 
 
-def _expired_already(store: Store, task_id: str, ended_ms: int, *, now_ms: int) -> bool:
+def expired_already(store: Store, task_id: str, ended_ms: int, *, now_ms: int) -> bool:
     """Whether the filter holds back ``task_id`` for *this* task — the one known as ended at
     ``ended_ms`` — so that it is let go, not aged (RT12, RT19): its entry counts from that
     end or later (a pass expires a task from its end, a forget from then or now). An entry
@@ -323,7 +324,15 @@ async def retain_shared_tasks(
         else:
             seen.cleaned.add(task_id)
     here = await _lane_dirs(store.root)
-    for key in sorted(await store.expired_task_keys(here)):  # on the database's word only
+    # on the database's word only, and never that of a task known here, live or inside its
+    # idempotency_days: its row is an earlier task's under the same id, held back again by a
+    # raised forget_days or a clock set back (RT19); an ended task past them may be expired
+    # (by this pass or another host's), its row its own
+    due = {t for t, ended_ms in ended.items() if 0 < ended_ms <= expiry_cut}
+    known = {_key(task_id) for task_id in in_use() if task_id not in due}
+    for key in sorted(await store.expired_task_keys(here)):
+        if key in known:
+            continue
         try:  # the work directories first: while the lane directory is here, a pass finds them
             await trio.to_thread.run_sync(_discard_work_dirs, work_root, key, in_use())
             await trio.to_thread.run_sync(
@@ -564,23 +573,28 @@ async def forget_offline(
     state_dir: Path, task_id: str, *, settings: RetentionSettings, clocks: Clocks
 ) -> list[str]:
     """``pi-runtime task forget`` with no server running: :func:`forget_task` from the lane
-    log; refused ``task_expired``, ``task_unknown``, ``task_not_ended``."""
+    log; refused ``task_expired`` (its own entry in the filter: an earlier task's under the
+    id, held back again, forgets nothing of it, RT19), ``task_unknown``, ``task_not_ended``."""
     async with open_store(state_dir, clocks=clocks) as store:
         await check_settings(store, settings)  # RT14, under the lock
-        if store.expired_tasks.holds(lane_key(f"task:{task_id}"), now_ms=clocks.wall.time_ms()):
-            raise TaskError(ReasonCode.TASK_EXPIRED, f"task {task_id!r} was let go already")
+        now = clocks.wall.time_ms()
+        let_go = TaskError(ReasonCode.TASK_EXPIRED, f"task {task_id!r} was let go already")
+        unknown = TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {state_dir}")
+        held = store.expired_tasks.holds(_key(task_id), now_ms=now)
         rel = store.lane_rel(f"task:{task_id}")
         if not await store.exists(rel):
-            raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {state_dir}")
+            raise let_go if held else unknown
         records = (await store.read(rel)).records
         submitted = next((r for r in records if isinstance(r, TaskSubmitted)), None)
         end = next((r for r in records if isinstance(r, TaskEnded)), None)
         if submitted is None:
-            raise TaskError(ReasonCode.TASK_UNKNOWN, f"no task {task_id!r} in {state_dir}")
+            raise let_go if held else unknown
         if end is None:
             raise TaskError(
                 ReasonCode.TASK_NOT_ENDED, f"task {task_id!r} has not ended: abort or fail it first"
             )
+        if expired_already(store, task_id, end.ended_ms, now_ms=now):  # this task's entry:
+            raise let_go  # a forget cut short; an earlier task's under the id is not (RT19)
         trees = await task_worktrees(store)  # RT17
         trees.pop(task_id, None)
         return await forget_task(

@@ -39,6 +39,7 @@ from ._retention import (
     DAY_MS,
     SeenHere,
     TaskRetention,
+    expired_already,
     forget_task,
     lane_name,
     retain_ended_tasks,
@@ -558,9 +559,10 @@ class TaskRunner:
                         in_use=lambda: {t: w for t, w in self._worktrees().items() if t != task_id},
                     )
             except BaseException:
-                if self._expired(task_id):  # its id is expired: never known as ended again
-                    self.ended.pop(task_id, None)
-                raise
+                now = self.host.clocks.wall.time_ms()  # its id expired for *this* task (the
+                if expired_already(store, task_id, ended.ended.ended_ms, now_ms=now):  # RT19)
+                    self.ended.pop(task_id, None)  # never known as ended again; an earlier
+                raise  # task's entry under the id, held back again, lets go nothing of it
             self.ended.pop(task_id, None)
         self.host.log(f"task {task_id}: forgotten by the operator ({len(removed)} removed)")
         return removed
