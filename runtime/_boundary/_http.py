@@ -288,6 +288,7 @@ async def _serve_connection(
     arrival_seconds: float = math.inf,
     authorize: Authorize = _admit_any,
     admitted: Callable[[], None] = _nothing,
+    slot: _Slot | None = None,
 ) -> None:
     """Serve one connection. ``request_seconds`` bounds each request's wait and arrival
     together (a keep-alive wait included); ``arrival_seconds`` bounds the wait for a new
@@ -295,7 +296,9 @@ async def _serve_connection(
     between requests (B8). A request that takes longer is answered ``408`` if its head
     has arrived, and its connection closed. A request whose head ``authorize`` refuses is
     answered ``401`` (``refusal(401)``) before its body is read, and its connection closed
-    (B8); ``admitted()`` is called for each head it lets through (B9)."""
+    (B8); ``admitted()`` is called for each head it lets through (B9). With ``slot``, each wait
+    for a request's first byte is idle in it: a newer connection may close this one then, and
+    only then (operations.md M9)."""
     conn = ServerConnection()
     try:
         first = True
@@ -305,7 +308,10 @@ async def _serve_connection(
                 late = False
                 with _bounded(request_seconds) as waited:
                     with _bounded(arrival_seconds if first else math.inf) as idle:
-                        await _first_byte(stream, conn)
+                        if slot is None or conn.buffered:
+                            await _first_byte(stream, conn)
+                        elif not await slot.idle(_first_byte, stream, conn):
+                            return  # M9: closed, idle, for a newer connection
                     if not idle.cancelled_caught:
                         try:
                             request = await _read_request(
@@ -471,8 +477,11 @@ async def serve_http(
     own boundaries (Pi keeps its connection to the gate open between calls):
     ``request_seconds`` bounds the TLS handshake and each whole request, a keep-alive's
     wait for the next one included, and closes a connection that takes longer;
-    ``max_connections`` answers one more connection ``503 too_many_connections`` at once
-    and closes it, so idle clients cannot take the process's file descriptors.
+    ``max_connections`` bounds the connections open at once, so idle clients cannot take the
+    process's file descriptors, nor one client all of them (operations.md M9): one more closes
+    the connection idle the longest (waiting for a request's first byte since its opening or
+    its last answer; never one in a request) and is served, or, with none idle, is answered
+    ``503 too_many_connections`` at once and closed.
     ``refusal`` makes the JSON body answering a request the protocol refuses before the
     handler sees it, from its status (400 malformed, 413 body over ``max_request``, 431 head
     too large, 501 a transfer coding it cannot read, 505 an HTTP version other than 1.x);
@@ -507,27 +516,30 @@ async def serve_http(
     bound = listeners[0].socket.getsockname()
     accepted = itertools.count(1)
     pending = _Pending(max_pending)
-    open_now = 0
+    connections = _Connections(max_connections)
     async with trio.open_nursery() as nursery:
         task_status.started(HttpServer(host=bound[0], port=bound[1]))
 
-        async def serve(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
-            nonlocal open_now
+        async def serve(
+            stream: trio.SocketStream, scope: trio.CancelScope, slot: _Slot | _Full | None
+        ) -> None:
             try:
                 with scope:  # cancelled: a newer connection closed it (B9)
-                    if max_connections is not None and open_now >= max_connections:
+                    if isinstance(slot, _Full):  # M9: every connection in a request
                         await _refuse_connection(stream, min(request_seconds, _REFUSE_SECONDS))
                         return
-                    open_now += 1
                     try:
-                        await _serve_one(stream, scope)
+                        await _serve_one(stream, scope, slot)
                     finally:
-                        open_now -= 1
+                        if slot is not None:
+                            slot.leave()
             finally:
                 pending.leave(scope)
                 await trio.aclose_forcefully(stream)
 
-        async def _serve_one(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+        async def _serve_one(
+            stream: trio.SocketStream, scope: trio.CancelScope, slot: _Slot | None
+        ) -> None:
             connection = next(accepted)
             peer = _peer(stream)
             serve = functools.partial(
@@ -541,6 +553,7 @@ async def serve_http(
                 arrival_seconds=arrival_seconds,
                 authorize=authorize,
                 admitted=functools.partial(pending.leave, scope),
+                slot=slot,
             )
             if ssl_context is None:
                 await serve(stream)
@@ -548,7 +561,10 @@ async def serve_http(
             tls = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             try:
                 with trio.move_on_after(request_seconds) as waited:
-                    await tls.do_handshake()
+                    if slot is None:
+                        await tls.do_handshake()
+                    elif not await slot.idle(tls.do_handshake):
+                        return  # M9: still in its handshake, closed for a newer connection
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.aclose_forcefully(stream)  # a failed handshake: nothing to answer
                 return
@@ -557,19 +573,23 @@ async def serve_http(
                 return
             await serve(tls)
 
+        def arrive() -> tuple[trio.CancelScope, _Slot | _Full | None]:
+            return pending.arrive(), connections.admit()
+
         for listener in listeners:
-            nursery.start_soon(_accept, listener, pending, serve, nursery)
+            nursery.start_soon(_accept, listener, arrive, serve, nursery)
 
 
 async def _accept(
     listener: trio.SocketListener,
-    pending: _Pending,
-    serve: Callable[[trio.SocketStream, trio.CancelScope], Awaitable[None]],
+    arrive: Callable[[], tuple[trio.CancelScope, _Slot | _Full | None]],
+    serve: Callable[[trio.SocketStream, trio.CancelScope, _Slot | _Full | None], Awaitable[None]],
     nursery: trio.Nursery,
 ) -> None:
-    """Accept connections for ever, each served by ``serve`` in ``nursery`` and counted in
-    ``pending`` (B9) the moment it is accepted — in the order of arrival, before any of them
-    runs. As :func:`trio.serve_listeners`: out of descriptors or memory, wait and go on."""
+    """Accept connections for ever, each served by ``serve`` in ``nursery`` and counted by
+    ``arrive`` — in ``pending`` (B9) and in the open connections (M9) — the moment it is
+    accepted: in the order of arrival, before any of them runs. As
+    :func:`trio.serve_listeners`: out of descriptors or memory, wait and go on."""
     async with listener:
         while True:
             try:
@@ -585,7 +605,7 @@ async def _accept(
                 )
                 await trio.sleep(_ACCEPT_RETRY)
                 continue
-            nursery.start_soon(serve, stream, pending.arrive())
+            nursery.start_soon(serve, stream, *arrive())
 
 
 _ACCEPT_CAPACITY: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -616,6 +636,83 @@ class _Pending:
     def leave(self, scope: trio.CancelScope) -> None:
         """``scope``'s connection is not counted any more: authorized, or closed."""
         self._scopes.pop(scope, None)
+
+
+class _Full:
+    """What :meth:`_Connections.admit` gives at the bound with no idle connection to close."""
+
+
+_FULL: Final = _Full()
+
+
+class _Connections:
+    """A server's open connections, at most ``limit`` of them (``None``: any number, none
+    tracked), and those of them idle — waiting for a request's first byte, since they were
+    opened (a TLS handshake included) or since their last answer — in the order they became
+    idle (operations.md M9). At the bound, a new connection closes the one idle the longest
+    and takes its place; a connection in a request (from its first byte to its answer's end)
+    is never closed for it. With none idle, the new one is refused (``503``)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.open = 0
+        self.idle: dict[_Slot, None] = {}
+        """Idle the longest first (a dict keeps its insertion order)."""
+
+    def admit(self) -> _Slot | _Full | None:
+        """A slot for a new connection, idle from now; ``None`` without a limit;
+        :data:`_FULL` at the bound with no idle connection to close."""
+        if self.limit is None:
+            return None
+        if self.open >= self.limit:
+            if not self.idle:
+                return _FULL
+            oldest = next(iter(self.idle))
+            oldest.close()
+        slot = _Slot(self)
+        self.open += 1
+        self.idle[slot] = None
+        return slot
+
+
+class _Slot:
+    """One connection counted in :class:`_Connections`."""
+
+    def __init__(self, connections: _Connections) -> None:
+        self._connections = connections
+        self._scope: trio.CancelScope | None = None
+        self.closed = False
+        """Closed for a newer connection: whatever it was doing, it ends."""
+
+    async def idle(self, wait: Callable[..., Awaitable[object]], *args: object) -> bool:
+        """``await wait(*args)`` idle (the wait for a request's first byte, a TLS
+        handshake): ``False`` if the connection was closed for a newer one — before or
+        during the wait, or as the wait ended (the byte that came with the close is not
+        read further: the client sees a kept-alive connection closed, and sends again)."""
+        if not self.closed:
+            self._connections.idle[self] = None  # where it was, if idle since its opening
+            try:
+                with trio.CancelScope() as self._scope:
+                    await wait(*args)
+            finally:
+                self._scope = None
+                self._connections.idle.pop(self, None)
+        return not self.closed
+
+    def close(self) -> None:
+        """Close the connection for a newer one (it is idle): its slot is free at once."""
+        self.closed = True
+        self._connections.idle.pop(self, None)
+        self._connections.open -= 1
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def leave(self) -> None:
+        """The connection ended; its slot is free (unless it was freed when closed)."""
+        self._connections.idle.pop(self, None)
+        if not self.closed:
+            self.closed = True
+            self._connections.open -= 1
 
 
 def _peer(stream: trio.SocketStream) -> str:

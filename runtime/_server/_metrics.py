@@ -60,7 +60,8 @@ REQUEST_SECONDS: Final = 10.0
 """A connection that has not sent a whole request this long after its last answer (or its
 opening) is closed: an idle or slow client holds no file descriptor for longer (M6)."""
 MAX_CONNECTIONS: Final = 64
-"""Connections open at once; one more is answered ``503 too_many_connections`` (M6)."""
+"""Connections open at once; one more closes the one idle the longest, or with none idle is
+answered ``503 too_many_connections`` (M6, M9)."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
 
 

@@ -361,13 +361,14 @@ async def test_m6_m7_a_malformed_accept_is_406_with_its_code_not_a_server_fault(
 async def test_m6_an_idle_or_slow_client_is_closed_and_connections_are_capped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """M6: a connection that has not sent a whole request within ``REQUEST_SECONDS`` — half
-    a request line, or nothing after an answer — is closed, and one connection over
-    ``MAX_CONNECTIONS`` is answered ``503 too_many_connections`` at once and closed: idle
-    clients cannot take the file descriptors the room worker needs. The connections under
-    the cap are served."""
+    """M6, M9: a connection that has not sent a whole request within ``REQUEST_SECONDS`` —
+    half a request line, or nothing after an answer — is closed; at ``MAX_CONNECTIONS`` one
+    more closes the connection idle the longest and is served (M9), and with every
+    connection in a request it is answered ``503 too_many_connections`` at once and closed:
+    idle clients cannot take the file descriptors the room worker needs."""
     monkeypatch.setattr(_metrics, "REQUEST_SECONDS", 0.5)
     monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
+    scrape_head = b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, {"metrics": {"listen": "127.0.0.1:0"}}) as r:
             port = _port(r)
@@ -376,12 +377,16 @@ async def test_m6_an_idle_or_slow_client_is_closed_and_connections_are_capped(
             idle = await trio.open_tcp_stream("127.0.0.1", port)
             await idle.send_all(f"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode())
             answered = await idle.receive_some(65536)  # then it stays open and says nothing
-            refused = await _exchange(port, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
-            for stream in (slow, idle):  # the server closes both (the wait is for its close)
+            served = await _exchange(port, scrape_head)  # closes the idle one (M9)
+            slower = await trio.open_tcp_stream("127.0.0.1", port)
+            await slower.send_all(b"GET /metr")  # now both connections are in a request
+            refused = await _exchange(port, scrape_head)
+            for stream in (slow, idle, slower):  # the server closes them (the wait is for it)
                 while await stream.receive_some(65536):
                     pass
                 await stream.aclose()
     assert answered.startswith(b"HTTP/1.1 200")
+    assert served.startswith(b"HTTP/1.1 200")
     assert refused.startswith(b"HTTP/1.1 503")
     assert b'"code":"too_many_connections"' in refused
 

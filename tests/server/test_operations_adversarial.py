@@ -139,10 +139,11 @@ async def test_m6_a_head_sent_a_byte_at_a_time_is_closed_at_the_request_bound(
 async def test_m6_a_crowd_of_connections_is_capped_and_the_websocket_clients_go_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """M6: forty connections opened at once to a listener capped at eight: the ones over the
-    cap are answered ``503 too_many_connections`` at once, the others closed at the request
-    bound; meanwhile a websocket client is served as before, and once the crowd has gone a
-    scrape is answered."""
+    """M6, M9: forty silent connections opened at once to a listener capped at eight: each
+    one over the cap closes the one idle the longest (M9), the last eight are closed at the
+    request bound — every one ends closed with no answer, at most eight open at a time;
+    meanwhile a websocket client is served as before, and once the crowd has gone a scrape
+    is answered."""
     monkeypatch.setattr(_metrics, "REQUEST_SECONDS", 0.5)
     monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 8)
     answers: list[bytes] = []
@@ -162,11 +163,8 @@ async def test_m6_a_crowd_of_connections_is_capped_and_the_websocket_clients_go_
                     assert status["pending"] == 0
             code, _, _ = await scrape(port)
     assert code == 200
-    refused = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
     assert len(answers) == 40
-    assert len(refused) >= 32
-    assert all(b'"code":"too_many_connections"' in a for a in refused)
-    assert all(a == b"" for a in answers if a not in refused)  # the silent ones: closed
+    assert all(a == b"" for a in answers)  # silent, idle: closed (M9, or at the bound)
 
 
 # -- OP1: text of a client's on the page -----------------------------------------------------
