@@ -619,6 +619,10 @@ def _check_model(config: RoomWorkerConfig) -> None:
         if not value or not value.isprintable() or any(c.isspace() for c in value):
             raise ConfigError(f"model.{name}", "must be non-empty, printable, without spaces")
     if model.base_url is not None:
+        if not model.base_url.isprintable() or any(c.isspace() for c in model.base_url):
+            raise ConfigError(  # urlsplit drops \t \r \n silently, and keeps \x00 (C3)
+                "model.base_url", "must be printable, without spaces or control characters"
+            )
         try:
             url = urlsplit(model.base_url)
             host = url.hostname

@@ -127,6 +127,9 @@ class ReasonCode(enum.StrEnum):
     # a retention pass with no server (docs/design/retention.md RT14)
     RETENTION_UNKNOWN = "retention_unknown"  # no server recorded its settings
     RETENTION_MISMATCH = "retention_mismatch"  # --config disagrees with the recorded ones
+    # serve refused: pending deliveries the new configuration would strand (config.md C16)
+    WORK_ROOT_CHANGED = "work_root_changed"  # admitted under another work_root
+    FILE_STORE_PENDING = "file_store_pending"  # --store given; the file store has some
     # deliveries and room lanes (docs/design/lanes.md); results carry the turn codes
     ROOM_INVALID = "room_invalid"
     ROOM_REFUSED = "room_refused"

@@ -160,11 +160,14 @@ def _check_private(path: Path) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise StateDirError(ReasonCode.STATE_DIR_INVALID, f"{path} is not a directory")
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        fix = f"chmod 700 {path}"  # another user's directory needs its owner changed first
+        if info.st_uid != os.geteuid():
+            fix = f"chown {os.geteuid()} {path} (as root), then {fix}"
         raise StateDirError(
             ReasonCode.STATE_DIR_INSECURE,
             f"{path} must be owned by uid {os.geteuid()} with mode 0700 "
             f"(it is uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); "
-            f"fix it with: chmod 700 {path}",
+            f"fix it with: {fix}",
         )
 
 

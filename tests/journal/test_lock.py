@@ -258,6 +258,27 @@ async def test_an_insecure_state_dir_is_refused(tmp_path: Path) -> None:
     assert str(root) in str(refused.value)
     assert stat.S_IMODE(root.stat().st_mode) == 0o755
     assert list(root.iterdir()) == []
+    assert f"fix it with: chmod 700 {root}" in str(refused.value)
+
+
+async def test_a_state_dir_of_another_user_is_refused_with_the_owner_to_change(
+    tmp_path: Path,
+) -> None:
+    """J9/J10: a private state directory owned by another user is refused, and the advice
+    changes its owner first — ``chmod`` alone would leave it refused."""
+    if os.geteuid() != 0:
+        pytest.fail("this test changes a directory's owner: run it as root, as CI does")
+    root = tmp_path / "state"
+    root.mkdir(mode=0o700)
+    os.chown(root, 4242, -1)
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(StateDirError) as refused:
+            async with open_store(root):
+                pass
+    assert refused.value.code is ReasonCode.STATE_DIR_INSECURE
+    assert f"fix it with: chown {os.geteuid()} {root} (as root), then chmod 700 {root}" in str(
+        refused.value
+    )
 
 
 async def test_a_new_state_dir_is_created_private(tmp_path: Path) -> None:
