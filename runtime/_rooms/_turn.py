@@ -12,7 +12,8 @@ is :class:`WorkerWedged`, and the lane fences its epoch before the result is pub
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
 import trio
@@ -168,6 +169,11 @@ class Turn:
                 with contextlib.suppress(RpcError):
                     await rpc.clear_queue()
         end = classify_turn(self.messages)
+        if self.stalled and end.outcome is not Outcome.REPLY:
+            # L20: the stall decided the outcome; only a complete reply the worker settled
+            # with before the abort landed is kept — not a silence, an empty answer or a
+            # provider's failure (which could park the turn and so run it again, PB1)
+            return self._stalled_end()
         if end.outcome is Outcome.CANCELLED and not self.pending.cancelled:
             code = ReasonCode.TURN_STALLED if self.stalled else ReasonCode.RESPONSE_MISSING
             return TurnEnd(outcome=Outcome.FAILED, code=code)
@@ -202,24 +208,47 @@ class Turn:
 
     async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
         """Before each model request is answered: a steer first carried here is recorded as
-        seen at ``step`` (L10); on a replay, a steer first seen at the next step is sent again
-        now, so the next request is the same as the first time (docs/design/recovery.md)."""
-        carried = _user_text(body)
+        seen at ``step`` (L10, L24); on a replay, a steer first seen at the next step is sent
+        again now, so the next request is the same as the first time (docs/design/recovery.md).
+        ``body`` is read, never changed."""
         self._asked_upto = max(self._asked_upto, step)  # (a steer arriving now may be sent)
+        for item in self._carried(body, step):
+            item.first_step = step
+            await self.log.append(
+                AbsorbedInput(delivery_id=item.pending.delivery_id, text=item.text, first_step=step)
+            )
+        if not replayed:
+            return
         for item in self.pending.absorbed:
-            if item.first_step is None and item.text in carried:
-                item.first_step = step
-                await self.log.append(
-                    AbsorbedInput(
-                        delivery_id=item.pending.delivery_id, text=item.text, first_step=step
-                    )
-                )
-            elif replayed and item.first_step == step + 1 and not item.sent:
+            if item.sent:
+                continue
+            if item.first_step == step + 1 or (
+                item.first_step is None and step >= self.replay_upto
+            ):  # seen at the next step, or never seen: after the last answered step
                 await self.send_steer(item)
-            elif (
-                replayed and item.first_step is None and not item.sent and step >= self.replay_upto
-            ):
-                await self.send_steer(item)  # never seen: after the last answered step
+
+    def _carried(self, body: dict[str, Any], step: int) -> list[Absorbed]:
+        """The steers this request is the first to carry (L24): each one sent to this attempt's
+        worker and not yet seen whose text is a whole user message *new* in it — one of the
+        user messages after its last other message (the worker adds a burst's steers right
+        before it asks), and at step 0 only those after the turn's own prompt. The room's
+        history may hold the same text (the same chat message delivered again, or quoted):
+        that is no proof the model saw this steer. Same texts are counted, not merged."""
+        waiting = [i for i in self.pending.absorbed if i.first_step is None and i.sent]
+        if not waiting:
+            return []
+        new = _trailing_user_texts(body)
+        if step == 0:
+            new = _after_prompt(
+                new, self.pending.admission.rendered_prompt, Counter(i.text for i in waiting)
+            )
+        left = Counter(new)
+        carried: list[Absorbed] = []
+        for item in waiting:  # in the order they were sent: the worker adds them so
+            if left[item.text] > 0:
+                left[item.text] -= 1
+                carried.append(item)
+        return carried
 
     def _see(self, event: Event) -> bool:
         """Handle one event; True at ``agent_settled``."""
@@ -303,18 +332,44 @@ class Turn:
             await trio.sleep(self.host.typing_refresh)
 
 
-def _user_text(body: dict[str, Any]) -> str:
-    """Every user message's text in an OpenAI chat request, joined."""
-    parts: list[str] = []
-    for message in body.get("messages") or []:
+def _trailing_user_texts(body: Mapping[str, Any]) -> list[str]:
+    """The text of each user message after the last message of another role in an OpenAI
+    chat request, in order: what the worker added since its last answer (L24)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    texts: list[str] = []
+    for message in reversed(messages):
         if not isinstance(message, dict) or message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "\n".join(parts)
+            break
+        texts.append(_message_text(message))
+    texts.reverse()
+    return texts
+
+
+def _message_text(message: Mapping[str, Any]) -> str:
+    """One message's text, whole: its string content, or its text parts joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    return ""
+
+
+def _after_prompt(texts: list[str], prompt: str, steers: Counter[str]) -> list[str]:
+    """At step 0: the user messages after the turn's own ``prompt`` — its first occurrence
+    in ``texts`` that only steers still waiting (``steers``) follow, so an earlier message
+    with the same text (a turn that ended without an answer leaves its prompt there) is
+    history, and so is a steer with the prompt's own text that no request carried yet.
+    ``texts`` whole when the prompt is not there as expected."""
+    for index, text in enumerate(texts):
+        after = texts[index + 1 :]
+        if text == prompt and not Counter(after) - steers:
+            return after
+    return texts
 
 
 def _lease_seconds(tool: str, record: dict[str, Any], *, cap: float) -> float:
