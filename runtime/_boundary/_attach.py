@@ -28,7 +28,10 @@ Refusals are the tool's error results, each with its stable code, and nothing is
 * ``attachment_limit`` — the reply already carries ``max_per_reply`` distinct files (A12):
   counted over the delivery's recorded outcomes (``attached``) and the results this tool
   handed out whose outcomes are not recorded yet (the calls of one round run side by side;
-  the count and the reservation are one step, with no checkpoint between them).
+  the count and the reservation are one step, with no checkpoint between them);
+* ``attachment_damaged`` — the attachment root holds a directory under the bytes' sha256
+  (:class:`~runtime._journal._attachments.AttachmentNameTaken`): the store's own directory is
+  damaged there, and the file cannot be stored until an operator removes it (A2).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Final
 import trio
 
 from .._errors import ReasonCode
-from .._journal._attachments import AttachmentStore
+from .._journal._attachments import AttachmentNameTaken, AttachmentStore
 from .._records import AttachmentRef
 from .._wire import MAX_ATTACHMENT_NAME
 from ._calls import GateCall, GateResult
@@ -143,6 +146,14 @@ class AttachTool:
             await trio.to_thread.run_sync(self.store.put, data)
             if self.share is not None:
                 await self.share(ref.sha256, data)
+        except AttachmentNameTaken as taken:  # the root is damaged at this name (A2, A5)
+            if new:
+                handed.discard(ref.sha256)
+            return _refusal(
+                taken.code,
+                "the attachment store holds a directory where this file's bytes belong "
+                "(an operator must remove it); the reply goes without this file",
+            )
         except BaseException:
             if new:
                 handed.discard(ref.sha256)

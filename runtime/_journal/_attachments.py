@@ -30,6 +30,7 @@ Every method here blocks (file I/O): call them with ``trio.to_thread.run_sync``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -49,6 +50,7 @@ from ._writer import TMP_MARK, atomic_write
 __all__ = [
     "ATTACHMENTS_DIR",
     "SHARED_ATTACHMENTS",
+    "AttachmentNameTaken",
     "AttachmentReader",
     "AttachmentStore",
     "attachment_root",
@@ -82,8 +84,40 @@ _Identity = tuple[int, int, int, int, int]
 """(device, inode, size, mtime_ns, ctime_ns) of a file found intact."""
 
 
+class AttachmentNameTaken(IsADirectoryError):
+    """:meth:`AttachmentStore.put` found a directory under the sha256's name (A2): the store
+    writes only files there, so the root is damaged at that name — ``code`` is
+    ``attachment_damaged``. The directory is left as it is (what it holds is not the store's
+    to remove, A8); nothing was stored. An ``OSError`` still, so a caller that keeps a copy
+    only if it can (the server keeping a shared store's copy, A11) goes on as for a full
+    disk; the ``attach`` tool refuses the call with the code (A5)."""
+
+    code: Final = ReasonCode.ATTACHMENT_DAMAGED
+
+
 def _identity(info: os.stat_result) -> _Identity:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _read_pieces(fd: int, size: int, *, keep: bool) -> tuple[str, bytes]:
+    """The sha256 of what the open file ``fd`` holds — ``""`` unless it holds exactly
+    ``size`` bytes (it is read to its end, or to one byte past ``size``) — and, when
+    ``keep``, those bytes; else ``b""``, the file read :data:`PIECE` bytes at a time, only a
+    piece ever held."""
+    digest = hashlib.sha256()
+    buffer = bytearray(size + 1 if keep else min(PIECE, size + 1))
+    view = memoryview(buffer)
+    offset = 0
+    while offset <= size:
+        target = view[offset:] if keep else view
+        count = os.preadv(fd, [target], offset)
+        if not count:
+            break
+        digest.update(target[:count])
+        offset += count
+    if offset != size:
+        return "", b""
+    return digest.hexdigest(), bytes(view[:size]) if keep else b""
 
 
 @dataclass(slots=True)
@@ -136,14 +170,25 @@ class AttachmentStore:
         """Store ``data`` durably (A2); its sha256. Bytes already stored intact are not
         written again, but their name is synced: they may be what a killed process renamed
         into place and never made durable (the page cache shows them all the same). A
-        damaged copy under the same name is replaced."""
+        damaged copy under the same name is replaced.
+
+        Raises :class:`AttachmentNameTaken` (``attachment_damaged``) when a directory holds
+        that name: nothing is stored and the directory is left as it is."""
         digest = hashlib.sha256(data).hexdigest()
         self._prepare()
         path = self.path_of(digest)
         if self.check(digest, len(data)) is None:
             self.fs.fsync_dir(str(self.root))
             return digest
-        atomic_write(self.fs, str(path), data)
+        try:
+            atomic_write(self.fs, str(path), data)  # its temporary file removed on failure
+        except IsADirectoryError as error:  # the rename found a directory at the name
+            raise AttachmentNameTaken(
+                errno.EISDIR,
+                f"the attachment root is damaged: {path} is a directory, where only the "
+                "store's file of these bytes belongs; nothing was stored (remove the "
+                "directory to attach them)",
+            ) from error
         return digest
 
     def _prepare(self) -> None:
@@ -160,6 +205,7 @@ class AttachmentStore:
         (its size or sha256 is not the recorded one, or the disk failed to read it). Bytes
         found intact in a settled file are remembered as verified (A13)."""
         self._verified.forget(sha256)
+        now_ms = self.wall.time_ms()  # before the file is looked at (A13)
         try:
             fd = os.open(  # not blocked by a FIFO under its name: found not regular below
                 self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -172,17 +218,30 @@ class AttachmentStore:
                 return ReasonCode.ATTACHMENT_MISSING
             if info.st_size != size:
                 return ReasonCode.ATTACHMENT_DAMAGED
-            with os.fdopen(os.dup(fd), "rb") as file:
-                data = file.read(size + 1)
+            digest, data = _read_pieces(fd, size, keep=True)
+            if digest != sha256:
+                return ReasonCode.ATTACHMENT_DAMAGED
+            self._remember_if_settled(sha256, fd, info, now_ms)
         except OSError:  # EIO: the bytes cannot be had intact
             return ReasonCode.ATTACHMENT_DAMAGED
         finally:
             os.close(fd)
-        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
-            return ReasonCode.ATTACHMENT_DAMAGED
-        if info.st_ctime_ns // 1_000_000 <= self.wall.time_ms() - SETTLE_MS:
-            self._verified.remember(sha256, _identity(info))  # info: before the read
         return data
+
+    def _remember_if_settled(self, sha256: str, fd: int, info: os.stat_result, now_ms: int) -> None:
+        """Remember the file open as ``fd``, whose bytes were just found intact, as verified
+        (A13) — when it is settled: its last change (``info``, the ``fstat`` taken before the
+        read) at least :data:`SETTLE_MS` before ``now_ms``, the clock read *before* the file
+        was looked at; and its ``fstat`` after the read still ``info``'s. A clock read after
+        the read would take a read that lasted the settling time for one of a settled file,
+        however fresh the file was when it began, and a change within the stamp of its last
+        one would then leave ``stat`` as it was; a change during the read (a moved size,
+        mtime or ctime) means the bytes read may not be the file's now."""
+        if info.st_ctime_ns // 1_000_000 > now_ms - SETTLE_MS:
+            return
+        if _identity(os.fstat(fd)) != _identity(info):
+            return
+        self._verified.remember(sha256, _identity(info))
 
     def open(self, sha256: str, size: int) -> AttachmentReader | ReasonCode:
         """The attachment's file, open and found intact, to be read in pieces in order
@@ -203,6 +262,7 @@ class AttachmentStore:
         or why not: its bytes hashed a piece at a time unless ``trust_identity`` and it is
         the file a read verified, unchanged (A13). Bytes found intact in a settled file are
         remembered as verified; a damaged file is forgotten."""
+        now_ms = self.wall.time_ms()  # before the file is looked at (A13)
         try:
             fd = os.open(  # not blocked by a FIFO under its name: found not regular below
                 self.path_of(sha256), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -212,7 +272,9 @@ class AttachmentStore:
             return ReasonCode.ATTACHMENT_MISSING
         try:
             info = os.fstat(fd)
-            problem = self._problem(fd, info, sha256, size, trust_identity=trust_identity)
+            problem = self._problem(
+                fd, info, sha256, size, now_ms=now_ms, trust_identity=trust_identity
+            )
         except OSError:  # EIO: the bytes cannot be had intact
             problem = ReasonCode.ATTACHMENT_DAMAGED
         except BaseException:
@@ -225,7 +287,14 @@ class AttachmentStore:
         return fd, info
 
     def _problem(
-        self, fd: int, info: os.stat_result, sha256: str, size: int, *, trust_identity: bool
+        self,
+        fd: int,
+        info: os.stat_result,
+        sha256: str,
+        size: int,
+        *,
+        now_ms: int,
+        trust_identity: bool,
     ) -> ReasonCode | None:
         if not stat.S_ISREG(info.st_mode):
             return ReasonCode.ATTACHMENT_MISSING
@@ -233,17 +302,10 @@ class AttachmentStore:
             return ReasonCode.ATTACHMENT_DAMAGED
         if trust_identity and self._verified.get(sha256) == _identity(info):
             return None
-        digest = hashlib.sha256()
-        buffer = bytearray(min(PIECE, size + 1))
-        view = memoryview(buffer)
-        offset = 0
-        while count := os.preadv(fd, [buffer], offset):
-            digest.update(view[:count])
-            offset += count
-        if offset != size or digest.hexdigest() != sha256:
+        digest, _ = _read_pieces(fd, size, keep=False)
+        if digest != sha256:
             return ReasonCode.ATTACHMENT_DAMAGED
-        if info.st_ctime_ns // 1_000_000 <= self.wall.time_ms() - SETTLE_MS:
-            self._verified.remember(sha256, _identity(info))  # info: before the read
+        self._remember_if_settled(sha256, fd, info, now_ms)
         return None
 
     def unchanged(self, sha256: str, size: int) -> bool:

@@ -58,6 +58,7 @@ from .._errors import AdminError, PiRuntimeError, ReasonCode, StateDirError
 from .._journal._store import _check_private
 from .._journal._writer import TMP_MARK
 from .._logs import fields
+from ._protocol import GrantEpochs, GrantSeconds, ValidationTimeout
 
 __all__ = [
     "ADMIN_SOCKET",
@@ -165,9 +166,10 @@ class TaskSubmitRequest(_Request, tag="task_submit", frozen=True, kw_only=True):
     worktree: str
     grants: list[str] | None = None
     validation: list[str] | None = None
-    validation_timeout: float | None = None
-    """Seconds the validation may run (``task run --validation-timeout``; checked with the
-    rest of the task, TL1); absent or null: the default."""
+    validation_timeout: ValidationTimeout | None = None
+    """Seconds the validation may run (``task run --validation-timeout``): above 0, at most
+    the task lanes' bound (the websocket's own type, protocol.md P18; else
+    ``admin_bad_request`` naming the field, O7); absent or null: the default."""
 
 
 class TaskRunRequest(TaskSubmitRequest, tag="task_run", frozen=True, kw_only=True):
@@ -209,8 +211,11 @@ class TaskForgetRequest(_Request, tag="task_forget", frozen=True, kw_only=True):
 
 class TaskGrantRequest(_Request, tag="task_grant", frozen=True, kw_only=True):
     task_id: str
-    epochs: Annotated[int, msgspec.Meta(ge=0)] = 0
-    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    epochs: GrantEpochs = 0
+    """0 to one grant's bound of epochs (the websocket's own type, protocol.md P18; else
+    ``admin_bad_request`` naming the field, O7)."""
+    seconds: GrantSeconds = 0.0
+    """0 to one grant's bound of seconds (likewise)."""
     reason: str
 
 

@@ -55,6 +55,8 @@ __all__ = [
     "Deliver",
     "ErrorFrame",
     "FetchAttachment",
+    "GrantEpochs",
+    "GrantSeconds",
     "Hello",
     "RoomStatus",
     "ServerFrame",
@@ -68,6 +70,7 @@ __all__ = [
     "TaskShow",
     "TaskSubmit",
     "TaskViewFrame",
+    "ValidationTimeout",
     "Welcome",
     "decode_client_frame",
     "decode_server_frame",
@@ -98,9 +101,9 @@ _Seq = Annotated[int, msgspec.Meta(ge=0)]
 # P18: a task frame's numbers are bounded where they are decoded, ``wrong_type`` naming the
 # field and its bound whatever the task's state (before, ``1e308`` seconds of an ``abort``
 # was taken and ignored, and a grant's range was looked at only once its task was found)
-_GrantEpochs = Annotated[int, msgspec.Meta(ge=0, le=MAX_GRANT_EPOCHS)]
-_GrantSeconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_GRANT_SECONDS)]
-_ValidationTimeout = Annotated[float, msgspec.Meta(gt=0, le=MAX_VALIDATION_TIMEOUT)]
+GrantEpochs = Annotated[int, msgspec.Meta(ge=0, le=MAX_GRANT_EPOCHS)]
+GrantSeconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_GRANT_SECONDS)]
+ValidationTimeout = Annotated[float, msgspec.Meta(gt=0, le=MAX_VALIDATION_TIMEOUT)]
 
 
 # -- client → server ---------------------------------------------------------------------
@@ -178,7 +181,7 @@ class TaskSubmit(_ClientFrame, tag="task_submit", frozen=True, kw_only=True):
     """The tools the worker may use; ``null``: ``read``, ``bash``, ``edit``, ``write``."""
     validation: list[str] | None = None
     """A command (argv) whose passing run Done needs; ``null``: none."""
-    validation_timeout: _ValidationTimeout | None = None
+    validation_timeout: ValidationTimeout | None = None
     """Seconds the validation may run (killed, not passed after), above 0 and at most
     :data:`MAX_VALIDATION_TIMEOUT`; ``null``: 600."""
 
@@ -199,9 +202,9 @@ class TaskControl(_ClientFrame, tag="task_control", frozen=True, kw_only=True):
     task_id: str
     action: Literal["resume", "abort", "fail", "grant"]
     reason: str | None = None
-    epochs: _GrantEpochs = 0
+    epochs: GrantEpochs = 0
     """Replacement epochs a ``grant`` adds: 0 to 100 (WD11)."""
-    seconds: _GrantSeconds = 0.0
+    seconds: GrantSeconds = 0.0
     """Recovery seconds a ``grant`` adds: 0 to 86,400 (WD11)."""
 
 
