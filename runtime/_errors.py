@@ -217,6 +217,7 @@ class ReasonCode(enum.StrEnum):
     WORKTREE_LEASED = "worktree_leased"
     WORKTREE_CHANGED = "worktree_changed"
     WORKTREE_UNREADABLE = "worktree_unreadable"
+    WORKTREE_TOO_LARGE = "worktree_too_large"  # over the manifest's size bounds (W-M12)
     CHECKPOINT_FAILED = "checkpoint_failed"
     # task lanes: submission, controls, the watchdog (docs/design/watchdog.md)
     TASK_INVALID = "task_invalid"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -31,6 +32,7 @@ from ._worktree import (
     hash_open_file,
     is_git,
     open_regular,
+    repository,
     take_manifest,
     unreadable,
     worktree_limiter,
@@ -99,8 +101,10 @@ def _commit_message(message: str, task: str, digest: str) -> bytes:
 def _git_candidate(root: str, manifest: Manifest, task: str, message: str) -> Candidate:
     if manifest.git_tree is None:
         raise ValueError("a git manifest without git_tree")
+    repo = repository(root)  # W-M11: never another repository's objects and refs
     name, email = _IDENTITY
     env = git_env(
+        **repo,
         GIT_AUTHOR_NAME=name,
         GIT_AUTHOR_EMAIL=email,
         GIT_AUTHOR_DATE=_COMMIT_DATE,
@@ -116,8 +120,113 @@ def _git_candidate(root: str, manifest: Manifest, task: str, message: str) -> Ca
     commit = git(root, args, env=env, code=code, stdin=stdin)[1].decode().strip()
     _check_unchanged(root, manifest)  # W-C2: before the ref makes it a candidate
     ref = CANDIDATE_REF_PREFIX + task
-    git(root, ["update-ref", "-m", "pi-runtime candidate", ref, commit], env=env, code=code)
+    with _ref_lock(repo["GIT_COMMON_DIR"], task) as lock:
+        _take_over(lock, repo["GIT_COMMON_DIR"], ref)
+        git(
+            root,
+            ["update-ref", "-m", "pi-runtime candidate", "--stdin"],
+            env=env,
+            code=code,
+            stdin=f"update {ref} {commit}\n".encode(),
+            started=lambda pid: _record(lock, pid),  # before git reads its command
+            ended=lambda status: _ended(lock, status),
+        )
     return Candidate(kind="git_commit", ref=commit, manifest_digest=manifest.digest, git_ref=ref)
+
+
+# --- W-C6: git's lock on the candidate ref, left by a crash --------------------------------
+
+
+@contextlib.contextmanager
+def _ref_lock(common_dir: str, task: str) -> Iterator[int]:
+    """``pi-runtime-candidate-<task>.lock`` in the repository's common directory (beside the
+    ``refs/`` it guards, never through a symlink), ``flock``-ed: while it is held no other call
+    takes a candidate of ``task``, and the kernel releases it when its holder dies. It records
+    the git process that may hold git's own lock on the task's ref (:func:`_record`)."""
+    name = f"pi-runtime-candidate-{task}.lock"
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        directory = os.open(common_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=directory)
+        finally:
+            os.close(directory)
+    except OSError as error:
+        raise WorktreeError(
+            ReasonCode.CHECKPOINT_FAILED, f"cannot open {name} in {common_dir}: {error}"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WorktreeError(ReasonCode.CHECKPOINT_FAILED, f"{name} is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WorktreeError(
+                ReasonCode.CHECKPOINT_FAILED,
+                f"another candidate of task {task} is being taken ({name} is locked)",
+            ) from None
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+        return f.read().decode().strip()
+
+
+def _start_time(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot), ``None`` when no live process has it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    rest = stat_line[stat_line.rindex(b")") + 2 :].split()
+    return None if rest[0] in (b"Z", b"X") else int(rest[19])
+
+
+def _record(lock: int, pid: int | None) -> None:
+    """Write (fsynced) which git process may hold git's lock on the task's ref: its boot,
+    pid and start time; nothing once it ended by itself (git removes its own lock then;
+    only a kill leaves one)."""
+    start = None if pid is None else _start_time(pid)
+    line = b"" if start is None else f"{_boot_id()} {pid} {start}\n".encode()
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, line, 0)
+    os.fsync(lock)
+
+
+def _ended(lock: int, status: int) -> None:
+    if status >= 0:  # exited by itself: no lock of its is left
+        _record(lock, None)
+
+
+def _take_over(lock: int, common_dir: str, ref: str) -> None:
+    """W-C6: git's ``<ref>.lock`` left by a git update of ours that was killed holding it is
+    removed — only when its owner is provably gone: the record names it (boot, pid, start
+    time) and no live process is that one. A lock with no record of ours is left (git then
+    fails ``checkpoint_failed``); one whose owner lives is refused ``checkpoint_failed``."""
+    record = os.pread(lock, 256, 0).split()
+    if len(record) != 3:
+        return
+    boot, pid, start = record[0].decode(), int(record[1]), record[2].decode()
+    if boot == _boot_id() and start == str(_start_time(pid)):
+        raise WorktreeError(
+            ReasonCode.CHECKPOINT_FAILED,
+            f"git (pid {pid}) of an earlier candidate still holds the lock on {ref}",
+        )
+    try:
+        with beneath(common_dir, f"{ref}.lock") as (directory, name):  # W-M8: no link followed
+            if stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
+                os.unlink(name, dir_fd=directory)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as error:
+        raise WorktreeError(
+            ReasonCode.CHECKPOINT_FAILED, f"cannot remove the stale lock on {ref}: {error}"
+        ) from None
+    _record(lock, None)
 
 
 class _HashingReader:

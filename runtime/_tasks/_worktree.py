@@ -14,7 +14,7 @@ import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Final, Literal
 
@@ -26,6 +26,8 @@ from .._clock import own_limiter
 from .._errors import ReasonCode, WorktreeError
 
 __all__ = [
+    "MAX_FILE_BYTES",
+    "MAX_TOTAL_BYTES",
     "STAMP_LIMIT",
     "FileEntry",
     "Manifest",
@@ -40,6 +42,13 @@ __all__ = [
 _CHUNK: Final = 1024 * 1024
 _DIGEST_DOMAIN: Final = b"pi-runtime.worktree-manifest.v1\0"
 _STDERR_TAIL: Final = 500
+
+MAX_FILE_BYTES: Final = 1 << 30
+"""The largest file a manifest reads (1 GiB, W-M12): a larger one (a sparse file of a
+terabyte takes one ``truncate``) is refused ``worktree_unreadable`` by its size, unread."""
+MAX_TOTAL_BYTES: Final = 8 << 30
+"""The most a manifest reads in all (8 GiB of regular files, W-M12), refused likewise: the
+sizes are summed before any file is read."""
 
 
 class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,13 +94,23 @@ def unreadable(path: str, error: OSError) -> WorktreeError:
     return WorktreeError(ReasonCode.WORKTREE_UNREADABLE, f"cannot read {path}: {error}")
 
 
-def hash_open_file(f: BinaryIO) -> tuple[int, str]:
+def hash_open_file(f: BinaryIO, limit: int | None = None) -> tuple[int, str]:
+    """Size and sha256 of what ``f`` holds; with ``limit``, no more than ``limit + 1`` bytes
+    are read (a size over ``limit`` says the file grew past it)."""
     digest = hashlib.sha256()
     size = 0
-    while chunk := f.read(_CHUNK):
+    while chunk := f.read(_CHUNK if limit is None else min(_CHUNK, limit + 1 - size)):
         digest.update(chunk)
         size += len(chunk)
     return size, digest.hexdigest()
+
+
+def too_large(path: str, size: int, bound: int, what: str) -> WorktreeError:
+    """W-M12: a worktree over the manifest's bounds is refused, its content unread."""
+    return WorktreeError(
+        ReasonCode.WORKTREE_TOO_LARGE,
+        f"{path}: {size} bytes, over the {what} bound of {bound} bytes a manifest reads",
+    )
 
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -135,8 +154,10 @@ def open_regular(directory: int, name: str) -> BinaryIO | None:
     return os.fdopen(fd, "rb")
 
 
-def _entry(root: str, rel: str) -> FileEntry | None:
-    """The entry of ``rel``, or ``None`` if it vanished or is not a file or symlink."""
+def _entry(root: str, rel: str, budget: list[int]) -> FileEntry | None:
+    """The entry of ``rel``, or ``None`` if it vanished or is not a file or symlink; its
+    bytes are taken from ``budget[0]`` (W-M12: over it, or over :data:`MAX_FILE_BYTES`, the
+    file is refused by its size, never read whole)."""
     full = os.path.join(root, rel)
     try:
         with beneath(root, rel) as (directory, name):
@@ -150,7 +171,16 @@ def _entry(root: str, rel: str) -> FileEntry | None:
         if f is None:
             return None
         with f:
-            size, sha = hash_open_file(f)
+            bound = min(MAX_FILE_BYTES, budget[0])
+            size = os.fstat(f.fileno()).st_size
+            if size <= bound:
+                size, sha = hash_open_file(f, bound)
+        if size > bound:  # by its size, or grown past the bound while it was read
+            if size > MAX_FILE_BYTES:
+                raise too_large(full, size, MAX_FILE_BYTES, "file")
+            read = MAX_TOTAL_BYTES - budget[0] + size
+            raise too_large(root, read, MAX_TOTAL_BYTES, "total")
+        budget[0] -= size
         return FileEntry(path=rel, size=size, sha256=sha)
     except (FileNotFoundError, NotADirectoryError):
         return None  # it vanished: the tree is changing, and the digest will say so
@@ -206,8 +236,30 @@ def _listing_beneath(root: str, rel_dir: str) -> list[tuple[str, bool]]:
         os.close(fd)
 
 
+def _sizes(root: str, paths: Iterable[str]) -> None:
+    """W-M12 before a byte is read: a regular file over :data:`MAX_FILE_BYTES`, or all of them
+    over :data:`MAX_TOTAL_BYTES`, is refused by ``lstat`` alone (never through a symlink on
+    the path, W-M8); one that vanished is left to the read."""
+    total = 0
+    for rel in paths:
+        try:
+            with beneath(root, rel) as (directory, name):
+                st = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if st.st_size > MAX_FILE_BYTES:
+            raise too_large(os.path.join(root, rel), st.st_size, MAX_FILE_BYTES, "file")
+        total += st.st_size
+        if total > MAX_TOTAL_BYTES:
+            raise too_large(root, total, MAX_TOTAL_BYTES, "total")
+
+
 def _entries(root: str, paths: list[str]) -> tuple[FileEntry, ...]:
-    entries = (_entry(root, rel) for rel in sorted(paths, key=os.fsencode))
+    _sizes(root, paths)
+    budget = [MAX_TOTAL_BYTES]  # what may still be read: a file grown since its lstat
+    entries = (_entry(root, rel, budget) for rel in sorted(paths, key=os.fsencode))
     return tuple(entry for entry in entries if entry is not None)
 
 
@@ -257,7 +309,12 @@ def git(
     code: ReasonCode,
     stdin: bytes = b"",
     ok_codes: tuple[int, ...] = (0,),
+    started: Callable[[int], None] | None = None,
+    ended: Callable[[int], None] | None = None,
 ) -> tuple[int, bytes]:
+    """Run git on the worktree ``root`` (W-M6, W-M9). ``started`` is called with git's pid
+    before its standard input is written, ``ended`` with its return code once it is reaped
+    (negative: killed by that signal), whatever the outcome."""
     try:
         process = subprocess.Popen(
             ["git", *_GIT_OPTIONS, "-C", root, f"--work-tree={root}", *args],
@@ -270,6 +327,8 @@ def git(
     except OSError as error:
         raise WorktreeError(code, f"cannot run git {args[0]}: {error}") from None
     try:
+        if started is not None:
+            started(process.pid)
         stdout, stderr_bytes = process.communicate(stdin, timeout=GIT_SECONDS)
     except subprocess.TimeoutExpired:
         _kill_group(process)
@@ -279,6 +338,8 @@ def git(
     finally:
         if process.returncode is None:  # interrupted: never left running
             _kill_group(process)
+        if ended is not None:
+            ended(process.returncode)
     if process.returncode not in ok_codes:
         stderr = stderr_bytes.decode(errors="replace").strip()[-_STDERR_TAIL:]
         raise WorktreeError(
@@ -298,10 +359,65 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
             pipe.close()
 
 
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _back_link(git_dir: str) -> str | None:
+    """The ``gitdir`` file of a linked worktree's directory: the ``.git`` file it serves."""
+    try:
+        directory = os.open(git_dir, _DIR_FLAGS)
+        try:
+            f = open_regular(directory, "gitdir")
+        finally:
+            os.close(directory)
+    except OSError:
+        return None
+    if f is None:
+        return None
+    with f:
+        return os.fsdecode(f.read(4096).strip()) or None
+
+
+def repository(root: str) -> dict[str, str]:
+    """The worktree's own repository, as ``GIT_DIR`` and ``GIT_COMMON_DIR`` for every later
+    git call on it (W-M11): ``.git`` a directory (never a symlink) that is its own common
+    directory, or a file naming a linked worktree's directory (``git worktree add``) whose
+    ``gitdir`` file names this ``.git`` back. Any other — ``.git`` a symlink, a file naming
+    another repository, a ``commondir`` pointing away — is ``worktree_unreadable``: the
+    runtime's git would write the candidate's objects and ref into a repository outside the
+    worktree, and take that repository's ``HEAD`` as the candidate's parent."""
+    code = ReasonCode.WORKTREE_UNREADABLE
+    dot = os.path.join(root, ".git")
+    try:
+        st = os.lstat(dot)
+    except OSError as error:
+        raise unreadable(dot, error) from None
+    args = ["rev-parse", "--path-format=absolute", "--git-dir", "--git-common-dir"]
+    lines = git(root, args, env=git_env(), code=code)[1].decode(errors="surrogateescape")
+    git_dir, common = lines.splitlines()[:2]
+    if stat.S_ISDIR(st.st_mode):
+        own = _same(git_dir, dot) and _same(common, dot)
+    elif stat.S_ISREG(st.st_mode):
+        back = _back_link(git_dir)
+        own = back is not None and _same(os.path.join(git_dir, back), dot)
+    else:
+        own = False
+    if not own:
+        raise WorktreeError(
+            code,
+            f"{dot} names the repository {common}, not the worktree's own (a .git directory, "
+            "or a linked worktree's .git file its gitdir names back): its objects and refs "
+            "are not the task's to write",
+        )
+    return {"GIT_DIR": git_dir, "GIT_COMMON_DIR": common}
+
+
 def _git_manifest(root: str) -> Manifest:
     code = ReasonCode.WORKTREE_UNREADABLE
+    repo = repository(root)
     with tempfile.TemporaryDirectory(prefix="pi-runtime-index-") as scratch:
-        env = git_env(GIT_INDEX_FILE=os.path.join(scratch, "index"))
+        env = git_env(GIT_INDEX_FILE=os.path.join(scratch, "index"), **repo)
         status, out = git(
             root,
             ["rev-parse", "--verify", "--quiet", "HEAD^{commit}"],
@@ -312,6 +428,14 @@ def _git_manifest(root: str) -> Manifest:
         head = out.decode().strip() if status == 0 else None
         if head is not None:
             git(root, ["read-tree", head], env=env, code=code)
+        # W-M12: what ``add`` would read, sized before it reads a byte of it
+        listed = git(
+            root,
+            ["ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            env=env,
+            code=code,
+        )[1]
+        _sizes(root, (os.fsdecode(p) for p in listed.split(b"\0") if p and not p.endswith(b"/")))
         git(root, ["add", "--all"], env=env, code=code)
         git_tree = git(root, ["write-tree"], env=env, code=code)[1].decode().strip()
         listing = git(root, ["ls-files", "-z", "--stage"], env=env, code=code)[1]
