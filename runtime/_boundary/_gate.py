@@ -15,7 +15,9 @@ Only requests carrying the current epoch's secret (``authorization: Bearer <secr
 served; anything else gets 401 and reaches no journal (T1). A ``/before`` whose epoch was
 fenced while it waited for its turn is refused the same way, nothing decided (T16). A
 ``/before`` whose ``follows`` (the call the worker ran and reported last) was let run in the
-current epoch without a recorded outcome lets nothing run: that report failed (T21). What to
+current epoch without a recorded outcome lets nothing run: that report failed (T21). Bodies
+are read as the gateway reads them (``_pijson.loads``): a lone surrogate in a call's arguments
+is an argument like any other, recorded as its ``\\udxxx`` escape (T22). What to
 answer is decided by a :class:`GateJournal`; :class:`RecordingGateJournal` is the
 implementation, on a delivery's :class:`~runtime._journal._journal.Journal` or (for tests) on a
 :class:`MemoryLog`. It makes the :class:`~runtime._records.ToolIntent` durable before it
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+import re
 import secrets
 import socket as stdlib_socket
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
@@ -94,14 +98,48 @@ schema asks for, and far below where msgspec and the stdlib stop recursing (abou
 levels), so everything the runtime derives from a call it lets run reads and writes as usual."""
 
 _json = msgspec.json.Encoder()
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+_ESCAPED_SURROGATE: Final = re.compile(rb"\\u[dD][89a-fA-F]")
+"""Where a body may hold a surrogate: JSON writes one only as such an escape (T22)."""
 
 
 # ------------------------------------------------------------------------------- the data
 
 
 def canonical_args(args: Mapping[str, Any]) -> str:
-    """The arguments as canonical JSON (sorted keys, compact): what a ToolIntent stores."""
-    return msgspec.json.encode(dict(args), order="sorted").decode()
+    """The arguments as canonical JSON (sorted keys, compact): what a ToolIntent stores.
+
+    A lone surrogate (JavaScript writes one as ``\\ud83d``, T22) is written as that escape,
+    so the text is one the journal records and :func:`~runtime._pi._pijson.loads` reads back
+    as the same arguments; arguments without one are written as msgspec writes them."""
+    try:
+        return msgspec.json.encode(dict(args), order="sorted").decode()
+    except UnicodeEncodeError:  # T22: a surrogate, which UTF-8 (and msgspec) cannot hold
+        return _canonical_text(dict(args))
+
+
+def _canonical_text(value: Any) -> str:
+    """:func:`canonical_args` of a value holding surrogates: the same text msgspec writes for
+    the rest (keys sorted by code point, as msgspec sorts them), every string holding a
+    surrogate written as JavaScript writes it. Called only below :data:`ARGS_MAX_DEPTH`."""
+    if isinstance(value, str):
+        return _js_string(value)
+    if isinstance(value, Mapping):
+        items = (f"{_js_string(k)}:{_canonical_text(value[k])}" for k in sorted(value))
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_canonical_text(item) for item in value) + "]"
+    return msgspec.json.encode(value).decode()
+
+
+def _js_string(text: str) -> str:
+    """A JSON string as ``JSON.stringify`` writes it: a valid surrogate pair joined into its
+    character, a lone surrogate as its ``\\udxxx`` escape (T22)."""
+    joined = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+    if _SURROGATE.search(joined) is None:
+        return msgspec.json.encode(joined).decode()
+    rendered = json.dumps(joined, ensure_ascii=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", rendered)
 
 
 def replay_class_of(
@@ -436,7 +474,7 @@ class RecordingGateJournal:
             if cls is ReplayClass.RECEIPT and handler is not None:  # T13
                 # the write the intent recorded: the session holds the arguments before Pi
                 # coerced them (T14), and only the recorded ones are this intent's write
-                recorded = GateCall(call.tool_call_id, call.name, msgspec.json.decode(intent.args))
+                recorded = GateCall(call.tool_call_id, call.name, loads(intent.args.encode()))
                 result = await self._run_runtime_tool(handler, recorded, intent.intent_id)
                 return await self._record_settled(intent, call, result)
             return await self._record_interrupted(intent, call)
@@ -711,12 +749,8 @@ class Gate:
 
 
 def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | None, str | None]:
-    deep = False
-    try:
-        try:
-            data = msgspec.json.decode(body)
-        except RecursionError:  # T17: deeper than msgspec recurses, read to be judged
-            data, deep = loads(body), True
+    try:  # as the gateway reads a body (G1): however deep (T17), lone surrogates too (T22)
+        data = loads(body)
     except msgspec.DecodeError as error:
         raise ValueError(f"the body is not JSON: {error}") from error
     if not isinstance(data, dict):
@@ -724,19 +758,34 @@ def _parse(body: bytes, *, with_result: bool) -> tuple[GateCall, GateResult | No
     call_id, name = data.get("tool_call_id"), data.get("name")
     if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
         raise ValueError("tool_call_id and name must be non-empty strings")
+    lone = _ESCAPED_SURROGATE.search(body) is not None  # else no string holds a surrogate
+    if lone and _SURROGATE.search(call_id + name):  # T22: no record can hold them
+        raise ValueError("tool_call_id and name must not hold a lone surrogate")
     if with_result:
-        if deep or nesting(data.get("result")) > ARGS_MAX_DEPTH:  # T17: none kept that deep
+        if nesting(data) > ARGS_MAX_DEPTH + 1:  # T17: none kept that deep
             raise ValueError(f"the body nests deeper than the gate reads ({ARGS_MAX_DEPTH} levels)")
-        return GateCall(call_id, name, {}), GateResult.from_json(data.get("result")), None
+        result = GateResult.from_json(data.get("result"))
+        if lone and not _recordable(result):  # T22: what a ToolOutcome cannot hold
+            raise ValueError("the result holds a lone surrogate, which the journal cannot record")
+        return GateCall(call_id, name, {}), result, None
     args = data.get("args", {})
     if not isinstance(args, dict):
         raise ValueError("args must be an object")
     follows = data.get("follows")  # T21: the call the worker ran and reported last
     if follows is not None and (not isinstance(follows, str) or not follows):
         raise ValueError("follows must be a non-empty string")
-    if deep and nesting(args) <= ARGS_MAX_DEPTH:  # deep elsewhere: no body the extension sends
+    if nesting({k: v for k, v in data.items() if k != "args"}) > ARGS_MAX_DEPTH + 1:
         raise ValueError("the body nests deeper than the gate reads, outside its arguments")
     return GateCall(call_id, name, args), None, follows
+
+
+def _recordable(result: GateResult) -> bool:
+    """Whether a ToolOutcome of ``result`` can be encoded (no lone surrogate in it, T22)."""
+    try:
+        _json.encode([result.content, result.details])
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _decision_json(decision: Decision) -> dict[str, Any]:

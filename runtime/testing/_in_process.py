@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from .._boundary._calls import GateCall, GateResult, Refuse, RunTool, Saved
 from .._boundary._gate import RecordingGateJournal
 from .._boundary._gateway import Gateway
 from .._boundary._tools import tools_environment
+from .._errors import GateError, ReasonCode
 from .._pi._rpc import RpcChannel, open_rpc_channel
 from .._records import EpochStarted
 from .._tasks._workers import EpochRequest, Stopped, TaskWorker
@@ -34,12 +36,20 @@ __all__ = ["InProcessWorkers"]
 
 @dataclass(frozen=True, slots=True)
 class _DirectGate:
-    """Fake-Pi's tool gate answered by the lane's gate journal, without a socket."""
+    """Fake-Pi's tool gate answered by the lane's gate journal, without a socket; as Fake-Pi's
+    socket client does (``fake_pi/_gate_client.py``), every ``before`` names the call reported
+    last (``follows``), so the journal refuses a call that follows a missing outcome (T21), and
+    a report the journal refuses (409 on the socket) is written to stderr."""
 
     journal: RecordingGateJournal
+    _follows: list[str] = field(default_factory=list, compare=False)
+    """The tool-call id of the call reported last (empty before the first)."""
 
     async def before(self, call: ToolCall) -> GateDecision:
-        decision = await self.journal.decide(GateCall(call.id, call.name, call.arguments))
+        follows = self._follows[0] if self._follows else None
+        decision = await self.journal.decide(
+            GateCall(call.id, call.name, call.arguments), follows=follows
+        )
         if isinstance(decision, RunTool):
             return Run()
         if isinstance(decision, Saved):
@@ -48,10 +58,15 @@ class _DirectGate:
         return Refused(_tool_result(decision.result))
 
     async def after(self, call: ToolCall, result: ToolResult) -> None:
-        await self.journal.record_outcome(
-            GateCall(call.id, call.name, call.arguments),
-            GateResult(content=result.content, is_error=result.is_error, details=result.details),
-        )
+        self._follows[:] = [call.id]
+        try:
+            reported = GateResult(result.content, is_error=result.is_error, details=result.details)
+            asked = GateCall(call.id, call.name, call.arguments)
+            await self.journal.record_outcome(asked, reported)
+        except GateError as error:
+            if error.code is not ReasonCode.GATE_BAD_REQUEST:  # the journal failed: it ends
+                raise
+            print(f"fake-pi: the tool gate did not record {call.id}: {error}", file=sys.stderr)
 
 
 def _tool_result(result: GateResult) -> ToolResult:
