@@ -247,9 +247,10 @@ class RoomServer:
         """Connections accepted that have not said a valid ``hello`` yet (S1)."""
         self.authenticated = 0
         """Connections welcomed and not ended yet, at most ``max_authenticated`` (S1)."""
-        self._unsendable: set[int] = set()
-        """The seqs of results found unsendable and logged (P17), not acknowledged yet: each
-        is logged once, not at every re-send."""
+        self._told: set[tuple[str, int]] = set()
+        """``(what, seq)`` of each problem of a result logged and not acknowledged yet — one
+        unsendable (P17), an attachment lost (A7), a reply cut to the frame bound (P14): each
+        is logged once, not at every re-send (P20)."""
 
     # -- the admin socket's handler (runtime/_server/_admin.py) --------------------------------
 
@@ -731,9 +732,7 @@ class RoomServer:
         try:
             return await self._prepared(result)
         except Exception:
-            if result.seq not in self._unsendable:
-                self._unsendable = {s for s in self._unsendable if s > self.worker.acked_seq}
-                self._unsendable.add(result.seq)
+            if self._first_time("unsendable", result.seq):
                 logger.exception(
                     "result %d could not be prepared for sending: it is sent as failed "
                     "(server_fault); its record is unchanged",
@@ -753,6 +752,16 @@ class RoomServer:
                 code=str(ReasonCode.SERVER_FAULT),
             )
 
+    def _first_time(self, what: str, seq: int) -> bool:
+        """Whether ``what`` about result ``seq`` is to be logged now: the first time, not
+        again while the result is re-sent unacknowledged (P20)."""
+        if (what, seq) in self._told:
+            return False
+        acked = self.worker.acked_seq
+        self._told = {told for told in self._told if told[1] > acked}
+        self._told.add((what, seq))
+        return True
+
     async def _prepared(self, result: DeliveryResult) -> DeliveryResult:
         """``result`` as it may be sent now (A7): each attachment whose bytes are not there
         intact is marked ``lost`` with its code; the words go out unchanged — unless the
@@ -760,7 +769,7 @@ class RoomServer:
         text is cut to fit, and attachments that leave no room are left out (P14)."""
         shown = await self._with_attachments_checked(result)
         sent = fit_result(shown, self.server.max_frame_bytes)
-        if sent is not shown:
+        if sent is not shown and self._first_time("truncated", result.seq):
             logger.warning(
                 "result %d was recorded under a larger frame bound: it is sent with the first "
                 "%d of %d characters and %d of %d attachments",
@@ -780,13 +789,14 @@ class RoomServer:
         for attachment in result.attachments:
             problem = await self._intact(attachment.sha256, attachment.size)
             if problem is not None:
-                logger.warning(
-                    "result %d: attachment %s is lost (%s)",
-                    result.seq,
-                    attachment.id,
-                    problem,
-                    extra=fields("attachment_lost", code=problem, seq=result.seq),
-                )
+                if self._first_time(f"lost:{attachment.id}", result.seq):
+                    logger.warning(
+                        "result %d: attachment %s is lost (%s)",
+                        result.seq,
+                        attachment.id,
+                        problem,
+                        extra=fields("attachment_lost", code=problem, seq=result.seq),
+                    )
                 attachment = msgspec.structs.replace(attachment, lost=True, code=str(problem))
             shown.append(attachment)
         return msgspec.structs.replace(result, attachments=shown)

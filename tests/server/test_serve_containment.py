@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from fake_pi.scenario import Text
+from runtime._errors import ReasonCode
 from runtime._journal._attachments import AttachmentStore
 from runtime._server._protocol import MAX_VALIDATION_TIMEOUT, TaskControl, decode_client_frame
 from runtime._tasks._guards import MAX_GRANT_EPOCHS, MAX_GRANT_SECONDS
@@ -42,6 +43,17 @@ class _CheckRaises(AttachmentStore):
 
     def check(self, sha256: str, size: int) -> None:
         raise RuntimeError("injected: the attachment check failed")
+
+
+@dataclass(frozen=True, slots=True)
+class _CheckLost(AttachmentStore):
+    """The server's attachment store whose every attachment is found missing (A7)."""
+
+    def unchanged(self, sha256: str, size: int) -> bool:
+        return False
+
+    def check(self, sha256: str, size: int) -> ReasonCode | None:
+        return ReasonCode.ATTACHMENT_MISSING
 
 
 def _events(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
@@ -216,3 +228,28 @@ def test_p18_the_protocols_bounds_are_the_task_lanes_and_admit_their_largest() -
         )
     )
     assert getattr(submit, "validation_timeout", None) == MAX_VALIDATION_TIMEOUT
+
+
+async def test_p20_a_lost_attachment_is_logged_once_however_often_its_result_is_sent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """P20: a result whose picture is lost is sent marked at every send (A7) — to its
+    delivery, to a duplicate, to a client that reconnects without acknowledging — and the
+    loss is logged once. Before, every re-send logged it again: a client reconnecting in a
+    loop filled the log."""
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, SETTINGS, steps()) as r:
+            r.server.attachments = _CheckLost(r.server.attachments.root)
+            async with r.connect() as client:
+                await client.send(message("d1", room=ROOM))
+                first = await client.result("d1")
+                await client.send(message("d1", room=ROOM))  # a duplicate: its result again
+                duplicate = await client.result("d1")
+            for _ in range(2):  # not acknowledged: sent again at each reconnect
+                async with r.connect() as client:
+                    again = await client.until(lambda f: f["type"] == "result")
+                    assert again == first
+    assert duplicate == first
+    assert [a["lost"] for a in first["attachments"]] == [True]
+    (logged,) = _events(caplog, "attachment_lost")
+    assert getattr(logged, "seq", None) == first["seq"]
