@@ -7,7 +7,8 @@ task lanes by classification — is read from the running server when scraped, b
 :class:`ServerCollector`, registered for the server's life; the room lanes summed by
 :func:`~runtime._rooms._census.room_totals`, which reads only the lanes with something under
 way, so a scrape costs the same with 10 rooms known or 50,000 (M8). The exposition is
-``prometheus_client``'s (``generate_latest``), in the text format a Prometheus scrape asks for.
+``prometheus_client``'s (``generate_latest``), in the text format a Prometheus scrape asks for;
+scrapes that come together are answered from one build (:class:`Scrapes`, M10).
 Nothing here carries a room id, a delivery or task id, message text or a secret: every label
 comes from a closed set.
 """
@@ -27,7 +28,7 @@ import msgspec
 import trio
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._boundary._h1 import MAX_HEAD
 from .._boundary._http import HttpServer, Request, ResponseWriter, serve_http
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLLECTOR",
+    "Scrapes",
     "ServerCollector",
     "allowed_hosts",
     "is_loopback",
@@ -63,6 +65,8 @@ MAX_CONNECTIONS: Final = 64
 """Connections open at once; one more closes the one idle the longest, or with none idle is
 answered ``503 too_many_connections`` (M6, M9)."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
+REUSE_SECONDS: Final = 1.0
+"""The longest a scrape's answer is served again (M10), however long its build took."""
 
 
 class ServerCollector(Collector):
@@ -140,6 +144,32 @@ class ServerCollector(Collector):
         )
 
 
+class Scrapes:
+    """One listener's latest scrape of each format, answered again to the scrapes that come
+    less than its build's own duration after that build ended (and less than
+    ``REUSE_SECONDS``), on Trio's clock (M10): many scrapes at once — before, each built in
+    full, back to back, on the Trio thread, where admissions wait — cost one build, and no
+    answer is older than the build that made it took."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[bytes, float, float]] = {}
+        """By content type: the answer, when its build ended, how long it took."""
+
+    def answer(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
+        """The scrape in ``content_type``: the latest one while it is fresh, else built now
+        by ``encoder``; a build that raises keeps nothing (M5)."""
+        started = trio.current_time()
+        latest = self._latest.get(content_type)
+        if latest is not None:
+            body, ended, took = latest
+            if started - ended < min(took, REUSE_SECONDS):
+                return body
+        body = encoder(REGISTRY)
+        ended = trio.current_time()
+        self._latest[content_type] = (body, ended, ended - started)
+        return body
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost`` or a loopback address)."""
     if host == "localhost":
@@ -174,7 +204,11 @@ REGISTRY.register(COLLECTOR)
 
 
 async def _handle(
-    page: OperatorPage | None, insecure: bool, request: Request, response: ResponseWriter
+    page: OperatorPage | None,
+    insecure: bool,
+    request: Request,
+    response: ResponseWriter,
+    scrapes: Scrapes | None = None,
 ) -> None:
     path = request.target.split("?", 1)[0]
     if path != PATH and page is not None:
@@ -194,7 +228,8 @@ async def _handle(
         await refuse(response, 404, ReasonCode.PAGE_NOT_FOUND, where)
         return
     # the format the scraper asks for (Prometheus text, or OpenMetrics), as the library
-    # negotiates it; encoded on the Trio thread: the collector reads live state
+    # negotiates it; encoded on the Trio thread: the collector reads live state (once for
+    # the scrapes that come while it is fresh, M10)
     try:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
     except (TypeError, ValueError):  # a malformed Accept (e.g. an OpenMetrics version): M6, M7
@@ -202,7 +237,8 @@ async def _handle(
             response, 406, ReasonCode.HTTP_NOT_ACCEPTABLE, "the Accept header cannot be read"
         )
         return
-    body = encoder(REGISTRY)  # a collector's error, whatever its type, is a 500 (M5)
+    # a collector's error, whatever its type, is a 500 (M5)
+    body = encoder(REGISTRY) if scrapes is None else scrapes.answer(encoder, content_type)
     await trio.lowlevel.checkpoint()
     headers = [("content-type", content_type), ("content-length", str(len(body)))]
     with write_bound():  # a scraper that reads nothing holds no connection (M6)
@@ -225,12 +261,17 @@ async def serve_metrics(
     ``task_status`` gets the bound address once listening."""
     async with trio.open_nursery() as nursery:
         holder: list[OperatorPage] = []
+        scrapes = Scrapes()
 
         async def handle(request: Request, response: ResponseWriter) -> None:
             shown = holder[0] if holder else None
             try:
                 await _handle(
-                    shown, shown is not None and _insecure(host, ssl_context), request, response
+                    shown,
+                    shown is not None and _insecure(host, ssl_context),
+                    request,
+                    response,
+                    scrapes,
                 )
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 raise  # the client went away: its connection ends

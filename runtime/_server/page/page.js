@@ -67,16 +67,25 @@ function controls(task) {
 }
 
 function silenceBar(task) {
-  const hard = task.hard_seconds ?? task.soft_seconds * 3;
-  const scale = Math.max(hard, task.silence_seconds, 1);
-  const bar = el("span", { class: "bar", title: `${task.silence_seconds.toFixed(1)} s` });
-  if (task.silence_seconds >= task.soft_seconds) bar.classList.add("over-soft");
-  if (task.hard_seconds !== null && task.silence_seconds >= task.hard_seconds) bar.classList.add("over-hard");
-  const fill = el("span");
-  fill.style.width = `${Math.min(100, (100 * task.silence_seconds) / scale)}%`;
-  bar.append(fill);
+  // OP11: a silence the watchdog does not measure (no prompt being worked on: a wait, a
+  // settled or ended task, a failed lane) is said so, with no bar; a measured one is drawn
+  // against its real threshold: the hard one of its phase, else the soft one
+  const soft = task.soft_seconds.toFixed(1);
   const hardText = task.hard_seconds === null ? "—" : `${task.hard_seconds.toFixed(1)}`;
-  return el("td", {}, bar, ` ${task.silence_seconds.toFixed(1)} s (${task.soft_seconds.toFixed(1)} · ${hardText})`);
+  if (!task.silence_watched) {
+    return el("td", { class: "silence unwatched", title: "the watchdog measures no silence now" },
+      `not watched (${soft} · ${hardText})`);
+  }
+  const silence = task.silence_seconds;
+  const threshold = task.hard_seconds ?? task.soft_seconds;
+  const scale = Math.max(threshold, silence);
+  const bar = el("span", { class: "bar", title: `${silence.toFixed(1)} s of ${threshold.toFixed(1)} s` });
+  if (silence >= task.soft_seconds) bar.classList.add("over-soft");
+  if (task.hard_seconds !== null && silence >= task.hard_seconds) bar.classList.add("over-hard");
+  const fill = el("span");
+  fill.style.width = `${scale > 0 ? Math.min(100, (100 * silence) / scale) : 0}%`;
+  bar.append(fill);
+  return el("td", { class: "silence" }, bar, ` ${silence.toFixed(1)} s (${soft} · ${hardText})`);
 }
 
 function renderTasks(tasks) {
