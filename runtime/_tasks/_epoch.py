@@ -31,6 +31,7 @@ from .._pi._rpc_protocol import Event
 from .._records import Parked, ToolIntent
 from ._guards import GuardEvidence, failed_guards
 from ._lifecycle import TaskState
+from ._recovery import ChargeUnrecorded
 from ._replacement import RecoveryOverdue, TaskClosed
 from ._session import marker_in_session, session_size
 from ._state import continuation_prompt
@@ -544,7 +545,11 @@ class EpochWatch:
                     await lane.note_hold()
                     lane.changed()
                     continue
-                started = await lane.reserve()
+                try:
+                    started = await lane.reserve()
+                except ChargeUnrecorded:  # (WD11) not charged, held again: no fence on it
+                    lane.changed()
+                    continue
                 if not self._still_held():  # re-read after the reserve's await
                     if started:
                         await lane.end_recovery()  # (WD11: as a called-off fence's)
@@ -629,7 +634,10 @@ class EpochWatch:
     async def _check_guards_once(self) -> None:
         lane = self.lane
         if await self._guards_hold():
-            started = await lane.reserve()
+            try:
+                started = await lane.reserve()
+            except ChargeUnrecorded:  # (WD11) not charged, and held: no fence on it
+                return
             if await self._guards_hold(reserved=True):  # re-read after the reserve's await
                 lane.watchdog.feed(FenceStarted())
                 TASK_FENCES.inc()

@@ -23,6 +23,7 @@ watch (``_epoch.py``, through the ``EpochOwner`` protocol).
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,10 @@ from .._boundary._receipts import ReceiptStore
 from .._boundary._steps import DeliveryStepJournal
 from .._boundary._tools import DocumentTools, EffectLedger
 from .._clock import Clocks
-from .._errors import PiRuntimeError, ReasonCode, TaskError, WorkerError
+from .._errors import JournalError, PiRuntimeError, ReasonCode, TaskError, WorkerError
 from .._journal._fence import Fence
 from .._journal._interface import JournalStore, Log
+from .._journal._leases import fenced_out
 from .._journal._store import lane_key
 from .._linux._proc import boot_id
 from .._linux._proctree import new_nonce
@@ -74,7 +76,7 @@ from ._guards import Budget, check_grant
 from ._lane_log import LaneLog
 from ._lifecycle import LifecycleKernel, Report, TaskState, Verdict
 from ._lifecycle_tools import lifecycle_tools
-from ._recovery import RECOVERY_SPENT, Recovery
+from ._recovery import BUDGET_UNRECORDED, RECOVERY_SPENT, ChargeUnrecorded, Recovery
 from ._replacement import (
     RecoveryOverdue,
     TaskClosed,
@@ -155,7 +157,9 @@ class TaskLane:
         "_operator",
         "_policy_problem",
         "_recorded_hold",
+        "_replacing",
         "_reply_recording",
+        "_reserving",
         "_restart_survivors",
         "_restarted",
         "_settle_first",
@@ -258,6 +262,12 @@ class TaskLane:
         its first prompt (TL2, WD8), or None."""
         self._granting = trio.Lock()
         """Held by a grant while it is recorded: each its own action, counted once recorded."""
+        self._reserving = trio.Lock()
+        """Held by a reserve from its look for a reserve recorded to its write (WD11): one at
+        a time per lane, whoever asks (a guard check, an operator's resume, a replacement)."""
+        self._replacing = False
+        """A replacement was asked for (a fence, an exit, a restart, a resume) and no epoch
+        launched since: the next epoch replaces a worker, even one that carries a reply."""
         self._reply_recording = trio.Event()
         """Set while no accepted reply is being made durable (LK8, :meth:`reply_recorded`)."""
         self._reply_recording.set()
@@ -707,6 +717,7 @@ class TaskLane:
         if not self.kernel.begin_epoch(number, fenced=self._fenced):  # LK6, after the await
             return
         self._fenced = False
+        self._replacing = False
         self.epochs = number
         launch = self.epoch_action_id("launch")  # TL6: no epoch number is ever used twice
         identity: dict[str, Any] = {  # LK2 keys, restored; in_host: whether it dies with it
@@ -797,6 +808,7 @@ class TaskLane:
         )
         await self.reply_recorded()  # LK8: a reply accepted as the epoch ended is seen below
         if end in (EpochEnd.FENCE, EpochEnd.RESUME):
+            self._replacing = True  # a fenced worker is replaced, whatever holds first
             await self.record_action(
                 self.epoch_action_id("signal"), "signal", "done", {"clean": clean}
             )
@@ -990,20 +1002,46 @@ class TaskLane:
 
     async def reserve(self) -> bool:
         """Charge one replacement epoch before its launch, once (WD11, TL6); whether this
-        started the recovery (none ran, and this reserve is new)."""
-        action_id = self.ids.next_continuation(
-            self.recovery.continuations, "reserve", self.actions, self.markers
-        )
-        if action_id in self.actions:
-            return False
-        starts = self.recovery.started_ms is None
-        detail = self.recovery.charge_epoch(self.host.clocks.wall.time_ms())
-        # charged in memory now (one reserve at a time: the next sees it), so written whole
-        # whoever cancels the caller (WD11): cut at the write's first checkpoint (a log's
-        # lock), the charge stood in memory alone — the next reserve charged again under the
-        # next continuation's id, and a restart counted one
-        with trio.CancelScope(shield=True):
-            await self.record_action(action_id, "reserve", "done", detail)
+        started the recovery (none ran, and this reserve is new). One reserve at a time per
+        lane, from its look for a reserve recorded to its write: a second one — a guard
+        check's and an operator's resume at once — waits for the first's write, meets its
+        reserve and reuses it (before, it looked while the first's write was under way,
+        found nothing recorded and charged the next continuation: two epochs for one).
+        A write that fails (not a cancel: a disk that refuses it) makes no charge: memory is
+        the log again, the task holds ``budget_unrecorded:<code>`` and
+        :class:`ChargeUnrecorded` is raised — nothing may be fenced or launched on a charge
+        the log, which a restart counts, does not hold. A log that takes no hold either (a
+        file store's, poisoned by that failed write) fails the lane (TL11) instead."""
+        async with self._reserving:
+            action_id = self.ids.next_continuation(
+                self.recovery.continuations, "reserve", self.actions, self.markers
+            )
+            if action_id in self.actions:
+                return False
+            starts = self.recovery.started_ms is None
+            saved = self.recovery.saved()
+            detail = self.recovery.charge_epoch(self.host.clocks.wall.time_ms())
+            # charged in memory now (one reserve at a time: the next sees it), so written
+            # whole whoever cancels the caller (WD11): cut at the write's first checkpoint (a
+            # log's lock), the charge stood in memory alone — the next reserve charged again
+            # under the next continuation's id, and a restart counted one
+            try:
+                with trio.CancelScope(shield=True):
+                    await self.record_action(action_id, "reserve", "done", detail)
+            except (OSError, JournalError) as error:
+                self.recovery.restore(saved)  # never recorded: not charged, memory is the log
+                if fenced_out(error):  # S31: the lane is another host's now, nothing to hold
+                    raise
+                code = str(error.code) if isinstance(error, JournalError) else _errno_code(error)
+                self.host.log(
+                    f"task {self.task_id}: the reserve {action_id} could not be written, so "
+                    f"nothing is charged and the task is held ({code}): {error}"
+                )
+                # held durably, or — a log that accepts no more records (poisoned by the
+                # failed write, J15) — the hold's own write raises and the lane fails (TL11):
+                # closed either way, and the budget shown is the one a restart counts
+                await self.hold(f"{BUDGET_UNRECORDED}{code}")
+                raise ChargeUnrecorded(str(error)) from error
         TASK_BUDGET_CHARGES.inc()
         return starts
 
@@ -1024,6 +1062,7 @@ class TaskLane:
 
     async def _replace(self, observed: str, *, forced: bool = False) -> None:
         """Prove and queue the next worker's continuation, or hold (``_replacement.py``)."""
+        self._replacing = True  # until an epoch launches (a resume of its hold replaces too)
         reply = self._undelivered.text if self._undelivered is not None else None
         task = self.task.prompt if self._task_undelivered else None
         queued = await prepare_replacement(self, observed, forced=forced, reply=reply, task=task)
@@ -1075,6 +1114,24 @@ class TaskLane:
             # charged (the reply's epoch is no replacement, TL9)
             self.watchdog.feed(TerminalAccepted("wait"))
             await self.note_hold()
+            self.changed()
+            return
+        if (
+            reason.startswith("survivors:")  # (a reply whose carrier is unknown is not: TL5)
+            and self.pending_reply() is not None
+            and not self._replacing
+            and not self._restarted
+            and self._unprompted is None
+        ):
+            # TL9, WD11: the worker asked and stopped, and the user's reply came while the
+            # task was held (WD12: it lifted nothing). Nothing is replaced: the hold is
+            # lifted, the task is woken by its reply as if the resume had come first, and
+            # the next epoch is the reply's — its own prompt, uncharged
+            self.watchdog.feed(TerminalAccepted("wait"))
+            self.watchdog.feed(Woken())
+            await self.note_hold()
+            with contextlib.suppress(TaskClosed):  # (ended or held as it waited: L21)
+                await self.patiently("settle its session", lambda: settle_session(self))
             self.changed()
             return
         self._restarted = False  # the resume is the replacement a restart would have made
@@ -1272,6 +1329,13 @@ def _open_parks(records: Sequence[Record]) -> list[Parked]:
         elif isinstance(record, Parked):
             parks.append(record)
     return parks
+
+
+def _errno_code(error: OSError) -> str:
+    """A stable word for a write's ``OSError``: ``disk_failed``, or the errno's name."""
+    if error.errno == errno.EIO or error.errno is None:
+        return str(ReasonCode.DISK_FAILED)
+    return errno.errorcode.get(error.errno, str(ReasonCode.DISK_FAILED)).lower()
 
 
 def _survivors(pids: tuple[int, ...]) -> str:

@@ -20,10 +20,18 @@ from typing import Any, Final
 
 from ._guards import Budget
 
-__all__ = ["RECOVERY_SPENT", "Recovery"]
+__all__ = ["BUDGET_UNRECORDED", "RECOVERY_SPENT", "ChargeUnrecorded", "Recovery"]
 
 RECOVERY_SPENT: Final = "budget_exhausted:recovery_seconds"
 """The hold of a recovery that outlasted the seconds left (WD11)."""
+BUDGET_UNRECORDED: Final = "budget_unrecorded:"
+"""The prefix of the hold of a reserve whose write failed (WD11): ``budget_unrecorded:<code>``."""
+
+
+class ChargeUnrecorded(Exception):
+    """A reserve's write failed (a disk that refused it): the charge is not made — the budget
+    in memory is the log's again — and the task is held ``budget_unrecorded:<code>``, durably,
+    before this is raised (WD11, WD12). Nothing is fenced or launched on it."""
 
 
 @dataclass(slots=True)
@@ -39,6 +47,14 @@ class Recovery:
     """When the running recovery started (wall ms), or ``None``: none runs."""
     awaiting_progress: bool = False
     """A relaunched worker has not shown progress yet: its first progress ends the recovery."""
+
+    def saved(self) -> tuple[Budget, int, int | None]:
+        """What :meth:`charge_epoch` changes, for :meth:`restore`."""
+        return self.budget, self.continuations, self.started_ms
+
+    def restore(self, saved: tuple[Budget, int, int | None]) -> None:
+        """Undo a charge that was never recorded (its write failed): memory is the log again."""
+        self.budget, self.continuations, self.started_ms = saved
 
     def charge_epoch(self, at_ms: int) -> dict[str, Any]:
         """Charge one replacement epoch (the reserve); a recovery starts now unless one runs.

@@ -33,7 +33,7 @@ from .._pi._session_files import aread_session
 from .._records import OutboxAction, TaskSubmitted, ToolIntent
 from ._action_ids import ActionIds
 from ._lifecycle import TaskState
-from ._recovery import RECOVERY_SPENT, Recovery
+from ._recovery import RECOVERY_SPENT, ChargeUnrecorded, Recovery
 from ._session import marker_in_session, reanswer_orphaned
 from ._state import continuation_prompt, route_change, session_route_change
 from ._view import LaneFacts
@@ -164,7 +164,10 @@ async def prepare_replacement(
         await lane.hold(f"budget_exhausted:{recovery.exhausted_by()}")
         return None
     else:
-        await lane.reserve()
+        try:
+            await lane.reserve()
+        except ChargeUnrecorded:  # (WD11) its write failed: not charged, and held
+            return None
     number = recovery.continuations
     try:  # TL4: again after the awaits, before the write
         problem = await lane.patiently("read its session", lambda: route_problem(lane))

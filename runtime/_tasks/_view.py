@@ -217,6 +217,8 @@ def lane_failure(error: BaseException | None) -> dict[str, Any] | None:
     """What the view says of a lane that stopped without an end (TL11)."""
     if error is None:
         return None
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]  # a nursery's wrapping of the one error: its own code
     code = getattr(error, "code", None)
     return {"code": str(code or type(error).__name__), "message": str(error)}
 
