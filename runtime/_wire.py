@@ -310,6 +310,8 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     phase: str
     progress_seq: int
     silence_seconds: float
+    """How long the worker has been silent, while :attr:`silence_watched`; else ``0.0``, no
+    measurement."""
     soft_seconds: float
     probe: str | None
     hard_seconds: float | None
@@ -338,3 +340,7 @@ class TaskView(msgspec.Struct, frozen=True, kw_only=True):
     P15); ``task show`` on the server's host prints them all."""
     truncated: bool = False
     """Its longer texts were cut to fit a frame bound (protocol.md P15)."""
+    silence_watched: bool = False
+    """Whether the watchdog measures the worker's silence now (its lane runs here, no end, no
+    lane failure, a prompt being worked on: WD7); when not, ``silence_seconds`` says nothing
+    (OP11)."""

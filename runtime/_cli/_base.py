@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn
@@ -192,6 +192,14 @@ def short_class(classification: object) -> str:
 def seconds_text(value: object) -> str:
     """``12.5 s`` for a number of seconds; ``-`` for anything else (a field not sent)."""
     return f"{float(value):g} s" if isinstance(value, int | float) else "-"
+
+
+def silence_text(view: Mapping[str, Any]) -> str:
+    """A task view's silence: ``12.5 s`` while the watchdog measures it, else ``not watched``
+    — never a ``0 s`` that is no measurement (OP11)."""
+    if not view.get("silence_watched"):
+        return "not watched"
+    return seconds_text(view.get("silence_seconds"))
 
 
 def offline_target(

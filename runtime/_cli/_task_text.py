@@ -7,7 +7,7 @@ from typing import Any
 
 from .._tasks._policy import threshold_lines
 from .._tasks._watchdog import Phase, WatchdogPolicy
-from ._base import seconds_text, snippet
+from ._base import seconds_text, silence_text, snippet
 
 
 def _thresholds(view: dict[str, Any], production: dict[str, Any] | None) -> list[str]:
@@ -46,8 +46,7 @@ def task_lines(view: dict[str, Any], production: dict[str, Any] | None) -> list[
          f"boot id {process.get('boot_id')}, nonce {process.get('nonce')}"),
         ("classification", str(view.get("classification"))),
         ("phase", str(view.get("phase"))),
-        ("progress", f"seq {view.get('progress_seq')}, silence "
-                     f"{seconds_text(view.get('silence_seconds'))}"),
+        ("progress", f"seq {view.get('progress_seq')}, silence {silence_text(view)}"),
         ("soft threshold", f"{seconds_text(view.get('soft_seconds'))}; probe: "
                            f"{view.get('probe') or 'none sent'}"),
         ("hard threshold", (seconds_text(view.get("hard_seconds")) + " (this phase)")

@@ -42,8 +42,8 @@ from ._base import (
     no_server,
     offline_target,
     refused,
-    seconds_text,
     short_class,
+    silence_text,
     state_dir_option,
     store_option,
     timescale_option,
@@ -280,7 +280,7 @@ def _print_tasks(listing: dict[str, Any], *, json: bool) -> int:
                 short_class(view.get("classification")),
                 "-" if offline else str(view.get("phase")),
                 str(view.get("process_epoch")),
-                "-" if offline else seconds_text(view.get("silence_seconds")),
+                "-" if offline else silence_text(view),
                 str(view.get("next_action")),
             )
         )

@@ -316,23 +316,12 @@ class OperatorPage:
             "pending": pending[:PENDING_SHOWN],
             "pending_total": len(pending),
             "tasks": [  # only the rows it shows are built
-                _silence_shown(row, self._watched(row)) for row in tasks.rows(self._shown(ends))
+                _silence_shown(row) for row in tasks.rows(self._shown(ends))
             ],
             "tasks_total": len(ends),
             "unsafe_test_timescale": scale,
             "warning": tasks.warning,
         }
-
-    def _watched(self, row: dict[str, Any]) -> bool:
-        """Whether the watchdog measures the silence of the task of ``row`` now (OP11): its
-        lane runs here (no end, no lane failure) and is armed (a prompt is being worked on,
-        WD7). Otherwise the row's ``silence_seconds`` (0.0) is no measurement."""
-        if row.get("ended") is not None:
-            return False
-        lane = self.server.tasks.runner.lanes.get(row["task_id"])
-        return (
-            lane is not None and lane.ended is None and lane.failure is None and lane.watchdog.armed
-        )
 
     def _shown(self, ends: dict[str, bool]) -> list[str]:
         """The ids of at most ``TASKS_SHOWN`` tasks (OP6), by id, of every task's id and
@@ -709,12 +698,12 @@ def _room_row(room: RoomStatus, last: DeliveryResult | None) -> dict[str, Any]:
     return row
 
 
-def _silence_shown(row: dict[str, Any], watched: bool) -> dict[str, Any]:
-    """A task's row as the page shows it (OP11): ``silence_watched`` says whether its silence
-    is measured now, and an unmeasured one is ``null``, never the ``0.0`` the row carries
-    (a lane waiting for its user, settled, ended or failed is not silent for 0 s: its silence
-    is not watched)."""
-    row["silence_watched"] = watched
+def _silence_shown(row: dict[str, Any]) -> dict[str, Any]:
+    """A task's row as the page shows it (OP11): ``silence_watched`` (the view's) says whether
+    its silence is measured now, and an unmeasured one is ``null``, never the ``0.0`` the row
+    carries (a lane waiting for its user, settled, ended or failed is not silent for 0 s: its
+    silence is not watched)."""
+    row["silence_watched"] = watched = bool(row.get("silence_watched"))
     if not watched:
         row["silence_seconds"] = None
     return row

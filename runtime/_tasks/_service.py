@@ -418,6 +418,7 @@ def _summary(view: TaskView) -> dict[str, Any]:
         "phase": view.phase,
         "process_epoch": view.process_epoch,
         "silence_seconds": view.silence_seconds,
+        "silence_watched": view.silence_watched,
         "hold_reason": view.hold_reason,
         "ended": view.ended.get("state") if view.ended else None,
         "next_action": view.next_action,

@@ -141,6 +141,7 @@ def task_view(lane: Viewed) -> TaskView:
         phase=str(wd.phase),
         progress_seq=wd.progress_seq,
         silence_seconds=_silence(lane),
+        silence_watched=_watched(lane),
         soft_seconds=policy.soft_seconds,
         probe=lane.probe_result,
         hard_seconds=hard,
@@ -168,6 +169,7 @@ ROW_FIELDS: Final = (
     "phase",
     "process_epoch",
     "silence_seconds",
+    "silence_watched",
     "soft_seconds",
     "hard_seconds",
     "grace_seconds",
@@ -190,6 +192,7 @@ def task_row(lane: Viewed) -> dict[str, Any]:
         "phase": str(wd.phase),
         "process_epoch": lane.epochs,
         "silence_seconds": _silence(lane),
+        "silence_watched": _watched(lane),
         "soft_seconds": lane.policy.soft_seconds,
         "hard_seconds": wd.hard_threshold(),
         "grace_seconds": lane.policy.grace_seconds,
@@ -211,6 +214,12 @@ def view_row(view: TaskView) -> dict[str, Any]:
 def _silence(lane: Viewed) -> float:
     wd = lane.watchdog
     return round(wd.silence(lane.now()), 3) if wd.armed else 0.0
+
+
+def _watched(lane: Viewed) -> bool:
+    """Whether the lane's silence is measured now (OP11): it runs here — no end, no lane
+    failure — and its watchdog is armed (a prompt is being worked on, WD7)."""
+    return lane.ended is None and lane.failure is None and lane.watchdog.armed
 
 
 def lane_failure(error: BaseException | None) -> dict[str, Any] | None:

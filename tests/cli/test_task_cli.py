@@ -485,3 +485,28 @@ async def test_o7_task_commands_of_a_server_without_task_lanes_are_unknown(
             assert answer is not None
             assert (answer["ok"], answer["code"]) == (False, "admin_bad_request")
             nursery.cancel_scope.cancel()
+
+
+async def test_op11_task_show_and_tasks_say_not_watched_for_a_silence_not_measured(
+    tmp_path: Path,
+) -> None:
+    """OP11: a task waiting for its user has no silence the watchdog measures (WD7); `tasks`
+    and `task show` say `not watched`, and the view says `silence_watched: false` — before,
+    both printed `0 s`, a measurement nobody made."""
+    worktree = make_worktree(tmp_path)
+    state = tmp_path / "state"
+    with trio.fail_after(LIMIT):
+        async with scripted_upstream([wait("which one?")]) as (_model, url):
+            config = write_config(tmp_path, url)
+            async with serve(tmp_path, config) as server:
+                started = await cli(tmp_path, *run_task(worktree, "t2"))
+                assert started.returncode == EXIT_OK, err(started)
+                await until(state, "t2", lambda v: v["state"] == "waiting")
+                listed = out(await cli(tmp_path, "tasks"))
+                shown = out(await cli(tmp_path, "task", "show", "t2"))
+                viewed = json.loads(out(await cli(tmp_path, "task", "show", "t2", "--json")))
+                server.process.send_signal(signal.SIGTERM)
+                assert await server.process.wait() == 0
+    assert re.search(r"^t2 +waiting +WaitingUser +\S+ +\S+ +not watched ", listed, re.M), listed
+    assert "silence not watched" in shown, shown
+    assert viewed["task"]["silence_watched"] is False
