@@ -14,7 +14,7 @@ import re
 import stat
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Final, Literal
 
@@ -38,7 +38,14 @@ from ._worktree import (
     worktree_limiter,
 )
 
-__all__ = ["CANDIDATE_REF_PREFIX", "Candidate", "acandidate", "take_candidate"]
+__all__ = [
+    "CANDIDATE_REF_PREFIX",
+    "Candidate",
+    "RefUpdate",
+    "acandidate",
+    "candidate_ref_lock",
+    "take_candidate",
+]
 
 
 CANDIDATE_REF_PREFIX: Final = "refs/pi-runtime/candidates/"
@@ -120,29 +127,54 @@ def _git_candidate(root: str, manifest: Manifest, task: str, message: str) -> Ca
     commit = git(root, args, env=env, code=code, stdin=stdin)[1].decode().strip()
     _check_unchanged(root, manifest)  # W-C2: before the ref makes it a candidate
     ref = CANDIDATE_REF_PREFIX + task
-    with _ref_lock(repo["GIT_COMMON_DIR"], task) as lock:
-        _take_over(lock, repo["GIT_COMMON_DIR"], ref)
-        git(
-            root,
-            ["update-ref", "-m", "pi-runtime candidate", "--stdin"],
-            env=env,
-            code=code,
-            stdin=f"update {ref} {commit}\n".encode(),
-            started=lambda pid: _record(lock, pid),  # before git reads its command
-            ended=lambda status: _ended(lock, status),
-        )
+    with candidate_ref_lock(repo["GIT_COMMON_DIR"], ref, code) as update:
+        update(root, env, f"update {ref} {commit}\n".encode())
     return Candidate(kind="git_commit", ref=commit, manifest_digest=manifest.digest, git_ref=ref)
 
 
 # --- W-C6: git's lock on the candidate ref, left by a crash --------------------------------
 
 
+RefUpdate = Callable[[str, dict[str, str], bytes], None]
+"""``update(root, env, commands)``: ``git update-ref --stdin`` of ``commands`` on the
+worktree ``root``, its process recorded (W-C6)."""
+
+
 @contextlib.contextmanager
-def _ref_lock(common_dir: str, task: str) -> Iterator[int]:
+def candidate_ref_lock(common_dir: str, ref: str, code: ReasonCode) -> Iterator[RefUpdate]:
+    """W-C6, for every change the runtime makes to the candidate ref ``ref`` (taking a
+    candidate; ``task forget``'s deletion, RT12): under the ref's ``flock``
+    (:func:`_ref_lock`), a git lock on ``ref`` left by a git of ours that was killed holding
+    it taken over (:func:`_take_over`); yields the one way to change the ref meanwhile —
+    ``git update-ref --stdin``, its process recorded before it is given its commands (it
+    takes no lock before), the record cleared when it exits by itself. ``code``: every
+    refusal's reason code (``checkpoint_failed`` for a candidate)."""
+    task = ref.removeprefix(CANDIDATE_REF_PREFIX)
+    if ref == task or _safe_task_id(task) != task:
+        raise ValueError(f"{ref!r} is not a candidate ref the runtime makes")
+    with _ref_lock(common_dir, task, code) as lock:
+        _take_over(lock, common_dir, ref, code)
+
+        def update(root: str, env: dict[str, str], commands: bytes) -> None:
+            git(
+                root,
+                ["update-ref", "-m", "pi-runtime candidate", "--stdin"],
+                env=env,
+                code=code,
+                stdin=commands,
+                started=lambda pid: _record(lock, pid),  # before git reads its command
+                ended=lambda status: _ended(lock, status),
+            )
+
+        yield update
+
+
+@contextlib.contextmanager
+def _ref_lock(common_dir: str, task: str, code: ReasonCode) -> Iterator[int]:
     """``pi-runtime-candidate-<task>.lock`` in the repository's common directory (beside the
     ``refs/`` it guards, never through a symlink), ``flock``-ed: while it is held no other call
-    takes a candidate of ``task``, and the kernel releases it when its holder dies. It records
-    the git process that may hold git's own lock on the task's ref (:func:`_record`)."""
+    changes the task's candidate ref, and the kernel releases it when its holder dies. It
+    records the git process that may hold git's own lock on the task's ref (:func:`_record`)."""
     name = f"pi-runtime-candidate-{task}.lock"
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
@@ -152,18 +184,16 @@ def _ref_lock(common_dir: str, task: str) -> Iterator[int]:
         finally:
             os.close(directory)
     except OSError as error:
-        raise WorktreeError(
-            ReasonCode.CHECKPOINT_FAILED, f"cannot open {name} in {common_dir}: {error}"
-        ) from None
+        raise WorktreeError(code, f"cannot open {name} in {common_dir}: {error}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise WorktreeError(ReasonCode.CHECKPOINT_FAILED, f"{name} is not a regular file")
+            raise WorktreeError(code, f"{name} is not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise WorktreeError(
-                ReasonCode.CHECKPOINT_FAILED,
-                f"another candidate of task {task} is being taken ({name} is locked)",
+                code,
+                f"the candidate ref of task {task} is being changed ({name} is locked)",
             ) from None
         yield fd
     finally:
@@ -202,19 +232,18 @@ def _ended(lock: int, status: int) -> None:
         _record(lock, None)
 
 
-def _take_over(lock: int, common_dir: str, ref: str) -> None:
+def _take_over(lock: int, common_dir: str, ref: str, code: ReasonCode) -> None:
     """W-C6: git's ``<ref>.lock`` left by a git update of ours that was killed holding it is
     removed — only when its owner is provably gone: the record names it (boot, pid, start
     time) and no live process is that one. A lock with no record of ours is left (git then
-    fails ``checkpoint_failed``); one whose owner lives is refused ``checkpoint_failed``."""
+    fails with ``code``); one whose owner lives is refused ``code``."""
     record = os.pread(lock, 256, 0).split()
     if len(record) != 3:
         return
     boot, pid, start = record[0].decode(), int(record[1]), record[2].decode()
     if boot == _boot_id() and start == str(_start_time(pid)):
         raise WorktreeError(
-            ReasonCode.CHECKPOINT_FAILED,
-            f"git (pid {pid}) of an earlier candidate still holds the lock on {ref}",
+            code, f"git (pid {pid}) of an earlier change still holds the lock on {ref}"
         )
     try:
         with beneath(common_dir, f"{ref}.lock") as (directory, name):  # W-M8: no link followed
@@ -223,9 +252,7 @@ def _take_over(lock: int, common_dir: str, ref: str) -> None:
     except (FileNotFoundError, NotADirectoryError):
         pass
     except OSError as error:
-        raise WorktreeError(
-            ReasonCode.CHECKPOINT_FAILED, f"cannot remove the stale lock on {ref}: {error}"
-        ) from None
+        raise WorktreeError(code, f"cannot remove the stale lock on {ref}: {error}") from None
     _record(lock, None)
 
 

@@ -54,9 +54,9 @@ from .._journal._trash import discard_tree, sweep_trash
 from .._linux._fs import OsFileSystem
 from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
 from .._retention import RetentionSettings, check_settings
-from ._candidate import CANDIDATE_REF_PREFIX
+from ._candidate import CANDIDATE_REF_PREFIX, candidate_ref_lock
 from ._state import session_rel
-from ._worktree import git, git_env
+from ._worktree import git, git_env, repository
 
 __all__ = [
     "SeenHere",
@@ -68,6 +68,7 @@ __all__ = [
     "retain_ended_tasks",
     "retain_offline",
     "retain_shared_tasks",
+    "shared_expired_tasks",
     "task_logs",
     "task_worktrees",
     "work_dirs",
@@ -324,11 +325,11 @@ async def retain_shared_tasks(
         else:
             seen.cleaned.add(task_id)
     here = await _lane_dirs(store.root)
-    # on the database's word only, and never that of a task known here, live or inside its
-    # idempotency_days: its row is an earlier task's under the same id, held back again by a
-    # raised forget_days or a clock set back (RT19); an ended task past them may be expired
-    # (by this pass or another host's), its row its own
-    due = {t for t, ended_ms in ended.items() if 0 < ended_ms <= expiry_cut}
+    # on the database's word only, and never that of a task known here unless it is expired
+    # by its own expiry (this pass's or another host's): a row under the id of a task live,
+    # inside its idempotency_days or not yet expired (a pass that could not claim its lane)
+    # is an earlier task's, held back again by a raised forget_days or a clock set back (RT19)
+    due = await shared_expired_tasks(store, ended, now_ms=now_ms, retention=retention)
     known = {_key(task_id) for task_id in in_use() if task_id not in due}
     for key in sorted(await store.expired_task_keys(here)):
         if key in known:
@@ -341,6 +342,27 @@ async def retain_shared_tasks(
         except (OSError, TaskError) as exc:
             left.append((key, str(exc)))
     return TaskRetention(tuple(slimmed), tuple(expired), tuple(left))
+
+
+async def shared_expired_tasks(
+    store: LeaseStore, ended: Mapping[str, int], *, now_ms: int, retention: RetentionConfig
+) -> dict[str, int]:
+    """Which of the ended tasks ``ended`` (task id → its end's wall-clock ms) past
+    ``idempotency_days`` the database holds as expired by their own expiry (RT13, RT19), each
+    with the time its id is let go: the row held back **and** the task's lane log gone —
+    ``expire_task`` records the one and deletes the other in one transaction, asked in that
+    order so an expiry between the two looks is found. A row whose task's log is still there
+    is an earlier task's under the id, held back again (a raised ``forget_days``, a clock set
+    back) while no pass could claim this task's lane yet: the task is kept, ended, for a
+    later pass to expire — never forgotten with its log left in the database."""
+    cut = now_ms - retention.idempotency_days * DAY_MS
+    due = {_key(t): t for t, ended_ms in ended.items() if 0 < ended_ms <= cut}
+    expired: dict[str, int] = {}
+    for key, until in sorted((await store.expired_task_keys(list(due))).items()):
+        task_id = due[key]
+        if not await store.exists(store.lane_rel(lane_name(task_id))):
+            expired[task_id] = until
+    return expired
 
 
 async def _lane_dirs(root: Path) -> list[str]:
@@ -534,16 +556,28 @@ async def forget_task(
 
 
 def _delete_ref(worktree: str, ref: str) -> bool:
-    """``git update-ref -d`` of the candidate's ref (blocking); whether it was there. A
-    worktree that is gone has no ref left to remove."""
+    """Delete the candidate's ref (blocking); whether it was there. A worktree that is gone
+    has no ref left to remove. Under W-C6's lock of the ref, as taking a candidate is
+    (:func:`candidate_ref_lock`): never beside a candidate of the task being taken, a git
+    lock on the ref left by a git of ours killed holding it — taking a candidate or deleting
+    one — is taken over once that git is provably gone, and the deleting git is recorded, so
+    a lock a kill leaves now is taken over in turn (RT12; worktree.md W-C6). In the
+    worktree's own repository only (W-M11)."""
     if not ref.startswith(CANDIDATE_REF_PREFIX) or not os.path.isdir(worktree):
         return False  # never a ref the runtime did not make
-    env, code = git_env(), ReasonCode.WORKTREE_UNREADABLE
-    shown, _ = git(worktree, ["show-ref", "--verify", "--quiet", ref], env=env, code=code,
-                   ok_codes=(0, 1))  # fmt: skip
-    if shown != 0:
-        return False
-    git(worktree, ["update-ref", "-d", ref], env=env, code=code)
+    code = ReasonCode.WORKTREE_UNREADABLE
+    repo = repository(worktree)
+    env = git_env(**repo)
+    with contextlib.ExitStack() as held:
+        try:
+            update = held.enter_context(candidate_ref_lock(repo["GIT_COMMON_DIR"], ref, code))
+        except ValueError:
+            return False  # not a name the runtime gives a candidate's ref
+        shown, _ = git(worktree, ["show-ref", "--verify", "--quiet", ref], env=env, code=code,
+                       ok_codes=(0, 1))  # fmt: skip
+        if shown != 0:
+            return False
+        update(worktree, env, f"delete {ref}\n".encode())
     return True
 
 

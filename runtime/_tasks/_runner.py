@@ -36,7 +36,6 @@ from .._wire import TaskEvent, TaskSpec, TaskView
 from ._lane import HOST_LOST, TaskHost, TaskLane, recorded_hold
 from ._lifecycle import Verdict
 from ._retention import (
-    DAY_MS,
     SeenHere,
     TaskRetention,
     expired_already,
@@ -44,6 +43,7 @@ from ._retention import (
     lane_name,
     retain_ended_tasks,
     retain_shared_tasks,
+    shared_expired_tasks,
     task_logs,
 )
 from ._state import check_spec, submitted_record, task_policy
@@ -505,10 +505,8 @@ class TaskRunner:
             seen=self._seen,
             in_use=self._worktrees,
         )
-        cut = now - retention.idempotency_days * DAY_MS
-        due = {lane_key(lane_name(t)): t for t, ms in ended.items() if 0 < ms <= cut}
-        for key, until in (await store.expired_task_keys(list(due))).items():
-            task_id = due[key]
+        gone = await shared_expired_tasks(store, ended, now_ms=now, retention=retention)
+        for task_id, until in gone.items():  # by their own expiry only (RT19)
             self.ended.pop(task_id, None)
             self._seen.forget(task_id)
             self._expired_here[task_id] = until
