@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 __all__ = [
+    "TOOL_ABORTED_TEXT",
     "AllowAllGate",
     "GateDecision",
     "Refused",
@@ -23,6 +24,11 @@ __all__ = [
     "ToolGate",
     "ToolResult",
 ]
+
+TOOL_ABORTED_TEXT = "Operation aborted"
+"""The result Fake-Pi's loop records for a call aborted before its tool started (Pi's text):
+``run_tool_call``'s, and the one its gate client reports for a call aborted while the gate
+decided it (docs/design/gate.md T23)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ returns :class:`~fake_pi._gate.Refused` with the reason, so the tool does not ru
 ``after`` is written to stderr (Fake-Pi's loop cannot change a result after the tool ran); as
 with Pi's extension, every ``before`` names the call reported last (``follows``), and the gate
 refuses the call while that call's outcome is missing in its delivery and epoch
-(docs/design/gate.md T21).
+(docs/design/gate.md T21). A ``/before`` is asked in a task of its own, so a call aborted while
+the gate decides it still reads the answer, and reports "Operation aborted" (what Fake-Pi's
+loop records) when the gate let it run (T23).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import h11
 import msgspec
 import trio
 
-from ._gate import GateDecision, Refused, Run, SavedResult, ToolCall, ToolResult
+from ._gate import TOOL_ABORTED_TEXT, GateDecision, Refused, Run, SavedResult, ToolCall, ToolResult
 
 __all__ = [
     "GATE_SECRET_ENV",
@@ -40,6 +42,19 @@ __all__ = [
 GATE_SOCKET_ENV: Final = "PI_RUNTIME_GATE_SOCKET"
 GATE_SECRET_ENV: Final = "PI_RUNTIME_GATE_SECRET"
 _READ: Final = 65536
+_GRACE: Final = 5.0
+"""How long an aborted call's report may still take (as ``run_tool_call``'s ``after``)."""
+
+
+@dataclass(slots=True)
+class _Asked:
+    """One ``/before`` on its way: its answer (or error) once ``done``; ``abandoned`` set by a
+    caller aborted meanwhile, and set by the report once made (T23)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    answer: Any = None
+    error: GateClientError | None = None
+    abandoned: trio.Event | None = None
 
 
 class GateClientError(Exception):
@@ -117,6 +132,9 @@ class RuntimeGate:
     _follows: list[str] = field(default_factory=list, compare=False)
     """The tool-call id of the call reported last (empty before the first): what every
     ``/before`` names as ``follows`` (T21)."""
+    _pending: list[trio.Event] = field(default_factory=list, compare=False)
+    """Set once the report of a call aborted while the gate decided it is done (T23): the next
+    ``/before`` waits for it, as for any report (T18)."""
 
     def __repr__(self) -> str:  # never show the secret
         return f"RuntimeGate(socket_path={self.socket_path!r})"
@@ -128,11 +146,28 @@ class RuntimeGate:
         return answer
 
     async def before(self, call: ToolCall) -> GateDecision:
+        for pending in list(self._pending):  # T18: an abandoned call's report comes first
+            await pending.wait()
         body = {"tool_call_id": call.id, "name": call.name, "args": call.arguments}
         if self._follows:
             body["follows"] = self._follows[0]
+        asked = _Asked()
+        # T23: asked outside the caller's scope, so an abort cannot drop the request unanswered
+        trio.lowlevel.spawn_system_task(self._ask, call, body, asked)
         try:
-            answer = await self._post("/before", body)
+            await asked.done.wait()
+        except trio.Cancelled:  # aborted while the gate decides: Fake-Pi records "aborted"
+            if asked.done.is_set():
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
+                    await self._abandoned(call, asked.answer)
+            else:
+                asked.abandoned = trio.Event()
+                self._pending.append(asked.abandoned)
+            raise
+        try:
+            if asked.error is not None:
+                raise asked.error
+            answer = asked.answer
             decision = answer.get("decision") if isinstance(answer, dict) else None
             if decision == "run":
                 return Run()
@@ -144,6 +179,38 @@ class RuntimeGate:
             raise GateClientError(f"tool gate: unknown decision {answer!r}")
         except GateClientError as error:  # fail closed: the tool does not run
             return Refused(ToolResult.text(str(error), is_error=True))
+
+    async def _ask(self, call: ToolCall, body: dict[str, Any], asked: _Asked) -> None:
+        """Ask ``/before`` for ``call`` into ``asked``; if its caller was aborted meanwhile,
+        report what Fake-Pi recorded for it once the gate let it run (T23)."""
+        try:
+            asked.answer = await self._post("/before", body)
+        except GateClientError as error:
+            asked.error = error
+        except Exception as error:  # a system task: nothing may escape it
+            asked.error = GateClientError(f"request to the gate failed: {error!r}")
+        finally:
+            asked.done.set()
+        if asked.abandoned is not None:
+            try:
+                with trio.move_on_after(_GRACE):
+                    await self._abandoned(call, asked.answer)
+            except Exception as error:  # a system task: nothing may escape it
+                print(f"fake-pi: the gate did not record {call.id}: {error!r}", file=sys.stderr)
+            finally:
+                self._pending.remove(asked.abandoned)
+                asked.abandoned.set()
+
+    async def _abandoned(self, call: ToolCall, answer: Any) -> None:
+        """Report an aborted call's outcome if the gate let it run (T23): the error result
+        Fake-Pi's loop recorded for it (``run_tool_call``: "Operation aborted", the tool did not
+        start), so the journal holds what the model is told and the model request carrying it
+        passes the gateway's barrier (T11)."""
+        if isinstance(answer, dict) and answer.get("decision") == "run":
+            aborted = ToolResult(
+                content=[{"type": "text", "text": TOOL_ABORTED_TEXT}], is_error=True, details={}
+            )
+            await self.after(call, aborted)
 
     async def after(self, call: ToolCall, result: ToolResult) -> None:
         reported: dict[str, Any] = {"content": result.content, "isError": result.is_error}

@@ -40,7 +40,7 @@ from runtime.worker_kit import RUNTIME_TOOLS, TOOLS_ENV
 
 from ._bash import MAX_BYTES, OnUpdate, format_size, run_bash, truncate
 from ._bash import MAX_LINES as MAX_LINES  # importable from here, as before the split
-from ._gate import Refused, SavedResult, ToolCall, ToolGate, ToolResult
+from ._gate import TOOL_ABORTED_TEXT, Refused, SavedResult, ToolCall, ToolGate, ToolResult
 from ._schema import check, js_string
 
 __all__ = [
@@ -145,7 +145,7 @@ class Tool:
             await trio.lowlevel.checkpoint()
             return await self.run(call, ctx, on_update)
         except trio.Cancelled:
-            return _error("Operation aborted")
+            return _error(TOOL_ABORTED_TEXT)
         except ToolError as exc:
             return _error(str(exc))
         except OSError as exc:
@@ -550,7 +550,7 @@ async def run_tool_call(
     try:
         decision = await gate.before(call)
     except trio.Cancelled:
-        return _error("Operation aborted")
+        return _error(TOOL_ABORTED_TEXT)
     if isinstance(decision, SavedResult):
         return decision.result
     if isinstance(decision, Refused):

@@ -15,7 +15,10 @@
  * this process ran and reported last (`follows`), and the gate, which knows whether it recorded
  * that outcome in the journal of its delivery and epoch, refuses the call there if not (the
  * tool does not run); a report refused because its delivery ended meanwhile fails no call of
- * the next delivery.
+ * the next delivery. An aborted call (Pi's abort: the user's, a signal's) has its outcome
+ * reported as any other, the error result Pi records for it (T23): thrown by the tool while it
+ * ran, or — aborted while the gate decided it — "aborted and did not run", reported once the
+ * gate's answer says it was let run (the tool never starts after an abort).
  *
  * The runtime's own tools (send_text_update, the lifecycle tools, the test tool `effect`) are
  * declared by the runtime in PI_RUNTIME_TOOLS (a JSON list of {name, description, parameters},
@@ -120,32 +123,18 @@ class GateLink {
 	private waiter: { resolve: (answer: Answer) => void; reject: (error: Error) => void } | null = null;
 	private tail: Promise<unknown> = Promise.resolve();
 
-	/** Send one request once every earlier one was answered (or failed); its answer. */
-	send(path: string, data: Buffer, signal?: AbortSignal): Promise<Answer> {
-		const turn = this.tail.then(() => this.exchange(path, data, signal));
+	/** Send one request once every earlier one was answered (or failed); its answer. A request
+	 * sent is never given up (an abort does not drop it: T23): its answer says what the gate did. */
+	send(path: string, data: Buffer): Promise<Answer> {
+		const turn = this.tail.then(() => this.exchange(path, data));
 		this.tail = turn.catch(() => undefined);
 		return turn;
 	}
 
-	private exchange(path: string, data: Buffer, signal?: AbortSignal): Promise<Answer> {
+	private exchange(path: string, data: Buffer): Promise<Answer> {
 		return new Promise<Answer>((resolve, reject) => {
-			if (signal?.aborted) {
-				reject(new Error("The operation was aborted"));
-				return;
-			}
 			const socket = this.socket ?? this.open();
-			const aborted = () => this.fail(new Error("The operation was aborted"), socket);
-			signal?.addEventListener("abort", aborted, { once: true });
-			this.waiter = {
-				resolve: (answer) => {
-					signal?.removeEventListener("abort", aborted);
-					resolve(answer);
-				},
-				reject: (error) => {
-					signal?.removeEventListener("abort", aborted);
-					reject(error);
-				},
-			};
+			this.waiter = { resolve, reject };
 			const head =
 				`POST ${path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n` +
 				`content-length: ${data.length}\r\nauthorization: Bearer ${SECRET}\r\n\r\n`;
@@ -233,11 +222,11 @@ class GateLink {
 
 const link = new GateLink();
 
-async function post(path: string, body: unknown, signal?: AbortSignal): Promise<any> {
+async function post(path: string, body: unknown): Promise<any> {
 	const data = Buffer.from(JSON.stringify(body), "utf8");
 	let answer: Answer;
 	try {
-		answer = await link.send(path, data, signal);
+		answer = await link.send(path, data);
 	} catch (error: any) {
 		throw new Error(`tool gate unreachable (gate_unreachable): ${error?.message ?? error}`);
 	}
@@ -280,7 +269,50 @@ async function before(
 	signal?: AbortSignal,
 ): Promise<any> {
 	await reported;
-	return post("/before", follows === undefined ? body : { ...body, follows }, signal);
+	if (signal?.aborted) throw new Error(abortedText(body.name)); // nothing asked, nothing let run
+	const asked = post("/before", follows === undefined ? body : { ...body, follows });
+	if (signal === undefined) return asked;
+	return new Promise<any>((resolve, reject) => {
+		const aborted = () => {
+			// T23: Pi records this error as the call's result and goes on at once; the gate may
+			// have let the call run all the same (its intent durable first, T2). The tool never
+			// starts: once the answer comes, a *run* is reported with the result Pi recorded, so
+			// the journal holds what the model is told and the model request carrying it passes
+			// the barrier (T11). The next call's /before waits for that report (T18).
+			const text = abortedText(body.name);
+			abandon(asked, body.tool_call_id, body.name, text);
+			reject(new Error(text));
+		};
+		signal.addEventListener("abort", aborted, { once: true });
+		asked.then(
+			(decision) => {
+				signal.removeEventListener("abort", aborted);
+				resolve(decision);
+			},
+			(error) => {
+				signal.removeEventListener("abort", aborted);
+				reject(error);
+			},
+		);
+	});
+}
+
+/** The error a call aborted before its tool started ends with (Pi hands the model its text). */
+function abortedText(name: string): string {
+	return `tool ${name} was aborted and did not run`;
+}
+
+/** A call abandoned while the gate decided it (T23): if the gate answers *run*, the outcome
+ * reported is ``text``, the error result Pi recorded for it; the next /before waits for it. */
+function abandon(asked: Promise<any>, toolCallId: string, name: string, text: string): void {
+	reported = asked.then(
+		(decision) => {
+			if (decision?.decision !== "run") return undefined; // saved, refused: nothing let run
+			report({ tool_call_id: toolCallId, name, result: { content: [{ type: "text", text }], isError: true } });
+			return reported;
+		},
+		() => undefined, // no answer: whether it was let run is unknown here ("possibly ran", T5)
+	);
 }
 
 function asResult(value: any): any {
