@@ -26,6 +26,7 @@ __all__ = [
     "follow_forget_days",
     "join_settings",
     "offline_settings",
+    "read_settings",
     "record_settings",
     "recorded_settings",
 ]
@@ -129,6 +130,14 @@ async def follow_forget_days(store: JournalStore, retention: RetentionConfig) ->
         await store.expire({}, forget_ms=forget_ms)
     if not store.expired_tasks.counts_with(forget_ms):
         await store.expire_tasks({}, forget_ms=forget_ms)
+
+
+async def read_settings(store: JournalStore) -> RetentionSettings | None:
+    """The settings recorded in ``store``'s directory, or ``None``, read through ``store``
+    (under the state directory's lock when it is a file store it holds); a damaged record is
+    ``journal_corrupt``."""
+    data = await store.read_document(SETTINGS_DOC)
+    return None if data is None else _decode(data)
 
 
 def recorded_settings(state_dir: Path) -> RetentionSettings | None:

@@ -12,12 +12,8 @@ import msgspec
 import trio
 
 from .._config import RoomWorkerConfig, load_config, validate_config
-from .._errors import ConfigError, JournalError, PiRuntimeError, ReasonCode, StateDirError
-from .._journal._inspect import offline_status
-from .._journal._store import ADMISSIONS
+from .._errors import ConfigError, PiRuntimeError
 from .._linux._proc import forbid_inspection
-from .._retention import RetentionSettings, recorded_settings
-from .._rooms._worker import CANCEL_REQUESTS
 from .._server._serve import ServeOptions, check_bind, serve_until_signalled
 from ._base import EXIT_OK, EXIT_USAGE, Commands, logger, timescale_option
 
@@ -94,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         options = _options(args)
-        check_bind(options, config)
-        check_pending_stay_runnable(config)
+        check_bind(options, config)  # C16 is the room worker's start's (open_room_worker)
         trio.run(serve_until_signalled, config, options)
     except PiRuntimeError as error:  # O11: `pi-runtime: <code>: <message>`, as every command
         logger.error("%s", error.message, extra={"code": error.code})
@@ -143,76 +138,3 @@ def _config(args: argparse.Namespace) -> RoomWorkerConfig:
         )
         changes["thresholds"] = thresholds
     return validate_config(msgspec.structs.replace(config, **changes))
-
-
-def check_pending_stay_runnable(config: RoomWorkerConfig) -> None:
-    """C16: refuse a start whose configuration would strand the deliveries the state
-    directory's file store holds pending (admitted, no result published):
-
-    * ``work_root_changed``: on the file store, ``work_root`` is not the one recorded when
-      they were admitted (``retention.json``, RT14). A room's turn is replayed in its lane's
-      working directory below ``work_root``, byte for byte (G1): Pi's system prompt names
-      that directory, its session records it; in another one the replay would not match.
-      A delivery whose cancel is recorded (``pi-runtime cancel`` with no server) is not
-      counted: the start ends it ``cancelled`` before anything runs.
-    * ``file_store_pending``: ``--store`` (or ``store.url``) names a PostgreSQL database
-      while the state directory's file store holds pending deliveries: the database's
-      hosts never read the file store, so they would never run nor answer.
-
-    Read without the lock (as ``status`` reads): when a server runs on the directory, or
-    its logs cannot be read, nothing is refused here — the start meets the lock, or the
-    damage, as before."""
-    state_dir = Path(config.state_dir)
-    if not (state_dir / ADMISSIONS).exists():
-        return  # no file store here (or a new one): nothing can be stranded
-    try:
-        status = offline_status(state_dir, recent=0)
-        recorded = recorded_settings(state_dir) if config.store.url is None else None
-        cancels = _cancel_requests(state_dir) if config.store.url is None else set()
-    except (JournalError, StateDirError, OSError, msgspec.DecodeError):
-        return
-    if status["server"]["running"]:
-        return
-    pending = [str(d["delivery_id"]) for d in status["pending_deliveries"]]
-    if config.store.url is not None:
-        if pending:
-            raise ConfigError(
-                "store.url",
-                f"the file store in {state_dir} holds {_deliveries(pending)} no PostgreSQL "
-                "host will ever run; serve once without --store (and no [store] url) until "
-                f"`pi-runtime status --state-dir {state_dir}` shows none pending (to give "
-                "them up: `pi-runtime cancel ID` for each, then that start ends them "
-                "cancelled), or give the PostgreSQL hosts another state directory",
-                code=ReasonCode.FILE_STORE_PENDING,
-            )
-        return
-    now = RetentionSettings.of(config).task_work_root
-    if recorded is None or Path(recorded.task_work_root).resolve() == Path(now).resolve():
-        return  # (the same directory by another name, a symbolic link, is the same)
-    stranded = [d for d in pending if d not in cancels]
-    if stranded:
-        before = str(Path(recorded.task_work_root).parent)
-        raise ConfigError(
-            "work_root",
-            f"{state_dir} holds {_deliveries(stranded)} admitted while work_root was "
-            f"{before}; their turns replay in their rooms' directories there, not below "
-            f"{config.work_root}: start with work_root = {before} until `pi-runtime status "
-            f"--state-dir {state_dir}` shows none pending, or cancel them (`pi-runtime "
-            "cancel ID` for each: this start then ends them cancelled)",
-            code=ReasonCode.WORK_ROOT_CHANGED,
-        )
-
-
-def _cancel_requests(state_dir: Path) -> set[str]:
-    """The deliveries whose cancel was recorded with no server running."""
-    try:
-        data = (state_dir / CANCEL_REQUESTS).read_bytes()
-    except FileNotFoundError:
-        return set()
-    return set(msgspec.json.decode(data, type=list[str]))
-
-
-def _deliveries(ids: list[str], shown: int = 5) -> str:
-    """``3 pending deliveries (d1, d2, d3)``, the first ``shown`` ids named."""
-    named = ", ".join(repr(i) for i in ids[:shown]) + (", …" if len(ids) > shown else "")
-    return f"{len(ids)} pending deliver{'y' if len(ids) == 1 else 'ies'} ({named})"

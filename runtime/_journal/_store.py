@@ -67,6 +67,7 @@ from ._writer import TMP_MARK, LogTarget, StagedFile, WriterPool, atomic_write, 
 __all__ = [
     "OwnerRecord",
     "Store",
+    "acquire_lock",
     "delivery_key",
     "lane_key",
     "open_store",
@@ -816,7 +817,9 @@ def _prepare_root(root: Path) -> None:
     _check_private(root)
 
 
-def _acquire_lock(root: Path) -> int:
+def acquire_lock(root: Path) -> int:
+    """The state directory's exclusive lock (J9), taken without waiting: its descriptor
+    (close it to let go), or :class:`StateDirLockedError` naming the process that holds it."""
     fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -885,7 +888,7 @@ def _take_over(
     write our owner record, replay the sync log (J14)."""
     root = Path(root).absolute()
     _prepare_root(root)
-    fd = _acquire_lock(root)
+    fd = acquire_lock(root)
     try:
         previous = _read_owner(root)
         me = current_identity()

@@ -37,6 +37,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import socket
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -59,15 +60,19 @@ from .._errors import (
     DiskFailedError,
     JournalError,
     ReasonCode,
+    StateDirError,
     raises_one_error,
 )
 from .._hosting import start_model, worker_program
 from .._journal._attachments import SHARED_ATTACHMENTS, AttachmentStore
 from .._journal._fence import Fence
+from .._journal._inspect import offline_status
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._leases import LaneLeases, fenced_out
 from .._journal._store import (
+    ADMISSIONS,
     Store,
+    acquire_lock,
     delivery_key,
     lane_key,
     open_store,
@@ -89,10 +94,11 @@ from .._records import (
     Parked,
     Record,
     Result,
+    ResultPublished,
     Settled,
     ToolOutcome,
 )
-from .._retention import RetentionSettings, follow_forget_days, record_settings
+from .._retention import RetentionSettings, follow_forget_days, read_settings, record_settings
 from .._wire import Accepted, DeliveryResult, RoomEvent, RoomStatus
 from ._admission import (
     Delivery,
@@ -1486,6 +1492,112 @@ def _open_journal_store(
 
 
 @contextlib.asynccontextmanager
+async def _open_runnable_store(
+    config: RoomWorkerConfig, *, clocks: Clocks, fs: FileSystem | None, sync_log: bool
+) -> AsyncIterator[JournalStore]:
+    """The configured journal store (:func:`_open_journal_store`), once C16 holds
+    (docs/design/config.md): this start strands none of the deliveries the state directory's
+    file store holds pending. Checked here, in every start — ``serve``'s and an embedder's —
+    under the state directory's lock, before anything is written or run: before
+    ``retention.json`` is recorded again and before any delivery is resumed."""
+    if config.store.url is not None:
+        await trio.to_thread.run_sync(_refuse_file_store_pending, config)
+    async with _open_journal_store(config, clocks=clocks, fs=fs, sync_log=sync_log) as store:
+        if isinstance(store, Store):
+            await _refuse_work_root_changed(config, store)
+        yield store
+
+
+async def _refuse_work_root_changed(config: RoomWorkerConfig, store: Store) -> None:
+    """C16 ``work_root_changed``, ``store`` open (its lock held): refuse a ``work_root`` that
+    is not the one recorded when the pending deliveries were admitted (``retention.json``,
+    RT14). A room's turn is replayed in its lane's working directory below ``work_root``, byte
+    for byte (G1): Pi's system prompt names that directory, its session records it; in another
+    one the replay would not match. A delivery whose cancel is recorded (``pi-runtime cancel``
+    with no server) is not counted: recovery ends it ``cancelled`` before anything runs. A
+    damaged record refuses nothing: this start replaces it (:func:`record_settings`)."""
+    pending = _pending(store.admissions.contents.records, store.results.contents.records)
+    if not pending:
+        return
+    try:
+        recorded = await read_settings(store)
+    except JournalError:
+        return
+    if recorded is None:
+        return
+    now = RetentionSettings.of(config).task_work_root
+    if await trio.to_thread.run_sync(_same_directory, recorded.task_work_root, now):
+        return  # (the same directory by another name, a symbolic link, is the same)
+    cancels = set(await _read_cancel_requests(store))
+    stranded = [d for d in pending if d not in cancels]
+    if stranded:
+        state_dir, before = config.state_dir, str(Path(recorded.task_work_root).parent)
+        raise ConfigError(
+            "work_root",
+            f"{state_dir} holds {_deliveries(stranded)} admitted while work_root was "
+            f"{before}; their turns replay in their rooms' directories there, not below "
+            f"{config.work_root}: start with work_root = {before} until `pi-runtime status "
+            f"--state-dir {state_dir}` shows none pending, or cancel them (`pi-runtime "
+            "cancel ID` for each: this start then ends them cancelled)",
+            code=ReasonCode.WORK_ROOT_CHANGED,
+        )
+
+
+def _refuse_file_store_pending(config: RoomWorkerConfig) -> None:
+    """C16 ``file_store_pending`` (blocking; before the PostgreSQL store is opened): refuse
+    a start on the database while the state directory's file store holds pending
+    deliveries — the database's hosts never read the file store, so they would never run
+    nor be answered. Read under the directory's lock, taken for the read: when a server
+    holds it (it runs those deliveries itself), or the logs cannot be read, nothing is
+    refused."""
+    state_dir = Path(config.state_dir)
+    if not (state_dir / ADMISSIONS).exists():
+        return  # no file store here: nothing can be stranded
+    try:
+        lock = acquire_lock(state_dir)
+    except (StateDirError, OSError):
+        return
+    try:
+        status = offline_status(state_dir, recent=0)
+    except (JournalError, StateDirError, OSError, msgspec.DecodeError):
+        return
+    finally:
+        os.close(lock)
+    pending = [str(d["delivery_id"]) for d in status["pending_deliveries"]]
+    if pending:
+        raise ConfigError(
+            "store.url",
+            f"the file store in {state_dir} holds {_deliveries(pending)} no PostgreSQL "
+            "host will ever run; serve once without --store (and no [store] url) until "
+            f"`pi-runtime status --state-dir {state_dir}` shows none pending (to give "
+            "them up: `pi-runtime cancel ID` for each, then that start ends them "
+            "cancelled), or give the PostgreSQL hosts another state directory",
+            code=ReasonCode.FILE_STORE_PENDING,
+        )
+
+
+def _pending(admissions: Iterable[Record], results: Iterable[Record]) -> list[str]:
+    """The deliveries admitted without a published result, in admission order."""
+    published = {r.delivery_id for r in results if isinstance(r, ResultPublished)}
+    return [
+        r.delivery_id
+        for r in admissions
+        if isinstance(r, Admission) and r.delivery_id not in published
+    ]
+
+
+def _same_directory(one: str, other: str) -> bool:
+    """Blocking: ``one`` and ``other`` name one directory (by a symbolic link too)."""
+    return Path(one).resolve() == Path(other).resolve()
+
+
+def _deliveries(ids: list[str], shown: int = 5) -> str:
+    """``3 pending deliveries (d1, d2, d3)``, the first ``shown`` ids named."""
+    named = ", ".join(repr(i) for i in ids[:shown]) + (", …" if len(ids) > shown else "")
+    return f"{len(ids)} pending deliver{'y' if len(ids) == 1 else 'ies'} ({named})"
+
+
+@contextlib.asynccontextmanager
 async def _open_receipt_store(
     config: RoomWorkerConfig, store: JournalStore, *, clocks: Clocks
 ) -> AsyncIterator[ReceiptStore]:
@@ -1580,7 +1692,7 @@ async def open_room_worker(
     worker: RoomWorker | None = None
     attachments = AttachmentStore(config.attachment_root())  # A1
     async with (
-        _open_journal_store(config, clocks=clocks, fs=fs, sync_log=sync_log) as store,
+        _open_runnable_store(config, clocks=clocks, fs=fs, sync_log=sync_log) as store,
         _open_receipt_store(config, store, clocks=clocks) as receipts,
         _releasing_leases(lambda: worker),
         trio.open_nursery() as nursery,
