@@ -110,19 +110,13 @@ async def test_wd11_resuming_a_waiting_task_held_for_survivors_charges_nothing(
     assert view.budget["epochs_used"] == 0
 
 
-async def test_wd11_a_waiting_task_whose_budget_is_spent_is_not_held_for_budget_by_a_resume(
-    tmp_path: Path,
-    clocks: Clocks,
-    io_autojump_clock: trio.testing.MockClock,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """WD11, TL12, LK5: the task's one replacement epoch is spent (epoch 1 exited, epoch 2
-    replaced it), then epoch 2 asks and runs on, and its stop leaves survivors: the waiting
-    task holds ``survivors:<pids>``. After a restart the operator resumes it and the kill
-    proves the tree gone. Nothing is to be replaced, so the spent budget is no reason to
-    hold: the task waits for its reply, and the reply's epoch launches uncharged (before,
-    the resume prepared a replacement and held the task ``budget_exhausted:epochs`` — a
-    hold for a charge nothing needed, which only a grant would have lifted)."""
+async def held_for_survivors_with_the_budget_spent(
+    tmp_path: Path, clocks: Clocks, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[Step], WatchdogPolicy]:
+    """A task whose one replacement epoch is spent (epoch 1 exited, epoch 2 replaced it), whose
+    epoch 2 asks (``task_wait``) and whose stop leaves survivors: it holds ``survivors:4242``,
+    waiting. Its host stopped; for the next start, the kill of the leftovers proves the tree
+    gone. The steps and policy the next start runs with (from ``steps[2:]``)."""
     steps: list[Step] = [say("working"), wait(), say("I asked"), done(), say()]
     behaviours = {
         1: Behaviours(at={"after_model:1": "exit:0"}),
@@ -144,6 +138,23 @@ async def test_wd11_a_waiting_task_whose_budget_is_spent_is_not_held_for_budget_
         return Stopped(True, ())
 
     monkeypatch.setattr(TaskLane, "_kill_leftovers", the_kill_proves_it_gone)
+    return steps, policy
+
+
+async def test_wd11_a_waiting_task_whose_budget_is_spent_is_not_held_for_budget_by_a_resume(
+    tmp_path: Path,
+    clocks: Clocks,
+    io_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WD11, TL12, LK5: the task's one replacement epoch is spent (epoch 1 exited, epoch 2
+    replaced it), then epoch 2 asks and runs on, and its stop leaves survivors: the waiting
+    task holds ``survivors:<pids>``. After a restart the operator resumes it and the kill
+    proves the tree gone. Nothing is to be replaced, so the spent budget is no reason to
+    hold: the task waits for its reply, and the reply's epoch launches uncharged (before,
+    the resume prepared a replacement and held the task ``budget_exhausted:epochs`` — a
+    hold for a charge nothing needed, which only a grant would have lifted)."""
+    steps, policy = await held_for_survivors_with_the_budget_spent(tmp_path, clocks, monkeypatch)
     async with open_rig(tmp_path, clocks, steps[2:], policy=policy) as rig:
         rig.runner.resume(TASK)
         await rig.until(lambda: rig.runner.show(TASK).hold_reason != "survivors:4242", within=60)

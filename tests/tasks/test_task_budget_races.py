@@ -19,7 +19,6 @@ import pytest
 import trio
 import trio.testing
 
-from fake_pi._behaviours import Behaviours
 from fake_pi.scenario import Hang, Step
 from runtime._clock import Clocks
 from runtime._journal._store import open_store
@@ -27,7 +26,6 @@ from runtime._linux._fs import OsFileSystem
 from runtime._records import (
     ContinuationSent,
     EpochFenced,
-    EpochStarted,
     OutboxAction,
     Record,
     TaskReply,
@@ -35,13 +33,13 @@ from runtime._records import (
 from runtime._tasks._lane import TaskLane
 from runtime._tasks._recovery import Recovery
 from runtime._tasks._state import read_lane
-from runtime._tasks._watchdog import WatchdogPolicy
-from runtime._tasks._workers import Stopped
 
 from .. import task_harness
 from ..faultfs import Fault, FaultyFileSystem
 from ..task_harness import TASK, done, open_rig, say, wait
-from .test_task_budget import append_lane_record, recorded_epoch
+from .test_task_budget import (
+    held_for_survivors_with_the_budget_spent,
+)
 
 pytestmark = pytest.mark.trio
 
@@ -195,27 +193,7 @@ async def test_wd11_tl9_a_reply_before_the_resume_of_a_held_waiting_task_is_no_r
     a replacement — with the budget spent it held ``budget_exhausted:epochs``, a hold only
     a grant lifts, for a reply epoch that needs no budget (and with budget left it charged
     one and sent a continuation instead of the reply's prompt)."""
-    steps: list[Step] = [say("working"), wait(), say("I asked"), done(), say()]
-    behaviours = {
-        1: Behaviours(at={"after_model:1": "exit:0"}),
-        2: Behaviours(at={"after_tool:1": "hang"}),
-    }
-    policy = WatchdogPolicy(max_replacements=1)
-    async with open_rig(
-        tmp_path, clocks, steps, policy=policy, behaviours=behaviours, survivors={2: (4242,)}
-    ) as rig:
-        await rig.runner.submit(rig.spec())
-        await rig.until(lambda: rig.runner.show(TASK).classification == HELD)
-        view = rig.runner.show(TASK)
-        assert (view.state, view.hold_reason) == ("waiting", "survivors:4242")
-        assert view.budget["epochs_left"] == 0
-        log = rig.runner.log_rel(TASK)
-    await append_lane_record(tmp_path, clocks, log, recorded_epoch(2))
-
-    async def the_kill_proves_it_gone(lane: TaskLane, record: EpochStarted) -> Stopped:
-        return Stopped(True, ())
-
-    monkeypatch.setattr(TaskLane, "_kill_leftovers", the_kill_proves_it_gone)
+    steps, policy = await held_for_survivors_with_the_budget_spent(tmp_path, clocks, monkeypatch)
     async with open_rig(tmp_path, clocks, steps[2:], policy=policy) as rig:
         await rig.runner.reply(TASK, "the blue one")
         view = rig.runner.show(TASK)
