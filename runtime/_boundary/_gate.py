@@ -613,7 +613,7 @@ def _unreported_result(call: GateCall, unreported: ToolIntent) -> GateResult:
     return GateResult.text(
         f"tool {call.name} was refused and did not run: the outcome of the earlier call "
         f"{unreported.tool_call_id!r} ({unreported.name}, {unreported.intent_id}) was not "
-        f"recorded (its report failed), so no later call runs in this turn "
+        f"recorded (its report failed), so no later call of this delivery runs in this epoch "
         f"({ReasonCode.GATE_BAD_REQUEST})",
         is_error=True,
     )

@@ -47,7 +47,7 @@ from ._retention import (
     task_logs,
 )
 from ._state import check_spec, submitted_record, task_policy
-from ._view import records_view, task_row, view_row
+from ._view import lane_failure, records_view, task_row, view_row
 from ._watchdog import WatchdogPolicy
 from ._workers import WorkerFactory
 
@@ -1102,8 +1102,11 @@ class TaskRunner:
                 self.elsewhere[lane.task_id] = ""
             else:
                 lane.failure = error
-                code = getattr(error, "code", type(error).__name__)
-                self.host.log(f"task {lane.task_id}: lane failed ({code}): {error}")
+                failure = lane_failure(error)  # as the view says it: a nursery's one error
+                assert failure is not None
+                self.host.log(
+                    f"task {lane.task_id}: lane failed ({failure['code']}): {failure['message']}"
+                )
                 self._changed(lane)
         finally:
             self._scopes.pop(lane.task_id, None)

@@ -298,7 +298,7 @@ async def test_wd11_tl11_a_reserve_whose_write_fails_charges_nothing_and_fences_
     would hold ``budget_unrecorded:<code>``, but the file store's log, poisoned by the
     failed write (J15), takes no hold either, so the lane stops (TL11) with a stable code.
     Before, the view showed an epoch charged that the log never held, and the failure's code
-    was a nursery's ``ExceptionGroup``."""
+    — in the view and in the runner's log line — was a nursery's ``ExceptionGroup``."""
     faulty = failing_disk(monkeypatch)
     async with open_rig(tmp_path, clocks, WEDGED) as rig:
         await rig.runner.submit(rig.spec())
@@ -309,6 +309,8 @@ async def test_wd11_tl11_a_reserve_whose_write_fails_charges_nothing_and_fences_
     assert faulty.fired
     assert view.failure is not None
     assert view.failure["code"] == "journal_poisoned"
+    failed = [line for line in rig.lines if "lane failed" in line]
+    assert failed and all("(journal_poisoned)" in line for line in failed), failed  # the log too
     assert actions(records, "reserve") == []
     assert actions(records, "fence") == []
     assert (view.budget["epochs_used"], durable_epochs(lane, records)) == (0, 0)
