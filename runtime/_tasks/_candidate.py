@@ -86,6 +86,16 @@ def _safe_task_id(task_id: str) -> str:
     return f"{cleaned}-{hashlib.sha256(task_id.encode(errors='surrogateescape')).hexdigest()[:12]}"
 
 
+_SANITIZED: Final = re.compile(r"[A-Za-z0-9_-]{0,60}-[0-9a-f]{12}")
+"""What :func:`_safe_task_id` makes of an id that is not safe as it is."""
+
+
+def _made_by_safe_task_id(name: str) -> bool:
+    """Whether ``name`` is one :func:`_safe_task_id` gives: an id safe as it is, or a
+    sanitized one (which need not be safe as an id again: ``-lead_lock-…`` starts with ``-``)."""
+    return bool(name) and (_safe_task_id(name) == name or _SANITIZED.fullmatch(name) is not None)
+
+
 def _changed(message: str) -> WorktreeError:
     return WorktreeError(
         ReasonCode.WORKTREE_CHANGED,
@@ -150,7 +160,7 @@ def candidate_ref_lock(common_dir: str, ref: str, code: ReasonCode) -> Iterator[
     takes no lock before), the record cleared when it exits by itself. ``code``: every
     refusal's reason code (``checkpoint_failed`` for a candidate)."""
     task = ref.removeprefix(CANDIDATE_REF_PREFIX)
-    if ref == task or _safe_task_id(task) != task:
+    if ref == task or not _made_by_safe_task_id(task):
         raise ValueError(f"{ref!r} is not a candidate ref the runtime makes")
     with _ref_lock(common_dir, task, code) as lock:
         _take_over(lock, common_dir, ref, code)
