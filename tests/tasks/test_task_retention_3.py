@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Final
 
@@ -39,7 +37,7 @@ from .test_task_retention_budget_adversarial import (
     _shared,
 )
 from .test_worktree_adversarial import git, make_repo
-from .test_worktree_adversarial_2 import _children, _wait_for, killed
+from .test_worktree_adversarial_2 import _wait_for, crash_holding_the_ref_lock, killed
 
 __all__ = ["killed", "pg_dsn", "pg_server"]  # the fixtures this module uses
 
@@ -76,18 +74,7 @@ def test_rt12_w_c6_a_ref_lock_left_by_a_killed_forget_is_taken_over_once_its_own
     packed_lock.write_bytes(b"")  # the worker's pack-refs, at work
     git(repo, "config", "core.packedRefsTimeout", "-1")
     git_lock = repo / ".git" / "refs" / "pi-runtime" / "candidates" / "t.lock"
-    runtime = subprocess.Popen(
-        [sys.executable, "-c", FORGET, str(repo), REF],
-        cwd=Path(__file__).parents[2],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    killed.append(runtime.pid)
-    _wait_for("git holds the ref's lock", git_lock.exists)
-    (git_pid,) = _children(runtime.pid)
-    killed.append(git_pid)
-    runtime.kill()  # the crash: the runtime first, its git (in a session of its own) lives on
-    runtime.wait()
+    git_pid = crash_holding_the_ref_lock([FORGET, str(repo), REF], git_lock, killed)
 
     with pytest.raises(WorktreeError) as caught:
         _delete_ref(str(repo), REF)

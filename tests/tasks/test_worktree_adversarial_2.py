@@ -48,6 +48,25 @@ def _children(pid: int) -> list[int]:
     return [info.pid for info in proc_table().values() if info.ppid == pid and info.alive]
 
 
+def crash_holding_the_ref_lock(script: list[str], git_lock: Path, killed: list[int]) -> int:
+    """Run ``python -c *script`` (the runtime, changing a candidate ref) until its git holds
+    ``git_lock``, then SIGKILL the runtime — its git, in a session of its own, lives on
+    holding the lock: the crash W-C6 is about. The git's pid (in ``killed`` too)."""
+    runtime = subprocess.Popen(
+        [sys.executable, "-c", *script],
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    killed.append(runtime.pid)
+    _wait_for("git holds the ref's lock", git_lock.exists)
+    (git_pid,) = _children(runtime.pid)
+    killed.append(git_pid)
+    runtime.kill()  # the crash: the runtime first, its git (in a session of its own) lives on
+    runtime.wait()
+    return git_pid
+
+
 @pytest.fixture
 def killed() -> Iterator[list[int]]:
     """Pids the test started; whatever of them still runs is killed after it."""
@@ -76,18 +95,7 @@ def test_w_c6_a_ref_lock_left_by_a_crash_is_taken_over_once_its_owner_is_gone(
     logs.mkdir(parents=True)
     os.mkfifo(logs / "t")  # git opens it to log the update and blocks there, holding its lock
     git_lock = repo / ".git" / "refs" / "pi-runtime" / "candidates" / "t.lock"
-    runtime = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(repo)],
-        cwd=Path(__file__).parents[2],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    killed.append(runtime.pid)
-    _wait_for("git holds the ref's lock", git_lock.exists)
-    (git_pid,) = _children(runtime.pid)
-    killed.append(git_pid)
-    runtime.kill()  # the crash: the runtime first, its git (in a session of its own) lives on
-    runtime.wait()
+    git_pid = crash_holding_the_ref_lock([CHILD, str(repo)], git_lock, killed)
 
     manifest = take_manifest(repo)
     with pytest.raises(WorktreeError) as caught:
