@@ -297,8 +297,9 @@ async def _serve_connection(
     has arrived, and its connection closed. A request whose head ``authorize`` refuses is
     answered ``401`` (``refusal(401)``) before its body is read, and its connection closed
     (B8); ``admitted()`` is called for each head it lets through (B9). With ``slot``, each wait
-    for a request's first byte is idle in it: a newer connection may close this one then, and
-    only then (operations.md M9)."""
+    for a request's first byte is idle in it, and each request's arrival after its first byte
+    is counted in it: a newer connection may close this one then, an arriving one only once
+    it is slow, and at no other time (operations.md M9, M11)."""
     conn = ServerConnection()
     try:
         first = True
@@ -313,17 +314,22 @@ async def _serve_connection(
                         elif not await slot.idle(_first_byte, stream, conn):
                             return  # M9: closed, idle, for a newer connection
                     if not idle.cancelled_caught:
+                        read = functools.partial(
+                            _read_request,
+                            stream,
+                            conn,
+                            _Arrival(arrival_seconds),
+                            limit,
+                            connection,
+                            peer,
+                            authorize,
+                            admitted,
+                        )
                         try:
-                            request = await _read_request(
-                                stream,
-                                conn,
-                                _Arrival(arrival_seconds),
-                                limit,
-                                connection,
-                                peer,
-                                authorize,
-                                admitted,
-                            )
+                            if slot is None:
+                                request = await read()
+                            elif (request := await slot.arriving(read)) is None:
+                                return  # M11: closed, slow, for a newer connection
                         except _Late:
                             late = True
                 if waited.cancelled_caught or idle.cancelled_caught:
@@ -464,6 +470,7 @@ async def serve_http(
     max_request: int = _MAX_REQUEST,
     request_seconds: float = math.inf,
     max_connections: int | None = None,
+    slow_request_seconds: float = math.inf,
     refusal: Callable[[int], bytes] | None = None,
     arrival_seconds: float = math.inf,
     authorize: Authorize = _admit_any,
@@ -480,8 +487,9 @@ async def serve_http(
     ``max_connections`` bounds the connections open at once, so idle clients cannot take the
     process's file descriptors, nor one client all of them (operations.md M9): one more closes
     the connection idle the longest (waiting for a request's first byte since its opening or
-    its last answer; never one in a request) and is served, or, with none idle, is answered
-    ``503 too_many_connections`` at once and closed.
+    its last answer), or with none idle the request arriving the longest if it began
+    ``slow_request_seconds`` ago or more (M11; never a request that arrived whole), and is
+    served, or is answered ``503 too_many_connections`` at once and closed.
     ``refusal`` makes the JSON body answering a request the protocol refuses before the
     handler sees it, from its status (400 malformed, 413 body over ``max_request``, 431 head
     too large, 501 a transfer coding it cannot read, 505 an HTTP version other than 1.x);
@@ -516,7 +524,7 @@ async def serve_http(
     bound = listeners[0].socket.getsockname()
     accepted = itertools.count(1)
     pending = _Pending(max_pending)
-    connections = _Connections(max_connections)
+    connections = _Connections(max_connections, slow_request_seconds)
     async with trio.open_nursery() as nursery:
         task_status.started(HttpServer(host=bound[0], port=bound[1]))
 
@@ -647,32 +655,43 @@ _FULL: Final = _Full()
 
 class _Connections:
     """A server's open connections, at most ``limit`` of them (``None``: any number, none
-    tracked), and those of them idle — waiting for a request's first byte, since they were
+    tracked); those of them idle — waiting for a request's first byte, since they were
     opened (a TLS handshake included) or since their last answer — in the order they became
-    idle (operations.md M9). At the bound, a new connection closes the one idle the longest
-    and takes its place; a connection in a request (from its first byte to its answer's end)
-    is never closed for it. With none idle, the new one is refused (``503``)."""
+    idle (operations.md M9); and those whose request is arriving — from its first byte until
+    it is whole — in the order they began (M11). At the bound, a new connection closes the one
+    idle the longest, or with none idle the request arriving the longest, if it began
+    ``slow_seconds`` ago or more, and takes its place; a request that has arrived whole is
+    never closed for it (its answer being built or sent). Otherwise the new one is refused
+    (``503``)."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, slow_seconds: float = math.inf) -> None:
         self.limit = limit
+        self.slow_seconds = slow_seconds
         self.open = 0
         self.idle: dict[_Slot, None] = {}
         """Idle the longest first (a dict keeps its insertion order)."""
+        self.arriving: dict[_Slot, float] = {}
+        """Requests arriving, begun the longest ago first, with when they began."""
 
     def admit(self) -> _Slot | _Full | None:
         """A slot for a new connection, idle from now; ``None`` without a limit;
-        :data:`_FULL` at the bound with no idle connection to close."""
+        :data:`_FULL` at the bound with nothing to close."""
         if self.limit is None:
             return None
         if self.open >= self.limit:
-            if not self.idle:
+            if self.idle:
+                next(iter(self.idle)).close()
+            elif self.arriving and self._slow(next(iter(self.arriving.values()))):
+                next(iter(self.arriving)).close()
+            else:
                 return _FULL
-            oldest = next(iter(self.idle))
-            oldest.close()
         slot = _Slot(self)
         self.open += 1
         self.idle[slot] = None
         return slot
+
+    def _slow(self, began: float) -> bool:
+        return trio.current_time() - began >= self.slow_seconds
 
 
 class _Slot:
@@ -699,10 +718,28 @@ class _Slot:
                 self._connections.idle.pop(self, None)
         return not self.closed
 
+    async def arriving(self, read: Callable[[], Awaitable[Request | None]]) -> Request | None:
+        """``await read()``, the rest of a request whose first byte has come (M11): ``None``
+        if the connection was closed for a newer one — before or during the read, or as it
+        ended (a request closed for being slow is not answered, as a kept-alive connection
+        closed idle is not), or if ``read`` found none (the client closed)."""
+        if self.closed:
+            return None
+        self._connections.arriving[self] = trio.current_time()
+        try:
+            with trio.CancelScope() as self._scope:
+                request = await read()
+        finally:
+            self._scope = None
+            self._connections.arriving.pop(self, None)
+        return None if self.closed else request
+
     def close(self) -> None:
-        """Close the connection for a newer one (it is idle): its slot is free at once."""
+        """Close the connection for a newer one (it is idle, or its request slow): its slot
+        is free at once."""
         self.closed = True
         self._connections.idle.pop(self, None)
+        self._connections.arriving.pop(self, None)
         self._connections.open -= 1
         if self._scope is not None:
             self._scope.cancel()
@@ -710,6 +747,7 @@ class _Slot:
     def leave(self) -> None:
         """The connection ended; its slot is free (unless it was freed when closed)."""
         self._connections.idle.pop(self, None)
+        self._connections.arriving.pop(self, None)
         if not self.closed:
             self.closed = True
             self._connections.open -= 1

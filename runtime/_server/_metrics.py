@@ -64,6 +64,9 @@ opening) is closed: an idle or slow client holds no file descriptor for longer (
 MAX_CONNECTIONS: Final = 64
 """Connections open at once; one more closes the one idle the longest, or with none idle is
 answered ``503 too_many_connections`` (M6, M9)."""
+SLOW_REQUEST_SECONDS: Final = 1.0
+"""At the bound with no connection idle, a request still arriving this long after its first
+byte is closed for a new connection (M11): half-sent requests cannot hold every connection."""
 _TASK_STATES: Final = ("open", "waiting", "success_intent", "done", "failed", "aborted")
 REUSE_SECONDS: Final = 1.0
 """The longest a scrape's answer is served again (M10), however long its build took."""
@@ -292,6 +295,7 @@ async def serve_metrics(
                 max_request=MAX_BODY,
                 request_seconds=REQUEST_SECONDS,
                 max_connections=MAX_CONNECTIONS,
+                slow_request_seconds=SLOW_REQUEST_SECONDS,
                 refusal=_refusal,
             )
         )

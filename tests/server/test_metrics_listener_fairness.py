@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import select
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 import trio
+import trio.testing
 
 from runtime._server import _metrics
 
@@ -168,6 +169,7 @@ async def test_m9_when_every_connection_is_in_a_request_one_more_is_refused_503(
     request — one more connection is answered ``503 too_many_connections`` at once and
     closed; the connections in their requests are not touched and are answered."""
     monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", LIMIT)  # neither is slow (M11)
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, LISTEN) as r:
             port = _port(r)
@@ -218,3 +220,113 @@ async def test_m9_a_crowd_of_silent_connections_still_holds_at_most_the_bound(
                 for stream in crowd:
                     await stream.aclose()
     assert scraped.startswith(b"HTTP/1.1 200"), scraped
+
+
+async def test_m11_requests_left_half_sent_do_not_lock_the_others_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M11: at the bound with no idle connection, a request still arriving
+    ``SLOW_REQUEST_SECONDS`` after its first byte is closed for a new connection, the one
+    arriving the longest first — the bound at 2, both connections half-way through their
+    request line, the grace 0: a scraper's new connection is served at once (before: ``503
+    too_many_connections`` until ``REQUEST_SECONDS`` closed the half-sent ones), the older
+    half-sent connection is closed unanswered, the newer one is untouched and, finishing its
+    request, is answered."""
+    monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", 0.0)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, LISTEN) as r:
+            port = _port(r)
+            request = _request(port)
+            older = await trio.open_tcp_stream("127.0.0.1", port)
+            await older.send_all(request[:9])
+            await _read_by_the_listener()
+            newer = await trio.open_tcp_stream("127.0.0.1", port)
+            await newer.send_all(request[:9])
+            await _read_by_the_listener()
+            async with older, newer:
+                with trio.fail_after(SERVED_WITHIN):
+                    async with await trio.open_tcp_stream("127.0.0.1", port) as scraper:
+                        scraped = await _ask(scraper, port)
+                    await _closed(older)
+                    assert _still_open(newer)
+                    await newer.send_all(request[9:])
+                    finished = await _answer(newer)
+    assert scraped.startswith(b"HTTP/1.1 200"), scraped
+    assert finished.startswith(b"HTTP/1.1 200"), finished
+
+
+async def test_m11_an_idle_connection_goes_before_a_request_arriving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M9, M11: at the bound, an idle connection is closed for a new one before any request
+    still arriving, however long that one has been arriving (the grace 0): the half-sent
+    request, older than the idle connection, is not touched and is answered."""
+    monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", 0.0)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, LISTEN) as r:
+            port = _port(r)
+            request = _request(port)
+            begun = await trio.open_tcp_stream("127.0.0.1", port)
+            await begun.send_all(request[:9])
+            await _read_by_the_listener()
+            silent = await trio.open_tcp_stream("127.0.0.1", port)
+            async with begun, silent:
+                with trio.fail_after(SERVED_WITHIN):
+                    async with await trio.open_tcp_stream("127.0.0.1", port) as scraper:
+                        scraped = await _ask(scraper, port)
+                    await _closed(silent)
+                    assert _still_open(begun)
+                    await begun.send_all(request[9:])
+                    finished = await _answer(begun)
+    assert scraped.startswith(b"HTTP/1.1 200"), scraped
+    assert finished.startswith(b"HTTP/1.1 200"), finished
+
+
+async def test_m11_a_request_that_arrived_whole_is_never_closed_for_a_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M11: the bound at 2, the grace 0 — ``answering``'s scrape has arrived whole and its
+    answer is being built (held), ``begun`` is half-way through its request line. A new
+    connection closes ``begun`` (slow, arriving) and never ``answering``, which is answered once
+    its build ends."""
+    monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", 0.0)
+    building = trio.Event()
+    release = trio.Event()
+    handle = _metrics._handle
+
+    async def held(*args: Any) -> None:
+        if not building.is_set():
+            building.set()
+            await release.wait()
+        await handle(*args)
+
+    monkeypatch.setattr(_metrics, "_handle", held)
+    with trio.fail_after(LIMIT):
+        async with rig(tmp_path, LISTEN) as r:
+            port = _port(r)
+            request = _request(port)
+            answering = await trio.open_tcp_stream("127.0.0.1", port)
+            await answering.send_all(request)
+            await building.wait()
+            begun = await trio.open_tcp_stream("127.0.0.1", port)
+            await begun.send_all(request[:9])
+            await _read_by_the_listener()
+            async with answering, begun:
+                with trio.fail_after(SERVED_WITHIN):
+                    async with await trio.open_tcp_stream("127.0.0.1", port) as scraper:
+                        scraped = await _ask(scraper, port)
+                    await _closed(begun)
+                    assert _still_open(answering)
+                    release.set()
+                    answered = await _answer(answering)
+    assert scraped.startswith(b"HTTP/1.1 200"), scraped
+    assert answered.startswith(b"HTTP/1.1 200"), answered
+
+
+async def _read_by_the_listener() -> None:
+    """Wait until the listener (in this Trio run) has read what was sent on loopback and
+    blocked again: every task blocked, no socket ready."""
+    await trio.testing.wait_all_tasks_blocked(0.01)
