@@ -222,79 +222,28 @@ async def test_m9_a_crowd_of_silent_connections_still_holds_at_most_the_bound(
     assert scraped.startswith(b"HTTP/1.1 200"), scraped
 
 
+@pytest.mark.parametrize(
+    ("holders", "closed"),
+    [
+        pytest.param(("half", "half"), 0, id="the-request-arriving-the-longest-goes"),
+        pytest.param(("half", "silent"), 1, id="an-idle-connection-goes-before-a-request"),
+        pytest.param(("answering", "half"), 1, id="a-request-arrived-whole-is-never-closed"),
+    ],
+)
 async def test_m11_requests_left_half_sent_do_not_lock_the_others_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holders: tuple[str, str], closed: int
 ) -> None:
-    """M11: at the bound with no idle connection, a request still arriving
-    ``SLOW_REQUEST_SECONDS`` after its first byte is closed for a new connection, the one
-    arriving the longest first — the bound at 2, both connections half-way through their
-    request line, the grace 0: a scraper's new connection is served at once (before: ``503
-    too_many_connections`` until ``REQUEST_SECONDS`` closed the half-sent ones), the older
-    half-sent connection is closed unanswered, the newer one is untouched and, finishing its
-    request, is answered."""
+    """M11: the bound at 2, the grace 0, both connections held, one after the other, each
+    ``half`` (half its request line sent: a request arriving), ``silent`` (idle) or
+    ``answering`` (its scrape arrived whole, its answer held in the build). A scraper's new
+    connection is served at once, and closes the ``closed`` one unanswered: the request
+    arriving the longest, but an idle connection before any request, and never a request that
+    arrived whole. The other is untouched and, its request finished (its build let go), is
+    answered. Before M11, two half-sent requests got the scraper ``503 too_many_connections``
+    until ``REQUEST_SECONDS`` closed them."""
     monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
     monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", 0.0)
-    with trio.fail_after(LIMIT):
-        async with rig(tmp_path, LISTEN) as r:
-            port = _port(r)
-            request = _request(port)
-            older = await trio.open_tcp_stream("127.0.0.1", port)
-            await older.send_all(request[:9])
-            await _read_by_the_listener()
-            newer = await trio.open_tcp_stream("127.0.0.1", port)
-            await newer.send_all(request[:9])
-            await _read_by_the_listener()
-            async with older, newer:
-                with trio.fail_after(SERVED_WITHIN):
-                    async with await trio.open_tcp_stream("127.0.0.1", port) as scraper:
-                        scraped = await _ask(scraper, port)
-                    await _closed(older)
-                    assert _still_open(newer)
-                    await newer.send_all(request[9:])
-                    finished = await _answer(newer)
-    assert scraped.startswith(b"HTTP/1.1 200"), scraped
-    assert finished.startswith(b"HTTP/1.1 200"), finished
-
-
-async def test_m11_an_idle_connection_goes_before_a_request_arriving(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """M9, M11: at the bound, an idle connection is closed for a new one before any request
-    still arriving, however long that one has been arriving (the grace 0): the half-sent
-    request, older than the idle connection, is not touched and is answered."""
-    monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", 0.0)
-    with trio.fail_after(LIMIT):
-        async with rig(tmp_path, LISTEN) as r:
-            port = _port(r)
-            request = _request(port)
-            begun = await trio.open_tcp_stream("127.0.0.1", port)
-            await begun.send_all(request[:9])
-            await _read_by_the_listener()
-            silent = await trio.open_tcp_stream("127.0.0.1", port)
-            async with begun, silent:
-                with trio.fail_after(SERVED_WITHIN):
-                    async with await trio.open_tcp_stream("127.0.0.1", port) as scraper:
-                        scraped = await _ask(scraper, port)
-                    await _closed(silent)
-                    assert _still_open(begun)
-                    await begun.send_all(request[9:])
-                    finished = await _answer(begun)
-    assert scraped.startswith(b"HTTP/1.1 200"), scraped
-    assert finished.startswith(b"HTTP/1.1 200"), finished
-
-
-async def test_m11_a_request_that_arrived_whole_is_never_closed_for_a_new_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """M11: the bound at 2, the grace 0 — ``answering``'s scrape has arrived whole and its
-    answer is being built (held), ``begun`` is half-way through its request line. A new
-    connection closes ``begun`` (slow, arriving) and never ``answering``, which is answered once
-    its build ends."""
-    monkeypatch.setattr(_metrics, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(_metrics, "SLOW_REQUEST_SECONDS", 0.0)
-    building = trio.Event()
-    release = trio.Event()
+    building, release = trio.Event(), trio.Event()
     handle = _metrics._handle
 
     async def held(*args: Any) -> None:
@@ -308,25 +257,27 @@ async def test_m11_a_request_that_arrived_whole_is_never_closed_for_a_new_one(
         async with rig(tmp_path, LISTEN) as r:
             port = _port(r)
             request = _request(port)
-            answering = await trio.open_tcp_stream("127.0.0.1", port)
-            await answering.send_all(request)
-            await building.wait()
-            begun = await trio.open_tcp_stream("127.0.0.1", port)
-            await begun.send_all(request[:9])
-            await _read_by_the_listener()
-            async with answering, begun:
+            streams: list[trio.SocketStream] = []
+            for how in holders:
+                streams.append(stream := await trio.open_tcp_stream("127.0.0.1", port))
+                if how == "answering":
+                    await stream.send_all(request)
+                    await building.wait()
+                elif how == "half":
+                    await stream.send_all(request[:9])
+                # the listener (in this Trio run) has read what came, and blocks again
+                await trio.testing.wait_all_tasks_blocked(0.01)
+            kept = streams[1 - closed]
+            async with streams[0], streams[1]:
                 with trio.fail_after(SERVED_WITHIN):
+                    building.set()  # (unless the answering one holds it) no build is held
                     async with await trio.open_tcp_stream("127.0.0.1", port) as scraper:
                         scraped = await _ask(scraper, port)
-                    await _closed(begun)
-                    assert _still_open(answering)
+                    await _closed(streams[closed])
+                    assert _still_open(kept)
                     release.set()
-                    answered = await _answer(answering)
+                    if holders[1 - closed] == "half":
+                        await kept.send_all(request[9:])
+                    finished = await _answer(kept)
     assert scraped.startswith(b"HTTP/1.1 200"), scraped
-    assert answered.startswith(b"HTTP/1.1 200"), answered
-
-
-async def _read_by_the_listener() -> None:
-    """Wait until the listener (in this Trio run) has read what was sent on loopback and
-    blocked again: every task blocked, no socket ready."""
-    await trio.testing.wait_all_tasks_blocked(0.01)
+    assert finished.startswith(b"HTTP/1.1 200"), finished
