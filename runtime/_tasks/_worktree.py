@@ -341,11 +341,22 @@ def git(
         if ended is not None:
             ended(process.returncode)
     if process.returncode not in ok_codes:
-        stderr = stderr_bytes.decode(errors="replace").strip()[-_STDERR_TAIL:]
+        stderr = _stderr_summary(stderr_bytes)
         raise WorktreeError(
             code, f"git {args[0]} failed in {root} (exit {process.returncode}): {stderr}"
         )
     return process.returncode, stdout
+
+
+def _stderr_summary(stderr_bytes: bytes) -> str:
+    """What a failed git said (W-C5): the short tail of its standard error, after git's own
+    ``fatal:`` / ``error:`` lines when the tail lost them — they name what failed (a lock file
+    left by a kill, W-C7, by its full path), the tail is often git's hint alone."""
+    text = stderr_bytes.decode(errors="replace").strip()
+    tail = text[-_STDERR_TAIL:]
+    lines = [line for line in text.splitlines() if line.startswith(("fatal: ", "error: "))]
+    said = "\n".join(lines)[-_STDERR_TAIL:]
+    return tail if said in tail else f"{said}\n…\n{tail}"
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
