@@ -11,7 +11,7 @@ only ever added, with defaults).
 
 ``python -m runtime._server._protocol --schema`` prints the JSON Schema of both directions,
 generated from these types; ``docs/protocol.schema.json`` is that output, and a test keeps them
-equal. The page is ``docs/design/protocol.md``; the invariants P1..P20 are stated there. The
+equal. The page is ``docs/design/protocol.md``; the invariants P1..P21 are stated there. The
 task frames (``task_*``) drive task lanes (docs/design/watchdog.md, issue #8): their server
 frames are the task runner's own objects too (:class:`~runtime._tasks._state.TaskView`,
 :class:`~runtime._tasks._runner.TaskEvent`).

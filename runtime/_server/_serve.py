@@ -724,33 +724,63 @@ class RoomServer:
 
     async def _checked(self, result: DeliveryResult) -> DeliveryResult:
         """``result`` as it may be sent now (:meth:`_prepared`), or — when preparing it
-        failed unexpectedly — marked unsendable (P17): ``failed`` with ``server_fault``, its
-        seq and ids, nothing else. Results go out in seq order and again at every reconnect
-        until acknowledged, so a fault let out of here would end the connection at this
-        result every time and hold back every later one. The fault is logged once per result
-        (with its traceback), not at every re-send."""
+        failed unexpectedly — as truthful a frame as can still be built (P21): the record's
+        own words, its attachments unchecked (:meth:`_unchecked`); only when that fails too,
+        marked unsendable (P17): ``failed`` with ``server_fault``, its seq and ids, nothing
+        else. Results go out in seq order and again at every reconnect until acknowledged,
+        so a fault let out of here would end the connection at this result every time and
+        hold back every later one. The fault is logged once per result (with its traceback —
+        both, when the second frame failed too), not at every re-send (P20)."""
         try:
             return await self._prepared(result)
-        except Exception:
-            if self._first_time("unsendable", result.seq):
-                logger.exception(
-                    "result %d could not be prepared for sending: it is sent as failed "
-                    "(server_fault); its record is unchanged",
-                    result.seq,
-                    extra=fields(
-                        "result_unsendable",
-                        delivery_id=result.delivery_id,
-                        code=ReasonCode.SERVER_FAULT,
-                        seq=result.seq,
-                    ),
-                )
-            return DeliveryResult(
-                seq=result.seq,
-                delivery_id=result.delivery_id,
-                room=result.room,
-                outcome=Outcome.FAILED,
-                code=str(ReasonCode.SERVER_FAULT),
+        except Exception as fault:
+            first: BaseException = fault
+        try:
+            sent = self._unchecked(result)
+            how = "as recorded, its attachments marked unchecked (lost, server_fault)"
+        except Exception as second:
+            second.__context__ = first  # the traceback logged shows both
+            first = second
+            sent, how = self._unsendable(result), "as failed (server_fault)"
+        if self._first_time("unsendable", result.seq):
+            logger.error(
+                "result %d could not be prepared for sending: it is sent %s; its record is "
+                "unchanged",
+                result.seq,
+                how,
+                exc_info=first,
+                extra=fields(
+                    "result_unsendable",
+                    delivery_id=result.delivery_id,
+                    code=ReasonCode.SERVER_FAULT,
+                    seq=result.seq,
+                ),
             )
+        return sent
+
+    def _unchecked(self, result: DeliveryResult) -> DeliveryResult:
+        """``result`` as its record says, no attachment checked (P21): each attachment
+        marked ``lost`` with ``server_fault`` — the server could not find it intact, so it
+        is never shown as there — and the frame fitted to the bound as any result is (P14)."""
+        unchecked = [
+            msgspec.structs.replace(attachment, lost=True, code=str(ReasonCode.SERVER_FAULT))
+            for attachment in result.attachments
+        ]
+        return fit_result(
+            msgspec.structs.replace(result, attachments=unchecked), self.server.max_frame_bytes
+        )
+
+    @staticmethod
+    def _unsendable(result: DeliveryResult) -> DeliveryResult:
+        """P17's frame: ``failed`` with ``server_fault``, its seq and ids, nothing else — it
+        cannot fail and fits any bound."""
+        return DeliveryResult(
+            seq=result.seq,
+            delivery_id=result.delivery_id,
+            room=result.room,
+            outcome=Outcome.FAILED,
+            code=str(ReasonCode.SERVER_FAULT),
+        )
 
     def _first_time(self, what: str, seq: int) -> bool:
         """Whether ``what`` about result ``seq`` is to be logged now: the first time, not

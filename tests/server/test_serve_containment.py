@@ -1,10 +1,12 @@
 """A fault stays where it happened (docs/design/protocol.md P17-P19), against a real server on
 127.0.0.1 with real websocket clients and a real Fake-Pi worker.
 
-* A result the server fails to prepare for sending (its attachment check raises) goes out
-  marked ``failed`` / ``server_fault``, logged once, and the results after it follow: before,
-  the exception ended the connection, and since the same unacknowledged result came first again
-  at every reconnect, that client never received another result (P17).
+* A result the server fails to prepare for sending, and cannot send even as its record's words
+  (its attachment check and its fitting raise), goes out marked ``failed`` / ``server_fault``,
+  logged once, and the results after it follow: before, the exception ended the connection,
+  and since the same unacknowledged result came first again at every reconnect, that client
+  never received another result (P17; the rung above it, the words, in
+  ``test_serve_unsendable.py``, P21).
 * The task frames' numbers are bounded where they are decoded: out of range is ``wrong_type``
   naming the field, whatever the task's state, never taken and ignored (P18).
 * What a client names itself in its ``hello`` is logged short, and its token never (P19).
@@ -24,9 +26,11 @@ import trio
 from fake_pi.scenario import Text
 from runtime._errors import ReasonCode
 from runtime._journal._attachments import AttachmentStore
+from runtime._server import _serve
 from runtime._server._protocol import MAX_VALIDATION_TIMEOUT, TaskControl, decode_client_frame
 from runtime._tasks._guards import MAX_GRANT_EPOCHS, MAX_GRANT_SECONDS
 from runtime._tasks._state import MAX_VALIDATION_TIMEOUT as TASKS_MAX_VALIDATION_TIMEOUT
+from runtime._wire import DeliveryResult, fit_result
 
 from .._wire import message
 from .test_serve import LIMIT, error, rig, still_usable
@@ -61,14 +65,23 @@ def _events(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRec
 
 
 async def test_p17_a_result_that_cannot_be_prepared_is_sent_marked_and_the_next_ones_follow(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """P17: the reply with a picture whose check raises comes as ``failed`` with
-    ``server_fault``, its seq and ids, no text, no attachments; the next delivery's result
-    follows on the same connection, and the connection stays usable; a duplicate of the first
-    delivery gets the same marked result; a client that reconnects without acknowledging gets
-    both again, the same, in order; the fault is logged once with its traceback, not at every
-    send. Before, the connection closed at the first result and at every reconnect."""
+    """P17, P21's last rung: the reply with a picture whose check raises, and whose frame
+    cannot be fitted either (so not even its words can go out, P21), comes as ``failed``
+    with ``server_fault``, its seq and ids, no text, no attachments; the next delivery's
+    result follows on the same connection, and the connection stays usable; a duplicate of
+    the first delivery gets the same marked result; a client that reconnects without
+    acknowledging gets both again, the same, in order; the fault is logged once with its
+    traceback (both faults), not at every send. Before, the connection closed at the first
+    result and at every reconnect."""
+
+    def fit_raises(result: DeliveryResult, max_frame_bytes: int) -> DeliveryResult:
+        if result.delivery_id == "d1":
+            raise RuntimeError("injected: fitting the frame failed")
+        return fit_result(result, max_frame_bytes)
+
+    monkeypatch.setattr(_serve, "fit_result", fit_raises)
     with trio.fail_after(LIMIT):
         async with rig(tmp_path, SETTINGS, [*steps(), Text(text="after")]) as r:
             r.server.attachments = _CheckRaises(r.server.attachments.root)
@@ -106,7 +119,11 @@ async def test_p17_a_result_that_cannot_be_prepared_is_sent_marked_and_the_next_
     (logged,) = _events(caplog, "result_unsendable")
     assert logged.levelno == logging.ERROR
     assert logged.exc_info is not None
-    assert "injected" in str(logged.exc_info[1])
+    fault = logged.exc_info[1]
+    assert "injected: fitting the frame failed" in str(fault)
+    assert fault is not None
+    assert "injected: the attachment check failed" in str(fault.__context__)
+    assert "as failed (server_fault)" in logged.getMessage()
     assert getattr(logged, "seq", None) == first["seq"]
     assert _events(caplog, "connection_failed") == []
 
