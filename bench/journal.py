@@ -209,6 +209,7 @@ CASES: Final = (
     Case("proto_token_1", "prototype: thread + run_sync_soon ack, 1 lane", "steps/s"),
     Case("proto_eventfd_1", "prototype: thread + per-log eventfd ack, 1 lane", "steps/s"),
     Case("proto_prealloc_1", "prototype: eventfd ack, fallocated log, 1 lane", "steps/s"),
+    Case("proto_prealloc_kept_1", "prototype: the same, one log kept all round", "steps/s"),
     Case("proto_inline_1", "prototype: inline fdatasync on Trio, 1 lane", "steps/s"),
     Case("proto_aio_1", "prototype: write on Trio + AIO fdatasync, 1 lane", "steps/s"),
     Case("handoff", "Trio->writer thread->Trio hand-off alone", "round trips/s"),
@@ -705,15 +706,20 @@ PREALLOCATED: Final = 1 << 20
 """The prototype's growth step: the file is ``fallocate``d this much ahead of its frames."""
 
 
-async def proto_prealloc_case(directory: Path, seconds: float) -> Sample:
+async def proto_prealloc_case(directory: Path, seconds: float, *, kept: bool = False) -> Sample:
     """As :func:`proto_eventfd_case`, into a file ``fallocate``d ahead in 1 MiB steps: each
     frame overwrites allocated space (``pwrite`` at the logical end), so its ``fdatasync``
     has no size change to commit — only each growth step has. The runtime does this for a
-    delivery's log since journal.md J19; this is the same with nothing around it."""
-    path = directory / "proto-prealloc.log"
-    path.unlink(missing_ok=True)
+    delivery's log since journal.md J19; this is the same with nothing around it.
+
+    A fresh file each slice; ``kept``: one file for the whole round, grown slice after slice
+    as the runtime case's one lane log is (a file's age may change what its syncs cost)."""
+    path = directory / ("proto-prealloc-kept.log" if kept else "proto-prealloc.log")
+    if not kept or not path.exists():
+        path.unlink(missing_ok=True)
+        _KEPT_ENDS.pop(path, None)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    end = allocated = 0
+    end, allocated = _KEPT_ENDS.get(path, (0, 0))
 
     def write(frame: bytes) -> None:
         nonlocal end, allocated
@@ -728,6 +734,12 @@ async def proto_prealloc_case(directory: Path, seconds: float) -> Sample:
         return await _eventfd_steps(seconds, write, "bench-proto-prealloc")
     finally:
         os.close(fd)
+        if kept:
+            _KEPT_ENDS[path] = (end, allocated)
+
+
+_KEPT_ENDS: Final[dict[Path, tuple[int, int]]] = {}
+"""A kept prototype log's frames' end and allocated length, from one slice to the next."""
 
 
 async def proto_inline_case(directory: Path, seconds: float) -> Sample:
@@ -769,6 +781,7 @@ PROTOTYPES: Final[dict[str, Callable[[Path, float], Awaitable[Sample]]]] = {
     "proto_token_1": proto_token_case,
     "proto_eventfd_1": proto_eventfd_case,
     "proto_prealloc_1": proto_prealloc_case,
+    "proto_prealloc_kept_1": partial(proto_prealloc_case, kept=True),
     "proto_inline_1": proto_inline_case,
     "proto_aio_1": proto_aio_case,
 }
@@ -1156,6 +1169,7 @@ VS_RAW: Final = (
     ("prototype: thread + run_sync_soon ack", "proto_token_1"),
     ("prototype: thread + per-log eventfd ack", "proto_eventfd_1"),
     ("prototype: the same into a fallocated log", "proto_prealloc_1"),
+    ("prototype: the same, one log kept all round", "proto_prealloc_kept_1"),
     ("prototype: inline fdatasync on Trio", "proto_inline_1"),
     ("prototype: write on Trio + AIO fdatasync", "proto_aio_1"),
 )
