@@ -19,6 +19,7 @@ configuration do (they live elsewhere).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any, Final
 
 import msgspec
@@ -494,6 +495,14 @@ Record = (
 
 RECORD_TYPES: Final[tuple[type[_Record], ...]] = Record.__args__
 KNOWN_TAGS: Final = frozenset(str(t.__struct_config__.tag) for t in RECORD_TYPES)
+
+
+def ends_at(records: Iterable[Record], ended_ms: int) -> bool:
+    """Whether a task lane log's ``records`` end with the end of the task that ended at
+    ``ended_ms`` (its last ``TaskEnded``): a later task under the id would follow it
+    (retention.md RT20)."""
+    ends = [r.ended_ms for r in records if isinstance(r, TaskEnded)]
+    return bool(ends) and ends[-1] == ended_ms
 
 
 def record_tag(record: Record) -> str:

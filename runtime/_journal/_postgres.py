@@ -58,7 +58,7 @@ import trio
 
 from .._clock import Backoff, Clocks
 from .._errors import DiskFailedError, JournalError, ReasonCode
-from .._records import SCHEMA_VERSION, Header, LogKind, Record
+from .._records import SCHEMA_VERSION, Header, LogKind, Record, ends_at
 from ._fence import Fence, Lease
 from ._frame import encode_frame
 from ._interface import JournalStore, LeaseStore, Log, SharedRows
@@ -689,7 +689,14 @@ class PgStore:
         already). Idempotent. A row of the lane held back still — an earlier task's under
         the same id, let go at its time and held back again by a raised ``forget_days`` or
         a clock set back — is this task's from now on: it counts from the later time (RT4,
-        RT19), never from the earlier task's end."""
+        RT19), never from the earlier task's end.
+
+        **Only this task's** (RT13, RT19 e): the lane log, read in the transaction under the
+        fence (its lease row locked for share: nothing claims the lane or writes to it until
+        the transaction ends), must be absent or end with this task's end (a ``TaskEnded``
+        at ``since_ms``); a log that holds another task under the id — a later one, the id
+        let go and submitted again while a host still remembers the earlier task, live or
+        ended — is left whole and nothing is recorded (``False``)."""
         subject = f"task:{task_id}"
         rel = self.lane_rel(subject)
         now = self.clocks.wall.time_ms()
@@ -698,6 +705,8 @@ class PgStore:
             with conn.transaction():
                 if conn.execute(FENCE_HOLDS, fence_params(fence)).fetchone() is None:
                     return False
+                if not _ends_at(read_rows(rel)(conn), rel, since_ms):
+                    return False  # another task's log under the id: not ours to expire
                 key = lane_key(subject)
                 conn.execute(FORGET_TASK, [key, now])
                 params = [key, task_id, since_ms, since_ms + forget_ms]
@@ -1059,3 +1068,14 @@ if TYPE_CHECKING:
 
     def _is_a_lease_store(store: PgStore) -> LeaseStore:
         return store
+
+
+def _ends_at(rows: tuple[list[tuple[int, bytes]], bytes | None], rel: str, ended_ms: int) -> bool:
+    """Whether the task lane log ``rel`` (its rows as :func:`read_rows` reads them) is absent
+    or holds the end of the task that ended at ``ended_ms`` (RT13, RT19 e)."""
+    frames, document = rows
+    if not frames:  # absent (expired already); a poison row alone goes with it, as before
+        return True
+    poison = None if document is None else decode_poison(document, path=rel, what="poison row")
+    contents = decode_rows(frames, rel=rel, kind=None, poison=poison)
+    return ends_at(contents.records, ended_ms)

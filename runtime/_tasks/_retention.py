@@ -46,13 +46,13 @@ import trio
 
 from .._clock import Clocks
 from .._config import RetentionConfig
-from .._errors import DiskFailedError, ReasonCode, TaskError
+from .._errors import DiskFailedError, JournalError, ReasonCode, TaskError
 from .._journal._interface import JournalStore, LeaseStore
 from .._journal._journal import LogContents
 from .._journal._store import Store, lane_key, open_store
 from .._journal._trash import discard_tree, sweep_trash
 from .._linux._fs import OsFileSystem
-from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted
+from .._records import Compacted, Header, Record, TaskEnded, TaskSubmitted, ends_at
 from .._retention import RetentionSettings, check_settings
 from ._candidate import CANDIDATE_REF_PREFIX, candidate_ref_lock
 from ._state import session_rel
@@ -346,22 +346,41 @@ async def retain_shared_tasks(
 
 async def shared_expired_tasks(
     store: LeaseStore, ended: Mapping[str, int], *, now_ms: int, retention: RetentionConfig
-) -> dict[str, int]:
+) -> dict[str, int | None]:
     """Which of the ended tasks ``ended`` (task id → its end's wall-clock ms) past
-    ``idempotency_days`` the database holds as expired by their own expiry (RT13, RT19), each
-    with the time its id is let go: the row held back **and** the task's lane log gone —
-    ``expire_task`` records the one and deletes the other in one transaction, asked in that
-    order so an expiry between the two looks is found. A row whose task's log is still there
-    is an earlier task's under the id, held back again (a raised ``forget_days``, a clock set
-    back) while no pass could claim this task's lane yet: the task is kept, ended, for a
-    later pass to expire — never forgotten with its log left in the database."""
+    ``idempotency_days`` are expired in the database by their own expiry (RT13, RT19), each
+    with the time its id is let go (``None``: let go already, nothing holds it here): its
+    lane log gone — ``expire_task`` records the row and deletes the log in one transaction
+    — with its key held in ``expired_tasks`` or not any more (past ``forget_days``, or
+    ``forget_days`` no longer than ``idempotency_days``: expired and let go at once); or its
+    lane log holding *another* task under the id (no end at this task's time: a later task,
+    the id let go and submitted again while this host still remembered this one) — let go,
+    ``None``: the id is that task's now, and a submission here is answered from the database.
+    The row is asked before the log, so an expiry between the two looks is found. A row
+    held while this task's own log is still there is an earlier task's under the id, held
+    back again (a raised ``forget_days``, a clock set back) while no pass could claim this
+    task's lane yet: the task is kept, ended, for a later pass to expire — never forgotten
+    with its log left in the database. A log that cannot be read keeps its task."""
     cut = now_ms - retention.idempotency_days * DAY_MS
     due = {_key(t): t for t, ended_ms in ended.items() if 0 < ended_ms <= cut}
-    expired: dict[str, int] = {}
-    for key, until in sorted((await store.expired_task_keys(list(due))).items()):
-        task_id = due[key]
-        if not await store.exists(store.lane_rel(lane_name(task_id))):
-            expired[task_id] = until
+    held = await store.expired_task_keys(list(due))
+    expired: dict[str, int | None] = {}
+    absent: list[str] = []
+    for key, task_id in sorted(due.items()):
+        rel = store.lane_rel(lane_name(task_id))
+        try:
+            records = (await store.read(rel)).records
+        except FileNotFoundError:
+            expired[task_id] = held.get(key)
+            absent.append(key)
+            continue
+        except JournalError:
+            continue  # damaged: kept (``journal verify`` reports it)
+        if not ends_at(records, ended[task_id]):
+            expired[task_id] = None  # another task's log under the id: this one let go
+    if any(expired[due[key]] is None for key in absent):  # expired since the row was asked
+        again = await store.expired_task_keys([k for k in absent if expired[due[k]] is None])
+        expired.update((due[key], until) for key, until in again.items())
     return expired
 
 

@@ -509,7 +509,10 @@ class TaskRunner:
         for task_id, until in gone.items():  # by their own expiry only (RT19)
             self.ended.pop(task_id, None)
             self._seen.forget(task_id)
-            self._expired_here[task_id] = until
+            if until is None:  # let go already (its id past forget_days, or a later task's)
+                self._expired_here.pop(task_id, None)
+            else:
+                self._expired_here[task_id] = until
             rel = store.lane_rel(lane_name(task_id))
             self._subjects.pop(rel, None)
             self._not_tasks.discard(rel)
