@@ -421,7 +421,63 @@ def repository(root: str) -> dict[str, str]:
             "or a linked worktree's .git file its gitdir names back): its objects and refs "
             "are not the task's to write",
         )
+    _no_way_out(git_dir, common)
     return {"GIT_DIR": git_dir, "GIT_COMMON_DIR": common}
+
+
+_NEVER_OPENED: Final = frozenset({"hooks"})
+"""What the runtime's git never opens in a repository (``core.hooksPath=/dev/null``, W-M6):
+it may be a symlink (a shared hooks directory) and is not looked into (W-M13)."""
+
+
+def _no_way_out(git_dir: str, common: str) -> None:
+    """W-M13: nothing in the repository leads the runtime's git out of it. The worker writes
+    its ``.git`` as it likes, and git follows a symlink in it: ``objects`` (or a fan-out
+    directory, ``objects/pack``) takes the objects the manifest and the candidate write,
+    ``refs/…`` the candidate's ref, an existing reflog is appended to (any file), and ``task
+    forget`` rewrites ``packed-refs`` and unlinks the reflog through one — all into another
+    repository or file. ``objects/info/alternates`` makes another repository's objects the
+    worker's: its commits a ``HEAD`` and the candidate's parent. So a symlink anywhere in the
+    git directory or the common directory (but :data:`_NEVER_OPENED`), or an ``alternates``
+    file, is ``worktree_unreadable``. Every directory is listed, never followed; a name's type
+    is the one the listing gives (no ``stat`` of each loose object)."""
+    code = ReasonCode.WORKTREE_UNREADABLE
+    tops = [common]
+    real = os.path.realpath(common)
+    if os.path.commonpath([os.path.realpath(git_dir), real]) != real:
+        tops.append(git_dir)  # a linked worktree's directory is under its common directory
+    for top in tops:
+        pending = [top]
+        while pending:
+            directory = pending.pop()
+            try:
+                with os.scandir(directory) as it:
+                    entries = list(it)
+            except OSError as error:
+                raise unreadable(directory, error) from None
+            for entry in entries:
+                if directory == top and entry.name in _NEVER_OPENED:
+                    continue
+                if entry.is_symlink():
+                    target = "?"
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(entry.path)
+                    raise WorktreeError(
+                        code,
+                        f"{entry.path} is a symlink, to {target}: the "
+                        "runtime's git would read and write through it, outside the "
+                        "worktree's repository",
+                    )
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    alternates = os.path.join(common, "objects", "info", "alternates")
+    if os.path.lexists(alternates):
+        raise WorktreeError(
+            code,
+            f"{alternates} exists: another repository's objects would be the worktree's, "
+            "its history the candidate's; a task's repository holds its own objects "
+            "(git repack -a -d, then remove the file)",
+        )
 
 
 def _git_manifest(root: str) -> Manifest:
