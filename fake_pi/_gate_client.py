@@ -14,7 +14,9 @@ with Pi's extension, every ``before`` names the call reported last (``follows``)
 refuses the call while that call's outcome is missing in its delivery and epoch
 (docs/design/gate.md T21). A ``/before`` is asked in a task of its own, so a call aborted while
 the gate decides it still reads the answer, and reports "Operation aborted" (what Fake-Pi's
-loop records) when the gate let it run (T23).
+loop records) when the gate let it run (T23). A ``/before`` that got no answer (the connection
+failed: the gate may have let it run) is reported the same way, with the result Fake-Pi
+records for the call, aborted or not (T24).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, Final
 import h11
 import msgspec
 import trio
+
+from runtime.worker_kit import RUNTIME_TOOLS
 
 from ._gate import TOOL_ABORTED_TEXT, GateDecision, Refused, Run, SavedResult, ToolCall, ToolResult
 
@@ -63,6 +67,13 @@ class GateClientError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+    @property
+    def unanswered(self) -> bool:
+        """Whether no answer the gate could have meant came (the connection failed, or a 200
+        whose body is not JSON): the gate may have acted on the request (T24). An answer that
+        is not 200 says it did not."""
+        return self.status is None or self.status == 200
 
 
 async def post_json(
@@ -159,14 +170,18 @@ class RuntimeGate:
         except trio.Cancelled:  # aborted while the gate decides: Fake-Pi records "aborted"
             if asked.done.is_set():
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
-                    await self._abandoned(call, asked.answer)
+                    await self._abandoned(call, asked)
             else:
                 asked.abandoned = trio.Event()
                 self._pending.append(asked.abandoned)
             raise
+        if asked.error is not None:  # fail closed: the tool does not run
+            refused = ToolResult.text(str(asked.error), is_error=True)
+            if self._reports(call, asked.error):  # T24: the gate may have let it run
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
+                    await self.after(call, refused)  # an abort meanwhile: still reported
+            return Refused(refused)
         try:
-            if asked.error is not None:
-                raise asked.error
             answer = asked.answer
             decision = answer.get("decision") if isinstance(answer, dict) else None
             if decision == "run":
@@ -194,19 +209,28 @@ class RuntimeGate:
         if asked.abandoned is not None:
             try:
                 with trio.move_on_after(_GRACE):
-                    await self._abandoned(call, asked.answer)
+                    await self._abandoned(call, asked)
             except Exception as error:  # a system task: nothing may escape it
                 print(f"fake-pi: the gate did not record {call.id}: {error!r}", file=sys.stderr)
             finally:
                 self._pending.remove(asked.abandoned)
                 asked.abandoned.set()
 
-    async def _abandoned(self, call: ToolCall, answer: Any) -> None:
-        """Report an aborted call's outcome if the gate let it run (T23): the error result
-        Fake-Pi's loop recorded for it (``run_tool_call``: "Operation aborted", the tool did not
-        start), so the journal holds what the model is told and the model request carrying it
-        passes the gateway's barrier (T11)."""
-        if isinstance(answer, dict) and answer.get("decision") == "run":
+    @staticmethod
+    def _reports(call: ToolCall, error: GateClientError) -> bool:
+        """Whether a call whose ``/before`` failed with ``error`` is reported (T24): when no
+        answer came, so the gate may have let it run — not for a runtime tool, whose outcome
+        is the gate's own (T10, T19)."""
+        return error.unanswered and call.name not in RUNTIME_TOOLS
+
+    async def _abandoned(self, call: ToolCall, asked: _Asked) -> None:
+        """Report an aborted call's outcome if the gate let it run (T23) — or may have: no
+        answer came (T24): the error result Fake-Pi's loop recorded for it (``run_tool_call``:
+        "Operation aborted", the tool did not start), so the journal holds what the model is
+        told and the model request carrying it passes the gateway's barrier (T11)."""
+        answer = asked.answer
+        let_run = isinstance(answer, dict) and answer.get("decision") == "run"
+        if let_run or (asked.error is not None and self._reports(call, asked.error)):
             aborted = ToolResult(
                 content=[{"type": "text", "text": TOOL_ABORTED_TEXT}], is_error=True, details={}
             )

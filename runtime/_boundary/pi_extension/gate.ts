@@ -18,7 +18,11 @@
  * the next delivery. An aborted call (Pi's abort: the user's, a signal's) has its outcome
  * reported as any other, the error result Pi records for it (T23): thrown by the tool while it
  * ran, or — aborted while the gate decided it — "aborted and did not run", reported once the
- * gate's answer says it was let run (the tool never starts after an abort).
+ * gate's answer says it was let run (the tool never starts after an abort). A call whose
+ * /before got no answer (the connection failed: the gate may have let it run) is reported the
+ * same way, with the error Pi records for it, aborted or not (T24): else the gate held it as
+ * running, and the model request carrying its result waited at the barrier until the
+ * delivery's end.
  *
  * The runtime's own tools (send_text_update, the lifecycle tools, the test tool `effect`) are
  * declared by the runtime in PI_RUNTIME_TOOLS (a JSON list of {name, description, parameters},
@@ -222,13 +226,18 @@ class GateLink {
 
 const link = new GateLink();
 
+/** A request that got no answer the gate could have meant (the connection failed, or a 200
+ * whose body is not JSON): the gate may have acted on it — a /before may have been let run
+ * (T24). An answer that is not 200 says the gate did not. */
+class Unanswered extends Error {}
+
 async function post(path: string, body: unknown): Promise<any> {
 	const data = Buffer.from(JSON.stringify(body), "utf8");
 	let answer: Answer;
 	try {
 		answer = await link.send(path, data);
 	} catch (error: any) {
-		throw new Error(`tool gate unreachable (gate_unreachable): ${error?.message ?? error}`);
+		throw new Unanswered(`tool gate unreachable (gate_unreachable): ${error?.message ?? error}`);
 	}
 	if (answer.status !== 200) {
 		throw new Error(`tool gate ${path}: HTTP ${answer.status}: ${answer.text}`);
@@ -236,9 +245,12 @@ async function post(path: string, body: unknown): Promise<any> {
 	try {
 		return JSON.parse(answer.text);
 	} catch (error: any) {
-		throw new Error(`tool gate ${path}: not JSON: ${error?.message ?? error}`);
+		throw new Unanswered(`tool gate ${path}: not JSON: ${error?.message ?? error}`);
 	}
 }
+
+/** The runtime tools registered here: their outcome is the gate's own, never reported (T19). */
+const RUNTIME_NAMES = new Set<string>();
 
 /** The last outcome reported (/after), once answered or failed; the next /before waits for
  * it (T11, T18). Never a rejection: a failed report is not kept here (T21). */
@@ -271,7 +283,12 @@ async function before(
 	await reported;
 	if (signal?.aborted) throw new Error(abortedText(body.name)); // nothing asked, nothing let run
 	const asked = post("/before", follows === undefined ? body : { ...body, follows });
-	if (signal === undefined) return asked;
+	if (signal === undefined) {
+		return asked.catch((error) => {
+			unanswered(error, body.tool_call_id, body.name, error?.message);
+			throw error;
+		});
+	}
 	return new Promise<any>((resolve, reject) => {
 		const aborted = () => {
 			// T23: Pi records this error as the call's result and goes on at once; the gate may
@@ -291,10 +308,24 @@ async function before(
 			},
 			(error) => {
 				signal.removeEventListener("abort", aborted);
+				// after an abort, abandon() reports what Pi recorded; else Pi records this error
+				if (!signal.aborted) unanswered(error, body.tool_call_id, body.name, error?.message);
 				reject(error);
 			},
 		);
 	});
+}
+
+/** A call whose /before got no answer (T24): the gate may have let it run (its intent durable
+ * first, T2) and holds it as running until its outcome is reported — the model request carrying
+ * its result waits for that at the barrier (T11). Its tool never started here: report the error
+ * result Pi records for it, as for a *run* (a call the gate did not let run is answered 409,
+ * which holds nothing back: T21). An answer that is not 200 let nothing run: nothing to report.
+ * Returns whether it reported. */
+function unanswered(error: unknown, toolCallId: string, name: string, text: string): boolean {
+	if (!(error instanceof Unanswered) || RUNTIME_NAMES.has(name)) return false; // T19: the gate's own
+	report({ tool_call_id: toolCallId, name, result: { content: [{ type: "text", text }], isError: true } });
+	return true;
 }
 
 /** The error a call aborted before its tool started ends with (Pi hands the model its text). */
@@ -302,8 +333,9 @@ function abortedText(name: string): string {
 	return `tool ${name} was aborted and did not run`;
 }
 
-/** A call abandoned while the gate decided it (T23): if the gate answers *run*, the outcome
- * reported is ``text``, the error result Pi recorded for it; the next /before waits for it. */
+/** A call abandoned while the gate decided it (T23): if the gate answers *run* — or no answer
+ * comes, so it may have (T24) — the outcome reported is ``text``, the error result Pi recorded
+ * for it; the next /before waits for it. */
 function abandon(asked: Promise<any>, toolCallId: string, name: string, text: string): void {
 	reported = asked.then(
 		(decision) => {
@@ -311,7 +343,9 @@ function abandon(asked: Promise<any>, toolCallId: string, name: string, text: st
 			report({ tool_call_id: toolCallId, name, result: { content: [{ type: "text", text }], isError: true } });
 			return reported;
 		},
-		() => undefined, // no answer: whether it was let run is unknown here ("possibly ran", T5)
+		// T24: no answer, so the gate may have let it run (an answer not 200 let nothing run);
+		// `reported` is this chain's own promise until unanswered() reports
+		(error) => (unanswered(error, toolCallId, name, text) ? reported : undefined),
 	);
 }
 
@@ -369,6 +403,7 @@ export default function (pi: ExtensionAPI) {
 		});
 	}
 	for (const tool of runtimeTools()) {
+		RUNTIME_NAMES.add(tool.name);
 		pi.registerTool({
 			name: tool.name,
 			label: tool.name,
