@@ -25,7 +25,6 @@ import dataclasses
 import errno
 import itertools
 import json
-import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -536,9 +535,10 @@ async def run_tool_call(
       :class:`~fake_pi._gate.SavedResult` returns its result verbatim (no execution, no ``after``);
       :class:`~fake_pi._gate.Refused` returns its result as an error (no execution, no ``after``).
 
-    Aborted (the caller's scope cancelled) while the gate decides: ``"Operation aborted"``, nothing
-    ran. Aborted while the tool runs: the tool's abort result, still reported to ``gate.after``
-    (shielded, for at most a few seconds). The caller's next checkpoint then raises Cancelled.
+    Aborted (the caller's scope cancelled) while the gate decides: ``"Operation aborted"``,
+    nothing ran. Aborted while the tool runs or its result is reported: the result (the tool's
+    abort result), still reported to ``gate.after`` whole (shielded, for at most a few
+    seconds). The caller's next checkpoint then raises Cancelled.
     """
     await trio.lowlevel.cancel_shielded_checkpoint()
     if tool is None:
@@ -556,9 +556,8 @@ async def run_tool_call(
     if isinstance(decision, Refused):
         return dataclasses.replace(decision.result, is_error=True)
     result = await tool.execute(call, ctx, on_update)
-    if trio.current_effective_deadline() == -math.inf:  # aborted: Pi still reports the result
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + _AFTER_GRACE):
-            await gate.after(call, result)
-    else:
+    # aborted before or while it is reported, Pi still reports the result (its report is a
+    # promise an abort does not stop, gate.md T23): shielded, for at most a few seconds
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + _AFTER_GRACE):
         await gate.after(call, result)
     return result

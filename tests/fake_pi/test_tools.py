@@ -486,6 +486,28 @@ async def test_abort_while_the_gate_decides_runs_nothing(ctx: ToolContext) -> No
     assert (ledger(ctx), gate.after_calls) == ([], [])
 
 
+async def test_an_abort_while_the_outcome_is_reported_still_reports_it(ctx: ToolContext) -> None:
+    """As Pi's extension (its report is a promise no abort stops, gate.md T23): a call that ran
+    to its end, aborted while its outcome is on its way to the gate, still has it reported,
+    whole — else the gate holds the call running (T11) and fails the next calls closed (T21).
+    Before, the report was cancelled half-way."""
+
+    class SlowReport(RecordingGate):
+        async def after(self, call: ToolCall, result: ToolResult) -> None:
+            abort.cancel()  # the turn is aborted while the report is on its way
+            await trio.lowlevel.checkpoint()
+            await super().after(call, result)
+
+    abort = trio.CancelScope()
+    gate = SlowReport()
+    with trio.fail_after(20), abort:
+        result = await run_tool_call(
+            TOOLS["effect"], ToolCall("c1", "effect", {"key": "k"}), ctx, gate
+        )
+    assert result.text_content == "effect k applied"
+    assert [(c.id, r.text_content) for c, r in gate.after_calls] == [("c1", "effect k applied")]
+
+
 # --- effect, send_text_update, lifecycle -------------------------------------------------------
 
 
