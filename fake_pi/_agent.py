@@ -303,6 +303,7 @@ class Agent:
         retry_attempt = 0
         produced: list[dict[str, Any]] = []
         continuing = False  # a later turn of this loop (not a retry): Pi may compact first
+        queued: str | None = None  # the queue ``inputs`` came from ("steering"/"followUp")
         await self.options.barriers.reach("agent_start")
         await self.emit({"type": "agent_start"})
         while True:
@@ -312,9 +313,17 @@ class Agent:
             await self.emit({"type": "turn_start"})
             if self.conversation.needs_system_message:
                 await self._record(self._system_message(), produced)
-            for message in inputs:
+            for index, message in enumerate(inputs):
+                if queued is not None:
+                    # Pi takes a delivered text off its queue at the message's own
+                    # message_start (after turn_start and any compaction) and prints
+                    # queue_update then: one per message, the rest of the batch still shown.
+                    later = [m["content"][0]["text"] for m in inputs[index + 1 :]]
+                    shown = {"steering": list(self.steering), "followUp": list(self.follow_up)}
+                    shown[queued] = later + shown[queued]
+                    await self.emit({"type": "queue_update", **shown})
                 await self._record(message, produced)
-            inputs = []
+            inputs, queued = [], None
             assistant = await self._call_model(produced)
             stop = assistant["stopReason"]
             if stop == "error":
@@ -326,6 +335,10 @@ class Agent:
                     await self.emit({"type": "agent_end", "messages": produced, "willRetry": True})
                     produced = []
                     await self._retry_wait(retry_attempt, message, assistant)
+                    # Pi retries with agent.continue(), whose loop polls the steering queue
+                    # before its first request: a steer queued before the retry (while the
+                    # request failed or Pi waited) goes into the retried request.
+                    inputs, queued = self._take_steering(), "steering"
                     await self.emit({"type": "agent_start"})
                     continue
                 await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
@@ -360,18 +373,21 @@ class Agent:
                 await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
                 raise _Aborted
             if self.steering:
-                taken = len(self.steering) if self.options.steering_mode == "all" else 1
-                texts, self.steering = self.steering[:taken], self.steering[taken:]
-                inputs = [user_message(text, time_ms=self._now()) for text in texts]
-                await self._queue_update()
+                inputs, queued = self._take_steering(), "steering"
             elif not calls and self.follow_up:
                 inputs = [user_message(self.follow_up.pop(0), time_ms=self._now())]
-                await self._queue_update()
+                queued = "followUp"
             elif not calls:
                 break
             continuing = True
         await self.emit({"type": "agent_end", "messages": produced, "willRetry": False})
         await self._compact_after_run(assistant)
+
+    def _take_steering(self) -> list[dict[str, Any]]:
+        """The queued steers for the next request (``steeringMode``: one, or all)."""
+        taken = len(self.steering) if self.options.steering_mode == "all" else 1
+        texts, self.steering = self.steering[:taken], self.steering[taken:]
+        return [user_message(text, time_ms=self._now()) for text in texts]
 
     # -- compaction (Pi's _checkCompaction / _runAutoCompaction) ---------------------
 

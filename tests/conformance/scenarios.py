@@ -147,6 +147,8 @@ class Scenario:
     check: Check
     files: tuple[tuple[str, str], ...] = ()
     """Files to create in the work directory first."""
+    retry_base_delay_ms: int = 50
+    """Pi's ``retry.baseDelayMs`` in the sandbox's ``settings.json``."""
 
 
 SCENARIO_TIMEOUT: Final = 60.0
@@ -154,7 +156,7 @@ SCENARIO_TIMEOUT: Final = 60.0
 
 async def run_scenario(scenario: Scenario, kind: WorkerKind, root: Path) -> Capture:
     """Run ``scenario`` on ``kind`` in a fresh sandbox under ``root``."""
-    sandbox = Sandbox.create(root)
+    sandbox = Sandbox.create(root, retry_base_delay_ms=scenario.retry_base_delay_ms)
     for name, text in scenario.files:
         (sandbox.work / name).write_text(text)
     with trio.fail_after(SCENARIO_TIMEOUT):
@@ -559,6 +561,109 @@ def _check_retry_500(capture: Capture) -> None:
     _eq((edit["targetId"], edit["replacement"]), (failed["id"], None), "context_edit", capture)
     (appended,) = capture.of_type("entry_appended")
     _eq(appended["entry"], edit, "entry_appended carries the context_edit", capture)
+
+
+RETRY_STEER_DELAY_MS: Final = 1000
+"""The retry wait of ``retry_steer``: the two steers are sent as soon as
+``auto_retry_start`` is printed and must be answered within it (checked)."""
+
+
+async def _retry_steer(run: Run) -> None:
+    async with run.launch() as worker:
+        since = worker.mark()
+        await worker.call({"type": "prompt", "message": "say something"}, limit=30)
+        await worker.wait_type("auto_retry_start", since=since)
+        for key, text in (("steer_1", "first steer"), ("steer_2", "second steer")):
+            run.facts[key] = await worker.call({"type": "steer", "message": text})
+        run.facts["requests_at_steers"] = len(run.model.requests)
+        await worker.settled(since=since)
+
+
+def _check_retry_steer(capture: Capture) -> None:
+    """Pi's auto-retry is ``agent.continue()``, whose loop polls the steering queue before
+    its first request: a steer queued while Pi waits to retry goes into the retried
+    request, after the failed request's messages (one steer: ``steeringMode``
+    one-at-a-time); the next one waits for the end of that turn."""
+    _eq(
+        capture.facts["requests_at_steers"],
+        1,
+        "both steers answered during the retry wait (if not, the machine was too slow for "
+        f"the {RETRY_STEER_DELAY_MS} ms wait)",
+        capture,
+    )
+    for key in ("steer_1", "steer_2"):
+        _eq(capture.facts[key].get("data"), {"disposition": "queued"}, key, capture)
+    _settles(capture)
+    _eq(len(capture.requests), 3, "model requests", capture)
+    _eq(capture.conversation(0), [("user", "say something")], "failed request", capture)
+    _eq(
+        capture.conversation(1),
+        [("user", "say something"), ("user", "first steer")],
+        "the retried request carries the first steer after the prompt",
+        capture,
+    )
+    _eq(
+        capture.conversation(2),
+        [
+            ("user", "say something"),
+            ("user", "first steer"),
+            ("assistant", "recovered"),
+            ("user", "second steer"),
+        ],
+        "the second steer is the next turn's",
+        capture,
+    )
+    (end,) = capture.of_type("auto_retry_end")
+    _eq(end, {"type": "auto_retry_end", "success": True, "attempt": 1}, "retry end", capture)
+    _eq([r.get("willRetry") for r in capture.of_type("agent_end")], [True, False], "ends", capture)
+    _eq(len(capture.of_type("agent_start")), 2, "agent_start count", capture)
+    records = capture.records
+    at = next(
+        i
+        for i, r in enumerate(records)
+        if r.get("type") == "message_start" and _text(r["message"]) == "first steer"
+    )
+    retry_start = next(i for i, r in enumerate(records) if r.get("type") == "auto_retry_start")
+    _eq(
+        [r.get("type") for r in records[at - 3 : at]],
+        ["agent_start", "turn_start", "queue_update"],
+        "the retry run opens with the steer (queue_update just before its message_start)",
+        capture,
+    )
+    _expect(at > retry_start, "the steer is delivered after auto_retry_start", capture)
+    _eq(records[at - 1].get("steering"), ["second steer"], "queue at delivery", capture)
+    _eq(
+        [(r["steering"], r["followUp"]) for r in capture.of_type("queue_update")],
+        [
+            (["first steer"], []),
+            (["first steer", "second steer"], []),
+            (["second steer"], []),
+            ([], []),
+        ],
+        "queue updates",
+        capture,
+    )
+    roles = [
+        (e["message"]["role"], e["message"].get("stopReason"), _text(e["message"]))
+        if e["type"] == "message"
+        else (e["type"], None, None)
+        for e in capture.entries()
+        if e["type"] in ("message", "context_edit") and e.get("message", {}).get("role") != "system"
+    ]
+    _eq(
+        roles,
+        [
+            ("user", None, "say something"),
+            ("assistant", "error", ""),
+            ("context_edit", None, None),
+            ("user", None, "first steer"),
+            ("assistant", "stop", "recovered"),
+            ("user", None, "second steer"),
+            ("assistant", "stop", "second answer"),
+        ],
+        "session entries",
+        capture,
+    )
 
 
 USAGE_LIMIT_MESSAGE: Final = (
@@ -1018,6 +1123,17 @@ def _scenarios() -> dict[str, Scenario]:
             (HttpError(status=500, message="boom"), Text(text="recovered")),
             _prompt_once,
             _check_retry_500,
+        ),
+        Scenario(
+            "retry_steer",
+            (
+                HttpError(status=500, message="boom"),
+                Text(text="recovered"),
+                Text(text="second answer"),
+            ),
+            _retry_steer,
+            _check_retry_steer,
+            retry_base_delay_ms=RETRY_STEER_DELAY_MS,
         ),
         Scenario("usage_limit", (UsageLimit(),), _prompt_once, _check_usage_limit),
         Scenario(
