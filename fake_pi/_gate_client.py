@@ -16,7 +16,8 @@ refuses the call while that call's outcome is missing in its delivery and epoch
 the gate decides it still reads the answer, and reports "Operation aborted" (what Fake-Pi's
 loop records) when the gate let it run (T23). A ``/before`` that got no answer (the connection
 failed: the gate may have let it run) is reported the same way, with the result Fake-Pi
-records for the call, aborted or not (T24).
+records for the call, aborted or not (T24). A runtime tool's call, which the gate runs whatever
+the worker does, is not given up on an abort once asked: its answer is the call's result (T25).
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ class RuntimeGate:
         try:
             await asked.done.wait()
         except trio.Cancelled:  # aborted while the gate decides: Fake-Pi records "aborted"
+            if call.name in RUNTIME_TOOLS:
+                # T25: but a runtime tool is the gate's to run, and an abort cannot stop it
+                # there: its answer is the call's result, aborted or not, as with Pi
+                with trio.CancelScope(shield=True):
+                    await asked.done.wait()
+                return self._decision(asked)
             if asked.done.is_set():
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
                     await self._abandoned(call, asked)
@@ -181,6 +188,14 @@ class RuntimeGate:
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
                     await self.after(call, refused)  # an abort meanwhile: still reported
             return Refused(refused)
+        return self._decision(asked)
+
+    @staticmethod
+    def _decision(asked: _Asked) -> GateDecision:
+        """The decision ``asked``'s answer holds; a failed ``/before`` or a malformed answer
+        fails closed (the tool does not run)."""
+        if asked.error is not None:
+            return Refused(ToolResult.text(str(asked.error), is_error=True))
         try:
             answer = asked.answer
             decision = answer.get("decision") if isinstance(answer, dict) else None

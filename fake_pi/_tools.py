@@ -536,9 +536,11 @@ async def run_tool_call(
       :class:`~fake_pi._gate.Refused` returns its result as an error (no execution, no ``after``).
 
     Aborted (the caller's scope cancelled) while the gate decides: ``"Operation aborted"``,
-    nothing ran. Aborted while the tool runs or its result is reported: the result (the tool's
-    abort result), still reported to ``gate.after`` whole (shielded, for at most a few
-    seconds). The caller's next checkpoint then raises Cancelled.
+    nothing ran — but for a runtime tool once asked, whose result is the gate's answer
+    (the gate runs it whatever the worker does: gate.md T25). Aborted while the tool runs or
+    its result is reported: the result (the tool's abort result), still reported to
+    ``gate.after`` whole (shielded, for at most a few seconds). The caller's next checkpoint
+    then raises Cancelled.
     """
     await trio.lowlevel.cancel_shielded_checkpoint()
     if tool is None:

@@ -22,7 +22,8 @@
  * /before got no answer (the connection failed: the gate may have let it run) is reported the
  * same way, with the error Pi records for it, aborted or not (T24): else the gate held it as
  * running, and the model request carrying its result waited at the barrier until the
- * delivery's end.
+ * delivery's end. A runtime tool's call is not given up on an abort once asked: the gate runs
+ * it whatever the worker does, so its answer is awaited and is the call's result (T25).
  *
  * The runtime's own tools (send_text_update, the lifecycle tools, the test tool `effect`) are
  * declared by the runtime in PI_RUNTIME_TOOLS (a JSON list of {name, description, parameters},
@@ -283,7 +284,9 @@ async function before(
 	await reported;
 	if (signal?.aborted) throw new Error(abortedText(body.name)); // nothing asked, nothing let run
 	const asked = post("/before", follows === undefined ? body : { ...body, follows });
-	if (signal === undefined) {
+	// T25: a runtime tool is the gate's to run, and an abort cannot stop it there: the call
+	// waits for the gate's answer, aborted or not, and Pi hands the model what the gate did
+	if (signal === undefined || RUNTIME_NAMES.has(body.name)) {
 		return asked.catch((error) => {
 			unanswered(error, body.tool_call_id, body.name, error?.message);
 			throw error;
