@@ -994,6 +994,7 @@ class Lane:
             assert boundaries is not None
             turn = Turn(self.host, self.room, pending, live.rpc, log, outside=nursery)
             turn.replay_upto = boundaries.steps.last_answered
+            turn.answered_upto = lambda: boundaries.steps.last_answered
             self._running = turn
             boundaries.on_request = turn.on_request
             try:

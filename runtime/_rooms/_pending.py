@@ -45,5 +45,13 @@ class Absorbed:
     pending: Pending
     text: str
     first_step: int | None = None
+    after: int = -1
+    """The last step the journal answered before :attr:`first_step` (-1: none): a replay
+    sends the steer again once it has asked that step, or right after the prompt when there
+    is none (L26). Not always ``first_step - 1``: a request Pi retried with the steer added
+    (pi-observed §12) is a step of its own, and the failed one's step has no answer."""
     sent: bool = False
     """Steered into the current attempt's worker."""
+    held: bool = False
+    """The current attempt's run holds it: one of its requests carried it, or its replay was
+    answered from the journal at :attr:`first_step` or later (L26)."""

@@ -112,6 +112,9 @@ class Turn:
         seen before the crash is sent again only once that step is answered (L10)."""
         self._asked_upto = -1
         """The highest step whose request :meth:`on_request` saw in this attempt."""
+        self.answered_upto: Callable[[], int] = lambda: -1
+        """The last step the journal answers now (the lane's step journal): read when a
+        request first carries a steer, to know what a replay must ask before re-sending it."""
 
     def _now(self) -> float:
         return self.host.clocks.silence.read().boottime
@@ -122,7 +125,7 @@ class Turn:
         self._first_token = False
         self.watch.event(self._now())
         for item in self.pending.absorbed:
-            item.sent = False
+            item.sent = item.held = False
         died: RpcError | None = None
         settled = False
         try:
@@ -140,7 +143,7 @@ class Turn:
                     async with self.steer_lock:
                         self.steerable = True
                         for item in self.pending.absorbed:
-                            if item.first_step is None and self.replay_upto < 0:  # never seen
+                            if self._send_after_prompt(item):
                                 await self.send_steer(item)
                     async for event in rpc:
                         self.watch.event(self._now())
@@ -192,6 +195,15 @@ class Turn:
             return TurnEnd(outcome=Outcome.CANCELLED, text=None, code=None)
         return TurnEnd(outcome=Outcome.FAILED, code=ReasonCode.TURN_STALLED)
 
+    def _send_after_prompt(self, item: Absorbed) -> bool:
+        """Whether ``item`` is sent right after the prompt: never seen and no replay, or seen
+        at a step no answered step precedes (L10, L26) — so the first request carries it, as
+        it did the first time (a retried request that took it is a step of its own, the failed
+        one's step never answered)."""
+        if item.first_step is None:
+            return self.replay_upto < 0
+        return item.after < 0
+
     @property
     def caught_up(self) -> bool:
         """Whether a steer may be sent now: no replay, or the replay has reached its last
@@ -208,33 +220,62 @@ class Turn:
 
     async def on_request(self, body: dict[str, Any], step: int, replayed: bool) -> None:
         """Before each model request is answered: a steer first carried here is recorded as
-        seen at ``step`` (L10, L24); on a replay, a steer first seen at the next step is sent
-        again now, so the next request is the same as the first time (docs/design/recovery.md).
+        seen at ``step`` (L10, L24), after the last step the journal answered before it; on a
+        replay, a steer seen after this step — no answered step between — is sent again now,
+        so the next request is the same as the first time (docs/design/recovery.md, L26).
         ``body`` is read, never changed."""
         self._asked_upto = max(self._asked_upto, step)  # (a steer arriving now may be sent)
+        if replayed:  # the journal's request here is this one: it holds what it carried
+            for item in self.pending.absorbed:
+                if item.first_step is not None and item.first_step <= step:
+                    item.held = True
         for item in self._carried(body, step):
+            item.held = True
+            if item.first_step == step:  # the same request asked again (its answer was lost)
+                continue
+            answered = self.answered_upto()
             item.first_step = step
+            item.after = answered if answered < step else step - 1
             await self.log.append(
                 AbsorbedInput(delivery_id=item.pending.delivery_id, text=item.text, first_step=step)
             )
         if not replayed:
+            await self._left_behind()
             return
         for item in self.pending.absorbed:
             if item.sent:
                 continue
-            if item.first_step == step + 1 or (
+            if (item.first_step is not None and item.after == step) or (
                 item.first_step is None and step >= self.replay_upto
-            ):  # seen at the next step, or never seen: after the last answered step
+            ):  # seen right after this answered step, or never seen: after the last one
+                await self.send_steer(item)
+
+    async def _left_behind(self) -> None:
+        """L26: a request the journal does not answer, asked while a steer seen before is not
+        held by this attempt's run — the replay could not ask again the request that carried
+        it (Pi's retry took it, pi-observed §12; the failed request is asked instead): that
+        request is answered without it, so its recorded step holds no more. It is not seen
+        (recorded so, for a restart) and sent now if it was not: a later request that carries
+        it records it there, else it runs as its own turn — never ``absorbed`` into an
+        answer whose model did not see it."""
+        for item in self.pending.absorbed:
+            if item.first_step is None or item.held:
+                continue
+            item.first_step, item.after = None, -1
+            await self.log.append(
+                AbsorbedInput(delivery_id=item.pending.delivery_id, text=item.text, first_step=None)
+            )
+            if not item.sent:
                 await self.send_steer(item)
 
     def _carried(self, body: dict[str, Any], step: int) -> list[Absorbed]:
         """The steers this request is the first to carry (L24): each one sent to this attempt's
-        worker and not yet seen whose text is a whole user message *new* in it — one of the
-        user messages after its last other message (the worker adds a burst's steers right
-        before it asks), and at step 0 only those after the turn's own prompt. The room's
-        history may hold the same text (the same chat message delivered again, or quoted):
-        that is no proof the model saw this steer. Same texts are counted, not merged."""
-        waiting = [i for i in self.pending.absorbed if i.first_step is None and i.sent]
+        worker and not yet held by its run (L26) whose text is a whole user message *new* in
+        it — one of the user messages after its last other message (the worker adds a burst's
+        steers right before it asks), and at step 0 only those after the turn's own prompt. The
+        room's history may hold the same text (the same chat message delivered again, or
+        quoted): that is no proof the model saw this steer. Same texts are counted, not merged."""
+        waiting = [i for i in self.pending.absorbed if not i.held and i.sent]
         if not waiting:
             return []
         new = _trailing_user_texts(body)

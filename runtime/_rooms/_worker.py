@@ -90,6 +90,7 @@ from .._records import (
     EpochFenced,
     EpochLaunching,
     EpochStarted,
+    ModelResponse,
     Outcome,
     Parked,
     Record,
@@ -136,6 +137,10 @@ Known = tuple[str, str]
 """A delivery this host knows was admitted: ``(its request fingerprint, its room)``. A plain
 tuple of two strings, one per delivery admitted: the collector stops tracking an exact tuple
 of untracked values at its first pass (not a NamedTuple, which it always tracks)."""
+
+_Steered = tuple[str, str, int | None, int]
+"""A delivery steered into an owner, as recovery reads it (L10): ``(the owner, its text, the
+step that first carried it or None, the last step answered before that one or -1, L26)``."""
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -1033,7 +1038,7 @@ class RoomWorker:
             if owner is not None and owner_id is not None and owner_id[0] in replaying:
                 self._pending[record.delivery_id] = pending  # it rides its owner's replay
                 pending.absorbed_into = owner.delivery_id
-                lane.ride(owner, Absorbed(pending, owner_id[1], owner_id[2]))
+                lane.ride(owner, Absorbed(pending, owner_id[1], owner_id[2], owner_id[3]))
                 continue
             replaying.add(record.delivery_id)  # an owner refused or cancelled: its own turn
             self._enqueue(lane, pending)
@@ -1056,7 +1061,7 @@ class RoomWorker:
         self,
         record: Admission,
         cancels: Collection[str],
-        steered: Mapping[str, tuple[str, str, int | None]],
+        steered: Mapping[str, _Steered],
     ) -> _Recovered:
         """How recovery takes up ``record`` on what is known now (no I/O): refused for what
         changed (L11), or cancelled — by `pi-runtime cancel` while no server ran, or by
@@ -1083,9 +1088,7 @@ class RoomWorker:
                 owners.append(last.absorbed_into or last.delivery_id)
         return owners
 
-    def _absorbed_at_recovery(
-        self, lane: Lane, pending: Pending, owner: tuple[str, str, int | None]
-    ) -> bool:
+    def _absorbed_at_recovery(self, lane: Lane, pending: Pending, owner: _Steered) -> bool:
         """A steered delivery whose owner's result is already durable ends as it would have
         (L10): ``absorbed`` when a model request carried it and the owner answered; else it
         runs as its own turn (False)."""
@@ -1344,14 +1347,21 @@ class RoomWorker:
                 extra=fields("attachments_swept"),
             )
 
-    async def _steered(self, owners: list[str]) -> dict[str, tuple[str, str, int | None]]:
-        """For each delivery steered into one of ``owners``: (owner, text, first step), from
-        the owners' logs (only deliveries whose turn started have one)."""
-        found: dict[str, tuple[str, str, int | None]] = {}
+    async def _steered(self, owners: list[str]) -> dict[str, _Steered]:
+        """For each delivery steered into one of ``owners``: (owner, text, first step, the
+        last step answered before it — L26), from the owners' logs (only deliveries whose
+        turn started have one)."""
+        found: dict[str, _Steered] = {}
         for owner in owners:
-            for record in await self._log_records(owner):
+            records = await self._log_records(owner)
+            answered = {r.step for r in records if isinstance(r, ModelResponse)}
+            for record in records:
                 if isinstance(record, AbsorbedInput):
-                    found[record.delivery_id] = (owner, record.text, record.first_step)
+                    first = record.first_step
+                    after = (
+                        -1 if first is None else max((s for s in answered if s < first), default=-1)
+                    )
+                    found[record.delivery_id] = (owner, record.text, first, after)
         return found
 
     async def _recorded_result(self, delivery_id: str) -> bool:

@@ -171,16 +171,20 @@ async def test_l10_l24_a_steer_held_by_a_replay_is_not_carried_by_its_text_in_th
 async def test_l10_l24_a_retried_request_that_did_not_carry_a_steer_is_not_its_first_step(
     same: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """L10, L24: d2 — whose prompt the room's history already holds — is steered into d1 while
-    d1's first request is in flight; that request fails (500) and the worker asks it again
-    (Pi retries in-process, its steering queue untouched), so the retried step 0 does not
-    carry d2; step 1, after the tool round, does, and is recorded as d2's first step. Then
+    """L10, L24, L26: d1's first request fails (500) and Pi retries it. d2 — whose prompt the
+    room's history already holds — is steered into d1 while the *retried* request is in
+    flight: Pi polled its steering queue before asking it (pi-observed §12), so the retry is
+    the failed request again (the same step 0) and does not carry d2 — its text is there only
+    as history; step 1, after the tool round, does, and is recorded as d2's first step. Then
     d1's worker is killed in step 1's tool and the turn is replayed: d2 is re-sent while step
     0 is answered from the journal, the replayed step 1 is the journal's, and d1 answers with
-    d2 absorbed. (Before, the retried step 0 was taken as carrying d2: the replay did not
-    re-send it before step 1, whose request then differed from the journal's — d1 ended
-    ``recovery_refused:replay``.)"""
+    d2 absorbed — a request of the answering run carried it. (A steer queued *before* the
+    retry is carried by the retried request itself: tests/rooms/test_steer_retry_carry.py.
+    Before, this test steered d2 while the first request was in flight, on the belief that
+    Pi's retry leaves its steering queue untouched; Pi's retry takes it, so that scenario
+    checked nothing of its name — and passed on an answer whose model never saw d2.)"""
     first, steer = SAME[same]
+    text = rendered(steer["text"], steer["message_id"])
     started, _release, waiting = waiting_bash(tmp_path)
     steps: list[Step] = [
         Text(text="noted"),  # d0
@@ -191,12 +195,15 @@ async def test_l10_l24_a_retried_request_that_did_not_carry_a_steer_is_not_its_f
         Text(text="never asked"),
     ]
     steered: list[str] = []
+    asked: list[int] = []
     on_request = Turn.on_request
 
     async def steering(self: Turn, body: dict[str, Any], step: int, replayed: bool) -> None:
         await on_request(self, body, step, replayed)
-        if self.pending.delivery_id == "d1" and step == 0 and not steered:
-            steered.append((await worker.deliver(steer)).disposition)
+        if self.pending.delivery_id == "d1":
+            asked.append(step)
+            if asked == [0, 0]:  # the retried request, in flight
+                steered.append((await worker.deliver(steer)).disposition)
 
     monkeypatch.setattr(Turn, "on_request", steering)
     with trio.fail_after(LIMIT):
@@ -217,7 +224,13 @@ async def test_l10_l24_a_retried_request_that_did_not_carry_a_steer_is_not_its_f
         ("d1", Outcome.REPLY, None, "final answer", None),
         ("d2", Outcome.ABSORBED, None, None, "d1"),
     ]
+    bodies = [r.body for r in model.requests]
+    assert bodies[2] == bodies[1]  # the retry is the failed request again: it lacks d2
+    before = user_texts(bodies[2]).count(text)  # d2's text there only as the history's
+    assert user_texts(bodies[3]).count(text) == before + 1  # step 1 carries d2
+    assert user_texts(bodies[4]).count(text) == before + 1  # and so does the answered one
     assert recorded == [None, 1]  # step 1 carried it first, not the retried step 0
+    assert asked[:3] == [0, 0, 1]
     assert sum(isinstance(r, StepAbandoned) for r in d1_log.records) == 1  # one replay
     assert model.request_count == 5  # d0; step 0 twice (the 500), step 1; replayed: step 2
 
