@@ -174,7 +174,7 @@ class RuntimeGate:
                 # there: its answer is the call's result, aborted or not, as with Pi
                 with trio.CancelScope(shield=True):
                     await asked.done.wait()
-                return self._decision(asked)
+                return self._decision(call, asked)
             if asked.done.is_set():
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
                     await self._abandoned(call, asked)
@@ -183,19 +183,19 @@ class RuntimeGate:
                 self._pending.append(asked.abandoned)
             raise
         if asked.error is not None:  # fail closed: the tool does not run
-            refused = ToolResult.text(str(asked.error), is_error=True)
+            refused = ToolResult.text(_failed(call, asked.error), is_error=True)
             if self._reports(call, asked.error):  # T24: the gate may have let it run
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + _GRACE):
                     await self.after(call, refused)  # an abort meanwhile: still reported
             return Refused(refused)
-        return self._decision(asked)
+        return self._decision(call, asked)
 
     @staticmethod
-    def _decision(asked: _Asked) -> GateDecision:
+    def _decision(call: ToolCall, asked: _Asked) -> GateDecision:
         """The decision ``asked``'s answer holds; a failed ``/before`` or a malformed answer
         fails closed (the tool does not run)."""
         if asked.error is not None:
-            return Refused(ToolResult.text(str(asked.error), is_error=True))
+            return Refused(ToolResult.text(_failed(call, asked.error), is_error=True))
         try:
             answer = asked.answer
             decision = answer.get("decision") if isinstance(answer, dict) else None
@@ -261,6 +261,19 @@ class RuntimeGate:
             await self._post("/after", body)
         except GateClientError as error:
             print(f"fake-pi: the tool gate did not record {call.id}: {error}", file=sys.stderr)
+
+
+def _failed(call: ToolCall, error: GateClientError) -> str:
+    """What the model is told of a call whose ``/before`` failed: why — and, for a runtime tool
+    that got no answer, that it may have run (T26): the gate runs it inside ``/before``, so an
+    answer lost after the gate acted leaves its effect done (Pi's extension says the same)."""
+    if error.unanswered and call.name in RUNTIME_TOOLS:
+        return f"{error}; {POSSIBLY_RAN.format(name=call.name)}"
+    return str(error)
+
+
+POSSIBLY_RAN: Final = "{name} may have run in the runtime (possibly ran): inspect before repeating"
+"""T26's words, as Pi's extension writes them (``gate.ts``)."""
 
 
 def gate_from_environ(environ: MutableMapping[str, str]) -> RuntimeGate | None:

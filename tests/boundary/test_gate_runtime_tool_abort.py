@@ -42,6 +42,7 @@ from runtime._tasks._watchdog import Watchdog, WatchdogPolicy
 from .._workers import tool_messages
 from .test_boundary import DELIVERY, Lane, base_launch, lane, read_back
 from .test_gate_abort import HeldBefore
+from .test_gate_abort_hold import DroppedAnswer
 
 LIMIT: Final = 10.0
 PROCESS_LIMIT: Final = 90.0
@@ -171,3 +172,42 @@ async def test_t25_t10_a_runtime_tool_aborted_while_the_gate_runs_it_tells_the_m
     told = tool_messages(ln.model.requests[1].body)["c1"]
     assert told == _text(outcome.content)  # the model is told what the journal holds
     assert "aborted" not in told
+
+
+@pytest.mark.parametrize("kind", ["pi", "fake"])
+async def test_t26_a_runtime_tool_whose_answer_was_lost_is_told_it_possibly_ran(
+    kind: str, tmp_path: Path
+) -> None:
+    """T26, T24, T10: no abort — the gate runs the runtime tool (``effect``: the ledger's line
+    is written, its outcome recorded) but its answer never reaches the worker (the connection
+    drops). The call fails closed on the worker's side ("tool gate unreachable"), and the model
+    is told so — but now also that the tool may have run (``possibly ran``: inspect before
+    repeating), which is the truth: the effect happened once. (Before, the model was told only
+    that the gate was unreachable, as if nothing had happened, and would apply it again.)"""
+    steps: list[Step] = [
+        ToolCalls(calls=[Call(name="effect", arguments={"key": "k1"}, id="c1")]),
+        Text(text="after the lost answer"),
+    ]
+    with trio.fail_after(PROCESS_LIMIT):
+        async with lane(tmp_path, steps) as ln:
+            config = ln.config(("effect",))
+            launch = base_launch(kind, tmp_path)
+            async with open_boundaries(config, ln.log, key=delivery_key(DELIVERY), epoch=1) as b:
+                dropped = DroppedAnswer(b)
+                dropped.go.set()
+                async with (
+                    open_worker(b.launch(launch)) as worker,
+                    open_rpc_channel(worker.stdin, worker.stdout, stderr=worker.stderr_tail) as rpc,
+                ):
+                    prompted = await rpc.prompt("go")
+                    await dropped.answered.wait()
+                    assert b'"saved"' in dropped.kept.body  # the gate ran it: its result
+                    with trio.fail_after(LIMIT):
+                        settled = await rpc.wait_settled(prompted.settled_before)
+                    assert settled.record["aborted"] is False
+            records = await read_back(ln.store)
+    assert len(ln.ledger.entries()) == 1  # the effect happened, once
+    told = tool_messages(ln.model.requests[1].body)["c1"]
+    assert "possibly ran" in told, told  # after why the call failed on the worker's side
+    (outcome,) = [r for r in records if isinstance(r, ToolOutcome)]
+    assert _text(outcome.content) == "effect k1 applied"  # what the gate did, in the journal

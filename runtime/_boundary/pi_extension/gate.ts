@@ -289,6 +289,11 @@ async function before(
 	if (signal === undefined || RUNTIME_NAMES.has(body.name)) {
 		return asked.catch((error) => {
 			unanswered(error, body.tool_call_id, body.name, error?.message);
+			if (error instanceof Unanswered && RUNTIME_NAMES.has(body.name)) {
+				// T26: the gate runs a runtime tool inside /before: an answer lost after it acted
+				// leaves the effect done, and the model is told it may have run
+				throw new Error(`${error.message}; ${possiblyRan(body.name)}`);
+			}
 			throw error;
 		});
 	}
@@ -329,6 +334,11 @@ function unanswered(error: unknown, toolCallId: string, name: string, text: stri
 	if (!(error instanceof Unanswered) || RUNTIME_NAMES.has(name)) return false; // T19: the gate's own
 	report({ tool_call_id: toolCallId, name, result: { content: [{ type: "text", text }], isError: true } });
 	return true;
+}
+
+/** What the model is told, after why, of a runtime tool whose /before got no answer (T26). */
+function possiblyRan(name: string): string {
+	return `${name} may have run in the runtime (possibly ran): inspect before repeating`;
 }
 
 /** The error a call aborted before its tool started ends with (Pi hands the model its text). */
